@@ -1,0 +1,187 @@
+"""The `zbpp` command.
+
+    zbpp show zb-h1 -p 4 -m 8                   # ASCII timeline and summary
+    zbpp show zb-auto -p 8 -m 24 --f 18.5 --b 18.1 --w 9.3 --comm 0.6 --memory-limit 16
+    zbpp compare -p 8 -m 24                     # every schedule's bubble rate and peak memory
+    zbpp plot zb-v -p 4 -m 8 -o zbv.svg         # figure (needs matplotlib: pip install zbpp[viz])
+    zbpp trace zb-h1 -p 4 -m 8 -o plan.json     # Perfetto / chrome://tracing trace of the plan
+    zbpp demo                                   # train a small model on 4 CPU ranks
+
+`python -m zbpp ...` works the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from typing import Any, Sequence
+
+from .schedules import Costs, Memory, available, build, options_of, simulate, validate
+
+__all__ = ["main"]
+
+
+def _float_list(text: str) -> float | list[float]:
+    """'1.5' -> 1.5; '1,2,3' -> [1, 2, 3] (one value per stage)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = True) -> None:
+    if with_name:
+        parser.add_argument("name", help=f"schedule name ({', '.join(available())})")
+    parser.add_argument("-p", "--ranks", type=int, required=True, help="pipeline ranks")
+    parser.add_argument("-m", "--microbatches", type=int, required=True, help="microbatches per step")
+    parser.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved-1f1b)")
+    costs = parser.add_argument_group("costs (a number, or one per stage separated by commas)")
+    costs.add_argument("--f", type=_float_list, default=1.0, help="forward time (default 1)")
+    costs.add_argument("--b", type=_float_list, default=1.0, help="input-gradient time (default 1)")
+    costs.add_argument("--w", type=_float_list, default=1.0, help="weight-gradient time (default 1)")
+    costs.add_argument("--comm", type=float, default=0.0, help="time of one message between ranks (default 0)")
+    mem = parser.add_argument_group("memory (per stage and microbatch)")
+    mem.add_argument("--activation", type=_float_list, default=1.0, help="memory F allocates (default 1)")
+    mem.add_argument("--wgrad", type=_float_list, default=None,
+                     help="memory B keeps until W (default: 1/3 of --activation for split schedules)")
+    mem.add_argument("--memory-limit", type=float, default=None,
+                     help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto)")
+
+
+def _costs_memory(args: argparse.Namespace) -> tuple[Costs, Memory]:
+    costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm)
+    act = args.activation
+    if args.wgrad is not None:
+        wgrad = args.wgrad
+    elif isinstance(act, list):
+        wgrad = [a / 3 for a in act]
+    else:
+        wgrad = act / 3
+    return costs, Memory(activation=act, wgrad=wgrad)
+
+
+def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: Memory):
+    opts: dict[str, Any] = {}
+    takes = options_of(name)
+    if args.chunks is not None:
+        if "chunks" not in takes:
+            raise ValueError(f"schedule {name!r} does not take --chunks")
+        opts["chunks"] = args.chunks
+    if "costs" in takes:
+        opts["costs"] = costs
+    if "memory" in takes:
+        opts["memory"] = memory
+    if args.memory_limit is not None:
+        if "memory_limit" not in takes:
+            raise ValueError(f"schedule {name!r} does not take --memory-limit (only zb-auto and zbv-auto do)")
+        opts["memory_limit"] = args.memory_limit
+    return validate(build(name, num_ranks=args.ranks, num_microbatches=args.microbatches, **opts))
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from .viz.ascii import legend, render_ascii
+
+    costs, memory = _costs_memory(args)
+    sched = _build_from_args(args.name, args, costs, memory)
+    res = simulate(sched, costs, memory)
+    width = args.width or shutil.get_terminal_size((120, 24)).columns
+    print(render_ascii(res, width=width))
+    print(legend())
+    print()
+    print(f"schedule     {sched.name}  (ranks={sched.num_ranks}, stages={sched.num_stages}, microbatches={sched.num_microbatches})")
+    print(f"bubble rate  {res.bubble_rate:.4f}")
+    print(f"makespan     {res.makespan:g}   longest rank span {res.cost:g}   busiest rank {res.busy:g}")
+    print("peak memory  " + "  ".join(f"r{r}={v:.4g}" for r, v in enumerate(res.peak_memory)))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    costs, memory = _costs_memory(args)
+    rows = []
+    for name in available():
+        try:
+            sched = _build_from_args(name, args, costs, memory)
+        except ValueError as exc:  # e.g. a memory limit an auto schedule cannot meet
+            rows.append((name, None, str(exc)))
+            continue
+        rows.append((name, simulate(sched, costs, memory), ""))
+    print(f"ranks={args.ranks} microbatches={args.microbatches} f={args.f} b={args.b} w={args.w} comm={args.comm}")
+    print(f"{'schedule':<18} {'stages':>6} {'bubble':>8} {'span':>10} {'peak memory (max)':>18}  peak memory per rank")
+    for name, res, err in rows:
+        if res is None:
+            print(f"{name:<18} {'-':>6} {'-':>8} {'-':>10} {'-':>18}  {err}")
+            continue
+        peaks = " ".join(f"{v:.3g}" for v in res.peak_memory)
+        print(f"{name:<18} {res.schedule.num_stages:>6} {res.bubble_rate:>8.4f} {res.cost:>10.4g} "
+              f"{max(res.peak_memory):>18.4g}  {peaks}")
+    print("bubble = (longest rank span - busiest rank's work) / longest rank span")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .viz.cli import plot_command
+
+    return plot_command(args)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .viz.cli import trace_command
+
+    return trace_command(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zbpp", description="Zero-bubble pipeline parallelism for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    show = sub.add_parser("show", help="print a schedule as an ASCII timeline with its bubble rate and memory")
+    _add_schedule_args(show)
+    show.add_argument("--width", type=int, default=None, help="wrap at this many columns (default: terminal)")
+    show.set_defaults(func=_cmd_show)
+
+    compare = sub.add_parser("compare", help="bubble rate and peak memory of every schedule")
+    _add_schedule_args(compare, with_name=False)
+    compare.set_defaults(func=_cmd_compare)
+
+    plot = sub.add_parser("plot", help="draw a schedule (or a measured run) to an SVG or PNG file")
+    _add_schedule_args(plot)
+    plot.add_argument("-o", "--output", required=True, help="FILE.svg or FILE.png")
+    plot.add_argument("--measured", default=None, help="a trace JSON written by Pipeline(profile=True) to draw instead")
+    plot.set_defaults(func=_cmd_plot)
+
+    trace = sub.add_parser("trace", help="write a Perfetto/Chrome trace of the simulated schedule")
+    _add_schedule_args(trace)
+    trace.add_argument("-o", "--output", required=True, help="FILE.json")
+    trace.set_defaults(func=_cmd_trace)
+
+    demo = sub.add_parser("demo", help="train a small model with a zero-bubble schedule on CPU ranks")
+    demo.add_argument("--schedule", default="zb-v", help="schedule name (default zb-v)")
+    demo.add_argument("--ranks", type=int, default=4, help="pipeline ranks to spawn (default 4)")
+    demo.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad input: say what is wrong, no traceback
+        print(f"zbpp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The schedule IR: tasks (`Action`) and per-rank task orders (`Schedule`).
+
+Pure Python; never imports torch.
+
+>>> from zbpp.schedules.ir import Action, Kind
+>>> a = Action(Kind.B, stage=2, microbatch=5)
+>>> str(a)
+'B2.5'
+>>> Action.parse("B2.5") == a
+True
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+__all__ = ["Kind", "Action", "Schedule", "ScheduleError"]
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed or deadlocks. The message names the offending tasks."""
+
+
+class Kind(str, enum.Enum):
+    """What a task computes for one (stage, microbatch)."""
+
+    F = "F"  #: forward
+    B = "B"  #: backward for the input only (dgrad)
+    W = "W"  #: backward for the weights only (wgrad)
+    BW = "BW"  #: full backward (B and W at once)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ACTION_RE = re.compile(r"^(BW|F|B|W)(\d+)\.(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One task: `kind` of `stage` for `microbatch`. Its string form is ``"{kind}{stage}.{mb}"``."""
+
+    kind: Kind
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            object.__setattr__(self, "kind", Kind(self.kind))
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.stage}.{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """Inverse of `str(action)`, e.g. ``Action.parse("F0.3")``."""
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ValueError(f"cannot parse action {text!r}: expected e.g. 'F0.3', 'B1.0', 'W2.7' or 'BW0.1'")
+        kind, stage, mb = match.groups()
+        return cls(Kind(kind), int(stage), int(mb))
+
+
+def F(stage: int, microbatch: int) -> Action:
+    return Action(Kind.F, stage, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:
+    return Action(Kind.B, stage, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:
+    return Action(Kind.W, stage, microbatch)
+
+
+def BW(stage: int, microbatch: int) -> Action:
+    return Action(Kind.BW, stage, microbatch)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which rank runs which task, in which order.
+
+    Attributes:
+        num_ranks: pipeline ranks.
+        num_stages: model chunks; stage ``s`` lives on rank ``placement[s]``.
+        num_microbatches: microbatches per step.
+        placement: stage -> rank.
+        orders: for each rank, the tasks it runs, in order.
+        name: the generator that made it (informational).
+        overlap_pairs: pairs of tasks, adjacent on one rank, that a runtime may run concurrently
+            (DualPipe's overlapped forward/backward). Running them one after the other is correct.
+
+    >>> from zbpp.schedules import build
+    >>> s = build("1f1b", num_ranks=2, num_microbatches=2)
+    >>> [str(a) for a in s.orders[1]]
+    ['F1.0', 'BW1.0', 'F1.1', 'BW1.1']
+    """
+
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    orders: tuple[tuple[Action, ...], ...]
+    name: str = ""
+    overlap_pairs: tuple[tuple[Action, Action], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", tuple(self.placement))
+        object.__setattr__(self, "orders", tuple(tuple(o) for o in self.orders))
+        object.__setattr__(self, "overlap_pairs", tuple(tuple(p) for p in self.overlap_pairs))
+        if len(self.placement) != self.num_stages:
+            raise ScheduleError(f"placement has {len(self.placement)} entries for {self.num_stages} stages")
+        if len(self.orders) != self.num_ranks:
+            raise ScheduleError(f"orders has {len(self.orders)} rank lists for {self.num_ranks} ranks")
+        for s, r in enumerate(self.placement):
+            if not 0 <= r < self.num_ranks:
+                raise ScheduleError(f"stage {s} is placed on rank {r}, outside 0..{self.num_ranks - 1}")
+
+    # -- queries ------------------------------------------------------------------------------
+    def stages_on(self, rank: int) -> list[int]:
+        """The stages `rank` holds, in ascending stage order."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} outside 0..{self.num_ranks - 1}")
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def rank_of(self, stage: int) -> int:
+        return self.placement[stage]
+
+    def actions(self) -> Iterator[tuple[int, Action]]:
+        """Every (rank, action), rank by rank."""
+        for rank, order in enumerate(self.orders):
+            for action in order:
+                yield rank, action
+
+    @property
+    def num_tasks(self) -> int:
+        return sum(len(o) for o in self.orders)
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when some backward is split into B and W (a zero-bubble style schedule)."""
+        return any(a.kind is Kind.W for _, a in self.actions())
+
+    # -- text form ----------------------------------------------------------------------------
+    def to_text(self) -> str:
+        """A plain-text form, one line per rank, that `Schedule.from_text` reads back."""
+        lines = [
+            f"# zbpp schedule {self.name or 'custom'}",
+            f"ranks={self.num_ranks} stages={self.num_stages} microbatches={self.num_microbatches}",
+            "placement=" + ",".join(map(str, self.placement)),
+        ]
+        for rank, order in enumerate(self.orders):
+            lines.append(f"rank{rank}: " + " ".join(map(str, order)))
+        for a, b in self.overlap_pairs:
+            lines.append(f"overlap: {a} {b}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        """Read the form written by `to_text`."""
+        name = ""
+        header: dict[str, int] = {}
+        placement: list[int] = []
+        orders: dict[int, list[Action]] = {}
+        overlaps: list[tuple[Action, Action]] = []
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line:
+                continue
+            if line.startswith("# zbpp schedule"):
+                name = line.split()[-1]
+                continue
+            if line.startswith("#"):
+                continue
+            try:
+                if line.startswith("ranks="):
+                    header = {k: int(v) for k, v in (kv.split("=") for kv in line.split())}
+                elif line.startswith("placement="):
+                    placement = [int(x) for x in line.split("=", 1)[1].split(",")]
+                elif line.startswith("overlap:"):
+                    a, b = line.split(":", 1)[1].split()
+                    overlaps.append((Action.parse(a), Action.parse(b)))
+                elif line.startswith("rank"):
+                    head, _, body = line.partition(":")
+                    orders[int(head[4:])] = [Action.parse(t) for t in body.split()]
+                else:
+                    raise ValueError("unknown line")
+            except ValueError as exc:
+                raise ScheduleError(f"line {lineno}: {raw!r}: {exc}") from None
+        if not header:
+            raise ScheduleError("missing 'ranks=... stages=... microbatches=...' line")
+        p = header["ranks"]
+        return cls(
+            num_ranks=p,
+            num_stages=header["stages"],
+            num_microbatches=header["microbatches"],
+            placement=tuple(placement),
+            orders=tuple(tuple(orders.get(r, [])) for r in range(p)),
+            name="" if name == "custom" else name,
+            overlap_pairs=tuple(overlaps),
+        )
+
+
+def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
+    """Stage s on rank s % num_ranks (1F1B for chunks=1, interleaved otherwise)."""
+    return tuple(s % num_ranks for s in range(num_ranks * chunks))
+
+
+def v_placement(num_ranks: int) -> tuple[int, ...]:
+    """V shape: rank r holds stages r and 2p-1-r."""
+    p = num_ranks
+    return tuple(list(range(p)) + list(reversed(range(p))))
+
+
+def from_orders(
+    name: str,
+    placement: Sequence[int],
+    num_microbatches: int,
+    orders: Iterable[Iterable[Action]],
+    overlap_pairs: Iterable[tuple[Action, Action]] = (),
+) -> Schedule:
+    """Convenience constructor used by the generators."""
+    orders = tuple(tuple(o) for o in orders)
+    return Schedule(
+        num_ranks=len(orders),
+        num_stages=len(placement),
+        num_microbatches=num_microbatches,
+        placement=tuple(placement),
+        orders=orders,
+        name=name,
+        overlap_pairs=tuple(overlap_pairs),
+    )

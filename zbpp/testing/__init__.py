@@ -1,0 +1,1 @@
+"""zbpp.testing: run a test function on N ranks (see `zbpp.testing.distributed`)."""

@@ -1,0 +1,1 @@
+"""pytest plugin entry point (registered as `zbpp` in pytest11)."""
