@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import textwrap
 from typing import Any, Sequence
 
 from .schedules import Costs, Memory, available, build, options_of, simulate, validate
@@ -94,7 +95,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"schedule     {sched.name}  (ranks={sched.num_ranks}, stages={sched.num_stages}, microbatches={sched.num_microbatches})")
     print(f"bubble rate  {res.bubble_rate:.4f}")
     print(f"makespan     {res.makespan:g}   longest rank span {res.cost:g}   busiest rank {res.busy:g}")
-    print("peak memory  " + "  ".join(f"r{r}={v:.4g}" for r, v in enumerate(res.peak_memory)))
+    peaks = "  ".join(f"r{r}={v:.4g}" for r, v in enumerate(res.peak_memory))
+    print(textwrap.fill(peaks, width=max(40, width), initial_indent="peak memory  ", subsequent_indent=" " * 13))
     return 0
 
 

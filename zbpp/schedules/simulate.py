@@ -133,6 +133,14 @@ class SimResult:
         )
 
 
+def _raise_invalid(schedule: Schedule) -> None:
+    """Called when the fast path finds a problem: `validate` names it (missing task, cycle...)."""
+    from .dag import validate
+
+    validate(schedule)
+    raise ScheduleError("simulation stalled although the schedule validates (please report)")
+
+
 def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | None = None) -> SimResult:
     """Simulate `schedule` under `costs` (default unit F=B=W=1) and `memory` (default activation 1).
 
@@ -159,9 +167,16 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
             if not (0 <= s < n and 0 <= j < m):
                 raise ScheduleError(f"task {a}: stage or microbatch out of range (stages={n}, microbatches={m})")
             t = _KIND_INDEX[a.kind] * nm + s * m + j
+            if present[t] or placement[s] != len(orders):
+                _raise_invalid(schedule)
             present[t] = 1
             ids.append(t)
         orders.append(ids)
+    # every (stage, mb): one F, and either one BW or one B and one W
+    for sj in range(nm):
+        has_bw = present[3 * nm + sj]
+        if not present[sj] or has_bw == (present[nm + sj] or present[2 * nm + sj]) or present[nm + sj] != present[2 * nm + sj]:
+            _raise_invalid(schedule)
 
     def dgrad(s: int, j: int) -> int:
         t = nm + s * m + j  # B
@@ -224,10 +239,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
                 rank_mem[r] = mem
                 progressed = True
         if not progressed:
-            from .dag import validate
-
-            validate(schedule)  # raises with the missing task or the cycle
-            raise ScheduleError("simulation stalled although the schedule validates (please report)")
+            _raise_invalid(schedule)
 
     start_d: dict[Action, float] = {}
     end_d: dict[Action, float] = {}

@@ -1,0 +1,57 @@
+"""The `zbpp` command: show, compare, and errors for bad input (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from zbpp.cli import main
+from zbpp.schedules import available
+
+
+def test_show_prints_timeline_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", "zb-h1", "-p", "4", "-m", "8", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 4
+    # rank 0 starts with its 4 warm-up forwards, as ZB-H1 (1F1B order) prescribes
+    assert rows[0].split("|")[1].startswith("F0F1F2F3")
+    assert re.search(r"bubble rate\s+0\.1111", out)  # (27 - 24) / 27
+    assert "r0=4" in out and "r3=1" not in out
+
+
+def test_compare_lists_every_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "-p", "8", "-m", "24"]) == 0
+    out = capsys.readouterr().out
+    for name in available():
+        assert re.search(rf"^{re.escape(name)}\s", out, re.M), name
+    assert re.search(r"^zb-h2\s+8\s+0\.0000", out, re.M)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["show", "nope", "-p", "4", "-m", "8"], "unknown schedule 'nope'"),
+        (["show", "1f1b", "-p", "0", "-m", "8"], "num_ranks must be an integer >= 1"),
+        (["show", "1f1b", "-p", "4", "-m", "8", "--chunks", "2"], "does not take --chunks"),
+    ],
+)
+def test_bad_input_exits_2_with_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_dash_m_works() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "zbpp", "show", "1f1b", "-p", "2", "-m", "2"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "rank 1" in out and "bubble rate" in out
+
+
+def test_show_long_schedule_wraps_to_width(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", "1f1b", "-p", "32", "-m", "64", "--width", "100"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100

@@ -1,0 +1,42 @@
+"""The IR's string forms round-trip, and placement is as DESIGN.md says."""
+
+from __future__ import annotations
+
+import pytest
+
+from zbpp.schedules import Action, Kind, Schedule, ScheduleError, available, build
+from zbpp.schedules.ir import v_placement
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_action_string_round_trips(kind: Kind) -> None:
+    for stage, mb in [(0, 0), (3, 17), (63, 255)]:
+        a = Action(kind, stage, mb)
+        assert Action.parse(str(a)) == a
+    assert str(Action(Kind.BW, 2, 5)) == "BW2.5"
+
+
+@pytest.mark.parametrize("bad", ["", "X0.1", "F0", "F-1.2", "F1.2.3", "f0.1"])
+def test_action_parse_rejects_garbage(bad: str) -> None:
+    with pytest.raises(ValueError, match="cannot parse action"):
+        Action.parse(bad)
+
+
+@pytest.mark.parametrize("name", available())
+def test_schedule_text_round_trips(name: str) -> None:
+    sched = build(name, num_ranks=3, num_microbatches=5)
+    again = Schedule.from_text(sched.to_text())
+    assert again == sched
+
+
+def test_from_text_names_the_bad_line() -> None:
+    text = "ranks=1 stages=1 microbatches=1\nplacement=0\nrank0: F0.0 Q0.0\n"
+    with pytest.raises(ScheduleError, match=r"line 3: .*cannot parse action 'Q0.0'"):
+        Schedule.from_text(text)
+
+
+def test_placements() -> None:
+    assert build("1f1b", num_ranks=4, num_microbatches=4).stages_on(2) == [2]
+    inter = build("interleaved-1f1b", num_ranks=4, num_microbatches=4, chunks=3)
+    assert inter.stages_on(1) == [1, 5, 9]
+    assert v_placement(4) == (0, 1, 2, 3, 3, 2, 1, 0)

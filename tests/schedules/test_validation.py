@@ -1,0 +1,78 @@
+"""Validation errors name what is wrong: the missing or duplicated task, or the deadlock cycle."""
+
+from __future__ import annotations
+
+import pytest
+
+from zbpp.schedules import Action, Schedule, ScheduleError, build, simulate, validate
+from zbpp.schedules.ir import loop_placement
+
+
+def _sched(orders: list[list[str]], num_stages: int = 2, m: int = 1) -> Schedule:
+    return Schedule(
+        num_ranks=len(orders),
+        num_stages=num_stages,
+        num_microbatches=m,
+        placement=loop_placement(len(orders)),
+        orders=tuple(tuple(Action.parse(t) for t in o) for o in orders),
+    )
+
+
+def test_deadlock_is_reported_with_its_cycle() -> None:
+    # rank 0 waits for the gradient of microbatch 1 before sending microbatch 1's forward.
+    sched = _sched(
+        [["F0.0", "B0.1", "F0.1", "B0.0", "W0.0", "W0.1"], ["F1.0", "F1.1", "B1.1", "B1.0", "W1.0", "W1.1"]],
+        m=2,
+    )
+    with pytest.raises(ScheduleError) as err:
+        validate(sched)
+    msg = str(err.value)
+    assert "deadlock" in msg
+    # the cycle: B0.1 waits for B1.1, which waits for F1.1, which waits for F0.1, which rank 0 runs after B0.1
+    for task in ("B0.1@rank0", "F0.1@rank0", "F1.1@rank1", "B1.1@rank1"):
+        assert task in msg
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(sched)
+
+
+def test_missing_task_is_named() -> None:
+    sched = _sched([["F0.0", "B0.0"], ["F1.0", "B1.0", "W1.0"]])
+    with pytest.raises(ScheduleError, match=r"task W0\.0 is missing"):
+        validate(sched)
+    with pytest.raises(ScheduleError, match=r"task W0\.0 is missing"):
+        simulate(sched)
+
+
+def test_duplicated_task_is_named() -> None:
+    sched = _sched([["F0.0", "F0.0", "BW0.0"], ["F1.0", "BW1.0"]])
+    with pytest.raises(ScheduleError, match=r"task F0\.0 appears 2 times"):
+        validate(sched)
+
+
+def test_task_on_wrong_rank_is_named() -> None:
+    sched = _sched([["F0.0", "BW0.0", "F1.0"], ["BW1.0"]])
+    with pytest.raises(ScheduleError, match=r"task F1\.0 is on rank 0 but stage 1 is placed on rank 1"):
+        validate(sched)
+
+
+def test_b_and_bw_together_is_named() -> None:
+    sched = _sched([["F0.0", "B0.0", "BW0.0"], ["F1.0", "BW1.0"]])
+    with pytest.raises(ScheduleError, match=r"B0\.0 duplicates the work of BW0\.0"):
+        validate(sched)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(name="zb-h9", num_ranks=4, num_microbatches=8), "unknown schedule 'zb-h9'; available: gpipe"),
+        (dict(name="1f1b", num_ranks=0, num_microbatches=8), "num_ranks must be an integer >= 1"),
+        (dict(name="1f1b", num_ranks=4, num_microbatches=0), "num_microbatches must be an integer >= 1"),
+        (dict(name="1f1b", num_ranks=4, num_microbatches=8, chunks=2), "does not take option"),
+        (dict(name="interleaved-1f1b", num_ranks=4, num_microbatches=8, chunk=2), "it takes: chunks=2"),
+        (dict(name="interleaved-1f1b", num_ranks=4, num_microbatches=8, chunks=0), "chunks must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments_say_what_is_allowed(kwargs: dict, message: str) -> None:
+    name = kwargs.pop("name")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        build(name, **kwargs)

@@ -1,0 +1,25 @@
+"""README.md starts with the two commands a newcomer pastes, and CI runs the same test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _first_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```bash\n(.*?)\n```", text, re.S)[:2]
+
+
+def test_readme_opens_with_install_and_test_commands() -> None:
+    run_cmd, test_cmd = _first_commands()
+    assert "pip install ." in run_cmd and run_cmd.endswith("zbpp demo")
+    assert 'pip install ".[test]"' in test_cmd and "pytest" in test_cmd
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    _, test_cmd = _first_commands()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_cmd in ci.splitlines(), "the README's test command and .ci/run have drifted apart"
