@@ -13,6 +13,7 @@ from .dag import task_graph, validate
 from .ir import Action, Kind, Schedule, ScheduleError
 from .registry import available, build, options_of, register
 from .simulate import Costs, Memory, SimResult, simulate
+from .torch_csv import from_torch_csv, to_torch_csv
 
 __all__ = [
     "Action",
@@ -24,9 +25,11 @@ __all__ = [
     "SimResult",
     "available",
     "build",
+    "from_torch_csv",
     "options_of",
     "register",
     "simulate",
     "task_graph",
+    "to_torch_csv",
     "validate",
 ]
