@@ -13,7 +13,7 @@ F: +activation, B: -(activation - wgrad), W: -wgrad, BW: -activation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .ir import Action, Kind, Schedule, ScheduleError
 
@@ -68,6 +68,58 @@ class Costs:
         f, b, w = self.per_stage(num_stages)
         s = action.stage
         return {Kind.F: f[s], Kind.B: b[s], Kind.W: w[s], Kind.BW: b[s] + w[s]}[action.kind]
+
+    @classmethod
+    def from_profile(cls, records: Iterable[Mapping[str, Any]], num_stages: int, *, comm: float = 0.0) -> "Costs":
+        """Mean measured F, B and W time of each stage, from task records of a profiled run.
+
+        `records` are dicts ``{"action": "F0.3", "start": s, "end": e, ...}`` (as
+        ``Pipeline(profile=True)`` returns; times in seconds, so the costs are too). A full
+        backward (BW) record is split into B and W by this rule: in the ratio of the same
+        stage's mean measured B and W; if that stage has no split records, in the ratio pooled
+        over all stages that have them; with no split records at all, half and half (each linear
+        layer's dgrad and wgrad are one GEMM of the same size). `comm` is passed through: the
+        records hold compute only.
+
+        >>> recs = [{"action": "F0.0", "start": 0.0, "end": 1.0}, {"action": "BW0.0", "start": 1.0, "end": 4.0},
+        ...         {"action": "F1.0", "start": 1.0, "end": 2.0}, {"action": "B1.0", "start": 2.0, "end": 3.0},
+        ...         {"action": "W1.0", "start": 3.0, "end": 3.5}]
+        >>> Costs.from_profile(recs, 2)
+        Costs(f=(1.0, 1.0), b=(2.0, 1.0), w=(1.0, 0.5), comm=0.0)
+        """
+        samples = [[[] for _ in _KINDS] for _ in range(num_stages)]  # [stage][kind] -> durations
+        for rec in records:
+            try:
+                action = Action.parse(str(rec["action"]))
+                dur = float(rec["end"]) - float(rec["start"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"profile record {rec!r}: need 'action' (e.g. 'F0.3'), 'start' and 'end': {exc}") from None
+            if not 0 <= action.stage < num_stages:
+                raise ValueError(f"profile record {rec!r}: stage {action.stage} outside 0..{num_stages - 1}")
+            if dur < 0:
+                raise ValueError(f"profile record {rec!r}: ends before it starts")
+            samples[action.stage][_KIND_INDEX[action.kind]].append(dur)
+
+        def mean(xs: list[float]) -> float:
+            return sum(xs) / len(xs)
+
+        iF, iB, iW, iBW = (_KIND_INDEX[k] for k in _KINDS)
+        split = [(mean(s[iB]), mean(s[iW])) for s in samples if s[iB] and s[iW]]
+        pooled = sum(b for b, _ in split) / sum(b + w for b, w in split) if split and sum(b + w for b, w in split) > 0 else 0.5
+        f_out, b_out, w_out = [], [], []
+        for stage, s in enumerate(samples):
+            if not s[iF]:
+                raise ValueError(f"no F records for stage {stage}: cannot estimate its forward time")
+            own = mean(s[iB]) / (mean(s[iB]) + mean(s[iW])) if s[iB] and s[iW] and mean(s[iB]) + mean(s[iW]) > 0 else None
+            ratio = pooled if own is None else own
+            bs = s[iB] + [x * ratio for x in s[iBW]]
+            ws = s[iW] + [x * (1 - ratio) for x in s[iBW]]
+            if not bs or not ws:
+                raise ValueError(f"no {'B' if not bs else 'W'} or BW records for stage {stage}: cannot estimate its backward time")
+            f_out.append(mean(s[iF]))
+            b_out.append(mean(bs))
+            w_out.append(mean(ws))
+        return cls(f=tuple(f_out), b=tuple(b_out), w=tuple(w_out), comm=comm)
 
 
 @dataclass(frozen=True)
