@@ -165,7 +165,7 @@ def plot(
                 if w_pt >= 0.62 * fs * len(text) + 2:
                     dark = chunk_of[a.stage] % 2 == 1
                     ax.text(x((res.start[a] + res.end[a]) / 2), r + 0.5, text, ha="center", va="center",
-                            fontsize=fs, color="white" if dark else "#1a1a1a")
+                            fontsize=fs, color="white" if dark else "#1a1a1a", gid=f"label-{a}")
 
     peaks = res.peak_memory
     peak_text = f"peak memory {max(peaks):.4g}"

@@ -1,0 +1,141 @@
+"""SVG/PNG figures: one shape per task, bubbles drawn, title with bubble rate and peak memory.
+
+References: hand-worked timelines (1F1B, p=2, m=2) and DESIGN.md's numbers (ZB-H1, p=4, m=8:
+span 27 against 24 of work, so a bubble rate of 3/27 = 11.1%; peak memory [4, 10/3, 8/3, 2] at
+p=4 with wgrad = 1/3).
+"""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install zbpp[viz])")
+
+from zbpp import viz  # noqa: E402
+from zbpp.cli import main  # noqa: E402
+from zbpp.schedules import Costs, Memory, available, build, simulate  # noqa: E402
+from zbpp.viz.trace import write_trace  # noqa: E402
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _groups(svg_path) -> dict[str, int]:
+    """Shapes (path/use elements) in each group whose id marks tasks or idle time."""
+    root = ET.parse(svg_path).getroot()  # also proves the SVG is well-formed XML
+    out = {}
+    for g in root.iter(f"{SVG}g"):
+        gid = g.get("id", "")
+        if gid.startswith("tasks-") or gid == "idle":
+            out[gid] = sum(1 for e in g.iter() if e.tag in (f"{SVG}path", f"{SVG}use"))
+    return out
+
+
+def _texts(svg_path) -> list[str]:
+    root = ET.parse(svg_path).getroot()
+    return ["".join(t.itertext()) for t in root.iter(f"{SVG}text")]
+
+
+def _labels(svg_path) -> dict[str, str]:
+    """Task id -> the text drawn in its box."""
+    root = ET.parse(svg_path).getroot()
+    return {g.get("id")[len("label-"):]: "".join(g.itertext()).strip()
+            for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("label-")}
+
+
+CASES = [("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"chunks": 2}), ("zb-v", {}), ("dualpipe-v", {})]
+
+
+@pytest.mark.parametrize("name,opts", CASES)
+def test_svg_has_one_shape_per_task_in_its_kind_and_chunk_group(tmp_path, name, opts):
+    if name not in available():
+        pytest.skip(f"schedule {name!r} is not registered yet")
+    sched = build(name, num_ranks=4, num_microbatches=8, **opts)
+    path = tmp_path / "s.svg"
+    viz.plot(sched, Costs(1, 1, 1), path)
+    chunk = {s: i for r in range(4) for i, s in enumerate(sched.stages_on(r))}
+    expected = Counter(f"tasks-{a.kind.value}-chunk{chunk[a.stage]}" for _, a in sched.actions())
+    got = {k: v for k, v in _groups(path).items() if k.startswith("tasks-")}
+    assert got == dict(expected)
+    assert sum(got.values()) == sched.num_tasks
+
+
+def test_hand_worked_1f1b_bubbles_and_labels(tmp_path):
+    # 1F1B, p=2, m=2, unit costs:  rank 0: F0 F1 . . BW0 BW0 . BW1 BW1
+    #                               rank 1: . F0 BW0 BW0 F1 BW1 BW1 . .
+    # idle: rank 0 [2,4] and [6,7]; rank 1 [0,1] and [7,9]  -> 4 grey boxes
+    path = tmp_path / "h.svg"
+    viz.plot(build("1f1b", num_ranks=2, num_microbatches=2), Costs(1, 1, 1), path)  # BW = B + W = 2
+    assert _groups(path)["idle"] == 4
+    # every box is wide enough for its microbatch id
+    assert _labels(path) == {f"{k}{s}.{j}": str(j) for k in ("F", "BW") for s in (0, 1) for j in (0, 1)}
+
+
+def test_title_states_bubble_rate_and_peak_memory(tmp_path):
+    path = tmp_path / "t.svg"
+    viz.plot(build("zb-h1", num_ranks=4, num_microbatches=8), Costs(1, 1, 1), path, memory=Memory(1, 1 / 3))
+    title = next(t for t in _texts(path) if "bubble rate" in t)
+    assert "bubble rate 11.1%" in title  # (27 - 24) / 27
+    assert "peak memory 4 (4, 3.33, 2.67, 2)" in title
+
+
+def test_png_renders(tmp_path):
+    import matplotlib.image as mpimg
+
+    path = tmp_path / "z.png"
+    viz.plot(simulate(build("zb-h2", num_ranks=4, num_microbatches=8)), path=path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.shape[0] > 100 and img.shape[1] > 300
+    assert img.std() > 0.05  # not a blank canvas
+
+
+def test_plot_from_measured_records(tmp_path):
+    records = [
+        {"rank": 0, "action": "F0.0", "start": 0.000, "end": 0.010},
+        {"rank": 1, "action": "F1.0", "start": 0.011, "end": 0.021},
+        {"rank": 1, "action": "BW1.0", "start": 0.021, "end": 0.041},
+        {"rank": 0, "action": "BW0.0", "start": 0.042, "end": 0.062},
+    ]
+    path = tmp_path / "m.svg"
+    viz.plot(records, path=path)
+    texts = _texts(path)
+    assert any(t.startswith("measured") for t in texts)
+    assert "time (ms)" in texts
+    assert sum(v for k, v in _groups(path).items() if k.startswith("tasks-")) == 4
+
+
+def test_plot_refuses_unknown_extension(tmp_path):
+    with pytest.raises(ValueError, match=r"\.svg or \.png"):
+        viz.plot(build("1f1b", num_ranks=2, num_microbatches=2), path=tmp_path / "x.jpg")
+
+
+def test_missing_matplotlib_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install zbpp\[viz\]"):
+        viz.plot(build("1f1b", num_ranks=2, num_microbatches=2))
+
+
+def test_cli_plot_svg_and_png(tmp_path, capsys):
+    for ext in ("svg", "png"):
+        out = tmp_path / f"f.{ext}"
+        assert main(["plot", "zb-h1", "-p", "4", "-m", "8", "-o", str(out)]) == 0
+        assert out.stat().st_size > 1000
+    assert "bubble rate 0.1111" in capsys.readouterr().out
+
+
+def test_cli_plot_measured_trace(tmp_path, capsys):
+    sched = build("zb-h1", num_ranks=2, num_microbatches=3)
+    res = simulate(sched, Costs(0.01, 0.01, 0.005))  # seconds, as a profile would record them
+    records = [{"rank": sched.rank_of(a.stage), "action": str(a), "start": res.start[a], "end": res.end[a]} for a in res.start]
+    trace = tmp_path / "run.json"
+    write_trace(trace, measured=records, schedule=sched)
+    out = tmp_path / "m.png"
+    assert main(["plot", "zb-h1", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert f"bubble rate {res.bubble_rate:.4f}" in capsys.readouterr().out
+    assert main(["plot", "zb-h1", "-p", "4", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 2
+    assert "-p 4" in capsys.readouterr().err
