@@ -69,11 +69,24 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         rows.append(row)
     name_w = len(f"rank {sched.num_ranks - 1}")
     block = max(10, width - name_w - 3)
+    # Break blocks on multiples of the shortest task's width: with uniform costs tasks start on
+    # that grid, so no label is cut in two across blocks.
+    grid = max(1, round(shortest_cells(result, scale)))
+    if block >= 2 * grid:
+        block -= block % grid
     out = []
     unit = 1 / scale
     for b0 in range(0, total_cells, block):
         b1 = min(b0 + block, total_cells)
-        out.append(f"time {t0 + b0 * unit:g}..{t0 + b1 * unit:g} (1 char = {unit:g})")
+        if b0:
+            out.append("")  # a blank line between blocks keeps tall (p = 32) blocks apart
+        out.append(f"time {t0 + b0 * unit:.6g}..{t0 + b1 * unit:.6g} (1 char = {unit:.4g})")
         for rank, row in enumerate(rows):
             out.append(f"{f'rank {rank}':<{name_w}} |{''.join(row[b0:b1])}|")
     return "\n".join(out)
+
+
+def shortest_cells(result: SimResult, scale: float) -> float:
+    """Width in characters of the shortest task (at least 1)."""
+    durations = [e - result.start[a] for a, e in result.end.items() if e > result.start[a]]
+    return max(1.0, min(durations) * scale) if durations else 1.0
