@@ -1,0 +1,34 @@
+"""Parameter creation shared by the layers (the same whatever `delay_wgrad_compute` says)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["InitMethod", "default_init", "new_param"]
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def default_init(weight: torch.Tensor) -> None:
+    """Transformer Engine's default: normal with mean 0 and std 0.023."""
+    nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+def new_param(
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+    init: InitMethod | float,
+) -> nn.Parameter:
+    """A parameter of `shape` filled by `init` (a function of the tensor, or a constant)."""
+    data = torch.empty(shape, dtype=dtype or torch.get_default_dtype(), device=device)
+    with torch.no_grad():
+        if callable(init):
+            init(data)
+        else:
+            data.fill_(init)
+    return nn.Parameter(data)

@@ -1,0 +1,226 @@
+"""The delayed-wgrad protocol shared by every zbpp layer (DESIGN.md, Transformer Engine style).
+
+A layer built with ``delay_wgrad_compute=True`` computes only input gradients in its backward (B)
+and files its weight-gradient jobs under the forward's microbatch key; ``backward_dw(key)`` (W)
+runs them, adds the results into ``.grad`` (or ``main_grad``) and calls the hooks registered with
+``register_wgrad_accumulation_and_reduce_hooks``. `is_delayed` and `supports_keys` let a runtime
+treat zbpp layers and real Transformer Engine layers (FIFO ``backward_dw()`` only) alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import Callable, Hashable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._linear_function import Fp8Slots, GemmCall, GradOut, add_to_main_grad
+from .context import current_microbatch
+from .fp8 import DelayedScaling, ScalingMeta, active_recipe
+from .wgrad_store import AutoKey, WgradStore
+
+__all__ = ["DelayedWgradModule", "is_delayed", "supports_keys"]
+
+
+class DelayedWgradModule(nn.Module):
+    """Base of `Linear`, `LayerNormLinear` and `LayerNormMLP`: the delayed-wgrad protocol.
+
+    Subclasses declare their GEMMs with `_gemm_names` (weight and bias attribute names per GEMM)
+    and build each forward's `GemmCall` with `_gemm_call`.
+    """
+
+    #: per GEMM: (FP8 slot prefix, weight attribute, bias attribute)
+    _gemm_names: tuple[tuple[str, str, str], ...] = (("", "weight", "bias"),)
+
+    def __init__(self, *, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool) -> None:
+        super().__init__()
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self._delay = bool(delay_wgrad_compute)
+        self._wgrad_store: WgradStore = WgradStore(owner=type(self).__name__)
+        self._wgrad_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._auto_keys = itertools.count()
+        # False after an FP8 forward: there the bias gradients are computed during B.
+        self._bias_grad_deferred = True
+        self.fp8_meta: dict[str, ScalingMeta] = {}
+
+    # -- parameters -------------------------------------------------------------------------
+    def _gemm_weights(self) -> list[nn.Parameter]:
+        return [getattr(self, w) for _, w, _ in self._gemm_names]
+
+    def _gemm_biases(self) -> list[nn.Parameter]:
+        return [b for _, _, name in self._gemm_names if (b := getattr(self, name)) is not None]
+
+    def _sync_param_flags(self) -> None:
+        # skip_backward_post_hook marks exactly the parameters whose gradient is final only after
+        # backward_dw(), i.e. exactly get_backward_dw_params().
+        deferred = {id(p) for p in self.get_backward_dw_params()}
+        for p in self._gemm_weights() + self._gemm_biases():
+            p.skip_backward_post_hook = id(p) in deferred
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether the backward leaves the weight gradients to `backward_dw`."""
+        return self._delay
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        if not value and len(self._wgrad_store):
+            raise RuntimeError(
+                f"{type(self).__name__}: cannot turn delay_wgrad_compute off with wgrads pending "
+                f"for keys {self._wgrad_store.keys()!r}; run backward_dw() for them first"
+            )
+        self._delay = bool(value)
+        self._sync_param_flags()
+
+    # -- forward side -------------------------------------------------------------------------
+    def _begin_forward(self) -> tuple[Hashable, DelayedScaling | None]:
+        """The key and FP8 recipe of the forward starting now (read on the caller's thread)."""
+        recipe = active_recipe()
+        if self._delay and self._bias_grad_deferred != (recipe is None):
+            self._bias_grad_deferred = recipe is None
+            self._sync_param_flags()
+        key = current_microbatch()
+        if key is None and self._delay:
+            key = AutoKey(next(self._auto_keys))
+        return key, recipe
+
+    def _slot(self, name: str, dtype: torch.dtype, recipe: DelayedScaling) -> ScalingMeta:
+        device = self._gemm_weights()[0].device
+        meta = self.fp8_meta.get(name)
+        if meta is None or meta.dtype != dtype:
+            meta = ScalingMeta(dtype, history_len=recipe.amax_history_len, device=device)
+            self.fp8_meta[name] = meta
+        elif meta.scale.device != device:  # the module moved (e.g. .cuda()) after an FP8 step
+            meta.scale = meta.scale.to(device)
+            meta.amax_history = meta.amax_history.to(device)
+        return meta
+
+    def _gemm_call(
+        self, index: int, key: Hashable, recipe: DelayedScaling | None
+    ) -> GemmCall:
+        prefix, weight_name, bias_name = self._gemm_names[index]
+        fp8 = None
+        if recipe is not None:
+            fp8 = Fp8Slots(
+                recipe,
+                self._slot(prefix + "input", recipe.fwd_dtype, recipe),
+                self._slot(prefix + "weight", recipe.fwd_dtype, recipe),
+                self._slot(prefix + "grad_output", recipe.bwd_dtype, recipe),
+            )
+        cls = type(self).__name__
+        return GemmCall(
+            weight=getattr(self, weight_name),
+            bias=getattr(self, bias_name),
+            weight_name=f"{cls}.{weight_name}",
+            bias_name=f"{cls}.{bias_name}",
+            store=self._wgrad_store if self._delay else None,
+            key=key,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            fp8=fp8,
+        )
+
+    # -- the protocol -------------------------------------------------------------------------
+    def backward_dw(self, key: Hashable | None = None) -> None:
+        """Compute the pending weight gradients of microbatch `key` (the oldest when None).
+
+        Runs every wgrad job filed under the key (two when the module ran twice in that forward),
+        adds the weight gradients into ``.grad`` (accumulating) or, with
+        ``fuse_wgrad_accumulation``, into ``main_grad``; adds a bias gradient only where the job
+        produced one (in FP8 the bias gradient was already computed during B); then calls each
+        hook registered with `register_wgrad_accumulation_and_reduce_hooks` once, without
+        arguments. A no-op when the module does not delay; raises `WgradStoreError` when nothing
+        (or nothing for `key`) is pending.
+
+        >>> import torch
+        >>> from zbpp.modules import Linear, microbatch
+        >>> layer = Linear(4, 2, delay_wgrad_compute=True)
+        >>> with microbatch(0):
+        ...     layer(torch.ones(3, 4)).sum().backward()
+        >>> layer.weight.grad is None, layer.pending_wgrad_keys()
+        (True, [0])
+        >>> layer.backward_dw(0)
+        >>> layer.weight.grad.tolist()
+        [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
+        """
+        if not self._delay:
+            return
+        _, jobs = self._wgrad_store.pop(key)
+        with torch.no_grad():
+            # Gradients of one key are summed before they meet .grad, as autograd's input buffer
+            # sums the contributions of a reused weight: the result then matches eager bit for bit.
+            summed: dict[int, GradOut] = {}
+            for job in jobs:
+                for out in job():
+                    if out.grad is None:
+                        continue
+                    if out.to_main_grad:  # eager adds each call's wgrad in turn: so do we
+                        add_to_main_grad(out.name, out.param, out.grad)
+                    elif id(out.param) in summed:
+                        prev = summed[id(out.param)]
+                        summed[id(out.param)] = prev._replace(grad=prev.grad + out.grad)
+                    else:
+                        summed[id(out.param)] = out
+            for out in summed.values():
+                if out.param.grad is None:
+                    out.param.grad = out.grad
+                else:
+                    out.param.grad.add_(out.grad)
+        for hook in list(self._wgrad_hooks.values()):
+            hook()
+
+    def pending_wgrad_keys(self) -> list[Hashable]:
+        """Microbatch keys with a pending wgrad, in filing (B) order."""
+        return self._wgrad_store.keys()
+
+    def get_backward_dw_params(self) -> list[nn.Parameter]:
+        """The parameters whose gradient `backward_dw` produces (the very objects).
+
+        The GEMM weights, plus the GEMM biases unless the last forward ran in FP8 (whose bias
+        gradients are computed during B); empty when the module does not delay. LayerNorm
+        parameters are never listed: their small gradients are always computed during B.
+        """
+        if not self._delay:
+            return []
+        return self._gemm_weights() + (self._gemm_biases() if self._bias_grad_deferred else [])
+
+    def register_wgrad_accumulation_and_reduce_hooks(
+        self, hook: Callable[[], None]
+    ) -> RemovableHandle:
+        """Call ``hook()`` (no arguments) at the end of every `backward_dw` that computed."""
+        handle = RemovableHandle(self._wgrad_hooks)
+        self._wgrad_hooks[handle.id] = hook
+        return handle
+
+    def extra_repr(self) -> str:
+        return (
+            f"delay_wgrad_compute={self._delay}, "
+            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}"
+        )
+
+
+def is_delayed(module: nn.Module) -> bool:
+    """True when `module` leaves its weight gradients to ``backward_dw()``.
+
+    Works for zbpp layers (``delay_wgrad_compute``) and for Transformer Engine layers (whose
+    ``wgrad_store.delay_wgrad_compute()`` says so); False for anything else.
+
+    >>> from zbpp.modules import Linear
+    >>> is_delayed(Linear(2, 2, delay_wgrad_compute=True)), is_delayed(Linear(2, 2))
+    (True, False)
+    """
+    if isinstance(module, DelayedWgradModule):
+        return module.delay_wgrad_compute
+    store = getattr(module, "wgrad_store", None)
+    probe = getattr(store, "delay_wgrad_compute", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def supports_keys(module: nn.Module) -> bool:
+    """True when ``module.backward_dw(key)`` may name a microbatch (zbpp layers).
+
+    Transformer Engine layers only pop their oldest wgrad (FIFO ``backward_dw()``): False.
+    """
+    return isinstance(module, DelayedWgradModule)

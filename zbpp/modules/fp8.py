@@ -1,0 +1,308 @@
+"""FP8 the Transformer Engine way: a recipe, an autocast region, delayed scaling and FP8 GEMMs.
+
+Formats (``Format.HYBRID``, the default): tensors of the forward (inputs, weights) are cast to
+float8 e4m3 (3 mantissa bits, max 448), gradients to float8 e5m2 (2 mantissa bits, max 57344);
+``Format.E4M3`` uses e4m3 for both.
+
+Delayed scaling: every FP8 tensor *slot* of a module (e.g. the input, the weight and the output
+gradient of one GEMM) keeps an amax history (newest first) and a scale. A tensor is cast with the
+slot's current scale as ``fp8(clamp(x * scale, -max, max))`` (clamped first: an out-of-range cast
+gives NaN in some torch versions), then its amax is pushed into the history and the scale is
+recomputed from the history, so each cast uses the amaxes of the slot's previous casts:
+
+    scale = (fp8_max / amax) / 2**margin,  amax = max(history) ("max") or history[0] ("most_recent")
+
+keeping the old scale when that amax is zero or not finite. One cast is one step of the history:
+a module's forward steps its input and weight slots, its backward its gradient slot. A fresh slot
+has scale 1 and an all-zero history.
+
+GEMMs: ``fp8_gemm_nt`` runs ``torch._scaled_mm`` when every dimension is a multiple of 16 (its
+requirement on Hopper) and otherwise, or where ``_scaled_mm`` is refused, multiplies the
+dequantised operands in float32. ``gemm_path_counts()`` says which path ran how often.
+
+>>> import torch
+>>> meta = ScalingMeta(torch.float8_e4m3fn, history_len=4)
+>>> recipe = DelayedScaling(amax_history_len=4)
+>>> q = quantize(torch.tensor([[1.0, -2.0]]), meta, recipe)   # cast with scale 1, then update
+>>> q.dequantize().tolist(), meta.amax_history.tolist(), meta.scale.item()
+([[1.0, -2.0]], [2.0, 0.0, 0.0, 0.0], 224.0)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = [
+    "Format",
+    "DelayedScaling",
+    "fp8_autocast",
+    "active_recipe",
+    "ScalingMeta",
+    "Quantized",
+    "quantize",
+    "fp8_gemm_nt",
+    "gemm_path_counts",
+    "reset_gemm_path_counts",
+]
+
+
+class Format(enum.Enum):
+    """Which float8 formats the forward tensors and the gradients use."""
+
+    E4M3 = "E4M3"  # everything e4m3
+    HYBRID = "HYBRID"  # forward e4m3, gradients e5m2 (more range, less precision)
+
+
+_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """The FP8 recipe: per-tensor scales derived from the amax history of earlier casts.
+
+    >>> DelayedScaling(margin=0, amax_history_len=16, amax_compute_algo="max").bwd_dtype
+    torch.float8_e5m2
+    """
+
+    margin: float = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8_format, Format):
+            try:
+                object.__setattr__(self, "fp8_format", Format(str(self.fp8_format).upper()))
+            except ValueError:
+                raise ValueError(
+                    f"DelayedScaling: fp8_format={self.fp8_format!r}; use Format.HYBRID or "
+                    "Format.E4M3"
+                ) from None
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(
+                f"DelayedScaling: amax_history_len={self.amax_history_len!r}; need an int >= 1"
+            )
+        if self.amax_compute_algo not in _ALGOS:
+            raise ValueError(
+                f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use one of {_ALGOS}"
+            )
+        if not self.margin >= 0:
+            raise ValueError(f"DelayedScaling: margin={self.margin!r}; need a number >= 0")
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        """Float8 dtype of inputs and weights."""
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        """Float8 dtype of gradients."""
+        return torch.float8_e5m2 if self.fp8_format is Format.HYBRID else torch.float8_e4m3fn
+
+
+_recipes: list[DelayedScaling | None] = []
+
+
+@contextmanager
+def fp8_autocast(
+    enabled: bool = True, *, fp8_recipe: DelayedScaling | None = None
+) -> Iterator[DelayedScaling | None]:
+    """Run the zbpp modules' forwards inside this block in FP8 (their backwards follow suit).
+
+    The recipe is read at forward time and kept with the saved tensors, so the backward, wherever
+    and whenever it runs, uses the forward's recipe. Blocks nest; ``enabled=False`` turns FP8 off
+    inside an enabled block.
+
+    >>> with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(amax_history_len=16)):
+    ...     active_recipe().amax_history_len
+    16
+    >>> active_recipe() is None
+    True
+    """
+    recipe = (fp8_recipe if fp8_recipe is not None else DelayedScaling()) if enabled else None
+    _recipes.append(recipe)
+    try:
+        yield recipe
+    finally:
+        _recipes.pop()
+
+
+def active_recipe() -> DelayedScaling | None:
+    """The recipe of the innermost `fp8_autocast` block, or None when FP8 is off."""
+    return _recipes[-1] if _recipes else None
+
+
+class ScalingMeta:
+    """Delayed-scaling state of one FP8 tensor slot: amax history (newest first) and scale."""
+
+    def __init__(
+        self, dtype: torch.dtype, *, history_len: int, device: torch.device | str | None = None
+    ) -> None:
+        self.dtype = dtype
+        self.fp8_max = torch.finfo(dtype).max
+        self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def update(self, amax: torch.Tensor, recipe: DelayedScaling) -> None:
+        """Push `amax` into the history and recompute the scale (tensor ops only: no host sync)."""
+        length = recipe.amax_history_len
+        if self.amax_history.numel() != length:  # the recipe changed: keep the newest entries
+            old = self.amax_history[:length]
+            self.amax_history = torch.zeros(length, dtype=torch.float32, device=old.device)
+            self.amax_history[: old.numel()] = old
+        history = torch.roll(self.amax_history, 1)
+        history[0] = amax
+        self.amax_history.copy_(history)
+        ref = history.max() if recipe.amax_compute_algo == "max" else history[0]
+        new = (self.fp8_max / ref) / (2.0**recipe.margin)
+        usable = (ref > 0) & torch.isfinite(ref) & torch.isfinite(new)
+        self.scale.copy_(torch.where(usable, new, self.scale))
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """An FP8 tensor: ``value = data.float() * scale_inv`` (scale_inv: float32, 0-d)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> Quantized:
+        """The transpose, materialised row-major (what `fp8_gemm_nt` wants)."""
+        return Quantized(self.data.t().contiguous(), self.scale_inv)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The represented values (exact in float32: an FP8 value times a float32 scale)."""
+        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+
+
+def _cast_eager(
+    x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The product is formed in float32 so the value is rounded once, by the FP8 cast.
+    data = (x.to(torch.float32) * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    if x.numel() == 0:
+        return data, torch.zeros((), dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x)
+    return data, torch.maximum(hi, -lo).to(torch.float32)
+
+
+# On CUDA the cast above is five memory-bound passes; one fused kernel from torch.compile keeps
+# FP8 worth it. Set ZBPP_FP8_COMPILE=0 to stay eager (the fallback also kicks in on any failure).
+_compiled_cast: Callable | None = None
+_compile_state = {"enabled": os.environ.get("ZBPP_FP8_COMPILE", "1") != "0"}
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype):
+    global _compiled_cast
+    if x.is_cuda and _compile_state["enabled"]:
+        try:
+            if _compiled_cast is None:
+                _compiled_cast = torch.compile(_cast_eager, dynamic=True)
+            return _compiled_cast(x, scale, fp8_max, dtype)
+        except Exception as err:  # no triton, no compiler, ...: eager is correct, only slower
+            _compile_state["enabled"] = False
+            warnings.warn(f"zbpp FP8: torch.compile of the cast failed ({err}); using eager ops")
+    return _cast_eager(x, scale, fp8_max, dtype)
+
+
+def quantize(x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling) -> Quantized:
+    """Cast `x` to ``meta.dtype`` with the slot's current scale, then step the slot's history.
+
+    >>> import torch
+    >>> meta = ScalingMeta(torch.float8_e4m3fn, history_len=2)
+    >>> quantize(torch.tensor([1000.0]), meta, DelayedScaling()).dequantize().item()  # clamped
+    448.0
+    """
+    scale_inv = meta.scale.reciprocal()  # the scale used for this cast, before the update
+    data, amax = _cast(x.detach(), meta.scale, meta.fp8_max, meta.dtype)
+    meta.update(amax, recipe)
+    return Quantized(data, scale_inv)
+
+
+_counts: Counter[str] = Counter()
+_counts_lock = threading.Lock()
+_refused: set[str] = set()  # device types whose _scaled_mm raised: go straight to the fallback
+
+
+def gemm_path_counts() -> dict[str, int]:
+    """How many FP8 GEMMs ran through ``"scaled_mm"`` and through ``"dequantized"`` so far."""
+    with _counts_lock:
+        return {"scaled_mm": _counts["scaled_mm"], "dequantized": _counts["dequantized"]}
+
+
+def reset_gemm_path_counts() -> None:
+    """Set both `gemm_path_counts` to zero."""
+    with _counts_lock:
+        _counts.clear()
+
+
+def _count(path: str) -> None:
+    with _counts_lock:
+        _counts[path] += 1
+
+
+def fp8_gemm_nt(
+    a: Quantized,
+    b: Quantized,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    use_scaled_mm: bool = True,
+) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for row-major FP8 ``a`` [M, K] and ``b`` [N, K], in `out_dtype`.
+
+    Runs ``torch._scaled_mm`` (float32 accumulation) when `use_scaled_mm` and M, K, N are all
+    multiples of 16; otherwise multiplies the dequantised operands in float32.
+
+    >>> import torch
+    >>> one = Quantized(torch.ones(2, 3).to(torch.float8_e4m3fn), torch.tensor(0.5))
+    >>> fp8_gemm_nt(one, one, out_dtype=torch.float32).tolist()
+    [[0.75, 0.75], [0.75, 0.75]]
+    """
+    (m, k), (n, k2) = a.shape, b.shape
+    if k != k2:
+        raise ValueError(f"fp8_gemm_nt: inner dimensions differ: a is {m}x{k}, b is {n}x{k2}")
+    device = a.data.device.type
+    aligned = m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+    if use_scaled_mm and aligned and device not in _refused:
+        # _scaled_mm fuses the bias only for 16-bit outputs of the same dtype; add it after else.
+        fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
+        try:
+            out = torch._scaled_mm(
+                a.data,
+                b.data.t(),  # column-major [K, N], as cuBLASLt wants the second operand
+                scale_a=a.scale_inv,
+                scale_b=b.scale_inv,
+                bias=bias if fuse_bias else None,
+                out_dtype=out_dtype,
+                use_fast_accum=False,
+            )
+        except (RuntimeError, NotImplementedError) as err:
+            _refused.add(device)
+            warnings.warn(
+                f"zbpp FP8: torch._scaled_mm refused on {device} ({err}); "
+                "using dequantised float32 GEMMs there"
+            )
+        else:
+            _count("scaled_mm")
+            if bias is not None and not fuse_bias:
+                out = out + bias.to(out_dtype)
+            return out
+    _count("dequantized")
+    out = a.dequantize() @ b.dequantize().t()
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)

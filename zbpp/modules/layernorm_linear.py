@@ -1,0 +1,71 @@
+"""`LayerNormLinear`: a LayerNorm (or RMSNorm) followed by a `Linear`, as one module."""
+
+from __future__ import annotations
+
+import torch
+
+from ._init import InitMethod, default_init, new_param
+from ._linear_function import linear
+from ._norm import make_norm_params, normalize
+from .base import DelayedWgradModule
+
+__all__ = ["LayerNormLinear"]
+
+
+class LayerNormLinear(DelayedWgradModule):
+    """``Linear(norm(x))`` with Transformer Engine's parameter names.
+
+    Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only; RMSNorm has none),
+    ``weight`` [out, in], ``bias`` [out]. With ``delay_wgrad_compute=True`` only the GEMM's
+    weight (and bias) gradients wait for ``backward_dw()``; the normalisation's small gradients
+    are computed during the backward (B), so `get_backward_dw_params` never lists them.
+
+    >>> import torch
+    >>> from zbpp.modules import LayerNormLinear
+    >>> layer = LayerNormLinear(8, 4, normalization="RMSNorm", delay_wgrad_compute=True)
+    >>> layer(torch.randn(3, 8)).sum().backward()
+    >>> layer.layer_norm_weight.grad is not None, layer.weight.grad is None
+    (True, True)
+    >>> layer.backward_dw(); layer.weight.grad is not None
+    True
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__(
+            delay_wgrad_compute=delay_wgrad_compute,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
+        self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
+        self.normalization, self.eps = normalization, eps
+        kw = dict(dtype=params_dtype, device=device)
+        make_norm_params(self, in_features, normalization, **kw)
+        self.weight = new_param((out_features, in_features), init=init_method or default_init, **kw)
+        if bias:
+            self.bias = new_param((out_features,), init=0.0, **kw)
+        else:
+            self.register_parameter("bias", None)
+        self._sync_param_flags()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key, recipe = self._begin_forward()
+        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        return linear(h, self.weight, self.bias, self._gemm_call(0, key, recipe))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.use_bias}, normalization={self.normalization}, {super().extra_repr()}"
+        )

@@ -1,0 +1,69 @@
+"""`Linear`: ``y = x W^T + b`` with an optionally delayed weight gradient and FP8."""
+
+from __future__ import annotations
+
+import torch
+
+from ._init import InitMethod, default_init, new_param
+from ._linear_function import linear
+from .base import DelayedWgradModule
+
+__all__ = ["Linear"]
+
+
+class Linear(DelayedWgradModule):
+    """A linear layer, Transformer Engine style (parameters ``weight`` [out, in], ``bias`` [out]).
+
+    With ``delay_wgrad_compute=True`` the backward computes only the input gradient; the weight
+    and bias gradients wait for ``backward_dw()`` (see `DelayedWgradModule.backward_dw`). With
+    ``fuse_wgrad_accumulation=True`` the weight gradient is added into ``weight.main_grad`` (a
+    float32 tensor the caller attaches) instead of ``weight.grad``. Inside `fp8_autocast` the GEMMs
+    run in FP8 and the bias gradient is computed during the backward.
+
+    >>> import torch
+    >>> from zbpp.modules import Linear
+    >>> torch.manual_seed(0) and None
+    >>> eager, delayed = Linear(8, 4), Linear(8, 4, delay_wgrad_compute=True)
+    >>> delayed.load_state_dict(eager.state_dict())
+    <All keys matched successfully>
+    >>> x = torch.randn(5, 8)
+    >>> eager(x).square().sum().backward()
+    >>> delayed(x).square().sum().backward(); delayed.backward_dw()
+    >>> torch.equal(eager.weight.grad, delayed.weight.grad)
+    True
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__(
+            delay_wgrad_compute=delay_wgrad_compute,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
+        self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
+        kw = dict(dtype=params_dtype, device=device)
+        self.weight = new_param((out_features, in_features), init=init_method or default_init, **kw)
+        if bias:
+            self.bias = new_param((out_features,), init=0.0, **kw)
+        else:
+            self.register_parameter("bias", None)
+        self._sync_param_flags()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key, recipe = self._begin_forward()
+        return linear(x, self.weight, self.bias, self._gemm_call(0, key, recipe))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.use_bias}, {super().extra_repr()}"
+        )

@@ -1,0 +1,96 @@
+"""The wgrad store: deferred weight-gradient jobs, filed under microbatch keys.
+
+A delayed-wgrad module's backward (B) computes only the input gradient and files a *job* (a
+closure over the saved inputs and the output gradient) under the key of the forward it belongs to;
+``backward_dw(key)`` later takes the jobs of one key out and runs them (W). Several jobs may share
+a key: a module called twice in one forward (a tied or reused weight) files one job per call.
+
+The store is a keyed FIFO: keys come out in the order they were first filed unless a key is asked
+for. It is thread-safe because on GPUs autograd runs the backward (which files) on its own thread
+while the caller (who takes out) runs on the main one.
+
+>>> store = WgradStore(owner="demo")
+>>> store.put(1, "job-a"); store.put(0, "job-b"); store.put(1, "job-c")
+>>> store.keys()
+[1, 0]
+>>> store.pop()
+(1, ['job-a', 'job-c'])
+>>> store.pop(0)
+(0, ['job-b'])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Generic, Hashable, TypeVar
+
+__all__ = ["AutoKey", "WgradStore", "WgradStoreError"]
+
+Job = TypeVar("Job")
+
+
+@dataclass(frozen=True)
+class AutoKey:
+    """The key of a forward that ran outside any ``microbatch()`` block (the n-th such forward).
+
+    It can never equal a user's key, so plain FIFO use (``backward_dw()`` with no key) and keyed use
+    do not mix up their jobs.
+    """
+
+    n: int
+
+    def __repr__(self) -> str:
+        return f"auto#{self.n}"
+
+
+class WgradStoreError(RuntimeError):
+    """``backward_dw`` was asked for a wgrad that is not pending."""
+
+
+class WgradStore(Generic[Job]):
+    """Pending wgrad jobs of one module, grouped by microbatch key, in filing order."""
+
+    def __init__(self, *, owner: str = "module") -> None:
+        self._owner = owner  # named in error messages
+        self._jobs: OrderedDict[Hashable, list[Job]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, key: Hashable, job: Job) -> None:
+        """File `job` under `key` (after the jobs already filed under it)."""
+        with self._lock:
+            self._jobs.setdefault(key, []).append(job)
+
+    def pop(self, key: Hashable | None = None) -> tuple[Hashable, list[Job]]:
+        """Take out all jobs of `key` (of the oldest key when None), in filing order."""
+        with self._lock:
+            if not self._jobs:
+                what = "" if key is None else f" for microbatch key {key!r}"
+                raise WgradStoreError(
+                    f"{self._owner}.backward_dw(): nothing pending{what}; every backward since the "
+                    "last backward_dw() has already been consumed (call backward_dw() once per "
+                    "backward, after it)"
+                )
+            if key is None:
+                key = next(iter(self._jobs))
+            elif key not in self._jobs:
+                raise WgradStoreError(
+                    f"{self._owner}.backward_dw({key!r}): no wgrad pending for microbatch key "
+                    f"{key!r}; pending keys: {list(self._jobs)!r}"
+                )
+            return key, self._jobs.pop(key)
+
+    def keys(self) -> list[Hashable]:
+        """Pending keys, oldest first."""
+        with self._lock:
+            return list(self._jobs)
+
+    def clear(self) -> None:
+        """Drop every pending job (and the tensors it holds)."""
+        with self._lock:
+            self._jobs.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
