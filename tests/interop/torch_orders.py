@@ -18,6 +18,8 @@ __all__ = ["fake_stages", "torch_schedule", "compute_only", "stage_to_rank", "lo
 #: name -> (class, stages per rank)
 TORCH_CLASSES: dict[str, tuple[type, int]] = {
     "1F1B": (S.Schedule1F1B, 1),
+    "Interleaved1F1B": (S.ScheduleInterleaved1F1B, 1),
+    "Interleaved1F1B-2": (S.ScheduleInterleaved1F1B, 2),
     "InterleavedZeroBubble": (S.ScheduleInterleavedZeroBubble, 1),
     "InterleavedZeroBubble-2": (S.ScheduleInterleavedZeroBubble, 2),
     "ZBVZeroBubble": (S.ScheduleZBVZeroBubble, 2),

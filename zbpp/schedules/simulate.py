@@ -148,13 +148,13 @@ class SimResult:
     """What `simulate` computes. Times are in the units of `Costs`; memory in those of `Memory`."""
 
     schedule: Schedule
-    start: dict[Action, float]
-    end: dict[Action, float]
+    start: Mapping[Action, float]  #: per task (read like a dict)
+    end: Mapping[Action, float]
     spans: list[float]  #: per rank: end of its last task minus start of its first
     busy_per_rank: list[float]  #: per rank: total task time
     makespan: float  #: end of the last task minus start of the first, over all ranks
     peak_memory: list[float]  #: per rank
-    memory_after: dict[Action, float] = field(repr=False, default_factory=dict)  #: rank memory after each task
+    memory_after: Mapping[Action, float] = field(repr=False, default_factory=dict)  #: rank memory after each task
 
     @property
     def cost(self) -> float:
@@ -193,11 +193,109 @@ def _raise_invalid(schedule: Schedule) -> None:
     raise ScheduleError("simulation stalled although the schedule validates (please report)")
 
 
+_F, _B, _W, _BW = _KINDS
+
+
+def _kind_id(kind: Kind) -> int:
+    # identity tests: Enum.__hash__ runs Python code, and this is called once per task
+    if kind is _F:
+        return 0
+    if kind is _B:
+        return 1
+    if kind is _W:
+        return 2
+    if kind is _BW:
+        return 3
+    return _KIND_INDEX[Kind(kind)]
+
+
+def _encode(schedule: Schedule) -> tuple[list[list[int]], bytearray] | None:
+    """Each rank's tasks as ints ``kind * n*m + stage * m + microbatch``, and a presence table.
+
+    None when the task set is wrong: out of range, duplicated, on the wrong rank, or some
+    (stage, mb) without exactly one F and either one BW or one B and one W.
+    """
+    n, m = schedule.num_stages, schedule.num_microbatches
+    nm = n * m
+    if schedule.num_ranks < 1 or nm < 1:
+        return None
+    placement = schedule.placement
+    present = bytearray(4 * nm)
+    orders: list[list[int]] = []
+    for rank, order in enumerate(schedule.orders):
+        ids = []
+        for a in order:
+            s, j = a.stage, a.microbatch
+            if not (0 <= s < n and 0 <= j < m) or placement[s] != rank:
+                return None
+            t = _kind_id(a.kind) * nm + s * m + j
+            if present[t]:
+                return None
+            present[t] = 1
+            ids.append(t)
+        orders.append(ids)
+    for sj in range(nm):
+        has_b, has_w = present[nm + sj], present[2 * nm + sj]
+        if not present[sj] or has_b != has_w or present[3 * nm + sj] == has_b:
+            return None
+    return orders, present
+
+
+class _TaskTable(Mapping[Action, float]):
+    """Read-only ``Action -> float`` view of one of simulate's per-task arrays.
+
+    Lookups compute the task's integer id instead of hashing the Action, so building a result
+    costs nothing per task; it behaves like a dict for reading (``[a]``, ``in``, ``get``, ``items``).
+    """
+
+    __slots__ = ("_schedule", "_ids", "_values", "_present", "_n", "_m")
+
+    def __init__(self, schedule: Schedule, ids: list[list[int]], values: list, present: bytearray) -> None:
+        self._schedule, self._ids, self._values, self._present = schedule, ids, values, present
+        self._n, self._m = schedule.num_stages, schedule.num_microbatches
+
+    def _index(self, action: object) -> int:
+        if isinstance(action, Action):
+            s, j, n, m = action.stage, action.microbatch, self._n, self._m
+            if 0 <= s < n and 0 <= j < m:
+                t = _kind_id(action.kind) * n * m + s * m + j
+                if self._present[t]:
+                    return t
+        raise KeyError(action)
+
+    def __getitem__(self, action: Action) -> float:
+        return self._values[self._index(action)]
+
+    def __contains__(self, action: object) -> bool:
+        try:
+            self._index(action)
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self):  # rank by rank, each rank in order (as the dict this replaces)
+        for order in self._schedule.orders:
+            yield from order
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self._ids)
+
+    def values(self) -> list[float]:  # type: ignore[override]
+        vals = self._values
+        return [vals[t] for ids in self._ids for t in ids]
+
+    def items(self) -> list[tuple[Action, float]]:  # type: ignore[override]
+        return list(zip(self, self.values()))
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
 def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | None = None) -> SimResult:
     """Simulate `schedule` under `costs` (default unit F=B=W=1) and `memory` (default activation 1).
 
     Raises `ScheduleError` (naming the cycle) if the schedule deadlocks, or naming a missing task.
-    Runs in O(tasks) dictionary-free integer work; 50k tasks take a fraction of a second.
+    Runs in O(tasks) integer work, without hashing a task; 50k tasks take a few tens of ms.
     """
     costs = costs or Costs()
     memory = memory or Memory()
@@ -209,30 +307,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
     placement = schedule.placement
     nm = n * m
 
-    # Encode each task as an int: kind * n*m + stage * m + microbatch.
-    orders: list[list[int]] = []
-    present = bytearray(4 * nm)
-    for order in schedule.orders:
-        ids = []
-        for a in order:
-            s, j = a.stage, a.microbatch
-            if not (0 <= s < n and 0 <= j < m):
-                raise ScheduleError(f"task {a}: stage or microbatch out of range (stages={n}, microbatches={m})")
-            t = _KIND_INDEX[a.kind] * nm + s * m + j
-            if present[t] or placement[s] != len(orders):
-                _raise_invalid(schedule)
-            present[t] = 1
-            ids.append(t)
-        orders.append(ids)
-    # every (stage, mb): one F, and either one BW or one B and one W
-    for sj in range(nm):
-        has_bw = present[3 * nm + sj]
-        if not present[sj] or has_bw == (present[nm + sj] or present[2 * nm + sj]) or present[nm + sj] != present[2 * nm + sj]:
-            _raise_invalid(schedule)
-
-    def dgrad(s: int, j: int) -> int:
-        t = nm + s * m + j  # B
-        return t if present[t] else 3 * nm + s * m + j  # else BW
+    encoded = _encode(schedule)
+    if encoded is None:
+        _raise_invalid(schedule)
+    orders, present = encoded  # type: ignore[misc]
 
     end: list[float | None] = [None] * (4 * nm)
     start: list[float] = [0.0] * (4 * nm)
@@ -250,76 +328,80 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
         for r in range(p):
             order = orders[r]
             i = pos[r]
+            size = len(order)
+            if i == size:
+                continue
             free = rank_free[r]
             mem = rank_mem[r]
-            while i < len(order):
+            top = peak[r]
+            work = busy[r]
+            while i < size:
                 t = order[i]
                 kind, rest = divmod(t, nm)
-                s, j = divmod(rest, m)
-                # the one data input of this task, if any
+                s = rest // m
+                # the one data input of this task (its id and stage), if any
                 if kind == 0:
-                    dep = (s - 1) * m + j if s > 0 else -1
+                    if s:
+                        dep, ds = rest - m, s - 1
+                    else:
+                        dep = -1
                 elif kind == 2:
-                    dep = nm + rest
+                    dep, ds = nm + rest, s
                 elif s == last:
-                    dep = rest  # F(last, j)
+                    dep, ds = rest, s  # F(last, j)
                 else:
-                    dep = dgrad(s + 1, j)
-                ready = free
+                    dep, ds = nm + rest + m, s + 1  # B(s+1, j), else BW(s+1, j)
+                    if not present[dep]:
+                        dep += 2 * nm
                 if dep >= 0:
                     e = end[dep]
                     if e is None:
                         break
-                    if placement[(dep % nm) // m] != r:
+                    if placement[ds] != r:
                         e += comm
-                    if e > ready:
-                        ready = e
+                    if e > free:
+                        free = e
                 d = dur_by_kind[kind][s]
-                start[t] = ready
-                free = ready + d
+                start[t] = free
+                free += d
                 end[t] = free
-                busy[r] += d
+                work += d
                 mem += mem_by_stage[s][kind]
                 mem_after[t] = mem
-                if mem > peak[r]:
-                    peak[r] = mem
+                if mem > top:
+                    top = mem
                 i += 1
             if i != pos[r]:
                 remaining -= i - pos[r]
                 pos[r] = i
                 rank_free[r] = free
                 rank_mem[r] = mem
+                peak[r] = top
+                busy[r] = work
                 progressed = True
         if not progressed:
             _raise_invalid(schedule)
 
-    start_d: dict[Action, float] = {}
-    end_d: dict[Action, float] = {}
-    mem_d: dict[Action, float] = {}
     spans = []
     first_start = float("inf")
     last_end = 0.0
-    for r, order in enumerate(schedule.orders):
-        if not order:
+    for ids in orders:
+        if not ids:
             spans.append(0.0)
             continue
-        for a, t in zip(order, orders[r]):
-            start_d[a] = start[t]
-            end_d[a] = end[t]  # type: ignore[assignment]
-            mem_d[a] = mem_after[t]
-        s0 = start[orders[r][0]]
-        e1 = end[orders[r][-1]]
-        spans.append(e1 - s0)  # type: ignore[operator]
+        s0 = start[ids[0]]
+        e1: float = end[ids[-1]]  # type: ignore[assignment]
+        spans.append(e1 - s0)
         first_start = min(first_start, s0)
-        last_end = max(last_end, e1)  # type: ignore[type-var]
-    makespan = last_end - first_start if spans and first_start != float("inf") else 0.0
+        last_end = max(last_end, e1)
+    makespan = last_end - first_start if first_start != float("inf") else 0.0
     return SimResult(
         schedule=schedule,
-        start=start_d,
-        end=end_d,
+        start=_TaskTable(schedule, orders, start, present),
+        end=_TaskTable(schedule, orders, end, present),
         spans=spans,
         busy_per_rank=busy,
         makespan=makespan,
         peak_memory=peak,
-        memory_after=mem_d,
+        memory_after=_TaskTable(schedule, orders, mem_after, present),
     )
