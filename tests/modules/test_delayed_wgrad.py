@@ -1,0 +1,485 @@
+"""The delayed-wgrad protocol of zbpp.modules (DESIGN.md), checked against eager autograd.
+
+References: the same layer built with ``delay_wgrad_compute=False`` (whose gradients come from
+autograd's own accumulation), and a float64 functional re-implementation of each layer. Delayed and
+eager run the same GEMM code on the same tensors, so they must agree bit for bit (rtol=atol=0),
+the way Transformer Engine tests ``delay_wgrad_compute``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zbpp.modules import (
+    DelayedScaling,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    current_microbatch,
+    fp8_autocast,
+    is_delayed,
+    microbatch,
+    supports_keys,
+)
+from zbpp.modules.wgrad_store import AutoKey, WgradStoreError
+
+HIDDEN, OUT = 16, 12
+
+MAKERS = {
+    "Linear": lambda **kw: Linear(HIDDEN, OUT, **kw),
+    "LayerNormLinear": lambda **kw: LayerNormLinear(HIDDEN, OUT, **kw),
+    "RMSNormLinear": lambda **kw: LayerNormLinear(HIDDEN, OUT, normalization="RMSNorm", **kw),
+    "LayerNormMLP": lambda **kw: LayerNormMLP(HIDDEN, 24, **kw),
+    "SwiGLU-MLP": lambda **kw: LayerNormMLP(
+        HIDDEN, 24, activation="swiglu", normalization="RMSNorm", **kw
+    ),
+}
+
+
+def out_features(module) -> int:
+    return HIDDEN if isinstance(module, LayerNormMLP) else OUT
+
+
+def make_pair(name, **kw):
+    """An eager and a delayed layer from the same seed, with non-trivial 1-D parameters."""
+    torch.manual_seed(1234)
+    eager = MAKERS[name](delay_wgrad_compute=False, **kw)
+    torch.manual_seed(1234)
+    delayed = MAKERS[name](delay_wgrad_compute=True, **kw)
+    init_equal = all(torch.equal(a, b) for a, b in zip(eager.parameters(), delayed.parameters()))
+    with torch.no_grad():  # biases and norm weights away from their 0/1 init, the same in both
+        for pe, pd in zip(eager.parameters(), delayed.parameters()):
+            if pe.dim() == 1:
+                pe.add_(0.1 * torch.randn_like(pe))
+                pd.copy_(pe)
+    return eager, delayed, init_equal
+
+
+def gemm_weights(module):
+    return [p for p in module.parameters() if p.dim() == 2]
+
+
+def attach_main_grads(module):
+    for p in gemm_weights(module):
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+
+
+def grads_of(module):
+    """name -> the gradient each parameter ended up with (plus main_grad where attached)."""
+    out = {}
+    for name, p in module.named_parameters():
+        out[name] = p.grad
+        if hasattr(p, "main_grad"):
+            out[name + ".main_grad"] = p.main_grad
+    return out
+
+
+def assert_same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: {a is None=} but {b is None=}"
+        return
+    assert a.dtype == b.dtype, f"{what}: dtypes {a.dtype} vs {b.dtype}"
+    diff = (a.double() - b.double()).abs().max().item()
+    assert torch.equal(a, b), f"{what}: max diff {diff}"
+
+
+def fp8_ctx(fp8: bool):
+    return fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)) if fp8 else (
+        contextlib.nullcontext()
+    )
+
+
+def run_pipeline_order(module, xs, *, fp8=False, w_order=None, cot_seed=11):
+    """F of every microbatch, then their B, then (delayed) their W in `w_order`."""
+    inputs = [x.clone().requires_grad_(True) for x in xs]
+    outs = []
+    for j, x in enumerate(inputs):
+        with microbatch(j), fp8_ctx(fp8):
+            outs.append(module(x))
+    gen = torch.Generator().manual_seed(cot_seed)
+    for y in outs:
+        y.backward(torch.randn(y.shape, generator=gen).to(y.dtype))
+    if module.delay_wgrad_compute:
+        assert module.pending_wgrad_keys() == list(range(len(xs)))
+        for j in w_order or range(len(xs)):
+            module.backward_dw(j)
+        assert module.pending_wgrad_keys() == []
+    return outs, [x.grad for x in inputs]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_delayed_equals_eager_bit_exact(name, dtype, bias, fused, fp8):
+    """3 microbatches: F, F, F, B, B, B, then W, W, W; outputs and all grads == eager exactly."""
+    eager, delayed, init_equal = make_pair(
+        name, bias=bias, fuse_wgrad_accumulation=fused, params_dtype=dtype
+    )
+    assert init_equal, "initialisation depends on delay_wgrad_compute"
+    if fused:
+        attach_main_grads(eager)
+        attach_main_grads(delayed)
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(3, 5, HIDDEN, generator=gen).to(dtype) for _ in range(3)]
+    ye, dxe = run_pipeline_order(eager, xs, fp8=fp8)
+    yd, dxd = run_pipeline_order(delayed, xs, fp8=fp8)
+    for j in range(3):
+        assert_same(ye[j], yd[j], f"output {j}")
+        assert_same(dxe[j], dxd[j], f"input grad {j}")
+    ge, gd = grads_of(eager), grads_of(delayed)
+    assert ge.keys() == gd.keys()
+    for key in ge:
+        assert_same(ge[key], gd[key], key)
+    for p in gemm_weights(delayed):  # the weight gradients really arrived where they should
+        got = p.main_grad if fused else p.grad
+        assert got is not None and got.abs().sum() > 0
+        if fused:
+            assert p.grad is None
+
+
+def test_w_order_need_not_follow_b_order():
+    """Integer-valued data make every sum exact in float32, so any W order must equal eager."""
+    eager, delayed, _ = make_pair("Linear")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in (eager, delayed):
+            m.weight.copy_(torch.randint(-3, 4, m.weight.shape, generator=gen).float())
+            gen.manual_seed(3)
+    xs = [torch.randint(-3, 4, (4, HIDDEN), generator=gen).float() for _ in range(4)]
+
+    def integer_cotangents(module, xs, order):
+        inputs = [x.clone().requires_grad_(True) for x in xs]
+        outs = []
+        for j, x in enumerate(inputs):
+            with microbatch(j):
+                outs.append(module(x))
+        g = torch.Generator().manual_seed(5)
+        for y in outs:
+            y.backward(torch.randint(-3, 4, y.shape, generator=g).float())
+        for j in order:
+            module.backward_dw(j)
+
+    integer_cotangents(eager, xs, [])
+    integer_cotangents(delayed, xs, [2, 0, 3, 1])
+    assert torch.equal(eager.weight.grad, delayed.weight.grad)
+    assert torch.equal(eager.bias.grad, delayed.bias.grad)
+    assert eager.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["LayerNormMLP", "RMSNormLinear"])
+def test_w_order_float64(name):
+    """Out-of-order W in float64: equal to eager up to reassociation of 4 sums (rtol 1e-13)."""
+    eager, delayed, _ = make_pair(name, params_dtype=torch.float64)
+    xs = [torch.randn(2, 3, HIDDEN, dtype=torch.float64) for _ in range(4)]
+    run_pipeline_order(eager, xs)
+    run_pipeline_order(delayed, xs, w_order=[3, 1, 0, 2])
+    for (n, pe), pd in zip(eager.named_parameters(), delayed.parameters()):
+        torch.testing.assert_close(pd.grad, pe.grad, rtol=1e-13, atol=1e-15, msg=n)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_reused_module_gets_both_contributions(name, fused):
+    """One module called twice per forward (tied weight), two microbatches: == eager exactly."""
+    torch.manual_seed(0)
+    make = {
+        "Linear": lambda **kw: Linear(HIDDEN, HIDDEN, **kw),
+        "LayerNormMLP": lambda **kw: LayerNormMLP(HIDDEN, 24, **kw),
+    }[name]
+    torch.manual_seed(0)
+    eager = make(fuse_wgrad_accumulation=fused)
+    torch.manual_seed(0)
+    delayed = make(fuse_wgrad_accumulation=fused, delay_wgrad_compute=True)
+    if fused:
+        attach_main_grads(eager)
+        attach_main_grads(delayed)
+    xs = [torch.randn(4, HIDDEN) for _ in range(2)]
+    for module in (eager, delayed):
+        for j, x in enumerate(xs):
+            with microbatch(j):
+                y = module(torch.tanh(module(x)))
+            y.square().sum().backward()
+        if module.delay_wgrad_compute:
+            assert module.pending_wgrad_keys() == [0, 1]
+            module.backward_dw(0)
+            module.backward_dw(1)
+    ge, gd = grads_of(eager), grads_of(delayed)
+    for key in ge:
+        assert_same(ge[key], gd[key], key)
+    # and both uses count: a single use gives a different weight gradient
+    torch.manual_seed(0)
+    single = make()
+    single(xs[0]).square().sum().backward()
+    w = gemm_weights(delayed)[0]
+    assert not torch.allclose((w.main_grad if fused else w.grad), gemm_weights(single)[0].grad)
+
+
+def _functional(kind, cfg, p, x):
+    """Float64 re-implementation of a layer from its parameter dict `p`."""
+    if kind == "Linear":
+        return F.linear(x, p["weight"], p.get("bias"))
+    if cfg["normalization"] == "LayerNorm":
+        mu = x.mean(-1, keepdim=True)
+        var = (x - mu).pow(2).mean(-1, keepdim=True)
+        h = (x - mu) / torch.sqrt(var + cfg["eps"]) * p["layer_norm_weight"] + p["layer_norm_bias"]
+    else:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["eps"]) * p["layer_norm_weight"]
+    if kind == "LayerNormLinear":
+        return F.linear(h, p["weight"], p.get("bias"))
+    h = F.linear(h, p["fc1_weight"], p.get("fc1_bias"))
+    if cfg["activation"] == "gelu":
+        h = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
+    else:  # swiglu
+        gate, up = h.chunk(2, -1)
+        h = gate * torch.sigmoid(gate) * up
+    return F.linear(h, p["fc2_weight"], p.get("fc2_bias"))
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager", "delayed"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_layers_match_float64_reference(name, delay):
+    """Output, input grad and every parameter grad against a hand-written float64 model.
+
+    Tolerance rtol 1e-9: both sides compute in float64 (the layer with params_dtype=float64), so
+    only reordered roundings (~1e-16 relative) separate them, while a wrong transpose, a missing
+    term or a gradient left in the store gives O(1) differences.
+    """
+    eager, delayed, _ = make_pair(name, params_dtype=torch.float64)
+    module = delayed if delay else eager
+    cfg = {a: getattr(module, a, None) for a in ("normalization", "eps", "activation")}
+    x = torch.randn(4, 3, HIDDEN, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(4, 3, out_features(module), dtype=torch.float64)
+    y = module(x)
+    y.backward(r)
+    module.backward_dw()
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in module.named_parameters()}
+    xr = x.detach().clone().requires_grad_(True)
+    kind = type(module).__name__
+    y_ref = _functional(kind, cfg, params, xr)
+    y_ref.backward(r)
+    torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-9, atol=1e-12)
+    for n, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
+# -- keys, threads, errors ---------------------------------------------------------------------
+
+
+def test_key_is_recorded_at_forward_even_when_backward_runs_on_another_thread():
+    layer = Linear(4, 4, delay_wgrad_compute=True)
+    with microbatch("a"):
+        ya = layer(torch.randn(2, 4))
+    with microbatch("b"):
+        yb = layer(torch.randn(2, 4))
+    seen = []
+
+    def backward_elsewhere():
+        seen.append(current_microbatch())
+        yb.sum().backward()
+        ya.sum().backward()
+
+    t = threading.Thread(target=backward_elsewhere)
+    t.start()
+    t.join()
+    assert seen == [None]  # nothing was set on that thread's side...
+    assert layer.pending_wgrad_keys() == ["b", "a"]  # ...yet the jobs carry the forwards' keys
+    layer.backward_dw("a")
+    assert layer.pending_wgrad_keys() == ["b"]
+
+
+def test_forwards_outside_microbatch_get_fifo_auto_keys():
+    torch.manual_seed(0)
+    layer = Linear(4, 3, delay_wgrad_compute=True)
+    ref = Linear(4, 3)
+    ref.load_state_dict(layer.state_dict())
+    xs = [torch.randn(2, 4) for _ in range(2)]
+    for x in xs:
+        layer(x).sum().backward()
+    keys = layer.pending_wgrad_keys()
+    assert len(keys) == 2 and all(isinstance(k, AutoKey) for k in keys) and keys[0] != keys[1]
+    layer.backward_dw()  # oldest: the first forward's
+    ref(xs[0]).sum().backward()
+    assert torch.equal(layer.weight.grad, ref.weight.grad)
+    assert layer.pending_wgrad_keys() == keys[1:]
+
+
+def test_backward_dw_errors_say_what_is_wrong():
+    layer = Linear(4, 4, delay_wgrad_compute=True)
+    with pytest.raises(WgradStoreError, match="nothing pending"):
+        layer.backward_dw()
+    with microbatch(0):
+        layer(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(WgradStoreError, match=r"backward_dw\(7\).*pending keys: \[0\]"):
+        layer.backward_dw(7)
+    with pytest.raises(RuntimeError, match="pending"):
+        layer.delay_wgrad_compute = False
+    layer.backward_dw(0)
+    with pytest.raises(WgradStoreError, match="nothing pending for microbatch key 0"):
+        layer.backward_dw(0)
+
+
+def test_without_delay_backward_dw_is_a_noop():
+    layer = Linear(4, 4)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(1))
+    layer(torch.randn(2, 4)).sum().backward()
+    grad = layer.weight.grad.clone()
+    layer.backward_dw()
+    layer.backward_dw(3)
+    assert torch.equal(layer.weight.grad, grad) and calls == []
+    assert layer.get_backward_dw_params() == [] and layer.pending_wgrad_keys() == []
+
+
+def test_fused_accumulation_without_main_grad_is_a_clear_error():
+    eager = Linear(4, 4, fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match=r"Linear.weight has no `main_grad`"):
+        eager(torch.randn(2, 4)).sum().backward()
+    delayed = Linear(4, 4, fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
+    delayed(torch.randn(2, 4)).sum().backward()  # B needs no main_grad...
+    with pytest.raises(RuntimeError, match=r"Linear.weight has no `main_grad`"):
+        delayed.backward_dw()  # ...W does
+
+
+def test_dtype_mismatch_names_both_dtypes():
+    with pytest.raises(TypeError, match="bfloat16.*float32"):
+        Linear(4, 4)(torch.randn(2, 4, dtype=torch.bfloat16))
+
+
+def test_megatron_style_dummy_grad_with_fused_accumulation():
+    """TE's convention: a weight carrying `grad_added_to_main_grad` is flagged and its hooks fire."""
+    layer = Linear(4, 4, fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.zeros(4, 4)
+    layer.weight.grad_added_to_main_grad = False
+    layer.weight.zero_out_wgrad = True
+    fired = []
+    layer.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    x = torch.randn(2, 4)
+    layer(x).sum().backward()
+    assert layer.weight.grad_added_to_main_grad and fired == [layer.weight]
+    assert torch.equal(layer.weight.grad, torch.zeros(4, 4))
+    torch.testing.assert_close(layer.weight.main_grad, x.sum(0).expand(4, 4), rtol=0, atol=1e-6)
+
+
+# -- the parameters W produces, flags, hooks ----------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_get_backward_dw_params_is_exactly_what_w_produces(name, bias, fp8):
+    _, layer, _ = make_pair(name, bias=bias)
+    names = {id(p): n for n, p in layer.named_parameters()}
+    with fp8_ctx(fp8):
+        y = layer(torch.randn(2, 3, HIDDEN))
+    y.square().sum().backward()
+    before = {n: None if p.grad is None else p.grad.clone() for n, p in layer.named_parameters()}
+    layer.backward_dw()
+    changed = {
+        n
+        for n, p in layer.named_parameters()
+        if p.grad is not None and (before[n] is None or not torch.equal(before[n], p.grad))
+    }
+    listed = layer.get_backward_dw_params()
+    own = dict(layer.named_parameters())
+    assert all(any(p is q for q in own.values()) for p in listed), "not the very objects"
+    assert {names[id(p)] for p in listed} == changed
+    # the GEMM weights always; the biases only outside FP8 (there B computed them)
+    expected = {n for n in own if n.endswith("weight") and "layer_norm" not in n}
+    if bias and not fp8:
+        expected |= {n for n in own if n.endswith("bias") and "layer_norm" not in n}
+    assert changed == expected
+    for n, p in own.items():
+        assert getattr(p, "skip_backward_post_hook", False) == (n in expected), n
+
+
+def test_skip_flags_follow_the_delay_setting():
+    layer = LayerNormLinear(4, 4)
+    assert not any(getattr(p, "skip_backward_post_hook", False) for p in layer.parameters())
+    layer.delay_wgrad_compute = True
+    flagged = [n for n, p in layer.named_parameters() if getattr(p, "skip_backward_post_hook", 0)]
+    assert flagged == [
+        "weight",
+        "bias",
+    ]
+    assert layer.get_backward_dw_params()[0] is layer.weight
+
+
+def test_hooks_fire_once_per_backward_dw_without_arguments():
+    mlp = LayerNormMLP(8, 16, delay_wgrad_compute=True)
+    calls = []
+    handle = mlp.register_wgrad_accumulation_and_reduce_hooks(lambda *a: calls.append(a))
+    for j in range(3):
+        with microbatch(j):
+            y = mlp(mlp(torch.randn(2, 8)))  # two calls: four jobs under one key
+        y.sum().backward()
+    mlp.backward_dw(0)
+    assert calls == [()]
+    mlp.backward_dw(2)
+    assert calls == [(), ()]
+    handle.remove()
+    mlp.backward_dw(1)
+    assert calls == [(), ()]
+
+
+def test_is_delayed_and_supports_keys_for_zbpp_te_and_plain_modules():
+    class FakeTEStore:  # the part of Transformer Engine's WeightGradStore that is_delayed reads
+        def __init__(self, delay):
+            self._delay = delay
+
+        def delay_wgrad_compute(self):
+            return self._delay
+
+    class FakeTELinear(nn.Module):
+        def __init__(self, delay):
+            super().__init__()
+            self.wgrad_store = FakeTEStore(delay)
+
+    assert is_delayed(Linear(2, 2, delay_wgrad_compute=True)) and supports_keys(Linear(2, 2))
+    assert not is_delayed(LayerNormMLP(2, 4))
+    assert is_delayed(FakeTELinear(True)) and not is_delayed(FakeTELinear(False))
+    assert not supports_keys(FakeTELinear(True))
+    assert not is_delayed(nn.Linear(2, 2)) and not supports_keys(nn.Linear(2, 2))
+
+
+def test_parameter_names_follow_transformer_engine():
+    assert [n for n, _ in LayerNormMLP(4, 8).named_parameters()] == [
+        "layer_norm_weight",
+        "layer_norm_bias",
+        "fc1_weight",
+        "fc2_weight",
+        "fc1_bias",
+        "fc2_bias",
+    ]
+    assert [n for n, _ in LayerNormLinear(4, 8, normalization="RMSNorm").named_parameters()] == [
+        "layer_norm_weight",
+        "weight",
+        "bias",
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_gpu_delayed_equals_eager_bf16(name):
+    """On the GPU, where autograd runs B on its own thread and W runs on the caller's."""
+    torch.manual_seed(0)
+    eager = MAKERS[name](params_dtype=torch.bfloat16, device="cuda")
+    torch.manual_seed(0)
+    delayed = MAKERS[name](params_dtype=torch.bfloat16, device="cuda", delay_wgrad_compute=True)
+    xs = [torch.randn(64, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ye, dxe = run_pipeline_order(eager, xs)
+    yd, dxd = run_pipeline_order(delayed, xs, w_order=[0, 1, 2])
+    for j in range(3):
+        assert_same(ye[j], yd[j], f"output {j}")
+        assert_same(dxe[j], dxd[j], f"input grad {j}")
+    for (n, pe), pd in zip(eager.named_parameters(), delayed.parameters()):
+        assert_same(pe.grad, pd.grad, n)

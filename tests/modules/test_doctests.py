@@ -1,0 +1,26 @@
+"""The runnable examples in zbpp.modules' docstrings run and print what they say."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "zbpp.modules",
+    "zbpp.modules.base",
+    "zbpp.modules.context",
+    "zbpp.modules.fp8",
+    "zbpp.modules.layernorm_linear",
+    "zbpp.modules.layernorm_mlp",
+    "zbpp.modules.linear",
+    "zbpp.modules.wgrad_store",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no example"
+    assert result.failed == 0
