@@ -1,0 +1,175 @@
+"""The dp x pp cases, run inside each spawned rank (see test_dp_gloo.py).
+
+Every case trains two steps on its half of the batch per replica and compares, parameter by
+parameter, with one process running the whole plain model on the whole batch (`reference_grads`).
+Tolerance: rtol=1e-10, atol=1e-12. Everything is float64; the only differences are the order of
+summation (per-microbatch accumulation, the replica average) and a pre-division by dp=2, which is
+exact, so ~1e-15 relative is expected and 1e-10 leaves room without hiding a missing or doubled
+contribution (that is a factor of 2 somewhere).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zbpp.runtime.clip import clip_grad_norm_
+from zbpp.runtime.grad_reduce import GradReducer
+from zbpp.schedules import available, build
+
+from .doubles import KeyedLinear, TELikeLinear
+from .harness import MB, batch, execute, grad_of, make_groups, make_stage, reference_grads
+
+PP = 2
+M = 4  # microbatches per replica and step
+SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto", "zbv-auto"]
+MODEL_KINDS = ["plain", "zbpp", "zbpp-fused", "fp8-bias", "graph-replay", "te"]
+RTOL, ATOL = 1e-10, 1e-12
+BUCKET_MB = 400 / 2**20  # ~400 bytes: several buckets per stage, one weight (512 bytes) alone
+
+
+def case_names() -> list[str]:
+    return [f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + ["presence"]
+
+
+def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.allclose(a.cpu(), b.cpu(), rtol=RTOL, atol=ATOL)
+
+
+class _CountAllReduce:
+    """Counts all-reduces issued on `group` (wraps torch.distributed.all_reduce for one case)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group, self.calls, self._orig = group, 0, dist.all_reduce
+
+    def __enter__(self) -> "_CountAllReduce":
+        def counting(tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            if kw.get("group") is self.group:
+                self.calls += 1
+            return self._orig(tensor, *args, **kw)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._orig
+
+
+def _build(name: str) -> Any:
+    if name not in available():
+        return f"skip: schedule {name!r} is not registered (available: {', '.join(available())})"
+    try:
+        return build(name, num_ranks=PP, num_microbatches=M)
+    except (TypeError, ValueError) as exc:  # e.g. an auto schedule that needs options
+        return f"skip: build({name!r}, num_ranks={PP}, num_microbatches={M}) failed: {exc}"
+
+
+def run_case(sched_name: str, kind: str, groups: Any, device: str) -> list[str]:
+    sched = _build(sched_name)
+    if isinstance(sched, str):
+        return [sched]
+    fails: list[str] = []
+    modules = {s: make_stage(s, kind, device) for s in sched.stages_on(groups.pp_rank)}
+    reducer = GradReducer(modules, groups, bucket_size_mb=BUCKET_MB)
+    delayed = [m for st in modules.values() for m in st.modules() if isinstance(m, (KeyedLinear, TELikeLinear))]
+    for step in range(2):
+        for st in modules.values():
+            st.zero_grad(set_to_none=True)
+        hooks_before = [m.hook_calls for m in delayed]
+        x, y = batch(step, groups.dp * M * MB, device)
+        half = x.shape[0] // groups.dp
+        mine = slice(groups.dp_rank * half, (groups.dp_rank + 1) * half)
+        with _CountAllReduce(groups.dp_group) as counter:
+            execute(sched, modules, groups, reducer, x[mine], y[mine])
+        ref, _ = reference_grads(sched.num_stages, x, y)
+        where = f"step {step}"
+        for s, st in modules.items():
+            for n, p in st.named_parameters():
+                if not _close(grad_of(p), ref[s][n]):
+                    fails.append(f"{where}: stage {s} {n}: gradient differs from the whole-batch reference")
+        counts = reducer.reduce_counts()
+        if sorted(set(counts.values())) != [1]:
+            fails.append(f"{where}: reduce counts not all 1: {counts}")
+        if counter.calls != reducer.num_buckets * (groups.dp > 1):
+            fails.append(f"{where}: {counter.calls} all-reduces on the dp group for {reducer.num_buckets} buckets")
+        calls = [m.hook_calls - b for m, b in zip(delayed, hooks_before)]
+        expected = 0 if kind == "graph-replay" else M
+        if any(c != expected for c in calls):
+            fails.append(f"{where}: wgrad hooks fired {calls} times per module, expected {expected} each")
+        if kind == "fp8-bias":
+            for m in delayed:
+                if m.bias.grad is not None:
+                    fails.append(f"{where}: the consumed eager bias grad was recreated in .grad")
+    # Global norm, on the last step's gradients (reference: the whole model's gradients).
+    ref_all = [g for stage in ref for g in stage.values() if g is not None]
+    ref_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in ref_all))
+    total = clip_grad_norm_(modules, 0.5 * ref_norm, groups)
+    if not math.isclose(float(total), ref_norm, rel_tol=RTOL):
+        fails.append(f"global 2-norm {float(total)} != single-process {ref_norm}")
+    coef = 0.5 * ref_norm / (ref_norm + 1e-6)
+    for s, st in modules.items():
+        for n, p in st.named_parameters():
+            want = None if ref[s][n] is None else ref[s][n] * coef
+            if not _close(grad_of(p), want):
+                fails.append(f"after clipping: stage {s} {n} is not the reference gradient times {coef}")
+    ref_inf = max(float(g.abs().max()) for g in ref_all) * coef
+    total_inf = clip_grad_norm_(modules, 1e9, groups, norm_type=math.inf)
+    if not math.isclose(float(total_inf), ref_inf, rel_tol=RTOL):
+        fails.append(f"global inf-norm {float(total_inf)} != single-process {ref_inf}")
+    reducer.remove_hooks()
+    return fails
+
+
+def run_presence(groups: Any, device: str) -> list[str]:
+    """A gradient present on one replica only is averaged with zeros; one absent everywhere stays None."""
+    mod = torch.nn.Module()
+    mod.some = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64, device=device))
+    mod.none = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64, device=device))
+    mod.both = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64, device=device))
+    reducer = GradReducer({groups.pp_rank: mod}, groups)
+    reducer.start_step()
+    base = torch.arange(4, dtype=torch.float64, device=device) + 1
+    if groups.dp_rank == 0:
+        mod.some.grad = base.clone()
+    mod.both.grad = base * (groups.dp_rank + 1)
+    reducer.stage_backward_done(groups.pp_rank)
+    reducer.stage_wgrad_done(groups.pp_rank)
+    reducer.finish()
+    fails = []
+    if not _close(mod.some.grad, base / groups.dp):
+        fails.append(f"grad on replica 0 only: got {mod.some.grad}, expected {base / groups.dp}")
+    if mod.none.grad is not None:
+        fails.append("a gradient None on every replica became a tensor")
+    want = base * sum(range(1, groups.dp + 1)) / groups.dp
+    if not _close(mod.both.grad, want):
+        fails.append(f"grad on both replicas: got {mod.both.grad}, expected {want}")
+    return fails
+
+
+def worker(rank: int, world: int, names: list[str], device: str = "cpu") -> dict[str, list[str]]:
+    """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}."""
+    groups = make_groups(PP)
+    out: dict[str, list[str]] = {}
+    for name in names:
+        try:
+            if name == "presence":
+                out[name] = run_presence(groups, device)
+            else:
+                sched, kind = name.split("/")
+                out[name] = run_case(sched, kind, groups, device)
+        except Exception:  # the same error on every rank: record it and go on with the next case
+            out[name] = [traceback.format_exc()]
+        try:
+            dist.barrier()  # keep ranks in step between cases: a failure stays in its case
+        except Exception:  # an earlier failure left the ranks out of step: report what ran
+            out[name] = out.get(name, []) + ["the ranks fell out of step in this case:\n" + traceback.format_exc()]
+            for rest in names[names.index(name) + 1 :]:
+                out[rest] = [f"not run: case {name!r} left the ranks out of step"]
+            break
+    return out

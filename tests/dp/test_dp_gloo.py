@@ -1,0 +1,34 @@
+"""dp=2 x pp=2 on 4 gloo CPU ranks: every gradient equals one process on the whole batch.
+
+The 4 ranks are spawned once for this module; they run every (schedule, model kind) case of
+`cases.py` and report per case. See `cases.py` for what each case checks and the tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .cases import case_names, worker
+from .harness import spawn
+
+WORLD = 4  # dp=2 x pp=2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    per_rank = spawn(worker, WORLD, str(tmp_path_factory.mktemp("dp_gloo")), case_names())
+    merged: dict[str, list[str]] = {}
+    for rank, res in enumerate(per_rank):
+        for case, fails in res.items():
+            merged.setdefault(case, [])
+            merged[case] += [f if f.startswith("skip:") else f"rank {rank}: {f}" for f in fails]
+    return merged
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", case_names())
+def test_dp_pp_case(results: dict[str, list[str]], case: str) -> None:
+    fails = results[case]
+    if fails and all(f.startswith("skip:") for f in fails):
+        pytest.skip(fails[0][len("skip: "):])
+    assert not fails, "\n".join(fails)

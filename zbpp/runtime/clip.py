@@ -1,0 +1,124 @@
+"""Gradient-norm clipping over a whole pipeline.
+
+Each pipeline rank holds different parameters, so the global norm is the sum of every rank's local
+sum of squares (for the 2-norm), all-reduced over the *pipeline* group. Data-parallel replicas hold
+the same, already averaged gradients after `Pipeline.step`, so they are not summed again: that would
+count every parameter `dp` times.
+
+The gradient of a parameter is its ``main_grad`` when it has one (see `GradReducer`), else ``.grad``.
+
+>>> import torch
+>>> lin = torch.nn.Linear(2, 1, bias=False)
+>>> lin.weight.grad = torch.tensor([[3.0, 4.0]])
+>>> float(clip_grad_norm_(lin, 1.0))
+5.0
+>>> [round(v, 4) for v in lin.weight.grad.flatten().tolist()]
+[0.6, 0.8]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _parameters(source: Any) -> list[torch.Tensor]:
+    """Unique parameters of a Pipeline / module (anything with ``parameters()``), a mapping of stage
+    modules, or an iterable of tensors."""
+    if isinstance(source, torch.Tensor):
+        items: Iterable[Any] = [source]
+    elif callable(getattr(source, "parameters", None)):
+        items = source.parameters()
+    elif isinstance(source, Mapping):
+        items = (p for m in source.values() for p in m.parameters())
+    else:
+        items = source
+    seen: set[int] = set()
+    out = []
+    for p in items:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"clip_grad_norm_: expected parameters, got a {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor | None:
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
+def _pp_group(source: Any, groups: Any) -> tuple[Any, int]:
+    """The group to sum over, and its size. Without groups: the source's, else the whole world."""
+    if groups is None:
+        groups = getattr(source, "groups", None)
+    if groups is not None:
+        return groups.pp_group, int(groups.pp)
+    if dist.is_available() and dist.is_initialized():
+        return None, dist.get_world_size()
+    return None, 1
+
+
+def clip_grad_norm_(
+    pipeline_or_params: Any,
+    max_norm: float,
+    groups: Any = None,
+    *,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale this rank's gradients so that the norm over the whole pipeline is at most `max_norm`.
+
+    Every rank of every pipeline must call it (it all-reduces over the pipeline group), after the
+    step's gradients are final and averaged. Returns the total norm before clipping (an fp32 or fp64
+    scalar tensor, the same on every rank), like `torch.nn.utils.clip_grad_norm_`.
+
+    Args:
+        pipeline_or_params: a `Pipeline` or module (anything with ``parameters()``), a mapping
+            ``{stage: module}``, or an iterable of parameters: this rank's share of the model.
+        max_norm: the largest allowed norm.
+        groups: a `ParallelGroups`; defaults to ``pipeline.groups``, else the whole world is one
+            pipeline (no data parallelism).
+        norm_type: p of the p-norm, ``math.inf`` for the max norm.
+        error_if_nonfinite: raise if the total norm is NaN or infinite.
+
+    A parameter shared by two pipeline ranks (tied embeddings on the first and last rank) is
+    counted on both; untie it or exclude one copy from the parameters you pass.
+    """
+    if max_norm < 0 or math.isnan(max_norm):
+        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be > 0 (or math.inf), got {norm_type!r}")
+    grads = [g for g in map(_grad, _parameters(pipeline_or_params)) if g is not None]
+    group, size = _pp_group(pipeline_or_params, groups)
+    if grads:
+        device = grads[0].device
+        acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    else:  # this rank has no gradient but must still join the collective
+        cuda = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        acc = torch.float32
+    inf = math.isinf(norm_type)
+    local = torch.zeros((), dtype=acc, device=device)
+    for g in grads:
+        n = torch.linalg.vector_norm(g.to(acc), norm_type).to(device)
+        local = torch.maximum(local, n) if inf else local + n**norm_type
+    if size > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    total = local if inf else local ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total {norm_type}-norm of the gradients is {float(total)}; "
+            "pass error_if_nonfinite=False to clip anyway"
+        )
+    # torch's formula: scale by min(1, max_norm / (norm + 1e-6)), always, so there is no host sync.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(device=g.device, dtype=g.dtype))
+    return total
