@@ -1,0 +1,99 @@
+"""Pipeline and data-parallel process groups from the default world.
+
+Rank layout (fixed, documented, relied on by `Pipeline` and `GradReducer`)::
+
+    global rank = dp_rank * pp + pp_rank
+
+so one pipeline is ``pp`` consecutive global ranks. Under torchrun with ``--nproc-per-node=G`` and
+``pp <= G`` (``G % pp == 0``), every pipeline stays inside one node (its point-to-point traffic
+uses NVLink) and the data-parallel all-reduces cross nodes. Example for world 8, ``pp=4``::
+
+    pipeline (dp_rank) 0: global ranks 0 1 2 3      data-parallel group of pp_rank 0: 0 4
+    pipeline (dp_rank) 1: global ranks 4 5 6 7      data-parallel group of pp_rank 3: 3 7
+
+Every rank must construct `ParallelGroups` with the same ``pp`` (it calls ``new_group``, which is
+collective over the default group).
+
+>>> # under torchrun --nproc-per-node=4 (not run here):
+>>> # groups = ParallelGroups(pp=2)
+>>> # groups.pp_rank, groups.dp_rank, groups.pp_peer(1)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ParallelGroups"]
+
+
+class ParallelGroups:
+    """Split the default process group into pipelines of `pp` ranks and data-parallel replicas.
+
+    Attributes:
+        pp: ranks per pipeline.
+        dp: number of data-parallel replicas (``world_size // pp``).
+        pp_rank: this rank's position in its pipeline (the ``rank`` of a `Schedule`).
+        dp_rank: which replica (pipeline) this rank belongs to.
+        pp_group: the process group of this rank's pipeline (the default group when ``dp == 1``).
+        dp_group: the process group of the ranks holding the same pipeline position in every replica
+            (a group of one rank when ``dp == 1``).
+        world_size, rank: of the default group.
+
+    Raises `ValueError` when the world size is not a multiple of `pp`, naming both, and
+    `RuntimeError` when torch.distributed is not initialized.
+    """
+
+    def __init__(self, pp: int) -> None:
+        import torch.distributed as dist
+
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(f"ParallelGroups(pp=...) needs an integer >= 1, got {pp!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ParallelGroups needs torch.distributed to be initialized first "
+                "(e.g. torch.distributed.init_process_group() under torchrun, or zbpp.runtime.init_distributed())"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % pp:
+            raise ValueError(
+                f"world size {world} is not divisible by pp={pp}: a data-parallel layout needs "
+                f"world_size = pp * dp (choose pp among {[d for d in range(1, world + 1) if world % d == 0]})"
+            )
+        self.pp = pp
+        self.dp = world // pp
+        self.world_size = world
+        self.rank = rank
+        self.pp_rank = rank % pp
+        self.dp_rank = rank // pp
+        # new_group is collective over the default group: every rank creates every group, in one order.
+        if self.dp == 1:
+            self.pp_group: Any = dist.group.WORLD
+        else:
+            self.pp_group = None
+            for d in range(self.dp):
+                g = dist.new_group([d * pp + r for r in range(pp)])
+                if d == self.dp_rank:
+                    self.pp_group = g
+        self.dp_group: Any = None
+        for r in range(pp):
+            g = dist.new_group([d * pp + r for d in range(self.dp)])
+            if r == self.pp_rank:
+                self.dp_group = g
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """The global rank of position `pp_rank` in this rank's pipeline."""
+        if not 0 <= pp_rank < self.pp:
+            raise ValueError(f"pp_rank {pp_rank} outside 0..{self.pp - 1}")
+        return self.dp_rank * self.pp + pp_rank
+
+    def dp_peer(self, dp_rank: int) -> int:
+        """The global rank of replica `dp_rank` at this rank's pipeline position."""
+        if not 0 <= dp_rank < self.dp:
+            raise ValueError(f"dp_rank {dp_rank} outside 0..{self.dp - 1}")
+        return dp_rank * self.pp + self.pp_rank
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelGroups(pp={self.pp}, dp={self.dp}, rank={self.rank}, "
+            f"pp_rank={self.pp_rank}, dp_rank={self.dp_rank})"
+        )

@@ -1,0 +1,54 @@
+"""Initialise torch.distributed for a pipeline, from torchrun's environment, with a timeout.
+
+The process-group timeout is what turns a dead or stuck peer into an error instead of a hang (gloo:
+the receive fails; NCCL: the watchdog aborts), so it is an explicit argument here.
+
+    # torchrun --nproc-per-node=2 train.py
+    from zbpp.runtime import init_distributed
+    backend = init_distributed(timeout=120)      # "nccl" with one GPU per process, else "gloo"
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed", "default_backend"]
+
+
+def default_backend() -> str:
+    """"nccl" when every local process can have its own CUDA device, else "gloo"."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def init_distributed(backend: str | None = None, *, timeout: float = 600.0) -> str:
+    """Initialise the default process group from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (torchrun sets them); on NCCL also select the GPU ``LOCAL_RANK``.
+
+    Args:
+        backend: "nccl", "gloo" or None for `default_backend`.
+        timeout: seconds an operation may wait for a peer before it fails.
+
+    Returns the backend. Does nothing but return it if the group is already initialised.
+    """
+    if dist.is_initialized():
+        return dist.get_backend()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(
+                f"init_distributed: environment variable {var} is not set; launch with torchrun "
+                "(e.g. torchrun --nproc-per-node=2 script.py)"
+            )
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # No device_id: NCCL communicators are created lazily per pair of ranks, which the plan's one
+    # order of operations keeps deadlock-free (an eager, shared communicator works too).
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return backend

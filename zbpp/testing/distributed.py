@@ -1,0 +1,343 @@
+"""Run a function on N ranks: spawned processes with a process group (gloo on CPU, or NCCL).
+
+Three ways in, from the most to the least reuse:
+
+1. A pool, started once and given many functions (what a test module with many cases wants)::
+
+       from zbpp.testing import Workers
+       with Workers(4) as workers:                 # 4 gloo ranks, process group initialised
+           results = workers.run(check_case, "zb-h1", 8)   # check_case(...) on every rank
+           results = workers.run(check_case, "1f1b", 4)    # same processes, no new spawn
+
+   In pytest, the plugin's ``zbpp_workers`` fixture hands out such pools (one per test module)::
+
+       def test_cases(zbpp_workers):
+           zbpp_workers(4).run(check_case, "zb-h1", 8)
+
+2. One call: ``run_distributed(check_case, 4, args=("zb-h1", 8))``.
+
+3. A decorator for a test whose body runs on every rank::
+
+       @distributed(world_size=2)
+       def test_allreduce():
+           t = torch.ones(1); dist.all_reduce(t); assert t.item() == 2
+
+The function runs in every rank with ``torch.distributed`` initialised (``dist.get_rank()``,
+``dist.get_world_size()``; ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are set; on NCCL the current
+CUDA device is ``rank % device_count``). It must be importable by name (defined at module level),
+as must its arguments and return value (they are pickled). `run` returns every rank's return value,
+in rank order.
+
+Failures: if any rank raises, `run` raises `DistributedTestError` with every rank's traceback. A
+rank that raised usually leaves its peers waiting for it; they get `grace` seconds to finish or
+fail, then their Python stacks are dumped (so you see where they wait) and the pool is killed; a
+rank that dies (segfault, ``os._exit``) is reported with its exit code; a run longer than
+`timeout` seconds is stopped the same way. A killed pool restarts on its next `run`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import importlib
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+__all__ = ["Workers", "DistributedTestError", "run_distributed", "distributed", "gpus_available"]
+
+
+class DistributedTestError(AssertionError):
+    """Some rank failed; `failures` maps each failing rank to its report (traceback, stack or exit)."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+def gpus_available(n: int) -> bool:
+    """True when NCCL can run `n` ranks here (at least `n` CUDA devices)."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() >= n and dist.is_nccl_available()
+
+
+@dataclass(frozen=True)
+class _FunctionRef:
+    """A function named by module and qualified name; resolves to the undecorated function."""
+
+    module: str
+    qualname: str
+
+    def resolve(self) -> Callable[..., Any]:
+        obj: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return getattr(obj, "__zbpp_body__", obj)
+
+
+def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump_path: str,
+                 pg_timeout: float, threads: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dump = open(dump_path, "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
+        conn.send(("ready", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            break
+        if job is None:
+            break
+        try:
+            fn, args, kwargs = job
+            if isinstance(fn, _FunctionRef):
+                fn = fn.resolve()
+            reply = ("ok", fn(*args, **kwargs))
+            conn.send(reply)
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            conn.send(("error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+
+
+class Workers:
+    """A pool of `world_size` rank processes with an initialised process group.
+
+    Args:
+        world_size: ranks to spawn.
+        backend: "gloo" (CPU) or "nccl" (needs `world_size` GPUs; see `gpus_available`).
+        timeout: default seconds a `run` may take before it is stopped.
+        pg_timeout: the process group's timeout (seconds); default `timeout`.
+        grace: seconds the other ranks get after one rank failed, before they are stopped.
+        threads: torch threads per rank (default 1: ranks share the machine's cores).
+        env: extra environment variables for the ranks.
+    """
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 300.0,
+                 pg_timeout: float | None = None, grace: float = 5.0, threads: int = 1,
+                 env: dict[str, str] | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and not gpus_available(world_size):
+            raise RuntimeError(f"NCCL with {world_size} ranks needs {world_size} CUDA GPUs")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.pg_timeout = pg_timeout if pg_timeout is not None else timeout
+        self.grace = grace
+        self.threads = threads
+        self.env = dict(env or {})
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._store: Any = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return bool(self._procs)
+
+    def start(self, *, timeout: float = 180.0) -> "Workers":
+        """Spawn the ranks and wait until their process group is up (done by `run` when needed)."""
+        if self._procs:
+            return self
+        import torch.distributed as dist
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="zbpp-workers-")
+        # The parent hosts the rendezvous store on a free port the OS picks: no port race.
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.pg_timeout))
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, self.backend, self._store.port, child, self._dump_path(rank),
+                      self.pg_timeout, self.threads, self.env),
+                name=f"zbpp-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        replies = self._collect("start", timeout)
+        failures = {r: rep for r, (kind, rep) in replies.items() if kind != "ok"}
+        if failures:
+            self._fail("starting the process group", failures)
+        return self
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force)."""
+        for c in self._conns:
+            try:
+                c.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def __enter__(self) -> "Workers":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        self.start()
+        for c in self._conns:
+            c.send((fn, args, kwargs))
+        replies = self._collect(getattr(fn, "__name__", repr(fn)), timeout if timeout is not None else self.timeout)
+        failures = {r: rep for r, (kind, rep) in replies.items() if kind != "ok"}
+        if failures:
+            self._fail(f"running {getattr(fn, '__qualname__', fn)!r}", failures)
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def _collect(self, what: str, timeout: float) -> dict[int, tuple[str, Any]]:
+        """Every rank's reply: ("ok", value) or ("error", text) / ("died", text) / ("stuck", text)."""
+        replies: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        first_failure: float | None = None
+        while len(replies) < self.world_size:
+            now = time.monotonic()
+            limit = deadline if first_failure is None else min(deadline, first_failure + self.grace)
+            if now >= limit:
+                break
+            waiting = {}
+            for r in range(self.world_size):
+                if r not in replies:
+                    waiting[self._conns[r]] = r
+                    waiting[self._procs[r].sentinel] = r
+            for obj in mpc.wait(list(waiting), timeout=limit - now):
+                r = waiting[obj]
+                if r in replies:
+                    continue
+                conn = self._conns[r]
+                if conn.poll():
+                    try:
+                        kind, value = conn.recv()
+                    except (EOFError, OSError):
+                        kind, value = "died", None
+                    except Exception:  # noqa: BLE001 - e.g. a result that cannot be unpickled here
+                        kind, value = "error", "the result could not be unpickled:\n" + traceback.format_exc()
+                    if kind == "ready":
+                        kind = "ok"
+                else:
+                    kind, value = "died", None
+                if kind == "died":
+                    self._procs[r].join(1)
+                    value = f"process exited with code {self._procs[r].exitcode} without reporting"
+                replies[r] = (kind, value)
+                if kind != "ok" and first_failure is None:
+                    first_failure = time.monotonic()
+        missing = [r for r in range(self.world_size) if r not in replies]
+        if missing:
+            stacks = self._stacks(missing)
+            why = (f"no result within {self.grace:g} s after another rank failed" if first_failure is not None
+                   else f"no result within the timeout of {timeout:g} s")
+            for r in missing:
+                replies[r] = ("stuck", f"{why} ({what}); its Python stacks:\n{stacks.get(r, '(unavailable)')}")
+        return replies
+
+    def _stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except (OSError, ProcessLookupError):
+                pass
+        time.sleep(1.0)
+        out = {}
+        for r in ranks:
+            try:
+                with open(self._dump_path(r)) as fh:
+                    out[r] = fh.read()[-6000:] or "(empty)"
+            except OSError:
+                out[r] = "(unavailable)"
+        return out
+
+    def _fail(self, what: str, failures: dict[int, str]) -> None:
+        self._kill()  # a failed rank may leave its peers and the process group in any state
+        lines = [f"{len(failures)} of {self.world_size} ranks failed {what} (backend {self.backend}):"]
+        for r in sorted(failures):
+            lines.append(f"--- rank {r}:\n{str(failures[r]).rstrip()}")
+        raise DistributedTestError("\n".join(lines), dict(failures))
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+        self._store = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _dump_path(self, rank: int) -> str:
+        assert self._tmp is not None
+        return os.path.join(self._tmp.name, f"stacks-rank{rank}.txt")
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: dict | None = None,
+                    backend: str = "gloo", timeout: float = 300.0, **options: Any) -> list[Any]:
+    """Spawn `world_size` ranks, run ``fn(*args, **kwargs)`` on each, stop them; results in rank order.
+
+    `options` go to `Workers` (``pg_timeout``, ``grace``, ``threads``, ``env``).
+    """
+    with Workers(world_size, backend=backend, timeout=timeout, **options) as workers:
+        return workers.run(fn, *args, **(kwargs or {}))
+
+
+def distributed(world_size: int = 2, *, backend: str = "gloo", timeout: float = 300.0, **options: Any) -> Callable:
+    """Decorator: calling the function runs its body on `world_size` fresh ranks (see the module
+    docstring) and returns None (a test's return value); use `run_distributed` for results. The
+    function must be defined at module level; pytest fixtures it asks for are passed to every rank
+    (they must pickle). For NCCL, combine with a skip when `gpus_available` is False."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., None]:
+        ref = _FunctionRef(fn.__module__, fn.__qualname__)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            run_distributed(ref, world_size, args=args, kwargs=kwargs, backend=backend, timeout=timeout, **options)
+
+        wrapper.__zbpp_body__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    return deco
