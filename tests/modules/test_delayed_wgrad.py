@@ -355,7 +355,7 @@ def test_dtype_mismatch_names_both_dtypes():
 
 
 def test_megatron_style_dummy_grad_with_fused_accumulation():
-    """TE's convention: a weight carrying `grad_added_to_main_grad` is flagged and its hooks fire."""
+    """TE's convention: a weight with `grad_added_to_main_grad` is flagged and its hooks fire."""
     layer = Linear(4, 4, fuse_wgrad_accumulation=True)
     layer.weight.main_grad = torch.zeros(4, 4)
     layer.weight.grad_added_to_main_grad = False

@@ -333,7 +333,8 @@ def mlp_fp8_case(*, device="cpu", accumulation=None):
     e_g1 = fb.cast_error(dh1, s["fc1_grad_output"], E5M2, upstream=e_dh1)
     _check("fc1 weight grad", mlp.fc1_weight.grad, dh1.t() @ ln,
            fb.gemm_error(dh1.t(), ln, e_g1.t(), e_a1, **kw), min_rel_err=1e-3)
-    db1_bound = e_dh1.sum(0) + fb.gamma(t) * (dh1.abs() + e_dh1).sum(0) + 2.0**-24 * dh1.sum(0).abs()
+    db1_bound = (e_dh1.sum(0) + fb.gamma(t) * (dh1.abs() + e_dh1).sum(0)
+                 + 2.0**-24 * dh1.sum(0).abs())
     _check("fc1 bias grad", mlp.fc1_bias.grad, dh1.sum(0), db1_bound)
 
 
@@ -409,3 +410,19 @@ def test_gpu_layernorm_mlp_fp8_within_bound():
     fp8mod.reset_gemm_path_counts()
     mlp_fp8_case(device="cuda", accumulation=_hopper_accumulation(64))
     assert gemm_path_counts()["dequantized"] == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_compiled_cast_equals_eager_cast(dtype):
+    """On CUDA the cast runs through torch.compile; it must give the eager cast's bits."""
+    x = (100 * torch.randn(96, 80, device="cuda")).to(dtype)
+    scale = torch.tensor(3.7, device="cuda")
+    compiled = torch.compile(fp8mod._cast_eager, dynamic=True)  # raises if it cannot compile
+    for f8 in (E4M3, E5M2):
+        fmax = torch.finfo(f8).max
+        want = fp8mod._cast_eager(x, scale, fmax, f8, True)
+        got = compiled(x, scale, fmax, f8, True)
+        for w, g in zip(want, got):
+            assert torch.equal(w.float(), g.float())

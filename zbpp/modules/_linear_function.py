@@ -91,9 +91,12 @@ class _LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x, weight)
             return F.linear(x, weight, bias)
         s = call.fp8
-        xq = quantize(x, s.input, s.recipe)
-        wq = quantize(weight, s.weight, s.recipe)
-        ctx.save_for_backward(xq.data, xq.scale_inv, wq.data, wq.scale_inv)
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        # The backward needs x^T (wgrad) and W^T (dgrad), row-major: cast and transpose at once,
+        # and keep only those.
+        xq = quantize(x, s.input, s.recipe, transpose=need_dw)
+        wq = quantize(weight, s.weight, s.recipe, transpose=need_dx)
+        ctx.save_for_backward(xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv)
         return fp8_gemm_nt(xq, wq, out_dtype=x.dtype, bias=bias)
 
     @staticmethod
@@ -111,25 +114,29 @@ class _LinearFunction(torch.autograd.Function):
                 out = []
                 if need_dw:
                     dw = dy.t().mm(x)
-                    out.append(GradOut(call.weight_name, call.weight, dw, call.fuse_wgrad_accumulation))
+                    fused = call.fuse_wgrad_accumulation
+                    out.append(GradOut(call.weight_name, call.weight, dw, fused))
                 if need_db:
                     out.append(GradOut(call.bias_name, call.bias, dy.sum(0), False))
                 return out
 
         else:
             s = call.fp8
-            x_data, x_sinv, w_data, w_sinv = ctx.saved_tensors
-            dyq = quantize(dy, s.grad_output, s.recipe)
+            x_t, x_sinv, w_t, w_sinv = ctx.saved_tensors
+            dyq = quantize(dy, s.grad_output, s.recipe, transpose=need_dw)
             if need_dx:
-                dx = fp8_gemm_nt(dyq, Quantized(w_data, w_sinv).t(), out_dtype=dy.dtype)
+                dx = fp8_gemm_nt(dyq, Quantized(w_t, w_sinv), out_dtype=dy.dtype)
             if need_db:
                 db = dy.sum(0)  # eagerly, from the high-precision dy: the job yields none
             wgrad_dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
+            # the job keeps only dy^T (not dy) until W
+            dy_t = Quantized(dyq.data_t, dyq.scale_inv) if need_dw else None
+            del dyq
 
             def job() -> list[GradOut]:
                 if not need_dw:
                     return []
-                dw = fp8_gemm_nt(dyq.t(), Quantized(x_data, x_sinv).t(), out_dtype=wgrad_dtype)
+                dw = fp8_gemm_nt(dy_t, Quantized(x_t, x_sinv), out_dtype=wgrad_dtype)
                 out = [GradOut(call.weight_name, call.weight, dw, call.fuse_wgrad_accumulation)]
                 if call.bias is not None:
                     out.append(GradOut(call.bias_name, call.bias, None, False))

@@ -170,18 +170,25 @@ class ScalingMeta:
 
 @dataclass(frozen=True)
 class Quantized:
-    """An FP8 tensor: ``value = data.float() * scale_inv`` (scale_inv: float32, 0-d)."""
+    """An FP8 tensor: ``value = data.float() * scale_inv`` (scale_inv: float32, 0-d).
+
+    ``data_t``, when present, is the same values transposed and row-major (made in the cast, the
+    way Transformer Engine's cast-transpose does, because FP8 GEMMs on Hopper take row-major
+    operands only).
+    """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
+    data_t: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
 
     def t(self) -> Quantized:
-        """The transpose, materialised row-major (what `fp8_gemm_nt` wants)."""
-        return Quantized(self.data.t().contiguous(), self.scale_inv)
+        """The transpose, row-major (what `fp8_gemm_nt` wants)."""
+        data_t = self.data.t().contiguous() if self.data_t is None else self.data_t
+        return Quantized(data_t, self.scale_inv, self.data)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented values (exact in float32: an FP8 value times a float32 scale)."""
@@ -189,14 +196,15 @@ class Quantized:
 
 
 def _cast_eager(
-    x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     # The product is formed in float32 so the value is rounded once, by the FP8 cast.
     data = (x.to(torch.float32) * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    data_t = data.t().contiguous() if transpose else None
     if x.numel() == 0:
-        return data, torch.zeros((), dtype=torch.float32, device=x.device)
+        return data, data_t, torch.zeros((), dtype=torch.float32, device=x.device)
     lo, hi = torch.aminmax(x)
-    return data, torch.maximum(hi, -lo).to(torch.float32)
+    return data, data_t, torch.maximum(hi, -lo).to(torch.float32)
 
 
 # On CUDA the cast above is five memory-bound passes; one fused kernel from torch.compile keeps
@@ -205,21 +213,27 @@ _compiled_cast: Callable | None = None
 _compile_state = {"enabled": os.environ.get("ZBPP_FP8_COMPILE", "1") != "0"}
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype):
+def _cast(
+    x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
+):
     global _compiled_cast
     if x.is_cuda and _compile_state["enabled"]:
         try:
             if _compiled_cast is None:
                 _compiled_cast = torch.compile(_cast_eager, dynamic=True)
-            return _compiled_cast(x, scale, fp8_max, dtype)
+            return _compiled_cast(x, scale, fp8_max, dtype, transpose)
         except Exception as err:  # no triton, no compiler, ...: eager is correct, only slower
             _compile_state["enabled"] = False
             warnings.warn(f"zbpp FP8: torch.compile of the cast failed ({err}); using eager ops")
-    return _cast_eager(x, scale, fp8_max, dtype)
+    return _cast_eager(x, scale, fp8_max, dtype, transpose)
 
 
-def quantize(x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling) -> Quantized:
+def quantize(
+    x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling, *, transpose: bool = False
+) -> Quantized:
     """Cast `x` to ``meta.dtype`` with the slot's current scale, then step the slot's history.
+
+    With `transpose` (2-D `x` only) the result also carries its transpose (``data_t``).
 
     >>> import torch
     >>> meta = ScalingMeta(torch.float8_e4m3fn, history_len=2)
@@ -227,9 +241,9 @@ def quantize(x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling) -> Quan
     448.0
     """
     scale_inv = meta.scale.reciprocal()  # the scale used for this cast, before the update
-    data, amax = _cast(x.detach(), meta.scale, meta.fp8_max, meta.dtype)
+    data, data_t, amax = _cast(x.detach(), meta.scale, meta.fp8_max, meta.dtype, transpose)
     meta.update(amax, recipe)
-    return Quantized(data, scale_inv)
+    return Quantized(data, scale_inv, data_t)
 
 
 _counts: Counter[str] = Counter()

@@ -1,0 +1,216 @@
+"""zbpp.modules speed: FP8 against bf16, and the cost of delaying the weight gradient.
+
+A stack of ``--layers`` zbpp ``Linear(hidden, hidden)`` layers (bf16 parameters, bias on) runs one
+training step per measurement, ``--tokens`` rows of input that requires grad (as in a pipeline
+stage, so every layer also computes its input gradient):
+
+- ``bf16 eager``        forward + backward (weight gradients inside the backward)
+- ``fp8 eager``         the same inside ``fp8_autocast`` (HYBRID, delayed scaling; the weights are
+                        cast afresh every step, as they are after every optimizer step)
+- ``bf16 delayed B+W``  forward, backward with ``delay_wgrad_compute=True`` (B), then
+                        ``backward_dw()`` of every layer (W)
+- ``fp8 delayed B+W``   the same in FP8
+
+Each step is timed with CUDA events (``time.perf_counter`` on CPU); the cases are interleaved
+over ``--rounds`` rounds and the median is reported, with TFLOP/s (6 T h^2 per layer) and two
+ratios: FP8 speedup (bf16 eager / fp8 eager; target >= 1.6 at hidden 8192) and delay overhead
+(delayed B+W / eager - 1; target within 3%). The FP8 GEMM path counts say whether
+``torch._scaled_mm`` ran.
+
+On the GPU machine (one H200)::
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_modules.py --out $OUT/bench_modules.json
+
+CPU smoke run (small sizes, seconds)::
+
+    python benchmarks/bench_modules.py --quick --out /tmp/bench_modules.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from zbpp.modules import DelayedScaling, Linear, fp8_autocast  # noqa: E402
+from zbpp.modules import fp8 as fp8mod  # noqa: E402
+
+CASES = ("bf16 eager", "fp8 eager", "bf16 delayed B+W", "fp8 delayed B+W")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=8192, help="rows per step (sequence x batch)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=10, help="timed steps per case and round")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per case and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny CPU-sized smoke run")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.hidden, args.tokens, args.layers = 256, 256, 2
+        args.iters, args.warmup, args.rounds = 3, 1, 2
+    return args
+
+
+def make_stack(args: argparse.Namespace, *, delay: bool) -> list[Linear]:
+    torch.manual_seed(0)
+    return [
+        Linear(
+            args.hidden,
+            args.hidden,
+            delay_wgrad_compute=delay,
+            params_dtype=torch.bfloat16,
+            device=args.device,
+        )
+        for _ in range(args.layers)
+    ]
+
+
+def make_step(stack: list[Linear], x: torch.Tensor, *, fp8: bool) -> Callable[[], None]:
+    recipe = DelayedScaling(amax_history_len=16)
+    grad = torch.ones_like(x) / x.numel()  # a fixed output gradient: no loss kernel in the timing
+    delayed = stack[0].delay_wgrad_compute
+
+    def step() -> None:
+        h = x
+        with fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            for layer in stack:
+                h = layer(h)
+        h.backward(grad)
+        if delayed:
+            for layer in reversed(stack):  # W in the order a pipeline stage would run it
+                layer.backward_dw()
+
+    return step
+
+
+class Timer:
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        """Milliseconds of one call of `fn`."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
+
+
+def run(args: argparse.Namespace) -> dict:
+    x = torch.randn(args.tokens, args.hidden, device=args.device, dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    stacks = {False: make_stack(args, delay=False), True: make_stack(args, delay=True)}
+    steps = {
+        case: make_step(stacks["delayed" in case], x, fp8=case.startswith("fp8"))
+        for case in CASES
+    }
+    timer = Timer(args.device)
+    times: dict[str, list[float]] = {case: [] for case in CASES}
+    fp8mod.reset_gemm_path_counts()
+
+    def clear() -> None:
+        x.grad = None
+        for stack in stacks.values():
+            for layer in stack:
+                layer.zero_grad(set_to_none=True)
+
+    for _ in range(args.rounds):
+        for case, step in steps.items():
+            for i in range(args.warmup + args.iters):
+                clear()
+                ms = timer(step)
+                if i >= args.warmup:
+                    times[case].append(ms)
+    flop = 6 * args.tokens * args.hidden**2 * args.layers
+    results = []
+    for case in CASES:
+        med = statistics.median(times[case])
+        results.append(
+            {
+                "case": case,
+                "median_ms": med,
+                "min_ms": min(times[case]),
+                "max_ms": max(times[case]),
+                "tflops": flop / med / 1e9,
+                "samples": len(times[case]),
+            }
+        )
+    by = {r["case"]: r["median_ms"] for r in results}
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": results,
+        "ratios": {
+            "fp8_speedup": by["bf16 eager"] / by["fp8 eager"],
+            "delay_overhead_bf16": by["bf16 delayed B+W"] / by["bf16 eager"] - 1,
+            "delay_overhead_fp8": by["fp8 delayed B+W"] / by["fp8 eager"] - 1,
+        },
+        "fp8_gemm_paths": fp8mod.gemm_path_counts(),
+        "fp8_cast_compiled": bool(
+            args.device.startswith("cuda") and fp8mod._compile_state["enabled"]
+        ),
+        "env": {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "python": platform.python_version(),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+
+
+def print_table(report: dict) -> None:
+    cfg = report["config"]
+    print(
+        f"Linear stack: {cfg['layers']} x Linear({cfg['hidden']}, {cfg['hidden']}), "
+        f"{cfg['tokens']} tokens, bf16 params, on {report['env']['device']}"
+    )
+    print(f"{'case':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'TFLOP/s':>9}")
+    for r in report["results"]:
+        print(
+            f"{r['case']:<18} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} {r['max_ms']:>9.3f} "
+            f"{r['tflops']:>9.1f}"
+        )
+    q = report["ratios"]
+    print(f"FP8 speedup (bf16 eager / fp8 eager): {q['fp8_speedup']:.2f}x  (target >= 1.6x)")
+    print(
+        f"delay overhead (delayed B+W / eager - 1): bf16 {100 * q['delay_overhead_bf16']:+.1f}%, "
+        f"fp8 {100 * q['delay_overhead_fp8']:+.1f}%  (target within 3%)"
+    )
+    print(
+        f"FP8 GEMM paths: {report['fp8_gemm_paths']}; "
+        f"cast compiled: {report['fp8_cast_compiled']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = run(args)
+    print_table(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
