@@ -9,6 +9,7 @@ the way Transformer Engine tests ``delay_wgrad_compute``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 
 import pytest
@@ -483,3 +484,19 @@ def test_gpu_delayed_equals_eager_bf16(name):
         assert_same(dxe[j], dxd[j], f"input grad {j}")
     for (n, pe), pd in zip(eager.named_parameters(), delayed.parameters()):
         assert_same(pe.grad, pd.grad, n)
+
+
+def test_deepcopy_keeps_flags_and_drops_pending_work():
+    layer = LayerNormMLP(8, 16, delay_wgrad_compute=True)
+    with microbatch(0):
+        layer(torch.randn(2, 8)).sum().backward()
+    twin = copy.deepcopy(layer)
+    assert twin.pending_wgrad_keys() == [] and layer.pending_wgrad_keys() == [0]
+    assert [getattr(p, "skip_backward_post_hook", False) for p in twin.parameters()] == [
+        getattr(p, "skip_backward_post_hook", False) for p in layer.parameters()
+    ]
+    with microbatch(5):
+        twin(torch.randn(2, 8)).sum().backward()
+    twin.backward_dw(5)
+    layer.backward_dw(0)
+    assert twin.fc1_weight.grad is not None

@@ -9,7 +9,6 @@ treat zbpp layers and real Transformer Engine layers (FIFO ``backward_dw()`` onl
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from typing import Callable, Hashable
 
@@ -41,7 +40,7 @@ class DelayedWgradModule(nn.Module):
         self._delay = bool(delay_wgrad_compute)
         self._wgrad_store: WgradStore = WgradStore(owner=type(self).__name__)
         self._wgrad_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
-        self._auto_keys = itertools.count()
+        self._auto_keys = 0  # how many forwards ran outside any microbatch() block
         # False after an FP8 forward: there the bias gradients are computed during B.
         self._bias_grad_deferred = True
         self.fp8_meta: dict[str, ScalingMeta] = {}
@@ -59,6 +58,11 @@ class DelayedWgradModule(nn.Module):
         deferred = {id(p) for p in self.get_backward_dw_params()}
         for p in self._gemm_weights() + self._gemm_biases():
             p.skip_backward_post_hook = id(p) in deferred
+
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy and torch.load rebuild parameters without their Python attributes
+        super().__setstate__(state)
+        self._sync_param_flags()
 
     @property
     def delay_wgrad_compute(self) -> bool:
@@ -84,7 +88,8 @@ class DelayedWgradModule(nn.Module):
             self._sync_param_flags()
         key = current_microbatch()
         if key is None and self._delay:
-            key = AutoKey(next(self._auto_keys))
+            key = AutoKey(self._auto_keys)
+            self._auto_keys += 1
         return key, recipe
 
     def _slot(self, name: str, dtype: torch.dtype, recipe: DelayedScaling) -> ScalingMeta:

@@ -94,3 +94,11 @@ class WgradStore(Generic[Job]):
     def __len__(self) -> int:
         with self._lock:
             return len(self._jobs)
+
+    # A module holding a store must survive copy.deepcopy and torch.save: a lock cannot be copied,
+    # and pending jobs (closures over one autograd graph) mean nothing in a copy.
+    def __getstate__(self) -> dict:
+        return {"_owner": self._owner}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(owner=state["_owner"])
