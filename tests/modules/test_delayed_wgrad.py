@@ -326,6 +326,10 @@ def test_backward_dw_errors_say_what_is_wrong():
     layer.backward_dw(0)
     with pytest.raises(WgradStoreError, match="nothing pending for microbatch key 0"):
         layer.backward_dw(0)
+    with microbatch(1):
+        layer(torch.randn(2, 4)).sum().backward()
+    layer.discard_wgrad()  # after a failed step: nothing left to compute
+    assert layer.pending_wgrad_keys() == []
 
 
 def test_without_delay_backward_dw_is_a_noop():

@@ -180,6 +180,10 @@ class DelayedWgradModule(nn.Module):
         """Microbatch keys with a pending wgrad, in filing (B) order."""
         return self._wgrad_store.keys()
 
+    def discard_wgrad(self) -> None:
+        """Drop every pending wgrad job and the tensors it holds (e.g. after a failed step)."""
+        self._wgrad_store.clear()
+
     def get_backward_dw_params(self) -> list[nn.Parameter]:
         """The parameters whose gradient `backward_dw` produces (the very objects).
 
