@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 from torch.distributed.pipelining import schedules as S
 
-__all__ = ["fake_stages", "torch_schedule", "compute_only", "stage_to_rank", "lower_and_simulate", "TORCH_CLASSES"]
+__all__ = ["fake_stages", "torch_schedule", "compute_only", "flatten_overlaps", "stage_to_rank", "lower_and_simulate",
+           "TORCH_CLASSES"]
 
 #: name -> (class, stages per rank)
 TORCH_CLASSES: dict[str, tuple[type, int]] = {
@@ -56,6 +57,15 @@ def stage_to_rank(sched: Any) -> Callable[[int], int]:
 def compute_only(pipeline_order: dict[int, list[Any]]) -> dict[int, list[Any]]:
     """Drop idle steps (None) and non-compute actions (e.g. 1F1B's REDUCE_GRAD)."""
     return {r: [a for a in acts if a is not None and a.is_compute_op] for r, acts in pipeline_order.items()}
+
+
+def flatten_overlaps(actions: dict[int, list[Any]]) -> dict[int, list[Any]]:
+    """OVERLAP_F_B cells replaced by their sub-actions, in order.
+
+    torch's `_simulate_comms_compute` looks up the rank of such a cell's own stage index (-1) and
+    fails, even on torch's DualPipeV, so its simulator is given the flat form.
+    """
+    return {r: [s for a in acts for s in (a.sub_actions if a.sub_actions is not None else (a,))] for r, acts in actions.items()}
 
 
 def lower_and_simulate(actions: dict[int, list[Any]], to_rank: Callable[[int], int], num_stages: int) -> dict[int, list[Any]]:

@@ -1,0 +1,177 @@
+"""Scheduler speed: zbpp (build + simulate) against torch.distributed.pipelining (generate + lower + simulate).
+
+For each schedule pair and size, on one process and without a process group:
+
+- zbpp:  ``build(name, ...)`` then ``simulate(...)`` (start/end of every task, bubble rate and
+  memory per rank); ``validate(...)`` (counts, placement, deadlock check) is timed separately.
+- torch: the schedule class's own order generation (``_calculate_single_rank_operations`` for
+  every rank, plus ``_add_bubbles_to_actions`` for InterleavedZeroBubble; ``_get_pipeline_order``
+  for Schedule1F1B), its lowering ``_add_send_recv`` and its step simulator
+  ``_simulate_comms_compute`` (which computes neither times nor memory). DualPipeV's
+  ``OVERLAP_F_B`` cells are flattened into their two sub-actions first: torch's simulator looks up
+  the rank of the cell's own stage index (-1) and fails on them.
+
+Pairs: 1f1b / ScheduleInterleaved1F1B with one stage per rank (that is 1F1B; torch 2.14's
+Schedule1F1B._get_pipeline_order is not used because its last rank's order starts at F1 and
+cannot be lowered); interleaved-1f1b / ScheduleInterleaved1F1B with two stages per rank; zb-h1 / ScheduleInterleavedZeroBubble with one stage per rank (its
+ZB1P is ZB-H1); zb-v / ScheduleZBVZeroBubble and dualpipe-v / ScheduleDualPipeV when zbpp has
+them; and zbv-auto (build alone) against torch generating its ZBV schedule at p=32, m=256 when
+zbv-auto is registered. Each time is the best of --repeat runs.
+
+    python benchmarks/bench_scheduler.py                 # p in 4..32, m in 32..256
+    python benchmarks/bench_scheduler.py --quick --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.distributed.pipelining import schedules as S  # noqa: E402
+
+from tests.interop.torch_orders import compute_only, flatten_overlaps, stage_to_rank, torch_schedule  # noqa: E402
+from zbpp.schedules import Costs, Memory, available, build, simulate, validate  # noqa: E402
+
+# (zbpp name, zbpp options, torch class key of tests/interop/torch_orders.TORCH_CLASSES)
+PAIRS: list[tuple[str, dict[str, Any], str]] = [
+    ("1f1b", {}, "Interleaved1F1B"),
+    ("interleaved-1f1b", {"chunks": 2}, "Interleaved1F1B-2"),
+    ("zb-h1", {}, "InterleavedZeroBubble"),
+    ("zb-v", {}, "ZBVZeroBubble"),
+    ("dualpipe-v", {}, "DualPipeV"),
+]
+COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.0)
+MEMORY = Memory(activation=1.0, wgrad=1 / 3)
+
+
+def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Best wall time of `repeat` calls, with the garbage collector off while timing (as timeit)."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        out = None
+        gc.disable()
+        try:
+            t = time.perf_counter()
+            out = fn()
+            best = min(best, time.perf_counter() - t)
+        finally:
+            gc.enable()
+    return best, out
+
+
+def torch_generate(inst: Any, p: int) -> dict[int, list]:
+    """The class's own per-rank order generation, as its constructor runs it."""
+    if isinstance(inst, S.Schedule1F1B):
+        return compute_only(inst._get_pipeline_order())
+    inst.pipeline_order = {r: inst._calculate_single_rank_operations(r) for r in range(p)}
+    if isinstance(inst, S.ScheduleInterleavedZeroBubble):
+        inst.pipeline_order = inst._add_bubbles_to_actions(inst.n_local_stages * p)
+    # DualPipeV's OVERLAP_F_B cells become their two sub-actions: torch's simulator fails on them
+    return flatten_overlaps(compute_only(inst.pipeline_order))
+
+
+def bench_torch(torch_name: str, p: int, m: int, repeat: int) -> dict[str, float]:
+    inst = torch_schedule(torch_name, p, m)  # constructed once, untimed: we re-run its parts
+    to_rank = stage_to_rank(inst)
+    n = inst._num_stages
+    t_gen, order = best_of(repeat, lambda: torch_generate(inst, p))
+    t_lower, lowered = best_of(repeat, lambda: S._add_send_recv(copy.copy({r: list(a) for r, a in order.items()}), to_rank, n))
+    t_sim, _ = best_of(repeat, lambda: S._simulate_comms_compute(lowered, to_rank, n))
+    t_val, _ = best_of(repeat, lambda: S._validate_schedule(order, p, n, m))
+    return {"generate": t_gen, "lower": t_lower, "simulate": t_sim, "total": t_gen + t_lower + t_sim, "validate": t_val}
+
+
+def bench_zbpp(name: str, opts: dict[str, Any], p: int, m: int, repeat: int) -> dict[str, Any]:
+    t_build, sched = best_of(repeat, lambda: build(name, num_ranks=p, num_microbatches=m, **opts))
+    t_sim, res = best_of(repeat, lambda: simulate(sched, COSTS, MEMORY))
+    t_val, _ = best_of(repeat, lambda: validate(sched))
+    return {"build": t_build, "simulate": t_sim, "total": t_build + t_sim, "validate": t_val,
+            "tasks": sched.num_tasks, "bubble_rate": res.bubble_rate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
+    ap.add_argument("--repeat", type=int, default=None, help="best of N runs (default 3)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON to this file")
+    args = ap.parse_args(argv)
+    repeat = args.repeat or 3
+    gc.collect()
+    gc.freeze()  # torch's many objects out of the collector's way: timings see only our garbage
+    ps = [4, 8] if args.quick else [4, 8, 16, 32]
+    ms = [16, 32] if args.quick else [32, 64, 128, 256]
+    names = set(available())
+
+    rows: list[dict[str, Any]] = []
+    head = (f"{'zbpp':<16} {'torch':<22} {'p':>3} {'m':>4} {'tasks':>6} | {'build':>7} {'sim':>7} {'total':>7} "
+            f"{'valid.':>7} | {'gen':>7} {'lower':>7} {'sim':>7} {'total':>7} {'valid.':>7} | {'speedup':>7}")
+    print(f"times in ms, best of {repeat} | speedup = torch total (gen + lower + sim) / zbpp total (build + sim); "
+          "valid. (not in the totals) = zbpp validate / torch _validate_schedule")
+    print(head)
+    print("-" * len(head))
+    for zname, opts, tname in PAIRS:
+        if zname not in names:
+            print(f"{zname:<16} (not registered in zbpp yet: skipped)")
+            continue
+        for p in ps:
+            for m in ms:
+                if tname == "DualPipeV" and m < 2 * p:
+                    continue  # torch's DualPipeV needs m >= 2p
+                z = bench_zbpp(zname, opts, p, m, repeat)
+                t = bench_torch(tname, p, m, repeat)
+                row = {"zbpp": zname, "torch": tname, "p": p, "m": m, "zbpp_times": z, "torch_times": t,
+                       "speedup": t["total"] / z["total"]}
+                rows.append(row)
+                print(f"{zname:<16} {tname:<22} {p:>3} {m:>4} {z['tasks']:>6} | {z['build'] * 1e3:>7.2f} "
+                      f"{z['simulate'] * 1e3:>7.2f} {z['total'] * 1e3:>7.2f} {z['validate'] * 1e3:>7.2f} | "
+                      f"{t['generate'] * 1e3:>7.2f} {t['lower'] * 1e3:>7.2f} {t['simulate'] * 1e3:>7.2f} "
+                      f"{t['total'] * 1e3:>7.2f} {t['validate'] * 1e3:>7.2f} | {row['speedup']:>6.1f}x", flush=True)
+
+    auto = None
+    if "zbv-auto" in names:
+        p, m = (8, 32) if args.quick else (32, 256)
+        t_auto, sched = best_of(repeat, lambda: build("zbv-auto", num_ranks=p, num_microbatches=m, costs=COSTS, memory=MEMORY))
+        inst = torch_schedule("ZBVZeroBubble", p, m)
+        t_gen, _ = best_of(repeat, lambda: torch_generate(inst, p))
+        t_ctor, _ = best_of(repeat, lambda: torch_schedule("ZBVZeroBubble", p, m))
+        auto = {"p": p, "m": m, "zbv_auto_build": t_auto, "torch_zbv_generate": t_gen, "torch_zbv_construct": t_ctor,
+                "bubble_rate": simulate(sched, COSTS, MEMORY).bubble_rate}
+        print(f"\nzbv-auto build p={p} m={m}: {t_auto * 1e3:.1f} ms | torch ZBV generate {t_gen * 1e3:.1f} ms, "
+              f"constructor (generate + lower) {t_ctor * 1e3:.1f} ms | ratio torch generate / zbv-auto "
+              f"{t_gen / t_auto:.2f}x")
+    else:
+        print("\nzbv-auto: not registered in zbpp yet (skipped)")
+
+    if rows:
+        worst = min(rows, key=lambda r: r["speedup"])
+        print(f"\nslowest ratio: {worst['speedup']:.1f}x ({worst['zbpp']} p={worst['p']} m={worst['m']}); target >= 3x")
+    if args.out:
+        doc = {
+            "benchmark": "bench_scheduler",
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "repeat": repeat,
+            "rows": rows,
+            "zbv_auto": auto,
+        }
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
