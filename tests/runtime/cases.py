@@ -1,0 +1,302 @@
+"""What every rank runs in the runtime tests (module-level functions, so the harness can ship them).
+
+Each check builds this rank's stages and a full single-process reference from the same seeds,
+runs `Pipeline.step`, and compares with the reference: the loss (on the rank holding the last
+stage), every parameter's gradient, and, after two SGD steps, every parameter.
+
+Tolerance: float32, ``rtol=1e-5, atol=1e-6`` on CPU. The pipeline sums per-microbatch gradients
+(each scaled by rows_j / rows) where the reference does one whole-batch GEMM, so the two differ
+only by float32 rounding of a different summation order (a few ulp, ~1e-7 relative per add). Any
+logic error (a lost or doubled microbatch, a wrong weight, a wrong pairing of microbatches) moves
+gradients by far more (>= 1/m relative). On CUDA the GEMM kernels differ with the batch size,
+so the bound there is ``rtol=1e-4, atol=1e-5``.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zbpp import Pipeline
+from zbpp.schedules import Schedule, build, options_of
+
+from .models import loss_fn, make_batch, make_stage, reference_step
+
+LR, MOMENTUM = 0.1, 0.9
+
+
+def tolerance(device: torch.device) -> dict[str, float]:
+    return {"rtol": 1e-4, "atol": 1e-5} if device.type == "cuda" else {"rtol": 1e-5, "atol": 1e-6}
+
+
+def device_for_rank() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_schedule(name: str, p: int, m: int) -> Schedule:
+    opts = {"chunks": 2} if "chunks" in options_of(name) else {}
+    return build(name, num_ranks=p, num_microbatches=m, **opts)
+
+
+def _close(what: str, got: torch.Tensor | None, want: torch.Tensor | None, tol: dict[str, float]) -> float:
+    if got is None or want is None:
+        assert got is None and want is None, f"{what}: got {got is not None and 'a tensor'} vs reference {want is not None and 'a tensor'}"
+        return 0.0
+    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
+    return float((got - want).abs().max())
+
+
+def run_case(sched: Schedule, rows: int, kind: str, *, steps: int = 2, pipe_kwargs: dict | None = None) -> float:
+    """Train `steps` SGD steps through the pipeline and through the reference; compare. Returns the
+    largest absolute difference seen (gradients, losses, parameters)."""
+    rank = dist.get_rank()
+    device = device_for_rank()
+    tol = tolerance(device)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, kind, device) for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain", device) for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn, **(pipe_kwargs or {}))
+    opt = torch.optim.SGD(list(pipe.parameters()), lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD([p for st in ref for p in st.parameters()], lr=LR, momentum=MOMENTUM)
+    worst = 0.0
+    case = f"{sched.name} p={sched.num_ranks} m={sched.num_microbatches} rows={rows} kind={kind} rank={rank}"
+    for step in range(steps):
+        inputs, target = make_batch(step, rows, device)
+        loss = pipe.step(inputs, target=target)
+        ref_loss = reference_step(ref, inputs, target)
+        if pipe.holds_last_stage:
+            worst = max(worst, _close(f"{case} step {step} loss", loss, ref_loss, tol))
+        else:
+            assert loss is None, f"{case}: step() returned {loss} on a rank without the last stage"
+        for s, st in mine.items():
+            for (name, p), (_, q) in zip(st.named_parameters(), ref[s].named_parameters()):
+                worst = max(worst, _close(f"{case} step {step} stage {s} grad {name}", p.grad, q.grad, tol))
+            for mod in st.modules():  # nothing of the step may stay pending
+                keys = getattr(mod, "pending_wgrad_keys", None)
+                assert keys is None or keys() == [], f"{case}: {type(mod).__name__} still has wgrads pending: {keys()}"
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for s, st in mine.items():
+        for (name, p), (_, q) in zip(st.named_parameters(), ref[s].named_parameters()):
+            worst = max(worst, _close(f"{case} after {steps} steps stage {s} param {name}", p.detach(), q.detach(), tol))
+    return worst
+
+
+def check_schedule(name: str, p: int, kinds: list[str], cases: list[tuple[int, int]]) -> float:
+    """`run_case` for every (m, rows) in `cases` and every model kind; the largest difference."""
+    worst = 0.0
+    for m, rows in cases:
+        sched = make_schedule(name, p, m)
+        for kind in kinds:
+            worst = max(worst, run_case(sched, rows, kind))
+    return worst
+
+
+def standard_cases(p: int) -> list[tuple[int, int]]:
+    """(m, rows): m = p, 2p+1, 4p with 2 rows per microbatch, and one uneven split (m = 2p+1)."""
+    return [(p, 2 * p), (2 * p + 1, 2 * (2 * p + 1)), (4 * p, 8 * p), (2 * p + 1, 5 * p + 2)]
+
+
+def live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def check_many_steps(name: str, p: int) -> dict[str, Any]:
+    """One Pipeline, several steps and input shapes (new, new, then cached again), each checked
+    against the reference; the number of live tensors must not grow once every shape was seen."""
+    rank = dist.get_rank()
+    device = device_for_rank()
+    tol = tolerance(device)
+    sched = make_schedule(name, p, 2 * p)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "mixed", device) for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain", device) for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    counts = []
+    plan = [(4 * p, "double"), (6 * p + 1, "double"), (4 * p, "single"), (4 * p, "double"), (6 * p + 1, "double"), (4 * p, "double")]
+    for step, (rows, tag) in enumerate(plan):
+        inputs, target = make_batch(step, rows, device, tag=tag)
+        loss = pipe.step(inputs, target=target)
+        ref_loss = reference_step(ref, inputs, target)
+        if pipe.holds_last_stage:
+            _close(f"{name} step {step} loss", loss, ref_loss, tol)
+        for s, st in mine.items():
+            for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+                _close(f"{name} step {step} rows {rows} stage {s} grad {pn}", a.grad, b.grad, tol)
+            st.zero_grad(set_to_none=True)
+        for st in ref:
+            st.zero_grad(set_to_none=True)
+        del inputs, target, loss, ref_loss
+        counts.append(live_tensors())
+    # Steps 3.. repeat shapes already seen: a leak would grow the count.
+    assert counts[3:] == [counts[2]] * 3, f"{name}: live tensors per step {counts} (rank {rank})"
+    assert pipe.__dict__.keys() >= {"schedule"}  # smoke: the object is intact
+    return {"counts": counts, "signatures": len(pipe._specs)}
+
+
+def check_profile(name: str, p: int) -> Any:
+    """profile=True: rank 0 gets every rank's records, one per task, in each rank's schedule order."""
+    rank = dist.get_rank()
+    device = device_for_rank()
+    sched = make_schedule(name, p, 2 * p)
+    mine = {s: make_stage(s, sched.num_stages, "zbpp", device) for s in sched.stages_on(rank)}
+    pipe = Pipeline(mine, sched, loss_fn, profile=True)
+    for step in range(2):
+        inputs, target = make_batch(step, 4 * p, device)
+        pipe.step(inputs, target=target)
+    recs = pipe.profile_records()
+    if rank != 0:
+        assert recs is None, f"rank {rank} got records"
+        return None
+    for r in range(p):
+        mine_r = sorted((x for x in recs if x["rank"] == r), key=lambda x: x["start"])
+        assert [x["action"] for x in mine_r] == [str(a) for a in sched.orders[r]], f"rank {r} records out of schedule order"
+        for x in mine_r:
+            assert 0 <= x["start"] <= x["end"], x
+        for a, b in zip(mine_r, mine_r[1:]):
+            assert a["end"] <= b["start"] + 1e-9, (a, b)
+    return recs
+
+
+def check_bad_input(name: str, p: int) -> str:
+    """Too few rows for the microbatches: every rank raises before computing; then a good step works."""
+    from zbpp.runtime import PipelineError
+
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, 2 * p)
+    mine = {s: make_stage(s, sched.num_stages, "plain") for s in sched.stages_on(rank)}
+    pipe = Pipeline(mine, sched, loss_fn)
+    inputs, _ = make_batch(0, 2 * p - 1, tag="double")
+    _, target = make_batch(0, 2 * p)  # only the input is bad
+    try:
+        pipe.step(inputs, target=target)
+    except ValueError as exc:
+        assert pipe.holds_first_stage, f"rank {rank} raised the input's own error: {exc}"
+        assert "fewer than the" in str(exc) and str(2 * p - 1) in str(exc), str(exc)
+        caught = "ValueError"
+    except PipelineError as exc:
+        assert not pipe.holds_first_stage and "rejected" in str(exc), str(exc)
+        caught = "PipelineError"
+    else:
+        raise AssertionError(f"rank {rank}: a batch of {2 * p - 1} rows for {2 * p} microbatches was accepted")
+    assert all(q.grad is None for q in pipe.parameters()), "grads were touched by a rejected step"
+    # The pipeline is still usable.
+    ref = [make_stage(s, sched.num_stages, "plain") for s in range(sched.num_stages)]
+    inputs, target = make_batch(1, 4 * p)
+    pipe.step(inputs, target=target)
+    reference_step(ref, inputs, target)
+    for s, st in mine.items():
+        for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            _close(f"stage {s} grad {pn} after a rejected step", a.grad, b.grad, tolerance(torch.device("cpu")))
+    return caught
+
+
+def check_release(name: str, p: int, free: bool) -> list[tuple[int, int]]:
+    """Outputs of a stage are released once sent (only their autograd node stays), unless turned off;
+    the gradients are right either way. Returns (stage, numel) of each captured output."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, p)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(rank)}
+    captured: list[tuple[int, torch.Tensor]] = []
+    for s, st in mine.items():
+        st.register_forward_hook(lambda mod, args, out, s=s: captured.append((s, out[0] if isinstance(out, (tuple, list)) else out["h"] if isinstance(out, dict) else out)))
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn, free_sent_activations=free)
+    inputs, target = make_batch(0, 4 * p)
+    pipe.step(inputs, target=target)
+    reference_step(ref, inputs, target)
+    for s, st in mine.items():
+        for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            _close(f"stage {s} grad {pn} free={free}", a.grad, b.grad, tolerance(torch.device("cpu")))
+    sent_stages = {a.stage for a in pipe._plan.send_of if a.kind.value == "F"}
+    out = []
+    for s, t in captured:
+        if s in sent_stages:
+            assert (t.numel() == 1) == free, f"stage {s}: sent output has {t.numel()} elements (free={free})"
+        out.append((s, t.numel()))
+    return out
+
+
+def check_fifo(name: str, p: int) -> str:
+    """FIFO (Transformer-Engine-like) delayed modules: accepted and correct when the schedule keeps
+    each stage's W in B order, refused with a clear error otherwise."""
+    from zbpp.runtime.plan import fifo_wgrad_problem
+
+    sched = make_schedule(name, p, 2 * p + 1)
+    unsafe = [s for s in range(sched.num_stages) if fifo_wgrad_problem(sched, s)]
+    rank = dist.get_rank()
+    if any(sched.rank_of(s) == rank for s in unsafe):
+        mine = {s: make_stage(s, sched.num_stages, "fifo") for s in sched.stages_on(rank)}
+        try:
+            Pipeline(mine, sched, loss_fn)
+        except ValueError as exc:
+            assert "FIFO" in str(exc) or "oldest" in str(exc), str(exc)
+            return "refused"
+        raise AssertionError(f"{name}: FIFO modules accepted on stages {unsafe}")
+    if unsafe:
+        return "refused elsewhere"  # this rank's stages are fine, but another rank refuses: skip the run
+    run_case(sched, 5 * p + 2, "fifo")
+    return "ran"
+
+
+def check_groups(pp: int) -> dict[str, int]:
+    from zbpp import ParallelGroups
+
+    g = ParallelGroups(pp=pp)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert (g.pp, g.dp, g.pp_rank, g.dp_rank) == (pp, world // pp, rank % pp, rank // pp)
+    assert g.pp_peer(g.pp_rank) == rank and g.dp_peer(g.dp_rank) == rank
+    assert dist.get_world_size(g.pp_group) == pp and dist.get_world_size(g.dp_group) == world // pp
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=g.pp_group)
+    assert t.item() == sum(g.pp_peer(r) for r in range(pp))
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=g.dp_group)
+    assert t.item() == sum(g.dp_peer(d) for d in range(g.dp))
+    return {"pp_rank": g.pp_rank, "dp_rank": g.dp_rank}
+
+
+def check_bad_groups(pp: int) -> str:
+    from zbpp import ParallelGroups
+
+    try:
+        ParallelGroups(pp=pp)
+    except ValueError as exc:
+        assert "not divisible" in str(exc), str(exc)
+        return str(exc)
+    raise AssertionError(f"ParallelGroups(pp={pp}) accepted world size {dist.get_world_size()}")
+
+
+def check_data_parallel(name: str, pp: int) -> float:
+    """dp x pp: each replica steps on its half of the batch; the averaged gradients equal the
+    single-process whole-batch gradients (the reducer is another module's; this checks the hooks)."""
+    from zbpp import ParallelGroups
+
+    g = ParallelGroups(pp=pp)
+    device = device_for_rank()
+    tol = tolerance(device)
+    sched = make_schedule(name, pp, 2 * pp)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "mixed", device) for s in sched.stages_on(g.pp_rank)}
+    ref = [make_stage(s, S, "plain", device) for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn, groups=g)
+    rows = 4 * pp * g.dp
+    (x, ids, tag), y = make_batch(0, rows, device)
+    part = slice(g.dp_rank * rows // g.dp, (g.dp_rank + 1) * rows // g.dp)
+    pipe.step((x[part], ids[part], tag), target=y[part])
+    reference_step(ref, (x, ids, tag), y)
+    worst = 0.0
+    for s, st in mine.items():
+        for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            got = getattr(a, "main_grad", None)
+            worst = max(worst, _close(f"dp stage {s} grad {pn}", a.grad if got is None else got, b.grad, tol))
+    return worst
