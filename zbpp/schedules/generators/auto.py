@@ -1,0 +1,201 @@
+"""Automatic schedules: `zb-auto` (one stage per rank) and `zbv-auto` (V placement).
+
+Given per-stage costs (F, B, W and comm may all differ), a memory model and a per-rank memory
+limit, the search runs in three steps, each keeping the best schedule so far (lowest cost, i.e.
+longest rank span; then lowest sum of spans):
+
+1. candidates: the zero-bubble paper's heuristic (`auto_heuristic.list_schedule`) under each
+   combination of its switches, and the handcrafted schedules of the same placement whose memory
+   fits (zb-h1, zb-h2 and 1F1B's order; ZB-V, V-Half, V-Min and DualPipeV's order), so the result
+   is never worse than any of them;
+2. each candidate's F/B order with its W's placed anew where they fill idle time
+   (`auto_heuristic.place_w`);
+3. local search on the best (`local_search.improve`), with incremental re-simulation.
+
+The memory limit holds by construction (admission in the heuristic, checks on every move) and
+is checked again on the result. A limit below the smallest feasible one (a rank must hold all its
+stages' activations of one microbatch at once) raises a `ValueError` that names it.
+
+Work grows with the number of tasks and is capped for large instances (p=32, m=256 on a V takes
+about a second), so the schedule is deterministic.
+
+>>> from zbpp.schedules import build, simulate, Costs, Memory
+>>> costs, memory = Costs(f=1, b=1, w=1), Memory(activation=1, wgrad=1/3)
+>>> s = build("zb-auto", num_ranks=4, num_microbatches=8, costs=costs, memory=memory, memory_limit=8)
+>>> res = simulate(s, costs, memory)
+>>> res.bubble_rate, max(res.peak_memory) <= 8
+(0.0, True)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
+from ..registry import build, register
+from ..simulate import Costs, Memory
+from .auto_heuristic import Policy, Problem, list_schedule, place_w
+from .local_search import Timeline, improve
+
+__all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit"]
+
+#: Local-search budget in re-simulated tasks: generous for small instances, a few passes over
+#: the schedule for large ones.
+_MIN_BUDGET = 150_000
+_BUDGET_PER_TASK = 2
+#: Above this many tasks only a few heuristic variants run (each is a full pass).
+_MANY_TASKS = 20_000
+
+
+def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
+    """The smallest per-rank memory limit that any schedule of `placement` can meet.
+
+    Every rank holds the activations of all its stages for a microbatch at once (the F of its last
+    stage runs before the B of its first); one microbatch at a time, each W right after its B,
+    needs exactly that.
+
+    >>> from zbpp.schedules.ir import v_placement
+    >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=0.5))
+    2.0
+    """
+    act, _ = memory.per_stage(len(placement))
+    per_rank: dict[int, float] = {}
+    for s, r in enumerate(placement):
+        per_rank[r] = per_rank.get(r, 0.0) + act[s]
+    return max(per_rank.values())
+
+
+def _policies(prob: Problem, *, few: bool) -> list[Policy]:
+    two_stages = len(prob.stages_of[0]) > 1
+    if few:
+        return [Policy(), Policy(b_first=False)]
+    v_switches = itertools.product((True, False), repeat=2) if two_stages else [(True, True)]
+    return [
+        Policy(b_first=bf, f_may_delay_b=md, always_fill=af, deep_first=df, reserve_one=ro)
+        for (df, ro) in v_switches
+        for bf, md, af in itertools.product((True, False), repeat=3)
+    ]
+
+
+def _peak(prob: Problem, orders: Sequence[Sequence[int]]) -> float:
+    delta = prob.memory_deltas()
+    peak = 0.0
+    for order in orders:
+        mem = 0.0
+        for t in order:
+            mem += delta[t]
+            peak = max(peak, mem)
+    return peak
+
+
+def _skeleton(prob: Problem, schedule: Schedule) -> list[list[int]]:
+    """`schedule`'s F/B order as ints, a full backward (BW) read as its B."""
+    out = []
+    for order in schedule.orders:
+        out.append([prob.task(Kind.B if a.kind is Kind.BW else a.kind, a.stage, a.microbatch) for a in order if a.kind is not Kind.W])
+    return out
+
+
+def _search(
+    name: str,
+    placement: Sequence[int],
+    m: int,
+    costs: Costs | None,
+    memory: Memory | None,
+    memory_limit: float | None,
+    seeds: Sequence[str],
+) -> Schedule:
+    costs = costs if costs is not None else Costs()
+    memory = memory if memory is not None else Memory()
+    p = max(placement) + 1
+    floor = smallest_feasible_limit(placement, memory)
+    if memory_limit is None:
+        limit = p * floor  # 1F1B's (and ZB-V's) activation memory
+    else:
+        limit = float(memory_limit)
+        if limit < floor * (1 - 1e-9):
+            raise ValueError(
+                f"{name}: memory_limit={memory_limit:g} is infeasible; the smallest feasible limit is {floor:g} "
+                f"(a rank holds all its stages' activations of one microbatch at once)"
+            )
+    prob = Problem.make(placement, m, costs, memory, limit)
+    tasks = 3 * len(placement) * m
+    few = tasks > _MANY_TASKS
+
+    greedy = [list_schedule(prob, policy) for policy in _policies(prob, few=few)]
+    candidates = list(greedy)
+    skeletons = greedy[:1] if few else list(greedy)
+    for seed in seeds:  # from the most memory to the least
+        sched = build(seed, num_ranks=p, num_microbatches=m)
+        encoded = prob.encode(sched)
+        fits = encoded is not None and _peak(prob, encoded) <= limit * (1 + 1e-9)
+        if fits:
+            candidates.append(encoded)
+        skeletons.append(_skeleton(prob, sched))
+        if few and fits:
+            break  # on large instances, the first handcrafted schedule that fits is enough
+    for skeleton in skeletons:
+        for always in (False,) if few else (False, True):
+            try:
+                candidates.append(place_w(prob, skeleton, always=always))
+            except ValueError:  # this F/B order needs more memory than the limit, whatever the W's
+                pass
+
+    scored = sorted(((Timeline(prob, c).score(), i) for i, c in enumerate(candidates)))
+    best = candidates[scored[0][1]]
+    best = improve(prob, best, budget=max(_MIN_BUDGET, _BUDGET_PER_TASK * tasks))
+    if _peak(prob, best) > limit * (1 + 1e-9):  # pragma: no cover - every step keeps the limit
+        raise RuntimeError(f"{name}: the search exceeded memory_limit={limit:g}; please report")
+    return from_orders(name, placement, m, prob.decode(best))
+
+
+_ZB_SEEDS = ("zb-h2", "zb-h1", "1f1b")
+_ZBV_SEEDS = ("zb-v", "dualpipe-v", "v-half", "v-min")
+
+
+@register("zb-auto")
+def zb_auto(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    costs: Costs | None = None,
+    memory: Memory | None = None,
+    memory_limit: float | None = None,
+) -> Schedule:
+    """An automatic zero-bubble schedule, one stage per rank, for `costs` within `memory_limit`.
+
+    `memory_limit` is per rank, in the units of `memory` (default: p times a stage's activation,
+    1F1B's memory). Raises `ValueError` if the limit is below the smallest feasible one.
+
+    >>> from zbpp.schedules import build, Costs, Memory
+    >>> build("zb-auto", num_ranks=4, num_microbatches=8, memory=Memory(1, 0.5), memory_limit=0.5)
+    Traceback (most recent call last):
+    ValueError: zb-auto: memory_limit=0.5 is infeasible; the smallest feasible limit is 1 (a rank holds all its stages' activations of one microbatch at once)
+    """
+    return _search("zb-auto", loop_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZB_SEEDS)
+
+
+@register("zbv-auto")
+def zbv_auto(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    costs: Costs | None = None,
+    memory: Memory | None = None,
+    memory_limit: float | None = None,
+) -> Schedule:
+    """An automatic V-shape schedule (2p stages; rank r holds r and 2p-1-r) within `memory_limit`.
+
+    Costs and memory are per V stage; `memory_limit` is per rank (default: p times a rank's two
+    stages' activations, ZB-V's and 1F1B's memory). Raises `ValueError` below the smallest
+    feasible limit.
+
+    >>> from zbpp.schedules import build, simulate, Costs, Memory
+    >>> costs = Costs(f=1, b=1, w=2)  # W twice F: ZB-V's fixed W slots leave bubbles
+    >>> res = simulate(build("zbv-auto", num_ranks=4, num_microbatches=12, costs=costs), costs)
+    >>> res.bubble_rate < simulate(build("zb-v", num_ranks=4, num_microbatches=12), costs).bubble_rate
+    True
+    """
+    return _search("zbv-auto", v_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZBV_SEEDS)

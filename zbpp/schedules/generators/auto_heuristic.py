@@ -1,0 +1,413 @@
+"""The zero-bubble paper's scheduling heuristic (Qi et al., ICLR 2024, section 3.1) as a list scheduler.
+
+The automatic schedules (`zb-auto`, `zbv-auto`) start here. Ranks are simulated together, in time
+order; whenever a rank is free it picks its next task from what has arrived:
+
+1. a ready B (it is on the critical path back to rank 0, and frees memory);
+2. otherwise a ready F, if the memory limit allows one more microbatch in flight: in the
+   warm-up this runs "as many F as memory allows" before the first B comes back;
+3. otherwise a W, if one is waiting and it ends before the next input can arrive (it fills the
+   gap without delaying anything), or if memory is full (a W frees what its B kept);
+4. otherwise the rank waits. W's left at the end run in the cool-down.
+
+A few booleans (`Policy`) flip the paper's choices: B or F first when both are ready, whether an
+F may delay a B that is about to arrive, whether an idle rank runs a W that does not fit the gap,
+and, on a V, which stage's F goes first. `zb-auto` tries them all and keeps the best.
+
+Admission keeps every memory limit at or above the smallest feasible one deadlock-free. A rank
+with several stages (a V) keeps room for the later-stage forwards of the *oldest* microbatch it
+has admitted that still needs them: it admits a new microbatch (the F of its first stage) only if
+that room stays free afterwards, and runs a later-stage F only if it fits. Later-stage forwards run
+in microbatch order, so the room always goes to the oldest; the oldest unfinished microbatch of the
+whole pipeline can therefore always proceed, and every microbatch after it once it is done. (Room
+for *every* admitted microbatch would also be safe, but halves a V's warm-up: ZB-V itself holds
+2p-1 first-stage activations before its first second-stage F.)
+
+Tasks are ints, ``kind * (stages * microbatches) + stage * microbatches + microbatch`` with kind
+0, 1, 2 for F, B, W (as in `zbpp.schedules.simulate`), so the hot loops stay in plain lists.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..ir import Action, Kind, Schedule
+from ..simulate import Costs, Memory
+
+__all__ = ["Problem", "Policy", "list_schedule", "place_w"]
+
+EPS = 1e-9
+_KINDS = (Kind.F, Kind.B, Kind.W)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One scheduling instance: placement, per-stage costs and memory, and the per-rank limit."""
+
+    num_ranks: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: float
+    act: tuple[float, ...]
+    wgrad: tuple[float, ...]
+    limit: float
+
+    @classmethod
+    def make(cls, placement: Sequence[int], num_microbatches: int, costs: Costs, memory: Memory, limit: float) -> "Problem":
+        n = len(placement)
+        f, b, w = costs.per_stage(n)
+        act, wgrad = memory.per_stage(n)
+        return cls(
+            num_ranks=max(placement) + 1,
+            num_microbatches=num_microbatches,
+            placement=tuple(placement),
+            f=tuple(f),
+            b=tuple(b),
+            w=tuple(w),
+            comm=float(costs.comm),
+            act=tuple(act),
+            wgrad=tuple(wgrad),
+            limit=float(limit),
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def stages_of(self) -> list[list[int]]:
+        """Per rank, its stages in ascending order."""
+        out: list[list[int]] = [[] for _ in range(self.num_ranks)]
+        for s, r in enumerate(self.placement):
+            out[r].append(s)
+        return out
+
+    def min_limit(self) -> float:
+        """The smallest per-rank memory limit any schedule meets.
+
+        A rank holds all of its stages' activations of a microbatch at once (the F of its last
+        stage runs before the B of its first), so no limit below the largest such sum works;
+        running one microbatch at a time, each W right after its B, meets it exactly.
+        """
+        return max(sum(self.act[s] for s in st) for st in self.stages_of)
+
+    def memory_deltas(self) -> list[float]:
+        """Per task int, the memory it allocates (F) or frees (B, W: negative)."""
+        m, nm = self.num_microbatches, self.num_stages * self.num_microbatches
+        out = [0.0] * (3 * nm)
+        for s in range(self.num_stages):
+            a, wg = self.act[s], self.wgrad[s]
+            for j in range(m):
+                t = s * m + j
+                out[t], out[nm + t], out[2 * nm + t] = a, wg - a, -wg
+        return out
+
+    # -- tasks as ints -------------------------------------------------------------------------
+    def task(self, kind: Kind, stage: int, microbatch: int) -> int:
+        nm = self.num_stages * self.num_microbatches
+        return _KINDS.index(kind) * nm + stage * self.num_microbatches + microbatch
+
+    def action(self, task: int) -> Action:
+        m = self.num_microbatches
+        kind, rest = divmod(task, self.num_stages * m)
+        s, j = divmod(rest, m)
+        return Action(_KINDS[kind], s, j)
+
+    def encode(self, schedule: Schedule) -> list[list[int]] | None:
+        """`schedule`'s orders as ints, or None if it has a BW (auto schedules split every backward)."""
+        if any(a.kind is Kind.BW for _, a in schedule.actions()):
+            return None
+        return [[self.task(a.kind, a.stage, a.microbatch) for a in order] for order in schedule.orders]
+
+    def decode(self, orders: Sequence[Sequence[int]]) -> list[list[Action]]:
+        return [[self.action(t) for t in order] for order in orders]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The heuristic's switches (see the module docstring)."""
+
+    b_first: bool = True  #: a ready B runs before a ready F
+    f_may_delay_b: bool = True  #: run a ready F even if a known B arrives before it would end
+    always_fill: bool = False  #: an idle rank runs a waiting W even if the W outlasts the gap
+    deep_first: bool = True  #: with two stages on a rank, the later stage's F goes first
+    #: with two stages on a rank, admitting a microbatch keeps room for the later-stage F's of
+    #: this many of the oldest admitted ones: 1, or (False) one more than the stages above the
+    #: rank's later stage, which is how many later-stage F's can arrive before its first
+    #: later-stage B comes back down (ZB-V's warm-up)
+    reserve_one: bool = True
+
+
+def _round_trips(prob: Problem) -> list[float]:
+    """Per stage s: from the end of F(s, j) to the arrival of B(s, j)'s input, if nothing waits.
+
+    The forward path to the last stage and the backward path back, with `comm` on every edge
+    that crosses ranks: a lower bound, exact for the first microbatch of the warm-up.
+    """
+    n, placement, comm = prob.num_stages, prob.placement, prob.comm
+    trips = [0.0] * n
+    for s in range(n - 2, -1, -1):
+        hop = comm if placement[s] != placement[s + 1] else 0.0
+        trips[s] = trips[s + 1] + prob.f[s + 1] + prob.b[s + 1] + 2 * hop
+    return trips
+
+
+def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
+    """Per-rank task orders built by the heuristic; memory never exceeds `prob.limit`.
+
+    Start and end times inside equal what `simulate` computes for the returned orders: every
+    task starts when its rank is free and its input has arrived. A rank decides at the time it
+    becomes free, when an input arrives, and whenever a producer on another rank schedules one of
+    its inputs (so it can revise a wait). Inputs not known yet are estimated: a B's from the end
+    of its microbatch's F plus the round trip through the later stages, an F's as if its producer
+    started now; both never earlier than the fastest producer could deliver.
+    """
+    p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
+    nm = n * m
+    f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
+    placement, comm = prob.placement, prob.comm
+    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    inf = float("inf")
+    stages_of = prob.stages_of
+    pref = [sorted(st, reverse=policy.deep_first) for st in stages_of]
+    first = [st[0] for st in stages_of]
+    later = [st[1:] for st in stages_of]
+    depth = [1 if policy.reserve_one or len(st) < 2 else n - st[-1] for st in stages_of]
+    trips = _round_trips(prob)
+    # soonest an input can arrive from a producer on another rank that has not started yet
+    # (inf: the producer is on the same rank, which decides that itself)
+    f_lead = [f[s - 1] + comm if s > 0 and placement[s - 1] != placement[s] else inf for s in range(n)]
+    b_lead = [b[s + 1] + comm if s < n - 1 and placement[s + 1] != placement[s] else inf for s in range(n)]
+
+    f_arrival = [inf] * nm  # when F(s, j)'s input is there (inf: not known yet)
+    for j in range(m):
+        f_arrival[j] = 0.0
+    f_end = [0.0] * nm
+    b_known = bytearray(nm)  # B(s, j)'s input time is known
+    oldest_unknown = [0] * n  # per stage, the first microbatch whose B input is not known
+    next_f = [0] * n
+    b_ready: list[list[tuple[float, int, int]]] = [[] for _ in range(p)]  # heaps (arrival, stage, mb)
+    w_waiting: list[deque[int]] = [deque() for _ in range(p)]  # stage * m + mb, in B order
+    free = [0.0] * p
+    mem = [0.0] * p
+    left = [3 * m * len(st) for st in stages_of]
+    orders: list[list[int]] = [[] for _ in range(p)]
+    events = [(0.0, r) for r in range(p)]
+    heapq.heapify(events)
+    b_first, may_delay, always_fill = policy.b_first, policy.f_may_delay_b, policy.always_fill
+
+    def b_input_known(s: int, j: int, at: float, q: int, now: float) -> None:
+        heapq.heappush(b_ready[q], (at, s, j))
+        b_known[s * m + j] = 1
+        k = oldest_unknown[s]
+        while k < m and b_known[s * m + k]:
+            k += 1
+        oldest_unknown[s] = k
+
+    while events:
+        now, r = heapq.heappop(events)
+        if not left[r] or now < free[r] - EPS:
+            continue  # finished, or busy: an event at free[r] is queued
+        if now < free[r]:
+            now = free[r]
+        heap = b_ready[r]
+        b_now = bool(heap) and heap[0][0] <= now + EPS
+        next_known = heap[0][0] if heap and not b_now else inf  # next input whose time is known
+        next_b = next_known  # ... and the next B input, estimated if need be
+        for s in stages_of[r]:
+            j = oldest_unknown[s]
+            if j < next_f[s]:
+                next_b = min(next_b, max(f_end[s * m + j] + trips[s], now + b_lead[s]))
+        next_f_in = inf
+        f_stage = -1
+        f_blocked = False
+        for s in pref[r]:
+            j = next_f[s]
+            if j >= m:
+                continue
+            arrival = f_arrival[s * m + j]
+            if arrival > now + EPS:
+                if arrival < inf:
+                    next_known = min(next_known, arrival)
+                next_f_in = min(next_f_in, arrival if arrival < inf else now + f_lead[s])
+                continue
+            if s == first[r]:
+                # room for the later-stage F's of the oldest admitted microbatches (this one too)
+                need = act[s]
+                for x in later[r]:
+                    need += act[x] * min(depth[r], j + 1 - next_f[x])
+            else:
+                need = act[s]
+            if mem[r] + need > limit:
+                f_blocked = True
+                continue
+            f_stage = s
+            break
+
+        kind = -1
+        if b_now and (b_first or f_stage < 0):
+            kind = 1
+        elif f_stage >= 0:
+            if may_delay or b_now or next_b >= now + f[f_stage] - EPS:
+                kind = 0
+            # else: keep the rank free for the B that is about to arrive
+        if kind < 0 and w_waiting[r]:
+            s_w = w_waiting[r][0] // m
+            if f_blocked or always_fill or free[r] + w[s_w] <= min(next_b, next_f_in) + EPS:
+                kind = 2
+        if kind < 0:
+            if next_known < inf:
+                heapq.heappush(events, (next_known, r))
+            continue  # otherwise a producer on another rank wakes this rank up
+
+        if kind == 1:
+            arrival, s, j = heapq.heappop(heap)
+            start = max(free[r], arrival)
+            end = start + b[s]
+            mem[r] -= act[s] - wgrad[s]
+            w_waiting[r].append(s * m + j)
+            if s > 0:
+                q = placement[s - 1]
+                b_input_known(s - 1, j, end + (comm if q != r else 0.0), q, now)
+                if q != r:
+                    heapq.heappush(events, (now, q))
+            task = nm + s * m + j
+        elif kind == 0:
+            s = f_stage
+            j = next_f[s]
+            next_f[s] = j + 1
+            start = max(free[r], f_arrival[s * m + j])
+            end = start + f[s]
+            f_end[s * m + j] = end
+            mem[r] += act[s]
+            if s < n - 1:
+                q = placement[s + 1]
+                f_arrival[(s + 1) * m + j] = end + (comm if q != r else 0.0)
+                if q != r:
+                    heapq.heappush(events, (now, q))
+            else:
+                b_input_known(s, j, end, r, now)
+            task = s * m + j
+        else:
+            sj = w_waiting[r].popleft()
+            s = sj // m
+            start = free[r]  # W's have no consumers, so filling the idle time before `now` is safe
+            end = start + w[s]
+            mem[r] -= wgrad[s]
+            task = 2 * nm + sj
+        orders[r].append(task)
+        free[r] = end
+        left[r] -= 1
+        heapq.heappush(events, (max(end, now), r))
+
+    if any(left):  # pragma: no cover - admission makes this impossible
+        stuck = [r for r in range(p) if left[r]]
+        raise RuntimeError(f"list scheduler stalled on ranks {stuck} (limit {prob.limit}); please report")
+    return orders
+
+
+def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = False) -> list[list[int]]:
+    """Keep the F and B order of `skeleton` (per rank; its W's are dropped) and place the W's anew.
+
+    A W runs where its rank would otherwise wait and it ends before the next F or B can start
+    (with `always`, in every wait), before an F that memory would not allow, and at the end.
+    W's then never delay an F or B unless memory forces them, which handcrafted orders (ZB-V's
+    fixed W slots) do when F, B and W differ. Memory stays within `prob.limit` if the skeleton's
+    F/B order fits with its W's run as early as possible.
+    """
+    p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
+    nm = n * m
+    f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
+    placement, comm = prob.placement, prob.comm
+    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    inf = float("inf")
+    trips = _round_trips(prob)
+    seq = [[t for t in order if t < 2 * nm] for order in skeleton]
+    nxt = [0] * p
+    arrival = [inf] * (2 * nm)  # input arrival of each F and B (inf: not known yet)
+    for j in range(m):
+        arrival[j] = 0.0
+    f_end = [0.0] * nm
+    free = [0.0] * p
+    mem = [0.0] * p
+    w_waiting: list[deque[int]] = [deque() for _ in range(p)]
+    left = [len(s) * 3 // 2 for s in seq]
+    orders: list[list[int]] = [[] for _ in range(p)]
+    events = [(0.0, r) for r in range(p)]
+    heapq.heapify(events)
+    while events:
+        now, r = heapq.heappop(events)
+        if not left[r] or now < free[r] - EPS:
+            continue
+        if now < free[r]:
+            now = free[r]
+        kind = 2  # no F or B left: the W's
+        if nxt[r] < len(seq[r]):
+            x = seq[r][nxt[r]]
+            kind, rest = divmod(x, nm)
+            s = rest // m
+            at = arrival[x]
+            if kind == 0 and mem[r] + act[s] > limit:
+                if not w_waiting[r]:
+                    raise ValueError(f"the F/B order needs more memory than {prob.limit} on rank {r}")
+                kind = 2
+            elif at > now + EPS:
+                if not w_waiting[r]:
+                    kind = -1
+                else:
+                    if at < inf:
+                        horizon = at
+                    elif kind == 0:
+                        horizon = now + f[s - 1] + comm
+                    else:  # as in list_schedule: the round trip, or the fastest producer
+                        lead = b[s + 1] + comm if s < n - 1 and placement[s + 1] != r else inf
+                        horizon = max(now + lead, f_end[rest] + trips[s])
+                    fits = free[r] + w[w_waiting[r][0] // m] <= horizon + EPS
+                    kind = 2 if always or fits else -1
+        if kind < 0:
+            if arrival[x] < inf:
+                heapq.heappush(events, (arrival[x], r))
+            continue
+        if kind == 2:
+            sj = w_waiting[r].popleft()
+            s = sj // m
+            end = free[r] + w[s]  # W's have no consumers: filling idle time before `now` is safe
+            mem[r] -= wgrad[s]
+            task = 2 * nm + sj
+        else:
+            nxt[r] += 1
+            start = max(free[r], arrival[x])
+            task = x
+            if kind == 0:
+                end = start + f[s]
+                f_end[rest] = end
+                mem[r] += act[s]
+                if s < n - 1:
+                    q = placement[s + 1]
+                    arrival[x + m] = end + (comm if q != r else 0.0)
+                    if q != r:
+                        heapq.heappush(events, (now, q))
+                else:
+                    arrival[nm + rest] = end
+            else:
+                end = start + b[s]
+                mem[r] -= act[s] - wgrad[s]
+                w_waiting[r].append(rest)
+                if s > 0:
+                    q = placement[s - 1]
+                    arrival[x - m] = end + (comm if q != r else 0.0)
+                    if q != r:
+                        heapq.heappush(events, (now, q))
+        orders[r].append(task)
+        free[r] = end
+        left[r] -= 1
+        heapq.heappush(events, (max(end, now), r))
+    if any(left):
+        raise ValueError("the F/B order deadlocks")
+    return orders

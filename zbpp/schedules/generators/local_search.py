@@ -1,0 +1,326 @@
+"""Local search over rank orders, with incremental re-simulation.
+
+`Timeline` holds the simulated start and end of every task of a set of rank orders (the model of
+`zbpp.schedules.simulate`). Moving one task within its rank's order cannot change any task that
+started before the earlier of the two positions: such a task's inputs, and their inputs, all
+started no later than it did, and none of them is in the moved stretch. So `Timeline.try_move`
+keeps that prefix of every rank and re-simulates only the tasks that started at or after it; a
+move near the end of the schedule costs only the tasks after it. A rejected move is undone from
+a log of what was overwritten.
+
+`improve` applies first-improvement moves, aimed at idle time:
+
+- *fill*: a task later on a rank whose input is already there moves into an idle gap before
+  the task that waited (W's mostly, also F's and B's);
+- *unblock*: a task that another rank waited for, and that itself waited only for its own rank
+  (not for its input), moves ahead of the tasks in front of it.
+
+A move is kept when it lowers the cost (longest rank span), else the sum of the rank spans, else
+the sum of task end times (so the schedule keeps compacting while the cost is flat), and keeps
+every rank's memory within the limit. The search is deterministic and stops after a budget of
+re-simulated tasks, so large instances stay fast.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .auto_heuristic import Problem
+
+__all__ = ["Timeline", "improve"]
+
+EPS = 1e-9
+
+
+class Timeline:
+    """Start/end times, memory and spans of per-rank task orders (tasks as `Problem` ints)."""
+
+    def __init__(self, prob: Problem, orders: Sequence[Sequence[int]]) -> None:
+        self.prob = prob
+        p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
+        nm = n * m
+        self.nm = nm
+        size = 3 * nm
+        self.dur = [0.0] * size
+        self.dep = [-1] * size  # the one data input of each task (-1: none)
+        self.lag = [0.0] * size  # comm on that input's edge
+        self.delta = [0.0] * size  # memory change
+        self.rank = [0] * size
+        place, comm = prob.placement, prob.comm
+        for s in range(n):
+            r = place[s]
+            for j in range(m):
+                t = s * m + j
+                for kind, d, mem in ((0, prob.f[s], prob.act[s]), (1, prob.b[s], prob.wgrad[s] - prob.act[s]), (2, prob.w[s], -prob.wgrad[s])):
+                    self.dur[kind * nm + t] = d
+                    self.delta[kind * nm + t] = mem
+                    self.rank[kind * nm + t] = r
+                if s > 0:
+                    self.dep[t] = t - m
+                    self.lag[t] = comm if place[s - 1] != r else 0.0
+                if s < n - 1:
+                    self.dep[nm + t] = nm + t + m
+                    self.lag[nm + t] = comm if place[s + 1] != r else 0.0
+                else:
+                    self.dep[nm + t] = t
+                self.dep[2 * nm + t] = nm + t
+        self.orders = [list(o) for o in orders]
+        self.pos = [0] * size
+        self.start = [0.0] * size
+        self.end = [0.0] * size
+        self.dirty = [0] * size  # == stamp: being re-simulated in the current pass
+        self.done = [0] * size  # == stamp: re-simulated in the current pass
+        self.stamp = 0
+        self.work = 0  # tasks simulated so far (the search budget counts these)
+        self._log: list[tuple[int, float, float]] = []
+        self._undo: tuple[int, int, int] | None = None
+        self.total_end = 0.0
+        for order in self.orders:
+            for i, t in enumerate(order):
+                self.pos[t] = i
+        if not self._simulate([0] * p):
+            raise ValueError("the orders deadlock")
+        self._log.clear()
+        self.total_end = sum(self.end[t] for o in self.orders for t in o)
+        self.spans = [self._span(r) for r in range(p)]
+
+    # -- simulation ----------------------------------------------------------------------------
+    def _span(self, r: int) -> float:
+        order = self.orders[r]
+        return self.end[order[-1]] - self.start[order[0]] if order else 0.0
+
+    def _simulate(self, cuts: list[int]) -> bool:
+        """Re-simulate every rank from position cuts[r] on; False if that deadlocks."""
+        self.stamp += 1
+        stamp = self.stamp
+        orders, start, end, dur, dep, lag = self.orders, self.start, self.end, self.dur, self.dep, self.lag
+        dirty, done, log = self.dirty, self.done, self._log
+        p = len(orders)
+        pos = list(cuts)
+        free = []
+        remaining = 0
+        for r in range(p):
+            order = orders[r]
+            c = cuts[r]
+            free.append(end[order[c - 1]] if c > 0 else 0.0)
+            for i in range(c, len(order)):
+                t = order[i]
+                dirty[t] = stamp
+                log.append((t, start[t], end[t]))
+            remaining += len(order) - c
+        self.work += remaining
+        total_delta = 0.0
+        while remaining:
+            progressed = False
+            for r in range(p):
+                order = orders[r]
+                i = pos[r]
+                k = len(order)
+                fr = free[r]
+                i0 = i
+                while i < k:
+                    t = order[i]
+                    d = dep[t]
+                    ready = fr
+                    if d >= 0:
+                        if dirty[d] == stamp and done[d] != stamp:
+                            break
+                        e = end[d] + lag[t]
+                        if e > ready:
+                            ready = e
+                    old_end = end[t]
+                    start[t] = ready
+                    fr = ready + dur[t]
+                    end[t] = fr
+                    total_delta += fr - old_end
+                    done[t] = stamp
+                    i += 1
+                if i != i0:
+                    remaining -= i - i0
+                    pos[r] = i
+                    free[r] = fr
+                    progressed = True
+            if not progressed:
+                return False
+        self.total_end += total_delta
+        return True
+
+    def _cuts(self, r: int, lo: int, t0: float) -> list[int]:
+        """Per rank, the first position whose task started at or after t0 (rank r: at most lo)."""
+        cuts = []
+        start = self.start
+        for q, order in enumerate(self.orders):
+            k = len(order)
+            while k > 0 and start[order[k - 1]] >= t0 - EPS:
+                k -= 1
+            cuts.append(min(k, lo) if q == r else k)
+        return cuts
+
+    # -- moves ---------------------------------------------------------------------------------
+    def memory_ok(self, r: int, i: int, k: int, limit: float) -> bool:
+        """Would moving position i to position k on rank r keep its memory within `limit`?"""
+        order, delta = self.orders[r], self.delta
+        x = order[i]
+        dx = delta[x]
+        if k < i:  # x's change now happens before positions k..i-1
+            if dx <= 0:
+                return True
+            mem = sum(delta[t] for t in order[:k]) + dx
+            if mem > limit + EPS:
+                return False
+            for t in order[k:i]:
+                mem += delta[t]
+                if mem > limit + EPS:
+                    return False
+            return True
+        if dx >= 0:
+            return True
+        mem = sum(delta[t] for t in order[:i])  # without x
+        for t in order[i + 1 : k + 1]:
+            mem += delta[t]
+            if mem > limit + EPS:
+                return False
+        return True
+
+    def try_move(self, r: int, i: int, k: int) -> bool:
+        """Move rank r's task at position i to position k and re-simulate; False on deadlock.
+
+        Call `accept` or `reject` afterwards (a deadlocked move is already rejected).
+        """
+        order = self.orders[r]
+        lo = min(i, k)
+        t0 = self.start[order[lo]]
+        x = order.pop(i)
+        order.insert(k, x)
+        self._log = []
+        self._undo = (r, i, k)
+        old_total = self.total_end
+        if not self._simulate(self._cuts(r, lo, t0)):
+            self.reject()
+            self.total_end = old_total
+            return False
+        self._old_total = old_total
+        self._old_spans = list(self.spans)
+        self.spans = [self._span(q) for q in range(len(self.orders))]
+        return True
+
+    def accept(self) -> None:
+        r, i, k = self._undo  # type: ignore[misc]
+        order = self.orders[r]
+        for q in range(min(i, k), max(i, k) + 1):
+            self.pos[order[q]] = q
+        self._undo = None
+        self._log = []
+
+    def reject(self) -> None:
+        if self._undo is None:
+            return
+        r, i, k = self._undo
+        order = self.orders[r]
+        x = order.pop(k)
+        order.insert(i, x)
+        start, end = self.start, self.end
+        for t, s, e in reversed(self._log):
+            start[t] = s
+            end[t] = e
+        if hasattr(self, "_old_spans"):
+            self.spans = self._old_spans
+            self.total_end = self._old_total
+            del self._old_spans
+        self._undo = None
+        self._log = []
+
+    def score(self) -> tuple[float, float, float]:
+        return (max(self.spans), sum(self.spans), self.total_end)
+
+
+def _better(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
+    for x, y in zip(a, b):
+        tol = 1e-9 * max(1.0, abs(y))
+        if x < y - tol:
+            return True
+        if x > y + tol:
+            return False
+    return False
+
+
+def _candidates(tl: Timeline) -> list[tuple[int, int, int]]:
+    """Moves (rank, from, to) worth trying, the most promising first."""
+    prob, start, end, dep, lag, pos, rank_of = tl.prob, tl.start, tl.end, tl.dep, tl.lag, tl.pos, tl.rank
+    nm2 = 2 * tl.nm
+    moves: list[tuple[int, int, int]] = []
+    ranks = sorted(range(prob.num_ranks), key=lambda q: -tl.spans[q])
+    for r in ranks:
+        order = tl.orders[r]
+        for k in range(1, len(order)):
+            y = order[k]
+            gap_start = end[order[k - 1]]
+            if start[y] <= gap_start + EPS:
+                continue
+            # fill: a later task of this rank that could start before y does
+            found = 0
+            for i in range(k + 1, len(order)):
+                x = order[i]
+                d = dep[x]
+                if d >= 0:
+                    if rank_of[d] == r and pos[d] >= k:
+                        continue
+                    if end[d] + lag[x] >= start[y] - EPS:
+                        continue
+                moves.append((r, i, k))
+                found += 1
+                if found >= 3 or x >= nm2:
+                    break
+            # defer: an earlier W moves into the gap, letting the tasks after it start sooner
+            found = 0
+            for i in range(k - 1, -1, -1):
+                if order[i] >= nm2:
+                    moves.append((r, i, k - 1))
+                    found += 1
+                    if found >= 2:
+                        break
+            # unblock: follow y's inputs back while each waited for its input; the first one
+            # that waited for its own rank instead (its input was there earlier) moves ahead
+            x = dep[y]
+            while x >= 0:
+                q, i = rank_of[x], pos[x]
+                o = tl.orders[q]
+                d = dep[x]
+                arrival = end[d] + lag[x] if d >= 0 else 0.0
+                if i > 0 and start[x] <= end[o[i - 1]] + EPS and arrival < start[x] - EPS:
+                    for back in range(1, 4):
+                        if i - back < 0 or (back > 1 and start[o[i - back + 1]] > end[o[i - back]] + EPS):
+                            break
+                        moves.append((q, i, i - back))
+                    break
+                x = d
+    return moves
+
+
+def improve(prob: Problem, orders: Sequence[Sequence[int]], *, budget: int) -> list[list[int]]:
+    """Lower the cost of `orders` by local moves; memory stays within `prob.limit`.
+
+    `budget` bounds the number of task re-simulations (the search's work).
+    """
+    tl = Timeline(prob, orders)
+    limit = prob.limit
+    best = tl.score()
+    while tl.work < budget:
+        improved = False
+        for r, i, k in _candidates(tl):
+            if tl.work >= budget:
+                break
+            if not tl.memory_ok(r, i, k, limit):
+                continue
+            if not tl.try_move(r, i, k):
+                continue
+            score = tl.score()
+            if _better(score, best):
+                tl.accept()
+                best = score
+                improved = True
+                break
+            tl.reject()
+        if not improved:
+            break
+    return [list(o) for o in tl.orders]
