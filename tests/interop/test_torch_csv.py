@@ -210,20 +210,22 @@ def _single_process_reference():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["zb-h1", "1f1b"])
-def test_zbpp_csv_trains_under_torch_runtime_on_gloo(tmp_path, name):
-    """Two gloo ranks run a zbpp schedule with torch's `_PipelineScheduleRuntime`; the gradients
-    match one process running the whole model on the whole batch (fp32; 1e-5 covers the different
-    summation order of per-microbatch gradients)."""
-    m = 4
-    sched = validate(build(name, num_ranks=2, num_microbatches=m))
-    csv_path = tmp_path / "sched.csv"
-    to_torch_csv(sched, csv_path)
+def test_zbpp_csv_trains_under_torch_runtime_on_gloo(tmp_path):
+    """Two gloo ranks run zbpp's zb-h1 (B as torch's I, W as W) and 1f1b (BW as torch's B) with
+    torch's `_PipelineScheduleRuntime`; the gradients match one process running the whole model on
+    the whole batch (fp32; rtol 1e-5 covers the different summation order of per-microbatch
+    gradients)."""
+    m, names = 4, ["zb-h1", "1f1b"]
+    csvs = []
+    for name in names:
+        csv_path = tmp_path / f"{name}.csv"
+        to_torch_csv(validate(build(name, num_ranks=2, num_microbatches=m)), csv_path)
+        csvs.append(str(csv_path))
     worker = Path(__file__).with_name("torch_runtime_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(r), "2", str(csv_path), str(tmp_path / "store"), str(tmp_path / f"out{r}.pt"), str(m)],
+            [sys.executable, str(worker), str(r), "2", str(tmp_path / "store"), str(tmp_path), str(m), *csvs],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -235,10 +237,11 @@ def test_zbpp_csv_trains_under_torch_runtime_on_gloo(tmp_path, name):
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {r} failed:\n{log}"
     ref_grads, ref_loss = _single_process_reference()
-    for r in range(2):
-        got = torch.load(tmp_path / f"out{r}.pt")
-        for n, g in ref_grads[r].items():
-            torch.testing.assert_close(got["grads"][n], g, rtol=1e-5, atol=1e-6, msg=f"rank {r} {n}")
-    losses = torch.load(tmp_path / "out1.pt")["losses"]
-    assert len(losses) == m
-    torch.testing.assert_close(torch.stack(losses).mean(), ref_loss, rtol=1e-5, atol=1e-6)
+    for k, name in enumerate(names):
+        for r in range(2):
+            got = torch.load(tmp_path / f"rank{r}-{k}.pt")
+            for n, g in ref_grads[r].items():
+                torch.testing.assert_close(got["grads"][n], g, rtol=1e-5, atol=1e-6, msg=f"{name}: rank {r} {n}")
+        losses = torch.load(tmp_path / f"rank1-{k}.pt")["losses"]
+        assert len(losses) == m
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss, rtol=1e-5, atol=1e-6)
