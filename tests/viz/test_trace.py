@@ -70,13 +70,14 @@ def test_plan_trace_has_one_event_per_task_and_a_flow_per_message(tmp_path, name
     recvs = [e for e in ev if e["ph"] == "X" and e["name"].startswith("recv ")]
     assert len(sends) == len(recvs) == per_mb(p) * m
     assert all(e["tid"] == 1 and e["dur"] == pytest.approx(comm * 1000) for e in sends + recvs)
-    starts = {e["id"]: e for e in ev if e["ph"] == "s"}
-    ends = {e["id"]: e for e in ev if e["ph"] == "f"}
-    assert starts.keys() == ends.keys() and len(starts) == len(sends)
-    for i, s in starts.items():
-        f = ends[i]
+    # flow arrows (trace format "flow v2"): each send slice starts one, its receive ends it
+    outs = {e["bind_id"]: e for e in sends if e.get("flow_out")}
+    ins = {e["bind_id"]: e for e in recvs if e.get("flow_in")}
+    assert outs.keys() == ins.keys() and len(outs) == len(sends)
+    for i, s in outs.items():
+        f = ins[i]
         assert s["pid"] != f["pid"]  # a message crosses ranks
-        assert f["bp"] == "e"
+        assert s["args"] == f["args"]
     # each send starts where its producer ends; the consumer starts no earlier than arrival
     for e in sends:
         src, dst = (Action.parse(x) for x in (e["args"]["from"], e["args"]["to"]))
@@ -96,6 +97,12 @@ def test_merged_trace_has_plan_and_measurement_side_by_side(tmp_path):
     got = sorted((e["pid"] - 4, e["name"], round(e["ts"]), round(e["dur"])) for e in ev if e.get("cat") == "measured")
     want = sorted((r["rank"], r["action"], round(r["start"] * 1e6), round(r["end"] * 1e6 - r["start"] * 1e6)) for r in measured)
     assert got == want  # one event per task per rank, every rank in one file
+    # measured flows (v1): one start and one end per message, each inside its task's slice
+    slices = {(e["pid"], e["name"]): (e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "measured"}
+    flows = [e for e in ev if e["ph"] in ("s", "f")]
+    assert len(flows) == 2 * 2 * 3 * 8  # 2(p-1) messages per microbatch, two ends each
+    for e in flows:
+        assert any(lo < e["ts"] < hi for (pid, _), (lo, hi) in slices.items() if pid == e["pid"])
     plan_ev = [e for e in ev if e.get("cat") == "plan"]
     assert len(plan_ev) == sched.num_tasks and max(e["ts"] + e["dur"] for e in plan_ev) == pytest.approx(plan.makespan * 1e6)
     records, stored = read_trace(path)
@@ -215,5 +222,5 @@ def test_cli_trace(tmp_path, capsys):
     assert main(["trace", "zb-h1", "-p", "4", "-m", "8", "--comm", "0.5", "-o", str(out)]) == 0
     ev = _load(out)
     assert sum(e["ph"] == "X" and e["cat"] == "plan" for e in ev) == 96
-    assert sum(e["ph"] == "s" for e in ev) == 2 * 3 * 8
+    assert sum(bool(e.get("flow_out")) for e in ev) == 2 * 3 * 8
     assert "wrote" in capsys.readouterr().out

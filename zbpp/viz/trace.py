@@ -255,8 +255,15 @@ def write_trace(
     ``Costs.from_profile`` is in seconds) and 1e-3 otherwise (unit costs drawn as milliseconds).
     `comm` is the plan's message time (its ``Costs.comm``, in plan units): each message is drawn
     as a send on the producer's comm track and a receive on the consumer's, from the producer's
-    end for `comm`, joined by a flow arrow. The file also records the schedule (``otherData.zbpp_schedule``) so `read_trace` can load a
+    end for `comm`, joined by a flow arrow. Measured tasks are joined along the same edges. The
+    file also records the schedule (``otherData.zbpp_schedule``) so `read_trace` can load a
     measurement back for plotting.
+
+    Typical use after a profiled step (on pipeline rank 0)::
+
+        records = pipe.profile_records()
+        costs = Costs.from_profile(records, sched.num_stages)
+        write_trace("step.json", plan=simulate(sched, costs), measured=records)
     """
     if plan is None and measured is None:
         raise ValueError("write_trace needs plan= (a SimResult), measured= (profile records) or both")
@@ -280,11 +287,12 @@ def write_trace(
             src, dst = sched.rank_of(a.stage), sched.rank_of(c.stage)
             t = plan.end[a] * unit_us
             name = f"{a} -> {c}"
-            common = {"cat": "comm", "ph": "X", "tid": _COMM_TID, "ts": t, "dur": float(comm) * unit_us, "args": {"from": str(a), "to": str(c)}}
-            events.append({"name": f"send {name}", "pid": src, **common})
-            events.append({"name": f"recv {name}", "pid": dst, **common})
-            events.append({"name": "message", "cat": "flow", "ph": "s", "id": flow_id, "pid": src, "tid": _COMM_TID, "ts": t})
-            events.append({"name": "message", "cat": "flow", "ph": "f", "bp": "e", "id": flow_id, "pid": dst, "tid": _COMM_TID, "ts": t})
+            common = {"cat": "comm", "ph": "X", "tid": _COMM_TID, "ts": t, "dur": float(comm) * unit_us,
+                      "args": {"from": str(a), "to": str(c)}, "bind_id": flow_id}
+            # Flow v2: the arrow is bound to these two slices themselves, not looked up by
+            # timestamp, so it holds even when comm = 0 makes them zero-length.
+            events.append({"name": f"send {name}", "pid": src, "flow_out": True, **common})
+            events.append({"name": f"recv {name}", "pid": dst, "flow_in": True, **common})
             flow_id += 1
 
     if measured_res is not None:
@@ -295,11 +303,12 @@ def write_trace(
                 events.append(_task_event(a, r, base + r, measured_res.start[a], measured_res.end[a], 1e6, "measured", chunk[a.stage]))
         for a, c in messages:
             src, dst = sched.rank_of(a.stage), sched.rank_of(c.stage)
-            # Flows bind to the slice enclosing their timestamp: the producer's and consumer's starts.
-            events.append({"name": "message", "cat": "flow", "ph": "s", "id": flow_id, "pid": base + src, "tid": _COMPUTE_TID,
-                           "ts": measured_res.start[a] * 1e6})
-            events.append({"name": "message", "cat": "flow", "ph": "f", "bp": "e", "id": flow_id, "pid": base + dst,
-                           "tid": _COMPUTE_TID, "ts": measured_res.start[c] * 1e6})
+            # Flow v1 (a task can send one message and receive another, and a slice binds one v2
+            # flow): each end binds to the slice enclosing its timestamp, so put it mid-task.
+            for ph, task, pid in (("s", a, base + src), ("f", c, base + dst)):
+                mid = (measured_res.start[task] + measured_res.end[task]) / 2 * 1e6
+                events.append({"name": "message", "cat": "flow", "ph": ph, "id": flow_id, "pid": pid, "tid": _COMPUTE_TID,
+                               "ts": mid, **({"bp": "e"} if ph == "f" else {})})
             flow_id += 1
 
     doc = {
