@@ -11,11 +11,15 @@ For each schedule pair and size, on one process and without a process group:
   ``OVERLAP_F_B`` cells are flattened into their two sub-actions first: torch's simulator looks up
   the rank of the cell's own stage index (-1) and fails on them.
 
-Pairs: 1f1b / ScheduleInterleaved1F1B with one stage per rank (that is 1F1B; torch 2.14's
-Schedule1F1B._get_pipeline_order is not used because its last rank's order starts at F1 and
-cannot be lowered); interleaved-1f1b / ScheduleInterleaved1F1B with two stages per rank; zb-h1 / ScheduleInterleavedZeroBubble with one stage per rank (its
-ZB1P is ZB-H1); zb-v / ScheduleZBVZeroBubble and dualpipe-v / ScheduleDualPipeV when zbpp has
-them; and zbv-auto (build alone) against torch generating its ZBV schedule at p=32, m=256 when
+Pairs (zbpp / torch):
+
+- 1f1b / ScheduleInterleaved1F1B with one stage per rank, which is 1F1B (torch 2.14's
+  Schedule1F1B._get_pipeline_order is not used: its last rank's order starts at F1 and cannot
+  be lowered);
+- interleaved-1f1b / ScheduleInterleaved1F1B with two stages per rank;
+- zb-h1 / ScheduleInterleavedZeroBubble with one stage per rank (its ZB1P is ZB-H1);
+- zb-v / ScheduleZBVZeroBubble and dualpipe-v / ScheduleDualPipeV;
+- zbv-auto (build alone) against torch generating its ZBV schedule at p=32, m=256 when
 zbv-auto is registered. Each time is the best of --repeat runs.
 
     python benchmarks/bench_scheduler.py                 # p in 4..32, m in 32..256

@@ -115,7 +115,8 @@ class Costs:
             bs = s[iB] + [x * ratio for x in s[iBW]]
             ws = s[iW] + [x * (1 - ratio) for x in s[iBW]]
             if not bs or not ws:
-                raise ValueError(f"no {'B' if not bs else 'W'} or BW records for stage {stage}: cannot estimate its backward time")
+                missing = "B" if not bs else "W"
+                raise ValueError(f"no {missing} or BW records for stage {stage}: cannot estimate its backward time")
             f_out.append(mean(s[iF]))
             b_out.append(mean(bs))
             w_out.append(mean(ws))

@@ -133,7 +133,8 @@ def plot(
     for r, order in enumerate(sched.orders):
         for a in order:
             s, e = x(res.start[a]), x(res.end[a])
-            groups.setdefault((a.kind, chunk_of[a.stage]), []).append([(s, r + 0.08), (e, r + 0.08), (e, r + 0.92), (s, r + 0.92)])
+            box = [(s, r + 0.08), (e, r + 0.08), (e, r + 0.92), (s, r + 0.92)]
+            groups.setdefault((a.kind, chunk_of[a.stage]), []).append(box)
     n_tasks = sched.num_tasks
     lw = 0.6 if n_tasks < 400 else (0.3 if n_tasks < 4000 else 0.0)
     for (kind, chunk), verts in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0].value)):

@@ -132,7 +132,9 @@ def measured_result(records: Iterable[Record], schedule: Schedule | None = None,
         start[a], end[a] = s, e
     missing = [a for a in expected if a not in start]
     if missing:
-        raise ValueError(f"{len(missing)} task(s) of the schedule have no measured record, e.g. {missing[0]} (rank {expected[missing[0]]})")
+        raise ValueError(
+            f"{len(missing)} task(s) of the schedule have no measured record, e.g. {missing[0]} (rank {expected[missing[0]]})"
+        )
 
     deltas = (memory or Memory()).deltas(schedule.num_stages)
     kind_index = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.BW: 3}
@@ -219,7 +221,8 @@ def _task_event(a: Action, rank: int, pid: int, start: float, end: float, unit_u
         "tid": _COMPUTE_TID,
         "ts": start * unit_us,
         "dur": (end - start) * unit_us,
-        "args": {"rank": rank, "action": str(a), "kind": a.kind.value, "stage": a.stage, "microbatch": a.microbatch, "chunk": chunk},
+        "args": {"rank": rank, "action": str(a), "kind": a.kind.value, "stage": a.stage, "microbatch": a.microbatch,
+                 "chunk": chunk},
     }
 
 
@@ -300,7 +303,8 @@ def write_trace(
         for r in range(p):
             events += _meta(base + r, f"measured · rank {r}", base + r, ["compute"])
             for a in measured_res.schedule.orders[r]:
-                events.append(_task_event(a, r, base + r, measured_res.start[a], measured_res.end[a], 1e6, "measured", chunk[a.stage]))
+                events.append(_task_event(a, r, base + r, measured_res.start[a], measured_res.end[a], 1e6, "measured",
+                                          chunk[a.stage]))
         for a, c in messages:
             src, dst = sched.rank_of(a.stage), sched.rank_of(c.stage)
             # Flow v1 (a task can send one message and receive another, and a slice binds one v2
