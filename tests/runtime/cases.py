@@ -300,3 +300,65 @@ def check_data_parallel(name: str, pp: int) -> float:
             got = getattr(a, "main_grad", None)
             worst = max(worst, _close(f"dp stage {s} grad {pn}", a.grad if got is None else got, b.grad, tol))
     return worst
+
+
+class _Failing(torch.nn.Module):
+    """Wraps a stage; raises on its `fail_at`-th forward, or trims its output when `trim` is set."""
+
+    def __init__(self, inner: torch.nn.Module, fail_at: int = -1) -> None:
+        super().__init__()
+        self.inner, self.fail_at, self.calls, self.trim = inner, fail_at, 0, False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        out = self.inner(*args, **kwargs)
+        if self.trim:  # a data-dependent shape the input signature cannot predict
+            out = (out[0][:-1],) + tuple(x[:-1] if isinstance(x, torch.Tensor) else x for x in out[1:])
+        return out
+
+
+def fail_in_stage() -> dict[str, Any]:
+    """2 ranks, ZB-H1: stage 1 raises in its third forward (F1.2). Rank 1 must raise naming the task
+    and discard its gradients; rank 0 must get an error (the process group's timeout), not hang."""
+    import time
+
+    from zbpp.runtime import PipelineError
+
+    rank = dist.get_rank()
+    sched = make_schedule("zb-h1", 2, 4)
+    stage = _Failing(make_stage(rank, 2, "zbpp"), fail_at=3 if rank == 1 else -1)
+    pipe = Pipeline({rank: stage}, sched, loss_fn)
+    inputs, target = make_batch(0, 8)
+    t0 = time.monotonic()
+    try:
+        pipe.step(inputs, target=target)
+    except PipelineError as exc:
+        pending = [k for m in stage.modules() if hasattr(m, "pending_wgrad_keys") for k in m.pending_wgrad_keys()]
+        return {"error": str(exc), "seconds": time.monotonic() - t0, "grads": [p.grad is not None for p in pipe.parameters()],
+                "pending": pending}
+    raise AssertionError(f"rank {rank}: the step did not fail")
+
+
+def mismatch_after_first_step() -> dict[str, Any]:
+    """Step 1 fixes the activation shapes of this input signature; in step 2 stage 0's output
+    shrinks (data-dependent): rank 0 raises ShapeMismatchError naming stage, microbatch and both
+    shapes; rank 1 fails on the timeout."""
+    import time
+
+    from zbpp.runtime import PipelineError
+
+    rank = dist.get_rank()
+    sched = make_schedule("1f1b", 2, 2)
+    stage = _Failing(make_stage(rank, 2, "plain"))
+    pipe = Pipeline({rank: stage}, sched, loss_fn)
+    inputs, target = make_batch(0, 4)
+    pipe.step(inputs, target=target)
+    stage.trim = rank == 0
+    t0 = time.monotonic()
+    try:
+        pipe.step(inputs, target=target)
+    except PipelineError as exc:
+        return {"type": type(exc).__name__, "error": str(exc), "seconds": time.monotonic() - t0}
+    raise AssertionError(f"rank {rank}: the step did not fail")

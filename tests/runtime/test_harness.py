@@ -1,0 +1,72 @@
+"""zbpp.testing: results in rank order, every rank's failure reported, hangs and deaths stopped."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zbpp.testing import DistributedTestError, distributed, run_distributed
+
+
+def rank_and_world() -> tuple[int, int, str]:
+    return dist.get_rank(), dist.get_world_size(), os.environ["RANK"]
+
+
+def raise_on_rank_one_else_wait() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    t = torch.zeros(1)
+    dist.recv(t, 1)  # waits for a message rank 1 will never send
+
+
+def sleep_forever_in_here() -> None:
+    time.sleep(600)
+
+
+def die_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return 0
+
+
+@distributed(world_size=2)
+def test_decorated_body_runs_on_every_rank():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+
+
+def test_results_come_back_in_rank_order():
+    assert run_distributed(rank_and_world, 3) == [(0, 3, "0"), (1, 3, "1"), (2, 3, "2")]
+
+
+def test_a_failing_rank_and_its_waiting_peer_are_both_reported(zbpp_workers):
+    workers = zbpp_workers(2, grace=1.0)
+    with pytest.raises(DistributedTestError) as info:
+        workers.run(raise_on_rank_one_else_wait)
+    text = str(info.value)
+    assert "ValueError: boom on purpose" in info.value.failures[1]
+    assert "after another rank failed" in info.value.failures[0]
+    assert "raise_on_rank_one_else_wait" in info.value.failures[0]  # its stack shows where it waits
+    assert "2 of 2 ranks failed" in text
+    assert not workers.running
+    assert workers.run(rank_and_world)[1][:2] == (1, 2)  # the pool restarts on demand
+
+
+def test_a_hung_run_is_stopped_with_stacks(zbpp_workers):
+    workers = zbpp_workers(2, grace=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        workers.run(sleep_forever_in_here, timeout=2)
+    assert time.monotonic() - t0 < 30
+    assert all("no result within the timeout of 2 s" in f for f in info.value.failures.values())
+    assert "sleep_forever_in_here" in info.value.failures[0]
+
+
+def test_a_dead_rank_is_reported_with_its_exit_code(zbpp_workers):
+    with pytest.raises(DistributedTestError, match="exited with code 3"):
+        zbpp_workers(2, grace=1.0).run(die_on_rank_one)

@@ -1,0 +1,117 @@
+"""The runtime in this process: one-rank schedules (every hand-over in memory, V shapes included),
+the tree utilities, and the errors raised before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zbpp import Pipeline
+from zbpp.runtime import ShapeMismatchError
+from zbpp.runtime.tree import call, describe, flatten, rebuild, split
+from zbpp.schedules import Schedule, available, build
+from zbpp.schedules.ir import Action
+
+from .cases import make_schedule, tolerance
+from .models import loss_fn, make_batch, make_stage, reference_step
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("kind", ["plain", "zbpp", "mixed"])
+@pytest.mark.parametrize("name", available())
+def test_one_rank_matches_reference(name, kind):
+    sched = make_schedule(name, 1, 5)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, kind) for s in range(S)}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    for step, rows in enumerate((11, 11, 7)):  # uneven split, the same again (cached), a new shape
+        inputs, target = make_batch(step, rows)
+        loss = pipe.step(inputs, target=target)
+        want = reference_step(ref, inputs, target)
+        torch.testing.assert_close(loss, want, **tolerance(CPU))
+        for s in range(S):
+            for (n, a), (_, b) in zip(mine[s].named_parameters(), ref[s].named_parameters()):
+                torch.testing.assert_close(a.grad, b.grad, **tolerance(CPU), msg=lambda m: f"stage {s} {n}: {m}")
+            mine[s].zero_grad()
+            ref[s].zero_grad()
+
+
+def test_fifo_modules_refused_when_w_leaves_b_order():
+    order = [Action.parse(t) for t in "F0.0 B0.0 F0.1 B0.1 W0.1 W0.0".split()]
+    sched = Schedule(1, 1, 2, (0,), (tuple(order),), name="w-swapped")
+    with pytest.raises(ValueError, match="FIFO|oldest"):
+        Pipeline({0: make_stage(0, 1, "fifo")}, sched, loss_fn)
+    Pipeline({0: make_stage(0, 1, "zbpp")}, sched, loss_fn)  # keyed modules are fine
+
+
+def test_wrong_stages_and_missing_distributed_are_explained():
+    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"holds stages \[0\].*has \[1\]"):
+        Pipeline({1: make_stage(0, 1, "plain")}, sched, loss_fn)
+    with pytest.raises(RuntimeError, match="initialize torch.distributed"):
+        Pipeline({0: make_stage(0, 2, "plain")}, build("zb-h1", num_ranks=2, num_microbatches=2), loss_fn)
+
+
+def test_loss_must_be_scalar():
+    sched = build("1f1b", num_ranks=1, num_microbatches=2)
+    pipe = Pipeline({0: make_stage(0, 1, "plain")}, sched, lambda out, y: (out - y) ** 2)
+    inputs, target = make_batch(0, 4)
+    with pytest.raises(Exception, match="scalar tensor"):
+        pipe.step(inputs, target=target)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_stage_error_names_the_task_and_discards_gradients():
+    class Boom(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("kaboom")
+            return self.lin(x)
+
+    sched = build("zb-h1", num_ranks=1, num_microbatches=4)
+    mod = Boom()
+    mod.lin.weight.grad = torch.ones(2, 2)  # from an earlier step: cannot be told apart, so dropped
+    pipe = Pipeline({0: mod}, sched, lambda o, y: o.sum())
+    with pytest.raises(Exception, match=r"task F0\.2.*kaboom.*discarded") as info:
+        pipe.step(torch.ones(8, 2))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert mod.lin.weight.grad is None and mod.lin.bias.grad is None
+    mod.calls = -100
+    pipe.step(torch.ones(8, 2))  # usable again
+    assert mod.lin.weight.grad is not None
+
+
+def test_tree_split_uneven_and_rebuild():
+    x = {"a": torch.arange(10).reshape(5, 2), "b": (torch.zeros(5), "keep")}
+    parts = split(x, 3)
+    assert [p["a"].shape[0] for p in parts] == [2, 2, 1]
+    assert all(p["b"][1] == "keep" for p in parts)
+    leaves, spec = flatten(parts[0])
+    again = rebuild(spec, leaves)
+    assert torch.equal(again["a"], parts[0]["a"]) and again["b"][1] == "keep"
+    assert describe(parts[2]) == "{'a': int64[1, 2], 'b': (float32[1], 'keep')}"
+    assert call(lambda a, b: (a, b), {"a": 1, "b": 2}) == (1, 2)
+    assert call(lambda a, b: a + b, (1, 2)) == 3
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ((torch.zeros(4, 2), torch.zeros(3)), "different sizes along dim 0"),
+    (torch.tensor(1.0), "0-dimensional"),
+    (torch.zeros(2, 2), "fewer than the 3 microbatches"),
+    ("text", "no tensor"),
+])
+def test_tree_split_errors(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        split(bad, 3)
+
+
+def test_shape_mismatch_error_type_is_exported():
+    assert issubclass(ShapeMismatchError, RuntimeError)
