@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from zbpp.modules.context import microbatch
+from zbpp.modules import DelayedScaling, LayerNormMLP, Linear, fp8_autocast, microbatch
 from zbpp.schedules import Schedule
 from zbpp.schedules.ir import Kind
 
@@ -116,8 +116,9 @@ def make_groups(pp: int) -> Any:
 
 # -- models -------------------------------------------------------------------------------------
 class PlainBlock(nn.Module):
-    """LayerNorm -> Linear -> tanh -> Linear, plus a parameter no computation uses (its gradient is
-    None on every replica and must stay None, as in one process)."""
+    """LayerNorm -> Linear -> gelu (tanh approximation, as LayerNormMLP) -> Linear, plus a
+    parameter no computation uses (its gradient is None on every replica and must stay None, as in
+    one process)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,35 +128,91 @@ class PlainBlock(nn.Module):
         self.spare = nn.Parameter(torch.ones(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(self.norm(x))))
+        return self.fc2(nn.functional.gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
-#: model kinds: how fc1 / fc2 are built (None keeps nn.Linear)
-KINDS: dict[str, Callable[[], nn.Module] | None] = {
+class MLPBlock(nn.Module):
+    """The same computation as one `zbpp.modules.LayerNormMLP`."""
+
+    NAMES = {
+        "mlp.layer_norm_weight": "norm.weight",
+        "mlp.layer_norm_bias": "norm.bias",
+        "mlp.fc1_weight": "fc1.weight",
+        "mlp.fc1_bias": "fc1.bias",
+        "mlp.fc2_weight": "fc2.weight",
+        "mlp.fc2_bias": "fc2.bias",
+        "spare": "spare",
+    }
+
+    def __init__(self, plain: PlainBlock) -> None:
+        super().__init__()
+        self.mlp = LayerNormMLP(H, H, delay_wgrad_compute=True, params_dtype=torch.float64)
+        self.spare = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        ref = dict(plain.named_parameters())
+        with torch.no_grad():
+            for mine, theirs in self.NAMES.items():
+                self.get_parameter(mine).copy_(ref[theirs])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+class Fp8Block(PlainBlock):
+    """PlainBlock whose zbpp layers run their forward (and so their backward) in FP8."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = DelayedScaling(margin=0, amax_history_len=16, amax_compute_algo="max")
+        with fp8_autocast(enabled=True, fp8_recipe=recipe):
+            return super().forward(x)
+
+
+def _zbpp_linear(**kw: Any) -> Callable[[], nn.Module]:
+    return lambda: Linear(H, H, delay_wgrad_compute=True, params_dtype=torch.float64, **kw)
+
+
+#: model kind -> how fc1 / fc2 are built (None keeps nn.Linear; "mlp": one LayerNormMLP)
+KINDS: dict[str, Any] = {
     "plain": None,
-    "zbpp": lambda: KeyedLinear(H, H),
-    "zbpp-fused": lambda: KeyedLinear(H, H, fuse_wgrad_accumulation=True),
-    "fp8-bias": lambda: KeyedLinear(H, H, fp8=True, fuse_wgrad_accumulation=True),
+    "zbpp": _zbpp_linear(),
+    "zbpp-fused": _zbpp_linear(fuse_wgrad_accumulation=True),
+    "zbpp-mlp": "mlp",
+    "zbpp-fp8": _zbpp_linear(fuse_wgrad_accumulation=True),  # in Fp8Block, float32
+    "eager-bias": lambda: KeyedLinear(H, H, fp8=True, fuse_wgrad_accumulation=True),
     "graph-replay": lambda: KeyedLinear(H, H, fire_hooks=False),
     "te": lambda: TELikeLinear(H, H),
 }
+FP8_KINDS = {"zbpp-fp8"}
 
 
-def make_stage(stage: int, kind: str, device: str = "cpu") -> nn.Module:
-    """Stage `stage` of the model, float64, the same values for every kind (seeded per stage)."""
+def dtype_of(kind: str) -> torch.dtype:
+    return torch.float32 if kind in FP8_KINDS else torch.float64
+
+
+def make_stage(stage: int, kind: str, device: str = "cpu") -> tuple[nn.Module, dict[str, str]]:
+    """Stage `stage` of the model (the same values for every kind, seeded per stage) and the map
+    from its parameter names to those of the plain reference block."""
     torch.manual_seed(1234 + stage)
     block = PlainBlock().double()
     factory = KINDS[kind]
+    if factory == "mlp":
+        mod = MLPBlock(block)
+        return mod.to(device), dict(MLPBlock.NAMES)
     if factory is not None:
+        if kind in FP8_KINDS:
+            fp8_block = Fp8Block().double()
+            fp8_block.load_state_dict(block.state_dict())
+            block = fp8_block
         for name in ("fc1", "fc2"):
             plain = getattr(block, name)
             layer = factory().double()
             layer.load_state_dict(plain.state_dict())
             setattr(block, name, layer)
-    return block.to(device)
+    block = block.to(device=device, dtype=dtype_of(kind))
+    return block, {n: n for n, _ in block.named_parameters()}
 
 
 def batch(step: int, num_samples: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 batch (cast it for a float32 model; the reference keeps float64)."""
     g = torch.Generator().manual_seed(99 + step)
     x = torch.randn(num_samples, H, generator=g, dtype=torch.float64)
     y = torch.randn(num_samples, H, generator=g, dtype=torch.float64)
@@ -168,7 +225,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def reference_grads(num_stages: int, x: torch.Tensor, y: torch.Tensor) -> tuple[list[dict[str, torch.Tensor | None]], torch.Tensor]:
     """One process, whole plain model, whole batch: per stage {name: grad}, and the loss."""
-    stages = [make_stage(s, "plain", str(x.device)) for s in range(num_stages)]
+    stages = [make_stage(s, "plain", str(x.device))[0] for s in range(num_stages)]
     out = x
     for st in stages:
         out = st(out)
@@ -176,6 +233,48 @@ def reference_grads(num_stages: int, x: torch.Tensor, y: torch.Tensor) -> tuple[
     loss.backward()
     grads = [{n: (None if p.grad is None else p.grad.detach().clone()) for n, p in st.named_parameters()} for st in stages]
     return grads, loss.detach()
+
+
+class ReplicaReference:
+    """FP8's reference: one process runs the whole model replica by replica.
+
+    FP8 scales follow each layer's amax history, so replica r's layers (same initial values, kept
+    across steps like the pipeline's) see r's microbatches in the pipeline's order (every schedule
+    here runs a stage's F and B in microbatch order); the result is the replicas' average as the
+    reducer forms it (each replica's gradient divided by dp, then summed). ``main_grad`` is
+    attached by hand here.
+    """
+
+    def __init__(self, num_stages: int, kind: str, dp: int, device: str = "cpu") -> None:
+        self.kind, self.dp = kind, dp
+        self.replicas = [[make_stage(s, kind, device)[0] for s in range(num_stages)] for _ in range(dp)]
+
+    def grads(self, x: torch.Tensor, y: torch.Tensor, m: int) -> list[dict[str, torch.Tensor]]:
+        per_replica = []
+        for stages, xr, yr in zip(self.replicas, x.chunk(self.dp), y.chunk(self.dp)):
+            for st in stages:
+                st.zero_grad(set_to_none=True)
+                for p in st.parameters():
+                    p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            losses = []
+            for j, (xb, yb) in enumerate(zip(xr.chunk(m), yr.chunk(m))):
+                out = xb.to(dtype_of(self.kind))
+                with microbatch(j):
+                    for st in stages:
+                        out = st(out)
+                losses.append(loss_fn(out, yb.to(out.dtype)) / m)
+            for loss in losses:
+                loss.backward()
+            for j in range(m):
+                for st in stages:
+                    _wgrad(st, j)
+            per_replica.append(
+                [{n: p.main_grad + (0 if p.grad is None else p.grad) for n, p in st.named_parameters()} for st in stages]
+            )
+        return [
+            {n: sum(rep[s][n] / self.dp for rep in per_replica) for n in per_replica[0][s]}
+            for s in range(len(per_replica[0]))
+        ]
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:

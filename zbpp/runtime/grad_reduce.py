@@ -5,19 +5,24 @@ per stage, so a reducer driven by autograd hooks alone (DDP) misses them, and a 
 CUDA graph fires no hooks at all. `GradReducer` is told instead, by the runtime, when a stage's
 gradients are final:
 
-- ``stage_backward_done(s)`` after the stage's last B (or BW) of the step: every parameter of stage
-  ``s`` that no delayed-wgrad module owns is final (modules without the protocol get their weight
-  gradients during B);
-- ``stage_wgrad_done(s)`` after its last W (or BW): the reducer asks each delayed-wgrad module of the
-  stage ``get_backward_dw_params()`` and fires those parameters' reduce hooks. Modules that only
-  offer ``register_wgrad_accumulation_and_reduce_hooks`` (Transformer Engine today) count with all
-  their own parameters.
+- ``stage_backward_done(s)`` after the stage's last B (or BW) of the step. The reducer asks each
+  delayed-wgrad module of the stage ``get_backward_dw_params()`` (the parameters W still owes);
+  every other parameter of the stage is final now (modules without the protocol get their weight
+  gradients during B, and so does an FP8 bias).
+- ``stage_wgrad_done(s)`` after its last W (or BW): the reducer asks again and fires the reduce
+  hooks of exactly those parameters. Modules that only offer
+  ``register_wgrad_accumulation_and_reduce_hooks`` (Transformer Engine today) owe all their own
+  parameters.
 
-A parameter owned by several stages of this rank (tied weights in a V placement) is final once every
-owner has signalled. Final parameters are packed into buckets (a fixed layout, identical on all
-replicas because the replicas run the same schedule and signal in the same order), and each full
-bucket is all-reduced asynchronously over the data-parallel group while the pipeline goes on;
-``finish()`` waits for all of them and proves that each parameter was reduced exactly once.
+The answer is read every step, so a module whose list changes (zbpp modules drop their biases after
+an FP8 forward) is handled; it must not change between a stage's last B and its last W. A
+parameter owned by several stages of this rank (tied weights in a V placement) is final once every
+owner has signalled. Final parameters fill buckets of a fixed layout (identical on all replicas,
+which run the same schedule and signal in the same order); each full bucket is all-reduced
+asynchronously over the data-parallel group while the pipeline goes on, and ``finish()`` waits for
+all of them and proves that each parameter was reduced exactly once. When the readiness seen in a
+step differs from the layout's (the first FP8 step), the next ``start_step`` rebuilds the layout so
+that buckets again hold parameters that become final together.
 
 Averaging is a pre-division by the number of replicas followed by a sum (gloo has no AVG). A
 parameter whose ``.grad`` is None on a replica contributes zeros there, so every replica issues the
@@ -26,12 +31,13 @@ the same buffer).
 
 ``main_grad``: parameters of modules with ``fuse_wgrad_accumulation``, of Transformer Engine style
 modules (whose ``backward_dw`` overwrites ``.grad``), those that already carry ``main_grad``, or all of
-them with ``main_grad=True``, get an fp32 (fp64 for fp64 parameters) ``main_grad`` that is a view into
-a bucket buffer, so those buckets are reduced in place. A post-accumulate-grad hook moves any
-``.grad`` of such a parameter into ``main_grad`` and clears it (Megatron's convention, including
-``grad_added_to_main_grad``); that is also what consumes the eager FP8 bias gradient during B, which
-W then must not recreate. ``start_step`` zeroes the ``main_grad`` buffers; ``.grad`` is left to the
-usual ``zero_grad``.
+them with ``main_grad=True``, get a ``main_grad`` (fp32, or the parameter's dtype when wider) that
+is a view into a bucket buffer, so those buckets are reduced in place. A post-accumulate-grad hook
+moves any ``.grad`` of such a parameter into ``main_grad`` and clears it (Megatron's convention,
+including ``grad_added_to_main_grad``): that is also what consumes the eager FP8 bias gradient
+during B, which W then does not recreate. ``start_step`` zeroes the ``main_grad`` buffers (and may
+replace them, see above: read ``p.main_grad`` after the step, do not keep it across steps);
+``.grad`` is left to the usual ``zero_grad``.
 
 Example, on one process (no data parallelism: nothing is communicated, the bookkeeping still runs):
 
@@ -51,7 +57,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -66,16 +72,19 @@ _MiB = 1024 * 1024
 
 @dataclass(eq=False)
 class _Entry:
-    """One parameter: what must happen before it is final, and where it sits in its bucket."""
+    """One parameter: its owners, where it sits in its bucket, and this step's progress."""
 
     param: nn.Parameter
     name: str
-    signals: frozenset[tuple[int, str]]
+    stages: tuple[int, ...]  # the stages of this rank that hold it
     uses_main_grad: bool
+    layout: frozenset[tuple[int, str]] = frozenset()  # signals the bucket layout assumes
+    seen: set[tuple[int, str]] = field(default_factory=set)  # signals that made it final this step
+    observed: frozenset[tuple[int, str]] = frozenset()  # `seen` of the last complete step
     bucket: "_Bucket | None" = None
     offset: int = 0
     slot: int = 0  # index of its presence flag in a .grad bucket
-    pending: set[tuple[int, str]] = field(default_factory=set)
+    pending: set[int] = field(default_factory=set)  # owner stages that have not signalled yet
     ready: bool = False
     reduced: int = 0
 
@@ -90,7 +99,6 @@ class _Bucket:
     numel: int
     buffer: torch.Tensor | None = None
     waiting: int = 0
-    launched: bool = False
     work: Any = None
 
 
@@ -106,20 +114,22 @@ class GradReducer:
     """Average the gradients of one pipeline rank's stages over the data-parallel replicas.
 
     Args:
-        stage_modules: ``{stage index: module}`` for the stages this pipeline rank holds.
+        stage_modules: ``{stage index: module}`` for the stages this pipeline rank holds, already
+            on their device.
         groups: a `ParallelGroups` (``dp`` and ``dp_group`` are used), or None for no data
             parallelism (the exactly-once bookkeeping still runs).
         bucket_size_mb: largest bucket, in MiB of the reduced dtype; a larger parameter gets its own.
-        main_grad: give every parameter an fp32 ``main_grad`` (see the module docstring for the
+        main_grad: give every parameter a ``main_grad`` (see the module docstring for the
             parameters that get one anyway).
 
     Per step the runtime calls `start_step`, then for every stage exactly once each
-    `stage_backward_done` and `stage_wgrad_done`, then `finish`.
+    `stage_backward_done` and (later) `stage_wgrad_done`, then `finish`; `abandon` instead of
+    `finish` after a failed step.
 
     >>> import torch
     >>> r = GradReducer({0: torch.nn.Linear(2, 2)}, None, main_grad=True)
-    >>> r.num_buckets, hasattr(r.params()[0], "main_grad")
-    (1, True)
+    >>> r.num_buckets, r.params()[0].main_grad.dtype
+    (1, torch.float32)
     """
 
     def __init__(
@@ -136,22 +146,25 @@ class GradReducer:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
         self._dp = int(getattr(groups, "dp", 1)) if groups is not None else 1
         self._dp_group = getattr(groups, "dp_group", None) if groups is not None else None
+        self._cap_bytes = int(bucket_size_mb * _MiB)
         self._stages = sorted(stage_modules)
         self._delayed: dict[int, list[nn.Module]] = {}
-        self._entries: dict[int, _Entry] = {}  # id(param) -> entry, in bucket-layout order
+        self._stage_entries: dict[int, list[_Entry]] = {}
+        self._entries: dict[int, _Entry] = {}  # id(param) -> entry
+        self._late: dict[int, list[_Entry]] = {}  # stage -> what its W owes this step
         self._hook_handles: list[Any] = []
         self._active = False
         self._in_step = False
         self._called: set[tuple[int, str]] = set()
-        self._launch_order: list[_Bucket] = []
+        self._launched: list[_Bucket] = []
         self._classify(stage_modules, main_grad)
-        self._buckets = self._make_buckets(int(bucket_size_mb * _MiB))
+        self._buckets = self._make_buckets()
         self._install_hooks()
         self._active = True
 
     # -- construction -------------------------------------------------------------------------
     def _classify(self, stage_modules: Mapping[int, nn.Module], all_main_grad: bool) -> None:
-        signals: dict[int, set[tuple[int, str]]] = {}
+        owners: dict[int, list[int]] = {}
         names: dict[int, str] = {}
         params: dict[int, nn.Parameter] = {}
         main: set[int] = set()
@@ -159,61 +172,64 @@ class GradReducer:
             root = stage_modules[s]
             if not isinstance(root, nn.Module):
                 raise TypeError(f"stage {s}: expected an nn.Module, got {type(root).__name__}")
-            named = [(n, p) for n, p in root.named_parameters() if p.requires_grad]
-            known = {id(p) for _, p in named}
-            delayed_mods = [m for m in root.modules() if _is_delayed(m)]
-            self._delayed[s] = delayed_mods
-            late: set[int] = set()
-            for m in delayed_mods:
-                for p in self._dw_params(m, s, known):
-                    late.add(id(p))
-                if not callable(getattr(m, "get_backward_dw_params", None)):
-                    # Transformer Engine style: backward_dw overwrites .grad, so accumulate elsewhere.
-                    main.update(id(p) for p in m.parameters(recurse=False))
+            self._delayed[s] = [m for m in root.modules() if _is_delayed(m)]
             for m in root.modules():
-                if getattr(m, "fuse_wgrad_accumulation", False):
+                te_style = m in self._delayed[s] and not callable(getattr(m, "get_backward_dw_params", None))
+                # Transformer Engine's backward_dw overwrites .grad, so its gradients accumulate elsewhere.
+                if te_style or getattr(m, "fuse_wgrad_accumulation", False):
                     main.update(id(p) for p in m.parameters(recurse=False))
             # Reverse registration order: roughly the order in which backward finishes them.
-            for n, p in reversed(named):
-                key = id(p)
-                params[key] = p
-                names.setdefault(key, f"stage {s} '{n}'")
-                signals.setdefault(key, set()).add((s, _W if key in late else _B))
+            for n, p in reversed([(n, p) for n, p in root.named_parameters() if p.requires_grad]):
+                params[id(p)] = p
+                names.setdefault(id(p), f"stage {s} '{n}'")
+                owners.setdefault(id(p), []).append(s)
                 if all_main_grad or hasattr(p, "main_grad"):
-                    main.add(key)
+                    main.add(id(p))
         for key, p in params.items():
-            self._entries[key] = _Entry(p, names[key], frozenset(signals[key]), key in main)
+            self._entries[key] = _Entry(p, names[key], tuple(owners[key]), key in main)
+        for s in self._stages:
+            self._stage_entries[s] = [e for e in self._entries.values() if s in e.stages]
+            late = {id(e.param) for e in self._owed_by_w(s)}  # the first guess of the layout
+            for e in self._stage_entries[s]:
+                e.layout |= {(s, _W if id(e.param) in late else _B)}
 
-    @staticmethod
-    def _dw_params(module: nn.Module, stage: int, known: set[int]) -> list[nn.Parameter]:
+    def _owed_by_w(self, stage: int) -> list[_Entry]:
+        """The parameters the delayed modules of `stage` say their W produces, each once."""
+        out: dict[int, _Entry] = {}
+        for m in self._delayed[stage]:
+            out.update((id(e.param), e) for e in self._owed_by_module(stage, m))
+        return list(out.values())
+
+    def _owed_by_module(self, stage: int, module: nn.Module) -> list[_Entry]:
         getter = getattr(module, "get_backward_dw_params", None)
-        if not callable(getter):
-            return [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not callable(getter):  # Transformer Engine style: all its own trainable parameters
+            return [self._entries[id(p)] for p in module.parameters(recurse=False) if p.requires_grad]
         out = []
         for t in getter():
-            if id(t) not in known:
+            e = self._entries.get(id(t))
+            if e is None or stage not in e.stages:
                 raise ValueError(
-                    f"stage {stage}: {type(module).__name__}.get_backward_dw_params() returned a tensor "
-                    f"of shape {tuple(t.shape)} that is not a trainable parameter of the stage module; "
+                    f"stage {stage}: {type(module).__name__}.get_backward_dw_params() returned a tensor of "
+                    f"shape {tuple(t.shape)} that is not a trainable parameter of the stage module; "
                     "it must return the parameter objects themselves"
                 )
-            out.append(t)
+            out.append(e)
         return out
 
-    def _make_buckets(self, cap_bytes: int) -> list[_Bucket]:
+    def _make_buckets(self) -> list[_Bucket]:
+        """Group parameters that become final together, then cut the groups at the size cap."""
         groups: dict[tuple[Any, ...], list[_Entry]] = {}
         for e in self._entries.values():
             dtype = torch.promote_types(e.param.dtype, torch.float32) if e.uses_main_grad else e.param.dtype
-            key = (e.signals, e.uses_main_grad, dtype, e.param.device)
-            groups.setdefault(key, []).append(e)
+            groups.setdefault((e.layout, e.uses_main_grad, dtype, e.param.device), []).append(e)
         buckets: list[_Bucket] = []
         for (_, uses_main, dtype, device), entries in groups.items():
             itemsize = torch.empty((), dtype=dtype).element_size()
             chunk: list[_Entry] = []
             size = 0
-            for e in entries + [None]:  # None flushes the last chunk
+            for e in [*entries, None]:  # None flushes the last chunk
                 n = 0 if e is None else e.param.numel()
-                if chunk and (e is None or (size + n) * itemsize > cap_bytes):
+                if chunk and (e is None or (size + n) * itemsize > self._cap_bytes):
                     buckets.append(_Bucket(len(buckets), chunk, uses_main, dtype, device, size))
                     chunk, size = [], 0
                 if e is not None:
@@ -236,18 +252,20 @@ class GradReducer:
             for m in mods:
                 register = getattr(m, "register_wgrad_accumulation_and_reduce_hooks", None)
                 if callable(register):
-                    entries = tuple(self._entries[id(p)] for p in self._dw_params(m, s, set(self._entries)))
-                    register(functools.partial(self._after_module_wgrad, entries))
+                    handle = register(functools.partial(self._after_module_wgrad, s, m))
+                    if callable(getattr(handle, "remove", None)):
+                        self._hook_handles.append(handle)
 
     def remove_hooks(self) -> None:
-        """Detach from the parameters and modules (module wgrad hooks cannot be removed: they go inert)."""
+        """Detach from the parameters and modules (hooks that cannot be removed go inert)."""
         for h in self._hook_handles:
             h.remove()
         self._hook_handles.clear()
         self._active = False
 
     # -- hooks --------------------------------------------------------------------------------
-    def _fold(self, e: _Entry) -> None:
+    @staticmethod
+    def _fold(e: _Entry) -> None:
         """Move ``.grad`` into ``main_grad`` unless the module already accumulated it there."""
         p = e.param
         if p.grad is not None:
@@ -258,8 +276,8 @@ class GradReducer:
     def _check_not_final(self, e: _Entry, what: str) -> None:
         if self._in_step and e.ready:
             raise RuntimeError(
-                f"{e.name}: {what} after the parameter was declared final for this step "
-                f"(signals {sorted(e.signals)}); its reduction already started. The runtime must call "
+                f"{e.name}: {what} after the parameter was declared final for this step (by "
+                f"{sorted(e.seen)}); its reduction already started. The runtime must call "
                 "stage_backward_done / stage_wgrad_done only after the stage's last B / W."
             )
 
@@ -271,55 +289,67 @@ class GradReducer:
         if e.uses_main_grad:
             self._fold(e)
 
-    def _after_module_wgrad(self, entries: tuple[_Entry, ...]) -> None:
+    def _after_module_wgrad(self, stage: int, module: nn.Module, *unused: Any) -> None:
         if not self._active:
             return
-        for e in entries:
+        for e in self._owed_by_module(stage, module):
             self._check_not_final(e, "backward_dw() ran")
             if e.uses_main_grad:
-                self._fold(e)
+                self._fold(e)  # Transformer Engine overwrites .grad at the next W: keep this one
 
     # -- the per-step protocol ----------------------------------------------------------------
     def start_step(self) -> None:
         """Reset for a new step: zero ``main_grad`` buffers and the counters."""
-        self._wait_all()  # a step that failed half-way may still have reductions in flight
+        self._drain()  # a failed step may have left reductions in flight: never apply them
+        if any(e.observed and e.observed != e.layout for e in self._entries.values()):
+            for e in self._entries.values():
+                e.layout = e.observed or e.layout
+            self._buckets = self._make_buckets()
         for b in self._buckets:
             b.waiting = len(b.entries)
-            b.launched = False
-            b.work = None
             if b.uses_main_grad:
                 b.buffer.zero_()
         for e in self._entries.values():
-            e.pending = set(e.signals)
+            e.pending = set(e.stages)
+            e.seen = set()
             e.ready = False
             e.reduced = 0
             if e.uses_main_grad and hasattr(e.param, "grad_added_to_main_grad"):
                 e.param.grad_added_to_main_grad = False
         self._called.clear()
-        self._launch_order.clear()
+        self._late.clear()
         self._in_step = True
 
     def stage_backward_done(self, stage: int) -> None:
-        """The stage's last B (or BW) of the step ran: its ordinary parameters are final."""
+        """The stage's last B (or BW) of the step ran: all but what its W still owes is final."""
         self._signal(stage, _B)
-        self._mark(stage, _B, [e for e in self._entries.values() if (stage, _B) in e.signals], "")
+        late = self._owed_by_w(stage)
+        self._late[stage] = late
+        owed = {id(e.param) for e in late}
+        self._mark(stage, _B, [e for e in self._stage_entries[stage] if id(e.param) not in owed])
 
     def stage_wgrad_done(self, stage: int) -> None:
         """The stage's last W (or BW) of the step ran: fire the reduce hooks of what W produced."""
         self._signal(stage, _W)
-        entries: list[_Entry] = []
-        seen: set[int] = set()
-        for m in self._delayed[stage]:
-            for p in self._dw_params(m, stage, set(self._entries)):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    entries.append(self._entries[id(p)])
-        self._mark(stage, _W, entries, "get_backward_dw_params() of a delayed module")
+        if (stage, _B) not in self._called:
+            raise RuntimeError(
+                f"stage_wgrad_done({stage}) before stage_backward_done({stage}): the last W of a stage "
+                "always follows its last B; call stage_backward_done first (both after a BW)"
+            )
+        now = self._owed_by_w(stage)
+        if {id(e.param) for e in now} != {id(e.param) for e in self._late[stage]}:
+            before = sorted(e.name for e in self._late[stage])
+            raise RuntimeError(
+                f"get_backward_dw_params() of stage {stage} changed between its last B and its last W "
+                f"(was {before}, now {sorted(e.name for e in now)}); it must describe the whole step"
+            )
+        self._mark(stage, _W, now)
 
     def finish(self) -> None:
-        """Wait for every reduction and check that each parameter was reduced exactly once."""
+        """Wait for every reduction, apply it, and check that each parameter was reduced once."""
         self._require_step("finish")
-        self._wait_all()
+        self._drain(apply=True)
+        self._in_step = False
         problems = []
         for s in self._stages:
             for phase, call in ((_B, "stage_backward_done"), (_W, "stage_wgrad_done")):
@@ -327,11 +357,20 @@ class GradReducer:
                     problems.append(f"{call}({s}) was not called this step")
         for e in self._entries.values():
             if e.reduced != 1:
-                waiting = f" (still waiting for {sorted(e.pending)})" if e.pending else ""
+                waiting = f" (stages {sorted(e.pending)} never declared it final)" if e.pending else ""
                 problems.append(f"{e.name} was reduced {e.reduced} times{waiting}")
-        self._in_step = False
         if problems:
             raise RuntimeError("gradient reduction is incomplete: " + "; ".join(problems))
+        for e in self._entries.values():
+            e.observed = frozenset(e.seen)
+
+    def abandon(self) -> None:
+        """After a failed step: wait for reductions in flight, drop them, zero ``main_grad``."""
+        self._drain()
+        for b in self._buckets:
+            if b.uses_main_grad:
+                b.buffer.zero_()
+        self._in_step = False
 
     # -- introspection ------------------------------------------------------------------------
     @property
@@ -339,7 +378,7 @@ class GradReducer:
         return len(self._buckets)
 
     def params(self) -> list[nn.Parameter]:
-        """The reduced parameters, each once, in bucket-layout order."""
+        """The reduced parameters, each once."""
         return [e.param for e in self._entries.values()]
 
     def reduce_counts(self) -> dict[str, int]:
@@ -360,32 +399,26 @@ class GradReducer:
             raise RuntimeError(f"{what}({stage}) called twice in one step; call it once, after the last task")
         self._called.add((stage, phase))
 
-    def _mark(self, stage: int, phase: str, entries: Iterable[_Entry], source: str) -> None:
+    def _mark(self, stage: int, phase: str, entries: list[_Entry]) -> None:
         full: list[_Bucket] = []
         for e in entries:
-            sig = (stage, phase)
-            if sig not in e.signals:
-                raise RuntimeError(
-                    f"{source} of stage {stage} now names {e.name}, which was not a delayed parameter "
-                    "when the reducer was built; the set of delayed parameters must not change"
-                )
-            e.pending.discard(sig)
-            if not e.pending:
-                e.ready = True
-                if e.uses_main_grad:
-                    self._fold(e)  # a W outside autograd (or a CUDA graph) may have left .grad
-                b = e.bucket
-                b.waiting -= 1
-                if b.waiting == 0:
-                    full.append(b)
+            e.pending.discard(stage)
+            e.seen.add((stage, phase))
+            if e.pending:
+                continue  # another stage of this rank still holds it open
+            e.ready = True
+            if e.uses_main_grad:
+                self._fold(e)  # a W outside autograd (or a CUDA graph) may have left .grad
+            e.bucket.waiting -= 1
+            if e.bucket.waiting == 0:
+                full.append(e.bucket)
         for b in sorted(full, key=lambda b: b.index):  # one order on every replica
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
         for e in b.entries:
             e.reduced += 1
-        b.launched = True
-        self._launch_order.append(b)
+        self._launched.append(b)
         if self._dp == 1:
             return
         if not b.uses_main_grad:
@@ -404,14 +437,15 @@ class GradReducer:
         b.buffer[: b.numel].div_(self._dp)  # presence flags stay counts
         b.work = dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self._dp_group, async_op=True)
 
-    def _wait_all(self) -> None:
-        for b in self._launch_order:
+    def _drain(self, apply: bool = False) -> None:
+        """Wait for the launched reductions; with `apply`, copy the .grad buckets back."""
+        for b in self._launched:
             if b.work is None:
                 continue
             b.work.wait()
             b.work = None
-            if b.uses_main_grad:
-                continue  # reduced in place
+            if not apply or b.uses_main_grad:
+                continue  # main_grad buckets are reduced in place
             present = b.buffer[b.numel :].tolist()
             for e in b.entries:
                 if present[e.slot] == 0:
@@ -421,4 +455,4 @@ class GradReducer:
                     e.param.grad = view.clone()
                 else:
                     e.param.grad.copy_(view)
-        self._launch_order.clear()
+        self._launched.clear()
