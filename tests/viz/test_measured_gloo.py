@@ -20,8 +20,18 @@ P = 4
 
 
 def test_measured_trace_of_a_4_rank_gloo_run_holds_every_rank(zbpp_workers, tmp_path):
-    records = zbpp_workers(P).run(cases.check_profile, "zb-h1", P)[0]  # rank 0 holds all ranks' records
-    sched = cases.make_schedule("zb-h1", P, 2 * P)  # the schedule check_profile ran
+    _check_measured_trace(zbpp_workers(P), P, tmp_path)
+
+
+@pytest.mark.nccl
+def test_measured_trace_of_a_2_gpu_nccl_run_holds_every_rank(zbpp_workers, tmp_path):
+    """The same on 2 GPUs (CUDA-event timings); the pool skips, saying why, without 2 GPUs."""
+    _check_measured_trace(zbpp_workers(2, backend="nccl"), 2, tmp_path)
+
+
+def _check_measured_trace(workers, p: int, tmp_path) -> None:
+    records = workers.run(cases.check_profile, "zb-h1", p)[0]  # rank 0 holds all ranks' records
+    sched = cases.make_schedule("zb-h1", p, 2 * p)  # the schedule check_profile ran
     costs = Costs.from_profile(records, sched.num_stages)
     path = tmp_path / "run.json"
     write_trace(path, plan=simulate(sched, costs), measured=records)
@@ -33,7 +43,7 @@ def test_measured_trace_of_a_4_rank_gloo_run_holds_every_rank(zbpp_workers, tmp_
     planned = sorted((e["pid"], e["name"]) for e in events if e.get("cat") == "plan")
     assert planned == measured
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names == {f"{kind} · rank {r}" for kind in ("plan", "measured") for r in range(P)}
+    assert names == {f"{kind} · rank {r}" for kind in ("plan", "measured") for r in range(p)}
     back, stored = read_trace(path)
     assert len(back) == sched.num_tasks and stored.orders == sched.orders
 
@@ -42,4 +52,4 @@ def test_measured_trace_of_a_4_rank_gloo_run_holds_every_rank(zbpp_workers, tmp_
     for kind in ("F", "B", "W"):
         assert all(t is not None and t > 0 for t in summary["mean_time"][kind]), kind
     if "zb-auto" in available():  # re-plan from what was measured
-        validate(build("zb-auto", num_ranks=P, num_microbatches=2 * P, costs=costs))
+        validate(build("zb-auto", num_ranks=p, num_microbatches=2 * p, costs=costs))
