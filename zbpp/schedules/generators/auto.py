@@ -29,9 +29,8 @@ about a second), so the schedule is deterministic.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
 from ..registry import build, register
@@ -67,16 +66,46 @@ def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     return max(per_rank.values())
 
 
-def _policies(prob: Problem, *, few: bool) -> list[Policy]:
-    two_stages = len(prob.stages_of[0]) > 1
+#: The heuristic's switches and their values (see `Policy`); V-only ones apply to two stages per rank.
+_SWITCHES = {
+    "b_first": (True, False),
+    "f_may_delay_b": (True, False),
+    "always_fill": (False, True),
+    "inflight": (0, 1, 2),
+}
+_V_SWITCHES = {"deep_first": (True, False), "reserve_one": (True, False)}
+
+
+def _heuristic(prob: Problem, *, few: bool) -> list[list[list[int]]]:
+    """Schedules from the heuristic: a coordinate search over its switches.
+
+    From the default policy and from 1F1B's warm-up (`inflight=1`), flip one switch at a time and
+    keep a flip that lowers the score, until none does. Returns every schedule tried, best first.
+    """
     if few:
-        return [Policy(), Policy(b_first=False)]
-    v_switches = itertools.product((True, False), repeat=2) if two_stages else [(True, True)]
-    return [
-        Policy(b_first=bf, f_may_delay_b=md, always_fill=af, deep_first=df, reserve_one=ro)
-        for (df, ro) in v_switches
-        for bf, md, af in itertools.product((True, False), repeat=3)
-    ]
+        starts, switches = [Policy(), Policy(b_first=False)], {}
+    else:
+        starts = [Policy(), Policy(inflight=1)]
+        switches = dict(_SWITCHES, **(_V_SWITCHES if len(prob.stages_of[0]) > 1 else {}))
+    tried: dict[Policy, tuple[tuple[float, float, float], list[list[int]]]] = {}
+
+    def score(policy: Policy) -> tuple[float, float, float]:
+        if policy not in tried:
+            orders = list_schedule(prob, policy)
+            tried[policy] = (Timeline(prob, orders).score(), orders)
+        return tried[policy][0]
+
+    for policy in starts:
+        best = score(policy)
+        improved = True
+        while improved:
+            improved = False
+            for name, values in switches.items():
+                for value in values:
+                    other = replace(policy, **{name: value})
+                    if other != policy and score(other) < best:
+                        policy, best, improved = other, score(other), True
+    return [orders for _, orders in sorted(tried.values(), key=lambda x: x[0])]
 
 
 def _peak(prob: Problem, orders: Sequence[Sequence[int]]) -> float:
@@ -124,9 +153,9 @@ def _search(
     tasks = 3 * len(placement) * m
     few = tasks > _MANY_TASKS
 
-    greedy = [list_schedule(prob, policy) for policy in _policies(prob, few=few)]
+    greedy = _heuristic(prob, few=few)
     candidates = list(greedy)
-    skeletons = greedy[:1] if few else list(greedy)
+    skeletons = greedy[:1] if few else greedy[:4]
     for seed in seeds:  # from the most memory to the least
         sched = build(seed, num_ranks=p, num_microbatches=m)
         encoded = prob.encode(sched)

@@ -142,6 +142,10 @@ class Policy:
     #: rank's later stage, which is how many later-stage F's can arrive before its first
     #: later-stage B comes back down (ZB-V's warm-up)
     reserve_one: bool = True
+    #: cap on the microbatches in flight on a rank (F of its first stage done, B not yet), in
+    #: units of the stages from there to the last over the rank's stage count: 1 is 1F1B's and
+    #: ZB-H1's warm-up (p-r on rank r), 2 about ZB-H2's; 0 leaves only the memory limit
+    inflight: int = 0
 
 
 def _round_trips(prob: Problem) -> list[float]:
@@ -179,6 +183,8 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     first = [st[0] for st in stages_of]
     later = [st[1:] for st in stages_of]
     depth = [1 if policy.reserve_one or len(st) < 2 else n - st[-1] for st in stages_of]
+    cap = [-(-policy.inflight * (n - st[0]) // len(st)) if policy.inflight else m for st in stages_of]
+    b_done = [0] * n  # B's run, per stage
     trips = _round_trips(prob)
     # soonest an input can arrive from a producer on another rank that has not started yet
     # (inf: the producer is on the same rank, which decides that itself)
@@ -238,6 +244,8 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
                 next_f_in = min(next_f_in, arrival if arrival < inf else now + f_lead[s])
                 continue
             if s == first[r]:
+                if j - b_done[s] >= cap[r]:
+                    continue  # enough in flight: wait for a B
                 # room for the later-stage F's of the oldest admitted microbatches (this one too)
                 need = act[s]
                 for x in later[r]:
@@ -254,9 +262,11 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
         if b_now and (b_first or f_stage < 0):
             kind = 1
         elif f_stage >= 0:
-            if may_delay or b_now or next_b >= now + f[f_stage] - EPS:
+            # unless a B is known to arrive before this F would end: then keep the rank free for
+            # it (only a known arrival: an estimated one might depend on this very F)
+            arrives = heap[0][0] if heap else inf
+            if may_delay or b_now or arrives >= now + f[f_stage] - EPS:
                 kind = 0
-            # else: keep the rank free for the B that is about to arrive
         if kind < 0 and w_waiting[r]:
             s_w = w_waiting[r][0] // m
             if f_blocked or always_fill or free[r] + w[s_w] <= min(next_b, next_f_in) + EPS:
@@ -271,6 +281,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             start = max(free[r], arrival)
             end = start + b[s]
             mem[r] -= act[s] - wgrad[s]
+            b_done[s] += 1
             w_waiting[r].append(s * m + j)
             if s > 0:
                 q = placement[s - 1]
