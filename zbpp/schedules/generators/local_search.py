@@ -73,7 +73,7 @@ class Timeline:
         self.stamp = 0
         self.work = 0  # tasks simulated so far (the search budget counts these)
         self._log: list[tuple[int, float, float]] = []
-        self._undo: tuple[int, int, int] | None = None
+        self._undo: tuple[int, int, int, list[float], float] | None = None
         self.total_end = 0.0
         for order in self.orders:
             for i, t in enumerate(order):
@@ -185,7 +185,7 @@ class Timeline:
     def try_move(self, r: int, i: int, k: int) -> bool:
         """Move rank r's task at position i to position k and re-simulate; False on deadlock.
 
-        Call `accept` or `reject` afterwards (a deadlocked move is already rejected).
+        After True, call `accept` or `reject`; a deadlocked move is already undone.
         """
         order = self.orders[r]
         lo = min(i, k)
@@ -193,19 +193,16 @@ class Timeline:
         x = order.pop(i)
         order.insert(k, x)
         self._log = []
-        self._undo = (r, i, k)
-        old_total = self.total_end
+        self._undo = (r, i, k, list(self.spans), self.total_end)
         if not self._simulate(self._cuts(r, lo, t0)):
             self.reject()
-            self.total_end = old_total
             return False
-        self._old_total = old_total
-        self._old_spans = list(self.spans)
         self.spans = [self._span(q) for q in range(len(self.orders))]
         return True
 
     def accept(self) -> None:
-        r, i, k = self._undo  # type: ignore[misc]
+        assert self._undo is not None, "no move to accept"
+        r, i, k = self._undo[:3]
         order = self.orders[r]
         for q in range(min(i, k), max(i, k) + 1):
             self.pos[order[q]] = q
@@ -213,20 +210,16 @@ class Timeline:
         self._log = []
 
     def reject(self) -> None:
-        if self._undo is None:
-            return
-        r, i, k = self._undo
+        assert self._undo is not None, "no move to reject"
+        r, i, k, spans, total_end = self._undo
         order = self.orders[r]
-        x = order.pop(k)
-        order.insert(i, x)
+        order.insert(i, order.pop(k))
         start, end = self.start, self.end
         for t, s, e in reversed(self._log):
             start[t] = s
             end[t] = e
-        if hasattr(self, "_old_spans"):
-            self.spans = self._old_spans
-            self.total_end = self._old_total
-            del self._old_spans
+        self.spans = spans
+        self.total_end = total_end
         self._undo = None
         self._log = []
 

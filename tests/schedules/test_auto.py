@@ -1,0 +1,213 @@
+"""zb-auto and zbv-auto: the memory limit, infeasible limits, the zero-bubble paper's profile, and
+the incremental simulation the search relies on.
+
+References: `zbpp.schedules.simulate` (the core simulator, for every time and memory claim), the
+handcrafted schedules (zb-h1, zb-v), the ZB-H2 bubble formula (p-1)(F+B-2W), and a lower bound
+worked out below for the zero-bubble paper's Table 9 profile.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zbpp.schedules import Costs, Memory, build, simulate, validate
+from zbpp.schedules.generators.auto import smallest_feasible_limit
+from zbpp.schedules.generators.auto_heuristic import Problem, place_w
+from zbpp.schedules.generators.local_search import Timeline
+from zbpp.schedules.ir import from_orders, loop_placement, v_placement
+
+REL = 1e-9  # sums of a few thousand float costs: rounding only
+
+# The zero-bubble paper's Table 9, 1.5B model: p=8, m=24, times in ms; memory per 1F1B stage and
+# microbatch: M_B = 34h + 5as (what F allocates), M_W = 32h (what B keeps until W).
+F, B, W, COMM = 18.522, 18.086, 9.337, 0.601
+H, A, S = 2304, 24, 1024
+M_B, M_W = 34 * H + 5 * A * S, 32 * H
+TABLE9 = Costs(F, B, W, COMM)
+TABLE9_MEMORY = Memory(activation=M_B, wgrad=M_W)
+
+
+def _auto(name: str, p: int, m: int, costs: Costs, memory: Memory, limit: float | None):
+    return validate(build(name, num_ranks=p, num_microbatches=m, costs=costs, memory=memory, memory_limit=limit))
+
+
+# -- memory limit ------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(["zb-auto", "zbv-auto"]),
+    p=st.integers(1, 6),
+    m=st.integers(1, 12),
+    f=st.floats(0.2, 3.0),
+    b=st.floats(0.2, 3.0),
+    w=st.floats(0.0, 2.0),
+    comm=st.floats(0.0, 0.5),
+    wgrad=st.floats(0.0, 1.0),
+    headroom=st.floats(0.0, 3.0),
+    seed=st.integers(0, 2**16),
+)
+def test_memory_limit_holds_in_simulation(name, p, m, f, b, w, comm, wgrad, headroom, seed) -> None:
+    rng = random.Random(seed)
+    placement = loop_placement(p) if name == "zb-auto" else v_placement(p)
+    act = [rng.uniform(0.5, 2.0) for _ in placement]  # uneven stages
+    memory = Memory(activation=act, wgrad=[a * wgrad for a in act])
+    floor = smallest_feasible_limit(placement, memory)
+    limit = floor * (1 + headroom * p / 2)  # from the smallest feasible limit up to ~1F1B's x1.5
+    costs = Costs(f, b, w, comm)
+    res = simulate(_auto(name, p, m, costs, memory, limit), costs, memory)
+    assert max(res.peak_memory) <= limit * (1 + REL)
+
+
+@pytest.mark.parametrize("name, placement_of", [("zb-auto", loop_placement), ("zbv-auto", v_placement)])
+def test_infeasible_limit_names_the_smallest_feasible_one(name, placement_of) -> None:
+    p = 4
+    act = [1.0, 2.0, 1.5, 0.5, 1.0, 3.0, 0.5, 1.0][: len(placement_of(p))]
+    memory = Memory(activation=act, wgrad=[a / 3 for a in act])
+    # a rank must hold all its stages' activations of one microbatch at once
+    per_rank = [sum(a for s, a in enumerate(act) if placement_of(p)[s] == r) for r in range(p)]
+    floor = max(per_rank)
+    assert smallest_feasible_limit(placement_of(p), memory) == floor
+    with pytest.raises(ValueError, match=rf"memory_limit=.* is infeasible; the smallest feasible limit is {floor:g}\b"):
+        build(name, num_ranks=p, num_microbatches=8, memory=memory, memory_limit=floor * 0.99)
+    # exactly the floor works: one microbatch at a time
+    res = simulate(_auto(name, p, 8, Costs(), memory, floor), Costs(), memory)
+    assert max(res.peak_memory) <= floor * (1 + REL)
+
+
+def test_default_limit_is_1f1b_memory() -> None:
+    """Without memory_limit: p stage activations per rank (1F1B's, ZB-V's)."""
+    memory = Memory(activation=1, wgrad=1 / 3)
+    for name, placement in (("zb-auto", loop_placement(4)), ("zbv-auto", v_placement(4))):
+        res = simulate(_auto(name, 4, 12, Costs(1, 1, 1), memory, None), Costs(1, 1, 1), memory)
+        assert max(res.peak_memory) <= 4 * smallest_feasible_limit(placement, memory) * (1 + REL)
+
+
+def test_deterministic() -> None:
+    args = dict(num_ranks=4, num_microbatches=10, costs=Costs(1, 1.7, 0.6, 0.1), memory=Memory(1, 0.3), memory_limit=6)
+    assert build("zbv-auto", **args).orders == build("zbv-auto", **args).orders
+
+
+# -- quality -----------------------------------------------------------------------------------
+
+
+def test_unit_costs_2p_memory_is_zero_bubble() -> None:
+    """ZB-H2's bubble is (p-1)(F+B-2W): zero for F = B = W with ~2p activations; zb-auto too."""
+    memory = Memory(activation=1, wgrad=1 / 3)
+    for p, m in ((4, 8), (8, 24)):
+        res = simulate(_auto("zb-auto", p, m, Costs(1, 1, 1), memory, 2 * p), Costs(1, 1, 1), memory)
+        assert res.bubble_rate == 0.0
+
+
+def test_table9_zb_auto_at_1p_never_worse_than_zb_h1() -> None:
+    p, m = 8, 24
+    auto = simulate(_auto("zb-auto", p, m, TABLE9, TABLE9_MEMORY, p * M_B), TABLE9, TABLE9_MEMORY)
+    h1 = simulate(build("zb-h1", num_ranks=p, num_microbatches=m), TABLE9, TABLE9_MEMORY)
+    assert max(h1.peak_memory) <= p * M_B  # ZB-H1 fits the same limit
+    assert max(auto.peak_memory) <= p * M_B
+    assert auto.bubble_rate <= h1.bubble_rate * (1 + REL)
+
+
+def test_table9_zb_auto_at_2p_reaches_the_lower_bound() -> None:
+    """The paper reports a bubble rate of 0.0433 here; that is the best any schedule can do.
+
+    Lower bound on rank 0's span: rank p-1 can start only when the first microbatch has come
+    through p-1 forwards and messages, (p-1)(F+C); it must then run m forwards and m input
+    gradients, m(F+B), before the last of them ends; that microbatch's input gradient then
+    crosses p-1 ranks back, (p-1)(B+C), and rank 0 still runs its W. Every rank works m(F+B+W).
+    """
+    p, m = 8, 24
+    res = simulate(_auto("zb-auto", p, m, TABLE9, TABLE9_MEMORY, 2 * p * M_B), TABLE9, TABLE9_MEMORY)
+    bound = (p - 1) * (F + COMM) + m * (F + B) + (p - 1) * (B + COMM) + W
+    assert res.busy == pytest.approx(m * (F + B + W), rel=REL)
+    assert res.cost >= bound * (1 - REL)  # the bound is a bound
+    assert res.cost == pytest.approx(bound, rel=REL)  # ... and zb-auto meets it
+    assert res.bubble_rate == pytest.approx(0.0433, abs=5e-5)
+    assert max(res.peak_memory) <= 2 * p * M_B
+
+
+# zbv-auto against ZB-V at ZB-V's memory, 2p V-stage activations. A V stage holds half a 1F1B
+# stage's layers: half its activation memory; its costs are given per V stage. The paper's Table 9
+# gives only the profile above here; the others are our sample: F = B = W (ZB-V's ideal), B twice
+# F and W, W twice F and B, B = 1.5F = 3W.
+V_MEMORY = Memory(activation=M_B / 2, wgrad=M_W / 2)
+PROFILES = {
+    "equal": Costs(1, 1, 1),
+    "table9-1.5b": TABLE9,
+    "b-heavy": Costs(1, 2, 1),
+    "w-heavy": Costs(1, 1, 2),
+    "w-light": Costs(1, 1.5, 0.5),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("p,m", [(4, 12), (8, 24)])
+def test_zbv_auto_never_worse_than_zbv(profile: str, p: int, m: int) -> None:
+    costs = PROFILES[profile]
+    limit = 2 * p * (M_B / 2)
+    auto = simulate(_auto("zbv-auto", p, m, costs, V_MEMORY, limit), costs, V_MEMORY)
+    zbv = simulate(build("zb-v", num_ranks=p, num_microbatches=m), costs, V_MEMORY)
+    assert max(zbv.peak_memory) <= limit * (1 + REL)
+    assert max(auto.peak_memory) <= limit * (1 + REL)
+    assert auto.bubble_rate <= zbv.bubble_rate * (1 + REL) + 1e-12
+    if profile == "equal":
+        assert auto.bubble_rate == zbv.bubble_rate == 0.0
+
+
+@pytest.mark.parametrize("profile", ["table9-1.5b", "b-heavy", "w-heavy"])
+def test_zbv_auto_clearly_better_when_f_b_w_differ(profile: str) -> None:
+    """ZB-V's fixed slots are tuned for F = B = W; when they differ zbv-auto has >= 10% fewer bubbles."""
+    p, m = 4, 12
+    costs = PROFILES[profile]
+    auto = simulate(_auto("zbv-auto", p, m, costs, V_MEMORY, 2 * p * (M_B / 2)), costs, V_MEMORY)
+    zbv = simulate(build("zb-v", num_ranks=p, num_microbatches=m), costs, V_MEMORY)
+    assert auto.bubble_rate <= 0.9 * zbv.bubble_rate, (auto.bubble_rate, zbv.bubble_rate)
+
+
+# -- the machinery -----------------------------------------------------------------------------
+
+
+def test_incremental_timeline_matches_the_simulator() -> None:
+    """After random accepted and rejected moves, the incremental times equal a fresh simulate()."""
+    rng = random.Random(7)
+    p, m = 4, 6
+    costs, memory = Costs([1.0, 1.3, 0.7, 1.1, 0.9, 1.2, 1.0, 0.8], 1.4, 0.6, 0.2), Memory(1, 0.5)
+    prob = Problem.make(v_placement(p), m, costs, memory, 100.0)
+    tl = Timeline(prob, prob.encode(build("zb-v", num_ranks=p, num_microbatches=m)))
+    accepted = 0
+    for _ in range(300):
+        r = rng.randrange(p)
+        i, k = rng.randrange(len(tl.orders[r])), rng.randrange(len(tl.orders[r]))
+        if i == k or not tl.try_move(r, i, k):
+            continue  # a deadlocking move undoes itself
+        if rng.random() < 0.5:
+            tl.accept()
+            accepted += 1
+        else:
+            tl.reject()
+        res = simulate(from_orders("x", prob.placement, m, prob.decode(tl.orders)), costs, memory)
+        for order in tl.orders:
+            for t in order:
+                a = prob.action(t)
+                assert tl.start[t] == pytest.approx(res.start[a], abs=1e-9)
+                assert tl.end[t] == pytest.approx(res.end[a], abs=1e-9)
+        assert tl.spans == pytest.approx(res.spans, abs=1e-9)
+    assert accepted > 10
+
+
+def test_place_w_keeps_the_forward_backward_order_and_the_limit() -> None:
+    p, m = 4, 12
+    costs, memory = Costs(1, 2, 1), Memory(1, 0.4)
+    prob = Problem.make(v_placement(p), m, costs, memory, 2 * p)
+    zbv = build("zb-v", num_ranks=p, num_microbatches=m)
+    orders = place_w(prob, prob.encode(zbv))
+    sched = validate(from_orders("x", prob.placement, m, prob.decode(orders)))
+    for mine, theirs in zip(sched.orders, zbv.orders):
+        assert [a for a in mine if a.kind.value != "W"] == [a for a in theirs if a.kind.value != "W"]
+    res = simulate(sched, costs, memory)
+    assert max(res.peak_memory) <= 2 * p
+    assert res.cost <= simulate(zbv, costs, memory).cost
