@@ -102,14 +102,26 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     costs, memory = _costs_memory(args)
-    rows = []
+    # Schedules with more stages than ranks (interleaved, V) cut the same model finer: given one
+    # number per quantity, each of their stages gets ranks/stages of it (comm is per message).
+    scalars = all(isinstance(v, float) for v in (args.f, args.b, args.w, args.activation, memory.wgrad))
+    rows, scaled = [], []
     for name in available():
         try:
-            sched = _build_from_args(name, args, costs, memory)
+            c, mem = costs, memory
+            chunks = {"chunks": args.chunks} if args.chunks is not None and "chunks" in options_of(name) else {}
+            stages = build(name, num_ranks=args.ranks, num_microbatches=1, **chunks).num_stages
+            if scalars and stages > args.ranks:
+                k = args.ranks / stages
+                c = Costs(f=costs.f * k, b=costs.b * k, w=costs.w * k, comm=costs.comm)
+                mem = Memory(activation=memory.activation * k, wgrad=memory.wgrad * k)
+            sched = _build_from_args(name, args, c, mem)
         except ValueError as exc:  # e.g. a memory limit an auto schedule cannot meet
             rows.append((name, None, str(exc)))
             continue
-        rows.append((name, simulate(sched, costs, memory), ""))
+        if c is not costs:
+            scaled.append(name)
+        rows.append((name, simulate(sched, c, mem), ""))
     print(f"ranks={args.ranks} microbatches={args.microbatches} f={args.f} b={args.b} w={args.w} comm={args.comm}")
     print(f"{'schedule':<18} {'stages':>6} {'bubble':>8} {'span':>10} {'peak memory (max)':>18}  peak memory per rank")
     for name, res, err in rows:
@@ -120,6 +132,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"{name:<18} {res.schedule.num_stages:>6} {res.bubble_rate:>8.4f} {res.cost:>10.4g} "
               f"{max(res.peak_memory):>18.4g}  {peaks}")
     print("bubble = (longest rank span - busiest rank's work) / longest rank span")
+    if scaled:
+        print(f"{', '.join(scaled)}: more stages than ranks, so each stage's costs and memory are ranks/stages "
+              "of the given ones (the same model cut finer; comm unchanged)")
     return 0
 
 

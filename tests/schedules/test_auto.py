@@ -211,3 +211,32 @@ def test_place_w_keeps_the_forward_backward_order_and_the_limit() -> None:
     res = simulate(sched, costs, memory)
     assert max(res.peak_memory) <= 2 * p
     assert res.cost <= simulate(zbv, costs, memory).cost
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def test_cli_show_takes_costs_and_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    from zbpp.cli import main
+
+    for name in ("zb-v", "v-half", "v-min", "dualpipe-v", "zb-auto", "zbv-auto"):
+        argv = ["show", name, "-p", "4", "-m", "8", "--f", "1", "--b", "2", "--w", "1", "--width", "200"]
+        if name.endswith("auto"):
+            argv += ["--memory-limit", "6"]
+        assert main(argv) == 0, name
+        out = capsys.readouterr().out
+        assert "bubble rate" in out and out.count("rank ") >= 4
+    assert main(["show", "zbv-auto", "-p", "4", "-m", "8", "--memory-limit", "1"]) == 2
+    assert "smallest feasible limit is 2" in capsys.readouterr().err
+
+
+def test_cli_compare_runs_v_schedules_on_the_same_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """Given scalars, a V stage gets half of them: every schedule then has 1F1B's work per rank."""
+    from zbpp.cli import main
+
+    assert main(["compare", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith("zb-v "))
+    # stages, bubble, span: ZB-V is zero-bubble, so its span is m(F+B+W) = 8 * 3, as 1F1B's work
+    assert row[1:4] == ["8", "0.0000", "24"]
+    assert "zb-v, v-half, v-min, dualpipe-v, zbv-auto: more stages than ranks" in out
