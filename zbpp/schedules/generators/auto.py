@@ -4,10 +4,10 @@ Given per-stage costs (F, B, W and comm may all differ), a memory model and a pe
 limit, the search runs in three steps, each keeping the best schedule so far (lowest cost, i.e.
 longest rank span; then lowest sum of spans):
 
-1. candidates: the zero-bubble paper's heuristic (`auto_heuristic.list_schedule`) under each
-   combination of its switches, and the handcrafted schedules of the same placement whose memory
-   fits (zb-h1, zb-h2 and 1F1B's order; ZB-V, V-Half, V-Min and DualPipeV's order), so the result
-   is never worse than any of them;
+1. candidates: the zero-bubble paper's heuristic (`auto_heuristic.list_schedule`), searching its
+   switches one at a time from two starts, and the handcrafted schedules of the same placement
+   whose memory fits (ZB-H2, ZB-H1; ZB-V, and the F/B orders of 1F1B, DualPipeV, V-Half and
+   V-Min), so the result is never worse than any of them that fits;
 2. each candidate's F/B order with its W's placed anew where they fill idle time
    (`auto_heuristic.place_w`);
 3. local search on the best (`local_search.improve`), with incremental re-simulation.
@@ -16,8 +16,8 @@ The memory limit holds by construction (admission in the heuristic, checks on ev
 is checked again on the result. A limit below the smallest feasible one (a rank must hold all its
 stages' activations of one microbatch at once) raises a `ValueError` that names it.
 
-Work grows with the number of tasks and is capped for large instances (p=32, m=256 on a V takes
-about a second), so the schedule is deterministic.
+The search's work is counted in simulated tasks, not seconds, so the result is deterministic;
+it is capped for large instances (p=32, m=256 on a V takes about a second).
 
 >>> from zbpp.schedules import build, simulate, Costs, Memory
 >>> costs, memory = Costs(f=1, b=1, w=1), Memory(activation=1, wgrad=1/3)

@@ -10,9 +10,14 @@ order; whenever a rank is free it picks its next task from what has arrived:
    gap without delaying anything), or if memory is full (a W frees what its B kept);
 4. otherwise the rank waits. W's left at the end run in the cool-down.
 
-A few booleans (`Policy`) flip the paper's choices: B or F first when both are ready, whether an
-F may delay a B that is about to arrive, whether an idle rank runs a W that does not fit the gap,
-and, on a V, which stage's F goes first. `zb-auto` tries them all and keeps the best.
+`Policy` switches flip the paper's choices: B or F first when both are ready, whether an F may
+delay a B known to arrive before it ends, whether an idle rank runs a W that outlasts the gap, a
+cap on the microbatches in flight (1F1B's or ZB-H2's warm-up instead of "as many as memory
+allows"), and, on a V, which stage's F goes first and how much room later-stage F's keep. The
+automatic schedules search over them (`zbpp.schedules.generators.auto`).
+
+`place_w` is the same simulation with the F/B order given (e.g. a handcrafted schedule's): it
+only decides where the W's go.
 
 Admission keeps every memory limit at or above the smallest feasible one deadlock-free. A rank
 with several stages (a V) keeps room for the later-stage forwards of the *oldest* microbatch it
@@ -87,15 +92,6 @@ class Problem:
         for s, r in enumerate(self.placement):
             out[r].append(s)
         return out
-
-    def min_limit(self) -> float:
-        """The smallest per-rank memory limit any schedule meets.
-
-        A rank holds all of its stages' activations of a microbatch at once (the F of its last
-        stage runs before the B of its first), so no limit below the largest such sum works;
-        running one microbatch at a time, each W right after its B, meets it exactly.
-        """
-        return max(sum(self.act[s] for s in st) for st in self.stages_of)
 
     def memory_deltas(self) -> list[float]:
         """Per task int, the memory it allocates (F) or frees (B, W: negative)."""
@@ -208,7 +204,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     heapq.heapify(events)
     b_first, may_delay, always_fill = policy.b_first, policy.f_may_delay_b, policy.always_fill
 
-    def b_input_known(s: int, j: int, at: float, q: int, now: float) -> None:
+    def b_input_known(s: int, j: int, at: float, q: int) -> None:
         heapq.heappush(b_ready[q], (at, s, j))
         b_known[s * m + j] = 1
         k = oldest_unknown[s]
@@ -285,7 +281,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             w_waiting[r].append(s * m + j)
             if s > 0:
                 q = placement[s - 1]
-                b_input_known(s - 1, j, end + (comm if q != r else 0.0), q, now)
+                b_input_known(s - 1, j, end + (comm if q != r else 0.0), q)
                 if q != r:
                     heapq.heappush(events, (now, q))
             task = nm + s * m + j
@@ -303,7 +299,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
                 if q != r:
                     heapq.heappush(events, (now, q))
             else:
-                b_input_known(s, j, end, r, now)
+                b_input_known(s, j, end, r)
             task = s * m + j
         else:
             sj = w_waiting[r].popleft()
@@ -328,9 +324,9 @@ def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = 
 
     A W runs where its rank would otherwise wait and it ends before the next F or B can start
     (with `always`, in every wait), before an F that memory would not allow, and at the end.
-    W's then never delay an F or B unless memory forces them, which handcrafted orders (ZB-V's
-    fixed W slots) do when F, B and W differ. Memory stays within `prob.limit` if the skeleton's
-    F/B order fits with its W's run as early as possible.
+    Fixed W slots (ZB-V's) delay an F or B whenever F, B and W take different times; W's placed
+    this way delay one only when memory forces them (or with `always`). Raises `ValueError` if
+    the F/B order needs more than `prob.limit` even with every W run as early as possible.
     """
     p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
     nm = n * m

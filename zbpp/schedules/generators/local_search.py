@@ -8,12 +8,14 @@ keeps that prefix of every rank and re-simulates only the tasks that started at 
 move near the end of the schedule costs only the tasks after it. A rejected move is undone from
 a log of what was overwritten.
 
-`improve` applies first-improvement moves, aimed at idle time:
+`improve` applies first-improvement moves, each aimed at one idle gap (the ranks with the
+longest spans first):
 
-- *fill*: a task later on a rank whose input is already there moves into an idle gap before
-  the task that waited (W's mostly, also F's and B's);
-- *unblock*: a task that another rank waited for, and that itself waited only for its own rank
-  (not for its input), moves ahead of the tasks in front of it.
+- *fill*: a later task of the rank whose input is already there moves into the gap, before the
+  task that waited (W's mostly, also F's and B's);
+- *defer*: an earlier W moves into the gap, so the tasks between start sooner;
+- *unblock*: following the waiting task's inputs back across ranks, the first task that waited
+  for its own rank rather than for its input moves ahead of the tasks in front of it.
 
 A move is kept when it lowers the cost (longest rank span), else the sum of the rank spans, else
 the sum of task end times (so the schedule keeps compacting while the cost is flat), and keeps
@@ -33,7 +35,17 @@ EPS = 1e-9
 
 
 class Timeline:
-    """Start/end times, memory and spans of per-rank task orders (tasks as `Problem` ints)."""
+    """Start/end times and spans of per-rank task orders (tasks as `Problem` ints), kept up to date
+    under single-task moves (`try_move`, then `accept` or `reject`).
+
+    >>> from zbpp.schedules import Costs, Memory, build
+    >>> from zbpp.schedules.generators.auto_heuristic import Problem
+    >>> from zbpp.schedules.ir import v_placement
+    >>> prob = Problem.make(v_placement(2), 3, Costs(1, 1, 1), Memory(1, 1), limit=4)
+    >>> tl = Timeline(prob, prob.encode(build("zb-v", num_ranks=2, num_microbatches=3)))
+    >>> tl.score()[0]  # the longest rank span: ZB-V has no bubble, 2 stages x 3 x (F+B+W)
+    18.0
+    """
 
     def __init__(self, prob: Problem, orders: Sequence[Sequence[int]]) -> None:
         self.prob = prob
@@ -44,16 +56,15 @@ class Timeline:
         self.dur = [0.0] * size
         self.dep = [-1] * size  # the one data input of each task (-1: none)
         self.lag = [0.0] * size  # comm on that input's edge
-        self.delta = [0.0] * size  # memory change
+        self.delta = prob.memory_deltas()
         self.rank = [0] * size
         place, comm = prob.placement, prob.comm
         for s in range(n):
             r = place[s]
             for j in range(m):
                 t = s * m + j
-                for kind, d, mem in ((0, prob.f[s], prob.act[s]), (1, prob.b[s], prob.wgrad[s] - prob.act[s]), (2, prob.w[s], -prob.wgrad[s])):
+                for kind, d in ((0, prob.f[s]), (1, prob.b[s]), (2, prob.w[s])):
                     self.dur[kind * nm + t] = d
-                    self.delta[kind * nm + t] = mem
                     self.rank[kind * nm + t] = r
                 if s > 0:
                     self.dep[t] = t - m
