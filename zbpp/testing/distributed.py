@@ -122,6 +122,7 @@ def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump
         except BaseException:  # noqa: BLE001 - reported to the parent
             conn.send(("error", traceback.format_exc()))
     try:
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting anyway
         pass

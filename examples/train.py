@@ -1,0 +1,131 @@
+"""Train a small causal transformer with a zbpp pipeline schedule under torchrun.
+
+Every process runs this script; NCCL on GPUs (one per process), gloo on CPUs. Launch::
+
+    # one node, 2 GPUs (NCCL), ZB-H1:
+    torchrun --nproc-per-node=2 examples/train.py --schedule zb-h1 --microbatches 8 --steps 20
+
+    # CPU only (gloo), 4 processes, ZB-V, checked against one process:
+    torchrun --nproc-per-node=4 examples/train.py --schedule zb-v --check
+
+    # several nodes (c10d rendezvous; the same command on every node), 2 data-parallel replicas:
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \\
+        --rdzv-id=job1 examples/train.py --schedule zb-v --dp 2
+
+    # two agents on one machine (what the tests run):
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29500 \\
+        --rdzv-id=job1 examples/train.py --schedule zb-h1 --check     (twice, in two shells)
+
+The pipeline has ``world_size / dp`` ranks (global rank = dp_rank * pp + pp_rank, see
+`zbpp.ParallelGroups`). With ``--check`` every rank also trains the whole model in its own process
+on the whole batch and the script fails (exit code 1) if any parameter differs by more than the
+tolerance after the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from zbpp import ParallelGroups, Pipeline
+from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
+from zbpp.runtime import init_distributed, measured_bubble_rate
+from zbpp.schedules import available, build, options_of
+
+TOLERANCE = 1e-4  # fp32 Adam, a few steps: summation-order noise is ~1e-6 (TF32 is off by default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--schedule", default="zb-h1", help=f"schedule name ({', '.join(available())})")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows-per-microbatch", type=int, default=4, help="sequences per microbatch")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (the pipeline has world/dp ranks)")
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--blocks-per-stage", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
+    ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    ap.add_argument("--check", action="store_true", help="compare with one process training the whole model")
+    ap.add_argument("--profile-out", default=None, help="write the last step's task records (JSON) here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = init_distributed(args.backend, timeout=args.timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    if world % args.dp:
+        raise SystemExit(f"--dp {args.dp} does not divide the world size {world}")
+    pp = world // args.dp
+    groups = ParallelGroups(pp=pp) if args.dp > 1 else None
+    pp_rank = groups.pp_rank if groups is not None else rank
+    dp_rank = groups.dp_rank if groups is not None else 0
+    opts = {"chunks": 2} if "chunks" in options_of(args.schedule) else {}
+    sched = build(args.schedule, num_ranks=pp, num_microbatches=args.microbatches, **opts)
+    cfg = ModelConfig(hidden=args.hidden, heads=4, seq_len=args.seq_len, blocks_per_stage=args.blocks_per_stage)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, cfg, seed=args.seed).to(device) for s in sched.stages_on(pp_rank)}
+    pipe = Pipeline(mine, sched, lm_loss, groups=groups, profile=args.profile_out is not None)
+    opt = torch.optim.Adam(list(pipe.parameters()), lr=args.lr)
+    ref = ref_opt = None
+    if args.check:
+        ref = [make_stage(s, S, cfg, delayed=False, seed=args.seed).to(device) for s in range(S)]
+        ref_opt = torch.optim.Adam([q for st in ref for q in st.parameters()], lr=args.lr)
+    rows = args.rows_per_microbatch * args.microbatches  # per replica
+    if rank == 0:
+        print(f"{sched.name}: pp={pp} dp={args.dp} backend={backend} stages={S} microbatches={args.microbatches} "
+              f"rows/replica={rows}", flush=True)
+    for step in range(args.steps):
+        tokens, target = make_batch(cfg, rows=rows * args.dp, step=step, seed=args.seed, device=device)
+        part = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        t0 = time.perf_counter()
+        loss = pipe.step(tokens[part], target=target[part])
+        opt.step()
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if loss is not None and dp_rank == 0:
+            print(f"step {step + 1:>3}  loss {float(loss):.5f}  {dt * 1e3:8.1f} ms  (pipeline rank {pp_rank})", flush=True)
+        if ref is not None:
+            x = tokens
+            for st in ref:
+                x = st(x)
+            lm_loss(x, target).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    if args.profile_out:
+        records = pipe.profile_records()
+        if records is not None and dp_rank == 0:
+            with open(args.profile_out, "w") as fh:
+                json.dump({"schedule": sched.to_text(), "records": records}, fh)
+            print(f"measured bubble rate {measured_bubble_rate(records):.3f}; records in {args.profile_out}", flush=True)
+    status = 0
+    if ref is not None:
+        diff = torch.zeros((), dtype=torch.float64, device=device)
+        for s, st in mine.items():
+            for a, b in zip(st.parameters(), ref[s].parameters()):
+                diff = torch.maximum(diff, (a.detach() - b.detach()).abs().max().double())
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        ok = float(diff) <= TOLERANCE
+        if rank == 0:
+            print(f"check: max |param difference| vs one process = {float(diff):.2e} (tolerance {TOLERANCE:g}): "
+                  f"{'OK' if ok else 'MISMATCH'}", flush=True)
+        status = 0 if ok else 1
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

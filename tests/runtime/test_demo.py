@@ -1,0 +1,27 @@
+"""`zbpp demo` (the README's "run it" command) trains on 4 spawned CPU ranks and passes its check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_zbpp_demo_runs_and_agrees_with_one_process():
+    out = subprocess.run([sys.executable, "-m", "zbpp", "demo", "--steps", "3"], capture_output=True, text=True,
+                         timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "zbpp demo: zb-v on 4 CPU ranks" in text or "using 'zb-h1' instead" in text, text
+    assert "bubble rate: measured" in text and "planned" in text, text
+    assert "check against one process" in text and ": OK" in text, text
+    losses = [float(line.split()[1]) for line in text.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 3]
+    assert len(losses) == 3 and losses[-1] < losses[0], text
+
+
+def test_demo_rejects_an_unknown_schedule():
+    out = subprocess.run([sys.executable, "-m", "zbpp", "demo", "--schedule", "nope"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "unknown schedule 'nope'" in out.stderr, out.stderr

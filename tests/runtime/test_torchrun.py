@@ -1,0 +1,51 @@
+"""Multi-node launch: two torchrun agents on 127.0.0.1 (c10d rendezvous, 2 processes each) train
+examples/train.py with ZB-H1 on gloo and agree with one process (its ``--check``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_agents_on_loopback_train_and_match_one_process():
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    base = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zbpp-loopback",
+            "--max-restarts=0"]
+    script = [str(ROOT / "examples" / "train.py"), "--schedule", "zb-h1", "--microbatches", "6", "--steps", "2",
+              "--backend", "gloo", "--timeout", "60", "--check"]
+    agents = [
+        subprocess.Popen(base + [f"--rdzv-conf=is_host={int(i == 0)}"] + script, cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    outputs = []
+    try:
+        for a in agents:
+            out, _ = a.communicate(timeout=180)
+            outputs.append(out)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    report = "\n".join(f"--- agent {i} (exit {a.returncode}):\n{o[-4000:]}" for i, (a, o) in enumerate(zip(agents, outputs)))
+    assert all(a.returncode == 0 for a in agents), report
+    text = "".join(outputs)
+    assert "pp=4 dp=1 backend=gloo" in text, report
+    assert "check: max |param difference| vs one process" in text and ": OK" in text, report
+    assert text.count("loss") >= 2, report
