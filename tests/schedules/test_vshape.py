@@ -9,6 +9,8 @@ Memory is counted as DESIGN.md says for V schedules: Memory(activation=1, wgrad=
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbpp.schedules import Costs, Kind, Memory, build, simulate, validate
 from zbpp.schedules.generators.vshape import v_cap
@@ -101,3 +103,37 @@ def test_every_rank_runs_its_two_stages_split_backward(name: str) -> None:
         assert sched.stages_on(r) == [r, 7 - r]
         kinds = {a.kind for a in sched.orders[r]}
         assert kinds == {Kind.F, Kind.B, Kind.W}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(["zb-v", "v-half", "v-min", "dualpipe-v", "zb-auto", "zbv-auto"]),
+    p=st.integers(1, 8),
+    m=st.integers(1, 20),
+    f=st.floats(0.2, 3.0),
+    b=st.floats(0.2, 3.0),
+    w=st.floats(0.0, 2.0),
+    comm=st.floats(0.0, 0.5),
+)
+def test_valid_for_any_size(name: str, p: int, m: int, f: float, b: float, w: float, comm: float) -> None:
+    """Complete, deadlock-free, each task on the rank of its stage, every rank's memory back to 0."""
+    costs, memory = Costs(f, b, w, comm), Memory(activation=1, wgrad=0.4)
+    opts = {"costs": costs, "memory": memory} if name.endswith("auto") else {}
+    sched = validate(build(name, num_ranks=p, num_microbatches=m, **opts))
+    res = simulate(sched, costs, memory)
+    stages = 2 if name != "zb-auto" else 1
+    assert res.busy == pytest.approx(m * stages * (f + b + w), rel=1e-9)
+    for order in sched.orders:
+        assert res.memory_after[order[-1]] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("name, kind", [("v-half", "half"), ("v-min", "min")])
+def test_zbv_auto_within_controllable_memory_is_no_worse(name: str, kind: str) -> None:
+    """zbv-auto at V-Half's / V-Min's memory: at least as good as they are (they are among its seeds)."""
+    p, m = 4, 12
+    limit = v_cap(p, kind)
+    ref = simulate(build(name, num_ranks=p, num_microbatches=m), UNIT, V_MEMORY)
+    auto = build("zbv-auto", num_ranks=p, num_microbatches=m, costs=UNIT, memory=V_MEMORY, memory_limit=limit)
+    res = simulate(validate(auto), UNIT, V_MEMORY)
+    assert max(res.peak_memory) <= limit
+    assert res.bubble_rate <= ref.bubble_rate + 1e-12
