@@ -64,10 +64,12 @@ def _costs_memory(args: argparse.Namespace) -> tuple[Costs, Memory]:
     return costs, Memory(activation=act, wgrad=wgrad)
 
 
-def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: Memory):
+def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: Memory, *, strict: bool = True):
+    """Build `name` from the command line. With `strict`, an option it does not take is an error;
+    without (for `compare`), such options apply only to the schedules that take them."""
     opts: dict[str, Any] = {}
     takes = options_of(name)
-    if args.chunks is not None:
+    if args.chunks is not None and (strict or "chunks" in takes):
         if "chunks" not in takes:
             raise ValueError(f"schedule {name!r} does not take --chunks")
         opts["chunks"] = args.chunks
@@ -75,7 +77,7 @@ def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: 
         opts["costs"] = costs
     if "memory" in takes:
         opts["memory"] = memory
-    if args.memory_limit is not None:
+    if args.memory_limit is not None and (strict or "memory_limit" in takes):
         if "memory_limit" not in takes:
             raise ValueError(f"schedule {name!r} does not take --memory-limit (only zb-auto and zbv-auto do)")
         opts["memory_limit"] = args.memory_limit
@@ -115,7 +117,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 k = args.ranks / stages
                 c = Costs(f=costs.f * k, b=costs.b * k, w=costs.w * k, comm=costs.comm)
                 mem = Memory(activation=memory.activation * k, wgrad=memory.wgrad * k)
-            sched = _build_from_args(name, args, c, mem)
+            sched = _build_from_args(name, args, c, mem, strict=False)
         except ValueError as exc:  # e.g. a memory limit an auto schedule cannot meet
             rows.append((name, None, str(exc)))
             continue

@@ -55,3 +55,14 @@ def test_show_long_schedule_wraps_to_width(capsys: pytest.CaptureFixture[str]) -
     assert main(["show", "1f1b", "-p", "32", "-m", "64", "--width", "100"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_compare_applies_options_only_where_they_apply(capsys: pytest.CaptureFixture[str]) -> None:
+    """--memory-limit and --chunks go to the schedules that take them; the others still run."""
+    assert main(["compare", "-p", "4", "-m", "12", "--memory-limit", "6", "--chunks", "3"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^1f1b\s+4\s+0\.2000", out, re.M)  # (p-1)*3 / (12*3 + 9)
+    assert re.search(r"^interleaved-1f1b\s+12\s", out, re.M)  # 3 chunks on 4 ranks
+    for line in out.splitlines():
+        if line.startswith("zb-auto"):
+            assert max(float(x) for x in line.split()[5:]) <= 6 + 1e-9  # the limit holds
