@@ -1,7 +1,13 @@
-"""The dp x pp cases, run inside each spawned rank (see test_dp_gloo.py).
+"""The dp x pp cases, run on each of the 4 gloo ranks (see test_dp_gloo.py).
 
-Every case trains two steps on its half of the batch per replica and compares, parameter by
-parameter, with one process running the whole plain model on the whole batch (`reference_grads`).
+A case is ``[small-buckets/]SCHEDULE/MODEL``: `zbpp.Pipeline` (with its own reducer) or, with the
+prefix, the minimal executor driving a reducer with ~400-byte buckets. Every case trains two steps
+on its half of the batch per replica and compares, parameter by parameter, with one process running
+the whole plain model on the whole batch (`reference_grads`); it also checks that each parameter
+was reduced once per step (the reducer's counter, and one all-reduce per bucket counted on the dp
+group), that wgrad hooks fired once per W (none when W is replayed "from a graph"), that a consumed
+eager bias gradient does not reappear in ``.grad``, and the global grad norm (2 and inf) against the
+single-process norm.
 Tolerance: rtol=1e-10, atol=1e-12. Everything is float64; the only differences are the order of
 summation (per-microbatch accumulation, the replica average) and a pre-division by dp=2, which is
 exact, so ~1e-15 relative is expected and 1e-10 leaves room without hiding a missing or doubled
@@ -17,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zbpp.runtime import Pipeline
 from zbpp.runtime.clip import clip_grad_norm_
 from zbpp.runtime.grad_reduce import GradReducer
 from zbpp.schedules import available, build
@@ -31,6 +38,7 @@ from .harness import (
     dtype_of,
     execute,
     grad_of,
+    loss_fn,
     make_groups,
     make_stage,
     reference_grads,
@@ -49,8 +57,12 @@ FP8_RTOL, FP8_ATOL = 1e-5, 1e-7
 BUCKET_MB = 400 / 2**20  # ~400 bytes: several buckets per stage, one weight (512 bytes) alone
 
 
+SMALL_BUCKETS = "small-buckets/"
+
+
 def case_names() -> list[str]:
-    return [f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + ["presence"]
+    small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
+    return [f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + [SMALL_BUCKETS + c for c in small] + ["presence"]
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -87,14 +99,6 @@ def _build(name: str) -> Any:
         return f"skip: build({name!r}, num_ranks={PP}, num_microbatches={M}) failed: {exc}"
 
 
-def _gather_equal(t: torch.Tensor | None, group: Any) -> bool:
-    """True when `t` is bit-identical on every rank of `group` (None everywhere counts as equal)."""
-    items: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(items, None if t is None else t.detach().cpu(), group=group)
-    first = items[0]
-    return all((a is None and first is None) or (a is not None and first is not None and torch.equal(a, first)) for a in items)
-
-
 def _count_wgrad_hooks(modules: dict[int, torch.nn.Module]) -> list[list[int]]:
     """Register a counting wgrad hook on every module that offers the hook; one counter each."""
     counters = []
@@ -119,7 +123,7 @@ def _consumed_biases(modules: dict[int, torch.nn.Module]) -> list[torch.Tensor]:
     return out
 
 
-def run_case(sched_name: str, kind: str, groups: Any, device: str) -> list[str]:
+def run_case(sched_name: str, kind: str, groups: Any, device: str, small_buckets: bool) -> list[str]:
     sched = _build(sched_name)
     if isinstance(sched, str):
         return [sched]
@@ -127,7 +131,18 @@ def run_case(sched_name: str, kind: str, groups: Any, device: str) -> list[str]:
     built = {s: make_stage(s, kind, device) for s in sched.stages_on(groups.pp_rank)}
     modules = {s: mod for s, (mod, _) in built.items()}
     names = {s: ref_names for s, (_, ref_names) in built.items()}
-    reducer = GradReducer(modules, groups, bucket_size_mb=BUCKET_MB)
+    if small_buckets:
+        reducer = GradReducer(modules, groups, bucket_size_mb=BUCKET_MB)
+
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            execute(sched, modules, groups, reducer, x, y)
+
+    else:
+        pipe = Pipeline(modules, sched, loss_fn, groups=groups, device=device)
+        reducer = pipe.reducer
+
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            pipe.step(x, target=y)
     counters = _count_wgrad_hooks(modules)
     fp8 = kind in FP8_KINDS
     fp8_model = ReplicaReference(sched.num_stages, kind, groups.dp, device) if fp8 else None
@@ -139,7 +154,7 @@ def run_case(sched_name: str, kind: str, groups: Any, device: str) -> list[str]:
         half = x.shape[0] // groups.dp
         mine = slice(groups.dp_rank * half, (groups.dp_rank + 1) * half)
         with _CountAllReduce(groups.dp_group) as counter:
-            execute(sched, modules, groups, reducer, x[mine].to(dtype_of(kind)), y[mine].to(dtype_of(kind)))
+            run(x[mine].to(dtype_of(kind)), y[mine].to(dtype_of(kind)))
         ref, _ = reference_grads(sched.num_stages, x, y)
         if fp8:
             fp8_ref = fp8_model.grads(x, y, M)
@@ -219,24 +234,37 @@ def run_presence(groups: Any, device: str) -> list[str]:
     return fails
 
 
-def worker(rank: int, world: int, names: list[str], device: str = "cpu") -> dict[str, list[str]]:
-    """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}."""
+def worker(names: list[str], device: str = "cpu") -> dict[str, list[str]]:
+    """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}.
+
+    A case that raises (on any rank) leaves the process group in an unknown state (peers wait for
+    messages that will not come), so the remaining cases are reported as not run.
+    """
     groups = make_groups(PP)
     out: dict[str, list[str]] = {}
-    for name in names:
+    for i, name in enumerate(names):
+        raised = 0
         try:
             if name == "presence":
                 out[name] = run_presence(groups, device)
             else:
-                sched, kind = name.split("/")
-                out[name] = run_case(sched, kind, groups, device)
-        except Exception:  # the same error on every rank: record it and go on with the next case
+                small = name.startswith(SMALL_BUCKETS)
+                sched, kind = name.removeprefix(SMALL_BUCKETS).split("/")
+                out[name] = run_case(sched, kind, groups, device, small)
+        except Exception:
             out[name] = [traceback.format_exc()]
+            raised = 1
         try:
-            dist.barrier()  # keep ranks in step between cases: a failure stays in its case
-        except Exception:  # an earlier failure left the ranks out of step: report what ran
-            out[name] = out.get(name, []) + ["the ranks fell out of step in this case:\n" + traceback.format_exc()]
-            for rest in names[names.index(name) + 1 :]:
-                out[rest] = [f"not run: case {name!r} left the ranks out of step"]
+            flag = torch.tensor([raised])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # did any rank raise?
+            raised = int(flag)
+        except Exception:
+            out[name] = out.get(name, []) + ["the ranks fell out of step:\n" + traceback.format_exc()]
+            raised = 1
+        if raised:
+            if not out[name]:
+                out[name] = ["another rank raised in this case (see its report)"]
+            for rest in names[i + 1 :]:
+                out[rest] = [f"not run: case {name!r} raised, the process group may be out of step"]
             break
     return out

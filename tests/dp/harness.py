@@ -1,28 +1,23 @@
-"""Helpers for the data-parallel tests: spawn gloo ranks, stand-in groups, a minimal pipeline
-executor, models and the single-process reference.
+"""Helpers for the data-parallel tests: models, the single-process references, and a minimal
+pipeline executor.
 
-The executor follows issue 5's task semantics (F forward inside ``microbatch(key)``; B a full
+The executor follows the runtime's task semantics (F forward inside ``microbatch(key)``; B a full
 autograd backward of the stage, delayed modules deferring their weight gradients; W ``backward_dw``
-on each delayed module; BW both) and tells the reducer after each stage's last B and last W. It is
-here so that the reducer is tested before the runtime's `Pipeline` exists; when `zbpp.Pipeline` is
-importable the tests run through it instead (see `run_step`).
+on each delayed module; BW both) and tells a `GradReducer` after each stage's last B and last W.
+`zbpp.Pipeline` builds its reducer itself with the default bucket size; the executor lets a test
+drive a reducer with tiny buckets (several per stage) through the same schedules.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import traceback
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from zbpp.modules import DelayedScaling, LayerNormMLP, Linear, fp8_autocast, microbatch
+from zbpp.runtime import ParallelGroups
 from zbpp.schedules import Schedule
 from zbpp.schedules.ir import Kind
 
@@ -32,86 +27,8 @@ H = 8  # feature width of every stage
 MB = 2  # samples per microbatch
 
 
-# -- processes ----------------------------------------------------------------------------------
-def _entry(rank: int, world: int, tmp: str, backend: str, fn: Callable[..., Any], args: tuple) -> None:
-    torch.set_num_threads(1)  # 2 shared cores: do not oversubscribe
-    out = os.path.join(tmp, f"rank{rank}.pkl")
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timedelta(seconds=30)
-        )
-        result: Any = ("ok", fn(rank, world, *args))
-    except BaseException:  # report every rank's failure to the parent
-        result = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    with open(out, "wb") as fh:
-        pickle.dump(result, fh)
-
-
-def spawn(fn: Callable[..., Any], world: int, tmp: str, *args: Any, backend: str = "gloo", timeout_s: float = 240) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on `world` fresh processes; return each rank's result.
-
-    Raises with every failing rank's traceback, or when a rank does not finish within `timeout_s`.
-    """
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, tmp, backend, fn, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout_s)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()  # only the processes started here, by handle
-        procs[r].join()
-    results, errors = [], []
-    for r in range(world):
-        path = os.path.join(tmp, f"rank{r}.pkl")
-        if not os.path.exists(path):
-            errors.append(f"rank {r}: no result ({'timed out' if r in hung else 'exit code ' + str(procs[r].exitcode)})")
-            continue
-        with open(path, "rb") as fh:
-            status, value = pickle.load(fh)
-        if status == "error":
-            errors.append(f"rank {r}:\n{value}")
-        results.append(value)
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return results
-
-
-# -- groups -------------------------------------------------------------------------------------
-@dataclass
-class StandInGroups:
-    """The attributes of `ParallelGroups` the reducer and the executor use (global = dp_rank*pp + pp_rank)."""
-
-    pp: int
-    dp: int
-    pp_rank: int
-    dp_rank: int
-    pp_group: Any
-    dp_group: Any
-
-    def pp_peer(self, pp_rank: int) -> int:
-        return self.dp_rank * self.pp + pp_rank
-
-
-def make_groups(pp: int) -> Any:
-    """`zbpp.ParallelGroups(pp=pp)` when the runtime provides it, else the stand-in."""
-    try:
-        from zbpp.runtime.groups import ParallelGroups  # type: ignore[import-not-found]
-    except ImportError:
-        ParallelGroups = None
-    if ParallelGroups is not None:
-        return ParallelGroups(pp=pp)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // pp
-    pp_groups = [dist.new_group([d * pp + r for r in range(pp)]) for d in range(dp)]
-    dp_groups = [dist.new_group([d * pp + r for d in range(dp)]) for r in range(pp)]
-    return StandInGroups(pp, dp, rank % pp, rank // pp, pp_groups[rank // pp], dp_groups[rank % pp])
+def make_groups(pp: int) -> ParallelGroups:
+    return ParallelGroups(pp=pp)
 
 
 # -- models -------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """dp=2 x pp=2 on 4 gloo CPU ranks: every gradient equals one process on the whole batch.
 
-The 4 ranks are spawned once for this module; they run every (schedule, model kind) case of
-`cases.py` and report per case. See `cases.py` for what each case checks and the tolerance.
+The 4 ranks are spawned once for this module (`zbpp.testing`); they run every case of `cases.py`
+(schedule x model kind, through `zbpp.Pipeline`, plus a few with tiny buckets) and report per case.
+See `cases.py` for what each case checks and the tolerances.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 import pytest
 
 from .cases import case_names, worker
-from .harness import spawn
 
 WORLD = 4  # dp=2 x pp=2
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
-    per_rank = spawn(worker, WORLD, str(tmp_path_factory.mktemp("dp_gloo")), case_names())
+def results(zbpp_workers) -> dict[str, list[str]]:
+    # pg_timeout: a case that fails on one rank leaves the others waiting; let them fail fast.
+    per_rank = zbpp_workers(WORLD, pg_timeout=30).run(worker, case_names())
     merged: dict[str, list[str]] = {}
     for rank, res in enumerate(per_rank):
         for case, fails in res.items():

@@ -10,9 +10,9 @@ gradients are final:
   every other parameter of the stage is final now (modules without the protocol get their weight
   gradients during B, and so does an FP8 bias).
 - ``stage_wgrad_done(s)`` after its last W (or BW): the reducer asks again and fires the reduce
-  hooks of exactly those parameters. Modules that only offer
-  ``register_wgrad_accumulation_and_reduce_hooks`` (Transformer Engine today) owe all their own
-  parameters.
+  hooks of exactly those parameters. Delayed modules (the runtime's `is_delayed`) without
+  ``get_backward_dw_params`` (Transformer Engine today, which offers
+  ``register_wgrad_accumulation_and_reduce_hooks``) owe all their own parameters.
 
 The answer is read every step, so a module whose list changes (zbpp modules drop their biases after
 an FP8 forward) is handled; it must not change between a stage's last B and its last W. A
@@ -63,6 +63,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .wgrad import is_delayed
+
 __all__ = ["GradReducer"]
 
 _B = "B"  # signal: the stage's last B (or BW) ran
@@ -100,14 +102,6 @@ class _Bucket:
     buffer: torch.Tensor | None = None
     waiting: int = 0
     work: Any = None
-
-
-def _is_delayed(module: nn.Module) -> bool:
-    """A delayed-wgrad module: it has ``backward_dw`` and says which parameters W produces."""
-    return callable(getattr(module, "backward_dw", None)) and (
-        callable(getattr(module, "get_backward_dw_params", None))
-        or callable(getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None))
-    )
 
 
 class GradReducer:
@@ -172,7 +166,9 @@ class GradReducer:
             root = stage_modules[s]
             if not isinstance(root, nn.Module):
                 raise TypeError(f"stage {s}: expected an nn.Module, got {type(root).__name__}")
-            self._delayed[s] = [m for m in root.modules() if _is_delayed(m)]
+            # Every delayed module, nested ones too (W runs the outermost, whose backward_dw runs
+            # theirs): their parameter lists are merged, so nesting cannot count a parameter twice.
+            self._delayed[s] = [m for m in root.modules() if is_delayed(m)]
             for m in root.modules():
                 te_style = m in self._delayed[s] and not callable(getattr(m, "get_backward_dw_params", None))
                 # Transformer Engine's backward_dw overwrites .grad, so its gradients accumulate elsewhere.
