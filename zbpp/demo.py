@@ -49,12 +49,10 @@ def _modules_available() -> bool:
     return True
 
 
-def _block(cfg: ModelConfig, delayed: bool) -> Any:
+def _block(cfg: ModelConfig, delayed: bool, use_zbpp: bool) -> Any:
     import torch
     import torch.nn.functional as F
     from torch import nn
-
-    use_zbpp = _modules_available()
 
     class Block(nn.Module):
         """Pre-norm causal self-attention and MLP, each residual."""
@@ -83,12 +81,20 @@ def _block(cfg: ModelConfig, delayed: bool) -> Any:
     return Block()
 
 
-def make_stage(stage: int, num_stages: int, cfg: ModelConfig, *, delayed: bool = True, seed: int = 0) -> Any:
+def make_stage(stage: int, num_stages: int, cfg: ModelConfig, *, delayed: bool = True, seed: int = 0,
+               layers: str = "auto") -> Any:
     """Stage `stage` of `num_stages`: token and position embeddings first, then
-    `cfg.blocks_per_stage` blocks, then (last stage) a norm and the vocabulary head. The values depend
-    only on (seed, stage, num_stages, cfg), not on `delayed`."""
+    `cfg.blocks_per_stage` blocks, then (last stage) a norm and the vocabulary head.
+
+    `layers`: "zbpp" (zbpp.modules, weight gradients delayed to W when `delayed`), "torch" (torch.nn;
+    W is empty) or "auto" (zbpp when importable). The values depend only on (seed, stage,
+    num_stages, cfg), not on `delayed`."""
     import torch
     from torch import nn
+
+    if layers not in ("auto", "zbpp", "torch"):
+        raise ValueError(f"layers must be 'auto', 'zbpp' or 'torch', got {layers!r}")
+    use_zbpp = _modules_available() if layers == "auto" else layers == "zbpp"
 
     torch.manual_seed(seed * 1009 + stage)
 
@@ -99,7 +105,7 @@ def make_stage(stage: int, num_stages: int, cfg: ModelConfig, *, delayed: bool =
             if self.first:
                 self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
                 self.pos = nn.Parameter(0.02 * torch.randn(cfg.seq_len, cfg.hidden))
-            self.blocks = nn.ModuleList(_block(cfg, delayed) for _ in range(cfg.blocks_per_stage))
+            self.blocks = nn.ModuleList(_block(cfg, delayed, use_zbpp) for _ in range(cfg.blocks_per_stage))
             if self.last:
                 self.norm = nn.LayerNorm(cfg.hidden)
                 self.head = nn.Linear(cfg.hidden, cfg.vocab)

@@ -362,3 +362,24 @@ def mismatch_after_first_step() -> dict[str, Any]:
     except PipelineError as exc:
         return {"type": type(exc).__name__, "error": str(exc), "seconds": time.monotonic() - t0}
     raise AssertionError(f"rank {rank}: the step did not fail")
+
+
+def check_cuda_memory(name: str, p: int, steps: int = 5) -> list[int]:
+    """On CUDA: once a shape was seen, every further step ends with the same allocated memory (no
+    activation, buffer or wgrad closure outlives its step)."""
+    rank = dist.get_rank()
+    device = device_for_rank()
+    sched = make_schedule(name, p, 2 * p)
+    mine = {s: make_stage(s, sched.num_stages, "zbpp", device) for s in sched.stages_on(rank)}
+    pipe = Pipeline(mine, sched, loss_fn)
+    after = []
+    for step in range(steps):
+        inputs, target = make_batch(step, 8 * p, device)
+        pipe.step(inputs, target=target)
+        for q in pipe.parameters():
+            q.grad = None
+        del inputs, target
+        torch.cuda.synchronize()
+        after.append(torch.cuda.memory_allocated())
+    assert after[1:] == [after[1]] * (steps - 1), f"{name}: allocated bytes after each step {after}"
+    return after

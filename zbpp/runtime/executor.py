@@ -190,14 +190,14 @@ class StepExecutor:
                 self._losses.append(weighted.detach())
                 roots = [weighted]
         del arg
+        if self.recorder is not None:  # the task's compute only; handing the output on is communication
+            self.recorder.stop(str(a), started)
         if not last:
             leaves, spec = flatten(out)
             del out
             roots = [t for t in leaves if t.requires_grad]
             self._hand_forward(a, leaves, spec, roots)
         self._slots[(s, j)] = _Slot(grad_inputs, roots)
-        if self.recorder is not None:
-            self.recorder.stop(str(a), started)
 
     def _forward_input(self, a: Action) -> tuple[Any, list[torch.Tensor]]:
         s, j = a.stage, a.microbatch
@@ -253,13 +253,15 @@ class StepExecutor:
         run_backward(slot.roots, grads)
         del grads
         slot.roots.clear()
-        if s > 0:
-            in_grads = []
-            for x in slot.inputs:
-                g = x.grad
-                in_grads.append(torch.zeros_like(x) if g is None else g)
-                x.grad = None
-            slot.inputs.clear()
+        in_grads = []
+        for x in slot.inputs:
+            g = x.grad
+            in_grads.append(torch.zeros_like(x) if g is None else g)
+            x.grad = None
+        slot.inputs.clear()
+        if self.recorder is not None and a.kind is Kind.B:
+            self.recorder.stop(str(a), started)
+        if s > 0:  # send the input gradient before W (BW): the previous stage waits for it
             msg = self.plan.send_of.get(a)
             if msg is None:
                 self._local_bwd[(s - 1, j)] = in_grads
@@ -269,8 +271,8 @@ class StepExecutor:
                 self._advance(upto=self.plan.op_of[msg.index])
         if a.kind is Kind.BW:
             run_wgrad(self.delayed[s], self.keyed[s], j)
-        if self.recorder is not None:
-            self.recorder.stop(str(a), started)
+            if self.recorder is not None:
+                self.recorder.stop(str(a), started)
 
     def _wgrad(self, a: Action) -> None:
         started = self.recorder.start() if self.recorder is not None else None

@@ -167,7 +167,6 @@ class Pipeline:
         self.profile = bool(profile)
         self.free_sent_activations = bool(free_sent_activations)
         self._recorder = TaskRecorder(self.pp_rank, self.device) if self.profile else None
-        self._records: list[dict[str, Any]] = []
         self._specs: OrderedDict[tuple[int, ...], dict[tuple[int, int], Any]] = OrderedDict()
         self._transport = None
         if self._ctx.size > 1:
@@ -300,8 +299,6 @@ class Pipeline:
                 "(.grad set to None, main_grad zeroed); the other ranks will fail with a timeout or a "
                 "connection error"
             ) from exc
-        if self._recorder is not None:
-            self._records = self._recorder.records()
         return loss
 
     def profile_records(self) -> list[dict[str, Any]] | None:
@@ -313,13 +310,15 @@ class Pipeline:
         """
         if not self.profile:
             raise RuntimeError("profile_records() needs Pipeline(..., profile=True)")
+        assert self._recorder is not None
+        mine = self._recorder.records()  # resolved now, so that step() never waits for the device
         if self._ctx.size == 1:
-            return list(self._records)
+            return mine
         import torch.distributed as dist
 
         root = self._ctx.global_rank_of(0)
         gathered: list[Any] | None = [None] * self._ctx.size if self.pp_rank == 0 else None
-        dist.gather_object(self._records, gathered, dst=root, group=self._ctx.group)
+        dist.gather_object(mine, gathered, dst=root, group=self._ctx.group)
         if gathered is None:
             return None
         return [rec for recs in gathered for rec in recs]

@@ -87,7 +87,7 @@ class _FunctionRef:
 
 
 def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump_path: str,
-                 pg_timeout: float, threads: int, env: dict[str, str]) -> None:
+                 pg_timeout: float, threads: int, env: dict[str, str], eager_init: bool) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -101,7 +101,9 @@ def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=pg_timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
+        extra = {"device_id": torch.device("cuda", torch.cuda.current_device())} if eager_init else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout), **extra)
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
@@ -139,11 +141,13 @@ class Workers:
         grace: seconds the other ranks get after one rank failed, before they are stopped.
         threads: torch threads per rank (default 1: ranks share the machine's cores).
         env: extra environment variables for the ranks.
+        eager_init: NCCL only: pass ``device_id`` to ``init_process_group`` (one communicator,
+            created up front and shared by all operations, instead of one per pair of ranks).
     """
 
     def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 300.0,
                  pg_timeout: float | None = None, grace: float = 5.0, threads: int = 1,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, eager_init: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if backend not in ("gloo", "nccl"):
@@ -157,6 +161,9 @@ class Workers:
         self.grace = grace
         self.threads = threads
         self.env = dict(env or {})
+        if eager_init and backend != "nccl":
+            raise ValueError("eager_init applies to NCCL only")
+        self.eager_init = eager_init
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._store: Any = None
@@ -183,7 +190,7 @@ class Workers:
             p = ctx.Process(
                 target=_worker_main,
                 args=(rank, self.world_size, self.backend, self._store.port, child, self._dump_path(rank),
-                      self.pg_timeout, self.threads, self.env),
+                      self.pg_timeout, self.threads, self.env, self.eager_init),
                 name=f"zbpp-rank{rank}",
                 daemon=True,
             )
@@ -319,7 +326,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, args: tuple = ()
                     backend: str = "gloo", timeout: float = 300.0, **options: Any) -> list[Any]:
     """Spawn `world_size` ranks, run ``fn(*args, **kwargs)`` on each, stop them; results in rank order.
 
-    `options` go to `Workers` (``pg_timeout``, ``grace``, ``threads``, ``env``).
+    `options` go to `Workers` (``pg_timeout``, ``grace``, ``threads``, ``env``, ``eager_init``).
     """
     with Workers(world_size, backend=backend, timeout=timeout, **options) as workers:
         return workers.run(fn, *args, **(kwargs or {}))
