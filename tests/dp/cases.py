@@ -90,13 +90,13 @@ class _CountAllReduce:
         dist.all_reduce = self._orig
 
 
-def _build(name: str) -> Any:
+def _build(name: str, pp: int) -> Any:
     if name not in available():
         return f"skip: schedule {name!r} is not registered (available: {', '.join(available())})"
     try:
-        return build(name, num_ranks=PP, num_microbatches=M)
+        return build(name, num_ranks=pp, num_microbatches=M)
     except (TypeError, ValueError) as exc:  # e.g. an auto schedule that needs options
-        return f"skip: build({name!r}, num_ranks={PP}, num_microbatches={M}) failed: {exc}"
+        return f"skip: build({name!r}, num_ranks={pp}, num_microbatches={M}) failed: {exc}"
 
 
 def _count_wgrad_hooks(modules: dict[int, torch.nn.Module]) -> list[list[int]]:
@@ -124,7 +124,7 @@ def _consumed_biases(modules: dict[int, torch.nn.Module]) -> list[torch.Tensor]:
 
 
 def run_case(sched_name: str, kind: str, groups: Any, device: str, small_buckets: bool) -> list[str]:
-    sched = _build(sched_name)
+    sched = _build(sched_name, groups.pp)
     if isinstance(sched, str):
         return [sched]
     fails: list[str] = []
@@ -140,6 +140,8 @@ def run_case(sched_name: str, kind: str, groups: Any, device: str, small_buckets
     else:
         pipe = Pipeline(modules, sched, loss_fn, groups=groups, device=device)
         reducer = pipe.reducer
+        if reducer is None:  # Pipeline builds one only for dp > 1: enable it at dp=1 too
+            reducer = pipe._reducer = GradReducer(modules, groups)
 
         def run(x: torch.Tensor, y: torch.Tensor) -> None:
             pipe.step(x, target=y)
@@ -234,13 +236,14 @@ def run_presence(groups: Any, device: str) -> list[str]:
     return fails
 
 
-def worker(names: list[str], device: str = "cpu") -> dict[str, list[str]]:
+def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
     """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}.
 
     A case that raises (on any rank) leaves the process group in an unknown state (peers wait for
     messages that will not come), so the remaining cases are reported as not run.
     """
-    groups = make_groups(PP)
+    groups = make_groups(pp)
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
     out: dict[str, list[str]] = {}
     for i, name in enumerate(names):
         raised = 0
@@ -255,7 +258,7 @@ def worker(names: list[str], device: str = "cpu") -> dict[str, list[str]]:
             out[name] = [traceback.format_exc()]
             raised = 1
         try:
-            flag = torch.tensor([raised])
+            flag = torch.tensor([raised], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # did any rank raise?
             raised = int(flag)
         except Exception:
