@@ -8,6 +8,9 @@ Every process runs this script; NCCL on GPUs (one per process), gloo on CPUs. La
     # CPU only (gloo), 4 processes, ZB-V, checked against one process:
     torchrun --nproc-per-node=4 examples/train.py --schedule zb-v --check
 
+    # 2 pipelines of 2 ranks (data parallel), gradients clipped to a global norm of 1:
+    torchrun --nproc-per-node=4 examples/train.py --schedule zb-h1 --dp 2 --clip 1.0 --check
+
     # several nodes (c10d rendezvous; the same command on every node), 2 data-parallel replicas:
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \\
         --rdzv-id=job1 examples/train.py --schedule zb-v --dp 2
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from zbpp import ParallelGroups, Pipeline
 from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
 from zbpp.runtime import init_distributed, measured_bubble_rate
+from zbpp.runtime.clip import clip_grad_norm_
 from zbpp.schedules import available, build, options_of
 
 TOLERANCE = 1e-4  # fp32 Adam, a few steps: summation-order noise is ~1e-6 (TF32 is off by default)
@@ -51,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--blocks-per-stage", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm (whole pipeline)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
@@ -90,18 +95,25 @@ def main(argv: list[str] | None = None) -> int:
         part = slice(dp_rank * rows, (dp_rank + 1) * rows)
         t0 = time.perf_counter()
         loss = pipe.step(tokens[part], target=target[part])
+        # The norm of the whole model: summed over the pipeline ranks, not again over the replicas
+        # (they hold the same averaged gradients).
+        norm = clip_grad_norm_(pipe, args.clip, groups) if args.clip is not None else None
         opt.step()
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if loss is not None and dp_rank == 0:
-            print(f"step {step + 1:>3}  loss {float(loss):.5f}  {dt * 1e3:8.1f} ms  (pipeline rank {pp_rank})", flush=True)
+            clipped = f"  grad norm {float(norm):.4f}" if norm is not None else ""
+            print(f"step {step + 1:>3}  loss {float(loss):.5f}{clipped}  {dt * 1e3:8.1f} ms  (pipeline rank {pp_rank})",
+                  flush=True)
         if ref is not None:
             x = tokens
             for st in ref:
                 x = st(x)
             lm_loss(x, target).backward()
+            if args.clip is not None:
+                torch.nn.utils.clip_grad_norm_([q for st in ref for q in st.parameters()], args.clip)
             ref_opt.step()
             ref_opt.zero_grad()
     if args.profile_out:
