@@ -16,7 +16,7 @@ from torch import nn
 
 import zbpp.runtime.clip as clip_mod
 import zbpp.runtime.grad_reduce as gr_mod
-from zbpp.modules.context import microbatch
+from zbpp.modules import Linear, microbatch
 from zbpp.runtime.clip import clip_grad_norm_
 from zbpp.runtime.grad_reduce import GradReducer
 
@@ -61,7 +61,7 @@ def _steps(reducer: GradReducer, layer: nn.Module, xs: list[torch.Tensor]) -> No
             layer(x).pow(2).sum().backward()
     reducer.stage_backward_done(0)
     for j in range(len(xs)):
-        layer.backward_dw(j) if isinstance(layer, KeyedLinear) else layer.backward_dw()
+        layer.backward_dw() if isinstance(layer, TELikeLinear) else layer.backward_dw(j)
     reducer.stage_wgrad_done(0)
     reducer.finish()
 
@@ -197,3 +197,31 @@ def test_clip_uses_main_grad_and_the_inf_norm() -> None:
     a.grad[0] = float("nan")
     with pytest.raises(RuntimeError, match="nan"):
         clip_grad_norm_([a], 1.0, error_if_nonfinite=True)
+
+
+def test_switching_delay_between_steps_is_followed() -> None:
+    # built while not delaying; then the module defers its weight gradient to W
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 3).double()
+    layer = Linear(4, 3, params_dtype=torch.float64)
+    layer.load_state_dict(plain.state_dict())
+    r = GradReducer({0: layer}, None)
+    xs = _microbatches()
+    for delay in (False, True):
+        layer.delay_wgrad_compute = delay
+        layer.zero_grad(set_to_none=True)
+        r.start_step()
+        for j, x in enumerate(xs):
+            with microbatch(j):
+                layer(x).pow(2).sum().backward()
+        r.stage_backward_done(0)
+        # final after B without delay; owed by W with it
+        assert r.reduce_counts()["stage 0 'weight'"] == (0 if delay else 1)
+        for j in range(len(xs)):
+            layer.backward_dw(j)  # a no-op without delay
+        r.stage_wgrad_done(0)
+        r.finish()
+        assert set(r.reduce_counts().values()) == {1}
+    _reference(plain, xs)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, dict(plain.named_parameters())[name].grad, rtol=RTOL, atol=0)

@@ -166,9 +166,10 @@ class GradReducer:
             root = stage_modules[s]
             if not isinstance(root, nn.Module):
                 raise TypeError(f"stage {s}: expected an nn.Module, got {type(root).__name__}")
-            # Every delayed module, nested ones too (W runs the outermost, whose backward_dw runs
-            # theirs): their parameter lists are merged, so nesting cannot count a parameter twice.
-            self._delayed[s] = [m for m in root.modules() if is_delayed(m)]
+            # Every module with a W, nested ones too (W runs the outermost, whose backward_dw runs
+            # theirs: their lists are merged, so nesting cannot count a parameter twice), whether
+            # it delays now or not: what it owes is asked each step, so a switch is followed.
+            self._delayed[s] = [m for m in root.modules() if callable(getattr(m, "backward_dw", None))]
             for m in root.modules():
                 te_style = m in self._delayed[s] and not callable(getattr(m, "get_backward_dw_params", None))
                 # Transformer Engine's backward_dw overwrites .grad, so its gradients accumulate elsewhere.
@@ -199,6 +200,8 @@ class GradReducer:
     def _owed_by_module(self, stage: int, module: nn.Module) -> list[_Entry]:
         getter = getattr(module, "get_backward_dw_params", None)
         if not callable(getter):  # Transformer Engine style: all its own trainable parameters
+            if not is_delayed(module):
+                return []
             return [self._entries[id(p)] for p in module.parameters(recurse=False) if p.requires_grad]
         out = []
         for t in getter():
