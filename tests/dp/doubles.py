@@ -48,7 +48,9 @@ class _DeferredLinearFn(torch.autograd.Function):
 class _DelayedBase(nn.Module):
     eager_bias = False
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, fuse_wgrad_accumulation: bool = False):
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool = True, fuse_wgrad_accumulation: bool = False
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None

@@ -140,7 +140,10 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def reference_grads(num_stages: int, x: torch.Tensor, y: torch.Tensor) -> tuple[list[dict[str, torch.Tensor | None]], torch.Tensor]:
+Grads = dict[str, "torch.Tensor | None"]
+
+
+def reference_grads(num_stages: int, x: torch.Tensor, y: torch.Tensor) -> tuple[list[Grads], torch.Tensor]:
     """One process, whole plain model, whole batch: per stage {name: grad}, and the loss."""
     stages = [make_stage(s, "plain", str(x.device))[0] for s in range(num_stages)]
     out = x
@@ -148,7 +151,7 @@ def reference_grads(num_stages: int, x: torch.Tensor, y: torch.Tensor) -> tuple[
         out = st(out)
     loss = loss_fn(out, y)
     loss.backward()
-    grads = [{n: (None if p.grad is None else p.grad.detach().clone()) for n, p in st.named_parameters()} for st in stages]
+    grads = [{n: None if p.grad is None else p.grad.clone() for n, p in st.named_parameters()} for st in stages]
     return grads, loss.detach()
 
 
@@ -212,7 +215,9 @@ def _wgrad(module: nn.Module, key: int) -> None:
             m.backward_dw()  # Transformer Engine: FIFO (the schedules keep W in B order per stage)
 
 
-def execute(sched: Schedule, modules: dict[int, nn.Module], groups: Any, reducer: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+def execute(
+    sched: Schedule, modules: dict[int, nn.Module], groups: Any, reducer: Any, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor | None:
     """Run one step of `sched` on this pipeline rank; return the batch-mean loss on the last stage."""
     m, last = sched.num_microbatches, sched.num_stages - 1
     xs, ys = x.chunk(m), y.chunk(m)
