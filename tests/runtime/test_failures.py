@@ -7,7 +7,7 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .cases import fail_in_stage, mismatch_after_first_step
+from .cases import fail_in_last_task_then_recover, fail_in_stage, mismatch_after_first_step
 
 PG_TIMEOUT = 3.0
 
@@ -30,3 +30,8 @@ def test_shape_change_within_a_signature_is_reported():
     assert "stage 0 microbatch 0" in r0["error"], r0["error"]
     assert "float32[1, 8](grad)" in r0["error"] and "float32[2, 8](grad)" in r0["error"], r0["error"]
     assert r1["seconds"] < 10 * PG_TIMEOUT
+
+
+def test_a_rank_failing_after_its_messages_recovers_on_the_next_step():
+    with Workers(2, pg_timeout=30, timeout=120) as workers:
+        assert workers.run(fail_in_last_task_then_recover) == [["step ok", "recovered"], ["step failed", "recovered"]]

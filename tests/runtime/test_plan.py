@@ -14,8 +14,8 @@ import pytest
 
 from zbpp.schedules import available, build, options_of
 from zbpp.schedules.dag import task_graph
-from zbpp.schedules.ir import Action, Kind, Schedule
-from zbpp.runtime.plan import CommOp, Message, fifo_wgrad_problem, make_plan
+from zbpp.schedules.ir import Action, Schedule
+from zbpp.runtime.plan import CommOp, fifo_wgrad_problem, make_plan
 
 
 def _build(name: str, p: int, m: int) -> Schedule:

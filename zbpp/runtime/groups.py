@@ -12,11 +12,12 @@ uses NVLink) and the data-parallel all-reduces cross nodes. Example for world 8,
     pipeline (dp_rank) 1: global ranks 4 5 6 7      data-parallel group of pp_rank 3: 3 7
 
 Every rank must construct `ParallelGroups` with the same ``pp`` (it calls ``new_group``, which is
-collective over the default group).
+collective over the default group). Example, under ``torchrun --nproc-per-node=4``::
 
->>> # under torchrun --nproc-per-node=4 (not run here):
->>> # groups = ParallelGroups(pp=2)
->>> # groups.pp_rank, groups.dp_rank, groups.pp_peer(1)
+    groups = ParallelGroups(pp=2)           # 2 replicas of a 2-rank pipeline
+    groups.pp_rank, groups.dp_rank          # e.g. (1, 0) on global rank 1
+    groups.pp_peer(0)                       # global rank of this pipeline's first rank
+    pipe = Pipeline(stages, schedule, loss_fn, groups=groups)
 """
 
 from __future__ import annotations

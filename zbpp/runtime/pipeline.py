@@ -20,8 +20,11 @@ by earlier steps are lost too, since they cannot be told apart) and every buffer
 other ranks wait for messages that will not come: under torchrun the agent stops them when the
 failed process exits; otherwise they fail when the process group's timeout expires (gloo: a
 timeout error or, once the failed process exits, a connection error; NCCL: the watchdog). Set that
-timeout with ``init_process_group(timeout=...)`` (or `zbpp.runtime.init_distributed`). After a
-failure inside a step the process group's state is unknown: end the processes.
+timeout with ``init_process_group(timeout=...)`` (or `zbpp.runtime.init_distributed`). A failed
+step counts on its rank, and the count is part of the next step's signature, so every rank of the
+pipeline re-learns the activation shapes afterwards; when the failure left the process group
+consistent (all messages of the step had gone through), the next step is correct. Otherwise the
+process group's state is unknown: end the processes.
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ class Pipeline:
         self.free_sent_activations = bool(free_sent_activations)
         self._recorder = TaskRecorder(self.pp_rank, self.device) if self.profile else None
         self._specs: OrderedDict[tuple[int, ...], dict[tuple[int, int], Any]] = OrderedDict()
+        self._failures = 0
         self._transport = None
         if self._ctx.size > 1:
             from .p2p import Transport
@@ -237,7 +241,9 @@ class Pipeline:
                 tgts = split(self._to_device(target), m, what="target")
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             problem = exc
-        state_hash = _hash(self._module_state())
+        # The failure count makes every rank's signature new after a failed step on any rank, so all
+        # of them send shapes ahead again (a failed rank may have learnt only some of them).
+        state_hash = _hash((self._module_state(), self._failures))
         flags, states, in_hash, rows = self._agree(problem is not None, state_hash, in_hash, rows)
         if problem is not None:
             raise problem
@@ -285,6 +291,7 @@ class Pipeline:
                 self._reducer.finish()
         except BaseException as exc:
             task = ex.current
+            self._failures += 1
             ex.abandon()
             if sync:
                 self._specs.pop(signature, None)
