@@ -33,7 +33,7 @@ def zbpp_workers(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]
     from .distributed import Workers, gpus_available
 
     pools: dict[tuple, Workers] = {}
-    timeout = request.config.getoption("--zbpp-timeout")
+    timeout = request.config.getoption("--zbpp-timeout", default=300.0)
 
     def get(world_size: int = 2, backend: str = "gloo", **options: Any) -> Workers:
         key = (world_size, backend, tuple(sorted(options.items())))
