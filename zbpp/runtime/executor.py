@@ -126,16 +126,16 @@ class StepExecutor:
     on_backward_done: Callable[[int], None] | None = None
     on_wgrad_done: Callable[[int], None] | None = None
     free_sent_activations: bool = True
-    # -- per-step state -------------------------------------------------------------------------
-    _head: int = 0
-    _ready: dict[int, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict)
-    _inbox: dict[int, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)
-    _sending: list[tuple[list[Any], list[torch.Tensor]]] = field(default_factory=list)
-    _local_fwd: dict[tuple[int, int], tuple[Spec, list[torch.Tensor]]] = field(default_factory=dict)
-    _local_bwd: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
-    _losses: list[torch.Tensor] = field(default_factory=list)
-    current: Action | None = None
+    # -- per-step state (not arguments) ----------------------------------------------------------
+    _head: int = field(default=0, init=False, repr=False)  # next position in plan.ops to issue
+    _ready: dict[int, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
+    _inbox: dict[int, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict, init=False, repr=False)
+    _sending: list[tuple[list[Any], list[torch.Tensor]]] = field(default_factory=list, init=False, repr=False)
+    _local_fwd: dict[tuple[int, int], tuple[Spec, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
+    _local_bwd: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
+    _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict, init=False, repr=False)
+    _losses: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    current: Action | None = field(default=None, init=False)  #: the task running (named in errors)
 
     # -- the step -----------------------------------------------------------------------------
     def run(self) -> torch.Tensor | None:
