@@ -100,6 +100,10 @@ class Pipeline:
         free_sent_activations: release a sent activation's memory as soon as its send completes
             (B still works: only the autograd node is kept). Turn off only if your code holds on
             to stage outputs.
+        reducer: the gradient reducer to drive (``start_step``, ``stage_backward_done(stage)``
+            after the stage's last B/BW, ``stage_wgrad_done(stage)`` after its last W/BW,
+            ``finish``); default: a `zbpp.runtime.grad_reduce.GradReducer` when ``groups.dp > 1``,
+            else none.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one); the
@@ -131,6 +135,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         profile: bool = False,
         free_sent_activations: bool = True,
+        reducer: Any = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
@@ -177,8 +182,8 @@ class Pipeline:
             from .p2p import Transport
 
             self._transport = Transport(self._ctx.group, self._ctx.global_rank_of, self.device)
-        self._reducer = None
-        if groups is not None and int(getattr(groups, "dp", 1)) > 1:
+        self._reducer = reducer
+        if reducer is None and groups is not None and int(getattr(groups, "dp", 1)) > 1:
             try:
                 from .grad_reduce import GradReducer
             except ImportError as exc:  # pragma: no cover - written concurrently
