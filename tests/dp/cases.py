@@ -138,10 +138,9 @@ def run_case(sched_name: str, kind: str, groups: Any, device: str, small_buckets
             execute(sched, modules, groups, reducer, x, y)
 
     else:
-        pipe = Pipeline(modules, sched, loss_fn, groups=groups, device=device)
-        reducer = pipe.reducer
-        if reducer is None:  # Pipeline builds one only for dp > 1: enable it at dp=1 too
-            reducer = pipe._reducer = GradReducer(modules, groups)
+        # Pipeline builds a reducer by itself only for dp > 1: pass one so dp=1 runs it too
+        reducer = GradReducer(modules, groups)
+        pipe = Pipeline(modules, sched, loss_fn, groups=groups, device=device, reducer=reducer)
 
         def run(x: torch.Tensor, y: torch.Tensor) -> None:
             pipe.step(x, target=y)

@@ -9,6 +9,8 @@ treat zbpp layers and real Transformer Engine layers (FIFO ``backward_dw()`` onl
 
 from __future__ import annotations
 
+import inspect
+
 from collections import OrderedDict
 from typing import Callable, Hashable
 
@@ -213,8 +215,11 @@ class DelayedWgradModule(nn.Module):
 def is_delayed(module: nn.Module) -> bool:
     """True when `module` leaves its weight gradients to ``backward_dw()``.
 
-    Works for zbpp layers (``delay_wgrad_compute``) and for Transformer Engine layers (whose
-    ``wgrad_store.delay_wgrad_compute()`` says so); False for anything else.
+    zbpp layers: their ``delay_wgrad_compute``. Other modules with a ``backward_dw()`` (Transformer
+    Engine, user layers following the protocol): the first switch they offer of
+    ``wgrad_store.delay_wgrad_compute()`` (Transformer Engine), ``need_backward_dw()`` and
+    ``delay_wgrad_compute`` (attribute or method); a ``backward_dw`` with no switch is taken as
+    delayed. Anything without ``backward_dw``: False.
 
     >>> from zbpp.modules import Linear
     >>> is_delayed(Linear(2, 2, delay_wgrad_compute=True)), is_delayed(Linear(2, 2))
@@ -222,14 +227,33 @@ def is_delayed(module: nn.Module) -> bool:
     """
     if isinstance(module, DelayedWgradModule):
         return module.delay_wgrad_compute
-    store = getattr(module, "wgrad_store", None)
-    probe = getattr(store, "delay_wgrad_compute", None)
-    return bool(probe()) if callable(probe) else False
+    if not callable(getattr(module, "backward_dw", None)):
+        return False
+    probe = getattr(getattr(module, "wgrad_store", None), "delay_wgrad_compute", None)
+    if callable(probe):
+        return bool(probe())
+    need = getattr(module, "need_backward_dw", None)
+    if callable(need):
+        return bool(need())
+    flag = getattr(module, "delay_wgrad_compute", None)
+    if flag is None:
+        return True
+    return bool(flag() if callable(flag) else flag)
 
 
 def supports_keys(module: nn.Module) -> bool:
-    """True when ``module.backward_dw(key)`` may name a microbatch (zbpp layers).
+    """True when ``module.backward_dw(key)`` may name a microbatch.
 
-    Transformer Engine layers only pop their oldest wgrad (FIFO ``backward_dw()``): False.
+    zbpp layers do; so does any ``backward_dw`` taking a positional argument. Transformer Engine
+    layers only pop their oldest wgrad (FIFO ``backward_dw()``): False.
     """
-    return isinstance(module, DelayedWgradModule)
+    if isinstance(module, DelayedWgradModule):
+        return True
+    fn = getattr(module, "backward_dw", None)
+    if not callable(fn):
+        return False
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)

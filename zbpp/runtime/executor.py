@@ -2,7 +2,7 @@
 
 Tasks (DESIGN.md):
 
-- ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch(j)``; on the
+- ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch((s, j))``; on the
   last stage also the loss, weighted by the microbatch's share of the batch (its rows / all rows),
   so that the summed backward is that of the batch-mean loss.
 - ``B(s, j)``: autograd backward of the stage's outputs for ``j`` (delayed-wgrad modules only file
@@ -178,7 +178,7 @@ class StepExecutor:
         last = s == self.num_stages - 1
         arg, grad_inputs = self._forward_input(a)
         started = self.recorder.start() if self.recorder is not None else None
-        with microbatch_key(j), torch.enable_grad():
+        with microbatch_key((s, j)), torch.enable_grad():
             out = call(self.modules[s], arg)
             if last:
                 target = self.targets[j] if self.targets is not None else None
@@ -270,13 +270,13 @@ class StepExecutor:
                 del in_grads
                 self._advance(upto=self.plan.op_of[msg.index])
         if a.kind is Kind.BW:
-            run_wgrad(self.delayed[s], self.keyed[s], j)
+            run_wgrad(self.delayed[s], self.keyed[s], (s, j))
             if self.recorder is not None:
                 self.recorder.stop(str(a), started)
 
     def _wgrad(self, a: Action) -> None:
         started = self.recorder.start() if self.recorder is not None else None
-        run_wgrad(self.delayed[a.stage], self.keyed[a.stage], a.microbatch)
+        run_wgrad(self.delayed[a.stage], self.keyed[a.stage], (a.stage, a.microbatch))
         if self.recorder is not None:
             self.recorder.stop(str(a), started)
 

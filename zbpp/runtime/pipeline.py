@@ -184,12 +184,8 @@ class Pipeline:
             self._transport = Transport(self._ctx.group, self._ctx.global_rank_of, self.device)
         self._reducer = reducer
         if reducer is None and groups is not None and int(getattr(groups, "dp", 1)) > 1:
-            try:
-                from .grad_reduce import GradReducer
-            except ImportError as exc:  # pragma: no cover - written concurrently
-                raise NotImplementedError(
-                    "data parallelism (groups.dp > 1) needs zbpp.runtime.grad_reduce.GradReducer, which is not available"
-                ) from exc
+            from .grad_reduce import GradReducer
+
             self._reducer = GradReducer(self.stage_modules, groups)
 
     # -- public -------------------------------------------------------------------------------
