@@ -105,7 +105,7 @@ def run_pipeline_order(module, xs, *, fp8=False, w_order=None, cot_seed=11):
             outs.append(module(x))
     gen = torch.Generator().manual_seed(cot_seed)
     for y in outs:
-        y.backward(torch.randn(y.shape, generator=gen).to(y.dtype))
+        y.backward(torch.randn(y.shape, generator=gen).to(device=y.device, dtype=y.dtype))
     if module.delay_wgrad_compute:
         assert module.pending_wgrad_keys() == list(range(len(xs)))
         for j in w_order or range(len(xs)):
