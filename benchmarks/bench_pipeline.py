@@ -48,9 +48,9 @@ TORCH_MULTI = {"ScheduleInterleaved1F1B": "loop", "ScheduleLoopedBFS": "loop", "
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="zbpp vs torch.distributed.pipelining step time")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps, gloo on CPU: a smoke run")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--blocks-per-stage", type=int, default=2, help="blocks per stage of a one-stage-per-rank schedule "
                     "(two-stage-per-rank schedules get half as many per stage, so the model is the same)")
     ap.add_argument("--microbatches", type=int, default=8)

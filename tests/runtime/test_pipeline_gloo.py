@@ -26,15 +26,7 @@ from .cases import (
 P = 4
 
 
-def _zbpp_modules_importable() -> bool:
-    try:
-        from zbpp.modules import Linear  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-KINDS = ["plain", "zbpp", "mixed"] if _zbpp_modules_importable() else ["plain"]
+KINDS = ["plain", "zbpp", "mixed"]
 
 
 @pytest.mark.parametrize("name", available())

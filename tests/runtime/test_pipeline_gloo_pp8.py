@@ -1,0 +1,28 @@
+"""Every schedule on 8 gloo CPU ranks (pp=8), against one process running the whole model.
+
+The 4-rank suite (`test_pipeline_gloo.py`) covers every model kind and split; this one checks
+that nothing in the plan or the message order depends on having few ranks: m = p and m = 2p+1
+(uneven rows), zbpp and plain layers. Tolerances as in `tests.runtime.cases` (fp32: rtol 1e-5,
+atol 1e-6, checked per tensor inside `run_case`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zbpp.schedules import available
+
+from .cases import check_schedule
+
+P = 8
+
+
+@pytest.mark.slow
+def test_every_schedule_at_pp8_matches_single_process(zbpp_workers) -> None:
+    cases = [(P, 2 * P), (2 * P + 1, 5 * P + 2)]
+    worst = zbpp_workers(P).run(_all_schedules, cases)
+    assert max(worst) < 1e-3
+
+
+def _all_schedules(cases: list[tuple[int, int]]) -> float:
+    return max(check_schedule(name, P, ["zbpp", "plain"], cases) for name in available())
