@@ -41,14 +41,6 @@ class ModelConfig:
     blocks_per_stage: int = 1
 
 
-def _modules_available() -> bool:
-    try:
-        from zbpp.modules import LayerNormLinear, LayerNormMLP, Linear  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _block(cfg: ModelConfig, delayed: bool, use_zbpp: bool) -> Any:
     import torch
     import torch.nn.functional as F
@@ -87,14 +79,14 @@ def make_stage(stage: int, num_stages: int, cfg: ModelConfig, *, delayed: bool =
     `cfg.blocks_per_stage` blocks, then (last stage) a norm and the vocabulary head.
 
     `layers`: "zbpp" (zbpp.modules, weight gradients delayed to W when `delayed`), "torch" (torch.nn;
-    W is empty) or "auto" (zbpp when importable). The values depend only on (seed, stage,
+    W is empty); "auto" is "zbpp". The values depend only on (seed, stage,
     num_stages, cfg), not on `delayed`."""
     import torch
     from torch import nn
 
     if layers not in ("auto", "zbpp", "torch"):
         raise ValueError(f"layers must be 'auto', 'zbpp' or 'torch', got {layers!r}")
-    use_zbpp = _modules_available() if layers == "auto" else layers == "zbpp"
+    use_zbpp = layers in ("auto", "zbpp")
 
     torch.manual_seed(seed * 1009 + stage)
 
@@ -199,17 +191,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
     name = args.schedule
     if name not in available():
-        if name == "zb-v" and "zb-h1" in available():
-            print("zbpp demo: schedule 'zb-v' is not registered in this build; using 'zb-h1' instead")
-            name = "zb-h1"
-        else:
-            raise ValueError(f"unknown schedule {name!r}; available: {', '.join(available())}")
+        raise ValueError(f"unknown schedule {name!r}; available: {', '.join(available())}")
     p, m, steps = args.ranks, args.microbatches, args.steps
     if p < 1 or m < 1 or steps < 1:
         raise ValueError(f"--ranks, --microbatches and --steps must be >= 1 (got {p}, {m}, {steps})")
     sched = build(name, num_ranks=p, num_microbatches=m)
     planned = simulate(sched).bubble_rate
-    layers = "zbpp delayed-wgrad layers" if _modules_available() else "plain torch layers (zbpp.modules not importable)"
+    layers = "zbpp delayed-wgrad layers"
     print(f"zbpp demo: {name} on {p} CPU ranks (gloo), {sched.num_stages} stages, {m} microbatches "
           f"of {ROWS_PER_MICROBATCH} sequences, {steps} Adam steps; a small causal transformer of {layers}")
     t0 = time.perf_counter()
