@@ -23,7 +23,7 @@ import torch.distributed as dist
 from zbpp import Pipeline
 from zbpp.schedules import Schedule, build, options_of
 
-from .models import loss_fn, make_batch, make_stage, reference_step
+from .models import H, loss_fn, make_batch, make_stage, reference_step
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -364,24 +364,34 @@ def mismatch_after_first_step() -> dict[str, Any]:
     raise AssertionError(f"rank {rank}: the step did not fail")
 
 
-def check_cuda_memory(name: str, p: int, steps: int = 5) -> list[int]:
-    """On CUDA: once a shape was seen, every further step ends with the same allocated memory (no
-    activation, buffer or wgrad closure outlives its step)."""
+def check_cuda_memory(name: str, p: int, steps: int = 6) -> list[int]:
+    """On CUDA: once a shape was seen, the memory allocated after each step does not grow (no
+    activation, buffer or wgrad closure outlives its step).
+
+    The allocator's count moves by a few KiB from step to step (small buffers of in-flight
+    communication are freed when their work completes, which may be just after `step` returns), so
+    the check is against the size of one microbatch's activation instead of exact equality: rows are
+    chosen so that one activation (rows/m x H float32) is 64 KiB, and the spread of the counts after
+    step 1 must stay under half of that. One leaked activation per step would add 64 KiB each step.
+    """
     rank = dist.get_rank()
     device = device_for_rank()
-    sched = make_schedule(name, p, 2 * p)
+    m = 2 * p
+    rows = m * (64 * 1024 // (H * 4))  # one microbatch's activation: 64 KiB
+    sched = make_schedule(name, p, m)
     mine = {s: make_stage(s, sched.num_stages, "zbpp", device) for s in sched.stages_on(rank)}
     pipe = Pipeline(mine, sched, loss_fn)
     after = []
     for step in range(steps):
-        inputs, target = make_batch(step, 8 * p, device)
+        inputs, target = make_batch(step, rows, device)
         pipe.step(inputs, target=target)
         for q in pipe.parameters():
             q.grad = None
         del inputs, target
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
-    assert after[1:] == [after[1]] * (steps - 1), f"{name}: allocated bytes after each step {after}"
+    spread = max(after[1:]) - min(after[1:])
+    assert spread < 32 * 1024, f"{name}: allocated bytes after each step {after} (spread {spread} bytes)"
     return after
 
 
