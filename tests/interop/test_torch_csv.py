@@ -223,17 +223,27 @@ def test_zbpp_csv_trains_under_torch_runtime_on_gloo(tmp_path):
         csvs.append(str(csv_path))
     worker = Path(__file__).with_name("torch_runtime_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(r), "2", str(tmp_path / "store"), str(tmp_path), str(m), *csvs],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=170)[0] for p in procs]
+    # output to files, not pipes: a rank blocked on a full, unread pipe would stall its peer too
+    log_paths = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = []
+    for r in range(2):
+        with open(log_paths[r], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(worker), str(r), "2", str(tmp_path / "store"), str(tmp_path), str(m), *csvs],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ))
+    try:
+        for p in procs:
+            p.wait(timeout=170)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [path.read_text() for path in log_paths]
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {r} failed:\n{log}"
     ref_grads, ref_loss = _single_process_reference()

@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -29,21 +31,30 @@ def test_two_agents_on_loopback_train_and_match_one_process():
             "--max-restarts=0"]
     script = [str(ROOT / "examples" / "train.py"), "--schedule", "zb-h1", "--microbatches", "6", "--steps", "2",
               "--backend", "gloo", "--timeout", "60", "--check"]
+    # Each agent writes to its own file, not a pipe: an unread pipe fills up (the workers' warnings),
+    # blocks that agent's workers, and leaves the other agent waiting in torchrun's exit barrier.
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
     agents = [
         subprocess.Popen(base + [f"--rdzv-conf=is_host={int(i == 0)}"] + script, cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=logs[i], stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
-    outputs = []
+    deadline = time.monotonic() + 240
     try:
         for a in agents:
-            out, _ = a.communicate(timeout=180)
-            outputs.append(out)
+            a.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # reported below, with both agents' output
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
-    report = "\n".join(f"--- agent {i} (exit {a.returncode}):\n{o[-4000:]}" for i, (a, o) in enumerate(zip(agents, outputs)))
+                a.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
     assert all(a.returncode == 0 for a in agents), report
     text = "".join(outputs)
     assert "pp=4 dp=1 backend=gloo" in text, report
