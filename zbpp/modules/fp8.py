@@ -16,6 +16,14 @@ keeping the old scale when that amax is zero or not finite. One cast is one step
 a module's forward steps its input and weight slots, its backward its gradient slot. A fresh slot
 has scale 1 and an all-zero history.
 
+Casts run through one of three paths, chosen by the environment variable ``ZBPP_FP8_CAST``
+(``triton``, ``compile`` or ``eager``; default ``triton``) and tried in that order from the chosen
+one: ``triton`` is one fused Triton kernel (``_fp8_cast_triton``: cast, transpose and amax in one
+pass over the tensor, then the scale update in one more kernel; CUDA sm_90+ with Triton),
+``compile`` is the eager ops through ``torch.compile`` (CUDA), ``eager`` the torch ops below (every
+device; the reference the others equal bit for bit). A path that fails is switched off with one
+warning and the next one takes over; ``cast_path_counts()`` says which path ran how often.
+
 GEMMs: ``fp8_gemm_nt`` runs ``torch._scaled_mm`` when every dimension is a multiple of 16 (its
 requirement on Hopper) and otherwise, or where ``_scaled_mm`` is refused, multiplies the
 dequantised operands in float32. ``gemm_path_counts()`` says which path ran how often.
@@ -52,6 +60,8 @@ __all__ = [
     "fp8_gemm_nt",
     "gemm_path_counts",
     "reset_gemm_path_counts",
+    "cast_path_counts",
+    "reset_cast_path_counts",
 ]
 
 
@@ -153,17 +163,26 @@ class ScalingMeta:
         self.scale = torch.ones((), dtype=torch.float32, device=device)
 
     def update(self, amax: torch.Tensor, recipe: DelayedScaling) -> None:
-        """Push `amax` into the history and recompute the scale (tensor ops only: no host sync)."""
+        """Push `amax` into the history and recompute the scale (no host sync).
+
+        ``scale = reciprocal(ref) * (fp8_max * 2**-margin)`` in float32, the same on every device
+        and path; on CUDA one Triton kernel does it all where the Triton cast path is on.
+        """
         length = recipe.amax_history_len
         if self.amax_history.numel() != length:  # the recipe changed: keep the newest entries
             old = self.amax_history[:length]
             self.amax_history = torch.zeros(length, dtype=torch.float32, device=old.device)
             self.amax_history[: old.numel()] = old
+        factor = self.fp8_max * 2.0 ** -recipe.margin
+        most_recent = recipe.amax_compute_algo == "most_recent"
+        if _update_with_triton(self, amax, factor, most_recent):
+            return
+        _count_cast("update_eager")
         history = torch.roll(self.amax_history, 1)
         history[0] = amax
         self.amax_history.copy_(history)
-        ref = history.max() if recipe.amax_compute_algo == "max" else history[0]
-        new = (self.fp8_max / ref) / (2.0**recipe.margin)
+        ref = history[0] if most_recent else history.max()
+        new = ref.reciprocal() * factor
         usable = (ref > 0) & torch.isfinite(ref) & torch.isfinite(new)
         self.scale.copy_(torch.where(usable, new, self.scale))
 
@@ -207,25 +226,164 @@ def _cast_eager(
     return data, data_t, torch.maximum(hi, -lo).to(torch.float32)
 
 
-# On CUDA the cast above is five memory-bound passes; one fused kernel from torch.compile keeps
-# FP8 worth it. Set ZBPP_FP8_COMPILE=0 to stay eager (the fallback also kicks in on any failure).
+# -- which implementation casts --------------------------------------------------------------
+
+CAST_PATHS = ("triton", "compile", "eager")
+CAST_ENV = "ZBPP_FP8_CAST"
+# Paths that failed once ("triton", "compile", or "update" for the Triton scale update), with
+# the failure: they are not tried again in this process (one warning each).
+_failed: dict[str, str] = {}
+_told_unavailable: set[str] = set()
 _compiled_cast: Callable | None = None
-_compile_state = {"enabled": os.environ.get("ZBPP_FP8_COMPILE", "1") != "0"}
+
+
+def _on_cuda(x: torch.Tensor) -> bool:
+    # The fast paths are CUDA-only; one predicate so the dispatch can be tested without a GPU.
+    return x.is_cuda
+
+
+def _requested_paths() -> tuple[str, ...]:
+    """The cast paths to try, best first: the one ``ZBPP_FP8_CAST`` names and those after it."""
+    choice = os.environ.get(CAST_ENV, "").strip().lower() or CAST_PATHS[0]
+    if choice not in CAST_PATHS:
+        raise ValueError(
+            f"zbpp FP8: {CAST_ENV}={choice!r}; use one of {', '.join(CAST_PATHS)} "
+            "(or leave it unset for the fastest available)"
+        )
+    return CAST_PATHS[CAST_PATHS.index(choice) :]
+
+
+def _fail(path: str, err: Exception) -> None:
+    _failed[path] = f"{type(err).__name__}: {err}"
+    what = "Triton scale update" if path == "update" else f"{path} cast"
+    warnings.warn(
+        f"zbpp FP8: the {what} failed ({_failed[path]}); using the next path from now on "
+        "(cast_path_counts() says which ran)"
+    )
+
+
+def _triton_kernels(device: torch.device):
+    """The Triton kernel module when its kernels can run on `device`, else None."""
+    from . import _fp8_cast_triton as kernels  # imports without Triton too
+
+    problem = kernels.unsupported(device)
+    if problem is None:
+        return kernels
+    # Not a failure (the next path takes over): tell only whoever asked for triton by name.
+    explicit = os.environ.get(CAST_ENV, "").strip().lower() == "triton"
+    if explicit and problem not in _told_unavailable:
+        _told_unavailable.add(problem)
+        warnings.warn(f"zbpp FP8: {CAST_ENV}=triton, but {problem}; using the next path")
+    return None
+
+
+def _cast_triton(
+    x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
+):
+    """The fused kernel's result, or None when this input or device does not suit it."""
+    kernels = _triton_kernels(x.device)
+    if kernels is None or not (
+        x.dtype in kernels.INPUT_DTYPES
+        and dtype in kernels.FP8_DTYPES
+        and x.numel() > 0
+        and (x.dim() == 2 or not transpose)
+        and scale.dtype == torch.float32
+        and scale.numel() == 1
+        and scale.device == x.device
+    ):
+        return None
+    return kernels.cast_transpose_amax(x, scale, fp8_max, dtype, transpose)
+
+
+def _cast_compiled(
+    x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
+):
+    global _compiled_cast
+    if _compiled_cast is None:
+        _compiled_cast = torch.compile(_cast_eager, dynamic=True)
+    return _compiled_cast(x, scale, fp8_max, dtype, transpose)
+
+
+_FAST_CASTS = {"triton": _cast_triton, "compile": _cast_compiled}
 
 
 def _cast(
     x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
 ):
-    global _compiled_cast
-    if x.is_cuda and _compile_state["enabled"]:
-        try:
-            if _compiled_cast is None:
-                _compiled_cast = torch.compile(_cast_eager, dynamic=True)
-            return _compiled_cast(x, scale, fp8_max, dtype, transpose)
-        except Exception as err:  # no triton, no compiler, ...: eager is correct, only slower
-            _compile_state["enabled"] = False
-            warnings.warn(f"zbpp FP8: torch.compile of the cast failed ({err}); using eager ops")
+    """`_cast_eager`'s result through the best path that works (see the module docstring)."""
+    if _on_cuda(x):
+        for path in _requested_paths():
+            if path == "eager":
+                break
+            if path in _failed:
+                continue
+            try:
+                out = _FAST_CASTS[path](x, scale, fp8_max, dtype, transpose)
+            except Exception as err:  # noqa: BLE001 - any failure: the next path is correct too
+                _fail(path, err)
+                continue
+            if out is not None:
+                _count_cast(path)
+                return out
+    _count_cast("eager")
     return _cast_eager(x, scale, fp8_max, dtype, transpose)
+
+
+def _update_with_triton(meta: ScalingMeta, amax: torch.Tensor, factor: float, most_recent: bool):
+    """Run `meta`'s update in the Triton kernel when it suits; False leaves it to the caller."""
+    history, scale = meta.amax_history, meta.scale
+    if not _on_cuda(history) or "update" in _failed or "triton" not in _requested_paths():
+        return False
+    kernels = _triton_kernels(history.device)
+    if kernels is None or not (
+        amax.device == history.device
+        and amax.dtype == torch.float32
+        and amax.numel() == 1
+        and scale.device == history.device
+        and history.is_contiguous()
+        and history.numel() <= kernels.MAX_HISTORY
+    ):
+        return False
+    try:
+        kernels.update_scale(history, scale, amax, factor=factor, most_recent=most_recent)
+    except Exception as err:  # noqa: BLE001 - the eager update is correct too
+        _fail("update", err)
+        return False
+    _count_cast("update_triton")
+    return True
+
+
+_counts_lock = threading.Lock()  # guards the GEMM and the cast path counters
+_cast_counts: Counter[str] = Counter()
+_CAST_COUNT_KEYS = (*CAST_PATHS, "update_triton", "update_eager")
+
+
+def _count_cast(key: str) -> None:
+    with _counts_lock:
+        _cast_counts[key] += 1
+
+
+def cast_path_counts() -> dict[str, int]:
+    """How many FP8 casts ran through each path, and how many scale updates ran where.
+
+    Keys: ``"triton"``, ``"compile"``, ``"eager"`` (casts) and ``"update_triton"``,
+    ``"update_eager"`` (``ScalingMeta.update``).
+
+    >>> import torch
+    >>> reset_cast_path_counts()
+    >>> _ = quantize(torch.ones(2, 2), ScalingMeta(torch.float8_e4m3fn, history_len=1),
+    ...              DelayedScaling(amax_history_len=1))
+    >>> cast_path_counts()
+    {'triton': 0, 'compile': 0, 'eager': 1, 'update_triton': 0, 'update_eager': 1}
+    """
+    with _counts_lock:
+        return {key: _cast_counts[key] for key in _CAST_COUNT_KEYS}
+
+
+def reset_cast_path_counts() -> None:
+    """Set every `cast_path_counts` entry to zero."""
+    with _counts_lock:
+        _cast_counts.clear()
 
 
 def quantize(
@@ -247,7 +405,6 @@ def quantize(
 
 
 _counts: Counter[str] = Counter()
-_counts_lock = threading.Lock()
 _refused: set[str] = set()  # device types whose _scaled_mm raised: go straight to the fallback
 
 
