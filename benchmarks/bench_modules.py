@@ -15,7 +15,12 @@ Each step is timed with CUDA events (``time.perf_counter`` on CPU); the cases ar
 over ``--rounds`` rounds and the median is reported, with TFLOP/s (6 T h^2 per layer) and two
 ratios: FP8 speedup (bf16 eager / fp8 eager; target >= 1.6 at hidden 8192) and delay overhead
 (delayed B+W / eager - 1; target within 3%). The FP8 GEMM path counts say whether
-``torch._scaled_mm`` ran.
+``torch._scaled_mm`` ran; the ``cast`` column says which FP8 cast path ran in each case (``triton``,
+``compile`` or ``eager``: ``ZBPP_FP8_CAST`` chooses, see ``zbpp.modules.fp8``).
+
+A second table times one FP8 cast of a ``--tokens`` x ``--hidden`` bf16 tensor with its transpose
+(``quantize(..., transpose=True)``: cast, transpose, amax and scale update) through each cast path,
+with the bandwidth it reaches (2 bytes read, 2 written per element) and the path that really ran.
 
 On the GPU machine (one H200)::
 
@@ -31,10 +36,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +52,7 @@ import torch  # noqa: E402
 
 from zbpp.modules import DelayedScaling, Linear, fp8_autocast  # noqa: E402
 from zbpp.modules import fp8 as fp8mod  # noqa: E402
+from zbpp.modules.fp8 import ScalingMeta, quantize  # noqa: E402
 
 CASES = ("bf16 eager", "fp8 eager", "bf16 delayed B+W", "fp8 delayed B+W")
 
@@ -127,6 +135,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     timer = Timer(args.device)
     times: dict[str, list[float]] = {case: [] for case in CASES}
+    cast_paths: dict[str, Counter[str]] = {case: Counter() for case in CASES}
     fp8mod.reset_gemm_path_counts()
 
     def clear() -> None:
@@ -137,11 +146,15 @@ def run(args: argparse.Namespace) -> dict:
 
     for _ in range(args.rounds):
         for case, step in steps.items():
+            before = fp8mod.cast_path_counts()
             for i in range(args.warmup + args.iters):
                 clear()
                 ms = timer(step)
                 if i >= args.warmup:
                     times[case].append(ms)
+            after = fp8mod.cast_path_counts()
+            for path in fp8mod.CAST_PATHS:
+                cast_paths[case][path] += after[path] - before[path]
     flop = 6 * args.tokens * args.hidden**2 * args.layers
     results = []
     for case in CASES:
@@ -154,6 +167,7 @@ def run(args: argparse.Namespace) -> dict:
                 "max_ms": max(times[case]),
                 "tflops": flop / med / 1e9,
                 "samples": len(times[case]),
+                "cast": "+".join(p for p in fp8mod.CAST_PATHS if cast_paths[case][p]) or "-",
             }
         )
     by = {r["case"]: r["median_ms"] for r in results}
@@ -166,9 +180,8 @@ def run(args: argparse.Namespace) -> dict:
             "delay_overhead_fp8": by["fp8 delayed B+W"] / by["fp8 eager"] - 1,
         },
         "fp8_gemm_paths": fp8mod.gemm_path_counts(),
-        "fp8_cast_compiled": bool(
-            args.device.startswith("cuda") and fp8mod._compile_state["enabled"]
-        ),
+        "fp8_cast_paths": fp8mod.cast_path_counts(),
+        "casts": time_casts(args, timer),
         "env": {
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -178,17 +191,50 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def time_casts(args: argparse.Namespace, timer: Timer) -> list[dict]:
+    """One FP8 cast (+ transpose, amax, scale update) of a tokens x hidden bf16 tensor per path."""
+    x = torch.randn(args.tokens, args.hidden, device=args.device, dtype=torch.bfloat16)
+    recipe = DelayedScaling(amax_history_len=16)
+    moved = x.numel() * (x.element_size() + 2)  # read x; write data and data_t (1 byte each)
+    saved = os.environ.get(fp8mod.CAST_ENV)
+    rows = []
+    try:
+        for path in fp8mod.CAST_PATHS:
+            os.environ[fp8mod.CAST_ENV] = path
+            meta = ScalingMeta(recipe.fwd_dtype, history_len=16, device=args.device)
+            before = fp8mod.cast_path_counts()
+            samples = []
+            for i in range(args.warmup + 3 * args.iters):
+                ms = timer(lambda: quantize(x, meta, recipe, transpose=True))
+                if i >= args.warmup:
+                    samples.append(ms)
+            after = fp8mod.cast_path_counts()
+            ran = [p for p in (*fp8mod.CAST_PATHS, "update_triton", "update_eager")
+                   if after[p] > before[p]]
+            med = statistics.median(samples)
+            rows.append({"path": path, "ran": "+".join(ran), "median_us": 1e3 * med,
+                         "gbps": moved / (med * 1e-3) / 1e9})
+    finally:
+        if saved is None:
+            os.environ.pop(fp8mod.CAST_ENV, None)
+        else:
+            os.environ[fp8mod.CAST_ENV] = saved
+    return rows
+
+
 def print_table(report: dict) -> None:
     cfg = report["config"]
     print(
         f"Linear stack: {cfg['layers']} x Linear({cfg['hidden']}, {cfg['hidden']}), "
         f"{cfg['tokens']} tokens, bf16 params, on {report['env']['device']}"
     )
-    print(f"{'case':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'TFLOP/s':>9}")
+    print(
+        f"{'case':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'TFLOP/s':>9}  cast"
+    )
     for r in report["results"]:
         print(
             f"{r['case']:<18} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} {r['max_ms']:>9.3f} "
-            f"{r['tflops']:>9.1f}"
+            f"{r['tflops']:>9.1f}  {r['cast']}"
         )
     q = report["ratios"]
     print(f"FP8 speedup (bf16 eager / fp8 eager): {q['fp8_speedup']:.2f}x  (target >= 1.6x)")
@@ -196,10 +242,14 @@ def print_table(report: dict) -> None:
         f"delay overhead (delayed B+W / eager - 1): bf16 {100 * q['delay_overhead_bf16']:+.1f}%, "
         f"fp8 {100 * q['delay_overhead_fp8']:+.1f}%  (target within 3%)"
     )
+    print(f"FP8 GEMM paths: {report['fp8_gemm_paths']}")
+    print(f"FP8 cast paths: {report['fp8_cast_paths']}")
     print(
-        f"FP8 GEMM paths: {report['fp8_gemm_paths']}; "
-        f"cast compiled: {report['fp8_cast_compiled']}"
+        f"one FP8 cast of {cfg['tokens']} x {cfg['hidden']} bf16 (+ transpose, amax, update):"
     )
+    print(f"  {'ZBPP_FP8_CAST':<14} {'median us':>10} {'GB/s':>8}  ran")
+    for c in report["casts"]:
+        print(f"  {c['path']:<14} {c['median_us']:>10.1f} {c['gbps']:>8.1f}  {c['ran']}")
 
 
 def main(argv: list[str] | None = None) -> None:
