@@ -58,8 +58,8 @@ def test_modules_import_without_triton():
     """With Triton unimportable, zbpp.modules and the kernel module import and casts run eager."""
     code = """
 import sys
-sys.modules["triton"] = None  # any `import triton` now raises ImportError
 import torch
+sys.modules["triton"] = None  # from here on any `import triton` raises ImportError
 from zbpp.modules import fp8, _fp8_cast_triton as k
 assert k.triton is None
 assert k.unsupported(torch.device("cuda", 0)) == "Triton is not installed"
