@@ -437,3 +437,31 @@ def fail_in_last_task_then_recover() -> list[str]:
         _close(f"rank {rank} {pn} after recovery", a.grad, b.grad, tolerance(torch.device("cpu")))
     events.append("recovered")
     return events
+
+
+def check_no_cyclic_garbage(name: str, p: int) -> list[int]:
+    """After a step, no tensor of the step waits for Python's cycle collector: everything the step
+    held is freed by reference counting when the step lets go (a reference cycle would keep
+    activations alive until the next collection; on the GPU that showed as memory that came and
+    went between steps)."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, 2 * p)
+    mine = {s: make_stage(s, sched.num_stages, "mixed") for s in sched.stages_on(rank)}
+    pipe = Pipeline(mine, sched, loss_fn)
+    found = []
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(2):
+            inputs, target = make_batch(step, 4 * p)
+            pipe.step(inputs, target=target)
+            del inputs, target
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            found.append(sum(isinstance(o, torch.Tensor) for o in gc.garbage))
+            gc.garbage.clear()
+            gc.set_debug(0)
+    finally:
+        gc.enable()
+    assert found == [0, 0], f"{name}: tensors found only by the cycle collector after each step: {found}"
+    return found

@@ -17,6 +17,7 @@ from .cases import (
     check_fifo,
     check_groups,
     check_many_steps,
+    check_no_cyclic_garbage,
     check_profile,
     check_release,
     check_schedule,
@@ -77,3 +78,8 @@ def test_parallel_groups_layout(zbpp_workers):
 @pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
 def test_data_parallel_two_by_two(zbpp_workers, name):
     zbpp_workers(P).run(check_data_parallel, name, 2)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v", "dualpipe-v"])
+def test_step_leaves_no_cyclic_garbage(zbpp_workers, name):
+    zbpp_workers(P).run(check_no_cyclic_garbage, name, P)

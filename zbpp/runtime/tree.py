@@ -74,44 +74,47 @@ def _node_str(node: Node, metas: tuple[TensorMeta, ...]) -> str:
     return f"({inner},)" if tag == "tuple" and len(body) == 1 else (f"({inner})" if tag == "tuple" else f"[{inner}]")
 
 
+def _walk(o: Any, leaves: list[torch.Tensor]) -> Node:
+    if isinstance(o, torch.Tensor):
+        leaves.append(o)
+        return ("T", len(leaves) - 1)
+    if type(o) in (tuple, list):
+        return (type(o).__name__, tuple(_walk(c, leaves) for c in o))
+    if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple: keep its type
+        return ("namedtuple", (type(o), tuple(_walk(c, leaves) for c in o)))
+    if isinstance(o, dict):
+        return ("dict", tuple((k, _walk(v, leaves)) for k, v in o.items()))
+    return ("V", o)
+
+
 def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
     """The tensor leaves of `obj` (depth first) and its `Spec`."""
+    # Module-level recursion on purpose: a recursive closure refers to itself through its cell, a
+    # reference cycle that would keep `leaves` (activations, gradients) alive until the next
+    # garbage collection instead of freeing them when the step lets go.
     leaves: list[torch.Tensor] = []
-
-    def walk(o: Any) -> Node:
-        if isinstance(o, torch.Tensor):
-            leaves.append(o)
-            return ("T", len(leaves) - 1)
-        if type(o) in (tuple, list):
-            return (type(o).__name__, tuple(walk(c) for c in o))
-        if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple: keep its type
-            return ("namedtuple", (type(o), tuple(walk(c) for c in o)))
-        if isinstance(o, dict):
-            return ("dict", tuple((k, walk(v)) for k, v in o.items()))
-        return ("V", o)
-
-    node = walk(obj)
+    node = _walk(obj, leaves)
     return leaves, Spec(node, tuple(TensorMeta.of(t) for t in leaves))
+
+
+def _build(node: Node, leaves: list[torch.Tensor]) -> Any:
+    tag, body = node
+    if tag == "T":
+        return leaves[body]
+    if tag == "V":
+        return body
+    if tag == "dict":
+        return {k: _build(c, leaves) for k, c in body}
+    if tag == "namedtuple":
+        cls, kids = body
+        return cls(*(_build(c, leaves) for c in kids))
+    children = [_build(c, leaves) for c in body]
+    return tuple(children) if tag == "tuple" else children
 
 
 def rebuild(spec: Spec, leaves: list[torch.Tensor]) -> Any:
     """Inverse of `flatten`: the tree of `spec` with `leaves` in place of its tensors."""
-
-    def build(node: Node) -> Any:
-        tag, body = node
-        if tag == "T":
-            return leaves[body]
-        if tag == "V":
-            return body
-        if tag == "dict":
-            return {k: build(c) for k, c in body}
-        if tag == "namedtuple":
-            cls, kids = body
-            return cls(*(build(c) for c in kids))
-        children = [build(c) for c in body]
-        return tuple(children) if tag == "tuple" else children
-
-    return build(spec.node)
+    return _build(spec.node, leaves)
 
 
 def split(obj: Any, parts: int, *, what: str = "input") -> list[Any]:

@@ -34,18 +34,16 @@ def delayed_modules(stage: nn.Module) -> list[nn.Module]:
     """
     found: list[nn.Module] = []
     seen: set[int] = set()
-
-    def walk(m: nn.Module) -> None:
+    todo = [stage]  # depth first, children in order (an explicit stack: no self-referencing closure)
+    while todo:
+        m = todo.pop()
         if id(m) in seen:
-            return
+            continue
         seen.add(id(m))
         if is_delayed(m):
             found.append(m)
-            return
-        for child in m.children():
-            walk(child)
-
-    walk(stage)
+            continue
+        todo.extend(reversed(list(m.children())))
     return found
 
 
