@@ -192,6 +192,17 @@ def _with_w(fb: _FB) -> tuple[list[Action], list[int], int]:
     return order, mem_after, peak
 
 
+
+def _advance(mem: int, waiting: int, task: Action | None) -> tuple[int, int]:
+    """(memory, W's waiting) after one slot: an empty slot runs a waiting W (freeing its memory),
+    a B leaves a W waiting, an F allocates."""
+    if task is None:
+        return (mem - 1, waiting - 1) if waiting else (mem, waiting)
+    if task.kind is Kind.B:
+        return mem, waiting + 1
+    return mem + 1, waiting
+
+
 def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
     """Move every F and B to the earliest free slot its inputs allow, keeping peak memory <= cap.
 
@@ -210,15 +221,7 @@ def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
         mem = waiting = 0
         st = []
         for t in range(max(fb, default=-1) + 1):
-            a = fb.get(t)
-            if a is None:
-                if waiting:
-                    waiting -= 1
-                    mem -= 1
-            elif a.kind is Kind.B:
-                waiting += 1
-            else:
-                mem += 1
+            mem, waiting = _advance(mem, waiting, fb.get(t))
             st.append((mem, waiting))
         states.append(st)
 
@@ -230,15 +233,7 @@ def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
         walked: list[tuple[int, int]] = []
         t = new
         while t < len(st):
-            x = fb.get(t)
-            if x is None:
-                if waiting:
-                    waiting -= 1
-                    mem -= 1
-            elif x.kind is Kind.B:
-                waiting += 1
-            else:
-                mem += 1
+            mem, waiting = _advance(mem, waiting, fb.get(t))
             if mem > cap:
                 break
             if t >= old and (mem, waiting) == st[t]:
