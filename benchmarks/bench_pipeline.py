@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from zbpp import Pipeline
 from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
-from zbpp.runtime import init_distributed, measured_bubble_rate
+from zbpp.runtime import init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import available, build, options_of
 
 ZBPP_DEFAULT = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"]
@@ -225,10 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as fh:
                 json.dump({"meta": meta, "rows": rows}, fh, indent=1)
             print(f"wrote {args.out}")
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    shutdown_and_exit(main())  # barrier, destroy_process_group, then leave (see its docstring)

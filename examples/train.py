@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
@@ -37,7 +36,7 @@ import torch.distributed as dist
 
 from zbpp import ParallelGroups, Pipeline
 from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
-from zbpp.runtime import init_distributed, measured_bubble_rate
+from zbpp.runtime import init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.runtime.clip import clip_grad_norm_
 from zbpp.schedules import available, build, options_of
 
@@ -134,10 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"check: max |param difference| vs one process = {float(diff):.2e} (tolerance {TOLERANCE:g}): "
                   f"{'OK' if ok else 'MISMATCH'}", flush=True)
         status = 0 if ok else 1
-    dist.barrier()  # no rank tears its connections down while a peer still uses them
-    dist.destroy_process_group()
     return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    shutdown_and_exit(main())  # barrier, destroy_process_group, then leave (see its docstring)

@@ -55,6 +55,7 @@ def test_two_agents_on_loopback_train_and_match_one_process():
         log.seek(0)
         outputs.append(log.read())
         log.close()
+    report = "\n".join(f"--- agent {i} (exit {a.returncode}):\n{o[-4000:]}" for i, (a, o) in enumerate(zip(agents, outputs)))
     assert all(a.returncode == 0 for a in agents), report
     text = "".join(outputs)
     assert "pp=4 dp=1 backend=gloo" in text, report

@@ -13,7 +13,7 @@ from __future__ import annotations
 from .clip import clip_grad_norm_
 from .executor import PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
-from .launch import init_distributed
+from .launch import init_distributed, shutdown_and_exit
 from .pipeline import Pipeline
 from .profiling import measured_bubble_rate
 
@@ -25,4 +25,5 @@ __all__ = [
     "clip_grad_norm_",
     "init_distributed",
     "measured_bubble_rate",
+    "shutdown_and_exit",
 ]

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "default_backend"]
+__all__ = ["init_distributed", "default_backend", "shutdown_and_exit"]
 
 
 def default_backend() -> str:
@@ -52,3 +52,25 @@ def init_distributed(backend: str | None = None, *, timeout: float = 600.0) -> s
     # order of operations keeps deadlock-free (an eager, shared communicator works too).
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return backend
+
+
+def shutdown_and_exit(exit_code: int = 0) -> None:
+    """End a torchrun worker: barrier, ``destroy_process_group``, flush, then ``os._exit(exit_code)``.
+
+    The barrier keeps a rank from closing connections a peer still uses. Leaving through
+    ``os._exit`` skips the interpreter's finalisation, where, with gloo on torch 2.14, about one
+    process in three aborted *after* a clean ``destroy_process_group`` ("terminate called without an
+    active exception": a C++ thread of the c10d store is still joinable at static destruction), so
+    torchrun reported a rank that had finished as failed. Call it last, from the script's main::
+
+        if __name__ == "__main__":
+            shutdown_and_exit(main())
+    """
+    import sys
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
