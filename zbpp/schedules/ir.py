@@ -67,22 +67,6 @@ class Action:
         return cls(Kind(kind), int(stage), int(mb))
 
 
-def F(stage: int, microbatch: int) -> Action:
-    return Action(Kind.F, stage, microbatch)
-
-
-def B(stage: int, microbatch: int) -> Action:
-    return Action(Kind.B, stage, microbatch)
-
-
-def W(stage: int, microbatch: int) -> Action:
-    return Action(Kind.W, stage, microbatch)
-
-
-def BW(stage: int, microbatch: int) -> Action:
-    return Action(Kind.BW, stage, microbatch)
-
-
 @dataclass(frozen=True)
 class Schedule:
     """Which rank runs which task, in which order.
@@ -142,11 +126,6 @@ class Schedule:
     @property
     def num_tasks(self) -> int:
         return sum(len(o) for o in self.orders)
-
-    @property
-    def splits_backward(self) -> bool:
-        """True when some backward is split into B and W (a zero-bubble style schedule)."""
-        return any(a.kind is Kind.W for _, a in self.actions())
 
     # -- text form ----------------------------------------------------------------------------
     def to_text(self) -> str:

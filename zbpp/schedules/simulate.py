@@ -64,11 +64,6 @@ class Costs:
             _per_stage(self.w, num_stages, "Costs.w"),
         )
 
-    def duration(self, action: Action, num_stages: int) -> float:
-        f, b, w = self.per_stage(num_stages)
-        s = action.stage
-        return {Kind.F: f[s], Kind.B: b[s], Kind.W: w[s], Kind.BW: b[s] + w[s]}[action.kind]
-
     @classmethod
     def from_profile(cls, records: Iterable[Mapping[str, Any]], num_stages: int, *, comm: float = 0.0) -> "Costs":
         """Mean measured F, B and W time of each stage, from task records of a profiled run.
