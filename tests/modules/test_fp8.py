@@ -36,6 +36,8 @@ def test_recipe_formats_and_validation():
         DelayedScaling(margin=-1)
     with pytest.raises(ValueError, match="fp8_format='E5M2'"):
         DelayedScaling(fp8_format="E5M2")
+    with pytest.raises(ValueError, match="fprop_fast_accumulation='yes'"):
+        DelayedScaling(fprop_fast_accumulation="yes")
 
 
 def test_autocast_nests_and_disables():
@@ -204,7 +206,7 @@ def _check(name, got, ref, bound, *, min_rel_err=None):
         assert (err.max() / ref.abs().max()).item() > min_rel_err, f"{name}: suspiciously exact"
 
 
-def linear_fp8_case(*, dtype, shape, device="cpu", accumulation=None):
+def linear_fp8_case(*, dtype, shape, device="cpu", accumulation=None, fprop_accumulation=None):
     """Delayed FP8 Linear vs float64: output, input grad, weight grad, bias grad within bounds."""
     t, n_in, n_out = shape
     torch.manual_seed(0)
@@ -233,8 +235,9 @@ def linear_fp8_case(*, dtype, shape, device="cpu", accumulation=None):
     ex, ew = fb.cast_error(x64, s["input"], E4M3), fb.cast_error(w64, s["weight"], E4M3)
     er = fb.cast_error(r64, s["grad_output"], E5M2)
     kw = dict(out_dtype=dtype, accumulation=accumulation)
+    fprop = dict(kw, accumulation=fprop_accumulation or accumulation)
     _check("output", y, x64 @ w64.t() + b64,
-           fb.gemm_error(x64, w64.t(), ex, ew.t(), bias=b64, **kw), min_rel_err=1e-3)
+           fb.gemm_error(x64, w64.t(), ex, ew.t(), bias=b64, **fprop), min_rel_err=1e-3)
     _check("input grad", xg.grad, r64 @ w64, fb.gemm_error(r64, w64, er, ew, **kw),
            min_rel_err=1e-3)
     _check("weight grad", layer.weight.grad, r64.t() @ x64,
@@ -254,6 +257,28 @@ def test_linear_fp8_numerics_within_derived_bound(dtype, shape, path):
     assert counts[path] == 3 and sum(counts.values()) == 3  # fprop, dgrad, wgrad
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_only_the_forward_gemm_uses_fast_accumulation(monkeypatch, fast):
+    """Transformer Engine's split: fprop fast (if the recipe says so), dgrad and wgrad float32."""
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["use_fast_accum"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    layer = Linear(32, 48, delay_wgrad_compute=True)
+    x = torch.randn(16, 32, requires_grad=True)
+    with fp8_autocast(fp8_recipe=DelayedScaling(fprop_fast_accumulation=fast)):
+        y = layer(x)
+    assert calls == [fast]
+    y.sum().backward()
+    assert calls == [fast, False]  # dgrad in B
+    layer.backward_dw()
+    assert calls == [fast, False, False]  # wgrad in W
+
+
 def _gelu64(h):
     return 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
 
@@ -266,7 +291,7 @@ def _gelu_lipschitz():
     return 1.01 * d1.abs().max().item(), 1.01 * d2.abs().max().item()
 
 
-def mlp_fp8_case(*, device="cpu", accumulation=None):
+def mlp_fp8_case(*, device="cpu", accumulation=None, fprop_accumulation=None):
     """Delayed FP8 LayerNormMLP (fp32, tanh-GELU) vs float64, errors propagated through the layers.
 
     Forward: E_h1 = bound (2) for fc1 with its input's own float32 LayerNorm error e_ln; GELU is
@@ -305,17 +330,18 @@ def mlp_fp8_case(*, device="cpu", accumulation=None):
     l1, l2 = _gelu_lipschitz()
     w1t, w2t = p["fc1_weight"].t(), p["fc2_weight"].t()
     kw = dict(out_dtype=torch.float32, accumulation=accumulation)
+    fprop = dict(kw, accumulation=fprop_accumulation or accumulation)
 
     e_a1 = fb.cast_error(ln, s["fc1_input"], E4M3, upstream=e_ln)
     e_w1 = fb.cast_error(w1t, s["fc1_weight"], E4M3)
     h1 = ln @ w1t + p["fc1_bias"]
-    e_h1 = fb.gemm_error(ln, w1t, e_a1, e_w1, bias=p["fc1_bias"], **kw)
+    e_h1 = fb.gemm_error(ln, w1t, e_a1, e_w1, bias=p["fc1_bias"], **fprop)
     a = _gelu64(h1)
     e_a = l1 * e_h1 + 2.0**-19 * (h1.abs() + e_h1)
     e_a2 = fb.cast_error(a, s["fc2_input"], E4M3, upstream=e_a)
     e_w2 = fb.cast_error(w2t, s["fc2_weight"], E4M3)
     y64 = a @ w2t + p["fc2_bias"]
-    _check("output", y, y64, fb.gemm_error(a, w2t, e_a2, e_w2, bias=p["fc2_bias"], **kw),
+    _check("output", y, y64, fb.gemm_error(a, w2t, e_a2, e_w2, bias=p["fc2_bias"], **fprop),
            min_rel_err=1e-4)
 
     e_r = fb.cast_error(r64, s["fc2_grad_output"], E5M2)
@@ -394,12 +420,21 @@ def _hopper_accumulation(k):
     return fb.gamma(128, 2.0**-14) + fb.gamma(k)
 
 
+def _hopper_fast_accumulation(k):
+    # use_fast_accum=True: no float32 promotion. Hopper's FP8 tensor cores keep "around 14 bits"
+    # of their partial sums (DeepSeek-V3 report, section 3.3.2: measured, not specified), and
+    # they truncate: 2^-13 per addition, over all k terms.
+    return fb.gamma(k, 2.0**-13)
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_linear_fp8_runs_scaled_mm_within_bound():
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-fprop", "float32-fprop"])
+def test_gpu_linear_fp8_runs_scaled_mm_within_bound(fast):
     counts = linear_fp8_case(
         dtype=torch.bfloat16, shape=(256, 512, 384), device="cuda",
         accumulation=_hopper_accumulation(512),
+        fprop_accumulation=_hopper_fast_accumulation(512) if fast else None,
     )
     assert counts == {"scaled_mm": 3, "dequantized": 0}
 
@@ -408,7 +443,8 @@ def test_gpu_linear_fp8_runs_scaled_mm_within_bound():
 @needs_cuda
 def test_gpu_layernorm_mlp_fp8_within_bound():
     fp8mod.reset_gemm_path_counts()
-    mlp_fp8_case(device="cuda", accumulation=_hopper_accumulation(64))
+    mlp_fp8_case(device="cuda", accumulation=_hopper_accumulation(64),
+                 fprop_accumulation=_hopper_fast_accumulation(64))
     assert gemm_path_counts()["dequantized"] == 0
 
 

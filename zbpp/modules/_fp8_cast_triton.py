@@ -3,7 +3,7 @@
 `zbpp.modules.fp8` imports this module when it casts a CUDA tensor. It imports without Triton
 too (CPU-only installs); `unsupported(device)` then says why the kernels cannot run.
 
-``cast_transpose_amax`` reads x [M, N] once, tile by tile (128 x 128), and writes
+``cast_transpose_amax`` reads x [M, N] once, tile by tile (128 x 64), and writes
 
 - ``data``   = ``fp8(clamp(float32(x) * scale, -fp8_max, fp8_max))``, [M, N] row-major,
 - ``data_t`` = the same bytes transposed, [N, M] row-major (the tile is transposed on chip, so
@@ -29,6 +29,11 @@ history (newest first), ``ref`` = max of the history or its newest entry, ``new 
 factor`` (``factor = fp8_max * 2**-margin``; ``rcp.rn.f32``: IEEE, where ``tl.math.div_rn`` goes
 through libdevice linked flush-to-zero and ``/`` is the approximate ``div.full``), and keep the old
 scale unless ``ref > 0`` and ``ref`` and ``new`` are finite (and, for "max", no entry is NaN).
+
+``cast_transpose_update`` is the whole delayed-scaling cast (``fp8.quantize``) in one launch: the
+cast above, then the tile that finishes last (an atomic count of finished tiles) runs the update
+on the slot and writes the reciprocal of the scale the cast used. Optionally the tiles also write
+their column sums of x (a bias gradient, summed from the unquantised values in the same pass).
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ except ImportError:  # CPU-only installs: no kernels, `unsupported` says so
     triton = None
     tl = None
 
-__all__ = ["unsupported", "cast_transpose_amax", "update_scale", "INPUT_DTYPES", "FP8_DTYPES"]
+__all__ = [
+    "unsupported",
+    "cast_transpose_amax",
+    "cast_transpose_update",
+    "update_scale",
+    "INPUT_DTYPES",
+    "FP8_DTYPES",
+]
 
 # 16-bit inputs only. With float32 inputs on an H200 (Triton 3.6) the transposed store came out
 # wrong for whole 128x128 tiles (ragged tiles and 16-bit inputs were bit-exact), so float32 takes
@@ -52,12 +64,15 @@ __all__ = ["unsupported", "cast_transpose_amax", "update_scale", "INPUT_DTYPES",
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# 128 x 128 tiles: rows of 256 B of bf16 in, 128 B of FP8 out both ways; 8 warps keep 64 elements
-# per thread. Few enough tiles (4096 for 8192^2) that the one atomic per tile costs nothing.
+# 128 x 64 tiles, 4 warps (64 elements per thread): the fastest of 16 shapes from 32 x 128 to
+# 256 x 128 with 2 to 16 warps on an H200 for an 8192 x 8192 bf16 cast-transpose (93 us, about
+# 2.9 TB/s; 128 x 128 with 8 warps took 116 us), and bit-exact in all of them. Few enough tiles
+# (8192 for 8192^2) that the one or two atomics per tile cost nothing.
 BLOCK_M = 128
-BLOCK_N = 128
-NUM_WARPS = 8
+BLOCK_N = 64
+NUM_WARPS = 4
 MAX_HISTORY = 1 << 16  # the update kernel holds the whole history in one program
+MAX_FUSED_HISTORY = 1 << 12  # ... and so does the cast's last tile, with the cast's few warps
 
 if triton is not None:
 
@@ -86,21 +101,65 @@ if triton is not None:
         ).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _push_and_rescale(
+        history_ptr,
+        scale_ptr,
+        scale_inv_ptr,
+        amax,  # [BLOCK] float32, the same value in every lane
+        L,
+        factor,
+        MOST_RECENT: tl.constexpr,
+        WRITE_SCALE_INV: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # ScalingMeta.update: push amax into the history (newest first) and rescale.
+        i = tl.arange(0, BLOCK)
+        valid = i < L
+        older = tl.load(history_ptr + i - 1, mask=valid & (i > 0), other=0.0)
+        history = tl.where(i == 0, amax, older)
+        tl.debug_barrier()  # every lane has read the old history before any lane overwrites it
+        tl.store(history_ptr + i, history, mask=valid)
+        if MOST_RECENT:
+            ref = amax
+            no_nan = ref == ref
+        else:
+            # + zeros: the scalar maximum as a block, so the inline PTX below runs on a block
+            ref = tl.max(tl.where(valid, history, float("-inf")), axis=0) + tl.zeros(
+                [BLOCK], dtype=tl.float32
+            )
+            no_nan = tl.max(tl.where(valid & (history != history), 1, 0), axis=0) == 0
+        new = _mul_rn(_rcp_rn(ref), factor)
+        usable = no_nan & (ref > 0) & (tl.abs(ref) < float("inf")) & (tl.abs(new) < float("inf"))
+        old = tl.load(scale_ptr + i * 0)
+        if WRITE_SCALE_INV:  # the reciprocal of the scale this cast used, as torch.reciprocal
+            tl.store(scale_inv_ptr + i * 0, _rcp_rn(old), mask=i == 0)
+        tl.store(scale_ptr + i * 0, tl.where(usable, new, old), mask=i == 0)
+
+    @triton.jit
     def _cast_transpose_amax_kernel(
         x_ptr,
         scale_ptr,
         data_ptr,  # uint8 view of the FP8 output [M, N]
         data_t_ptr,  # uint8 view of the FP8 output [N, M] (unused without TRANSPOSE)
-        amax_bits_ptr,  # int32 scalar, zero on entry
+        column_sums_ptr,  # float32 [row tiles, N] (unused without COLUMN_SUMS)
+        amax_bits_ptr,  # int32; UPDATE: int32[2] (amax bits, tiles done), zero between casts
+        history_ptr,  # the slot's amax history (UPDATE only)
+        scale_inv_ptr,  # float32 scalar out (UPDATE only)
         M,
         N,
         stride_m,
         stride_n,
         fp8_max,
+        history_len,
+        factor,
         E5M2: tl.constexpr,
         TRANSPOSE: tl.constexpr,
+        COLUMN_SUMS: tl.constexpr,
+        UPDATE: tl.constexpr,
+        MOST_RECENT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -124,8 +183,32 @@ if triton is not None:
         if TRANSPOSE:
             inside_t = (cols[:, None] < N) & (rows[None, :] < M)
             tl.store(data_t_ptr + c64[:, None] * M + r64[None, :], tl.trans(q), mask=inside_t)
+        if COLUMN_SUMS:  # this row tile's share of x.sum(0); masked lanes hold zeros
+            at = column_sums_ptr + (pid // tiles_n).to(tl.int64) * N + c64
+            tl.store(at, tl.sum(xf, axis=0), mask=cols < N)
         mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| as bits; masked lanes are +0
         tl.atomic_max(amax_bits_ptr, tl.max(tl.max(mag, axis=1), axis=0))
+        if UPDATE:
+            # The last tile to finish updates the slot. Every tile read the scale before its
+            # (acquire-release) count, so the last one may overwrite it; it also zeroes the
+            # workspace for the next cast.
+            done = tl.atomic_add(amax_bits_ptr + 1, 1)
+            if done == tl.num_programs(0) - 1:
+                bits = tl.atomic_xchg(amax_bits_ptr, 0)
+                tl.atomic_xchg(amax_bits_ptr + 1, 0)
+                # broadcast as integers: the bits (a NaN's payload too) pass unchanged
+                amax = (tl.zeros([BLOCK_H], dtype=tl.int32) + bits).to(tl.float32, bitcast=True)
+                _push_and_rescale(
+                    history_ptr,
+                    scale_ptr,
+                    scale_inv_ptr,
+                    amax,
+                    history_len,
+                    factor,
+                    MOST_RECENT=MOST_RECENT,
+                    WRITE_SCALE_INV=True,
+                    BLOCK=BLOCK_H,
+                )
 
     @triton.jit
     def _update_scale_kernel(
@@ -137,26 +220,18 @@ if triton is not None:
         MOST_RECENT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        i = tl.arange(0, BLOCK)
-        valid = i < L
-        amax = tl.load(amax_ptr + i * 0)  # the same value in every lane
-        older = tl.load(history_ptr + i - 1, mask=valid & (i > 0), other=0.0)
-        history = tl.where(i == 0, amax, older)
-        tl.debug_barrier()  # every lane has read the old history before any lane overwrites it
-        tl.store(history_ptr + i, history, mask=valid)
-        if MOST_RECENT:
-            ref = amax
-            no_nan = ref == ref
-        else:
-            # + zeros: the scalar maximum as a block, so the inline PTX below runs on a block
-            ref = tl.max(tl.where(valid, history, float("-inf")), axis=0) + tl.zeros(
-                [BLOCK], dtype=tl.float32
-            )
-            no_nan = tl.max(tl.where(valid & (history != history), 1, 0), axis=0) == 0
-        new = _mul_rn(_rcp_rn(ref), factor)
-        usable = no_nan & (ref > 0) & (tl.abs(ref) < float("inf")) & (tl.abs(new) < float("inf"))
-        old = tl.load(scale_ptr + i * 0)
-        tl.store(scale_ptr + i * 0, tl.where(usable, new, old), mask=i == 0)
+        amax = tl.load(amax_ptr + tl.arange(0, BLOCK) * 0)  # the same value in every lane
+        _push_and_rescale(
+            history_ptr,
+            scale_ptr,
+            scale_ptr,  # unused: no scale_inv here
+            amax,
+            L,
+            factor,
+            MOST_RECENT=MOST_RECENT,
+            WRITE_SCALE_INV=False,
+            BLOCK=BLOCK,
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,6 +274,60 @@ class _NoSwitch:
         return None
 
 
+def _launch(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_max: float,
+    dtype: torch.dtype,
+    transpose: bool,
+    column_sums: bool,
+    amax_bits: torch.Tensor,
+    update: tuple[torch.Tensor, torch.Tensor, float, bool] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    # One cast kernel; `update` = (history, scale_inv out, factor, most_recent) or None.
+    shape = x.shape
+    if (transpose or column_sums) and x.dim() != 2:
+        raise ValueError(
+            f"FP8 cast: transpose and column sums need a 2-D tensor, got shape {tuple(shape)}"
+        )
+    x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1]) if x.dim() else x.reshape(1, 1)
+    m, n = x2.shape
+    data = torch.empty((m, n), dtype=dtype, device=x.device)
+    data_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
+    row_tiles = triton.cdiv(m, BLOCK_M)
+    sums = torch.empty((row_tiles, n), dtype=torch.float32, device=x.device) if column_sums else None
+    history, scale_inv, factor, most_recent = update or (amax_bits, amax_bits, 0.0, False)
+    block_h = max(16, triton.next_power_of_2(history.numel())) if update else 16
+    with _on(x.device):
+        _cast_transpose_amax_kernel[(row_tiles * triton.cdiv(n, BLOCK_N),)](
+            x2,
+            scale,
+            data.view(torch.uint8),
+            (data_t if data_t is not None else data).view(torch.uint8),
+            sums if sums is not None else scale,
+            amax_bits,
+            history,
+            scale_inv,
+            m,
+            n,
+            x2.stride(0),
+            x2.stride(1),
+            float(fp8_max),
+            history.numel(),
+            float(factor),
+            E5M2=dtype == torch.float8_e5m2,
+            TRANSPOSE=transpose,
+            COLUMN_SUMS=column_sums,
+            UPDATE=update is not None,
+            MOST_RECENT=most_recent,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_H=block_h,
+            num_warps=NUM_WARPS,
+        )
+    return data.view(shape), data_t, sums
+
+
 def cast_transpose_amax(
     x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -209,36 +338,44 @@ def cast_transpose_amax(
     sync). `dtype`: one of `FP8_DTYPES`. ``data`` has x's shape and is contiguous; ``amax`` is a
     0-d float32 tensor.
     """
-    shape = x.shape
-    if transpose and x.dim() != 2:
-        raise ValueError(
-            f"cast_transpose_amax: transpose needs a 2-D tensor, got shape {tuple(shape)}"
-        )
-    x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1]) if x.dim() else x.reshape(1, 1)
-    m, n = x2.shape
-    data = torch.empty((m, n), dtype=dtype, device=x.device)
-    data_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
-    with _on(x.device):
-        _cast_transpose_amax_kernel[grid](
-            x2,
-            scale,
-            data.view(torch.uint8),
-            (data_t if data_t is not None else data).view(torch.uint8),
-            amax_bits,
-            m,
-            n,
-            x2.stride(0),
-            x2.stride(1),
-            float(fp8_max),
-            E5M2=dtype == torch.float8_e5m2,
-            TRANSPOSE=transpose,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            num_warps=NUM_WARPS,
+    data, data_t, _ = _launch(x, scale, fp8_max, dtype, transpose, False, amax_bits, None)
+    return data, data_t, amax_bits.view(torch.float32)
+
+
+def cast_transpose_update(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    history: torch.Tensor,
+    workspace: torch.Tensor,
+    fp8_max: float,
+    dtype: torch.dtype,
+    transpose: bool,
+    *,
+    factor: float,
+    most_recent: bool,
+    column_sums: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """A whole delayed-scaling cast in one kernel: ``(data, data_t, scale_inv, column_sums)``.
+
+    Casts like `cast_transpose_amax`, then (in the last tile to finish) pushes the amax into
+    `history` and rescales `scale` in place as `update_scale` does, and returns ``scale_inv`` =
+    the reciprocal of the scale the cast used. One launch instead of four (reciprocal, zeroing
+    the amax, cast, update): at small sizes the casts are bound by launches on the host.
+
+    `workspace`: int32 [2] on x's device, zero, left zero (the slot's: one cast at a time per
+    slot). `history`: float32, contiguous, at most `MAX_FUSED_HISTORY` long. `column_sums` (2-D
+    `x`): also a float32 [ceil(M / BLOCK_M), N] of per-row-tile sums of `x`, whose ``sum(0)`` is
+    ``x.sum(0)`` (summed in another order: not bit-identical to torch's).
+    """
+    if not 1 <= history.numel() <= MAX_FUSED_HISTORY:
+        raise ValueError(
+            f"cast_transpose_update: history length {history.numel()}; need 1..{MAX_FUSED_HISTORY}"
         )
-    return data.view(shape), data_t, amax_bits.view(torch.float32)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    update = (history, scale_inv, factor, most_recent)
+    data, data_t, sums = _launch(x, scale, fp8_max, dtype, transpose, column_sums, workspace, update)
+    return data, data_t, scale_inv, sums
 
 
 def update_scale(

@@ -6,8 +6,8 @@ filed in the layer's wgrad store under the forward's microbatch key when it is d
 run the same job code on the same tensors, so delayed and eager gradients are bit-identical.
 
 In FP8 the forward casts x and W to e4m3, the backward casts dy to e5m2 (HYBRID) and computes
-``db`` eagerly from the high-precision dy (Transformer Engine fuses it into that cast), so the
-deferred job yields no bias gradient.
+``db`` eagerly from the high-precision dy (in the same pass as that cast where the fused Triton
+kernel runs, as Transformer Engine does), so the deferred job yields no bias gradient.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from typing import Any, Callable, Hashable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .fp8 import DelayedScaling, Quantized, ScalingMeta, fp8_gemm_nt, quantize
+from .fp8 import (
+    DelayedScaling,
+    Quantized,
+    ScalingMeta,
+    fp8_gemm_nt,
+    quantize,
+    quantize_and_column_sum,
+)
 from .wgrad_store import WgradStore
 
 __all__ = ["GradOut", "Fp8Slots", "GemmCall", "linear"]
@@ -97,7 +104,9 @@ class _LinearFunction(torch.autograd.Function):
         xq = quantize(x, s.input, s.recipe, transpose=need_dw)
         wq = quantize(weight, s.weight, s.recipe, transpose=need_dx)
         ctx.save_for_backward(xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv)
-        return fp8_gemm_nt(xq, wq, out_dtype=x.dtype, bias=bias)
+        return fp8_gemm_nt(
+            xq, wq, out_dtype=x.dtype, bias=bias, fast_accumulation=s.recipe.fprop_fast_accumulation
+        )
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
@@ -123,11 +132,12 @@ class _LinearFunction(torch.autograd.Function):
         else:
             s = call.fp8
             x_t, x_sinv, w_t, w_sinv = ctx.saved_tensors
-            dyq = quantize(dy, s.grad_output, s.recipe, transpose=need_dw)
+            if need_db:  # eagerly, from the high-precision dy, in the cast's pass over dy
+                dyq, db = quantize_and_column_sum(dy, s.grad_output, s.recipe, transpose=need_dw)
+            else:
+                dyq = quantize(dy, s.grad_output, s.recipe, transpose=need_dw)
             if need_dx:
                 dx = fp8_gemm_nt(dyq, Quantized(w_t, w_sinv), out_dtype=dy.dtype)
-            if need_db:
-                db = dy.sum(0)  # eagerly, from the high-precision dy: the job yields none
             wgrad_dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
             # the job keeps only dy^T (not dy) until W
             dy_t = Quantized(dyq.data_t, dyq.scale_inv) if need_dw else None

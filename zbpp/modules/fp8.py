@@ -57,6 +57,7 @@ __all__ = [
     "ScalingMeta",
     "Quantized",
     "quantize",
+    "quantize_and_column_sum",
     "fp8_gemm_nt",
     "gemm_path_counts",
     "reset_gemm_path_counts",
@@ -87,6 +88,10 @@ class DelayedScaling:
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    # The forward GEMM accumulates in the tensor cores' fast, reduced-precision mode (about 14
+    # bits on Hopper) and the gradient GEMMs promote to float32 (Transformer Engine's defaults:
+    # gradients sum over many more terms). False: float32 promotion in the forward too.
+    fprop_fast_accumulation: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.fp8_format, Format):
@@ -107,6 +112,11 @@ class DelayedScaling:
             )
         if not self.margin >= 0:
             raise ValueError(f"DelayedScaling: margin={self.margin!r}; need a number >= 0")
+        if not isinstance(self.fprop_fast_accumulation, bool):
+            raise ValueError(
+                "DelayedScaling: fprop_fast_accumulation="
+                f"{self.fprop_fast_accumulation!r}; need True or False"
+            )
 
     @property
     def fwd_dtype(self) -> torch.dtype:
@@ -161,6 +171,25 @@ class ScalingMeta:
         self.fp8_max = torch.finfo(dtype).max
         self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self._workspace: torch.Tensor | None = None  # the fused Triton cast's, made on first use
+
+    def _fit(self, recipe: DelayedScaling) -> None:
+        length = recipe.amax_history_len
+        if self.amax_history.numel() != length:  # the recipe changed: keep the newest entries
+            old = self.amax_history[:length]
+            self.amax_history = torch.zeros(length, dtype=torch.float32, device=old.device)
+            self.amax_history[: old.numel()] = old
+
+    def _rule(self, recipe: DelayedScaling) -> tuple[float, bool]:
+        # (factor, most_recent): scale = rcp(amax) * factor, amax = history[0] or max(history)
+        return self.fp8_max * 2.0 ** -recipe.margin, recipe.amax_compute_algo == "most_recent"
+
+    def _fused_workspace(self) -> torch.Tensor:
+        # int32 [amax bits, tiles done], zero between casts (the fused kernel leaves it so)
+        device = self.amax_history.device
+        if self._workspace is None or self._workspace.device != device:
+            self._workspace = torch.zeros(2, dtype=torch.int32, device=device)
+        return self._workspace
 
     def update(self, amax: torch.Tensor, recipe: DelayedScaling) -> None:
         """Push `amax` into the history and recompute the scale (no host sync).
@@ -168,13 +197,8 @@ class ScalingMeta:
         ``scale = reciprocal(ref) * (fp8_max * 2**-margin)`` in float32, the same on every device
         and path; on CUDA one Triton kernel does it all where the Triton cast path is on.
         """
-        length = recipe.amax_history_len
-        if self.amax_history.numel() != length:  # the recipe changed: keep the newest entries
-            old = self.amax_history[:length]
-            self.amax_history = torch.zeros(length, dtype=torch.float32, device=old.device)
-            self.amax_history[: old.numel()] = old
-        factor = self.fp8_max * 2.0 ** -recipe.margin
-        most_recent = recipe.amax_compute_algo == "most_recent"
+        self._fit(recipe)
+        factor, most_recent = self._rule(recipe)
         if _update_with_triton(self, amax, factor, most_recent):
             return
         _count_cast("update_eager")
@@ -282,17 +306,21 @@ def _cast_triton(
 ):
     """The fused kernel's result, or None when this input or device does not suit it."""
     kernels = _triton_kernels(x.device)
-    if kernels is None or not (
+    if kernels is None or not _suits_kernel(kernels, x, scale, dtype, transpose):
+        return None
+    return kernels.cast_transpose_amax(x, scale, fp8_max, dtype, transpose)
+
+
+def _suits_kernel(kernels, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, two_d: bool):
+    return (
         x.dtype in kernels.INPUT_DTYPES
         and dtype in kernels.FP8_DTYPES
         and x.numel() > 0
-        and (x.dim() == 2 or not transpose)
+        and (x.dim() == 2 or not two_d)
         and scale.dtype == torch.float32
         and scale.numel() == 1
         and scale.device == x.device
-    ):
-        return None
-    return kernels.cast_transpose_amax(x, scale, fp8_max, dtype, transpose)
+    )
 
 
 def _cast_compiled(
@@ -398,10 +426,82 @@ def quantize(
     >>> quantize(torch.tensor([1000.0]), meta, DelayedScaling()).dequantize().item()  # clamped
     448.0
     """
+    return _quantize(x.detach(), meta, recipe, transpose, column_sum=False)[0]
+
+
+def quantize_and_column_sum(
+    x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling, *, transpose: bool = False
+) -> tuple[Quantized, torch.Tensor]:
+    """`quantize` of a 2-D `x`, and ``x.sum(0)`` in x's dtype (a bias gradient, from the
+    unquantised values) from the same pass over `x` where the fused Triton kernel runs.
+
+    The fused sum adds float32 partial sums of row tiles: as accurate as ``x.sum(0)`` but not
+    bit-identical to it; the other paths return ``x.sum(0)`` itself.
+
+    >>> import torch
+    >>> meta = ScalingMeta(torch.float8_e5m2, history_len=2)
+    >>> q, s = quantize_and_column_sum(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), meta, DelayedScaling())
+    >>> s.tolist(), q.dequantize().tolist()
+    ([4.0, 6.0], [[1.0, 2.0], [3.0, 4.0]])
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_and_column_sum: x must be 2-D, got shape {tuple(x.shape)}")
+    q, sums = _quantize(x.detach(), meta, recipe, transpose, column_sum=True)
+    return q, sums if sums is not None else x.detach().sum(0)
+
+
+def _quantize(
+    x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling, transpose: bool, column_sum: bool
+) -> tuple[Quantized, torch.Tensor | None]:
+    meta._fit(recipe)
+    fused = _quantize_fused(x, meta, recipe, transpose, column_sum)
+    if fused is not None:
+        return fused
     scale_inv = meta.scale.reciprocal()  # the scale used for this cast, before the update
-    data, data_t, amax = _cast(x.detach(), meta.scale, meta.fp8_max, meta.dtype, transpose)
+    data, data_t, amax = _cast(x, meta.scale, meta.fp8_max, meta.dtype, transpose)
     meta.update(amax, recipe)
-    return Quantized(data, scale_inv, data_t)
+    return Quantized(data, scale_inv, data_t), None
+
+
+def _quantize_fused(
+    x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling, transpose: bool, column_sum: bool
+) -> tuple[Quantized, torch.Tensor | None] | None:
+    """Cast and update in one Triton kernel (``cast_transpose_update``), or None when that path
+    is off, failed before, or does not suit this input or slot."""
+    if not _on_cuda(x) or "triton" in _failed or "update" in _failed:
+        return None
+    if _requested_paths()[0] != "triton":
+        return None
+    kernels = _triton_kernels(x.device)
+    history = meta.amax_history
+    if kernels is None or not (
+        _suits_kernel(kernels, x, meta.scale, meta.dtype, transpose or column_sum)
+        and history.device == x.device
+        and history.is_contiguous()
+        and history.numel() <= kernels.MAX_FUSED_HISTORY
+    ):
+        return None
+    factor, most_recent = meta._rule(recipe)
+    try:
+        data, data_t, scale_inv, sums = kernels.cast_transpose_update(
+            x,
+            meta.scale,
+            history,
+            meta._fused_workspace(),
+            meta.fp8_max,
+            meta.dtype,
+            transpose,
+            factor=factor,
+            most_recent=most_recent,
+            column_sums=column_sum,
+        )
+    except Exception as err:  # noqa: BLE001 - the unfused paths are correct too
+        _fail("triton", err)
+        return None
+    _count_cast("triton")
+    _count_cast("update_triton")
+    total = sums.sum(0).to(x.dtype) if sums is not None else None
+    return Quantized(data, scale_inv, data_t), total
 
 
 _counts: Counter[str] = Counter()
@@ -432,11 +532,14 @@ def fp8_gemm_nt(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     use_scaled_mm: bool = True,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """``a @ b.T (+ bias)`` for row-major FP8 ``a`` [M, K] and ``b`` [N, K], in `out_dtype`.
 
-    Runs ``torch._scaled_mm`` (float32 accumulation) when `use_scaled_mm` and M, K, N are all
-    multiples of 16; otherwise multiplies the dequantised operands in float32.
+    Runs ``torch._scaled_mm`` when `use_scaled_mm` and M, K, N are all multiples of 16, with
+    partial sums promoted to float32 or, with `fast_accumulation`, kept in the tensor cores'
+    reduced precision (faster on Hopper; CPUs accumulate in float32 either way); otherwise
+    multiplies the dequantised operands in float32.
 
     >>> import torch
     >>> one = Quantized(torch.ones(2, 3).to(torch.float8_e4m3fn), torch.tensor(0.5))
@@ -459,7 +562,7 @@ def fp8_gemm_nt(
                 scale_b=b.scale_inv,
                 bias=bias if fuse_bias else None,
                 out_dtype=out_dtype,
-                use_fast_accum=False,
+                use_fast_accum=fast_accumulation,
             )
         except (RuntimeError, NotImplementedError) as err:
             _refused.add(device)
