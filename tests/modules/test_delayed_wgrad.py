@@ -459,12 +459,13 @@ def test_is_delayed_and_supports_keys_for_zbpp_te_and_plain_modules():
 
 
 def test_parameter_names_follow_transformer_engine():
+    # names and registration order as in transformer_engine.pytorch.LayerNormMLP
     assert [n for n, _ in LayerNormMLP(4, 8).named_parameters()] == [
         "layer_norm_weight",
         "layer_norm_bias",
         "fc1_weight",
-        "fc2_weight",
         "fc1_bias",
+        "fc2_weight",
         "fc2_bias",
     ]
     assert [n for n, _ in LayerNormLinear(4, 8, normalization="RMSNorm").named_parameters()] == [

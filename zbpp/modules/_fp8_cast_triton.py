@@ -295,7 +295,9 @@ def _launch(
     data = torch.empty((m, n), dtype=dtype, device=x.device)
     data_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
     row_tiles = triton.cdiv(m, BLOCK_M)
-    sums = torch.empty((row_tiles, n), dtype=torch.float32, device=x.device) if column_sums else None
+    sums = None
+    if column_sums:
+        sums = torch.empty((row_tiles, n), dtype=torch.float32, device=x.device)
     history, scale_inv, factor, most_recent = update or (amax_bits, amax_bits, 0.0, False)
     block_h = max(16, triton.next_power_of_2(history.numel())) if update else 16
     with _on(x.device):
@@ -374,7 +376,9 @@ def cast_transpose_update(
         )
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     update = (history, scale_inv, factor, most_recent)
-    data, data_t, sums = _launch(x, scale, fp8_max, dtype, transpose, column_sums, workspace, update)
+    data, data_t, sums = _launch(
+        x, scale, fp8_max, dtype, transpose, column_sums, workspace, update
+    )
     return data, data_t, scale_inv, sums
 
 

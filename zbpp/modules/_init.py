@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["InitMethod", "default_init", "new_param"]
+__all__ = ["InitMethod", "default_init", "new_param", "add_gemm_params"]
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -32,3 +32,23 @@ def new_param(
         else:
             data.fill_(init)
     return nn.Parameter(data)
+
+
+def add_gemm_params(
+    module: nn.Module,
+    weight_name: str,
+    bias_name: str,
+    shape: tuple[int, int],
+    *,
+    bias: bool,
+    init: InitMethod,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> None:
+    """Register one GEMM's ``weight_name`` [out, in] (filled by `init`) and ``bias_name`` [out]
+    (zeros; registered as None without `bias`) on `module`."""
+    setattr(module, weight_name, new_param(shape, init=init, dtype=dtype, device=device))
+    if bias:
+        setattr(module, bias_name, new_param(shape[:1], init=0.0, dtype=dtype, device=device))
+    else:
+        module.register_parameter(bias_name, None)

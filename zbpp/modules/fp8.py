@@ -440,7 +440,8 @@ def quantize_and_column_sum(
 
     >>> import torch
     >>> meta = ScalingMeta(torch.float8_e5m2, history_len=2)
-    >>> q, s = quantize_and_column_sum(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), meta, DelayedScaling())
+    >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    >>> q, s = quantize_and_column_sum(x, meta, DelayedScaling())
     >>> s.tolist(), q.dequantize().tolist()
     ([4.0, 6.0], [[1.0, 2.0], [3.0, 4.0]])
     """

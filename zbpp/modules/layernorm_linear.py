@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._init import InitMethod, default_init, new_param
+from ._init import InitMethod, add_gemm_params, default_init
 from ._linear_function import linear
 from ._norm import make_norm_params, normalize
 from .base import DelayedWgradModule
@@ -52,11 +52,9 @@ class LayerNormLinear(DelayedWgradModule):
         self.normalization, self.eps = normalization, eps
         kw = dict(dtype=params_dtype, device=device)
         make_norm_params(self, in_features, normalization, **kw)
-        self.weight = new_param((out_features, in_features), init=init_method or default_init, **kw)
-        if bias:
-            self.bias = new_param((out_features,), init=0.0, **kw)
-        else:
-            self.register_parameter("bias", None)
+        init = init_method or default_init
+        shape = (out_features, in_features)
+        add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
         self._sync_param_flags()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

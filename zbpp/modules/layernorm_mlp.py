@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._init import InitMethod, default_init, new_param
+from ._init import InitMethod, add_gemm_params, default_init
 from ._linear_function import linear
 from ._norm import make_norm_params, normalize
 from .base import DelayedWgradModule
@@ -80,15 +80,11 @@ class LayerNormMLP(DelayedWgradModule):
         kw = dict(dtype=params_dtype, device=device)
         make_norm_params(self, hidden_size, normalization, **kw)
         init = init_method or default_init
-        self.fc1_weight = new_param((width, hidden_size), init=init, **kw)
-        self.fc2_weight = new_param(
-            (hidden_size, ffn_hidden_size), init=output_layer_init_method or init, **kw
-        )
-        for name, size in (("fc1_bias", width), ("fc2_bias", hidden_size)):
-            if bias:
-                setattr(self, name, new_param((size,), init=0.0, **kw))
-            else:
-                self.register_parameter(name, None)
+        # Transformer Engine's order: fc1_weight, fc1_bias, fc2_weight, fc2_bias
+        add_gemm_params(self, "fc1_weight", "fc1_bias", (width, hidden_size), bias=bias, init=init,
+                        **kw)
+        add_gemm_params(self, "fc2_weight", "fc2_bias", (hidden_size, ffn_hidden_size), bias=bias,
+                        init=output_layer_init_method or init, **kw)
         self._sync_param_flags()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._init import InitMethod, default_init, new_param
+from ._init import InitMethod, add_gemm_params, default_init
 from ._linear_function import linear
 from .base import DelayedWgradModule
 
@@ -51,11 +51,9 @@ class Linear(DelayedWgradModule):
         )
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
         kw = dict(dtype=params_dtype, device=device)
-        self.weight = new_param((out_features, in_features), init=init_method or default_init, **kw)
-        if bias:
-            self.bias = new_param((out_features,), init=0.0, **kw)
-        else:
-            self.register_parameter("bias", None)
+        init = init_method or default_init
+        shape = (out_features, in_features)
+        add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
         self._sync_param_flags()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
