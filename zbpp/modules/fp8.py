@@ -19,7 +19,8 @@ has scale 1 and an all-zero history.
 Casts run through one of three paths, chosen by the environment variable ``ZBPP_FP8_CAST``
 (``triton``, ``compile`` or ``eager``; default ``triton``) and tried in that order from the chosen
 one: ``triton`` is one fused Triton kernel (``_fp8_cast_triton``: cast, transpose and amax in one
-pass over the tensor, then the scale update in one more kernel; CUDA sm_90+ with Triton),
+pass over the tensor, the scale update in the tile that finishes last, and for a bias gradient the
+column sums; histories over 4096 entries update in a second kernel; CUDA sm_90+ with Triton),
 ``compile`` is the eager ops through ``torch.compile`` (CUDA), ``eager`` the torch ops below (every
 device; the reference the others equal bit for bit). A path that fails is switched off with one
 warning and the next one takes over; ``cast_path_counts()`` says which path ran how often.
