@@ -51,6 +51,13 @@ def _close(what: str, got: torch.Tensor | None, want: torch.Tensor | None, tol: 
     return float((got - want).abs().max())
 
 
+def _grads_close(what: str, mine: dict[int, torch.nn.Module], ref: list[torch.nn.Module], tol: dict[str, float]) -> None:
+    """Every parameter's .grad of this rank's stages against the same stage of the reference."""
+    for s, st in mine.items():
+        for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            _close(f"{what} stage {s} grad {pn}", a.grad, b.grad, tol)
+
+
 def run_case(sched: Schedule, rows: int, kind: str, *, steps: int = 2, pipe_kwargs: dict | None = None) -> float:
     """Train `steps` SGD steps through the pipeline and through the reference; compare. Returns the
     largest absolute difference seen (gradients, losses, parameters)."""
@@ -128,9 +135,8 @@ def check_many_steps(name: str, p: int) -> dict[str, Any]:
         ref_loss = reference_step(ref, inputs, target)
         if pipe.holds_last_stage:
             _close(f"{name} step {step} loss", loss, ref_loss, tol)
-        for s, st in mine.items():
-            for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
-                _close(f"{name} step {step} rows {rows} stage {s} grad {pn}", a.grad, b.grad, tol)
+        _grads_close(f"{name} step {step} rows {rows}", mine, ref, tol)
+        for st in mine.values():
             st.zero_grad(set_to_none=True)
         for st in ref:
             st.zero_grad(set_to_none=True)
@@ -193,9 +199,7 @@ def check_bad_input(name: str, p: int) -> str:
     inputs, target = make_batch(1, 4 * p)
     pipe.step(inputs, target=target)
     reference_step(ref, inputs, target)
-    for s, st in mine.items():
-        for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
-            _close(f"stage {s} grad {pn} after a rejected step", a.grad, b.grad, tolerance(torch.device("cpu")))
+    _grads_close("after a rejected step:", mine, ref, tolerance(torch.device("cpu")))
     return caught
 
 
@@ -214,9 +218,7 @@ def check_release(name: str, p: int, free: bool) -> list[tuple[int, int]]:
     inputs, target = make_batch(0, 4 * p)
     pipe.step(inputs, target=target)
     reference_step(ref, inputs, target)
-    for s, st in mine.items():
-        for (pn, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
-            _close(f"stage {s} grad {pn} free={free}", a.grad, b.grad, tolerance(torch.device("cpu")))
+    _grads_close(f"free={free}:", mine, ref, tolerance(torch.device("cpu")))
     sent_stages = {a.stage for a in pipe._plan.send_of if a.kind.value == "F"}
     out = []
     for s, t in captured:
@@ -433,8 +435,7 @@ def fail_in_last_task_then_recover() -> list[str]:
     inputs, target = make_batch(1, 8)
     pipe.step(inputs, target=target)  # same shapes as before: would hang or fail without the resync
     reference_step(ref, inputs, target)
-    for (pn, a), (_, b) in zip(stage.named_parameters(), ref[rank].named_parameters()):
-        _close(f"rank {rank} {pn} after recovery", a.grad, b.grad, tolerance(torch.device("cpu")))
+    _grads_close(f"rank {rank} after recovery:", {rank: stage}, ref, tolerance(torch.device("cpu")))
     events.append("recovered")
     return events
 
