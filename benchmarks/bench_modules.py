@@ -13,18 +13,27 @@ stage, so every layer also computes its input gradient):
                         ``backward_dw()`` of every layer (W)
 - ``fp8 delayed B+W``   the same in FP8
 
-Each step is timed with CUDA events (``time.perf_counter`` on CPU); the cases are interleaved
-over ``--rounds`` rounds and the median is reported, with TFLOP/s (6 T h^2 per layer) and two
-ratios: FP8 speedup (bf16 eager / fp8 eager; target >= 1.6 at hidden 8192) and delay overhead
-(delayed B+W / eager - 1; target within 3%). The FP8 GEMM path counts say whether
+Each step is timed with CUDA events (``time.perf_counter`` on CPU) from an idle GPU; the cases are
+interleaved over ``--rounds`` rounds and the median is reported, with TFLOP/s (6 T h^2 per layer)
+and two ratios: FP8 speedup (bf16 eager / fp8 eager; target >= 1.6 at hidden 8192) and delay
+overhead (delayed B+W / eager - 1; target within 3%).
+
+``sustained ms`` is the rate of a training loop that never waits: ``--sustain`` seconds of steps
+back to back per case and round (batches of 5 timed together; the median batch of the second
+half). It differs from the single step where the GPU runs into its power limit: an H200 draws its
+700 W cap within milliseconds of back-to-back FP8 GEMMs and lowers its clocks, more than it does
+for bf16 ones. The FP8 GEMM path counts say whether
 ``torch._scaled_mm`` ran; the ``cast`` column says which FP8 cast path ran in each case (``triton``,
 ``compile`` or ``eager``: ``ZBPP_FP8_CAST`` chooses, see ``zbpp.modules.fp8``).
 
+The ``host ms`` column is the host's time to issue one step (measured behind a sleeping GPU): while
+it stays well under the step time, the GPU, not Python, sets the pace.
+
 A second table times one FP8 cast of a ``--tokens`` x ``--hidden`` bf16 tensor with its transpose
-(``quantize(..., transpose=True)``: cast, transpose, amax and scale update) through each cast path,
-20 casts back to back per sample (the GPU's time per cast; one cast alone would also time the
-host's launch latency), with the bandwidth it reaches (2 bytes read, 2 written per element) and the
-path that really ran.
+(``quantize(..., transpose=True)``: cast, transpose, amax and scale update) through each cast path:
+the GPU's time per cast (20 casts enqueued behind a sleeping GPU, so the host's launch rate is not
+what is timed), the bandwidth it reaches (2 bytes read, 2 written per element), the host's time to
+issue one cast, and the path that really ran.
 
 On the GPU machine (one H200)::
 
@@ -69,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=10, help="timed steps per case and round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per case and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--sustain", type=float, default=1.0,
+        help="seconds of back-to-back steps per case and round for the sustained rate (0: skip)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized smoke run")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -76,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.hidden, args.tokens, args.layers = 256, 256, 2
         args.iters, args.warmup, args.rounds = 3, 1, 2
+        args.sustain = min(args.sustain, 0.1)
     return args
 
 
@@ -113,14 +127,25 @@ def make_step(
     return step
 
 
+# Long enough for the host to enqueue a whole step or 20 casts behind it (cycles at <= 2 GHz).
+GPU_HEAD_START_CYCLES = 40_000_000
+
+
 class Timer:
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
 
-    def __call__(self, fn: Callable[[], None]) -> float:
-        """Milliseconds of one call of `fn`."""
+    def __call__(self, fn: Callable[[], None], *, gpu_only: bool = False) -> float:
+        """Milliseconds of one call of `fn`, from an idle GPU: what one step costs.
+
+        `gpu_only`: the GPU's time alone. The GPU first sleeps (~20 ms) while the host enqueues
+        all of `fn`, so host latency between launches is not timed (a loop of small kernels is
+        otherwise timed at the host's launch rate).
+        """
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if gpu_only:
+                torch.cuda._sleep(GPU_HEAD_START_CYCLES)
             start.record()
             fn()
             end.record()
@@ -129,6 +154,28 @@ class Timer:
         t = time.perf_counter()
         fn()
         return 1e3 * (time.perf_counter() - t)
+
+    def host(self, fn: Callable[[], None]) -> float:
+        """Milliseconds the host spends issuing `fn` (on CUDA behind a sleeping GPU, so that no
+        call waits for the GPU)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(GPU_HEAD_START_CYCLES)
+        t = time.perf_counter()
+        fn()
+        ms = 1e3 * (time.perf_counter() - t)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return ms
+
+    def sustained(self, fn: Callable[[], None], seconds: float, batch: int = 5) -> float:
+        """Milliseconds per call of `fn` called back to back for about `seconds`: the median
+        over batches of `batch` calls in the second half (the first half settles clocks)."""
+        per_call = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(per_call) < 2:
+            per_call.append(self(lambda: [fn() for _ in range(batch)]) / batch)
+        return statistics.median(per_call[len(per_call) // 2 :])
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -143,6 +190,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     timer = Timer(args.device)
     times: dict[str, list[float]] = {case: [] for case in CASES}
+    host: dict[str, list[float]] = {case: [] for case in CASES}
+    sustained: dict[str, list[float]] = {case: [] for case in CASES}
     cast_paths: dict[str, Counter[str]] = {case: Counter() for case in CASES}
     fp8mod.reset_gemm_path_counts()
 
@@ -160,6 +209,15 @@ def run(args: argparse.Namespace) -> dict:
                 ms = timer(step)
                 if i >= args.warmup:
                     times[case].append(ms)
+            clear()
+            host[case].append(timer.host(step))
+            if args.sustain > 0:
+
+                def cleared_step(step: Callable[[], None] = step) -> None:
+                    clear()
+                    step()
+
+                sustained[case].append(timer.sustained(cleared_step, args.sustain))
             after = fp8mod.cast_path_counts()
             for path in fp8mod.CAST_PATHS:
                 cast_paths[case][path] += after[path] - before[path]
@@ -174,18 +232,25 @@ def run(args: argparse.Namespace) -> dict:
                 "min_ms": min(times[case]),
                 "max_ms": max(times[case]),
                 "tflops": flop / med / 1e9,
+                "host_ms": statistics.median(host[case]),
+                "sustained_ms": statistics.median(sustained[case]) if sustained[case] else None,
+                "sustained_samples_ms": [round(t, 4) for t in sustained[case]],
                 "samples": len(times[case]),
                 "samples_ms": [round(t, 4) for t in times[case]],  # in the order they ran
                 "cast": "+".join(p for p in fp8mod.CAST_PATHS if cast_paths[case][p]) or "-",
             }
         )
     by = {r["case"]: r["median_ms"] for r in results}
+    held = {r["case"]: r["sustained_ms"] for r in results}
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "results": results,
         "ratios": {
             "fp8_speedup": by["bf16 eager"] / by["fp8 eager"],
             "fp8_f32_acc_speedup": by["bf16 eager"] / by["fp8 f32-acc eager"],
+            "fp8_speedup_sustained": (
+                held["bf16 eager"] / held["fp8 eager"] if held["fp8 eager"] else None
+            ),
             "delay_overhead_bf16": by["bf16 delayed B+W"] / by["bf16 eager"] - 1,
             "delay_overhead_fp8": by["fp8 delayed B+W"] / by["fp8 eager"] - 1,
         },
@@ -222,16 +287,19 @@ def time_casts(args: argparse.Namespace, timer: Timer) -> list[dict]:
                 for _ in range(CASTS_PER_SAMPLE):
                     quantize(x, meta, recipe, transpose=True)
 
+            host = []
             for i in range(args.warmup + args.iters):
-                ms = timer(casts) / CASTS_PER_SAMPLE
+                ms = timer(casts, gpu_only=True) / CASTS_PER_SAMPLE
                 if i >= args.warmup:
                     samples.append(ms)
+                    host.append(timer.host(casts) / CASTS_PER_SAMPLE)
             after = fp8mod.cast_path_counts()
             ran = [p for p in (*fp8mod.CAST_PATHS, "update_triton", "update_eager")
                    if after[p] > before[p]]
             med = statistics.median(samples)
             rows.append({"path": path, "ran": "+".join(ran), "median_us": 1e3 * med,
-                         "gbps": moved / (med * 1e-3) / 1e9})
+                         "gbps": moved / (med * 1e-3) / 1e9,
+                         "host_us": 1e3 * statistics.median(host)})
     finally:
         if saved is None:
             os.environ.pop(fp8mod.CAST_ENV, None)
@@ -247,18 +315,23 @@ def print_table(report: dict) -> None:
         f"{cfg['tokens']} tokens, bf16 params, on {report['env']['device']}"
     )
     print(
-        f"{'case':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'TFLOP/s':>9}  cast"
+        f"{'case':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'TFLOP/s':>9} "
+        f"{'host ms':>8} {'sustained ms':>13}  cast"
     )
     for r in report["results"]:
         print(
             f"{r['case']:<18} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} {r['max_ms']:>9.3f} "
-            f"{r['tflops']:>9.1f}  {r['cast']}"
+            f"{r['tflops']:>9.1f} {r['host_ms']:>8.2f} "
+            f"{r['sustained_ms'] if r['sustained_ms'] is not None else float('nan'):>13.3f}"
+            f"  {r['cast']}"
         )
     q = report["ratios"]
     print(
         f"FP8 speedup (bf16 eager / fp8 eager): {q['fp8_speedup']:.2f}x  (target >= 1.6x); "
         f"with float32 accumulation in the forward too: {q['fp8_f32_acc_speedup']:.2f}x"
     )
+    if q["fp8_speedup_sustained"] is not None:
+        print(f"FP8 speedup, sustained (steps back to back): {q['fp8_speedup_sustained']:.2f}x")
     print(
         f"delay overhead (delayed B+W / eager - 1): bf16 {100 * q['delay_overhead_bf16']:+.1f}%, "
         f"fp8 {100 * q['delay_overhead_fp8']:+.1f}%  (target within 3%)"
@@ -268,9 +341,12 @@ def print_table(report: dict) -> None:
     print(
         f"one FP8 cast of {cfg['tokens']} x {cfg['hidden']} bf16 (+ transpose, amax, update):"
     )
-    print(f"  {'ZBPP_FP8_CAST':<14} {'median us':>10} {'GB/s':>8}  ran")
+    print(f"  {'ZBPP_FP8_CAST':<14} {'device us':>10} {'GB/s':>8} {'host us':>8}  ran")
     for c in report["casts"]:
-        print(f"  {c['path']:<14} {c['median_us']:>10.1f} {c['gbps']:>8.1f}  {c['ran']}")
+        print(
+            f"  {c['path']:<14} {c['median_us']:>10.1f} {c['gbps']:>8.1f} {c['host_us']:>8.1f}"
+            f"  {c['ran']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

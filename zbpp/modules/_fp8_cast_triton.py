@@ -8,7 +8,7 @@ too (CPU-only installs); `unsupported(device)` then says why the kernels cannot 
 - ``data``   = ``fp8(clamp(float32(x) * scale, -fp8_max, fp8_max))``, [M, N] row-major,
 - ``data_t`` = the same bytes transposed, [N, M] row-major (the tile is transposed on chip, so
   both stores are coalesced), and
-- ``amax``   = ``max |x|`` (a per-tile maximum, then one integer atomic max per tile),
+- ``amax``   = ``max |x|`` (a per-tile maximum, then one relaxed integer atomic max per tile),
 
 with the bits of the eager torch ops (``fp8._cast_eager``):
 
@@ -65,9 +65,10 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # 128 x 64 tiles, 4 warps (64 elements per thread): the fastest of 16 shapes from 32 x 128 to
-# 256 x 128 with 2 to 16 warps on an H200 for an 8192 x 8192 bf16 cast-transpose (93 us, about
-# 2.9 TB/s; 128 x 128 with 8 warps took 116 us), and bit-exact in all of them. Few enough tiles
-# (8192 for 8192^2) that the one or two atomics per tile cost nothing.
+# 256 x 128 with 2 to 16 warps on an H200 for an 8192 x 8192 bf16 cast-transpose (about 80 us
+# of GPU time, 3.4 TB/s, with the relaxed amax atomic; a plain 256 MB copy takes 66 us), and
+# bit-exact in all of them. Several tiles per program (fewer atomics) were slower: 4 to 8 tiles
+# unrolled in one program ran at 110 to 340 us.
 BLOCK_M = 128
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -183,15 +184,21 @@ if triton is not None:
         if TRANSPOSE:
             inside_t = (cols[:, None] < N) & (rows[None, :] < M)
             tl.store(data_t_ptr + c64[:, None] * M + r64[None, :], tl.trans(q), mask=inside_t)
+        mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| as bits; masked lanes are +0
         if COLUMN_SUMS:  # this row tile's share of x.sum(0); masked lanes hold zeros
+            # (placed after the stores and |x|: with the relaxed atomic below, an 8192^2 dy cast
+            # with its sums took 110 us in a bench_modules step on the H200, 136 us before both)
             at = column_sums_ptr + (pid // tiles_n).to(tl.int64) * N + c64
             tl.store(at, tl.sum(xf, axis=0), mask=cols < N)
-        mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| as bits; masked lanes are +0
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(mag, axis=1), axis=0))
+        # Relaxed: nothing waits on this atomic. An acquire-release one fenced every tile on its
+        # own stores (90 -> 80 us of GPU time per 8192^2 cast when relaxed); the count below is
+        # what orders it before the update.
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(mag, axis=1), axis=0), sem="relaxed")
         if UPDATE:
-            # The last tile to finish updates the slot. Every tile read the scale before its
-            # (acquire-release) count, so the last one may overwrite it; it also zeroes the
-            # workspace for the next cast.
+            # The last tile to finish updates the slot. The count is acquire-release: each tile's
+            # amax (Triton issues a scalar atomic from one thread, the same one for both) and
+            # its reads of the scale happen before its count, so the last tile sees every amax
+            # and may overwrite the scale; it also zeroes the workspace for the next cast.
             done = tl.atomic_add(amax_bits_ptr + 1, 1)
             if done == tl.num_programs(0) - 1:
                 bits = tl.atomic_xchg(amax_bits_ptr, 0)
