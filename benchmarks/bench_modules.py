@@ -32,8 +32,9 @@ it stays well under the step time, the GPU, not Python, sets the pace.
 A second table times one FP8 cast of a ``--tokens`` x ``--hidden`` bf16 tensor with its transpose
 (``quantize(..., transpose=True)``: cast, transpose, amax and scale update) through each cast path:
 the GPU's time per cast (20 casts enqueued behind a sleeping GPU, so the host's launch rate is not
-what is timed), the bandwidth it reaches (2 bytes read, 2 written per element), the host's time to
-issue one cast, and the path that really ran.
+what is timed), the bandwidth it reaches (2 bytes read, 2 written per element), the same cast with
+the column sums the backward takes the bias gradient from (``quantize_and_column_sum``), the host's
+time to issue one cast, and the path that really ran.
 
 On the GPU machine (one H200)::
 
@@ -65,7 +66,7 @@ import torch  # noqa: E402
 
 from zbpp.modules import DelayedScaling, Linear, fp8_autocast  # noqa: E402
 from zbpp.modules import fp8 as fp8mod  # noqa: E402
-from zbpp.modules.fp8 import ScalingMeta, quantize  # noqa: E402
+from zbpp.modules.fp8 import ScalingMeta, quantize, quantize_and_column_sum  # noqa: E402
 
 CASES = ("bf16 eager", "fp8 eager", "fp8 f32-acc eager", "bf16 delayed B+W", "fp8 delayed B+W")
 
@@ -281,17 +282,22 @@ def time_casts(args: argparse.Namespace, timer: Timer) -> list[dict]:
             os.environ[fp8mod.CAST_ENV] = path
             meta = ScalingMeta(recipe.fwd_dtype, history_len=16, device=args.device)
             before = fp8mod.cast_path_counts()
-            samples = []
+            samples, with_sums, host = [], [], []
 
-            def casts() -> None:  # back to back: the GPU's time per cast, not the host's latency
+            def casts() -> None:
                 for _ in range(CASTS_PER_SAMPLE):
                     quantize(x, meta, recipe, transpose=True)
 
-            host = []
+            def casts_and_sums() -> None:  # as the backward casts dy, with the bias gradient
+                for _ in range(CASTS_PER_SAMPLE):
+                    quantize_and_column_sum(x, meta, recipe, transpose=True)
+
             for i in range(args.warmup + args.iters):
                 ms = timer(casts, gpu_only=True) / CASTS_PER_SAMPLE
+                ms_sums = timer(casts_and_sums, gpu_only=True) / CASTS_PER_SAMPLE
                 if i >= args.warmup:
                     samples.append(ms)
+                    with_sums.append(ms_sums)
                     host.append(timer.host(casts) / CASTS_PER_SAMPLE)
             after = fp8mod.cast_path_counts()
             ran = [p for p in (*fp8mod.CAST_PATHS, "update_triton", "update_eager")
@@ -299,6 +305,7 @@ def time_casts(args: argparse.Namespace, timer: Timer) -> list[dict]:
             med = statistics.median(samples)
             rows.append({"path": path, "ran": "+".join(ran), "median_us": 1e3 * med,
                          "gbps": moved / (med * 1e-3) / 1e9,
+                         "with_column_sums_us": 1e3 * statistics.median(with_sums),
                          "host_us": 1e3 * statistics.median(host)})
     finally:
         if saved is None:
@@ -341,11 +348,14 @@ def print_table(report: dict) -> None:
     print(
         f"one FP8 cast of {cfg['tokens']} x {cfg['hidden']} bf16 (+ transpose, amax, update):"
     )
-    print(f"  {'ZBPP_FP8_CAST':<14} {'device us':>10} {'GB/s':>8} {'host us':>8}  ran")
+    print(
+        f"  {'ZBPP_FP8_CAST':<14} {'device us':>10} {'GB/s':>8} {'+ sums us':>10} "
+        f"{'host us':>8}  ran"
+    )
     for c in report["casts"]:
         print(
-            f"  {c['path']:<14} {c['median_us']:>10.1f} {c['gbps']:>8.1f} {c['host_us']:>8.1f}"
-            f"  {c['ran']}"
+            f"  {c['path']:<14} {c['median_us']:>10.1f} {c['gbps']:>8.1f} "
+            f"{c['with_column_sums_us']:>10.1f} {c['host_us']:>8.1f}  {c['ran']}"
         )
 
 
