@@ -18,9 +18,9 @@ interleaved over ``--rounds`` rounds and the median is reported, with TFLOP/s (6
 and two ratios: FP8 speedup (bf16 eager / fp8 eager; target >= 1.6 at hidden 8192) and delay
 overhead (delayed B+W / eager - 1; target within 3%).
 
-``sustained ms`` is the rate of a training loop that never waits: ``--sustain`` seconds of steps
-back to back per case and round (batches of 5 timed together; the median batch of the second
-half). It differs from the single step where the GPU runs into its power limit: an H200 draws its
+``sustained ms`` is the rate of a training loop that never waits: about ``--sustain`` seconds of
+steps back to back per case and round (an event after every 5 steps, one synchronisation at the
+end; the median batch of the second half). It differs from the single step where the GPU runs into its power limit: an H200 draws its
 700 W cap within milliseconds of back-to-back FP8 GEMMs and lowers its clocks, more than it does
 for bf16 ones. The FP8 GEMM path counts say whether
 ``torch._scaled_mm`` ran; the ``cast`` column says which FP8 cast path ran in each case (``triton``,
@@ -169,13 +169,28 @@ class Timer:
             torch.cuda.synchronize()
         return ms
 
-    def sustained(self, fn: Callable[[], None], seconds: float, batch: int = 5) -> float:
-        """Milliseconds per call of `fn` called back to back for about `seconds`: the median
-        over batches of `batch` calls in the second half (the first half settles clocks)."""
-        per_call = []
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end or len(per_call) < 2:
-            per_call.append(self(lambda: [fn() for _ in range(batch)]) / batch)
+    def sustained(self, fn: Callable[[], None], calls: int, batch: int = 5) -> float:
+        """Milliseconds per call of `fn` over `calls` calls back to back, never waiting for the
+        GPU in between: the median over batches of `batch` calls in the second half (the first
+        half lets the clocks settle). On CUDA an event is recorded after every batch and the
+        host synchronises once, at the end."""
+        batches = max(2, -(-calls // batch))
+        if not self.cuda:
+            per_call = []
+            for _ in range(batches):
+                t = time.perf_counter()
+                for _ in range(batch):
+                    fn()
+                per_call.append(1e3 * (time.perf_counter() - t) / batch)
+        else:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(batches + 1)]
+            marks[0].record()
+            for mark in marks[1:]:
+                for _ in range(batch):
+                    fn()
+                mark.record()
+            marks[-1].synchronize()
+            per_call = [a.elapsed_time(b) / batch for a, b in zip(marks, marks[1:])]
         return statistics.median(per_call[len(per_call) // 2 :])
 
 
@@ -218,7 +233,8 @@ def run(args: argparse.Namespace) -> dict:
                     clear()
                     step()
 
-                sustained[case].append(timer.sustained(cleared_step, args.sustain))
+                calls = round(1e3 * args.sustain / statistics.median(times[case][-args.iters :]))
+                sustained[case].append(timer.sustained(cleared_step, calls))
             after = fp8mod.cast_path_counts()
             for path in fp8mod.CAST_PATHS:
                 cast_paths[case][path] += after[path] - before[path]
