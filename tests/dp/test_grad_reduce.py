@@ -118,12 +118,18 @@ def test_buckets_follow_the_size_cap() -> None:
     assert [[e.param.numel() for e in b.entries] for b in r._buckets] == [[300], [100, 100], [100]]
 
 
-def test_missing_wgrad_notification_is_reported_with_the_parameter() -> None:
+def _reducer_after_one_b() -> tuple[KeyedLinear, GradReducer]:
+    """A delayed layer under a reducer whose step has run one microbatch's B (its W pending)."""
     layer, _ = _pair(KeyedLinear)
     r = GradReducer({0: layer}, None)
     r.start_step()
     with microbatch(0):
         layer(_microbatches(1)[0]).sum().backward()
+    return layer, r
+
+
+def test_missing_wgrad_notification_is_reported_with_the_parameter() -> None:
+    layer, r = _reducer_after_one_b()
     r.stage_backward_done(0)
     layer.backward_dw(0)
     with pytest.raises(RuntimeError, match=r"stage_wgrad_done\(0\) was not called.*'weight' was reduced 0 times"):
@@ -153,11 +159,7 @@ def test_gradient_after_the_parameter_was_final_raises() -> None:
 
 
 def test_w_after_stage_wgrad_done_raises() -> None:
-    layer, _ = _pair(KeyedLinear)
-    r = GradReducer({0: layer}, None)
-    r.start_step()
-    with microbatch(0):
-        layer(_microbatches(1)[0]).sum().backward()
+    layer, r = _reducer_after_one_b()
     r.stage_backward_done(0)
     r.stage_wgrad_done(0)  # too early: the W below still runs
     with pytest.raises(RuntimeError, match="backward_dw\\(\\) ran after"):
