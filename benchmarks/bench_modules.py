@@ -2,7 +2,9 @@
 
 A stack of ``--layers`` zbpp ``Linear(hidden, hidden)`` layers (bf16 parameters, bias on) runs one
 training step per measurement, ``--tokens`` rows of input that requires grad (as in a pipeline
-stage, so every layer also computes its input gradient):
+stage, so every layer also computes its input gradient) and a fixed random output gradient
+(``--grad randn``; ``--grad ones`` feeds the gradient of ``mean()``, whose rows are all alike in
+every layer: see ``output_gradient`` for why that flatters bf16 on a power-capped GPU):
 
 - ``bf16 eager``        forward + backward (weight gradients inside the backward)
 - ``fp8 eager``         the same inside ``fp8_autocast`` (HYBRID, delayed scaling; the weights are
@@ -16,13 +18,13 @@ stage, so every layer also computes its input gradient):
 Each step is timed with CUDA events (``time.perf_counter`` on CPU) from an idle GPU; the cases are
 interleaved over ``--rounds`` rounds and the median is reported, with TFLOP/s (6 T h^2 per layer)
 and two ratios: FP8 speedup (bf16 eager / fp8 eager; target >= 1.6 at hidden 8192) and delay
-overhead (delayed B+W / eager - 1; target within 3%).
+overhead (delayed B+W / eager - 1; target within 3%), each also from the sustained rates.
 
 ``sustained ms`` is the rate of a training loop that never waits: about ``--sustain`` seconds of
 steps back to back per case and round (an event after every 5 steps, one synchronisation at the
-end; the median batch of the second half). It differs from the single step where the GPU runs into its power limit: an H200 draws its
-700 W cap within milliseconds of back-to-back FP8 GEMMs and lowers its clocks, more than it does
-for bf16 ones. The FP8 GEMM path counts say whether
+end; the median batch of the second half). It differs from the single step where the GPU runs
+into its power limit: an H200 draws its 700 W cap within milliseconds of back-to-back GEMMs and
+lowers its clocks, by how much depends on the data. The FP8 GEMM path counts say whether
 ``torch._scaled_mm`` ran; the ``cast`` column says which FP8 cast path ran in each case (``triton``,
 ``compile`` or ``eager``: ``ZBPP_FP8_CAST`` chooses, see ``zbpp.modules.fp8``).
 
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sustain", type=float, default=1.0,
         help="seconds of back-to-back steps per case and round for the sustained rate (0: skip)",
     )
+    ap.add_argument(
+        "--grad", choices=("randn", "ones"), default="randn",
+        help="the output gradient fed to the last layer (see output_gradient)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized smoke run")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -108,11 +114,29 @@ def make_stack(args: argparse.Namespace, *, delay: bool) -> list[Linear]:
     ]
 
 
+def output_gradient(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The fixed gradient every step feeds the last layer (no loss kernel in the timing).
+
+    ``randn``: normal values, scaled as the gradient of a mean; full rank, like a real loss
+    gradient. ``ones``: the gradient of ``mean()`` itself, the same in every element; then every
+    layer's output gradient has identical rows (rank one), and a power-capped GPU runs GEMMs on
+    such operands at higher clocks than on real data, bf16 ones far more than FP8 ones.
+    """
+    if kind == "ones":
+        return torch.ones_like(x) / x.numel()
+    gen = torch.Generator(device=x.device).manual_seed(1)
+    return torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype) / x.numel()
+
+
 def make_step(
-    stack: list[Linear], x: torch.Tensor, *, fp8: bool, fast_fprop: bool = True
+    stack: list[Linear],
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    fp8: bool,
+    fast_fprop: bool = True,
 ) -> Callable[[], None]:
     recipe = DelayedScaling(amax_history_len=16, fprop_fast_accumulation=fast_fprop)
-    grad = torch.ones_like(x) / x.numel()  # a fixed output gradient: no loss kernel in the timing
     delayed = stack[0].delay_wgrad_compute
 
     def step() -> None:
@@ -198,9 +222,14 @@ def run(args: argparse.Namespace) -> dict:
     x = torch.randn(args.tokens, args.hidden, device=args.device, dtype=torch.bfloat16)
     x.requires_grad_(True)
     stacks = {False: make_stack(args, delay=False), True: make_stack(args, delay=True)}
+    grad = output_gradient(x, args.grad)
     steps = {
         case: make_step(
-            stacks["delayed" in case], x, fp8=case.startswith("fp8"), fast_fprop="f32" not in case
+            stacks["delayed" in case],
+            x,
+            grad,
+            fp8=case.startswith("fp8"),
+            fast_fprop="f32" not in case,
         )
         for case in CASES
     }
@@ -270,6 +299,14 @@ def run(args: argparse.Namespace) -> dict:
             ),
             "delay_overhead_bf16": by["bf16 delayed B+W"] / by["bf16 eager"] - 1,
             "delay_overhead_fp8": by["fp8 delayed B+W"] / by["fp8 eager"] - 1,
+            # single steps from an idle GPU vary by a few percent with its power state; the
+            # sustained rates are the steadier comparison
+            "delay_overhead_bf16_sustained": (
+                held["bf16 delayed B+W"] / held["bf16 eager"] - 1 if held["bf16 eager"] else None
+            ),
+            "delay_overhead_fp8_sustained": (
+                held["fp8 delayed B+W"] / held["fp8 eager"] - 1 if held["fp8 eager"] else None
+            ),
         },
         "fp8_gemm_paths": fp8mod.gemm_path_counts(),
         "fp8_cast_paths": fp8mod.cast_path_counts(),
@@ -335,7 +372,8 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     print(
         f"Linear stack: {cfg['layers']} x Linear({cfg['hidden']}, {cfg['hidden']}), "
-        f"{cfg['tokens']} tokens, bf16 params, on {report['env']['device']}"
+        f"{cfg['tokens']} tokens, bf16 params, output gradient {cfg['grad']}, "
+        f"on {report['env']['device']}"
     )
     print(
         f"{'case':<18} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'TFLOP/s':>9} "
@@ -359,6 +397,11 @@ def print_table(report: dict) -> None:
         f"delay overhead (delayed B+W / eager - 1): bf16 {100 * q['delay_overhead_bf16']:+.1f}%, "
         f"fp8 {100 * q['delay_overhead_fp8']:+.1f}%  (target within 3%)"
     )
+    if q["delay_overhead_fp8_sustained"] is not None:
+        print(
+            f"delay overhead, sustained: bf16 {100 * q['delay_overhead_bf16_sustained']:+.1f}%, "
+            f"fp8 {100 * q['delay_overhead_fp8_sustained']:+.1f}%"
+        )
     print(f"FP8 GEMM paths: {report['fp8_gemm_paths']}")
     print(f"FP8 cast paths: {report['fp8_cast_paths']}")
     print(

@@ -43,4 +43,7 @@ def test_bench_modules_quick(tmp_path):
                for r in results.values())
     assert {c["path"] for c in report["casts"]} == {"triton", "compile", "eager"}
     assert set(report["ratios"]) == {"fp8_speedup", "fp8_f32_acc_speedup", "fp8_speedup_sustained",
-                                     "delay_overhead_bf16", "delay_overhead_fp8"}
+                                     "delay_overhead_bf16", "delay_overhead_fp8",
+                                     "delay_overhead_bf16_sustained",
+                                     "delay_overhead_fp8_sustained"}
+    assert report["config"]["grad"] == "randn"
