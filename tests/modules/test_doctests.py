@@ -9,6 +9,7 @@ import pytest
 
 MODULES = [
     "zbpp.modules",
+    "zbpp.modules._fp8_weight_cache",
     "zbpp.modules.base",
     "zbpp.modules.context",
     "zbpp.modules.fp8",

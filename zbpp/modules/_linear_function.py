@@ -26,6 +26,7 @@ from .fp8 import (
     quantize,
     quantize_and_column_sum,
 )
+from ._fp8_weight_cache import Fp8WeightCache
 from .wgrad_store import WgradStore
 
 __all__ = ["GradOut", "Fp8Slots", "GemmCall", "linear"]
@@ -45,12 +46,15 @@ WgradJob = Callable[[], list[GradOut]]
 
 @dataclass(frozen=True)
 class Fp8Slots:
-    """The recipe and the three scaling slots of one GEMM, as the forward saw them."""
+    """The recipe and the three scaling slots of one GEMM, as the forward saw them, and where
+    the weight's cast may be kept between microbatches (``is_first_microbatch``)."""
 
     recipe: DelayedScaling
     input: ScalingMeta
     weight: ScalingMeta
     grad_output: ScalingMeta
+    weight_cache: Fp8WeightCache
+    first_microbatch: bool | None
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,9 @@ class _LinearFunction(torch.autograd.Function):
         # The backward needs x^T (wgrad) and W^T (dgrad), row-major: cast and transpose at once,
         # and keep only those.
         xq = quantize(x, s.input, s.recipe, transpose=need_dw)
-        wq = quantize(weight, s.weight, s.recipe, transpose=need_dx)
+        wq = s.weight_cache.cast(
+            weight, s.weight, s.recipe, transpose=need_dx, first_microbatch=s.first_microbatch
+        )
         ctx.save_for_backward(xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv)
         return fp8_gemm_nt(
             xq, wq, out_dtype=x.dtype, bias=bias, fast_accumulation=s.recipe.fprop_fast_accumulation

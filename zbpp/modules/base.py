@@ -12,18 +12,27 @@ from __future__ import annotations
 import inspect
 
 from collections import OrderedDict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
 from ._linear_function import Fp8Slots, GemmCall, GradOut, add_to_main_grad
 from .context import current_microbatch
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
 from .wgrad_store import AutoKey, WgradStore
 
 __all__ = ["DelayedWgradModule", "is_delayed", "supports_keys"]
+
+
+class ForwardCall(NamedTuple):
+    """What one forward of a layer reads once, on the caller's thread, for all its GEMMs."""
+
+    key: Hashable  # the microbatch key its wgrad jobs are filed under
+    recipe: DelayedScaling | None  # the FP8 recipe, None outside fp8_autocast
+    first_microbatch: bool | None  # the forward's is_first_microbatch
 
 
 class DelayedWgradModule(nn.Module):
@@ -46,6 +55,7 @@ class DelayedWgradModule(nn.Module):
         # False after an FP8 forward: there the bias gradients are computed during B.
         self._bias_grad_deferred = True
         self.fp8_meta: dict[str, ScalingMeta] = {}
+        self._fp8_weight_casts: dict[str, Fp8WeightCache] = {}  # per GEMM weight attribute
 
     # -- parameters -------------------------------------------------------------------------
     def _gemm_weights(self) -> list[nn.Parameter]:
@@ -82,9 +92,13 @@ class DelayedWgradModule(nn.Module):
         self._sync_param_flags()
 
     # -- forward side -------------------------------------------------------------------------
-    def _begin_forward(self) -> tuple[Hashable, DelayedScaling | None]:
-        """The key and FP8 recipe of the forward starting now (read on the caller's thread)."""
+    def _begin_forward(self, is_first_microbatch: bool | None = None) -> ForwardCall:
+        """The key, FP8 recipe and weight-cast reuse of the forward starting now."""
+        first = check_first_microbatch(type(self).__name__, is_first_microbatch)
         recipe = active_recipe()
+        if recipe is None or first is None:  # nothing to reuse later: free the kept casts
+            for cache in self._fp8_weight_casts.values():
+                cache.clear()
         if self._delay and self._bias_grad_deferred != (recipe is None):
             self._bias_grad_deferred = recipe is None
             self._sync_param_flags()
@@ -92,7 +106,7 @@ class DelayedWgradModule(nn.Module):
         if key is None and self._delay:
             key = AutoKey(self._auto_keys)
             self._auto_keys += 1
-        return key, recipe
+        return ForwardCall(key, recipe, first)
 
     def _slot(self, name: str, dtype: torch.dtype, recipe: DelayedScaling) -> ScalingMeta:
         device = self._gemm_weights()[0].device
@@ -105,10 +119,9 @@ class DelayedWgradModule(nn.Module):
             meta.amax_history = meta.amax_history.to(device)
         return meta
 
-    def _gemm_call(
-        self, index: int, key: Hashable, recipe: DelayedScaling | None
-    ) -> GemmCall:
+    def _gemm_call(self, index: int, call: ForwardCall) -> GemmCall:
         prefix, weight_name, bias_name = self._gemm_names[index]
+        recipe = call.recipe
         fp8 = None
         if recipe is not None:
             fp8 = Fp8Slots(
@@ -116,6 +129,8 @@ class DelayedWgradModule(nn.Module):
                 self._slot(prefix + "input", recipe.fwd_dtype, recipe),
                 self._slot(prefix + "weight", recipe.fwd_dtype, recipe),
                 self._slot(prefix + "grad_output", recipe.bwd_dtype, recipe),
+                self._fp8_weight_casts.setdefault(weight_name, Fp8WeightCache()),
+                call.first_microbatch,
             )
         cls = type(self).__name__
         return GemmCall(
@@ -124,7 +139,7 @@ class DelayedWgradModule(nn.Module):
             weight_name=f"{cls}.{weight_name}",
             bias_name=f"{cls}.{bias_name}",
             store=self._wgrad_store if self._delay else None,
-            key=key,
+            key=call.key,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             fp8=fp8,
         )

@@ -57,10 +57,11 @@ class LayerNormLinear(DelayedWgradModule):
         add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
         self._sync_param_flags()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key, recipe = self._begin_forward()
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """``norm(x) W^T + b``; `is_first_microbatch` as in `Linear.forward`."""
+        call = self._begin_forward(is_first_microbatch)
         h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        return linear(h, self.weight, self.bias, self._gemm_call(0, key, recipe))
+        return linear(h, self.weight, self.bias, self._gemm_call(0, call))
 
     def extra_repr(self) -> str:
         return (

@@ -87,12 +87,14 @@ class LayerNormMLP(DelayedWgradModule):
                         init=output_layer_init_method or init, **kw)
         self._sync_param_flags()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key, recipe = self._begin_forward()
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """``fc2(act(fc1(norm(x))))``; `is_first_microbatch` as in `Linear.forward` (both
+        weights)."""
+        call = self._begin_forward(is_first_microbatch)
         h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        h = linear(h, self.fc1_weight, self.fc1_bias, self._gemm_call(0, key, recipe))
+        h = linear(h, self.fc1_weight, self.fc1_bias, self._gemm_call(0, call))
         h = ACTIVATIONS[self.activation][0](h)
-        return linear(h, self.fc2_weight, self.fc2_bias, self._gemm_call(1, key, recipe))
+        return linear(h, self.fc2_weight, self.fc2_bias, self._gemm_call(1, call))
 
     def extra_repr(self) -> str:
         return (

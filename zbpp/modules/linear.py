@@ -56,9 +56,11 @@ class Linear(DelayedWgradModule):
         add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
         self._sync_param_flags()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key, recipe = self._begin_forward()
-        return linear(x, self.weight, self.bias, self._gemm_call(0, key, recipe))
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """``x W^T + b``; `is_first_microbatch` as in Transformer Engine (see `Fp8WeightCache`):
+        True casts the FP8 weight and keeps it, False reuses it, None (default) keeps nothing."""
+        call = self._begin_forward(is_first_microbatch)
+        return linear(x, self.weight, self.bias, self._gemm_call(0, call))
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,103 @@
+"""One weight's FP8 cast, kept across the microbatches of an optimizer step.
+
+Between two optimizer steps every microbatch casts the same weight values again: a third of an
+FP8 layer's cast traffic per microbatch (x, W and dy are each cast once). Transformer Engine's
+``is_first_microbatch`` forward argument avoids that, and zbpp's layers take it with the same
+meaning:
+
+- ``None`` (default): cast the weight on every call and keep nothing;
+- ``True``: cast it (stepping the weight's amax history as any cast does) and keep the cast;
+- ``False``: reuse the kept cast, without stepping the history, while it still belongs to the
+  weight: the same tensor with the same storage and version counter, the same scaling slot, and a
+  transpose where this call needs one. Otherwise cast afresh and keep that.
+
+In-place updates (an optimizer step, ``weight.add_``) bump the version counter, so a stale cast is
+never used after them; writes through ``weight.data`` do not, which is why, as with Transformer
+Engine, the first microbatch after every optimizer step must pass ``True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .fp8 import DelayedScaling, Quantized, ScalingMeta, quantize
+
+__all__ = ["Fp8WeightCache", "check_first_microbatch"]
+
+
+def check_first_microbatch(owner: str, value: object) -> bool | None:
+    """`value` when it is None, True or False; a TypeError naming `owner` otherwise."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}: is_first_microbatch={value!r}; pass True on the first microbatch after an "
+            "optimizer step, False on the others, or None to cast the weights on every call"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class _Kept:
+    weight: torch.Tensor
+    data_ptr: int
+    version: int
+    slot: ScalingMeta
+    cast: Quantized
+
+    def belongs_to(self, weight: torch.Tensor, slot: ScalingMeta, transpose: bool) -> bool:
+        return (
+            self.weight is weight
+            and self.data_ptr == weight.data_ptr()
+            and self.version == weight._version
+            and self.slot is slot
+            and self.cast.data.device == weight.device
+            and (self.cast.data_t is not None or not transpose)
+        )
+
+
+class Fp8WeightCache:
+    """The kept FP8 cast of one GEMM weight (see the module docstring for the rules).
+
+    >>> import torch
+    >>> from zbpp.modules.fp8 import DelayedScaling, ScalingMeta
+    >>> w, recipe = torch.ones(16, 16), DelayedScaling()
+    >>> slot = ScalingMeta(torch.float8_e4m3fn, history_len=4)
+    >>> cache = Fp8WeightCache()
+    >>> first = cache.cast(w, slot, recipe, transpose=True, first_microbatch=True)
+    >>> cache.cast(w, slot, recipe, transpose=True, first_microbatch=False) is first
+    True
+    >>> with torch.no_grad():
+    ...     _ = w.mul_(2)  # as an optimizer step would: the kept cast is stale now
+    >>> cache.cast(w, slot, recipe, transpose=True, first_microbatch=False) is first
+    False
+    """
+
+    __slots__ = ("_kept",)
+
+    def __init__(self) -> None:
+        self._kept: _Kept | None = None
+
+    def clear(self) -> None:
+        """Forget the kept cast (and free its memory)."""
+        self._kept = None
+
+    def cast(
+        self,
+        weight: torch.Tensor,
+        slot: ScalingMeta,
+        recipe: DelayedScaling,
+        *,
+        transpose: bool,
+        first_microbatch: bool | None,
+    ) -> Quantized:
+        """The weight's FP8 cast for this call: the kept one or a fresh `quantize`."""
+        if first_microbatch is None:
+            self._kept = None
+            return quantize(weight, slot, recipe, transpose=transpose)
+        kept = self._kept
+        if not first_microbatch and kept is not None and kept.belongs_to(weight, slot, transpose):
+            return kept.cast
+        cast = quantize(weight, slot, recipe, transpose=transpose)
+        self._kept = _Kept(weight, weight.data_ptr(), weight._version, slot, cast)
+        return cast
