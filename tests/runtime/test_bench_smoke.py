@@ -37,12 +37,14 @@ def test_bench_modules_quick(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     report = json.loads(out.read_text())
     results = {r["case"]: r for r in report["results"]}
-    assert set(results) == {"bf16 eager", "fp8 eager", "fp8 f32-acc eager", "bf16 delayed B+W",
-                            "fp8 delayed B+W"}
+    assert set(results) == {"bf16 eager", "fp8 eager", "fp8 f32-acc eager", "fp8 weights kept",
+                            "bf16 delayed B+W", "fp8 delayed B+W"}
     assert all(r["median_ms"] > 0 and r["host_ms"] > 0 and r["sustained_ms"] > 0
                for r in results.values())
     assert {c["path"] for c in report["casts"]} == {"triton", "compile", "eager"}
     assert set(report["ratios"]) == {"fp8_speedup", "fp8_f32_acc_speedup", "fp8_speedup_sustained",
+                                     "fp8_weights_kept_speedup",
+                                     "fp8_weights_kept_speedup_sustained",
                                      "delay_overhead_bf16", "delay_overhead_fp8",
                                      "delay_overhead_bf16_sustained",
                                      "delay_overhead_fp8_sustained"}
