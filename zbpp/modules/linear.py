@@ -57,8 +57,9 @@ class Linear(DelayedWgradModule):
         self._sync_param_flags()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        """``x W^T + b``; `is_first_microbatch` as in Transformer Engine (see `Fp8WeightCache`):
-        True casts the FP8 weight and keeps it, False reuses it, None (default) keeps nothing."""
+        """``x W^T + b``. `is_first_microbatch` (FP8 only, as in Transformer Engine): True casts
+        the weight and keeps the cast, False reuses the kept cast while the weight is unchanged
+        (the same tensor at the same version), None (default) casts on every call."""
         call = self._begin_forward(is_first_microbatch)
         return linear(x, self.weight, self.bias, self._gemm_call(0, call))
 
