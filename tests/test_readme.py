@@ -19,7 +19,9 @@ def test_readme_opens_with_install_and_test_commands() -> None:
     assert 'pip install ".[test]"' in test_cmd and "pytest" in test_cmd
 
 
-def test_ci_runs_the_readme_test_command() -> None:
-    _, test_cmd = _first_commands()
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert test_cmd in ci.splitlines(), "the README's test command and .ci/run have drifted apart"
+def test_ci_runs_both_readme_commands_in_order() -> None:
+    run_cmd, test_cmd = _first_commands()
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert run_cmd in lines, "README's install-and-demo command and .ci/run have drifted apart"
+    assert test_cmd in lines, "README's test command and .ci/run have drifted apart"
+    assert lines.index(run_cmd) < lines.index(test_cmd), "CI must run the demo on the venv without extras first"

@@ -61,4 +61,4 @@ class Transport:
         dist.irecv(size, src, group=self.group).wait()
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         dist.irecv(data, src, group=self.group).wait()
-        return pickle.loads(data.cpu().numpy().tobytes())
+        return pickle.loads(bytes(data.cpu().tolist()))  # no numpy: it is not a dependency
