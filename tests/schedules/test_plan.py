@@ -1,0 +1,210 @@
+"""The communication plan: one message per cross-rank edge, one channel per direction, issue points
+that cannot deadlock and that post each operation shortly before it is needed.
+
+Deadlock-freedom is checked on a model of NCCL point-to-point at its strictest: each channel (an
+ordered pair of ranks with its own communicator) is a queue on each end; operations leave a queue
+only in order, and a send and its receive complete together, only when both are at the head of
+their channel's queues. A rank issues the operations of boundary i (non-blocking), then runs task i,
+which waits until every message it consumes has completed. The plan must finish under this model
+for every schedule, costs and option; plans that break the rules (a send issued after the task
+that waits for its answer, or a channel's two ends in different orders) must not, which shows the
+model can fail.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from zbpp.schedules import Costs, available, build, options_of
+from zbpp.schedules.dag import task_graph
+from zbpp.schedules.ir import Action, Kind, Schedule, from_orders
+from zbpp.schedules.plan import CommOp, Plan, fifo_wgrad_problem, make_plan
+
+
+def _build(name: str, p: int, m: int) -> Schedule:
+    return build(name, num_ranks=p, num_microbatches=m, **({"chunks": 2} if "chunks" in options_of(name) else {}))
+
+
+def _finishes(plan: Plan, issue: list[list[list[CommOp]]] | None = None) -> bool:
+    """Run the per-channel NCCL model (module docstring); True when every task and operation completes."""
+    issue = issue if issue is not None else [[list(ops) for ops in rp.issue] for rp in plan.ranks]
+    p = len(plan.ranks)
+    queues: dict[tuple[int, int, bool], list[int]] = {}  # (channel, sending end?) -> message indices issued
+    heads: dict[tuple[int, int, bool], int] = {}
+    done_msgs: set[int] = set()
+    done_tasks: set[Action] = set()
+    pos = [0] * p  # next boundary / task of each rank
+    issued = [False] * p  # the boundary at pos[r] has been issued
+    progress = True
+    while progress:
+        progress = False
+        for r, rp in enumerate(plan.ranks):
+            while True:
+                i = pos[r]
+                if not issued[r]:
+                    for op in issue[r][i]:
+                        if op.send and op.message.src not in done_tasks:
+                            return False  # a send of data not produced yet: the plan is broken
+                        queues.setdefault((*op.message.channel, op.send), []).append(op.message.index)
+                    issued[r] = True
+                    progress = True
+                if i == len(rp.tasks):
+                    break
+                task = rp.tasks[i]
+                msg = rp.recv_of.get(task)
+                if msg is not None and msg.index not in done_msgs:
+                    break
+                done_tasks.add(task)
+                pos[r] += 1
+                issued[r] = False
+                progress = True
+        for channel in {key[:2] for key in queues}:  # rendezvous of the two heads of each channel
+            s_key, r_key = (*channel, True), (*channel, False)
+            while True:
+                hs, hr = heads.get(s_key, 0), heads.get(r_key, 0)
+                sq, rq = queues.get(s_key, []), queues.get(r_key, [])
+                if hs >= len(sq) or hr >= len(rq) or sq[hs] != rq[hr]:
+                    break
+                done_msgs.add(sq[hs])
+                heads[s_key], heads[r_key] = hs + 1, hr + 1
+                progress = True
+    return all(pos[r] == len(rp.tasks) and issued[r] for r, rp in enumerate(plan.ranks)) and len(done_msgs) == len(plan.messages)
+
+
+def _random_costs(rng: random.Random, num_stages: int) -> Costs:
+    def per_stage() -> tuple[float, ...]:
+        return tuple(rng.uniform(0.2, 3.0) for _ in range(num_stages))
+
+    return Costs(f=per_stage(), b=per_stage(), w=per_stage(), comm=rng.choice([0.0, 0.3, 2.5]))
+
+
+CASES = [(name, p, m) for name in available() for p in (2, 3, 4) for m in (1, p, 2 * p + 1)]
+
+
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_plan_is_complete_and_deadlock_free(name, p, m):
+    sched = _build(name, p, m)
+    cross = {(u, v) for u, v, d in task_graph(sched, rank_chains=False).edges(data=True) if d["cross_rank"]}
+    rng = random.Random(f"{name}{p}{m}")
+    for costs in (None, _random_costs(rng, sched.num_stages)):
+        for recv_lead in (0, 2):
+            plan = make_plan(sched, costs=costs, recv_lead=recv_lead)
+            assert {(msg.src, msg.dst) for msg in plan.messages} == cross  # one message per cross-rank edge
+            assert all(msg.src_rank != msg.dst_rank for msg in plan.messages)  # never a send to oneself
+            for rp in plan.ranks:
+                assert sorted(op.message.index for op in rp.ops) == sorted(
+                    m.index for m in plan.messages if rp.rank in (m.src_rank, m.dst_rank)
+                )
+            assert _finishes(plan), f"{name} p={p} m={m} costs={costs} lead={recv_lead} deadlocks"
+            fwd = make_plan(sched, costs=costs, recv_lead=recv_lead, forward_only=True)
+            assert all(a.kind is Kind.F for rp in fwd.ranks for a in rp.tasks)
+            assert {(m.src, m.dst) for m in fwd.messages} == {(u, v) for u, v in cross if u.kind is Kind.F}
+            assert _finishes(fwd), f"{name} p={p} m={m} forward-only deadlocks"
+
+
+def _random_schedule(rng: random.Random, p: int, m: int, v_shape: bool) -> Schedule:
+    """A random valid schedule: list scheduling that picks any ready task of a random rank."""
+    n = 2 * p if v_shape else p
+    placement = [min(s, n - 1 - s) if v_shape else s for s in range(n)]
+    split = {(s, j): rng.random() < 0.7 for s in range(n) for j in range(m)}
+    kinds = {(s, j): ([Kind.F, Kind.B, Kind.W] if split[(s, j)] else [Kind.F, Kind.BW]) for s in range(n) for j in range(m)}
+    done: set[Action] = set()
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    todo = {Action(k, s, j) for (s, j), ks in kinds.items() for k in ks}
+
+    def backward(s: int, j: int) -> Action:
+        return Action(Kind.B if split[(s, j)] else Kind.BW, s, j)
+
+    def ready(a: Action) -> bool:
+        s, j = a.stage, a.microbatch
+        if a.kind is Kind.F:
+            return s == 0 or Action(Kind.F, s - 1, j) in done
+        if a.kind is Kind.W:
+            return Action(Kind.B, s, j) in done
+        return (Action(Kind.F, s, j) in done) and (s == n - 1 or backward(s + 1, j) in done)
+
+    while todo:
+        cands = sorted((a for a in todo if ready(a)), key=str)
+        a = rng.choice(cands)
+        todo.discard(a)
+        done.add(a)
+        orders[placement[a.stage]].append(a)
+    return from_orders("random", placement, m, orders)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_schedules_and_costs_never_deadlock(seed):
+    rng = random.Random(seed)
+    p, m = rng.randint(2, 4), rng.randint(1, 6)
+    sched = _random_schedule(rng, p, m, v_shape=bool(seed % 2))
+    plan = make_plan(sched, costs=_random_costs(rng, sched.num_stages), recv_lead=rng.randint(0, 2))
+    assert _finishes(plan)
+
+
+def test_the_model_catches_broken_plans():
+    sched = _build("1f1b", 2, 4)
+    plan = make_plan(sched)
+    # Every send of rank 1 moved after its last task: rank 0's BW0.0 waits for it, so F0.2 is
+    # never sent, and rank 1's F1.2 waits forever.
+    late = [[list(ops) for ops in rp.issue] for rp in plan.ranks]
+    sends = [op for ops in late[1] for op in ops if op.send]
+    late[1] = [[op for op in ops if not op.send] for ops in late[1]]
+    late[1][-1] += sends
+    assert not _finishes(plan, late)
+    # Rank 0's first two sends on channel (0, 1) issued together in the wrong order: the two ends
+    # of the channel disagree, so F0.1 is at the head of the sending end and F0.0 at the receiving one.
+    swapped = [[list(ops) for ops in rp.issue] for rp in plan.ranks]
+    sends = [(i, op) for i, ops in enumerate(swapped[0]) for op in ops if op.send][:2]
+    (_, first), (i2, second) = sends
+    swapped[0] = [[op for op in ops if op not in (first, second)] for ops in swapped[0]]
+    swapped[0][i2][:0] = [second, first]
+    assert not _finishes(plan, swapped)
+    swapped[0][i2][:2] = [first, second]
+    assert _finishes(plan, swapped)  # the same boundary in the right order is fine
+
+
+def test_receives_are_posted_shortly_before_they_are_needed():
+    """1F1B, p=2, m=4, unit costs. Rank 1 runs F1.0 BW1.0 F1.1 BW1.1 ... with no idle time in the
+    steady state, so each activation is received one task ahead (before the BW that precedes its
+    F); rank 0 sends each activation at its last boundary not later than that receive."""
+    plan = make_plan(_build("1f1b", 2, 4))
+    r1 = plan.ranks[1]
+    where = {op.message.dst: r1.tasks[i] if i < len(r1.tasks) else None
+             for i, ops in enumerate(r1.issue) for op in ops if not op.send}
+    assert {str(k): str(v) for k, v in where.items()} == {
+        "F1.0": "F1.0", "F1.1": "BW1.0", "F1.2": "BW1.1", "F1.3": "BW1.2"}
+    r0 = plan.ranks[0]
+    sent_before = {str(op.message.src): str(r0.tasks[i]) for i, ops in enumerate(r0.issue) for op in ops if op.send}
+    assert sent_before == {"F0.0": "F0.1", "F0.1": "BW0.0", "F0.2": "BW0.1", "F0.3": "BW0.2"}
+    # A slow link (comm of two tasks) moves receives earlier.
+    slow = make_plan(_build("1f1b", 2, 4), costs=Costs(1, 1, 1, comm=2.0))
+    first = {str(op.message.dst): i for i, ops in enumerate(slow.ranks[1].issue) for op in ops if not op.send}
+    assert first["F1.3"] < 6  # before BW1.1 (position 3) rather than BW1.2 (position 5)
+
+
+def test_v_shape_hands_over_on_the_turning_rank():
+    """ZB-V, p=2: stages 0,1,2,3 on ranks 0,1,1,0. Hand-worked: per microbatch the messages are
+    F0->F1 (0->1), F2->F3 (1->0), B3->B2 (0->1) and B1->B0 (1->0); F1->F2 and B2->B1 stay on rank 1."""
+    sched = _build("zb-v", 2, 3)
+    assert sched.placement == (0, 1, 1, 0)
+    plan = make_plan(sched)
+    got = {(str(m.src)[:-2], str(m.dst)[:-2], m.src_rank, m.dst_rank) for m in plan.messages}
+    assert got == {("F0", "F1", 0, 1), ("F2", "F3", 1, 0), ("B3", "B2", 0, 1), ("B1", "B0", 1, 0)}
+    assert len(plan.messages) == 4 * 3
+    assert plan.channels == ((0, 1), (1, 0))
+
+
+def test_bad_recv_lead_is_refused():
+    with pytest.raises(ValueError, match="recv_lead"):
+        make_plan(_build("1f1b", 2, 2), recv_lead=-1)
+
+
+def test_fifo_wgrad_problem_names_the_task():
+    sched = _build("zb-h1", 2, 2)
+    assert all(fifo_wgrad_problem(sched, s) is None for s in range(2))
+    r1 = [Action.parse(t) for t in "F1.0 B1.0 F1.1 B1.1 W1.1 W1.0".split()]
+    swapped = Schedule(2, 2, 2, sched.placement, (sched.orders[0], tuple(r1)), name="swapped")
+    msg = fifo_wgrad_problem(swapped, 1)
+    assert msg is not None and "W1.1" in msg and "microbatch 0" in msg

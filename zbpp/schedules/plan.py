@@ -1,0 +1,326 @@
+"""The communication plan of a schedule: which messages exist, the channel each takes, and the
+task boundary at which each rank issues each send and receive.
+
+Pure Python (no torch): the runtime executes a plan, the trace viewer draws its messages, the tests
+check it against a model of NCCL.
+
+Messages. Every cross-rank data edge of the task DAG carries one message: an activation from
+``F(s, j)`` to ``F(s+1, j)``, or a gradient from the backward of stage s+1 to that of stage s.
+Same-rank edges are handed over in memory (V schedules put stages 0 and 2p-1 on rank 0: never a
+send to oneself).
+
+Channels. A message from rank a to rank b travels on channel ``(a, b)``: one per ordered pair of
+ranks that exchange messages, so traffic in one direction never queues behind traffic in the other
+(the runtime gives each channel its own communicator, hence its own NCCL stream). NCCL has no
+tags: on a channel, sends and receives match in the order they are issued, so both ends issue a
+channel's messages in one order, the order in which the receiving rank consumes them.
+
+Issue points. A rank runs its tasks in schedule order and issues ``issue[i]`` just before task i
+(``issue[len(tasks)]`` after the last). On a GPU a posted receive or send launches an NCCL kernel
+that occupies streaming multiprocessors, spinning, until its peer arrives, and slows the GEMMs
+beside it; so operations are issued shortly before they are needed rather than as early as
+possible, and the two ends of a message are issued at about the same time:
+
+- a receive at the last task boundary that the simulated timeline (from `costs`) reaches early
+  enough for the transfer to arrive before its consumer starts: right before the consumer when the
+  rank waits for it anyway, one task earlier when the rank is busy up to the consumer, earlier
+  still when the costs' `comm` (the time a message takes on the link) is longer; ``recv_lead``
+  adds whole tasks of margin;
+- a send after its producing task, at the last task boundary that the simulated timeline (from
+  `costs`) places no later than its receive; and never before an earlier send of its channel.
+
+Why it cannot deadlock. Give each boundary the simulated time at which the rank reaches it (the
+end of the task before it) and read every wait as pointing from a later to an earlier time: a task
+waits for its received messages, whose sends are issued at boundaries no later than the receive's,
+which is no later than the consuming task's start; a send waits for its producing task, which ends
+before the boundary; an operation on a channel waits for the earlier ones, whose ends are issued
+no later. All simulated costs are positive, so every chain of waits descends strictly in time
+and ends. This holds for NCCL (per-channel queues) and gloo alike; `tests/schedules/test_plan.py`
+replays every built-in schedule on a model of NCCL's strictest matching.
+
+>>> from zbpp.schedules import build
+>>> plan = make_plan(build("1f1b", num_ranks=2, num_microbatches=2))
+>>> [[str(op) for op in ops] for ops in plan.ranks[1].issue]
+[['recv F0.0->F1.0 from 0'], ['send BW1.0->BW0.0 to 0', 'recv F0.1->F1.1 from 0'], ['send BW1.1->BW0.1 to 0'], [], []]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .dag import data_dependencies, validate
+from .ir import Action, Kind, Schedule
+from .simulate import Costs, simulate
+
+__all__ = ["Message", "CommOp", "RankPlan", "Plan", "make_plan", "fifo_wgrad_problem"]
+
+Channel = tuple[int, int]  # (sending rank, receiving rank)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One cross-rank data edge: `src`'s output is consumed by `dst` on another rank."""
+
+    index: int  #: position in `Plan.messages`
+    src: Action
+    dst: Action
+    src_rank: int
+    dst_rank: int
+
+    @property
+    def channel(self) -> Channel:
+        return (self.src_rank, self.dst_rank)
+
+    @property
+    def is_gradient(self) -> bool:
+        """True for a gradient going backward (B/BW -> B/BW), False for an activation (F -> F)."""
+        return self.src.kind is not Kind.F
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """What one rank does for one message: send it (after `message.src`) or receive it."""
+
+    send: bool
+    message: Message
+
+    @property
+    def peer(self) -> int:
+        m = self.message
+        return m.dst_rank if self.send else m.src_rank
+
+    def __str__(self) -> str:
+        return f"send {self.message} to {self.peer}" if self.send else f"recv {self.message} from {self.peer}"
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank runs in a step.
+
+    Attributes:
+        rank: the pipeline rank.
+        tasks: its tasks, in schedule order.
+        issue: ``len(tasks) + 1`` tuples: the operations to issue before task i (the last entry:
+            after the last task), each channel's in its order.
+        recv_of: task -> the message it receives (tasks whose input comes from another rank).
+        send_of: task -> the message it sends (tasks whose output goes to another rank).
+        last_backward: stage -> its last B or BW in `tasks` (its ordinary weight grads are final after it).
+        last_wgrad: stage -> its last W or BW in `tasks` (all its weight grads are final after it).
+    """
+
+    rank: int
+    tasks: tuple[Action, ...]
+    issue: tuple[tuple[CommOp, ...], ...]
+    recv_of: Mapping[Action, Message] = field(repr=False)
+    send_of: Mapping[Action, Message] = field(repr=False)
+    last_backward: Mapping[int, Action] = field(repr=False)
+    last_wgrad: Mapping[int, Action] = field(repr=False)
+
+    @property
+    def ops(self) -> tuple[CommOp, ...]:
+        """All operations of the rank in the order it issues them."""
+        return tuple(op for ops in self.issue for op in ops)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan of every rank.
+
+    Attributes:
+        schedule: the schedule it was made for.
+        messages: every message, ordered by channel and, within a channel, in the channel's order.
+        channels: the ordered rank pairs that carry messages, sorted.
+        ranks: one `RankPlan` per rank.
+        forward_only: a plan of the F tasks alone (evaluation), without B, W or gradients.
+    """
+
+    schedule: Schedule
+    messages: tuple[Message, ...]
+    channels: tuple[Channel, ...]
+    ranks: tuple[RankPlan, ...]
+    forward_only: bool = False
+
+
+def make_plan(
+    schedule: Schedule,
+    *,
+    costs: Costs | None = None,
+    recv_lead: int = 0,
+    forward_only: bool = False,
+) -> Plan:
+    """Validate `schedule` and derive its messages, channels and each rank's issue points.
+
+    Args:
+        schedule: any valid schedule.
+        costs: the times that place sends and receives (default: unit F = B = W, no link time);
+            pass measured costs (`Costs.from_profile`, with `comm`) when they differ much, or when
+            the link is slow, so that receives are posted early enough to arrive in time.
+        recv_lead: post every receive at least this many tasks before the task that consumes it
+            (on top of the timing rule above).
+        forward_only: plan the F tasks alone (evaluation: no backward, no gradients).
+
+    Raises `zbpp.schedules.ScheduleError` for an invalid or deadlocking schedule, `ValueError`
+    for a negative `recv_lead`.
+    """
+    if not isinstance(recv_lead, int) or isinstance(recv_lead, bool) or recv_lead < 0:
+        raise ValueError(f"recv_lead must be an integer >= 0, got {recv_lead!r}")
+    validate(schedule)
+    costs = _positive(costs or Costs())
+    if forward_only:
+        orders = [tuple(a for a in order if a.kind is Kind.F) for order in schedule.orders]
+        start, end = _forward_timeline(schedule, orders, costs)
+    else:
+        orders = list(schedule.orders)
+        sim = simulate(schedule, costs)
+        start, end = sim.start, sim.end
+    position = {a: i for order in orders for i, a in enumerate(order)}
+    present = {a for order in orders for a in order}
+
+    # A transfer takes `comm`; with no link time given, still a sliver of a task: a receive is then
+    # issued before the consumer only if the rank reaches that boundary strictly ahead of time.
+    transfer = max(costs.comm, 1e-3 * _mean_task(costs, schedule.num_stages))
+
+    def reached(rank: int, boundary: int) -> float:
+        """Simulated time at which `rank` reaches the boundary before task `boundary`."""
+        return end[orders[rank][boundary - 1]] if boundary > 0 else 0.0
+
+    # Every cross-rank data edge, with the boundary at which its receive is issued.
+    edges = []
+    for dst_rank, order in enumerate(orders):
+        for k, dst in enumerate(order):
+            deps = [a for a in data_dependencies(dst, schedule.num_stages, None if forward_only else present) if a in present]
+            for src in deps:
+                src_rank = schedule.rank_of(src.stage)
+                if src_rank == dst_rank:
+                    continue
+                need = start[dst] - transfer  # the receive must be posted by then
+                at = k
+                while at > 0 and (at > k - recv_lead or reached(dst_rank, at) > need):
+                    at -= 1
+                edges.append((src, dst, src_rank, dst_rank, at))
+    # One order per channel, the consumer's; messages indexed channel by channel.
+    edges.sort(key=lambda e: (e[2], e[3], position[e[1]]))
+    messages = tuple(Message(i, src, dst, sr, dr) for i, (src, dst, sr, dr, _) in enumerate(edges))
+    recv_at = {msg.index: e[4] for msg, e in zip(messages, edges)}
+
+    # Sends: the last boundary after the producer reached no later than the receive's, never
+    # before the channel's previous send.
+    send_at: dict[int, int] = {}
+    previous: dict[Channel, int] = {}
+    for msg in messages:
+        a = msg.src_rank
+        earliest = position[msg.src] + 1
+        deadline = reached(msg.dst_rank, recv_at[msg.index])
+        at = earliest
+        while at < len(orders[a]) and reached(a, at + 1) <= deadline:
+            at += 1
+        at = max(at, previous.get(msg.channel, 0))
+        previous[msg.channel] = at
+        send_at[msg.index] = at
+
+    ranks = []
+    for r, order in enumerate(orders):
+        issue: list[list[CommOp]] = [[] for _ in range(len(order) + 1)]
+        for msg in messages:  # channel order within each channel
+            if msg.src_rank == r:
+                issue[send_at[msg.index]].append(CommOp(True, msg))
+            if msg.dst_rank == r:
+                issue[recv_at[msg.index]].append(CommOp(False, msg))
+        for ops in issue:  # sends first at a boundary: the data is ready, the peer may be waiting
+            ops.sort(key=lambda op: not op.send)
+        last_b: dict[int, Action] = {}
+        last_w: dict[int, Action] = {}
+        for a in order:
+            if a.kind in (Kind.B, Kind.BW):
+                last_b[a.stage] = a
+            if a.kind in (Kind.W, Kind.BW):
+                last_w[a.stage] = a
+        ranks.append(
+            RankPlan(
+                rank=r,
+                tasks=tuple(order),
+                issue=tuple(tuple(ops) for ops in issue),
+                recv_of={m.dst: m for m in messages if m.dst_rank == r},
+                send_of={m.src: m for m in messages if m.src_rank == r},
+                last_backward=last_b,
+                last_wgrad=last_w,
+            )
+        )
+    channels = tuple(sorted({m.channel for m in messages}))
+    return Plan(schedule, messages, channels, tuple(ranks), forward_only)
+
+
+def _positive(costs: Costs) -> Costs:
+    """`costs` with every task time raised to a small positive floor (the plan's argument needs it)."""
+    f, b, w = (v if isinstance(v, tuple) else (v,) for v in (costs.f, costs.b, costs.w))
+    floor = 1e-6 * max(1.0, *f, *b, *w)
+    if min(*f, *b, *w) >= floor:
+        return costs
+
+    def lift(v: float | tuple[float, ...]) -> float | tuple[float, ...]:
+        return tuple(max(x, floor) for x in v) if isinstance(v, tuple) else max(float(v), floor)
+
+    return Costs(f=lift(costs.f), b=lift(costs.b), w=lift(costs.w), comm=costs.comm)
+
+
+def _mean_task(costs: Costs, num_stages: int) -> float:
+    f, b, w = costs.per_stage(num_stages)
+    return sum(f + b + w) / (3 * num_stages)
+
+
+def _forward_timeline(schedule: Schedule, orders: list[tuple[Action, ...]], costs: Costs) -> tuple[dict, dict]:
+    """Start and end of each F task when the ranks run only their F tasks (evaluation)."""
+    f, _, _ = costs.per_stage(schedule.num_stages)
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    pos = [0] * len(orders)
+    free = [0.0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                a = order[pos[r]]
+                ready = free[r]
+                if a.stage > 0:
+                    dep = Action(Kind.F, a.stage - 1, a.microbatch)
+                    if dep not in end:
+                        break
+                    arrive = end[dep] + (costs.comm if schedule.rank_of(dep.stage) != r else 0.0)
+                    ready = max(ready, arrive)
+                start[a], end[a] = ready, ready + f[a.stage]
+                free[r] = end[a]
+                pos[r] += 1
+                remaining -= 1
+    return start, end
+
+
+def fifo_wgrad_problem(schedule: Schedule, stage: int) -> str | None:
+    """Why a FIFO wgrad store (Transformer Engine: ``backward_dw()`` takes the oldest) would compute
+    the wrong microbatch's weight gradient on `stage` under `schedule`, or None when it is safe.
+
+    Safe means: at each W (or the W half of a BW) of the stage, the oldest B not yet followed by its W
+    is the same microbatch.
+
+    >>> from zbpp.schedules import build
+    >>> fifo_wgrad_problem(build("zb-h1", num_ranks=4, num_microbatches=8), 0) is None
+    True
+    """
+    pending: list[int] = []
+    for a in schedule.orders[schedule.rank_of(stage)]:
+        if a.stage != stage:
+            continue
+        if a.kind in (Kind.B, Kind.BW):
+            pending.append(a.microbatch)
+        if a.kind in (Kind.W, Kind.BW):
+            oldest = pending.pop(0) if pending else None
+            if oldest != a.microbatch:
+                return (
+                    f"task {a} on rank {schedule.rank_of(stage)} computes the weight gradient of "
+                    f"microbatch {a.microbatch}, but the oldest backward still waiting for its W is "
+                    f"microbatch {oldest}: a FIFO wgrad store would use the wrong one"
+                )
+    return None
