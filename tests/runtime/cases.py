@@ -219,7 +219,7 @@ def check_release(name: str, p: int, free: bool) -> list[tuple[int, int]]:
     pipe.step(inputs, target=target)
     reference_step(ref, inputs, target)
     _grads_close(f"free={free}:", mine, ref, tolerance(torch.device("cpu")))
-    sent_stages = {a.stage for a in pipe._plan.send_of if a.kind.value == "F"}
+    sent_stages = {a.stage for a in pipe._plan.ranks[pipe.pp_rank].send_of if a.kind.value == "F"}
     out = []
     for s, t in captured:
         if s in sent_stages:
@@ -231,7 +231,7 @@ def check_release(name: str, p: int, free: bool) -> list[tuple[int, int]]:
 def check_fifo(name: str, p: int) -> str:
     """FIFO (Transformer-Engine-like) delayed modules: accepted and correct when the schedule keeps
     each stage's W in B order, refused with a clear error otherwise."""
-    from zbpp.runtime.plan import fifo_wgrad_problem
+    from zbpp.schedules.plan import fifo_wgrad_problem
 
     sched = make_schedule(name, p, 2 * p + 1)
     unsafe = [s for s in range(sched.num_stages) if fifo_wgrad_problem(sched, s)]

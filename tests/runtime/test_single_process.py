@@ -63,30 +63,53 @@ def test_loss_must_be_scalar():
     assert all(p.grad is None for p in pipe.parameters())
 
 
-def test_stage_error_names_the_task_and_discards_gradients():
-    class Boom(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(2, 2)
-            self.calls = 0
+class _Boom(torch.nn.Module):
+    """A linear stage whose forward raises on its third call."""
 
-        def forward(self, x):
-            self.calls += 1
-            if self.calls == 3:
-                raise RuntimeError("kaboom")
-            return self.lin(x)
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(2, 2)
+        self.calls = 0
 
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("kaboom")
+        return self.lin(x)
+
+
+def test_stage_error_names_the_task_and_keeps_earlier_gradients():
+    """A failed step discards only its own contribution: the gradient accumulated by an earlier step
+    is exactly what it was, the same tensor, and the next step adds to it as autograd would."""
     sched = build("zb-h1", num_ranks=1, num_microbatches=4)
-    mod = Boom()
-    mod.lin.weight.grad = torch.ones(2, 2)  # from an earlier step: cannot be told apart, so dropped
+    mod = _Boom()
+    earlier = torch.full((2, 2), 0.25)
+    mod.lin.weight.grad = earlier  # from an earlier step (accumulation without zero_grad)
     pipe = Pipeline({0: mod}, sched, lambda o, y: o.sum())
     with pytest.raises(Exception, match=r"task F0\.2.*kaboom.*discarded") as info:
         pipe.step(torch.ones(8, 2))
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert mod.lin.weight.grad is None and mod.lin.bias.grad is None
+    assert mod.lin.weight.grad is earlier and torch.equal(earlier, torch.full((2, 2), 0.25))
+    assert mod.lin.bias.grad is None
     mod.calls = -100
-    pipe.step(torch.ones(8, 2))  # usable again
-    assert mod.lin.weight.grad is not None
+    pipe.step(torch.ones(8, 2))  # usable again, and accumulates on top of the earlier gradient
+    ref = torch.nn.Linear(2, 2)
+    ref.load_state_dict(mod.lin.state_dict())
+    (ref(torch.ones(8, 2)).sum() / 4).backward()  # the batch-mean of the 4 microbatch sums
+    assert mod.lin.weight.grad is earlier
+    torch.testing.assert_close(mod.lin.weight.grad, ref.weight.grad + 0.25, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mod.lin.bias.grad, ref.bias.grad, rtol=0, atol=1e-6)
+
+
+def test_keep_grads_on_failure_off_drops_every_gradient():
+    sched = build("zb-h1", num_ranks=1, num_microbatches=4)
+    mod = _Boom()
+    mod.lin.weight.grad = torch.ones(2, 2)
+    pipe = Pipeline({0: mod}, sched, lambda o, y: o.sum(), keep_grads_on_failure=False)
+    with pytest.raises(Exception, match=r"task F0\.2.*set to None"):
+        pipe.step(torch.ones(8, 2))
+    assert mod.lin.weight.grad is None and mod.lin.bias.grad is None
 
 
 def test_tree_split_uneven_and_rebuild():

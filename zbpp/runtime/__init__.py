@@ -1,7 +1,8 @@
 """zbpp.runtime: run a `zbpp.schedules.Schedule` across ranks with torch.distributed.
 
-- `Pipeline`: one interpreter for every schedule (`pipeline.py`, `executor.py`), communication in
-  one order derived from the schedule's DAG (`plan.py`, `p2p.py`), W tasks (`wgrad.py`).
+- `Pipeline`: one interpreter for every schedule (`pipeline.py`, `executor.py`), communication on
+  one channel per direction at the points the schedule's plan gives (`zbpp.schedules.plan`,
+  `channels.py`), the step's agreements (`agreement.py`), W tasks (`wgrad.py`); `CommOptions`.
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
   parallelism: `grad_reduce.py`.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+from .channels import CommOptions
 from .clip import clip_grad_norm_
 from .executor import PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
@@ -20,6 +22,7 @@ from .profiling import measured_bubble_rate
 __all__ = [
     "Pipeline",
     "ParallelGroups",
+    "CommOptions",
     "PipelineError",
     "ShapeMismatchError",
     "clip_grad_norm_",

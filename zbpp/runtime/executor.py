@@ -1,6 +1,6 @@
 """The interpreter: run one rank's tasks of one step, in schedule order, for any schedule.
 
-Tasks (DESIGN.md):
+Tasks (docs/DESIGN.md):
 
 - ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch((s, j))``; on the
   last stage also the loss, weighted by the microbatch's share of the batch (its rows / all rows),
@@ -8,30 +8,37 @@ Tasks (DESIGN.md):
 - ``B(s, j)``: autograd backward of the stage's outputs for ``j`` (delayed-wgrad modules only file
   their weight gradient; plain modules accumulate theirs now); the gradient of the stage's inputs
   goes to ``B(s-1, j)``.
-- ``W(s, j)``: ``backward_dw`` on every delayed-wgrad module of the stage (see `zbpp.runtime.wgrad`).
+- ``W(s, j)``: ``backward_dw`` on every delayed-wgrad module of the stage (`zbpp.runtime.wgrad`).
 - ``BW(s, j)``: B then W.
 
-Data moves along the DAG: a message on each cross-rank edge, a hand-over in memory on each
-same-rank edge. Communication follows the rank's `RankPlan.ops` strictly in order (see
-`zbpp.runtime.plan` for why that is deadlock-free on NCCL): after every task the executor issues
-every operation it can from the front of that list: a receive as soon as its buffer shape is known
-(so receives are posted ahead and overlap compute), a send as soon as its producing task has run.
-A task waits only for its own inputs.
+One step reads top to bottom (`StepExecutor.run`): for each task, issue the communication the plan
+puts before it (`zbpp.schedules.plan`: sends of data already produced, receives of data needed
+soon, each channel's in its order), then run the task, which waits only for its own inputs. Data
+moves along the DAG: a message on each cross-rank edge, a hand-over in memory on each same-rank edge.
 
-Shapes: on the first step of a new input signature each activation message is preceded by its
-`Spec` (structure, shapes, dtypes, non-tensor values); the receiver blocks on it only when the
-order requires (never ahead of time, which could deadlock). Later steps of the same signature post
-receives from the cached specs, and the sender checks its output against them: a difference raises
-`ShapeMismatchError` naming the stage, the microbatch and both specs. Gradient messages need no
-metadata: they have the shapes of the activations they answer.
+Shapes: on the first step of a new input signature (``sync``) each activation message is preceded
+by its `Spec` (structure, shapes, dtypes, non-tensor values), received when its consumer needs it;
+later steps post receives from the cached specs, and the sender checks its output against them (a
+difference raises `ShapeMismatchError` naming the stage, the microbatch and both specs). Gradient
+messages need no metadata: they have the shapes of the activations they answer.
 
-Memory: an activation is released as soon as it is sent (the output tensor keeps only its autograd
-node, so B can still start from it: Megatron's trick); a sent buffer is dropped when its send has
-completed; every per-microbatch object is dropped after its last use, and nothing outlives the step.
+Failures: an exception in a task (or in handing its data on) does not stop the step's
+communication. The rank *drains*: it runs no more compute but still issues every remaining send
+and receive of its plan, in order, with placeholders of the right shapes in place of the data it
+could not produce (on a ``sync`` step, a `POISON` spec with no data: its receiver drains too), and
+still signals the stages' last B and W so that data-parallel reductions are issued as on the other
+replicas. Every peer therefore completes the step's communication, the communicators stay
+consistent, and the agreement at the end of the step (`zbpp.runtime.pipeline`) tells every rank
+that the step failed and where. `failure` holds the first exception; nothing is raised here.
+
+Memory: an activation is released as soon as it is handed to its send (the output tensor keeps
+only its autograd node, so B can still start from it: Megatron's trick); a sent buffer is dropped
+when its send has completed; every per-microbatch object is dropped after its last use.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -40,12 +47,12 @@ from torch import nn
 
 from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
-from .plan import CommOp, Message, RankPlan
+from ..schedules.plan import CommOp, Message, RankPlan
 from .profiling import TaskRecorder
 from .tree import Spec, TensorMeta, call, flatten, rebuild
-from .wgrad import run_wgrad
+from .wgrad import StageWgrad
 
-__all__ = ["PipelineError", "ShapeMismatchError", "StepExecutor"]
+__all__ = ["PipelineError", "ShapeMismatchError", "StepExecutor", "POISON"]
 
 
 class PipelineError(RuntimeError):
@@ -54,6 +61,19 @@ class PipelineError(RuntimeError):
 
 class ShapeMismatchError(PipelineError):
     """A stage's output differs from what the receiving rank was told for this input signature."""
+
+
+class _Poison:
+    """Sent in place of a `Spec` by a draining rank: the activation does not exist, no data follows."""
+
+    def __reduce__(self) -> str:
+        return "POISON"  # unpickles to the module-level singleton
+
+    def __repr__(self) -> str:
+        return "POISON"
+
+
+POISON = _Poison()
 
 
 try:  # the autograd engine entry point that takes gradients of a shape other than the tensor's
@@ -89,88 +109,134 @@ class _Slot:
 
 
 @dataclass
+class _Posted:
+    """A receive: posted (buffers and works) or still waiting in its channel's queue."""
+
+    message: Message
+    bufs: list[torch.Tensor] | None = None
+    works: list[Any] = field(default_factory=list)
+    poisoned: bool = False
+
+
+@dataclass
 class StepExecutor:
     """Runs one step of one rank (see the module docstring). Built fresh for every step.
 
     Args:
-        plan: this rank's plan.
+        plan: this rank's plan (`zbpp.schedules.plan.RankPlan`; forward-only for evaluation).
         num_stages: stages of the schedule.
         modules: this rank's stage modules.
-        delayed, keyed: per stage, its delayed-wgrad modules and whether each takes a microbatch key.
+        wgrad: per stage, its `StageWgrad`.
         loss_fn: ``loss_fn(output, target) -> scalar``, mean over the microbatch.
-        transport: the point-to-point transport (None when the pipeline has one rank).
+        channels: the point-to-point channels (None when the pipeline has one rank).
         specs: the activation specs of this step's signature, ``(stage, microbatch) -> Spec``;
             filled here when `sync` (the signature's first step), read otherwise.
         sync: the specs are not known yet: send them ahead of each activation.
         inputs: per microbatch, the first stage's input (on the rank holding stage 0).
         targets: per microbatch, the target (on the rank holding the last stage; None entries allowed).
         weights: per microbatch, its share of the batch.
+        in_flight: sends still in flight from earlier steps (CUDA), reaped as they complete.
         recorder: task timing, or None.
         on_backward_done, on_wgrad_done: called with the stage after its last B/BW and W/BW.
-        free_sent_activations: release an activation's storage once it is sent.
+        free_sent_activations: release an activation's storage once it is handed to its send.
+        forward_only: evaluation: F tasks under ``no_grad``, outputs (or losses) kept on the last stage.
     """
 
     plan: RankPlan
     num_stages: int
     modules: dict[int, nn.Module]
-    delayed: dict[int, list[nn.Module]]
-    keyed: dict[int, list[bool]]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    transport: Any
-    specs: dict[tuple[int, int], Spec]
+    wgrad: dict[int, StageWgrad]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    channels: Any
+    specs: dict[tuple[int, int], Any]
     sync: bool
     inputs: list[Any] | None
     targets: list[Any] | None
     weights: list[float]
+    in_flight: list[tuple[list[Any], list[torch.Tensor]]] = field(default_factory=list)
     recorder: TaskRecorder | None = None
     on_backward_done: Callable[[int], None] | None = None
     on_wgrad_done: Callable[[int], None] | None = None
     free_sent_activations: bool = True
-    # -- per-step state (not arguments) ----------------------------------------------------------
-    _head: int = field(default=0, init=False, repr=False)  # next position in plan.ops to issue
-    _ready: dict[int, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
-    _inbox: dict[int, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict, init=False, repr=False)
+    forward_only: bool = False
+    # -- results ------------------------------------------------------------------------------
+    losses: list[torch.Tensor] = field(default_factory=list, init=False)  #: per microbatch, as loss_fn returned it
+    outputs: dict[int, Any] = field(default_factory=dict, init=False)  #: forward_only: last stage's outputs
+    failure: BaseException | None = field(default=None, init=False)  #: the first exception of this rank
+    failed_task: Action | None = field(default=None, init=False)  #: where it happened (None: outside a task)
+    failed_at: float = field(default=0.0, init=False)  #: when (time.time())
+    upstream_failed: bool = field(default=False, init=False)  #: a peer's POISON made this rank drain
+    comm_error: BaseException | None = field(default=None, init=False)  #: communication broke while draining
+    current: Action | None = field(default=None, init=False)  #: the task running (named in errors)
+    # -- per-step state -----------------------------------------------------------------------
+    _outbox: dict[int, tuple[Any, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
+    _queues: dict[tuple[int, int], list[_Posted]] = field(default_factory=dict, init=False, repr=False)
+    _received: dict[int, _Posted] = field(default_factory=dict, init=False, repr=False)
     _sending: list[tuple[list[Any], list[torch.Tensor]]] = field(default_factory=list, init=False, repr=False)
     _local_fwd: dict[tuple[int, int], tuple[Spec, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
     _local_bwd: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict, init=False, repr=False)
-    _losses: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
-    current: Action | None = field(default=None, init=False)  #: the task running (named in errors)
+    _weighted: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+
+    @property
+    def draining(self) -> bool:
+        return self.failure is not None or self.upstream_failed
 
     # -- the step -----------------------------------------------------------------------------
     def run(self) -> torch.Tensor | None:
-        """Run every task of this rank; return the weighted loss sum on the last stage's rank."""
+        """Run every task of this rank; return the weighted loss sum on the last stage's rank (None
+        elsewhere, or after a failure: see `failure`)."""
         if self.recorder is not None:
             self.recorder.begin_step()
-        self._advance()
-        for action in self.plan.tasks:
-            self.current = action
-            if action.kind is Kind.F:
-                self._forward(action)
+        tasks = self.plan.tasks
+        for i, task in enumerate(tasks):
+            self._issue(i)
+            self.current = task
+            if not self.draining:
+                try:
+                    self._run_task(task)
+                except _Drained:
+                    pass  # a peer failed upstream: nothing to report here
+                except Exception as exc:  # noqa: BLE001 - the step drains; the agreement reports it
+                    self._fail(exc, task)
             else:
-                if action.kind in (Kind.B, Kind.BW):
-                    self._backward(action)
-                else:
-                    self._wgrad(action)
-                self._signal(action)
+                self._drain_task(task)
+            self._signal(task)
             self._reap()
         self.current = None
-        if self._head != len(self.plan.ops):  # pragma: no cover - a bug in the plan
-            raise PipelineError(f"rank {self.plan.rank}: {len(self.plan.ops) - self._head} operations never issued")
-        for works, _ in self._sending:
-            for w in works:
-                w.wait()
-        self._sending.clear()
-        leftovers = [n for n, v in (("activations", self._slots), ("receives", self._inbox),
-                                    ("forward hand-overs", self._local_fwd),
-                                    ("backward hand-overs", self._local_bwd), ("sends", self._ready)) if v]
-        if leftovers:  # pragma: no cover - a bug in the plan
-            raise PipelineError(f"rank {self.plan.rank}: step ended with {', '.join(leftovers)} left over")
-        if not self._losses:
+        self._issue(len(tasks))
+        self._complete_communication()
+        if self.draining or not self._weighted:
             return None
-        total = torch.stack(self._losses).sum()
-        self._losses.clear()
-        return total
+        return torch.stack(self._weighted).sum()
+
+    def _run_task(self, task: Action) -> None:
+        if task.kind is Kind.F:
+            self._forward(task)
+        elif task.kind is Kind.W:
+            self._wgrad(task)
+        else:
+            self._backward(task)
+
+    def _drain_task(self, task: Action) -> None:
+        """Draining: no compute, but the task's receive still happens here (its shapes may be needed
+        by a later send, and its sender is waiting)."""
+        msg = self.plan.recv_of.get(task)
+        if msg is None:
+            return
+        try:
+            self._receive(msg)
+        except _Drained:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            self._comm_failed(exc)
+
+    def _fail(self, exc: BaseException, task: Action | None) -> None:
+        if self.failure is None:
+            self.failure, self.failed_task, self.failed_at = exc, task, time.time()
+        self._slots.clear()  # nothing of the step will be computed: free its activations now
+        self._local_fwd.clear()
+        self._local_bwd.clear()
 
     # -- tasks --------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -178,26 +244,46 @@ class StepExecutor:
         last = s == self.num_stages - 1
         arg, grad_inputs = self._forward_input(a)
         started = self.recorder.start() if self.recorder is not None else None
-        with microbatch_key((s, j)), torch.enable_grad():
+        grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
+        with microbatch_key((s, j)), grad_mode:
             out = call(self.modules[s], arg)
             if last:
                 target = self.targets[j] if self.targets is not None else None
-                loss = self.loss_fn(out, target)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
-                    raise ValueError(f"loss_fn must return a scalar tensor (the microbatch mean), got {got}")
-                weighted = loss.reshape(()) * self.weights[j]
-                self._losses.append(weighted.detach())
-                roots = [weighted]
+                if self.forward_only and self.loss_fn is None:
+                    self.outputs[j] = out
+                    roots: list[torch.Tensor] = []
+                else:
+                    loss = self._loss(out, target, s)
+                    self.losses.append(loss.detach())
+                    weighted = loss * self.weights[j]
+                    self._weighted.append(weighted.detach())
+                    roots = [weighted]
         del arg
         if self.recorder is not None:  # the task's compute only; handing the output on is communication
             self.recorder.stop(str(a), started)
         if not last:
             leaves, spec = flatten(out)
             del out
+            if not leaves and s + 1 < self.num_stages:
+                raise TypeError(
+                    f"stage {s} returned {spec} for microbatch {j}: a stage that feeds another must return a "
+                    "tensor, or a tuple/list/dict holding at least one"
+                )
             roots = [t for t in leaves if t.requires_grad]
             self._hand_forward(a, leaves, spec, roots)
-        self._slots[(s, j)] = _Slot(grad_inputs, roots)
+        if not self.forward_only:
+            self._slots[(s, j)] = _Slot(grad_inputs, roots)
+
+    def _loss(self, out: Any, target: Any, stage: int) -> torch.Tensor:
+        assert self.loss_fn is not None
+        loss = self.loss_fn(out, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (the microbatch mean), got {got} for the output of the last "
+                f"stage {stage} ({flatten(out)[1]})"
+            )
+        return loss.reshape(())
 
     def _forward_input(self, a: Action) -> tuple[Any, list[torch.Tensor]]:
         s, j = a.stage, a.microbatch
@@ -210,16 +296,18 @@ class StepExecutor:
         else:
             leaves = self._receive(msg)
             spec = self.specs[(s - 1, j)]
-            for t, m in zip(leaves, spec.tensors):
-                if m.requires_grad:
-                    t.requires_grad_()
+            if not self.forward_only:
+                for t, m in zip(leaves, spec.tensors):
+                    if m.requires_grad:
+                        t.requires_grad_()
         return rebuild(spec, leaves), [t for t in leaves if t.requires_grad]
 
     def _hand_forward(self, a: Action, leaves: list[torch.Tensor], spec: Spec, roots: list[torch.Tensor]) -> None:
         s, j = a.stage, a.microbatch
         msg = self.plan.send_of.get(a)
         if msg is None:  # the next stage is on this rank: its inputs are fresh leaves
-            self._local_fwd[(s + 1, j)] = (spec, [t.detach().requires_grad_(t.requires_grad) for t in leaves])
+            self._local_fwd[(s + 1, j)] = (spec, [t.detach().requires_grad_(t.requires_grad and not self.forward_only)
+                                                  for t in leaves])
             return
         known = self.specs.get((s, j))
         if self.sync:
@@ -231,10 +319,8 @@ class StepExecutor:
                 "output structure, shapes, dtypes, requires_grad and non-tensor values must be determined "
                 "by the step's input shapes (and the modules' train/requires_grad state)"
             )
-        payload = [t.detach().contiguous() for t in leaves]
-        self._ready[msg.index] = (spec if self.sync else None, payload)
-        self._advance(upto=self.plan.op_of[msg.index])
-        if self.free_sent_activations:
+        self._outbox[msg.index] = (spec if self.sync else None, [t.detach().contiguous() for t in leaves])
+        if self.free_sent_activations and not self.forward_only:
             for t in roots:
                 # Keep only the autograd node: what backward saved is held by the graph itself; the
                 # storage goes once the send completes. Views and leaves share memory with others.
@@ -251,6 +337,7 @@ class StepExecutor:
             grads = list(self._local_bwd.pop((s, j)) if msg is None else self._receive(msg))
         started = self.recorder.start() if self.recorder is not None else None
         run_backward(slot.roots, grads)
+        self.wgrad[s].filed((s, j))
         del grads
         slot.roots.clear()
         in_grads = []
@@ -261,102 +348,171 @@ class StepExecutor:
         slot.inputs.clear()
         if self.recorder is not None and a.kind is Kind.B:
             self.recorder.stop(str(a), started)
-        if s > 0:  # send the input gradient before W (BW): the previous stage waits for it
+        if s > 0:  # hand the input gradient on before W (BW): the previous stage waits for it
             msg = self.plan.send_of.get(a)
             if msg is None:
                 self._local_bwd[(s - 1, j)] = in_grads
             else:
-                self._ready[msg.index] = (None, [g.contiguous() for g in in_grads])
-                del in_grads
-                self._advance(upto=self.plan.op_of[msg.index])
+                self._outbox[msg.index] = (None, [g.contiguous() for g in in_grads])
         if a.kind is Kind.BW:
-            run_wgrad(self.delayed[s], self.keyed[s], (s, j))
+            self.wgrad[s].run((s, j))
             if self.recorder is not None:
                 self.recorder.stop(str(a), started)
 
     def _wgrad(self, a: Action) -> None:
         started = self.recorder.start() if self.recorder is not None else None
-        run_wgrad(self.delayed[a.stage], self.keyed[a.stage], (a.stage, a.microbatch))
+        self.wgrad[a.stage].run((a.stage, a.microbatch))
         if self.recorder is not None:
             self.recorder.stop(str(a), started)
 
     def _signal(self, a: Action) -> None:
-        if a.kind in (Kind.B, Kind.BW) and self.plan.last_backward.get(a.stage) == a and self.on_backward_done:
-            self.on_backward_done(a.stage)
-        if a.kind in (Kind.W, Kind.BW) and self.plan.last_wgrad.get(a.stage) == a and self.on_wgrad_done:
-            self.on_wgrad_done(a.stage)
+        """The stage's last B / W ran (or, draining, would have): data-parallel reductions start."""
+        try:
+            if a.kind in (Kind.B, Kind.BW) and self.plan.last_backward.get(a.stage) == a and self.on_backward_done:
+                self.on_backward_done(a.stage)
+            if a.kind in (Kind.W, Kind.BW) and self.plan.last_wgrad.get(a.stage) == a and self.on_wgrad_done:
+                self.on_wgrad_done(a.stage)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, a)
 
     # -- communication ------------------------------------------------------------------------
+    def _issue(self, boundary: int) -> None:
+        """Issue the plan's operations at `boundary`; never raises (a failure makes the rank drain)."""
+        for op in self.plan.issue[boundary]:
+            try:
+                if op.send:
+                    self._send(op.message)
+                else:
+                    self._queues.setdefault(op.message.channel, []).append(_Posted(op.message))
+            except Exception as exc:  # noqa: BLE001
+                self._comm_failed(exc)
+        try:
+            self._post_known_receives()
+        except Exception as exc:  # noqa: BLE001
+            self._comm_failed(exc)
+
+    def _comm_failed(self, exc: BaseException) -> None:
+        if self.draining:
+            self.comm_error = self.comm_error or exc  # e.g. a dead peer: the agreement will say so
+        else:
+            self._fail(exc, self.current)
+
+    def _send(self, msg: Message) -> None:
+        spec, tensors = self._outbox.pop(msg.index, (None, None))
+        if tensors is None:  # draining: this rank did not produce it
+            spec, tensors = self._placeholder(msg)
+        works: list[Any] = []
+        keep = list(tensors)
+        if self.sync and not msg.is_gradient:
+            if spec is POISON:  # its gradient message will be empty, on both ends
+                self.specs[(msg.src.stage, msg.src.microbatch)] = POISON
+            w, bufs = self.channels.send_object(spec, msg.channel)
+            works += w
+            keep += bufs
+        if spec is not POISON:
+            works += self.channels.isend(tensors, msg.channel)
+        if works:
+            self._sending.append((works, keep))
+
+    def _placeholder(self, msg: Message) -> tuple[Any, list[torch.Tensor]]:
+        """What a draining rank sends for a message it could not produce: tensors of the right
+        shapes (their values are never used), or POISON when the shapes are unknown."""
+        metas = self._metas(msg)
+        if metas is None:
+            return POISON, []
+        spec = self.specs.get((msg.src.stage, msg.src.microbatch)) if not msg.is_gradient else None
+        # Zeros, not garbage: a peer that computes on them before it learns of the failure should
+        # not fail too (an index out of range, say) and blur which rank failed first.
+        return spec, [torch.zeros(m.shape, dtype=m.dtype, device=self.channels.device) for m in metas]
+
     def _metas(self, msg: Message) -> list[TensorMeta] | None:
-        """The tensors of `msg`, or None while its spec is still to come in-band."""
+        """The tensors of `msg`, or None while unknown (its spec is still to come in-band)."""
         j = msg.src.microbatch
-        if msg.is_gradient:  # answers the activation of (dst stage, j), whose spec this rank sent
-            spec = self.specs[(msg.dst.stage, j)]
+        if msg.is_gradient:  # answers the activation of (dst stage, j), which both ends have seen
+            spec = self.specs.get((msg.dst.stage, j))
+            if spec is None or spec is POISON:  # unknown yet / the activation never existed
+                return None if spec is None else []
             return [TensorMeta(m.shape, m.dtype, False) for m in spec.tensors if m.requires_grad]
         spec = self.specs.get((msg.src.stage, j))
-        return None if spec is None else list(spec.tensors)
+        if spec is None or spec is POISON:
+            return None
+        return list(spec.tensors)
 
-    def _advance(self, upto: int = -1) -> None:
-        """Issue operations from the front of the plan's order while possible; those at positions
-        <= `upto` must be issued now (receiving an in-band spec, which blocks, if needed)."""
-        ops = self.plan.ops
-        while self._head < len(ops):
-            op: CommOp = ops[self._head]
-            msg = op.message
-            if op.send:
-                ready = self._ready.pop(msg.index, None)
-                if ready is None:
-                    if self._head <= upto:  # pragma: no cover - the plan guarantees it
-                        raise PipelineError(f"rank {self.plan.rank}: {op} is due but its task has not run")
-                    return
-                spec, tensors = ready
-                works: list[Any] = []
-                keep: list[torch.Tensor] = list(tensors)
-                if spec is not None:
-                    w, bufs = self.transport.send_object(spec, op.peer)
-                    works += w
-                    keep += bufs
-                works += self.transport.isend(tensors, op.peer)
-                if works:
-                    self._sending.append((works, keep))
-            else:
-                metas = self._metas(msg)
+    def _post_known_receives(self) -> None:
+        """Post each channel's due receives from its front, as long as their shapes are known."""
+        for queue in self._queues.values():
+            while queue:
+                item = queue[0]
+                metas = self._metas(item.message)
                 if metas is None:
-                    if self._head > upto:
-                        return  # its spec comes in-band: receive it only when the order requires
-                    spec = self.transport.recv_object(op.peer)
-                    self.specs[(msg.src.stage, msg.src.microbatch)] = spec
-                    metas = list(spec.tensors)
-                self._inbox[msg.index] = self.transport.irecv(metas, op.peer) if metas else ([], [])
-            self._head += 1
+                    break
+                self._post(item, metas)
+                queue.pop(0)
+
+    def _post(self, item: _Posted, metas: list[TensorMeta]) -> None:
+        item.bufs, item.works = self.channels.irecv(metas, item.message.channel)
+        self._received[item.message.index] = item
 
     def _receive(self, msg: Message) -> list[torch.Tensor]:
-        """The tensors of `msg`, once arrived (on CUDA: the compute stream waits for them)."""
-        self._advance(upto=self.plan.op_of[msg.index])
-        bufs, works = self._inbox.pop(msg.index)
-        for w in works:
+        """The tensors of `msg`, once arrived (on CUDA: the compute stream waits for them). Receives
+        the spec first when it comes in-band (a sync step), which blocks until it has arrived."""
+        item = self._received.pop(msg.index, None)
+        if item is None:
+            queue = self._queues[msg.channel]
+            head = queue.pop(0)
+            assert head.message.index == msg.index, "channel order broken (a bug in the plan)"
+            spec = self.channels.recv_object(msg.channel)
+            self.specs[(msg.src.stage, msg.src.microbatch)] = spec
+            if spec is POISON:
+                self.upstream_failed = True
+                head.bufs, head.poisoned = [], True
+            else:
+                self._post(head, list(spec.tensors))
+                self._received.pop(msg.index)
+            item = head
+        for w in item.works:
             w.wait()
-        return bufs
+        if item.poisoned:
+            raise _Drained()
+        assert item.bufs is not None
+        return item.bufs
 
     def _reap(self) -> None:
-        """Drop the buffers of completed sends."""
-        if not self._sending:
-            return
-        still = []
-        for works, keep in self._sending:
-            if all(w.is_completed() for w in works):
-                for w in works:
-                    w.wait()
-            else:
-                still.append((works, keep))
-        self._sending = still
+        """Drop the buffers of completed sends (CUDA: an event query, never a wait)."""
+        self.in_flight[:] = [(w, k) for w, k in self.in_flight if not all(x.is_completed() for x in w)]
+        if self._sending:
+            self._sending = [(w, k) for w, k in self._sending if not all(x.is_completed() for x in w)]
 
-    def abandon(self) -> None:
-        """Forget everything of a failed step (pending operations are not waited for)."""
+    def _complete_communication(self) -> None:
+        """End of the step: every receive consumed (draining: waited for and dropped), every send
+        handed over (gloo: waited for; CUDA: kept in `in_flight` until it completes, so the compute
+        stream never waits for a peer)."""
+        try:
+            for queue in self._queues.values():  # draining: receives never consumed
+                while queue:
+                    msg = queue[0].message
+                    try:
+                        self._receive(msg)
+                    except _Drained:
+                        pass
+            for item in self._received.values():
+                for w in item.works:
+                    w.wait()
+            self._received.clear()
+            if self.channels is not None and self.channels.device.type == "cuda":
+                self.in_flight.extend(self._sending)
+            else:
+                for works, _ in self._sending:
+                    for w in works:
+                        w.wait()
+            self._sending.clear()
+        except Exception as exc:  # noqa: BLE001
+            self._comm_failed(exc)
+        self._outbox.clear()
         self._slots.clear()
-        self._inbox.clear()
-        self._ready.clear()
         self._local_fwd.clear()
         self._local_bwd.clear()
-        self._sending.clear()
-        self._losses.clear()
+
+
+class _Drained(Exception):
+    """A consumer's input was POISON: the rank drains (raised inside a task, never out of `run`)."""

@@ -4,82 +4,55 @@ Every rank runs the same script (torchrun) and builds a `Pipeline` with the stag
 holds. ``step(inputs, target)`` splits the batch into the schedule's microbatches, runs this rank's
 tasks in the schedule's order (one interpreter for every schedule: `zbpp.runtime.executor`) and
 leaves in ``.grad`` (or ``main_grad``) the gradient of the batch-mean loss, as one process running
-the whole model on the whole batch would. See DESIGN.md ("Runtime", "Communication on NCCL").
+the whole model on the whole batch would. See docs/DESIGN.md.
 
-Per step, before any compute, the ranks of the pipeline agree on the step in one small all-reduce
-over the pipeline group: the microbatch sizes (from the rank holding stage 0), a signature of the
-input's structure and shapes and of every rank's module state (train mode, which parameters
-require grad), and whether some rank rejected its part of the input. A rejected input therefore
-raises on every rank and leaves the `Pipeline` usable. A new signature makes the step send its
-activations' shapes ahead of them (cached for later steps; see the executor).
+A step, top to bottom:
 
-Failures during a step: the failing rank raises `PipelineError` naming itself and the task, with
-the original exception chained, after discarding the step's partial gradients of its stages
-(``.grad`` set to None, ``main_grad`` zeroed, pending delayed wgrads dropped; gradients accumulated
-by earlier steps are lost too, since they cannot be told apart) and every buffer of the step. The
-other ranks wait for messages that will not come: under torchrun the agent stops them when the
-failed process exits; otherwise they fail when the process group's timeout expires (gloo: a
-timeout error or, once the failed process exits, a connection error; NCCL: the watchdog). Set that
-timeout with ``init_process_group(timeout=...)`` (or `zbpp.runtime.init_distributed`). A failed
-step counts on its rank, and the count is part of the next step's signature, so every rank of the
-pipeline re-learns the activation shapes afterwards; when the failure left the process group
-consistent (all messages of the step had gone through), the next step is correct. Otherwise the
-process group's state is unknown: end the processes.
+1. *Start agreement* (`zbpp.runtime.agreement`, CPU only): every rank of the job says whether its
+   part of the input is acceptable and what it looks like; a problem anywhere raises on every rank
+   before any compute, and a new input signature makes the step send activation shapes ahead.
+2. *Tasks* (`StepExecutor`): this rank's F, B and W tasks with the plan's communication
+   (`zbpp.schedules.plan`). Gradients of earlier steps are set aside first, so that the step's own
+   are known apart (``keep_grads_on_failure``).
+3. *End agreement*: every rank says whether it failed. On success the set-aside gradients are
+   added back and the loss is returned; on a failure anywhere every rank raises `PipelineError`
+   naming the first failing rank and task, with the step's gradients discarded and earlier ones
+   restored.
+
+A rank whose task raises does not stop communicating: it *drains* (issues the rest of its sends
+and receives with placeholders, see the executor), so the peers finish the step's communication
+and reach the end agreement within about a step's time, whatever the process-group timeout, and
+the communicators stay usable: the next step runs normally. Only a dead or hung rank makes the
+end agreement fail; then every live rank raises, the `Pipeline` is marked unusable and its next
+step raises at once saying so (restart the job).
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 from collections import OrderedDict
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from ..schedules.ir import Schedule
+from ..schedules.plan import Plan, fifo_wgrad_problem, make_plan
+from ..schedules.simulate import Costs
+from .agreement import Agreement, BrokenJob, EndReport, StartReport
+from .channels import Channels, CommOptions, agreement_group, default_timeout
 from .executor import PipelineError, StepExecutor
-from .plan import fifo_wgrad_problem, make_plan
 from .profiling import TaskRecorder
-from .tree import flatten, rebuild, rows_of, split
-from .wgrad import delayed_modules, discard_pending, supports_keys
+from .topology import Topology
+from .tree import flatten, rebuild, split
+from .wgrad import StageWgrad
 
 __all__ = ["Pipeline"]
 
 _MAX_SIGNATURES = 16  # cached input signatures (each holds one Spec per cross-rank activation)
-
-
-class _Ctx:
-    """Who this rank is in its pipeline and how to reach the others."""
-
-    def __init__(self, groups: Any, num_ranks: int) -> None:
-        import torch.distributed as dist
-
-        self.groups = groups
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if groups is not None:
-            self.pp_rank, self.size, self.group = groups.pp_rank, groups.pp, groups.pp_group
-            self.global_rank_of: Callable[[int], int] = groups.pp_peer
-        elif self.distributed:
-            world = dist.get_world_size()
-            if world != num_ranks:
-                raise ValueError(
-                    f"the schedule has {num_ranks} ranks but the default process group has {world}; "
-                    f"for data parallelism pass groups=ParallelGroups(pp={num_ranks})"
-                )
-            self.pp_rank, self.size, self.group = dist.get_rank(), world, dist.group.WORLD
-            self.global_rank_of = lambda r: r
-        else:
-            if num_ranks != 1:
-                raise RuntimeError(
-                    f"the schedule has {num_ranks} ranks: initialize torch.distributed first "
-                    "(run under torchrun and call init_process_group, or zbpp.runtime.init_distributed())"
-                )
-            self.pp_rank, self.size, self.group = 0, 1, None
-            self.global_rank_of = lambda r: r
-        if self.size != num_ranks:
-            raise ValueError(f"the schedule has {num_ranks} ranks but the pipeline group has {self.size}")
-        self.backend = dist.get_backend(self.group) if self.distributed and self.group is not None else None
 
 
 class Pipeline:
@@ -91,19 +64,32 @@ class Pipeline:
         schedule: a `zbpp.schedules.Schedule` (validated here; an invalid one raises `ScheduleError`).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, the mean over one microbatch. Used on
             the rank holding the last stage.
-        groups: a `ParallelGroups` for data parallelism (gradients are averaged over the replicas);
-            None uses the whole default process group as the pipeline (or, without
-            torch.distributed, a one-rank schedule in this process).
+        groups: None (the default process group is the pipeline), a `ParallelGroups`, or a
+            ``DeviceMesh`` with a ``"pp"`` dimension (and optionally ``"dp"``); with data
+            parallelism gradients are averaged over the replicas (`zbpp.runtime.topology`).
         device: where activations live; default: the current CUDA device under NCCL, else the
             device of the stage modules' first parameter, else the CPU.
         profile: record each task's start and end (see `profile_records`).
-        free_sent_activations: release a sent activation's memory as soon as its send completes
-            (B still works: only the autograd node is kept). Turn off only if your code holds on
-            to stage outputs.
+        free_sent_activations: release a sent activation's memory as soon as it is handed to its
+            send (B still works: only the autograd node is kept). Turn off only if your code holds
+            on to stage outputs.
         reducer: the gradient reducer to drive (``start_step``, ``stage_backward_done(stage)``
             after the stage's last B/BW, ``stage_wgrad_done(stage)`` after its last W/BW,
-            ``finish``); default: a `zbpp.runtime.grad_reduce.GradReducer` when ``groups.dp > 1``,
-            else none.
+            ``finish``, ``abandon``); default: a `zbpp.runtime.grad_reduce.GradReducer` when there
+            are data-parallel replicas, else none.
+        keep_grads_on_failure: gradients accumulated by earlier steps survive a failed step (only
+            its own contribution goes). ``.grad`` is set aside at the start of each step and added
+            back at its end (no copy; one addition per parameter when ``.grad`` was set), and a
+            ``main_grad`` that no data-parallel reducer owns is copied at the start of each step
+            (memory and time of one copy). False: a failed step sets ``.grad`` to None and zeroes
+            ``main_grad``, and a step accumulates in place.
+        comm: how the point-to-point channels use NCCL (`CommOptions`; ignored on gloo).
+        costs: the task and link times that place sends and receives
+            (`zbpp.schedules.plan.make_plan`); default unit costs and a fast link. Pass measured
+            costs (`Costs.from_profile`, with ``comm``) on slow links.
+        recv_lead: extra tasks of margin before each receive (`make_plan`).
+        timeout: seconds a peer may take before the pipeline's own groups fail; default: the
+            default process group's timeout.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one); the
@@ -136,16 +122,29 @@ class Pipeline:
         profile: bool = False,
         free_sent_activations: bool = True,
         reducer: Any = None,
+        keep_grads_on_failure: bool = True,
+        comm: CommOptions | None = None,
+        costs: Costs | None = None,
+        recv_lead: int = 0,
+        timeout: float | None = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not isinstance(stage_modules, Mapping):
+            raise TypeError(f"stage_modules must be a mapping {{stage: module}}, got {type(stage_modules).__name__}")
+        if comm is not None and not isinstance(comm, CommOptions):
+            raise TypeError(f"comm must be a zbpp.runtime.CommOptions, got {type(comm).__name__}")
+        if costs is not None and not isinstance(costs, Costs):
+            raise TypeError(f"costs must be a zbpp.schedules.Costs, got {type(costs).__name__}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.groups = groups
-        self._ctx = _Ctx(groups, schedule.num_ranks)
-        self.pp_rank: int = self._ctx.pp_rank
+        self.topology = Topology.resolve(groups, schedule.num_ranks)
+        self.pp_rank: int = self.topology.pp_rank
         mine = schedule.stages_on(self.pp_rank)
         given = sorted(stage_modules)
         if given != mine:
@@ -157,36 +156,39 @@ class Pipeline:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"stage {s}: expected an nn.Module, got {type(m).__name__}")
         self.stage_modules: dict[int, nn.Module] = dict(sorted(stage_modules.items()))
-        self._plan = make_plan(schedule).ranks[self.pp_rank]
-        self._delayed = {s: delayed_modules(m) for s, m in self.stage_modules.items()}
-        self._keyed = {s: [supports_keys(d) for d in mods] for s, mods in self._delayed.items()}
-        for s, flags in self._keyed.items():
-            fifo = [type(d).__name__ for d, k in zip(self._delayed[s], flags) if not k]
-            if fifo:
-                problem = fifo_wgrad_problem(schedule, s)
-                if problem is not None:
-                    raise ValueError(
-                        f"stage {s} has delayed-wgrad modules without microbatch keys ({', '.join(sorted(set(fifo)))}: "
-                        f"backward_dw() takes the oldest pending wgrad), which schedule "
-                        f"{schedule.name or 'custom'!r} cannot use: {problem}. Use a schedule that keeps each "
-                        "stage's W in B order, or modules that take a microbatch key (zbpp.modules)"
-                    )
+        self._plan: Plan = make_plan(schedule, costs=costs, recv_lead=recv_lead)
+        self._costs, self._recv_lead = costs, recv_lead
+        self._eval_plan: Plan | None = None
+        self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
+        for s, w in self._wgrad.items():
+            fifo = w.fifo_modules
+            problem = fifo_wgrad_problem(schedule, s) if fifo else None
+            if problem is not None:
+                names = ", ".join(sorted({type(d).__name__ for d in fifo}))
+                raise ValueError(
+                    f"stage {s} has delayed-wgrad modules without microbatch keys ({names}: backward_dw() takes "
+                    f"the oldest pending wgrad), which schedule {schedule.name or 'custom'!r} cannot use: {problem}. "
+                    "Use a schedule that keeps each stage's W in B order, or modules that take a microbatch key "
+                    "(zbpp.modules)"
+                )
         self.device = self._resolve_device(device)
         self.profile = bool(profile)
         self.free_sent_activations = bool(free_sent_activations)
+        self.keep_grads_on_failure = bool(keep_grads_on_failure)
         self._recorder = TaskRecorder(self.pp_rank, self.device) if self.profile else None
-        self._specs: OrderedDict[tuple[int, ...], dict[tuple[int, int], Any]] = OrderedDict()
-        self._failures = 0
-        self._transport = None
-        if self._ctx.size > 1:
-            from .p2p import Transport
-
-            self._transport = Transport(self._ctx.group, self._ctx.global_rank_of, self.device)
+        self._specs: OrderedDict[tuple[Any, ...], dict[tuple[int, int], Any]] = OrderedDict()
+        self._in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
+        self._broken: str | None = None
+        span = timedelta(seconds=timeout) if timeout is not None else (default_timeout() if self.topology.distributed else timedelta(minutes=10))
+        self._agreement = Agreement(agreement_group(self.topology, span))
+        self._channels = None
+        if self.topology.pp_size > 1:
+            self._channels = Channels(self.topology, self._plan.channels, self.device, comm or CommOptions(), span)
         self._reducer = reducer
-        if reducer is None and groups is not None and int(getattr(groups, "dp", 1)) > 1:
+        if reducer is None and self.topology.dp_size > 1:
             from .grad_reduce import GradReducer
 
-            self._reducer = GradReducer(self.stage_modules, groups)
+            self._reducer = GradReducer(self.stage_modules, self.topology)
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -215,99 +217,71 @@ class Pipeline:
                     seen.add(id(p))
                     yield p
 
-    def step(self, inputs: Any = None, target: Any = None) -> torch.Tensor | None:
+    def step(self, inputs: Any = None, target: Any = None, *, losses: list | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward.
 
         Every rank may pass `inputs` and `target`; only the rank holding stage 0 uses `inputs`
         and only the one holding the last stage uses `target`. Returns the batch-mean loss (a
-        detached scalar tensor) on the rank holding the last stage, None elsewhere. Gradients are
-        accumulated into ``.grad`` (zero them between steps as usual) or ``main_grad``.
-        """
-        m = self.schedule.num_microbatches
-        first, last = self.holds_first_stage, self.holds_last_stage
-        problem: Exception | None = None
-        mbs = tgts = None
-        rows: list[int] = [0] * m
-        in_hash = 0
-        try:
-            if first:
-                if inputs is None:
-                    raise ValueError(f"pipeline rank {self.pp_rank} holds stage 0, so step() needs the inputs")
-                inputs = self._to_device(inputs)
-                mbs = split(inputs, m, what="input")
-                rows = [rows_of(x) for x in mbs]
-                _, spec = flatten(inputs)
-                in_hash = _hash((m, spec))
-            if last and target is not None:
-                tgts = split(self._to_device(target), m, what="target")
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            problem = exc
-        # The failure count makes every rank's signature new after a failed step on any rank, so all
-        # of them send shapes ahead again (a failed rank may have learnt only some of them).
-        state_hash = _hash((self._module_state(), self._failures))
-        flags, states, in_hash, rows = self._agree(problem is not None, state_hash, in_hash, rows)
-        if problem is not None:
-            raise problem
-        if any(flags):
-            bad = [r for r, f in enumerate(flags) if f]
-            raise PipelineError(
-                f"pipeline rank(s) {bad} rejected their part of the step's input (their error says why); "
-                "nothing was computed"
-            )
-        if last and tgts is None:
-            tgts = [None] * m
-        total = sum(rows)
-        weights = [r / total for r in rows]
-        signature = (in_hash, *states, *rows)
-        sync = signature not in self._specs
-        specs = self._specs.setdefault(signature, {})
-        self._specs.move_to_end(signature)
-        while len(self._specs) > _MAX_SIGNATURES:  # same sequence of signatures on every rank: same eviction
-            self._specs.popitem(last=False)
+        detached scalar tensor, never synchronised with the device) on the rank holding the last
+        stage, None elsewhere. Gradients are accumulated into ``.grad`` (zero them between steps as
+        usual) or ``main_grad``. With `losses` (a list), the rank holding the last stage appends
+        each microbatch's loss as `loss_fn` returned it (unweighted, detached).
 
-        ex = StepExecutor(
-            plan=self._plan,
-            num_stages=self.schedule.num_stages,
-            modules=self.stage_modules,
-            delayed=self._delayed,
-            keyed=self._keyed,
-            loss_fn=self.loss_fn,
-            transport=self._transport,
-            specs=specs,
-            sync=sync,
-            inputs=mbs,
-            targets=tgts,
-            weights=weights,
-            recorder=self._recorder,
-            on_backward_done=self._reducer.stage_backward_done if self._reducer is not None else None,
-            on_wgrad_done=self._reducer.stage_wgrad_done if self._reducer is not None else None,
-            free_sent_activations=self.free_sent_activations,
-        )
-        del mbs, tgts, inputs, target
+        Raises `PipelineError` on every rank when any rank fails (see the module docstring).
+        """
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
+        ex, sync, signature = self._begin(inputs, target, forward_only=False)
+        self._set_gradients_aside()
+        problem: BaseException | None = None
         try:
             if self._reducer is not None:
                 self._reducer.start_step()
             loss = ex.run()
-            if self._reducer is not None:
+            if self._reducer is not None and not ex.draining:
                 self._reducer.finish()
-        except BaseException as exc:
-            task = ex.current
-            self._failures += 1
-            ex.abandon()
-            if sync:
-                self._specs.pop(signature, None)
-            self._discard_gradients()
-            if not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt and friends: as they are
-            where = f"task {task}" if task is not None else "outside any task"
-            cls = type(exc) if isinstance(exc, PipelineError) else PipelineError
-            raise cls(
-                f"pipeline rank {self.pp_rank}, {where} of schedule {self.schedule.name or 'custom'!r}: "
-                f"{type(exc).__name__}: {exc}. This rank's gradients of the step were discarded "
-                "(.grad set to None, main_grad zeroed); the other ranks will fail with a timeout or a "
-                "connection error"
-            ) from exc
+        except Exception as exc:  # noqa: BLE001 - the reducer; reported through the agreement
+            problem = exc
+        failure = self._end(ex, problem, sync, signature)
+        if failure is not None:
+            self._discard_step_gradients()
+            raise failure
+        self._take_back_gradients()
+        if losses is not None and self.holds_last_stage:
+            losses.extend(ex.losses)
         return loss
+
+    def eval_step(self, inputs: Any = None, target: Any = None) -> Any:
+        """Run the forward pass only (F tasks in the schedule's order, under ``torch.no_grad``).
+
+        On the rank holding the last stage returns, without `target`, the last stage's outputs of
+        all microbatches merged along dim 0 (the batch's output, tensors concatenated, other values
+        from the first microbatch); with `target`, the batch-mean loss. None elsewhere. No gradient
+        is touched; activations are freed as they go. Modules keep their train/eval mode: call
+        ``module.eval()`` yourself for dropout or batch norm.
+
+        >>> import torch
+        >>> from zbpp.schedules import build
+        >>> pipe = Pipeline({0: torch.nn.Linear(3, 2)}, build("1f1b", num_ranks=1, num_microbatches=2),
+        ...                 loss_fn=torch.nn.functional.mse_loss)
+        >>> tuple(pipe.eval_step(torch.ones(4, 3)).shape)
+        (4, 2)
+        """
+        ex, sync, signature = self._begin(inputs, target, forward_only=True)
+        problem: BaseException | None = None
+        try:
+            with torch.no_grad():
+                loss = ex.run()
+        except Exception as exc:  # noqa: BLE001
+            problem = exc
+        failure = self._end(ex, problem, sync, signature)
+        if failure is not None:
+            raise failure
+        if not self.holds_last_stage:
+            return None
+        if target is not None:
+            return loss
+        return _merge([ex.outputs[j] for j in range(self.num_microbatches)])
 
     def profile_records(self) -> list[dict[str, Any]] | None:
         """The last step's task records of every rank, on pipeline rank 0 (None on the others).
@@ -320,30 +294,218 @@ class Pipeline:
             raise RuntimeError("profile_records() needs Pipeline(..., profile=True)")
         assert self._recorder is not None
         mine = self._recorder.records()  # resolved now, so that step() never waits for the device
-        if self._ctx.size == 1:
+        if self.topology.pp_size == 1:
             return mine
         import torch.distributed as dist
 
-        root = self._ctx.global_rank_of(0)
-        gathered: list[Any] | None = [None] * self._ctx.size if self.pp_rank == 0 else None
-        dist.gather_object(mine, gathered, dst=root, group=self._ctx.group)
+        root = self.topology.pipeline[0]
+        gathered: list[Any] | None = [None] * self.topology.pp_size if self.pp_rank == 0 else None
+        dist.gather_object(mine, gathered, dst=root, group=self.topology.pp_group)
         if gathered is None:
             return None
         return [rec for recs in gathered for rec in recs]
 
+    # -- a step's beginning and end ------------------------------------------------------------
+    def _begin(self, inputs: Any, target: Any, *, forward_only: bool) -> tuple[StepExecutor, bool, tuple]:
+        """Check the input everywhere (start agreement) and build the step's executor."""
+        if self._broken is not None:
+            raise PipelineError(self._broken)
+        m = self.schedule.num_microbatches
+        first, last = self.holds_first_stage, self.holds_last_stage
+        problem: Exception | None = None
+        mbs = tgts = None
+        in_hash, n_in, n_tgt = 0, -1, -1
+        try:
+            if first:
+                if inputs is None:
+                    raise ValueError(f"pipeline rank {self.pp_rank} holds stage 0, so the step needs the inputs")
+                inputs = self._to_device(inputs, "input")
+                mbs = split(inputs, m, what="input")
+                leaves, spec = flatten(inputs)
+                n_in, in_hash = int(leaves[0].shape[0]), _hash((m, spec))
+            if last and target is not None:
+                target = self._to_device(target, "target")
+                tgts = split(target, m, what="target")
+                n_tgt = int(flatten(target)[0][0].shape[0])
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            problem = exc
+        state_hash = _hash((self._module_state(), forward_only))
+        mine = StartReport(problem is not None, state_hash, in_hash, n_in, n_tgt)
+        reports = self._gather(mine, "start")
+        if any(r.rejected for r in reports):
+            texts = self._agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
+            if problem is not None:
+                raise problem
+            bad = [(rank, t) for rank, t in zip(self.topology.world, texts) if t is not None]
+            raise PipelineError(
+                f"global rank {bad[0][0]} rejected its part of the step's input ({bad[0][1]}); "
+                f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
+            )
+        line = [reports[self.topology.world.index(g)] for g in self.topology.pipeline]
+        rows = line[self.schedule.rank_of(0)].input_rows
+        target_rows = line[self.schedule.rank_of(self.schedule.num_stages - 1)].target_rows
+        if target_rows >= 0 and target_rows != rows:
+            raise ValueError(
+                f"the target has {target_rows} rows along dim 0 but the input has {rows}: every tensor of the "
+                "input and of the target is split into the same microbatches along dim 0. Nothing was computed"
+            )
+        weights = [(rows // m + (1 if j < rows % m else 0)) / rows for j in range(m)]  # tensor_split's sizes
+        signature = (forward_only, line[self.schedule.rank_of(0)].input_hash, rows, *(r.state_hash for r in line))
+        sync = signature not in self._specs
+        specs = self._specs.setdefault(signature, {})
+        self._specs.move_to_end(signature)
+        while len(self._specs) > _MAX_SIGNATURES:  # same sequence of signatures on every rank: same eviction
+            self._specs.popitem(last=False)
+        plan = self._plan if not forward_only else self._forward_plan()
+        hooks = {}
+        if self._reducer is not None and not forward_only:
+            hooks = {"on_backward_done": self._reducer.stage_backward_done, "on_wgrad_done": self._reducer.stage_wgrad_done}
+        ex = StepExecutor(
+            plan=plan.ranks[self.pp_rank],
+            num_stages=self.schedule.num_stages,
+            modules=self.stage_modules,
+            wgrad=self._wgrad,
+            loss_fn=self.loss_fn if (not forward_only or target is not None) else None,
+            channels=self._channels,
+            specs=specs,
+            sync=sync,
+            inputs=mbs,
+            targets=tgts if tgts is not None else ([None] * m if last else None),
+            weights=weights,
+            in_flight=self._in_flight,
+            recorder=self._recorder if not forward_only else None,
+            free_sent_activations=self.free_sent_activations,
+            forward_only=forward_only,
+            **hooks,
+        )
+        return ex, sync, signature
+
+    def _end(self, ex: StepExecutor, problem: BaseException | None, sync: bool, signature: tuple) -> PipelineError | None:
+        """The end agreement: None when every rank succeeded, else the error this rank raises."""
+        if problem is not None and ex.failure is None:
+            ex.failure, ex.failed_task, ex.failed_at = problem, None, time.time()
+        tasks = self._plan.ranks[self.pp_rank].tasks if not ex.forward_only else ex.plan.tasks
+        mine = EndReport(
+            failed=ex.failure is not None,
+            drained=ex.draining,
+            comm_broken=ex.comm_error is not None,
+            task=tasks.index(ex.failed_task) if ex.failed_task in tasks else -1,
+            failed_at_us=int(ex.failed_at * 1e6),
+        )
+        try:
+            reports = self._gather(mine, "end")
+        except PipelineError as exc:
+            self._after_failure(ex, sync, signature)
+            return exc
+        if not any(r.failed or r.drained or r.comm_broken for r in reports):
+            return None
+        self._after_failure(ex, sync, signature)
+        text = None
+        if ex.failure is not None:
+            where = f"task {ex.failed_task}" if ex.failed_task is not None else "outside any task"
+            text = (f"{self.topology.describe()}, {where} of schedule {self.schedule.name or 'custom'!r}: "
+                    f"{type(ex.failure).__name__}: {ex.failure}")
+        texts = self._agreement.gather_texts(text)
+        failed = sorted((r.failed_at_us, i) for i, r in enumerate(reports) if r.failed and texts[i] is not None)
+        first = texts[failed[0][1]] if failed else None
+        if len(failed) > 1:
+            first += f" ({len(failed) - 1} more rank(s) failed after it)"
+        if any(r.comm_broken for r in reports):
+            self._broken = (
+                "this Pipeline is unusable: a send or receive failed during a failed step (a dead peer?), so its "
+                f"communicators are in an unknown state. First failure: {first}. End the processes and restart"
+            )
+        kept = "gradients of earlier steps kept" if self.keep_grads_on_failure else ".grad set to None, main_grad zeroed"
+        msg = (f"step failed on {first or 'a rank whose message did not arrive'}. Every rank of the job raised; "
+               f"this rank discarded the step's gradients ({kept})"
+               + (f". {self._broken}" if self._broken else "; the pipeline is usable"))
+        error = PipelineError(msg)
+        if ex.failure is not None:
+            error.__cause__ = ex.failure
+        return error
+
+    def _after_failure(self, ex: StepExecutor, sync: bool, signature: tuple) -> None:
+        for w in self._wgrad.values():
+            w.discard()
+        if self._reducer is not None and not ex.forward_only:
+            try:
+                self._reducer.abandon()
+            except Exception:  # noqa: BLE001 - best effort: the step is lost anyway
+                pass
+        if sync:  # some shapes of this signature may never have been learnt
+            self._specs.pop(signature, None)
+
+    def _gather(self, report: Any, which: str) -> list[Any]:
+        try:
+            return self._agreement.gather(report)
+        except BrokenJob as exc:
+            self._broken = (
+                f"this Pipeline is unusable: the {which}-of-step agreement among its ranks failed ({exc}), so a "
+                "rank is dead or hung. End the processes and restart"
+            )
+            if self._channels is not None:
+                self._channels.abort()  # NCCL: free the GPU from operations waiting for the dead peer
+            raise PipelineError(self._broken) from exc
+
+    # -- gradients across a step ---------------------------------------------------------------
+    def _set_gradients_aside(self) -> None:
+        self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._main_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if not self.keep_grads_on_failure:
+            return
+        for p in self.parameters():
+            self._aside.append((p, p.grad))
+            p.grad = None
+            main = getattr(p, "main_grad", None)
+            if self._reducer is None and isinstance(main, torch.Tensor):
+                self._main_copies.append((main, main.clone()))
+
+    def _take_back_gradients(self) -> None:
+        for p, g in self._aside:
+            if g is None:
+                continue
+            if p.grad is not None:
+                g.add_(p.grad)
+            p.grad = g
+        self._aside, self._main_copies = [], []
+
+    def _discard_step_gradients(self) -> None:
+        if self.keep_grads_on_failure:
+            for p, g in self._aside:
+                p.grad = g
+            for main, copy in self._main_copies:
+                main.copy_(copy)
+        else:
+            for p in self.parameters():
+                p.grad = None
+                main = getattr(p, "main_grad", None)
+                if isinstance(main, torch.Tensor):
+                    main.zero_()
+        self._aside, self._main_copies = [], []
+
     # -- internals ----------------------------------------------------------------------------
+    def _forward_plan(self) -> Plan:
+        if self._eval_plan is None:
+            self._eval_plan = make_plan(self.schedule, costs=self._costs, recv_lead=self._recv_lead, forward_only=True)
+        return self._eval_plan
+
     def _resolve_device(self, device: torch.device | str | None) -> torch.device:
         if device is not None:
             return torch.device(device)
-        if self._ctx.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+        if self.topology.distributed:
+            import torch.distributed as dist
+
+            if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
         for m in self.stage_modules.values():
             for t in list(m.parameters()) + list(m.buffers()):
                 return t.device
         return torch.device("cpu")
 
-    def _to_device(self, obj: Any) -> Any:
+    def _to_device(self, obj: Any, what: str) -> Any:
         leaves, spec = flatten(obj)
+        if not leaves:
+            raise ValueError(f"the {what} holds no tensor ({spec}): the step splits its tensors into microbatches")
         return rebuild(spec, [t.to(self.device) for t in leaves])
 
     def _module_state(self) -> tuple:
@@ -353,38 +515,22 @@ class Pipeline:
             for s, m in self.stage_modules.items()
         )
 
-    def _agree(self, bad: bool, state_hash: int, in_hash: int, rows: list[int]) -> tuple[list[int], list[int], int, list[int]]:
-        """All-reduce (sum) of [problem flag per rank | module-state hash per rank | input hash | rows]."""
-        p, r = self._ctx.size, self.pp_rank
-        if p == 1:
-            return [int(bad)], [state_hash], in_hash, rows
-        import torch.distributed as dist
 
-        vec = [0] * (2 * p + 1 + len(rows))
-        vec[r] = int(bad)
-        vec[p + r] = state_hash
-        vec[2 * p] = in_hash
-        vec[2 * p + 1:] = rows
-        dev = self.device if self._ctx.backend == "nccl" else torch.device("cpu")
-        t = torch.tensor(vec, dtype=torch.int64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._ctx.group)
-        out = t.tolist()
-        return out[:p], out[p:2 * p], out[2 * p], out[2 * p + 1:]
-
-    def _discard_gradients(self) -> None:
-        for mods in self._delayed.values():
-            discard_pending(mods)
-        for p in self.parameters():
-            p.grad = None
-            main = getattr(p, "main_grad", None)
-            if isinstance(main, torch.Tensor):
-                main.zero_()
+def _merge(outputs: list[Any]) -> Any:
+    """The microbatches' outputs as one batch: tensor leaves concatenated along dim 0."""
+    leaves = [flatten(o) for o in outputs]
+    spec = leaves[0][1]
+    merged = []
+    for i, t in enumerate(leaves[0][0]):
+        merged.append(torch.cat([ls[i] for ls, _ in leaves], dim=0) if t.dim() > 0 else t)
+    return rebuild(spec, merged)
 
 
 def _hash(obj: Any) -> int:
-    """A 55-bit hash of a picklable object (sums of a few of them stay inside int64)."""
+    """A 55-bit hash of a picklable object."""
     try:
         data = pickle.dumps(obj)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the step's input holds a non-tensor value that cannot be pickled: {exc}") from exc
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little") >> 1
+

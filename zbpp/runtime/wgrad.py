@@ -1,29 +1,69 @@
-"""W tasks: find a stage's delayed-wgrad modules and compute their weight gradients.
+"""W tasks: a stage's delayed-wgrad modules, each behind one adapter that the executor calls.
 
-A module *defers* its weight gradient (DESIGN.md's protocol) when `zbpp.modules.is_delayed` says so:
-zbpp layers with ``delay_wgrad_compute=True``, Transformer Engine layers whose wgrad store delays,
-and any other module with a ``backward_dw()`` that does not say it is off. Every other module gets
-its weight gradients during B, so its W is empty.
+A module *defers* its weight gradient (the protocol of docs/DESIGN.md) when `zbpp.modules.is_delayed`
+says so: zbpp layers with ``delay_wgrad_compute=True``, Transformer Engine layers whose wgrad store
+delays, and any other module with a ``backward_dw()`` that does not say it is off. Every other
+module gets its weight gradients during B, so its W is empty.
 
-A module whose ``backward_dw`` takes an argument files its pending wgrads under the key recorded at
-forward time (`zbpp.modules.microbatch`); the runtime's key is ``(stage, microbatch)``, so a module
-shared by two stages of one rank (tied weights under a V placement) keeps their wgrads apart, and W
-calls ``backward_dw((s, j))``. One whose ``backward_dw()`` takes none (Transformer Engine) is a
-FIFO: W computes the *oldest* pending one, so it is accepted only under schedules that keep each
-stage's W in B order (`zbpp.runtime.plan.fifo_wgrad_problem`).
+Two adapters:
+
+- `KeyedWgrad`: ``backward_dw(key)`` names the microbatch. zbpp layers (and any ``backward_dw`` that
+  takes an argument) file each pending wgrad under the key recorded at forward time
+  (`zbpp.modules.microbatch`); the runtime's key is ``(stage, microbatch)``, so a module shared by two
+  stages of one rank (tied weights under a V placement) keeps their wgrads apart.
+- `FifoWgrad`: ``backward_dw()`` computes the *oldest* pending wgrad (Transformer Engine). Accepted
+  only under schedules that keep each stage's W in B order (`zbpp.schedules.plan.fifo_wgrad_problem`).
+
+After a failed step the pending wgrads must go. A keyed module with ``discard_wgrad()`` drops them;
+otherwise the adapter computes them (``backward_dw`` as many times as they are pending, which only
+the public protocol needs) and the runtime discards the step's gradients with the rest.
 
 >>> import torch
->>> delayed_modules(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+>>> StageWgrad(torch.nn.Sequential(torch.nn.Linear(2, 2))).modules
 []
 """
 
 from __future__ import annotations
 
+from typing import Hashable
+
 from torch import nn
 
 from ..modules import is_delayed, supports_keys
 
-__all__ = ["is_delayed", "supports_keys", "delayed_modules", "run_wgrad", "discard_pending"]
+__all__ = ["StageWgrad", "KeyedWgrad", "FifoWgrad", "delayed_modules", "is_delayed", "supports_keys"]
+
+
+class KeyedWgrad:
+    """A module whose ``backward_dw(key)`` computes the wgrad filed under `key`."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def run(self, key: Hashable) -> None:
+        self.module.backward_dw(key)
+
+    def discard(self, keys: list[Hashable]) -> None:
+        drop = getattr(self.module, "discard_wgrad", None)
+        if callable(drop):
+            drop()
+            return
+        for key in keys:
+            self.module.backward_dw(key)
+
+
+class FifoWgrad:
+    """A module whose ``backward_dw()`` computes its oldest pending wgrad (Transformer Engine)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def run(self, key: Hashable) -> None:
+        self.module.backward_dw()
+
+    def discard(self, keys: list[Hashable]) -> None:
+        for _ in keys:
+            self.module.backward_dw()
 
 
 def delayed_modules(stage: nn.Module) -> list[nn.Module]:
@@ -47,28 +87,38 @@ def delayed_modules(stage: nn.Module) -> list[nn.Module]:
     return found
 
 
-def run_wgrad(modules: list[nn.Module], keyed: list[bool], key: tuple[int, int]) -> None:
-    """W of one (stage, microbatch) `key`: ``backward_dw(key)`` on keyed modules, ``backward_dw()`` on FIFO ones."""
-    for m, k in zip(modules, keyed):
-        if k:
-            m.backward_dw(key)
-        else:
-            m.backward_dw()
+class StageWgrad:
+    """The W of one stage: an adapter per outermost delayed-wgrad module, and what is pending.
 
+    `run(key)` is W(s, j) with ``key = (s, j)``; the B of a microbatch calls `filed(key)` so that
+    `discard` knows what a failed step left pending.
+    """
 
-def discard_pending(modules: list[nn.Module]) -> None:
-    """Drop the wgrad closures still pending in `modules` (after a failed step). Best effort: it
-    clears the stores it can find (``wgrad_store`` / ``_wgrad_store`` / ``_store`` / ``_fifo``
-    with ``clear()``, or a ``discard_wgrad()`` / ``clear_wgrad()`` method)."""
-    for m in modules:
-        for meth in ("discard_wgrad", "clear_wgrad", "clear_backward_dw"):
-            fn = getattr(m, meth, None)
-            if callable(fn):
-                fn()
-                break
-        else:
-            for attr in ("wgrad_store", "_wgrad_store", "_store", "_fifo"):
-                store = getattr(m, attr, None)
-                clear = getattr(store, "clear", None)
-                if callable(clear):
-                    clear()
+    def __init__(self, stage: nn.Module) -> None:
+        self.modules = delayed_modules(stage)
+        self.adapters = [KeyedWgrad(m) if supports_keys(m) else FifoWgrad(m) for m in self.modules]
+        self._pending: list[Hashable] = []
+
+    @property
+    def fifo_modules(self) -> list[nn.Module]:
+        """The modules without microbatch keys (their W takes the oldest pending wgrad)."""
+        return [a.module for a in self.adapters if isinstance(a, FifoWgrad)]
+
+    def filed(self, key: Hashable) -> None:
+        if self.adapters:
+            self._pending.append(key)
+
+    def run(self, key: Hashable) -> None:
+        if key in self._pending:
+            self._pending.remove(key)
+        for a in self.adapters:
+            a.run(key)
+
+    def discard(self) -> None:
+        """Drop (or compute and let the caller discard) every wgrad still pending."""
+        keys, self._pending = self._pending, []
+        for a in self.adapters:
+            try:
+                a.discard(keys)
+            except Exception:  # noqa: BLE001 - a module that failed mid-B may hold fewer: best effort
+                pass

@@ -40,8 +40,10 @@ replays every built-in schedule on a model of NCCL's strictest matching.
 
 >>> from zbpp.schedules import build
 >>> plan = make_plan(build("1f1b", num_ranks=2, num_microbatches=2))
->>> [[str(op) for op in ops] for ops in plan.ranks[1].issue]
-[['recv F0.0->F1.0 from 0'], ['send BW1.0->BW0.0 to 0', 'recv F0.1->F1.1 from 0'], ['send BW1.1->BW0.1 to 0'], [], []]
+>>> [str(a) for a in plan.ranks[1].tasks]
+['F1.0', 'BW1.0', 'F1.1', 'BW1.1']
+>>> [[str(op) for op in ops] for ops in plan.ranks[1].issue]  # before each task, then after the last
+[['recv F0.0->F1.0 from 0'], ['recv F0.1->F1.1 from 0'], ['send BW1.0->BW0.0 to 0'], [], ['send BW1.1->BW0.1 to 0']]
 """
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""What every rank runs in the failure tests: one rank fails once, at a chosen site and microbatch,
+while its process lives on (the training loop catches the exception, as loops that skip a bad batch
+do).
+
+`fail_once` trains three steps on the test models (`models.py`, "zbpp" kind: every Linear defers its
+weight gradient, so W is a real task) without zeroing gradients in between:
+
+1. a good step, whose gradients stay accumulated;
+2. the step that fails at ``site`` on stage ``stage`` for microbatch ``mb``;
+3. a good step again.
+
+It returns, per rank, how step 2 ended and how long it took, and checks itself, against the
+single-process reference (`reference_step`), the state the README promises: after the failed step
+every gradient is exactly the one of step 1 (the same values: nothing of step 2 added, nothing
+lost), no wgrad is pending, and after step 3 the gradients are step 1's plus step 3's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zbpp import Pipeline
+from zbpp.modules import current_microbatch
+from zbpp.runtime import ParallelGroups, PipelineError
+from zbpp.runtime.tree import flatten, rebuild
+
+from .cases import device_for_rank, make_schedule, tolerance
+from .models import loss_fn, make_batch, make_stage, reference_step
+
+ARMED = {"site": None}  # set on the failing rank for the failing step only
+
+
+class _Bomb(torch.autograd.Function):
+    """Identity in the forward; raises in the backward of the armed microbatch."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, key: Any) -> torch.Tensor:
+        ctx.key = key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ARMED["site"] == ("B", ctx.key):
+            raise RuntimeError(f"injected B failure at {ctx.key}")
+        return g, None
+
+
+class Faulty(torch.nn.Module):
+    """Wraps a stage and fails when `ARMED` names it: in its forward ("F"), in the backward of its
+    output ("B"), in its delayed modules' W ("W"), with a shrunk output ("shape": a data-dependent
+    shape the input signature cannot predict) or by returning None ("none")."""
+
+    def __init__(self, inner: torch.nn.Module, stage: int) -> None:
+        super().__init__()
+        self.inner, self.stage = inner, stage
+        for mod in inner.modules():
+            if callable(getattr(mod, "backward_dw", None)) and mod is not inner:
+                real = mod.backward_dw
+
+                def armed_dw(key: Any = None, _real: Any = real) -> None:
+                    if ARMED["site"] == ("W", key):
+                        raise RuntimeError(f"injected W failure at {key}")
+                    _real(key)
+
+                mod.backward_dw = armed_dw
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        key = current_microbatch()
+        if ARMED["site"] == ("F", key):
+            raise RuntimeError(f"injected F failure at {key}")
+        if ARMED["site"] == ("none", key):
+            return None
+        out = self.inner(*args, **kwargs)
+        leaves, spec = flatten(out)
+        if ARMED["site"] == ("shape", key):
+            leaves = [t[:-1] if t.dim() else t for t in leaves]
+        leaves = [_Bomb.apply(t, key) if t.requires_grad else t for t in leaves]
+        return rebuild(spec, leaves)
+
+
+def _grads(stages: dict[int, torch.nn.Module]) -> dict[str, torch.Tensor | None]:
+    return {f"{s}.{n}": (None if p.grad is None else p.grad.detach().clone())
+            for s, st in stages.items() for n, p in st.named_parameters()}
+
+
+def fail_once(name: str, p: int, m: int, site: str, fail_rank: int, mb: int, dp: int = 1,
+              report_dir: str | None = None) -> dict[str, Any]:
+    rank = dist.get_rank()
+    device = device_for_rank()
+    tol = tolerance(device)
+    groups = ParallelGroups(pp=p) if dp > 1 else None
+    pp_rank = groups.pp_rank if groups else rank
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    failing_stage = sched.stages_on(fail_rank)[0] if site != "loss" else S - 1
+    mine = {s: Faulty(make_stage(s, S, "zbpp", device), s) for s in sched.stages_on(pp_rank)}
+    ref = [make_stage(s, S, "plain", device) for s in range(S)]
+    losses = {"calls": 0}
+
+    def counting_loss(out: Any, target: Any) -> torch.Tensor:
+        if ARMED["site"] == ("loss", current_microbatch()):
+            raise ValueError(f"injected loss failure at {current_microbatch()}")
+        losses["calls"] += 1
+        return loss_fn(out, target)
+
+    pipe = Pipeline(mine, sched, counting_loss, groups=groups)
+    replica = groups.dp_rank if groups else 0
+    batches = [make_batch(10 * step + replica, 2 * m, device) for step in range(3)]
+
+    pipe.step(*batches[0][:1], target=batches[0][1])  # step 1
+    reference_step(ref, batches[0][0], batches[0][1])
+    after_first = _grads(mine)
+
+    i_fail = pp_rank == fail_rank and (groups is None or groups.dp_rank == 0)
+    if i_fail:
+        ARMED["site"] = (site, (failing_stage, mb))
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(*batches[1][:1], target=batches[1][1])  # step 2
+        outcome["result"] = "success"
+    except PipelineError as exc:
+        outcome.update(result="PipelineError", message=str(exc),
+                       cause=type(exc.__cause__).__name__ if exc.__cause__ is not None else None)
+    finally:
+        ARMED["site"] = None
+    outcome["seconds"] = time.monotonic() - t0
+    if report_dir is not None:
+        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(outcome, fh)
+    assert _same(_grads(mine), after_first), f"rank {rank}: a failed step changed the gradients of step 1"
+    pending = [k for st in mine.values() for mod in st.modules() if hasattr(mod, "pending_wgrad_keys")
+               for k in mod.pending_wgrad_keys()]
+    assert pending == [], f"rank {rank}: wgrads still pending after the failed step: {pending}"
+
+    pipe.step(*batches[2][:1], target=batches[2][1])  # step 3: the pipeline is usable
+    reference_step(ref, batches[2][0], batches[2][1])
+    for s, st in mine.items():
+        if dp > 1:
+            break  # each replica saw other data: the data-parallel tests check the averages
+        for (n, a), (_, b) in zip(st.inner.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}", **tol)
+    return outcome
+
+
+def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> bool:
+    return a.keys() == b.keys() and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in
+        ((a[k], b[k]) for k in a)
+    )
+
+
+def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
+    """Rank 1 exits (os._exit) in the forward of its second microbatch; the others must raise."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+
+    class Dying(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if rank == 1 and current_microbatch() == (sched.stages_on(1)[0], 1):
+                os._exit(3)
+            return self.inner(*args, **kwargs)
+
+    mine = {s: Dying(make_stage(s, S, "zbpp", device_for_rank())) for s in sched.stages_on(rank)}
+    pipe = Pipeline(mine, sched, loss_fn)
+    inputs, target = make_batch(0, 2 * m, device_for_rank())
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(inputs, target=target)
+        outcome["result"] = "success"
+    except PipelineError as exc:
+        outcome.update(result="PipelineError", message=str(exc))
+    outcome["seconds"] = time.monotonic() - t0
+    try:
+        pipe.step(inputs, target=target)
+        outcome["next"] = "success"
+    except PipelineError as exc:
+        outcome["next"] = str(exc)
+    outcome["next_seconds"] = time.monotonic() - t0 - outcome["seconds"]
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(outcome, fh)

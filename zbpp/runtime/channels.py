@@ -1,0 +1,177 @@
+"""Point-to-point channels between the ranks of a pipeline, and the agreement group of a job.
+
+A *channel* carries the messages from one pipeline rank to another (`zbpp.schedules.plan`). Each
+channel is its own two-rank process group, so each direction has its own communicator and, on
+NCCL, its own stream: a receive waiting for its data never holds up a send the other way.
+
+NCCL communicators are created eagerly, when the groups are built (``new_group(device_id=...)``):
+created lazily, the first send or receive of a pair would be a blocking handshake of the two ranks
+that the plan's issue points do not account for. `CommOptions` set how many thread blocks (CTAs)
+the channels' NCCL kernels may use: a posted NCCL kernel occupies streaming multiprocessors while
+it waits for its peer and while it copies, and a GEMM that shares the GPU with it runs slower.
+
+Process groups must be created by every rank of the job in one order (``new_group`` is collective
+over the default group), so `Channels` creates the channels of every pipeline of the job, and
+groups are cached per process: `Pipeline` objects of the same ranks, backend and options share
+them (ops never interleave: one step runs at a time).
+
+Tensors travel one ``isend``/``irecv`` each (a message of several tensors is several operations in
+leaf order on both ends; empty tensors are not sent). A picklable object (a `zbpp.runtime.tree.Spec`)
+travels as two operations, its byte length then its bytes; receiving it blocks the caller.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+from .tree import TensorMeta
+
+__all__ = ["CommOptions", "Channels", "agreement_group", "default_timeout"]
+
+Channel = tuple[int, int]  # (sending pipeline rank, receiving pipeline rank)
+
+_GROUPS: dict[tuple[Any, ...], Any] = {}  # (purpose, backend, global ranks, options) -> group
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """How the pipeline's point-to-point traffic uses NCCL (gloo ignores it).
+
+    Attributes:
+        max_ctas: the most CTAs (thread blocks, one per SM) an NCCL kernel of a channel may use;
+            None leaves it to NCCL. Fewer CTAs leave more of the GPU to the GEMMs that run while
+            a message is in flight, at the price of a slower copy.
+        high_priority_streams: give the channels' NCCL streams high priority, so a transfer
+            starts as soon as its data is ready instead of queueing behind compute kernels.
+    """
+
+    max_ctas: int | None = 1
+    high_priority_streams: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_ctas is not None and (not isinstance(self.max_ctas, int) or isinstance(self.max_ctas, bool)
+                                          or not 1 <= self.max_ctas <= 64):
+            raise ValueError(f"CommOptions.max_ctas must be None or an integer in 1..64, got {self.max_ctas!r}")
+        if not isinstance(self.high_priority_streams, bool):
+            raise TypeError(f"CommOptions.high_priority_streams must be a bool, got {type(self.high_priority_streams).__name__}")
+
+
+def default_timeout() -> timedelta:
+    """The default process group's timeout (what ``init_process_group(timeout=...)`` set)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        for device in ("cuda", "cpu"):
+            try:
+                return pg._get_backend(torch.device(device)).options._timeout
+            except Exception:  # noqa: BLE001 - that device has no backend; try the next
+                continue
+    except Exception:  # noqa: BLE001 - private API moved: fall back to torch's default
+        pass
+    return timedelta(minutes=10)
+
+
+def _group(purpose: str, ranks: Sequence[int], backend: str, options: CommOptions | None, timeout: timedelta) -> Any:
+    """A cached process group of `ranks` (every rank of the default group must call this in the same
+    order with the same arguments); None on ranks outside it."""
+    key = (purpose, backend, tuple(ranks), options)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        if options is not None:
+            opts.is_high_priority_stream = options.high_priority_streams
+            if options.max_ctas is not None:
+                opts.config.max_ctas = options.max_ctas
+                opts.config.min_ctas = 1
+        kwargs["pg_options"] = opts
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())  # eager: no lazy handshake
+    group = dist.new_group(sorted(ranks), **kwargs)
+    if group == dist.GroupMember.NON_GROUP_MEMBER:
+        group = None
+    _GROUPS[key] = group
+    return group
+
+
+def agreement_group(topology: Topology, timeout: timedelta) -> Any:
+    """The gloo group of every rank of the job's pipelines (CPU tensors only: agreeing on a step never
+    waits for a GPU); None without torch.distributed."""
+    if not topology.distributed:
+        return None
+    return _group("agree", topology.world, "gloo", None, timeout)
+
+
+class Channels:
+    """The channels of this rank (see the module docstring).
+
+    Args:
+        topology: this rank's place in the job.
+        channels: every channel of a pipeline, as ``(src, dst)`` pipeline ranks (`Plan.channels`).
+        device: where tensors live (CUDA: NCCL; CPU: gloo).
+        options: NCCL options of the channels.
+        timeout: the groups' timeout.
+    """
+
+    def __init__(self, topology: Topology, channels: Iterable[Channel], device: torch.device,
+                 options: CommOptions, timeout: timedelta) -> None:
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.pipeline = topology.pipeline
+        self._groups: dict[Channel, Any] = {}
+        channels = sorted(set(channels))
+        for line in topology.pipelines:  # every pipeline's, in one order: new_group is collective
+            for src, dst in channels:
+                group = _group("p2p", (line[src], line[dst]), self.backend, options if self.backend == "nccl" else None, timeout)
+                if line == topology.pipeline:
+                    self._groups[(src, dst)] = group
+
+    def _peer(self, channel: Channel, sending: bool) -> tuple[Any, int]:
+        src, dst = channel
+        return self._groups[channel], self.pipeline[dst if sending else src]
+
+    def isend(self, tensors: Sequence[torch.Tensor], channel: Channel) -> list[Any]:
+        """Start sending `tensors` (contiguous, on the device) on `channel`; one work per non-empty tensor."""
+        group, peer = self._peer(channel, True)
+        return [dist.isend(t, peer, group=group) for t in tensors if t.numel()]
+
+    def irecv(self, metas: Sequence[TensorMeta], channel: Channel) -> tuple[list[torch.Tensor], list[Any]]:
+        """Post receives on `channel` into new buffers shaped like `metas`."""
+        group, peer = self._peer(channel, False)
+        bufs = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+        return bufs, [dist.irecv(b, peer, group=group) for b in bufs if b.numel()]
+
+    def send_object(self, obj: Any, channel: Channel) -> tuple[list[Any], list[torch.Tensor]]:
+        """Start sending a picklable `obj`; returns the works and the buffers to keep until they finish."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        bufs = [size, data]
+        return self.isend(bufs, channel), bufs
+
+    def recv_object(self, channel: Channel) -> Any:
+        """Receive an object sent by `send_object` (blocks until it has arrived)."""
+        group, peer = self._peer(channel, False)
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.irecv(size, peer, group=group).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.irecv(data, peer, group=group).wait()
+        return pickle.loads(bytes(data.cpu().tolist()))
+
+    def abort(self) -> None:
+        """Abort the channels' NCCL communicators (a dead peer: kernels waiting for it end). Best effort;
+        the channels are unusable afterwards."""
+        if self.backend != "nccl":
+            return
+        for group in self._groups.values():
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - already aborted, or not supported by this torch
+                pass
