@@ -131,7 +131,9 @@ def evaluate_candidates(
         raise TypeError(f"memory must be a zbpp.schedules.Memory (per rank-stage) or None, got {type(memory).__name__}")
     if memory_limit is not None:
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) or not memory_limit > 0:
-            raise ValueError(f"memory_limit must be a number > 0 (per rank, in the units of memory) or None, got {memory_limit!r}")
+            raise ValueError(
+                f"memory_limit must be a number > 0 (per rank, in the units of memory) or None, got {memory_limit!r}"
+            )
     if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
         raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
     names = available() if candidates is None else list(candidates)
