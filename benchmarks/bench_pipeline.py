@@ -24,9 +24,9 @@ Each case (model, layers kind, microbatches m) times, in one run:
   would send them, random output gradients where the next would), with no pipeline and no
   communication. Its step time is the slowest rank's. A second ideal row with torch.nn layers is
   the reference of the torch.nn rows.
-- zbpp's schedules (``--zbpp``) with the case's layers; 1f1b, zb-h1 and zb-v also with torch.nn
-  layers (like for like with torch); ``zb-auto`` / ``zbv-auto`` are built from the costs measured
-  in this run (below).
+- zbpp's schedules (``--zbpp``) with the case's layers; ``--zbpp-torch-layers`` (1f1b, zb-h1, zb-v)
+  also with torch.nn layers (like for like with torch); ``zb-auto`` / ``zbv-auto`` are built from
+  the costs measured in this run (below).
 - torch.distributed.pipelining's schedules (``--torch``) with torch.nn layers.
 - ``pick``: the schedule `zbpp.schedules.pick_schedule` selects from the costs measured in this
   run and ``--pick-memory-limit``; its time is that of the row running the same schedule (or its
@@ -148,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--zbpp", default=None, help="zbpp schedules (comma separated)")
     ap.add_argument("--torch", default=None, help="torch.distributed.pipelining schedules (comma separated)")
+    ap.add_argument("--zbpp-torch-layers", default=",".join(ZBPP_TORCH_LAYERS),
+                    help="zbpp schedules also run with torch.nn layers, like for like with torch (comma separated; "
+                    "with --layers-kind zbpp)")
     ap.add_argument("--pick-costs-from", default="zb-h1",
                     help="one-stage-per-rank zbpp schedule whose profiled costs feed the pick and zb-auto/zbv-auto "
                     "('ideal': the ideal row's profile)")
@@ -360,6 +363,7 @@ class Bench:
                               args.seq_len)
         self.zbpp_names = [n for n in args.zbpp.split(",") if n]
         self.torch_names = [n for n in args.torch.split(",") if n]
+        self.zbpp_torch_names = [n for n in args.zbpp_torch_layers.split(",") if n]
         self._check_options()
 
     def _check_options(self) -> None:
@@ -374,7 +378,7 @@ class Bench:
                 raise ValueError(f"--pick-costs-from {src!r}: needs a schedule with one stage per rank (its costs are "
                                  "per rank-stage), e.g. zb-h1")
         counts = {self.p}
-        for name in self.zbpp_names:
+        for name in self.zbpp_names + self.zbpp_torch_names:
             if name in available():
                 counts.add(build(name, num_ranks=self.p, num_microbatches=1).num_stages)
         counts |= {self.p * (1 if TORCH_MULTI.get(n) is None else 2) for n in self.torch_names}
@@ -661,7 +665,7 @@ class Bench:
             record(row, lambda row=row, auto_sched=auto_sched: zbpp_job(row, auto_sched, kind))
 
         if kind == "zbpp":  # like for like with torch: the same zbpp schedules over torch.nn layers
-            for name in [n for n in ZBPP_TORCH_LAYERS if n in self.zbpp_names and torch_rows]:
+            for name in [n for n in self.zbpp_torch_names if torch_rows]:
                 row = {"impl": "zbpp", "schedule": name, "layers": "torch"}
                 record(row, lambda row=row, name=name: zbpp_job(
                     row, lambda: build(name, num_ranks=p, num_microbatches=m), "torch"))

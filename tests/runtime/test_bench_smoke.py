@@ -29,7 +29,8 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
     proc = _torchrun("--quick", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     proc = _torchrun("--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto",
-                     "--torch", "Schedule1F1B", "--append", "--out", str(out))
+                     "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2",
+                     "--append", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
@@ -54,7 +55,8 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
         fits = [c for c in pick["pick_candidates"] if c["fits"]]
         assert pick["schedule"] == fits[0]["schedule"]
         assert fits[0]["simulated_ms"] == min(c["simulated_ms"] for c in fits)
-    assert {r["schedule"] for r in rows if r["model"] == "mlp-stack" and r["impl"] == "zbpp"} == {"zb-h1", "zbv-auto"}
+    assert {(r["schedule"], r["layers"]) for r in rows if r["model"] == "mlp-stack" and r["impl"] == "zbpp"} == {
+        ("zb-h1", "zbpp"), ("zbv-auto", "zbpp"), ("zb-h1", "torch")}
     for case in doc["meta"]["cases"]:  # the headline figures, read off the case's rows
         summary = case["summary"]
         case_rows = [r for r in rows if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"])]
