@@ -675,7 +675,7 @@ class Bench:
                 record(row, lambda row=row, name=name: row.update(self.run_torch(spec.with_kind("torch"), name, m)))
 
         if pick_costs is not None:
-            self._pick_row(rows, record, spec, m, pick_costs, memory, limit, comm_s, kind, zbpp_job)
+            self._pick_row(rows, record, spec, m, pick_costs, memory, limit, kind, zbpp_job)
         self._ratios(rows)
         case["ideal_ms"] = next((r["step_ms"] for r in rows if r["impl"] == "ideal" and r["layers"] == kind
                                  and "step_ms" in r), None)
@@ -708,7 +708,7 @@ class Bench:
         return memory, value * 2**30 / unit, unit
 
     def _pick_row(self, rows: list[dict[str, Any]], record: Callable[..., Any], spec: ModelSpec, m: int,
-                  costs: Costs, memory: Memory, limit: float, comm_s: float, kind: str,
+                  costs: Costs, memory: Memory, limit: float, kind: str,
                   zbpp_job: Callable[..., None]) -> None:
         p = self.p
         ranked = evaluate_candidates(p, m, costs, memory=memory, memory_limit=limit)
