@@ -14,17 +14,64 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
+                           str(ROOT / "benchmarks" / "bench_pipeline.py"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
 @pytest.mark.slow
 def test_bench_pipeline_quick_under_torchrun(tmp_path):
+    """The default model, then the MLP stack over two microbatch counts appended to the same JSON:
+    every row timed, an ideal row per case, the simulator's prediction on every zbpp row, a pick."""
     out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
-                           str(ROOT / "benchmarks" / "bench_pipeline.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = _torchrun("--quick", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["impl"] for r in rows} == {"zbpp", "torch"}
+    proc = _torchrun("--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto",
+                     "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2",
+                     "--append", "--out", str(out))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
     assert all("step_ms" in r for r in rows), [r for r in rows if "error" in r]
+    assert [run["model"] for run in doc["meta"]["runs"]] == ["transformer", "mlp-stack"]
+    cases = {(r["model"], r["m"]) for r in rows}
+    assert cases == {("transformer", 4), ("mlp-stack", 2), ("mlp-stack", 4)}
+    for model, m in cases:
+        case = [r for r in rows if (r["model"], r["m"]) == (model, m)]
+        assert {r["impl"] for r in case} == {"ideal", "zbpp", "torch", "pick"}
+        # one ideal per layers kind that runs: zbpp's, and torch.nn's for the torch rows
+        assert sorted(r["layers"] for r in case if r["impl"] == "ideal") == ["torch", "zbpp"]
+        ideal = {r["layers"]: r["step_ms"] for r in case if r["impl"] == "ideal"}
+        for r in case:
+            assert r["pct_of_ideal"] == pytest.approx(100 * ideal[r["layers"]] / r["step_ms"])
+        for r in case:
+            if r["impl"] in ("zbpp", "pick"):
+                assert r["predicted_ms"] > 0
+                assert r["measured_over_predicted"] == pytest.approx(r["step_ms"] / r["predicted_ms"])
+                assert set(r["costs_ms"]) == {"f", "b", "w", "comm"} and len(r["costs_ms"]["f"]) == r["num_stages"]
+        pick = next(r for r in case if r["impl"] == "pick")
+        fits = [c for c in pick["pick_candidates"] if c["fits"]]
+        assert pick["schedule"] == fits[0]["schedule"]
+        assert fits[0]["simulated_ms"] == min(c["simulated_ms"] for c in fits)
+    assert {(r["schedule"], r["layers"]) for r in rows if r["model"] == "mlp-stack" and r["impl"] == "zbpp"} == {
+        ("zb-h1", "zbpp"), ("zbv-auto", "zbpp"), ("zb-h1", "torch")}
+    for case in doc["meta"]["cases"]:  # the headline figures, read off the case's rows
+        summary = case["summary"]
+        case_rows = [r for r in rows if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"])]
+        best = min((r for r in case_rows if r["impl"] == "zbpp"), key=lambda r: r["step_ms"])
+        pick = next(r for r in case_rows if r["impl"] == "pick")
+        assert summary["best_zbpp"]["schedule"] == best["schedule"]
+        assert summary["pick"]["vs_best_zbpp"] == pytest.approx(best["step_ms"] / pick["step_ms"])
+        assert summary["best_zero_bubble"]["schedule"] != "1f1b"  # 1F1B has no W task
+
+
+def test_bench_pipeline_refuses_fp8_on_cpu():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--quick",
+                           "--layers-kind", "fp8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--layers-kind fp8 needs CUDA GPUs" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bench_modules_quick(tmp_path):

@@ -12,6 +12,7 @@
 from .dag import task_graph, validate
 from .ir import Action, Kind, Schedule, ScheduleError
 from .registry import available, build, options_of, register
+from .select import pick_schedule
 from .simulate import Costs, Memory, SimResult, simulate
 from .torch_csv import from_torch_csv, to_torch_csv
 
@@ -27,6 +28,7 @@ __all__ = [
     "build",
     "from_torch_csv",
     "options_of",
+    "pick_schedule",
     "register",
     "simulate",
     "task_graph",

@@ -1,0 +1,132 @@
+"""pick_schedule: the fastest candidate whose simulated peak memory fits the limit.
+
+References: a brute force that builds and simulates every registered schedule itself (costs of a
+2p-stage split written out as halves), a hand-worked slow-link case (times below), the memory
+limit checked on the simulation, and DESIGN.md's zero-bubble claim for ZB-V.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zbpp.schedules import Costs, Memory, available, build, options_of, pick_schedule, simulate
+from zbpp.schedules.select import evaluate_candidates, scale_to_stages
+
+REL = 1e-9  # sums of a few hundred float task times: rounding only
+
+
+def _halves(values):
+    """Per-stage values of a 2p-stage split: stage s is half of rank-stage s // 2."""
+    return tuple(v / 2 for v in values for _ in range(2))
+
+
+def _brute_force(p, m, f, b, w, comm, act, wgrad, limit):
+    """(makespan, peak, name) of every registered schedule that fits, built and simulated here."""
+    out = []
+    for name in available():
+        n = build(name, num_ranks=p, num_microbatches=1).num_stages
+        assert n in (p, 2 * p), f"{name}: {n} stages; extend this test's scaling"
+        if n == p:
+            costs, memory = Costs(f, b, w, comm), Memory(act, wgrad)
+        else:
+            costs = Costs(_halves(f), _halves(b), _halves(w), comm)
+            memory = Memory(_halves(act), _halves(wgrad))
+        opts = {k: v for k, v in (("costs", costs), ("memory", memory), ("memory_limit", limit)) if k in options_of(name)}
+        try:
+            sched = build(name, num_ranks=p, num_microbatches=m, **opts)
+        except ValueError:
+            continue
+        res = simulate(sched, costs, memory)
+        if limit is None or max(res.peak_memory) <= limit * (1 + REL):
+            out.append((res.makespan, max(res.peak_memory), name))
+    return sorted(out)
+
+
+def test_scale_to_stages_by_overlap():
+    costs, memory = scale_to_stages(Costs(f=(2.0, 4.0), b=(1.0, 3.0), w=0.5, comm=7.0), Memory((1.0, 2.0), 0.5), 2, 4)
+    assert costs.f == (1.0, 1.0, 2.0, 2.0) and costs.b == (0.5, 0.5, 1.5, 1.5) and costs.w == (0.25,) * 4
+    assert costs.comm == 7.0  # one activation per message, whatever the split
+    assert memory.activation == (0.5, 0.5, 1.0, 1.0) and memory.wgrad == (0.25,) * 4
+    # three stages over two rank-stages: the middle one takes 1/3 of each half -> 1/3*3 + 1/3*6 = 3
+    three, _ = scale_to_stages(Costs(f=(3.0, 6.0)), Memory(), 2, 3)
+    assert three.f == pytest.approx((2.0, 3.0, 4.0), rel=REL)
+    same, _ = scale_to_stages(Costs(f=(3.0, 6.0)), Memory(), 2, 2)
+    assert same.f == (3.0, 6.0)
+
+
+@pytest.mark.parametrize(
+    "p, m, f, b, w, comm, wgrad_frac, limit",
+    [
+        (2, 4, (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), 0.0, 0.5, None),
+        (2, 8, (1.0, 1.2), (1.1, 1.3), (0.9, 0.7), 0.05, 0.45, 2.0),
+        (2, 6, (2.0, 1.0), (2.0, 1.5), (1.0, 1.0), 0.6, 0.5, 3.0),
+        (3, 6, (1.0, 1.0, 1.4), (1.0, 1.2, 1.0), (0.5, 1.0, 0.6), 0.2, 1 / 3, 3.0),
+        (2, 4, (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), 5.0, 0.5, 2.0),
+    ],
+)
+def test_pick_is_the_fastest_that_fits(p, m, f, b, w, comm, wgrad_frac, limit):
+    act = (1.0,) * p
+    wgrad = tuple(a * wgrad_frac for a in act)
+    want = _brute_force(p, m, f, b, w, comm, act, wgrad, limit)
+    pick = pick_schedule(p, m, Costs(f, b, w, comm), memory=Memory(act, wgrad), memory_limit=limit)
+    assert pick.result.makespan == pytest.approx(want[0][0], rel=REL)
+    assert limit is None or max(pick.result.peak_memory) <= limit * (1 + REL)
+    # the returned result is the candidate's own simulation
+    n = pick.schedule.num_stages
+    costs = Costs(f, b, w, comm) if n == p else Costs(_halves(f), _halves(b), _halves(w), comm)
+    memory = Memory(act, wgrad) if n == p else Memory(_halves(act), _halves(wgrad))
+    again = simulate(pick.schedule, costs, memory)
+    assert again.makespan == pick.result.makespan and again.peak_memory == pick.result.peak_memory
+
+
+def test_slow_link_picks_fewest_messages_on_the_critical_path():
+    # p=2, m=4, F=B=W=1, comm=100. GPipe: rank 0's F end at 1..4 and reach rank 1 at 101..104;
+    # rank 1 runs F 101-105 and four BW of 2 until 113; they reach rank 0 at 207..213, whose four
+    # BW end at 215: one round trip (two messages) on the critical path. A V split has four
+    # crossings per microbatch (0->1, 1->1 in memory, 1->0 forward, then back), so > 4 * comm.
+    slow = Costs(f=1.0, b=1.0, w=1.0, comm=100.0)
+    pick = pick_schedule(2, 4, slow, memory=Memory(1.0, 0.5), candidates=["gpipe", "1f1b", "zb-h1", "zb-v", "zbv-auto"])
+    assert (pick.name, pick.result.makespan) == ("gpipe", 215.0)
+    everything = evaluate_candidates(2, 4, slow, memory=Memory(1.0, 0.5))
+    assert everything[0].schedule.num_stages == 2 and everything[0].result.makespan < 3 * 100
+    assert all(c.result.makespan > 4 * 100 for c in everything if c.schedule is not None and c.schedule.num_stages == 4)
+
+
+def test_memory_limit_binds():
+    costs, memory = Costs(1.0, 1.0, 1.0), Memory(1.0, 1 / 3)
+    free = pick_schedule(4, 8, costs, memory=memory)
+    assert max(free.result.peak_memory) > 2  # without a limit the fastest needs more than 2
+    tight = pick_schedule(4, 8, costs, memory=memory, memory_limit=2.0)
+    assert max(tight.result.peak_memory) <= 2 * (1 + REL)
+    want = _brute_force(4, 8, (1.0,) * 4, (1.0,) * 4, (1.0,) * 4, 0.0, (1.0,) * 4, (1 / 3,) * 4, 2.0)
+    assert tight.result.makespan == pytest.approx(want[0][0], rel=REL)
+    assert tight.result.makespan > free.result.makespan
+    # DESIGN.md: ZB-V has zero bubble within 1F1B's memory (p rank-stage activations)
+    at_1f1b = pick_schedule(4, 8, costs, memory=memory, memory_limit=4.0)
+    assert at_1f1b.result.bubble_rate == pytest.approx(0.0, abs=REL) and max(at_1f1b.result.peak_memory) <= 4
+
+
+def test_ties_go_to_lower_memory_then_given_order():
+    # one rank: every schedule takes m * (F + B + W); GPipe holds all m activations, 1F1B one
+    pick = pick_schedule(1, 4, Costs(1.0, 1.0, 1.0), memory=Memory(1.0, 0.0), candidates=["gpipe", "1f1b"])
+    assert pick.name == "1f1b" and pick.result.makespan == 12.0
+    slow = Costs(1.0, 1.0, 1.0, comm=100.0)  # zb-h1 and zb-auto: same makespan and peak here
+    a = pick_schedule(2, 4, slow, memory=Memory(1.0, 0.5), memory_limit=2.0, candidates=["zb-auto", "zb-h1"])
+    b = pick_schedule(2, 4, slow, memory=Memory(1.0, 0.5), memory_limit=2.0, candidates=["zb-h1", "zb-auto"])
+    assert a.result.makespan == b.result.makespan
+    assert (a.name, b.name) == ("zb-auto", "zb-h1")
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match="costs must be a zbpp.schedules.Costs"):
+        pick_schedule(2, 4, (1, 1, 1))
+    with pytest.raises(ValueError, match=r"costs.f has 3 values.*num_ranks=2"):
+        pick_schedule(2, 4, Costs(f=(1, 1, 1)))
+    with pytest.raises(ValueError, match="memory_limit must be a number > 0"):
+        pick_schedule(2, 4, Costs(), memory_limit=0)
+    with pytest.raises(ValueError, match="unknown schedule.*'nope'"):
+        pick_schedule(2, 4, Costs(), candidates=["1f1b", "nope"])
+    # a rank holds at least one microbatch's activation (the auto schedules refuse 0.5); of the
+    # fixed ones, 1F1B's rank 0 holds two (its warm-up), and nothing holds less on its fullest rank
+    with pytest.raises(ValueError, match=r"memory_limit=0.5 fits no candidate.*smallest simulated peak is 2 "):
+        pick_schedule(2, 4, Costs(), memory=Memory(1.0, 0.5), memory_limit=0.5)
