@@ -82,7 +82,7 @@ from torch import nn
 from zbpp import Pipeline
 from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
 from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_autocast, is_delayed, microbatch
-from zbpp.runtime import init_distributed, measured_bubble_rate, shutdown_and_exit
+from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, options_of, simulate
 from zbpp.schedules.select import evaluate_candidates
 
@@ -157,6 +157,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pick-memory-limit", default=None,
                     help="per-rank activation memory the pick must fit: in mean rank-stage activations of one "
                     "microbatch (default: p, 1F1B's) or in GiB ('20GiB', GPUs only)")
+    ap.add_argument("--comm-max-ctas", default="1", help="zbpp's CommOptions.max_ctas for its channels: an integer, "
+                    "or 'none' for NCCL's default (compare them in one run: run the script once per value with --append)")
+    ap.add_argument("--recv-lead", type=int, default=0, help="zbpp's Pipeline(recv_lead=...): extra tasks of margin before "
+                    "each receive")
+    ap.add_argument("--high-priority", action="store_true", help="zbpp's CommOptions.high_priority_streams")
+    ap.add_argument("--plan-comm", type=float, default=None, help="the link time (in task units) zbpp's plan places "
+                    "receives by: 0 posts each just before its consumer (default: the plan's DEFAULT_COSTS)")
+    ap.add_argument("--kernel-profile", default=None, metavar="DIR", help="after each row's timed steps, profile one "
+                    "more step (torch.profiler, GPUs) into DIR and add where its time went (kernel_timeline.py) to the row")
     ap.add_argument("--socket", action="store_true",
                     help="NCCL over TCP sockets on the loopback interface (sets NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
                     "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo before init): a stand-in for a network link")
@@ -348,6 +357,7 @@ class Bench:
         self.rank, self.p = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
+        self._profiles = 0  # steps profiled with --kernel-profile
         self.backend = backend
         self.transport = backend + ("-socket" if args.socket and backend == "nccl" else "")
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if self.cuda else "fp32")]
@@ -424,7 +434,27 @@ class Bench:
             times.append(time.perf_counter() - t0)
         step_s = self.all_max(statistics.median(times))  # a step takes as long as its slowest rank
         peak = self.all_max(torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0)
-        return {"step_ms": 1e3 * step_s, "tokens_per_s": m * spec.tokens / step_s, "peak_mem_gib": peak}
+        out = {"step_ms": 1e3 * step_s, "tokens_per_s": m * spec.tokens / step_s, "peak_mem_gib": peak}
+        if a.kernel_profile and self.cuda:
+            out["kernels"] = self.kernel_profile(run_step, spec.batch(m, n + a.steps, self.device, self.dtype))
+        return out
+
+    def kernel_profile(self, run_step: Callable[[torch.Tensor, torch.Tensor], None],
+                       batch: tuple[torch.Tensor, torch.Tensor]) -> list[dict[str, Any]]:
+        """One more step under torch.profiler; every rank's `kernel_timeline.summarize` of it."""
+        from kernel_timeline import summarize
+
+        self._profiles += 1
+        path = os.path.join(self.args.kernel_profile, f"step{self._profiles}-rank{self.rank}.json")
+        os.makedirs(self.args.kernel_profile, exist_ok=True)
+        self.sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run_step(*batch)
+            self.sync()
+        prof.export_chrome_trace(path)
+        gathered: list[Any] = [None] * self.p
+        dist.all_gather_object(gathered, summarize(path))
+        return gathered
 
     def measure_comm(self, spec: ModelSpec) -> float:
         """One-way time (s) of one activation message between neighbouring ranks: a ping-pong per
@@ -535,8 +565,13 @@ class Bench:
         """A zbpp row, and (on every rank) the costs measured in its profiled step."""
         n = sched.num_stages
         mine = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(self.rank)}
-        pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device)
-        profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True)
+        a = self.args
+        ctas = None if str(a.comm_max_ctas).lower() == "none" else int(a.comm_max_ctas)
+        knobs: dict[str, Any] = {"comm": CommOptions(max_ctas=ctas, high_priority_streams=a.high_priority),
+                                 "recv_lead": a.recv_lead,
+                                 "costs": None if a.plan_comm is None else Costs(1, 1, 1, comm=a.plan_comm)}
+        pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, **knobs)
+        profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True, **knobs)
         params = list(pipe.parameters())
 
         def step(x: torch.Tensor, y: torch.Tensor, which: Pipeline = pipe) -> None:
@@ -786,6 +821,13 @@ class Bench:
                   f"{_fmt(x.get('pct_of_ideal'), '.1f'):>8} {_fmt(x.get('predicted_ms'), '.2f'):>9} "
                   f"{_fmt(x.get('measured_over_predicted'), '.3f'):>9} {_fmt(x.get('measured_bubble'), '.3f'):>7} "
                   f"{_fmt(x.get('ratio_vs_best_torch'), '.3f'):>8} {x['peak_mem_gib']:>9.2f}")
+        for x in rows:
+            for r, k in enumerate(x.get("kernels") or []):
+                if k and k.get("kernels"):
+                    print(f"  kernels {x['impl']} {x['schedule']} {x['layers']} rank {r}: span {k['span_ms']:.1f} busy "
+                          f"{k['busy_ms']:.1f} idle {k['idle_ms']:.1f} ms; GEMMs {k['gemm_ms']:.1f} ms, "
+                          f"{k['gemms_beside_nccl']}/{k['gemms']} beside NCCL (+{k['gemm_excess_ms']:.2f} ms); "
+                          f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
         print("% ideal = 100 x ideal step / step (same layers); pred ms = simulate(schedule, Costs.from_profile(profiled "
               "step) + measured comm).makespan; x torch = fastest torch.distributed.pipelining step / step")

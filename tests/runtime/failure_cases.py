@@ -157,10 +157,12 @@ def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) 
 
 
 def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
-    """Rank 1 exits (os._exit) in the forward of its second microbatch; the others must raise."""
+    """After a good step, rank 1 exits (os._exit) in the forward of its second microbatch; the others
+    must raise, and their next step must raise at once saying the pipeline is unusable."""
     rank = dist.get_rank()
     sched = make_schedule(name, p, m)
     S = sched.num_stages
+    dying = {"on": False}
 
     class Dying(torch.nn.Module):
         def __init__(self, inner: torch.nn.Module) -> None:
@@ -168,13 +170,15 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
             self.inner = inner
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
-            if rank == 1 and current_microbatch() == (sched.stages_on(1)[0], 1):
+            if dying["on"] and rank == 1 and current_microbatch() == (sched.stages_on(1)[0], 1):
                 os._exit(3)
             return self.inner(*args, **kwargs)
 
     mine = {s: Dying(make_stage(s, S, "zbpp", device_for_rank())) for s in sched.stages_on(rank)}
     pipe = Pipeline(mine, sched, loss_fn)
     inputs, target = make_batch(0, 2 * m, device_for_rank())
+    pipe.step(inputs, target=target)
+    dying["on"] = True
     t0 = time.monotonic()
     outcome: dict[str, Any] = {"rank": rank}
     try:

@@ -166,18 +166,24 @@ def test_the_model_catches_broken_plans():
 
 
 def test_receives_are_posted_shortly_before_they_are_needed():
-    """1F1B, p=2, m=4, unit costs. Rank 1 runs F1.0 BW1.0 F1.1 BW1.1 ... with no idle time in the
-    steady state, so each activation is received one task ahead (before the BW that precedes its
-    F); rank 0 sends each activation at its last boundary not later than that receive."""
+    """1F1B, p=2, m=4, the default costs (unit tasks, a message takes 0.01). Rank 1 runs F1.0 BW1.0
+    F1.1 BW1.1 F1.2 BW1.2 F1.3 BW1.3, starting at 1.01, 2.01, 4.01, 5.01, 7.03, 8.03, 10.03, 11.03:
+    it is busy up to F1.1 and F1.3, so their activations are received one task ahead (before BW1.0,
+    BW1.2), and it waits 0.02 before F1.2, so that one is received right before it. Rank 0 sends
+    each activation at its last boundary not later than that receive."""
     plan = make_plan(_build("1f1b", 2, 4))
     r1 = plan.ranks[1]
     where = {op.message.dst: r1.tasks[i] if i < len(r1.tasks) else None
              for i, ops in enumerate(r1.issue) for op in ops if not op.send}
     assert {str(k): str(v) for k, v in where.items()} == {
-        "F1.0": "F1.0", "F1.1": "BW1.0", "F1.2": "BW1.1", "F1.3": "BW1.2"}
+        "F1.0": "F1.0", "F1.1": "BW1.0", "F1.2": "F1.2", "F1.3": "BW1.2"}
     r0 = plan.ranks[0]
     sent_before = {str(op.message.src): str(r0.tasks[i]) for i, ops in enumerate(r0.issue) for op in ops if op.send}
     assert sent_before == {"F0.0": "F0.1", "F0.1": "BW0.0", "F0.2": "BW0.1", "F0.3": "BW0.2"}
+    # With no link time every receive is posted just before its consumer.
+    jit = make_plan(_build("1f1b", 2, 4), costs=Costs(1, 1, 1, comm=0))
+    assert all(str(op.message.dst) == str(jit.ranks[1].tasks[i]) for i, ops in enumerate(jit.ranks[1].issue)
+               for op in ops if not op.send)
     # A slow link (comm of two tasks) moves receives earlier.
     slow = make_plan(_build("1f1b", 2, 4), costs=Costs(1, 1, 1, comm=2.0))
     first = {str(op.message.dst): i for i, ops in enumerate(slow.ranks[1].issue) for op in ops if not op.send}

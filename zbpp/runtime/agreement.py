@@ -15,8 +15,9 @@ CPU can run ahead of the GPU across steps.
 
 A rank that died makes the agreement fail. gloo tells only the ranks that exchange data with it
 directly (a closed connection, at once); the others would wait for the group's timeout. So a rank
-that sees the agreement fail marks the job *broken* in the default store, and every rank waiting
-for an agreement polls that mark: all of them raise within moments.
+that sees the agreement fail, or a send or receive fail during the step, marks the job *broken*
+in the default store; every rank looks for that mark before an agreement and while it waits for
+one: all of them raise within moments, and none enters a collective that others have left.
 
 >>> Agreement(None).gather(EndReport(failed=False, drained=False, comm_broken=False, task=-1))[0].failed
 False
@@ -82,6 +83,7 @@ class Agreement:
             return [mine]
         import torch.distributed as dist
 
+        self.check()  # a collective some ranks already left would fail, or mismatch gloo's buffers
         t = torch.tensor([int(v) for v in astuple(mine)], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
         self._wait(dist.all_gather(out, t, group=self.group, async_op=True))
@@ -97,6 +99,11 @@ class Agreement:
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, text, group=self.group)
         return out
+
+    def check(self) -> None:
+        """Raise `BrokenJob` if some rank marked the job broken."""
+        if self._store is not None and self._store.check([self._key]):
+            raise BrokenJob(self._store.get(self._key).decode(errors="replace"))
 
     def mark_broken(self, why: str) -> None:
         """Tell every rank waiting for an agreement that it will not complete."""
@@ -114,8 +121,7 @@ class Agreement:
             pause = min(pause * 2, 0.005)
             if time.monotonic() - last_look > _POLL_STORE_S:
                 last_look = time.monotonic()
-                if self._store.check([self._key]):
-                    raise BrokenJob(self._store.get(self._key).decode(errors="replace"))
+                self.check()
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - gloo: a closed connection or a timeout

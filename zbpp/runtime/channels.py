@@ -23,6 +23,7 @@ travels as two operations, its byte length then its bytes; receiving it blocks t
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable, Sequence
@@ -124,6 +125,7 @@ class Channels:
     def __init__(self, topology: Topology, channels: Iterable[Channel], device: torch.device,
                  options: CommOptions, timeout: timedelta) -> None:
         self.device = device
+        self.timeout = timeout
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.pipeline = topology.pipeline
         self._groups: dict[Channel, Any] = {}
@@ -157,13 +159,29 @@ class Channels:
         return self.isend(bufs, channel), bufs
 
     def recv_object(self, channel: Channel) -> Any:
-        """Receive an object sent by `send_object` (blocks until it has arrived)."""
+        """Receive an object sent by `send_object` (blocks until it has arrived, or raises
+        `TimeoutError` after the channels' timeout: on NCCL a dead peer would otherwise block the
+        host until the watchdog ends the process)."""
         group, peer = self._peer(channel, False)
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.irecv(size, peer, group=group).wait()
+        self._wait(dist.irecv(size, peer, group=group), channel)
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.irecv(data, peer, group=group).wait()
+        self._wait(dist.irecv(data, peer, group=group), channel)
         return pickle.loads(bytes(data.cpu().tolist()))
+
+    def _wait(self, work: Any, channel: Channel) -> None:
+        if self.backend != "nccl":
+            work.wait()  # gloo: a closed connection raises, a hung peer times out
+            return
+        deadline = time.monotonic() + 0.9 * self.timeout.total_seconds()  # before the watchdog's abort
+        pause = 1e-4
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"channel {channel}: no message from pipeline rank {channel[0]} within "
+                                   f"{self.timeout.total_seconds():g} s (dead or hung?)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+        work.wait()
 
     def abort(self) -> None:
         """Abort the channels' NCCL communicators (a dead peer: kernels waiting for it end). Best effort;

@@ -172,11 +172,12 @@ class StepExecutor:
     _outbox: dict[int, tuple[Any, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
     _queues: dict[tuple[int, int], list[_Posted]] = field(default_factory=dict, init=False, repr=False)
     _received: dict[int, _Posted] = field(default_factory=dict, init=False, repr=False)
-    _sending: list[tuple[list[Any], list[torch.Tensor]]] = field(default_factory=list, init=False, repr=False)
+    _sending: list[tuple[list[Any], list[torch.Tensor], tuple[int, int]]] = field(default_factory=list, init=False, repr=False)
     _local_fwd: dict[tuple[int, int], tuple[Spec, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
     _local_bwd: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict, init=False, repr=False)
     _weighted: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    _dead: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)  # channels that broke
 
     @property
     def draining(self) -> bool:
@@ -228,8 +229,6 @@ class StepExecutor:
             self._receive(msg)
         except _Drained:
             pass
-        except Exception as exc:  # noqa: BLE001
-            self._comm_failed(exc)
 
     def _fail(self, exc: BaseException, task: Action | None) -> None:
         if self.failure is None:
@@ -379,22 +378,26 @@ class StepExecutor:
     def _issue(self, boundary: int) -> None:
         """Issue the plan's operations at `boundary`; never raises (a failure makes the rank drain)."""
         for op in self.plan.issue[boundary]:
-            try:
-                if op.send:
-                    self._send(op.message)
-                else:
-                    self._queues.setdefault(op.message.channel, []).append(_Posted(op.message))
-            except Exception as exc:  # noqa: BLE001
-                self._comm_failed(exc)
-        try:
-            self._post_known_receives()
-        except Exception as exc:  # noqa: BLE001
-            self._comm_failed(exc)
+            if op.send:
+                if op.message.channel not in self._dead:
+                    try:
+                        self._send(op.message)
+                    except Exception as exc:  # noqa: BLE001
+                        self._comm_failed(exc, op.message.channel)
+            else:
+                self._queues.setdefault(op.message.channel, []).append(_Posted(op.message))
+        self._post_known_receives()
 
-    def _comm_failed(self, exc: BaseException) -> None:
-        if self.draining:
-            self.comm_error = self.comm_error or exc  # e.g. a dead peer: the agreement will say so
-        else:
+    def _comm_failed(self, exc: BaseException, channel: tuple[int, int] | None = None) -> None:
+        """A send or receive raised: a ShapeMismatchError of this rank's output (the rank drains), or
+        the channel broke (a dead peer: nothing more goes on it, and the pipeline is unusable)."""
+        if isinstance(exc, ShapeMismatchError) or (channel is None and not self.draining):
+            self._fail(exc, self.current)
+            return
+        if channel is not None:
+            self._dead.add(channel)
+        self.comm_error = self.comm_error or exc
+        if self.failure is None:
             self._fail(exc, self.current)
 
     def _send(self, msg: Message) -> None:
@@ -412,7 +415,7 @@ class StepExecutor:
         if spec is not POISON:
             works += self.channels.isend(tensors, msg.channel)
         if works:
-            self._sending.append((works, keep))
+            self._sending.append((works, keep, msg.channel))
 
     def _placeholder(self, msg: Message) -> tuple[Any, list[torch.Tensor]]:
         """What a draining rank sends for a message it could not produce: tensors of the right
@@ -440,13 +443,17 @@ class StepExecutor:
 
     def _post_known_receives(self) -> None:
         """Post each channel's due receives from its front, as long as their shapes are known."""
-        for queue in self._queues.values():
-            while queue:
+        for channel, queue in self._queues.items():
+            while queue and channel not in self._dead:
                 item = queue[0]
                 metas = self._metas(item.message)
                 if metas is None:
                     break
-                self._post(item, metas)
+                try:
+                    self._post(item, metas)
+                except Exception as exc:  # noqa: BLE001
+                    self._comm_failed(exc, channel)
+                    break
                 queue.pop(0)
 
     def _post(self, item: _Posted, metas: list[TensorMeta]) -> None:
@@ -459,19 +466,30 @@ class StepExecutor:
         item = self._received.pop(msg.index, None)
         if item is None:
             queue = self._queues[msg.channel]
-            head = queue.pop(0)
-            assert head.message.index == msg.index, "channel order broken (a bug in the plan)"
-            spec = self.channels.recv_object(msg.channel)
+            item = queue.pop(0)
+            assert item.message.index == msg.index, "channel order broken (a bug in the plan)"
+            if msg.channel in self._dead:
+                raise _Drained()
+            if not self.sync or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
+                raise PipelineError(f"rank {self.plan.rank}: the receive of {msg} was never posted (a bug)")
+            try:
+                spec = self.channels.recv_object(msg.channel)
+            except Exception as exc:  # noqa: BLE001
+                self._comm_failed(exc, msg.channel)
+                raise _Drained() from exc
             self.specs[(msg.src.stage, msg.src.microbatch)] = spec
             if spec is POISON:
                 self.upstream_failed = True
-                head.bufs, head.poisoned = [], True
+                item.bufs, item.poisoned = [], True
             else:
-                self._post(head, list(spec.tensors))
+                self._post(item, list(spec.tensors))
                 self._received.pop(msg.index)
-            item = head
-        for w in item.works:
-            w.wait()
+        try:
+            for w in item.works:
+                w.wait()
+        except Exception as exc:  # noqa: BLE001
+            self._comm_failed(exc, msg.channel)
+            raise _Drained() from exc
         if item.poisoned:
             raise _Drained()
         assert item.bufs is not None
@@ -481,33 +499,35 @@ class StepExecutor:
         """Drop the buffers of completed sends (CUDA: an event query, never a wait)."""
         self.in_flight[:] = [(w, k) for w, k in self.in_flight if not all(x.is_completed() for x in w)]
         if self._sending:
-            self._sending = [(w, k) for w, k in self._sending if not all(x.is_completed() for x in w)]
+            self._sending = [(w, k, c) for w, k, c in self._sending if not all(x.is_completed() for x in w)]
 
     def _complete_communication(self) -> None:
         """End of the step: every receive consumed (draining: waited for and dropped), every send
         handed over (gloo: waited for; CUDA: kept in `in_flight` until it completes, so the compute
         stream never waits for a peer)."""
-        try:
-            for queue in self._queues.values():  # draining: receives never consumed
-                while queue:
-                    msg = queue[0].message
-                    try:
-                        self._receive(msg)
-                    except _Drained:
-                        pass
-            for item in self._received.values():
+        for queue in self._queues.values():  # draining: receives never consumed
+            while queue:
+                try:
+                    self._receive(queue[0].message)
+                except _Drained:
+                    pass
+        for item in self._received.values():
+            try:
                 for w in item.works:
                     w.wait()
-            self._received.clear()
-            if self.channels is not None and self.channels.device.type == "cuda":
-                self.in_flight.extend(self._sending)
-            else:
-                for works, _ in self._sending:
+            except Exception as exc:  # noqa: BLE001
+                self._comm_failed(exc, item.message.channel)
+        self._received.clear()
+        if self.channels is not None and self.channels.device.type == "cuda":
+            self.in_flight.extend((w, k) for w, k, _ in self._sending)
+        else:
+            for works, _, channel in self._sending:
+                try:
                     for w in works:
                         w.wait()
-            self._sending.clear()
-        except Exception as exc:  # noqa: BLE001
-            self._comm_failed(exc)
+                except Exception as exc:  # noqa: BLE001 - a send to a dead peer
+                    self._comm_failed(exc, channel)
+        self._sending.clear()
         self._outbox.clear()
         self._slots.clear()
         self._local_fwd.clear()

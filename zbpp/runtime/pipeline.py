@@ -393,9 +393,15 @@ class Pipeline:
             failed_at_us=int(ex.failed_at * 1e6),
         )
         try:
+            if ex.comm_error is not None:  # a dead peer: no agreement can complete; tell the others
+                why = f"{self.topology.describe()} could not communicate: {type(ex.comm_error).__name__}: {ex.comm_error}"
+                self._agreement.mark_broken(why)
+                raise BrokenJob(why)
             reports = self._gather(mine, "end")
-        except PipelineError as exc:
+        except (PipelineError, BrokenJob) as exc:
             self._after_failure(ex, sync, signature)
+            if isinstance(exc, BrokenJob):
+                exc = self._broken_error(exc, "end")
             return exc
         if not any(r.failed or r.drained or r.comm_broken for r in reports):
             return None
@@ -439,13 +445,18 @@ class Pipeline:
         try:
             return self._agreement.gather(report)
         except BrokenJob as exc:
-            self._broken = (
-                f"this Pipeline is unusable: the {which}-of-step agreement among its ranks failed ({exc}), so a "
-                "rank is dead or hung. End the processes and restart"
-            )
-            if self._channels is not None:
-                self._channels.abort()  # NCCL: free the GPU from operations waiting for the dead peer
-            raise PipelineError(self._broken) from exc
+            raise self._broken_error(exc, which) from exc
+
+    def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
+        self._broken = (
+            f"this Pipeline is unusable: the {which}-of-step agreement among its ranks cannot complete ({exc}), so a "
+            "rank is dead or hung. End the processes and restart"
+        )
+        if self._channels is not None:
+            self._channels.abort()  # NCCL: free the GPU from operations waiting for the dead peer
+        error = PipelineError(self._broken)
+        error.__cause__ = exc
+        return error
 
     # -- gradients across a step ---------------------------------------------------------------
     def _set_gradients_aside(self) -> None:

@@ -55,9 +55,14 @@ from .dag import data_dependencies, validate
 from .ir import Action, Kind, Schedule
 from .simulate import Costs, simulate
 
-__all__ = ["Message", "CommOp", "RankPlan", "Plan", "make_plan", "fifo_wgrad_problem"]
+__all__ = ["Message", "CommOp", "RankPlan", "Plan", "make_plan", "fifo_wgrad_problem", "DEFAULT_COSTS"]
 
 Channel = tuple[int, int]  # (sending rank, receiving rank)
+
+#: The plan's times when none are given: unit tasks and a fast link (a message takes a hundredth of
+#: a task), so a receive is posted one task ahead when its rank is busy up to the consumer and just
+#: before it when the rank waits anyway. ``Costs(comm=0)`` posts every receive just before its consumer.
+DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
 
 
 @dataclass(frozen=True)
@@ -158,9 +163,9 @@ def make_plan(
 
     Args:
         schedule: any valid schedule.
-        costs: the times that place sends and receives (default: unit F = B = W, no link time);
-            pass measured costs (`Costs.from_profile`, with `comm`) when they differ much, or when
-            the link is slow, so that receives are posted early enough to arrive in time.
+        costs: the times that place sends and receives (default `DEFAULT_COSTS`); pass measured
+            costs (`Costs.from_profile`, with `comm`) when they differ much, or when the link is
+            slow, so that receives are posted early enough to arrive in time.
         recv_lead: post every receive at least this many tasks before the task that consumes it
             (on top of the timing rule above).
         forward_only: plan the F tasks alone (evaluation: no backward, no gradients).
@@ -171,7 +176,7 @@ def make_plan(
     if not isinstance(recv_lead, int) or isinstance(recv_lead, bool) or recv_lead < 0:
         raise ValueError(f"recv_lead must be an integer >= 0, got {recv_lead!r}")
     validate(schedule)
-    costs = _positive(costs or Costs())
+    costs = _positive(costs or DEFAULT_COSTS)
     if forward_only:
         orders = [tuple(a for a in order if a.kind is Kind.F) for order in schedule.orders]
         start, end = _forward_timeline(schedule, orders, costs)
@@ -182,9 +187,7 @@ def make_plan(
     position = {a: i for order in orders for i, a in enumerate(order)}
     present = {a for order in orders for a in order}
 
-    # A transfer takes `comm`; with no link time given, still a sliver of a task: a receive is then
-    # issued before the consumer only if the rank reaches that boundary strictly ahead of time.
-    transfer = max(costs.comm, 1e-3 * _mean_task(costs, schedule.num_stages))
+    transfer = costs.comm  # a receive is posted this long (in simulated time) before its consumer starts
 
     def reached(rank: int, boundary: int) -> float:
         """Simulated time at which `rank` reaches the boundary before task `boundary`."""
@@ -267,11 +270,6 @@ def _positive(costs: Costs) -> Costs:
         return tuple(max(x, floor) for x in v) if isinstance(v, tuple) else max(float(v), floor)
 
     return Costs(f=lift(costs.f), b=lift(costs.b), w=lift(costs.w), comm=costs.comm)
-
-
-def _mean_task(costs: Costs, num_stages: int) -> float:
-    f, b, w = costs.per_stage(num_stages)
-    return sum(f + b + w) / (3 * num_stages)
 
 
 def _forward_timeline(schedule: Schedule, orders: list[tuple[Action, ...]], costs: Costs) -> tuple[dict, dict]:
