@@ -167,16 +167,18 @@ def test_the_model_catches_broken_plans():
 
 def test_receives_are_posted_shortly_before_they_are_needed():
     """1F1B, p=2, m=4, the default costs (unit tasks, a message takes 0.01). Rank 1 runs F1.0 BW1.0
-    F1.1 BW1.1 F1.2 BW1.2 F1.3 BW1.3, starting at 1.01, 2.01, 4.01, 5.01, 7.03, 8.03, 10.03, 11.03:
-    it is busy up to F1.1 and F1.3, so their activations are received one task ahead (before BW1.0,
-    BW1.2), and it waits 0.02 before F1.2, so that one is received right before it. Rank 0 sends
-    each activation at its last boundary not later than that receive."""
+    F1.1 BW1.1 F1.2 BW1.2 F1.3 BW1.3, starting at 1.01, 2.01, 4.01, 5.01, 7.03, 8.03, 10.03, 11.03;
+    rank 0 finishes F0.1 at 2, F0.2 at 7.02 and F0.3 at 10.02. F1.1's activation exists before BW1.0
+    starts, and rank 1 is busy up to F1.1: received one task ahead. F1.2 waits 0.02 for its
+    activation: received right before it. F0.3 is produced after BW1.2 has started: a receive
+    posted before BW1.2 would only spin, so it is posted right before F1.3. Rank 0 sends each
+    activation at its last boundary not later than that receive."""
     plan = make_plan(_build("1f1b", 2, 4))
     r1 = plan.ranks[1]
     where = {op.message.dst: r1.tasks[i] if i < len(r1.tasks) else None
              for i, ops in enumerate(r1.issue) for op in ops if not op.send}
     assert {str(k): str(v) for k, v in where.items()} == {
-        "F1.0": "F1.0", "F1.1": "BW1.0", "F1.2": "F1.2", "F1.3": "BW1.2"}
+        "F1.0": "F1.0", "F1.1": "BW1.0", "F1.2": "F1.2", "F1.3": "F1.3"}
     r0 = plan.ranks[0]
     sent_before = {str(op.message.src): str(r0.tasks[i]) for i, ops in enumerate(r0.issue) for op in ops if op.send}
     assert sent_before == {"F0.0": "F0.1", "F0.1": "BW0.0", "F0.2": "BW0.1", "F0.3": "BW0.2"}

@@ -22,10 +22,12 @@ beside it; so operations are issued shortly before they are needed rather than a
 possible, and the two ends of a message are issued at about the same time:
 
 - a receive at the last task boundary that the simulated timeline (from `costs`) reaches early
-  enough for the transfer to arrive before its consumer starts: right before the consumer when the
+  enough for the transfer to arrive before its consumer starts (right before the consumer when the
   rank waits for it anyway, one task earlier when the rank is busy up to the consumer, earlier
-  still when the costs' `comm` (the time a message takes on the link) is longer; ``recv_lead``
-  adds whole tasks of margin;
+  still when the costs' `comm`, the time a message takes on the link, is longer; ``recv_lead``
+  adds whole tasks of margin), but never at a boundary reached before the data is produced, where
+  it would only spin: when the producer finishes just as the consumer could start (1F1B's steady
+  state), the receive is posted right before the consumer;
 - a send after its producing task, at the last task boundary that the simulated timeline (from
   `costs`) places no later than its receive; and never before an earlier send of its channel.
 
@@ -206,11 +208,17 @@ def make_plan(
                 at = k
                 while at > 0 and (at > k - recv_lead or reached(dst_rank, at) > need):
                     at -= 1
+                # ... but not before the data exists: a receive posted earlier only spins
+                while at < k and reached(dst_rank, at) < end[src]:
+                    at += 1
                 edges.append((src, dst, src_rank, dst_rank, at))
     # One order per channel, the consumer's; messages indexed channel by channel.
     edges.sort(key=lambda e: (e[2], e[3], position[e[1]]))
     messages = tuple(Message(i, src, dst, sr, dr) for i, (src, dst, sr, dr, _) in enumerate(edges))
-    recv_at = {msg.index: e[4] for msg, e in zip(messages, edges)}
+    recv_at: dict[int, int] = {}
+    latest: dict[Channel, int] = {}
+    for msg, e in zip(messages, edges):  # a channel's receives are issued in its order
+        recv_at[msg.index] = latest[msg.channel] = max(e[4], latest.get(msg.channel, 0))
 
     # Sends: the last boundary after the producer reached no later than the receive's, never
     # before the channel's previous send.
