@@ -157,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pick-memory-limit", default=None,
                     help="per-rank activation memory the pick must fit: in mean rank-stage activations of one "
                     "microbatch (default: p, 1F1B's) or in GiB ('20GiB', GPUs only)")
-    ap.add_argument("--comm-max-ctas", default="1", help="zbpp's CommOptions.max_ctas for its channels: an integer, "
+    ap.add_argument("--comm-max-ctas", default="none", help="zbpp's CommOptions.max_ctas for its channels: an integer, "
                     "or 'none' for NCCL's default (compare them in one run: run the script once per value with --append)")
     ap.add_argument("--recv-lead", type=int, default=0, help="zbpp's Pipeline(recv_lead=...): extra tasks of margin before "
                     "each receive")

@@ -67,7 +67,9 @@ def test_a_killed_rank_ends_the_other(tmp_path):
     with Workers(2, backend="nccl", pg_timeout=60, timeout=200, grace=90) as workers:
         with pytest.raises(DistributedTestError) as info:
             workers.run(die_mid_step, "zb-h1", 2, 4, str(tmp_path))
-    assert set(info.value.failures) == {1}, info.value.failures.keys()
+    # Rank 0 raised and wrote its report; NCCL's watchdog may end its process afterwards (its
+    # communicators with the dead peer were aborted): the pipeline is unusable either way.
+    assert 1 in info.value.failures, info.value.failures.keys()
     with open(os.path.join(tmp_path, "rank0.json")) as fh:
         o = json.load(fh)
     assert o["result"] == "PipelineError" and "dead or hung" in o["message"] and o["seconds"] < 60, o

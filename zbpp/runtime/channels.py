@@ -47,13 +47,15 @@ class CommOptions:
 
     Attributes:
         max_ctas: the most CTAs (thread blocks, one per SM) an NCCL kernel of a channel may use;
-            None leaves it to NCCL. Fewer CTAs leave more of the GPU to the GEMMs that run while
-            a message is in flight, at the price of a slower copy.
+            None (the default) leaves it to NCCL. Fewer CTAs leave more SMs to the GEMMs that run
+            while a message is in flight, but copy slower, and a GEMM kernel whose grid wants every
+            SM waits for the last one anyway: on 2 x H200 (mlp stack, zb-v, m=8) one CTA gave
+            380.1 ms per step against 376.7 ms with NCCL's default.
         high_priority_streams: give the channels' NCCL streams high priority, so a transfer
             starts as soon as its data is ready instead of queueing behind compute kernels.
     """
 
-    max_ctas: int | None = 1
+    max_ctas: int | None = None
     high_priority_streams: bool = False
 
     def __post_init__(self) -> None:
