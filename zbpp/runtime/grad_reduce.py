@@ -133,6 +133,7 @@ class GradReducer:
         *,
         bucket_size_mb: float = 25.0,
         main_grad: bool = False,
+        exclude: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         if not stage_modules:
             raise ValueError("GradReducer needs at least one stage module, got an empty mapping")
@@ -141,6 +142,7 @@ class GradReducer:
         self._dp = int(getattr(groups, "dp", 1)) if groups is not None else 1
         self._dp_group = getattr(groups, "dp_group", None) if groups is not None else None
         self._cap_bytes = int(bucket_size_mb * _MiB)
+        self._exclude = set(exclude)  # ids of parameters reduced elsewhere (tied parameters)
         self._stages = sorted(stage_modules)
         self._delayed: dict[int, list[nn.Module]] = {}
         self._stage_entries: dict[int, list[_Entry]] = {}
@@ -176,7 +178,7 @@ class GradReducer:
                 if te_style or getattr(m, "fuse_wgrad_accumulation", False):
                     main.update(id(p) for p in m.parameters(recurse=False))
             # Reverse registration order: roughly the order in which backward finishes them.
-            for n, p in reversed([(n, p) for n, p in root.named_parameters() if p.requires_grad]):
+            for n, p in reversed([(n, p) for n, p in root.named_parameters() if p.requires_grad and id(p) not in self._exclude]):
                 params[id(p)] = p
                 names.setdefault(id(p), f"stage {s} '{n}'")
                 owners.setdefault(id(p), []).append(s)
@@ -297,16 +299,22 @@ class GradReducer:
                 self._fold(e)  # Transformer Engine overwrites .grad at the next W: keep this one
 
     # -- the per-step protocol ----------------------------------------------------------------
-    def start_step(self) -> None:
-        """Reset for a new step: zero ``main_grad`` buffers and the counters."""
+    def start_step(self, keep_main_grad: bool = False) -> None:
+        """Reset for a new step: zero ``main_grad`` buffers (unless `keep_main_grad`: they hold
+        gradients accumulated without reduction, `Pipeline.no_sync`) and the counters."""
         self._drain()  # a failed step may have left reductions in flight: never apply them
         if any(e.observed and e.observed != e.layout for e in self._entries.values()):
+            kept = {id(e.param): e.param.main_grad.clone() for e in self._entries.values()
+                    if keep_main_grad and e.uses_main_grad}
             for e in self._entries.values():
                 e.layout = e.observed or e.layout
             self._buckets = self._make_buckets()
+            for e in self._entries.values():
+                if id(e.param) in kept:
+                    e.param.main_grad.copy_(kept[id(e.param)])
         for b in self._buckets:
             b.waiting = len(b.entries)
-            if b.uses_main_grad:
+            if b.uses_main_grad and not keep_main_grad:
                 b.buffer.zero_()
         for e in self._entries.values():
             e.pending = set(e.stages)

@@ -29,6 +29,7 @@ step raises at once saying so (restart the job).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 import time
@@ -46,6 +47,7 @@ from .agreement import Agreement, BrokenJob, EndReport, StartReport
 from .channels import Channels, CommOptions, agreement_group, default_timeout
 from .executor import PipelineError, StepExecutor
 from .profiling import TaskRecorder
+from .tied import TiedParameters
 from .topology import Topology
 from .tree import flatten, rebuild, split
 from .wgrad import StageWgrad
@@ -90,6 +92,10 @@ class Pipeline:
         recv_lead: extra tasks of margin before each receive (`make_plan`).
         timeout: seconds a peer may take before the pipeline's own groups fail; default: the
             default process group's timeout.
+        tied_parameters: ``{name: parameter}``: this rank's copies of parameters that several
+            ranks hold (GPT's embedding and LM head); every holder passes its copy under the same
+            name; after each step every copy holds the sum of all uses' gradients, averaged over
+            the replicas (`zbpp.runtime.tied`). Every rank builds its `Pipeline` with or without.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one); the
@@ -127,6 +133,7 @@ class Pipeline:
         costs: Costs | None = None,
         recv_lead: int = 0,
         timeout: float | None = None,
+        tied_parameters: Mapping[str, nn.Parameter] | None = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
@@ -184,11 +191,15 @@ class Pipeline:
         self._channels = None
         if self.topology.pp_size > 1:
             self._channels = Channels(self.topology, self._plan.channels, self.device, comm or CommOptions(), span)
+        self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
+                                    self._agreement.group, self.device, span)
         self._reducer = reducer
         if reducer is None and self.topology.dp_size > 1:
             from .grad_reduce import GradReducer
 
-            self._reducer = GradReducer(self.stage_modules, self.topology)
+            self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids())
+        self._sync_gradients = True  # False inside no_sync()
+        self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -232,24 +243,51 @@ class Pipeline:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
         ex, sync, signature = self._begin(inputs, target, forward_only=False)
-        self._set_gradients_aside()
+        reducing = self._sync_gradients
+        self._set_gradients_aside(in_place=reducing and self._unreduced)
         problem: BaseException | None = None
         try:
-            if self._reducer is not None:
-                self._reducer.start_step()
+            if reducing:
+                if self._reducer is not None:
+                    self._reducer.start_step(keep_main_grad=self._unreduced)
+                self._tied.start_step()
             loss = ex.run()
-            if self._reducer is not None and not ex.draining:
-                self._reducer.finish()
-        except Exception as exc:  # noqa: BLE001 - the reducer; reported through the agreement
+            if reducing and not ex.draining:
+                if self._reducer is not None:
+                    self._reducer.finish()
+                self._tied.finish()
+        except Exception as exc:  # noqa: BLE001 - the reducers; reported through the agreement
             problem = exc
         failure = self._end(ex, problem, sync, signature)
         if failure is not None:
             self._discard_step_gradients()
             raise failure
         self._take_back_gradients()
+        self._unreduced = not reducing
         if losses is not None and self.holds_last_stage:
             losses.extend(ex.losses)
         return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps inside accumulate gradients without the data-parallel reduction (DDP's ``no_sync``)
+        nor the tied parameters' one: each copy keeps its own. The next step outside reduces
+        everything accumulated, once.
+
+        >>> import torch
+        >>> from zbpp.schedules import build
+        >>> pipe = Pipeline({0: torch.nn.Linear(2, 1)}, build("1f1b", num_ranks=1, num_microbatches=2),
+        ...                 loss_fn=lambda out, y: out.square().mean())
+        >>> with pipe.no_sync():
+        ...     _ = pipe.step(torch.ones(4, 2))
+        >>> _ = pipe.step(torch.ones(4, 2))  # reduces what both steps accumulated
+        """
+        before = self._sync_gradients
+        self._sync_gradients = False
+        try:
+            yield
+        finally:
+            self._sync_gradients = before
 
     def eval_step(self, inputs: Any = None, target: Any = None) -> Any:
         """Run the forward pass only (F tasks in the schedule's order, under ``torch.no_grad``).
@@ -358,8 +396,8 @@ class Pipeline:
             self._specs.popitem(last=False)
         plan = self._plan if not forward_only else self._forward_plan()
         hooks = {}
-        if self._reducer is not None and not forward_only:
-            hooks = {"on_backward_done": self._reducer.stage_backward_done, "on_wgrad_done": self._reducer.stage_wgrad_done}
+        if not forward_only and self._sync_gradients:
+            hooks = {"on_backward_done": self._stage_backward_done, "on_wgrad_done": self._stage_wgrad_done}
         ex = StepExecutor(
             plan=plan.ranks[self.pp_rank],
             num_stages=self.schedule.num_stages,
@@ -430,14 +468,26 @@ class Pipeline:
             error.__cause__ = ex.failure
         return error
 
+    def _stage_backward_done(self, stage: int) -> None:
+        if self._reducer is not None:
+            self._reducer.stage_backward_done(stage)
+        self._tied.stage_done(stage, self._wgrad[stage].owed_params())
+
+    def _stage_wgrad_done(self, stage: int) -> None:
+        if self._reducer is not None:
+            self._reducer.stage_wgrad_done(stage)
+        self._tied.stage_done(stage, None)
+
     def _after_failure(self, ex: StepExecutor, sync: bool, signature: tuple) -> None:
         for w in self._wgrad.values():
             w.discard()
-        if self._reducer is not None and not ex.forward_only:
-            try:
-                self._reducer.abandon()
-            except Exception:  # noqa: BLE001 - best effort: the step is lost anyway
-                pass
+        if not ex.forward_only and self._sync_gradients:
+            for reducer in (self._reducer, self._tied):
+                try:
+                    if reducer is not None:
+                        reducer.abandon()
+                except Exception:  # noqa: BLE001 - best effort: the step is lost anyway
+                    pass
         if sync:  # some shapes of this signature may never have been learnt
             self._specs.pop(signature, None)
 
@@ -459,40 +509,49 @@ class Pipeline:
         return error
 
     # -- gradients across a step ---------------------------------------------------------------
-    def _set_gradients_aside(self) -> None:
+    def _set_gradients_aside(self, in_place: bool) -> None:
+        """Keep what earlier steps accumulated apart from this step's gradients (see
+        ``keep_grads_on_failure``): set ``.grad`` aside (`in_place` False), or, when this step must
+        reduce what no_sync steps accumulated together with its own, copy it; copy the ``main_grad``
+        that no reducer zeroes at the start of the step."""
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._main_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         if not self.keep_grads_on_failure:
             return
+        zeroed_by_reducer = self._reducer is not None and self._sync_gradients and not self._unreduced
         for p in self.parameters():
             self._aside.append((p, p.grad))
-            p.grad = None
+            if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
+                if p.grad is not None:
+                    self._copies.append((p.grad, p.grad.clone()))
+            else:
+                p.grad = None
             main = getattr(p, "main_grad", None)
-            if self._reducer is None and isinstance(main, torch.Tensor):
-                self._main_copies.append((main, main.clone()))
+            if isinstance(main, torch.Tensor) and not zeroed_by_reducer:
+                self._copies.append((main, main.clone()))
 
     def _take_back_gradients(self) -> None:
         for p, g in self._aside:
-            if g is None:
+            if g is None or g is p.grad:  # nothing set aside, or accumulated in place
                 continue
             if p.grad is not None:
                 g.add_(p.grad)
             p.grad = g
-        self._aside, self._main_copies = [], []
+        self._aside, self._copies = [], []
 
     def _discard_step_gradients(self) -> None:
         if self.keep_grads_on_failure:
             for p, g in self._aside:
                 p.grad = g
-            for main, copy in self._main_copies:
-                main.copy_(copy)
+            for kept, copy in self._copies:
+                kept.copy_(copy)
         else:
             for p in self.parameters():
                 p.grad = None
                 main = getattr(p, "main_grad", None)
                 if isinstance(main, torch.Tensor):
                     main.zero_()
-        self._aside, self._main_copies = [], []
+        self._aside, self._copies = [], []
 
     # -- internals ----------------------------------------------------------------------------
     def _forward_plan(self) -> Plan:

@@ -104,6 +104,16 @@ class StageWgrad:
         """The modules without microbatch keys (their W takes the oldest pending wgrad)."""
         return [a.module for a in self.adapters if isinstance(a, FifoWgrad)]
 
+    def owed_params(self) -> set[int]:
+        """ids of the parameters this stage's W computes (`get_backward_dw_params`; all of a
+        module's own parameters when it has no such method)."""
+        out: set[int] = set()
+        for a in self.adapters:
+            getter = getattr(a.module, "get_backward_dw_params", None)
+            params = getter() if callable(getter) else a.module.parameters(recurse=False)
+            out.update(id(p) for p in params)
+        return out
+
     def filed(self, key: Hashable) -> None:
         if self.adapters:
             self._pending.append(key)
