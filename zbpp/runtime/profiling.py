@@ -1,4 +1,4 @@
-"""Task timing for `Pipeline(profile=True)`, and the measured bubble rate of a set of records.
+"""Task timing for `Pipeline(profile=True)` (the measured bubble rate of records: `zbpp.schedules.measured`).
 
 A record is ``{"rank": int, "action": "F0.3", "start": float, "end": float}``, times in seconds from
 the start of the step on that rank. On CUDA the times come from CUDA events on the compute stream
@@ -19,6 +19,8 @@ import time
 from typing import Any
 
 import torch
+
+from ..schedules.measured import measured_bubble_rate  # re-exported: its one definition lives there
 
 __all__ = ["TaskRecorder", "measured_bubble_rate"]
 
@@ -65,20 +67,3 @@ class TaskRecorder:
             for action, s, e in self._open:
                 out.append({"rank": self.rank, "action": action, "start": s - self._origin, "end": e - self._origin})
         return out
-
-
-def measured_bubble_rate(records: list[dict[str, Any]]) -> float:
-    """DESIGN.md's bubble rate of measured records: (cost - busy) / cost, where cost is the longest
-    span of one rank (its last end minus its first start) and busy the largest total task time of one
-    rank. 0.0 for no records."""
-    spans: dict[int, list[float]] = {}
-    busy: dict[int, float] = {}
-    for r in records:
-        lo_hi = spans.setdefault(r["rank"], [r["start"], r["end"]])
-        lo_hi[0] = min(lo_hi[0], r["start"])
-        lo_hi[1] = max(lo_hi[1], r["end"])
-        busy[r["rank"]] = busy.get(r["rank"], 0.0) + (r["end"] - r["start"])
-    if not spans:
-        return 0.0
-    cost = max(hi - lo for lo, hi in spans.values())
-    return (cost - max(busy.values())) / cost if cost > 0 else 0.0
