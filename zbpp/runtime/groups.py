@@ -30,12 +30,16 @@ __all__ = ["ParallelGroups"]
 class ParallelGroups:
     """Split the default process group into pipelines of `pp` ranks and data-parallel replicas.
 
+    Built on torch's ``DeviceMesh`` (``mesh``, dimensions ``("dp", "pp")``); `Pipeline` also
+    takes such a mesh directly as ``groups=``.
+
     Attributes:
+        mesh: the ``DeviceMesh`` of shape ``(dp, pp)``.
         pp: ranks per pipeline.
         dp: number of data-parallel replicas (``world_size // pp``).
         pp_rank: this rank's position in its pipeline (the ``rank`` of a `Schedule`).
         dp_rank: which replica (pipeline) this rank belongs to.
-        pp_group: the process group of this rank's pipeline (the default group when ``dp == 1``).
+        pp_group: the process group of this rank's pipeline.
         dp_group: the process group of the ranks holding the same pipeline position in every replica
             (a group of one rank when ``dp == 1``).
         world_size, rank: of the default group.
@@ -64,22 +68,16 @@ class ParallelGroups:
         self.dp = world // pp
         self.world_size = world
         self.rank = rank
-        self.pp_rank = rank % pp
-        self.dp_rank = rank // pp
-        # new_group is collective over the default group: every rank creates every group, in one order.
-        if self.dp == 1:
-            self.pp_group: Any = dist.group.WORLD
-        else:
-            self.pp_group = None
-            for d in range(self.dp):
-                g = dist.new_group([d * pp + r for r in range(pp)])
-                if d == self.dp_rank:
-                    self.pp_group = g
-        self.dp_group: Any = None
-        for r in range(pp):
-            g = dist.new_group([d * pp + r for d in range(self.dp)])
-            if r == self.pp_rank:
-                self.dp_group = g
+        # torch's DeviceMesh lays ranks out row-major, so mesh[dp_rank][pp_rank] = dp_rank * pp + pp_rank:
+        # the layout above. Building the mesh is collective over the default group.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        self.mesh = init_device_mesh(device_type, (self.dp, pp), mesh_dim_names=("dp", "pp"))
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.pp_group: Any = self.mesh.get_group("pp")
+        self.dp_group: Any = self.mesh.get_group("dp")
 
     def pp_peer(self, pp_rank: int) -> int:
         """The global rank of position `pp_rank` in this rank's pipeline."""

@@ -93,6 +93,8 @@ class Topology:
             DeviceMesh = ()  # type: ignore[assignment,misc]
         if isinstance(groups, DeviceMesh):
             topo = cls._from_mesh(groups)
+        elif isinstance(getattr(groups, "mesh", None), DeviceMesh):  # ParallelGroups
+            topo = cls._from_mesh(groups.mesh)
         elif all(hasattr(groups, a) for a in ("pp", "dp", "pp_rank", "dp_rank", "pp_group", "dp_group")):
             pp, dp = int(groups.pp), int(groups.dp)
             pipelines = tuple(tuple(d * pp + r for r in range(pp)) for d in range(dp))
