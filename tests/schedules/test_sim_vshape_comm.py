@@ -50,3 +50,25 @@ def test_zbv_p2_m2_with_comm_matches_the_hand_worked_timeline() -> None:
     assert res.spans == [16, 13] and res.makespan == 16 and res.busy_per_rank == [12, 12]
     assert res.bubble_rate == 0.25
     assert res.peak_memory == [3, 4]
+
+
+def test_zbv_p2_m2_with_a_message_in_flight_while_the_rank_frees_up() -> None:
+    """The same schedule with comm=1: now B0.0's gradient is still in flight when rank 0 becomes free.
+
+        F0.0 0   F0.1 1   F1.0 1 + 1 = 2   F2.0 3   F1.1 max(2 + 1, 4) = 4   F2.1 5
+        F3.0 4 + 1 = 5   B3.0 6   W3.0 7   F3.1 max(6 + 1, 8) = 8   B3.1 9   W3.1 10
+        B2.0 7 + 1 = 8   W2.0 9   B1.0 10   W1.0 11   B2.1 max(10 + 1, 12) = 12   W2.1 13   B1.1 14   W1.1 15
+        B0.0 11 + 1 = 12 (rank 0 free at 11, the gradient sent at 11 arrives at 12)   W0.0 13
+        B0.1 15 + 1 = 16   W0.1 17
+
+    Spans 18 (rank 0, 0..18) and 14 (rank 1, 2..16); busy 12 each; bubble (18 - 12) / 18 = 1/3.
+    """
+    starts = {
+        "F0.0": 0, "F0.1": 1, "F3.0": 5, "B3.0": 6, "W3.0": 7, "F3.1": 8, "B3.1": 9, "W3.1": 10,
+        "B0.0": 12, "W0.0": 13, "B0.1": 16, "W0.1": 17,
+        "F1.0": 2, "F2.0": 3, "F1.1": 4, "F2.1": 5, "B2.0": 8, "W2.0": 9, "B1.0": 10, "W1.0": 11,
+        "B2.1": 12, "W2.1": 13, "B1.1": 14, "W1.1": 15,
+    }
+    res = simulate(build("zb-v", num_ranks=2, num_microbatches=2), Costs(f=1, b=1, w=1, comm=1))
+    assert {str(a): t for a, t in res.start.items()} == starts
+    assert res.spans == [18, 14] and res.makespan == 18 and res.bubble_rate == pytest.approx(1 / 3, abs=1e-15)
