@@ -43,6 +43,21 @@ def rank_one_causes_rank_zero_follows(*unused: object) -> None:
     _deep(40)
 
 
+class _SlowToDescribe(Exception):
+    """An exception whose report takes a while to write (as a huge one would)."""
+
+    def __str__(self) -> str:
+        time.sleep(2.0)
+        return "rank 1 raised first, but its report is slow"
+
+
+def rank_one_raises_first_but_reports_last() -> None:
+    if dist.get_rank() == 1:
+        raise _SlowToDescribe()
+    time.sleep(0.5)
+    raise RuntimeError("rank 0 raised second and reports first")
+
+
 def rank_one_dies_rank_zero_hangs() -> None:
     if dist.get_rank() == 1:
         os._exit(3)
@@ -72,6 +87,14 @@ def test_the_first_failing_rank_comes_last_and_short(zbpp_workers) -> None:
     assert tail[3] == CAUSE
     assert tail[-1] == "(caused by: KeyError: 'missing')"
     assert err.first_error == "\n".join(tail[1:])
+
+
+def test_first_is_who_raised_first_not_whose_report_arrived_first(zbpp_workers) -> None:
+    with pytest.raises(DistributedTestError) as info:
+        zbpp_workers(2, grace=10.0).run(rank_one_raises_first_but_reports_last)
+    err = info.value
+    assert err.first_rank == 1, str(err)
+    assert _tail_after_marker(str(err))[-1].endswith("_SlowToDescribe: rank 1 raised first, but its report is slow")
 
 
 def test_a_rank_that_died_comes_before_one_stopped_for_hanging(zbpp_workers) -> None:

@@ -168,7 +168,8 @@ def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump
             reply = ("ok", fn(*args, **kwargs))
             conn.send(reply)
         except BaseException:  # noqa: BLE001 - reported to the parent
-            conn.send(("error", traceback.format_exc(), time.time()))  # when: to tell which rank failed first
+            failed_at = time.time()  # before formatting, which may be slow: tells which rank failed first
+            conn.send(("error", traceback.format_exc(), failed_at))
     try:
         dist.barrier()  # no rank tears its connections down while a peer still uses them
         dist.destroy_process_group()
@@ -346,11 +347,12 @@ class Workers:
 
     def _fail(self, what: str, replies: dict[int, tuple[str, Any, float]]) -> None:
         """Raise `DistributedTestError`: every failing rank's report in rank order, then, last and
-        short, the error of the rank that failed first (a rank that raised or died before the
-        others; a rank stopped for hanging only when no rank raised)."""
+        short, the error of the rank that failed first: the earliest to raise (by its own clock,
+        taken as it caught the exception) or to die; a rank stopped for hanging counts as failed
+        when it was stopped, after all of those."""
         self._kill()  # a failed rank may leave its peers and the process group in any state
         failures = {r: str(value) for r, (kind, value, _) in sorted(replies.items()) if kind != "ok"}
-        first = min(failures, key=lambda r: (replies[r][0] == "stuck", replies[r][2], r))
+        first = min(failures, key=lambda r: (replies[r][2], r))
         first_error = short_error(failures[first])
         lines = [f"{len(failures)} of {self.world_size} ranks failed {what} (backend {self.backend}):"]
         for r, report in failures.items():
