@@ -62,8 +62,11 @@ class FusedLinear(nn.Module):
         self.weight = weight if weight is not None else nn.Parameter(torch.randn(n_out, n_in, dtype=torch.float64))
         self.bias = nn.Parameter(torch.randn(n_out, dtype=torch.float64)) if bias else None
         self.fuse_wgrad_accumulation = True  # TE's flag: the reducer gives these parameters a main_grad
+        self.fused = True  # False: plain autograd (the weight gradient arrives through .grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return F.linear(x, self.weight, self.bias)
         return _FusedLinearFn.apply(x, self.weight, self.bias, self)
 
 
@@ -118,6 +121,24 @@ def test_fused_eager_layer_placeholder_is_dropped_never_added(flag: bool) -> Non
         if flag:
             assert layer.weight.grad_added_to_main_grad and not layer.bias.grad_added_to_main_grad
     assert set(reducer.reduce_counts().values()) == {1}
+
+
+def test_the_flag_is_reset_every_step() -> None:
+    """A step with the fused path sets grad_added_to_main_grad; the next step computes the weight
+    gradient through plain autograd (fusion switched off), which must be added, not dropped."""
+    torch.manual_seed(0)
+    layer = FusedLinear(4, 3)
+    _megatron_init(layer)
+    ref = _plain_copy(layer)
+    reducer = GradReducer({0: layer}, None)
+    _one_stage_step(reducer, layer, _microbatches(2, seed=0))
+    assert layer.weight.grad_added_to_main_grad
+    layer.fused = False
+    xs = _microbatches(2, seed=1)
+    _one_stage_step(reducer, layer, xs)
+    for x in xs:
+        ref(x).pow(2).sum().backward()
+    torch.testing.assert_close(layer.weight.main_grad, ref.weight.grad, rtol=RTOL, atol=0)
 
 
 class _Embed(nn.Module):
