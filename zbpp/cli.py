@@ -6,49 +6,101 @@
     zbpp plot zb-v -p 4 -m 8 -o zbv.svg         # figure (needs matplotlib: pip install zbpp[viz])
     zbpp trace zb-h1 -p 4 -m 8 -o plan.json     # Perfetto / chrome://tracing trace of the plan
     zbpp demo                                   # train a small model on 4 CPU ranks
+    zbpp --version
 
-`python -m zbpp ...` works the same.
+`python -m zbpp ...` works the same. Bad input ends the command with one line on stderr that names
+the argument, and exit code 2 (1 when a file cannot be written or read).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shutil
 import sys
 import textwrap
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
+from . import __version__
 from .schedules import Costs, Memory, available, build, options_of, simulate, validate
 
 __all__ = ["main"]
 
 
-def _float_list(text: str) -> float | list[float]:
-    """'1.5' -> 1.5; '1,2,3' -> [1, 2, 3] (one value per stage)."""
-    parts = [p for p in text.split(",") if p.strip()]
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (the usage is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in minimum..maximum."""
+    accepted = f"an integer >= {minimum}" if maximum is None else f"an integer in {minimum}..{maximum}"
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+
+    return integer
+
+
+def _finite(text: str) -> float | None:
     try:
-        values = [float(p) for p in parts]
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers, got {text!r}") from None
-    return values[0] if len(values) == 1 else values
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _number(text: str) -> float:
+    """An argparse type: a finite number >= 0 (no nan, no inf)."""
+    value = _finite(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _float_list(text: str) -> float | list[float]:
+    """'1.5' -> 1.5; '1,2,3' -> [1, 2, 3] (one value per stage); each a finite number >= 0."""
+    values = [_finite(p) for p in text.split(",") if p.strip()]
+    if not values or any(v is None for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number >= 0, or such numbers separated by commas (one per stage), got {text!r}")
+    return values[0] if len(values) == 1 else values  # type: ignore[return-value]
+
+
+def _check_output(path: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"-o {path}: that is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"-o {path}: the folder {folder} does not exist")
 
 
 def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = True) -> None:
     if with_name:
         parser.add_argument("name", help=f"schedule name ({', '.join(available())})")
-    parser.add_argument("-p", "--ranks", type=int, required=True, help="pipeline ranks")
-    parser.add_argument("-m", "--microbatches", type=int, required=True, help="microbatches per step")
-    parser.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved-1f1b)")
+    parser.add_argument("-p", "--ranks", type=_integer(1), required=True, help="pipeline ranks")
+    parser.add_argument("-m", "--microbatches", type=_integer(1), required=True, help="microbatches per step")
+    parser.add_argument("--chunks", type=_integer(1), default=None, help="stages per rank (interleaved-1f1b)")
     costs = parser.add_argument_group("costs (a number, or one per stage separated by commas)")
     costs.add_argument("--f", type=_float_list, default=1.0, help="forward time (default 1)")
     costs.add_argument("--b", type=_float_list, default=1.0, help="input-gradient time (default 1)")
     costs.add_argument("--w", type=_float_list, default=1.0, help="weight-gradient time (default 1)")
-    costs.add_argument("--comm", type=float, default=0.0, help="time of one message between ranks (default 0)")
+    costs.add_argument("--comm", type=_number, default=0.0, help="time of one message between ranks (default 0)")
     mem = parser.add_argument_group("memory (per stage and microbatch)")
     mem.add_argument("--activation", type=_float_list, default=1.0, help="memory F allocates (default 1)")
     mem.add_argument("--wgrad", type=_float_list, default=None,
                      help="memory B keeps until W (default: 1/3 of --activation for split schedules)")
-    mem.add_argument("--memory-limit", type=float, default=None,
+    mem.add_argument("--memory-limit", type=_number, default=None,
                      help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto)")
 
 
@@ -118,12 +170,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 c = Costs(f=costs.f * k, b=costs.b * k, w=costs.w * k, comm=costs.comm)
                 mem = Memory(activation=memory.activation * k, wgrad=memory.wgrad * k)
             sched = _build_from_args(name, args, c, mem, strict=False)
-        except ValueError as exc:  # e.g. a memory limit an auto schedule cannot meet
+            res = simulate(sched, c, mem)
+        except ValueError as exc:  # e.g. a memory limit an auto schedule cannot meet, per-stage costs of p stages
             rows.append((name, None, str(exc)))
             continue
         if c is not costs:
             scaled.append(name)
-        rows.append((name, simulate(sched, c, mem), ""))
+        rows.append((name, res, ""))
+    if all(res is None for _, res, _ in rows):
+        raise ValueError(f"no schedule accepts these arguments; {rows[0][0]}: {rows[0][2]}")
     print(f"ranks={args.ranks} microbatches={args.microbatches} f={args.f} b={args.b} w={args.w} comm={args.comm}")
     print(f"{'schedule':<18} {'stages':>6} {'bubble':>8} {'span':>10} {'peak memory (max)':>18}  peak memory per rank")
     for name, res, err in rows:
@@ -143,6 +198,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     """``zbpp plot``: a figure of the simulated schedule, or with ``--measured`` of the run recorded
     in a trace written by `zbpp.viz.trace.write_trace` (NAME, -p and -m must match it)."""
+    _check_output(args.output)
     from .viz.figure import plot
     from .viz.trace import measured_result, read_trace
 
@@ -169,6 +225,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     """``zbpp trace``: a Perfetto trace of the simulated plan."""
+    _check_output(args.output)
     from .viz.trace import write_trace
 
     costs, memory = _costs_memory(args)
@@ -187,12 +244,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zbpp", description="Zero-bubble pipeline parallelism for PyTorch.")
+    parser = _Parser(prog="zbpp", description="Zero-bubble pipeline parallelism for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"zbpp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     show = sub.add_parser("show", help="print a schedule as an ASCII timeline with its bubble rate and memory")
     _add_schedule_args(show)
-    show.add_argument("--width", type=int, default=None, help="wrap at this many columns (default: terminal)")
+    show.add_argument("--width", type=_integer(1), default=None, help="wrap at this many columns (default: terminal)")
     show.set_defaults(func=_cmd_show)
 
     compare = sub.add_parser("compare", help="bubble rate and peak memory of every schedule")
@@ -212,22 +270,28 @@ def make_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small model with a zero-bubble schedule on CPU ranks")
     demo.add_argument("--schedule", default="zb-v", help="schedule name (default zb-v)")
-    demo.add_argument("--ranks", type=int, default=4, help="pipeline ranks to spawn (default 4)")
-    demo.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--ranks", type=_integer(1), default=4, help="pipeline ranks to spawn (default 4)")
+    demo.add_argument("--microbatches", type=_integer(1), default=8, help="microbatches per step (default 8)")
+    demo.add_argument("--steps", type=_integer(1), default=5, help="training steps (default 5)")
+    demo.add_argument("--seed", type=_integer(0, 2**32 - 1), default=0, help="random seed (default 0)")
     demo.set_defaults(func=_cmd_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad argument (one line already printed)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad input: say what is wrong, no traceback
         print(f"zbpp {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file that cannot be written or read
+        print(f"zbpp {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,7 +5,8 @@ of a small causal transformer (`make_stage`; zbpp's delayed-wgrad layers when `z
 there, plain torch otherwise), trains ``--steps`` Adam steps with a `Pipeline`, and trains the same
 model in one process on the same batches; the report prints the loss per step, the measured bubble
 rate of the last step (next to the planned one) and the largest parameter difference from the
-single process.
+single process. If ranks fail, every rank's report goes to a file and the command ends with the
+error of the rank that failed first, in a few lines (exit code 1).
 
 The model pieces are public so that ``examples/train.py`` and ``benchmarks/bench_pipeline.py``
 use the same model:
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelConfig", "make_stage", "make_batch", "lm_loss", "run_demo"]
+__all__ = ["ModelConfig", "make_stage", "make_batch", "lm_loss", "run_demo", "report_failure"]
 
 
 @dataclass(frozen=True)
@@ -183,11 +186,23 @@ def _rank_main(name: str, m: int, steps: int, seed: int) -> dict[str, Any]:
             "params": params, "step_times": step_times, "stages": sorted(mine)}
 
 
+def report_failure(err: Any, ranks: int) -> str:
+    """Write every rank's report of a failed run (a `DistributedTestError`) to a file and print, on
+    stderr, where it is and then, last, the first failing rank's error in a few lines. Returns the
+    file's path."""
+    with tempfile.NamedTemporaryFile("w", prefix="zbpp-demo-failure-", suffix=".txt", delete=False) as fh:
+        fh.write(str(err) + "\n")
+    print(f"zbpp demo: {len(err.failures)} of {ranks} ranks failed; every rank's report is in {fh.name}",
+          file=sys.stderr)
+    print(f"zbpp demo: error: rank {err.first_rank} failed first:\n{err.first_error}", file=sys.stderr)
+    return fh.name
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo described in the module docstring; 0 when the check passes."""
     from zbpp.runtime.profiling import measured_bubble_rate
     from zbpp.schedules import available, build, simulate
-    from zbpp.testing import run_distributed
+    from zbpp.testing import DistributedTestError, run_distributed
 
     name = args.schedule
     if name not in available():
@@ -201,8 +216,12 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"zbpp demo: {name} on {p} CPU ranks (gloo), {sched.num_stages} stages, {m} microbatches "
           f"of {ROWS_PER_MICROBATCH} sequences, {steps} Adam steps; a small causal transformer of {layers}")
     t0 = time.perf_counter()
-    results = run_distributed(_rank_main, p, args=(name, m, steps, args.seed), backend="gloo", timeout=300,
-                              pg_timeout=120)
+    try:
+        results = run_distributed(_rank_main, p, args=(name, m, steps, args.seed), backend="gloo", timeout=300,
+                                  pg_timeout=120)
+    except DistributedTestError as err:
+        report_failure(err, p)
+        return 1
     wall = time.perf_counter() - t0
     last = next(r for r in results if r["losses"][0] is not None)
     print(f"{'step':>4}  {'pipeline loss':>13}  {'one-process loss':>16}")

@@ -35,7 +35,7 @@ def test_compare_lists_every_schedule(capsys: pytest.CaptureFixture[str]) -> Non
     "argv, message",
     [
         (["show", "nope", "-p", "4", "-m", "8"], "unknown schedule 'nope'"),
-        (["show", "1f1b", "-p", "0", "-m", "8"], "num_ranks must be an integer >= 1"),
+        (["show", "1f1b", "-p", "0", "-m", "8"], "argument -p/--ranks: expected an integer >= 1, got '0'"),
         (["show", "1f1b", "-p", "4", "-m", "8", "--chunks", "2"], "does not take --chunks"),
     ],
 )

@@ -34,8 +34,8 @@ modules (whose ``backward_dw`` overwrites ``.grad``), those that already carry `
 them with ``main_grad=True``, get a ``main_grad`` (fp32, or the parameter's dtype when wider) that
 is a view into a bucket buffer, so those buckets are reduced in place. A post-accumulate-grad hook
 moves any ``.grad`` of such a parameter into ``main_grad`` and clears it (Megatron's convention,
-including ``grad_added_to_main_grad``): that is also what consumes the eager FP8 bias gradient
-during B, which W then does not recreate. ``start_step`` zeroes the ``main_grad`` buffers (and may
+including ``grad_added_to_main_grad`` and ``zero_out_wgrad``): that is also what consumes the eager
+FP8 bias gradient during B, which W then does not recreate. ``start_step`` zeroes the ``main_grad`` buffers (and may
 replace them, see above: read ``p.main_grad`` after the step, do not keep it across steps);
 ``.grad`` is left to the usual ``zero_grad``.
 
@@ -267,10 +267,16 @@ class GradReducer:
     # -- hooks --------------------------------------------------------------------------------
     @staticmethod
     def _fold(e: _Entry) -> None:
-        """Move ``.grad`` into ``main_grad`` unless the module already accumulated it there."""
+        """Move ``.grad`` into ``main_grad`` unless the module already accumulated it there.
+
+        Megatron's rule: a fused layer that added its gradient into ``main_grad`` sets
+        ``grad_added_to_main_grad`` and hands autograd a placeholder, which is dropped; with
+        ``zero_out_wgrad`` (a weight shared with an embedding) the placeholder is zeros and ``.grad``
+        also holds the other uses' real gradient, so it is added.
+        """
         p = e.param
         if p.grad is not None:
-            if not getattr(p, "grad_added_to_main_grad", False):
+            if not getattr(p, "grad_added_to_main_grad", False) or getattr(p, "zero_out_wgrad", False):
                 p.main_grad.add_(p.grad)
             p.grad = None
 

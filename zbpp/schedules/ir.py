@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
+from .checks import as_int
+
 __all__ = ["Kind", "Action", "Schedule", "ScheduleError"]
 
 
@@ -49,7 +51,14 @@ class Action:
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
-            object.__setattr__(self, "kind", Kind(self.kind))
+            try:
+                object.__setattr__(self, "kind", Kind(self.kind))
+            except ValueError:
+                raise ValueError(f"Action.kind must be one of F, B, W, BW, got {self.kind!r}") from None
+        # exact type test first: this runs once per task, and almost every task has Python ints
+        if type(self.stage) is not int or type(self.microbatch) is not int:
+            object.__setattr__(self, "stage", as_int(self.stage, "Action.stage", minimum=0))
+            object.__setattr__(self, "microbatch", as_int(self.microbatch, "Action.microbatch", minimum=0))
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.stage}.{self.microbatch}"
@@ -96,7 +105,10 @@ class Schedule:
     overlap_pairs: tuple[tuple[Action, Action], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", tuple(self.placement))
+        for name in ("num_ranks", "num_stages", "num_microbatches"):
+            object.__setattr__(self, name, as_int(getattr(self, name), f"Schedule.{name}"))
+        object.__setattr__(self, "placement", tuple(
+            as_int(r, f"Schedule.placement[{s}]", minimum=0) for s, r in enumerate(self.placement)))
         object.__setattr__(self, "orders", tuple(tuple(o) for o in self.orders))
         object.__setattr__(self, "overlap_pairs", tuple(tuple(p) for p in self.overlap_pairs))
         if len(self.placement) != self.num_stages:

@@ -4,6 +4,11 @@ A generator is a function ``gen(num_ranks, num_microbatches, *, option=default, 
 registered with `register`. Its keyword-only parameters are its options; anything else is refused
 with a `ValueError` that lists what is allowed.
 
+Size limit: `build` refuses, before generating anything, a schedule whose generator would create
+more than `max_tasks()` tasks (default 2**24, about 16.8 million: a few GB of Python objects; every
+schedule of up to a few hundred ranks and a few thousand microbatches is far below it). Set the
+environment variable ``ZBPP_MAX_TASKS`` to raise or lower it.
+
 >>> from zbpp.schedules import build, available
 >>> "zb-h1" in available()
 True
@@ -14,23 +19,56 @@ True
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable
 
+from .checks import as_int
 from .ir import Schedule
 
-__all__ = ["register", "build", "available", "options_of"]
+__all__ = ["register", "build", "available", "options_of", "max_tasks", "task_count"]
 
 Generator = Callable[..., Schedule]
+#: ``tasks(num_ranks, num_microbatches, **options) -> int``: how many tasks a generator creates
+TaskCount = Callable[..., int]
 _REGISTRY: dict[str, Generator] = {}
+_TASK_COUNTS: dict[str, TaskCount] = {}
+
+DEFAULT_MAX_TASKS = 2**24
+MAX_TASKS_ENV = "ZBPP_MAX_TASKS"
 
 
-def register(name: str) -> Callable[[Generator], Generator]:
-    """Decorator: make `fn` buildable as `name`."""
+def max_tasks() -> int:
+    """The most tasks `build` lets a generator create: ``$ZBPP_MAX_TASKS`` if set, else 2**24.
+
+    >>> max_tasks() >= 3 * 256 * 4096  # ZB-H1 with 256 ranks and 4096 microbatches builds
+    True
+    """
+    text = os.environ.get(MAX_TASKS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_TASKS
+    try:
+        return as_int(int(text), MAX_TASKS_ENV)
+    except ValueError:
+        raise ValueError(f"environment variable {MAX_TASKS_ENV} must be an integer >= 1, got {text!r}") from None
+
+
+def _at_most_two_stages_per_rank(num_ranks: int, num_microbatches: int, **options: Any) -> int:
+    return 3 * 2 * num_ranks * num_microbatches  # F, B and W of up to two stages per rank
+
+
+def register(name: str, *, tasks: TaskCount | None = None) -> Callable[[Generator], Generator]:
+    """Decorator: make `fn` buildable as `name`.
+
+    `tasks(num_ranks, num_microbatches, **options)` says how many tasks the generator creates
+    (including any it builds and then drops), so that `build` can refuse a schedule too large to
+    build before it starts; the default assumes F, B and W of up to two stages per rank.
+    """
 
     def deco(fn: Generator) -> Generator:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"schedule {name!r} is registered twice")
         _REGISTRY[name] = fn
+        _TASK_COUNTS[name] = tasks or _at_most_two_stages_per_rank
         return fn
 
     return deco
@@ -65,22 +103,51 @@ def _lookup(name: str) -> Generator:
         raise ValueError(f"unknown schedule {name!r}; available: {', '.join(_REGISTRY)}") from None
 
 
-def build(name: str, *, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
-    """Build schedule `name` for `num_ranks` ranks and `num_microbatches` microbatches.
+def task_count(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> int:
+    """How many tasks `build` would have generator `name` create (an upper bound), without building.
 
-    Raises `ValueError` for an unknown name, bad sizes, or an option the schedule does not take.
+    It counts what the generator builds and then drops too (ZB-V is built for at least 2p-1
+    microbatches). `build` compares it with `max_tasks()`.
+
+    >>> task_count("zb-h1", 4, 8), task_count("zb-v", 4, 2)
+    (96, 168)
     """
     _load_builtin()
-    fn = _lookup(name)
-    for what, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    _lookup(name)
+    _check_options(name, options)
+    return _TASK_COUNTS[name](as_int(num_ranks, "num_ranks"), as_int(num_microbatches, "num_microbatches"), **options)
+
+
+def _check_options(name: str, options: dict[str, Any]) -> None:
     allowed = options_of(name)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         takes = ", ".join(f"{k}={v!r}" for k, v in allowed.items()) or "no options"
         raise ValueError(f"schedule {name!r} does not take option(s) {', '.join(unknown)}; it takes: {takes}")
-    schedule = fn(num_ranks, num_microbatches, **options)
+
+
+def build(name: str, *, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
+    """Build schedule `name` for `num_ranks` ranks and `num_microbatches` microbatches.
+
+    The sizes may be any integers (numpy's too). Raises `ValueError` for an unknown name, bad
+    sizes, an option the schedule does not take, or a schedule of more tasks than `max_tasks()`
+    (raise it with the environment variable ``ZBPP_MAX_TASKS``).
+
+    >>> build("zb-v", num_ranks=10**9, num_microbatches=8)
+    Traceback (most recent call last):
+    ValueError: zb-v with num_ranks=1000000000, num_microbatches=8 would create up to 11,999,999,994,000,000,000 tasks, more than the limit of 16,777,216; set the environment variable ZBPP_MAX_TASKS to allow more
+    """
+    _load_builtin()
+    fn = _lookup(name)
+    p = as_int(num_ranks, "num_ranks")
+    m = as_int(num_microbatches, "num_microbatches")
+    tasks, limit = task_count(name, p, m, **options), max_tasks()
+    if tasks > limit:
+        raise ValueError(
+            f"{name} with num_ranks={p}, num_microbatches={m} would create up to {tasks:,} tasks, more than the "
+            f"limit of {limit:,}; set the environment variable {MAX_TASKS_ENV} to allow more"
+        )
+    schedule = fn(p, m, **options)
     if not schedule.name:
         object.__setattr__(schedule, "name", name)
     return schedule

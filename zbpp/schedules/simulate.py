@@ -12,9 +12,12 @@ F: +activation, B: -(activation - wgrad), W: -wgrad, BW: -activation.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
 
+from .checks import as_number, as_numbers
 from .ir import Action, Kind, Schedule, ScheduleError
 
 __all__ = ["Costs", "Memory", "SimResult", "simulate"]
@@ -39,6 +42,14 @@ class Costs:
     """Time of F, B and W per stage (a number, or one number per stage); BW costs b + w.
 
     `comm` is the time a message takes on every edge that crosses ranks (never on same-rank edges).
+    Every value must be a finite real number >= 0 (a `ValueError` names the one that is not); they
+    are stored as floats, per-stage values as tuples.
+
+    >>> Costs(f=2, b=[1, 3], w=0.5)
+    Costs(f=2.0, b=(1.0, 3.0), w=0.5, comm=0.0)
+    >>> Costs(f=[1, float("nan")])
+    Traceback (most recent call last):
+    ValueError: Costs.f[1] must be a finite number >= 0, got nan
     """
 
     f: PerStage = 1.0
@@ -48,14 +59,10 @@ class Costs:
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w"):
-            v = getattr(self, name)
-            vals = [v] if isinstance(v, (int, float)) else list(v)
-            if any(x < 0 for x in vals):
-                raise ValueError(f"Costs.{name} must be >= 0, got {v!r}")
-            if not isinstance(v, (int, float)):
-                object.__setattr__(self, name, tuple(float(x) for x in vals))
-        if self.comm < 0:
-            raise ValueError(f"Costs.comm must be >= 0, got {self.comm!r}")
+            object.__setattr__(self, name, as_numbers(getattr(self, name), f"Costs.{name}"))
+        if not isinstance(self.comm, numbers.Real):
+            raise ValueError(f"Costs.comm must be a finite number >= 0 (one time for every message), got {self.comm!r}")
+        object.__setattr__(self, "comm", as_number(self.comm, "Costs.comm"))
 
     def per_stage(self, num_stages: int) -> tuple[list[float], list[float], list[float]]:
         return (
@@ -91,6 +98,8 @@ class Costs:
                 raise ValueError(f"profile record {rec!r}: need 'action' (e.g. 'F0.3'), 'start' and 'end': {exc}") from None
             if not 0 <= action.stage < num_stages:
                 raise ValueError(f"profile record {rec!r}: stage {action.stage} outside 0..{num_stages - 1}")
+            if not math.isfinite(dur):
+                raise ValueError(f"profile record {rec!r}: 'start' and 'end' must be finite numbers")
             if dur < 0:
                 raise ValueError(f"profile record {rec!r}: ends before it starts")
             samples[action.stage][_KIND_INDEX[action.kind]].append(dur)
@@ -120,10 +129,36 @@ class Costs:
 
 @dataclass(frozen=True)
 class Memory:
-    """Memory per stage and microbatch: F allocates `activation`; B keeps `wgrad` until W."""
+    """Memory per stage and microbatch: F allocates `activation`; B keeps `wgrad` until W.
+
+    Each is a finite real number >= 0, or one per stage, with ``wgrad <= activation`` stage by
+    stage (a `ValueError` names the value that is not); they are stored as floats and tuples.
+
+    >>> from fractions import Fraction
+    >>> Memory(activation=[1, 2], wgrad=Fraction(1, 2))
+    Memory(activation=(1.0, 2.0), wgrad=0.5)
+    >>> Memory(activation=1, wgrad=2)
+    Traceback (most recent call last):
+    ValueError: Memory: need 0 <= wgrad <= activation, got wgrad=2.0 > activation=1.0
+    """
 
     activation: PerStage = 1.0
     wgrad: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        act = as_numbers(self.activation, "Memory.activation")
+        wg = as_numbers(self.wgrad, "Memory.wgrad")
+        object.__setattr__(self, "activation", act)
+        object.__setattr__(self, "wgrad", wg)
+        if isinstance(act, tuple) and isinstance(wg, tuple) and len(act) != len(wg):
+            raise ValueError(f"Memory.activation has {len(act)} per-stage values but Memory.wgrad has {len(wg)}")
+        n = max(len(v) if isinstance(v, tuple) else 1 for v in (act, wg))
+        acts = act if isinstance(act, tuple) else (act,) * n
+        wgs = wg if isinstance(wg, tuple) else (wg,) * n
+        for s, (a, w) in enumerate(zip(acts, wgs)):
+            if w > a:
+                where = f" of stage {s}" if n > 1 else ""
+                raise ValueError(f"Memory{where}: need 0 <= wgrad <= activation, got wgrad={w!r} > activation={a!r}")
 
     def per_stage(self, num_stages: int) -> tuple[list[float], list[float]]:
         act = _per_stage(self.activation, num_stages, "Memory.activation")

@@ -28,11 +28,13 @@ CUDA device is ``rank % device_count``). It must be importable by name (defined 
 as must its arguments and return value (they are pickled). `run` returns every rank's return value,
 in rank order.
 
-Failures: if any rank raises, `run` raises `DistributedTestError` with every rank's traceback. A
-rank that raised usually leaves its peers waiting for it; they get `grace` seconds to finish or
-fail, then their Python stacks are dumped (so you see where they wait) and the pool is killed; a
-rank that dies (segfault, ``os._exit``) is reported with its exit code; a run longer than
-`timeout` seconds is stopped the same way. A killed pool restarts on its next `run`.
+Failures: if any rank raises, `run` raises `DistributedTestError` with every rank's traceback,
+and ends its message with the error of the rank that failed first, in a few lines (the other ranks
+usually fail because of it). A rank that raised usually leaves its peers waiting for it; they get
+`grace` seconds to finish or fail, then their Python stacks are dumped (so you see where they
+wait) and the pool is killed; a rank that dies (segfault, ``os._exit``) is reported with its exit
+code; a run longer than `timeout` seconds is stopped the same way. A killed pool restarts on its
+next `run`.
 """
 
 from __future__ import annotations
@@ -51,15 +53,59 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-__all__ = ["Workers", "DistributedTestError", "run_distributed", "distributed", "gpus_available"]
+__all__ = ["Workers", "DistributedTestError", "run_distributed", "distributed", "gpus_available", "short_error"]
 
 
 class DistributedTestError(AssertionError):
-    """Some rank failed; `failures` maps each failing rank to its report (traceback, stack or exit)."""
+    """Some rank failed; `failures` maps each failing rank to its report (traceback, stack or exit).
 
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
+    `first_rank` is the rank that failed first (the earliest to raise or die; the others usually
+    fail because of it) and `first_error` a few lines of its report: where it raised and what. The
+    message lists every rank's full report and ends with those lines.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str], first_rank: int | None = None,
+                 first_error: str = "") -> None:
         super().__init__(message)
         self.failures = failures
+        self.first_rank = first_rank if first_rank is not None else min(failures, default=None)
+        self.first_error = first_error
+
+
+def short_error(report: str, *, max_message_lines: int = 4, width: int = 300) -> str:
+    r"""A few lines of a rank's report: the innermost frame and the exception, or the report's start.
+
+    A chained exception adds the root cause's last line.
+
+    >>> tb = ('Traceback (most recent call last):\n  File "a.py", line 3, in f\n    g()\n'
+    ...       '  File "b.py", line 9, in g\n    raise ValueError("boom")\nValueError: boom\n')
+    >>> print(short_error(tb))
+      File "b.py", line 9, in g
+        raise ValueError("boom")
+    ValueError: boom
+    """
+    lines = [line[:width] + (" ..." if len(line) > width else "") for line in report.rstrip().splitlines()]
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:  # a death or a hang: its first lines say what happened
+        head = lines[:max_message_lines]
+        return "\n".join(head + ([f"... ({len(lines) - len(head)} more lines above)"] if len(lines) > len(head) else []))
+    i = frames[-1]
+    out = [lines[i]]
+    rest = lines[i + 1:]
+    if rest and rest[0].startswith("    ") and not set(rest[0].strip()) <= set("^~ "):
+        out.append(rest[0])
+        rest = rest[1:]
+    message = [line for line in rest if not (line.strip() and set(line.strip()) <= set("^~"))]
+    out += message[:max_message_lines]
+    if len(message) > max_message_lines:
+        out.append(f"... ({len(message) - max_message_lines} more lines above)")
+    for separator in ("The above exception was the direct cause", "During handling of the above exception"):
+        cut = next((j for j, line in enumerate(lines) if line.startswith(separator)), None)
+        if cut is not None:
+            cause = next((line for line in reversed(lines[:cut]) if line.strip()), "")
+            out.append(f"(caused by: {cause.strip()})")
+            break
+    return "\n".join(out)
 
 
 def gpus_available(n: int) -> bool:
@@ -106,7 +152,7 @@ def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump
                                 timeout=timedelta(seconds=pg_timeout), **extra)
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        conn.send(("error", traceback.format_exc()))
+        conn.send(("error", traceback.format_exc(), time.time()))
         return
     while True:
         try:
@@ -122,7 +168,8 @@ def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump
             reply = ("ok", fn(*args, **kwargs))
             conn.send(reply)
         except BaseException:  # noqa: BLE001 - reported to the parent
-            conn.send(("error", traceback.format_exc()))
+            failed_at = time.time()  # before formatting, which may be slow: tells which rank failed first
+            conn.send(("error", traceback.format_exc(), failed_at))
     try:
         dist.barrier()  # no rank tears its connections down while a peer still uses them
         dist.destroy_process_group()
@@ -199,9 +246,8 @@ class Workers:
             self._procs.append(p)
             self._conns.append(parent)
         replies = self._collect("start", timeout)
-        failures = {r: rep for r, (kind, rep) in replies.items() if kind != "ok"}
-        if failures:
-            self._fail("starting the process group", failures)
+        if any(kind != "ok" for kind, _, _ in replies.values()):
+            self._fail("starting the process group", replies)
         return self
 
     def close(self) -> None:
@@ -229,14 +275,14 @@ class Workers:
         for c in self._conns:
             c.send((fn, args, kwargs))
         replies = self._collect(getattr(fn, "__name__", repr(fn)), timeout if timeout is not None else self.timeout)
-        failures = {r: rep for r, (kind, rep) in replies.items() if kind != "ok"}
-        if failures:
-            self._fail(f"running {getattr(fn, '__qualname__', fn)!r}", failures)
+        if any(kind != "ok" for kind, _, _ in replies.values()):
+            self._fail(f"running {getattr(fn, '__qualname__', fn)!r}", replies)
         return [replies[r][1] for r in range(self.world_size)]
 
-    def _collect(self, what: str, timeout: float) -> dict[int, tuple[str, Any]]:
-        """Every rank's reply: ("ok", value) or ("error", text) / ("died", text) / ("stuck", text)."""
-        replies: dict[int, tuple[str, Any]] = {}
+    def _collect(self, what: str, timeout: float) -> dict[int, tuple[str, Any, float]]:
+        """Every rank's reply and when it failed (time.time()): ("ok", value, t) or ("error", text, t)
+        / ("died", text, t) / ("stuck", text, t)."""
+        replies: dict[int, tuple[str, Any, float]] = {}
         deadline = time.monotonic() + timeout
         first_failure: float | None = None
         while len(replies) < self.world_size:
@@ -254,9 +300,11 @@ class Workers:
                 if r in replies:
                     continue
                 conn = self._conns[r]
+                when = time.time()
                 if conn.poll():
                     try:
-                        kind, value = conn.recv()
+                        kind, value, *sent = conn.recv()
+                        when = sent[0] if sent else when
                     except (EOFError, OSError):
                         kind, value = "died", None
                     except Exception:  # noqa: BLE001 - e.g. a result that cannot be unpickled here
@@ -268,7 +316,7 @@ class Workers:
                 if kind == "died":
                     self._procs[r].join(1)
                     value = f"process exited with code {self._procs[r].exitcode} without reporting"
-                replies[r] = (kind, value)
+                replies[r] = (kind, value, when)
                 if kind != "ok" and first_failure is None:
                     first_failure = time.monotonic()
         missing = [r for r in range(self.world_size) if r not in replies]
@@ -277,7 +325,8 @@ class Workers:
             why = (f"no result within {self.grace:g} s after another rank failed" if first_failure is not None
                    else f"no result within the timeout of {timeout:g} s")
             for r in missing:
-                replies[r] = ("stuck", f"{why} ({what}); its Python stacks:\n{stacks.get(r, '(unavailable)')}")
+                replies[r] = ("stuck", f"{why} ({what}); its Python stacks:\n{stacks.get(r, '(unavailable)')}",
+                              time.time())
         return replies
 
     def _stacks(self, ranks: Sequence[int]) -> dict[int, str]:
@@ -296,12 +345,21 @@ class Workers:
                 out[r] = "(unavailable)"
         return out
 
-    def _fail(self, what: str, failures: dict[int, str]) -> None:
+    def _fail(self, what: str, replies: dict[int, tuple[str, Any, float]]) -> None:
+        """Raise `DistributedTestError`: every failing rank's report in rank order, then, last and
+        short, the error of the rank that failed first: the earliest to raise (by its own clock,
+        taken as it caught the exception) or to die; a rank stopped for hanging counts as failed
+        when it was stopped, after all of those."""
         self._kill()  # a failed rank may leave its peers and the process group in any state
+        failures = {r: str(value) for r, (kind, value, _) in sorted(replies.items()) if kind != "ok"}
+        first = min(failures, key=lambda r: (replies[r][2], r))
+        first_error = short_error(failures[first])
         lines = [f"{len(failures)} of {self.world_size} ranks failed {what} (backend {self.backend}):"]
-        for r in sorted(failures):
-            lines.append(f"--- rank {r}:\n{str(failures[r]).rstrip()}")
-        raise DistributedTestError("\n".join(lines), dict(failures))
+        for r, report in failures.items():
+            lines.append(f"--- rank {r}:\n{report.rstrip()}")
+        others = " (the other failures may follow from it)" if len(failures) > 1 else ""
+        lines.append(f"=== rank {first} failed first{others}:\n{first_error}")
+        raise DistributedTestError("\n".join(lines), failures, first, first_error)
 
     def _kill(self) -> None:
         for p in self._procs:

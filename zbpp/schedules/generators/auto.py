@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from ..checks import as_number
 from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
 from ..registry import build, register
 from ..simulate import Costs, Memory
@@ -143,10 +144,10 @@ def _search(
     if memory_limit is None:
         limit = p * floor  # 1F1B's (and ZB-V's) activation memory
     else:
-        limit = float(memory_limit)
+        limit = as_number(memory_limit, f"{name}: memory_limit (per rank, in Memory's units)")
         if limit < floor * (1 - 1e-9):
             raise ValueError(
-                f"{name}: memory_limit={memory_limit:g} is infeasible; the smallest feasible limit is {floor:g} "
+                f"{name}: memory_limit={limit:g} is infeasible; the smallest feasible limit is {floor:g} "
                 f"(a rank holds all its stages' activations of one microbatch at once)"
             )
     prob = Problem.make(placement, m, costs, memory, limit)

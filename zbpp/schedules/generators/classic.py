@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from ..checks import as_int
 from ..ir import Action, Kind, Schedule, from_orders, loop_placement
 from ..registry import register
 
 
-@register("gpipe")
+def _tasks(p: int, m: int) -> int:
+    return 2 * p * m  # F and BW of one stage per rank
+
+
+def _interleaved_tasks(p: int, m: int, *, chunks: int = 2) -> int:
+    return 2 * p * as_int(chunks, "interleaved-1f1b: chunks") * m
+
+
+@register("gpipe", tasks=_tasks)
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards (Huang et al., 2019). Peak memory: m activations."""
     p, m = num_ranks, num_microbatches
@@ -16,7 +25,7 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     return from_orders("gpipe", loop_placement(p), m, orders)
 
 
-@register("1f1b")
+@register("1f1b", tasks=_tasks)
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-flush): p-1-r warm-up forwards, then one forward one backward."""
     p, m = num_ranks, num_microbatches
@@ -61,15 +70,14 @@ def _interleaved_items(p: int, m: int, chunks: int, backward: bool) -> list[tupl
     return items
 
 
-@register("interleaved-1f1b")
+@register("interleaved-1f1b", tasks=_interleaved_tasks)
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, chunks: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B: rank r holds stages r, r+p, ..., r+(chunks-1)p.
 
     Warm-up (p-1-r)*2 + (chunks-1)*g forwards (g: microbatches per round, p when p | m), then one forward one backward, then cool-down.
     `chunks=1` is plain 1F1B.
     """
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"interleaved-1f1b: chunks must be an integer >= 1, got {chunks!r}")
+    chunks = as_int(chunks, "interleaved-1f1b: chunks")
     p, m = num_ranks, num_microbatches
     if chunks == 1:
         sched = one_f_one_b(p, m)

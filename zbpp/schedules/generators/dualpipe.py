@@ -113,7 +113,11 @@ def _rank_order(p: int, n: int, r: int) -> tuple[list[Action], list[tuple[Action
     return order, pairs
 
 
-@register("dualpipe-v")
+def _tasks(p: int, m: int) -> int:
+    return 6 * p * max(m, 2 * p)  # built for at least 2p microbatches, then cut down to m
+
+
+@register("dualpipe-v", tasks=_tasks)
 def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV: V placement, overlapped forward/backward pairs in the steady state.
 

@@ -41,6 +41,14 @@ def keep_microbatches(orders: Sequence[Sequence[Action]], m: int) -> list[list[A
     return [[a for a in order if a.microbatch < m] for order in orders]
 
 
+def _v_tasks(p: int, m: int) -> int:
+    return 6 * p * m  # F, B and W of two stages per rank
+
+
+def _zbv_tasks(p: int, m: int) -> int:
+    return 6 * p * max(m, 2 * p - 1)  # built for at least 2p-1 microbatches, then cut down to m
+
+
 # -- ZB-V ----------------------------------------------------------------------------------------
 
 
@@ -99,7 +107,7 @@ def _zbv_rank(p: int, n: int, r: int) -> list[Action]:
     return order
 
 
-@register("zb-v")
+@register("zb-v", tasks=_zbv_tasks)
 def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-V: 2p stages in a V; zero bubble with F = B = W and 1F1B's peak memory (2p V stages).
 
@@ -270,7 +278,7 @@ def _controllable(name: str, p: int, m: int, block: Callable[[int, int], tuple[i
     return from_orders(name, v_placement(p), m, [_with_w(fb)[0] for fb in slots])
 
 
-@register("v-half")
+@register("v-half", tasks=_v_tasks)
 def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Half: a V schedule with about half of 1F1B's activation memory, 2*floor((p+2)/2) V stages.
 
@@ -282,7 +290,7 @@ def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     return _controllable("v-half", num_ranks, num_microbatches, _v_half_block, "half")
 
 
-@register("v-min")
+@register("v-min", tasks=_v_tasks)
 def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Min: a V schedule with about a third of 1F1B's activation memory, 2*floor((p+4)/3) V stages.
 

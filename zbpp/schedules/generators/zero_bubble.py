@@ -18,6 +18,10 @@ from ..ir import Action, Kind, Schedule, from_orders, loop_placement
 from ..registry import register
 
 
+def _tasks(p: int, m: int) -> int:
+    return 3 * p * m  # F, B and W of one stage per rank
+
+
 def _split_1f1b(name: str, p: int, m: int, warmup_of) -> Schedule:
     orders = []
     for r in range(p):
@@ -43,14 +47,14 @@ def _split_1f1b(name: str, p: int, m: int, warmup_of) -> Schedule:
     return from_orders(name, loop_placement(p), m, orders)
 
 
-@register("zb-h1")
+@register("zb-h1", tasks=_tasks)
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B's memory, bubble (p-1)(F+B-W)."""
     p = num_ranks
     return _split_1f1b("zb-h1", p, num_microbatches, lambda r: p - 1 - r)
 
 
-@register("zb-h2")
+@register("zb-h2", tasks=_tasks)
 def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H2: about twice 1F1B's memory, bubble (p-1)(F+B-2W), zero for F=B=W."""
     p = num_ranks

@@ -1,0 +1,102 @@
+"""The `zbpp` command on bad input: exit code 2 (1 for a file it cannot read), and exactly one line
+on stderr that names the bad argument, never a traceback. Also `zbpp --version`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import zbpp
+from zbpp.cli import main
+
+
+def _one_error_line(err: str, command: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"zbpp {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+SCHEDULE_ARGS = ["-p", "4", "-m", "8"]
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["compare", "-p", "0", "-m", "8"], "argument -p/--ranks: expected an integer >= 1, got '0'"),
+        (["compare", "-p", "4", "-m", "-1"], "argument -m/--microbatches: expected an integer >= 1, got '-1'"),
+        (["compare", "-p", "four", "-m", "8"], "argument -p/--ranks: expected an integer >= 1, got 'four'"),
+        (["compare", *SCHEDULE_ARGS, "--chunks", "0"], "argument --chunks: expected an integer >= 1, got '0'"),
+        (["compare", *SCHEDULE_ARGS, "--f", "nan"], "argument --f: expected a finite number >= 0"),
+        (["compare", *SCHEDULE_ARGS, "--comm", "inf"], "argument --comm: expected a finite number >= 0, got 'inf'"),
+        (["compare", *SCHEDULE_ARGS, "--memory-limit", "nan"], "argument --memory-limit: expected a finite number >= 0, got 'nan'"),
+        (["compare", *SCHEDULE_ARGS, "--f", "1,2,3"], "no schedule accepts these arguments; gpipe: Costs.f has 3 per-stage values"),
+        (["compare", "-p", "4"], "the following arguments are required: -m/--microbatches"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--comm", "nan"], "argument --comm: expected a finite number >= 0, got 'nan'"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--comm", "-0.5"], "argument --comm: expected a finite number >= 0, got '-0.5'"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--b", "1,inf,1,1"], "argument --b: expected a finite number >= 0"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--w", "-1"], "argument --w: expected a finite number >= 0"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--activation", "inf"], "argument --activation: expected a finite number >= 0"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--wgrad", "nan"], "argument --wgrad: expected a finite number >= 0"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--wgrad", "2"], "need 0 <= wgrad <= activation, got wgrad=2.0 > activation=1.0"),
+        (["show", "zb-auto", *SCHEDULE_ARGS, "--memory-limit", "inf"], "argument --memory-limit: expected a finite number >= 0, got 'inf'"),
+        (["show", "zb-h1", *SCHEDULE_ARGS, "--width", "0"], "argument --width: expected an integer >= 1, got '0'"),
+        (["show", "zb-v", "-p", "1000000000", "-m", "8"], "would create up to 11,999,999,994,000,000,000 tasks, more than the limit"),
+        (["demo", "--ranks", "0"], "argument --ranks: expected an integer >= 1, got '0'"),
+        (["demo", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+        (["demo", "--microbatches", "2.5"], "argument --microbatches: expected an integer >= 1, got '2.5'"),
+        (["demo", "--seed", "-1"], "argument --seed: expected an integer in 0..4294967295, got '-1'"),
+    ],
+)
+def test_bad_argument_exits_2_with_one_line_naming_it(argv: list[str], names: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert names in _one_error_line(captured.err, argv[0])
+    assert captured.out == ""  # no partial table or timeline before the error
+
+
+@pytest.mark.parametrize("command, suffix", [("plot", "svg"), ("trace", "json")])
+def test_output_in_a_missing_folder_is_one_line_and_nothing_is_written(
+    command: str, suffix: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "no-such-folder" / f"out.{suffix}"
+    assert main([command, "zb-h1", *SCHEDULE_ARGS, "-o", str(target)]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert f"-o {target}: the folder {target.parent} does not exist" in line
+    assert not target.parent.exists()
+
+
+def test_output_that_is_a_folder_is_refused(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "zb-h1", *SCHEDULE_ARGS, "-o", str(tmp_path)]) == 2
+    assert f"-o {tmp_path}: that is a folder" in _one_error_line(capsys.readouterr().err, "trace")
+
+
+def test_a_missing_measured_trace_is_one_line_exit_1(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.json"
+    assert main(["plot", "zb-h1", *SCHEDULE_ARGS, "-o", str(tmp_path / "x.svg"), "--measured", str(missing)]) == 1
+    assert str(missing) in _one_error_line(capsys.readouterr().err, "plot")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"zbpp {zbpp.__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["compare", "-p", "0", "-m", "8"],
+        ["plot", "zb-h1", "-p", "2", "-m", "2", "-o", "/nonexistent-zbpp-folder/x.svg"],
+        ["show", "zb-h1", "-p", "2", "-m", "2", "--comm", "nan"],
+    ],
+)
+def test_the_installed_command_prints_one_line_and_fails(argv: list[str]) -> None:
+    """Through `python -m zbpp` (what a user runs): the exit status reaches the shell."""
+    out = subprocess.run([sys.executable, "-m", "zbpp", *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    _one_error_line(out.stderr, argv[0])
+    assert out.stdout == ""
