@@ -27,6 +27,9 @@ The rank holding the last stage prints a line per step (loss, step time, tokens/
 Every rank draws the same batch from a generator seeded by (seed, step); the ranks holding stage 0
 use its input tokens, the one holding the last stage its targets.
 
+``--json`` keeps every step's figures and the summary; ``python examples/train_gpt.py --replot
+steps.json --loss-curve loss.png`` draws the curve from it later, elsewhere (no torchrun).
+
 ``--check`` compares the first step's loss and gradients (after the tied gradients are summed)
 with one process running the whole model on the whole batch, and after the last step that every
 copy of the tied embedding is still equal; the exit code is 1 on a mismatch.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import json
 import math
 import statistics
@@ -308,7 +312,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, metavar="PATH", help="write every step's figures as JSON")
     ap.add_argument("--check", action="store_true",
                     help="compare the first step's loss and gradients with one process running the whole model")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="train nothing: draw --loss-curve from the --json file of an earlier run")
     args = ap.parse_args(argv)
+    if args.loss_curve is not None and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--loss-curve needs matplotlib (pip install matplotlib); or write --json now and draw the curve "
+                 "elsewhere with --replot JSON --loss-curve PNG")
+    if args.replot is not None:
+        if args.loss_curve is None:
+            ap.error("--replot JSON draws the loss curve: give --loss-curve PNG too")
+        return args
     for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "heads", "layers", "steps",
                  "eval_every", "eval_batches", "pad_vocab"):
         if getattr(args, name) < 1:
@@ -377,6 +390,7 @@ class Run:
         self.val_history: list[tuple[int, float]] = []
         self.records: list[dict[str, Any]] | None = None
         self.check: dict[str, Any] = {}
+        self.figures: dict[str, Any] = {}
 
     @property
     def reporting(self) -> bool:
@@ -529,7 +543,9 @@ class Run:
         self.say(f"done: {len(h)} steps in {wall:.1f} s; step time median {ms:.1f} ms (steps {timed[0]['step']}-"
                  f"{h[-1]['step']}), {self.rows * self.args.seq_len / ms:.1f}k tokens/s; train loss {h[0]['loss']:.3f} -> "
                  f"{sum(tail) / len(tail):.3f} (mean of the last {len(tail)}){val}{bub}")
-        self.summary_ms = ms
+        self.figures = {"steps": len(h), "wall_s": wall, "step_ms_median": ms, "timed_steps": [timed[0]["step"], h[-1]["step"]],
+                        "tokens_per_step": self.rows * self.args.seq_len, "tokens_per_s": self.rows * self.args.seq_len / ms * 1e3,
+                        "bubble_median": statistics.median(bubbles) if bubbles else None}
 
     def write_outputs(self) -> None:
         a = self.args
@@ -540,15 +556,15 @@ class Run:
             print(f"measured trace of the last step: {a.trace} (open in ui.perfetto.dev)", flush=True)
         if not self.reporting:
             return
+        title = (f"GPT ({a.layers} blocks, hidden {a.hidden}) on the Python stdlib, {self.sched.name} on {self.world} "
+                 f"ranks, {a.dtype}{' + FP8' if a.fp8 else ''}")
         if a.json is not None:
             with open(a.json, "w") as fh:
-                json.dump({"args": vars(a), "schedule": self.sched.name, "steps": self.history,
-                           "val": self.val_history, "check": self.check}, fh, indent=1)
+                json.dump({"args": vars(a), "schedule": self.sched.name, "title": title, "summary": self.figures,
+                           "steps": self.history, "val": self.val_history, "check": self.check}, fh, indent=1)
             self.say(f"figures of every step: {a.json}")
         if a.loss_curve is not None:
-            plot_loss(a.loss_curve, self.history, self.val_history,
-                      title=f"GPT ({a.layers} blocks, hidden {a.hidden}) on the Python stdlib, {self.sched.name} on "
-                            f"{self.world} ranks, {self.dtype}{' + FP8' if a.fp8 else ''}".replace("torch.", ""))
+            plot_loss(a.loss_curve, self.history, self.val_history, title=title)
             self.say(f"loss curve: {a.loss_curve}")
 
     def result(self) -> dict[str, Any]:
@@ -607,7 +623,19 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     return run.result()
 
 
+def replot(json_path: str, png_path: str) -> None:
+    """Draw the loss curve of an earlier run from its ``--json`` file."""
+    with open(json_path) as fh:
+        run = json.load(fh)
+    plot_loss(png_path, run["steps"], [tuple(v) for v in run["val"]], title=run["title"])
+    print(f"loss curve: {png_path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot is not None:
+        replot(args.replot, args.loss_curve)
+        return 0
     res = train(argv)
     return 0 if res["check"].get("ok", True) else 1
 
