@@ -1,0 +1,139 @@
+"""examples/train_gpt.py on 2 gloo CPU ranks, a tiny GPT in float64, against one process.
+
+The reference is one process running the whole model (built by the example's `build_stages` as a
+single stage, the token embedding used for input and LM head alike) on the whole batch: its loss
+on the first training batch and on the validation batches before training must be the pipeline's.
+float64 makes the comparison tight: the pipeline and the reference differ only in summation order
+(microbatches, stages), about 1e-16 relative per operation, so 1e-10 relative has four orders of
+magnitude of room, while a lost microbatch, a wrong loss weight or an unsummed tied gradient moves
+the loss or the gradients by 1e-3 or more. The tied embedding's copies must stay bit-identical:
+they start equal, receive the same summed gradient and take the same AdamW step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RTOL = 1e-10  # float64, see the module docstring
+
+TINY = ["--hidden", "16", "--heads", "2", "--layers", "4", "--seq-len", "16", "--rows-per-microbatch", "2",
+        "--microbatches", "4", "--steps", "3", "--eval-every", "2", "--eval-batches", "2", "--warmup", "1",
+        "--lr", "1e-2", "--data-bytes", "60000", "--dtype", "float64", "--backend", "gloo", "--timeout", "60",
+        "--check"]
+
+
+def _example() -> Any:
+    """examples/train_gpt.py as a module (examples/ is not a package)."""
+    name = "zbpp_example_train_gpt"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "train_gpt.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def train_on_rank(argv: list[str]) -> dict[str, Any]:
+    """Runs on every rank: the example's `train`, with what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = _example().train(argv)
+    result["stdout"] = out.getvalue()
+    return result
+
+
+def _reference() -> dict[str, Any]:
+    """The whole model in one process: its loss on the first training batch and the validation
+    loss before training, with the same data, seed and batch draws as the example."""
+    ex = _example()
+    args = ex.parse_args(TINY)
+    data = ex.load_text(args.data_bytes)
+    vocab = -(-len(data.vocab) // args.pad_vocab) * args.pad_vocab
+    cfg = ex.GPTConfig(vocab=vocab, hidden=args.hidden, heads=args.heads, layers=args.layers, seq_len=args.seq_len)
+    model = ex.build_stages([0], 1, cfg, dtype=torch.float64, delayed=False, seed=args.seed)[0]
+    rows = args.rows_per_microbatch * args.microbatches
+    x, y = data.batch("train", rows, args.seq_len, seed=ex._train_seed(args.seed, 0))
+    loss = ex.lm_loss(model(x), y)
+    loss.backward()
+    norm = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters()))  # the tied weight once
+    with torch.no_grad():
+        val = [float(ex.lm_loss(model(x), y)) for x, y in
+               (data.batch("val", rows, args.seq_len, seed=ex._val_seed(args.seed, i)) for i in range(args.eval_batches))]
+    return {"first_loss": float(loss.detach()), "grad_norm": norm, "val0": sum(val) / len(val), "wte0": model.wte.detach().clone()}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return _reference()
+
+
+def _check_run(results: list[dict[str, Any]], reference: dict[str, Any], schedule: str) -> dict[str, Any]:
+    last = next(r for r in results if r["history"])  # the rank holding the last stage reports
+    assert [r["step"] for r in last["history"]] == [1, 2, 3]
+    losses = [r["loss"] for r in last["history"]]
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[0] == pytest.approx(reference["first_loss"], rel=RTOL, abs=0)
+    # the norm that --clip clips by: the whole model's, the tied embedding's gradient counted once
+    assert last["history"][0]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=RTOL, abs=0)
+    # the script's own --check: gradients of the first step, tied copies after the last
+    assert last["check"]["ok"], last["check"]
+    assert last["check"]["grad_rel"] <= 1e-9 and last["check"]["tied_spread"] == 0.0, last["check"]
+    # validation loss from eval_step: before training it is the reference model's
+    assert [s for s, _ in last["val"]] == [0, 2, 3]
+    assert last["val"][0][1] == pytest.approx(reference["val0"], rel=RTOL, abs=0)
+    text = last["stdout"]
+    assert f"train_gpt: {schedule} on 2 ranks (gloo)" in text, text
+    for step in (0, 2, 3):
+        assert f"step {step:>5}/3 | val loss " in text, text
+    assert "step     3/3 | loss " in text and "tok/s" in text and any(line.startswith("done: 3 steps") for line in text.splitlines()), text
+    others = [r for r in results if r is not last]
+    assert all(r["stdout"] == "" for r in others), [r["stdout"] for r in others]  # one rank reports
+    return last
+
+
+@pytest.mark.slow
+def test_one_stage_per_rank_matches_one_process_and_keeps_tied_copies_equal(zbpp_workers, reference, tmp_path):
+    log = tmp_path / "steps.json"
+    results = zbpp_workers(2).run(train_on_rank, ["--schedule", "zb-h1", "--json", str(log), *TINY])
+    last = _check_run(results, reference, "zb-h1")
+    r0, r1 = results
+    assert r0["stages"] == [0] and r1["stages"] == [1]
+    # the embedding (rank 0) and the LM head (rank 1) are copies of one parameter: bit-identical
+    # after three AdamW steps, and moved by them
+    assert torch.equal(r0["wte"], r1["wte"])
+    assert not torch.equal(r0["wte"], reference["wte0"])
+    # --json keeps what the reporting rank printed; --replot draws the loss curve from it
+    logged = json.loads(log.read_text())
+    assert logged["steps"] == last["history"] and [tuple(v) for v in logged["val"]] == last["val"]
+    assert logged["summary"]["steps"] == 3 and logged["summary"]["tokens_per_step"] == 8 * 16
+    png = tmp_path / "loss.png"
+    assert _example().main(["--replot", str(log), "--loss-curve", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_v_schedule_shares_one_parameter_on_rank_zero(zbpp_workers, reference):
+    results = zbpp_workers(2).run(train_on_rank, ["--schedule", "zb-v", *TINY])
+    last = _check_run(results, reference, "zb-v")
+    r0, r1 = results
+    assert last is r0 and r0["stages"] == [0, 3] and r1["stages"] == [1, 2]
+    assert r0["wte_shared"] and r1["wte"] is None  # one nn.Parameter in both stage modules of rank 0
+    assert not torch.equal(r0["wte"], reference["wte0"])
+
+
+def test_fp8_is_refused_on_cpu_ranks(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _example().parse_args(["--fp8", "--backend", "gloo"])
+    assert exc.value.code == 2
+    assert "--fp8 needs CUDA GPUs" in capsys.readouterr().err
