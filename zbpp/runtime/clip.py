@@ -88,14 +88,18 @@ def clip_grad_norm_(
         norm_type: p of the p-norm, ``math.inf`` for the max norm.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
 
-    A parameter shared by two pipeline ranks (tied embeddings on the first and last rank) is
-    counted on both; untie it or exclude one copy from the parameters you pass.
+    A `Pipeline`'s tied parameters (`tied_parameters=`) count once: on the rank of their lowest
+    stage. Parameters passed otherwise count on every rank that passes them.
     """
     if max_norm < 0 or math.isnan(max_norm):
         raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 (or math.inf), got {norm_type!r}")
-    grads = [g for g in map(_grad, _parameters(pipeline_or_params)) if g is not None]
+    params = _parameters(pipeline_or_params)
+    tied = getattr(pipeline_or_params, "_tied", None)
+    counted = [p for p in params if tied is None or tied.counted_here(p)]
+    grads = [g for g in map(_grad, params) if g is not None]
+    norm_of = [g for g in map(_grad, counted) if g is not None]
     group, size = _pp_group(pipeline_or_params, groups)
     if grads:
         device = grads[0].device
@@ -106,7 +110,7 @@ def clip_grad_norm_(
         acc = torch.float32
     inf = math.isinf(norm_type)
     local = torch.zeros((), dtype=acc, device=device)
-    for g in grads:
+    for g in norm_of:
         n = torch.linalg.vector_norm(g.to(acc), norm_type).to(device)
         local = torch.maximum(local, n) if inf else local + n**norm_type
     if size > 1:

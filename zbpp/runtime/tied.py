@@ -38,6 +38,7 @@ class _Tie:
     param: nn.Parameter
     stages: tuple[int, ...]  # the stages of this rank whose modules hold the parameter
     group: Any  # every copy of every replica (None: this rank holds the only copy)
+    counted_here: bool  # this rank holds the copy of the lowest stage in its pipeline (norms count it)
     pending: set[int] = field(default_factory=set)  # holding stages not final yet this step
     work: Any = None
 
@@ -89,7 +90,9 @@ class TiedParameters:
             if name not in mine:
                 continue
             p, stages = mine[name]
-            tie = _Tie(name, p, stages, group)
+            in_my_pipeline = [g for g in ranks if g in topology.pipeline]
+            lowest = min(in_my_pipeline, key=lambda g: (holders[g][2], g))
+            tie = _Tie(name, p, stages, group, lowest == topology.global_rank)
             self._ties.append(tie)
             if group is not None:  # copies equal to the lowest stage's, of replica 0
                 src = min(ranks, key=lambda g: (g not in topology.pipelines[0], holders[g][2], g))
@@ -111,6 +114,10 @@ class TiedParameters:
     @property
     def names(self) -> list[str]:
         return [t.name for t in self._ties]
+
+    def counted_here(self, p: nn.Parameter) -> bool:
+        """False for a tied copy whose norm another rank of the pipeline counts (see `clip_grad_norm_`)."""
+        return all(t.counted_here for t in self._ties if t.param is p)
 
     def param_ids(self) -> set[int]:
         """ids of this rank's tied parameters (the data-parallel reducer leaves them out)."""
