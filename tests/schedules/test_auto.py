@@ -276,3 +276,19 @@ def test_iterated_local_search_keeps_the_limit_and_never_loses() -> None:
     res = simulate(validate(from_orders("x", prob.placement, 3, prob.decode(best))), costs, memory)
     assert max(res.peak_memory) <= 2.0 * (1 + REL)
     assert best == perturb_and_improve(prob, start, budget=20_000, shape=shape)  # deterministic
+
+
+def test_cli_prints_the_gap_to_the_lower_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    """Unit costs, p = 4, m = 8 at 1F1B's memory: no schedule has a span below ZB-H1's 27
+    (`zbpp.schedules.bounds`), and zb-auto reaches it; compare reports each automatic row."""
+    from zbpp.cli import main
+
+    assert main(["show", "zb-auto", "-p", "4", "-m", "8", "--memory-limit", "4", "--width", "200"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("lower bound"))
+    assert "longest span >= 27 (this one +0.00%)" in line and "bubble rate >= 0.1111" in line
+    assert main(["show", "zb-h1", "-p", "4", "-m", "8", "--width", "200"]) == 0
+    assert "lower bound" not in capsys.readouterr().out  # handcrafted schedules have no limit to meet
+    assert main(["compare", "-p", "4", "-m", "8", "--memory-limit", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "lower bound for zb-auto: longest span >= 27 (this one +0.00%)" in out
+    assert "lower bound for zbv-auto: longest span >= " in out

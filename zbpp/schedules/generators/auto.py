@@ -46,7 +46,7 @@ from .auto_heuristic import Policy, Problem, list_schedule, place_w
 from .local_search import TaskShape, improve, perturb_and_improve, score_of
 from .rounds import best_v_rounds, best_zb_rounds
 
-__all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit"]
+__all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit", "default_memory_limit"]
 
 #: Up to this many tasks every construction runs; above it only the best few (each is a pass
 #: over all tasks, and the search must stay faster than the paper's heuristic alone).
@@ -76,6 +76,17 @@ def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     for s, r in enumerate(placement):
         per_rank[r] = per_rank.get(r, 0.0) + act[s]
     return max(per_rank.values())
+
+
+def default_memory_limit(placement: Sequence[int], memory: Memory) -> float:
+    """The per-rank limit `zb-auto` / `zbv-auto` use when given none: p times the smallest
+    feasible one, 1F1B's (and ZB-V's) activation memory.
+
+    >>> from zbpp.schedules.ir import loop_placement
+    >>> default_memory_limit(loop_placement(4), Memory(activation=1, wgrad=0.5))
+    4.0
+    """
+    return (max(placement) + 1) * smallest_feasible_limit(placement, memory)
 
 
 #: List-scheduler policies tried on small instances (see `Policy`): the default, and on a V the
