@@ -292,13 +292,15 @@ def v_rounds(
         mem[r] += act[s]
         orders[r].append(t)
 
-    def b_any(r: int, s: int, j: int, remote: bool) -> None:
+    def b_up(r: int) -> None:
+        s, j = up[r], nb_u[r]
+        nb_u[r] = j + 1
         t = s * m + j
         done = free[r] + b[s]
-        e = end[nm + t + m] if s < n - 1 else end[t]  # B of the next stage, or the last stage's F
+        e = end[nm + t + m] if s < n - 1 else end[t]  # B from rank r-1, or rank 0's own last F
         if e < 0:
             raise _CannotFit
-        if remote:  # from another rank (else this rank's own task, which ended already)
+        if r > 0:
             later = e + comm + b[s]
             if later > done:
                 idle[r] += later - done
@@ -310,15 +312,25 @@ def v_rounds(
         orders[r].append(nm + t)
         pending[r].append(t)
 
-    def b_up(r: int) -> None:
-        j = nb_u[r]
-        nb_u[r] = j + 1
-        b_any(r, up[r], j, r > 0)
-
     def b_down(r: int) -> None:
-        j = nb_d[r]
+        s, j = down[r], nb_d[r]
         nb_d[r] = j + 1
-        b_any(r, down[r], j, r < p - 1)
+        t = s * m + j
+        done = free[r] + b[s]
+        e = end[nm + t + m]  # B from rank r+1, or on the last rank its own up stage's
+        if e < 0:
+            raise _CannotFit
+        if r < p - 1:
+            later = e + comm + b[s]
+            if later > done:
+                idle[r] += later - done
+                if idle[r] > worst[0]:
+                    worst[0] = idle[r]
+                done = later
+        free[r] = end[nm + t] = done
+        mem[r] += wgrad[s] - act[s]
+        orders[r].append(nm + t)
+        pending[r].append(t)
 
     def run_w(r: int) -> None:
         t = pending[r].popleft()
