@@ -7,11 +7,10 @@ rank span; then makespan, sum of spans, sum of task ends):
 1. the zero-bubble paper's round heuristic (`rounds`) under every setting of its switches, where
    it applies (one stage per rank; on a V, from ZB-V's memory up): as good as the authors' own
    implementation of it, by construction;
-2. the handcrafted schedules of the placement whose memory fits (ZB-H2, ZB-H1, 1F1B; ZB-V,
-   DualPipeV, V-Half, V-Min), so the result is never worse than any of them either;
-3. an event-driven list scheduler (`auto_heuristic.list_schedule`), searching its switches one at
-   a time on small instances;
-4. the F/B orders of the best of these with their W's placed anew where they fill idle time
+2. the first handcrafted schedule of the placement that fits, from the most memory down (ZB-H2,
+   ZB-H1, 1F1B; ZB-V, DualPipeV, V-Half, V-Min), so the result is never worse than it either;
+3. an event-driven list scheduler (`auto_heuristic.list_schedule`), with a policy or two;
+4. the F/B order of the best so far with its W's placed anew where they fill idle time
    (`auto_heuristic.place_w`);
 5. local search on the best (`local_search.improve`), with incremental re-simulation; on tiny
    instances (the exact solver's sizes) an iterated local search that kicks it out of local
@@ -22,12 +21,12 @@ is checked again on the result. A limit below the smallest feasible one (a rank 
 stages' activations of one microbatch at once) raises a `ValueError` that names it.
 
 The search's work is counted in simulated tasks, not seconds, so the result is deterministic,
-and it stays faster than the paper's heuristic alone: steps 3 to 5 run in full on small
-instances (up to 6,000 tasks), where they pay off; on large ones, where on the papers' profiles
-they never beat steps 1 and 2, only where the round heuristic cannot meet the limit. A schedule
-without bubble ends the search at once. p = 32, m = 256 on a V builds in about a second. `zbpp.schedules.bounds`
-says how far any result can be from the best possible, `zbpp.schedules.exact` finds that best
-for small cases.
+and it stays about as fast as the paper's heuristic alone: where the round heuristic applies,
+step 3 runs only on V's of up to 1,500 tasks and step 5 on instances of up to 6,000 (beyond, on
+the papers' profiles, they never beat steps 1 and 2), step 4 not at all (the heuristic places
+its W's as well); where it does not, all steps run. A schedule without bubble ends the search at once. p = 32,
+m = 256 on a V builds in about a second. `zbpp.schedules.bounds` says how far any result can be
+from the best possible; `zbpp.schedules.exact` finds that best for small cases.
 
 >>> from zbpp.schedules import build, simulate, Costs, Memory
 >>> costs, memory = Costs(f=1, b=1, w=1), Memory(activation=1, wgrad=1/3)
@@ -58,7 +57,7 @@ _TINY = 1_500
 #: Local-search budget in passes over the schedule (re-simulated tasks / tasks): small instances.
 _SMALL_BUDGET = 2
 #: Up to this many tasks an iterated local search runs instead, with this budget in passes.
-_ILS_TASKS = 100
+_ILS_TASKS = 60
 _ILS_BUDGET = 300
 
 
@@ -91,11 +90,10 @@ def default_memory_limit(placement: Sequence[int], memory: Memory) -> float:
     return (max(placement) + 1) * smallest_feasible_limit(placement, memory)
 
 
-#: List-scheduler policies tried on small instances (see `Policy`): the default, and on a V the
-#: family that most often beat the others on random profiles (ready F's before ready B's, W's
-#: into any wait).
+#: List-scheduler policies (see `Policy`), the most useful first: on a V, the one that most often
+#: beat the others on random profiles (ready F's before ready B's, W's into any wait).
 _ZB_POLICIES = (Policy(),)
-_V_POLICIES = (Policy(), Policy(b_first=False, always_fill=True))
+_V_POLICIES = (Policy(b_first=False, always_fill=True), Policy())
 
 
 def _peak(prob: Problem, orders: Sequence[Sequence[int]]) -> float:
@@ -169,24 +167,28 @@ def _search(
             break
         if not skeletons:
             skeletons.append(_skeleton(prob, sched))
-    # 3. the event-driven list scheduler where the round heuristic cannot meet the limit (its
-    #    default only on large instances), and on tiny instances, where it costs nothing
+    # 3. the event-driven list scheduler: where the round heuristic cannot meet the limit (one
+    #    policy on large instances), and beside it on tiny V's (where it pays off)
     policies = _V_POLICIES if v_shape else _ZB_POLICIES
-    if not rounds or tasks <= _TINY:
+    if not rounds:
         for policy in policies if small else policies[:1]:
             add(list_schedule(prob, policy))
+    elif v_shape and tasks <= _TINY:
+        add(list_schedule(prob, policies[0]))
     best = min(pool, key=lambda x: x[0])[1]
     if rounds and not small:  # on large instances steps 4 and 5 have not beaten steps 1 and 2
         return from_orders(name, placement, m, prob.decode(best))
-    # 4. W's placed anew in the F/B order of the best so far
-    nm2 = 2 * len(placement) * m
-    skeletons.insert(0, [[t for t in o if t < nm2] for o in best])
-    for skeleton in skeletons:
-        for always in (False, True) if small else (False,):
-            try:
-                add(place_w(prob, skeleton, always=always))
-            except ValueError:  # this F/B order needs more memory than the limit, whatever the W's
-                pass
+    # 4. W's placed anew in the F/B order of the best so far, where the round heuristic does not
+    #    apply (where it does, its own W placement has always been as good)
+    if not rounds:
+        nm2 = 2 * len(placement) * m
+        skeletons.insert(0, [[t for t in o if t < nm2] for o in best])
+        for skeleton in skeletons:
+            for always in (False, True) if small else (False,):
+                try:
+                    add(place_w(prob, skeleton, always=always))
+                except ValueError:  # this F/B order needs more memory than the limit, whatever the W's
+                    pass
     # 5. local search on the best
     best = min(pool, key=lambda x: x[0])[1]
     if tasks <= _ILS_TASKS:  # as small as the exact solver's cases: kicks out of local optima
