@@ -107,8 +107,7 @@ def optimal_schedule(
     g = _Graph(placement, m, costs, memory, limit)
     nm, num = g.nm, 3 * g.nm
     dur, preds = g.dur, g.preds
-    _, wgrad = memory.per_stage(n)
-    act, _ = memory.per_stage(n)
+    act, wgrad = memory.per_stage(n)
 
     def action(x: int) -> Action:
         kind, rest = divmod(x, nm)

@@ -39,7 +39,7 @@ __all__ = ["zb_rounds", "best_zb_rounds", "v_rounds", "best_v_rounds"]
 EPS = 1e-9
 
 
-class _CannotFit(Exception):
+class _CannotFit(ValueError):
     """This switch setting cannot meet the memory limit (memory full and no W left to free it,
     or a warm-up too deep for it)."""
 
