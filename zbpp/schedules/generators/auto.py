@@ -49,10 +49,10 @@ from .rounds import best_v_rounds, best_zb_rounds
 
 __all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit", "default_memory_limit"]
 
-#: Up to this many tasks every construction runs; above it only the best few (each is a pass
-#: over all tasks, and the search must stay faster than the paper's heuristic alone).
+#: Where the round heuristic applies, the local search runs up to this many tasks, and the list
+#: scheduler beside it on V's up to `_TINY` (each is a pass or more over all tasks; beyond, they
+#: have not paid off, and the search must stay about as fast as the paper's heuristic alone).
 _SMALL = 6_000
-#: Up to this many tasks the list scheduler runs even where the round heuristic works.
 _TINY = 1_500
 #: Local-search budget in passes over the schedule (re-simulated tasks / tasks): small instances.
 _SMALL_BUDGET = 2
@@ -153,8 +153,10 @@ def _search(
         if cost <= rounds[0][0] * (1 + 1e-9):
             add(orders)
     busy = max(sum((prob.f[s] + prob.b[s] + prob.w[s]) * m for s in st) for st in prob.stages_of)
-    if pool and min(pool)[0][0] <= busy * (1 + 1e-12):  # no bubble: nothing can do better
-        return from_orders(name, placement, m, prob.decode(min(pool)[1]))
+    if pool:
+        score, orders = min(pool, key=lambda x: x[0])
+        if score[0] <= busy * (1 + 1e-12):  # no bubble: nothing can do better
+            return from_orders(name, placement, m, prob.decode(orders))
     # 2. the first handcrafted schedule that fits, from the most memory down; if none fits, the
     #    F/B order of the first goes to step 4, which may fit it with earlier W's
     skeletons = []
