@@ -22,8 +22,16 @@ Pairs (zbpp / torch):
 - zbv-auto (build alone) against torch generating its ZBV schedule at p=32, m=256 when
 zbv-auto is registered. Each time is the best of --repeat runs.
 
-    python benchmarks/bench_scheduler.py                 # p in 4..32, m in 32..256
+A second table (``--only auto``) measures zb-auto and zbv-auto on the profiles of
+tests/schedules/data/authors_heuristic.json: the zero-bubble paper's (p = 8..32, m = 3p..8p, its
+ZB-1p / ZB-2p bubble rates; the arXiv version's ZB-V profiles) and random ones, each against the
+paper's bubble rate, the paper authors' own heuristic (bubble rate and build time as recorded in
+that file, which says how) and `zbpp.schedules.bounds.lower_bound`. The authors' times were
+recorded on a shared 2-core CPU: compare ratios, not seconds, across machines.
+
+    python benchmarks/bench_scheduler.py                 # p in 4..32, m in 32..256, then auto
     python benchmarks/bench_scheduler.py --quick --out bench.json
+    python benchmarks/bench_scheduler.py --only auto --out auto.json
 """
 
 from __future__ import annotations
@@ -105,11 +113,57 @@ def bench_zbpp(name: str, opts: dict[str, Any], p: int, m: int, repeat: int) -> 
             "tasks": sched.num_tasks, "bubble_rate": res.bubble_rate}
 
 
+AUTHORS = ROOT / "tests" / "schedules" / "data" / "authors_heuristic.json"
+
+
+def bench_auto(repeat: int, quick: bool) -> list[dict[str, Any]]:
+    """zb-auto / zbv-auto against the paper, the authors' heuristic and the lower bound (see the docstring)."""
+    from zbpp.schedules.bounds import lower_bound
+
+    rows = json.loads(AUTHORS.read_text())["rows"]
+    if quick:
+        rows = [r for r in rows if r["p"] <= 8][:12]
+    head = (f"{'schedule':<9} {'group':<12} {'p':>3} {'m':>4} {'mem':>5} | {'paper':>7} {'authors':>7} {'zbpp':>7} "
+            f"{'bound':>7} | {'zbpp s':>7} {'auth. s':>7} {'ratio':>5}")
+    print("\nautomatic schedules: bubble rates (paper, the authors' heuristic, zbpp, lower bound) and build times "
+          f"(zbpp best of {repeat}; the authors' as recorded)")
+    print(head)
+    print("-" * len(head))
+    out = []
+    for r in rows:
+        costs, memory = Costs(r["f"], r["b"], r["w"], r["comm"]), Memory(r["activation"], r["wgrad"])
+        kw = dict(num_ranks=r["p"], num_microbatches=r["m"], costs=costs, memory=memory, memory_limit=r["memory_limit"])
+        t, sched = best_of(repeat, lambda: build(r["schedule"], **kw))
+        res = simulate(sched, costs, memory)
+        lb = lower_bound(sched.placement, r["m"], costs, memory, r["memory_limit"])
+        theirs = r["authors"]
+        mem_x = r["memory_limit"] / (r["activation"] * r["p"] * (2 if r["schedule"] == "zbv-auto" else 1))
+        row = {"schedule": r["schedule"], "group": r["group"], "p": r["p"], "m": r["m"], "memory_x": mem_x,
+               "paper_bubble_rate": r.get("paper_bubble_rate"), "authors_bubble_rate": theirs["bubble_rate"],
+               "bubble_rate": res.bubble_rate, "bound_bubble_rate": lb.bubble_rate, "cost": res.cost,
+               "authors_cost": theirs["cost"], "build_s": t, "authors_build_s": theirs["build_s"],
+               "peak_ok": max(res.peak_memory) <= r["memory_limit"] * (1 + 1e-9)}
+        out.append(row)
+        paper = f"{row['paper_bubble_rate']:.4f}" if row["paper_bubble_rate"] is not None else "-"
+        print(f"{r['schedule']:<9} {r['group'][:12]:<12} {r['p']:>3} {r['m']:>4} {mem_x:>4.3g}x | {paper:>7} "
+              f"{theirs['bubble_rate']:>7.4f} {res.bubble_rate:>7.4f} {lb.bubble_rate:>7.4f} | {t:>7.3f} "
+              f"{theirs['build_s']:>7.3f} {t / theirs['build_s']:>5.2f}", flush=True)
+    better = sum(o["cost"] < o["authors_cost"] * (1 - 1e-9) for o in out)
+    worse = sum(o["cost"] > o["authors_cost"] * (1 + 1e-9) for o in out)
+    ratios = sorted(o["build_s"] / o["authors_build_s"] for o in out)
+    print(f"\nagainst the authors' heuristic: {better} shorter, {worse} longer, {len(out) - better - worse} equal; "
+          f"build time ratio median {ratios[len(ratios) // 2]:.2f}, max {ratios[-1]:.2f}; "
+          f"memory limit held in {sum(o['peak_ok'] for o in out)}/{len(out)}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     ap.add_argument("--repeat", type=int, default=None, help="best of N runs (default 3)")
     ap.add_argument("--out", default=None, help="write the rows as JSON to this file")
+    ap.add_argument("--only", choices=("all", "torch", "auto"), default="all",
+                    help="torch: the torch comparison only; auto: the automatic schedules' table only")
     args = ap.parse_args(argv)
     repeat = args.repeat or 3
     gc.collect()
@@ -119,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     names = set(available())
 
     rows: list[dict[str, Any]] = []
+    pairs = PAIRS if args.only != "auto" else []
     head = (f"{'zbpp':<16} {'torch':<22} {'p':>3} {'m':>4} {'tasks':>6} | {'build':>7} {'sim':>7} {'total':>7} "
             f"{'valid.':>7} | {'gen':>7} {'lower':>7} {'sim':>7} {'total':>7} {'valid.':>7} | {'speedup':>7}")
     print(f"times in ms, best of {repeat} | speedup = torch total (gen + lower + sim) / zbpp total (build + sim); "
           "valid. (not in the totals) = zbpp validate / torch _validate_schedule")
     print(head)
     print("-" * len(head))
-    for zname, opts, tname in PAIRS:
+    for zname, opts, tname in pairs:
         if zname not in names:
             print(f"{zname:<16} (not registered in zbpp yet: skipped)")
             continue
@@ -144,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{t['total'] * 1e3:>7.2f} {t['validate'] * 1e3:>7.2f} | {row['speedup']:>6.1f}x", flush=True)
 
     auto = None
-    if "zbv-auto" in names:
+    if "zbv-auto" in names and args.only != "auto":
         p, m = (8, 32) if args.quick else (32, 256)
         t_auto, sched = best_of(repeat, lambda: build("zbv-auto", num_ranks=p, num_microbatches=m, costs=COSTS, memory=MEMORY))
         inst = torch_schedule("ZBVZeroBubble", p, m)
@@ -157,12 +212,13 @@ def main(argv: list[str] | None = None) -> int:
               f"-> zbv-auto is {t_ctor / t_auto:.2f}x its speed")
         print(f"  torch order generation alone (_calculate_single_rank_operations): {t_gen * 1e3:.1f} ms "
               f"-> zbv-auto is {t_gen / t_auto:.2f}x its speed")
-    else:
+    elif args.only != "auto":
         print("\nzbv-auto: not registered in zbpp yet (skipped)")
 
     if rows:
         worst = min(rows, key=lambda r: r["speedup"])
         print(f"\nslowest ratio: {worst['speedup']:.1f}x ({worst['zbpp']} p={worst['p']} m={worst['m']}); target >= 3x")
+    auto_rows = bench_auto(repeat, args.quick) if args.only != "torch" else []
     if args.out:
         doc = {
             "benchmark": "bench_scheduler",
@@ -173,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeat": repeat,
             "rows": rows,
             "zbv_auto": auto,
+            "auto_vs_papers": auto_rows,
         }
         Path(args.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.out}")

@@ -136,6 +136,21 @@ def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: 
     return validate(build(name, num_ranks=args.ranks, num_microbatches=args.microbatches, **opts))
 
 
+def _gap_to_bound(res, costs: Costs, memory: Memory, memory_limit: float | None) -> str:
+    """How far an automatic schedule is from `zbpp.schedules.bounds.lower_bound` at its limit."""
+    from .schedules.bounds import lower_bound
+    from .schedules.generators.auto import default_memory_limit
+
+    sched = res.schedule
+    limit = memory_limit if memory_limit is not None else default_memory_limit(sched.placement, memory)
+    lb = lower_bound(sched.placement, sched.num_microbatches, costs, memory, limit)
+    def gap(value: float, bound: float) -> str:  # the bound never exceeds the value but by rounding
+        return f"+{max(0.0, 100 * (value / bound - 1)) if bound > 0 else 0.0:.2f}%"
+
+    return (f"longest span >= {lb.cost:.6g} (this one {gap(res.cost, lb.cost)}), "
+            f"makespan >= {lb.makespan:.6g} ({gap(res.makespan, lb.makespan)}), bubble rate >= {lb.bubble_rate:.4f}")
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     from .viz.ascii import legend, render_ascii
 
@@ -151,6 +166,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"makespan     {res.makespan:g}   longest rank span {res.cost:g}   busiest rank {res.busy:g}")
     peaks = "  ".join(f"r{r}={v:.4g}" for r, v in enumerate(res.peak_memory))
     print(textwrap.fill(peaks, width=max(40, width), initial_indent="peak memory  ", subsequent_indent=" " * 13))
+    if "memory_limit" in options_of(sched.name):  # an automatic schedule: how far from the best possible
+        print(textwrap.fill(_gap_to_bound(res, costs, memory, args.memory_limit), width=max(40, width),
+                            initial_indent="lower bound  ", subsequent_indent=" " * 13))
     return 0
 
 
@@ -189,6 +207,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"{name:<18} {res.schedule.num_stages:>6} {res.bubble_rate:>8.4f} {res.cost:>10.4g} "
               f"{max(res.peak_memory):>18.4g}  {peaks}")
     print("bubble = (longest rank span - busiest rank's work) / longest rank span")
+    for name, res, _ in rows:  # automatic schedules: how far from the best possible at their limit
+        if res is not None and "memory_limit" in options_of(name):
+            c, mem = costs, memory
+            if res.schedule.num_stages > args.ranks and scalars:
+                k = args.ranks / res.schedule.num_stages
+                c = Costs(f=costs.f * k, b=costs.b * k, w=costs.w * k, comm=costs.comm)
+                mem = Memory(activation=memory.activation * k, wgrad=memory.wgrad * k)
+            print(f"lower bound for {name}: {_gap_to_bound(res, c, mem, args.memory_limit)}")
     if scaled:
         print(f"{', '.join(scaled)}: more stages than ranks, so each stage's costs and memory are ranks/stages "
               "of the given ones (the same model cut finer; comm unchanged)")

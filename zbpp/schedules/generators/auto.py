@@ -1,23 +1,32 @@
 """Automatic schedules: `zb-auto` (one stage per rank) and `zbv-auto` (V placement).
 
 Given per-stage costs (F, B, W and comm may all differ), a memory model and a per-rank memory
-limit, the search runs in three steps, each keeping the best schedule so far (lowest cost, i.e.
-longest rank span; then lowest sum of spans):
+limit, the search keeps the best schedule of several constructions (lowest cost, i.e. longest
+rank span; then makespan, sum of spans, sum of task ends):
 
-1. candidates: the zero-bubble paper's heuristic (`auto_heuristic.list_schedule`), searching its
-   switches one at a time from two starts, and the handcrafted schedules of the same placement
-   whose memory fits (ZB-H2, ZB-H1; ZB-V, and the F/B orders of 1F1B, DualPipeV, V-Half and
-   V-Min), so the result is never worse than any of them that fits;
-2. each candidate's F/B order with its W's placed anew where they fill idle time
+1. the zero-bubble paper's round heuristic (`rounds`) under every setting of its switches, where
+   it applies (one stage per rank; on a V, from ZB-V's memory up): as good as the authors' own
+   implementation of it, by construction;
+2. the first handcrafted schedule of the placement that fits, from the most memory down (ZB-H2,
+   ZB-H1, 1F1B; ZB-V, DualPipeV, V-Half, V-Min), so the result is never worse than it either;
+3. an event-driven list scheduler (`auto_heuristic.list_schedule`), with a policy or two;
+4. the F/B order of the best so far with its W's placed anew where they fill idle time
    (`auto_heuristic.place_w`);
-3. local search on the best (`local_search.improve`), with incremental re-simulation.
+5. local search on the best (`local_search.improve`), with incremental re-simulation; on tiny
+   instances (the exact solver's sizes) an iterated local search that kicks it out of local
+   optima.
 
-The memory limit holds by construction (admission in the heuristic, checks on every move) and
+The memory limit holds by construction (admission in the heuristics, checks on every move) and
 is checked again on the result. A limit below the smallest feasible one (a rank must hold all its
 stages' activations of one microbatch at once) raises a `ValueError` that names it.
 
-The search's work is counted in simulated tasks, not seconds, so the result is deterministic;
-it is capped for large instances (p=32, m=256 on a V takes about a second).
+The search's work is counted in simulated tasks, not seconds, so the result is deterministic,
+and it stays about as fast as the paper's heuristic alone: where the round heuristic applies,
+step 3 runs only on V's of up to 1,500 tasks and step 5 on instances of up to 6,000 (beyond, on
+the papers' profiles, they never beat steps 1 and 2), step 4 not at all (the heuristic places
+its W's as well); where it does not, all steps run. A schedule without bubble ends the search at once. p = 32,
+m = 256 on a V builds in about a second. `zbpp.schedules.bounds` says how far any result can be
+from the best possible; `zbpp.schedules.exact` finds that best for small cases.
 
 >>> from zbpp.schedules import build, simulate, Costs, Memory
 >>> costs, memory = Costs(f=1, b=1, w=1), Memory(activation=1, wgrad=1/3)
@@ -29,7 +38,6 @@ it is capped for large instances (p=32, m=256 on a V takes about a second).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 from ..checks import as_number
@@ -37,16 +45,21 @@ from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
 from ..registry import build, register
 from ..simulate import Costs, Memory
 from .auto_heuristic import Policy, Problem, list_schedule, place_w
-from .local_search import Timeline, improve
+from .local_search import TaskShape, improve, perturb_and_improve, score_of
+from .rounds import best_v_rounds, best_zb_rounds
 
-__all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit"]
+__all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit", "default_memory_limit"]
 
-#: Local-search budget in re-simulated tasks: generous for small instances, a few passes over
-#: the schedule for large ones.
-_MIN_BUDGET = 150_000
-_BUDGET_PER_TASK = 2
-#: Above this many tasks only a few heuristic variants run (each is a full pass).
-_MANY_TASKS = 20_000
+#: Where the round heuristic applies, the local search runs up to this many tasks, and the list
+#: scheduler beside it on V's up to `_TINY` (each is a pass or more over all tasks; beyond, they
+#: have not paid off, and the search must stay about as fast as the paper's heuristic alone).
+_SMALL = 6_000
+_TINY = 1_500
+#: Local-search budget in passes over the schedule (re-simulated tasks / tasks): small instances.
+_SMALL_BUDGET = 2
+#: Up to this many tasks an iterated local search runs instead, with this budget in passes.
+_ILS_TASKS = 60
+_ILS_BUDGET = 300
 
 
 def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
@@ -67,46 +80,21 @@ def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     return max(per_rank.values())
 
 
-#: The heuristic's switches and their values (see `Policy`); V-only ones apply to two stages per rank.
-_SWITCHES = {
-    "b_first": (True, False),
-    "f_may_delay_b": (True, False),
-    "always_fill": (False, True),
-    "inflight": (0, 1, 2),
-}
-_V_SWITCHES = {"deep_first": (True, False), "reserve_one": (True, False)}
+def default_memory_limit(placement: Sequence[int], memory: Memory) -> float:
+    """The per-rank limit `zb-auto` / `zbv-auto` use when given none: p times the smallest
+    feasible one, 1F1B's (and ZB-V's) activation memory.
 
-
-def _heuristic(prob: Problem, *, few: bool) -> list[list[list[int]]]:
-    """Schedules from the heuristic: a coordinate search over its switches.
-
-    From the default policy and from 1F1B's warm-up (`inflight=1`), flip one switch at a time and
-    keep a flip that lowers the score, until none does. Returns every schedule tried, best first.
+    >>> from zbpp.schedules.ir import loop_placement
+    >>> default_memory_limit(loop_placement(4), Memory(activation=1, wgrad=0.5))
+    4.0
     """
-    if few:
-        starts, switches = [Policy(), Policy(b_first=False)], {}
-    else:
-        starts = [Policy(), Policy(inflight=1)]
-        switches = dict(_SWITCHES, **(_V_SWITCHES if len(prob.stages_of[0]) > 1 else {}))
-    tried: dict[Policy, tuple[tuple[float, float, float], list[list[int]]]] = {}
+    return (max(placement) + 1) * smallest_feasible_limit(placement, memory)
 
-    def score(policy: Policy) -> tuple[float, float, float]:
-        if policy not in tried:
-            orders = list_schedule(prob, policy)
-            tried[policy] = (Timeline(prob, orders).score(), orders)
-        return tried[policy][0]
 
-    for policy in starts:
-        best = score(policy)
-        improved = True
-        while improved:
-            improved = False
-            for name, values in switches.items():
-                for value in values:
-                    other = replace(policy, **{name: value})
-                    if other != policy and score(other) < best:
-                        policy, best, improved = other, score(other), True
-    return [orders for _, orders in sorted(tried.values(), key=lambda x: x[0])]
+#: List-scheduler policies (see `Policy`), the most useful first: on a V, the one that most often
+#: beat the others on random profiles (ready F's before ready B's, W's into any wait).
+_ZB_POLICIES = (Policy(),)
+_V_POLICIES = (Policy(b_first=False, always_fill=True), Policy())
 
 
 def _peak(prob: Problem, orders: Sequence[Sequence[int]]) -> float:
@@ -151,31 +139,65 @@ def _search(
                 f"(a rank holds all its stages' activations of one microbatch at once)"
             )
     prob = Problem.make(placement, m, costs, memory, limit)
+    shape = TaskShape(prob)
     tasks = 3 * len(placement) * m
-    few = tasks > _MANY_TASKS
+    small = tasks <= _SMALL
+    pool: list[tuple[tuple[float, ...], list[list[int]]]] = []
 
-    greedy = _heuristic(prob, few=few)
-    candidates = list(greedy)
-    skeletons = greedy[:1] if few else greedy[:4]
-    for seed in seeds:  # from the most memory to the least
+    def add(orders: list[list[int]]) -> None:
+        pool.append((score_of(shape, orders), orders))
+
+    # 1. the paper's round heuristic under every setting of its switches; the best (ties too)
+    v_shape = tuple(placement) != loop_placement(p)
+    rounds = best_v_rounds(prob) if v_shape else best_zb_rounds(prob)
+    for cost, orders in rounds[:2]:
+        if cost <= rounds[0][0] * (1 + 1e-9):
+            add(orders)
+    busy = max(sum((prob.f[s] + prob.b[s] + prob.w[s]) * m for s in st) for st in prob.stages_of)
+    if pool:
+        score, orders = min(pool, key=lambda x: x[0])
+        if score[0] <= busy * (1 + 1e-12):  # no bubble: nothing can do better
+            return from_orders(name, placement, m, prob.decode(orders))
+    # 2. the first handcrafted schedule that fits, from the most memory down; if none fits, the
+    #    F/B order of the first goes to step 4, which may fit it with earlier W's
+    skeletons = []
+    for seed in seeds:
         sched = build(seed, num_ranks=p, num_microbatches=m)
         encoded = prob.encode(sched)
-        fits = encoded is not None and _peak(prob, encoded) <= limit * (1 + 1e-9)
-        if fits:
-            candidates.append(encoded)
-        skeletons.append(_skeleton(prob, sched))
-        if few and fits:
-            break  # on large instances, the first handcrafted schedule that fits is enough
-    for skeleton in skeletons:
-        for always in (False,) if few else (False, True):
-            try:
-                candidates.append(place_w(prob, skeleton, always=always))
-            except ValueError:  # this F/B order needs more memory than the limit, whatever the W's
-                pass
-
-    scored = sorted(((Timeline(prob, c).score(), i) for i, c in enumerate(candidates)))
-    best = candidates[scored[0][1]]
-    best = improve(prob, best, budget=max(_MIN_BUDGET, _BUDGET_PER_TASK * tasks))
+        if encoded is not None and _peak(prob, encoded) <= limit * (1 + 1e-9):
+            add(encoded)
+            skeletons = []
+            break
+        if not skeletons:
+            skeletons.append(_skeleton(prob, sched))
+    # 3. the event-driven list scheduler: where the round heuristic cannot meet the limit (one
+    #    policy on large instances), and beside it on tiny V's (where it pays off)
+    policies = _V_POLICIES if v_shape else _ZB_POLICIES
+    if not rounds:
+        for policy in policies if small else policies[:1]:
+            add(list_schedule(prob, policy))
+    elif v_shape and tasks <= _TINY:
+        add(list_schedule(prob, policies[0]))
+    best = min(pool, key=lambda x: x[0])[1]
+    if rounds and not small:  # on large instances steps 4 and 5 have not beaten steps 1 and 2
+        return from_orders(name, placement, m, prob.decode(best))
+    # 4. W's placed anew in the F/B order of the best so far, where the round heuristic does not
+    #    apply (where it does, its own W placement has always been as good)
+    if not rounds:
+        nm2 = 2 * len(placement) * m
+        skeletons.insert(0, [[t for t in o if t < nm2] for o in best])
+        for skeleton in skeletons:
+            for always in (False, True) if small else (False,):
+                try:
+                    add(place_w(prob, skeleton, always=always))
+                except ValueError:  # this F/B order needs more memory than the limit, whatever the W's
+                    pass
+    # 5. local search on the best
+    best = min(pool, key=lambda x: x[0])[1]
+    if tasks <= _ILS_TASKS:  # as small as the exact solver's cases: kicks out of local optima
+        best = perturb_and_improve(prob, best, budget=_ILS_BUDGET * tasks, shape=shape)
+    else:
+        best = improve(prob, best, budget=(_SMALL_BUDGET if small else 1) * tasks, shape=shape)
     if _peak(prob, best) > limit * (1 + 1e-9):  # pragma: no cover - every step keeps the limit
         raise RuntimeError(f"{name}: the search exceeded memory_limit={limit:g}; please report")
     return from_orders(name, placement, m, prob.decode(best))

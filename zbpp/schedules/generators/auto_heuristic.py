@@ -130,7 +130,8 @@ class Policy:
     """The heuristic's switches (see the module docstring)."""
 
     b_first: bool = True  #: a ready B runs before a ready F
-    f_may_delay_b: bool = True  #: run a ready F even if a known B arrives before it would end
+    #: run a ready F even if a known B (or a preferred stage's F input) arrives before it would end
+    f_may_delay_b: bool = True
     always_fill: bool = False  #: an idle rank runs a waiting W even if the W outlasts the gap
     deep_first: bool = True  #: with two stages on a rank, the later stage's F goes first
     #: with two stages on a rank, admitting a microbatch keeps room for the later-stage F's of
@@ -229,6 +230,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
         next_f_in = inf
         f_stage = -1
         f_blocked = False
+        preferred_at = inf  # known arrival of a preferred stage's F input that is not there yet
         for s in pref[r]:
             j = next_f[s]
             if j >= m:
@@ -237,6 +239,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             if arrival > now + EPS:
                 if arrival < inf:
                     next_known = min(next_known, arrival)
+                    preferred_at = min(preferred_at, arrival)
                 next_f_in = min(next_f_in, arrival if arrival < inf else now + f_lead[s])
                 continue
             if s == first[r]:
@@ -258,9 +261,10 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
         if b_now and (b_first or f_stage < 0):
             kind = 1
         elif f_stage >= 0:
-            # unless a B is known to arrive before this F would end: then keep the rank free for
-            # it (only a known arrival: an estimated one might depend on this very F)
-            arrives = heap[0][0] if heap else inf
+            # unless a B, or the input of the F of a stage this rank prefers (on a V the later
+            # stage: it is further along), is known to arrive before this F would end: then keep
+            # the rank free for it (only a known arrival: an estimated one might depend on this F)
+            arrives = min(heap[0][0] if heap else inf, preferred_at)
             if may_delay or b_now or arrives >= now + f[f_stage] - EPS:
                 kind = 0
         if kind < 0 and w_waiting[r]:

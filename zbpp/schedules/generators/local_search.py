@@ -25,37 +25,29 @@ re-simulated tasks, so large instances stay fast.
 
 from __future__ import annotations
 
+import random
 from typing import Sequence
 
 from .auto_heuristic import Problem
 
-__all__ = ["Timeline", "improve"]
+__all__ = ["TaskShape", "Timeline", "improve", "perturb_and_improve", "score_of"]
 
 EPS = 1e-9
 
 
-class Timeline:
-    """Start/end times and spans of per-rank task orders (tasks as `Problem` ints), kept up to date
-    under single-task moves (`try_move`, then `accept` or `reject`).
+class TaskShape:
+    """What does not change while orders do: each task's duration, its one data input (-1: none)
+    and the comm on that edge, its memory change and its rank. Build it once per `Problem` and
+    pass it to every `Timeline` of that problem."""
 
-    >>> from zbpp.schedules import Costs, Memory, build
-    >>> from zbpp.schedules.generators.auto_heuristic import Problem
-    >>> from zbpp.schedules.ir import v_placement
-    >>> prob = Problem.make(v_placement(2), 3, Costs(1, 1, 1), Memory(1, 1), limit=4)
-    >>> tl = Timeline(prob, prob.encode(build("zb-v", num_ranks=2, num_microbatches=3)))
-    >>> tl.score()[0]  # the longest rank span: ZB-V has no bubble, 2 stages x 3 x (F+B+W)
-    18.0
-    """
-
-    def __init__(self, prob: Problem, orders: Sequence[Sequence[int]]) -> None:
-        self.prob = prob
-        p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
+    def __init__(self, prob: Problem) -> None:
+        n, m = prob.num_stages, prob.num_microbatches
         nm = n * m
         self.nm = nm
         size = 3 * nm
         self.dur = [0.0] * size
-        self.dep = [-1] * size  # the one data input of each task (-1: none)
-        self.lag = [0.0] * size  # comm on that input's edge
+        self.dep = [-1] * size
+        self.lag = [0.0] * size
         self.delta = prob.memory_deltas()
         self.rank = [0] * size
         place, comm = prob.placement, prob.comm
@@ -75,6 +67,28 @@ class Timeline:
                 else:
                     self.dep[nm + t] = t
                 self.dep[2 * nm + t] = nm + t
+
+
+class Timeline:
+    """Start/end times and spans of per-rank task orders (tasks as `Problem` ints), kept up to date
+    under single-task moves (`try_move`, then `accept` or `reject`).
+
+    >>> from zbpp.schedules import Costs, Memory, build
+    >>> from zbpp.schedules.generators.auto_heuristic import Problem
+    >>> from zbpp.schedules.ir import v_placement
+    >>> prob = Problem.make(v_placement(2), 3, Costs(1, 1, 1), Memory(1, 1), limit=4)
+    >>> tl = Timeline(prob, prob.encode(build("zb-v", num_ranks=2, num_microbatches=3)))
+    >>> tl.score()[0]  # the longest rank span: ZB-V has no bubble, 2 stages x 3 x (F+B+W)
+    18.0
+    """
+
+    def __init__(self, prob: Problem, orders: Sequence[Sequence[int]], shape: "TaskShape | None" = None) -> None:
+        self.prob = prob
+        shape = shape if shape is not None else TaskShape(prob)
+        p = prob.num_ranks
+        self.nm = shape.nm
+        size = 3 * shape.nm
+        self.dur, self.dep, self.lag, self.delta, self.rank = shape.dur, shape.dep, shape.lag, shape.delta, shape.rank
         self.orders = [list(o) for o in orders]
         self.pos = [0] * size
         self.start = [0.0] * size
@@ -234,11 +248,66 @@ class Timeline:
         self._undo = None
         self._log = []
 
-    def score(self) -> tuple[float, float, float]:
-        return (max(self.spans), sum(self.spans), self.total_end)
+    def score(self) -> tuple[float, float, float, float]:
+        """(longest span, makespan, sum of spans, sum of task ends): lower is better, in that order."""
+        orders, start, end = self.orders, self.start, self.end
+        last = max((end[o[-1]] for o in orders if o), default=0.0)
+        first = min((start[o[0]] for o in orders if o), default=0.0)
+        return (max(self.spans), last - first, sum(self.spans), self.total_end)
 
 
-def _better(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
+def score_of(shape: TaskShape, orders: Sequence[Sequence[int]]) -> tuple[float, float, float, float]:
+    """`Timeline(prob, orders).score()` without the bookkeeping for moves (one simulation pass).
+
+    Raises `ValueError` if the orders deadlock.
+    """
+    size = 3 * shape.nm
+    end = [-1.0] * size
+    dur, dep, lag = shape.dur, shape.dep, shape.lag
+    p = len(orders)
+    pos = [0] * p
+    free = [0.0] * p
+    first = [0.0] * p
+    remaining = sum(len(o) for o in orders)
+    total = 0.0
+    while remaining:
+        progressed = False
+        for r in range(p):
+            order = orders[r]
+            i = i0 = pos[r]
+            k = len(order)
+            fr = free[r]
+            while i < k:
+                t = order[i]
+                d = dep[t]
+                ready = fr
+                if d >= 0:
+                    e = end[d]
+                    if e < 0:
+                        break
+                    e += lag[t]
+                    if e > ready:
+                        ready = e
+                if i == 0:
+                    first[r] = ready
+                fr = ready + dur[t]
+                end[t] = fr
+                total += fr
+                i += 1
+            if i != i0:
+                remaining -= i - i0
+                pos[r] = i
+                free[r] = fr
+                progressed = True
+        if not progressed:
+            raise ValueError("the orders deadlock")
+    spans = [free[r] - first[r] if orders[r] else 0.0 for r in range(p)]
+    busy = [r for r in range(p) if orders[r]]
+    makespan = max(free[r] for r in busy) - min(first[r] for r in busy) if busy else 0.0
+    return (max(spans), makespan, sum(spans), total)
+
+
+def _better(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     for x, y in zip(a, b):
         tol = 1e-9 * max(1.0, abs(y))
         if x < y - tol:
@@ -301,12 +370,12 @@ def _candidates(tl: Timeline) -> list[tuple[int, int, int]]:
     return moves
 
 
-def improve(prob: Problem, orders: Sequence[Sequence[int]], *, budget: int) -> list[list[int]]:
+def improve(prob: Problem, orders: Sequence[Sequence[int]], *, budget: int, shape: TaskShape | None = None) -> list[list[int]]:
     """Lower the cost of `orders` by local moves; memory stays within `prob.limit`.
 
     `budget` bounds the number of task re-simulations (the search's work).
     """
-    tl = Timeline(prob, orders)
+    tl = Timeline(prob, orders, shape)
     limit = prob.limit
     best = tl.score()
     while tl.work < budget:
@@ -328,3 +397,42 @@ def improve(prob: Problem, orders: Sequence[Sequence[int]], *, budget: int) -> l
         if not improved:
             break
     return [list(o) for o in tl.orders]
+
+
+def perturb_and_improve(
+    prob: Problem, orders: Sequence[Sequence[int]], *, budget: int, shape: TaskShape | None = None, seed: int = 0
+) -> list[list[int]]:
+    """Iterated local search: kick the best orders with a few random memory-safe moves of nearby
+    tasks, improve again, keep the result when it is no worse; until `budget` re-simulated tasks.
+
+    `improve` stops in the first local optimum; on small instances with a tight memory limit the
+    better schedules often lie a few moves away across worse ones (a microbatch admitted earlier
+    on one rank and later on another). Deterministic for a given `seed`.
+    """
+    shape = shape if shape is not None else TaskShape(prob)
+    rng = random.Random(seed)
+    size = len(shape.dur)
+    best = improve(prob, orders, budget=min(budget, 20 * size), shape=shape)
+    best_score = score_of(shape, best)
+    current, current_score = best, best_score
+    spent = 0
+    while spent < budget:
+        tl = Timeline(prob, current, shape)
+        for _ in range(rng.randint(1, 4)):
+            r = rng.randrange(prob.num_ranks)
+            order = tl.orders[r]
+            if len(order) < 2:
+                continue
+            i = rng.randrange(len(order))
+            k = min(len(order) - 1, max(0, i + rng.choice((-3, -2, -1, 1, 2, 3))))
+            if k != i and tl.memory_ok(r, i, k, prob.limit) and tl.try_move(r, i, k):
+                tl.accept()
+        step = 20 * size
+        candidate = improve(prob, tl.orders, budget=step, shape=shape)
+        spent += step + tl.work
+        candidate_score = score_of(shape, candidate)
+        if not _better(current_score, candidate_score):  # no worse than where it started
+            current, current_score = candidate, candidate_score
+            if _better(candidate_score, best_score):
+                best, best_score = candidate, candidate_score
+    return best

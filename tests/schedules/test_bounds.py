@@ -1,0 +1,95 @@
+"""`zbpp.schedules.bounds.lower_bound`: a bound every schedule meets, and tight where the papers
+say the optimum is known.
+
+References: the simulator (every schedule of every generator, at its own peak memory, must cost
+at least the bound), DESIGN.md's unit-cost checks (ZB-H2 has no bubble at twice 1F1B's memory;
+ZB-H1's 27 for p = 4, m = 8), and the zero-bubble paper's ZB-2p result for its 1.5B profile
+(Table 4: 0.0433), which this bound shows to be optimal. The exact optimum of small cases is
+checked against the bound in test_exact.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zbpp.schedules import Costs, Memory, available, build, simulate
+from zbpp.schedules.bounds import lower_bound
+from zbpp.schedules.ir import loop_placement, v_placement
+
+REL = 1e-9  # sums of a few hundred float costs: rounding only
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(set(available()) - {"gpipe"})),
+    p=st.integers(1, 6),
+    m=st.integers(1, 14),
+    seed=st.integers(0, 2**16),
+)
+def test_every_schedule_meets_the_bound(name: str, p: int, m: int, seed: int) -> None:
+    """Uneven random stages, comm, and the schedule's own peak memory as the limit."""
+    rng = random.Random(seed)
+    opts = {"chunks": rng.randint(1, 3)} if name == "interleaved-1f1b" else {}
+    sched = build(name, num_ranks=p, num_microbatches=m, **opts)
+    n = sched.num_stages
+    costs = Costs(
+        [rng.uniform(0.2, 3) for _ in range(n)],
+        [rng.uniform(0.2, 3) for _ in range(n)],
+        [rng.uniform(0.0, 2) for _ in range(n)],
+        rng.uniform(0, 0.5),
+    )
+    act = [rng.uniform(0.5, 2) for _ in range(n)]
+    memory = Memory(act, [a * rng.uniform(0, 1) for a in act])
+    res = simulate(sched, costs, memory)
+    lb = lower_bound(sched.placement, m, costs, memory, max(res.peak_memory))
+    assert lb.busy == pytest.approx(res.busy, rel=REL)
+    assert lb.cost <= res.cost * (1 + REL)
+    assert lb.makespan <= res.makespan * (1 + REL)
+    assert lb.bubble_rate <= res.bubble_rate + REL
+
+
+def test_unit_costs_design_checks() -> None:
+    """ZB-H1 (p = 4, m = 8: 27) is optimal at 1F1B's memory; at twice that, no bubble is possible
+    and ZB-H2 reaches it (DESIGN.md)."""
+    unit, memory = Costs(1, 1, 1), Memory(1, 1 / 3)
+    at_1p = lower_bound(loop_placement(4), 8, unit, memory, memory_limit=4)
+    assert (at_1p.cost, at_1p.busy) == (27.0, 24.0)
+    assert simulate(build("zb-h1", num_ranks=4, num_microbatches=8), unit).cost == 27.0
+    at_2p = lower_bound(loop_placement(4), 8, unit, memory, memory_limit=8)
+    assert at_2p.cost == at_2p.busy == 24.0 and at_2p.bubble_rate == 0.0
+    # the makespan also counts the last rank's late start: (p - 1) F before its first task
+    assert at_2p.makespan == 3 + 24.0
+
+
+def test_zb_2p_of_the_paper_is_optimal() -> None:
+    """The zero-bubble paper's 1.5B model (its Table 9 profile: p = 8, m = 24, times in ms; memory
+    M_B = 34h + 5as per microbatch, M_W = 32h of it kept until W) at 2p M_B: its ZB-2p bubble rate
+    0.0433 (Table 4) is the bound. Worked out by hand: rank 0 ends no sooner than rank p-1's first
+    F, (p-1)(F+C), plus rank p-1's m F's and m B's, plus the last B's way back to rank 0,
+    (p-1)(B+C), plus rank 0's last W."""
+    f, b, w, c = 18.522, 18.086, 9.337, 0.601
+    h, a = 2304, 24
+    memory = Memory(activation=34 * h + 5 * a * 1024, wgrad=32 * h)
+    p, m = 8, 24
+    lb = lower_bound(loop_placement(p), m, Costs(f, b, w, c), memory, 2 * p * memory.activation)
+    assert lb.cost == pytest.approx((p - 1) * (f + c) + m * (f + b) + (p - 1) * (b + c) + w, rel=REL)
+    assert lb.bubble_rate == pytest.approx(0.0433, abs=5e-5)
+
+
+def test_memory_limit_tightens_the_bound() -> None:
+    """Less memory, fewer microbatches in flight: the bound never drops as the limit shrinks."""
+    costs, memory = Costs(1, 1.2, 0.8, 0.1), Memory(1, 0.4)
+    for placement in (loop_placement(4), v_placement(4)):
+        floor = 1.0 if len(placement) == 4 else 2.0
+        costs_seen = [lower_bound(placement, 12, costs, memory, floor * k).cost for k in (1, 1.5, 2, 3, 4, 8)]
+        assert costs_seen == sorted(costs_seen, reverse=True)
+        assert costs_seen[0] > costs_seen[-1]  # one microbatch at a time is slower than many
+
+
+def test_infeasible_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"memory_limit=1.5 is infeasible; the smallest feasible limit is 2\b"):
+        lower_bound(v_placement(3), 6, Costs(), Memory(activation=1), memory_limit=1.5)

@@ -1,0 +1,296 @@
+"""Lower bounds on the makespan, the longest rank span and the bubble rate of any schedule.
+
+For a placement, microbatch count, costs, memory model and per-rank memory limit, `lower_bound`
+returns numbers that no schedule of that placement can beat, whatever its order of F, B and W
+(split backward) tasks. They are what `zbpp show` / `zbpp compare` measure automatic schedules
+against, and what the tests check the exact solver and the search against.
+
+Why they are bounds
+-------------------
+*FIFO is no loss.* Microbatches are interchangeable: take any valid schedule and, for every stage
+and kind (F, B or W), hand the k-th earliest of its tasks to microbatch k. Each rank still runs
+tasks of the same (kind, stage) in the same slots at the same times, so spans, makespan and memory
+(which depends only on the (kind, stage) of the tasks run so far) are unchanged. Every data edge
+joins two such classes one to one (F(s-1) -> F(s), F(last) -> B(last), B(s+1) -> B(s),
+B(s) -> W(s)) with the same lag for every microbatch; the original microbatches are a matching
+whose pairs satisfy "starts at least `lag` after the other ends", so the sorted matching does too
+(if some bijection pairs every x_i with a y >= x_i + lag, the k-th smallest y is >= the k-th
+smallest x + lag). So it suffices to bound schedules that run each (kind, stage) in microbatch
+order, and the bound then holds for all.
+
+*The task graph it uses*, on FIFO schedules: the data edges (with `comm` across ranks); each
+(kind, stage) in microbatch order; and a memory edge B(t, j) -> F(t, j + k_t). On a rank, a
+microbatch in flight in stage t (F done, B not) is also in flight in every stage s <= t of that
+rank (F(s, j) precedes F(t, j), B(s, j) follows B(t, j)), and every stage's memory is >= 0; so
+after F(t, i), the rank holds at least A_t * (i + 1 - #B(t) done), A_t the activations of the
+rank's stages up to t. Within a limit L, F(t, i) therefore waits for B(t, i - k_t),
+k_t = floor(L / A_t).
+
+*Heads and tails.* head(x) is the longest path from F(0, 0) (every task depends on it) to x's
+start; tail(x) the longest path from x's end to the end of any task. Each rank runs its tasks one
+at a time, so the rank's tasks, released at their heads and delivered after their tails, need at
+least the optimum of that one-machine problem with preemption allowed, which Jackson's preemptive
+rule (run the released task with the longest tail) computes exactly. The largest over ranks bounds
+the makespan.
+
+*Spans.* A rank's span starts no later than its first stage's F(s_r, 0); measured from that
+start, each of its tasks x cannot start before the longest path from F(s_r, 0) to x. Released at
+those relative heads, the rank's work ends no sooner than max_k (r_k + the work released at or
+after r_k) after F(s_r, 0) starts; the largest over ranks bounds `cost` (the longest span), and
+with it the bubble rate (cost - busy) / cost, since `busy` does not depend on the schedule.
+
+>>> from zbpp.schedules import Costs, Memory, build, simulate
+>>> from zbpp.schedules.ir import loop_placement
+>>> lb = lower_bound(loop_placement(4), 8, Costs(1, 1, 1), Memory(1, 1 / 3), memory_limit=4)
+>>> lb.cost, lb.busy   # at 1F1B's memory no schedule has a span below 27: ZB-H1 is optimal
+(27.0, 24.0)
+>>> simulate(build("zb-h1", num_ranks=4, num_microbatches=8), Costs(1, 1, 1)).cost
+27.0
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .simulate import Costs, Memory
+
+__all__ = ["LowerBound", "lower_bound"]
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    """What no schedule can beat. Times in the units of `Costs`.
+
+    Attributes:
+        makespan: end of the last task minus start of the first.
+        cost: the longest rank span (`SimResult.cost`).
+        busy: the busiest rank's total task time (the same for every schedule).
+    """
+
+    makespan: float
+    cost: float
+    busy: float
+
+    @property
+    def bubble_rate(self) -> float:
+        """No schedule has a lower bubble rate (DESIGN's (cost - busy) / cost)."""
+        return (self.cost - self.busy) / self.cost if self.cost > 0 else 0.0
+
+
+class _Graph:
+    """The FIFO task graph of the module docstring, tasks as ints kind * n*m + stage * m + mb."""
+
+    def __init__(self, placement: Sequence[int], m: int, costs: Costs, memory: Memory, limit: float) -> None:
+        n = len(placement)
+        nm = n * m
+        self.n, self.m, self.nm = n, m, nm
+        f, b, w = costs.per_stage(n)
+        act, _ = memory.per_stage(n)
+        comm = float(costs.comm)
+        self.placement = list(placement)
+        self.dur = [0.0] * (3 * nm)
+        for s in range(n):
+            for j in range(m):
+                t = s * m + j
+                self.dur[t], self.dur[nm + t], self.dur[2 * nm + t] = f[s], b[s], w[s]
+        # memory edges: F(t, j) waits for B(t, j - k[t]); k[t] = m means no edge
+        below = [0.0] * n  # A_t: activations of the rank's stages up to t
+        held: dict[int, float] = {}
+        for s, r in enumerate(placement):
+            held[r] = held.get(r, 0.0) + act[s]
+            below[s] = held[r]
+        k = [m] * n
+        if math.isfinite(limit):
+            for s in range(n):
+                if below[s] > 0:
+                    k[s] = max(1, min(m, int(math.floor(limit / below[s] + _EPS))))
+        # predecessors as (task, weight): x may start weight after that task starts
+        preds: list[list[tuple[int, float]]] = [[] for _ in range(3 * nm)]
+        dur = self.dur
+        for s in range(n):
+            r = placement[s]
+            for j in range(m):
+                fj, bj, wj = s * m + j, nm + s * m + j, 2 * nm + s * m + j
+                if s > 0:
+                    x = fj - m
+                    preds[fj].append((x, dur[x] + (comm if placement[s - 1] != r else 0.0)))
+                if j > 0:
+                    for y in (fj, bj, wj):
+                        preds[y].append((y - 1, dur[y - 1]))
+                if j >= k[s]:
+                    x = nm + s * m + j - k[s]
+                    preds[fj].append((x, dur[x]))
+                if s == n - 1:
+                    preds[bj].append((fj, dur[fj]))
+                else:
+                    x = bj + m
+                    preds[bj].append((x, dur[x] + (comm if placement[s + 1] != r else 0.0)))
+                preds[wj].append((bj, dur[bj]))
+        self.preds = preds
+        # a topological order: microbatch by microbatch, F down the stages, B back up, then W
+        order = []
+        for j in range(m):
+            order.extend(s * m + j for s in range(n))
+            order.extend(nm + s * m + j for s in range(n - 1, -1, -1))
+            order.extend(2 * nm + s * m + j for s in range(n))
+        self.order = order
+
+    def heads_from(self, source: int, rank: int | None = None) -> list[float]:
+        """Longest path from `source`'s start to each task's start (-inf: not reachable).
+
+        With `rank`, only what leads to that rank's tasks: W's of other ranks' stages lead nowhere
+        but to each other, so they are skipped (left at -inf).
+        """
+        preds = self.preds
+        ninf = -math.inf
+        head = [ninf] * len(preds)
+        head[source] = 0.0
+        order = self.order
+        placement, m, nm2 = self.placement, self.m, 2 * self.nm
+        for i in range(order.index(source) + 1, len(order)):  # nothing before the source is reachable
+            x = order[i]
+            if rank is not None and x >= nm2 and placement[(x - nm2) // m] != rank:
+                continue
+            best = ninf
+            for y, wt in preds[x]:
+                h = head[y] + wt
+                if h > best:
+                    best = h
+            head[x] = best
+        return head
+
+    def tails(self, rank: int | None = None) -> list[float]:
+        """Longest path from each task's end to the end of the last task that depends on it; with
+        `rank`, to the end of a task of that rank (-inf: no path there)."""
+        num = len(self.preds)
+        dur, preds = self.dur, self.preds
+        if rank is None:
+            tail = [0.0] * num
+        else:
+            placement, m, nm = self.placement, self.m, self.nm
+            tail = [0.0 if placement[(x % nm) // m] == rank else -math.inf for x in range(num)]
+        for x in reversed(self.order):
+            if tail[x] == -math.inf:
+                continue
+            tx = dur[x] + tail[x]
+            for y, wt in preds[x]:
+                # x starts at least wt - dur[y] after y ends, then runs and has its own tail
+                v = wt - dur[y] + tx
+                if v > tail[y]:
+                    tail[y] = v
+        return tail
+
+
+def _jackson_preemptive(release: list[float], dur: list[float], tail: list[float]) -> float:
+    """Optimal max(end + tail) of one machine with release dates and preemption (Jackson's rule)."""
+    idx = sorted(range(len(release)), key=release.__getitem__)
+    heap: list[tuple[float, int, float]] = []  # (-tail, id, remaining)
+    t = -math.inf
+    best = -math.inf
+    i, count = 0, len(idx)
+    while i < count or heap:
+        if not heap:
+            t = max(t, release[idx[i]])
+        while i < count and release[idx[i]] <= t + _EPS:
+            x = idx[i]
+            heapq.heappush(heap, (-tail[x], x, dur[x]))
+            i += 1
+        neg_tail, x, rem = heapq.heappop(heap)
+        nxt = release[idx[i]] if i < count else math.inf
+        run = min(rem, nxt - t)
+        t += run
+        rem -= run
+        if rem > _EPS:
+            heapq.heappush(heap, (neg_tail, x, rem))
+        else:
+            best = max(best, t - neg_tail)
+    return best
+
+
+def _released_work(release: list[float], dur: list[float]) -> float:
+    """Least time for one machine to run every task from the earliest release on: max over k of
+    r_k + the work released at or after r_k (preemptive; no schedule does better)."""
+    pairs = sorted(zip(release, dur))
+    best, suffix = 0.0, 0.0
+    for r, d in reversed(pairs):
+        suffix += d
+        best = max(best, r + suffix)
+    return best
+
+
+def lower_bound(
+    placement: Sequence[int],
+    num_microbatches: int,
+    costs: Costs | None = None,
+    memory: Memory | None = None,
+    memory_limit: float | None = None,
+) -> LowerBound:
+    """Bounds that every split-backward schedule of `placement` meets (see the module docstring).
+
+    `memory_limit` is per rank, in the units of `memory` (None: no limit). A schedule with full
+    backward tasks (BW) is a split one whose W runs right after its B, so the bounds hold for it
+    too. Raises `ValueError` below the smallest feasible limit (a rank must hold all its stages'
+    activations of one microbatch at once).
+
+    >>> from zbpp.schedules.ir import loop_placement
+    >>> h, a = 2304, 24  # the zero-bubble paper's 1.5B model, p = 8, m = 24, at ZB-2p's memory
+    >>> memory = Memory(activation=34 * h + 5 * a * 1024, wgrad=32 * h)
+    >>> lb = lower_bound(loop_placement(8), 24, Costs(18.522, 18.086, 9.337, 0.601), memory, 16 * memory.activation)
+    >>> round(lb.bubble_rate, 4)  # the paper's ZB-2p reaches it (its Table 4: 0.0433)
+    0.0433
+    """
+    costs = costs if costs is not None else Costs()
+    memory = memory if memory is not None else Memory()
+    m = num_microbatches
+    n = len(placement)
+    if n < 1 or m < 1:
+        raise ValueError(f"need at least one stage and one microbatch, got {n} stages and {m} microbatches")
+    p = max(placement) + 1
+    act, _ = memory.per_stage(n)
+    per_rank = [0.0] * p
+    for s, r in enumerate(placement):
+        per_rank[r] += act[s]
+    limit = math.inf if memory_limit is None else float(memory_limit)
+    if limit < max(per_rank) * (1 - _EPS):
+        raise ValueError(
+            f"memory_limit={memory_limit:g} is infeasible; the smallest feasible limit is {max(per_rank):g} "
+            f"(a rank holds all its stages' activations of one microbatch at once)"
+        )
+    g = _Graph(placement, m, costs, memory, limit)
+    tasks_of: list[list[int]] = [[] for _ in range(p)]
+    for x in range(3 * g.nm):
+        tasks_of[placement[(x % g.nm) // m]].append(x)
+    busy = max(sum(g.dur[x] for x in xs) for xs in tasks_of)
+
+    head = g.heads_from(0)  # F(0, 0)
+    tail = g.tails()
+    makespan = 0.0
+    for xs in tasks_of:
+        makespan = max(makespan, _jackson_preemptive([head[x] for x in xs], [g.dur[x] for x in xs], [tail[x] for x in xs]))
+    # Rank 0's span starts with F(0, 0): measured from there, rank 0 ends no sooner than any rank's
+    # tasks, released at their heads, can end and still reach a task of rank 0 (tails to rank 0).
+    tail0 = g.tails(0)
+    span0 = 0.0
+    for xs in tasks_of:
+        ys = [x for x in xs if tail0[x] != -math.inf]
+        if ys:
+            span0 = max(span0, _jackson_preemptive([head[x] for x in ys], [g.dur[x] for x in ys], [tail0[x] for x in ys]))
+
+    # Spans, from the longest possible first: rel(x) <= head(x) - head(F(s_r, 0)) (a path through
+    # F(s_r, 0) is one of those that head(x) maximises over), so a rank whose bound computed with
+    # those values cannot exceed the best so far is skipped.
+    firsts = [min(s for s in range(n) if placement[s] == r) for r in range(p)]
+    ceilings = [_released_work([head[x] - head[firsts[r] * m] for x in xs], [g.dur[x] for x in xs]) for r, xs in enumerate(tasks_of)]
+    cost = max(busy, span0)
+    for r in sorted(range(p), key=lambda q: -ceilings[q]):
+        if ceilings[r] <= cost:
+            break
+        xs = tasks_of[r]
+        rel = head if firsts[r] == 0 else g.heads_from(firsts[r] * m, r)
+        cost = max(cost, _released_work([rel[x] for x in xs], [g.dur[x] for x in xs]))
+    return LowerBound(makespan=max(makespan, cost), cost=cost, busy=busy)
