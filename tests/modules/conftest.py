@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-KERNEL_MODULES = ("zbpp.modules._fp8_cast_triton",)
+KERNEL_MODULES = ("zbpp.modules._fp8_cast_triton", "zbpp.modules._fused_triton")
 
 
 def pytest_configure(config):
@@ -27,7 +27,7 @@ def pytest_configure(config):
 
 @pytest.fixture
 def interpreted_kernels(monkeypatch):
-    """``.cast``: the kernel module as the Triton interpreter runs it."""
+    """``.cast`` and ``.fused``: the kernel modules as the Triton interpreter runs them."""
     pytest.importorskip("triton", reason="the interpreter tests need Triton installed")
     import zbpp.modules as package
 
@@ -36,7 +36,7 @@ def interpreted_kernels(monkeypatch):
              for name in KERNEL_MODULES}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     try:
-        (cast,) = (importlib.import_module(name) for name in KERNEL_MODULES)
+        cast, fused = (importlib.import_module(name) for name in KERNEL_MODULES)
     finally:
         for name, module in saved.items():
             if module is None:
@@ -51,4 +51,4 @@ def interpreted_kernels(monkeypatch):
                 setattr(package, attr, module)
     if not bool(cast._INTERPRETED):
         pytest.skip("this Triton does not pick its interpreter from TRITON_INTERPRET")
-    return SimpleNamespace(cast=cast)
+    return SimpleNamespace(cast=cast, fused=fused)
