@@ -36,7 +36,6 @@ __all__ = [
     "norm_forward",
     "norm_backward",
     "norm_reference",
-    "normalize",
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -164,18 +163,3 @@ def norm_backward(
         dw = (dy32 * x_hat).sum(0).to(weight.dtype)
     return dx, dw, None
 
-
-
-def normalize(
-    x: torch.Tensor,
-    normalization: str,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """LayerNorm or RMSNorm over the last dimension; its gradients come with the backward (B)."""
-    import torch.nn.functional as F
-
-    if normalization == "LayerNorm":
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)

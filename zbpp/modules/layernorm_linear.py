@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._init import InitMethod, add_gemm_params, default_init
-from ._linear_function import linear
-from ._norm import make_norm_params, normalize
+from ._layer_function import run_layer
+from ._norm import make_norm_params
 from .base import DelayedWgradModule
 
 __all__ = ["LayerNormLinear"]
@@ -60,8 +60,9 @@ class LayerNormLinear(DelayedWgradModule):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``norm(x) W^T + b``; `is_first_microbatch` as in `Linear.forward`."""
         call = self._begin_forward(is_first_microbatch)
-        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        return linear(h, self.weight, self.bias, self._gemm_call(0, call))
+        fc = self._gemm_call(0, call, self.weight, self.bias)
+        plan = self._plan(call, fc, normalization=self.normalization, eps=self.eps)
+        return run_layer(x, plan, self.layer_norm_weight, self.layer_norm_bias)
 
     def extra_repr(self) -> str:
         return (

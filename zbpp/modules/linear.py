@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._init import InitMethod, add_gemm_params, default_init
-from ._linear_function import linear
+from ._layer_function import run_layer
 from .base import DelayedWgradModule
 
 __all__ = ["Linear"]
@@ -61,7 +61,7 @@ class Linear(DelayedWgradModule):
         the weight and keeps the cast, False reuses the kept cast while the weight is unchanged
         (the same tensor at the same version), None (default) casts on every call."""
         call = self._begin_forward(is_first_microbatch)
-        return linear(x, self.weight, self.bias, self._gemm_call(0, call))
+        return run_layer(x, self._plan(call, self._gemm_call(0, call, self.weight, self.bias)))
 
     def extra_repr(self) -> str:
         return (
