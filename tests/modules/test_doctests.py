@@ -12,6 +12,7 @@ MODULES = [
     "zbpp.modules._activations",
     "zbpp.modules._fp8_weight_cache",
     "zbpp.modules._fused",
+    "zbpp.modules._init",
     "zbpp.modules._norm",
     "zbpp.modules.base",
     "zbpp.modules.context",

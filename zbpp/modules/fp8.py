@@ -148,7 +148,21 @@ def fp8_autocast(
     16
     >>> active_recipe() is None
     True
+    >>> with fp8_autocast(fp8_recipe="hybrid"):
+    ...     pass
+    Traceback (most recent call last):
+    TypeError: fp8_autocast: fp8_recipe='hybrid' (a str); pass a zbpp.modules.DelayedScaling ...
     """
+    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
+        raise TypeError(
+            f"fp8_autocast: fp8_recipe={fp8_recipe!r} (a {type(fp8_recipe).__name__}); pass a "
+            "zbpp.modules.DelayedScaling (e.g. DelayedScaling(fp8_format=Format.HYBRID)) or None "
+            "for the default recipe"
+        )
+    if not isinstance(enabled, bool):
+        raise TypeError(
+            f"fp8_autocast: enabled={enabled!r} (a {type(enabled).__name__}); pass True or False"
+        )
     recipe = (fp8_recipe if fp8_recipe is not None else DelayedScaling()) if enabled else None
     _recipes.append(recipe)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._init import InitMethod, add_gemm_params, default_init
+from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import run_layer
 from ._norm import make_norm_params
 from .base import DelayedWgradModule
@@ -50,7 +50,7 @@ class LayerNormLinear(DelayedWgradModule):
         )
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
         self.normalization, self.eps = normalization, eps
-        kw = dict(dtype=params_dtype, device=device)
+        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
         make_norm_params(self, in_features, normalization, **kw)
         init = init_method or default_init
         shape = (out_features, in_features)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._activations import ACTIVATIONS
-from ._init import InitMethod, add_gemm_params, default_init
+from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import run_layer
 from ._norm import make_norm_params
 from .base import DelayedWgradModule
@@ -66,7 +66,7 @@ class LayerNormMLP(DelayedWgradModule):
         self.hidden_size, self.ffn_hidden_size, self.use_bias = hidden_size, ffn_hidden_size, bias
         self.activation, self.normalization, self.eps = activation, normalization, eps
         width = ffn_hidden_size * self._act.width
-        kw = dict(dtype=params_dtype, device=device)
+        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
         make_norm_params(self, hidden_size, normalization, **kw)
         init = init_method or default_init
         # Transformer Engine's order: fc1_weight, fc1_bias, fc2_weight, fc2_bias

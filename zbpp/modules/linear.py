@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._init import InitMethod, add_gemm_params, default_init
+from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import run_layer
 from .base import DelayedWgradModule
 
@@ -50,7 +50,7 @@ class Linear(DelayedWgradModule):
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
-        kw = dict(dtype=params_dtype, device=device)
+        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
         init = init_method or default_init
         shape = (out_features, in_features)
         add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
