@@ -13,7 +13,7 @@ tile that finishes last. One launch per tensor, as ``cast_transpose_update``.
 - ``dact_cast_update``: the gradient of h from the gradient of the activation's output and h,
   with column sums (fc1's bias gradient).
 
-Tiles are `_fp8_cast_triton`'s (128 x 64, 4 warps). Products and quotients that the torch
+Tiles are 64 x 64 (see `BLOCK_M`). Products and quotients that the torch
 definition rounds separately are IEEE operations here too (``_mul_rn``, ``_div_rn``, ``sqrt_rn``),
 so no FMA contraction changes them; the transcendental parts (exp in the sigmoids) and the order
 of the row sums are the only differences from the torch definition on a GPU, a few float32 units
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ._fp8_cast_triton import BLOCK_M, BLOCK_N, MAX_FUSED_HISTORY, NUM_WARPS, _on, tl, triton
+from ._fp8_cast_triton import MAX_FUSED_HISTORY, _on, tl, triton
 
 __all__ = [
     "norm_cast_update",
@@ -38,13 +38,21 @@ __all__ = [
 # bfloat16 only: the value is rounded to the input's dtype in the kernel (the interpreter's
 # software rounding covers bfloat16), and FP8 training keeps its activations in bfloat16.
 INPUT_DTYPES = (torch.bfloat16,)
+# 64 x 64 tiles with 8 warps (16 values per thread): compiled for sm_90, the plain cast's 128 x 64
+# tiles with 4 warps spill registers in these kernels (up to 5 KB of stack per thread for a GLU's
+# gradient); 64 x 64 / 8 warps needs 80-155 registers and no stack in every one of them.
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 8
 STATS_BLOCK = 2048  # columns per step of the row-statistics kernel
-
-_GELU_K = 1.5957691216057308  # 2 sqrt(2 / pi): gelu's sigmoid argument is x (K + K C x^2)
-_GELU_KC = 0.07135481627260025  # 2 sqrt(2 / pi) * 0.044715
-_QUICK = 1.702
+STATS_ELEMENTS = 4096  # rows x columns per step: short rows share a program
 
 if triton is not None:
+    # (tensor first in products with these: under the interpreter constexpr * tensor fails)
+    _GELU_K = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): gelu's sigmoid of x (K + KC x^2)
+    _GELU_KC = tl.constexpr(0.07135481627260025)  # 2 sqrt(2/pi) * 0.044715
+    _QUICK = tl.constexpr(1.702)  # quick gelu's sigmoid slope
+
     from ._fp8_cast_triton import (
         _cast_store_tile,
         _div_rn,
@@ -68,10 +76,10 @@ if triton is not None:
     def _act(x, ACT: tl.constexpr):
         """f(x) in float32 (ids as in `_activations`)."""
         if ACT == 0:  # gelu (tanh approximation) = x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))
-            s, _ = _sigmoid_and_slope(x * (_GELU_K + _GELU_KC * x * x))
+            s, _ = _sigmoid_and_slope(x * (x * x * _GELU_KC + _GELU_K))
             return x * s
         elif ACT == 1:  # quick gelu
-            s, _ = _sigmoid_and_slope(_QUICK * x)
+            s, _ = _sigmoid_and_slope(x * _QUICK)
             return x * s
         elif ACT == 2:  # relu, as torch: -0 and NaN pass through
             return tl.where(x < 0, 0.0, x)
@@ -86,12 +94,12 @@ if triton is not None:
     def _act_grad(grad, x, ACT: tl.constexpr):
         """grad * f'(x) in float32."""
         if ACT == 0:
-            z = x * (_GELU_K + _GELU_KC * x * x)
+            z = x * (x * x * _GELU_KC + _GELU_K)
             s, ds = _sigmoid_and_slope(z)
-            return grad * (s + x * ds * (_GELU_K + 3.0 * _GELU_KC * x * x))
+            return grad * (s + x * ds * (x * x * (3.0 * _GELU_KC) + _GELU_K))
         elif ACT == 1:
-            s, ds = _sigmoid_and_slope(_QUICK * x)
-            return grad * (s + _QUICK * x * ds)
+            s, ds = _sigmoid_and_slope(x * _QUICK)
+            return grad * (s + x * ds * _QUICK)
         elif ACT == 2:  # threshold_backward(grad, x, 0)
             return tl.where(x <= 0, 0.0, grad)
         elif ACT == 3:
@@ -116,36 +124,41 @@ if triton is not None:
         x_ptr,
         mean_ptr,  # float32 [M] (LayerNorm only)
         rstd_ptr,  # float32 [M]
+        M,
         N,
         n_float,  # N as a float32 (an int argument may arrive as a compile-time constant)
         stride_m,
         stride_n,
         eps,
         RMS: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # One row per program: two passes over it (mean, then the centred squares; RMSNorm one).
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride_m
-        acc = tl.full([BLOCK], 0.0, tl.float32)
-        mean = 0.0
+        # ROWS rows per program, two passes over them (the mean, then the centred squares; one
+        # pass for RMSNorm), BLOCK columns at a time.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        base = x_ptr + rows.to(tl.int64)[:, None] * stride_m
+        acc = tl.full([ROWS, BLOCK], 0.0, tl.float32)
+        mean = tl.full([ROWS], 0.0, tl.float32)
         if not RMS:
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                acc += tl.load(base + cols.to(tl.int64) * stride_n, mask=cols < N, other=0.0).to(
-                    tl.float32
-                )
-            mean = _div_rn(_sum(acc, 0), n_float)
-            tl.store(mean_ptr + row, mean)
-            acc = tl.full([BLOCK], 0.0, tl.float32)
+                inside = row_ok[:, None] & (cols < N)[None, :]
+                acc += tl.load(base + cols.to(tl.int64)[None, :] * stride_n, mask=inside,
+                               other=0.0).to(tl.float32)
+            mean = _div_rn(_sum(acc, 1), n_float)
+            tl.store(mean_ptr + rows, mean, mask=row_ok)
+            acc = tl.full([ROWS, BLOCK], 0.0, tl.float32)
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            inside = cols < N
-            x = tl.load(base + cols.to(tl.int64) * stride_n, mask=inside, other=0.0).to(tl.float32)
-            d = tl.where(inside, x - mean, 0.0)
+            inside = row_ok[:, None] & (cols < N)[None, :]
+            x = tl.load(base + cols.to(tl.int64)[None, :] * stride_n, mask=inside,
+                        other=0.0).to(tl.float32)
+            d = tl.where(inside, x - mean[:, None], 0.0)
             acc += _mul_rn(d, d)
-        var = _div_rn(_sum(acc, 0), n_float)
-        tl.store(rstd_ptr + row, _rcp_rn(tl.sqrt_rn(var + eps)))
+        var = _div_rn(_sum(acc, 1), n_float)
+        tl.store(rstd_ptr + rows, _rcp_rn(tl.sqrt_rn(var + eps)), mask=row_ok)
 
     @triton.jit
     def _norm_cast_kernel(
@@ -368,11 +381,12 @@ def norm_cast_update(
     mean = None if rms else torch.empty((m, 1), dtype=torch.float32, device=x.device)
     data, data_t, scale_inv = _outputs(m, n, dtype, transpose, x.device)
     u8, u8_t = _u8(data, data_t)
+    block = min(STATS_BLOCK, triton.next_power_of_2(n))
+    rows = max(1, STATS_ELEMENTS // block)
     with _on(x.device):
-        _norm_stats_kernel[(m,)](
-            x, mean if mean is not None else rstd, rstd, n, float(n), x.stride(0), x.stride(1),
-            _float32(eps),
-            RMS=rms, BLOCK=min(STATS_BLOCK, triton.next_power_of_2(n)), num_warps=4,
+        _norm_stats_kernel[(triton.cdiv(m, rows),)](
+            x, mean if mean is not None else rstd, rstd, m, n, float(n), x.stride(0),
+            x.stride(1), _float32(eps), RMS=rms, ROWS=rows, BLOCK=block, num_warps=4,
         )
         _norm_cast_kernel[_grid(m, n)](
             x, mean if mean is not None else rstd, rstd, weight,
