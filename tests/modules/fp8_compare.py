@@ -35,6 +35,7 @@ def codes(q: torch.Tensor) -> torch.Tensor:
 def assert_codes(got, want, *, exact, what):
     """FP8 tensors equal byte for byte (`exact`), or each within one code and few of them off
     (NaNs in the same places either way)."""
+    got, want = got.cpu(), want.cpu()
     g, w = codes(got), codes(want)
     nan = torch.isnan(want.float())
     assert torch.equal(nan, torch.isnan(got.float())), f"{what}: NaNs in other places"
@@ -50,13 +51,14 @@ def assert_codes(got, want, *, exact, what):
 def assert_slot(fast, slow, *, exact, what):
     """The slot a fused kernel updated equals the eager one (`exact`), or up to the bfloat16
     rounding of the amax; the kernel's workspace is zero again."""
+    history, scale = fast.amax_history.cpu(), fast.scale.cpu()
     if exact:
-        assert torch.equal(fast.amax_history, slow.amax_history), f"{what}: history differs"
-        assert torch.equal(fast.scale, slow.scale), f"{what}: scale differs"
+        assert torch.equal(history, slow.amax_history), f"{what}: history differs"
+        assert torch.equal(scale, slow.scale), f"{what}: scale differs"
     else:
-        torch.testing.assert_close(fast.amax_history, slow.amax_history, rtol=2.0**-8, atol=0,
+        torch.testing.assert_close(history, slow.amax_history, rtol=2.0**-8, atol=0,
                                    msg=f"{what}: amax beyond one bfloat16 rounding")
-        torch.testing.assert_close(fast.scale, slow.scale, rtol=2.0**-7, atol=0,
+        torch.testing.assert_close(scale, slow.scale, rtol=2.0**-7, atol=0,
                                    msg=f"{what}: scale beyond the amax's rounding")
     assert not fast._workspace.any(), f"{what}: workspace left non-zero"
 

@@ -1,4 +1,5 @@
-"""The Triton FP8 kernels under Triton's interpreter (CPU) against their torch definitions.
+"""The fused Triton FP8 kernels against their torch definitions: in Triton's interpreter (CPU,
+every run) and compiled on an sm_90 GPU (``-m gpu``).
 
 References: ``fp8._cast_eager`` / ``fp8.quantize`` (the cast, checked in test_fp8.py against
 hand-worked cases), ``_norm.norm_reference`` and ``_activations`` (the torch definitions the
@@ -17,12 +18,17 @@ kernels compute each value with the definition's float32 operations, so:
   cancellation in 1 + tanh, so it is not the reference there). Amaxes are then equal up to one
   bfloat16 rounding (relative 2^-8), column sums within the float32 summation bound.
 
-Shapes are off the kernels' 128 x 64 tiles on purpose (ragged row and column tiles, one row, one
+Shapes are off the kernels' 64 x 64 tiles on purpose (ragged row and column tiles, one row, one
 column, a GLU whose halves split a tile), and strided inputs are included: a wrong offset, mask or
-half shows up as many codes off. Each test takes a few seconds at most in the interpreter.
+half shows up as many codes off. Each test takes a few seconds at most in the interpreter. On the
+GPU the same comparisons hold: the conversions are then PTX instructions (test_fp8_cast.py checks
+them against torch), the products and quotients IEEE operations kept out of FMAs, the row sums in
+the GPU's order and exp its approximate ex2, which the one-code allowance covers.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,8 +47,38 @@ from tests.modules.fp8_compare import (
 from zbpp.modules._activations import ACTIVATIONS
 from zbpp.modules._norm import norm_reference
 
-pytestmark = pytest.mark.interpreter
 EXACT = {"relu", "reglu", "srelu", "sreglu"}  # no transcendental operation
+
+
+@pytest.fixture(params=[
+    pytest.param("interpreter", marks=pytest.mark.interpreter),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+])
+def kernels(request):
+    """``.fused`` (the kernel module) and ``.device`` (where its inputs live)."""
+    if request.param == "interpreter":
+        return SimpleNamespace(fused=request.getfixturevalue("interpreted_kernels").fused,
+                               device="cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from zbpp.modules import _fp8_cast_triton, _fused_triton
+
+    problem = _fp8_cast_triton.unsupported(torch.device("cuda"))
+    if problem is not None:
+        pytest.skip(f"the Triton FP8 kernels cannot run: {problem}")
+    return SimpleNamespace(fused=_fused_triton, device="cuda")
+
+
+def _on(kernels, *tensors):
+    return [None if t is None else t.to(kernels.device) for t in tensors]
+
+
+def _fast_slot(kernels, f8, scale):
+    """The slot the kernel updates (on its device) and the eager reference's (on the CPU)."""
+    fast, slow = slots(f8, scale)
+    fast.amax_history = fast.amax_history.to(kernels.device)
+    fast.scale = fast.scale.to(kernels.device)
+    return fast, slow
 
 # -- the norms ------------------------------------------------------------------------------------
 
@@ -75,16 +111,18 @@ NORM_CASES = {  # (rows, cols, exact sums, column stride)
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("case", list(NORM_CASES))
-def test_norm_cast_equals_norm_then_quantize(interpreted_kernels, normalization, case):
+def test_norm_cast_equals_norm_then_quantize(kernels, normalization, case):
     rows, cols, exact, stride = NORM_CASES[case]
     x = _norm_input(rows, cols, exact_sums=exact, seed=rows + cols, stride=stride)
     g = torch.Generator().manual_seed(5)
     weight = (1 + torch.randn(cols, generator=g) / 4).bfloat16()
     bias = (torch.randn(cols, generator=g) / 4).bfloat16() if normalization == "LayerNorm" else None
-    fast, slow = slots(E4M3, 40.0)
-    data, data_t, scale_inv, mean, rstd = interpreted_kernels.fused.norm_cast_update(
-        x, weight, bias, 1e-5, normalization == "RMSNorm", fast.scale, fast.amax_history,
+    fast, slow = _fast_slot(kernels, E4M3, 40.0)
+    xd, wd, bd = _on(kernels, x, weight, bias)
+    out = kernels.fused.norm_cast_update(
+        xd, wd, bd, 1e-5, normalization == "RMSNorm", fast.scale, fast.amax_history,
         fast._fused_workspace(), fast.fp8_max, E4M3, True, **slot_args(fast))
+    data, data_t, scale_inv, mean, rstd = (None if t is None else t.cpu() for t in out)
     y, mean_ref, rstd_ref = norm_reference(x, normalization, weight, bias, 1e-5)
     q, _ = quantize_ref(y, slow, transpose=True)
     assert_codes(data, q.data, exact=exact, what="data")
@@ -102,13 +140,13 @@ def test_norm_cast_equals_norm_then_quantize(interpreted_kernels, normalization,
             torch.testing.assert_close(mean, mean_ref, rtol=2.0**-20, atol=2.0**-20)
 
 
-def test_norm_cast_without_transpose_and_in_e5m2(interpreted_kernels):
+def test_norm_cast_without_transpose_and_in_e5m2(kernels):
     x = _norm_input(40, 72, exact_sums=True, seed=9)
     weight = torch.ones(72, dtype=torch.bfloat16)
-    fast, slow = slots(E5M2, 500.0)
-    data, data_t, _, _, _ = interpreted_kernels.fused.norm_cast_update(
-        x, weight, None, 1e-6, True, fast.scale, fast.amax_history, fast._fused_workspace(),
-        fast.fp8_max, E5M2, False, **slot_args(fast))
+    fast, slow = _fast_slot(kernels, E5M2, 500.0)
+    data, data_t, _, _, _ = kernels.fused.norm_cast_update(
+        *_on(kernels, x, weight), None, 1e-6, True, fast.scale, fast.amax_history,
+        fast._fused_workspace(), fast.fp8_max, E5M2, False, **slot_args(fast))
     q, _ = quantize_ref(norm_reference(x, "RMSNorm", weight, None, 1e-6)[0], slow,
                          transpose=False)
     assert data_t is None
@@ -133,16 +171,17 @@ def _act_input(rows, width, seed):
 
 @pytest.mark.parametrize("shape", ACT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
-def test_act_cast_equals_activation_then_quantize(interpreted_kernels, name, shape):
+def test_act_cast_equals_activation_then_quantize(kernels, name, shape):
     act = ACTIVATIONS[name]
     rows, ffn = shape
     h = _act_input(rows, ffn * act.width, seed=rows * 31 + ffn)
     exact = name in EXACT
     for transpose in (True, False):
-        fast, slow = slots(E4M3, 20.0)
-        data, data_t, scale_inv = interpreted_kernels.fused.act_cast_update(
-            h, act.kernel_id, act.glu, fast.scale, fast.amax_history, fast._fused_workspace(),
-            fast.fp8_max, E4M3, transpose, **slot_args(fast))
+        fast, slow = _fast_slot(kernels, E4M3, 20.0)
+        out = kernels.fused.act_cast_update(
+            *_on(kernels, h), act.kernel_id, act.glu, fast.scale, fast.amax_history,
+            fast._fused_workspace(), fast.fp8_max, E4M3, transpose, **slot_args(fast))
+        data, data_t, scale_inv = (None if t is None else t.cpu() for t in out)
         want = act.forward(h) if exact else a64.forward(name, h).to(h.dtype)
         q, _ = quantize_ref(want, slow, transpose=transpose)
         assert data.shape == (rows, ffn)
@@ -157,7 +196,7 @@ def test_act_cast_equals_activation_then_quantize(interpreted_kernels, name, sha
 
 @pytest.mark.parametrize("shape", ACT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
-def test_dact_cast_equals_gradient_then_quantize(interpreted_kernels, name, shape):
+def test_dact_cast_equals_gradient_then_quantize(kernels, name, shape):
     act = ACTIVATIONS[name]
     rows, ffn = shape
     h = _act_input(rows, ffn * act.width, seed=rows * 17 + ffn)
@@ -165,10 +204,12 @@ def test_dact_cast_equals_gradient_then_quantize(interpreted_kernels, name, shap
     grad_wide = torch.randn(rows, ffn + 5, generator=g).bfloat16()
     grad = grad_wide[:, :ffn]  # a row stride other than the width
     exact = name in EXACT
-    fast, slow = slots(E5M2, 2000.0)
-    data, data_t, scale_inv, sums = interpreted_kernels.fused.dact_cast_update(
-        grad, h, act.kernel_id, act.glu, fast.scale, fast.amax_history, fast._fused_workspace(),
-        fast.fp8_max, E5M2, True, True, **slot_args(fast))
+    fast, slow = _fast_slot(kernels, E5M2, 2000.0)
+    grad_d = grad_wide.to(kernels.device)[:, :ffn]
+    out = kernels.fused.dact_cast_update(
+        grad_d, *_on(kernels, h), act.kernel_id, act.glu, fast.scale, fast.amax_history,
+        fast._fused_workspace(), fast.fp8_max, E5M2, True, True, **slot_args(fast))
+    data, data_t, scale_inv, sums = (None if t is None else t.cpu() for t in out)
     dh = act.backward(grad, h) if exact else a64.backward(name, grad, h).to(h.dtype)
     q, total = quantize_ref(dh, slow, transpose=True, column_sum=True)
     assert data.shape == h.shape and data_t.shape == (h.shape[1], rows)
@@ -180,18 +221,18 @@ def test_dact_cast_equals_gradient_then_quantize(interpreted_kernels, name, shap
     # not exact) one bfloat16 ulp (2^-7 relative) per value that crossed a rounding boundary
     magnitude = dh.double().abs().sum(0)
     bound = (fb.gamma(rows) + (0.0 if exact else 2.0**-7)) * magnitude
-    assert sums.shape == (-(-rows // 128), h.shape[1])
+    assert sums.shape == (-(-rows // kernels.fused.BLOCK_M), h.shape[1])
     assert ((sums.sum(0).double() - dh.double().sum(0)).abs() <= bound).all()
 
 
-def test_dact_cast_without_column_sums(interpreted_kernels):
+def test_dact_cast_without_column_sums(kernels):
     act = ACTIVATIONS["sreglu"]
     h = _act_input(20, 2 * 40, seed=1)
     grad = torch.randn(20, 40).bfloat16()
-    fast, slow = slots(E5M2, 1.0)
-    data, data_t, _, sums = interpreted_kernels.fused.dact_cast_update(
-        grad, h, act.kernel_id, act.glu, fast.scale, fast.amax_history, fast._fused_workspace(),
-        fast.fp8_max, E5M2, False, False, **slot_args(fast))
+    fast, slow = _fast_slot(kernels, E5M2, 1.0)
+    data, data_t, _, sums = kernels.fused.dact_cast_update(
+        *_on(kernels, grad, h), act.kernel_id, act.glu, fast.scale, fast.amax_history,
+        fast._fused_workspace(), fast.fp8_max, E5M2, False, False, **slot_args(fast))
     q, _ = quantize_ref(act.backward(grad, h), slow, transpose=False)
     assert sums is None and data_t is None
     assert_codes(data, q.data, exact=True, what="data")
