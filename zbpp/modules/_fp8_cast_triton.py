@@ -97,14 +97,26 @@ if triton is not None:
     # tl.sum / tl.max for these 32-bit types, spelled as tl.reduce over the standard library's
     # combine functions: the interpreter can run only jit functions decorated while it was on (the
     # standard library's were decorated when Triton was first imported), and it recognises these
-    # combine functions by identity and reduces with numpy without calling them.
+    # combine functions by identity and reduces with numpy without calling them. (Local ones
+    # stand in should a Triton version name them otherwise: correct, only slower interpreted.)
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _maximum(a, b):
+        return tl.maximum(a, b)
+
+    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
+    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _maximum)
+
     @triton.jit
     def _sum(x, axis: tl.constexpr):
-        return tl.reduce(x, axis, tl.standard._sum_combine)
+        return tl.reduce(x, axis, _SUM_COMBINE)
 
     @triton.jit
     def _max(x, axis: tl.constexpr):
-        return tl.reduce(x, axis, tl.standard._elementwise_max)
+        return tl.reduce(x, axis, _MAX_COMBINE)
 
     @triton.jit
     def _mul_rn(a, b):
