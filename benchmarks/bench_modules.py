@@ -132,8 +132,10 @@ BLOCK_VARIANTS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--suite", choices=("linear", "blocks"), default="linear",
-                    help="linear: the Linear stack and the casts; blocks: residual MLP blocks")
+    ap.add_argument("--suite", choices=("linear", "blocks", "pipeline"), default="linear",
+                    help="linear: the Linear stack and the casts; blocks: residual MLP blocks; "
+                    "pipeline: the blocks split over the ranks of --schedule (torchrun)")
+    ap.add_argument("--schedule", default="zb-v", help="pipeline: the zbpp schedule")
     ap.add_argument("--hidden", type=int, default=None, help="default 8192 (linear), 4096")
     ap.add_argument("--tokens", type=int, default=None,
                     help="rows per step (linear, default 8192) or per microbatch (blocks, 4096)")
@@ -161,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized smoke run")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    blocks = args.suite == "blocks"
+    blocks = args.suite != "linear"
     defaults = dict(hidden=4096 if blocks else 8192, tokens=4096 if blocks else 8192,
                     iters=5 if blocks else 10, warmup=2 if blocks else 3, rounds=2 if blocks else 3)
     for name, value in defaults.items():
@@ -172,7 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.iters, args.warmup, args.rounds = 3, 1, 2
         args.sustain = min(args.sustain, 0.1)
         if blocks:
-            args.hidden, args.tokens, args.blocks, args.microbatches = 64, 64, 3, 2
+            args.hidden, args.tokens, args.microbatches = 64, 64, 2
+            args.blocks = 4 if args.suite == "pipeline" else 3
     if args.ffn is None:
         args.ffn = 4 * args.hidden
     unknown = set(args.variants.split(",")) - set(BLOCK_VARIANTS)
@@ -763,8 +766,142 @@ def print_blocks(report: dict) -> None:
     print(f"FP8 cast paths: {report['fp8_cast_paths']}")
 
 
+# -- the block stack under a pipeline schedule (torchrun) --------------------------------------
+
+
+class PipelineStage(nn.Module):
+    """A pipeline stage of residual LayerNormMLP blocks; in FP8 its forward runs inside
+    fp8_autocast and keeps the weights' casts after the step's first microbatch (the runtime
+    runs F inside ``microbatch((stage, j))``)."""
+
+    def __init__(self, blocks: list[Residual], fp8: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.fp8 = fp8
+        self.recipe = DelayedScaling(amax_history_len=16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from zbpp.modules import current_microbatch
+
+        key = current_microbatch()
+        first = (key is not None and key[1] == 0) if self.fp8 else None
+        with fp8_autocast(enabled=self.fp8, fp8_recipe=self.recipe):
+            for block in self.blocks:
+                x = block(x, is_first_microbatch=first)
+        return x
+
+
+PIPELINE_VARIANTS = ("zbpp bf16 delayed", "zbpp fp8 delayed")
+
+
+def run_pipeline(args: argparse.Namespace) -> dict | None:
+    """Step time of the block stack under `args.schedule` on every rank (torchrun); rank 0
+    returns the report."""
+    import torch.distributed as dist
+
+    from zbpp import Pipeline
+    from zbpp.runtime import init_distributed
+    from zbpp.schedules import build
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available()
+    args.device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+    sched = build(args.schedule, num_ranks=world, num_microbatches=args.microbatches)
+    if args.blocks % sched.num_stages:
+        raise SystemExit(f"--blocks {args.blocks} must split evenly over {sched.num_stages} stages")
+    per_stage = args.blocks // sched.num_stages
+    gen = torch.Generator(device=args.device).manual_seed(1)  # the same batch on every rank
+    rows = args.microbatches * args.tokens
+    x = torch.randn(rows, args.hidden, generator=gen, device=args.device, dtype=torch.bfloat16)
+    y = torch.randn(rows, args.hidden, generator=gen, device=args.device, dtype=torch.bfloat16)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out.float() * target.float()).mean()  # a fixed full-rank output gradient
+
+    times: dict[str, list[float]] = {}
+    for variant in PIPELINE_VARIANTS:
+        stages = {}
+        for s in sched.stages_on(rank):
+            torch.manual_seed(1000 + s)
+            blocks = [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
+                                            delay_wgrad_compute=True, device=args.device))
+                      for _ in range(per_stage)]
+            stages[s] = PipelineStage(blocks, fp8="fp8" in variant)
+        pipe = Pipeline(stages, sched, loss_fn=loss_fn)
+        times[variant] = []
+        for i in range(args.warmup + args.iters):
+            for m in stages.values():
+                m.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t = time.perf_counter()
+            pipe.step(x, target=y)
+            if cuda:
+                torch.cuda.synchronize()
+            took = torch.tensor([time.perf_counter() - t], dtype=torch.float64,
+                                device=args.device if backend_is_nccl() else "cpu")
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                times[variant].append(1e3 * took.item())
+        del pipe, stages
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank != 0:
+        return None
+    med = {v: statistics.median(t) for v, t in times.items()}
+    return {
+        "suite": "pipeline",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "ranks": world,
+        "results": [{"variant": v, "median_ms": med[v], "min_ms": min(times[v]),
+                     "max_ms": max(times[v]), "samples_ms": [round(t, 3) for t in times[v]]}
+                    for v in PIPELINE_VARIANTS],
+        "ratios": {"fp8_speedup": med["zbpp bf16 delayed"] / med["zbpp fp8 delayed"]},
+        "fused_paths": _fused.fused_path_counts(),
+        "fp8_cast_paths": fp8mod.cast_path_counts(),
+        "env": {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "python": platform.python_version(),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+
+
+def backend_is_nccl() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend() == "nccl"
+
+
+def print_pipeline(report: dict) -> None:
+    cfg = report["config"]
+    print(
+        f"{cfg['schedule']} on {report['ranks']} ranks: {cfg['blocks']} blocks x + "
+        f"LayerNormMLP(x), hidden {cfg['hidden']}, ffn {cfg['ffn']}, {cfg['microbatches']} "
+        f"microbatches of {cfg['tokens']} tokens, on {report['env']['device']}"
+    )
+    for r in report["results"]:
+        print(f"{r['variant']:<18} step {r['median_ms']:9.2f} ms (min {r['min_ms']:.2f}, "
+              f"max {r['max_ms']:.2f})")
+    print(f"FP8 speedup of the step: {report['ratios']['fp8_speedup']:.3f}  (target >= 1.6)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.suite == "pipeline":
+        from zbpp.runtime import shutdown_and_exit
+
+        report = run_pipeline(args)
+        if report is not None:
+            print_pipeline(report)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(report, indent=2) + "\n")
+                print(f"wrote {args.out}")
+        shutdown_and_exit(0)
     if args.suite == "blocks":
         report = run_blocks(args)
         print_blocks(report)
