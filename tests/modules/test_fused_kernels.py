@@ -221,7 +221,7 @@ def test_dact_cast_equals_gradient_then_quantize(kernels, name, shape):
     # not exact) one bfloat16 ulp (2^-7 relative) per value that crossed a rounding boundary
     magnitude = dh.double().abs().sum(0)
     bound = (fb.gamma(rows) + (0.0 if exact else 2.0**-7)) * magnitude
-    assert sums.shape == (-(-rows // kernels.fused.BLOCK_M), h.shape[1])
+    assert sums.shape == (-(-rows // kernels.fused.tile()[0]), h.shape[1])
     assert ((sums.sum(0).double() - dh.double().sum(0)).abs() <= bound).all()
 
 
@@ -236,3 +236,26 @@ def test_dact_cast_without_column_sums(kernels):
     q, _ = quantize_ref(act.backward(grad, h), slow, transpose=False)
     assert sums is None and data_t is None
     assert_codes(data, q.data, exact=True, what="data")
+
+
+@pytest.mark.interpreter
+def test_another_tile_shape_gives_the_same_bytes(interpreted_kernels, monkeypatch):
+    """ZBPP_FUSED_TILE (rows x columns x warps) changes only the tiling: still bit-exact."""
+    fused = interpreted_kernels.fused
+    monkeypatch.setenv(fused.TILE_ENV, "32x128x4")
+    assert fused.tile() == (32, 128, 4)
+    act = ACTIVATIONS["sreglu"]
+    h = _act_input(70, 2 * 150, seed=3)
+    grad = torch.randn(70, 150).bfloat16()
+    fast, slow = slots(E5M2, 100.0)
+    data, data_t, _, sums = fused.dact_cast_update(
+        grad, h, act.kernel_id, act.glu, fast.scale, fast.amax_history, fast._fused_workspace(),
+        fast.fp8_max, E5M2, True, True, **slot_args(fast))
+    q, _ = quantize_ref(act.backward(grad, h), slow, transpose=True, column_sum=True)
+    assert_codes(data, q.data, exact=True, what="data")
+    assert_codes(data_t, q.data_t, exact=True, what="data_t")
+    assert sums.shape == (3, 300)  # 70 rows in 32-row tiles
+    for bad in ("64x64", "64x48x4", "big"):
+        monkeypatch.setenv(fused.TILE_ENV, bad)
+        with pytest.raises(ValueError, match=f"ZBPP_FUSED_TILE={bad!r}; use rows x columns"):
+            fused.tile()

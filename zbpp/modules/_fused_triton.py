@@ -24,6 +24,8 @@ roundings; the tests compare them there with the torch definitions.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._fp8_cast_triton import MAX_FUSED_HISTORY, _on, tl, triton
@@ -38,12 +40,16 @@ __all__ = [
 # bfloat16 only: the value is rounded to the input's dtype in the kernel (the interpreter's
 # software rounding covers bfloat16), and FP8 training keeps its activations in bfloat16.
 INPUT_DTYPES = (torch.bfloat16,)
-# 64 x 64 tiles with 8 warps (16 values per thread): compiled for sm_90, the plain cast's 128 x 64
-# tiles with 4 warps spill registers in these kernels (up to 5 KB of stack per thread for a GLU's
-# gradient); 64 x 64 / 8 warps needs 80-155 registers and no stack in every one of them.
+# 64 x 64 tiles, 4 warps: 32 values per thread, two programs per SM at ~250 registers, as the
+# plain cast's 128 x 64 / 4 warps (64 values per thread) runs. Compiled for sm_90 here with Triton
+# 3.6 (the H200 machine's) and 3.8: 150-255 registers, no local memory but 8-104 bytes per thread
+# in the GLU gradient (the plain cast spills 80-120); on the plain cast's tiles these kernels
+# spilled 0.4-6 KB. Not yet timed against the alternatives without spills (64 x 32 with 4 warps,
+# 64 x 64 with 8): ZBPP_FUSED_TILE=64x32x4 (rows x columns x warps) tries one without editing.
 BLOCK_M = 64
 BLOCK_N = 64
-NUM_WARPS = 8
+NUM_WARPS = 4
+TILE_ENV = "ZBPP_FUSED_TILE"
 STATS_BLOCK = 2048  # columns per step of the row-statistics kernel
 STATS_ELEMENTS = 4096  # rows x columns per step: short rows share a program
 
@@ -345,8 +351,24 @@ def _outputs(m: int, n: int, dtype: torch.dtype, transpose: bool, device: torch.
     return data, data_t, torch.empty((), dtype=torch.float32, device=device)
 
 
-def _grid(m: int, n: int) -> tuple[int]:
-    return (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+def tile() -> tuple[int, int, int]:
+    """(rows, columns, warps) of the tiles: `BLOCK_M`, `BLOCK_N`, `NUM_WARPS` unless
+    ``ZBPP_FUSED_TILE`` (e.g. ``64x32x4``, powers of two) says otherwise."""
+    value = os.environ.get(TILE_ENV, "").strip()
+    if not value:
+        return BLOCK_M, BLOCK_N, NUM_WARPS
+    try:
+        m, n, w = (int(v) for v in value.lower().split("x"))
+    except ValueError:
+        m = n = w = 0
+    if not all(v > 0 and v & (v - 1) == 0 for v in (m, n, w)):
+        raise ValueError(f"{TILE_ENV}={value!r}; use rows x columns x warps, powers of two, "
+                         "e.g. 64x64x4")
+    return m, n, w
+
+
+def _grid(m: int, n: int, bm: int, bn: int) -> tuple[int]:
+    return (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
 
 
 def _u8(data: torch.Tensor, data_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,6 +403,7 @@ def norm_cast_update(
     mean = None if rms else torch.empty((m, 1), dtype=torch.float32, device=x.device)
     data, data_t, scale_inv = _outputs(m, n, dtype, transpose, x.device)
     u8, u8_t = _u8(data, data_t)
+    bm, bn, warps = tile()
     block = min(STATS_BLOCK, triton.next_power_of_2(n))
     rows = max(1, STATS_ELEMENTS // block)
     with _on(x.device):
@@ -388,13 +411,13 @@ def norm_cast_update(
             x, mean if mean is not None else rstd, rstd, m, n, float(n), x.stride(0),
             x.stride(1), _float32(eps), RMS=rms, ROWS=rows, BLOCK=block, num_warps=4,
         )
-        _norm_cast_kernel[_grid(m, n)](
+        _norm_cast_kernel[_grid(m, n, bm, bn)](
             x, mean if mean is not None else rstd, rstd, weight,
             bias if bias is not None else weight, scale, u8, u8_t, workspace, history, scale_inv,
             m, n, x.stride(0), x.stride(1), float(fp8_max), history.numel(), float(factor),
             RMS=rms, HAS_BIAS=bias is not None, E5M2=dtype == torch.float8_e5m2,
-            TRANSPOSE=transpose, MOST_RECENT=most_recent, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_H=block_h, num_warps=NUM_WARPS,
+            TRANSPOSE=transpose, MOST_RECENT=most_recent, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_H=block_h, num_warps=warps,
         )
     return data, data_t, scale_inv, mean, rstd
 
@@ -420,13 +443,14 @@ def act_cast_update(
     f = width // 2 if glu else width
     data, data_t, scale_inv = _outputs(m, f, dtype, transpose, h.device)
     u8, u8_t = _u8(data, data_t)
+    bm, bn, warps = tile()
     with _on(h.device):
-        _act_cast_kernel[_grid(m, f)](
+        _act_cast_kernel[_grid(m, f, bm, bn)](
             h, scale, u8, u8_t, workspace, history, scale_inv,
             m, f, h.stride(0), float(fp8_max), history.numel(), float(factor),
             ACT=act_id, GLU=glu, E5M2=dtype == torch.float8_e5m2, TRANSPOSE=transpose,
-            MOST_RECENT=most_recent, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_H=block_h,
-            num_warps=NUM_WARPS,
+            MOST_RECENT=most_recent, BLOCK_M=bm, BLOCK_N=bn, BLOCK_H=block_h,
+            num_warps=warps,
         )
     return data, data_t, scale_inv
 
@@ -455,16 +479,17 @@ def dact_cast_update(
     m, f = grad.shape
     width = h.shape[1]
     data, data_t, scale_inv = _outputs(m, width, dtype, transpose, h.device)
+    bm, bn, warps = tile()
     sums = None
     if column_sums:
-        sums = torch.empty((triton.cdiv(m, BLOCK_M), width), dtype=torch.float32, device=h.device)
+        sums = torch.empty((triton.cdiv(m, bm), width), dtype=torch.float32, device=h.device)
     u8, u8_t = _u8(data, data_t)
     with _on(h.device):
-        _dact_cast_kernel[_grid(m, f)](
+        _dact_cast_kernel[_grid(m, f, bm, bn)](
             grad, h, scale, u8, u8_t, sums if sums is not None else scale, workspace, history,
             scale_inv, m, f, grad.stride(0), h.stride(0), float(fp8_max), history.numel(),
             float(factor), ACT=act_id, GLU=glu, E5M2=dtype == torch.float8_e5m2,
             TRANSPOSE=transpose, COLUMN_SUMS=column_sums, MOST_RECENT=most_recent,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_H=block_h, num_warps=NUM_WARPS,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_H=block_h, num_warps=warps,
         )
     return data, data_t, scale_inv, sums
