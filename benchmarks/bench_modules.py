@@ -690,7 +690,10 @@ def run_blocks(args: argparse.Namespace) -> dict:
         if cuda and not args.no_profile:
             for v in variants:
                 use(v)
-                breakdown[v] = kernel_breakdown(steps[v], lambda v=v: clear(v))
+                try:
+                    breakdown[v] = kernel_breakdown(steps[v], lambda v=v: clear(v))
+                except Exception as err:  # noqa: BLE001 - the timings stand without it
+                    breakdown[v] = {"error": f"{type(err).__name__}: {err}"}
     finally:
         if saved_fuse is None:
             os.environ.pop(_fused.FUSE_ENV, None)
@@ -744,7 +747,7 @@ def print_blocks(report: dict) -> None:
     print(f"{'variant':<18} {'step ms':>9} {'min':>9} {'max':>9} {'TFLOP/s':>8} "
           f"{'GPU ms/mb':>10} {'host ms/mb':>11}  " + " ".join(f"{k:>10}" for k in KINDS))
     for r in report["results"]:
-        parts = r["breakdown"]["ms"] if r["breakdown"] else {}
+        parts = (r["breakdown"] or {}).get("ms", {})
         print(f"{r['variant']:<18} {r['median_ms']:>9.2f} {r['min_ms']:>9.2f} {r['max_ms']:>9.2f} "
               f"{r['tflops']:>8.1f} {r['gpu_ms_per_microbatch']:>10.3f} "
               f"{r['host_ms_per_microbatch']:>11.3f}  "
