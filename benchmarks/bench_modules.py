@@ -48,6 +48,39 @@ On the GPU machine (one H200)::
 CPU smoke run (small sizes, seconds)::
 
     python benchmarks/bench_modules.py --quick --out /tmp/bench_modules.json
+
+``--suite blocks``: a stack of ``--blocks`` pre-norm residual MLP blocks, ``x + mlp(x)`` with
+``mlp = fc2(gelu(fc1(LayerNorm(x))))`` (hidden ``--hidden``, ffn ``--ffn``, bf16 parameters),
+trained on ``--microbatches`` microbatches of ``--tokens`` rows per step, each microbatch's
+forward then full backward (input gradients too, as in a pipeline stage; gradients accumulate
+over the step; no pipeline, no optimizer), in these variants:
+
+- ``torch.nn``              nn.LayerNorm, nn.Linear, F.gelu (tanh), nn.Linear: the reference
+- ``zbpp bf16``             zbpp ``LayerNormMLP``, weight gradients in the backward
+- ``zbpp bf16 delayed``     the same with ``delay_wgrad_compute=True``: B, then ``backward_dw``
+                            of every block (W) after each microbatch's B
+- ``zbpp fp8``, ``zbpp fp8 delayed``  the same inside ``fp8_autocast`` (HYBRID, delayed scaling,
+                            the default recipe), ``is_first_microbatch`` True on the first
+                            microbatch and False on the others (the weights' casts kept)
+- ``zbpp fp8 unfused``      ``zbpp fp8`` with ``ZBPP_FP8_FUSE=0``: norm, GELU and its gradient
+                            written in bf16 and cast separately (what the fusions save)
+
+A step is timed with CUDA events from an idle GPU (median over ``--iters`` steps in each of
+``--rounds`` interleaved rounds). ``host ms/mb`` is the host's time to issue one microbatch
+(forward, backward, W) behind a sleeping GPU: when it approaches the GPU's time per microbatch,
+Python sets the pace (the launch-bound regime of small blocks). One step of each variant is then
+profiled (torch.profiler) and its GPU kernels are summed by kind: GEMMs, casts (the FP8 cast and
+scale-update kernels), norm (LayerNorm kernels and the fused norm+cast ones), activation (GELU,
+its gradient, and the fused activation+cast ones), other (residual adds, bias sums, copies).
+
+Targets (issue 16, H200): hidden 4096, ffn 16384, 4096 tokens, 16 blocks, 8 microbatches:
+``zbpp bf16`` / ``zbpp fp8`` >= 1.65; hidden 1024, ffn 4096, 2048 tokens, 32 blocks:
+``zbpp bf16 delayed`` within 10% of ``torch.nn``::
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_modules.py --suite blocks --hidden 4096 \
+        --ffn 16384 --tokens 4096 --blocks 16 --out $OUT/bench_modules_blocks_4096.json
+    PYTHONPATH=$PWD python3 benchmarks/bench_modules.py --suite blocks --hidden 1024 \
+        --ffn 4096 --tokens 2048 --blocks 32 --out $OUT/bench_modules_blocks_1024.json
 """
 
 from __future__ import annotations
@@ -68,8 +101,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
-from zbpp.modules import DelayedScaling, Linear, fp8_autocast  # noqa: E402
+from zbpp.modules import DelayedScaling, LayerNormMLP, Linear, microbatch  # noqa: E402
+from zbpp.modules import fp8_autocast  # noqa: E402
+from zbpp.modules import _fused  # noqa: E402
 from zbpp.modules import fp8 as fp8mod  # noqa: E402
 from zbpp.modules.fp8 import ScalingMeta, quantize, quantize_and_column_sum  # noqa: E402
 
@@ -83,14 +120,37 @@ CASES = (
 )
 
 
+BLOCK_VARIANTS = (
+    "torch.nn",
+    "zbpp bf16",
+    "zbpp bf16 delayed",
+    "zbpp fp8",
+    "zbpp fp8 delayed",
+    "zbpp fp8 unfused",
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, default=8192, help="rows per step (sequence x batch)")
+    ap.add_argument("--suite", choices=("linear", "blocks", "pipeline"), default="linear",
+                    help="linear: the Linear stack and the casts; blocks: residual MLP blocks; "
+                    "pipeline: the blocks split over the ranks of --schedule (torchrun)")
+    ap.add_argument("--schedule", default="zb-v", help="pipeline: the zbpp schedule")
+    ap.add_argument("--hidden", type=int, default=None, help="default 8192 (linear), 4096")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="rows per step (linear, default 8192) or per microbatch (blocks, 4096)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=10, help="timed steps per case and round")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per case and round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ffn", type=int, default=None, help="blocks: ffn width (default 4 x hidden)")
+    ap.add_argument("--blocks", type=int, default=16, help="blocks: how many")
+    ap.add_argument("--microbatches", type=int, default=8, help="blocks: microbatches per step")
+    ap.add_argument("--variants", default=",".join(BLOCK_VARIANTS),
+                    help="blocks: which variants (comma separated)")
+    ap.add_argument("--no-profile", action="store_true", help="blocks: skip the kernel breakdown")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed steps per case and round (default 10; blocks 5)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps per case and round (default 3; blocks 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="default 3 (linear), 2 (blocks)")
     ap.add_argument(
         "--sustain", type=float, default=1.0,
         help="seconds of back-to-back steps per case and round for the sustained rate (0: skip)",
@@ -103,10 +163,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny CPU-sized smoke run")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    blocks = args.suite != "linear"
+    defaults = dict(hidden=4096 if blocks else 8192, tokens=4096 if blocks else 8192,
+                    iters=5 if blocks else 10, warmup=2 if blocks else 3, rounds=2 if blocks else 3)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
         args.hidden, args.tokens, args.layers = 256, 256, 2
         args.iters, args.warmup, args.rounds = 3, 1, 2
         args.sustain = min(args.sustain, 0.1)
+        if blocks:
+            args.hidden, args.tokens, args.microbatches = 64, 64, 2
+            args.blocks = 4 if args.suite == "pipeline" else 3
+    if args.ffn is None:
+        args.ffn = 4 * args.hidden
+    unknown = set(args.variants.split(",")) - set(BLOCK_VARIANTS)
+    if unknown:
+        ap.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(BLOCK_VARIANTS)}")
     return args
 
 
@@ -440,10 +514,403 @@ def print_table(report: dict) -> None:
         )
 
 
+# -- block stacks --------------------------------------------------------------------------------
+
+
+class TorchMLP(nn.Module):
+    """The torch.nn reference of LayerNormMLP(activation="gelu"): the same computation."""
+
+    def __init__(self, hidden: int, ffn: int, **kw) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, **kw)
+        self.fc1 = nn.Linear(hidden, ffn, **kw)
+        self.fc2 = nn.Linear(ffn, hidden, **kw)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+class Residual(nn.Module):
+    """``x + mlp(x)``: a pre-norm block."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        return x + self.mlp(x, is_first_microbatch=is_first_microbatch)
+
+
+def make_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
+    torch.manual_seed(0)
+    kw = dict(device=args.device)
+    if variant == "torch.nn":
+        return [Residual(TorchMLP(args.hidden, args.ffn, dtype=torch.bfloat16, **kw))
+                for _ in range(args.blocks)]
+    return [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
+                                  delay_wgrad_compute="delayed" in variant, **kw))
+            for _ in range(args.blocks)]
+
+
+def make_block_step(
+    blocks: list[Residual], xs: list[torch.Tensor], grad: torch.Tensor, variant: str
+) -> Callable[[], None]:
+    """One training step: every microbatch's forward and backward (and W when delayed)."""
+    fp8 = "fp8" in variant
+    delayed = "delayed" in variant
+    recipe = DelayedScaling(amax_history_len=16)
+
+    def microbatch_step(j: int, x: torch.Tensor) -> None:
+        with microbatch(j), fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            h = x
+            for block in blocks:
+                h = block(h, is_first_microbatch=(j == 0) if fp8 else None)
+        h.backward(grad)
+        if delayed:
+            for block in reversed(blocks):  # W in the order a pipeline stage runs it
+                block.mlp.backward_dw(j)
+
+    def step() -> None:
+        for j, x in enumerate(xs):
+            microbatch_step(j, x)
+
+    step.microbatch = microbatch_step  # type: ignore[attr-defined]
+    return step
+
+
+_FUSED_KERNELS = {"_norm_stats_kernel": "norm", "_norm_cast_kernel": "norm",
+                  "_act_cast_kernel": "activation", "_dact_cast_kernel": "activation",
+                  "_cast_transpose_amax_kernel": "cast", "_update_scale_kernel": "cast"}
+_GEMM_WORDS = ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "scaled_mm", "splitk")
+
+
+def kernel_kind(name: str) -> str:
+    """GEMMs, casts, norm, activation or other, from a GPU kernel's name."""
+    for kernel, kind in _FUSED_KERNELS.items():
+        if kernel in name:
+            return kind
+    low = name.lower()
+    if any(word in low for word in _GEMM_WORDS):
+        return "gemm"
+    if "norm" in low or "gammabeta" in low:
+        return "norm"
+    if "gelu" in low:
+        return "activation"
+    if "float8" in low or "fp8" in low or "e4m3" in low or "e5m2" in low:
+        return "cast"
+    return "other"
+
+
+KINDS = ("gemm", "cast", "norm", "activation", "other")
+
+
+def kernel_breakdown(step: Callable[[], None], clear: Callable[[], None]) -> dict:
+    """GPU milliseconds of one profiled step by kernel kind, and the largest 'other' kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    clear()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_kind = {kind: 0.0 for kind in KINDS}
+    counts = {kind: 0 for kind in KINDS}
+    others: list[tuple[float, str]] = []
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = evt.self_device_time_total / 1e3
+        kind = kernel_kind(evt.key)
+        by_kind[kind] += ms
+        counts[kind] += evt.count
+        if kind == "other":
+            others.append((ms, evt.key))
+    total = sum(by_kind.values())
+    return {
+        "ms": {k: round(v, 3) for k, v in by_kind.items()},
+        "share": {k: round(v / total, 4) if total else 0.0 for k, v in by_kind.items()},
+        "kernels": counts,
+        "total_ms": round(total, 3),
+        "largest_other": [{"ms": round(ms, 3), "kernel": name[:120]}
+                          for ms, name in sorted(others, reverse=True)[:5]],
+    }
+
+
+# A sleeping GPU while the host issues one microbatch (at most ~1000 kernels queue unblocked).
+HOST_SLEEP_CYCLES = 200_000_000
+
+
+def run_blocks(args: argparse.Namespace) -> dict:
+    variants = [v for v in BLOCK_VARIANTS if v in args.variants.split(",")]
+    cuda = args.device.startswith("cuda")
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    xs = [torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
+                      dtype=torch.bfloat16).requires_grad_(True)
+          for _ in range(args.microbatches)]
+    grad = torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
+                       dtype=torch.bfloat16) / (args.tokens * args.hidden)
+    stacks = {v: make_blocks(args, v) for v in variants}
+    steps = {v: make_block_step(stacks[v], xs, grad, v) for v in variants}
+    timer = Timer(args.device)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    host: dict[str, list[float]] = {v: [] for v in variants}
+    fused: dict[str, dict[str, int]] = {}
+    saved_fuse = os.environ.get(_fused.FUSE_ENV)
+
+    def clear(variant: str) -> None:
+        for x in xs:
+            x.grad = None
+        for block in stacks[variant]:
+            block.zero_grad(set_to_none=True)
+
+    def use(variant: str) -> None:
+        os.environ[_fused.FUSE_ENV] = "0" if "unfused" in variant else "1"
+
+    try:
+        for _ in range(args.rounds):
+            for v in variants:
+                use(v)
+                _fused.reset_fused_path_counts()
+                for i in range(args.warmup + args.iters):
+                    clear(v)
+                    ms = timer(steps[v])
+                    if i >= args.warmup:
+                        times[v].append(ms)
+                fused[v] = _fused.fused_path_counts()
+                clear(v)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(HOST_SLEEP_CYCLES)
+                t = time.perf_counter()
+                steps[v].microbatch(0, xs[0])
+                host[v].append(1e3 * (time.perf_counter() - t))
+                if cuda:
+                    torch.cuda.synchronize()
+        breakdown = {}
+        if cuda and not args.no_profile:
+            for v in variants:
+                use(v)
+                try:
+                    breakdown[v] = kernel_breakdown(steps[v], lambda v=v: clear(v))
+                except Exception as err:  # noqa: BLE001 - the timings stand without it
+                    breakdown[v] = {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        if saved_fuse is None:
+            os.environ.pop(_fused.FUSE_ENV, None)
+        else:
+            os.environ[_fused.FUSE_ENV] = saved_fuse
+    flop = 6 * 2 * args.tokens * args.hidden * args.ffn * args.blocks * args.microbatches
+    results = []
+    for v in variants:
+        med = statistics.median(times[v])
+        results.append({
+            "variant": v, "median_ms": med, "min_ms": min(times[v]), "max_ms": max(times[v]),
+            "tflops": flop / med / 1e9, "host_ms_per_microbatch": statistics.median(host[v]),
+            "gpu_ms_per_microbatch": med / args.microbatches,
+            "samples_ms": [round(t, 3) for t in times[v]], "fused_paths": fused[v],
+            "breakdown": breakdown.get(v),
+        })
+    by = {r["variant"]: r["median_ms"] for r in results}
+
+    def ratio(a: str, b: str) -> float | None:
+        return by[a] / by[b] if a in by and b in by else None
+
+    return {
+        "suite": "blocks",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": results,
+        "ratios": {
+            "fp8_speedup": ratio("zbpp bf16", "zbpp fp8"),
+            "fp8_speedup_delayed": ratio("zbpp bf16 delayed", "zbpp fp8 delayed"),
+            "fusion_speedup": ratio("zbpp fp8 unfused", "zbpp fp8"),
+            "zbpp_bf16_over_torch_nn": ratio("zbpp bf16", "torch.nn"),
+            "zbpp_bf16_delayed_over_torch_nn": ratio("zbpp bf16 delayed", "torch.nn"),
+        },
+        "fp8_gemm_paths": fp8mod.gemm_path_counts(),
+        "fp8_cast_paths": fp8mod.cast_path_counts(),
+        "env": {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "python": platform.python_version(),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+
+
+def print_blocks(report: dict) -> None:
+    cfg = report["config"]
+    print(
+        f"{cfg['blocks']} blocks x + LayerNormMLP(x): hidden {cfg['hidden']}, ffn {cfg['ffn']}, "
+        f"{cfg['microbatches']} microbatches of {cfg['tokens']} tokens, forward + backward, "
+        f"on {report['env']['device']}"
+    )
+    print(f"{'variant':<18} {'step ms':>9} {'min':>9} {'max':>9} {'TFLOP/s':>8} "
+          f"{'GPU ms/mb':>10} {'host ms/mb':>11}  " + " ".join(f"{k:>10}" for k in KINDS))
+    for r in report["results"]:
+        parts = (r["breakdown"] or {}).get("ms", {})
+        print(f"{r['variant']:<18} {r['median_ms']:>9.2f} {r['min_ms']:>9.2f} {r['max_ms']:>9.2f} "
+              f"{r['tflops']:>8.1f} {r['gpu_ms_per_microbatch']:>10.3f} "
+              f"{r['host_ms_per_microbatch']:>11.3f}  "
+              + " ".join(f"{parts.get(k, float('nan')):>10.2f}" for k in KINDS))
+    q = report["ratios"]
+
+    def show(name: str, value: float | None, note: str = "") -> None:
+        if value is not None:
+            print(f"{name}: {value:.3f}{note}")
+
+    show("FP8 speedup (zbpp bf16 / zbpp fp8)", q["fp8_speedup"],
+         "  (target >= 1.65 at hidden 4096)")
+    show("FP8 speedup, delayed wgrad", q["fp8_speedup_delayed"])
+    show("fusion speedup (fp8 unfused / fp8)", q["fusion_speedup"])
+    show("zbpp bf16 delayed / torch.nn", q["zbpp_bf16_delayed_over_torch_nn"],
+         "  (target <= 1.10 at hidden 1024)")
+    show("zbpp bf16 / torch.nn", q["zbpp_bf16_over_torch_nn"])
+    print(f"FP8 GEMM paths: {report['fp8_gemm_paths']}")
+    print(f"FP8 cast paths: {report['fp8_cast_paths']}")
+
+
+# -- the block stack under a pipeline schedule (torchrun) --------------------------------------
+
+
+class PipelineStage(nn.Module):
+    """A pipeline stage of residual LayerNormMLP blocks; in FP8 its forward runs inside
+    fp8_autocast and keeps the weights' casts after the step's first microbatch (the runtime
+    runs F inside ``microbatch((stage, j))``)."""
+
+    def __init__(self, blocks: list[Residual], fp8: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.fp8 = fp8
+        self.recipe = DelayedScaling(amax_history_len=16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from zbpp.modules import current_microbatch
+
+        key = current_microbatch()
+        first = (key is not None and key[1] == 0) if self.fp8 else None
+        with fp8_autocast(enabled=self.fp8, fp8_recipe=self.recipe):
+            for block in self.blocks:
+                x = block(x, is_first_microbatch=first)
+        return x
+
+
+PIPELINE_VARIANTS = ("zbpp bf16 delayed", "zbpp fp8 delayed")
+
+
+def run_pipeline(args: argparse.Namespace) -> dict | None:
+    """Step time of the block stack under `args.schedule` on every rank (torchrun); rank 0
+    returns the report."""
+    import torch.distributed as dist
+
+    from zbpp import Pipeline
+    from zbpp.runtime import init_distributed
+    from zbpp.schedules import build
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available()
+    args.device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+    sched = build(args.schedule, num_ranks=world, num_microbatches=args.microbatches)
+    if args.blocks % sched.num_stages:
+        raise SystemExit(f"--blocks {args.blocks} must split evenly over {sched.num_stages} stages")
+    per_stage = args.blocks // sched.num_stages
+    gen = torch.Generator(device=args.device).manual_seed(1)  # the same batch on every rank
+    rows = args.microbatches * args.tokens
+    x = torch.randn(rows, args.hidden, generator=gen, device=args.device, dtype=torch.bfloat16)
+    y = torch.randn(rows, args.hidden, generator=gen, device=args.device, dtype=torch.bfloat16)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out.float() * target.float()).mean()  # a fixed full-rank output gradient
+
+    times: dict[str, list[float]] = {}
+    for variant in PIPELINE_VARIANTS:
+        stages = {}
+        for s in sched.stages_on(rank):
+            torch.manual_seed(1000 + s)
+            blocks = [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
+                                            delay_wgrad_compute=True, device=args.device))
+                      for _ in range(per_stage)]
+            stages[s] = PipelineStage(blocks, fp8="fp8" in variant)
+        pipe = Pipeline(stages, sched, loss_fn=loss_fn)
+        times[variant] = []
+        for i in range(args.warmup + args.iters):
+            for m in stages.values():
+                m.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t = time.perf_counter()
+            pipe.step(x, target=y)
+            if cuda:
+                torch.cuda.synchronize()
+            took = torch.tensor([time.perf_counter() - t], dtype=torch.float64,
+                                device=args.device if backend_is_nccl() else "cpu")
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                times[variant].append(1e3 * took.item())
+        del pipe, stages
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank != 0:
+        return None
+    med = {v: statistics.median(t) for v, t in times.items()}
+    return {
+        "suite": "pipeline",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "ranks": world,
+        "results": [{"variant": v, "median_ms": med[v], "min_ms": min(times[v]),
+                     "max_ms": max(times[v]), "samples_ms": [round(t, 3) for t in times[v]]}
+                    for v in PIPELINE_VARIANTS],
+        "ratios": {"fp8_speedup": med["zbpp bf16 delayed"] / med["zbpp fp8 delayed"]},
+        "fused_paths": _fused.fused_path_counts(),
+        "fp8_cast_paths": fp8mod.cast_path_counts(),
+        "env": {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "python": platform.python_version(),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+
+
+def backend_is_nccl() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend() == "nccl"
+
+
+def print_pipeline(report: dict) -> None:
+    cfg = report["config"]
+    print(
+        f"{cfg['schedule']} on {report['ranks']} ranks: {cfg['blocks']} blocks x + "
+        f"LayerNormMLP(x), hidden {cfg['hidden']}, ffn {cfg['ffn']}, {cfg['microbatches']} "
+        f"microbatches of {cfg['tokens']} tokens, on {report['env']['device']}"
+    )
+    for r in report["results"]:
+        print(f"{r['variant']:<18} step {r['median_ms']:9.2f} ms (min {r['min_ms']:.2f}, "
+              f"max {r['max_ms']:.2f})")
+    print(f"FP8 speedup of the step: {report['ratios']['fp8_speedup']:.3f}  (target >= 1.6)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report = run(args)
-    print_table(report)
+    if args.suite == "pipeline":
+        from zbpp.runtime import shutdown_and_exit
+
+        report = run_pipeline(args)
+        if report is not None:
+            print_pipeline(report)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(report, indent=2) + "\n")
+                print(f"wrote {args.out}")
+        shutdown_and_exit(0)
+    if args.suite == "blocks":
+        report = run_blocks(args)
+        print_blocks(report)
+    else:
+        report = run(args)
+        print_table(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -508,3 +508,61 @@ def test_deepcopy_keeps_flags_and_drops_pending_work():
     twin.backward_dw(5)
     layer.backward_dw(0)
     assert twin.fc1_weight.grad is not None
+
+
+# -- main_grad accumulation against plain autograd -------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager", "delayed"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP",
+                                  "SwiGLU-MLP"])
+def test_main_grad_accumulates_over_microbatches_like_plain_autograd(name, bias, delay):
+    """Four microbatches into main_grad (which already holds a value, as between two optimizer
+    steps of a gradient-accumulating loop), W in reverse order when delayed: main_grad ends at
+    its start plus the sum of the four weight gradients that plain autograd gives for the same
+    float32 functions (`_functional`), .grad of the weights stays None, and biases and norm
+    parameters sum their four gradients in .grad.
+
+    Tolerance rtol 1e-5 (atol 1e-5 of the gradients' scale): both sides are float32 but order
+    their sums differently (the GEMMs, four accumulations in another order); a gradient dropped,
+    counted twice or sent to .grad instead differs by O(1).
+    """
+    _, layer, _ = make_pair(name, bias=bias)
+    if not delay:
+        layer.delay_wgrad_compute = False
+    layer.fuse_wgrad_accumulation = True
+    gen = torch.Generator().manual_seed(9)
+    start = {}
+    for n, p in layer.named_parameters():
+        if p.dim() == 2:
+            p.main_grad = torch.randn(p.shape, generator=gen)
+            start[n] = p.main_grad.clone()
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
+    cfg = {a: getattr(layer, a, None) for a in ("normalization", "eps", "activation")}
+    kind = type(layer).__name__
+    want = {n: torch.zeros_like(p) for n, p in params.items()}
+    for j in range(4):
+        x = torch.randn(5, HIDDEN, generator=gen)
+        dy = torch.randn(5, out_features(layer), generator=gen)
+        with microbatch(j):
+            y = layer(x)
+        y.backward(dy)
+        y_ref = _functional(kind, cfg, params, x)
+        grads = torch.autograd.grad(y_ref, list(params.values()), dy)
+        for n, g in zip(params, grads):
+            want[n] += g
+    if delay:
+        assert layer.pending_wgrad_keys() == [0, 1, 2, 3]
+        for j in reversed(range(4)):
+            layer.backward_dw(j)
+    for n, p in layer.named_parameters():
+        scale = want[n].abs().max().item()
+        if n in start:
+            assert p.grad is None, f"{n}: the weight gradient also went to .grad"
+            torch.testing.assert_close(p.main_grad, start[n] + want[n], rtol=1e-5,
+                                       atol=1e-5 * scale, msg=n)
+        else:
+            assert not hasattr(p, "main_grad")
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-5 * scale, msg=n)
+    assert bias == any(n.endswith("bias") and "norm" not in n for n, _ in layer.named_parameters())

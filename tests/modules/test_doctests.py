@@ -9,7 +9,11 @@ import pytest
 
 MODULES = [
     "zbpp.modules",
+    "zbpp.modules._activations",
     "zbpp.modules._fp8_weight_cache",
+    "zbpp.modules._fused",
+    "zbpp.modules._init",
+    "zbpp.modules._norm",
     "zbpp.modules.base",
     "zbpp.modules.context",
     "zbpp.modules.fp8",

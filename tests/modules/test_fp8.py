@@ -2,14 +2,14 @@
 
 Numerics are checked elementwise against float64 references with the bounds derived in
 `fp8_bounds` (about 13% of |A||B| for a forward GEMM, 20% for a gradient GEMM, plus subnormal and
-rounding terms); the scale update against hand-worked histories.
+rounding terms); the scale update against hand-worked histories. The whole LayerNormMLP, every
+activation, is in test_mlp_fp8.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.modules import fp8_bounds as fb
 from zbpp.modules import DelayedScaling, Format, LayerNormMLP, Linear, fp8_autocast, microbatch
@@ -279,98 +279,6 @@ def test_only_the_forward_gemm_uses_fast_accumulation(monkeypatch, fast):
     assert calls == [fast, False, False]  # wgrad in W
 
 
-def _gelu64(h):
-    return 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
-
-
-def _gelu_lipschitz():
-    """sup |gelu'| and sup |gelu''| of tanh-GELU, from a fine float64 grid (+1% for the grid)."""
-    h = torch.linspace(-12, 12, 240_001, dtype=torch.float64, requires_grad=True)
-    (d1,) = torch.autograd.grad(_gelu64(h).sum(), h, create_graph=True)
-    (d2,) = torch.autograd.grad(d1.sum(), h)
-    return 1.01 * d1.abs().max().item(), 1.01 * d2.abs().max().item()
-
-
-def mlp_fp8_case(*, device="cpu", accumulation=None, fprop_accumulation=None):
-    """Delayed FP8 LayerNormMLP (fp32, tanh-GELU) vs float64, errors propagated through the layers.
-
-    Forward: E_h1 = bound (2) for fc1 with its input's own float32 LayerNorm error e_ln; GELU is
-    L1-Lipschitz, so |a_hat - a| <= L1 E_h1 (+ 2^-19 (|h1| + E_h1) for its float32 rounding); fc2
-    then gets bound (2) with that upstream error. Backward: dA2 = r W2 by (2); dh1 = dA2 gelu'(h1)
-    with |gelu'(h1_hat) - gelu'(h1)| <= L2 E_h1; fc1's wgrad by (2). margin=1 leaves the headroom
-    delayed scaling needs when an amax grows between calibration steps (no clamping).
-    """
-    torch.manual_seed(1)
-    hid, ffn, t = 32, 64, 32
-    mlp = LayerNormMLP(hid, ffn, delay_wgrad_compute=True, device=device)
-    with torch.no_grad():
-        for p in (mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_bias, mlp.fc2_bias):
-            p.add_(0.3 * torch.randn_like(p))
-        mlp.fc1_weight.mul_(10)  # pre-activations of order 1: GELU's curved part matters
-    x = torch.randn(t, hid, device=device)
-    r = torch.randn(t, hid, device=device)
-    rec = DelayedScaling(amax_history_len=16, margin=1)
-    for _ in range(3):
-        with fp8_autocast(fp8_recipe=rec):
-            mlp(x).backward(r)
-        mlp.backward_dw()
-    mlp.zero_grad(set_to_none=True)
-    s = _calibrated_scales(mlp)
-    with fp8_autocast(fp8_recipe=rec):
-        y = mlp(x)
-    y.backward(r)
-    mlp.backward_dw()
-
-    p = {n: q.detach().double() for n, q in mlp.named_parameters()}
-    x64, r64 = x.double(), r.double()
-    ln = F.layer_norm(x64, (hid,), p["layer_norm_weight"], p["layer_norm_bias"], mlp.eps)
-    ln32 = F.layer_norm(x, (hid,), mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.eps).double()
-    e_ln = 1e-5 * (ln.abs() + 1)  # float32 LayerNorm's own error: an allowance, checked here
-    assert ((ln32 - ln).abs() <= e_ln).all()
-    l1, l2 = _gelu_lipschitz()
-    w1t, w2t = p["fc1_weight"].t(), p["fc2_weight"].t()
-    kw = dict(out_dtype=torch.float32, accumulation=accumulation)
-    fprop = dict(kw, accumulation=fprop_accumulation or accumulation)
-
-    e_a1 = fb.cast_error(ln, s["fc1_input"], E4M3, upstream=e_ln)
-    e_w1 = fb.cast_error(w1t, s["fc1_weight"], E4M3)
-    h1 = ln @ w1t + p["fc1_bias"]
-    e_h1 = fb.gemm_error(ln, w1t, e_a1, e_w1, bias=p["fc1_bias"], **fprop)
-    a = _gelu64(h1)
-    e_a = l1 * e_h1 + 2.0**-19 * (h1.abs() + e_h1)
-    e_a2 = fb.cast_error(a, s["fc2_input"], E4M3, upstream=e_a)
-    e_w2 = fb.cast_error(w2t, s["fc2_weight"], E4M3)
-    y64 = a @ w2t + p["fc2_bias"]
-    _check("output", y, y64, fb.gemm_error(a, w2t, e_a2, e_w2, bias=p["fc2_bias"], **fprop),
-           min_rel_err=1e-4)
-
-    e_r = fb.cast_error(r64, s["fc2_grad_output"], E5M2)
-    _check("fc2 weight grad", mlp.fc2_weight.grad, r64.t() @ a,
-           fb.gemm_error(r64.t(), a, e_r.t(), e_a2, **kw), min_rel_err=1e-3)
-    _check("fc2 bias grad", mlp.fc2_bias.grad, r64.sum(0),
-           fb.gamma(t) * r64.abs().sum(0) + 2.0**-24 * r64.sum(0).abs())
-    d_a2 = r64 @ w2t.t()
-    e_da2 = fb.gemm_error(r64, w2t.t(), e_r, e_w2.t(), **kw)
-    h = h1.clone().requires_grad_(True)
-    (gp,) = torch.autograd.grad(_gelu64(h).sum(), h)
-    dh1 = d_a2 * gp
-    e_dh1 = (e_da2 * (gp.abs() + l2 * e_h1) + d_a2.abs() * l2 * e_h1
-             + 2.0**-19 * (d_a2.abs() + e_da2) * (gp.abs() + l2 * e_h1 + 1))
-    e_g1 = fb.cast_error(dh1, s["fc1_grad_output"], E5M2, upstream=e_dh1)
-    _check("fc1 weight grad", mlp.fc1_weight.grad, dh1.t() @ ln,
-           fb.gemm_error(dh1.t(), ln, e_g1.t(), e_a1, **kw), min_rel_err=1e-3)
-    db1_bound = (e_dh1.sum(0) + fb.gamma(t) * (dh1.abs() + e_dh1).sum(0)
-                 + 2.0**-24 * dh1.sum(0).abs())
-    _check("fc1 bias grad", mlp.fc1_bias.grad, dh1.sum(0), db1_bound)
-
-
-def test_layernorm_mlp_fp8_numerics_within_propagated_bound():
-    fp8mod.reset_gemm_path_counts()
-    mlp_fp8_case()
-    counts = gemm_path_counts()
-    assert counts["scaled_mm"] == 4 * 6 and counts["dequantized"] == 0  # 4 passes x 6 GEMMs
-
-
 # -- the consumed-bias case ---------------------------------------------------------------------
 
 
@@ -437,15 +345,6 @@ def test_gpu_linear_fp8_runs_scaled_mm_within_bound(fast):
         fprop_accumulation=_hopper_fast_accumulation(512) if fast else None,
     )
     assert counts == {"scaled_mm": 3, "dequantized": 0}
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_layernorm_mlp_fp8_within_bound():
-    fp8mod.reset_gemm_path_counts()
-    mlp_fp8_case(device="cuda", accumulation=_hopper_accumulation(64),
-                 fprop_accumulation=_hopper_fast_accumulation(64))
-    assert gemm_path_counts()["dequantized"] == 0
 
 
 @pytest.mark.gpu

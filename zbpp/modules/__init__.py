@@ -3,10 +3,14 @@
 ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` built with ``delay_wgrad_compute=True``
 compute only input gradients in their backward (B) and keep a wgrad job per forward, filed under
 the microbatch key the forward ran in (``with microbatch(key):``); ``backward_dw(key)`` (W)
-computes it. Inside ``fp8_autocast`` their GEMMs run in FP8 with delayed scaling; their
-``forward(x, is_first_microbatch=...)`` keeps the weights' FP8 casts across the microbatches of an
-optimizer step, as Transformer Engine's does. This package imports neither the runtime nor the
-schedules.
+computes it. Each call is one autograd node (``_layer_function``). ``LayerNormLinear`` and
+``LayerNormMLP`` take ``normalization="LayerNorm"`` or ``"RMSNorm"``, and ``LayerNormMLP`` the
+activations Transformer Engine names (gelu, qgelu, relu, srelu, silu and their gated units geglu,
+qgeglu, reglu, sreglu, swiglu). Inside ``fp8_autocast`` their GEMMs run in FP8 with delayed
+scaling, on Hopper with the norm, the activation and its gradient fused into the casts of their
+outputs (``_fused``); their ``forward(x, is_first_microbatch=...)`` keeps the weights' FP8 casts
+across the microbatches of an optimizer step, as Transformer Engine's does. This package imports
+neither the runtime nor the schedules.
 
 >>> import torch
 >>> from zbpp.modules import Linear, microbatch, is_delayed, supports_keys

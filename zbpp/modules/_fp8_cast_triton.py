@@ -39,6 +39,7 @@ their column sums of x (a bias gradient, summed from the unquantised values in t
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -75,31 +76,138 @@ NUM_WARPS = 4
 MAX_HISTORY = 1 << 16  # the update kernel holds the whole history in one program
 MAX_FUSED_HISTORY = 1 << 12  # ... and so does the cast's last tile, with the cast's few warps
 
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, read when a kernel
+    module is imported: that is when ``triton.jit`` picks the interpreter)."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 if triton is not None:
+    # Under the interpreter (numpy on CPU tensors) the PTX helpers below cannot run and Triton's own
+    # conversions to bfloat16 and FP8 truncate; the kernels then take the bit-level software
+    # versions in the helpers, which the interpreter tests compare with torch's casts. On a GPU
+    # this constant is False and those branches are not compiled at all.
+    _INTERPRETED = tl.constexpr(_interpreting())
+
+    # tl.sum / tl.max for these 32-bit types, spelled as tl.reduce over the standard library's
+    # combine functions: the interpreter can run only jit functions decorated while it was on (the
+    # standard library's were decorated when Triton was first imported), and it recognises these
+    # combine functions by identity and reduces with numpy without calling them. (Local ones
+    # stand in should a Triton version name them otherwise: correct, only slower interpreted.)
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _maximum(a, b):
+        return tl.maximum(a, b)
+
+    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
+    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _maximum)
+
+    @triton.jit
+    def _sum(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _SUM_COMBINE)
+
+    @triton.jit
+    def _max(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _MAX_COMBINE)
 
     @triton.jit
     def _mul_rn(a, b):
-        # IEEE float32 product: PTX mul.rn.f32 without .ftz, operands as 32-bit registers.
-        return tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;",
-            "=r,r,r",
-            [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        ).to(tl.float32, bitcast=True)
+        # IEEE float32 product: PTX mul.rn.f32 without .ftz, operands as 32-bit registers (numpy's
+        # float32 product under the interpreter, IEEE too). Also keeps the product out of any FMA.
+        if _INTERPRETED:
+            return a * b
+        else:
+            return tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;",
+                "=r,r,r",
+                [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            ).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _rcp_rn(a):
         # IEEE float32 reciprocal (correctly rounded, subnormals kept), as torch.reciprocal.
-        return tl.inline_asm_elementwise(
-            "rcp.rn.f32 $0, $1;",
-            "=r,r",
-            [a.to(tl.int32, bitcast=True)],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        ).to(tl.float32, bitcast=True)
+        if _INTERPRETED:
+            return 1.0 / a
+        else:
+            return tl.inline_asm_elementwise(
+                "rcp.rn.f32 $0, $1;",
+                "=r,r",
+                [a.to(tl.int32, bitcast=True)],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            ).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _div_rn(a, b):
+        # IEEE float32 quotient (``/`` in Triton is the approximate div.full.f32).
+        if _INTERPRETED:
+            return a / b
+        else:
+            return tl.inline_asm_elementwise(
+                "div.rn.f32 $0, $1, $2;",
+                "=r,r,r",
+                [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            ).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _round_bf16(v):
+        """float32 -> the nearest bfloat16 (ties to even), returned as float32: the rounding
+        torch applies when an op on bfloat16 tensors writes its float32 result."""
+        if _INTERPRETED:
+            bits = v.to(tl.int32, bitcast=True)
+            mag = bits & 0x7FFFFFFF
+            up = (mag + 0x7FFF + ((mag >> 16) & 1)) & -65536  # -65536: the mask 0xFFFF0000
+            r = up.to(tl.float32, bitcast=True)
+            r = tl.where(bits < 0, -r, r)
+            return tl.where(v != v, v, r)
+        else:
+            return v.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def _fp8_bits(y, E5M2: tl.constexpr):
+        """The FP8 byte (uint8) of float32 `y`, already clamped to +-fp8_max: round to nearest
+        even; NaN gives 0x7F. On sm_90 one cvt.rn.satfinite per pair of values."""
+        if _INTERPRETED:
+            # SHIFT = 23 - mantissa bits; OFFSET = (127 - bias) << mantissa bits; the smallest
+            # normal 2^(1 - bias); UNIT = 1 / the subnormal spacing 2^(1 - bias - mantissa bits)
+            if E5M2:
+                SHIFT, OFFSET, SMALLEST, UNIT = 21, 448, 6.103515625e-05, 65536.0
+            else:
+                SHIFT, OFFSET, SMALLEST, UNIT = 20, 960, 0.015625, 512.0
+            a = tl.abs(y)
+            mag = a.to(tl.int32, bitcast=True)
+            # normal results: round the float32 mantissa (a carry bumps the exponent)
+            r = mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)
+            normal = (r >> SHIFT) - OFFSET
+            # subnormal results: whole units of the spacing; the scaling is exact and adding 2^23
+            # rounds to an even integer
+            units = tl.where(a < SMALLEST, a, 0.0) * UNIT
+            sub = ((units + 8388608.0) - 8388608.0).to(tl.int32)
+            code = tl.where(a < SMALLEST, sub, normal)
+            code = tl.where(y.to(tl.int32, bitcast=True) < 0, code | 0x80, code)
+            code = tl.where(y != y, 0x7F, code)
+            return code.to(tl.uint8)
+        else:
+            if E5M2:
+                q = y.to(tl.float8e5, fp_downcast_rounding="rtne")
+            else:
+                q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            return q.to(tl.uint8, bitcast=True)
 
     @triton.jit
     def _push_and_rescale(
@@ -125,16 +233,93 @@ if triton is not None:
             no_nan = ref == ref
         else:
             # + zeros: the scalar maximum as a block, so the inline PTX below runs on a block
-            ref = tl.max(tl.where(valid, history, float("-inf")), axis=0) + tl.zeros(
-                [BLOCK], dtype=tl.float32
+            ref = _max(tl.where(valid, history, float("-inf")), 0) + tl.full(
+                [BLOCK], 0.0, tl.float32
             )
-            no_nan = tl.max(tl.where(valid & (history != history), 1, 0), axis=0) == 0
+            no_nan = _max(tl.where(valid & (history != history), 1, 0), 0) == 0
         new = _mul_rn(_rcp_rn(ref), factor)
         usable = no_nan & (ref > 0) & (tl.abs(ref) < float("inf")) & (tl.abs(new) < float("inf"))
         old = tl.load(scale_ptr + i * 0)
         if WRITE_SCALE_INV:  # the reciprocal of the scale this cast used, as torch.reciprocal
             tl.store(scale_inv_ptr + i * 0, _rcp_rn(old), mask=i == 0)
         tl.store(scale_ptr + i * 0, tl.where(usable, new, old), mask=i == 0)
+
+    @triton.jit
+    def _cast_store_tile(
+        xf,  # float32 [BM, BN]: the values to cast; lanes outside the tile must hold zeros
+        row_ok,  # [BM] bool: rows inside the tensor
+        col_ok,  # [BN] bool: columns inside the tensor
+        r64,  # [BM] int64: the tile's rows in the output
+        c64,  # [BN] int64: the tile's columns in the output
+        scale,  # float32 scalar: the slot's scale
+        fp8_max,
+        data_ptr,  # uint8 [M, ld] row-major
+        data_t_ptr,  # uint8 [ld, ld_t] row-major (TRANSPOSE only)
+        ld,
+        ld_t,
+        sums_at,  # pointer to this row tile's float32 column sums, at column 0 (COLUMN_SUMS only)
+        E5M2: tl.constexpr,
+        TRANSPOSE: tl.constexpr,
+        COLUMN_SUMS: tl.constexpr,
+    ):
+        """Cast one tile to FP8 and store it (and its transpose, and its column sums); return the
+        tile's max |x| as int32 bits (see `_finish_cast`)."""
+        y = _mul_rn(xf, scale)
+        y = tl.where(y > fp8_max, fp8_max, y)  # compares are false for NaN: it passes through
+        y = tl.where(y < -fp8_max, -fp8_max, y)
+        q = _fp8_bits(y, E5M2)
+        inside = row_ok[:, None] & col_ok[None, :]
+        tl.store(data_ptr + r64[:, None] * ld + c64[None, :], q, mask=inside)
+        if TRANSPOSE:
+            inside_t = col_ok[:, None] & row_ok[None, :]
+            tl.store(data_t_ptr + c64[:, None] * ld_t + r64[None, :], tl.trans(q), mask=inside_t)
+        mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| as bits; masked lanes are +0
+        if COLUMN_SUMS:  # this row tile's share of x.sum(0); masked lanes hold zeros
+            # (placed after the stores and |x|: with the relaxed atomic below, an 8192^2 dy cast
+            # with its sums took 110 us in a bench_modules step on the H200, 136 us before both)
+            tl.store(sums_at + c64, _sum(xf, 0), mask=col_ok)
+        return _max(_max(mag, 1), 0)
+
+    @triton.jit
+    def _finish_cast(
+        amax_bits_ptr,  # int32; UPDATE: int32[2] (amax bits, tiles done), zero between casts
+        tile_bits,  # int32 scalar from _cast_store_tile (the max over the program's tiles)
+        history_ptr,
+        scale_ptr,
+        scale_inv_ptr,
+        history_len,
+        factor,
+        UPDATE: tl.constexpr,
+        MOST_RECENT: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        """Merge a program's amax into the cast's; with UPDATE the last program updates the slot."""
+        # Relaxed: nothing waits on this atomic. An acquire-release one fenced every tile on its
+        # own stores (90 -> 80 us of GPU time per 8192^2 cast when relaxed); the count below is
+        # what orders it before the update.
+        tl.atomic_max(amax_bits_ptr, tile_bits, sem="relaxed")
+        if UPDATE:
+            # The last tile to finish updates the slot. The count is acquire-release: each tile's
+            # amax (Triton issues a scalar atomic from one thread, the same one for both) and
+            # its reads of the scale happen before its count, so the last tile sees every amax
+            # and may overwrite the scale; it also zeroes the workspace for the next cast.
+            done = tl.atomic_add(amax_bits_ptr + 1, 1)
+            if done == tl.num_programs(0) - 1:
+                bits = tl.atomic_xchg(amax_bits_ptr, 0)
+                tl.atomic_xchg(amax_bits_ptr + 1, 0)
+                # broadcast as integers: the bits (a NaN's payload too) pass unchanged
+                amax = (tl.full([BLOCK_H], 0, tl.int32) + bits).to(tl.float32, bitcast=True)
+                _push_and_rescale(
+                    history_ptr,
+                    scale_ptr,
+                    scale_inv_ptr,
+                    amax,
+                    history_len,
+                    factor,
+                    MOST_RECENT=MOST_RECENT,
+                    WRITE_SCALE_INV=True,
+                    BLOCK=BLOCK_H,
+                )
 
     @triton.jit
     def _cast_transpose_amax_kernel(
@@ -163,59 +348,25 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles_n = (N + BLOCK_N - 1) // BLOCK_N
         rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         r64 = rows.to(tl.int64)  # offsets in int64: M * N may pass 2**31
         c64 = cols.to(tl.int64)
-        inside = (rows[:, None] < M) & (cols[None, :] < N)
+        row_ok = rows < M
+        col_ok = cols < N
         x_at = x_ptr + r64[:, None] * stride_m + c64[None, :] * stride_n
-        x = tl.load(x_at, mask=inside, other=0.0)
-        xf = x.to(tl.float32)
-        y = _mul_rn(xf, tl.load(scale_ptr))
-        y = tl.where(y > fp8_max, fp8_max, y)  # compares are false for NaN: it passes through
-        y = tl.where(y < -fp8_max, -fp8_max, y)
-        if E5M2:
-            q = y.to(tl.float8e5, fp_downcast_rounding="rtne")
-        else:
-            q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        q = q.to(tl.uint8, bitcast=True)
-        tl.store(data_ptr + r64[:, None] * N + c64[None, :], q, mask=inside)
-        if TRANSPOSE:
-            inside_t = (cols[:, None] < N) & (rows[None, :] < M)
-            tl.store(data_t_ptr + c64[:, None] * M + r64[None, :], tl.trans(q), mask=inside_t)
-        mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| as bits; masked lanes are +0
-        if COLUMN_SUMS:  # this row tile's share of x.sum(0); masked lanes hold zeros
-            # (placed after the stores and |x|: with the relaxed atomic below, an 8192^2 dy cast
-            # with its sums took 110 us in a bench_modules step on the H200, 136 us before both)
-            at = column_sums_ptr + (pid // tiles_n).to(tl.int64) * N + c64
-            tl.store(at, tl.sum(xf, axis=0), mask=cols < N)
-        # Relaxed: nothing waits on this atomic. An acquire-release one fenced every tile on its
-        # own stores (90 -> 80 us of GPU time per 8192^2 cast when relaxed); the count below is
-        # what orders it before the update.
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(mag, axis=1), axis=0), sem="relaxed")
-        if UPDATE:
-            # The last tile to finish updates the slot. The count is acquire-release: each tile's
-            # amax (Triton issues a scalar atomic from one thread, the same one for both) and
-            # its reads of the scale happen before its count, so the last tile sees every amax
-            # and may overwrite the scale; it also zeroes the workspace for the next cast.
-            done = tl.atomic_add(amax_bits_ptr + 1, 1)
-            if done == tl.num_programs(0) - 1:
-                bits = tl.atomic_xchg(amax_bits_ptr, 0)
-                tl.atomic_xchg(amax_bits_ptr + 1, 0)
-                # broadcast as integers: the bits (a NaN's payload too) pass unchanged
-                amax = (tl.zeros([BLOCK_H], dtype=tl.int32) + bits).to(tl.float32, bitcast=True)
-                _push_and_rescale(
-                    history_ptr,
-                    scale_ptr,
-                    scale_inv_ptr,
-                    amax,
-                    history_len,
-                    factor,
-                    MOST_RECENT=MOST_RECENT,
-                    WRITE_SCALE_INV=True,
-                    BLOCK=BLOCK_H,
-                )
+        x = tl.load(x_at, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        sums_at = column_sums_ptr + (pid // tiles_n).to(tl.int64) * N
+        bits = _cast_store_tile(
+            x.to(tl.float32), row_ok, col_ok, r64, c64, tl.load(scale_ptr), fp8_max,
+            data_ptr, data_t_ptr, N, M, sums_at,
+            E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=COLUMN_SUMS,
+        )
+        _finish_cast(
+            amax_bits_ptr, bits, history_ptr, scale_ptr, scale_inv_ptr, history_len, factor,
+            UPDATE=UPDATE, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
+        )
 
     @triton.jit
     def _update_scale_kernel(

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["InitMethod", "default_init", "new_param", "add_gemm_params"]
+__all__ = ["InitMethod", "default_init", "new_param", "add_gemm_params", "check_params_dtype"]
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -15,6 +15,27 @@ InitMethod = Callable[[torch.Tensor], object]
 def default_init(weight: torch.Tensor) -> None:
     """Transformer Engine's default: normal with mean 0 and std 0.023."""
     nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+def check_params_dtype(owner: str, value: object) -> torch.dtype | None:
+    """`value` when it is None or a floating-point torch.dtype; a TypeError naming `owner`'s
+    ``params_dtype`` and what it accepts otherwise.
+
+    >>> check_params_dtype("Linear", torch.bfloat16)
+    torch.bfloat16
+    >>> check_params_dtype("Linear", "bf16")
+    Traceback (most recent call last):
+    TypeError: Linear: params_dtype='bf16' (a str); pass a floating-point torch.dtype ...
+    """
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return value
+    what = "a non-floating torch.dtype" if isinstance(value, torch.dtype) else (
+        f"a {type(value).__name__}"
+    )
+    raise TypeError(
+        f"{owner}: params_dtype={value!r} ({what}); pass a floating-point torch.dtype (e.g. "
+        "torch.bfloat16, torch.float32) or None for torch's default dtype"
+    )
 
 
 def new_param(

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
-from ._linear_function import Fp8Slots, GemmCall, GradOut, add_to_main_grad
+from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, add_to_main_grad
 from .context import current_microbatch
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
 from .wgrad_store import AutoKey, WgradStore
@@ -39,7 +40,7 @@ class DelayedWgradModule(nn.Module):
     """Base of `Linear`, `LayerNormLinear` and `LayerNormMLP`: the delayed-wgrad protocol.
 
     Subclasses declare their GEMMs with `_gemm_names` (weight and bias attribute names per GEMM)
-    and build each forward's `GemmCall` with `_gemm_call`.
+    and describe each forward with `_plan` (run by ``_layer_function.run_layer``).
     """
 
     #: per GEMM: (FP8 slot prefix, weight attribute, bias attribute)
@@ -56,6 +57,9 @@ class DelayedWgradModule(nn.Module):
         self._bias_grad_deferred = True
         self.fp8_meta: dict[str, ScalingMeta] = {}
         self._fp8_weight_casts: dict[str, Fp8WeightCache] = {}  # per GEMM weight attribute
+        cls = type(self).__name__
+        # per GEMM: the parameter names errors and gradients carry (built once, not per call)
+        self._gemm_labels = tuple((f"{cls}.{w}", f"{cls}.{b}") for _, w, b in self._gemm_names)
 
     # -- parameters -------------------------------------------------------------------------
     def _gemm_weights(self) -> list[nn.Parameter]:
@@ -94,10 +98,12 @@ class DelayedWgradModule(nn.Module):
     # -- forward side -------------------------------------------------------------------------
     def _begin_forward(self, is_first_microbatch: bool | None = None) -> ForwardCall:
         """The key, FP8 recipe and weight-cast reuse of the forward starting now."""
-        first = check_first_microbatch(type(self).__name__, is_first_microbatch)
+        first = is_first_microbatch
+        if first is not None and first is not True and first is not False:
+            check_first_microbatch(type(self).__name__, first)  # raises: names what is accepted
         recipe = active_recipe()
-        if recipe is None or first is None:  # nothing to reuse later: free the kept casts
-            for cache in self._fp8_weight_casts.values():
+        if (recipe is None or first is None) and self._fp8_weight_casts:
+            for cache in self._fp8_weight_casts.values():  # nothing to reuse later: free them
                 cache.clear()
         if self._delay and self._bias_grad_deferred != (recipe is None):
             self._bias_grad_deferred = recipe is None
@@ -119,30 +125,43 @@ class DelayedWgradModule(nn.Module):
             meta.amax_history = meta.amax_history.to(device)
         return meta
 
-    def _gemm_call(self, index: int, call: ForwardCall) -> GemmCall:
-        prefix, weight_name, bias_name = self._gemm_names[index]
+    def _gemm_call(
+        self,
+        index: int,
+        call: ForwardCall,
+        weight: torch.nn.Parameter,
+        bias: torch.nn.Parameter | None,
+    ) -> GemmCall:
+        """GEMM `index` of this forward (`weight` and `bias`: its parameters, read once)."""
         recipe = call.recipe
         fp8 = None
         if recipe is not None:
+            prefix, weight_name, _ = self._gemm_names[index]
+            cache = self._fp8_weight_casts.get(weight_name)
+            if cache is None:
+                cache = self._fp8_weight_casts[weight_name] = Fp8WeightCache()
             fp8 = Fp8Slots(
                 recipe,
                 self._slot(prefix + "input", recipe.fwd_dtype, recipe),
                 self._slot(prefix + "weight", recipe.fwd_dtype, recipe),
                 self._slot(prefix + "grad_output", recipe.bwd_dtype, recipe),
-                self._fp8_weight_casts.setdefault(weight_name, Fp8WeightCache()),
+                cache,
                 call.first_microbatch,
             )
-        cls = type(self).__name__
-        return GemmCall(
-            weight=getattr(self, weight_name),
-            bias=getattr(self, bias_name),
-            weight_name=f"{cls}.{weight_name}",
-            bias_name=f"{cls}.{bias_name}",
-            store=self._wgrad_store if self._delay else None,
-            key=call.key,
-            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-            fp8=fp8,
-        )
+        weight_label, bias_label = self._gemm_labels[index]
+        return GemmCall(weight, bias, weight_label, bias_label, self.fuse_wgrad_accumulation, fp8)
+
+    def _plan(
+        self,
+        call: ForwardCall,
+        fc1: GemmCall,
+        fc2: GemmCall | None = None,
+        normalization: str | None = None,
+        eps: float = 0.0,
+        act: Activation | None = None,
+    ) -> LayerPlan:
+        store = self._wgrad_store if self._delay else None
+        return LayerPlan(fc1, fc2, normalization, eps, act, store, call.key, call.recipe)
 
     # -- the protocol -------------------------------------------------------------------------
     def backward_dw(self, key: Hashable | None = None) -> None:
@@ -171,25 +190,17 @@ class DelayedWgradModule(nn.Module):
             return
         _, jobs = self._wgrad_store.pop(key)
         with torch.no_grad():
-            # Gradients of one key are summed before they meet .grad, as autograd's input buffer
-            # sums the contributions of a reused weight: the result then matches eager bit for bit.
-            summed: dict[int, GradOut] = {}
-            for job in jobs:
-                for out in job():
-                    if out.grad is None:
-                        continue
-                    if out.to_main_grad:  # eager adds each call's wgrad in turn: so do we
-                        add_to_main_grad(out.name, out.param, out.grad)
-                    elif id(out.param) in summed:
-                        prev = summed[id(out.param)]
-                        summed[id(out.param)] = prev._replace(grad=prev.grad + out.grad)
-                    else:
-                        summed[id(out.param)] = out
-            for out in summed.values():
-                if out.param.grad is None:
-                    out.param.grad = out.grad
+            if len(jobs) == 1:  # one forward: each parameter appears once
+                outs = jobs[0]()
+            else:
+                outs = _summed_per_parameter(jobs)
+            for name, param, grad, to_main in outs:
+                if to_main:
+                    add_to_main_grad(name, param, grad)
+                elif param.grad is None:
+                    param.grad = grad
                 else:
-                    out.param.grad.add_(out.grad)
+                    param.grad.add_(grad)
         for hook in list(self._wgrad_hooks.values()):
             hook()
 
@@ -225,6 +236,25 @@ class DelayedWgradModule(nn.Module):
             f"delay_wgrad_compute={self._delay}, "
             f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}"
         )
+
+
+def _summed_per_parameter(jobs: list[Callable[[], list[GradOut]]]) -> list[GradOut]:
+    """The jobs' gradients, those of one parameter summed (in filing order) before they meet
+    ``.grad``, as autograd's input buffer sums the contributions of a reused weight: the result
+    then matches eager bit for bit. Gradients bound for ``main_grad`` are kept apart, in order:
+    eager adds each call's into it in turn."""
+    summed: dict[int, GradOut] = {}
+    ordered: list[GradOut] = []
+    for job in jobs:
+        for out in job():
+            if out.to_main_grad:
+                ordered.append(out)
+            elif id(out.param) in summed:
+                prev = summed[id(out.param)]
+                summed[id(out.param)] = prev._replace(grad=prev.grad + out.grad)
+            else:
+                summed[id(out.param)] = out
+    return ordered + list(summed.values())
 
 
 def is_delayed(module: nn.Module) -> bool:

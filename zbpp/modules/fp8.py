@@ -23,7 +23,9 @@ pass over the tensor, the scale update in the tile that finishes last, and for a
 column sums; histories over 4096 entries update in a second kernel; CUDA sm_90+ with Triton),
 ``compile`` is the eager ops through ``torch.compile`` (CUDA), ``eager`` the torch ops below (every
 device; the reference the others equal bit for bit). A path that fails is switched off with one
-warning and the next one takes over; ``cast_path_counts()`` says which path ran how often.
+warning and the next one takes over; ``cast_path_counts()`` says which path ran how often. The
+layers' casts of a norm's, an activation's and an activation gradient's outputs are fused with
+those operations on the triton path (``_fused``; ``ZBPP_FP8_FUSE=0`` keeps them apart).
 
 GEMMs: ``fp8_gemm_nt`` runs ``torch._scaled_mm`` when every dimension is a multiple of 16 (its
 requirement on Hopper) and otherwise, or where ``_scaled_mm`` is refused, multiplies the
@@ -148,7 +150,21 @@ def fp8_autocast(
     16
     >>> active_recipe() is None
     True
+    >>> with fp8_autocast(fp8_recipe="hybrid"):
+    ...     pass
+    Traceback (most recent call last):
+    TypeError: fp8_autocast: fp8_recipe='hybrid' (a str); pass a zbpp.modules.DelayedScaling ...
     """
+    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
+        raise TypeError(
+            f"fp8_autocast: fp8_recipe={fp8_recipe!r} (a {type(fp8_recipe).__name__}); pass a "
+            "zbpp.modules.DelayedScaling (e.g. DelayedScaling(fp8_format=Format.HYBRID)) or None "
+            "for the default recipe"
+        )
+    if not isinstance(enabled, bool):
+        raise TypeError(
+            f"fp8_autocast: enabled={enabled!r} (a {type(enabled).__name__}); pass True or False"
+        )
     recipe = (fp8_recipe if fp8_recipe is not None else DelayedScaling()) if enabled else None
     _recipes.append(recipe)
     try:

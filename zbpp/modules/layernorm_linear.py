@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ._init import InitMethod, add_gemm_params, default_init
-from ._linear_function import linear
-from ._norm import make_norm_params, normalize
+from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
+from ._layer_function import run_layer
+from ._norm import make_norm_params
 from .base import DelayedWgradModule
 
 __all__ = ["LayerNormLinear"]
@@ -50,7 +50,7 @@ class LayerNormLinear(DelayedWgradModule):
         )
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
         self.normalization, self.eps = normalization, eps
-        kw = dict(dtype=params_dtype, device=device)
+        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
         make_norm_params(self, in_features, normalization, **kw)
         init = init_method or default_init
         shape = (out_features, in_features)
@@ -60,8 +60,9 @@ class LayerNormLinear(DelayedWgradModule):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``norm(x) W^T + b``; `is_first_microbatch` as in `Linear.forward`."""
         call = self._begin_forward(is_first_microbatch)
-        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        return linear(h, self.weight, self.bias, self._gemm_call(0, call))
+        fc = self._gemm_call(0, call, self.weight, self.bias)
+        plan = self._plan(call, fc, normalization=self.normalization, eps=self.eps)
+        return run_layer(x, plan, self.layer_norm_weight, self.layer_norm_bias)
 
     def extra_repr(self) -> str:
         return (

@@ -2,39 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
-import torch.nn.functional as F
 
-from ._init import InitMethod, add_gemm_params, default_init
-from ._linear_function import linear
-from ._norm import make_norm_params, normalize
+from ._activations import ACTIVATIONS
+from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
+from ._layer_function import run_layer
+from ._norm import make_norm_params
 from .base import DelayedWgradModule
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
-
-
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-#: name -> (function, how many times ffn_hidden_size fc1 produces)
-ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
-    "gelu": (lambda h: F.gelu(h, approximate="tanh"), 1),  # tanh approximation, as in TE
-    "relu": (F.relu, 1),
-    "silu": (F.silu, 1),
-    "swiglu": (_swiglu, 2),  # fc1 yields [gate, up]; silu(gate) * up
-}
 
 
 class LayerNormMLP(DelayedWgradModule):
     """``fc2(act(fc1(norm(x))))`` with Transformer Engine's parameter names.
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
-    [ffn (x2 for swiglu), hidden], ``fc1_bias``, ``fc2_weight`` [hidden, ffn], ``fc2_bias``.
-    ``activation``: "gelu" (tanh approximation, default), "relu", "silu" or "swiglu".
+    [ffn (x2 for the gated ones), hidden], ``fc1_bias``, ``fc2_weight`` [hidden, ffn],
+    ``fc2_bias``. ``activation``, as Transformer Engine names them: "gelu" (tanh approximation,
+    default), "qgelu", "relu", "srelu" (squared ReLU), "silu", and their gated linear units
+    "geglu", "qgeglu", "reglu", "sreglu", "swiglu" (fc1 yields [gate, up]; ``act(gate) * up``);
+    see `zbpp.modules._activations` for their numerics. ``normalization``: "LayerNorm" or
+    "RMSNorm".
 
     With ``delay_wgrad_compute=True`` both GEMMs' weight (and bias) gradients wait for one
     ``backward_dw()``, which runs fc2's and fc1's jobs of that microbatch; the normalisation's
@@ -74,10 +62,11 @@ class LayerNormMLP(DelayedWgradModule):
             raise ValueError(
                 f"LayerNormMLP: activation={activation!r}; use one of {sorted(ACTIVATIONS)}"
             )
+        self._act = ACTIVATIONS[activation]
         self.hidden_size, self.ffn_hidden_size, self.use_bias = hidden_size, ffn_hidden_size, bias
         self.activation, self.normalization, self.eps = activation, normalization, eps
-        width = ffn_hidden_size * ACTIVATIONS[activation][1]
-        kw = dict(dtype=params_dtype, device=device)
+        width = ffn_hidden_size * self._act.width
+        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
         make_norm_params(self, hidden_size, normalization, **kw)
         init = init_method or default_init
         # Transformer Engine's order: fc1_weight, fc1_bias, fc2_weight, fc2_bias
@@ -91,10 +80,10 @@ class LayerNormMLP(DelayedWgradModule):
         """``fc2(act(fc1(norm(x))))``; `is_first_microbatch` as in `Linear.forward` (both
         weights)."""
         call = self._begin_forward(is_first_microbatch)
-        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        h = linear(h, self.fc1_weight, self.fc1_bias, self._gemm_call(0, call))
-        h = ACTIVATIONS[self.activation][0](h)
-        return linear(h, self.fc2_weight, self.fc2_bias, self._gemm_call(1, call))
+        fc1 = self._gemm_call(0, call, self.fc1_weight, self.fc1_bias)
+        fc2 = self._gemm_call(1, call, self.fc2_weight, self.fc2_bias)
+        plan = self._plan(call, fc1, fc2, self.normalization, self.eps, self._act)
+        return run_layer(x, plan, self.layer_norm_weight, self.layer_norm_bias)
 
     def extra_repr(self) -> str:
         return (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._init import InitMethod, add_gemm_params, default_init
-from ._linear_function import linear
+from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
+from ._layer_function import run_layer
 from .base import DelayedWgradModule
 
 __all__ = ["Linear"]
@@ -50,7 +50,7 @@ class Linear(DelayedWgradModule):
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
-        kw = dict(dtype=params_dtype, device=device)
+        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
         init = init_method or default_init
         shape = (out_features, in_features)
         add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
@@ -61,7 +61,7 @@ class Linear(DelayedWgradModule):
         the weight and keeps the cast, False reuses the kept cast while the weight is unchanged
         (the same tensor at the same version), None (default) casts on every call."""
         call = self._begin_forward(is_first_microbatch)
-        return linear(x, self.weight, self.bias, self._gemm_call(0, call))
+        return run_layer(x, self._plan(call, self._gemm_call(0, call, self.weight, self.bias)))
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,203 @@
+"""FP8 casts fused with the operation that produces the tensor: norm, activation, its gradient.
+
+Each function returns what the unfused reference computes: the operation in torch (`_norm`,
+`_activations`), rounded to the input's dtype, then `fp8.quantize` (or
+`fp8.quantize_and_column_sum`) of that tensor with the slot's scale, stepping its history. On an
+sm_90 GPU with the Triton cast path on (``ZBPP_FP8_CAST`` unset or ``triton``), a bfloat16 input
+runs one fused kernel of `_fused_triton` instead, which writes the FP8 bytes (and transpose, amax,
+update) without the intermediate bfloat16 tensor; ``ZBPP_FP8_FUSE=0`` turns only the fusions off.
+A fused kernel that fails is switched off with one warning (``fp8``'s rule) and the reference
+takes over. `fused_path_counts` says which ran.
+
+How close the paths are: the kernels compute each value with the reference's float32 operations
+except the exponentials of the sigmoids and the order of the norm's row sums and of the column
+sums, so the FP8 bytes agree except where those few float32 ulps move a value across a bfloat16
+or FP8 rounding boundary: then they are one FP8 code apart (the tests check both).
+
+>>> import torch
+>>> from zbpp.modules.fp8 import DelayedScaling, ScalingMeta
+>>> meta = ScalingMeta(torch.float8_e4m3fn, history_len=2)
+>>> q = act_quantize(torch.tensor([[-1.0, 0.5, 2.0]]), ACTIVATIONS["relu"], meta,
+...                  DelayedScaling(amax_history_len=2), transpose=True)
+>>> q.dequantize().tolist(), meta.amax_history.tolist()
+([[0.0, 0.5, 2.0]], [2.0, 0.0])
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+
+import torch
+
+from . import fp8
+from ._activations import ACTIVATIONS, Activation
+from ._norm import norm_reference
+from .fp8 import DelayedScaling, Quantized, ScalingMeta
+
+__all__ = [
+    "norm_quantize",
+    "act_quantize",
+    "dact_quantize",
+    "fused_path_counts",
+    "reset_fused_path_counts",
+    "FUSE_ENV",
+    "ACTIVATIONS",
+]
+
+FUSE_ENV = "ZBPP_FP8_FUSE"
+_KINDS = ("norm", "act", "dact")
+_lock = threading.Lock()
+_counts: Counter[str] = Counter()
+
+
+def _count(kind: str, path: str) -> None:
+    with _lock:
+        _counts[f"{kind}_{path}"] += 1
+
+
+def fused_path_counts() -> dict[str, int]:
+    """How many norm / activation / activation-gradient casts ran fused (``*_triton``) and
+    through the torch reference (``*_eager``) so far."""
+    with _lock:
+        return {f"{k}_{p}": _counts[f"{k}_{p}"] for k in _KINDS for p in ("triton", "eager")}
+
+
+def reset_fused_path_counts() -> None:
+    """Set every `fused_path_counts` entry to zero."""
+    with _lock:
+        _counts.clear()
+
+
+def _kernels(x: torch.Tensor, meta: ScalingMeta):
+    """`_fused_triton` when a fused kernel may cast `x` into `meta`'s slot, else None."""
+    if not fp8._on_cuda(x) or os.environ.get(FUSE_ENV, "1").strip() == "0":
+        return None
+    if "fused" in fp8._failed or "triton" in fp8._failed or "update" in fp8._failed:
+        return None
+    if fp8._requested_paths()[0] != "triton" or fp8._triton_kernels(x.device) is None:
+        return None
+    from . import _fused_triton as kernels
+
+    history = meta.amax_history
+    suits = (
+        x.dtype in kernels.INPUT_DTYPES
+        and x.dim() == 2
+        and x.numel() > 0
+        and x.stride(1) == 1
+        and meta.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        and meta.scale.device == x.device
+        and history.device == x.device
+        and history.is_contiguous()
+        and history.numel() <= kernels.MAX_FUSED_HISTORY
+    )
+    return kernels if suits else None
+
+
+def _slot_args(meta: ScalingMeta, recipe: DelayedScaling) -> dict:
+    factor, most_recent = meta._rule(recipe)
+    return dict(factor=factor, most_recent=most_recent)
+
+
+def _ran_fused(kind: str) -> None:
+    _count(kind, "triton")
+    fp8._count_cast("triton")  # a fused cast is a Triton cast with its update
+    fp8._count_cast("update_triton")
+
+
+def norm_quantize(
+    x: torch.Tensor,
+    normalization: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    meta: ScalingMeta,
+    recipe: DelayedScaling,
+    *,
+    transpose: bool,
+) -> tuple[Quantized, torch.Tensor | None, torch.Tensor]:
+    """``(quantize(norm(x)), mean, rstd)`` for 2-D `x` (``mean`` None for RMSNorm; both
+    float32 [rows, 1]: what ``_norm.norm_backward`` takes)."""
+    meta._fit(recipe)
+    kernels = _kernels(x, meta)
+    if kernels is not None and weight.dtype == x.dtype and weight.is_contiguous() and (
+        bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+    ):
+        try:
+            data, data_t, scale_inv, mean, rstd = kernels.norm_cast_update(
+                x, weight.detach(), None if bias is None else bias.detach(), eps,
+                normalization == "RMSNorm", meta.scale, meta.amax_history,
+                meta._fused_workspace(), meta.fp8_max, meta.dtype, transpose,
+                **_slot_args(meta, recipe),
+            )
+        except Exception as err:  # noqa: BLE001 - the reference is correct too
+            fp8._fail("fused", err)
+        else:
+            _ran_fused("norm")
+            return Quantized(data, scale_inv, data_t), mean, rstd
+    _count("norm", "eager")
+    y, mean, rstd = norm_reference(x, normalization, weight.detach(),
+                                   None if bias is None else bias.detach(), eps)
+    return fp8.quantize(y, meta, recipe, transpose=transpose), mean, rstd
+
+
+def act_quantize(
+    h: torch.Tensor,
+    act: Activation,
+    meta: ScalingMeta,
+    recipe: DelayedScaling,
+    *,
+    transpose: bool,
+) -> Quantized:
+    """``quantize(act.forward(h))`` for 2-D `h`."""
+    meta._fit(recipe)
+    kernels = _kernels(h, meta)
+    if kernels is not None:
+        try:
+            data, data_t, scale_inv = kernels.act_cast_update(
+                h, act.kernel_id, act.glu, meta.scale, meta.amax_history,
+                meta._fused_workspace(), meta.fp8_max, meta.dtype, transpose,
+                **_slot_args(meta, recipe),
+            )
+        except Exception as err:  # noqa: BLE001 - the reference is correct too
+            fp8._fail("fused", err)
+        else:
+            _ran_fused("act")
+            return Quantized(data, scale_inv, data_t)
+    _count("act", "eager")
+    return fp8.quantize(act.forward(h), meta, recipe, transpose=transpose)
+
+
+def dact_quantize(
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    act: Activation,
+    meta: ScalingMeta,
+    recipe: DelayedScaling,
+    *,
+    transpose: bool,
+    column_sum: bool,
+) -> tuple[Quantized, torch.Tensor | None]:
+    """``(quantize(act.backward(grad, h)), its column sums or None)`` for 2-D `grad` and `h`:
+    the column sums (a bias gradient, in h's dtype) as `fp8.quantize_and_column_sum` gives them."""
+    meta._fit(recipe)
+    kernels = _kernels(h, meta)
+    if kernels is not None and grad.dtype == h.dtype and grad.stride(1) == 1:
+        try:
+            data, data_t, scale_inv, sums = kernels.dact_cast_update(
+                grad, h, act.kernel_id, act.glu, meta.scale, meta.amax_history,
+                meta._fused_workspace(), meta.fp8_max, meta.dtype, transpose, column_sum,
+                **_slot_args(meta, recipe),
+            )
+        except Exception as err:  # noqa: BLE001 - the reference is correct too
+            fp8._fail("fused", err)
+        else:
+            _ran_fused("dact")
+            total = sums.sum(0).to(h.dtype) if sums is not None else None
+            return Quantized(data, scale_inv, data_t), total
+    _count("dact", "eager")
+    dh = act.backward(grad, h)
+    if column_sum:
+        return fp8.quantize_and_column_sum(dh, meta, recipe, transpose=transpose)
+    return fp8.quantize(dh, meta, recipe, transpose=transpose), None

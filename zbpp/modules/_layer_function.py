@@ -1,0 +1,325 @@
+"""The forward and the split backward of every zbpp layer: ``[norm ->] fc1 [-> act -> fc2]``.
+
+`Linear` is fc1 alone (``y = x W^T + b``), `LayerNormLinear` the norm and fc1, `LayerNormMLP` all
+of it. One autograd node per call (the launch-bound regime of small layers is paid in Python per
+node), whose backward (B) computes the input gradient and the norm's parameter gradients; each
+GEMM's weight gradient ``dW = dy^T x`` (and, outside FP8, its bias gradient ``sum(dy)``) is part of
+one *job*, run at once when the layer is eager and filed in the layer's wgrad store under the
+forward's microbatch key when it is delayed. Both run the same job on the same tensors, so delayed
+and eager gradients are bit-identical.
+
+FP8 (inside ``fp8_autocast``): the forward casts the GEMM inputs to e4m3 and the backward the
+output gradients to e5m2 (HYBRID), each cast fused with the operation producing the tensor where
+`_fused` can (the norm into fc1's input cast, the activation into fc2's, the activation's gradient
+into fc1's output-gradient cast, with fc1's bias gradient from the same pass); the weights' casts
+may be kept across microbatches (`_fp8_weight_cache`). The bias gradients are computed eagerly in
+B, from the high-precision gradient, in the cast's pass over it, as Transformer Engine does, so
+the deferred job yields no bias gradient. Each cast that the backward needs transposed (W^T for
+the input gradient, x^T and dy^T for the weight gradient) is transposed in the same pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ._activations import Activation
+from ._fp8_weight_cache import Fp8WeightCache
+from ._fused import act_quantize, dact_quantize, norm_quantize
+from ._norm import norm_backward, norm_forward
+from .fp8 import DelayedScaling, Quantized, ScalingMeta, fp8_gemm_nt, quantize
+from .fp8 import quantize_and_column_sum
+from .wgrad_store import WgradStore
+
+__all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "add_to_main_grad"]
+
+
+class GradOut(NamedTuple):
+    """One gradient a wgrad job produced."""
+
+    name: str  # e.g. "LayerNormMLP.fc1_weight", for error messages
+    param: torch.nn.Parameter
+    grad: torch.Tensor
+    to_main_grad: bool  # add into param.main_grad instead of param.grad
+
+
+WgradJob = Callable[[], list[GradOut]]
+
+
+class Fp8Slots(NamedTuple):
+    """The recipe and the three scaling slots of one GEMM, as the forward saw them, and where
+    the weight's cast may be kept between microbatches (``is_first_microbatch``)."""
+
+    recipe: DelayedScaling
+    input: ScalingMeta
+    weight: ScalingMeta
+    grad_output: ScalingMeta
+    weight_cache: Fp8WeightCache
+    first_microbatch: bool | None
+
+
+class GemmCall(NamedTuple):
+    """One GEMM of a call: its parameters (the very objects), their names, where its weight
+    gradient goes, and its FP8 slots (None outside FP8)."""
+
+    weight: torch.nn.Parameter
+    bias: torch.nn.Parameter | None
+    weight_name: str
+    bias_name: str
+    fuse_wgrad_accumulation: bool
+    fp8: Fp8Slots | None
+
+
+class LayerPlan(NamedTuple):
+    """Everything one call needs besides its tensors; captured at forward time, kept in the ctx."""
+
+    fc1: GemmCall
+    fc2: GemmCall | None  # None: no activation and second GEMM
+    normalization: str | None  # "LayerNorm", "RMSNorm" or None (no norm)
+    eps: float
+    act: Activation | None
+    store: WgradStore | None  # None: eager wgrad
+    key: Hashable  # the forward's microbatch key (read on the forward's thread)
+    recipe: DelayedScaling | None  # None: no FP8
+
+
+def add_to_main_grad(name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.main_grad += grad``, with an error that says what to attach when it is missing."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(
+            f"{name} has no `main_grad`, but its module has fuse_wgrad_accumulation=True: attach "
+            f"one before the backward, e.g. `p.main_grad = torch.zeros_like(p, "
+            "dtype=torch.float32)`, or build the module with fuse_wgrad_accumulation=False"
+        )
+    if main_grad.shape != param.shape:
+        raise RuntimeError(
+            f"{name}.main_grad has shape {tuple(main_grad.shape)}, the parameter "
+            f"{tuple(param.shape)}"
+        )
+    main_grad.add_(grad)
+
+
+def _quantize_grad(
+    dy: torch.Tensor, slots: Fp8Slots, transpose: bool, column_sum: bool
+) -> tuple[Quantized, torch.Tensor | None]:
+    if column_sum:  # the bias gradient from the high-precision dy, in the cast's pass
+        return quantize_and_column_sum(dy, slots.grad_output, slots.recipe, transpose=transpose)
+    return quantize(dy, slots.grad_output, slots.recipe, transpose=transpose), None
+
+
+class _WgradPart(NamedTuple):
+    # one GEMM's share of the job: dW from (gradient, input) operands, db from a gradient
+    call: GemmCall
+    weight_operands: tuple[Any, Any] | None
+    bias_grad_of: torch.Tensor | None
+
+
+def _make_job(parts: list[_WgradPart], fp8: bool) -> WgradJob:
+    def job() -> list[GradOut]:
+        out = []
+        for call, operands, bias_grad_of in parts:
+            if operands is not None:
+                grad, inp = operands
+                if fp8:
+                    dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
+                    dw = fp8_gemm_nt(grad, inp, out_dtype=dtype)
+                else:
+                    dw = grad.t().mm(inp)
+                out.append(GradOut(call.weight_name, call.weight, dw,
+                                   call.fuse_wgrad_accumulation))
+            if bias_grad_of is not None:
+                out.append(GradOut(call.bias_name, call.bias, bias_grad_of.sum(0), False))
+        return out
+
+    return job
+
+
+class _LayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        norm_w: torch.Tensor | None,
+        norm_b: torch.Tensor | None,
+        w1: torch.Tensor,
+        b1: torch.Tensor | None,
+        w2: torch.Tensor | None,
+        b2: torch.Tensor | None,
+        plan: LayerPlan,
+    ) -> torch.Tensor:
+        ctx.plan = plan
+        need_x, need_nw, need_nb, need_w1, _, need_w2, _ = ctx.needs_input_grad[:7]
+        need_dln = need_x or need_nw or need_nb  # the gradient at fc1's input
+        need_dh = need_dln or any(ctx.needs_input_grad[3:5])  # ... at fc1's output (MLP)
+        norm = plan.normalization
+        recipe = plan.recipe
+        mean = rstd = in1 = in1_sinv = w1_saved = w1_sinv = None
+        h_saved = in2 = in2_sinv = w2_saved = w2_sinv = None
+        if recipe is None:
+            if norm is not None:
+                ln, mean, rstd = norm_forward(x, norm, norm_w, norm_b, plan.eps)
+            else:
+                ln = x
+            y = F.linear(ln, w1, b1)
+            in1 = ln if need_w1 else None
+            w1_saved = w1 if need_dln else None
+            if plan.act is not None:
+                h = y
+                a = plan.act.forward(h)
+                y = F.linear(a, w2, b2)
+                h_saved = h if need_dh else None
+                in2 = a if need_w2 else None
+                w2_saved = w2 if need_dh else None
+        else:
+            s1 = plan.fc1.fp8
+            if norm is not None:
+                ln_q, mean, rstd = norm_quantize(
+                    x, norm, norm_w, norm_b, plan.eps, s1.input, recipe, transpose=need_w1
+                )
+            else:
+                ln_q = quantize(x, s1.input, recipe, transpose=need_w1)
+            w1_q = s1.weight_cache.cast(
+                w1, s1.weight, recipe, transpose=need_dln, first_microbatch=s1.first_microbatch
+            )
+            y = fp8_gemm_nt(ln_q, w1_q, out_dtype=x.dtype, bias=b1,
+                            fast_accumulation=recipe.fprop_fast_accumulation)
+            # the backward keeps only the transposes (x^T for dW, W^T for dx)
+            in1, in1_sinv = ln_q.data_t, ln_q.scale_inv
+            w1_saved, w1_sinv = w1_q.data_t, w1_q.scale_inv
+            if plan.act is not None:
+                h = y
+                s2 = plan.fc2.fp8
+                a_q = act_quantize(h, plan.act, s2.input, recipe, transpose=need_w2)
+                w2_q = s2.weight_cache.cast(
+                    w2, s2.weight, recipe, transpose=need_dh, first_microbatch=s2.first_microbatch
+                )
+                y = fp8_gemm_nt(a_q, w2_q, out_dtype=x.dtype, bias=b2,
+                                fast_accumulation=recipe.fprop_fast_accumulation)
+                h_saved = h if need_dh else None
+                in2, in2_sinv = a_q.data_t, a_q.scale_inv
+                w2_saved, w2_sinv = w2_q.data_t, w2_q.scale_inv
+        keep_norm = norm is not None and need_dln
+        ctx.save_for_backward(
+            x if keep_norm else None,
+            mean if keep_norm else None,
+            rstd if keep_norm else None,
+            norm_w if keep_norm else None,
+            norm_b if keep_norm else None,
+            in1, in1_sinv, w1_saved, w1_sinv, h_saved, in2, in2_sinv, w2_saved, w2_sinv,
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        plan: LayerPlan = ctx.plan
+        (x, mean, rstd, norm_w, norm_b, in1, in1_sinv, w1, w1_sinv, h, in2, in2_sinv, w2,
+         w2_sinv) = ctx.saved_tensors
+        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        need_dln = need_x or need_nw or need_nb
+        need_dh = need_dln or need_w1 or need_b1
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        fp8 = plan.recipe is not None
+        dx = d_nw = d_nb = db1 = db2 = None
+        parts: list[_WgradPart] = []
+        g1 = dy  # the gradient at fc1's output (a Quantized one in FP8)
+        if plan.act is not None:
+            if fp8:
+                dy_q, db2 = _quantize_grad(dy, plan.fc2.fp8, need_w2, need_b2)
+                if need_w2:
+                    operands = (Quantized(dy_q.data_t, dy_q.scale_inv), Quantized(in2, in2_sinv))
+                    parts.append(_WgradPart(plan.fc2, operands, None))
+                if need_dh:
+                    da = fp8_gemm_nt(dy_q, Quantized(w2, w2_sinv), out_dtype=dy.dtype)
+                    g1, db1 = dact_quantize(da, h, plan.act, plan.fc1.fp8.grad_output,
+                                            plan.recipe, transpose=need_w1, column_sum=need_b1)
+            else:
+                if need_w2 or need_b2:
+                    parts.append(_WgradPart(plan.fc2, (dy, in2) if need_w2 else None,
+                                            dy if need_b2 else None))
+                if need_dh:
+                    g1 = plan.act.backward(dy.mm(w2), h)
+        elif fp8:
+            g1, db1 = _quantize_grad(dy, plan.fc1.fp8, need_w1, need_b1)
+        if fp8:
+            if need_w1:
+                operands = (Quantized(g1.data_t, g1.scale_inv), Quantized(in1, in1_sinv))
+                parts.append(_WgradPart(plan.fc1, operands, None))
+            if need_dln:
+                dln = fp8_gemm_nt(g1, Quantized(w1, w1_sinv), out_dtype=dy.dtype)
+        else:
+            if need_w1 or need_b1:
+                parts.append(_WgradPart(plan.fc1, (g1, in1) if need_w1 else None,
+                                        g1 if need_b1 else None))
+            if need_dln:
+                dln = g1.mm(w1)
+        if need_dln:
+            if plan.normalization is not None:
+                dx, d_nw, d_nb = norm_backward(dln, x, plan.normalization, mean, rstd, norm_w,
+                                               norm_b, (need_x, need_nw, need_nb))
+            else:
+                dx = dln
+        dw1 = dw2 = None
+        if parts:
+            job = _make_job(parts, fp8)
+            if plan.store is not None:
+                plan.store.put(plan.key, job)
+            else:
+                for name, param, grad, to_main in job():
+                    if to_main:
+                        add_to_main_grad(name, param, grad)
+                        grad = _dummy_wgrad(param)
+                    if param is plan.fc1.weight:
+                        dw1 = grad
+                    elif param is plan.fc1.bias:
+                        db1 = grad
+                    elif param is plan.fc2.weight:
+                        dw2 = grad
+                    else:
+                        db2 = grad
+        return dx, d_nw, d_nb, dw1, db1, dw2, db2, None
+
+
+def _dummy_wgrad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    # Transformer Engine's convention with fused accumulation: a parameter that carries
+    # `grad_added_to_main_grad` (Megatron-style reducers) is told so, and receives a placeholder
+    # gradient so that its autograd hooks still fire; any other parameter receives none.
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    if getattr(param, "zero_out_wgrad", False):
+        return torch.zeros_like(param)
+    return torch.empty_like(param)
+
+
+def run_layer(
+    x: torch.Tensor,
+    plan: LayerPlan,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The layer `plan` describes on `x` (any leading shape; features in the last dimension)."""
+    fc1, fc2 = plan.fc1, plan.fc2
+    weight = fc1.weight
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"{fc1.weight_name}: input dtype {x.dtype} differs from the parameters' "
+            f"{weight.dtype}; cast the input or build the module with params_dtype={x.dtype}"
+        )
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{fc1.weight_name}: input has {x.shape[-1]} features in its last dimension, the "
+            f"weight expects {weight.shape[1]}"
+        )
+    two_d = x.dim() == 2
+    x2 = x if two_d else x.reshape(-1, x.shape[-1])
+    if fc2 is None:
+        y = _LayerFunction.apply(x2, norm_weight, norm_bias, weight, fc1.bias, None, None, plan)
+    else:
+        y = _LayerFunction.apply(
+            x2, norm_weight, norm_bias, weight, fc1.bias, fc2.weight, fc2.bias, plan
+        )
+    return y if two_d else y.reshape(*x.shape[:-1], y.shape[-1])
