@@ -138,3 +138,27 @@ def test_tree_split_errors(bad, msg):
 
 def test_shape_mismatch_error_type_is_exported():
     assert issubclass(ShapeMismatchError, RuntimeError)
+
+
+def test_a_failed_step_restores_a_user_main_grad():
+    """Megatron-style main_grad buffers that the user owns (no data-parallel reducer zeroes them):
+    a failed step leaves exactly what earlier steps accumulated there; a good step adds to it."""
+    from zbpp.modules import Linear as ZLinear
+
+    sched = build("zb-h1", num_ranks=1, num_microbatches=4)
+    torch.manual_seed(3)
+    lin = ZLinear(2, 2, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    for p in lin.parameters():
+        p.main_grad = torch.full_like(p, 0.5)  # accumulated by earlier steps
+    mod = _Boom()
+    mod.lin = lin
+    pipe = Pipeline({0: mod}, sched, lambda o, y: o.sum())
+    with pytest.raises(Exception, match=r"kaboom"):
+        pipe.step(torch.ones(8, 2))
+    assert all(torch.equal(p.main_grad, torch.full_like(p, 0.5)) for p in lin.parameters())
+    mod.calls = -100
+    pipe.step(torch.ones(8, 2))
+    ref = torch.nn.Linear(2, 2)
+    ref.load_state_dict(lin.state_dict())
+    (ref(torch.ones(8, 2)).sum() / 4).backward()
+    torch.testing.assert_close(lin.weight.main_grad, ref.weight.grad + 0.5, rtol=0, atol=1e-6)
