@@ -112,7 +112,7 @@ def _skeleton(prob: Problem, schedule: Schedule) -> list[list[int]]:
     """`schedule`'s F/B order as ints, a full backward (BW) read as its B."""
     out = []
     for order in schedule.orders:
-        out.append([prob.task(Kind.B if a.kind is Kind.BW else a.kind, a.stage, a.microbatch) for a in order if a.kind is not Kind.W])
+        out.append([prob.ids.id(Kind.B if a.kind is Kind.BW else a.kind, a.stage, a.microbatch) for a in order if a.kind is not Kind.W])
     return out
 
 

@@ -59,6 +59,7 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
         raise ValueError("zb_rounds needs one stage per rank")
     nm = n * m
     f, b, w, act, wgrad, comm = prob.f, prob.b, prob.w, prob.act, prob.wgrad, prob.comm
+    inputs, lags = prob.inputs, prob.lags
     limit = prob.limit + EPS * max(1.0, abs(prob.limit))
     end = [-1.0] * (3 * nm)  # -1: not placed yet
     free = [0.0] * n  # when each stage's rank is free
@@ -84,23 +85,27 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
         mem[s] += dmem
         orders[s].append(task)
 
-    def placed(x: int) -> float:
-        e = end[x]
+    def input_arrival(x: int) -> float:
+        """When task x's input arrives (0.0: it has none)."""
+        d = inputs[x]
+        if d < 0:
+            return 0.0
+        e = end[d]
         if e < 0:  # uneven stages can make the warm-up's counts outrun the stage before
             raise _CannotFit
-        return e
+        return e + lags[x]
 
     def run_f(s: int) -> None:
         j = nf[s]
         nf[s] = j + 1
         t = s * m + j
-        run(s, t, placed(t - m) + comm if s > 0 else 0.0, f[s], act[s])
+        run(s, t, input_arrival(t), f[s], act[s])
 
     def run_b(s: int) -> None:
         j = nb[s]
         nb[s] = j + 1
-        t = s * m + j
-        run(s, nm + t, placed(nm + t + m) + comm if s < n - 1 else placed(t), b[s], wgrad[s] - act[s])
+        t = nm + s * m + j
+        run(s, t, input_arrival(t), b[s], wgrad[s] - act[s])
 
     def run_w(s: int) -> None:
         j = nw[s]
@@ -177,11 +182,11 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
                     raise _CannotFit
                 run_w(s)
             if s > 0:
-                fill(s, placed(s * m + nf[s] - m) + comm)
+                fill(s, input_arrival(s * m + nf[s]))
             run_f(s)
         for s in range(n - 1, -1, -1):
             if s + 1 < n:
-                fill(s, placed(nm + (s + 1) * m + nb[s]) + comm)
+                fill(s, input_arrival(nm + s * m + nb[s]))
             if s == 0 and nf[0] == m:  # no forward left: every W before each remaining B
                 while nw[s] < nb[s]:
                     run_w(s)
@@ -230,7 +235,8 @@ def v_rounds(
     if n != 2 * p or any(prob.placement[s] != min(s, n - 1 - s) for s in range(n)):
         raise ValueError("v_rounds needs the V placement")
     nm = n * m
-    f, b, w, act, wgrad, comm = prob.f, prob.b, prob.w, prob.act, prob.wgrad, prob.comm
+    f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
+    inputs, lags, ranks = prob.inputs, prob.lags, prob.ranks
     limit = prob.limit + EPS * max(1.0, abs(prob.limit))
     end = [-1.0] * (3 * nm)
     free = [0.0] * p
@@ -248,89 +254,39 @@ def v_rounds(
     pending: list[deque[int]] = [deque() for _ in range(p)]  # W's, in B order (stage * m + mb)
     orders: list[list[int]] = [[] for _ in range(p)]
 
-    # Each task function times the task (it starts when the rank is free and its input is there)
-    # and books its memory; the body is repeated in each, as this is the hot loop.
-    def f_down(r: int) -> None:
-        s, j = down[r], nf_d[r]
-        if mem[r] + act[s] > limit:
-            raise _CannotFit
-        nf_d[r] = j + 1
-        t = s * m + j
-        done = free[r] + f[s]
-        if r > 0:
-            e = end[t - m]
+    def timed(r: int, t: int, dur: float, dmem: float) -> None:
+        """Rank r runs F or B task t: it starts when the rank is free and its input is there (an
+        input from the rank itself always is), and the wait counts as idle time."""
+        done = free[r] + dur
+        d = inputs[t]
+        if d >= 0:
+            e = end[d]
             if e < 0:  # the warm-up's counts do not suit this memory limit
                 raise _CannotFit
-            later = e + comm + f[s]  # idle measured between end times, as in f_down of zb_rounds
+            later = e + lags[t] + dur  # idle measured between end times, as in zb_rounds
             if later > done:
                 idle[r] += later - done
                 if idle[r] > worst[0]:
                     worst[0] = idle[r]
                 done = later
         free[r] = end[t] = done
-        mem[r] += act[s]
+        mem[r] += dmem
         orders[r].append(t)
 
-    def f_up(r: int) -> None:
-        s, j = up[r], nf_u[r]
+    def forward(r: int, s: int, count: list[int]) -> None:
+        """Rank r runs the next F of its stage s (`count`: nf_d or nf_u, F's run per rank)."""
+        j = count[r]
         if mem[r] + act[s] > limit:
             raise _CannotFit
-        nf_u[r] = j + 1
-        t = s * m + j
-        done = free[r] + f[s]
-        e = end[t - m]  # from rank r+1 (on the last rank: its own down stage)
-        if e < 0:
-            raise _CannotFit
-        if r < p - 1:
-            later = e + comm + f[s]
-            if later > done:
-                idle[r] += later - done
-                if idle[r] > worst[0]:
-                    worst[0] = idle[r]
-                done = later
-        free[r] = end[t] = done
-        mem[r] += act[s]
-        orders[r].append(t)
+        count[r] = j + 1
+        timed(r, s * m + j, f[s], act[s])
 
-    def b_up(r: int) -> None:
-        s, j = up[r], nb_u[r]
-        nb_u[r] = j + 1
-        t = s * m + j
-        done = free[r] + b[s]
-        e = end[nm + t + m] if s < n - 1 else end[t]  # B from rank r-1, or rank 0's own last F
-        if e < 0:
-            raise _CannotFit
-        if r > 0:
-            later = e + comm + b[s]
-            if later > done:
-                idle[r] += later - done
-                if idle[r] > worst[0]:
-                    worst[0] = idle[r]
-                done = later
-        free[r] = end[nm + t] = done
-        mem[r] += wgrad[s] - act[s]
-        orders[r].append(nm + t)
-        pending[r].append(t)
-
-    def b_down(r: int) -> None:
-        s, j = down[r], nb_d[r]
-        nb_d[r] = j + 1
-        t = s * m + j
-        done = free[r] + b[s]
-        e = end[nm + t + m]  # B from rank r+1, or on the last rank its own up stage's
-        if e < 0:
-            raise _CannotFit
-        if r < p - 1:
-            later = e + comm + b[s]
-            if later > done:
-                idle[r] += later - done
-                if idle[r] > worst[0]:
-                    worst[0] = idle[r]
-                done = later
-        free[r] = end[nm + t] = done
-        mem[r] += wgrad[s] - act[s]
-        orders[r].append(nm + t)
-        pending[r].append(t)
+    def backward(r: int, s: int, count: list[int]) -> None:
+        """Rank r runs the next B of its stage s (`count`: nb_d or nb_u) and queues its W."""
+        j = count[r]
+        count[r] = j + 1
+        timed(r, nm + s * m + j, b[s], wgrad[s] - act[s])
+        pending[r].append(s * m + j)
 
     def run_w(r: int) -> None:
         t = pending[r].popleft()
@@ -340,11 +296,16 @@ def v_rounds(
         mem[r] -= wgrad[s]
         orders[r].append(2 * nm + t)
 
-    def fill(r: int, producer: int, always: bool) -> None:
-        """W's in front of a task whose input comes from task `producer` (-1: none on another rank)."""
-        if producer < 0:
+    def has_input(x: int) -> bool:
+        d = inputs[x]
+        return d < 0 or end[d] >= 0
+
+    def fill(r: int, x: int, always: bool) -> None:
+        """W's in front of task x when its input comes from another rank."""
+        d = inputs[x]
+        if d < 0 or ranks[d] == r:
             return
-        at = end[producer] + comm
+        at = end[d] + lags[x]
         queue = pending[r]
         while queue and free[r] + w[queue[0] // m] <= at:
             run_w(r)
@@ -355,27 +316,28 @@ def v_rounds(
 
     # -- warm-up ---------------------------------------------------------------------------------
     for r in range(p):
-        f_down(r)
+        forward(r, down[r], nf_d)
     idle = [0.0] * p  # a rank's span starts with its first task: the wait for it is no idle time
     worst[0] = 0.0
     for r in range(p - 1, -1, -1):
         if r < p - 1:
             # more microbatches down while they end before the first one comes back up, keeping
             # room for the forwards of the r+1 ranks from here to rank 0 that are still to come
-            back = end[up[r + 1] * m] + comm
+            first_up = up[r] * m
+            back = end[inputs[first_up]] + lags[first_up]
             room = (r + 1) * (act[down[r]] + act[up[r]])
             while mem[r] + room <= limit and free[r] + f[down[r]] <= back and nf_d[r] < m:
                 for q in range(r + 1):
-                    f_down(q)
-        f_up(r)
+                    forward(q, down[q], nf_d)
+        forward(r, up[r], nf_u)
     turn = 0  # evening out: ranks from the bottom up, stages in turn
     for r in range(1, p):
         while nf_d[r] + nf_u[r] < nf_d[r - 1] + nf_u[r - 1] or nf_u[r] <= nf_u[r - 1] < m:
             for q in range(p - 1, r - 1, -1):
                 if turn == 0 and nf_d[q] < m:
-                    f_down(q)
+                    forward(q, down[q], nf_d)
                 elif turn == 1 and nf_u[q] < m:
-                    f_up(q)
+                    forward(q, up[q], nf_u)
             turn = 1 - turn
 
     # -- steady state: every round, one B and one F per rank ---------------------------------------
@@ -384,24 +346,24 @@ def v_rounds(
         for r in range(p):
             if nb_d[r] >= nb_u[r]:
                 ups.append(r)
-            elif r == p - 1 or nb_u[r] >= m or end[nm + down[r + 1] * m + nb_d[r]] >= 0:
+            elif nb_u[r] >= m or has_input(nm + down[r] * m + nb_d[r]):
                 downs.append(r)
             else:
                 ups.append(r)
         for r in reversed(downs):
-            fill(r, nm + down[r + 1] * m + nb_d[r] if r < p - 1 else -1, True)
-            b_down(r)
+            fill(r, nm + down[r] * m + nb_d[r], True)
+            backward(r, down[r], nb_d)
         for r in ups:
-            fill(r, nm + up[r - 1] * m + nb_u[r] if r > 0 else -1, fill_before_b)
-            b_up(r)
+            fill(r, nm + up[r] * m + nb_u[r], fill_before_b)
+            backward(r, up[r], nb_u)
         for r in range(p):
             if nf_u[r] >= m:
                 continue
             if nf_u[r] >= nf_d[r]:
                 go_up = False
-            elif r == p - 1 or end[up[r + 1] * m + nf_u[r]] >= 0:
+            elif has_input(up[r] * m + nf_u[r]):
                 go_up = True
-            elif nf_d[r] < m and (r == 0 or end[down[r - 1] * m + nf_d[r]] >= 0):
+            elif nf_d[r] < m and has_input(down[r] * m + nf_d[r]):
                 go_up = False
             else:
                 continue
@@ -411,11 +373,11 @@ def v_rounds(
                     raise _CannotFit
                 run_w(r)
             if go_up:
-                fill(r, up[r + 1] * m + nf_u[r] if r < p - 1 else -1, fill_before_f)
-                f_up(r)
+                fill(r, up[r] * m + nf_u[r], fill_before_f)
+                forward(r, up[r], nf_u)
             else:
-                fill(r, down[r - 1] * m + nf_d[r] if r > 0 else -1, fill_before_f)
-                f_down(r)
+                fill(r, down[r] * m + nf_d[r], fill_before_f)
+                forward(r, down[r], nf_d)
 
     # -- cool-down -------------------------------------------------------------------------------
     for r in range(p):

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 from ..ir import Action, Kind, Schedule, from_orders, v_placement
 from ..registry import register
+from ..tasks import input_of
 
 __all__ = ["zb_v", "v_half", "v_min", "v_cap"]
 
@@ -257,12 +258,8 @@ def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
         return False
 
     def deps_ready(a: Action) -> int:
-        s, j = a.stage, a.microbatch
-        if a.kind is Kind.F:
-            return slot_of[Action(Kind.F, s - 1, j)] + 1 if s > 0 else 0
-        if s == n - 1:
-            return slot_of[Action(Kind.F, s, j)] + 1
-        return slot_of[Action(Kind.B, s + 1, j)] + 1
+        dep = input_of(a, n)
+        return slot_of[dep] + 1 if dep is not None else 0
 
     for a in sorted(slot_of, key=lambda x: (slot_of[x], rank_of[x.stage])):
         r, old = rank_of[a.stage], slot_of[a]
