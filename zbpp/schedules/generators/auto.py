@@ -38,15 +38,18 @@ from the best possible; `zbpp.schedules.exact` finds that best for small cases.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..checks import as_number
 from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
-from ..registry import build, register
 from ..simulate import Costs, Memory
 from .auto_heuristic import Policy, Problem, list_schedule, place_w
+from .classic import one_f_one_b
+from .dualpipe import dualpipe_v
 from .local_search import TaskShape, improve, perturb_and_improve, score_of
 from .rounds import best_v_rounds, best_zb_rounds
+from .vshape import v_half, v_min, zb_v
+from .zero_bubble import zb_h1, zb_h2
 
 __all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit", "default_memory_limit"]
 
@@ -123,7 +126,7 @@ def _search(
     costs: Costs | None,
     memory: Memory | None,
     memory_limit: float | None,
-    seeds: Sequence[str],
+    seeds: Sequence[Callable[[int, int], Schedule]],
 ) -> Schedule:
     costs = costs if costs is not None else Costs()
     memory = memory if memory is not None else Memory()
@@ -162,7 +165,7 @@ def _search(
     #    F/B order of the first goes to step 4, which may fit it with earlier W's
     skeletons = []
     for seed in seeds:
-        sched = build(seed, num_ranks=p, num_microbatches=m)
+        sched = seed(p, m)
         encoded = prob.encode(sched)
         if encoded is not None and _peak(prob, encoded) <= limit * (1 + 1e-9):
             add(encoded)
@@ -203,11 +206,10 @@ def _search(
     return from_orders(name, placement, m, prob.decode(best))
 
 
-_ZB_SEEDS = ("zb-h2", "zb-h1", "1f1b")
-_ZBV_SEEDS = ("zb-v", "dualpipe-v", "v-half", "v-min")
+_ZB_SEEDS = (zb_h2, zb_h1, one_f_one_b)
+_ZBV_SEEDS = (zb_v, dualpipe_v, v_half, v_min)
 
 
-@register("zb-auto")
 def zb_auto(
     num_ranks: int,
     num_microbatches: int,
@@ -229,7 +231,6 @@ def zb_auto(
     return _search("zb-auto", loop_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZB_SEEDS)
 
 
-@register("zbv-auto")
 def zbv_auto(
     num_ranks: int,
     num_microbatches: int,
@@ -251,3 +252,8 @@ def zbv_auto(
     True
     """
     return _search("zbv-auto", v_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZBV_SEEDS)
+
+
+#: The schedules of this module, for the registry: name -> (generator, task count or None for
+#: the registry's default; see `zbpp.schedules.registry.register`)
+GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, None)}
