@@ -21,12 +21,14 @@ is checked again on the result. A limit below the smallest feasible one (a rank 
 stages' activations of one microbatch at once) raises a `ValueError` that names it.
 
 The search's work is counted in simulated tasks, not seconds, so the result is deterministic,
-and it stays about as fast as the paper's heuristic alone: where the round heuristic applies,
-step 3 runs only on V's of up to 1,500 tasks and step 5 on instances of up to 6,000 (beyond, on
-the papers' profiles, they never beat steps 1 and 2), step 4 not at all (the heuristic places
-its W's as well); where it does not, all steps run. A schedule without bubble ends the search at once. p = 32,
-m = 256 on a V builds in about a second. `zbpp.schedules.bounds` says how far any result can be
-from the best possible; `zbpp.schedules.exact` finds that best for small cases.
+and it builds no slower than the authors' implementation of the paper's heuristic alone (step 1
+runs a switch setting only where its result can differ from one already run): where the round
+heuristic applies, step 3 runs only on V's of up to 1,500 tasks and step 5 on instances of up to
+6,000 (beyond, on the papers' profiles, they never beat steps 1 and 2), step 4 not at all (the
+heuristic places its W's as well); where it does not, all steps run. A schedule without bubble
+ends the search at once. p = 32, m = 256 on a V builds in well under a second.
+`zbpp.schedules.bounds` says how far any result can be from the best possible;
+`zbpp.schedules.exact` finds that best for small cases.
 
 >>> from zbpp.schedules import build, simulate, Costs, Memory
 >>> costs, memory = Costs(f=1, b=1, w=1), Memory(activation=1, wgrad=1/3)
@@ -101,7 +103,7 @@ _V_POLICIES = (Policy(b_first=False, always_fill=True), Policy())
 
 
 def _peak(prob: Problem, orders: Sequence[Sequence[int]]) -> float:
-    delta = prob.memory_deltas()
+    delta = prob.memory_deltas
     peak = 0.0
     for order in orders:
         mem = 0.0
@@ -171,7 +173,7 @@ def _search(
             add(encoded)
             skeletons = []
             break
-        if not skeletons:
+        if not skeletons and not rounds:  # (step 4 runs only without the round heuristic)
             skeletons.append(_skeleton(prob, sched))
     # 3. the event-driven list scheduler: where the round heuristic cannot meet the limit (one
     #    policy on large instances), and beside it on tiny V's (where it pays off)

@@ -124,6 +124,7 @@ class Problem:
         """The rank of each task."""
         return self.ids.per_task([self.placement] * BW)
 
+    @cached_property
     def memory_deltas(self) -> list[float]:
         """Per task id (F, B, W), the memory it allocates (F) or frees (B, W: negative): `Memory.deltas`."""
         per_stage = Memory(self.act, self.wgrad).deltas(self.num_stages)
@@ -233,9 +234,12 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     events = [(0.0, r) for r in range(p)]
     heapq.heapify(events)
     b_first, may_delay, always_fill = policy.b_first, policy.f_may_delay_b, policy.always_fill
+    # (the loop below is the hot one: heapq's functions as locals, and min/max of two numbers
+    # written out, as the builtins' calls cost more than the comparisons)
+    heappush, heappop = heapq.heappush, heapq.heappop
 
     def b_input_known(s: int, j: int, at: float, q: int) -> None:
-        heapq.heappush(b_ready[q], (at, s, j))
+        heappush(b_ready[q], (at, s, j))
         b_known[s * m + j] = 1
         k = oldest_unknown[s]
         while k < m and b_known[s * m + k]:
@@ -253,22 +257,26 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
         else:
             b_input_known(*divmod(c - nm, m), at, q)
         if q != r:
-            heapq.heappush(events, (now, q))  # wake the consumer's rank: it may revise a wait
+            heappush(events, (now, q))  # wake the consumer's rank: it may revise a wait
 
     while events:
-        now, r = heapq.heappop(events)
+        now, r = heappop(events)
         if not left[r] or now < free[r] - EPS:
             continue  # finished, or busy: an event at free[r] is queued
         if now < free[r]:
             now = free[r]
         heap = b_ready[r]
-        b_now = bool(heap) and heap[0][0] <= now + EPS
+        b_now = heap[0][0] <= now + EPS if heap else False
         next_known = heap[0][0] if heap and not b_now else inf  # next input whose time is known
         next_b = next_known  # ... and the next B input, estimated if need be
         for s in stages_of[r]:
             j = oldest_unknown[s]
             if j < next_f[s]:
-                next_b = min(next_b, max(f_end[s * m + j] + trips[s], now + b_lead[s]))
+                est, lead = f_end[s * m + j] + trips[s], now + b_lead[s]
+                if lead > est:
+                    est = lead
+                if est < next_b:
+                    next_b = est
         next_f_in = inf
         f_stage = -1
         f_blocked = False
@@ -280,9 +288,13 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             arrival = f_arrival[s * m + j]
             if arrival > now + EPS:
                 if arrival < inf:
-                    next_known = min(next_known, arrival)
-                    preferred_at = min(preferred_at, arrival)
-                next_f_in = min(next_f_in, arrival if arrival < inf else now + f_lead[s])
+                    if arrival < next_known:
+                        next_known = arrival
+                    if arrival < preferred_at:
+                        preferred_at = arrival
+                est = arrival if arrival < inf else now + f_lead[s]
+                if est < next_f_in:
+                    next_f_in = est
                 continue
             if s == first[r]:
                 if j - b_done[s] >= cap[r]:
@@ -306,21 +318,21 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             # unless a B, or the input of the F of a stage this rank prefers (on a V the later
             # stage: it is further along), is known to arrive before this F would end: then keep
             # the rank free for it (only a known arrival: an estimated one might depend on this F)
-            arrives = min(heap[0][0] if heap else inf, preferred_at)
+            arrives = heap[0][0] if heap and heap[0][0] < preferred_at else preferred_at
             if may_delay or b_now or arrives >= now + f[f_stage] - EPS:
                 kind = 0
         if kind < 0 and w_waiting[r]:
             s_w = w_waiting[r][0] // m
-            if f_blocked or always_fill or free[r] + w[s_w] <= min(next_b, next_f_in) + EPS:
+            if f_blocked or always_fill or free[r] + w[s_w] <= (next_b if next_b <= next_f_in else next_f_in) + EPS:
                 kind = 2
         if kind < 0:
             if next_known < inf:
-                heapq.heappush(events, (next_known, r))
+                heappush(events, (next_known, r))
             continue  # otherwise a producer on another rank wakes this rank up
 
         if kind == 1:
-            arrival, s, j = heapq.heappop(heap)
-            start = max(free[r], arrival)
+            arrival, s, j = heappop(heap)
+            start = free[r] if free[r] >= arrival else arrival
             end = start + b[s]
             mem[r] -= act[s] - wgrad[s]
             b_done[s] += 1
@@ -331,7 +343,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             s = f_stage
             j = next_f[s]
             next_f[s] = j + 1
-            start = max(free[r], f_arrival[s * m + j])
+            start = free[r] if free[r] >= f_arrival[s * m + j] else f_arrival[s * m + j]
             end = start + f[s]
             f_end[s * m + j] = end
             mem[r] += act[s]
@@ -347,7 +359,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
         orders[r].append(task)
         free[r] = end
         left[r] -= 1
-        heapq.heappush(events, (max(end, now), r))
+        heappush(events, (end if end >= now else now, r))
 
     if any(left):  # pragma: no cover - admission makes this impossible
         stuck = [r for r in range(p) if left[r]]

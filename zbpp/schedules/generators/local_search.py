@@ -43,7 +43,7 @@ class TaskShape:
     def __init__(self, prob: Problem) -> None:
         self.nm = prob.ids.nm
         self.dur, self.dep, self.lag, self.rank = prob.durations, prob.inputs, prob.lags, prob.ranks
-        self.delta = prob.memory_deltas()
+        self.delta = prob.memory_deltas
 
 
 class Timeline:
