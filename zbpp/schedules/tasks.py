@@ -16,7 +16,8 @@ where "the backward of (s, j)" is ``B(s, j)`` where the schedule splits that bac
 ``BW(s, j)`` where it does not. `input_block` states the rule; everything else here derives from
 it: `input_of` and `data_dependencies` / `data_consumers` on `Action`s, `TaskIds.input` and the
 table `TaskIds.inputs` on integers. Validation, the simulator, the communication plan, the lower
-bound and every generator and search take the rule from here.
+bound, the exact solver, V-Half/V-Min's slot squeezing and the automatic schedules' heuristics
+and searches take the rule from here.
 
 Integers. With n stages and m microbatches, task ``(kind, stage, mb)`` is the integer
 ``kind * n*m + stage * m + mb``, kinds numbered F=0, B=1, W=2, BW=3 (`KINDS`): one block of n*m
@@ -47,8 +48,6 @@ F, B, W, BW = range(4)
 BACKWARD = -1
 
 _T = TypeVar("_T")
-
-
 _KIND_F, _KIND_B, _KIND_W, _KIND_BW = KINDS
 
 

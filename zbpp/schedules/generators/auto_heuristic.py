@@ -94,6 +94,12 @@ class Problem:
             out[r].append(s)
         return out
 
+    @property
+    def admits(self) -> float:
+        """The memory a rank may reach: `limit` with a relative 1e-9 to spare, so that rounding
+        never refuses a task that fits exactly."""
+        return self.limit + EPS * max(1.0, abs(self.limit))
+
     @cached_property
     def ids(self) -> TaskIds:
         """The problem's task ids (it uses those of kinds F, B and W)."""
@@ -206,7 +212,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     nm = n * m
     f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
     feeds, lags, ranks = prob.feeds, prob.lags, prob.ranks
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    limit = prob.admits
     inf = float("inf")
     stages_of = prob.stages_of
     pref = [sorted(st, reverse=policy.deep_first) for st in stages_of]
@@ -380,7 +386,7 @@ def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = 
     nm = n * m
     f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
     feeds, lags, ranks = prob.feeds, prob.lags, prob.ranks
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    limit = prob.admits
     inf = float("inf")
     trips = _round_trips(prob)
     f_lead, b_lead = _leads(prob)

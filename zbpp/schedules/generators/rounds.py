@@ -36,8 +36,6 @@ from .auto_heuristic import Problem
 
 __all__ = ["zb_rounds", "best_zb_rounds", "v_rounds", "best_v_rounds"]
 
-EPS = 1e-9
-
 
 class _CannotFit(ValueError):
     """This switch setting cannot meet the memory limit (memory full and no W left to free it,
@@ -65,7 +63,7 @@ def zb_rounds(
     nm = n * m
     f, b, w, act, wgrad, comm = prob.f, prob.b, prob.w, prob.act, prob.wgrad, prob.comm
     inputs, lags, durations, delta = prob.inputs, prob.lags, prob.durations, prob.memory_deltas
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    limit = prob.admits
     end = [-1.0] * (3 * nm)  # -1: not placed yet
     free = [0.0] * n  # when each stage's rank is free
     mem = [0.0] * n
@@ -261,7 +259,7 @@ def v_rounds(
     nm = n * m
     f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
     inputs, lags, ranks, durations, delta = prob.inputs, prob.lags, prob.ranks, prob.durations, prob.memory_deltas
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    limit = prob.admits
     end = [-1.0] * (3 * nm)
     free = [0.0] * p
     mem = [0.0] * p
