@@ -192,7 +192,7 @@ def test_incremental_timeline_matches_the_simulator() -> None:
         res = simulate(from_orders("x", prob.placement, m, prob.decode(tl.orders)), costs, memory)
         for order in tl.orders:
             for t in order:
-                a = prob.action(t)
+                a = prob.ids.action(t)
                 assert tl.start[t] == pytest.approx(res.start[a], abs=1e-9)
                 assert tl.end[t] == pytest.approx(res.end[a], abs=1e-9)
         assert tl.spans == pytest.approx(res.spans, abs=1e-9)

@@ -18,7 +18,7 @@ import pytest
 
 from zbpp.schedules import Costs, Memory, simulate, validate
 from zbpp.schedules.generators.auto_heuristic import Problem
-from zbpp.schedules.generators.rounds import best_v_rounds, best_zb_rounds
+from zbpp.schedules.generators.rounds import best_v_rounds, best_zb_rounds, v_rounds, zb_rounds
 from zbpp.schedules.ir import from_orders, loop_placement, v_placement
 
 ROWS = json.loads((Path(__file__).parent / "data" / "authors_heuristic.json").read_text())["rows"]
@@ -78,3 +78,69 @@ def test_v_rounds_need_zbv_memory() -> None:
     costs, memory = Costs(1, 1, 1), Memory(1, 0.5)
     assert best_v_rounds(Problem.make(v_placement(4), 12, costs, memory, 8))
     assert not best_v_rounds(Problem.make(v_placement(4), 12, costs, memory, 6))
+
+
+def _every_setting_run(prob: Problem, v: bool) -> list[tuple[float, list[list[int]]]]:
+    """The reference for the reuse in best_zb_rounds / best_v_rounds: every setting (and every
+    approved-idle pass) run on its own, as the paper's implementation does."""
+    out = []
+    if not v:
+        for gap in (True, False):
+            for skip in (True, False):
+                for greedy in (True, False):
+                    try:
+                        orders, cost = zb_rounds(prob, gap_before_first_b=gap, skip_f=skip, greedy_w=greedy)
+                    except ValueError:
+                        continue
+                    out.append((cost, orders))
+    else:
+        for before_b in (True, False):
+            for before_f in (True, False):
+                approved, prev = None, None
+                while True:
+                    try:
+                        orders, cost, idle = v_rounds(prob, fill_before_f=before_f, fill_before_b=before_b, approved=approved)
+                    except ValueError:
+                        break
+                    out.append((cost, orders))
+                    if prev is not None and max(idle) >= prev:
+                        break
+                    prev, approved = max(idle), idle
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+@pytest.mark.parametrize("shape", ["zb", "v"])
+def test_a_setting_is_run_once_per_distinct_result(shape: str) -> None:
+    """A setting that differs from one already run only in switches that decided nothing there
+    reuses its result: the results are exactly those of running every setting, in the same order,
+    and some runs are saved."""
+    from zbpp.schedules.generators import rounds
+
+    rng = random.Random(5)
+    runs = {"n": 0}
+    heuristic = rounds.v_rounds if shape == "v" else rounds.zb_rounds
+
+    def counted(*args, **kwargs):
+        runs["n"] += 1
+        return heuristic(*args, **kwargs)
+
+    saved = 0
+    cases = [_problem(r) for r in ROWS if r["p"] <= 8 and (r["schedule"] == "zbv-auto") == (shape == "v")][:12]
+    for _ in range(30):
+        p = rng.randint(2, 6)
+        placement = loop_placement(p) if shape == "zb" else v_placement(p)
+        costs = Costs(rng.uniform(0.5, 2), rng.uniform(0.5, 2), rng.uniform(0, 2), rng.uniform(0, 0.3))
+        limit = len(placement) // p * p * rng.choice([1, 1.25, 1.5, 2, 3])
+        cases.append(Problem.make(placement, rng.randint(1, 4 * p), costs, Memory(1.0, rng.uniform(0, 1)), limit))
+    for prob in cases:
+        want = _every_setting_run(prob, shape == "v")
+        runs["n"] = 0
+        setattr(rounds, heuristic.__name__, counted)
+        try:
+            got = (best_v_rounds if shape == "v" else best_zb_rounds)(prob)
+        finally:
+            setattr(rounds, heuristic.__name__, heuristic)
+        assert got == want
+        saved += len(want) - runs["n"]
+    assert saved > 0

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .simulate import Costs, Memory
+from .tasks import TaskIds
 
 __all__ = ["LowerBound", "lower_bound"]
 
@@ -87,17 +88,14 @@ class _Graph:
 
     def __init__(self, placement: Sequence[int], m: int, costs: Costs, memory: Memory, limit: float) -> None:
         n = len(placement)
-        nm = n * m
+        self.ids = ids = TaskIds(n, m)
+        nm = ids.nm
         self.n, self.m, self.nm = n, m, nm
         f, b, w = costs.per_stage(n)
         act, _ = memory.per_stage(n)
-        comm = float(costs.comm)
         self.placement = list(placement)
-        self.dur = [0.0] * (3 * nm)
-        for s in range(n):
-            for j in range(m):
-                t = s * m + j
-                self.dur[t], self.dur[nm + t], self.dur[2 * nm + t] = f[s], b[s], w[s]
+        self.dur = ids.per_task([f, b, w])
+        self.rank = ids.per_task([placement] * 3)  # per task (F, B, W)
         # memory edges: F(t, j) waits for B(t, j - k[t]); k[t] = m means no edge
         below = [0.0] * n  # A_t: activations of the rank's stages up to t
         held: dict[int, float] = {}
@@ -112,25 +110,25 @@ class _Graph:
         # predecessors as (task, weight): x may start weight after that task starts
         preds: list[list[tuple[int, float]]] = [[] for _ in range(3 * nm)]
         dur = self.dur
+        inputs, lags = ids.inputs(), ids.lags(placement, float(costs.comm))
+
+        def data_edge(x: int) -> tuple[int, float]:  # x's input, which ends (and arrives) before x starts
+            d = inputs[x]
+            return d, dur[d] + lags[x]
+
         for s in range(n):
-            r = placement[s]
             for j in range(m):
                 fj, bj, wj = s * m + j, nm + s * m + j, 2 * nm + s * m + j
-                if s > 0:
-                    x = fj - m
-                    preds[fj].append((x, dur[x] + (comm if placement[s - 1] != r else 0.0)))
+                if inputs[fj] >= 0:
+                    preds[fj].append(data_edge(fj))
                 if j > 0:
                     for y in (fj, bj, wj):
                         preds[y].append((y - 1, dur[y - 1]))
                 if j >= k[s]:
                     x = nm + s * m + j - k[s]
                     preds[fj].append((x, dur[x]))
-                if s == n - 1:
-                    preds[bj].append((fj, dur[fj]))
-                else:
-                    x = bj + m
-                    preds[bj].append((x, dur[x] + (comm if placement[s + 1] != r else 0.0)))
-                preds[wj].append((bj, dur[bj]))
+                preds[bj].append(data_edge(bj))
+                preds[wj].append(data_edge(wj))
         self.preds = preds
         # a topological order: microbatch by microbatch, F down the stages, B back up, then W
         order = []
@@ -151,10 +149,10 @@ class _Graph:
         head = [ninf] * len(preds)
         head[source] = 0.0
         order = self.order
-        placement, m, nm2 = self.placement, self.m, 2 * self.nm
+        ranks, nm2 = self.rank, 2 * self.nm
         for i in range(order.index(source) + 1, len(order)):  # nothing before the source is reachable
             x = order[i]
-            if rank is not None and x >= nm2 and placement[(x - nm2) // m] != rank:
+            if rank is not None and x >= nm2 and ranks[x] != rank:
                 continue
             best = ninf
             for y, wt in preds[x]:
@@ -172,8 +170,7 @@ class _Graph:
         if rank is None:
             tail = [0.0] * num
         else:
-            placement, m, nm = self.placement, self.m, self.nm
-            tail = [0.0 if placement[(x % nm) // m] == rank else -math.inf for x in range(num)]
+            tail = [0.0 if r == rank else -math.inf for r in self.rank]
         for x in reversed(self.order):
             if tail[x] == -math.inf:
                 continue
@@ -263,8 +260,8 @@ def lower_bound(
         )
     g = _Graph(placement, m, costs, memory, limit)
     tasks_of: list[list[int]] = [[] for _ in range(p)]
-    for x in range(3 * g.nm):
-        tasks_of[placement[(x % g.nm) // m]].append(x)
+    for x, r in enumerate(g.rank):
+        tasks_of[r].append(x)
     busy = max(sum(g.dur[x] for x in xs) for xs in tasks_of)
 
     head = g.heads_from(0)  # F(0, 0)

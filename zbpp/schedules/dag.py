@@ -4,9 +4,10 @@ Data edges, for every microbatch j::
 
     F(s,j) -> F(s+1,j)      F(last,j) -> B(last,j)      B(s+1,j) -> B(s,j)      B(s,j) -> W(s,j)
 
-where a `BW` task stands in for B (and W) when the backward is not split. A schedule adds one chain
-per rank (its task order). A schedule is valid when the graph has every task exactly once on the
-rank holding its stage, and no cycle (a cycle is a deadlock).
+where a `BW` task stands in for B (and W) when the backward is not split. The rule itself lives in
+`zbpp.schedules.tasks` (`data_dependencies` and `data_consumers` are re-exported from there). A
+schedule adds one chain per rank (its task order). A schedule is valid when the graph has every
+task exactly once on the rank holding its stage, and no cycle (a cycle is a deadlock).
 
 >>> from zbpp.schedules import build
 >>> from zbpp.schedules.dag import task_graph
@@ -23,55 +24,16 @@ from typing import Iterator
 import networkx as nx
 
 from .ir import Action, Kind, Schedule, ScheduleError
+from .tasks import TaskIds, data_consumers, data_dependencies, input_of
 
 __all__ = ["data_dependencies", "data_consumers", "task_graph", "validate"]
-
-
-def _backward_of(present: set[Action] | None, stage: int, mb: int) -> Action:
-    """The task that computes dgrad of (stage, mb): B if the schedule has it, else BW."""
-    b = Action(Kind.B, stage, mb)
-    if present is None or b in present:
-        return b
-    return Action(Kind.BW, stage, mb)
-
-
-def data_dependencies(action: Action, num_stages: int, present: set[Action] | None = None) -> list[Action]:
-    """The tasks whose outputs `action` consumes (its in-edges of the data DAG).
-
-    `present` is the set of tasks of the schedule, used to tell B from BW; None means "split".
-    """
-    s, j = action.stage, action.microbatch
-    kind = action.kind
-    if kind is Kind.F:
-        return [Action(Kind.F, s - 1, j)] if s > 0 else []
-    if kind in (Kind.B, Kind.BW):
-        if s == num_stages - 1:
-            return [Action(Kind.F, s, j)]
-        return [_backward_of(present, s + 1, j)]
-    # W
-    return [Action(Kind.B, s, j)]
-
-
-def data_consumers(action: Action, num_stages: int, present: set[Action] | None = None) -> list[Action]:
-    """The tasks that consume `action`'s output (its out-edges of the data DAG)."""
-    s, j = action.stage, action.microbatch
-    kind = action.kind
-    if kind is Kind.F:
-        if s + 1 < num_stages:
-            return [Action(Kind.F, s + 1, j)]
-        return [_backward_of(present, s, j)]
-    if kind is Kind.W:
-        return []
-    out = [_backward_of(present, s - 1, j)] if s > 0 else []
-    if kind is Kind.B:
-        out.append(Action(Kind.W, s, j))
-    return out
 
 
 def _data_edges(schedule: Schedule) -> Iterator[tuple[Action, Action]]:
     present = {a for _, a in schedule.actions()}
     for _, a in schedule.actions():
-        for dep in data_dependencies(a, schedule.num_stages, present):
+        dep = input_of(a, schedule.num_stages, present)
+        if dep is not None:
             yield dep, a
 
 
@@ -153,41 +115,29 @@ def _valid_fast(schedule: Schedule) -> bool:
     task (the first unfinished task of a topological order is always runnable). False means
     "invalid or not sure": the caller then builds the graph to name the problem.
     """
-    from .simulate import _encode, _kind_id
-
-    encoded = _encode(schedule)
+    n, m = schedule.num_stages, schedule.num_microbatches
+    ids = TaskIds(n, m)
+    encoded = ids.encode(schedule)
     if encoded is None:
         return False
     orders, present = encoded
-    n, m = schedule.num_stages, schedule.num_microbatches
-    nm = n * m
     for pair in schedule.overlap_pairs:
         for a in pair:
-            if not (0 <= a.stage < n and 0 <= a.microbatch < m and present[_kind_id(a.kind) * nm + a.stage * m + a.microbatch]):
+            if not (0 <= a.stage < n and 0 <= a.microbatch < m and present[ids.of(a)]):
                 return False
         if schedule.rank_of(pair[0].stage) != schedule.rank_of(pair[1].stage):
             return False
-    done = bytearray(4 * nm)
+    inputs = ids.inputs(present)
+    done = bytearray(ids.size)
     pos = [0] * len(orders)
     remaining = sum(len(o) for o in orders)
-    last = n - 1
     while remaining:
         progressed = False
         for r, order in enumerate(orders):
             i, size = pos[r], len(order)
             while i < size:
                 t = order[i]
-                kind, rest = divmod(t, nm)
-                if kind == 0:
-                    dep = rest - m if rest >= m else -1
-                elif kind == 2:
-                    dep = nm + rest
-                elif rest // m == last:
-                    dep = rest
-                else:
-                    dep = nm + rest + m
-                    if not present[dep]:
-                        dep += 2 * nm
+                dep = inputs[t]
                 if dep >= 0 and not done[dep]:
                     break
                 done[t] = 1

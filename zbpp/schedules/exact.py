@@ -43,8 +43,6 @@ from .simulate import Costs, Memory, simulate
 
 __all__ = ["Optimum", "optimal_schedule"]
 
-_KINDS = (Kind.F, Kind.B, Kind.W)
-
 
 @dataclass(frozen=True)
 class Optimum:
@@ -106,12 +104,8 @@ def optimal_schedule(
     bound = lower_bound(placement, m, costs, memory, memory_limit)  # also checks the limit
     g = _Graph(placement, m, costs, memory, limit)
     nm, num = g.nm, 3 * g.nm
-    dur, preds = g.dur, g.preds
-    act, wgrad = memory.per_stage(n)
-
-    def action(x: int) -> Action:
-        kind, rest = divmod(x, nm)
-        return Action(_KINDS[kind], rest // m, rest % m)
+    dur, preds, rank_of = g.dur, g.preds, g.rank
+    delta = g.ids.per_task(list(zip(*memory.deltas(n)))[:3])  # F, B, W
 
     if start is None:
         start = _default_start(placement, m, costs, memory, memory_limit)
@@ -121,12 +115,7 @@ def optimal_schedule(
     anc = _closure(num, preds, g.order)
     tasks_of: list[list[int]] = [[] for _ in range(p)]
     for x in range(num):
-        tasks_of[placement[(x % nm) // m]].append(x)
-    delta = [0.0] * num
-    for s in range(n):
-        for j in range(m):
-            t = s * m + j
-            delta[t], delta[nm + t], delta[2 * nm + t] = act[s], wgrad[s] - act[s], -wgrad[s]
+        tasks_of[rank_of[x]].append(x)
 
     # variables: S_0..S_{num-1}, C, then one binary per unordered pair of a rank
     pairs: list[tuple[int, int]] = []
@@ -162,7 +151,6 @@ def optimal_schedule(
         row([(c_var, 1.0), (last_w, -1.0)], dur[last_w], inf)
     # Energy on one rank: a task's ancestors on its rank run before it, its descendants there
     # after it, one at a time.
-    rank_of = [placement[(x % nm) // m] for x in range(num)]
     for xs in tasks_of:
         for x in xs:
             before = sum(dur[y] for y in xs if (anc[x] >> y) & 1)
@@ -229,7 +217,7 @@ def optimal_schedule(
             return -1 if sol[pair_index[(x, y)]] > 0.5 else 1
         return 1 if sol[pair_index[(y, x)]] > 0.5 else -1
 
-    orders = [[action(x) for x in sorted(xs, key=functools.cmp_to_key(first))] for xs in tasks_of]
+    orders = g.ids.decode([sorted(xs, key=functools.cmp_to_key(first)) for xs in tasks_of])
     sched = from_orders("optimal", placement, m, orders)
     found = simulate(sched, costs, memory).makespan
     if found > ub:  # pragma: no cover - HiGHS returns a solution no worse than the bound it was given

@@ -53,9 +53,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .dag import data_dependencies, validate
+from .dag import validate
 from .ir import Action, Kind, Schedule
 from .simulate import Costs, simulate
+from .tasks import input_of
 
 __all__ = ["Message", "CommOp", "RankPlan", "Plan", "make_plan", "fifo_wgrad_problem", "DEFAULT_COSTS"]
 
@@ -199,19 +200,17 @@ def make_plan(
     edges = []
     for dst_rank, order in enumerate(orders):
         for k, dst in enumerate(order):
-            deps = [a for a in data_dependencies(dst, schedule.num_stages, None if forward_only else present) if a in present]
-            for src in deps:
-                src_rank = schedule.rank_of(src.stage)
-                if src_rank == dst_rank:
-                    continue
-                need = start[dst] - transfer  # the receive must be posted by then
-                at = k
-                while at > 0 and (at > k - recv_lead or reached(dst_rank, at) > need):
-                    at -= 1
-                # ... but not before the data exists: a receive posted earlier only spins
-                while at < k and reached(dst_rank, at) < end[src]:
-                    at += 1
-                edges.append((src, dst, src_rank, dst_rank, at))
+            src = input_of(dst, schedule.num_stages, None if forward_only else present)
+            if src is None or src not in present or schedule.rank_of(src.stage) == dst_rank:
+                continue  # no input, or one handed over in memory
+            need = start[dst] - transfer  # the receive must be posted by then
+            at = k
+            while at > 0 and (at > k - recv_lead or reached(dst_rank, at) > need):
+                at -= 1
+            # ... but not before the data exists: a receive posted earlier only spins
+            while at < k and reached(dst_rank, at) < end[src]:
+                at += 1
+            edges.append((src, dst, schedule.rank_of(src.stage), dst_rank, at))
     # One order per channel, the consumer's; messages indexed channel by channel.
     edges.sort(key=lambda e: (e[2], e[3], position[e[1]]))
     messages = tuple(Message(i, src, dst, sr, dr) for i, (src, dst, sr, dr, _) in enumerate(edges))
@@ -293,8 +292,8 @@ def _forward_timeline(schedule: Schedule, orders: list[tuple[Action, ...]], cost
             while pos[r] < len(order):
                 a = order[pos[r]]
                 ready = free[r]
-                if a.stage > 0:
-                    dep = Action(Kind.F, a.stage - 1, a.microbatch)
+                dep = input_of(a, schedule.num_stages)
+                if dep is not None:
                     if dep not in end:
                         break
                     arrive = end[dep] + (costs.comm if schedule.rank_of(dep.stage) != r else 0.0)

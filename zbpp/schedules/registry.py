@@ -23,6 +23,7 @@ import os
 from typing import Any, Callable
 
 from .checks import as_int
+from .generators import BUILTIN
 from .ir import Schedule
 
 __all__ = ["register", "build", "available", "options_of", "max_tasks", "task_count"]
@@ -74,20 +75,13 @@ def register(name: str, *, tasks: TaskCount | None = None) -> Callable[[Generato
     return deco
 
 
-def _load_builtin() -> None:
-    # Importing the generator modules registers them.
-    from . import generators  # noqa: F401
-
-
 def available() -> list[str]:
     """Names `build` accepts, in registration order."""
-    _load_builtin()
     return list(_REGISTRY)
 
 
 def options_of(name: str) -> dict[str, Any]:
     """The options schedule `name` takes, with their defaults."""
-    _load_builtin()
     fn = _lookup(name)
     return {
         p.name: p.default
@@ -112,7 +106,6 @@ def task_count(name: str, num_ranks: int, num_microbatches: int, **options: Any)
     >>> task_count("zb-h1", 4, 8), task_count("zb-v", 4, 2)
     (96, 168)
     """
-    _load_builtin()
     _lookup(name)
     _check_options(name, options)
     return _TASK_COUNTS[name](as_int(num_ranks, "num_ranks"), as_int(num_microbatches, "num_microbatches"), **options)
@@ -137,7 +130,6 @@ def build(name: str, *, num_ranks: int, num_microbatches: int, **options: Any) -
     Traceback (most recent call last):
     ValueError: zb-v with num_ranks=1000000000, num_microbatches=8 would create up to 11,999,999,994,000,000,000 tasks, more than the limit of 16,777,216; set the environment variable ZBPP_MAX_TASKS to allow more
     """
-    _load_builtin()
     fn = _lookup(name)
     p = as_int(num_ranks, "num_ranks")
     m = as_int(num_microbatches, "num_microbatches")
@@ -151,3 +143,8 @@ def build(name: str, *, num_ranks: int, num_microbatches: int, **options: Any) -
     if not schedule.name:
         object.__setattr__(schedule, "name", name)
     return schedule
+
+
+# The built-in schedules, as their modules declare them (they do not import this one).
+for _name, (_generator, _tasks) in BUILTIN.items():
+    register(_name, tasks=_tasks)(_generator)

@@ -18,14 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .checks import as_number, as_numbers
-from .ir import Action, Kind, Schedule, ScheduleError
+from .ir import Action, Schedule, ScheduleError
+from .tasks import KINDS, TaskIds, kind_id
 
 __all__ = ["Costs", "Memory", "SimResult", "simulate"]
 
 PerStage = Union[float, Sequence[float]]
-
-_KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW)
-_KIND_INDEX = {k: i for i, k in enumerate(_KINDS)}
 
 
 def _per_stage(value: PerStage, num_stages: int, what: str) -> list[float]:
@@ -89,7 +87,7 @@ class Costs:
         >>> Costs.from_profile(recs, 2)
         Costs(f=(1.0, 1.0), b=(2.0, 1.0), w=(1.0, 0.5), comm=0.0)
         """
-        samples = [[[] for _ in _KINDS] for _ in range(num_stages)]  # [stage][kind] -> durations
+        samples = [[[] for _ in KINDS] for _ in range(num_stages)]  # [stage][kind id] -> durations
         for rec in records:
             try:
                 action = Action.parse(str(rec["action"]))
@@ -102,12 +100,12 @@ class Costs:
                 raise ValueError(f"profile record {rec!r}: 'start' and 'end' must be finite numbers")
             if dur < 0:
                 raise ValueError(f"profile record {rec!r}: ends before it starts")
-            samples[action.stage][_KIND_INDEX[action.kind]].append(dur)
+            samples[action.stage][kind_id(action.kind)].append(dur)
 
         def mean(xs: list[float]) -> float:
             return sum(xs) / len(xs)
 
-        iF, iB, iW, iBW = (_KIND_INDEX[k] for k in _KINDS)
+        iF, iB, iW, iBW = (kind_id(k) for k in KINDS)
         split = [(mean(s[iB]), mean(s[iW])) for s in samples if s[iB] and s[iW]]
         pooled = sum(b for b, _ in split) / sum(b + w for b, w in split) if split and sum(b + w for b, w in split) > 0 else 0.5
         f_out, b_out, w_out = [], [], []
@@ -224,54 +222,6 @@ def _raise_invalid(schedule: Schedule) -> None:
     raise ScheduleError("simulation stalled although the schedule validates (please report)")
 
 
-_F, _B, _W, _BW = _KINDS
-
-
-def _kind_id(kind: Kind) -> int:
-    # identity tests: Enum.__hash__ runs Python code, and this is called once per task
-    if kind is _F:
-        return 0
-    if kind is _B:
-        return 1
-    if kind is _W:
-        return 2
-    if kind is _BW:
-        return 3
-    return _KIND_INDEX[Kind(kind)]
-
-
-def _encode(schedule: Schedule) -> tuple[list[list[int]], bytearray] | None:
-    """Each rank's tasks as ints ``kind * n*m + stage * m + microbatch``, and a presence table.
-
-    None when the task set is wrong: out of range, duplicated, on the wrong rank, or some
-    (stage, mb) without exactly one F and either one BW or one B and one W.
-    """
-    n, m = schedule.num_stages, schedule.num_microbatches
-    nm = n * m
-    if schedule.num_ranks < 1 or nm < 1:
-        return None
-    placement = schedule.placement
-    present = bytearray(4 * nm)
-    orders: list[list[int]] = []
-    for rank, order in enumerate(schedule.orders):
-        ids = []
-        for a in order:
-            s, j = a.stage, a.microbatch
-            if not (0 <= s < n and 0 <= j < m) or placement[s] != rank:
-                return None
-            t = _kind_id(a.kind) * nm + s * m + j
-            if present[t]:
-                return None
-            present[t] = 1
-            ids.append(t)
-        orders.append(ids)
-    for sj in range(nm):
-        has_b, has_w = present[nm + sj], present[2 * nm + sj]
-        if not present[sj] or has_b != has_w or present[3 * nm + sj] == has_b:
-            return None
-    return orders, present
-
-
 class _TaskTable(Mapping[Action, float]):
     """Read-only ``Action -> float`` view of one of simulate's per-task arrays.
 
@@ -279,17 +229,17 @@ class _TaskTable(Mapping[Action, float]):
     costs nothing per task; it behaves like a dict for reading (``[a]``, ``in``, ``get``, ``items``).
     """
 
-    __slots__ = ("_schedule", "_ids", "_values", "_present", "_n", "_m")
+    __slots__ = ("_schedule", "_ids", "_values", "_present", "_task_ids")
 
     def __init__(self, schedule: Schedule, ids: list[list[int]], values: list, present: bytearray) -> None:
         self._schedule, self._ids, self._values, self._present = schedule, ids, values, present
-        self._n, self._m = schedule.num_stages, schedule.num_microbatches
+        self._task_ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
 
     def _index(self, action: object) -> int:
         if isinstance(action, Action):
-            s, j, n, m = action.stage, action.microbatch, self._n, self._m
-            if 0 <= s < n and 0 <= j < m:
-                t = _kind_id(action.kind) * n * m + s * m + j
+            ids = self._task_ids
+            if 0 <= action.stage < ids.num_stages and 0 <= action.microbatch < ids.num_microbatches:
+                t = ids.of(action)
                 if self._present[t]:
                     return t
         raise KeyError(action)
@@ -332,27 +282,30 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
     memory = memory or Memory()
     p, n, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     f, b, w = costs.per_stage(n)
-    dur_by_kind = [f, b, w, [bi + wi for bi, wi in zip(b, w)]]
-    mem_by_stage = memory.deltas(n)
-    comm = float(costs.comm)
-    placement = schedule.placement
-    nm = n * m
-
-    encoded = _encode(schedule)
+    deltas = memory.deltas(n)
+    ids = TaskIds(n, m)
+    encoded = ids.encode(schedule)
     if encoded is None:
         _raise_invalid(schedule)
     orders, present = encoded  # type: ignore[misc]
 
-    end: list[float | None] = [None] * (4 * nm)
-    start: list[float] = [0.0] * (4 * nm)
-    mem_after: list[float] = [0.0] * (4 * nm)
+    # per task id: its one data input (-1: none), the comm before that input arrives, its
+    # duration and its memory change
+    inputs = ids.inputs(present)
+    lag = ids.lags(schedule.placement, float(costs.comm))
+    dur = ids.per_task([f, b, w, [bi + wi for bi, wi in zip(b, w)]])
+    delta = ids.per_task(list(zip(*deltas)))
+
+    size = ids.size
+    end: list[float | None] = [None] * size
+    start: list[float] = [0.0] * size
+    mem_after: list[float] = [0.0] * size
     rank_free = [0.0] * p
     rank_mem = [0.0] * p
     peak = [0.0] * p
     busy = [0.0] * p
     pos = [0] * p
     remaining = sum(len(o) for o in orders)
-    last = n - 1
 
     while remaining:
         progressed = False
@@ -368,36 +321,20 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
             work = busy[r]
             while i < size:
                 t = order[i]
-                kind, rest = divmod(t, nm)
-                s = rest // m
-                # the one data input of this task (its id and stage), if any
-                if kind == 0:
-                    if s:
-                        dep, ds = rest - m, s - 1
-                    else:
-                        dep = -1
-                elif kind == 2:
-                    dep, ds = nm + rest, s
-                elif s == last:
-                    dep, ds = rest, s  # F(last, j)
-                else:
-                    dep, ds = nm + rest + m, s + 1  # B(s+1, j), else BW(s+1, j)
-                    if not present[dep]:
-                        dep += 2 * nm
+                dep = inputs[t]
                 if dep >= 0:
                     e = end[dep]
                     if e is None:
                         break
-                    if placement[ds] != r:
-                        e += comm
+                    e += lag[t]
                     if e > free:
                         free = e
-                d = dur_by_kind[kind][s]
+                d = dur[t]
                 start[t] = free
                 free += d
                 end[t] = free
                 work += d
-                mem += mem_by_stage[s][kind]
+                mem += delta[t]
                 mem_after[t] = mem
                 if mem > top:
                     top = mem
@@ -416,12 +353,12 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
     spans = []
     first_start = float("inf")
     last_end = 0.0
-    for ids in orders:
-        if not ids:
+    for order in orders:
+        if not order:
             spans.append(0.0)
             continue
-        s0 = start[ids[0]]
-        e1: float = end[ids[-1]]  # type: ignore[assignment]
+        s0 = start[order[0]]
+        e1: float = end[order[-1]]  # type: ignore[assignment]
         spans.append(e1 - s0)
         first_start = min(first_start, s0)
         last_end = max(last_end, e1)

@@ -1,9 +1,17 @@
-"""Built-in schedule generators. Importing this package registers them all.
+"""Built-in schedule generators, one family per module; `BUILTIN` lists them for the registry.
 
-Each module holds one family; phase comments (warm-up, steady, cool-down) mark the structure.
+Each module holds one family; phase comments (warm-up, steady, cool-down) mark the structure. A
+module declares its schedules in a `GENERATORS` table and does not import the registry, which
+imports this package and registers `BUILTIN` (so imports point one way: registry -> generators).
 """
 
-from . import classic, zero_bubble  # noqa: F401
-from . import vshape  # noqa: F401  (zb-v, v-half, v-min)
-from . import dualpipe  # noqa: F401  (dualpipe-v)
-from . import auto  # noqa: F401  (zb-auto, zbv-auto)
+from . import auto, classic, dualpipe, vshape, zero_bubble
+
+#: Every built-in schedule: name -> (generator, task count or None), in the order `available()` lists them.
+BUILTIN = {
+    **classic.GENERATORS,  # gpipe, 1f1b, interleaved-1f1b
+    **zero_bubble.GENERATORS,  # zb-h1, zb-h2
+    **vshape.GENERATORS,  # zb-v, v-half, v-min
+    **dualpipe.GENERATORS,  # dualpipe-v
+    **auto.GENERATORS,  # zb-auto, zbv-auto
+}

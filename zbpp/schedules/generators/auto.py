@@ -21,12 +21,14 @@ is checked again on the result. A limit below the smallest feasible one (a rank 
 stages' activations of one microbatch at once) raises a `ValueError` that names it.
 
 The search's work is counted in simulated tasks, not seconds, so the result is deterministic,
-and it stays about as fast as the paper's heuristic alone: where the round heuristic applies,
-step 3 runs only on V's of up to 1,500 tasks and step 5 on instances of up to 6,000 (beyond, on
-the papers' profiles, they never beat steps 1 and 2), step 4 not at all (the heuristic places
-its W's as well); where it does not, all steps run. A schedule without bubble ends the search at once. p = 32,
-m = 256 on a V builds in about a second. `zbpp.schedules.bounds` says how far any result can be
-from the best possible; `zbpp.schedules.exact` finds that best for small cases.
+and it builds no slower than the authors' implementation of the paper's heuristic alone (step 1
+runs a switch setting only where its result can differ from one already run): where the round
+heuristic applies, step 3 runs only on V's of up to 1,500 tasks and step 5 on instances of up to
+6,000 (beyond, on the papers' profiles, they never beat steps 1 and 2), step 4 not at all (the
+heuristic places its W's as well); where it does not, all steps run. A schedule without bubble
+ends the search at once. p = 32, m = 256 on a V builds in well under a second.
+`zbpp.schedules.bounds` says how far any result can be from the best possible;
+`zbpp.schedules.exact` finds that best for small cases.
 
 >>> from zbpp.schedules import build, simulate, Costs, Memory
 >>> costs, memory = Costs(f=1, b=1, w=1), Memory(activation=1, wgrad=1/3)
@@ -38,15 +40,18 @@ from the best possible; `zbpp.schedules.exact` finds that best for small cases.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..checks import as_number
 from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
-from ..registry import build, register
 from ..simulate import Costs, Memory
 from .auto_heuristic import Policy, Problem, list_schedule, place_w
+from .classic import one_f_one_b
+from .dualpipe import dualpipe_v
 from .local_search import TaskShape, improve, perturb_and_improve, score_of
 from .rounds import best_v_rounds, best_zb_rounds
+from .vshape import v_half, v_min, zb_v
+from .zero_bubble import zb_h1, zb_h2
 
 __all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit", "default_memory_limit"]
 
@@ -98,7 +103,7 @@ _V_POLICIES = (Policy(b_first=False, always_fill=True), Policy())
 
 
 def _peak(prob: Problem, orders: Sequence[Sequence[int]]) -> float:
-    delta = prob.memory_deltas()
+    delta = prob.memory_deltas
     peak = 0.0
     for order in orders:
         mem = 0.0
@@ -112,7 +117,7 @@ def _skeleton(prob: Problem, schedule: Schedule) -> list[list[int]]:
     """`schedule`'s F/B order as ints, a full backward (BW) read as its B."""
     out = []
     for order in schedule.orders:
-        out.append([prob.task(Kind.B if a.kind is Kind.BW else a.kind, a.stage, a.microbatch) for a in order if a.kind is not Kind.W])
+        out.append([prob.ids.id(Kind.B if a.kind is Kind.BW else a.kind, a.stage, a.microbatch) for a in order if a.kind is not Kind.W])
     return out
 
 
@@ -123,7 +128,7 @@ def _search(
     costs: Costs | None,
     memory: Memory | None,
     memory_limit: float | None,
-    seeds: Sequence[str],
+    seeds: Sequence[Callable[[int, int], Schedule]],
 ) -> Schedule:
     costs = costs if costs is not None else Costs()
     memory = memory if memory is not None else Memory()
@@ -162,13 +167,13 @@ def _search(
     #    F/B order of the first goes to step 4, which may fit it with earlier W's
     skeletons = []
     for seed in seeds:
-        sched = build(seed, num_ranks=p, num_microbatches=m)
+        sched = seed(p, m)
         encoded = prob.encode(sched)
         if encoded is not None and _peak(prob, encoded) <= limit * (1 + 1e-9):
             add(encoded)
             skeletons = []
             break
-        if not skeletons:
+        if not skeletons and not rounds:  # (step 4 runs only without the round heuristic)
             skeletons.append(_skeleton(prob, sched))
     # 3. the event-driven list scheduler: where the round heuristic cannot meet the limit (one
     #    policy on large instances), and beside it on tiny V's (where it pays off)
@@ -203,11 +208,10 @@ def _search(
     return from_orders(name, placement, m, prob.decode(best))
 
 
-_ZB_SEEDS = ("zb-h2", "zb-h1", "1f1b")
-_ZBV_SEEDS = ("zb-v", "dualpipe-v", "v-half", "v-min")
+_ZB_SEEDS = (zb_h2, zb_h1, one_f_one_b)
+_ZBV_SEEDS = (zb_v, dualpipe_v, v_half, v_min)
 
 
-@register("zb-auto")
 def zb_auto(
     num_ranks: int,
     num_microbatches: int,
@@ -229,7 +233,6 @@ def zb_auto(
     return _search("zb-auto", loop_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZB_SEEDS)
 
 
-@register("zbv-auto")
 def zbv_auto(
     num_ranks: int,
     num_microbatches: int,
@@ -251,3 +254,8 @@ def zbv_auto(
     True
     """
     return _search("zbv-auto", v_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZBV_SEEDS)
+
+
+#: The schedules of this module, for the registry: name -> (generator, task count or None for
+#: the registry's default; see `zbpp.schedules.registry.register`)
+GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, None)}

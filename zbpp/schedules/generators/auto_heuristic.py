@@ -28,8 +28,8 @@ whole pipeline can therefore always proceed, and every microbatch after it once 
 for *every* admitted microbatch would also be safe, but halves a V's warm-up: ZB-V itself holds
 2p-1 first-stage activations before its first second-stage F.)
 
-Tasks are ints, ``kind * (stages * microbatches) + stage * microbatches + microbatch`` with kind
-0, 1, 2 for F, B, W (as in `zbpp.schedules.simulate`), so the hot loops stay in plain lists.
+Tasks are the integer ids of `zbpp.schedules.tasks` (kinds F, B, W: every backward is split), so
+the hot loops stay in plain lists; which task feeds which comes from there too (`Problem.ids`).
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
-from ..ir import Action, Kind, Schedule
+from ..ir import Action, Schedule
 from ..simulate import Costs, Memory
+from ..tasks import BW, TaskIds
 
 __all__ = ["Problem", "Policy", "list_schedule", "place_w"]
 
 EPS = 1e-9
-_KINDS = (Kind.F, Kind.B, Kind.W)
 
 
 @dataclass(frozen=True)
@@ -93,36 +94,59 @@ class Problem:
             out[r].append(s)
         return out
 
+    @property
+    def admits(self) -> float:
+        """The memory a rank may reach: `limit` with a relative 1e-9 to spare, so that rounding
+        never refuses a task that fits exactly."""
+        return self.limit + EPS * max(1.0, abs(self.limit))
+
+    @cached_property
+    def ids(self) -> TaskIds:
+        """The problem's task ids (it uses those of kinds F, B and W)."""
+        return TaskIds(self.num_stages, self.num_microbatches)
+
+    # -- tables indexed by task id (F, B and W): what the searches look up in their hot loops --------
+    @cached_property
+    def inputs(self) -> list[int]:
+        """The task whose output each task consumes (-1: none): `TaskIds.inputs`, every backward split."""
+        return self.ids.inputs()[: BW * self.ids.nm]
+
+    @cached_property
+    def feeds(self) -> list[int]:
+        """The F or B task that consumes each task's output (-1: none): `TaskIds.feeds`."""
+        return self.ids.feeds()[: BW * self.ids.nm]
+
+    @cached_property
+    def lags(self) -> list[float]:
+        """`comm` where a task's input comes from another rank, else 0.0: `TaskIds.lags`."""
+        return self.ids.lags(self.placement, self.comm)[: BW * self.ids.nm]
+
+    @cached_property
+    def durations(self) -> list[float]:
+        return self.ids.per_task([self.f, self.b, self.w])
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        """The rank of each task."""
+        return self.ids.per_task([self.placement] * BW)
+
+    @cached_property
     def memory_deltas(self) -> list[float]:
-        """Per task int, the memory it allocates (F) or frees (B, W: negative)."""
-        m, nm = self.num_microbatches, self.num_stages * self.num_microbatches
-        out = [0.0] * (3 * nm)
-        for s in range(self.num_stages):
-            a, wg = self.act[s], self.wgrad[s]
-            for j in range(m):
-                t = s * m + j
-                out[t], out[nm + t], out[2 * nm + t] = a, wg - a, -wg
-        return out
-
-    # -- tasks as ints -------------------------------------------------------------------------
-    def task(self, kind: Kind, stage: int, microbatch: int) -> int:
-        nm = self.num_stages * self.num_microbatches
-        return _KINDS.index(kind) * nm + stage * self.num_microbatches + microbatch
-
-    def action(self, task: int) -> Action:
-        m = self.num_microbatches
-        kind, rest = divmod(task, self.num_stages * m)
-        s, j = divmod(rest, m)
-        return Action(_KINDS[kind], s, j)
+        """Per task id (F, B, W), the memory it allocates (F) or frees (B, W: negative): `Memory.deltas`."""
+        per_stage = Memory(self.act, self.wgrad).deltas(self.num_stages)
+        return self.ids.per_task(list(zip(*per_stage))[:BW])
 
     def encode(self, schedule: Schedule) -> list[list[int]] | None:
-        """`schedule`'s orders as ints, or None if it has a BW (auto schedules split every backward)."""
-        if any(a.kind is Kind.BW for _, a in schedule.actions()):
+        """`schedule`'s orders as task ids, or None if it has a BW (auto schedules split every
+        backward) or is not a complete set of tasks."""
+        encoded = self.ids.encode(schedule)
+        nm = self.ids.nm
+        if encoded is None or 1 in encoded.present[BW * nm :]:
             return None
-        return [[self.task(a.kind, a.stage, a.microbatch) for a in order] for order in schedule.orders]
+        return encoded.orders
 
     def decode(self, orders: Sequence[Sequence[int]]) -> list[list[Action]]:
-        return [[self.action(t) for t in order] for order in orders]
+        return self.ids.decode(orders)
 
 
 @dataclass(frozen=True)
@@ -159,6 +183,21 @@ def _round_trips(prob: Problem) -> list[float]:
     return trips
 
 
+def _leads(prob: Problem) -> tuple[list[float], list[float]]:
+    """Per stage, the soonest the input of its F / its B can arrive from a producer on another rank
+    that has not started yet: the producer's duration plus `comm` (inf where the producer is on the
+    same rank, which decides that itself, or there is none)."""
+    n, m, nm = prob.num_stages, prob.num_microbatches, prob.ids.nm
+    inputs, lags, ranks, durations = prob.inputs, prob.lags, prob.ranks, prob.durations
+    inf = float("inf")
+
+    def lead(x: int) -> float:
+        d = inputs[x]
+        return durations[d] + lags[x] if d >= 0 and ranks[d] != ranks[x] else inf
+
+    return [lead(s * m) for s in range(n)], [lead(nm + s * m) for s in range(n)]
+
+
 def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     """Per-rank task orders built by the heuristic; memory never exceeds `prob.limit`.
 
@@ -172,8 +211,8 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
     nm = n * m
     f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
-    placement, comm = prob.placement, prob.comm
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    feeds, lags, ranks = prob.feeds, prob.lags, prob.ranks
+    limit = prob.admits
     inf = float("inf")
     stages_of = prob.stages_of
     pref = [sorted(st, reverse=policy.deep_first) for st in stages_of]
@@ -183,10 +222,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     cap = [-(-policy.inflight * (n - st[0]) // len(st)) if policy.inflight else m for st in stages_of]
     b_done = [0] * n  # B's run, per stage
     trips = _round_trips(prob)
-    # soonest an input can arrive from a producer on another rank that has not started yet
-    # (inf: the producer is on the same rank, which decides that itself)
-    f_lead = [f[s - 1] + comm if s > 0 and placement[s - 1] != placement[s] else inf for s in range(n)]
-    b_lead = [b[s + 1] + comm if s < n - 1 and placement[s + 1] != placement[s] else inf for s in range(n)]
+    f_lead, b_lead = _leads(prob)
 
     f_arrival = [inf] * nm  # when F(s, j)'s input is there (inf: not known yet)
     for j in range(m):
@@ -204,29 +240,49 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
     events = [(0.0, r) for r in range(p)]
     heapq.heapify(events)
     b_first, may_delay, always_fill = policy.b_first, policy.f_may_delay_b, policy.always_fill
+    # (the loop below is the hot one: heapq's functions as locals, and min/max of two numbers
+    # written out, as the builtins' calls cost more than the comparisons)
+    heappush, heappop = heapq.heappush, heapq.heappop
 
     def b_input_known(s: int, j: int, at: float, q: int) -> None:
-        heapq.heappush(b_ready[q], (at, s, j))
+        heappush(b_ready[q], (at, s, j))
         b_known[s * m + j] = 1
         k = oldest_unknown[s]
         while k < m and b_known[s * m + k]:
             k += 1
         oldest_unknown[s] = k
 
+    def hand_on(task: int, end: float, r: int, now: float) -> None:
+        """`task`, ending at `end` on rank r, hands its output to the F or B that consumes it."""
+        c = feeds[task]
+        if c < 0:
+            return
+        q, at = ranks[c], end + lags[c]
+        if c < nm:
+            f_arrival[c] = at
+        else:
+            b_input_known(*divmod(c - nm, m), at, q)
+        if q != r:
+            heappush(events, (now, q))  # wake the consumer's rank: it may revise a wait
+
     while events:
-        now, r = heapq.heappop(events)
+        now, r = heappop(events)
         if not left[r] or now < free[r] - EPS:
             continue  # finished, or busy: an event at free[r] is queued
         if now < free[r]:
             now = free[r]
         heap = b_ready[r]
-        b_now = bool(heap) and heap[0][0] <= now + EPS
+        b_now = heap[0][0] <= now + EPS if heap else False
         next_known = heap[0][0] if heap and not b_now else inf  # next input whose time is known
         next_b = next_known  # ... and the next B input, estimated if need be
         for s in stages_of[r]:
             j = oldest_unknown[s]
             if j < next_f[s]:
-                next_b = min(next_b, max(f_end[s * m + j] + trips[s], now + b_lead[s]))
+                est, lead = f_end[s * m + j] + trips[s], now + b_lead[s]
+                if lead > est:
+                    est = lead
+                if est < next_b:
+                    next_b = est
         next_f_in = inf
         f_stage = -1
         f_blocked = False
@@ -238,9 +294,13 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             arrival = f_arrival[s * m + j]
             if arrival > now + EPS:
                 if arrival < inf:
-                    next_known = min(next_known, arrival)
-                    preferred_at = min(preferred_at, arrival)
-                next_f_in = min(next_f_in, arrival if arrival < inf else now + f_lead[s])
+                    if arrival < next_known:
+                        next_known = arrival
+                    if arrival < preferred_at:
+                        preferred_at = arrival
+                est = arrival if arrival < inf else now + f_lead[s]
+                if est < next_f_in:
+                    next_f_in = est
                 continue
             if s == first[r]:
                 if j - b_done[s] >= cap[r]:
@@ -264,47 +324,37 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
             # unless a B, or the input of the F of a stage this rank prefers (on a V the later
             # stage: it is further along), is known to arrive before this F would end: then keep
             # the rank free for it (only a known arrival: an estimated one might depend on this F)
-            arrives = min(heap[0][0] if heap else inf, preferred_at)
+            arrives = heap[0][0] if heap and heap[0][0] < preferred_at else preferred_at
             if may_delay or b_now or arrives >= now + f[f_stage] - EPS:
                 kind = 0
         if kind < 0 and w_waiting[r]:
             s_w = w_waiting[r][0] // m
-            if f_blocked or always_fill or free[r] + w[s_w] <= min(next_b, next_f_in) + EPS:
+            if f_blocked or always_fill or free[r] + w[s_w] <= (next_b if next_b <= next_f_in else next_f_in) + EPS:
                 kind = 2
         if kind < 0:
             if next_known < inf:
-                heapq.heappush(events, (next_known, r))
+                heappush(events, (next_known, r))
             continue  # otherwise a producer on another rank wakes this rank up
 
         if kind == 1:
-            arrival, s, j = heapq.heappop(heap)
-            start = max(free[r], arrival)
+            arrival, s, j = heappop(heap)
+            start = free[r] if free[r] >= arrival else arrival
             end = start + b[s]
             mem[r] -= act[s] - wgrad[s]
             b_done[s] += 1
             w_waiting[r].append(s * m + j)
-            if s > 0:
-                q = placement[s - 1]
-                b_input_known(s - 1, j, end + (comm if q != r else 0.0), q)
-                if q != r:
-                    heapq.heappush(events, (now, q))
             task = nm + s * m + j
+            hand_on(task, end, r, now)
         elif kind == 0:
             s = f_stage
             j = next_f[s]
             next_f[s] = j + 1
-            start = max(free[r], f_arrival[s * m + j])
+            start = free[r] if free[r] >= f_arrival[s * m + j] else f_arrival[s * m + j]
             end = start + f[s]
             f_end[s * m + j] = end
             mem[r] += act[s]
-            if s < n - 1:
-                q = placement[s + 1]
-                f_arrival[(s + 1) * m + j] = end + (comm if q != r else 0.0)
-                if q != r:
-                    heapq.heappush(events, (now, q))
-            else:
-                b_input_known(s, j, end, r)
             task = s * m + j
+            hand_on(task, end, r, now)
         else:
             sj = w_waiting[r].popleft()
             s = sj // m
@@ -315,7 +365,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
         orders[r].append(task)
         free[r] = end
         left[r] -= 1
-        heapq.heappush(events, (max(end, now), r))
+        heappush(events, (end if end >= now else now, r))
 
     if any(left):  # pragma: no cover - admission makes this impossible
         stuck = [r for r in range(p) if left[r]]
@@ -335,10 +385,11 @@ def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = 
     p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
     nm = n * m
     f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
-    placement, comm = prob.placement, prob.comm
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    feeds, lags, ranks = prob.feeds, prob.lags, prob.ranks
+    limit = prob.admits
     inf = float("inf")
     trips = _round_trips(prob)
+    f_lead, b_lead = _leads(prob)
     seq = [[t for t in order if t < 2 * nm] for order in skeleton]
     nxt = [0] * p
     arrival = [inf] * (2 * nm)  # input arrival of each F and B (inf: not known yet)
@@ -375,10 +426,9 @@ def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = 
                     if at < inf:
                         horizon = at
                     elif kind == 0:
-                        horizon = now + f[s - 1] + comm
+                        horizon = now + f_lead[s]
                     else:  # as in list_schedule: the round trip, or the fastest producer
-                        lead = b[s + 1] + comm if s < n - 1 and placement[s + 1] != r else inf
-                        horizon = max(now + lead, f_end[rest] + trips[s])
+                        horizon = max(now + b_lead[s], f_end[rest] + trips[s])
                     fits = free[r] + w[w_waiting[r][0] // m] <= horizon + EPS
                     kind = 2 if always or fits else -1
         if kind < 0:
@@ -399,22 +449,15 @@ def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = 
                 end = start + f[s]
                 f_end[rest] = end
                 mem[r] += act[s]
-                if s < n - 1:
-                    q = placement[s + 1]
-                    arrival[x + m] = end + (comm if q != r else 0.0)
-                    if q != r:
-                        heapq.heappush(events, (now, q))
-                else:
-                    arrival[nm + rest] = end
             else:
                 end = start + b[s]
                 mem[r] -= act[s] - wgrad[s]
                 w_waiting[r].append(rest)
-                if s > 0:
-                    q = placement[s - 1]
-                    arrival[x - m] = end + (comm if q != r else 0.0)
-                    if q != r:
-                        heapq.heappush(events, (now, q))
+            c = feeds[x]  # the output goes on to the F or B that consumes it
+            if c >= 0:
+                arrival[c] = end + lags[c]
+                if ranks[c] != r:
+                    heapq.heappush(events, (now, ranks[c]))
         orders[r].append(task)
         free[r] = end
         left[r] -= 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from ..checks import as_int
 from ..ir import Action, Kind, Schedule, from_orders, loop_placement
-from ..registry import register
 
 
 def _tasks(p: int, m: int) -> int:
@@ -15,7 +14,6 @@ def _interleaved_tasks(p: int, m: int, *, chunks: int = 2) -> int:
     return 2 * p * as_int(chunks, "interleaved-1f1b: chunks") * m
 
 
-@register("gpipe", tasks=_tasks)
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards (Huang et al., 2019). Peak memory: m activations."""
     p, m = num_ranks, num_microbatches
@@ -25,7 +23,6 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     return from_orders("gpipe", loop_placement(p), m, orders)
 
 
-@register("1f1b", tasks=_tasks)
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-flush): p-1-r warm-up forwards, then one forward one backward."""
     p, m = num_ranks, num_microbatches
@@ -70,7 +67,6 @@ def _interleaved_items(p: int, m: int, chunks: int, backward: bool) -> list[tupl
     return items
 
 
-@register("interleaved-1f1b", tasks=_interleaved_tasks)
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, chunks: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B: rank r holds stages r, r+p, ..., r+(chunks-1)p.
 
@@ -102,3 +98,12 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, chunks: int = 2) 
         order += [BW(k) for k in range(total - warmup, total)]  # cool-down
         orders.append(order)
     return from_orders("interleaved-1f1b", loop_placement(p, chunks), m, orders)
+
+
+#: The schedules of this module, for the registry: name -> (generator, task count; see
+#: `zbpp.schedules.registry.register`)
+GENERATORS = {
+    "gpipe": (gpipe, _tasks),
+    "1f1b": (one_f_one_b, _tasks),
+    "interleaved-1f1b": (interleaved_1f1b, _interleaved_tasks),
+}

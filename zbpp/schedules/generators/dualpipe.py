@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections import deque
 
 from ..ir import Action, Kind, Schedule, from_orders, v_placement
-from ..registry import register
 from .vshape import keep_microbatches
 
 __all__ = ["dualpipe_v"]
@@ -117,7 +116,6 @@ def _tasks(p: int, m: int) -> int:
     return 6 * p * max(m, 2 * p)  # built for at least 2p microbatches, then cut down to m
 
 
-@register("dualpipe-v", tasks=_tasks)
 def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV: V placement, overlapped forward/backward pairs in the steady state.
 
@@ -131,3 +129,8 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
         orders.append(order)
         pairs += [(a, b) for a, b in rank_pairs if a.microbatch < m and b.microbatch < m]
     return from_orders("dualpipe-v", v_placement(p), m, keep_microbatches(orders, m), overlap_pairs=pairs)
+
+
+#: The schedules of this module, for the registry: name -> (generator, task count; see
+#: `zbpp.schedules.registry.register`)
+GENERATORS = {"dualpipe-v": (dualpipe_v, _tasks)}

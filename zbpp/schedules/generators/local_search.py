@@ -41,32 +41,9 @@ class TaskShape:
     pass it to every `Timeline` of that problem."""
 
     def __init__(self, prob: Problem) -> None:
-        n, m = prob.num_stages, prob.num_microbatches
-        nm = n * m
-        self.nm = nm
-        size = 3 * nm
-        self.dur = [0.0] * size
-        self.dep = [-1] * size
-        self.lag = [0.0] * size
-        self.delta = prob.memory_deltas()
-        self.rank = [0] * size
-        place, comm = prob.placement, prob.comm
-        for s in range(n):
-            r = place[s]
-            for j in range(m):
-                t = s * m + j
-                for kind, d in ((0, prob.f[s]), (1, prob.b[s]), (2, prob.w[s])):
-                    self.dur[kind * nm + t] = d
-                    self.rank[kind * nm + t] = r
-                if s > 0:
-                    self.dep[t] = t - m
-                    self.lag[t] = comm if place[s - 1] != r else 0.0
-                if s < n - 1:
-                    self.dep[nm + t] = nm + t + m
-                    self.lag[nm + t] = comm if place[s + 1] != r else 0.0
-                else:
-                    self.dep[nm + t] = t
-                self.dep[2 * nm + t] = nm + t
+        self.nm = prob.ids.nm
+        self.dur, self.dep, self.lag, self.rank = prob.durations, prob.inputs, prob.lags, prob.ranks
+        self.delta = prob.memory_deltas
 
 
 class Timeline:

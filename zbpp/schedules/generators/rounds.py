@@ -36,21 +36,24 @@ from .auto_heuristic import Problem
 
 __all__ = ["zb_rounds", "best_zb_rounds", "v_rounds", "best_v_rounds"]
 
-EPS = 1e-9
-
 
 class _CannotFit(ValueError):
     """This switch setting cannot meet the memory limit (memory full and no W left to free it,
     or a warm-up too deep for it)."""
 
 
-def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w: bool) -> tuple[list[list[int]], float]:
+def zb_rounds(
+    prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w: bool, mattered: set[str] | None = None
+) -> tuple[list[list[int]], float]:
     """One stage per rank: the paper's heuristic with its three switches.
 
     `gap_before_first_b`: in the warm-up, stop adding forwards only once one would end after the
     first B's input arrives (else as soon as the rank reaches that time). `skip_f`: a stage two
     or more forwards ahead of the next may skip its forward in a round. `greedy_w`: run a W into
     any wait, even one that the rank's idle allowance covers.
+
+    `mattered`, if given, receives the name of every switch that took a decision the other
+    setting of it would not have (see `best_zb_rounds`).
 
     Raises `ValueError` if memory cannot be met this way (another switch setting may still work).
     """
@@ -59,7 +62,8 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
         raise ValueError("zb_rounds needs one stage per rank")
     nm = n * m
     f, b, w, act, wgrad, comm = prob.f, prob.b, prob.w, prob.act, prob.wgrad, prob.comm
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    inputs, lags, durations, delta = prob.inputs, prob.lags, prob.durations, prob.memory_deltas
+    limit = prob.admits
     end = [-1.0] * (3 * nm)  # -1: not placed yet
     free = [0.0] * n  # when each stage's rank is free
     mem = [0.0] * n
@@ -67,53 +71,78 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
     worst = [0.0]  # max(idle): idle only grows, so the running max is exact
     nf, nb, nw = [0] * n, [0] * n, [0] * n
     orders: list[list[int]] = [[] for _ in range(n)]
+    note = mattered.add if mattered is not None else _ignore
 
-    def run(s: int, task: int, ready: float, dur: float, dmem: float) -> None:
-        # the idle time is measured between end times (as the paper's implementation does it, so
-        # that near-ties round alike and the decisions match it)
+    def run(s: int, task: int) -> None:
+        """Stage s's rank runs `task`: it starts when the rank is free and the task's input is there."""
+        dur = durations[task]
         e = free[s] + dur
-        later = ready + dur
-        if later > e:
-            if orders[s]:
-                idle[s] += later - e
-                if idle[s] > worst[0]:
-                    worst[0] = idle[s]
-            e = later
+        d = inputs[task]
+        if d >= 0:
+            ready = end[d]
+            if ready < 0:  # uneven stages can make the warm-up's counts outrun the stage before
+                raise _CannotFit
+            # the idle time is measured between end times (as the paper's implementation does
+            # it, so that near-ties round alike and the decisions match it)
+            later = ready + lags[task] + dur
+            if later > e:
+                if orders[s]:
+                    idle[s] += later - e
+                    if idle[s] > worst[0]:
+                        worst[0] = idle[s]
+                e = later
         free[s] = e
         end[task] = e
-        mem[s] += dmem
+        mem[s] += delta[task]
         orders[s].append(task)
-
-    def placed(x: int) -> float:
-        e = end[x]
-        if e < 0:  # uneven stages can make the warm-up's counts outrun the stage before
-            raise _CannotFit
-        return e
 
     def run_f(s: int) -> None:
         j = nf[s]
         nf[s] = j + 1
-        t = s * m + j
-        run(s, t, placed(t - m) + comm if s > 0 else 0.0, f[s], act[s])
+        run(s, s * m + j)
 
     def run_b(s: int) -> None:
         j = nb[s]
         nb[s] = j + 1
-        t = s * m + j
-        run(s, nm + t, placed(nm + t + m) + comm if s < n - 1 else placed(t), b[s], wgrad[s] - act[s])
+        run(s, nm + s * m + j)
 
     def run_w(s: int) -> None:
         j = nw[s]
         nw[s] = j + 1
-        run(s, 2 * nm + s * m + j, 0.0, w[s], -wgrad[s])
+        run(s, 2 * nm + s * m + j)
 
-    def fill(s: int, arrival: float) -> None:
-        """W's in front of a task whose input arrives at `arrival` (see the module docstring)."""
+    def fill(s: int, x: int) -> None:
+        """W's in front of task x, whose input comes from the stage before or after (see the
+        module docstring)."""
+        arrival = end[inputs[x]]
+        if arrival < 0:
+            raise _CannotFit
+        arrival += lags[x]
         while nw[s] < nb[s] and free[s] + w[s] <= arrival:
             run_w(s)
         if nw[s] < nb[s] and free[s] < arrival:
-            if arrival - free[s] > worst[0] - idle[s] or greedy_w:
+            if arrival - free[s] > worst[0] - idle[s]:
                 run_w(s)
+            else:
+                note("greedy_w")
+                if greedy_w:
+                    run_w(s)
+
+    def skips(s: int) -> bool:
+        """Whether stage s, two or more forwards ahead of the next, skips its forward this round."""
+        # when the next stage's next B input leaves it: its F and B, then the message
+        due = free[s + 1] + f[s + 1] + b[s + 1] + comm
+        if free[s] >= due:
+            return True
+        # W's memory would force in front of this F
+        t_w, used, k = 0.0, mem[s] + act[s], nw[s]
+        while used > limit and k < nb[s]:
+            t_w += w[s]
+            used -= wgrad[s]
+            k += 1
+        if free[s] + f[s] + t_w <= due:
+            return False
+        return due - free[s] <= worst[0] - idle[s]
 
     # -- warm-up: the first microbatch all the way down, then extra forwards per stage ----------
     for s in range(n):
@@ -124,10 +153,10 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
         t, used, k = free[s], mem[s], 0
         arrival = back + comm
         while nf[s] + k < m and used + act[s] <= limit:
-            if gap_before_first_b:
-                if t + f[s] > arrival:
-                    break
-            elif t >= arrival:
+            ends_late, starts_late = t + f[s] > arrival, t >= arrival
+            if ends_late != starts_late:
+                note("gap_before_first_b")
+            if ends_late if gap_before_first_b else starts_late:
                 break
             used += act[s]
             t += f[s]
@@ -150,21 +179,9 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
             if nf[s] >= m:
                 continue
             want[s] = 1
-            if skip_f and s + 1 < n and nf[s] >= nf[s + 1] + 2:
-                # when the next stage's next B input leaves it: its F and B, then the message
-                due = free[s + 1] + f[s + 1] + b[s + 1] + comm
-                if free[s] >= due:
-                    want[s] = 0
-                    continue
-                # W's memory would force in front of this F
-                t_w, used, k = 0.0, mem[s] + act[s], nw[s]
-                while used > limit and k < nb[s]:
-                    t_w += w[s]
-                    used -= wgrad[s]
-                    k += 1
-                if free[s] + f[s] + t_w <= due:
-                    continue
-                if due - free[s] <= worst[0] - idle[s]:
+            if s + 1 < n and nf[s] >= nf[s + 1] + 2 and (skip_f or mattered is not None) and skips(s):
+                note("skip_f")
+                if skip_f:
                     want[s] = 0
         for s in range(n - 2, -1, -1):  # only where the next stage runs one too
             if want[s + 1] < want[s]:
@@ -177,11 +194,11 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
                     raise _CannotFit
                 run_w(s)
             if s > 0:
-                fill(s, placed(s * m + nf[s] - m) + comm)
+                fill(s, s * m + nf[s])
             run_f(s)
         for s in range(n - 1, -1, -1):
             if s + 1 < n:
-                fill(s, placed(nm + (s + 1) * m + nb[s]) + comm)
+                fill(s, nm + s * m + nb[s])
             if s == 0 and nf[0] == m:  # no forward left: every W before each remaining B
                 while nw[s] < nb[s]:
                     run_w(s)
@@ -198,22 +215,32 @@ def zb_rounds(prob: Problem, *, gap_before_first_b: bool, skip_f: bool, greedy_w
 
 
 def best_zb_rounds(prob: Problem) -> list[tuple[float, list[list[int]]]]:
-    """Every switch setting of `zb_rounds` that meets the memory limit, as (cost, orders), best first."""
+    """Every switch setting of `zb_rounds` that meets the memory limit, as (cost, orders), best first.
+
+    All eight settings count, as in the paper's implementation; one that differs from a setting
+    already run only in switches that decided nothing there gives that run's result without
+    running again (the same decisions, so the same schedule).
+    """
+    runs = _Runs(lambda approved, **switches: zb_rounds(prob, **switches))
     out = []
     for gap in (True, False):
         for skip in (True, False):
             for greedy in (True, False):
-                try:
-                    orders, cost = zb_rounds(prob, gap_before_first_b=gap, skip_f=skip, greedy_w=greedy)
-                except _CannotFit:
-                    continue
-                out.append((cost, orders))
+                result = runs({"gap_before_first_b": gap, "skip_f": skip, "greedy_w": greedy})
+                if result is not None:
+                    orders, cost = result
+                    out.append((cost, orders))
     out.sort(key=lambda x: x[0])
     return out
 
 
 def v_rounds(
-    prob: Problem, *, fill_before_f: bool, fill_before_b: bool, approved: Sequence[float] | None = None
+    prob: Problem,
+    *,
+    fill_before_f: bool,
+    fill_before_b: bool,
+    approved: Sequence[float] | None = None,
+    mattered: set[str] | None = None,
 ) -> tuple[list[list[int]], float, list[float]]:
     """V placement (rank r holds stages r and 2p-1-r): the round heuristic for one setting of its
     switches and idle allowances. Returns the orders, the longest span and each rank's idle time.
@@ -222,7 +249,7 @@ def v_rounds(
     would make this rank's idle time the largest, run a W there even if it outlasts the wait (the
     down stage's B always does: it feeds the rank above). `approved`: idle time per rank that a
     previous pass needed; a rank may idle up to the largest of them minus its own before that
-    counts as the largest.
+    counts as the largest. `mattered` as for `zb_rounds`.
 
     Raises `ValueError` if memory cannot be met this way.
     """
@@ -230,8 +257,9 @@ def v_rounds(
     if n != 2 * p or any(prob.placement[s] != min(s, n - 1 - s) for s in range(n)):
         raise ValueError("v_rounds needs the V placement")
     nm = n * m
-    f, b, w, act, wgrad, comm = prob.f, prob.b, prob.w, prob.act, prob.wgrad, prob.comm
-    limit = prob.limit + EPS * max(1.0, abs(prob.limit))
+    f, b, w, act, wgrad = prob.f, prob.b, prob.w, prob.act, prob.wgrad
+    inputs, lags, ranks, durations, delta = prob.inputs, prob.lags, prob.ranks, prob.durations, prob.memory_deltas
+    limit = prob.admits
     end = [-1.0] * (3 * nm)
     free = [0.0] * p
     mem = [0.0] * p
@@ -247,90 +275,60 @@ def v_rounds(
     nf_d, nf_u, nb_u, nb_d = [0] * p, [0] * p, [0] * p, [0] * p
     pending: list[deque[int]] = [deque() for _ in range(p)]  # W's, in B order (stage * m + mb)
     orders: list[list[int]] = [[] for _ in range(p)]
+    note = mattered.add if mattered is not None else _ignore
+    switch = {"fill_before_f": fill_before_f, "fill_before_b": fill_before_b, "always": True}
 
-    # Each task function times the task (it starts when the rank is free and its input is there)
-    # and books its memory; the body is repeated in each, as this is the hot loop.
-    def f_down(r: int) -> None:
-        s, j = down[r], nf_d[r]
-        if mem[r] + act[s] > limit:
-            raise _CannotFit
-        nf_d[r] = j + 1
-        t = s * m + j
-        done = free[r] + f[s]
-        if r > 0:
-            e = end[t - m]
+    def run(r: int, t: int, fill: str | None) -> None:
+        """Rank r runs F or B task t. It starts when the rank is free and its input is there (an
+        input from the rank itself always is); the wait counts as idle time. Unless `fill` is
+        None, W's first fill a wait for an input from another rank: those that end in time, and
+        then one more when idling would make this rank's idle time the largest and the switch
+        `fill` ("always": on) says so."""
+        d = inputs[t]
+        dur = durations[t]
+        if d < 0:
+            done = free[r] + dur
+        else:
+            e = end[d]
             if e < 0:  # the warm-up's counts do not suit this memory limit
                 raise _CannotFit
-            later = e + comm + f[s]  # idle measured between end times, as in f_down of zb_rounds
+            at = e + lags[t]
+            if fill is not None and ranks[d] != r:
+                queue = pending[r]
+                while queue and free[r] + w[queue[0] // m] <= at:
+                    run_w(r)
+                if queue:
+                    top = worst[0] if worst[0] >= extra[r] else extra[r]
+                    if at - free[r] > top - idle[r]:
+                        if fill != "always":
+                            note(fill)
+                        if switch[fill]:
+                            run_w(r)
+            done = free[r] + dur
+            later = at + dur  # idle measured between end times, as in zb_rounds
             if later > done:
                 idle[r] += later - done
                 if idle[r] > worst[0]:
                     worst[0] = idle[r]
                 done = later
         free[r] = end[t] = done
-        mem[r] += act[s]
+        mem[r] += delta[t]
         orders[r].append(t)
 
-    def f_up(r: int) -> None:
-        s, j = up[r], nf_u[r]
+    def forward(r: int, s: int, count: list[int], fill: str | None = None) -> None:
+        """Rank r runs the next F of its stage s (`count`: nf_d or nf_u, F's run per rank)."""
+        j = count[r]
         if mem[r] + act[s] > limit:
             raise _CannotFit
-        nf_u[r] = j + 1
-        t = s * m + j
-        done = free[r] + f[s]
-        e = end[t - m]  # from rank r+1 (on the last rank: its own down stage)
-        if e < 0:
-            raise _CannotFit
-        if r < p - 1:
-            later = e + comm + f[s]
-            if later > done:
-                idle[r] += later - done
-                if idle[r] > worst[0]:
-                    worst[0] = idle[r]
-                done = later
-        free[r] = end[t] = done
-        mem[r] += act[s]
-        orders[r].append(t)
+        count[r] = j + 1
+        run(r, s * m + j, fill)
 
-    def b_up(r: int) -> None:
-        s, j = up[r], nb_u[r]
-        nb_u[r] = j + 1
-        t = s * m + j
-        done = free[r] + b[s]
-        e = end[nm + t + m] if s < n - 1 else end[t]  # B from rank r-1, or rank 0's own last F
-        if e < 0:
-            raise _CannotFit
-        if r > 0:
-            later = e + comm + b[s]
-            if later > done:
-                idle[r] += later - done
-                if idle[r] > worst[0]:
-                    worst[0] = idle[r]
-                done = later
-        free[r] = end[nm + t] = done
-        mem[r] += wgrad[s] - act[s]
-        orders[r].append(nm + t)
-        pending[r].append(t)
-
-    def b_down(r: int) -> None:
-        s, j = down[r], nb_d[r]
-        nb_d[r] = j + 1
-        t = s * m + j
-        done = free[r] + b[s]
-        e = end[nm + t + m]  # B from rank r+1, or on the last rank its own up stage's
-        if e < 0:
-            raise _CannotFit
-        if r < p - 1:
-            later = e + comm + b[s]
-            if later > done:
-                idle[r] += later - done
-                if idle[r] > worst[0]:
-                    worst[0] = idle[r]
-                done = later
-        free[r] = end[nm + t] = done
-        mem[r] += wgrad[s] - act[s]
-        orders[r].append(nm + t)
-        pending[r].append(t)
+    def backward(r: int, s: int, count: list[int], fill: str) -> None:
+        """Rank r runs the next B of its stage s (`count`: nb_d or nb_u) and queues its W."""
+        j = count[r]
+        count[r] = j + 1
+        run(r, nm + s * m + j, fill)
+        pending[r].append(s * m + j)
 
     def run_w(r: int) -> None:
         t = pending[r].popleft()
@@ -340,68 +338,55 @@ def v_rounds(
         mem[r] -= wgrad[s]
         orders[r].append(2 * nm + t)
 
-    def fill(r: int, producer: int, always: bool) -> None:
-        """W's in front of a task whose input comes from task `producer` (-1: none on another rank)."""
-        if producer < 0:
-            return
-        at = end[producer] + comm
-        queue = pending[r]
-        while queue and free[r] + w[queue[0] // m] <= at:
-            run_w(r)
-        if queue and always:
-            top = worst[0] if worst[0] >= extra[r] else extra[r]
-            if at - free[r] > top - idle[r]:
-                run_w(r)
-
     # -- warm-up ---------------------------------------------------------------------------------
     for r in range(p):
-        f_down(r)
+        forward(r, down[r], nf_d)
     idle = [0.0] * p  # a rank's span starts with its first task: the wait for it is no idle time
     worst[0] = 0.0
     for r in range(p - 1, -1, -1):
         if r < p - 1:
             # more microbatches down while they end before the first one comes back up, keeping
             # room for the forwards of the r+1 ranks from here to rank 0 that are still to come
-            back = end[up[r + 1] * m] + comm
+            first_up = up[r] * m
+            back = end[inputs[first_up]] + lags[first_up]
             room = (r + 1) * (act[down[r]] + act[up[r]])
             while mem[r] + room <= limit and free[r] + f[down[r]] <= back and nf_d[r] < m:
                 for q in range(r + 1):
-                    f_down(q)
-        f_up(r)
+                    forward(q, down[q], nf_d)
+        forward(r, up[r], nf_u)
     turn = 0  # evening out: ranks from the bottom up, stages in turn
     for r in range(1, p):
         while nf_d[r] + nf_u[r] < nf_d[r - 1] + nf_u[r - 1] or nf_u[r] <= nf_u[r - 1] < m:
             for q in range(p - 1, r - 1, -1):
                 if turn == 0 and nf_d[q] < m:
-                    f_down(q)
+                    forward(q, down[q], nf_d)
                 elif turn == 1 and nf_u[q] < m:
-                    f_up(q)
+                    forward(q, up[q], nf_u)
             turn = 1 - turn
 
     # -- steady state: every round, one B and one F per rank ---------------------------------------
     for _ in range(2 * m):
         ups, downs = [], []
+        # (an input is there when its producer has run: d < 0 is none, end[d] >= 0 has run)
         for r in range(p):
             if nb_d[r] >= nb_u[r]:
                 ups.append(r)
-            elif r == p - 1 or nb_u[r] >= m or end[nm + down[r + 1] * m + nb_d[r]] >= 0:
+            elif nb_u[r] >= m or (d := inputs[nm + down[r] * m + nb_d[r]]) < 0 or end[d] >= 0:
                 downs.append(r)
             else:
                 ups.append(r)
         for r in reversed(downs):
-            fill(r, nm + down[r + 1] * m + nb_d[r] if r < p - 1 else -1, True)
-            b_down(r)
+            backward(r, down[r], nb_d, "always")
         for r in ups:
-            fill(r, nm + up[r - 1] * m + nb_u[r] if r > 0 else -1, fill_before_b)
-            b_up(r)
+            backward(r, up[r], nb_u, "fill_before_b")
         for r in range(p):
             if nf_u[r] >= m:
                 continue
             if nf_u[r] >= nf_d[r]:
                 go_up = False
-            elif r == p - 1 or end[up[r + 1] * m + nf_u[r]] >= 0:
+            elif (d := inputs[up[r] * m + nf_u[r]]) < 0 or end[d] >= 0:
                 go_up = True
-            elif nf_d[r] < m and (r == 0 or end[down[r - 1] * m + nf_d[r]] >= 0):
+            elif nf_d[r] < m and ((d := inputs[down[r] * m + nf_d[r]]) < 0 or end[d] >= 0):
                 go_up = False
             else:
                 continue
@@ -411,11 +396,9 @@ def v_rounds(
                     raise _CannotFit
                 run_w(r)
             if go_up:
-                fill(r, up[r + 1] * m + nf_u[r] if r < p - 1 else -1, fill_before_f)
-                f_up(r)
+                forward(r, up[r], nf_u, "fill_before_f")
             else:
-                fill(r, down[r - 1] * m + nf_d[r] if r > 0 else -1, fill_before_f)
-                f_down(r)
+                forward(r, down[r], nf_d, "fill_before_f")
 
     # -- cool-down -------------------------------------------------------------------------------
     for r in range(p):
@@ -428,17 +411,20 @@ def v_rounds(
 
 def best_v_rounds(prob: Problem) -> list[tuple[float, list[list[int]]]]:
     """`v_rounds` for every switch setting, each followed by passes with approved idle while the
-    longest idle shrinks; every schedule met, as (cost, orders), best first."""
+    longest idle shrinks; every schedule met, as (cost, orders), best first. A pass whose setting
+    differs from one already run with the same approved idle only in switches that decided
+    nothing there gives that run's result without running again (as in `best_zb_rounds`)."""
+    runs = _Runs(lambda approved, **switches: v_rounds(prob, approved=approved, **switches))
     out = []
     for before_b in (True, False):
         for before_f in (True, False):
             approved = None
             prev = None
             while True:
-                try:
-                    orders, cost, idle = v_rounds(prob, fill_before_f=before_f, fill_before_b=before_b, approved=approved)
-                except _CannotFit:
+                result = runs({"fill_before_f": before_f, "fill_before_b": before_b}, approved)
+                if result is None:
                     break
+                orders, cost, idle = result
                 out.append((cost, orders))
                 if prev is not None and max(idle) >= prev:
                     break
@@ -446,3 +432,34 @@ def best_v_rounds(prob: Problem) -> list[tuple[float, list[list[int]]]]:
                 approved = idle
     out.sort(key=lambda x: x[0])
     return out
+
+
+def _ignore(name: str) -> None:
+    pass
+
+
+class _Runs:
+    """Runs of a round heuristic under settings of its switches (and approved idle), each run once.
+
+    A run records the switches that took a decision the other setting would not have taken. Any
+    setting that differs from it only in other switches takes the same decisions all the way, so
+    it gets that run's result (a copy of it) instead of running. None: the setting cannot meet the
+    memory limit.
+    """
+
+    def __init__(self, run) -> None:
+        self.run = run
+        self.done: list[tuple[dict[str, bool], tuple[float, ...] | None, set[str], tuple | None]] = []
+
+    def __call__(self, switches: dict[str, bool], approved: Sequence[float] | None = None) -> tuple | None:
+        key = None if approved is None else tuple(approved)
+        for settings, their_key, mattered, result in self.done:
+            if their_key == key and all(settings[k] == v or k not in mattered for k, v in switches.items()):
+                return None if result is None else ([list(o) for o in result[0]], *result[1:])
+        mattered: set[str] = set()
+        try:
+            result = self.run(approved, mattered=mattered, **switches)
+        except _CannotFit:
+            result = None
+        self.done.append((switches, key, mattered, result))
+        return result

@@ -26,7 +26,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from ..ir import Action, Kind, Schedule, from_orders, v_placement
-from ..registry import register
+from ..tasks import input_of
 
 __all__ = ["zb_v", "v_half", "v_min", "v_cap"]
 
@@ -107,7 +107,6 @@ def _zbv_rank(p: int, n: int, r: int) -> list[Action]:
     return order
 
 
-@register("zb-v", tasks=_zbv_tasks)
 def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-V: 2p stages in a V; zero bubble with F = B = W and 1F1B's peak memory (2p V stages).
 
@@ -257,12 +256,8 @@ def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
         return False
 
     def deps_ready(a: Action) -> int:
-        s, j = a.stage, a.microbatch
-        if a.kind is Kind.F:
-            return slot_of[Action(Kind.F, s - 1, j)] + 1 if s > 0 else 0
-        if s == n - 1:
-            return slot_of[Action(Kind.F, s, j)] + 1
-        return slot_of[Action(Kind.B, s + 1, j)] + 1
+        dep = input_of(a, n)
+        return slot_of[dep] + 1 if dep is not None else 0
 
     for a in sorted(slot_of, key=lambda x: (slot_of[x], rank_of[x.stage])):
         r, old = rank_of[a.stage], slot_of[a]
@@ -278,7 +273,6 @@ def _controllable(name: str, p: int, m: int, block: Callable[[int, int], tuple[i
     return from_orders(name, v_placement(p), m, [_with_w(fb)[0] for fb in slots])
 
 
-@register("v-half", tasks=_v_tasks)
 def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Half: a V schedule with about half of 1F1B's activation memory, 2*floor((p+2)/2) V stages.
 
@@ -290,7 +284,6 @@ def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     return _controllable("v-half", num_ranks, num_microbatches, _v_half_block, "half")
 
 
-@register("v-min", tasks=_v_tasks)
 def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Min: a V schedule with about a third of 1F1B's activation memory, 2*floor((p+4)/3) V stages.
 
@@ -299,3 +292,8 @@ def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
     8.0
     """
     return _controllable("v-min", num_ranks, num_microbatches, _v_min_block, "min")
+
+
+#: The schedules of this module, for the registry: name -> (generator, task count; see
+#: `zbpp.schedules.registry.register`)
+GENERATORS = {"zb-v": (zb_v, _zbv_tasks), "v-half": (v_half, _v_tasks), "v-min": (v_min, _v_tasks)}

@@ -15,7 +15,6 @@ number of microbatches' worth of memory-producing work in flight as rank 0.
 from __future__ import annotations
 
 from ..ir import Action, Kind, Schedule, from_orders, loop_placement
-from ..registry import register
 
 
 def _tasks(p: int, m: int) -> int:
@@ -47,15 +46,18 @@ def _split_1f1b(name: str, p: int, m: int, warmup_of) -> Schedule:
     return from_orders(name, loop_placement(p), m, orders)
 
 
-@register("zb-h1", tasks=_tasks)
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B's memory, bubble (p-1)(F+B-W)."""
     p = num_ranks
     return _split_1f1b("zb-h1", p, num_microbatches, lambda r: p - 1 - r)
 
 
-@register("zb-h2", tasks=_tasks)
 def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H2: about twice 1F1B's memory, bubble (p-1)(F+B-2W), zero for F=B=W."""
     p = num_ranks
     return _split_1f1b("zb-h2", p, num_microbatches, lambda r: 2 * (p - 1 - r))
+
+
+#: The schedules of this module, for the registry: name -> (generator, task count; see
+#: `zbpp.schedules.registry.register`)
+GENERATORS = {"zb-h1": (zb_h1, _tasks), "zb-h2": (zb_h2, _tasks)}

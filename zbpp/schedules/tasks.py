@@ -1,0 +1,299 @@
+"""Which task feeds which, and tasks as integers: the one definition both live in.
+
+The data edges of docs/DESIGN.md ("The task graph"): every task consumes the output of at most
+one other task of the same microbatch, its *input*:
+
+====================  ==============================================================
+task                  its input
+====================  ==============================================================
+``F(s, j)``           ``F(s-1, j)``; none on the first stage
+``B(s, j)``           ``F(s, j)`` on the last stage, else the backward of ``(s+1, j)``
+``W(s, j)``           ``B(s, j)``
+``BW(s, j)``          as ``B(s, j)``
+====================  ==============================================================
+
+where "the backward of (s, j)" is ``B(s, j)`` where the schedule splits that backward and
+``BW(s, j)`` where it does not. `input_block` states the rule; everything else here derives from
+it: `input_of` and `data_dependencies` / `data_consumers` on `Action`s, `TaskIds.input` and the
+table `TaskIds.inputs` on integers. Validation, the simulator, the communication plan, the lower
+bound, the exact solver, V-Half/V-Min's slot squeezing and the automatic schedules' heuristics
+and searches take the rule from here.
+
+Integers. With n stages and m microbatches, task ``(kind, stage, mb)`` is the integer
+``kind * n*m + stage * m + mb``, kinds numbered F=0, B=1, W=2, BW=3 (`KINDS`): one block of n*m
+ids per kind, stage-major, so a list indexed by task id (a *table*) replaces a dict keyed by
+`Action` in hot loops. `TaskIds` converts both ways and builds the tables the loops index.
+
+>>> from zbpp.schedules.ir import Action, Kind
+>>> input_of(Action(Kind.B, 2, 5), num_stages=4)
+Action(B3.5)
+>>> ids = TaskIds(num_stages=4, num_microbatches=8)
+>>> t = ids.of(Action(Kind.B, 2, 5))
+>>> t, ids.action(ids.input(t))
+(53, Action(B3.5))
+"""
+
+from __future__ import annotations
+
+from typing import Collection, NamedTuple, Sequence, TypeVar
+
+from .ir import Action, Kind, Schedule
+
+__all__ = ["KINDS", "kind_id", "input_block", "input_of", "data_dependencies", "data_consumers", "TaskIds", "Encoded"]
+
+#: Task kinds in the order of their integer ids.
+KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW)
+F, B, W, BW = range(4)
+#: In `input_block`: B where the backward is split, else BW.
+BACKWARD = -1
+
+_T = TypeVar("_T")
+_KIND_F, _KIND_B, _KIND_W, _KIND_BW = KINDS
+
+
+def kind_id(kind: Kind) -> int:
+    """The integer of `kind` (F=0, B=1, W=2, BW=3)."""
+    # identity tests against module globals: Enum.__hash__ and Kind.F both run Python code, and
+    # this runs once per task
+    if kind is _KIND_F:
+        return F
+    if kind is _KIND_B:
+        return B
+    if kind is _KIND_W:
+        return W
+    if kind is _KIND_BW:
+        return BW
+    return KINDS.index(Kind(kind))
+
+
+def input_block(kind: int, stage: int, num_stages: int) -> tuple[int, int] | None:
+    """The rule: (kind, stage) of the input of every `kind` task of `stage` (the same microbatch),
+    or None when it has none. The kind `BACKWARD` means B where that backward is split, else BW.
+
+    >>> input_block(F, 0, 4), input_block(F, 2, 4), input_block(B, 3, 4), input_block(BW, 1, 4), input_block(W, 1, 4)
+    (None, (0, 1), (0, 3), (-1, 2), (1, 1))
+    """
+    if kind == F:
+        return (F, stage - 1) if stage > 0 else None
+    if kind == W:
+        return (B, stage)
+    if stage == num_stages - 1:  # B or BW of the last stage: its own forward's output
+        return (F, stage)
+    return (BACKWARD, stage + 1)
+
+
+def _backward_kind(present: Collection[Action] | None, stage: int, mb: int) -> int:
+    """B if the backward of (stage, mb) is split in a schedule of tasks `present` (None: split), else BW."""
+    return B if present is None or Action(Kind.B, stage, mb) in present else BW
+
+
+def input_of(action: Action, num_stages: int, present: Collection[Action] | None = None) -> Action | None:
+    """The task whose output `action` consumes, or None.
+
+    `present` is the schedule's set of tasks, which tells B from BW; None means "every backward split".
+    """
+    blk = input_block(kind_id(action.kind), action.stage, num_stages)
+    if blk is None:
+        return None
+    kind, stage = blk
+    if kind == BACKWARD:
+        kind = _backward_kind(present, stage, action.microbatch)
+    return Action(KINDS[kind], stage, action.microbatch)
+
+
+def data_dependencies(action: Action, num_stages: int, present: Collection[Action] | None = None) -> list[Action]:
+    """The tasks whose outputs `action` consumes (its in-edges of the data DAG): `input_of` as a list."""
+    dep = input_of(action, num_stages, present)
+    return [] if dep is None else [dep]
+
+
+def data_consumers(action: Action, num_stages: int, present: Collection[Action] | None = None) -> list[Action]:
+    """The tasks that consume `action`'s output (its out-edges of the data DAG), stage by stage.
+
+    Derived from `input_of`: the tasks of the neighbouring stages (the backward of each as
+    `present` says) whose input is `action`.
+
+    >>> from zbpp.schedules.ir import Action, Kind
+    >>> [str(a) for a in data_consumers(Action(Kind.B, 2, 0), num_stages=4)]
+    ['B1.0', 'W2.0']
+    """
+    s, j = action.stage, action.microbatch
+    out = []
+    for stage in (s - 1, s, s + 1):
+        if not 0 <= stage < num_stages:
+            continue
+        for kind in (F, BACKWARD, W):
+            if kind == BACKWARD:
+                kind = _backward_kind(present, stage, j)
+            candidate = Action(KINDS[kind], stage, j)
+            if input_of(candidate, num_stages, present) == action:
+                out.append(candidate)
+    return out
+
+
+class Encoded(NamedTuple):
+    """A schedule's rank orders as task ids, and which ids it has (``present[t]`` is 1 or 0)."""
+
+    orders: list[list[int]]
+    present: bytearray
+
+
+class TaskIds:
+    """The integer ids of the tasks of `num_stages` stages and `num_microbatches` microbatches.
+
+    >>> ids = TaskIds(num_stages=2, num_microbatches=3)
+    >>> ids.id(Kind.W, 1, 2), str(ids.action(13))
+    (17, 'W0.1')
+    >>> ids.inputs()[:6]  # the F's: stage 0 has no input, F(1, j) consumes F(0, j)
+    [-1, -1, -1, 0, 1, 2]
+    """
+
+    __slots__ = ("num_stages", "num_microbatches", "nm")
+
+    def __init__(self, num_stages: int, num_microbatches: int) -> None:
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.nm = num_stages * num_microbatches  #: ids per kind
+
+    @property
+    def size(self) -> int:
+        """The number of ids of all four kinds (the length of a table)."""
+        return 4 * self.nm
+
+    # -- conversions ------------------------------------------------------------------------------
+    def id(self, kind: Kind | int, stage: int, microbatch: int) -> int:
+        k = kind if isinstance(kind, int) else kind_id(kind)
+        return k * self.nm + stage * self.num_microbatches + microbatch
+
+    def of(self, action: Action) -> int:
+        """The id of `action` (which must lie within the stages and microbatches)."""
+        return kind_id(action.kind) * self.nm + action.stage * self.num_microbatches + action.microbatch
+
+    def kind_of(self, task: int) -> int:
+        return task // self.nm
+
+    def stage_of(self, task: int) -> int:
+        return task % self.nm // self.num_microbatches
+
+    def action(self, task: int) -> Action:
+        kind, rest = divmod(task, self.nm)
+        stage, mb = divmod(rest, self.num_microbatches)
+        return Action(KINDS[kind], stage, mb)
+
+    def decode(self, orders: Sequence[Sequence[int]]) -> list[list[Action]]:
+        """Rank orders of ids as rank orders of `Action`s."""
+        action = self.action
+        return [[action(t) for t in order] for order in orders]
+
+    def encode(self, schedule: Schedule) -> Encoded | None:
+        """`schedule`'s rank orders as ids, and which ids it has.
+
+        None when its task set is wrong: a task out of range, duplicated or on the wrong rank, or
+        some (stage, mb) without exactly one F and either one BW or one B and one W.
+        """
+        n, m, nm = self.num_stages, self.num_microbatches, self.nm
+        if (schedule.num_stages, schedule.num_microbatches) != (n, m):
+            raise ValueError(f"TaskIds for {n} stages and {m} microbatches cannot encode a schedule of "
+                             f"{schedule.num_stages} and {schedule.num_microbatches}")
+        if schedule.num_ranks < 1 or nm < 1:
+            return None
+        placement = schedule.placement
+        present = bytearray(4 * nm)
+        orders: list[list[int]] = []
+        for rank, order in enumerate(schedule.orders):
+            ids = []
+            for a in order:
+                s, j = a.stage, a.microbatch
+                if not (0 <= s < n and 0 <= j < m) or placement[s] != rank:
+                    return None
+                t = kind_id(a.kind) * nm + s * m + j
+                if present[t]:
+                    return None
+                present[t] = 1
+                ids.append(t)
+            orders.append(ids)
+        for sj in range(nm):
+            has_b, has_w = present[nm + sj], present[2 * nm + sj]
+            if not present[sj] or has_b != has_w or present[3 * nm + sj] == has_b:
+                return None
+        return Encoded(orders, present)
+
+    # -- the rule on ids ----------------------------------------------------------------------------
+    def input(self, task: int, present: bytearray | None = None) -> int:
+        """The id of the task whose output `task` consumes, or -1.
+
+        `present` (as `encode` returns it) tells B from BW; None means "every backward split".
+        """
+        m, nm = self.num_microbatches, self.nm
+        kind, rest = divmod(task, nm)
+        stage, mb = divmod(rest, m)
+        blk = input_block(kind, stage, self.num_stages)
+        if blk is None:
+            return -1
+        k, s = blk
+        if k == BACKWARD:
+            k = B if present is None or present[nm + s * m + mb] else BW
+        return k * nm + s * m + mb
+
+    def inputs(self, present: bytearray | None = None) -> list[int]:
+        """The table of `input` over all ids (-1: no input), built a (kind, stage) block at a time."""
+        n, m, nm = self.num_stages, self.num_microbatches, self.nm
+        table: list[int] = []
+        for kind in range(4):
+            for stage in range(n):
+                blk = input_block(kind, stage, n)
+                if blk is None:
+                    table += [-1] * m
+                    continue
+                k, s = blk
+                if k == BACKWARD:
+                    first_b = nm + s * m
+                    split = m if present is None else present[first_b : first_b + m].count(1)
+                    if 0 < split < m:  # some backwards of stage s split, some not
+                        table += [first_b + j if present[first_b + j] else first_b + 2 * nm + j for j in range(m)]  # type: ignore[index]
+                        continue
+                    k = B if split else BW
+                first = k * nm + s * m
+                table += range(first, first + m)
+        return table
+
+    def feeds(self, present: bytearray | None = None) -> list[int]:
+        """Per id, the F, B or BW task that consumes its output (-1: none): the next task of its
+        microbatch's way down and back up the stages. (A B's other consumer is its own W.)
+
+        `present` as for `inputs`; with None, only F and B tasks count (every backward split).
+        """
+        nm = self.nm
+        table = [-1] * (4 * nm)
+        inputs = self.inputs(present)
+        for t in range(2 * nm) if present is None else (t for t in range(4 * nm) if present[t]):
+            d = inputs[t]
+            if d >= 0 and t // nm != W:
+                table[d] = t
+        return table
+
+    def per_task(self, values: Sequence[Sequence[_T]]) -> list[_T]:
+        """A table from ``values[kind][stage]`` (kinds in id order; fewer than four gives a shorter table)."""
+        m = self.num_microbatches
+        table: list[_T] = []
+        for row in values:
+            for v in row:
+                table += [v] * m
+        return table
+
+    def lags(self, placement: Sequence[int], comm: float) -> list[float]:
+        """Per id, the time from its input's end to its arrival: `comm` where the input comes from
+        another rank (a message), 0.0 where it is handed over in memory or there is none.
+
+        >>> TaskIds(4, 1).lags([0, 1, 1, 0], comm=0.5)[:4]  # the F's: stage 2's input is on its rank
+        [0.0, 0.5, 0.0, 0.5]
+        """
+        n = self.num_stages
+        per_kind = []
+        for kind in range(4):
+            row = []
+            for stage in range(n):
+                blk = input_block(kind, stage, n)
+                row.append(comm if blk is not None and placement[blk[1]] != placement[stage] else 0.0)
+            per_kind.append(row)
+        return self.per_task(per_kind)
