@@ -173,8 +173,7 @@ class StepExecutor:
     _queues: dict[tuple[int, int], list[_Posted]] = field(default_factory=dict, init=False, repr=False)
     _received: dict[int, _Posted] = field(default_factory=dict, init=False, repr=False)
     _sending: list[tuple[list[Any], list[torch.Tensor], tuple[int, int]]] = field(default_factory=list, init=False, repr=False)
-    _local_fwd: dict[tuple[int, int], tuple[Spec, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
-    _local_bwd: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
+    _handed: dict[Action, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict, init=False, repr=False)
     _weighted: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     _dead: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)  # channels that broke
@@ -234,8 +233,7 @@ class StepExecutor:
         if self.failure is None:
             self.failure, self.failed_task, self.failed_at = exc, task, time.time()
         self._slots.clear()  # nothing of the step will be computed: free its activations now
-        self._local_fwd.clear()
-        self._local_bwd.clear()
+        self._handed.clear()
 
     # -- tasks --------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -263,7 +261,7 @@ class StepExecutor:
         if not last:
             leaves, spec = flatten(out)
             del out
-            if not leaves and s + 1 < self.num_stages:
+            if not leaves:
                 raise TypeError(
                     f"stage {s} returned {spec} for microbatch {j}: a stage that feeds another must return a "
                     "tensor, or a tuple/list/dict holding at least one"
@@ -291,10 +289,10 @@ class StepExecutor:
             return self.inputs[j], []
         msg = self.plan.recv_of.get(a)
         if msg is None:
-            spec, leaves = self._local_fwd.pop((s, j))
+            spec, leaves = self._handed.pop(self.plan.handed_from[a])
         else:
             leaves = self._receive(msg)
-            spec = self.specs[(s - 1, j)]
+            spec = self.specs[(msg.src.stage, msg.src.microbatch)]
             if not self.forward_only:
                 for t, m in zip(leaves, spec.tensors):
                     if m.requires_grad:
@@ -305,8 +303,8 @@ class StepExecutor:
         s, j = a.stage, a.microbatch
         msg = self.plan.send_of.get(a)
         if msg is None:  # the next stage is on this rank: its inputs are fresh leaves
-            self._local_fwd[(s + 1, j)] = (spec, [t.detach().requires_grad_(t.requires_grad and not self.forward_only)
-                                                  for t in leaves])
+            self._handed[a] = (spec, [t.detach().requires_grad_(t.requires_grad and not self.forward_only)
+                                      for t in leaves])
             return
         known = self.specs.get((s, j))
         if self.sync:
@@ -314,7 +312,7 @@ class StepExecutor:
         elif known != spec:
             raise ShapeMismatchError(
                 f"stage {s} microbatch {j}: the output is {spec}, but on the first step of this input "
-                f"signature it was {known} and stage {s + 1} (rank {msg.dst_rank}) expects that. A stage's "
+                f"signature it was {known} and stage {msg.dst.stage} (rank {msg.dst_rank}) expects that. A stage's "
                 "output structure, shapes, dtypes, requires_grad and non-tensor values must be determined "
                 "by the step's input shapes (and the modules' train/requires_grad state)"
             )
@@ -333,7 +331,7 @@ class StepExecutor:
             grads: list[torch.Tensor | None] = [None] * len(slot.roots)
         else:
             msg = self.plan.recv_of.get(a)
-            grads = list(self._local_bwd.pop((s, j)) if msg is None else self._receive(msg))
+            grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else self._receive(msg))
         started = self.recorder.start() if self.recorder is not None else None
         run_backward(slot.roots, grads)
         self.wgrad[s].filed((s, j))
@@ -350,7 +348,7 @@ class StepExecutor:
         if s > 0:  # hand the input gradient on before W (BW): the previous stage waits for it
             msg = self.plan.send_of.get(a)
             if msg is None:
-                self._local_bwd[(s - 1, j)] = in_grads
+                self._handed[a] = (None, in_grads)
             else:
                 self._outbox[msg.index] = (None, [g.contiguous() for g in in_grads])
         if a.kind is Kind.BW:
@@ -530,8 +528,7 @@ class StepExecutor:
         self._sending.clear()
         self._outbox.clear()
         self._slots.clear()
-        self._local_fwd.clear()
-        self._local_bwd.clear()
+        self._handed.clear()
 
 
 class _Drained(Exception):

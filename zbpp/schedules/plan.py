@@ -120,6 +120,8 @@ class RankPlan:
         send_of: task -> the message it sends (tasks whose output goes to another rank).
         last_backward: stage -> its last B or BW in `tasks` (its ordinary weight grads are final after it).
         last_wgrad: stage -> its last W or BW in `tasks` (all its weight grads are final after it).
+        handed_from: task -> the task of another stage *on this rank* whose output it consumes
+            (an activation or a gradient handed over in memory, `zbpp.schedules.tasks`' rule).
     """
 
     rank: int
@@ -129,6 +131,7 @@ class RankPlan:
     send_of: Mapping[Action, Message] = field(repr=False)
     last_backward: Mapping[int, Action] = field(repr=False)
     last_wgrad: Mapping[int, Action] = field(repr=False)
+    handed_from: Mapping[Action, Action] = field(repr=False, default_factory=dict)
 
     @property
     def ops(self) -> tuple[CommOp, ...]:
@@ -198,11 +201,15 @@ def make_plan(
 
     # Every cross-rank data edge, with the boundary at which its receive is issued.
     edges = []
+    handed: list[dict[Action, Action]] = [{} for _ in orders]
     for dst_rank, order in enumerate(orders):
         for k, dst in enumerate(order):
             src = input_of(dst, schedule.num_stages, None if forward_only else present)
-            if src is None or src not in present or schedule.rank_of(src.stage) == dst_rank:
-                continue  # no input, or one handed over in memory
+            if src is None or src not in present or src.stage == dst.stage:
+                continue  # no input from another stage
+            if schedule.rank_of(src.stage) == dst_rank:
+                handed[dst_rank][dst] = src  # handed over in memory
+                continue
             need = start[dst] - transfer  # the receive must be posted by then
             at = k
             while at > 0 and (at > k - recv_lead or reached(dst_rank, at) > need):
@@ -260,6 +267,7 @@ def make_plan(
                 send_of={m.src: m for m in messages if m.src_rank == r},
                 last_backward=last_b,
                 last_wgrad=last_w,
+                handed_from=handed[r],
             )
         )
     channels = tuple(sorted({m.channel for m in messages}))
