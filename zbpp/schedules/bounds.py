@@ -79,7 +79,7 @@ class LowerBound:
 
     @property
     def bubble_rate(self) -> float:
-        """No schedule has a lower bubble rate (DESIGN's (cost - busy) / cost)."""
+        """No schedule has a lower bubble rate (docs/DESIGN.md's (cost - busy) / cost)."""
         return (self.cost - self.busy) / self.cost if self.cost > 0 else 0.0
 
 

@@ -1,4 +1,4 @@
-"""The task DAG of DESIGN.md and schedule validation.
+"""The task DAG of docs/DESIGN.md and schedule validation.
 
 Data edges, for every microbatch j::
 

@@ -1,6 +1,6 @@
 """Event simulator: when each task runs, and how much memory each rank holds.
 
-The model is DESIGN.md's: a task starts when its rank is free and all its inputs have arrived;
+The model is docs/DESIGN.md's: a task starts when its rank is free and all its inputs have arrived;
 `comm` is added on every data edge that crosses ranks; memory per stage follows
 F: +activation, B: -(activation - wgrad), W: -wgrad, BW: -activation.
 

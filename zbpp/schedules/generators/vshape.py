@@ -142,7 +142,7 @@ def _v_half_block(p: int, r: int) -> tuple[int, int, int, int]:
 
 
 def v_cap(num_ranks: int, kind: str) -> int:
-    """DESIGN.md's peak memory of V-Half (`kind="half"`) or V-Min (`"min"`), in V-stage activations.
+    """docs/DESIGN.md's peak memory of V-Half (`kind="half"`) or V-Min (`"min"`), in V-stage activations.
 
     >>> v_cap(8, "half"), v_cap(8, "min"), 2 * 8  # ZB-V / 1F1B for comparison
     (10, 8, 16)
