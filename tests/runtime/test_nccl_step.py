@@ -46,6 +46,40 @@ def steps_without_host_sync(name: str) -> int:
     return 0 if loss is None else 1
 
 
+def eval_on_gpus(name: str) -> bool:
+    """eval_step's outputs and loss on NCCL against one process (CUDA tolerance, cases.py)."""
+    from zbpp.runtime.tree import call
+
+    from .cases import tolerance
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    sched = make_schedule(name, 2, 4)
+    mine = {s: make_stage(s, sched.num_stages, "zbpp", device) for s in sched.stages_on(rank)}
+    ref = [make_stage(s, sched.num_stages, "plain", device) for s in range(sched.num_stages)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    inputs, target = make_batch(0, 9, device)
+    out = pipe.eval_step(inputs)
+    loss = pipe.eval_step(inputs, target=target)
+    assert all(q.grad is None for q in pipe.parameters())
+    with torch.no_grad():
+        h = inputs
+        for st in ref:
+            h = call(st, h)
+        want_loss = loss_fn(h, target)
+    if pipe.holds_last_stage:
+        torch.testing.assert_close(out, h, **tolerance(device))
+        torch.testing.assert_close(loss, want_loss, **tolerance(device))
+        return True
+    assert out is None and loss is None
+    return False
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_eval_step_on_nccl(zbpp_workers, name):
+    assert sorted(zbpp_workers(2, backend="nccl").run(eval_on_gpus, name)) == [False, True]
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "dualpipe-v"])
 def test_a_seen_signature_step_never_waits_for_the_gpu(zbpp_workers, name):
     assert sorted(zbpp_workers(2, backend="nccl").run(steps_without_host_sync, name)) == [0, 1]
