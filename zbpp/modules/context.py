@@ -5,6 +5,9 @@ The runtime runs each F inside ``with zbpp.modules.microbatch(key):``. A delayed
 (which on GPUs runs on autograd's own thread, where nothing set by the caller is visible) files the
 wgrad closure under that key; ``backward_dw(key)`` then computes that one.
 
+The key is context state (a `contextvars.ContextVar`): each thread and each asyncio task sees its
+own innermost block, and a block puts back exactly what it found when it ends.
+
 >>> with microbatch(3):
 ...     current_microbatch()
 3
@@ -15,23 +18,24 @@ True
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Hashable, Iterator
 
 __all__ = ["microbatch", "current_microbatch"]
 
-_stack: list[Hashable] = []
+_key: ContextVar[Hashable | None] = ContextVar("zbpp_microbatch", default=None)
 
 
 @contextmanager
 def microbatch(key: Hashable) -> Iterator[Hashable]:
     """Tag the forwards run inside this block with `key` (any hashable, e.g. an int)."""
-    _stack.append(key)
+    token = _key.set(key)
     try:
         yield key
     finally:
-        _stack.pop()
+        _key.reset(token)
 
 
 def current_microbatch() -> Hashable | None:
     """The innermost active key, or None outside any `microbatch` block."""
-    return _stack[-1] if _stack else None
+    return _key.get()
