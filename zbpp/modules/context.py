@@ -17,23 +17,31 @@ True
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
-from typing import Hashable, Iterator
+from typing import Hashable, Iterator, TypeVar
 
 __all__ = ["microbatch", "current_microbatch"]
+
+T = TypeVar("T")
 
 _key: ContextVar[Hashable | None] = ContextVar("zbpp_microbatch", default=None)
 
 
 @contextmanager
-def microbatch(key: Hashable) -> Iterator[Hashable]:
-    """Tag the forwards run inside this block with `key` (any hashable, e.g. an int)."""
-    token = _key.set(key)
+def bound(var: ContextVar[T], value: T) -> Iterator[T]:
+    """A block in which `var` is `value`; leaving it restores what `var` was on entry (also the
+    FP8 recipe's block, ``fp8.recipe.fp8_autocast``)."""
+    token = var.set(value)
     try:
-        yield key
+        yield value
     finally:
-        _key.reset(token)
+        var.reset(token)
+
+
+def microbatch(key: Hashable) -> AbstractContextManager[Hashable]:
+    """Tag the forwards run inside this block with `key` (any hashable, e.g. an int)."""
+    return bound(_key, key)
 
 
 def current_microbatch() -> Hashable | None:

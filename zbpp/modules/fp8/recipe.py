@@ -10,12 +10,13 @@ set by the caller is visible) uses the forward's recipe.
 from __future__ import annotations
 
 import enum
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
+
+from ..context import bound
 
 __all__ = ["Format", "DelayedScaling", "fp8_autocast", "active_recipe"]
 
@@ -86,10 +87,9 @@ class DelayedScaling:
 _active: ContextVar[DelayedScaling | None] = ContextVar("zbpp_fp8_recipe", default=None)
 
 
-@contextmanager
 def fp8_autocast(
     enabled: bool = True, *, fp8_recipe: DelayedScaling | None = None
-) -> Iterator[DelayedScaling | None]:
+) -> AbstractContextManager[DelayedScaling | None]:
     """Run the zbpp modules' forwards inside this block in FP8 (their backwards follow suit).
 
     The recipe is read at forward time and kept with the saved tensors, so the backward, wherever
@@ -117,11 +117,7 @@ def fp8_autocast(
             f"fp8_autocast: enabled={enabled!r} (a {type(enabled).__name__}); pass True or False"
         )
     recipe = (fp8_recipe if fp8_recipe is not None else DelayedScaling()) if enabled else None
-    token = _active.set(recipe)
-    try:
-        yield recipe
-    finally:
-        _active.reset(token)
+    return bound(_active, recipe)
 
 
 def active_recipe() -> DelayedScaling | None:
