@@ -22,8 +22,7 @@ def slots(f8, scale):
 
 
 def slot_args(meta):
-    factor, most_recent = meta._rule(RECIPE)
-    return dict(factor=factor, most_recent=most_recent)
+    return meta.rule_args(RECIPE)
 
 
 def codes(q: torch.Tensor) -> torch.Tensor:

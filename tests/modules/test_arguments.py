@@ -45,12 +45,17 @@ def test_good_recipes_still_work():
         assert recipe.amax_history_len == 3
 
 
+def _type_error(name, **kwargs) -> str:
+    """The message of the TypeError that building layer `name` with `kwargs` raises."""
+    with pytest.raises(TypeError) as caught:
+        LAYERS[name](**kwargs)
+    return str(caught.value)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "bf16", 16, torch.int32, torch.bool])
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_params_dtype_of_the_wrong_type_is_a_type_error(name, dtype):
-    with pytest.raises(TypeError) as caught:
-        LAYERS[name](params_dtype=dtype)
-    message = str(caught.value)
+    message = _type_error(name, params_dtype=dtype)
     assert message.startswith(f"{name}: params_dtype={dtype!r}")
     assert "floating-point torch.dtype" in message and "None" in message
 
@@ -60,3 +65,24 @@ def test_good_params_dtypes_still_work(name):
     assert LAYERS[name](params_dtype=torch.bfloat16).get_parameter(
         "layer_norm_weight" if name != "Linear" else "weight").dtype == torch.bfloat16
     assert next(LAYERS[name](params_dtype=None).parameters()).dtype == torch.get_default_dtype()
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_an_unknown_keyword_is_named_with_the_accepted_ones(name):
+    message = _type_error(name, delay_wgrad=True)
+    assert message.startswith(f"{name}: unknown keyword argument 'delay_wgrad'")
+    assert "delay_wgrad_compute" in message and "params_dtype" in message
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_every_layer_takes_the_shared_keywords(name):
+    """The keywords the base class owns reach every layer: the parameters' dtype and device,
+    the init method of the GEMM weights, the delayed and fused-accumulation switches."""
+    layer = LAYERS[name](delay_wgrad_compute=True, fuse_wgrad_accumulation=True,
+                         params_dtype=torch.float64, device="cpu",
+                         init_method=lambda w: torch.nn.init.constant_(w, 0.5))
+    weights = [p for n, p in layer.named_parameters() if n.endswith("weight")
+               and not n.startswith("layer_norm")]
+    assert weights and all(bool((w == 0.5).all()) for w in weights)
+    assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in layer.parameters())
+    assert layer.delay_wgrad_compute and layer.fuse_wgrad_accumulation

@@ -14,6 +14,8 @@ import torch
 from tests.modules import fp8_bounds as fb
 from zbpp.modules import DelayedScaling, Format, LayerNormMLP, Linear, fp8_autocast, microbatch
 from zbpp.modules import fp8 as fp8mod
+from zbpp.modules.fp8 import cast as fp8cast
+from zbpp.modules.fp8 import gemm as fp8gemm
 from zbpp.modules.fp8 import Quantized, ScalingMeta, fp8_gemm_nt, gemm_path_counts, quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -180,7 +182,7 @@ def test_odd_dimensions_fall_back_and_refusal_falls_back(monkeypatch):
         raise RuntimeError("scaled_mm unsupported here")
 
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
-    monkeypatch.setattr(fp8mod, "_refused", set())
+    monkeypatch.setattr(fp8gemm, "_refused", set())
     a16, b16 = _q(torch.randn(16, 32), E4M3, 1.0), _q(torch.randn(16, 32), E4M3, 1.0)
     with pytest.warns(UserWarning, match="refused on cpu"):
         out = fp8_gemm_nt(a16, b16, out_dtype=torch.float32)
@@ -354,10 +356,10 @@ def test_gpu_compiled_cast_equals_eager_cast(dtype):
     """On CUDA the cast runs through torch.compile; it must give the eager cast's bits."""
     x = (100 * torch.randn(96, 80, device="cuda")).to(dtype)
     scale = torch.tensor(3.7, device="cuda")
-    compiled = torch.compile(fp8mod._cast_eager, dynamic=True)  # raises if it cannot compile
+    compiled = torch.compile(fp8cast._cast_eager, dynamic=True)  # raises if it cannot compile
     for f8 in (E4M3, E5M2):
         fmax = torch.finfo(f8).max
-        want = fp8mod._cast_eager(x, scale, fmax, f8, True)
+        want = fp8cast._cast_eager(x, scale, fmax, f8, True)
         got = compiled(x, scale, fmax, f8, True)
         for w, g in zip(want, got):
             assert torch.equal(w.float(), g.float())

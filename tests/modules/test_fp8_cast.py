@@ -1,7 +1,7 @@
 """The FP8 cast paths: the fused Triton cast-transpose-amax and scale update equal the eager torch
 ops bit for bit (on an sm_90 GPU), and the choice between paths falls back cleanly (everywhere).
 
-The reference is ``fp8._cast_eager`` and the eager branch of ``ScalingMeta.update``, which
+The reference is ``fp8.cast._cast_eager`` and the eager branch of ``ScalingMeta.update``, which
 test_fp8.py checks against hand-worked cases and float64; every comparison here is exact
 (``torch.equal`` on the raw bytes or bits): one rounding, done the same way, leaves no tolerance.
 The one allowed difference is a NaN's sign bit in the FP8 byte (torch keeps it, the PTX
@@ -23,6 +23,7 @@ import torch
 from zbpp.modules import DelayedScaling, Linear, fp8_autocast
 from zbpp.modules import _fp8_cast_triton as kernels
 from zbpp.modules import fp8 as fp8mod
+from zbpp.modules.fp8 import cast as fp8cast
 from zbpp.modules.fp8 import ScalingMeta, cast_path_counts, quantize, reset_cast_path_counts
 from tests.modules import fp8_bounds as fb  # gamma(k): any order of k float32 additions
 
@@ -44,8 +45,8 @@ def triton_gpu():
 @pytest.fixture
 def fresh_paths(monkeypatch):
     """No path marked failed, counters at zero, ZBPP_FP8_CAST unset (restored afterwards)."""
-    monkeypatch.setattr(fp8mod, "_failed", {})
-    monkeypatch.setattr(fp8mod, "_told_unavailable", set())
+    monkeypatch.setattr(fp8cast, "_failed", {})
+    monkeypatch.setattr(fp8cast, "_told_unavailable", set())
     monkeypatch.delenv(ENV, raising=False)
     reset_cast_path_counts()
     yield monkeypatch
@@ -100,7 +101,7 @@ def test_cpu_casts_run_eager_whatever_the_choice(fresh_paths, choice):
 def test_unknown_choice_is_named(fresh_paths):
     fresh_paths.setenv(ENV, "cuda-graph")
     with pytest.raises(ValueError, match="ZBPP_FP8_CAST='cuda-graph'; use one of triton, compile"):
-        fp8mod._requested_paths()
+        fp8cast._requested_paths()
 
 
 def _fake_paths(monkeypatch, calls, *, triton, compile_):
@@ -113,19 +114,19 @@ def _fake_paths(monkeypatch, calls, *, triton, compile_):
                 raise RuntimeError(f"{name} broke")
             if behaviour == "unsuited":
                 return None
-            return fp8mod._cast_eager(x, scale, fp8_max, dtype, transpose)
+            return fp8cast._cast_eager(x, scale, fp8_max, dtype, transpose)
 
         return fake
 
-    monkeypatch.setattr(fp8mod, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
     fakes = {"triton": make("triton", triton), "compile": make("compile", compile_)}
-    monkeypatch.setattr(fp8mod, "_FAST_CASTS", fakes)
+    monkeypatch.setattr(fp8cast, "_FAST_CASTS", fakes)
 
 
 def _cast_once():
     x = torch.tensor([[1.5, -7.0], [0.25, 3.0]])
-    want = fp8mod._cast_eager(x, torch.tensor(2.0), 448.0, E4M3, True)
-    got = fp8mod._cast(x, torch.tensor(2.0), 448.0, E4M3, True)
+    want = fp8cast._cast_eager(x, torch.tensor(2.0), 448.0, E4M3, True)
+    got = fp8cast._cast(x, torch.tensor(2.0), 448.0, E4M3, True)
     for w, g in zip(want, got):
         assert torch.equal(w.view(torch.uint8) if w.dtype == E4M3 else w,
                            g.view(torch.uint8) if g.dtype == E4M3 else g)
@@ -188,8 +189,8 @@ class _FakeKernels:
 
 def test_update_dispatch_passes_the_factor_and_falls_back(fresh_paths):
     fake = _FakeKernels(fail=False)
-    fresh_paths.setattr(fp8mod, "_on_cuda", lambda x: True)
-    fresh_paths.setattr(fp8mod, "_triton_kernels", lambda device: fake)
+    fresh_paths.setattr(fp8cast, "_on_cuda", lambda x: True)
+    fresh_paths.setattr(fp8cast, "_triton_kernels", lambda device: fake)
     meta = ScalingMeta(E5M2, history_len=3)
     meta.update(torch.tensor(7.0), DelayedScaling(amax_history_len=3, margin=2))
     assert fake.calls == [(57344.0 / 4, False)] and meta.scale.item() == -1.0
@@ -198,7 +199,7 @@ def test_update_dispatch_passes_the_factor_and_falls_back(fresh_paths):
     assert fake.calls[-1] == (57344.0, True)
 
     broken = _FakeKernels(fail=True)
-    fresh_paths.setattr(fp8mod, "_triton_kernels", lambda device: broken)
+    fresh_paths.setattr(fp8cast, "_triton_kernels", lambda device: broken)
     meta = ScalingMeta(E5M2, history_len=3)
     with pytest.warns(UserWarning, match="the Triton scale update failed"):
         meta.update(torch.tensor(7.0), DelayedScaling(amax_history_len=3, margin=2))
@@ -246,7 +247,7 @@ def _mixed_values(shape, dtype, seed):
 
 def _assert_same_cast(x, scale, f8, transpose):
     fmax = torch.finfo(f8).max
-    want = fp8mod._cast_eager(x, scale, fmax, f8, transpose)
+    want = fp8cast._cast_eager(x, scale, fmax, f8, transpose)
     got = kernels.cast_transpose_amax(x, scale, fmax, f8, transpose)
     assert got[0].shape == x.shape and got[0].dtype == f8 and got[0].is_contiguous()
     assert torch.equal(_bytes(got[0]), _bytes(want[0])), "data differs"
@@ -301,7 +302,7 @@ def test_gpu_triton_cast_nan_and_layouts(f8):
     x = _mixed_values((200, 150), torch.bfloat16, seed=3)
     x[5, 7] = float("nan")
     x[150, 140] = -float("nan")
-    want = fp8mod._cast_eager(x, scale, fmax, f8, True)
+    want = fp8cast._cast_eager(x, scale, fmax, f8, True)
     got = kernels.cast_transpose_amax(x, scale, fmax, f8, True)
     for w, g in zip(want[:2], got[:2]):
         nan = torch.isnan(w.float())
@@ -341,7 +342,7 @@ def test_gpu_triton_update_is_bit_identical(fresh_paths, length, algo, margin):
             f"after amax {a}: scale {fast.scale.item()} != {slow.scale.item()}")
     n = len(_update_sequence())
     assert cast_path_counts()["update_triton"] == n and cast_path_counts()["update_eager"] == n
-    assert not fp8mod._failed
+    assert not fp8cast._failed
 
 
 @pytest.mark.gpu
@@ -362,7 +363,7 @@ def test_gpu_quantize_through_triton_equals_eager(fresh_paths):
         assert torch.equal(fast.amax_history, slow.amax_history)
         assert torch.equal(fast.scale, slow.scale)
     assert cast_path_counts()["triton"] == 3 and cast_path_counts()["eager"] == 3
-    assert cast_path_counts()["update_triton"] == 3 and not fp8mod._failed
+    assert cast_path_counts()["update_triton"] == 3 and not fp8cast._failed
 
 
 @pytest.mark.gpu
@@ -418,7 +419,7 @@ def _fused_and_eager(fresh_paths, x, fast, slow, recipe, transpose, column_sum=F
     fresh_paths.setenv(ENV, "triton")
     before = cast_path_counts()["triton"]
     got = fn(x, fast, recipe, transpose=transpose)
-    assert cast_path_counts()["triton"] == before + 1 and not fp8mod._failed
+    assert cast_path_counts()["triton"] == before + 1 and not fp8cast._failed
     assert fast._workspace is not None and not fast._workspace.any(), "workspace left non-zero"
     fresh_paths.setenv(ENV, "eager")
     want = fn(x, slow, recipe, transpose=transpose)
@@ -507,9 +508,9 @@ def test_a_failing_fused_kernel_warns_and_the_unfused_paths_take_over(fresh_path
         def update_scale(self, *args, **kwargs):
             raise RuntimeError("no update kernel")
 
-    fresh_paths.setattr(fp8mod, "_on_cuda", lambda x: True)
-    fresh_paths.setattr(fp8mod, "_triton_kernels", lambda device: Broken())
-    fresh_paths.setattr(fp8mod, "_FAST_CASTS", {"triton": None, "compile": fp8mod._cast_eager})
+    fresh_paths.setattr(fp8cast, "_on_cuda", lambda x: True)
+    fresh_paths.setattr(fp8cast, "_triton_kernels", lambda device: Broken())
+    fresh_paths.setattr(fp8cast, "_FAST_CASTS", {"triton": None, "compile": fp8cast._cast_eager})
     x = torch.tensor([[1.5, -7.0], [0.25, 3.0]], dtype=torch.bfloat16)
     meta, ref = ScalingMeta(E4M3, history_len=2), ScalingMeta(E4M3, history_len=2)
     recipe = DelayedScaling(amax_history_len=2)
@@ -521,5 +522,5 @@ def test_a_failing_fused_kernel_warns_and_the_unfused_paths_take_over(fresh_path
     fresh_paths.setenv(ENV, "eager")
     r, t = fp8mod.quantize_and_column_sum(x, ref, recipe, transpose=True)
     assert torch.equal(_bytes(q.data), _bytes(r.data)) and torch.equal(s, t)
-    assert torch.equal(meta.amax_history, ref.amax_history) and "triton" in fp8mod._failed
+    assert torch.equal(meta.amax_history, ref.amax_history) and "triton" in fp8cast._failed
     assert cast_path_counts()["compile"] == 1 and cast_path_counts()["update_eager"] == 2

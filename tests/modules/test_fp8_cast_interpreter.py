@@ -4,7 +4,7 @@ On a GPU the kernel's conversions are single PTX instructions (test_fp8_cast.py 
 against torch); under the interpreter (``TRITON_INTERPRET=1``, numpy on CPU tensors) they are the
 kernel's bit-level software versions, and everything around them (tiles, masks, the transposed
 store, the amax, the column sums, the last tile's update of the slot) is the code the GPU runs.
-The reference is ``fp8._cast_eager`` / ``fp8.quantize``; every comparison is exact except the
+The reference is ``fp8.cast._cast_eager`` / ``fp8.quantize``; every comparison is exact except the
 column sums (another summation order: within the float32 summation bound).
 """
 
@@ -23,7 +23,7 @@ from tests.modules.fp8_compare import (
     slot_args,
     slots,
 )
-from zbpp.modules import fp8 as fp8mod
+from zbpp.modules.fp8 import cast as fp8cast
 
 pytestmark = pytest.mark.interpreter
 
@@ -41,7 +41,7 @@ def test_cast_rounds_every_midpoint_like_torch(interpreted_kernels, f8):
     fmax = torch.finfo(f8).max
     for scale in (1.0, 0.37):
         s = torch.tensor(scale)
-        want = fp8mod._cast_eager(x, s, fmax, f8, True)
+        want = fp8cast._cast_eager(x, s, fmax, f8, True)
         got = interpreted_kernels.cast.cast_transpose_amax(x, s, fmax, f8, True)
         assert_codes(got[0], want[0], exact=True, what="data")
         assert_codes(got[1], want[1], exact=True, what="data_t")
@@ -55,7 +55,7 @@ def test_cast_update_and_column_sums_equal_eager(interpreted_kernels, shape):
     x = (torch.randn(shape, generator=g) * 40).bfloat16()
     fast, slow = slots(E5M2, 3.0)
     data, data_t, scale_inv, sums = interpreted_kernels.cast.cast_transpose_update(
-        x, fast.scale, fast.amax_history, fast._fused_workspace(), fast.fp8_max, E5M2, True,
+        x, fast.scale, fast.amax_history, fast.fused_workspace(), fast.fp8_max, E5M2, True,
         column_sums=True, **slot_args(fast))
     q, total = quantize_ref(x, slow, transpose=True, column_sum=True)
     assert_codes(data, q.data, exact=True, what="data")

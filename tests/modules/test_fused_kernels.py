@@ -1,7 +1,7 @@
 """The fused Triton FP8 kernels against their torch definitions: in Triton's interpreter (CPU,
 every run) and compiled on an sm_90 GPU (``-m gpu``).
 
-References: ``fp8._cast_eager`` / ``fp8.quantize`` (the cast, checked in test_fp8.py against
+References: ``fp8.cast._cast_eager`` / ``fp8.quantize`` (the cast, checked in test_fp8.py against
 hand-worked cases), ``_norm.norm_reference`` and ``_activations`` (the torch definitions the
 kernels follow), and for the sigmoid-based activations float64 values (`activations64`). The
 kernels compute each value with the definition's float32 operations, so:
@@ -121,7 +121,7 @@ def test_norm_cast_equals_norm_then_quantize(kernels, normalization, case):
     xd, wd, bd = _on(kernels, x, weight, bias)
     out = kernels.fused.norm_cast_update(
         xd, wd, bd, 1e-5, normalization == "RMSNorm", fast.scale, fast.amax_history,
-        fast._fused_workspace(), fast.fp8_max, E4M3, True, **slot_args(fast))
+        fast.fused_workspace(), fast.fp8_max, E4M3, True, **slot_args(fast))
     data, data_t, scale_inv, mean, rstd = (None if t is None else t.cpu() for t in out)
     y, mean_ref, rstd_ref = norm_reference(x, normalization, weight, bias, 1e-5)
     q, _ = quantize_ref(y, slow, transpose=True)
@@ -146,7 +146,7 @@ def test_norm_cast_without_transpose_and_in_e5m2(kernels):
     fast, slow = _fast_slot(kernels, E5M2, 500.0)
     data, data_t, _, _, _ = kernels.fused.norm_cast_update(
         *_on(kernels, x, weight), None, 1e-6, True, fast.scale, fast.amax_history,
-        fast._fused_workspace(), fast.fp8_max, E5M2, False, **slot_args(fast))
+        fast.fused_workspace(), fast.fp8_max, E5M2, False, **slot_args(fast))
     q, _ = quantize_ref(norm_reference(x, "RMSNorm", weight, None, 1e-6)[0], slow,
                          transpose=False)
     assert data_t is None
@@ -180,7 +180,7 @@ def test_act_cast_equals_activation_then_quantize(kernels, name, shape):
         fast, slow = _fast_slot(kernels, E4M3, 20.0)
         out = kernels.fused.act_cast_update(
             *_on(kernels, h), act.kernel_id, act.glu, fast.scale, fast.amax_history,
-            fast._fused_workspace(), fast.fp8_max, E4M3, transpose, **slot_args(fast))
+            fast.fused_workspace(), fast.fp8_max, E4M3, transpose, **slot_args(fast))
         data, data_t, scale_inv = (None if t is None else t.cpu() for t in out)
         want = act.forward(h) if exact else a64.forward(name, h).to(h.dtype)
         q, _ = quantize_ref(want, slow, transpose=transpose)
@@ -208,7 +208,7 @@ def test_dact_cast_equals_gradient_then_quantize(kernels, name, shape):
     grad_d = grad_wide.to(kernels.device)[:, :ffn]
     out = kernels.fused.dact_cast_update(
         grad_d, *_on(kernels, h), act.kernel_id, act.glu, fast.scale, fast.amax_history,
-        fast._fused_workspace(), fast.fp8_max, E5M2, True, True, **slot_args(fast))
+        fast.fused_workspace(), fast.fp8_max, E5M2, True, True, **slot_args(fast))
     data, data_t, scale_inv, sums = (None if t is None else t.cpu() for t in out)
     dh = act.backward(grad, h) if exact else a64.backward(name, grad, h).to(h.dtype)
     q, total = quantize_ref(dh, slow, transpose=True, column_sum=True)
@@ -232,7 +232,7 @@ def test_dact_cast_without_column_sums(kernels):
     fast, slow = _fast_slot(kernels, E5M2, 1.0)
     data, data_t, _, sums = kernels.fused.dact_cast_update(
         *_on(kernels, grad, h), act.kernel_id, act.glu, fast.scale, fast.amax_history,
-        fast._fused_workspace(), fast.fp8_max, E5M2, False, False, **slot_args(fast))
+        fast.fused_workspace(), fast.fp8_max, E5M2, False, False, **slot_args(fast))
     q, _ = quantize_ref(act.backward(grad, h), slow, transpose=False)
     assert sums is None and data_t is None
     assert_codes(data, q.data, exact=True, what="data")
@@ -249,7 +249,7 @@ def test_another_tile_shape_gives_the_same_bytes(interpreted_kernels, monkeypatc
     grad = torch.randn(70, 150).bfloat16()
     fast, slow = slots(E5M2, 100.0)
     data, data_t, _, sums = fused.dact_cast_update(
-        grad, h, act.kernel_id, act.glu, fast.scale, fast.amax_history, fast._fused_workspace(),
+        grad, h, act.kernel_id, act.glu, fast.scale, fast.amax_history, fast.fused_workspace(),
         fast.fp8_max, E5M2, True, True, **slot_args(fast))
     q, _ = quantize_ref(act.backward(grad, h), slow, transpose=True, column_sum=True)
     assert_codes(data, q.data, exact=True, what="data")

@@ -28,6 +28,7 @@ import zbpp.modules as modules
 from zbpp.modules import DelayedScaling, LayerNormLinear, LayerNormMLP, Linear, fp8_autocast
 from zbpp.modules import _fused
 from zbpp.modules import fp8 as fp8mod
+from zbpp.modules.fp8 import cast as fp8cast
 
 RECIPE = DelayedScaling(amax_history_len=4, margin=1)
 
@@ -38,13 +39,13 @@ RECIPE = DelayedScaling(amax_history_len=4, margin=1)
 ])
 def triton_path(request, monkeypatch):
     """The device whose FP8 casts now run through the Triton kernels (interpreted on the CPU)."""
-    monkeypatch.setattr(fp8mod, "_failed", {})
+    monkeypatch.setattr(fp8cast, "_failed", {})
     monkeypatch.delenv(fp8mod.CAST_ENV, raising=False)
     monkeypatch.delenv(_fused.FUSE_ENV, raising=False)
     if request.param == "interpreter":
         kernels = request.getfixturevalue("interpreted_kernels")
-        monkeypatch.setattr(fp8mod, "_on_cuda", lambda x: True)
-        monkeypatch.setattr(fp8mod, "_triton_kernels", lambda device: kernels.cast)
+        monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
+        monkeypatch.setattr(fp8cast, "_triton_kernels", lambda device: kernels.cast)
         monkeypatch.setitem(sys.modules, "zbpp.modules._fused_triton", kernels.fused)
         monkeypatch.setattr(modules, "_fused_triton", kernels.fused, raising=False)
         return "cpu"
@@ -122,7 +123,7 @@ def test_fused_layer_equals_unfused_layer(triton_path, monkeypatch, name):
         got = fused[what]
         rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert rel <= 0.05, f"{name} {what}: relative difference {rel:.3g}"
-    assert not fp8mod._failed
+    assert not fp8cast._failed
 
 
 @pytest.mark.parametrize("name", ["swiglu-RMSNorm", "LayerNormLinear"])
@@ -164,14 +165,14 @@ class _BrokenKernels:
 def test_a_failing_fused_kernel_warns_once_and_the_definitions_take_over(monkeypatch):
     """As if on a GPU whose plain casts take the eager path and whose fused kernels all fail:
     one warning, then the definitions, with the eager path's results bit for bit."""
-    monkeypatch.setattr(fp8mod, "_failed", {})
+    monkeypatch.setattr(fp8cast, "_failed", {})
     monkeypatch.delenv(fp8mod.CAST_ENV, raising=False)
     monkeypatch.delenv(_fused.FUSE_ENV, raising=False)
-    monkeypatch.setattr(fp8mod, "_on_cuda", lambda x: True)
-    monkeypatch.setattr(fp8mod, "_triton_kernels", lambda device: _BrokenKernels())
-    monkeypatch.setattr(fp8mod, "_quantize_fused", lambda *args, **kwargs: None)
-    monkeypatch.setattr(fp8mod, "_update_with_triton", lambda *args, **kwargs: False)
-    monkeypatch.setattr(fp8mod, "_FAST_CASTS", {"triton": lambda *a: None,
+    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(fp8cast, "_triton_kernels", lambda device: _BrokenKernels())
+    monkeypatch.setattr(fp8cast, "_quantize_fused", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fp8cast, "_update_with_triton", lambda *args, **kwargs: False)
+    monkeypatch.setattr(fp8cast, "_FAST_CASTS", {"triton": lambda *a: None,
                                                 "compile": lambda *a: None})
     monkeypatch.setitem(sys.modules, "zbpp.modules._fused_triton", _BrokenKernels())
     monkeypatch.setattr(modules, "_fused_triton", _BrokenKernels(), raising=False)
@@ -182,8 +183,8 @@ def test_a_failing_fused_kernel_warns_once_and_the_definitions_take_over(monkeyp
         got = _steps(copy.deepcopy(layer), x, dy, steps=2)
     said = [str(w.message) for w in caught]
     assert len(said) == 1 and "the fused cast failed (RuntimeError: no norm_cast_update)" in said[0]
-    assert "fused" in fp8mod._failed and _fused.fused_path_counts()["norm_eager"] == 2
-    monkeypatch.setattr(fp8mod, "_on_cuda", lambda x: False)
+    assert "fused" in fp8cast._failed and _fused.fused_path_counts()["norm_eager"] == 2
+    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: False)
     want = _steps(copy.deepcopy(layer), x, dy, steps=2)
     for what in want:
         assert torch.equal(got[what], want[what]), what
@@ -191,9 +192,9 @@ def test_a_failing_fused_kernel_warns_once_and_the_definitions_take_over(monkeyp
 
 def test_fusion_needs_bfloat16_and_can_be_switched_off(monkeypatch):
     """float32 layers, ZBPP_FP8_FUSE=0 and the compile/eager cast paths take the definitions."""
-    monkeypatch.setattr(fp8mod, "_failed", {})
-    monkeypatch.setattr(fp8mod, "_on_cuda", lambda x: True)
-    monkeypatch.setattr(fp8mod, "_triton_kernels", lambda device: object())
+    monkeypatch.setattr(fp8cast, "_failed", {})
+    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(fp8cast, "_triton_kernels", lambda device: object())
     meta = fp8mod.ScalingMeta(torch.float8_e4m3fn, history_len=4)
     bf16, fp32 = torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(4, 4)
     monkeypatch.delenv(_fused.FUSE_ENV, raising=False)
@@ -209,5 +210,5 @@ def test_fusion_needs_bfloat16_and_can_be_switched_off(monkeypatch):
         assert _fused._kernels(bf16, meta) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        monkeypatch.setattr(fp8mod, "_on_cuda", lambda x: False)
+        monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: False)
         assert _fused._kernels(bf16, meta) is None

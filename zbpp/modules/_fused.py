@@ -26,15 +26,14 @@ or FP8 rounding boundary: then they are one FP8 code apart (the tests check both
 from __future__ import annotations
 
 import os
-import threading
-from collections import Counter
 
 import torch
 
-from . import fp8
 from ._activations import ACTIVATIONS, Activation
 from ._norm import norm_reference
-from .fp8 import DelayedScaling, Quantized, ScalingMeta
+from .fp8 import cast
+from .fp8.cast import DelayedScaling, Quantized, ScalingMeta, quantize, quantize_and_column_sum
+from .fp8.counts import PathCounts
 
 __all__ = [
     "norm_quantize",
@@ -47,36 +46,26 @@ __all__ = [
 ]
 
 FUSE_ENV = "ZBPP_FP8_FUSE"
-_KINDS = ("norm", "act", "dact")
-_lock = threading.Lock()
-_counts: Counter[str] = Counter()
-
-
-def _count(kind: str, path: str) -> None:
-    with _lock:
-        _counts[f"{kind}_{path}"] += 1
+_counts = PathCounts(f"{kind}_{path}" for kind in ("norm", "act", "dact")
+                     for path in ("triton", "eager"))
 
 
 def fused_path_counts() -> dict[str, int]:
     """How many norm / activation / activation-gradient casts ran fused (``*_triton``) and
     through the torch reference (``*_eager``) so far."""
-    with _lock:
-        return {f"{k}_{p}": _counts[f"{k}_{p}"] for k in _KINDS for p in ("triton", "eager")}
+    return _counts.snapshot()
 
 
 def reset_fused_path_counts() -> None:
     """Set every `fused_path_counts` entry to zero."""
-    with _lock:
-        _counts.clear()
+    _counts.reset()
 
 
 def _kernels(x: torch.Tensor, meta: ScalingMeta):
     """`_fused_triton` when a fused kernel may cast `x` into `meta`'s slot, else None."""
-    if not fp8._on_cuda(x) or os.environ.get(FUSE_ENV, "1").strip() == "0":
+    if not cast._on_cuda(x) or os.environ.get(FUSE_ENV, "1").strip() == "0":
         return None
-    if "fused" in fp8._failed or "triton" in fp8._failed or "update" in fp8._failed:
-        return None
-    if fp8._requested_paths()[0] != "triton" or fp8._triton_kernels(x.device) is None:
+    if cast.one_launch_kernels(x, also="fused") is None:
         return None
     from . import _fused_triton as kernels
 
@@ -95,15 +84,9 @@ def _kernels(x: torch.Tensor, meta: ScalingMeta):
     return kernels if suits else None
 
 
-def _slot_args(meta: ScalingMeta, recipe: DelayedScaling) -> dict:
-    factor, most_recent = meta._rule(recipe)
-    return dict(factor=factor, most_recent=most_recent)
-
-
 def _ran_fused(kind: str) -> None:
-    _count(kind, "triton")
-    fp8._count_cast("triton")  # a fused cast is a Triton cast with its update
-    fp8._count_cast("update_triton")
+    _counts.add(f"{kind}_triton")
+    cast.count_one_launch()  # a fused cast is a Triton cast with its update
 
 
 def norm_quantize(
@@ -119,7 +102,7 @@ def norm_quantize(
 ) -> tuple[Quantized, torch.Tensor | None, torch.Tensor]:
     """``(quantize(norm(x)), mean, rstd)`` for 2-D `x` (``mean`` None for RMSNorm; both
     float32 [rows, 1]: what ``_norm.norm_backward`` takes)."""
-    meta._fit(recipe)
+    meta.fit(recipe)
     kernels = _kernels(x, meta)
     if kernels is not None and weight.dtype == x.dtype and weight.is_contiguous() and (
         bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
@@ -128,18 +111,18 @@ def norm_quantize(
             data, data_t, scale_inv, mean, rstd = kernels.norm_cast_update(
                 x, weight.detach(), None if bias is None else bias.detach(), eps,
                 normalization == "RMSNorm", meta.scale, meta.amax_history,
-                meta._fused_workspace(), meta.fp8_max, meta.dtype, transpose,
-                **_slot_args(meta, recipe),
+                meta.fused_workspace(), meta.fp8_max, meta.dtype, transpose,
+                **meta.rule_args(recipe),
             )
         except Exception as err:  # noqa: BLE001 - the reference is correct too
-            fp8._fail("fused", err)
+            cast.mark_failed("fused", err)
         else:
             _ran_fused("norm")
             return Quantized(data, scale_inv, data_t), mean, rstd
-    _count("norm", "eager")
+    _counts.add("norm_eager")
     y, mean, rstd = norm_reference(x, normalization, weight.detach(),
                                    None if bias is None else bias.detach(), eps)
-    return fp8.quantize(y, meta, recipe, transpose=transpose), mean, rstd
+    return quantize(y, meta, recipe, transpose=transpose), mean, rstd
 
 
 def act_quantize(
@@ -151,22 +134,22 @@ def act_quantize(
     transpose: bool,
 ) -> Quantized:
     """``quantize(act.forward(h))`` for 2-D `h`."""
-    meta._fit(recipe)
+    meta.fit(recipe)
     kernels = _kernels(h, meta)
     if kernels is not None:
         try:
             data, data_t, scale_inv = kernels.act_cast_update(
                 h, act.kernel_id, act.glu, meta.scale, meta.amax_history,
-                meta._fused_workspace(), meta.fp8_max, meta.dtype, transpose,
-                **_slot_args(meta, recipe),
+                meta.fused_workspace(), meta.fp8_max, meta.dtype, transpose,
+                **meta.rule_args(recipe),
             )
         except Exception as err:  # noqa: BLE001 - the reference is correct too
-            fp8._fail("fused", err)
+            cast.mark_failed("fused", err)
         else:
             _ran_fused("act")
             return Quantized(data, scale_inv, data_t)
-    _count("act", "eager")
-    return fp8.quantize(act.forward(h), meta, recipe, transpose=transpose)
+    _counts.add("act_eager")
+    return quantize(act.forward(h), meta, recipe, transpose=transpose)
 
 
 def dact_quantize(
@@ -181,23 +164,23 @@ def dact_quantize(
 ) -> tuple[Quantized, torch.Tensor | None]:
     """``(quantize(act.backward(grad, h)), its column sums or None)`` for 2-D `grad` and `h`:
     the column sums (a bias gradient, in h's dtype) as `fp8.quantize_and_column_sum` gives them."""
-    meta._fit(recipe)
+    meta.fit(recipe)
     kernels = _kernels(h, meta)
     if kernels is not None and grad.dtype == h.dtype and grad.stride(1) == 1:
         try:
             data, data_t, scale_inv, sums = kernels.dact_cast_update(
                 grad, h, act.kernel_id, act.glu, meta.scale, meta.amax_history,
-                meta._fused_workspace(), meta.fp8_max, meta.dtype, transpose, column_sum,
-                **_slot_args(meta, recipe),
+                meta.fused_workspace(), meta.fp8_max, meta.dtype, transpose, column_sum,
+                **meta.rule_args(recipe),
             )
         except Exception as err:  # noqa: BLE001 - the reference is correct too
-            fp8._fail("fused", err)
+            cast.mark_failed("fused", err)
         else:
             _ran_fused("dact")
             total = sums.sum(0).to(h.dtype) if sums is not None else None
             return Quantized(data, scale_inv, data_t), total
-    _count("dact", "eager")
+    _counts.add("dact_eager")
     dh = act.backward(grad, h)
     if column_sum:
-        return fp8.quantize_and_column_sum(dh, meta, recipe, transpose=transpose)
-    return fp8.quantize(dh, meta, recipe, transpose=transpose), None
+        return quantize_and_column_sum(dh, meta, recipe, transpose=transpose)
+    return quantize(dh, meta, recipe, transpose=transpose), None

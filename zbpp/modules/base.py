@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 
 from collections import OrderedDict
-from typing import Callable, Hashable, NamedTuple
+from typing import Callable, Hashable, NamedTuple, TypedDict
 
 import torch
 from torch import nn
@@ -20,12 +20,31 @@ from torch.utils.hooks import RemovableHandle
 
 from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
+from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, add_to_main_grad
+from ._norm import make_norm_params
 from .context import current_microbatch
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
 from .wgrad_store import AutoKey, WgradStore
 
-__all__ = ["DelayedWgradModule", "is_delayed", "supports_keys"]
+__all__ = ["DelayedWgradModule", "LayerOptions", "is_delayed", "supports_keys"]
+
+
+class LayerOptions(TypedDict, total=False):
+    """The constructor keywords every zbpp layer takes (`DelayedWgradModule` owns them)."""
+
+    delay_wgrad_compute: bool
+    fuse_wgrad_accumulation: bool
+    params_dtype: torch.dtype | None
+    device: torch.device | str | None
+    init_method: InitMethod | None
+
+
+class _ParamSettings(NamedTuple):
+    # how the constructor builds the parameters; dropped once they are built
+    dtype: torch.dtype | None
+    device: torch.device | str | None
+    init: InitMethod
 
 
 class ForwardCall(NamedTuple):
@@ -39,15 +58,54 @@ class ForwardCall(NamedTuple):
 class DelayedWgradModule(nn.Module):
     """Base of `Linear`, `LayerNormLinear` and `LayerNormMLP`: the delayed-wgrad protocol.
 
-    Subclasses declare their GEMMs with `_gemm_names` (weight and bias attribute names per GEMM)
-    and describe each forward with `_plan` (run by ``_layer_function.run_layer``).
+    The constructor keywords every layer takes (`LayerOptions`):
+
+    - ``delay_wgrad_compute`` (False): the backward computes only the input gradient and leaves
+      the weight gradients to `backward_dw`;
+    - ``fuse_wgrad_accumulation`` (False): weight gradients are added into ``weight.main_grad``
+      (a float32 tensor the caller attaches) instead of ``weight.grad``;
+    - ``params_dtype`` (None: torch's default dtype) and ``device``: of the parameters;
+    - ``init_method`` (None: normal with std 0.023, Transformer Engine's default): fills each
+      GEMM weight (biases start at zero, norm weights at one).
+
+    Subclasses declare their GEMMs with `_gemm_names` (weight and bias attribute names per GEMM),
+    build their parameters with `_add_gemm_params` and `_add_norm_params`, call `_built` at the
+    end of their constructor, and describe each forward with `_plan` (run by
+    ``_layer_function.run_layer``).
+
+    >>> from zbpp.modules import Linear
+    >>> Linear(2, 2, delay_wgrad_compute=True, params_dtype=torch.float64).weight.dtype
+    torch.float64
+    >>> Linear(2, 2, delay_wgrad=True)
+    Traceback (most recent call last):
+    TypeError: Linear: unknown keyword argument 'delay_wgrad'; the layers take delay_wgrad_compute, ...
     """
 
     #: per GEMM: (FP8 slot prefix, weight attribute, bias attribute)
     _gemm_names: tuple[tuple[str, str, str], ...] = (("", "weight", "bias"),)
 
-    def __init__(self, *, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool) -> None:
+    def __init__(
+        self,
+        *,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: InitMethod | None = None,
+        **unknown: object,
+    ) -> None:
+        cls = type(self).__name__
+        if unknown:
+            names = ", ".join(repr(k) for k in unknown)
+            plural = "s" if len(unknown) > 1 else ""
+            raise TypeError(
+                f"{cls}: unknown keyword argument{plural} {names}; the layers take "
+                f"{', '.join(LayerOptions.__annotations__)} besides their own"
+            )
         super().__init__()
+        self._param_settings: _ParamSettings | None = _ParamSettings(
+            check_params_dtype(cls, params_dtype), device, init_method or default_init
+        )
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._delay = bool(delay_wgrad_compute)
         self._wgrad_store: WgradStore = WgradStore(owner=type(self).__name__)
@@ -57,11 +115,35 @@ class DelayedWgradModule(nn.Module):
         self._bias_grad_deferred = True
         self.fp8_meta: dict[str, ScalingMeta] = {}
         self._fp8_weight_casts: dict[str, Fp8WeightCache] = {}  # per GEMM weight attribute
-        cls = type(self).__name__
         # per GEMM: the parameter names errors and gradients carry (built once, not per call)
         self._gemm_labels = tuple((f"{cls}.{w}", f"{cls}.{b}") for _, w, b in self._gemm_names)
 
     # -- parameters -------------------------------------------------------------------------
+    def _add_gemm_params(
+        self,
+        weight_name: str,
+        bias_name: str,
+        shape: tuple[int, int],
+        *,
+        bias: bool,
+        init: InitMethod | None = None,
+    ) -> None:
+        """Register one GEMM's weight [out, in] (filled by `init`, else ``init_method``) and
+        bias [out] (zeros; None without `bias`) with the constructor's dtype and device."""
+        dtype, device, default = self._param_settings
+        add_gemm_params(self, weight_name, bias_name, shape, bias=bias, init=init or default,
+                        dtype=dtype, device=device)
+
+    def _add_norm_params(self, size: int, normalization: str) -> None:
+        """Register the norm's ``layer_norm_weight`` (and, for LayerNorm, ``layer_norm_bias``)."""
+        dtype, device, _ = self._param_settings
+        make_norm_params(self, size, normalization, dtype=dtype, device=device)
+
+    def _built(self) -> None:
+        """End of a subclass constructor: mark the deferred parameters, drop the settings."""
+        self._param_settings = None
+        self._sync_param_flags()
+
     def _gemm_weights(self) -> list[nn.Parameter]:
         return [getattr(self, w) for _, w, _ in self._gemm_names]
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import run_layer
-from ._norm import make_norm_params
 from .base import DelayedWgradModule
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .base import LayerOptions
 
 __all__ = ["LayerNormLinear"]
 
@@ -18,7 +23,8 @@ class LayerNormLinear(DelayedWgradModule):
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only; RMSNorm has none),
     ``weight`` [out, in], ``bias`` [out]. With ``delay_wgrad_compute=True`` only the GEMM's
     weight (and bias) gradients wait for ``backward_dw()``; the normalisation's small gradients
-    are computed during the backward (B), so `get_backward_dw_params` never lists them.
+    are computed during the backward (B), so `get_backward_dw_params` never lists them. The
+    keywords every layer takes: see `DelayedWgradModule`.
 
     >>> import torch
     >>> from zbpp.modules import LayerNormLinear
@@ -38,24 +44,14 @@ class LayerNormLinear(DelayedWgradModule):
         *,
         normalization: str = "LayerNorm",
         eps: float = 1e-5,
-        delay_wgrad_compute: bool = False,
-        fuse_wgrad_accumulation: bool = False,
-        params_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        init_method: InitMethod | None = None,
+        **options: Unpack[LayerOptions],
     ) -> None:
-        super().__init__(
-            delay_wgrad_compute=delay_wgrad_compute,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        )
+        super().__init__(**options)
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
         self.normalization, self.eps = normalization, eps
-        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
-        make_norm_params(self, in_features, normalization, **kw)
-        init = init_method or default_init
-        shape = (out_features, in_features)
-        add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
-        self._sync_param_flags()
+        self._add_norm_params(in_features, normalization)
+        self._add_gemm_params("weight", "bias", (out_features, in_features), bias=bias)
+        self._built()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``norm(x) W^T + b``; `is_first_microbatch` as in `Linear.forward`."""

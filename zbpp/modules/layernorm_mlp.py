@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._activations import ACTIVATIONS
-from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
+from ._init import InitMethod
 from ._layer_function import run_layer
-from ._norm import make_norm_params
 from .base import DelayedWgradModule
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .base import LayerOptions
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
 
@@ -26,7 +32,9 @@ class LayerNormMLP(DelayedWgradModule):
 
     With ``delay_wgrad_compute=True`` both GEMMs' weight (and bias) gradients wait for one
     ``backward_dw()``, which runs fc2's and fc1's jobs of that microbatch; the normalisation's
-    gradients are computed during the backward (B).
+    gradients are computed during the backward (B). ``output_layer_init_method`` fills
+    ``fc2_weight`` (default: ``init_method``); the keywords every layer takes: see
+    `DelayedWgradModule`.
 
     >>> import torch
     >>> from zbpp.modules import LayerNormMLP
@@ -47,17 +55,10 @@ class LayerNormMLP(DelayedWgradModule):
         activation: str = "gelu",
         normalization: str = "LayerNorm",
         eps: float = 1e-5,
-        delay_wgrad_compute: bool = False,
-        fuse_wgrad_accumulation: bool = False,
-        params_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        init_method: InitMethod | None = None,
         output_layer_init_method: InitMethod | None = None,
+        **options: Unpack[LayerOptions],
     ) -> None:
-        super().__init__(
-            delay_wgrad_compute=delay_wgrad_compute,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        )
+        super().__init__(**options)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"LayerNormMLP: activation={activation!r}; use one of {sorted(ACTIVATIONS)}"
@@ -66,15 +67,12 @@ class LayerNormMLP(DelayedWgradModule):
         self.hidden_size, self.ffn_hidden_size, self.use_bias = hidden_size, ffn_hidden_size, bias
         self.activation, self.normalization, self.eps = activation, normalization, eps
         width = ffn_hidden_size * self._act.width
-        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
-        make_norm_params(self, hidden_size, normalization, **kw)
-        init = init_method or default_init
+        self._add_norm_params(hidden_size, normalization)
         # Transformer Engine's order: fc1_weight, fc1_bias, fc2_weight, fc2_bias
-        add_gemm_params(self, "fc1_weight", "fc1_bias", (width, hidden_size), bias=bias, init=init,
-                        **kw)
-        add_gemm_params(self, "fc2_weight", "fc2_bias", (hidden_size, ffn_hidden_size), bias=bias,
-                        init=output_layer_init_method or init, **kw)
-        self._sync_param_flags()
+        self._add_gemm_params("fc1_weight", "fc1_bias", (width, hidden_size), bias=bias)
+        self._add_gemm_params("fc2_weight", "fc2_bias", (hidden_size, ffn_hidden_size), bias=bias,
+                              init=output_layer_init_method)
+        self._built()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``fc2(act(fc1(norm(x))))``; `is_first_microbatch` as in `Linear.forward` (both

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import run_layer
 from .base import DelayedWgradModule
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .base import LayerOptions
 
 __all__ = ["Linear"]
 
@@ -15,10 +21,9 @@ class Linear(DelayedWgradModule):
     """A linear layer, Transformer Engine style (parameters ``weight`` [out, in], ``bias`` [out]).
 
     With ``delay_wgrad_compute=True`` the backward computes only the input gradient; the weight
-    and bias gradients wait for ``backward_dw()`` (see `DelayedWgradModule.backward_dw`). With
-    ``fuse_wgrad_accumulation=True`` the weight gradient is added into ``weight.main_grad`` (a
-    float32 tensor the caller attaches) instead of ``weight.grad``. Inside `fp8_autocast` the GEMMs
-    run in FP8 and the bias gradient is computed during the backward.
+    and bias gradients wait for ``backward_dw()`` (see `DelayedWgradModule.backward_dw`, which
+    also lists the other keywords every layer takes). Inside `fp8_autocast` the GEMMs run in FP8
+    and the bias gradient is computed during the backward.
 
     >>> import torch
     >>> from zbpp.modules import Linear
@@ -38,23 +43,12 @@ class Linear(DelayedWgradModule):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        *,
-        delay_wgrad_compute: bool = False,
-        fuse_wgrad_accumulation: bool = False,
-        params_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        init_method: InitMethod | None = None,
+        **options: Unpack[LayerOptions],
     ) -> None:
-        super().__init__(
-            delay_wgrad_compute=delay_wgrad_compute,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        )
+        super().__init__(**options)
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
-        kw = dict(dtype=check_params_dtype(type(self).__name__, params_dtype), device=device)
-        init = init_method or default_init
-        shape = (out_features, in_features)
-        add_gemm_params(self, "weight", "bias", shape, bias=bias, init=init, **kw)
-        self._sync_param_flags()
+        self._add_gemm_params("weight", "bias", (out_features, in_features), bias=bias)
+        self._built()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``x W^T + b``. `is_first_microbatch` (FP8 only, as in Transformer Engine): True casts

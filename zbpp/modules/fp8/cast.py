@@ -1,20 +1,4 @@
-"""FP8 the Transformer Engine way: a recipe, an autocast region, delayed scaling and FP8 GEMMs.
-
-Formats (``Format.HYBRID``, the default): tensors of the forward (inputs, weights) are cast to
-float8 e4m3 (3 mantissa bits, max 448), gradients to float8 e5m2 (2 mantissa bits, max 57344);
-``Format.E4M3`` uses e4m3 for both.
-
-Delayed scaling: every FP8 tensor *slot* of a module (e.g. the input, the weight and the output
-gradient of one GEMM) keeps an amax history (newest first) and a scale. A tensor is cast with the
-slot's current scale as ``fp8(clamp(x * scale, -max, max))`` (clamped first: an out-of-range cast
-gives NaN in some torch versions), then its amax is pushed into the history and the scale is
-recomputed from the history, so each cast uses the amaxes of the slot's previous casts:
-
-    scale = (fp8_max / amax) / 2**margin,  amax = max(history) ("max") or history[0] ("most_recent")
-
-keeping the old scale when that amax is zero or not finite. One cast is one step of the history:
-a module's forward steps its input and weight slots, its backward its gradient slot. A fresh slot
-has scale 1 and an all-zero history.
+"""FP8 casts with delayed scaling: the scaling slots, the FP8 tensor type, and which path casts.
 
 Casts run through one of three paths, chosen by the environment variable ``ZBPP_FP8_CAST``
 (``triton``, ``compile`` or ``eager``; default ``triton``) and tried in that order from the chosen
@@ -23,159 +7,38 @@ pass over the tensor, the scale update in the tile that finishes last, and for a
 column sums; histories over 4096 entries update in a second kernel; CUDA sm_90+ with Triton),
 ``compile`` is the eager ops through ``torch.compile`` (CUDA), ``eager`` the torch ops below (every
 device; the reference the others equal bit for bit). A path that fails is switched off with one
-warning and the next one takes over; ``cast_path_counts()`` says which path ran how often. The
-layers' casts of a norm's, an activation's and an activation gradient's outputs are fused with
-those operations on the triton path (``_fused``; ``ZBPP_FP8_FUSE=0`` keeps them apart).
-
-GEMMs: ``fp8_gemm_nt`` runs ``torch._scaled_mm`` when every dimension is a multiple of 16 (its
-requirement on Hopper) and otherwise, or where ``_scaled_mm`` is refused, multiplies the
-dequantised operands in float32. ``gemm_path_counts()`` says which path ran how often.
+warning and the next one takes over; ``cast_path_counts()`` says which path ran how often.
 
 >>> import torch
 >>> meta = ScalingMeta(torch.float8_e4m3fn, history_len=4)
->>> recipe = DelayedScaling(amax_history_len=4)
->>> q = quantize(torch.tensor([[1.0, -2.0]]), meta, recipe)   # cast with scale 1, then update
+>>> q = quantize(torch.tensor([[1.0, -2.0]]), meta, DelayedScaling(amax_history_len=4))
 >>> q.dequantize().tolist(), meta.amax_history.tolist(), meta.scale.item()
 ([[1.0, -2.0]], [2.0, 0.0, 0.0, 0.0], 224.0)
 """
 
 from __future__ import annotations
 
-import enum
+import functools
 import os
-import threading
 import warnings
-from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
+from .counts import PathCounts
+from .recipe import DelayedScaling
+
 __all__ = [
-    "Format",
-    "DelayedScaling",
-    "fp8_autocast",
-    "active_recipe",
     "ScalingMeta",
     "Quantized",
     "quantize",
     "quantize_and_column_sum",
-    "fp8_gemm_nt",
-    "gemm_path_counts",
-    "reset_gemm_path_counts",
     "cast_path_counts",
     "reset_cast_path_counts",
+    "CAST_PATHS",
+    "CAST_ENV",
 ]
-
-
-class Format(enum.Enum):
-    """Which float8 formats the forward tensors and the gradients use."""
-
-    E4M3 = "E4M3"  # everything e4m3
-    HYBRID = "HYBRID"  # forward e4m3, gradients e5m2 (more range, less precision)
-
-
-_ALGOS = ("max", "most_recent")
-
-
-@dataclass(frozen=True)
-class DelayedScaling:
-    """The FP8 recipe: per-tensor scales derived from the amax history of earlier casts.
-
-    >>> DelayedScaling(margin=0, amax_history_len=16, amax_compute_algo="max").bwd_dtype
-    torch.float8_e5m2
-    """
-
-    margin: float = 0
-    fp8_format: Format = Format.HYBRID
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    # The forward GEMM accumulates in the tensor cores' fast, reduced-precision mode (about 14
-    # bits on Hopper) and the gradient GEMMs promote to float32 (Transformer Engine's defaults:
-    # gradients sum over many more terms). False: float32 promotion in the forward too.
-    fprop_fast_accumulation: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.fp8_format, Format):
-            try:
-                object.__setattr__(self, "fp8_format", Format(str(self.fp8_format).upper()))
-            except ValueError:
-                raise ValueError(
-                    f"DelayedScaling: fp8_format={self.fp8_format!r}; use Format.HYBRID or "
-                    "Format.E4M3"
-                ) from None
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ValueError(
-                f"DelayedScaling: amax_history_len={self.amax_history_len!r}; need an int >= 1"
-            )
-        if self.amax_compute_algo not in _ALGOS:
-            raise ValueError(
-                f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use one of {_ALGOS}"
-            )
-        if not self.margin >= 0:
-            raise ValueError(f"DelayedScaling: margin={self.margin!r}; need a number >= 0")
-        if not isinstance(self.fprop_fast_accumulation, bool):
-            raise ValueError(
-                "DelayedScaling: fprop_fast_accumulation="
-                f"{self.fprop_fast_accumulation!r}; need True or False"
-            )
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        """Float8 dtype of inputs and weights."""
-        return torch.float8_e4m3fn
-
-    @property
-    def bwd_dtype(self) -> torch.dtype:
-        """Float8 dtype of gradients."""
-        return torch.float8_e5m2 if self.fp8_format is Format.HYBRID else torch.float8_e4m3fn
-
-
-_recipes: list[DelayedScaling | None] = []
-
-
-@contextmanager
-def fp8_autocast(
-    enabled: bool = True, *, fp8_recipe: DelayedScaling | None = None
-) -> Iterator[DelayedScaling | None]:
-    """Run the zbpp modules' forwards inside this block in FP8 (their backwards follow suit).
-
-    The recipe is read at forward time and kept with the saved tensors, so the backward, wherever
-    and whenever it runs, uses the forward's recipe. Blocks nest; ``enabled=False`` turns FP8 off
-    inside an enabled block.
-
-    >>> with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(amax_history_len=16)):
-    ...     active_recipe().amax_history_len
-    16
-    >>> active_recipe() is None
-    True
-    >>> with fp8_autocast(fp8_recipe="hybrid"):
-    ...     pass
-    Traceback (most recent call last):
-    TypeError: fp8_autocast: fp8_recipe='hybrid' (a str); pass a zbpp.modules.DelayedScaling ...
-    """
-    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
-        raise TypeError(
-            f"fp8_autocast: fp8_recipe={fp8_recipe!r} (a {type(fp8_recipe).__name__}); pass a "
-            "zbpp.modules.DelayedScaling (e.g. DelayedScaling(fp8_format=Format.HYBRID)) or None "
-            "for the default recipe"
-        )
-    if not isinstance(enabled, bool):
-        raise TypeError(
-            f"fp8_autocast: enabled={enabled!r} (a {type(enabled).__name__}); pass True or False"
-        )
-    recipe = (fp8_recipe if fp8_recipe is not None else DelayedScaling()) if enabled else None
-    _recipes.append(recipe)
-    try:
-        yield recipe
-    finally:
-        _recipes.pop()
-
-
-def active_recipe() -> DelayedScaling | None:
-    """The recipe of the innermost `fp8_autocast` block, or None when FP8 is off."""
-    return _recipes[-1] if _recipes else None
 
 
 class ScalingMeta:
@@ -190,19 +53,23 @@ class ScalingMeta:
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self._workspace: torch.Tensor | None = None  # the fused Triton cast's, made on first use
 
-    def _fit(self, recipe: DelayedScaling) -> None:
+    def fit(self, recipe: DelayedScaling) -> None:
+        """Resize the history to the recipe's length, keeping the newest entries."""
         length = recipe.amax_history_len
-        if self.amax_history.numel() != length:  # the recipe changed: keep the newest entries
+        if self.amax_history.numel() != length:
             old = self.amax_history[:length]
             self.amax_history = torch.zeros(length, dtype=torch.float32, device=old.device)
             self.amax_history[: old.numel()] = old
 
-    def _rule(self, recipe: DelayedScaling) -> tuple[float, bool]:
-        # (factor, most_recent): scale = rcp(amax) * factor, amax = history[0] or max(history)
-        return self.fp8_max * 2.0 ** -recipe.margin, recipe.amax_compute_algo == "most_recent"
+    def rule_args(self, recipe: DelayedScaling) -> dict:
+        """The scale rule as the kernels take it: ``scale = rcp(amax) * factor`` with
+        ``amax = history[0]`` (`most_recent`) or ``max(history)``."""
+        return dict(factor=self.fp8_max * 2.0 ** -recipe.margin,
+                    most_recent=recipe.amax_compute_algo == "most_recent")
 
-    def _fused_workspace(self) -> torch.Tensor:
-        # int32 [amax bits, tiles done], zero between casts (the fused kernel leaves it so)
+    def fused_workspace(self) -> torch.Tensor:
+        """int32 [amax bits, tiles done] for the one-launch kernels, zero between casts (the
+        kernels leave it so); made on first use, on the slot's device."""
         device = self.amax_history.device
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.zeros(2, dtype=torch.int32, device=device)
@@ -214,16 +81,16 @@ class ScalingMeta:
         ``scale = reciprocal(ref) * (fp8_max * 2**-margin)`` in float32, the same on every device
         and path; on CUDA one Triton kernel does it all where the Triton cast path is on.
         """
-        self._fit(recipe)
-        factor, most_recent = self._rule(recipe)
-        if _update_with_triton(self, amax, factor, most_recent):
+        self.fit(recipe)
+        rule = self.rule_args(recipe)
+        if _update_with_triton(self, amax, rule):
             return
-        _count_cast("update_eager")
+        _counts.add("update_eager")
         history = torch.roll(self.amax_history, 1)
         history[0] = amax
         self.amax_history.copy_(history)
-        ref = history[0] if most_recent else history.max()
-        new = ref.reciprocal() * factor
+        ref = history[0] if rule["most_recent"] else history.max()
+        new = ref.reciprocal() * rule["factor"]
         usable = (ref > 0) & torch.isfinite(ref) & torch.isfinite(new)
         self.scale.copy_(torch.where(usable, new, self.scale))
 
@@ -271,11 +138,13 @@ def _cast_eager(
 
 CAST_PATHS = ("triton", "compile", "eager")
 CAST_ENV = "ZBPP_FP8_CAST"
-# Paths that failed once ("triton", "compile", or "update" for the Triton scale update), with
-# the failure: they are not tried again in this process (one warning each).
+# Paths that failed once ("triton", "compile", "update" for the Triton scale update, "fused" for
+# `_fused`'s kernels), with the failure, and the reasons already told why Triton cannot run.
+# Process-wide on purpose: a kernel or compiler that failed fails again for every later call in
+# this process (same code, same device, same installation), and each is reported once.
 _failed: dict[str, str] = {}
 _told_unavailable: set[str] = set()
-_compiled_cast: Callable | None = None
+_counts = PathCounts((*CAST_PATHS, "update_triton", "update_eager"))
 
 
 def _on_cuda(x: torch.Tensor) -> bool:
@@ -294,7 +163,8 @@ def _requested_paths() -> tuple[str, ...]:
     return CAST_PATHS[CAST_PATHS.index(choice) :]
 
 
-def _fail(path: str, err: Exception) -> None:
+def mark_failed(path: str, err: Exception) -> None:
+    """Switch `path` off for the rest of the process, with one warning that says why."""
     _failed[path] = f"{type(err).__name__}: {err}"
     what = "Triton scale update" if path == "update" else f"{path} cast"
     warnings.warn(
@@ -305,7 +175,7 @@ def _fail(path: str, err: Exception) -> None:
 
 def _triton_kernels(device: torch.device):
     """The Triton kernel module when its kernels can run on `device`, else None."""
-    from . import _fp8_cast_triton as kernels  # imports without Triton too
+    from .. import _fp8_cast_triton as kernels  # imports without Triton too
 
     problem = kernels.unsupported(device)
     if problem is None:
@@ -316,6 +186,22 @@ def _triton_kernels(device: torch.device):
         _told_unavailable.add(problem)
         warnings.warn(f"zbpp FP8: {CAST_ENV}=triton, but {problem}; using the next path")
     return None
+
+
+def one_launch_kernels(x: torch.Tensor, also: str | None = None):
+    """The Triton kernel module when `x` may be cast, and its slot updated, in one launch: `x` on
+    CUDA, the triton path chosen first, neither its cast, its update nor `also` failed before,
+    and the kernels can run on x's device. Else None."""
+    if not _on_cuda(x) or "triton" in _failed or "update" in _failed or also in _failed:
+        return None
+    if _requested_paths()[0] != "triton":
+        return None
+    return _triton_kernels(x.device)
+
+
+def count_one_launch() -> None:
+    """Count a cast that ran, with its update, in one Triton launch (plain or fused)."""
+    _counts.add("triton", "update_triton")
 
 
 def _cast_triton(
@@ -340,13 +226,16 @@ def _suits_kernel(kernels, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     )
 
 
+@functools.cache
+def _compiled_cast() -> Callable:
+    # Compiled once per process (torch.compile's own cache handles the shapes and dtypes).
+    return torch.compile(_cast_eager, dynamic=True)
+
+
 def _cast_compiled(
     x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
 ):
-    global _compiled_cast
-    if _compiled_cast is None:
-        _compiled_cast = torch.compile(_cast_eager, dynamic=True)
-    return _compiled_cast(x, scale, fp8_max, dtype, transpose)
+    return _compiled_cast()(x, scale, fp8_max, dtype, transpose)
 
 
 _FAST_CASTS = {"triton": _cast_triton, "compile": _cast_compiled}
@@ -365,16 +254,16 @@ def _cast(
             try:
                 out = _FAST_CASTS[path](x, scale, fp8_max, dtype, transpose)
             except Exception as err:  # noqa: BLE001 - any failure: the next path is correct too
-                _fail(path, err)
+                mark_failed(path, err)
                 continue
             if out is not None:
-                _count_cast(path)
+                _counts.add(path)
                 return out
-    _count_cast("eager")
+    _counts.add("eager")
     return _cast_eager(x, scale, fp8_max, dtype, transpose)
 
 
-def _update_with_triton(meta: ScalingMeta, amax: torch.Tensor, factor: float, most_recent: bool):
+def _update_with_triton(meta: ScalingMeta, amax: torch.Tensor, rule: dict) -> bool:
     """Run `meta`'s update in the Triton kernel when it suits; False leaves it to the caller."""
     history, scale = meta.amax_history, meta.scale
     if not _on_cuda(history) or "update" in _failed or "triton" not in _requested_paths():
@@ -390,22 +279,12 @@ def _update_with_triton(meta: ScalingMeta, amax: torch.Tensor, factor: float, mo
     ):
         return False
     try:
-        kernels.update_scale(history, scale, amax, factor=factor, most_recent=most_recent)
+        kernels.update_scale(history, scale, amax, **rule)
     except Exception as err:  # noqa: BLE001 - the eager update is correct too
-        _fail("update", err)
+        mark_failed("update", err)
         return False
-    _count_cast("update_triton")
+    _counts.add("update_triton")
     return True
-
-
-_counts_lock = threading.Lock()  # guards the GEMM and the cast path counters
-_cast_counts: Counter[str] = Counter()
-_CAST_COUNT_KEYS = (*CAST_PATHS, "update_triton", "update_eager")
-
-
-def _count_cast(key: str) -> None:
-    with _counts_lock:
-        _cast_counts[key] += 1
 
 
 def cast_path_counts() -> dict[str, int]:
@@ -421,14 +300,12 @@ def cast_path_counts() -> dict[str, int]:
     >>> cast_path_counts()
     {'triton': 0, 'compile': 0, 'eager': 1, 'update_triton': 0, 'update_eager': 1}
     """
-    with _counts_lock:
-        return {key: _cast_counts[key] for key in _CAST_COUNT_KEYS}
+    return _counts.snapshot()
 
 
 def reset_cast_path_counts() -> None:
     """Set every `cast_path_counts` entry to zero."""
-    with _counts_lock:
-        _cast_counts.clear()
+    _counts.reset()
 
 
 def quantize(
@@ -471,7 +348,7 @@ def quantize_and_column_sum(
 def _quantize(
     x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling, transpose: bool, column_sum: bool
 ) -> tuple[Quantized, torch.Tensor | None]:
-    meta._fit(recipe)
+    meta.fit(recipe)
     fused = _quantize_fused(x, meta, recipe, transpose, column_sum)
     if fused is not None:
         return fused
@@ -486,11 +363,7 @@ def _quantize_fused(
 ) -> tuple[Quantized, torch.Tensor | None] | None:
     """Cast and update in one Triton kernel (``cast_transpose_update``), or None when that path
     is off, failed before, or does not suit this input or slot."""
-    if not _on_cuda(x) or "triton" in _failed or "update" in _failed:
-        return None
-    if _requested_paths()[0] != "triton":
-        return None
-    kernels = _triton_kernels(x.device)
+    kernels = one_launch_kernels(x)
     history = meta.amax_history
     if kernels is None or not (
         _suits_kernel(kernels, x, meta.scale, meta.dtype, transpose or column_sum)
@@ -499,102 +372,21 @@ def _quantize_fused(
         and history.numel() <= kernels.MAX_FUSED_HISTORY
     ):
         return None
-    factor, most_recent = meta._rule(recipe)
     try:
         data, data_t, scale_inv, sums = kernels.cast_transpose_update(
             x,
             meta.scale,
             history,
-            meta._fused_workspace(),
+            meta.fused_workspace(),
             meta.fp8_max,
             meta.dtype,
             transpose,
-            factor=factor,
-            most_recent=most_recent,
             column_sums=column_sum,
+            **meta.rule_args(recipe),
         )
     except Exception as err:  # noqa: BLE001 - the unfused paths are correct too
-        _fail("triton", err)
+        mark_failed("triton", err)
         return None
-    _count_cast("triton")
-    _count_cast("update_triton")
+    count_one_launch()
     total = sums.sum(0).to(x.dtype) if sums is not None else None
     return Quantized(data, scale_inv, data_t), total
-
-
-_counts: Counter[str] = Counter()
-_refused: set[str] = set()  # device types whose _scaled_mm raised: go straight to the fallback
-
-
-def gemm_path_counts() -> dict[str, int]:
-    """How many FP8 GEMMs ran through ``"scaled_mm"`` and through ``"dequantized"`` so far."""
-    with _counts_lock:
-        return {"scaled_mm": _counts["scaled_mm"], "dequantized": _counts["dequantized"]}
-
-
-def reset_gemm_path_counts() -> None:
-    """Set both `gemm_path_counts` to zero."""
-    with _counts_lock:
-        _counts.clear()
-
-
-def _count(path: str) -> None:
-    with _counts_lock:
-        _counts[path] += 1
-
-
-def fp8_gemm_nt(
-    a: Quantized,
-    b: Quantized,
-    *,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    use_scaled_mm: bool = True,
-    fast_accumulation: bool = False,
-) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` for row-major FP8 ``a`` [M, K] and ``b`` [N, K], in `out_dtype`.
-
-    Runs ``torch._scaled_mm`` when `use_scaled_mm` and M, K, N are all multiples of 16, with
-    partial sums promoted to float32 or, with `fast_accumulation`, kept in the tensor cores'
-    reduced precision (faster on Hopper; CPUs accumulate in float32 either way); otherwise
-    multiplies the dequantised operands in float32.
-
-    >>> import torch
-    >>> one = Quantized(torch.ones(2, 3).to(torch.float8_e4m3fn), torch.tensor(0.5))
-    >>> fp8_gemm_nt(one, one, out_dtype=torch.float32).tolist()
-    [[0.75, 0.75], [0.75, 0.75]]
-    """
-    (m, k), (n, k2) = a.shape, b.shape
-    if k != k2:
-        raise ValueError(f"fp8_gemm_nt: inner dimensions differ: a is {m}x{k}, b is {n}x{k2}")
-    device = a.data.device.type
-    aligned = m % 16 == 0 and k % 16 == 0 and n % 16 == 0
-    if use_scaled_mm and aligned and device not in _refused:
-        # _scaled_mm fuses the bias only for 16-bit outputs of the same dtype; add it after else.
-        fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
-        try:
-            out = torch._scaled_mm(
-                a.data,
-                b.data.t(),  # column-major [K, N], as cuBLASLt wants the second operand
-                scale_a=a.scale_inv,
-                scale_b=b.scale_inv,
-                bias=bias if fuse_bias else None,
-                out_dtype=out_dtype,
-                use_fast_accum=fast_accumulation,
-            )
-        except (RuntimeError, NotImplementedError) as err:
-            _refused.add(device)
-            warnings.warn(
-                f"zbpp FP8: torch._scaled_mm refused on {device} ({err}); "
-                "using dequantised float32 GEMMs there"
-            )
-        else:
-            _count("scaled_mm")
-            if bias is not None and not fuse_bias:
-                out = out + bias.to(out_dtype)
-            return out
-    _count("dequantized")
-    out = a.dequantize() @ b.dequantize().t()
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)

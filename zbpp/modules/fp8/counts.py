@@ -1,0 +1,45 @@
+"""Tallies of which implementation ran (cast paths, GEMM paths, fused casts): diagnostics.
+
+They are process-wide on purpose, as the choices they record are: the device, the installed
+Triton and the environment variables that pick a path belong to the process, not to a thread or a
+module. Autograd's backward thread counts too, hence the lock.
+
+>>> counts = PathCounts(("fast", "slow"))
+>>> counts.add("fast"); counts.add("slow", "fast")
+>>> counts.snapshot()
+{'fast': 2, 'slow': 1}
+>>> counts.reset(); counts.snapshot()
+{'fast': 0, 'slow': 0}
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Iterable
+
+__all__ = ["PathCounts"]
+
+
+class PathCounts:
+    """A thread-safe count per key; `snapshot` reports the declared keys, in their order."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = tuple(keys)
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, *keys: str) -> None:
+        """Count one run of each key."""
+        with self._lock:
+            self._counts.update(keys)
+
+    def snapshot(self) -> dict[str, int]:
+        """``{key: count}`` for every declared key (zeros included)."""
+        with self._lock:
+            return {key: self._counts[key] for key in self._keys}
+
+    def reset(self) -> None:
+        """Set every count to zero."""
+        with self._lock:
+            self._counts.clear()
