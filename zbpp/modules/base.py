@@ -1,4 +1,4 @@
-"""The delayed-wgrad protocol shared by every zbpp layer (DESIGN.md, Transformer Engine style).
+"""The delayed-wgrad protocol shared by every zbpp layer (docs/DESIGN.md, Transformer Engine style).
 
 A layer built with ``delay_wgrad_compute=True`` computes only input gradients in its backward (B)
 and files its weight-gradient jobs under the forward's microbatch key; ``backward_dw(key)`` (W)
