@@ -107,9 +107,9 @@ def _recipe() -> DelayedScaling:
     return DelayedScaling(margin=0, amax_history_len=4, amax_compute_algo="max")
 
 
-def _pair(name: str, fused: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _pair(name: str, fused: bool, device: str = "cuda") -> tuple[torch.nn.Module, torch.nn.Module]:
     kw = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
-              params_dtype=torch.bfloat16, device="cuda")
+              params_dtype=torch.bfloat16, device=device if device != "cpu" else None)
     torch.manual_seed(0)
     eager = MAKERS[name](**kw)
     graph = MAKERS[name](wgrad_cuda_graph=True, **kw)
@@ -118,6 +118,7 @@ def _pair(name: str, fused: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _run_steps(layer, fp8: bool, steps: int, microbatches: int, calls: int = 1):
+    device = layer.get_parameter(layer._gemm_names[0][1]).device
     """`steps` steps of `microbatches` B, then W in the order 2, 0, 3, 1, ...; after each step's
     last W, a "reduce" reads every parameter get_backward_dw_params() lists (once each, as the
     runtime's reducer does). Returns per step {param name: its gradient then}, per-param reduce
@@ -126,12 +127,12 @@ def _run_steps(layer, fp8: bool, steps: int, microbatches: int, calls: int = 1):
     hook_calls = [0]
     layer.register_wgrad_accumulation_and_reduce_hooks(
         lambda: hook_calls.__setitem__(0, hook_calls[0] + 1))
-    gen = torch.Generator(device="cuda").manual_seed(123)
+    gen = torch.Generator(device=device).manual_seed(123)
     out_features = layer.fc2_weight.shape[0] if hasattr(layer, "fc2_weight") else HIDDEN
     seen, counts, hooks = [], [], []
     for p in layer.parameters():
         if layer.fuse_wgrad_accumulation and p.dim() == 2:
-            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
     order = [j for j in (2, 0, 3, 1) if j < microbatches] + list(range(4, microbatches))
     for _ in range(steps):
         layer.zero_grad(set_to_none=True)
@@ -140,9 +141,9 @@ def _run_steps(layer, fp8: bool, steps: int, microbatches: int, calls: int = 1):
                 p.main_grad.zero_()
         hook_calls[0] = 0
         for j in range(microbatches):
-            x = torch.randn(TOKENS, HIDDEN, generator=gen, device="cuda").bfloat16()
+            x = torch.randn(TOKENS, HIDDEN, generator=gen, device=device).bfloat16()
             x.requires_grad_(True)
-            dy = torch.randn(TOKENS, out_features, generator=gen, device="cuda").bfloat16()
+            dy = torch.randn(TOKENS, out_features, generator=gen, device=device).bfloat16()
             with microbatch(j), fp8_autocast(enabled=fp8, fp8_recipe=_recipe()):
                 y = sum(layer(x) for _ in range(calls))
             y.backward(dy)
@@ -158,7 +159,8 @@ def _run_steps(layer, fp8: bool, steps: int, microbatches: int, calls: int = 1):
         seen.append(grads)
         counts.append(count)
         hooks.append(hook_calls[0])
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return seen, counts, hooks
 
 
@@ -232,17 +234,110 @@ def test_gpu_a_new_shape_or_main_grad_captures_again():
     assert graph._wgrad_graphs.captures == 2
 
 
+# -- CPU stand-in: the bookkeeping around the graph, with a recorder that re-runs the body ------
+class _ReplayedBody:
+    """A stand-in for a captured CUDA graph: `replay` re-runs the captured body (on the static
+    buffers) and copies its results into the first run's output tensors, as a graph rewrites
+    its pool tensors. It checks, on the CPU, everything but the capture itself: the signature,
+    the static buffers refreshed before every replay, aliases, the .grad accumulation outside
+    the graph and main_grad inside it, several jobs under one key, hooks not fired."""
+
+    def __init__(self, body, outs) -> None:
+        self.body, self.outs = body, outs
+
+    def replay(self) -> None:
+        for (_, kept), (_, fresh) in zip(self.outs, self.body()):
+            kept.copy_(fresh)
+
+
+@pytest.fixture
+def stand_in_recorder(monkeypatch):
+    from zbpp.modules import _wgrad_graph
+
+    def record(body, warmup, device):
+        outs = [(o.param, torch.empty_like(o.grad)) for o in warmup() if not o.to_main_grad]
+        return _ReplayedBody(body, outs), outs
+
+    monkeypatch.setattr(_wgrad_graph, "_record", record)
+    monkeypatch.setattr(_wgrad_graph, "require_cuda", lambda owner, device: None)
+
+
+@pytest.mark.parametrize("accumulate", ["grad", "main_grad"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_cpu_stand_in_graph_w_equals_eager_w(stand_in_recorder, name, precision, accumulate):
+    fp8 = precision == "fp8"
+    eager, graph = _pair(name, fused=accumulate == "main_grad", device="cpu")
+    want, want_counts, want_hooks = _run_steps(eager, fp8, 2, 4)
+    got, got_counts, got_hooks = _run_steps(graph, fp8, 2, 4)
+    for s in range(2):
+        _assert_bitwise(want[s], got[s], f"step {s}")
+    assert (want_hooks, got_hooks) == ([4, 4], [0, 0]) and got_counts == want_counts
+    assert set(v for c in got_counts for v in c.values()) == {1}
+    assert (graph._wgrad_graphs.captures, graph._wgrad_graphs.replays) == (1, 8)
+
+
+def test_cpu_stand_in_two_jobs_under_one_key(stand_in_recorder):
+    for accumulate in ("grad", "main_grad"):
+        eager, graph = _pair("Linear", fused=accumulate == "main_grad", device="cpu")
+        want, _, _ = _run_steps(eager, False, 2, 3, calls=2)
+        got, _, _ = _run_steps(graph, False, 2, 3, calls=2)
+        for s in range(2):
+            _assert_bitwise(want[s], got[s], f"{accumulate} step {s}")
+        assert graph._wgrad_graphs.captures == 1
+
+
+def test_cpu_stand_in_stale_buffers_would_fail(stand_in_recorder, monkeypatch):
+    """The comparison catches a graph replayed on stale inputs (here: copies skipped)."""
+    from zbpp.modules import _wgrad_graph
+
+    eager, graph = _pair("LayerNormMLP", fused=False, device="cpu")
+    want, _, _ = _run_steps(eager, False, 1, 3)
+    monkeypatch.setattr(_wgrad_graph, "_copy", lambda dst, src: None)
+    got, _, _ = _run_steps(graph, False, 1, 3)
+    with pytest.raises(AssertionError, match="graph W differs from eager W"):
+        _assert_bitwise(want[0], got[0], "stale")
+
+
+def test_cpu_stand_in_new_main_grad_or_shape_captures_again(stand_in_recorder):
+    eager, graph = _pair("LayerNormMLP", fused=True, device="cpu")
+    for _ in range(2):
+        want, _, _ = _run_steps(eager, False, 1, 2)
+        got, _, _ = _run_steps(graph, False, 1, 2)  # attaches new main_grad tensors
+        _assert_bitwise(want[0], got[0], "main_grad")
+    assert graph._wgrad_graphs.captures == 2
+    with microbatch(9):
+        graph(torch.randn(8, HIDDEN).bfloat16()).sum().backward()
+    graph.backward_dw(9)
+    assert graph._wgrad_graphs.captures == 3 and len(graph._wgrad_graphs) == 3
+    graph.clear_wgrad_graphs()
+    assert len(graph._wgrad_graphs) == 0
+
+
 # -- 2 GPUs: data-parallel Pipeline with graph-W stages -------------------------------------------
 def _dp_stage(graph: bool, fused: bool, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(5)
-    kw = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused, device=device,
+    kw = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
+              device=device if device.type == "cuda" else None,
               wgrad_cuda_graph=graph)
     return torch.nn.Sequential(LayerNormMLP(HIDDEN, FFN, **kw), Linear(HIDDEN, HIDDEN, **kw),
                                LayerNormLinear(HIDDEN, HIDDEN, **kw))
 
 
-def dp_graph_worker(fused: bool) -> list[str]:
+def _patch_stand_in() -> None:
+    from zbpp.modules import _wgrad_graph
+
+    def record(body, warmup, device):
+        outs = [(o.param, torch.empty_like(o.grad)) for o in warmup() if not o.to_main_grad]
+        return _ReplayedBody(body, outs), outs
+
+    _wgrad_graph._record = record
+    _wgrad_graph.require_cuda = lambda owner, device: None
+
+
+def dp_graph_worker(fused: bool, stand_in: bool = False) -> list[str]:
     """dp=2 x pp=1 (float32): the same two steps with the option off and on; returns failures.
+    `stand_in` (gloo, CPU): the graph is `_ReplayedBody` (the bookkeeping, not the capture).
 
     Bitwise equality holds because the only difference is where a bias gradient waits: eager W
     calls the reducer's hook, which (for main_grad parameters) adds each microbatch's bias
@@ -254,7 +349,11 @@ def dp_graph_worker(fused: bool) -> list[str]:
     from zbpp.schedules import build
 
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device())
+    if stand_in:
+        _patch_stand_in()
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
     groups = ParallelGroups(pp=1)
     sched = build("zb-h1", num_ranks=1, num_microbatches=4)
     results = {}
@@ -299,4 +398,11 @@ def dp_graph_worker(fused: bool) -> list[str]:
 @pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
 def test_nccl_dp2_pipeline_with_graph_w(zbpp_workers, fused):
     fails = zbpp_workers(2, backend="nccl", pg_timeout=60).run(dp_graph_worker, fused)
+    assert not [f for per_rank in fails for f in per_rank], fails
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+def test_gloo_dp2_pipeline_with_the_stand_in_recorder(zbpp_workers, fused):
+    """The same on 2 gloo CPU ranks with `_ReplayedBody` in place of the CUDA graph."""
+    fails = zbpp_workers(2, backend="gloo", pg_timeout=60).run(dp_graph_worker, fused, True)
     assert not [f for per_rank in fails for f in per_rank], fails

@@ -113,6 +113,41 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
+def require_cuda(owner: str, device: torch.device) -> None:
+    """Raise the error that names the option when a graph-mode W meets a non-CUDA tensor."""
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"{owner}: wgrad_cuda_graph=True replays W from a CUDA graph, but the layer is on "
+            f"{device}; move it to a CUDA device (.cuda()) or build it with wgrad_cuda_graph=False"
+        )
+
+
+def _record(body: Callable[[], list[tuple[torch.nn.Parameter, torch.Tensor]]],
+            warmup: Callable[[], object], device: torch.device) -> tuple[Any, list]:
+    """Capture `body` into a CUDA graph on a side stream after `WARMUP_RUNS` runs of `warmup`
+    (the same computation without side effects); returns the graph and what `body` returned
+    (tensors of the graph's pool, rewritten by every replay). Nothing runs until a replay."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):  # nothing lazy (handles, workspaces) may happen in capture
+            warmup()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = body()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
+                pass
+            raise
+        graph.capture_end()
+    current.wait_stream(side)
+    return graph, out
+
+
 class WgradGraphs:
     """The captured W graphs of one layer, by signature (see the module docstring).
 
@@ -145,12 +180,7 @@ class WgradGraphs:
         tensors, structure = _flatten(jobs)
         metas = []
         for t in tensors:
-            if not t.is_cuda:
-                raise RuntimeError(
-                    f"{self._owner}: wgrad_cuda_graph=True replays W from a CUDA graph, but the "
-                    f"layer's tensors are on {t.device}; run it on a CUDA device (build it with "
-                    "device='cuda' or call .cuda()) or build it with wgrad_cuda_graph=False"
-                )
+            require_cuda(self._owner, t.device)
             metas.append((t.shape, t.stride(), t.dtype, t.device))
         mains = {}  # id(param) -> main_grad, for the weights whose gradient the graph adds there
         for job in jobs:
@@ -178,34 +208,24 @@ class WgradGraphs:
 
     def _capture(self, jobs: Sequence[_Job], tensors: list[torch.Tensor], structure: tuple,
                  mains: dict[int, torch.Tensor]) -> _Captured:
-        device = tensors[0].device
         static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
                   for t in tensors]
         _copy(static, tensors)
         static_jobs = _static_jobs(jobs, structure, static)
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):  # nothing lazy (handles, workspaces) may happen in capture
-                self._combine(static_jobs)
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for _name, param, grad, to_main in self._combine(static_jobs):
-                    if to_main:
-                        mains[id(param)].add_(grad)
-                    else:
-                        grads.append((param, grad))
-            except BaseException:
-                try:
-                    graph.capture_end()
-                except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
-                    pass
-                raise
-            graph.capture_end()
-        current.wait_stream(side)
+
+        def warmup() -> list[GradOut]:
+            return self._combine(static_jobs)
+
+        def body() -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+            grads = []
+            for _name, param, grad, to_main in self._combine(static_jobs):
+                if to_main:
+                    mains[id(param)].add_(grad)
+                else:
+                    grads.append((param, grad))
+            return grads
+
+        graph, grads = _record(body, warmup, tensors[0].device)
         self.captures += 1
         return _Captured(graph, static, grads, tuple(mains.values()))
 

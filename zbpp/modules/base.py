@@ -22,6 +22,7 @@ from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
 from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, add_to_main_grad
+from . import _wgrad_graph
 from ._wgrad_graph import WgradGraphs
 from ._norm import make_norm_params
 from .context import current_microbatch
@@ -309,13 +310,8 @@ class DelayedWgradModule(nn.Module):
     def _graph_backward_dw(self, key: Hashable | None) -> None:
         # W replayed from a CUDA graph: its hooks never fire (the runtime reduces what
         # get_backward_dw_params() lists after the stage's last W)
-        weight = self._gemm_weights()[0]
-        if not weight.is_cuda:  # before taking the jobs out: they stay pending
-            raise RuntimeError(
-                f"{type(self).__name__}: wgrad_cuda_graph=True replays W from a CUDA graph, but "
-                f"the layer is on {weight.device}; move it to a CUDA device (.cuda()) or build it "
-                "with wgrad_cuda_graph=False"
-            )
+        # before taking the jobs out: on a CPU they stay pending
+        _wgrad_graph.require_cuda(type(self).__name__, self._gemm_weights()[0].device)
         _, jobs = self._wgrad_store.pop(key)
         with torch.no_grad():
             self._wgrad_graphs.run(jobs)
