@@ -318,7 +318,30 @@ class DelayedWgradModule(nn.Module):
 
     @property
     def wgrad_cuda_graph(self) -> bool:
-        """Whether `backward_dw` replays W from CUDA graphs (the constructor keyword)."""
+        """Whether `backward_dw` replays W from CUDA graphs (the constructor keyword).
+
+        On a GPU the first W captures the graph and the second replays it; on a CPU, W raises
+        (naming the option) and leaves the wgrad pending:
+
+        >>> import torch
+        >>> from zbpp.modules import Linear, microbatch
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> layer = Linear(4, 2, delay_wgrad_compute=True, wgrad_cuda_graph=True).to(device)
+        >>> layer.wgrad_cuda_graph
+        True
+        >>> for j in range(2):
+        ...     with microbatch(j):
+        ...         layer(torch.ones(3, 4, device=device)).sum().backward()
+        >>> def w():
+        ...     try:
+        ...         layer.backward_dw(0); layer.backward_dw(1)  # GPU: capture, then replay
+        ...     except RuntimeError as err:  # CPU
+        ...         return str(err).split(";")[0], layer.pending_wgrad_keys()
+        ...     return layer.weight.grad.tolist() == [[6.0] * 4] * 2
+        >>> w() in (True, ("Linear: wgrad_cuda_graph=True replays W from a CUDA graph, but the "
+        ...                "layer is on cpu", [0, 1]))
+        True
+        """
         return self._wgrad_graphs is not None
 
     def clear_wgrad_graphs(self) -> None:
