@@ -406,3 +406,18 @@ def test_gloo_dp2_pipeline_with_the_stand_in_recorder(zbpp_workers, fused):
     """The same on 2 gloo CPU ranks with `_ReplayedBody` in place of the CUDA graph."""
     fails = zbpp_workers(2, backend="gloo", pg_timeout=60).run(dp_graph_worker, fused, True)
     assert not [f for per_rank in fails for f in per_rank], fails
+
+
+def test_cpu_stand_in_an_expanded_input(stand_in_recorder):
+    """An input with stride 0 (broadcast rows) is copied into a contiguous static buffer."""
+    eager, graph = _pair("Linear", fused=False, device="cpu")
+    rows = [torch.randn(1, HIDDEN).bfloat16() for _ in range(2)]
+    for layer in (eager, graph):
+        for j, row in enumerate(rows):
+            with microbatch(j):
+                layer(row.expand(TOKENS, HIDDEN)).float().square().sum().backward()
+        layer.backward_dw(1)
+        layer.backward_dw(0)
+    assert torch.equal(graph.weight.grad, eager.weight.grad)
+    assert torch.equal(graph.bias.grad, eager.bias.grad)
+    assert graph._wgrad_graphs.captures == 1 and graph._wgrad_graphs.replays == 2

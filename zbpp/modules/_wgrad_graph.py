@@ -208,8 +208,9 @@ class WgradGraphs:
 
     def _capture(self, jobs: Sequence[_Job], tensors: list[torch.Tensor], structure: tuple,
                  mains: dict[int, torch.Tensor]) -> _Captured:
-        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                  for t in tensors]
+        # the same strides where the tensor is dense (the GEMMs then see the same layouts as
+        # eager W), contiguous otherwise (an expanded input cannot be copied into its own layout)
+        static = [torch.empty_like(t) for t in tensors]
         _copy(static, tensors)
         static_jobs = _static_jobs(jobs, structure, static)
 
