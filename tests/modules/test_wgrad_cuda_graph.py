@@ -217,8 +217,8 @@ def test_gpu_graph_w_of_a_layer_called_twice_per_microbatch(accumulate):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_a_new_shape_or_main_grad_captures_again():
-    """The signature includes the shapes and the main_grad address: a new main_grad buffer (the
+def test_gpu_a_new_main_grad_buffer_captures_again():
+    """The signature includes the main_grad address: a new main_grad buffer (the
     reducer may replace its buckets) is never written through a stale graph."""
     eager, graph = _pair("LayerNormMLP", fused=True)
     want, _, _ = _run_steps(eager, False, 1, 2)
