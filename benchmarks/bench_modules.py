@@ -81,6 +81,20 @@ Targets (issue 16, H200): hidden 4096, ffn 16384, 4096 tokens, 16 blocks, 8 micr
         --ffn 16384 --tokens 4096 --blocks 16 --out $OUT/bench_modules_blocks_4096.json
     PYTHONPATH=$PWD python3 benchmarks/bench_modules.py --suite blocks --hidden 1024 \
         --ffn 4096 --tokens 2048 --blocks 32 --out $OUT/bench_modules_blocks_1024.json
+
+``--suite wgrad-graph`` (CUDA only): W replayed from CUDA graphs (``wgrad_cuda_graph=True``)
+against eager W on the launch-bound stack, ``--blocks`` residual ``LayerNormMLP`` blocks, bf16,
+``delay_wgrad_compute=True``, weight gradients into ``.grad`` and (``... main_grad``, with
+``fuse_wgrad_accumulation=True``) into float32 ``main_grad``. Per variant: ``W ms/mb`` is the W of
+all blocks for one microbatch (the B of all ``--microbatches`` ran first, as in a zero-bubble
+stage) timed with CUDA events from an idle GPU, so the host's launch rate counts as it does in a
+pipeline; ``W GPU ms/mb`` the same with the GPU given a head start (its own time only); ``W host
+ms/mb`` the host's time to issue it; ``step ms`` forward + backward + W of every microbatch (W
+after each B). The first W of a graph variant captures (in the warm-up); the gradients of one
+step are then compared with the eager variant's (``equal``: bit for bit)::
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_modules.py --suite wgrad-graph --hidden 1024 \
+        --ffn 4096 --tokens 2048 --blocks 32 --microbatches 8 --out $OUT/bench_wgrad_graph.json
 """
 
 from __future__ import annotations
@@ -132,9 +146,11 @@ BLOCK_VARIANTS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--suite", choices=("linear", "blocks", "pipeline"), default="linear",
+    ap.add_argument("--suite", choices=("linear", "blocks", "pipeline", "wgrad-graph"),
+                    default="linear",
                     help="linear: the Linear stack and the casts; blocks: residual MLP blocks; "
-                    "pipeline: the blocks split over the ranks of --schedule (torchrun)")
+                    "pipeline: the blocks split over the ranks of --schedule (torchrun); "
+                    "wgrad-graph: eager W against W replayed from CUDA graphs (CUDA)")
     ap.add_argument("--schedule", default="zb-v", help="pipeline: the zbpp schedule")
     ap.add_argument("--hidden", type=int, default=None, help="default 8192 (linear), 4096")
     ap.add_argument("--tokens", type=int, default=None,
@@ -796,6 +812,150 @@ class PipelineStage(nn.Module):
 
 PIPELINE_VARIANTS = ("zbpp bf16 delayed", "zbpp fp8 delayed")
 
+# -- W replayed from CUDA graphs (wgrad_cuda_graph=True) against eager W -------------------------
+
+GRAPH_VARIANTS = ("eager W", "graph W", "eager W main_grad", "graph W main_grad")
+
+
+def make_graph_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
+    torch.manual_seed(0)
+    fused = "main_grad" in variant
+    blocks = [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
+                                    delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
+                                    wgrad_cuda_graph=variant.startswith("graph"),
+                                    device=args.device))
+              for _ in range(args.blocks)]
+    if fused:
+        for block in blocks:
+            for p in block.mlp.parameters():
+                if p.dim() == 2:
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=args.device)
+    return blocks
+
+
+def _grads(blocks: list[Residual]) -> list[torch.Tensor | None]:
+    return [getattr(p, "main_grad", p.grad) for b in blocks for p in b.parameters()]
+
+
+def run_wgrad_graph(args: argparse.Namespace) -> dict:
+    if not args.device.startswith("cuda"):
+        raise SystemExit("--suite wgrad-graph needs a CUDA GPU: W is replayed from CUDA graphs")
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    xs = [torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
+                      dtype=torch.bfloat16).requires_grad_(True)
+          for _ in range(args.microbatches)]
+    grad = torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
+                       dtype=torch.bfloat16) / (args.tokens * args.hidden)
+    stacks = {v: make_graph_blocks(args, v) for v in GRAPH_VARIANTS}
+    steps = {v: make_block_step(stacks[v], xs, grad, "zbpp bf16 delayed") for v in GRAPH_VARIANTS}
+    timer = Timer(args.device)
+    m = args.microbatches
+    keys = ("step", "w", "w_gpu", "w_host")
+    times = {v: {k: [] for k in keys} for v in GRAPH_VARIANTS}
+
+    def clear(v: str) -> None:
+        for x in xs:
+            x.grad = None
+        for block in stacks[v]:
+            block.zero_grad(set_to_none=True)
+            for p in block.parameters():
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
+
+    def all_b(v: str) -> None:  # every microbatch's F and B: its W all pending, as in a stage
+        clear(v)
+        for j, x in enumerate(xs):
+            with microbatch(j):
+                h = x
+                for block in stacks[v]:
+                    h = block(h)
+            h.backward(grad)
+        torch.cuda.synchronize()
+
+    def all_w(v: str) -> None:
+        for j in range(m):
+            for block in reversed(stacks[v]):
+                block.mlp.backward_dw(j)
+
+    for _ in range(args.rounds):
+        for v in GRAPH_VARIANTS:
+            for i in range(args.warmup + args.iters):
+                clear(v)
+                step_ms = timer(steps[v])
+                all_b(v)
+                w_ms = timer(lambda v=v: all_w(v))
+                all_b(v)
+                w_gpu_ms = timer(lambda v=v: all_w(v), gpu_only=True)
+                all_b(v)
+                w_host_ms = timer.host(lambda v=v: all_w(v))
+                if i >= args.warmup:
+                    for k, value in zip(keys, (step_ms, w_ms / m, w_gpu_ms / m, w_host_ms / m)):
+                        times[v][k].append(value)
+    equal = {}
+    for v in GRAPH_VARIANTS:  # one more step each from zero: graph W against eager W, bitwise
+        clear(v)
+        steps[v]()
+    torch.cuda.synchronize()
+    for v in ("graph W", "graph W main_grad"):
+        ref = v.replace("graph", "eager")
+        pairs = list(zip(_grads(stacks[ref]), _grads(stacks[v])))
+        equal[v] = all((a is None and b is None) or (a is not None and b is not None
+                                                     and torch.equal(a, b)) for a, b in pairs)
+    results = []
+    for v in GRAPH_VARIANTS:
+        row = {"variant": v}
+        for k in keys:
+            row[f"{k}_ms" if k == "step" else f"{k}_ms_per_microbatch"] = statistics.median(times[v][k])
+        row["step_samples_ms"] = [round(t, 3) for t in times[v]["step"]]
+        graphs = stacks[v][0].mlp._wgrad_graphs
+        row["captures_per_block"] = None if graphs is None else graphs.captures
+        row["equal_to_eager"] = equal.get(v)
+        results.append(row)
+    by = {r["variant"]: r for r in results}
+
+    def gain(key: str, eager: str, graph: str) -> float:
+        return by[eager][key] / by[graph][key]
+
+    return {
+        "suite": "wgrad-graph",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": results,
+        "ratios": {
+            "w_speedup": gain("w_ms_per_microbatch", "eager W", "graph W"),
+            "step_speedup": gain("step_ms", "eager W", "graph W"),
+            "w_speedup_main_grad": gain("w_ms_per_microbatch", "eager W main_grad",
+                                        "graph W main_grad"),
+            "step_speedup_main_grad": gain("step_ms", "eager W main_grad", "graph W main_grad"),
+        },
+        "env": {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "python": platform.python_version(),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+
+
+def print_wgrad_graph(report: dict) -> None:
+    cfg = report["config"]
+    print(
+        f"{cfg['blocks']} blocks x + LayerNormMLP(x), bf16, delayed wgrad: hidden "
+        f"{cfg['hidden']}, ffn {cfg['ffn']}, {cfg['microbatches']} microbatches of "
+        f"{cfg['tokens']} tokens, on {report['env']['device']}"
+    )
+    print(f"{'variant':<18} {'W ms/mb':>9} {'W GPU ms/mb':>12} {'W host ms/mb':>13} "
+          f"{'step ms':>9}  equal")
+    for r in report["results"]:
+        eq = r["equal_to_eager"]
+        print(f"{r['variant']:<18} {r['w_ms_per_microbatch']:>9.3f} "
+              f"{r['w_gpu_ms_per_microbatch']:>12.3f} {r['w_host_ms_per_microbatch']:>13.3f} "
+              f"{r['step_ms']:>9.2f}  {'-' if eq is None else eq}")
+    q = report["ratios"]
+    print(f"graph W gain, W per microbatch: {q['w_speedup']:.3f}x (.grad), "
+          f"{q['w_speedup_main_grad']:.3f}x (main_grad)")
+    print(f"graph W gain, forward+backward step: {q['step_speedup']:.3f}x (.grad), "
+          f"{q['step_speedup_main_grad']:.3f}x (main_grad)")
+
 
 def run_pipeline(args: argparse.Namespace) -> dict | None:
     """Step time of the block stack under `args.schedule` on every rank (torchrun); rank 0
@@ -905,7 +1065,10 @@ def main(argv: list[str] | None = None) -> None:
                 args.out.write_text(json.dumps(report, indent=2) + "\n")
                 print(f"wrote {args.out}")
         shutdown_and_exit(0)
-    if args.suite == "blocks":
+    if args.suite == "wgrad-graph":
+        report = run_wgrad_graph(args)
+        print_wgrad_graph(report)
+    elif args.suite == "blocks":
         report = run_blocks(args)
         print_blocks(report)
     else:

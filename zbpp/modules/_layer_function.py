@@ -33,7 +33,8 @@ from .fp8 import DelayedScaling, Quantized, ScalingMeta, fp8_gemm_nt, quantize
 from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
 
-__all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "add_to_main_grad"]
+__all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "add_to_main_grad",
+           "main_grad_of", "job_outputs"]
 
 
 class GradOut(NamedTuple):
@@ -85,8 +86,8 @@ class LayerPlan(NamedTuple):
     recipe: DelayedScaling | None  # None: no FP8
 
 
-def add_to_main_grad(name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.main_grad += grad``, with an error that says what to attach when it is missing."""
+def main_grad_of(name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    """``param.main_grad``, with an error that says what to attach when it is missing or wrong."""
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         raise RuntimeError(
@@ -99,7 +100,12 @@ def add_to_main_grad(name: str, param: torch.nn.Parameter, grad: torch.Tensor) -
             f"{name}.main_grad has shape {tuple(main_grad.shape)}, the parameter "
             f"{tuple(param.shape)}"
         )
-    main_grad.add_(grad)
+    return main_grad
+
+
+def add_to_main_grad(name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.main_grad += grad``, with an error that says what to attach when it is missing."""
+    main_grad_of(name, param).add_(grad)
 
 
 def _quantize_grad(
@@ -117,24 +123,39 @@ class _WgradPart(NamedTuple):
     bias_grad_of: torch.Tensor | None
 
 
-def _make_job(parts: list[_WgradPart], fp8: bool) -> WgradJob:
-    def job() -> list[GradOut]:
-        out = []
-        for call, operands, bias_grad_of in parts:
-            if operands is not None:
-                grad, inp = operands
-                if fp8:
-                    dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
-                    dw = fp8_gemm_nt(grad, inp, out_dtype=dtype)
-                else:
-                    dw = grad.t().mm(inp)
-                out.append(GradOut(call.weight_name, call.weight, dw,
-                                   call.fuse_wgrad_accumulation))
-            if bias_grad_of is not None:
-                out.append(GradOut(call.bias_name, call.bias, bias_grad_of.sum(0), False))
-        return out
+def job_outputs(parts: list[_WgradPart], fp8: bool) -> list[GradOut]:
+    """The gradients of a job's `parts`: a pure function of the tensors they hold (a CUDA graph
+    of W captures it on static copies of them, `_wgrad_graph`)."""
+    out = []
+    for call, operands, bias_grad_of in parts:
+        if operands is not None:
+            grad, inp = operands
+            if fp8:
+                dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
+                dw = fp8_gemm_nt(grad, inp, out_dtype=dtype)
+            else:
+                dw = grad.t().mm(inp)
+            out.append(GradOut(call.weight_name, call.weight, dw, call.fuse_wgrad_accumulation))
+        if bias_grad_of is not None:
+            out.append(GradOut(call.bias_name, call.bias, bias_grad_of.sum(0), False))
+    return out
 
-    return job
+
+class _Job:
+    """A wgrad job: calling it computes ``job_outputs(parts, fp8)``; `parts` exposes the tensors
+    it holds (per GEMM: the (gradient, input) operands of dW and the gradient of db)."""
+
+    __slots__ = ("parts", "fp8")
+
+    def __init__(self, parts: list[_WgradPart], fp8: bool) -> None:
+        self.parts, self.fp8 = parts, fp8
+
+    def __call__(self) -> list[GradOut]:
+        return job_outputs(self.parts, self.fp8)
+
+
+def _make_job(parts: list[_WgradPart], fp8: bool) -> WgradJob:
+    return _Job(parts, fp8)
 
 
 class _LayerFunction(torch.autograd.Function):
