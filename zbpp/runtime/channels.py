@@ -23,6 +23,7 @@ travels as two operations, its byte length then its bytes; receiving it blocks t
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,6 +38,9 @@ from .tree import TensorMeta
 __all__ = ["CommOptions", "Channels", "agreement_group", "default_timeout"]
 
 Channel = tuple[int, int]  # (sending pipeline rank, receiving pipeline rank)
+
+# seconds `Channels.abort` waits for NCCL's abort before the caller goes on to raise (see there)
+ABORT_WAIT_S = 2.0
 
 _GROUPS: dict[tuple[Any, ...], Any] = {}  # (purpose, backend, global ranks, options) -> group
 
@@ -185,13 +189,26 @@ class Channels:
             pause = min(2 * pause, 0.005)
         work.wait()
 
-    def abort(self) -> None:
+    def abort(self, wait_s: float = ABORT_WAIT_S) -> None:
         """Abort the channels' NCCL communicators (a dead peer: kernels waiting for it end). Best effort;
-        the channels are unusable afterwards."""
+        the channels are unusable afterwards.
+
+        NCCL's abort can itself block while a kernel still waits for the dead peer (seen on 2 x H200
+        with torch 2.11: `ProcessGroupNCCL.abort` did not return before NCCL's own watchdog ended the
+        process at the process-group timeout), and the caller is about to raise the error that says the
+        pipeline is unusable: that must not wait. So the abort runs on a daemon thread and this returns
+        when it finished or after `wait_s` seconds, whichever comes first."""
         if self.backend != "nccl":
             return
-        for group in self._groups.values():
-            try:
-                group.abort()
-            except Exception:  # noqa: BLE001 - already aborted, or not supported by this torch
-                pass
+        groups = list(self._groups.values())
+
+        def abort_all() -> None:
+            for group in groups:
+                try:
+                    group.abort()
+                except Exception:  # noqa: BLE001 - already aborted, or not supported by this torch
+                    pass
+
+        worker = threading.Thread(target=abort_all, name="zbpp-nccl-abort", daemon=True)
+        worker.start()
+        worker.join(wait_s)
