@@ -141,7 +141,10 @@ def check_many_steps(name: str, p: int) -> dict[str, Any]:
         for st in ref:
             st.zero_grad(set_to_none=True)
         del inputs, target, loss, ref_loss
-        counts.append(live_tensors())
+        # On CUDA the pipeline keeps a send's tensors until the send completes, reaped at the
+        # next step: how many are still listed depends on timing, so they are not counted.
+        in_flight = sum(len(kept) for _, kept in pipe._in_flight)
+        counts.append(live_tensors() - in_flight)
     # Steps 3.. repeat shapes already seen: a leak would grow the count.
     assert counts[3:] == [counts[2]] * 3, f"{name}: live tensors per step {counts} (rank {rank})"
     assert pipe.__dict__.keys() >= {"schedule"}  # smoke: the object is intact
