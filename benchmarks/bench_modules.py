@@ -144,6 +144,16 @@ BLOCK_VARIANTS = (
 )
 
 
+def run_env(cuda: bool) -> dict:
+    """Where a run happened: torch, the device, Python and the UTC time (every suite's JSON)."""
+    return {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "python": platform.python_version(),
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=("linear", "blocks", "pipeline", "wgrad-graph"),
@@ -417,12 +427,7 @@ def run(args: argparse.Namespace) -> dict:
         "fp8_gemm_paths": fp8mod.gemm_path_counts(),
         "fp8_cast_paths": fp8mod.cast_path_counts(),
         "casts": time_casts(args, timer),
-        "env": {
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-            "python": platform.python_version(),
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
+        "env": run_env(args.device.startswith("cuda")),
     }
 
 
@@ -744,12 +749,7 @@ def run_blocks(args: argparse.Namespace) -> dict:
         },
         "fp8_gemm_paths": fp8mod.gemm_path_counts(),
         "fp8_cast_paths": fp8mod.cast_path_counts(),
-        "env": {
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "python": platform.python_version(),
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
+        "env": run_env(cuda),
     }
 
 
@@ -927,12 +927,7 @@ def run_wgrad_graph(args: argparse.Namespace) -> dict:
                                         "graph W main_grad"),
             "step_speedup_main_grad": gain("step_ms", "eager W main_grad", "graph W main_grad"),
         },
-        "env": {
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(),
-            "python": platform.python_version(),
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
+        "env": run_env(True),
     }
 
 
@@ -1024,12 +1019,7 @@ def run_pipeline(args: argparse.Namespace) -> dict | None:
         "ratios": {"fp8_speedup": med["zbpp bf16 delayed"] / med["zbpp fp8 delayed"]},
         "fused_paths": _fused.fused_path_counts(),
         "fp8_cast_paths": fp8mod.cast_path_counts(),
-        "env": {
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "python": platform.python_version(),
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
+        "env": run_env(cuda),
     }
 
 
