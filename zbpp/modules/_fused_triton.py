@@ -15,9 +15,10 @@ tile that finishes last. One launch per tensor, as ``cast_transpose_update``.
 
 Tiles are 64 x 64 (see `BLOCK_M`). Products and quotients that the torch
 definition rounds separately are IEEE operations here too (``_mul_rn``, ``_div_rn``, ``sqrt_rn``),
-so no FMA contraction changes them; the transcendental parts (exp in the sigmoids) and the order
-of the row sums are the only differences from the torch definition on a GPU, a few float32 units
-in the last place before the bfloat16 rounding. Under the Triton interpreter
+so no FMA contraction changes them; the sigmoids' exponential and reciprocal (one approximate
+MUFU instruction each, within 2 ulp, flushing results below 2^-126 to zero, which no FP8 cast of
+these activations can see) and the order of the row sums are the only differences from the torch
+definition on a GPU, a few float32 units in the last place before the bfloat16 rounding. Under the Triton interpreter
 (``TRITON_INTERPRET=1``, CPU tensors) the kernels run with numpy's float32 arithmetic and software
 roundings; the tests compare them there with the torch definitions.
 """
@@ -28,7 +29,7 @@ import os
 
 import torch
 
-from ._fp8_cast_triton import MAX_FUSED_HISTORY, _on, tl, triton
+from ._fp8_cast_triton import _INTERPRETED, MAX_FUSED_HISTORY, _on, tl, triton
 
 __all__ = [
     "norm_cast_update",
@@ -40,12 +41,14 @@ __all__ = [
 # bfloat16 only: the value is rounded to the input's dtype in the kernel (the interpreter's
 # software rounding covers bfloat16), and FP8 training keeps its activations in bfloat16.
 INPUT_DTYPES = (torch.bfloat16,)
-# 64 x 64 tiles, 4 warps: 32 values per thread, two programs per SM at ~250 registers, as the
-# plain cast's 128 x 64 / 4 warps (64 values per thread) runs. Compiled for sm_90 here with Triton
-# 3.6 (the H200 machine's) and 3.8: 150-255 registers, no local memory but 8-104 bytes per thread
-# in the GLU gradient (the plain cast spills 80-120); on the plain cast's tiles these kernels
-# spilled 0.4-6 KB. Not yet timed against the alternatives without spills (64 x 32 with 4 warps,
-# 64 x 64 with 8): ZBPP_FUSED_TILE=64x32x4 (rows x columns x warps) tries one without editing.
+# 64 x 64 tiles, 4 warps: 32 values per thread. These kernels are bound by instruction issue as
+# much as by memory: before the MUFU-only exponential and reciprocal (`_exp2_fast`, `_rcp_fast`)
+# and the dropped per-value masks, sm_90 SASS (Triton 3.8) had 46 instructions per value for the
+# GELU cast and 62 for its gradient against 20 for the plain cast, and a 4096 x 16384 GELU cast
+# took 151 us on an H200 (the plain cast 102 us, a bfloat16 copy 66 us); now 36 and 54, 133.5 us
+# and 188 us for the gradient (docs/results/bench_fused_kernels_H200_after.json). In the same run
+# 64 x 128 x 4 tiles timed 124 / 173 us: not yet the default, as the GPU tests covered only part of
+# the kernels with it; ZBPP_FUSED_TILE=64x128x4 (rows x columns x warps) uses it.
 BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -58,6 +61,7 @@ if triton is not None:
     _GELU_K = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): gelu's sigmoid of x (K + KC x^2)
     _GELU_KC = tl.constexpr(0.07135481627260025)  # 2 sqrt(2/pi) * 0.044715
     _QUICK = tl.constexpr(1.702)  # quick gelu's sigmoid slope
+    _NEG_LOG2E = tl.constexpr(-1.4426950408889634)  # exp(-z) = 2^(z * -log2(e))
 
     from ._fp8_cast_triton import (
         _cast_store_tile,
@@ -70,11 +74,42 @@ if triton is not None:
     )
 
     @triton.jit
+    def _exp2_fast(x):
+        # 2^x in one MUFU.EX2 (ex2.approx.ftz: within 2 ulp, as Triton's exp; results below 2^-126
+        # flush to zero instead of going through the denormal fix-up that ex2.approx.f32 costs:
+        # four more instructions per value in this compute-bound kernel)
+        if _INTERPRETED:
+            return tl.exp2(x)
+        else:
+            return tl.inline_asm_elementwise(
+                "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)],
+                dtype=tl.int32, is_pure=True, pack=1,
+            ).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rcp_fast(x):
+        # 1 / x in one MUFU.RCP (rcp.approx.ftz: within 1 ulp; ``/`` is div.full.f32, which adds
+        # range checks around the same approximation)
+        if _INTERPRETED:
+            return 1.0 / x
+        else:
+            return tl.inline_asm_elementwise(
+                "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)],
+                dtype=tl.int32, is_pure=True, pack=1,
+            ).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _sigmoid(z):
+        # 1 / (1 + exp(-z)): exp(-z) = inf for z << 0 gives 0, exp(-z) = 0 for z >> 0 gives 1, a
+        # NaN gives NaN, so no branch is needed (the forward's values only)
+        return _rcp_fast(1.0 + _exp2_fast(z * _NEG_LOG2E))
+
+    @triton.jit
     def _sigmoid_and_slope(z):
         # sigmoid(z) and sigmoid'(z) = sigmoid(z) sigmoid(-z) from t = exp(-|z|) <= 1: no overflow
         # and no cancellation for any z (a NaN z gives NaNs).
-        t = tl.exp(-tl.abs(z))
-        r = 1.0 / (1.0 + t)
+        t = _exp2_fast(tl.abs(z) * _NEG_LOG2E)
+        r = _rcp_fast(1.0 + t)
         s = tl.where(z >= 0, r, t * r)
         return s, t * r * r
 
@@ -82,19 +117,16 @@ if triton is not None:
     def _act(x, ACT: tl.constexpr):
         """f(x) in float32 (ids as in `_activations`)."""
         if ACT == 0:  # gelu (tanh approximation) = x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))
-            s, _ = _sigmoid_and_slope(x * (x * x * _GELU_KC + _GELU_K))
-            return x * s
+            return x * _sigmoid(x * (x * x * _GELU_KC + _GELU_K))
         elif ACT == 1:  # quick gelu
-            s, _ = _sigmoid_and_slope(x * _QUICK)
-            return x * s
+            return x * _sigmoid(x * _QUICK)
         elif ACT == 2:  # relu, as torch: -0 and NaN pass through
             return tl.where(x < 0, 0.0, x)
         elif ACT == 3:  # squared relu
             r = tl.where(x < 0, 0.0, x)
             return _mul_rn(r, r)
         else:  # silu
-            s, _ = _sigmoid_and_slope(x)
-            return x * s
+            return x * _sigmoid(x)
 
     @triton.jit
     def _act_grad(grad, x, ACT: tl.constexpr):
@@ -254,7 +286,9 @@ if triton is not None:
         a = _act(tl.load(at, mask=inside, other=0.0).to(tl.float32), ACT)
         if GLU:
             a = _mul_rn(a, tl.load(at + F, mask=inside, other=0.0).to(tl.float32))
-        a = tl.where(inside, _round_bf16(a), 0.0)
+        # masked lanes loaded 0 and every activation maps 0 to 0 (a GLU multiplies by 0): they
+        # hold the zeros `_cast_store_tile` needs without a select per value
+        a = _round_bf16(a)
         bits = _cast_store_tile(
             a, row_ok, col_ok, r64, c64, tl.load(scale_ptr), fp8_max,
             data_ptr, data_t_ptr, F, M, scale_ptr,
@@ -306,8 +340,9 @@ if triton is not None:
         scale = tl.load(scale_ptr)
         if GLU:
             up = tl.load(at + F, mask=inside, other=0.0).to(tl.float32)
-            d_gate = tl.where(inside, _round_bf16(_act_grad(_mul_rn(grad, up), x, ACT)), 0.0)
-            d_up = tl.where(inside, _round_bf16(_mul_rn(grad, _act(x, ACT))), 0.0)
+            # masked lanes: grad = 0 there, so both are 0 (see _act_cast_kernel)
+            d_gate = _round_bf16(_act_grad(_mul_rn(grad, up), x, ACT))
+            d_up = _round_bf16(_mul_rn(grad, _act(x, ACT)))
             bits = _cast_store_tile(
                 d_gate, row_ok, col_ok, r64, c64, scale, fp8_max,
                 data_ptr, data_t_ptr, width, M, sums_at,
@@ -319,7 +354,7 @@ if triton is not None:
                 E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=COLUMN_SUMS,
             ))
         else:
-            dh = tl.where(inside, _round_bf16(_act_grad(grad, x, ACT)), 0.0)
+            dh = _round_bf16(_act_grad(grad, x, ACT))  # 0 on masked lanes, where grad = 0
             bits = _cast_store_tile(
                 dh, row_ok, col_ok, r64, c64, scale, fp8_max,
                 data_ptr, data_t_ptr, width, M, sums_at,
