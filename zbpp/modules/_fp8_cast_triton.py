@@ -119,20 +119,29 @@ if triton is not None:
         return tl.reduce(x, axis, _MAX_COMBINE)
 
     @triton.jit
+    def _ptx_f32(ASM: tl.constexpr, a):
+        # float32 -> float32 through the one PTX instruction `ASM` ("op $0, $1;"), its operands as
+        # 32-bit registers (compiled code only: the interpreter cannot run PTX)
+        return tl.inline_asm_elementwise(
+            ASM, "=r,r", [a.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1,
+        ).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _ptx_f32_2(ASM: tl.constexpr, a, b):
+        # the two-operand form of `_ptx_f32` ("op $0, $1, $2;")
+        return tl.inline_asm_elementwise(
+            ASM, "=r,r,r", [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
+            dtype=tl.int32, is_pure=True, pack=1,
+        ).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _mul_rn(a, b):
-        # IEEE float32 product: PTX mul.rn.f32 without .ftz, operands as 32-bit registers (numpy's
-        # float32 product under the interpreter, IEEE too). Also keeps the product out of any FMA.
+        # IEEE float32 product: PTX mul.rn.f32 without .ftz (numpy's float32 product under the
+        # interpreter, IEEE too). Also keeps the product out of any FMA.
         if _INTERPRETED:
             return a * b
         else:
-            return tl.inline_asm_elementwise(
-                "mul.rn.f32 $0, $1, $2;",
-                "=r,r,r",
-                [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
-                dtype=tl.int32,
-                is_pure=True,
-                pack=1,
-            ).to(tl.float32, bitcast=True)
+            return _ptx_f32_2("mul.rn.f32 $0, $1, $2;", a, b)
 
     @triton.jit
     def _rcp_rn(a):
@@ -140,14 +149,7 @@ if triton is not None:
         if _INTERPRETED:
             return 1.0 / a
         else:
-            return tl.inline_asm_elementwise(
-                "rcp.rn.f32 $0, $1;",
-                "=r,r",
-                [a.to(tl.int32, bitcast=True)],
-                dtype=tl.int32,
-                is_pure=True,
-                pack=1,
-            ).to(tl.float32, bitcast=True)
+            return _ptx_f32("rcp.rn.f32 $0, $1;", a)
 
     @triton.jit
     def _div_rn(a, b):
@@ -155,14 +157,7 @@ if triton is not None:
         if _INTERPRETED:
             return a / b
         else:
-            return tl.inline_asm_elementwise(
-                "div.rn.f32 $0, $1, $2;",
-                "=r,r,r",
-                [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
-                dtype=tl.int32,
-                is_pure=True,
-                pack=1,
-            ).to(tl.float32, bitcast=True)
+            return _ptx_f32_2("div.rn.f32 $0, $1, $2;", a, b)
 
     @triton.jit
     def _round_bf16(v):

@@ -68,6 +68,7 @@ if triton is not None:
         _div_rn,
         _finish_cast,
         _mul_rn,
+        _ptx_f32,
         _rcp_rn,
         _round_bf16,
         _sum,
@@ -81,10 +82,7 @@ if triton is not None:
         if _INTERPRETED:
             return tl.exp2(x)
         else:
-            return tl.inline_asm_elementwise(
-                "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)],
-                dtype=tl.int32, is_pure=True, pack=1,
-            ).to(tl.float32, bitcast=True)
+            return _ptx_f32("ex2.approx.ftz.f32 $0, $1;", x)
 
     @triton.jit
     def _rcp_fast(x):
@@ -93,10 +91,7 @@ if triton is not None:
         if _INTERPRETED:
             return 1.0 / x
         else:
-            return tl.inline_asm_elementwise(
-                "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)],
-                dtype=tl.int32, is_pure=True, pack=1,
-            ).to(tl.float32, bitcast=True)
+            return _ptx_f32("rcp.approx.ftz.f32 $0, $1;", x)
 
     @triton.jit
     def _sigmoid(z):
