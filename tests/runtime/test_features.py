@@ -29,20 +29,23 @@ def test_eval_step_and_microbatch_losses(zbpp_workers, name, p, kind):
     assert sum(o is not None for o in out) == 1
 
 
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("kind", ["plain", "zbpp"])
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_steps_without_zeroing_accumulate(zbpp_workers, name):
-    zbpp_workers(2).run(check_accumulation, name, 2, "zbpp")
+def test_steps_without_zeroing_accumulate(zbpp_workers, name, p, kind):
+    zbpp_workers(p).run(check_accumulation, name, p, kind)
 
 
 @pytest.mark.parametrize("mesh", [False, True], ids=["ParallelGroups", "DeviceMesh"])
-@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
-def test_data_parallel_with_tied_weights(zbpp_workers, name, mesh):
-    counts = zbpp_workers(4).run(check_data_parallel, name, 2, "zbpp", mesh=mesh)
+@pytest.mark.parametrize("kind", ["plain", "zbpp"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_data_parallel_with_tied_weights(zbpp_workers, name, kind, mesh):
+    counts = zbpp_workers(4).run(check_data_parallel, name, 2, kind, mesh=mesh)
     assert all(v == 1 for c in counts for v in c.values())
     assert not any("wte" in k for c in counts for k in c), "a tied weight went through the data-parallel reducer"
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "dualpipe-v"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_no_sync_then_one_reduction(zbpp_workers, name):
     counts = zbpp_workers(4).run(check_data_parallel, name, 2, "zbpp", no_sync=True)
     assert all(v == 1 for c in counts for v in c.values())
