@@ -124,6 +124,8 @@ from zbpp.modules import _fused  # noqa: E402
 from zbpp.modules import fp8 as fp8mod  # noqa: E402
 from zbpp.modules.fp8 import ScalingMeta, quantize, quantize_and_column_sum  # noqa: E402
 
+from provenance import code_identity  # noqa: E402 - benchmarks/provenance.py, beside this script
+
 CASES = (
     "bf16 eager",
     "fp8 eager",
@@ -151,6 +153,7 @@ def run_env(cuda: bool) -> dict:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "python": platform.python_version(),
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **code_identity(),
     }
 
 

@@ -69,9 +69,7 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -85,6 +83,8 @@ from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_a
 from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, options_of, simulate
 from zbpp.schedules.select import evaluate_candidates
+
+from provenance import code_identity  # benchmarks/provenance.py (this script's folder is on sys.path)
 
 ZBPP_DEFAULT = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v",
                 "zb-auto", "zbv-auto"]
@@ -911,22 +911,13 @@ def _same_orders(a: Schedule | None, b: Schedule) -> bool:
     return a is not None and a.placement == b.placement and a.orders == b.orders
 
 
-def _commit() -> str | None:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
     rows, cases = bench.run_all()
     if bench.rank == 0 and args.out:
         run = {"device": torch.cuda.get_device_name() if bench.cuda else "CPU", "ranks": bench.p, "backend": bench.backend,
-               "transport": bench.transport, "torch": torch.__version__, "commit": _commit(), "dtype": str(bench.dtype),
+               "transport": bench.transport, "torch": torch.__version__, **code_identity(), "dtype": str(bench.dtype),
                "model": bench.spec.model, "num_layers": bench.spec.layers,
                "config": {k: v for k, v in vars(args).items() if k not in ("out", "append")}}
         doc: dict[str, Any] = {"meta": {"runs": [], "cases": []}, "rows": []}
@@ -936,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(doc.get("meta", {}).get("runs"), list):
                 raise ValueError(f"--append: {args.out} was not written by this version of bench_pipeline.py (no meta.runs)")
         index = len(doc["meta"]["runs"])
-        doc["meta"].update({k: run[k] for k in ("device", "ranks", "torch", "commit")})
+        doc["meta"].update({k: run[k] for k in ("device", "ranks", "torch", "commit", "zbpp_sha256")})
         doc["meta"]["runs"].append(run)
         doc["meta"]["cases"] += [dict(c, run=index) for c in cases]
         doc["rows"] += [dict(r, run=index) for r in rows]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def source_fingerprint() -> str:
+    """benchmarks/provenance.py's fingerprint of this checkout's zbpp sources (what the JSON must carry)."""
+    spec = importlib.util.spec_from_file_location("provenance", ROOT / "benchmarks" / "provenance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.source_fingerprint()
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
@@ -36,6 +45,8 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
     rows = doc["rows"]
     assert all("step_ms" in r for r in rows), [r for r in rows if "error" in r]
     assert [run["model"] for run in doc["meta"]["runs"]] == ["transformer", "mlp-stack"]
+    # the code that ran, independent of git (benchmarks/provenance.py)
+    assert doc["meta"]["zbpp_sha256"] == source_fingerprint()
     cases = {(r["model"], r["m"]) for r in rows}
     assert cases == {("transformer", 4), ("mlp-stack", 2), ("mlp-stack", 4)}
     for model, m in cases:
@@ -83,6 +94,7 @@ def test_bench_modules_quick(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     report = json.loads(out.read_text())
+    assert report["env"]["zbpp_sha256"] == source_fingerprint()
     results = {r["case"]: r for r in report["results"]}
     assert set(results) == {"bf16 eager", "fp8 eager", "fp8 f32-acc eager", "fp8 weights kept",
                             "bf16 delayed B+W", "fp8 delayed B+W"}
