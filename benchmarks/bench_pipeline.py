@@ -82,6 +82,7 @@ from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
 from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_autocast, is_delayed, microbatch
 from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, options_of, simulate
+from zbpp.schedules.bounds import lower_bound
 from zbpp.schedules.select import evaluate_candidates
 
 from provenance import code_identity  # benchmarks/provenance.py (this script's folder is on sys.path)
@@ -591,6 +592,9 @@ class Bench:
             out.update({"measured_bubble": measured_bubble_rate(recs), "predicted_ms": 1e3 * sim.makespan,
                         "predicted_bubble": sim.bubble_rate, "num_stages": n, "costs_ms": _costs_ms(costs)})
             out["measured_over_predicted"] = out["step_ms"] / out["predicted_ms"]
+            # what no schedule of this placement can beat with these task costs: how much of the
+            # gap to the ideal is the tasks' own time in a pipeline, not the schedule or the runtime
+            out["bound_ms"] = 1e3 * lower_bound(sched.placement, sched.num_microbatches, costs).makespan
         del pipe, profiled, mine, params
         return out, self.bcast(costs)
 
@@ -812,14 +816,15 @@ class Bench:
                   f"rank-stage activations" + (f" (1 = {case['pick_memory']['unit_gib']:.2f} GiB)"
                                                if case['pick_memory']['unit_gib'] else ""))
         print(f"{'impl':<6} {'schedule':<30} {'layers':<6} {'step ms':>9} {'% ideal':>8} {'pred ms':>9} {'meas/pred':>9} "
-              f"{'bubble':>7} {'x torch':>8} {'peak GiB':>9}")
+              f"{'bound ms':>9} {'bubble':>7} {'x torch':>8} {'peak GiB':>9}")
         for x in rows:
             if "error" in x:
                 print(f"{x['impl']:<6} {x['schedule']:<30} {x['layers']:<6} failed: {x['error']}")
                 continue
             print(f"{x['impl']:<6} {x['schedule']:<30} {x['layers']:<6} {x['step_ms']:>9.2f} "
                   f"{_fmt(x.get('pct_of_ideal'), '.1f'):>8} {_fmt(x.get('predicted_ms'), '.2f'):>9} "
-                  f"{_fmt(x.get('measured_over_predicted'), '.3f'):>9} {_fmt(x.get('measured_bubble'), '.3f'):>7} "
+                  f"{_fmt(x.get('measured_over_predicted'), '.3f'):>9} {_fmt(x.get('bound_ms'), '.2f'):>9} "
+                  f"{_fmt(x.get('measured_bubble'), '.3f'):>7} "
                   f"{_fmt(x.get('ratio_vs_best_torch'), '.3f'):>8} {x['peak_mem_gib']:>9.2f}")
         for x in rows:
             for r, k in enumerate(x.get("kernels") or []):
@@ -830,7 +835,8 @@ class Bench:
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
         print("% ideal = 100 x ideal step / step (same layers); pred ms = simulate(schedule, Costs.from_profile(profiled "
-              "step) + measured comm).makespan; x torch = fastest torch.distributed.pipelining step / step")
+              "step) + measured comm).makespan; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's placement "
+              "with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining step / step")
 
 
 def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:

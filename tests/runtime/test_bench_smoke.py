@@ -61,6 +61,8 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
             if r["impl"] in ("zbpp", "pick"):
                 assert r["predicted_ms"] > 0
                 assert r["measured_over_predicted"] == pytest.approx(r["step_ms"] / r["predicted_ms"])
+                # the lower bound holds for the simulated schedule with the same costs
+                assert 0 < r["bound_ms"] <= r["predicted_ms"] * (1 + 1e-9)
                 assert set(r["costs_ms"]) == {"f", "b", "w", "comm"} and len(r["costs_ms"]["f"]) == r["num_stages"]
         pick = next(r for r in case if r["impl"] == "pick")
         fits = [c for c in pick["pick_candidates"] if c["fits"]]
