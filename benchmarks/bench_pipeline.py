@@ -835,8 +835,9 @@ class Bench:
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
         print("% ideal = 100 x ideal step / step (same layers); pred ms = simulate(schedule, Costs.from_profile(profiled "
-              "step) + measured comm).makespan; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's placement "
-              "with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining step / step")
+              "step) + measured comm).makespan; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
+              "placement with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining "
+              "step / step")
 
 
 def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:

@@ -18,9 +18,9 @@ definition rounds separately are IEEE operations here too (``_mul_rn``, ``_div_r
 so no FMA contraction changes them; the sigmoids' exponential and reciprocal (one approximate
 MUFU instruction each, within 2 ulp, flushing results below 2^-126 to zero, which no FP8 cast of
 these activations can see) and the order of the row sums are the only differences from the torch
-definition on a GPU, a few float32 units in the last place before the bfloat16 rounding. Under the Triton interpreter
-(``TRITON_INTERPRET=1``, CPU tensors) the kernels run with numpy's float32 arithmetic and software
-roundings; the tests compare them there with the torch definitions.
+definition on a GPU, a few float32 units in the last place before the bfloat16 rounding. Under
+the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) the kernels run with numpy's float32
+arithmetic and software roundings; the tests compare them there with the torch definitions.
 """
 
 from __future__ import annotations
