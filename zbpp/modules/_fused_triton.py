@@ -13,7 +13,7 @@ tile that finishes last. One launch per tensor, as ``cast_transpose_update``.
 - ``dact_cast_update``: the gradient of h from the gradient of the activation's output and h,
   with column sums (fc1's bias gradient).
 
-Tiles are 64 x 64 (see `BLOCK_M`). Products and quotients that the torch
+Tiles are 64 x 128 (see `BLOCK_M`). Products and quotients that the torch
 definition rounds separately are IEEE operations here too (``_mul_rn``, ``_div_rn``, ``sqrt_rn``),
 so no FMA contraction changes them; the sigmoids' exponential and reciprocal (one approximate
 MUFU instruction each, within 2 ulp, flushing results below 2^-126 to zero, which no FP8 cast of
@@ -41,16 +41,18 @@ __all__ = [
 # bfloat16 only: the value is rounded to the input's dtype in the kernel (the interpreter's
 # software rounding covers bfloat16), and FP8 training keeps its activations in bfloat16.
 INPUT_DTYPES = (torch.bfloat16,)
-# 64 x 64 tiles, 4 warps: 32 values per thread. These kernels are bound by instruction issue as
+# 64 x 128 tiles, 4 warps: 64 values per thread. These kernels are bound by instruction issue as
 # much as by memory: before the MUFU-only exponential and reciprocal (`_exp2_fast`, `_rcp_fast`)
 # and the dropped per-value masks, sm_90 SASS (Triton 3.8) had 46 instructions per value for the
 # GELU cast and 62 for its gradient against 20 for the plain cast, and a 4096 x 16384 GELU cast
 # took 151 us on an H200 (the plain cast 102 us, a bfloat16 copy 66 us); now 36 and 54, 133.5 us
-# and 188 us for the gradient (docs/results/bench_fused_kernels_H200_after.json). In the same run
-# 64 x 128 x 4 tiles timed 124 / 173 us: not yet the default, as the GPU tests covered only part of
-# the kernels with it; ZBPP_FUSED_TILE=64x128x4 (rows x columns x warps) uses it.
+# and 188 us for the gradient with 64 x 64 tiles (docs/results/bench_fused_kernels_H200_after.json);
+# 64 x 128 tiles, twice the values per thread to spread each row's loads over, 124 / 173 us in the
+# same run, and the FP8 block stack of bench_modules 1.613x / 1.622x bf16 against 1.597x / 1.610x
+# (two rounds each, one H200; docs/results/bench_modules_blocks_4096_tile_*.json).
+# ZBPP_FUSED_TILE (rows x columns x warps, e.g. 64x64x4) picks another tile.
 BLOCK_M = 64
-BLOCK_N = 64
+BLOCK_N = 128
 NUM_WARPS = 4
 TILE_ENV = "ZBPP_FUSED_TILE"
 STATS_BLOCK = 2048  # columns per step of the row-statistics kernel
