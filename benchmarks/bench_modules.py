@@ -147,13 +147,15 @@ BLOCK_VARIANTS = (
 
 
 def run_env(cuda: bool) -> dict:
-    """Where a run happened: torch, the device, Python and the UTC time (every suite's JSON)."""
+    """Where a run happened: torch, the device, Python, the UTC time, the code and the zbpp
+    environment variables that change which kernels run (every suite's JSON)."""
     return {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "python": platform.python_version(),
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **code_identity(),
+        "zbpp_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("ZBPP_")},
     }
 
 
