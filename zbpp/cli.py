@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import textwrap
+from dataclasses import replace
 from typing import Any, Callable, NoReturn, Sequence
 
 from . import __version__
@@ -96,6 +97,8 @@ def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = Tru
     costs.add_argument("--b", type=_float_list, default=1.0, help="input-gradient time (default 1)")
     costs.add_argument("--w", type=_float_list, default=1.0, help="weight-gradient time (default 1)")
     costs.add_argument("--comm", type=_number, default=0.0, help="time of one message between ranks (default 0)")
+    costs.add_argument("--message-overhead", type=_number, default=0.0,
+                       help="compute time a rank loses per message it sends or receives (default 0)")
     mem = parser.add_argument_group("memory (per stage and microbatch)")
     mem.add_argument("--activation", type=_float_list, default=1.0, help="memory F allocates (default 1)")
     mem.add_argument("--wgrad", type=_float_list, default=None,
@@ -105,7 +108,7 @@ def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = Tru
 
 
 def _costs_memory(args: argparse.Namespace) -> tuple[Costs, Memory]:
-    costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm)
+    costs = Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, message_overhead=args.message_overhead)
     act = args.activation
     if args.wgrad is not None:
         wgrad = args.wgrad
@@ -185,7 +188,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             stages = build(name, num_ranks=args.ranks, num_microbatches=1, **chunks).num_stages
             if scalars and stages > args.ranks:
                 k = args.ranks / stages
-                c = Costs(f=costs.f * k, b=costs.b * k, w=costs.w * k, comm=costs.comm)
+                c = replace(costs, f=costs.f * k, b=costs.b * k, w=costs.w * k)
                 mem = Memory(activation=memory.activation * k, wgrad=memory.wgrad * k)
             sched = _build_from_args(name, args, c, mem, strict=False)
             res = simulate(sched, c, mem)
@@ -212,12 +215,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             c, mem = costs, memory
             if res.schedule.num_stages > args.ranks and scalars:
                 k = args.ranks / res.schedule.num_stages
-                c = Costs(f=costs.f * k, b=costs.b * k, w=costs.w * k, comm=costs.comm)
+                c = replace(costs, f=costs.f * k, b=costs.b * k, w=costs.w * k)
                 mem = Memory(activation=memory.activation * k, wgrad=memory.wgrad * k)
             print(f"lower bound for {name}: {_gap_to_bound(res, c, mem, args.memory_limit)}")
     if scaled:
         print(f"{', '.join(scaled)}: more stages than ranks, so each stage's costs and memory are ranks/stages "
-              "of the given ones (the same model cut finer; comm unchanged)")
+              "of the given ones (the same model cut finer; comm and message overhead unchanged)")
     return 0
 
 

@@ -241,7 +241,7 @@ def lower_bound(
     >>> round(lb.bubble_rate, 4)  # the paper's ZB-2p reaches it (its Table 4: 0.0433)
     0.0433
     """
-    costs = costs if costs is not None else Costs()
+    costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
     m = num_microbatches
     n = len(placement)

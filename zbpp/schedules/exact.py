@@ -96,7 +96,7 @@ def optimal_schedule(
     except ImportError as exc:  # pragma: no cover - scipy is in the test extra
         raise ImportError('optimal_schedule needs scipy >= 1.9: pip install "zbpp[exact]"') from exc
 
-    costs = costs if costs is not None else Costs()
+    costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
     m, n = num_microbatches, len(placement)
     p = max(placement) + 1

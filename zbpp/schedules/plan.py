@@ -50,7 +50,7 @@ replays every built-in schedule on a model of NCCL's strictest matching.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from .dag import validate
@@ -182,7 +182,7 @@ def make_plan(
     if not isinstance(recv_lead, int) or isinstance(recv_lead, bool) or recv_lead < 0:
         raise ValueError(f"recv_lead must be an integer >= 0, got {recv_lead!r}")
     validate(schedule)
-    costs = _positive(costs or DEFAULT_COSTS)
+    costs = _positive((costs or DEFAULT_COSTS).charged(schedule.placement))
     if forward_only:
         orders = [tuple(a for a in order if a.kind is Kind.F) for order in schedule.orders]
         start, end = _forward_timeline(schedule, orders, costs)
@@ -284,7 +284,7 @@ def _positive(costs: Costs) -> Costs:
     def lift(v: float | tuple[float, ...]) -> float | tuple[float, ...]:
         return tuple(max(x, floor) for x in v) if isinstance(v, tuple) else max(float(v), floor)
 
-    return Costs(f=lift(costs.f), b=lift(costs.b), w=lift(costs.w), comm=costs.comm)
+    return replace(costs, f=lift(costs.f), b=lift(costs.b), w=lift(costs.w))
 
 
 def _forward_timeline(schedule: Schedule, orders: list[tuple[Action, ...]], costs: Costs) -> tuple[dict, dict]:

@@ -31,6 +31,7 @@ part heavier, which the scaling averages out.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from typing import Iterable, NamedTuple, Sequence
 
@@ -99,7 +100,7 @@ def scale_to_stages(costs: Costs, memory: Memory, num_ranks: int, num_stages: in
         return tuple(_split(_per_rank_stage(value, num_ranks, what), num_stages))
 
     return (
-        Costs(f=scaled(costs.f, "costs.f"), b=scaled(costs.b, "costs.b"), w=scaled(costs.w, "costs.w"), comm=costs.comm),
+        replace(costs, f=scaled(costs.f, "costs.f"), b=scaled(costs.b, "costs.b"), w=scaled(costs.w, "costs.w")),
         Memory(activation=scaled(memory.activation, "memory.activation"), wgrad=scaled(memory.wgrad, "memory.wgrad")),
     )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .checks import as_number, as_numbers
@@ -40,11 +40,17 @@ class Costs:
     """Time of F, B and W per stage (a number, or one number per stage); BW costs b + w.
 
     `comm` is the time a message takes on every edge that crosses ranks (never on same-rank edges).
-    Every value must be a finite real number >= 0 (a `ValueError` names the one that is not); they
-    are stored as floats, per-stage values as tuples.
+    `message_overhead` is the compute time a rank loses for each message it sends or receives:
+    a message's copies share the GPU with the task that runs beside them (on NCCL over sockets
+    between two H200s, about 1-2 ms per 32 MiB activation, while the link took 8 ms). `charged`
+    folds it into the F and B (and BW) of the stages that exchange messages; `simulate`,
+    `lower_bound`, the plan and the automatic schedules use the charged costs, so a schedule that
+    sends fewer messages wins where the overhead is large. Every value must be a finite real
+    number >= 0 (a `ValueError` names the one that is not); they are stored as floats, per-stage
+    values as tuples.
 
     >>> Costs(f=2, b=[1, 3], w=0.5)
-    Costs(f=2.0, b=(1.0, 3.0), w=0.5, comm=0.0)
+    Costs(f=2.0, b=(1.0, 3.0), w=0.5, comm=0.0, message_overhead=0.0)
     >>> Costs(f=[1, float("nan")])
     Traceback (most recent call last):
     ValueError: Costs.f[1] must be a finite number >= 0, got nan
@@ -54,13 +60,41 @@ class Costs:
     b: PerStage = 1.0
     w: PerStage = 1.0
     comm: float = 0.0
+    message_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w"):
             object.__setattr__(self, name, as_numbers(getattr(self, name), f"Costs.{name}"))
-        if not isinstance(self.comm, numbers.Real):
-            raise ValueError(f"Costs.comm must be a finite number >= 0 (one time for every message), got {self.comm!r}")
-        object.__setattr__(self, "comm", as_number(self.comm, "Costs.comm"))
+        for name in ("comm", "message_overhead"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real):
+                raise ValueError(f"Costs.{name} must be a finite number >= 0 (one time for every message), got {value!r}")
+            object.__setattr__(self, name, as_number(value, f"Costs.{name}"))
+
+    def charged(self, placement: Sequence[int]) -> "Costs":
+        """These costs with `message_overhead` added to every task that sends or receives a
+        message under `placement` (the rank of each stage), and `message_overhead` then 0.
+
+        A stage's F receives from the stage before it and sends to the one after it; its B (or BW)
+        the other way round: each pays the overhead once per neighbour on another rank. W never
+        communicates. Returns `self` when there is no overhead.
+
+        >>> Costs(f=2, b=1, w=1, message_overhead=0.25).charged([0, 1, 1, 0])  # V: stages 0|1, 2|3 cross
+        Costs(f=(2.25, 2.25, 2.25, 2.25), b=(1.25, 1.25, 1.25, 1.25), w=1.0, comm=0.0, message_overhead=0.0)
+        >>> Costs(f=2, message_overhead=0.25).charged([0, 0, 1]).f  # stage 0 hands over in memory
+        (2.0, 2.25, 2.25)
+        """
+        if self.message_overhead == 0:
+            return self
+        n = len(placement)
+        f, b, _ = self.per_stage(n)
+
+        def messages(s: int) -> int:
+            return sum(1 for t in (s - 1, s + 1) if 0 <= t < n and placement[t] != placement[s])
+
+        extra = [self.message_overhead * messages(s) for s in range(n)]
+        return replace(self, f=tuple(x + e for x, e in zip(f, extra)), b=tuple(x + e for x, e in zip(b, extra)),
+                       message_overhead=0.0)
 
     def per_stage(self, num_stages: int) -> tuple[list[float], list[float], list[float]]:
         return (
@@ -70,7 +104,9 @@ class Costs:
         )
 
     @classmethod
-    def from_profile(cls, records: Iterable[Mapping[str, Any]], num_stages: int, *, comm: float = 0.0) -> "Costs":
+    def from_profile(
+        cls, records: Iterable[Mapping[str, Any]], num_stages: int, *, comm: float = 0.0, message_overhead: float = 0.0
+    ) -> "Costs":
         """Mean measured F, B and W time of each stage, from task records of a profiled run.
 
         `records` are dicts ``{"action": "F0.3", "start": s, "end": e, ...}`` (as
@@ -78,14 +114,15 @@ class Costs:
         backward (BW) record is split into B and W by this rule: in the ratio of the same
         stage's mean measured B and W; if that stage has no split records, in the ratio pooled
         over all stages that have them; with no split records at all, half and half (each linear
-        layer's dgrad and wgrad are one GEMM of the same size). `comm` is passed through: the
-        records hold compute only.
+        layer's dgrad and wgrad are one GEMM of the same size). `comm` and `message_overhead` are
+        passed through: they are measured apart (records of a profiled step hold each task's
+        compute; bench_pipeline measures the overhead with a probe).
 
         >>> recs = [{"action": "F0.0", "start": 0.0, "end": 1.0}, {"action": "BW0.0", "start": 1.0, "end": 4.0},
         ...         {"action": "F1.0", "start": 1.0, "end": 2.0}, {"action": "B1.0", "start": 2.0, "end": 3.0},
         ...         {"action": "W1.0", "start": 3.0, "end": 3.5}]
         >>> Costs.from_profile(recs, 2)
-        Costs(f=(1.0, 1.0), b=(2.0, 1.0), w=(1.0, 0.5), comm=0.0)
+        Costs(f=(1.0, 1.0), b=(2.0, 1.0), w=(1.0, 0.5), comm=0.0, message_overhead=0.0)
         """
         samples = [[[] for _ in KINDS] for _ in range(num_stages)]  # [stage][kind id] -> durations
         for rec in records:
@@ -122,7 +159,7 @@ class Costs:
             f_out.append(mean(s[iF]))
             b_out.append(mean(bs))
             w_out.append(mean(ws))
-        return cls(f=tuple(f_out), b=tuple(b_out), w=tuple(w_out), comm=comm)
+        return cls(f=tuple(f_out), b=tuple(b_out), w=tuple(w_out), comm=comm, message_overhead=message_overhead)
 
 
 @dataclass(frozen=True)
@@ -278,7 +315,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
     Raises `ScheduleError` (naming the cycle) if the schedule deadlocks, or naming a missing task.
     Runs in O(tasks) integer work, without hashing a task; 50k tasks take a few tens of ms.
     """
-    costs = costs or Costs()
+    costs = (costs or Costs()).charged(schedule.placement)
     memory = memory or Memory()
     p, n, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     f, b, w = costs.per_stage(n)

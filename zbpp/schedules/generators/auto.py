@@ -130,7 +130,7 @@ def _search(
     memory_limit: float | None,
     seeds: Sequence[Callable[[int, int], Schedule]],
 ) -> Schedule:
-    costs = costs if costs is not None else Costs()
+    costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
     p = max(placement) + 1
     floor = smallest_feasible_limit(placement, memory)
