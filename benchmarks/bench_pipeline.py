@@ -40,8 +40,11 @@ bubble rate and the simulator's prediction: after the warm-up, two steps run on 
 `Pipeline` over the same modules with ``profile=True`` (the timed steps run unprofiled; the first
 step of a Pipeline exchanges activation shapes, so the second's records are kept),
 ``Costs.from_profile`` turns its task times into per-stage F, B, W costs, the message time
-``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, and
-``simulate(schedule, costs).makespan`` is the predicted step.
+``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, the
+``message_overhead`` (compute time a rank loses per message it sends or receives) by timing an
+activation-sized GEMM loop on each rank alone and again while both neighbours exchange one
+activation each way (``--no-message-overhead``: 0), and ``simulate(schedule, costs).makespan``
+is the predicted step.
 
 The pick: costs per rank-stage from the profiled step of ``--pick-costs-from`` (default zb-h1;
 the ideal's profile when that row is absent), ``comm`` as above, and memory per rank-stage and
@@ -66,6 +69,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import re
 import statistics
@@ -97,6 +101,7 @@ TORCH_MULTI = {"ScheduleInterleaved1F1B": "loop", "ScheduleLoopedBFS": "loop", "
 LAYER_KINDS = ("zbpp", "torch", "fp8")
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 PING_PONGS = 10  # timed round trips of the comm measurement (after 3 untimed)
+OVERHEAD_TRIALS = 5  # the message-overhead probe: median of this many (alone, beside messages) pairs
 
 
 # -- options ------------------------------------------------------------------------------------
@@ -167,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "receives by: 0 posts each just before its consumer (default: the plan's DEFAULT_COSTS)")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR", help="after each row's timed steps, profile one "
                     "more step (torch.profiler, GPUs) into DIR and add where its time went (kernel_timeline.py) to the row")
+    ap.add_argument("--no-message-overhead", action="store_true",
+                    help="skip the message-overhead probe: the simulator and the pick see messages as latency only")
     ap.add_argument("--socket", action="store_true",
                     help="NCCL over TCP sockets on the loopback interface (sets NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
                     "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo before init): a stand-in for a network link")
@@ -482,6 +489,59 @@ class Bench:
             worst = max(worst, (time.perf_counter() - t0) / (2 * PING_PONGS))
         return self.all_max(worst)
 
+    def measure_message_overhead(self, spec: ModelSpec, comm_s: float) -> float:
+        """Compute time (s) a rank loses per message it sends or receives, the slowest pair's.
+
+        Each pair (r, r+1) times a loop of activation-sized GEMMs (activation @ [hidden, hidden],
+        enough of them to outlast a message by half) with events on the compute stream: alone, then
+        while the two ranks exchange one activation each way, both posted just before the loop (two
+        messages per rank). The difference over two is the overhead: the GEMMs' share of the GPU
+        that the copies took (on the socket transport, SMs that NCCL's kernels hold while the link
+        is busy). Median of `OVERHEAD_TRIALS`; never below 0.
+        """
+        shape = spec.activation_shape()
+        hidden = shape[-1]
+        buf = torch.randn(shape, device=self.device).to(self.dtype)
+        back = torch.empty_like(buf)
+        x = buf.reshape(-1, hidden)
+        weight = torch.randn(hidden, hidden, device=self.device).to(self.dtype) / hidden**0.5
+
+        def gemms(count: int) -> float:
+            self.sync()
+            t0 = time.perf_counter()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            for _ in range(count):
+                torch.mm(x, weight)
+            if self.cuda:
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3
+            return time.perf_counter() - t0
+
+        worst = 0.0
+        for r in range(self.p - 1):
+            dist.barrier()
+            if self.rank not in (r, r + 1):
+                continue
+            peer = r + 1 if self.rank == r else r
+            one = min(gemms(1) for _ in range(3))
+            count = max(4, math.ceil(1.5 * comm_s / max(one, 1e-6)))
+            diffs = []
+            for _ in range(OVERHEAD_TRIALS):
+                alone = gemms(count)
+                # one group: posted one after the other, each rank's send would wait behind its
+                # receive on NCCL's stream, and the two ranks for each other
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, back, peer)])
+                beside = gemms(count)
+                for work in works:
+                    work.wait()
+                self.sync()
+                diffs.append((beside - alone) / 2)
+            worst = max(worst, statistics.median(diffs))
+        return self.all_max(max(0.0, worst))
+
     # -- the ideal: no pipeline, no communication -----------------------------------------------
     def run_ideal(self, spec: ModelSpec, m: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """The ideal row, and (on every rank) the ideal's per-rank-stage costs (s) and memory (bytes)."""
@@ -562,7 +622,8 @@ class Bench:
         return row, info
 
     # -- zbpp -----------------------------------------------------------------------------------
-    def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float) -> tuple[dict[str, Any], Costs]:
+    def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float,
+                 overhead_s: float = 0.0) -> tuple[dict[str, Any], Costs]:
         """A zbpp row, and (on every rank) the costs measured in its profiled step."""
         n = sched.num_stages
         mine = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(self.rank)}
@@ -587,7 +648,7 @@ class Bench:
         recs = profiled.profile_records()  # collective; the records land on rank 0
         costs = None
         if recs is not None:
-            costs = Costs.from_profile(recs, n, comm=comm_s)
+            costs = Costs.from_profile(recs, n, comm=comm_s, message_overhead=overhead_s)
             sim = simulate(sched, costs)
             out.update({"measured_bubble": measured_bubble_rate(recs), "predicted_ms": 1e3 * sim.makespan,
                         "predicted_bubble": sim.bubble_rate, "num_stages": n, "costs_ms": _costs_ms(costs)})
@@ -626,8 +687,10 @@ class Bench:
         p, a = self.p, self.args
         torch_rows = kind in ("zbpp", "torch") and bool(self.torch_names)
         comm_s = self.measure_comm(spec)
+        overhead_s = 0.0 if a.no_message_overhead else self.measure_message_overhead(spec, comm_s)
         rows: list[dict[str, Any]] = []
-        case: dict[str, Any] = {"model": spec.model, "layers": kind, "m": m, "comm_ms": 1e3 * comm_s}
+        case: dict[str, Any] = {"model": spec.model, "layers": kind, "m": m, "comm_ms": 1e3 * comm_s,
+                                "message_overhead_ms": 1e3 * overhead_s}
         ideal_info: dict[str, dict[str, Any]] = {}
         costs_of: dict[str, Costs] = {}
 
@@ -658,7 +721,7 @@ class Bench:
 
         def zbpp_job(row: dict[str, Any], sched_fn: Callable[[], Schedule], k: str) -> None:
             sched = sched_fn()
-            out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s)
+            out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s, overhead_s)
             row.update(out)
             row["_schedule"] = sched
             if k == kind:
@@ -681,7 +744,7 @@ class Bench:
         pick_costs = costs_of.get(source)
         if source == "ideal" and kind in ideal_info:
             c = ideal_info[kind]["costs"]
-            pick_costs = Costs(c.f, c.b, c.w, comm_s)
+            pick_costs = Costs(c.f, c.b, c.w, comm_s, overhead_s)
         memory, limit, unit_bytes = self._pick_memory(ideal_info.get(kind))
         case.update({"pick_costs_from": source, "pick_costs_ms": None if pick_costs is None else _costs_ms(pick_costs),
                      "pick_memory": {"activation": list(_tuple(memory.activation)), "wgrad": list(_tuple(memory.wgrad)),
@@ -810,7 +873,8 @@ class Bench:
               f"microbatches, {self.dtype}, {self.p} ranks on {dev} ({self.transport}), torch {torch.__version__}")
         pc = case.get("pick_costs_ms")
         if pc:
-            print(f"comm {case['comm_ms']:.3f} ms per message; pick costs from {case['pick_costs_from']} "
+            print(f"comm {case['comm_ms']:.3f} ms per message, overhead {case['message_overhead_ms']:.3f} ms of compute "
+                  f"per message sent or received; pick costs from {case['pick_costs_from']} "
                   "(ms per rank-stage): "
                   f"F {_join(pc['f'])}  B {_join(pc['b'])}  W {_join(pc['w'])}; memory limit {case['pick_memory_limit']:g} "
                   f"rank-stage activations" + (f" (1 = {case['pick_memory']['unit_gib']:.2f} GiB)"
@@ -907,7 +971,7 @@ def _tuple(v: Any) -> tuple[float, ...]:
 
 def _costs_ms(c: Costs) -> dict[str, Any]:
     return {"f": [1e3 * x for x in _tuple(c.f)], "b": [1e3 * x for x in _tuple(c.b)], "w": [1e3 * x for x in _tuple(c.w)],
-            "comm": 1e3 * c.comm}
+            "comm": 1e3 * c.comm, "message_overhead": 1e3 * c.message_overhead}
 
 
 def _join(xs: list[float]) -> str:

@@ -63,13 +63,20 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
                 assert r["measured_over_predicted"] == pytest.approx(r["step_ms"] / r["predicted_ms"])
                 # the lower bound holds for the simulated schedule with the same costs
                 assert 0 < r["bound_ms"] <= r["predicted_ms"] * (1 + 1e-9)
-                assert set(r["costs_ms"]) == {"f", "b", "w", "comm"} and len(r["costs_ms"]["f"]) == r["num_stages"]
+                assert set(r["costs_ms"]) == {"f", "b", "w", "comm", "message_overhead"}
+                assert len(r["costs_ms"]["f"]) == r["num_stages"]
         pick = next(r for r in case if r["impl"] == "pick")
         fits = [c for c in pick["pick_candidates"] if c["fits"]]
         assert pick["schedule"] == fits[0]["schedule"]
         assert fits[0]["simulated_ms"] == min(c["simulated_ms"] for c in fits)
     assert {(r["schedule"], r["layers"]) for r in rows if r["model"] == "mlp-stack" and r["impl"] == "zbpp"} == {
         ("zb-h1", "zbpp"), ("zbv-auto", "zbpp"), ("zb-h1", "torch")}
+    for case in doc["meta"]["cases"]:  # the probe's overhead reaches every zbpp row's costs
+        assert case["message_overhead_ms"] >= 0
+        for r in rows:
+            if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"]) and "costs_ms" in r:
+                if r["impl"] in ("zbpp", "pick"):
+                    assert r["costs_ms"]["message_overhead"] == pytest.approx(case["message_overhead_ms"])
     for case in doc["meta"]["cases"]:  # the headline figures, read off the case's rows
         summary = case["summary"]
         case_rows = [r for r in rows if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"])]
