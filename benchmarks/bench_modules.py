@@ -59,6 +59,8 @@ over the step; no pipeline, no optimizer), in these variants:
 - ``zbpp bf16``             zbpp ``LayerNormMLP``, weight gradients in the backward
 - ``zbpp bf16 delayed``     the same with ``delay_wgrad_compute=True``: B, then ``backward_dw``
                             of every block (W) after each microbatch's B
+- ``zbpp bf16 graph W``     the same with ``wgrad_cuda_graph=True``: each W replayed from a CUDA
+                            graph, one launch per block (CUDA only; left out on a CPU)
 - ``zbpp fp8``, ``zbpp fp8 delayed``  the same inside ``fp8_autocast`` (HYBRID, delayed scaling,
                             the default recipe), ``is_first_microbatch`` True on the first
                             microbatch and False on the others (the weights' casts kept)
@@ -140,6 +142,7 @@ BLOCK_VARIANTS = (
     "torch.nn",
     "zbpp bf16",
     "zbpp bf16 delayed",
+    "zbpp bf16 graph W",
     "zbpp fp8",
     "zbpp fp8 delayed",
     "zbpp fp8 unfused",
@@ -573,8 +576,10 @@ def make_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
     if variant == "torch.nn":
         return [Residual(TorchMLP(args.hidden, args.ffn, dtype=torch.bfloat16, **kw))
                 for _ in range(args.blocks)]
+    graph = "graph W" in variant
     return [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
-                                  delay_wgrad_compute="delayed" in variant, **kw))
+                                  delay_wgrad_compute="delayed" in variant or graph,
+                                  wgrad_cuda_graph=graph, **kw))
             for _ in range(args.blocks)]
 
 
@@ -583,7 +588,7 @@ def make_block_step(
 ) -> Callable[[], None]:
     """One training step: every microbatch's forward and backward (and W when delayed)."""
     fp8 = "fp8" in variant
-    delayed = "delayed" in variant
+    delayed = "delayed" in variant or "graph W" in variant
     recipe = DelayedScaling(amax_history_len=16)
 
     def microbatch_step(j: int, x: torch.Tensor) -> None:
@@ -667,8 +672,8 @@ HOST_SLEEP_CYCLES = 200_000_000
 
 
 def run_blocks(args: argparse.Namespace) -> dict:
-    variants = [v for v in BLOCK_VARIANTS if v in args.variants.split(",")]
     cuda = args.device.startswith("cuda")
+    variants = [v for v in BLOCK_VARIANTS if v in args.variants.split(",") and (cuda or "graph W" not in v)]
     gen = torch.Generator(device=args.device).manual_seed(1)
     xs = [torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
                       dtype=torch.bfloat16).requires_grad_(True)
@@ -751,6 +756,7 @@ def run_blocks(args: argparse.Namespace) -> dict:
             "fusion_speedup": ratio("zbpp fp8 unfused", "zbpp fp8"),
             "zbpp_bf16_over_torch_nn": ratio("zbpp bf16", "torch.nn"),
             "zbpp_bf16_delayed_over_torch_nn": ratio("zbpp bf16 delayed", "torch.nn"),
+            "zbpp_bf16_graph_w_over_torch_nn": ratio("zbpp bf16 graph W", "torch.nn"),
         },
         "fp8_gemm_paths": fp8mod.gemm_path_counts(),
         "fp8_cast_paths": fp8mod.cast_path_counts(),
@@ -785,6 +791,7 @@ def print_blocks(report: dict) -> None:
     show("fusion speedup (fp8 unfused / fp8)", q["fusion_speedup"])
     show("zbpp bf16 delayed / torch.nn", q["zbpp_bf16_delayed_over_torch_nn"],
          "  (target <= 1.10 at hidden 1024)")
+    show("zbpp bf16 graph W / torch.nn", q.get("zbpp_bf16_graph_w_over_torch_nn"))
     show("zbpp bf16 / torch.nn", q["zbpp_bf16_over_torch_nn"])
     print(f"FP8 GEMM paths: {report['fp8_gemm_paths']}")
     print(f"FP8 cast paths: {report['fp8_cast_paths']}")
