@@ -74,7 +74,7 @@ import os
 import re
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -464,17 +464,21 @@ class Bench:
         dist.all_gather_object(gathered, summarize(path))
         return gathered
 
+    def neighbour_pairs(self) -> Iterator[tuple[int, int]]:
+        """For each pair of neighbouring ranks (r, r+1) in turn, after a barrier of all ranks:
+        ``(r, peer)`` on the two ranks of the pair (the other ranks only join the barriers)."""
+        for r in range(self.p - 1):
+            dist.barrier()
+            if self.rank in (r, r + 1):
+                yield r, (r + 1 if self.rank == r else r)
+
     def measure_comm(self, spec: ModelSpec) -> float:
         """One-way time (s) of one activation message between neighbouring ranks: a ping-pong per
         pair (r, r+1), the slowest pair."""
         buf = torch.randn(spec.activation_shape(), device=self.device).to(self.dtype)
         back = torch.empty_like(buf)
         worst = 0.0
-        for r in range(self.p - 1):
-            dist.barrier()
-            if self.rank not in (r, r + 1):
-                continue
-            peer = r + 1 if self.rank == r else r
+        for r, peer in self.neighbour_pairs():
             for i in range(3 + PING_PONGS):
                 if i == 3:
                     self.sync()
@@ -521,11 +525,7 @@ class Bench:
             return time.perf_counter() - t0
 
         worst = 0.0
-        for r in range(self.p - 1):
-            dist.barrier()
-            if self.rank not in (r, r + 1):
-                continue
-            peer = r + 1 if self.rank == r else r
+        for _, peer in self.neighbour_pairs():
             one = min(gemms(1) for _ in range(3))
             count = max(4, math.ceil(1.5 * comm_s / max(one, 1e-6)))
             diffs = []
