@@ -49,7 +49,9 @@ INPUT_DTYPES = (torch.bfloat16,)
 # and 188 us for the gradient with 64 x 64 tiles (docs/results/bench_fused_kernels_H200_after.json);
 # 64 x 128 tiles, twice the values per thread to spread each row's loads over, 124 / 173 us in the
 # same run, and the FP8 block stack of bench_modules 1.613x / 1.622x bf16 against 1.597x / 1.610x
-# (two rounds each, one H200; docs/results/bench_modules_blocks_4096_tile_*.json).
+# (two rounds each, one H200; docs/results/bench_modules_blocks_4096_tile_*.json). Letting the
+# conversion saturate (cvt.rn.satfinite) instead of two selects per value: 94 / 152 us against
+# 121 / 172 in one run (docs/results/bench_fused_kernels_H200_{clamped,satfinite}.json).
 # ZBPP_FUSED_TILE (rows x columns x warps, e.g. 64x64x4) picks another tile.
 BLOCK_M = 64
 BLOCK_N = 128
