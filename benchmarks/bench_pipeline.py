@@ -40,11 +40,14 @@ bubble rate and the simulator's prediction: after the warm-up, two steps run on 
 `Pipeline` over the same modules with ``profile=True`` (the timed steps run unprofiled; the first
 step of a Pipeline exchanges activation shapes, so the second's records are kept),
 ``Costs.from_profile`` turns its task times into per-stage F, B, W costs, the message time
-``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, the
-``message_overhead`` (compute time a rank loses per message it sends or receives) by timing an
-activation-sized GEMM loop on each rank alone and again while both neighbours exchange one
-activation each way (``--no-message-overhead``: 0), and ``simulate(schedule, costs).makespan``
-is the predicted step.
+``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, and
+``simulate(schedule, costs).makespan`` is the predicted step. Its ``message_overhead`` (compute
+time a rank loses per message it sends or receives: on NCCL over sockets NCCL's kernels hold SMs
+while the link is busy) is fitted on the measured step of the ``--pick-costs-from`` row
+(``zbpp.schedules.fit_message_overhead``): that row matches its prediction by construction, every
+other row is predicted (``--no-message-overhead``: 0, messages as latency only). Timing GEMMs
+beside one message, the probe of an earlier version, measured 0.025 ms on sockets where the fit
+finds 2 ms.
 
 The pick: costs per rank-stage from the profiled step of ``--pick-costs-from`` (default zb-h1;
 the ideal's profile when that row is absent), ``comm`` as above, and memory per rank-stage and
@@ -85,7 +88,7 @@ from zbpp import Pipeline
 from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
 from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_autocast, is_delayed, microbatch
 from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
-from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, options_of, simulate
+from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, fit_message_overhead, options_of, simulate
 from zbpp.schedules.bounds import lower_bound
 from zbpp.schedules.select import evaluate_candidates
 
@@ -101,7 +104,6 @@ TORCH_MULTI = {"ScheduleInterleaved1F1B": "loop", "ScheduleLoopedBFS": "loop", "
 LAYER_KINDS = ("zbpp", "torch", "fp8")
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 PING_PONGS = 10  # timed round trips of the comm measurement (after 3 untimed)
-OVERHEAD_TRIALS = 5  # the message-overhead probe: median of this many (alone, beside messages) pairs
 
 
 # -- options ------------------------------------------------------------------------------------
@@ -173,7 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernel-profile", default=None, metavar="DIR", help="after each row's timed steps, profile one "
                     "more step (torch.profiler, GPUs) into DIR and add where its time went (kernel_timeline.py) to the row")
     ap.add_argument("--no-message-overhead", action="store_true",
-                    help="skip the message-overhead probe: the simulator and the pick see messages as latency only")
+                    help="do not fit the message overhead on the pick-costs row: the simulator and the pick see messages as "
+                         "latency only")
     ap.add_argument("--socket", action="store_true",
                     help="NCCL over TCP sockets on the loopback interface (sets NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
                     "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo before init): a stand-in for a network link")
@@ -493,55 +496,6 @@ class Bench:
             worst = max(worst, (time.perf_counter() - t0) / (2 * PING_PONGS))
         return self.all_max(worst)
 
-    def measure_message_overhead(self, spec: ModelSpec, comm_s: float) -> float:
-        """Compute time (s) a rank loses per message it sends or receives, the slowest pair's.
-
-        Each pair (r, r+1) times a loop of activation-sized GEMMs (activation @ [hidden, hidden],
-        enough of them to outlast a message by half) with events on the compute stream: alone, then
-        while the two ranks exchange one activation each way, both posted just before the loop (two
-        messages per rank). The difference over two is the overhead: the GEMMs' share of the GPU
-        that the copies took (on the socket transport, SMs that NCCL's kernels hold while the link
-        is busy). Median of `OVERHEAD_TRIALS`; never below 0.
-        """
-        shape = spec.activation_shape()
-        hidden = shape[-1]
-        buf = torch.randn(shape, device=self.device).to(self.dtype)
-        back = torch.empty_like(buf)
-        x = buf.reshape(-1, hidden)
-        weight = torch.randn(hidden, hidden, device=self.device).to(self.dtype) / hidden**0.5
-
-        def gemms(count: int) -> float:
-            self.sync()
-            t0 = time.perf_counter()
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            for _ in range(count):
-                torch.mm(x, weight)
-            if self.cuda:
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3
-            return time.perf_counter() - t0
-
-        worst = 0.0
-        for _, peer in self.neighbour_pairs():
-            one = min(gemms(1) for _ in range(3))
-            count = max(4, math.ceil(1.5 * comm_s / max(one, 1e-6)))
-            diffs = []
-            for _ in range(OVERHEAD_TRIALS):
-                alone = gemms(count)
-                # one group: posted one after the other, each rank's send would wait behind its
-                # receive on NCCL's stream, and the two ranks for each other
-                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, back, peer)])
-                beside = gemms(count)
-                for work in works:
-                    work.wait()
-                self.sync()
-                diffs.append((beside - alone) / 2)
-            worst = max(worst, statistics.median(diffs))
-        return self.all_max(max(0.0, worst))
-
     # -- the ideal: no pipeline, no communication -----------------------------------------------
     def run_ideal(self, spec: ModelSpec, m: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """The ideal row, and (on every rank) the ideal's per-rank-stage costs (s) and memory (bytes)."""
@@ -622,8 +576,7 @@ class Bench:
         return row, info
 
     # -- zbpp -----------------------------------------------------------------------------------
-    def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float,
-                 overhead_s: float = 0.0) -> tuple[dict[str, Any], Costs]:
+    def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float) -> tuple[dict[str, Any], Costs]:
         """A zbpp row, and (on every rank) the costs measured in its profiled step."""
         n = sched.num_stages
         mine = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(self.rank)}
@@ -648,14 +601,8 @@ class Bench:
         recs = profiled.profile_records()  # collective; the records land on rank 0
         costs = None
         if recs is not None:
-            costs = Costs.from_profile(recs, n, comm=comm_s, message_overhead=overhead_s)
-            sim = simulate(sched, costs)
-            out.update({"measured_bubble": measured_bubble_rate(recs), "predicted_ms": 1e3 * sim.makespan,
-                        "predicted_bubble": sim.bubble_rate, "num_stages": n, "costs_ms": _costs_ms(costs)})
-            out["measured_over_predicted"] = out["step_ms"] / out["predicted_ms"]
-            # what no schedule of this placement can beat with these task costs: how much of the
-            # gap to the ideal is the tasks' own time in a pipeline, not the schedule or the runtime
-            out["bound_ms"] = 1e3 * lower_bound(sched.placement, sched.num_microbatches, costs).makespan
+            costs = Costs.from_profile(recs, n, comm=comm_s)
+            out.update({"measured_bubble": measured_bubble_rate(recs), "num_stages": n})
         del pipe, profiled, mine, params
         return out, self.bcast(costs)
 
@@ -687,10 +634,8 @@ class Bench:
         p, a = self.p, self.args
         torch_rows = kind in ("zbpp", "torch") and bool(self.torch_names)
         comm_s = self.measure_comm(spec)
-        overhead_s = 0.0 if a.no_message_overhead else self.measure_message_overhead(spec, comm_s)
         rows: list[dict[str, Any]] = []
-        case: dict[str, Any] = {"model": spec.model, "layers": kind, "m": m, "comm_ms": 1e3 * comm_s,
-                                "message_overhead_ms": 1e3 * overhead_s}
+        case: dict[str, Any] = {"model": spec.model, "layers": kind, "m": m, "comm_ms": 1e3 * comm_s}
         ideal_info: dict[str, dict[str, Any]] = {}
         costs_of: dict[str, Costs] = {}
 
@@ -721,9 +666,9 @@ class Bench:
 
         def zbpp_job(row: dict[str, Any], sched_fn: Callable[[], Schedule], k: str) -> None:
             sched = sched_fn()
-            out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s, overhead_s)
+            out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s)
             row.update(out)
-            row["_schedule"] = sched
+            row["_schedule"], row["_costs"] = sched, costs
             if k == kind:
                 costs_of[row["schedule"]] = costs
 
@@ -744,7 +689,15 @@ class Bench:
         pick_costs = costs_of.get(source)
         if source == "ideal" and kind in ideal_info:
             c = ideal_info[kind]["costs"]
-            pick_costs = Costs(c.f, c.b, c.w, comm_s, overhead_s)
+            pick_costs = Costs(c.f, c.b, c.w, comm_s)
+        overhead_s = 0.0
+        if pick_costs is not None and source != "ideal" and not a.no_message_overhead:
+            measured = next(r for r in rows if r["impl"] == "zbpp" and r["layers"] == kind and r["schedule"] == source)
+            overhead_s = fit_message_overhead(measured["_schedule"], pick_costs, measured["step_ms"] / 1e3)
+            measured["overhead_fitted_here"] = True
+            pick_costs = dataclasses.replace(pick_costs, message_overhead=overhead_s)
+            case["overhead_fitted_on"] = source
+        case["message_overhead_ms"] = 1e3 * overhead_s
         memory, limit, unit_bytes = self._pick_memory(ideal_info.get(kind))
         case.update({"pick_costs_from": source, "pick_costs_ms": None if pick_costs is None else _costs_ms(pick_costs),
                      "pick_memory": {"activation": list(_tuple(memory.activation)), "wgrad": list(_tuple(memory.wgrad)),
@@ -778,12 +731,15 @@ class Bench:
 
         if pick_costs is not None:
             self._pick_row(rows, record, spec, m, pick_costs, memory, limit, kind, zbpp_job)
+        for row in rows:
+            _predict(row, overhead_s)
         self._ratios(rows)
         case["ideal_ms"] = next((r["step_ms"] for r in rows if r["impl"] == "ideal" and r["layers"] == kind
                                  and "step_ms" in r), None)
         case["summary"] = _summary(rows, kind)
         for row in rows:
             row.pop("_schedule", None)
+            row.pop("_costs", None)
         return rows, case
 
     def _pick_memory(self, info: dict[str, Any] | None) -> tuple[Memory, float, float | None]:
@@ -831,7 +787,7 @@ class Bench:
         same = next((r for r in rows if r["impl"] == "zbpp" and r["layers"] == kind and "step_ms" in r
                      and _same_orders(r.get("_schedule"), chosen)), None)
         if same is not None:  # the schedule already ran in this case: its measurement is the pick's
-            row.update({k: v for k, v in same.items() if k not in ("impl", "schedule", "_schedule")})
+            row.update({k: v for k, v in same.items() if k not in ("impl", "schedule", "overhead_fitted_here")})
             row["same_as"] = same["schedule"]
             rows.append(self._labelled(row, spec, m))
             return
@@ -874,7 +830,8 @@ class Bench:
         pc = case.get("pick_costs_ms")
         if pc:
             print(f"comm {case['comm_ms']:.3f} ms per message, overhead {case['message_overhead_ms']:.3f} ms of compute "
-                  f"per message sent or received; pick costs from {case['pick_costs_from']} "
+                  f"per message sent or received ({_fitted_on(case)}); pick costs from "
+                  f"{case['pick_costs_from']} "
                   "(ms per rank-stage): "
                   f"F {_join(pc['f'])}  B {_join(pc['b'])}  W {_join(pc['w'])}; memory limit {case['pick_memory_limit']:g} "
                   f"rank-stage activations" + (f" (1 = {case['pick_memory']['unit_gib']:.2f} GiB)"
@@ -902,6 +859,27 @@ class Bench:
               "step) + measured comm).makespan; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
               "placement with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining "
               "step / step")
+
+
+def _fitted_on(case: dict[str, Any]) -> str:
+    source = case.get("overhead_fitted_on")
+    return f"fitted on {source}'s step" if source else "not fitted"
+
+
+def _predict(row: dict[str, Any], overhead_s: float) -> None:
+    """A zbpp row's prediction: `simulate` of its schedule with the costs of its own profiled step
+    and the case's message overhead (fitted on the pick-costs row's measured step), and the lower
+    bound of its placement with them."""
+    sched, costs = row.get("_schedule"), row.get("_costs")
+    if sched is None or costs is None or "step_ms" not in row:
+        return
+    costs = dataclasses.replace(costs, message_overhead=overhead_s)
+    sim = simulate(sched, costs)
+    row.update({"predicted_ms": 1e3 * sim.makespan, "predicted_bubble": sim.bubble_rate, "costs_ms": _costs_ms(costs)})
+    row["measured_over_predicted"] = row["step_ms"] / row["predicted_ms"]
+    # what no schedule of this placement can beat with these task costs: how much of the gap to the
+    # ideal is the tasks' own time in a pipeline, not the schedule or the runtime
+    row["bound_ms"] = 1e3 * lower_bound(sched.placement, sched.num_microbatches, costs).makespan
 
 
 def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -935,7 +913,9 @@ def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     pick = next((r for r in ok if r["impl"] == "pick"), None)
     if pick is not None and best_zbpp is not None:
         out["pick"] = {"schedule": pick["schedule"], "vs_best_zbpp": best_zbpp["step_ms"] / pick["step_ms"]}
-    off = [abs(r["measured_over_predicted"] - 1) for r in mine if "measured_over_predicted" in r]
+    # the row the overhead was fitted on matches by construction: the others are predictions
+    off = [abs(r["measured_over_predicted"] - 1) for r in mine
+           if "measured_over_predicted" in r and not r.get("overhead_fitted_here")]
     if off:
         out["max_abs_measured_over_predicted_minus_1"] = max(off)
     return out

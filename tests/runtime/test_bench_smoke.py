@@ -71,8 +71,15 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
         assert fits[0]["simulated_ms"] == min(c["simulated_ms"] for c in fits)
     assert {(r["schedule"], r["layers"]) for r in rows if r["model"] == "mlp-stack" and r["impl"] == "zbpp"} == {
         ("zb-h1", "zbpp"), ("zbv-auto", "zbpp"), ("zb-h1", "torch")}
-    for case in doc["meta"]["cases"]:  # the probe's overhead reaches every zbpp row's costs
+    for case in doc["meta"]["cases"]:  # the overhead fitted on one row reaches every zbpp row's costs
         assert case["message_overhead_ms"] >= 0
+        fitted = [r for r in rows if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"])
+                  and r.get("overhead_fitted_here")]
+        assert [(r["impl"], r["schedule"]) for r in fitted] == [("zbpp", case["overhead_fitted_on"])]
+        if case["message_overhead_ms"] > 0:  # the fit closes that row's gap (bisection to 1e-4)
+            assert fitted[0]["measured_over_predicted"] == pytest.approx(1.0, abs=1e-3)
+        else:  # it ran no slower than simulated without any overhead
+            assert fitted[0]["measured_over_predicted"] <= 1.0
         for r in rows:
             if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"]) and "costs_ms" in r:
                 if r["impl"] in ("zbpp", "pick"):

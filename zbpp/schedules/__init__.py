@@ -13,7 +13,7 @@ from .dag import task_graph, validate
 from .ir import Action, Kind, Schedule, ScheduleError
 from .registry import available, build, options_of, register
 from .select import pick_schedule
-from .simulate import Costs, Memory, SimResult, simulate
+from .simulate import Costs, Memory, SimResult, fit_message_overhead, simulate
 from .torch_csv import from_torch_csv, to_torch_csv
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "pick_schedule",
     "register",
     "simulate",
+    "fit_message_overhead",
     "task_graph",
     "to_torch_csv",
     "validate",

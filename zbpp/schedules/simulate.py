@@ -21,7 +21,7 @@ from .checks import as_number, as_numbers
 from .ir import Action, Schedule, ScheduleError
 from .tasks import KINDS, TaskIds, kind_id
 
-__all__ = ["Costs", "Memory", "SimResult", "simulate"]
+__all__ = ["Costs", "Memory", "SimResult", "simulate", "fit_message_overhead"]
 
 PerStage = Union[float, Sequence[float]]
 
@@ -410,3 +410,53 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
         peak_memory=peak,
         memory_after=_TaskTable(schedule, orders, mem_after, present),
     )
+
+
+def fit_message_overhead(schedule: Schedule, costs: Costs, makespan: float, *, rel_tol: float = 1e-4) -> float:
+    """The `Costs.message_overhead` under which `schedule` simulates to a measured `makespan`.
+
+    A calibration: time one schedule, profile its tasks into `costs` (``Costs.from_profile``),
+    and the overhead that closes the gap between its simulated and measured step is what
+    the link took from compute per message; `simulate`, the pick and the automatic schedules can
+    then predict the other schedules with it. Measuring it directly (GEMMs timed beside one
+    message) misses most of it on NCCL over sockets (bench_pipeline measured 0.03 ms that way,
+    and 1-2 ms per message by this fit). The makespan of a fixed schedule never falls when a
+    task grows, so a bisection finds the smallest overhead that reaches `makespan` (to a
+    relative `rel_tol`); 0 when the schedule already simulates at or above it. `costs`'s own
+    overhead is ignored. Raises `ValueError` for a `makespan` that is not a finite number > 0,
+    or for a schedule that sends no message (nothing to fit).
+
+    >>> from zbpp.schedules import build
+    >>> sched = build("1f1b", num_ranks=2, num_microbatches=4)
+    >>> measured = simulate(sched, Costs(1, 1, 1, comm=0.5, message_overhead=0.2)).makespan
+    >>> round(fit_message_overhead(sched, Costs(1, 1, 1, comm=0.5), measured), 3)
+    0.2
+    >>> fit_message_overhead(sched, Costs(1, 1, 1), 1.0)  # faster than simulated: no overhead
+    0.0
+    """
+    if not isinstance(makespan, numbers.Real) or not math.isfinite(makespan) or makespan <= 0:
+        raise ValueError(f"fit_message_overhead: makespan must be a finite number > 0 (the measured step), got {makespan!r}")
+    if len(set(schedule.placement)) < 2:
+        raise ValueError(
+            f"fit_message_overhead: schedule {schedule.name!r} runs on one rank and sends no message; "
+            "fit the overhead on a schedule whose stages span ranks"
+        )
+    costs = replace(costs, message_overhead=0.0)
+
+    def step(overhead: float) -> float:
+        return simulate(schedule, replace(costs, message_overhead=overhead)).makespan
+
+    if step(0.0) >= makespan:
+        return 0.0
+    lo, hi = 0.0, makespan
+    while step(hi) < makespan:  # a task that sends a message then takes `makespan` itself
+        lo, hi = hi, 2 * hi
+    for _ in range(200):  # halves [lo, hi] until it is within rel_tol of the overhead
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = (lo + hi) / 2
+        if step(mid) < makespan:
+            lo = mid
+        else:
+            hi = mid
+    return hi
