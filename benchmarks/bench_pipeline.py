@@ -23,7 +23,10 @@ Each case (model, layers kind, microbatches m) times, in one run:
   microbatch after the other; random inputs of the activation's shape where a previous stage
   would send them, random output gradients where the next would), with no pipeline and no
   communication. Its step time is the slowest rank's. A second ideal row with torch.nn layers is
-  the reference of the torch.nn rows.
+  the reference of the torch.nn rows. Both run again at the end of the case (``ideal (end)``) and
+  % ideal uses the mean of the two: before the first case every GPU runs ``--heat-soak`` seconds of
+  GEMMs (default 30), because an H200 at its power cap clocks lower as it warms, and a cold ideal
+  timed first ran its GEMMs 3-5% faster than the rows after it.
 - zbpp's schedules (``--zbpp``) with the case's layers; ``--zbpp-torch-layers`` (1f1b, zb-h1, zb-v)
   also with torch.nn layers (like for like with torch); ``zb-auto`` / ``zbv-auto`` are built from
   the costs measured in this run (below).
@@ -180,6 +183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--socket", action="store_true",
                     help="NCCL over TCP sockets on the loopback interface (sets NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
                     "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo before init): a stand-in for a network link")
+    ap.add_argument("--heat-soak", type=float, default=30.0,
+                    help="seconds of back-to-back GEMMs on every GPU before the first case (0: none): a GPU at "
+                         "its power cap clocks lower as it warms, so rows timed from a cold start run faster")
     ap.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--append", action="store_true", help="add this run's rows to the JSON already at --out")
@@ -653,16 +659,21 @@ class Bench:
                       f"{row.get('step_ms', row.get('error'))}", flush=True)
             return result
 
-        # the ideal of each layers kind in the case
-        for k in [kind] + (["torch"] if torch_rows and kind != "torch" else []):
-            row = {"impl": "ideal", "schedule": "ideal", "layers": k}
+        # the ideal of each layers kind in the case, first and again last (see _ratios)
+        ideal_kinds = [kind] + (["torch"] if torch_rows and kind != "torch" else [])
 
-            def ideal_job(row: dict[str, Any] = row, k: str = k) -> None:
-                out, info = self.run_ideal(spec.with_kind(k), m)
-                row.update(out)
-                ideal_info[k] = info
+        def ideal_rows(schedule: str) -> None:
+            for k in ideal_kinds:
+                row = {"impl": "ideal", "schedule": schedule, "layers": k}
 
-            record(row, ideal_job)
+                def ideal_job(row: dict[str, Any] = row, k: str = k) -> None:
+                    out, info = self.run_ideal(spec.with_kind(k), m)
+                    row.update(out)
+                    ideal_info.setdefault(k, info)
+
+                record(row, ideal_job)
+
+        ideal_rows("ideal")
 
         def zbpp_job(row: dict[str, Any], sched_fn: Callable[[], Schedule], k: str) -> None:
             sched = sched_fn()
@@ -691,7 +702,7 @@ class Bench:
             c = ideal_info[kind]["costs"]
             pick_costs = Costs(c.f, c.b, c.w, comm_s)
         overhead_s = 0.0
-        if pick_costs is not None and source != "ideal" and not a.no_message_overhead:
+        if pick_costs is not None and source != "ideal" and p > 1 and not a.no_message_overhead:  # p = 1: no messages
             measured = next(r for r in rows if r["impl"] == "zbpp" and r["layers"] == kind and r["schedule"] == source)
             overhead_s = fit_message_overhead(measured["_schedule"], pick_costs, measured["step_ms"] / 1e3)
             measured["overhead_fitted_here"] = True
@@ -731,11 +742,12 @@ class Bench:
 
         if pick_costs is not None:
             self._pick_row(rows, record, spec, m, pick_costs, memory, limit, kind, zbpp_job)
+        ideal_rows("ideal (end)")
         for row in rows:
             _predict(row, overhead_s)
         self._ratios(rows)
-        case["ideal_ms"] = next((r["step_ms"] for r in rows if r["impl"] == "ideal" and r["layers"] == kind
-                                 and "step_ms" in r), None)
+        ideal_steps = [r["step_ms"] for r in rows if r["impl"] == "ideal" and r["layers"] == kind and "step_ms" in r]
+        case["ideal_ms"] = statistics.mean(ideal_steps) if ideal_steps else None
         case["summary"] = _summary(rows, kind)
         for row in rows:
             row.pop("_schedule", None)
@@ -798,7 +810,13 @@ class Bench:
         return row
 
     def _ratios(self, rows: list[dict[str, Any]]) -> None:
-        ideal = {r["layers"]: r["step_ms"] for r in rows if r["impl"] == "ideal" and "step_ms" in r}
+        # the mean of the case's first and last ideal step: rows run in between, and a GPU at its power
+        # cap may still drift (it clocks lower as it warms; --heat-soak takes most of that out first)
+        steps: dict[str, list[float]] = {}
+        for r in rows:
+            if r["impl"] == "ideal" and "step_ms" in r:
+                steps.setdefault(r["layers"], []).append(r["step_ms"])
+        ideal = {k: statistics.mean(v) for k, v in steps.items()}
         best_torch = min((r["step_ms"] for r in rows if r["impl"] == "torch" and "step_ms" in r), default=None)
         for r in rows:
             if "step_ms" not in r:
@@ -808,8 +826,24 @@ class Bench:
             if best_torch is not None:
                 r["ratio_vs_best_torch"] = best_torch / r["step_ms"]
 
+    def heat_soak(self, seconds: float) -> None:
+        """Back-to-back bf16 GEMMs for `seconds` on this rank's GPU, so that the first rows are not
+        timed on a cold GPU. At its power cap an H200 sets its clock by the power it draws, which
+        grows as it warms: one H200, 8 blocks on one rank, no communication, measured from a cold
+        start: the ideal's GEMMs 3-5% faster than the same GEMMs in the rows timed after it."""
+        if not self.cuda or seconds <= 0:
+            return
+        a = torch.randn(8192, 8192, device=self.device, dtype=torch.bfloat16)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(20):
+                torch.mm(a, a)
+            self.sync()
+        dist.barrier()
+
     def run_all(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         rows, cases = [], []
+        self.heat_soak(self.args.heat_soak)
         for kind in self.args.layers_kind:
             for m in self.args.microbatches:
                 case_rows, case = self.run_case(kind, m)
@@ -855,7 +889,7 @@ class Bench:
                           f"{k['gemms_beside_nccl']}/{k['gemms']} beside NCCL (+{k['gemm_excess_ms']:.2f} ms); "
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
-        print("% ideal = 100 x ideal step / step (same layers); pred ms = simulate(schedule, Costs.from_profile(profiled "
+        print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal rows); pred ms = simulate(schedule, Costs.from_profile(profiled "
               "step) + measured comm).makespan; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
               "placement with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining "
               "step / step")
