@@ -369,16 +369,18 @@ def mismatch_after_first_step() -> dict[str, Any]:
     raise AssertionError(f"rank {rank}: the step did not fail")
 
 
-def check_cuda_memory(name: str, p: int, steps: int = 6) -> list[int]:
+def check_cuda_memory(name: str, p: int, steps: int = 9) -> list[int]:
     """On CUDA: once a shape was seen, the memory allocated after each step does not grow (no
     activation, buffer or wgrad closure outlives its step).
 
-    The allocator's count moves from step to step without a leak: buffers of in-flight
-    communication are freed when their work completes, which may be just after `step` returns (on
-    2 x H200 zb-v alternated between two counts one activation apart, step after step). So the check
-    is on growth, in units of one microbatch's activation: rows are chosen so that one activation
-    (rows/m x H float32) is 64 KiB, and the most allocated after the last three steps must not pass
-    the most after steps 1 and 2 by half of that. One leaked activation per step would add 192 KiB.
+    The allocator's count moves from step to step without a leak: a send's buffer stays referenced
+    until the runtime sees its work complete, which may be in the next step, so after a step zero,
+    one or two activations may still be held (on 2 x H200 zb-v alternated between two counts one
+    activation apart, and once held two at the end of a late step). So the check is on the floor,
+    in units of one microbatch's activation: rows are chosen so that one activation (rows/m x H
+    float32) is 64 KiB, and the least allocated after the last three steps must not pass the least
+    after steps 1-3 by one activation. One leaked activation per step raises the floor by 320 KiB
+    over those five steps, less the at most two activations that in-flight noise can hide.
     """
     rank = dist.get_rank()
     device = device_for_rank()
@@ -396,8 +398,8 @@ def check_cuda_memory(name: str, p: int, steps: int = 6) -> list[int]:
         del inputs, target
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
-    growth = max(after[-3:]) - max(after[1:-3])
-    assert growth < 32 * 1024, f"{name}: allocated bytes after each step {after} (grew {growth} bytes)"
+    growth = min(after[-3:]) - min(after[1:4])
+    assert growth < 64 * 1024, f"{name}: allocated bytes after each step {after} (floor grew {growth} bytes)"
     return after
 
 
