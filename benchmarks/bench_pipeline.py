@@ -110,6 +110,19 @@ PING_PONGS = 10  # timed round trips of the comm measurement (after 3 untimed)
 
 
 # -- options ------------------------------------------------------------------------------------
+def _plan_comm(text: str) -> float | str:
+    """--plan-comm: 'measured', or a link time >= 0 in task units."""
+    if text == "measured":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'measured' or a number >= 0 (task units)")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -173,8 +186,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--recv-lead", type=int, default=0, help="zbpp's Pipeline(recv_lead=...): extra tasks of margin before "
                     "each receive")
     ap.add_argument("--high-priority", action="store_true", help="zbpp's CommOptions.high_priority_streams")
-    ap.add_argument("--plan-comm", type=float, default=None, help="the link time (in task units) zbpp's plan places "
-                    "receives by: 0 posts each just before its consumer (default: the plan's DEFAULT_COSTS)")
+    ap.add_argument("--plan-comm", type=_plan_comm, default=None,
+                    help="the link time zbpp's plan places receives by: a number in task units (0 posts each just "
+                         "before its consumer), or 'measured': the plan gets the ideal's measured F/B/W and the "
+                         "measured message time (Pipeline(costs=...), what a slow link needs; default: the plan's "
+                         "DEFAULT_COSTS, a fast link)")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR", help="after each row's timed steps, profile one "
                     "more step (torch.profiler, GPUs) into DIR and add where its time went (kernel_timeline.py) to the row")
     ap.add_argument("--no-message-overhead", action="store_true",
@@ -582,15 +598,23 @@ class Bench:
         return row, info
 
     # -- zbpp -----------------------------------------------------------------------------------
-    def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float) -> tuple[dict[str, Any], Costs]:
+    def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float,
+                 measured: Costs | None = None) -> tuple[dict[str, Any], Costs]:
         """A zbpp row, and (on every rank) the costs measured in its profiled step."""
         n = sched.num_stages
         mine = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(self.rank)}
         a = self.args
         ctas = None if str(a.comm_max_ctas).lower() == "none" else int(a.comm_max_ctas)
+        plan_costs = None
+        if a.plan_comm == "measured" and measured is not None:  # per stage of this schedule: a share of a rank-stage
+            share = sched.num_stages // self.p
+            plan_costs = Costs(f=statistics.mean(_tuple(measured.f)) / share, b=statistics.mean(_tuple(measured.b)) / share,
+                               w=statistics.mean(_tuple(measured.w)) / share, comm=comm_s)
+        elif a.plan_comm not in (None, "measured"):
+            plan_costs = Costs(1, 1, 1, comm=a.plan_comm)
         knobs: dict[str, Any] = {"comm": CommOptions(max_ctas=ctas, high_priority_streams=a.high_priority),
                                  "recv_lead": a.recv_lead,
-                                 "costs": None if a.plan_comm is None else Costs(1, 1, 1, comm=a.plan_comm)}
+                                 "costs": plan_costs}
         pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, **knobs)
         profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True, **knobs)
         params = list(pipe.parameters())
@@ -677,7 +701,7 @@ class Bench:
 
         def zbpp_job(row: dict[str, Any], sched_fn: Callable[[], Schedule], k: str) -> None:
             sched = sched_fn()
-            out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s)
+            out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s, ideal_info.get(k, {}).get("costs"))
             row.update(out)
             row["_schedule"], row["_costs"] = sched, costs
             if k == kind:

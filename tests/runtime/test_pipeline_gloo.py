@@ -21,6 +21,7 @@ from .cases import (
     check_profile,
     check_release,
     check_schedule,
+    check_slow_link_plan,
     standard_cases,
 )
 
@@ -28,6 +29,13 @@ P = 4
 
 
 KINDS = ["plain", "zbpp", "mixed"]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "dualpipe-v"])
+def test_slow_link_plan_matches_single_process(zbpp_workers, name):
+    """Receives posted before their data exists (a plan for a link slower than a task)."""
+    worst = zbpp_workers(P).run(check_slow_link_plan, name, P)
+    assert max(worst) < 1e-3  # checked per tensor inside (rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", available())

@@ -18,7 +18,7 @@ import pytest
 from zbpp.schedules import available
 from zbpp.testing import gpus_available
 
-from .cases import check_cuda_memory, check_many_steps, check_profile, check_schedule, standard_cases
+from .cases import check_cuda_memory, check_many_steps, check_profile, check_schedule, check_slow_link_plan, standard_cases
 
 pytestmark = [
     pytest.mark.nccl,
@@ -32,6 +32,14 @@ KINDS = ["plain", "zbpp", "mixed"]
 @pytest.mark.parametrize("name", available())
 def test_schedule_matches_single_process_on_nccl(zbpp_workers, name, eager):
     worst = zbpp_workers(P, backend="nccl", eager_init=eager).run(check_schedule, name, P, KINDS, standard_cases(P))
+    assert max(worst) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+def test_slow_link_plan_on_nccl(zbpp_workers, name):
+    """A plan for a slow link posts receives before their data exists: NCCL must not deadlock on it
+    and the step must equal one process."""
+    worst = zbpp_workers(P, backend="nccl").run(check_slow_link_plan, name, P)
     assert max(worst) < 1e-2
 
 

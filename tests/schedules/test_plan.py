@@ -17,10 +17,10 @@ import random
 
 import pytest
 
-from zbpp.schedules import Costs, available, build, options_of
+from zbpp.schedules import Costs, available, build, options_of, simulate
 from zbpp.schedules.dag import task_graph
 from zbpp.schedules.ir import Action, Kind, Schedule, from_orders
-from zbpp.schedules.plan import CommOp, Plan, fifo_wgrad_problem, make_plan
+from zbpp.schedules.plan import DEFAULT_COSTS, CommOp, Plan, fifo_wgrad_problem, make_plan
 
 
 def _build(name: str, p: int, m: int) -> Schedule:
@@ -216,3 +216,82 @@ def test_fifo_wgrad_problem_names_the_task():
     swapped = Schedule(2, 2, 2, sched.placement, (sched.orders[0], tuple(r1)), name="swapped")
     msg = fifo_wgrad_problem(swapped, 1)
     assert msg is not None and "W1.1" in msg and "microbatch 0" in msg
+
+
+# -- slow links: a transfer starts only once both ends are posted --------------------------------------
+
+
+def _rendezvous_makespan(plan: Plan, costs: Costs) -> float:
+    """The step under `plan` when a message leaves only once its send and its receive are both
+    issued (NCCL's rendezvous) and then takes `costs.comm`: the model the plan's timing is for.
+    A rank reaches boundary i when its task i-1 ends; a task starts when its rank is free and its
+    input (received, or handed over in memory) is there."""
+    f, b, w = costs.per_stage(plan.schedule.num_stages)
+    length = {Kind.F: f, Kind.B: b, Kind.W: w}
+    end: dict[Action, float] = {}
+    at: dict[tuple[int, bool], tuple[int, int]] = {}  # (message, send?) -> (rank, boundary)
+    for rp in plan.ranks:
+        for i, ops in enumerate(rp.issue):
+            for op in ops:
+                at[(op.message.index, op.send)] = (rp.rank, i)
+
+    def reached(rank: int, i: int) -> float | None:
+        return 0.0 if i == 0 else end.get(plan.ranks[rank].tasks[i - 1])
+
+    pos, free = [0] * len(plan.ranks), [0.0] * len(plan.ranks)
+    while any(pos[r] < len(rp.tasks) for r, rp in enumerate(plan.ranks)):
+        moved = False
+        for r, rp in enumerate(plan.ranks):
+            while pos[r] < len(rp.tasks):
+                task, ready = rp.tasks[pos[r]], free[r]
+                msg = rp.recv_of.get(task)
+                if msg is not None:
+                    times = [reached(*at[(msg.index, True)]), reached(*at[(msg.index, False)]), end.get(msg.src)]
+                    if None in times:
+                        break
+                    ready = max(ready, max(times) + costs.comm)
+                elif task in rp.handed_from:
+                    if rp.handed_from[task] not in end:
+                        break
+                    ready = max(ready, end[rp.handed_from[task]])
+                d = length[Kind.B][task.stage] + length[Kind.W][task.stage] if task.kind is Kind.BW \
+                    else length[task.kind][task.stage]
+                end[task] = free[r] = ready + d
+                pos[r] += 1
+                moved = True
+        assert moved, "the rendezvous model stalled"
+    return max(end.values())
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+def test_fast_links_post_no_receive_before_its_data(name):
+    # the rule that posts early only acts when a message is slow against a task: with the default
+    # costs and a link at 1% of a task, every receive waits for its data (or sits right before its
+    # consumer, where the rank waits for it anyway), as before
+    for costs in (None, Costs(f=1.0, b=1.3, w=0.8, comm=0.01)):
+        plan = make_plan(_build(name, 2, 8), costs=costs)
+        sim = simulate(plan.schedule, costs or DEFAULT_COSTS)
+        for rp in plan.ranks:
+            for i, ops in enumerate(rp.issue):
+                for op in ops:
+                    if op.send or i == 0 or rp.tasks.index(op.message.dst) == i:
+                        continue
+                    assert sim.end[rp.tasks[i - 1]] >= sim.end[op.message.src] - 1e-12, (name, str(op))
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_slow_link_receives_posted_early_enough(name, monkeypatch):
+    # a message takes 0.6 of a task, as 8.5 ms messages beside 13-15 ms tasks on NCCL sockets: with
+    # receives allowed before their data, the rendezvous step equals the simulated one; made to
+    # wait for the data (the fast-link rule), it is longer
+    sched = _build(name, 2, 8)
+    costs = Costs(f=1.0, b=1.05, w=1.05, comm=0.6)
+    simulated = simulate(sched, costs).makespan
+    plan = make_plan(sched, costs=costs)
+    assert _finishes(plan)
+    assert _rendezvous_makespan(plan, costs) == pytest.approx(simulated)
+    from zbpp.schedules import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "LATE_TOLERANCE", float("inf"))
+    waiting = make_plan(sched, costs=costs)
+    assert _rendezvous_makespan(waiting, costs) > 1.02 * simulated

@@ -25,16 +25,21 @@ possible, and the two ends of a message are issued at about the same time:
   enough for the transfer to arrive before its consumer starts (right before the consumer when the
   rank waits for it anyway, one task earlier when the rank is busy up to the consumer, earlier
   still when the costs' `comm`, the time a message takes on the link, is longer; ``recv_lead``
-  adds whole tasks of margin), but never at a boundary reached before the data is produced, where
+  adds whole tasks of margin), but not at a boundary reached before the data is produced, where
   it would only spin: when the producer finishes just as the consumer could start (1F1B's steady
-  state), the receive is posted right before the consumer;
+  state), the receive is posted right before the consumer. On a slow link that costs a transfer:
+  NCCL starts moving a message only once both ends are posted, so a receive posted at the first
+  boundary after the data exists delivers it a whole transfer later. Where that would make the
+  message late by more than `LATE_TOLERANCE` of its consumer and by more than the spin would cost
+  (`SPIN_SLOWDOWN` of it), the receive is posted at the last boundary before the data exists;
 - a send after its producing task, at the last task boundary that the simulated timeline (from
   `costs`) places no later than its receive; and never before an earlier send of its channel.
 
 Why it cannot deadlock. Give each boundary the simulated time at which the rank reaches it (the
 end of the task before it) and read every wait as pointing from a later to an earlier time: a task
-waits for its received messages, whose sends are issued at boundaries no later than the receive's,
-which is no later than the consuming task's start; a send waits for its producing task, which ends
+waits for its received messages, whose sends are issued at boundaries no later than the receive's
+or, for a receive posted before its data exists, right after the producer, which ends before the
+consuming task starts; a receive is never issued after the consuming task's start; a send waits for its producing task, which ends
 before the boundary; an operation on a channel waits for the earlier ones, whose ends are issued
 no later. All simulated costs are positive, so every chain of waits descends strictly in time
 and ends. This holds for NCCL (per-channel queues) and gloo alike; `tests/schedules/test_plan.py`
@@ -66,6 +71,14 @@ Channel = tuple[int, int]  # (sending rank, receiving rank)
 #: a task), so a receive is posted one task ahead when its rank is busy up to the consumer and just
 #: before it when the rank waits anyway. ``Costs(comm=0)`` posts every receive just before its consumer.
 DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
+
+#: How much slower a GEMM runs beside a spinning NCCL kernel (measured on an H200: ~940 against ~740
+#: us): posting a receive before its data exists costs the rank about this share of the spin time.
+SPIN_SLOWDOWN = 0.27
+#: A receive is posted before its data exists only when waiting for the next boundary would make
+#: the message later than this share of its consumer's time: never on a fast link (where a message
+#: takes a small share of a task), so plans for fast links do not depend on `SPIN_SLOWDOWN`.
+LATE_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -214,8 +227,14 @@ def make_plan(
             at = k
             while at > 0 and (at > k - recv_lead or reached(dst_rank, at) > need):
                 at -= 1
-            # ... but not before the data exists: a receive posted earlier only spins
+            # ... but not before the data exists, where it would only spin; unless waiting for the
+            # next boundary delays the message (on a slow link the transfer starts only once both
+            # ends are posted) by more than the spin would cost the tasks beside it
             while at < k and reached(dst_rank, at) < end[src]:
+                late = max(reached(dst_rank, at + 1), end[src]) + transfer - start[dst]
+                spin = end[src] - reached(dst_rank, at)
+                if late > LATE_TOLERANCE * (end[dst] - start[dst]) and late > SPIN_SLOWDOWN * spin:
+                    break
                 at += 1
             edges.append((src, dst, schedule.rank_of(src.stage), dst_rank, at))
     # One order per channel, the consumer's; messages indexed channel by channel.
