@@ -44,7 +44,10 @@ bubble rate and the simulator's prediction: after the warm-up, two steps run on 
 step of a Pipeline exchanges activation shapes, so the second's records are kept),
 ``Costs.from_profile`` turns its task times into per-stage F, B, W costs, the message time
 ``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, and
-``simulate(schedule, costs).makespan`` is the predicted step. Its ``message_overhead`` (compute
+the predicted step is ``zbpp.schedules.plan.plan_makespan(plan, costs)``: the simulator's timeline
+of the plan the row's Pipeline ran, with each message leaving only once both its ends are posted
+(NCCL's rendezvous; ``simulated_ms`` in the JSON is ``simulate``'s, where messages leave with their
+producer: on a slow link with a plan made for a fast one, the two differ by 9-19%). Its ``message_overhead`` (compute
 time a rank loses per message it sends or receives: on NCCL over sockets NCCL's kernels hold SMs
 while the link is busy) is fitted on the measured step of the ``--pick-costs-from`` row
 (``zbpp.schedules.fit_message_overhead``): that row matches its prediction by construction, every
@@ -93,6 +96,7 @@ from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_a
 from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, fit_message_overhead, options_of, simulate
 from zbpp.schedules.bounds import lower_bound
+from zbpp.schedules.plan import make_plan, plan_makespan
 from zbpp.schedules.select import evaluate_candidates
 
 from provenance import code_identity  # benchmarks/provenance.py (this script's folder is on sys.path)
@@ -391,6 +395,7 @@ class Bench:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self._profiles = 0  # steps profiled with --kernel-profile
+        self._plan_costs: dict[int, Costs | None] = {}  # id(schedule) -> the costs its Pipeline's plan had
         self.backend = backend
         self.transport = backend + ("-socket" if args.socket and backend == "nccl" else "")
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if self.cuda else "fp32")]
@@ -616,6 +621,7 @@ class Bench:
                                  "recv_lead": a.recv_lead,
                                  "costs": plan_costs}
         pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, **knobs)
+        self._plan_costs[id(sched)] = plan_costs  # what the prediction replays (`_predict`)
         profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True, **knobs)
         params = list(pipe.parameters())
 
@@ -704,6 +710,7 @@ class Bench:
             out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s, ideal_info.get(k, {}).get("costs"))
             row.update(out)
             row["_schedule"], row["_costs"] = sched, costs
+            row["_plan"] = make_plan(sched, costs=self._plan_costs.pop(id(sched), None))
             if k == kind:
                 costs_of[row["schedule"]] = costs
 
@@ -728,7 +735,8 @@ class Bench:
         overhead_s = 0.0
         if pick_costs is not None and source != "ideal" and p > 1 and not a.no_message_overhead:  # p = 1: no messages
             measured = next(r for r in rows if r["impl"] == "zbpp" and r["layers"] == kind and r["schedule"] == source)
-            overhead_s = fit_message_overhead(measured["_schedule"], pick_costs, measured["step_ms"] / 1e3)
+            overhead_s = fit_message_overhead(measured["_schedule"], pick_costs, measured["step_ms"] / 1e3,
+                                              predict=lambda c, plan=measured["_plan"]: plan_makespan(plan, c))
             measured["overhead_fitted_here"] = True
             pick_costs = dataclasses.replace(pick_costs, message_overhead=overhead_s)
             case["overhead_fitted_on"] = source
@@ -776,6 +784,7 @@ class Bench:
         for row in rows:
             row.pop("_schedule", None)
             row.pop("_costs", None)
+            row.pop("_plan", None)
         return rows, case
 
     def _pick_memory(self, info: dict[str, Any] | None) -> tuple[Memory, float, float | None]:
@@ -913,8 +922,9 @@ class Bench:
                           f"{k['gemms_beside_nccl']}/{k['gemms']} beside NCCL (+{k['gemm_excess_ms']:.2f} ms); "
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
-        print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal rows); pred ms = simulate(schedule, Costs.from_profile(profiled "
-              "step) + measured comm).makespan; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
+        print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal rows); pred ms = plan_makespan(the row's plan, Costs.from_profile(profiled "
+              "step) + measured comm + fitted overhead): simulate's step with each message leaving once both its ends are "
+              "posted; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
               "placement with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining "
               "step / step")
 
@@ -928,12 +938,13 @@ def _predict(row: dict[str, Any], overhead_s: float) -> None:
     """A zbpp row's prediction: `simulate` of its schedule with the costs of its own profiled step
     and the case's message overhead (fitted on the pick-costs row's measured step), and the lower
     bound of its placement with them."""
-    sched, costs = row.get("_schedule"), row.get("_costs")
-    if sched is None or costs is None or "step_ms" not in row:
+    sched, costs, plan = row.get("_schedule"), row.get("_costs"), row.get("_plan")
+    if sched is None or costs is None or plan is None or "step_ms" not in row:
         return
     costs = dataclasses.replace(costs, message_overhead=overhead_s)
     sim = simulate(sched, costs)
-    row.update({"predicted_ms": 1e3 * sim.makespan, "predicted_bubble": sim.bubble_rate, "costs_ms": _costs_ms(costs)})
+    row.update({"predicted_ms": 1e3 * plan_makespan(plan, costs), "simulated_ms": 1e3 * sim.makespan,
+                "predicted_bubble": sim.bubble_rate, "costs_ms": _costs_ms(costs)})
     row["measured_over_predicted"] = row["step_ms"] / row["predicted_ms"]
     # what no schedule of this placement can beat with these task costs: how much of the gap to the
     # ideal is the tasks' own time in a pipeline, not the schedule or the runtime

@@ -20,7 +20,7 @@ import pytest
 from zbpp.schedules import Costs, available, build, options_of, simulate
 from zbpp.schedules.dag import task_graph
 from zbpp.schedules.ir import Action, Kind, Schedule, from_orders
-from zbpp.schedules.plan import DEFAULT_COSTS, CommOp, Plan, fifo_wgrad_problem, make_plan
+from zbpp.schedules.plan import DEFAULT_COSTS, CommOp, Plan, fifo_wgrad_problem, make_plan, plan_makespan
 
 
 def _build(name: str, p: int, m: int) -> Schedule:
@@ -223,7 +223,8 @@ def test_fifo_wgrad_problem_names_the_task():
 
 def _rendezvous_makespan(plan: Plan, costs: Costs) -> float:
     """The step under `plan` when a message leaves only once its send and its receive are both
-    issued (NCCL's rendezvous) and then takes `costs.comm`: the model the plan's timing is for.
+    issued (NCCL's rendezvous) and its channel's earlier messages have arrived, then takes
+    `costs.comm`: the model the plan's timing is for (an independent `plan_makespan`).
     A rank reaches boundary i when its task i-1 ends; a task starts when its rank is free and its
     input (received, or handed over in memory) is there."""
     f, b, w = costs.per_stage(plan.schedule.num_stages)
@@ -238,6 +239,7 @@ def _rendezvous_makespan(plan: Plan, costs: Costs) -> float:
     def reached(rank: int, i: int) -> float | None:
         return 0.0 if i == 0 else end.get(plan.ranks[rank].tasks[i - 1])
 
+    arrived: dict[int, float] = {}
     pos, free = [0] * len(plan.ranks), [0.0] * len(plan.ranks)
     while any(pos[r] < len(rp.tasks) for r, rp in enumerate(plan.ranks)):
         moved = False
@@ -247,9 +249,12 @@ def _rendezvous_makespan(plan: Plan, costs: Costs) -> float:
                 msg = rp.recv_of.get(task)
                 if msg is not None:
                     times = [reached(*at[(msg.index, True)]), reached(*at[(msg.index, False)]), end.get(msg.src)]
+                    # a channel is one stream: its earlier messages arrive first
+                    times += [arrived.get(k) for k in range(msg.index) if plan.messages[k].channel == msg.channel]
                     if None in times:
                         break
-                    ready = max(ready, max(times) + costs.comm)
+                    arrived[msg.index] = max(times) + costs.comm
+                    ready = max(ready, arrived[msg.index])
                 elif task in rp.handed_from:
                     if rp.handed_from[task] not in end:
                         break
@@ -295,3 +300,15 @@ def test_slow_link_receives_posted_early_enough(name, monkeypatch):
     monkeypatch.setattr(plan_module, "LATE_TOLERANCE", float("inf"))
     waiting = make_plan(sched, costs=costs)
     assert _rendezvous_makespan(waiting, costs) > 1.02 * simulated
+
+
+@pytest.mark.parametrize("name,p,m", [c for c in CASES if c[2] > 1][::3])
+def test_plan_makespan_is_the_rendezvous_model(name, p, m):
+    sched = _build(name, p, m)
+    rng = random.Random(f"rdv{name}{p}{m}")
+    for plan_costs in (None, _random_costs(rng, sched.num_stages)):
+        plan = make_plan(sched, costs=plan_costs)
+        for run_costs in (plan_costs or DEFAULT_COSTS, _random_costs(rng, sched.num_stages)):
+            assert plan_makespan(plan, run_costs) == pytest.approx(_rendezvous_makespan(plan, run_costs))
+            # the runtime can only lose against messages that leave with their producer
+            assert plan_makespan(plan, run_costs) >= simulate(sched, run_costs).makespan * (1 - 1e-9)

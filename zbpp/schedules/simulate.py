@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from .checks import as_number, as_numbers
 from .ir import Action, Schedule, ScheduleError
@@ -412,7 +412,14 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
     )
 
 
-def fit_message_overhead(schedule: Schedule, costs: Costs, makespan: float, *, rel_tol: float = 1e-4) -> float:
+def fit_message_overhead(
+    schedule: Schedule,
+    costs: Costs,
+    makespan: float,
+    *,
+    rel_tol: float = 1e-4,
+    predict: Callable[[Costs], float] | None = None,
+) -> float:
     """The `Costs.message_overhead` under which `schedule` simulates to a measured `makespan`.
 
     A calibration: time one schedule, profile its tasks into `costs` (``Costs.from_profile``),
@@ -423,8 +430,10 @@ def fit_message_overhead(schedule: Schedule, costs: Costs, makespan: float, *, r
     and 1-2 ms per message by this fit). The makespan of a fixed schedule never falls when a
     task grows, so a bisection finds the smallest overhead that reaches `makespan` (to a
     relative `rel_tol`); 0 when the schedule already simulates at or above it. `costs`'s own
-    overhead is ignored. Raises `ValueError` for a `makespan` that is not a finite number > 0,
-    or for a schedule that sends no message (nothing to fit).
+    overhead is ignored. `predict` maps costs to a predicted step (default: `simulate`'s makespan;
+    ``lambda c: plan_makespan(plan, c)`` fits what a runtime plan's message timing leaves over).
+    Raises `ValueError` for a `makespan` that is not a finite number > 0, or for a schedule that
+    sends no message (nothing to fit).
 
     >>> from zbpp.schedules import build
     >>> sched = build("1f1b", num_ranks=2, num_microbatches=4)
@@ -444,7 +453,8 @@ def fit_message_overhead(schedule: Schedule, costs: Costs, makespan: float, *, r
     costs = replace(costs, message_overhead=0.0)
 
     def step(overhead: float) -> float:
-        return simulate(schedule, replace(costs, message_overhead=overhead)).makespan
+        charged = replace(costs, message_overhead=overhead)
+        return simulate(schedule, charged).makespan if predict is None else predict(charged)
 
     if step(0.0) >= makespan:
         return 0.0
