@@ -32,19 +32,21 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_bench_pipeline_quick_under_torchrun(tmp_path):
-    """The default model, then the MLP stack over two microbatch counts appended to the same JSON:
-    every row timed, an ideal row per case, the simulator's prediction on every zbpp row, a pick."""
+    """The default model, then the MLP stack over two microbatch counts appended to the same JSON
+    (its plans made from the measured costs): every row timed, the ideal rows, the prediction on
+    every zbpp row, a pick."""
     out = tmp_path / "bench.json"
     proc = _torchrun("--quick", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     proc = _torchrun("--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto",
                      "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2",
-                     "--append", "--out", str(out))
+                     "--plan-comm", "measured", "--append", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert all("step_ms" in r for r in rows), [r for r in rows if "error" in r]
     assert [run["model"] for run in doc["meta"]["runs"]] == ["transformer", "mlp-stack"]
+    assert [run["config"]["plan_comm"] for run in doc["meta"]["runs"]] == [None, "measured"]
     # the code that ran, independent of git (benchmarks/provenance.py)
     assert doc["meta"]["zbpp_sha256"] == source_fingerprint()
     cases = {(r["model"], r["m"]) for r in rows}
