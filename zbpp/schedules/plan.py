@@ -39,8 +39,8 @@ Why it cannot deadlock. Give each boundary the simulated time at which the rank 
 end of the task before it) and read every wait as pointing from a later to an earlier time: a task
 waits for its received messages, whose sends are issued at boundaries no later than the receive's
 or, for a receive posted before its data exists, right after the producer, which ends before the
-consuming task starts; a receive is never issued after the consuming task's start; a send waits for its producing task, which ends
-before the boundary; an operation on a channel waits for the earlier ones, whose ends are issued
+consuming task starts (and no receive is issued after that start); a send waits for its producing
+task, which ends before the boundary; an operation on a channel waits for the earlier ones, whose ends are issued
 no later. All simulated costs are positive, so every chain of waits descends strictly in time
 and ends. This holds for NCCL (per-channel queues) and gloo alike; `tests/schedules/test_plan.py`
 replays every built-in schedule on a model of NCCL's strictest matching.
