@@ -78,7 +78,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
 import re
 import statistics
