@@ -44,12 +44,11 @@ bubble rate and the simulator's prediction: after the warm-up, two steps run on 
 step of a Pipeline exchanges activation shapes, so the second's records are kept),
 ``Costs.from_profile`` turns its task times into per-stage F, B, W costs, the message time
 ``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, and
-the predicted step is ``zbpp.schedules.plan.plan_makespan(plan, costs)``: the simulator's timeline
-of the plan the row's Pipeline ran, with each message leaving only once both its ends are posted
-(NCCL's rendezvous; ``simulated_ms`` in the JSON is ``simulate``'s, where messages leave with their
-producer: on a slow link with a plan made for a fast one, the two differ by 9-19%). Its ``message_overhead`` (compute
-time a rank loses per message it sends or receives: on NCCL over sockets NCCL's kernels hold SMs
-while the link is busy) is fitted on the measured step of the ``--pick-costs-from`` row
+the predicted step is ``zbpp.schedules.plan.plan_makespan(pipe.plan, costs)``: the simulator's
+timeline of the plan the row's Pipeline ran, with each message leaving only once both its ends are
+posted (NCCL's rendezvous; ``simulated_ms`` in the JSON is ``simulate``'s, where messages leave
+with their producer: on a slow link with a plan made for a fast one, the two differ by 9-19%).
+Its ``message_overhead`` (compute time a rank loses per message it sends or receives) is fitted on the measured step of the ``--pick-costs-from`` row
 (``zbpp.schedules.fit_message_overhead``): that row matches its prediction by construction, every
 other row is predicted (``--no-message-overhead``: 0, messages as latency only). Timing GEMMs
 beside one message, the probe of an earlier version, measured 0.025 ms on sockets where the fit
@@ -95,8 +94,8 @@ from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_a
 from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, fit_message_overhead, options_of, simulate
 from zbpp.schedules.bounds import lower_bound
-from zbpp.schedules.plan import make_plan, plan_makespan
-from zbpp.schedules.select import evaluate_candidates
+from zbpp.schedules.plan import plan_makespan
+from zbpp.schedules.select import evaluate_candidates, scale_to_stages
 
 from provenance import code_identity  # benchmarks/provenance.py (this script's folder is on sys.path)
 
@@ -394,7 +393,6 @@ class Bench:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self._profiles = 0  # steps profiled with --kernel-profile
-        self._plan_costs: dict[int, Costs | None] = {}  # id(schedule) -> the costs its Pipeline's plan had
         self.backend = backend
         self.transport = backend + ("-socket" if args.socket and backend == "nccl" else "")
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if self.cuda else "fp32")]
@@ -610,17 +608,14 @@ class Bench:
         a = self.args
         ctas = None if str(a.comm_max_ctas).lower() == "none" else int(a.comm_max_ctas)
         plan_costs = None
-        if a.plan_comm == "measured" and measured is not None:  # per stage of this schedule: a share of a rank-stage
-            share = sched.num_stages // self.p
-            plan_costs = Costs(f=statistics.mean(_tuple(measured.f)) / share, b=statistics.mean(_tuple(measured.b)) / share,
-                               w=statistics.mean(_tuple(measured.w)) / share, comm=comm_s)
+        if a.plan_comm == "measured" and measured is not None:  # the ideal's rank-stages cut into this schedule's stages
+            plan_costs, _ = scale_to_stages(dataclasses.replace(measured, comm=comm_s), Memory(), self.p, n)
         elif a.plan_comm not in (None, "measured"):
             plan_costs = Costs(1, 1, 1, comm=a.plan_comm)
         knobs: dict[str, Any] = {"comm": CommOptions(max_ctas=ctas, high_priority_streams=a.high_priority),
                                  "recv_lead": a.recv_lead,
                                  "costs": plan_costs}
         pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, **knobs)
-        self._plan_costs[id(sched)] = plan_costs  # what the prediction replays (`_predict`)
         profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True, **knobs)
         params = list(pipe.parameters())
 
@@ -638,6 +633,8 @@ class Bench:
         if recs is not None:
             costs = Costs.from_profile(recs, n, comm=comm_s)
             out.update({"measured_bubble": measured_bubble_rate(recs), "num_stages": n})
+        out["_plan"] = pipe.plan  # what `_predict` replays
+        out["plan_costs_ms"] = None if plan_costs is None else _costs_ms(plan_costs)  # None: DEFAULT_COSTS
         del pipe, profiled, mine, params
         return out, self.bcast(costs)
 
@@ -709,7 +706,6 @@ class Bench:
             out, costs = self.run_zbpp(spec.with_kind(k), sched, comm_s, ideal_info.get(k, {}).get("costs"))
             row.update(out)
             row["_schedule"], row["_costs"] = sched, costs
-            row["_plan"] = make_plan(sched, costs=self._plan_costs.pop(id(sched), None))
             if k == kind:
                 costs_of[row["schedule"]] = costs
 
@@ -921,9 +917,9 @@ class Bench:
                           f"{k['gemms_beside_nccl']}/{k['gemms']} beside NCCL (+{k['gemm_excess_ms']:.2f} ms); "
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
-        print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal rows); pred ms = plan_makespan(the row's plan, Costs.from_profile(profiled "
-              "step) + measured comm + fitted overhead): simulate's step with each message leaving once both its ends are "
-              "posted; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
+        print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal "
+              "rows); pred ms = plan_makespan(the row's plan, Costs.from_profile(profiled step) + measured comm + "
+              "fitted overhead): simulate's step with each message leaving once both its ends are posted; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
               "placement with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining "
               "step / step")
 
@@ -934,9 +930,9 @@ def _fitted_on(case: dict[str, Any]) -> str:
 
 
 def _predict(row: dict[str, Any], overhead_s: float) -> None:
-    """A zbpp row's prediction: `simulate` of its schedule with the costs of its own profiled step
-    and the case's message overhead (fitted on the pick-costs row's measured step), and the lower
-    bound of its placement with them."""
+    """A zbpp row's prediction: `plan_makespan` of the plan its Pipeline ran, with the costs of its
+    own profiled step and the case's message overhead (fitted on the pick-costs row's measured
+    step); `simulate`'s step and the lower bound of its placement with the same costs."""
     sched, costs, plan = row.get("_schedule"), row.get("_costs"), row.get("_plan")
     if sched is None or costs is None or plan is None or "step_ms" not in row:
         return

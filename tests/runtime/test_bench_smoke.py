@@ -57,7 +57,7 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
         # one ideal per layers kind that runs, zbpp's and torch.nn's, first and again last
         ideals = [(r["schedule"], r["layers"]) for r in case if r["impl"] == "ideal"]
         assert ideals == [("ideal", "zbpp"), ("ideal", "torch"), ("ideal (end)", "zbpp"), ("ideal (end)", "torch")]
-        assert case[-1]["impl"] == "ideal" or case[-2]["impl"] == "ideal"  # the end rows close the case
+        assert [r["schedule"] for r in case[-2:]] == ["ideal (end)"] * 2  # the end rows close the case
         ideal = {k: (sum(r["step_ms"] for r in case if r["impl"] == "ideal" and r["layers"] == k) / 2)
                  for k in ("zbpp", "torch")}
         for r in case:
@@ -78,6 +78,15 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
         assert fits[0]["simulated_ms"] == min(c["simulated_ms"] for c in fits)
     assert {(r["schedule"], r["layers"]) for r in rows if r["model"] == "mlp-stack" and r["impl"] == "zbpp"} == {
         ("zb-h1", "zbpp"), ("zbv-auto", "zbpp"), ("zb-h1", "torch")}
+    comm = {(c["run"], c["m"]): c["comm_ms"] for c in doc["meta"]["cases"]}  # one layers kind per case here
+    for r in rows:  # --plan-comm measured: the mlp run's plans got the ideal's costs cut to their stages
+        if r["impl"] in ("zbpp", "pick"):
+            plan_costs = r["plan_costs_ms"]
+            if r["model"] == "transformer":
+                assert plan_costs is None  # the plan's DEFAULT_COSTS
+            else:
+                assert plan_costs["comm"] == pytest.approx(comm[(r["run"], r["m"])])
+                assert len(plan_costs["f"]) == r["num_stages"] and min(plan_costs["f"]) > 0
     for case in doc["meta"]["cases"]:  # the overhead fitted on one row reaches every zbpp row's costs
         assert case["message_overhead_ms"] >= 0
         fitted = [r for r in rows if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"])

@@ -177,3 +177,9 @@ def test_socket_overhead_fitted_on_zb_h1_predicts_zb_v(path):
     assert 1.0 < o < 3.0  # ms per message: a share of the 7.7-8.3 ms each message took
     predicted = simulate(v, dataclasses.replace(v_costs, message_overhead=o)).makespan
     assert predicted == pytest.approx(v_ms, rel=0.02)
+
+
+def test_fit_names_a_predictor_that_ignores_the_overhead():
+    sched = build("1f1b", num_ranks=2, num_microbatches=4)
+    with pytest.raises(ValueError, match="does `predict` use the costs' message_overhead"):
+        fit_message_overhead(sched, Costs(), 100.0, predict=lambda costs: 10.0)

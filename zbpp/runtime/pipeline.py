@@ -215,6 +215,13 @@ class Pipeline:
         return self.schedule.num_stages - 1 in self.stage_modules
 
     @property
+    def plan(self) -> Plan:
+        """The communication plan its training steps execute (`zbpp.schedules.plan.make_plan` of
+        the schedule, with the constructor's ``costs`` and ``recv_lead``): where each rank issues
+        each send and receive; `zbpp.schedules.plan.plan_makespan` predicts its step."""
+        return self._plan
+
+    @property
     def reducer(self) -> Any:
         """The data-parallel `GradReducer`, or None without data parallelism."""
         return self._reducer

@@ -115,8 +115,8 @@ class Costs:
         stage's mean measured B and W; if that stage has no split records, in the ratio pooled
         over all stages that have them; with no split records at all, half and half (each linear
         layer's dgrad and wgrad are one GEMM of the same size). `comm` and `message_overhead` are
-        passed through: they are measured apart (records of a profiled step hold each task's
-        compute; bench_pipeline measures the overhead with a probe).
+        passed through: records of a profiled step hold each task's compute, not the link's time
+        (measure `comm` apart; fit the overhead with `fit_message_overhead`).
 
         >>> recs = [{"action": "F0.0", "start": 0.0, "end": 1.0}, {"action": "BW0.0", "start": 1.0, "end": 4.0},
         ...         {"action": "F1.0", "start": 1.0, "end": 2.0}, {"action": "B1.0", "start": 2.0, "end": 3.0},
@@ -459,8 +459,13 @@ def fit_message_overhead(
     if step(0.0) >= makespan:
         return 0.0
     lo, hi = 0.0, makespan
-    while step(hi) < makespan:  # a task that sends a message then takes `makespan` itself
+    for _ in range(64):  # under `simulate` one step is enough: a task that sends then takes `makespan` itself
+        if step(hi) >= makespan:
+            break
         lo, hi = hi, 2 * hi
+    else:
+        raise ValueError(f"fit_message_overhead: no overhead up to {hi:g} reaches the makespan {makespan!r}; "
+                         "does `predict` use the costs' message_overhead?")
     for _ in range(200):  # halves [lo, hi] until it is within rel_tol of the overhead
         if hi - lo <= rel_tol * hi:
             break
