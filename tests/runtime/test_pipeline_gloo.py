@@ -11,6 +11,7 @@ import pytest
 from zbpp.schedules import available
 
 from .cases import (
+    SLOW_LINK_NAMES,
     check_bad_groups,
     check_bad_input,
     check_data_parallel,
@@ -22,6 +23,7 @@ from .cases import (
     check_release,
     check_schedule,
     check_slow_link_plan,
+    slow_link_case,
     standard_cases,
 )
 
@@ -31,11 +33,19 @@ P = 4
 KINDS = ["plain", "zbpp", "mixed"]
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "dualpipe-v"])
+@pytest.mark.parametrize("name", SLOW_LINK_NAMES[P])
 def test_slow_link_plan_matches_single_process(zbpp_workers, name):
     """Receives posted before their data exists (a plan for a link slower than a task)."""
     worst = zbpp_workers(P).run(check_slow_link_plan, name, P)
     assert max(worst) < 1e-3  # checked per tensor inside (rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", sorted(SLOW_LINK_NAMES))
+def test_slow_link_cases_post_receives_early(p):
+    """Every schedule the slow-link tests run (here and on NCCL, p = 2) posts a receive before its
+    data exists: otherwise its distributed case would fail on its own guard, or test nothing new."""
+    for name in SLOW_LINK_NAMES[p]:
+        slow_link_case(name, p)
 
 
 @pytest.mark.parametrize("name", available())

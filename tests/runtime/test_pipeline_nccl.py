@@ -18,7 +18,15 @@ import pytest
 from zbpp.schedules import available
 from zbpp.testing import gpus_available
 
-from .cases import check_cuda_memory, check_many_steps, check_profile, check_schedule, check_slow_link_plan, standard_cases
+from .cases import (
+    SLOW_LINK_NAMES,
+    check_cuda_memory,
+    check_many_steps,
+    check_profile,
+    check_schedule,
+    check_slow_link_plan,
+    standard_cases,
+)
 
 pytestmark = [
     pytest.mark.nccl,
@@ -35,7 +43,7 @@ def test_schedule_matches_single_process_on_nccl(zbpp_workers, name, eager):
     assert max(worst) < 1e-2
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("name", SLOW_LINK_NAMES[P])
 def test_slow_link_plan_on_nccl(zbpp_workers, name):
     """A plan for a slow link posts receives before their data exists: NCCL must not deadlock on it
     and the step must equal one process."""
