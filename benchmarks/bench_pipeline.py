@@ -48,11 +48,16 @@ the predicted step is ``zbpp.schedules.plan.plan_makespan(pipe.plan, costs)``: t
 timeline of the plan the row's Pipeline ran, with each message leaving only once both its ends are
 posted (NCCL's rendezvous; ``simulated_ms`` in the JSON is ``simulate``'s, where messages leave
 with their producer: on a slow link with a plan made for a fast one, the two differ by 9-19%).
-Its ``message_overhead`` (compute time a rank loses per message it sends or receives) is fitted on the measured step of the ``--pick-costs-from`` row
-(``zbpp.schedules.fit_message_overhead``): that row matches its prediction by construction, every
-other row is predicted (``--no-message-overhead``: 0, messages as latency only). Timing GEMMs
-beside one message, the probe of an earlier version, measured 0.025 ms on sockets where the fit
-finds 2 ms.
+Zbpp's plans are made for the measured link (``--plan-comm``, default ``measured``: the ideal's
+F, B, W and the measured message time), and no parameter is fitted: on 2 x H200 the prediction was
+within 2% of every zbpp row over NVLink and over sockets. ``--fit-message-overhead`` adds a
+``message_overhead`` (compute a rank loses per message it sends or receives) fitted on the
+measured step of the ``--pick-costs-from`` row (``zbpp.schedules.fit_message_overhead``): that row
+then matches by construction; it stood in for receives posted too late for a slow link, before
+plans were made for the link, and over NVLink it over-predicts the V schedules, which send twice
+the messages. ``--telemetry`` samples the GPUs with nvidia-smi (`gpu_telemetry.py`) and adds each
+row's mean SM clock, power and temperature over its timed steps: at the power cap a GPU's clock is
+what its other work leaves of the power budget.
 
 The pick: costs per rank-stage from the profiled step of ``--pick-costs-from`` (default zb-h1;
 the ideal's profile when that row is absent), ``comm`` as above, and memory per rank-stage and
@@ -97,7 +102,8 @@ from zbpp.schedules.bounds import lower_bound
 from zbpp.schedules.plan import plan_makespan
 from zbpp.schedules.select import evaluate_candidates, scale_to_stages
 
-from provenance import code_identity  # benchmarks/provenance.py (this script's folder is on sys.path)
+from gpu_telemetry import Telemetry  # benchmarks/gpu_telemetry.py (this script's folder is on sys.path)
+from provenance import code_identity
 
 ZBPP_DEFAULT = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v",
                 "zb-auto", "zbv-auto"]
@@ -113,15 +119,15 @@ PING_PONGS = 10  # timed round trips of the comm measurement (after 3 untimed)
 
 # -- options ------------------------------------------------------------------------------------
 def _plan_comm(text: str) -> float | str:
-    """--plan-comm: 'measured', or a link time >= 0 in task units."""
-    if text == "measured":
+    """--plan-comm: 'measured', 'default', or a link time >= 0 in task units."""
+    if text in ("measured", "default"):
         return text
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give 'measured' or a number >= 0 (task units)")
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'measured', 'default' or a number >= 0 (task units)")
     return value
 
 
@@ -188,22 +194,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--recv-lead", type=int, default=0, help="zbpp's Pipeline(recv_lead=...): extra tasks of margin before "
                     "each receive")
     ap.add_argument("--high-priority", action="store_true", help="zbpp's CommOptions.high_priority_streams")
-    ap.add_argument("--plan-comm", type=_plan_comm, default=None,
-                    help="the link time zbpp's plan places receives by: a number in task units (0 posts each just "
-                         "before its consumer), or 'measured': the plan gets the ideal's measured F/B/W and the "
-                         "measured message time (Pipeline(costs=...), what a slow link needs; default: the plan's "
-                         "DEFAULT_COSTS, a fast link)")
+    ap.add_argument("--plan-comm", type=_plan_comm, default="measured",
+                    help="the times zbpp's plan places sends and receives by: 'measured' (default): the ideal's "
+                         "measured F/B/W and the measured message time (Pipeline(costs=...), what a slow link "
+                         "needs); 'default': the plan's DEFAULT_COSTS (unit tasks, a fast link); or a link time in "
+                         "task units with unit tasks (0 posts each receive just before its consumer)")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR", help="after each row's timed steps, profile one "
                     "more step (torch.profiler, GPUs) into DIR and add where its time went (kernel_timeline.py) to the row")
-    ap.add_argument("--no-message-overhead", action="store_true",
-                    help="do not fit the message overhead on the pick-costs row: the simulator and the pick see messages as "
-                         "latency only")
+    ap.add_argument("--fit-message-overhead", action="store_true",
+                    help="fit Costs.message_overhead (compute lost per message) on the pick-costs row's measured step "
+                         "and add it to every prediction and to the pick (default: none; with plans made for the "
+                         "measured link, plan_makespan alone predicted every row within 2%%)")
     ap.add_argument("--socket", action="store_true",
                     help="NCCL over TCP sockets on the loopback interface (sets NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
                     "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo before init): a stand-in for a network link")
     ap.add_argument("--heat-soak", type=float, default=30.0,
                     help="seconds of back-to-back GEMMs on every GPU before the first case (0: none): a GPU at "
                          "its power cap clocks lower as it warms, so rows timed from a cold start run faster")
+    ap.add_argument("--telemetry", action="store_true",
+                    help="sample the GPUs of rank 0's host with nvidia-smi (SM clock, power, temperature) and add each "
+                         "row's means over its timed steps to the row and the table")
     ap.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--append", action="store_true", help="add this run's rows to the JSON already at --out")
@@ -244,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if what == "GiB" and (args.quick or not torch.cuda.is_available()):
             ap.error(f"--pick-memory-limit {args.pick_memory_limit}: GiB needs the activation size measured on a GPU; "
                      "give it in rank-stage activations (e.g. 2)")
+    if args.telemetry and (args.quick or not torch.cuda.is_available()):
+        ap.error("--telemetry samples NVIDIA GPUs (nvidia-smi); this is a CPU run")
     if args.append and not args.out:
         ap.error("--append needs --out (the JSON file to add to)")
     return args
@@ -410,6 +422,7 @@ class Bench:
         self.torch_names = [n for n in args.torch.split(",") if n]
         self.zbpp_torch_names = [n for n in args.zbpp_torch_layers.split(",") if n]
         self._check_options()
+        self.telemetry = Telemetry.start() if args.telemetry and self.rank == 0 else None
 
     def _check_options(self) -> None:
         """Refuse what cannot run before any GPU time: a --layers that some requested schedule
@@ -460,6 +473,7 @@ class Bench:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
+        started = time.time()
         for i in range(a.steps):
             x, y = spec.batch(m, n + i, self.device, self.dtype)
             self.sync()
@@ -469,7 +483,12 @@ class Bench:
             times.append(time.perf_counter() - t0)
         step_s = self.all_max(statistics.median(times))  # a step takes as long as its slowest rank
         peak = self.all_max(torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0)
-        out = {"step_ms": 1e3 * step_s, "tokens_per_s": m * spec.tokens / step_s, "peak_mem_gib": peak}
+        out = {"step_ms": 1e3 * step_s, "tokens_per_s": m * spec.tokens / step_s, "peak_mem_gib": peak,
+               # wall clock of the timed steps, to line a row up with GPU telemetry (clocks, power)
+               # sampled beside the run, e.g. `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 100`
+               "timed_unix_s": [started, time.time()]}
+        if self.telemetry is not None:
+            out["gpu"] = self.telemetry.window(*out["timed_unix_s"])
         if a.kernel_profile and self.cuda:
             out["kernels"] = self.kernel_profile(run_step, spec.batch(m, n + a.steps, self.device, self.dtype))
         return out
@@ -610,7 +629,7 @@ class Bench:
         plan_costs = None
         if a.plan_comm == "measured" and measured is not None:  # the ideal's rank-stages cut into this schedule's stages
             plan_costs, _ = scale_to_stages(dataclasses.replace(measured, comm=comm_s), Memory(), self.p, n)
-        elif a.plan_comm not in (None, "measured"):
+        elif a.plan_comm not in ("default", "measured"):
             plan_costs = Costs(1, 1, 1, comm=a.plan_comm)
         knobs: dict[str, Any] = {"comm": CommOptions(max_ctas=ctas, high_priority_streams=a.high_priority),
                                  "recv_lead": a.recv_lead,
@@ -728,7 +747,7 @@ class Bench:
             c = ideal_info[kind]["costs"]
             pick_costs = Costs(c.f, c.b, c.w, comm_s)
         overhead_s = 0.0
-        if pick_costs is not None and source != "ideal" and p > 1 and not a.no_message_overhead:  # p = 1: no messages
+        if pick_costs is not None and source != "ideal" and p > 1 and a.fit_message_overhead:  # p = 1: no messages
             measured = next(r for r in rows if r["impl"] == "zbpp" and r["layers"] == kind and r["schedule"] == source)
             overhead_s = fit_message_overhead(measured["_schedule"], pick_costs, measured["step_ms"] / 1e3,
                                               predict=lambda c, plan=measured["_plan"]: plan_makespan(plan, c))
@@ -879,6 +898,8 @@ class Bench:
                 cases.append(case)
                 if self.rank == 0:
                     self.print_case(case, case_rows)
+        if self.telemetry is not None:
+            self.telemetry.stop()
         return rows, cases
 
     def print_case(self, case: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -899,7 +920,7 @@ class Bench:
                   f"rank-stage activations" + (f" (1 = {case['pick_memory']['unit_gib']:.2f} GiB)"
                                                if case['pick_memory']['unit_gib'] else ""))
         print(f"{'impl':<6} {'schedule':<30} {'layers':<6} {'step ms':>9} {'% ideal':>8} {'pred ms':>9} {'meas/pred':>9} "
-              f"{'bound ms':>9} {'bubble':>7} {'x torch':>8} {'peak GiB':>9}")
+              f"{'bound ms':>9} {'bubble':>7} {'x torch':>8} {'peak GiB':>9}" + ("  SM MHz per GPU" if self.telemetry else ""))
         for x in rows:
             if "error" in x:
                 print(f"{x['impl']:<6} {x['schedule']:<30} {x['layers']:<6} failed: {x['error']}")
@@ -908,7 +929,8 @@ class Bench:
                   f"{_fmt(x.get('pct_of_ideal'), '.1f'):>8} {_fmt(x.get('predicted_ms'), '.2f'):>9} "
                   f"{_fmt(x.get('measured_over_predicted'), '.3f'):>9} {_fmt(x.get('bound_ms'), '.2f'):>9} "
                   f"{_fmt(x.get('measured_bubble'), '.3f'):>7} "
-                  f"{_fmt(x.get('ratio_vs_best_torch'), '.3f'):>8} {x['peak_mem_gib']:>9.2f}")
+                  f"{_fmt(x.get('ratio_vs_best_torch'), '.3f'):>8} {x['peak_mem_gib']:>9.2f}"
+                  + ("  " + "/".join(f"{g['sm_mhz']:.0f}" for g in x["gpu"].values()) if x.get("gpu") else ""))
         for x in rows:
             for r, k in enumerate(x.get("kernels") or []):
                 if k and k.get("kernels"):
@@ -918,8 +940,10 @@ class Bench:
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
         print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal "
-              "rows); pred ms = plan_makespan(the row's plan, Costs.from_profile(profiled step) + measured comm + "
-              "fitted overhead): simulate's step with each message leaving once both its ends are posted; bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
+              "rows); pred ms = plan_makespan(the row's plan, Costs.from_profile(profiled step) + measured comm"
+              + (" + fitted overhead" if self.args.fit_message_overhead else "")
+              + "): simulate's step with each message leaving once both its ends are posted; "
+              "bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
               "placement with those costs (no schedule beats it); x torch = fastest torch.distributed.pipelining "
               "step / step")
 
@@ -977,6 +1001,12 @@ def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     pick = next((r for r in ok if r["impl"] == "pick"), None)
     if pick is not None and best_zbpp is not None:
         out["pick"] = {"schedule": pick["schedule"], "vs_best_zbpp": best_zbpp["step_ms"] / pick["step_ms"]}
+        # the pick may only choose schedules that fit its memory limit: compare it with the best of those too
+        fits = {c["schedule"]: c["fits"] for c in pick.get("pick_candidates", [])}
+        within = fastest([r for r in mine if fits.get(r["schedule"])])
+        if within is not None:
+            out["pick"].update({"best_zbpp_within_limit": within["schedule"],
+                                "vs_best_zbpp_within_limit": within["step_ms"] / pick["step_ms"]})
     # the row the overhead was fitted on matches by construction: the others are predictions
     off = [abs(r["measured_over_predicted"] - 1) for r in mine
            if "measured_over_predicted" in r and not r.get("overhead_fitted_here")]
@@ -998,7 +1028,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     if "zbpp_1f1b_torch_layers_vs_torch_1f1b" in s:
         parts.append(f"zbpp 1f1b on torch.nn layers {s['zbpp_1f1b_torch_layers_vs_torch_1f1b']:.3f}x torch's Schedule1F1B")
     if "pick" in s:
-        parts.append(f"pick {s['pick']['schedule']} at {s['pick']['vs_best_zbpp']:.3f} of the best zbpp step")
+        k = s["pick"]
+        parts.append(f"pick {k['schedule']} at {k['vs_best_zbpp']:.3f} of the best zbpp step"
+                     + (f", {k['vs_best_zbpp_within_limit']:.3f} of the best within its memory limit "
+                        f"({k['best_zbpp_within_limit']})" if "best_zbpp_within_limit" in k else ""))
     if "max_abs_measured_over_predicted_minus_1" in s:
         parts.append(f"measured within {100 * s['max_abs_measured_over_predicted_minus_1']:.1f}% of predicted")
     if parts:

@@ -15,12 +15,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (registered, so that its dataclasses resolve their module)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def source_fingerprint() -> str:
     """benchmarks/provenance.py's fingerprint of this checkout's zbpp sources (what the JSON must carry)."""
-    spec = importlib.util.spec_from_file_location("provenance", ROOT / "benchmarks" / "provenance.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.source_fingerprint()
+    return _load_benchmark("provenance").source_fingerprint()
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
@@ -32,21 +38,24 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_bench_pipeline_quick_under_torchrun(tmp_path):
-    """The default model, then the MLP stack over two microbatch counts appended to the same JSON
-    (its plans made from the measured costs): every row timed, the ideal rows, the prediction on
+    """The default model (its plans made for the plan's default costs), then the MLP stack over two
+    microbatch counts appended to the same JSON (its plans made from the measured costs, the
+    default, and a message overhead fitted): every row timed, the ideal rows, the prediction on
     every zbpp row, a pick."""
     out = tmp_path / "bench.json"
-    proc = _torchrun("--quick", "--out", str(out))
+    proc = _torchrun("--quick", "--plan-comm", "default", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     proc = _torchrun("--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto",
                      "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2",
-                     "--plan-comm", "measured", "--append", "--out", str(out))
+                     "--fit-message-overhead", "--append", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert all("step_ms" in r for r in rows), [r for r in rows if "error" in r]
     assert [run["model"] for run in doc["meta"]["runs"]] == ["transformer", "mlp-stack"]
-    assert [run["config"]["plan_comm"] for run in doc["meta"]["runs"]] == [None, "measured"]
+    assert [run["config"]["plan_comm"] for run in doc["meta"]["runs"]] == ["default", "measured"]
+    fit = [run["config"]["fit_message_overhead"] for run in doc["meta"]["runs"]]
+    assert fit == [False, True]
     # the code that ran, independent of git (benchmarks/provenance.py)
     assert doc["meta"]["zbpp_sha256"] == source_fingerprint()
     cases = {(r["model"], r["m"]) for r in rows}
@@ -89,6 +98,10 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
                 assert len(plan_costs["f"]) == r["num_stages"] and min(plan_costs["f"]) > 0
     for case in doc["meta"]["cases"]:  # the overhead fitted on one row reaches every zbpp row's costs
         assert case["message_overhead_ms"] >= 0
+        if not fit[case["run"]]:  # not asked for: none fitted, none charged
+            assert case["message_overhead_ms"] == 0 and "overhead_fitted_on" not in case
+            assert not any(r.get("overhead_fitted_here") for r in rows if r["run"] == case["run"])
+            continue
         fitted = [r for r in rows if (r["run"], r["m"], r["layers"]) == (case["run"], case["m"], case["layers"])
                   and r.get("overhead_fitted_here")]
         assert [(r["impl"], r["schedule"]) for r in fitted] == [("zbpp", case["overhead_fitted_on"])]
@@ -107,6 +120,14 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
         pick = next(r for r in case_rows if r["impl"] == "pick")
         assert summary["best_zbpp"]["schedule"] == best["schedule"]
         assert summary["pick"]["vs_best_zbpp"] == pytest.approx(best["step_ms"] / pick["step_ms"])
+        fits = {c["schedule"] for c in pick["pick_candidates"] if c["fits"]}
+        within = min((r for r in case_rows if r["impl"] == "zbpp" and r["layers"] == case["layers"]
+                      and r["schedule"] in fits), key=lambda r: r["step_ms"], default=None)
+        if within is None:
+            assert "best_zbpp_within_limit" not in summary["pick"]
+        else:
+            assert summary["pick"]["best_zbpp_within_limit"] == within["schedule"]
+            assert summary["pick"]["vs_best_zbpp_within_limit"] == pytest.approx(within["step_ms"] / pick["step_ms"])
         assert summary["best_zero_bubble"]["schedule"] != "1f1b"  # 1F1B has no W task
 
 
@@ -140,3 +161,32 @@ def test_bench_modules_quick(tmp_path):
                                      "delay_overhead_bf16_sustained",
                                      "delay_overhead_fp8_sustained"}
     assert report["config"]["grad"] == "randn"
+
+
+
+def test_gpu_telemetry_window_means_per_gpu(tmp_path):
+    """benchmarks/gpu_telemetry.py: nvidia-smi's UTC rows averaged per GPU over a window, by hand:
+    GPU 0 has two samples inside (1400 and 1500 MHz), GPU 1 one; rows outside the window or
+    unreadable ([N/A], a line cut short) are left out."""
+    telemetry = _load_benchmark("gpu_telemetry")
+    log = tmp_path / "smi.csv"
+    log.write_text("2026/11/30 19:00:00.000, 0, 1900, 300.0, 40\n"    # before the window
+                   "2026/11/30 19:00:01.000, 0, 1400, 690.0, 60\n"
+                   "2026/11/30 19:00:01.500, 1, 1600, 680.0, 55\n"
+                   "2026/11/30 19:00:01.600, 1, [N/A], 680.0, 55\n"
+                   "2026/11/30 19:00:02.000, 0, 1500, 700.0, 62\n"
+                   "2026/11/30 19:00:05.000, 0, 1000, 100.0, 70\n"    # after it
+                   "2026/11/30 19:00:02.5")
+    t0 = 1796065200.5  # 2026-11-30 19:00:00.5 UTC
+    with open(log, "a+") as fh:
+        sampler = telemetry.Telemetry(process=None, log=fh)
+        got = sampler.window(t0, t0 + 2.0)
+    assert got == {"0": {"sm_mhz": 1450.0, "power_w": 695.0, "temp_c": 61.0, "samples": 2},
+                   "1": {"sm_mhz": 1600.0, "power_w": 680.0, "temp_c": 55.0, "samples": 1}}
+
+
+def test_bench_pipeline_refuses_telemetry_on_cpu():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--quick", "--telemetry"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--telemetry samples NVIDIA GPUs" in proc.stderr, proc.stderr[-2000:]
