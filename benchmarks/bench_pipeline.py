@@ -39,9 +39,9 @@ Per row: the median step time over ``--steps`` steps after ``--warmup`` (no opti
 pipeline is what is measured; a step is as long as its slowest rank, after a device
 synchronisation), % of ideal (100 x ideal / step), x best torch (fastest torch step / this step)
 and the peak memory allocated during the timed steps (largest rank). zbpp rows add the measured
-bubble rate and the simulator's prediction: after the warm-up, two steps run on a second
-`Pipeline` over the same modules with ``profile=True`` (the timed steps run unprofiled; the first
-step of a Pipeline exchanges activation shapes, so the second's records are kept),
+bubble rate and the simulator's prediction: after the warm-up, ``--profile-steps`` steps (default
+3) run on a second `Pipeline` over the same modules with ``profile=True`` (the timed steps run
+unprofiled; the first step of a Pipeline exchanges activation shapes; the last's records are kept),
 ``Costs.from_profile`` turns its task times into per-stage F, B, W costs, the message time
 ``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, and
 the predicted step is ``zbpp.schedules.plan.plan_makespan(pipe.plan, costs)``: the simulator's
@@ -175,8 +175,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="transformer: older spelling of --tokens (in rows)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default 20)")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed steps per row before them (default 5); zbpp rows then run two profiled steps "
-                    "on a second Pipeline, the ideal one, before the timed steps")
+                    help="untimed steps per row before them (default 5); zbpp rows then run --profile-steps "
+                    "profiled steps on a second Pipeline, the ideal one, before the timed steps")
+    ap.add_argument("--profile-steps", type=int, default=3,
+                    help="profiled steps per zbpp row (default 3, at least 2: the first step of a Pipeline exchanges "
+                    "activation shapes); the costs come from the last")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--zbpp", default=None, help="zbpp schedules (comma separated)")
     ap.add_argument("--torch", default=None, help="torch.distributed.pipelining schedules (comma separated)")
@@ -246,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--warmup {args.warmup}: need >= 1 (the first step of a Pipeline exchanges activation shapes)")
     if args.steps < 1:
         ap.error(f"--steps {args.steps}: need >= 1")
+    if args.profile_steps < 2:
+        ap.error(f"--profile-steps {args.profile_steps}: need >= 2 (the first step of a Pipeline exchanges shapes)")
     if "fp8" in args.layers_kind and (args.quick or not torch.cuda.is_available()):
         ap.error("--layers-kind fp8 needs CUDA GPUs (FP8 GEMMs on Hopper); this is a CPU run" +
                  (" (--quick runs gloo on CPU)" if args.quick else ""))
@@ -643,10 +648,10 @@ class Bench:
             for q in params:
                 q.grad = None
 
-        # two profiled steps: the first step of a new Pipeline exchanges activation shapes (host waits
-        # that would show as bubble); the records are the second's
+        # the first step of a new Pipeline exchanges activation shapes (host waits that would show as
+        # bubble); the records are the last profiled step's
         out = self.time_steps(spec, sched.num_microbatches, step, profiled_step=lambda x, y: step(x, y, profiled),
-                              profile_steps=2)
+                              profile_steps=a.profile_steps)
         recs = profiled.profile_records()  # collective; the records land on rank 0
         costs = None
         if recs is not None:
