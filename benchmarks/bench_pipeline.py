@@ -30,6 +30,10 @@ Each case (model, layers kind, microbatches m) times, in one run:
 - zbpp's schedules (``--zbpp``) with the case's layers; ``--zbpp-torch-layers`` (1f1b, zb-h1, zb-v)
   also with torch.nn layers (like for like with torch); ``zb-auto`` / ``zbv-auto`` are built from
   the costs measured in this run (below).
+- ``ordered`` (``--ordered``): each rank runs its tasks of a zbpp schedule in the schedule's order,
+  back to back, with no communication (random inputs where another rank would send them, as the
+  ideal): what the order alone costs against the ideal (memory in flight, caches, the allocator),
+  apart from crossing GPUs and the schedule's fill and drain.
 - torch.distributed.pipelining's schedules (``--torch``) with torch.nn layers.
 - ``pick``: the schedule `zbpp.schedules.pick_schedule` selects from the costs measured in this
   run and ``--pick-memory-limit``; its time is that of the row running the same schedule (or its
@@ -185,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--zbpp", default=None, help="zbpp schedules (comma separated)")
     ap.add_argument("--torch", default=None, help="torch.distributed.pipelining schedules (comma separated)")
+    ap.add_argument("--ordered", default="",
+                    help="zbpp schedules whose task order each rank also runs alone, with no communication and no "
+                         "waiting (rows 'ordered'; comma separated): the order's own cost against the ideal")
     ap.add_argument("--zbpp-torch-layers", default=",".join(ZBPP_TORCH_LAYERS),
                     help="zbpp schedules also run with torch.nn layers, like for like with torch (comma separated; "
                     "with --layers-kind zbpp)")
@@ -428,6 +435,7 @@ class Bench:
         self.zbpp_names = [n for n in args.zbpp.split(",") if n]
         self.torch_names = [n for n in args.torch.split(",") if n]
         self.zbpp_torch_names = [n for n in args.zbpp_torch_layers.split(",") if n]
+        self.ordered_names = [n for n in args.ordered.split(",") if n]
         self._check_options()
         self.telemetry = Telemetry.start() if args.telemetry and self.rank == 0 else None
 
@@ -442,8 +450,13 @@ class Bench:
             if build(src, num_ranks=self.p, num_microbatches=1).num_stages != self.p:
                 raise ValueError(f"--pick-costs-from {src!r}: needs a schedule with one stage per rank (its costs are "
                                  "per rank-stage), e.g. zb-h1")
+        for name in self.ordered_names:
+            if name not in available() or "costs" in options_of(name):
+                fixed = [n for n in available() if "costs" not in options_of(n)]
+                raise ValueError(f"--ordered {name!r}: give zbpp schedules built without measured costs: "
+                                 f"{', '.join(fixed)}")
         counts = {self.p}
-        for name in self.zbpp_names + self.zbpp_torch_names:
+        for name in self.zbpp_names + self.zbpp_torch_names + self.ordered_names:
             if name in available():
                 counts.add(build(name, num_ranks=self.p, num_microbatches=1).num_stages)
         counts |= {self.p * (1 if TORCH_MULTI.get(n) is None else 2) for n in self.torch_names}
@@ -625,6 +638,75 @@ class Bench:
         del stage, acts, grads, delayed
         return row, info
 
+    # -- a schedule's order with no communication -------------------------------------------------
+    def run_ordered(self, spec: ModelSpec, sched: Schedule) -> dict[str, Any]:
+        """Each rank runs its own tasks of `sched` in the schedule's order, back to back, with no
+        communication: random activations and output gradients where another rank would send them
+        (made before the timed steps, as the ideal's), outputs and input gradients handed over in
+        memory between stages of one rank (as the runtime does). Its step against the ideal's is what
+        the order alone costs (memory in flight, caches, the allocator), apart from crossing GPUs
+        and from the schedule's fill and drain."""
+        r, n, m = self.rank, sched.num_stages, sched.num_microbatches
+        mine = sched.stages_on(r)
+        stages = {s: spec.stage(s, n, self.device, self.dtype) for s in mine}
+        delayed = {s: [mod for mod in st.modules() if is_delayed(mod)] for s, st in stages.items()}
+        shape = spec.activation_shape()
+        numel = torch.Size(shape).numel()
+        g = torch.Generator(device=self.device).manual_seed(53 + r)
+
+        def from_other_rank(s: int) -> bool:  # stage s's input comes from another rank
+            return s > 0 and sched.rank_of(s - 1) != r
+
+        def grad_from_other_rank(s: int) -> bool:  # stage s's output gradient comes from another rank
+            return s < n - 1 and sched.rank_of(s + 1) != r
+
+        acts = {(s, j): torch.randn(shape, generator=g, device=self.device).to(self.dtype).requires_grad_()
+                for s in mine if from_other_rank(s) for j in range(m)}
+        grads = {(s, j): torch.randn(shape, generator=g, device=self.device).to(self.dtype) / numel
+                 for s in mine if grad_from_other_rank(s) for j in range(m)}
+
+        def one_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+            inputs: dict[tuple[int, int], Any] = {}
+            outputs: dict[tuple[int, int], torch.Tensor] = {}
+            handed_grad: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its output's gradient
+            for task in sched.orders[r]:
+                s, j = task.stage, task.microbatch
+                if task.kind is Kind.F:
+                    if s == 0:
+                        inp = xs[j]
+                    elif from_other_rank(s):
+                        inp = acts[(s, j)]
+                    else:  # handed over in memory: a fresh leaf, as the runtime makes it
+                        inp = outputs[(s - 1, j)].detach().requires_grad_()
+                    inputs[(s, j)] = inp
+                    with microbatch((s, j)):
+                        out = stages[s](inp)
+                        outputs[(s, j)] = spec.loss_fn(out, ys[j]) / m if s == n - 1 else out
+                    continue
+                if task.kind in (Kind.B, Kind.BW):
+                    out = outputs.pop((s, j))
+                    if s == n - 1:
+                        out.backward()
+                    else:
+                        out.backward(grads[(s, j)] if grad_from_other_rank(s) else handed_grad.pop((s, j)))
+                    inp = inputs.pop((s, j))
+                    if s > 0 and not from_other_rank(s):
+                        handed_grad[(s - 1, j)] = inp.grad
+                    if s > 0:
+                        inp.grad = None  # sent away or handed over
+                if task.kind in (Kind.W, Kind.BW):
+                    for mod in delayed[s]:
+                        mod.backward_dw((s, j))
+            assert not (inputs or outputs or handed_grad), "a task of the order did not run"
+            for st in stages.values():
+                for q in st.parameters():
+                    q.grad = None
+
+        out = self.time_steps(spec, m, one_step)
+        del stages, acts, grads, delayed
+        return out
+
     # -- zbpp -----------------------------------------------------------------------------------
     def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float,
                  measured: Costs | None = None) -> tuple[dict[str, Any], Costs]:
@@ -746,6 +828,12 @@ class Bench:
             opts = {"chunks": 2} if "chunks" in options_of(name) else {}
             record(row, lambda row=row, name=name, opts=opts: zbpp_job(
                 row, lambda: build(name, num_ranks=p, num_microbatches=m, **opts), kind))
+
+        for name in self.ordered_names:  # the same orders with no communication and no waiting
+            row = {"impl": "ordered", "schedule": name, "layers": kind}
+            opts = {"chunks": 2} if "chunks" in options_of(name) else {}
+            record(row, lambda row=row, name=name, opts=opts: row.update(self.run_ordered(
+                spec, build(name, num_ranks=p, num_microbatches=m, **opts))))
 
         # what the pick and the automatic schedules see: costs per rank-stage, comm, memory
         source = a.pick_costs_from if costs_of.get(a.pick_costs_from) is not None else "ideal"
@@ -928,13 +1016,13 @@ class Bench:
                   f"F {_join(pc['f'])}  B {_join(pc['b'])}  W {_join(pc['w'])}; memory limit {case['pick_memory_limit']:g} "
                   f"rank-stage activations" + (f" (1 = {case['pick_memory']['unit_gib']:.2f} GiB)"
                                                if case['pick_memory']['unit_gib'] else ""))
-        print(f"{'impl':<6} {'schedule':<30} {'layers':<6} {'step ms':>9} {'% ideal':>8} {'pred ms':>9} {'meas/pred':>9} "
+        print(f"{'impl':<7} {'schedule':<30} {'layers':<6} {'step ms':>9} {'% ideal':>8} {'pred ms':>9} {'meas/pred':>9} "
               f"{'bound ms':>9} {'bubble':>7} {'x torch':>8} {'peak GiB':>9}" + ("  SM MHz per GPU" if self.telemetry else ""))
         for x in rows:
             if "error" in x:
-                print(f"{x['impl']:<6} {x['schedule']:<30} {x['layers']:<6} failed: {x['error']}")
+                print(f"{x['impl']:<7} {x['schedule']:<30} {x['layers']:<6} failed: {x['error']}")
                 continue
-            print(f"{x['impl']:<6} {x['schedule']:<30} {x['layers']:<6} {x['step_ms']:>9.2f} "
+            print(f"{x['impl']:<7} {x['schedule']:<30} {x['layers']:<6} {x['step_ms']:>9.2f} "
                   f"{_fmt(x.get('pct_of_ideal'), '.1f'):>8} {_fmt(x.get('predicted_ms'), '.2f'):>9} "
                   f"{_fmt(x.get('measured_over_predicted'), '.3f'):>9} {_fmt(x.get('bound_ms'), '.2f'):>9} "
                   f"{_fmt(x.get('measured_bubble'), '.3f'):>7} "

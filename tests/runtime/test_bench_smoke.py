@@ -46,7 +46,7 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
     proc = _torchrun("--quick", "--plan-comm", "default", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     proc = _torchrun("--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto",
-                     "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2",
+                     "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2", "--ordered", "zb-v",
                      "--fit-message-overhead", "--append", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     doc = json.loads(out.read_text())
@@ -62,7 +62,7 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
     assert cases == {("transformer", 4), ("mlp-stack", 2), ("mlp-stack", 4)}
     for model, m in cases:
         case = [r for r in rows if (r["model"], r["m"]) == (model, m)]
-        assert {r["impl"] for r in case} == {"ideal", "zbpp", "torch", "pick"}
+        assert {r["impl"] for r in case} == {"ideal", "zbpp", "torch", "pick"} | ({"ordered"} if model == "mlp-stack" else set())
         # one ideal per layers kind that runs, zbpp's and torch.nn's, first and again last
         ideals = [(r["schedule"], r["layers"]) for r in case if r["impl"] == "ideal"]
         assert ideals == [("ideal", "zbpp"), ("ideal", "torch"), ("ideal (end)", "zbpp"), ("ideal (end)", "torch")]
@@ -87,6 +87,9 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
         assert fits[0]["simulated_ms"] == min(c["simulated_ms"] for c in fits)
     assert {(r["schedule"], r["layers"]) for r in rows if r["model"] == "mlp-stack" and r["impl"] == "zbpp"} == {
         ("zb-h1", "zbpp"), ("zbv-auto", "zbpp"), ("zb-h1", "torch")}
+    # --ordered: zb-v's task order on each rank with no communication, one row per m (timed; its
+    # step runs every task or the script asserts)
+    assert sorted((r["m"], r["schedule"]) for r in rows if r["impl"] == "ordered") == [(2, "zb-v"), (4, "zb-v")]
     comm = {(c["run"], c["m"]): c["comm_ms"] for c in doc["meta"]["cases"]}  # one layers kind per case here
     for r in rows:  # --plan-comm measured: the mlp run's plans got the ideal's costs cut to their stages
         if r["impl"] in ("zbpp", "pick"):
