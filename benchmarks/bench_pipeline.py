@@ -105,7 +105,7 @@ from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_a
 from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, fit_message_overhead, options_of, simulate
 from zbpp.schedules.bounds import lower_bound
-from zbpp.schedules.plan import plan_makespan
+from zbpp.schedules.plan import make_plan, plan_makespan
 from zbpp.schedules.select import evaluate_candidates, scale_to_stages
 
 from gpu_telemetry import Telemetry  # benchmarks/gpu_telemetry.py (this script's folder is on sys.path)
@@ -647,38 +647,36 @@ class Bench:
         the order alone costs (memory in flight, caches, the allocator), apart from crossing GPUs
         and from the schedule's fill and drain."""
         r, n, m = self.rank, sched.num_stages, sched.num_microbatches
-        mine = sched.stages_on(r)
-        stages = {s: spec.stage(s, n, self.device, self.dtype) for s in mine}
+        stages = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(r)}
         delayed = {s: [mod for mod in st.modules() if is_delayed(mod)] for s, st in stages.items()}
+        # which inputs come from another rank and which are handed over in memory: the runtime's plan
+        rp = make_plan(sched).ranks[r]
+        hands_on = set(rp.handed_from.values())  # tasks whose output a task of this rank consumes
         shape = spec.activation_shape()
         numel = torch.Size(shape).numel()
         g = torch.Generator(device=self.device).manual_seed(53 + r)
-
-        def from_other_rank(s: int) -> bool:  # stage s's input comes from another rank
-            return s > 0 and sched.rank_of(s - 1) != r
-
-        def grad_from_other_rank(s: int) -> bool:  # stage s's output gradient comes from another rank
-            return s < n - 1 and sched.rank_of(s + 1) != r
-
-        acts = {(s, j): torch.randn(shape, generator=g, device=self.device).to(self.dtype).requires_grad_()
-                for s in mine if from_other_rank(s) for j in range(m)}
-        grads = {(s, j): torch.randn(shape, generator=g, device=self.device).to(self.dtype) / numel
-                 for s in mine if grad_from_other_rank(s) for j in range(m)}
+        received = {task: torch.randn(shape, generator=g, device=self.device).to(self.dtype)
+                    for task in sorted(rp.recv_of, key=str)}  # activations for F, output gradients for B
+        for task, t in received.items():
+            if task.kind is Kind.F:
+                t.requires_grad_()
+            else:
+                t /= numel  # a mean loss's gradient size
 
         def one_step(x: torch.Tensor, y: torch.Tensor) -> None:
             xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
             inputs: dict[tuple[int, int], Any] = {}
             outputs: dict[tuple[int, int], torch.Tensor] = {}
-            handed_grad: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its output's gradient
+            handed_grad: dict[Any, torch.Tensor] = {}  # B task -> its input gradient, for a B of this rank
             for task in sched.orders[r]:
                 s, j = task.stage, task.microbatch
                 if task.kind is Kind.F:
                     if s == 0:
                         inp = xs[j]
-                    elif from_other_rank(s):
-                        inp = acts[(s, j)]
+                    elif task in received:
+                        inp = received[task]
                     else:  # handed over in memory: a fresh leaf, as the runtime makes it
-                        inp = outputs[(s - 1, j)].detach().requires_grad_()
+                        inp = outputs[(rp.handed_from[task].stage, j)].detach().requires_grad_()
                     inputs[(s, j)] = inp
                     with microbatch((s, j)):
                         out = stages[s](inp)
@@ -689,10 +687,10 @@ class Bench:
                     if s == n - 1:
                         out.backward()
                     else:
-                        out.backward(grads[(s, j)] if grad_from_other_rank(s) else handed_grad.pop((s, j)))
+                        out.backward(received[task] if task in received else handed_grad.pop(rp.handed_from[task]))
                     inp = inputs.pop((s, j))
-                    if s > 0 and not from_other_rank(s):
-                        handed_grad[(s - 1, j)] = inp.grad
+                    if task in hands_on:
+                        handed_grad[task] = inp.grad
                     if s > 0:
                         inp.grad = None  # sent away or handed over
                 if task.kind in (Kind.W, Kind.BW):
@@ -704,7 +702,7 @@ class Bench:
                     q.grad = None
 
         out = self.time_steps(spec, m, one_step)
-        del stages, acts, grads, delayed
+        del stages, received, delayed
         return out
 
     # -- zbpp -----------------------------------------------------------------------------------
