@@ -13,9 +13,15 @@ is not NCCL's) and the NCCL kernels:
 - ``nccl_ms``: the union of NCCL kernel intervals; ``nccl_beside_compute_ms``: the part of it
   during which compute kernels ran too.
 
+`compare(base, other)` lines two traces of the same work up kernel by kernel (same name): the
+median duration of each in both, and the total compute kernel time. A pipeline step against the
+ideal step of the same rank says whether the pipeline's extra time is the same kernels running
+slower (clock, power, memory) or kernels the ideal does not run.
+
 Used by ``bench_pipeline.py --kernel-profile DIR``; runs on any trace::
 
     python benchmarks/kernel_timeline.py trace-rank0.json
+    python benchmarks/kernel_timeline.py --compare ideal-rank0.json pipeline-rank0.json
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import statistics
 import sys
 from typing import Any
 
-__all__ = ["summarize"]
+__all__ = ["compare", "summarize"]
 
 _GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|Kernel2|scaled_mm", re.I)
 
@@ -60,12 +66,16 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
-def summarize(path: str) -> dict[str, Any]:
-    """The summary (module docstring) of one Chrome trace file; times in ms."""
+def _kernels(path: str) -> list[dict[str, Any]]:
     with open(path) as fh:
         trace = json.load(fh)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    return [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """The summary (module docstring) of one Chrome trace file; times in ms."""
+    kernels = _kernels(path)
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
     compute = [e for e in kernels if "nccl" not in e["name"].lower()]
     if not compute:
@@ -105,6 +115,33 @@ def summarize(path: str) -> dict[str, Any]:
     }
 
 
+def compare(base: str, other: str, top: int = 8) -> dict[str, Any]:
+    """Compute kernels (not NCCL's) of two traces, by name: ``compute_ms`` of each and their ratio,
+    and for the `top` names with the most time in `base` their count and median duration (us) in
+    both and ``ratio`` (other's median / base's). Names only in one trace count in the totals."""
+    runs = []
+    for path in (base, other):
+        by: dict[str, list[float]] = {}
+        for e in _kernels(path):
+            if "nccl" not in e["name"].lower():
+                by.setdefault(e["name"], []).append(e["dur"])
+        runs.append(by)
+    a, b = runs
+    total_a, total_b = (sum(map(sum, r.values())) / 1e3 for r in runs)
+    kernels = []
+    for name in sorted(a, key=lambda k: -sum(a[k]))[:top]:
+        row: dict[str, Any] = {"name": name[:80], "count": [len(a[name]), len(b.get(name, []))],
+                               "median_us": [statistics.median(a[name]), None], "ratio": None}
+        if name in b:
+            row["median_us"][1] = statistics.median(b[name])
+            row["ratio"] = row["median_us"][1] / row["median_us"][0]
+        kernels.append(row)
+    return {"compute_ms": [total_a, total_b], "ratio": total_b / total_a if total_a else None, "kernels": kernels}
+
+
 if __name__ == "__main__":
-    for p in sys.argv[1:]:
-        print(p, json.dumps(summarize(p), indent=1))
+    if sys.argv[1:2] == ["--compare"] and len(sys.argv) == 4:
+        print(json.dumps(compare(sys.argv[2], sys.argv[3]), indent=1))
+    else:
+        for p in sys.argv[1:]:
+            print(p, json.dumps(summarize(p), indent=1))

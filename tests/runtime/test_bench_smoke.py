@@ -193,3 +193,22 @@ def test_bench_pipeline_refuses_telemetry_on_cpu():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--quick", "--telemetry"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--telemetry samples NVIDIA GPUs" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_kernel_timeline_compare_by_kernel_name(tmp_path):
+    """benchmarks/kernel_timeline.py --compare, by hand: a GEMM run twice at 100 and 110 us in the
+    base and at 105 and 125 in the other trace (medians 105 and 115), an elementwise kernel only in
+    the other, NCCL kernels left out of both totals."""
+    timeline = _load_benchmark("kernel_timeline")
+
+    def trace(path, kernels):
+        events = [{"cat": "kernel", "name": name, "ts": 1000.0 * i, "dur": dur} for i, (name, dur) in enumerate(kernels)]
+        path.write_text(json.dumps({"traceEvents": events + [{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9}]}))
+        return str(path)
+
+    base = trace(tmp_path / "a.json", [("gemm_x", 100.0), ("gemm_x", 110.0), ("ncclDevKernel_SendRecv", 50.0)])
+    other = trace(tmp_path / "b.json", [("gemm_x", 105.0), ("gemm_x", 125.0), ("add_kernel", 20.0)])
+    got = timeline.compare(base, other)
+    assert got["compute_ms"] == [0.21, 0.25]
+    assert abs(got["ratio"] - 0.25 / 0.21) < 1e-12
+    assert got["kernels"] == [{"name": "gemm_x", "count": [2, 2], "median_us": [105.0, 115.0], "ratio": 115.0 / 105.0}]
