@@ -44,9 +44,12 @@ pipeline is what is measured; a step is as long as its slowest rank, after a dev
 synchronisation), % of ideal (100 x ideal / step), x best torch (fastest torch step / this step)
 and the peak memory allocated during the timed steps (largest rank). zbpp rows add the measured
 bubble rate and the simulator's prediction: after the warm-up, ``--profile-steps`` steps (default
-3) run on a second `Pipeline` over the same modules with ``profile=True`` (the timed steps run
-unprofiled; the first step of a Pipeline exchanges activation shapes; the last's records are kept),
-``Costs.from_profile`` turns its task times into per-stage F, B, W costs, the message time
+5) run on a second `Pipeline` over the same modules with ``profile=True`` (the timed steps run
+unprofiled: timing the profiled Pipeline instead measured the same step, 188.05 against 187.99 ms),
+``Costs.from_profile`` turns each step's task times into per-stage F, B, W costs, and the row's
+costs are their median over the profiled steps but the first (which exchanges activation shapes):
+on the H200s at their power cap one step in three or four runs 5-10% long, in the profiled steps
+as in the timed ones, and the costs of one step were off the timed median by as much. The message time
 ``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, and
 the predicted step is ``zbpp.schedules.plan.plan_makespan(pipe.plan, costs)``: the simulator's
 timeline of the plan the row's Pipeline ran, with each message leaving only once both its ends are
@@ -183,9 +186,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps per row before them (default 5); zbpp rows then run --profile-steps "
                     "profiled steps on a second Pipeline, the ideal one, before the timed steps")
-    ap.add_argument("--profile-steps", type=int, default=3,
-                    help="profiled steps per zbpp row (default 3, at least 2: the first step of a Pipeline exchanges "
-                    "activation shapes); the costs come from the last")
+    ap.add_argument("--profile-steps", type=int, default=5,
+                    help="profiled steps per zbpp row (default 5, at least 2: the first step of a Pipeline exchanges "
+                    "activation shapes); the costs are the median over the others")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--zbpp", default=None, help="zbpp schedules (comma separated)")
     ap.add_argument("--torch", default=None, help="torch.distributed.pipelining schedules (comma separated)")
@@ -470,9 +473,13 @@ class Bench:
         return box[0]
 
     def all_max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        return self.all_max_each([value])[0]
+
+    def all_max_each(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the ranks (one all-reduce)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return t.tolist()
 
     def sync(self) -> None:
         if self.cuda:
@@ -481,14 +488,24 @@ class Bench:
     # -- timing -------------------------------------------------------------------------------
     def time_steps(self, spec: ModelSpec, m: int, run_step: Callable[[torch.Tensor, torch.Tensor], None],
                    profiled_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                   profile_steps: int = 1) -> dict[str, Any]:
+                   profile_steps: int = 1, after_profiled: Callable[[], None] | None = None) -> dict[str, Any]:
         """``--warmup`` untimed steps, then `profile_steps` of `profiled_step` (when given; the
         caller keeps the last one's records), then ``--steps`` timed steps of `run_step`."""
         a = self.args
         n = a.warmup + (profile_steps if profiled_step is not None else 0)
+        profiled_s = []  # the profiled steps' own wall times: their costs describe steps this long
         for i in range(n):
             step = profiled_step if profiled_step is not None and i >= a.warmup else run_step
-            step(*spec.batch(m, i, self.device, self.dtype))
+            x, y = spec.batch(m, i, self.device, self.dtype)
+            if step is profiled_step:
+                self.sync()
+                t0 = time.perf_counter()
+            step(x, y)
+            if step is profiled_step:
+                self.sync()
+                profiled_s.append(time.perf_counter() - t0)
+                if after_profiled is not None:
+                    after_profiled()
         self.sync()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -506,7 +523,11 @@ class Bench:
         out = {"step_ms": 1e3 * step_s, "tokens_per_s": m * spec.tokens / step_s, "peak_mem_gib": peak,
                # wall clock of the timed steps, to line a row up with GPU telemetry (clocks, power)
                # sampled beside the run, e.g. `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 100`
-               "timed_unix_s": [started, time.time()]}
+               "timed_unix_s": [started, time.time()],
+               # every timed step, and the profiled steps (their costs describe steps this long)
+               "step_ms_all": [1e3 * t for t in self.all_max_each(times)]}
+        if profiled_s:
+            out["profiled_step_ms"] = [1e3 * t for t in self.all_max_each(profiled_s)]
         if self.telemetry is not None:
             out["gpu"] = self.telemetry.window(*out["timed_unix_s"])
         if a.kernel_profile and self.cuda:
@@ -730,15 +751,20 @@ class Bench:
             for q in params:
                 q.grad = None
 
-        # the first step of a new Pipeline exchanges activation shapes (host waits that would show as
-        # bubble); the records are the last profiled step's
+        steps_records: list[Any] = []  # each profiled step's records (on rank 0; None elsewhere)
         out = self.time_steps(spec, sched.num_microbatches, step, profiled_step=lambda x, y: step(x, y, profiled),
-                              profile_steps=a.profile_steps)
-        recs = profiled.profile_records()  # collective; the records land on rank 0
+                              profile_steps=a.profile_steps,
+                              after_profiled=lambda: steps_records.append(profiled.profile_records()))
         costs = None
-        if recs is not None:
-            costs = Costs.from_profile(recs, n, comm=comm_s)
-            out.update({"measured_bubble": measured_bubble_rate(recs), "num_stages": n})
+        if steps_records[-1] is not None:
+            # the first step of a new Pipeline exchanges activation shapes (host waits that would
+            # show as bubble): the costs are the median over the others (see the module docstring)
+            kept = steps_records[1:]
+            costs = median_costs([Costs.from_profile(recs, n, comm=comm_s) for recs in kept])
+            # each recorded step: first task start to last task end on the slowest rank
+            spans = [1e3 * max(rec["end"] for rec in recs) for recs in kept]
+            out.update({"measured_bubble": statistics.median(measured_bubble_rate(recs) for recs in kept),
+                        "num_stages": n, "profiled_span_ms": spans})
         out["_plan"] = pipe.plan  # what `_predict` replays
         out["plan_costs_ms"] = None if plan_costs is None else _costs_ms(plan_costs)  # None: DEFAULT_COSTS
         del pipe, profiled, mine, params
@@ -1139,6 +1165,24 @@ def _raise(msg: str) -> None:
 
 def _tuple(v: Any) -> tuple[float, ...]:
     return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
+
+
+def median_costs(samples: list[Costs]) -> Costs:
+    """Each stage's F, B and W: the median over `samples` (costs of the same stages, one per step);
+    comm and the message overhead from the first (they are not measured per step).
+
+    >>> median_costs([Costs(f=[1, 2], b=3, w=1), Costs(f=[9, 2], b=3, w=2), Costs(f=[2, 2], b=4, w=3)])
+    Costs(f=(2.0, 2.0), b=3.0, w=2.0, comm=0.0, message_overhead=0.0)
+    """
+    def median_of(name: str) -> Any:
+        values = [getattr(c, name) for c in samples]
+        if all(isinstance(v, float) for v in values):
+            return statistics.median(values)
+        return [statistics.median(stage) for stage in zip(*(_tuple(v) for v in values))]
+
+    first = samples[0]
+    return Costs(f=median_of("f"), b=median_of("b"), w=median_of("w"), comm=first.comm,
+                 message_overhead=first.message_overhead)
 
 
 def _costs_ms(c: Costs) -> dict[str, Any]:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import importlib.util
+import doctest
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +83,15 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
                 assert r["bound_ms"] <= r["simulated_ms"] * (1 + 1e-9) <= r["predicted_ms"] * (1 + 1e-9) ** 2
                 assert set(r["costs_ms"]) == {"f", "b", "w", "comm", "message_overhead"}
                 assert len(r["costs_ms"]["f"]) == r["num_stages"]
+                # the recorded step (task starts and ends) lies inside its profiled step's wall time
+                assert len(r["profiled_step_ms"]) == 5  # --profile-steps' default
+                # the first profiled step exchanges shapes: its records are left out of the costs
+                assert len(r["profiled_span_ms"]) == 4
+                assert all(0 < span <= wall for span, wall in zip(r["profiled_span_ms"], r["profiled_step_ms"][1:]))
+            if r["impl"] != "pick":
+                assert len(r["step_ms_all"]) == (3 if model == "transformer" else 2)  # --quick's steps, then --steps 2
+                # step_ms: the slowest rank's median step; step_ms_all: each step's slowest rank
+                assert r["step_ms"] <= statistics.median(r["step_ms_all"]) * (1 + 1e-9)
         pick = next(r for r in case if r["impl"] == "pick")
         fits = [c for c in pick["pick_candidates"] if c["fits"]]
         assert pick["schedule"] == fits[0]["schedule"]
@@ -212,3 +223,18 @@ def test_kernel_timeline_compare_by_kernel_name(tmp_path):
     assert got["compute_ms"] == [0.21, 0.25]
     assert abs(got["ratio"] - 0.25 / 0.21) < 1e-12
     assert got["kernels"] == [{"name": "gemm_x", "count": [2, 2], "median_us": [105.0, 115.0], "ratio": 115.0 / 105.0}]
+
+
+def test_bench_pipeline_costs_are_the_median_of_the_profiled_steps(monkeypatch):
+    """bench_pipeline.median_costs, by hand (its docstring too): a slow step in three moves no cost."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling modules, as when run as a script
+    bench = _load_benchmark("bench_pipeline")
+    from zbpp.schedules import Costs
+
+    steps = [Costs(f=[1.0, 2.0], b=[3.0, 3.0], w=[1.0, 1.0], comm=0.5),
+             Costs(f=[1.1, 2.2], b=[3.3, 3.3], w=[1.1, 1.1], comm=0.5),  # a step run 10% long
+             Costs(f=[1.0, 2.0], b=[3.0, 3.0], w=[1.0, 1.0], comm=0.5)]
+    assert bench.median_costs(steps) == steps[0]
+    finder = doctest.DocTestFinder()
+    (test,) = finder.find(bench.median_costs, "median_costs", globs=vars(bench))
+    assert doctest.DocTestRunner().run(test).failed == 0
