@@ -56,10 +56,10 @@ timeline of the plan the row's Pipeline ran, with each message leaving only once
 posted (NCCL's rendezvous; ``simulated_ms`` in the JSON is ``simulate``'s, where messages leave
 with their producer: on a slow link with a plan made for a fast one, the two differ by 9-19%).
 Zbpp's plans are made for the measured link (``--plan-comm``, default ``measured``: the ideal's
-F, B, W and the measured message time), and no parameter is fitted: on 2 x H200 the prediction was
-within 1.1% of every zbpp row at m = 8 and 16 over NVLink and within 1.6-3.4% over sockets (at
-m = 4 and with FP8 layers the V schedules' profiled tasks run longer than their timed steps imply,
-and it predicts 4-9% too slow). ``--fit-message-overhead`` adds a
+F, B, W and the measured message time), and no parameter is fitted: on 2 x H200 with the median
+costs the prediction was within 1.7% of every zbpp row at m = 8 and 16 over NVLink (zb-v 1.6% and
+1.0%), 2.2% (zb-v) to 4.4% (zb-h1) short at m = 4, and within 0.5% for the transformer's zb-v at
+m = 8 (with the last step's costs, before: 1.6-3.4% over sockets, 4-9% too slow for V rows at m = 4). ``--fit-message-overhead`` adds a
 ``message_overhead`` (compute a rank loses per message it sends or receives) fitted on the
 measured step of the ``--pick-costs-from`` row (``zbpp.schedules.fit_message_overhead``): that row
 then matches by construction; it stood in for receives posted too late for a slow link, before
