@@ -68,7 +68,7 @@ the messages. ``--telemetry`` samples the GPUs with nvidia-smi (`gpu_telemetry.p
 row's mean SM clock, power and temperature over its timed steps: at the power cap a GPU's clock is
 what its other work leaves of the power budget.
 
-The pick: costs per rank-stage from the profiled step of ``--pick-costs-from`` (default zb-h1;
+The pick: costs per rank-stage from the profiled steps of ``--pick-costs-from`` (default zb-h1;
 the ideal's profile when that row is absent), ``comm`` as above, and memory per rank-stage and
 microbatch measured in the ideal's profiled step (activation: what F keeps; wgrad: what B leaves
 for W), in units of the mean rank-stage activation; ``--pick-memory-limit`` is per rank in those
@@ -489,8 +489,9 @@ class Bench:
     def time_steps(self, spec: ModelSpec, m: int, run_step: Callable[[torch.Tensor, torch.Tensor], None],
                    profiled_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
                    profile_steps: int = 1, after_profiled: Callable[[], None] | None = None) -> dict[str, Any]:
-        """``--warmup`` untimed steps, then `profile_steps` of `profiled_step` (when given; the
-        caller keeps the last one's records), then ``--steps`` timed steps of `run_step`."""
+        """``--warmup`` untimed steps, then `profile_steps` of `profiled_step` (when given), each
+        timed on its own and followed by `after_profiled` (e.g. to collect its records), then
+        ``--steps`` timed steps of `run_step`."""
         a = self.args
         n = a.warmup + (profile_steps if profiled_step is not None else 0)
         profiled_s = []  # the profiled steps' own wall times: their costs describe steps this long
@@ -589,13 +590,8 @@ class Bench:
         first, last = r == 0, r == p - 1
         shape = spec.activation_shape()
         g = torch.Generator(device=self.device).manual_seed(31 + r)
-        acts = [] if first else [torch.randn(shape, generator=g, device=self.device).to(self.dtype).requires_grad_()
-                                 for _ in range(m)]
-        # an output gradient of a mean loss's size (random: a real loss gradient is full rank, and a
-        # GEMM's speed at the power cap depends on its data)
-        numel = torch.Size(shape).numel()
-        grads = [] if last else [torch.randn(shape, generator=g, device=self.device).to(self.dtype) / numel
-                                 for _ in range(m)]
+        acts = [] if first else [self._stand_in(shape, g, gradient=False) for _ in range(m)]
+        grads = [] if last else [self._stand_in(shape, g, gradient=True) for _ in range(m)]
         probe_mb = min(1, m - 1)  # microbatch 1: the parameters' .grad already exist then
         probe: dict[str, float] = {}
         records: list[dict[str, Any]] = []
@@ -659,6 +655,13 @@ class Bench:
         del stage, acts, grads, delayed
         return row, info
 
+    def _stand_in(self, shape: tuple[int, ...], g: torch.Generator, *, gradient: bool) -> torch.Tensor:
+        """What another rank would send, made up: a random activation (a leaf that requires grad) or
+        output gradient, of a mean loss's size (random, not ones: a real loss gradient is full rank,
+        and a GEMM's speed at the power cap depends on its data)."""
+        t = torch.randn(shape, generator=g, device=self.device).to(self.dtype)
+        return t / torch.Size(shape).numel() if gradient else t.requires_grad_()
+
     # -- a schedule's order with no communication -------------------------------------------------
     def run_ordered(self, spec: ModelSpec, sched: Schedule) -> dict[str, Any]:
         """Each rank runs its own tasks of `sched` in the schedule's order, back to back, with no
@@ -674,15 +677,10 @@ class Bench:
         rp = make_plan(sched).ranks[r]
         hands_on = set(rp.handed_from.values())  # tasks whose output a task of this rank consumes
         shape = spec.activation_shape()
-        numel = torch.Size(shape).numel()
         g = torch.Generator(device=self.device).manual_seed(53 + r)
-        received = {task: torch.randn(shape, generator=g, device=self.device).to(self.dtype)
-                    for task in sorted(rp.recv_of, key=str)}  # activations for F, output gradients for B
-        for task, t in received.items():
-            if task.kind is Kind.F:
-                t.requires_grad_()
-            else:
-                t /= numel  # a mean loss's gradient size
+        # activations for F, output gradients for B
+        received = {task: self._stand_in(shape, g, gradient=task.kind is not Kind.F)
+                    for task in sorted(rp.recv_of, key=str)}
 
         def one_step(x: torch.Tensor, y: torch.Tensor) -> None:
             xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
@@ -1061,7 +1059,8 @@ class Bench:
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
         print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal "
-              "rows); pred ms = plan_makespan(the row's plan, Costs.from_profile(profiled step) + measured comm"
+              "rows); pred ms = plan_makespan(the row's plan, the median of Costs.from_profile(each profiled step "
+              "but the first) + measured comm"
               + (" + fitted overhead" if self.args.fit_message_overhead else "")
               + "): simulate's step with each message leaving once both its ends are posted; "
               "bound ms = zbpp.schedules.bounds.lower_bound of the schedule's "
@@ -1076,7 +1075,7 @@ def _fitted_on(case: dict[str, Any]) -> str:
 
 def _predict(row: dict[str, Any], overhead_s: float) -> None:
     """A zbpp row's prediction: `plan_makespan` of the plan its Pipeline ran, with the costs of its
-    own profiled step and the case's message overhead (fitted on the pick-costs row's measured
+    own profiled steps (their median) and the case's message overhead (fitted on the pick-costs row's measured
     step); `simulate`'s step and the lower bound of its placement with the same costs."""
     sched, costs, plan = row.get("_schedule"), row.get("_costs"), row.get("_plan")
     if sched is None or costs is None or plan is None or "step_ms" not in row:
@@ -1168,21 +1167,17 @@ def _tuple(v: Any) -> tuple[float, ...]:
 
 
 def median_costs(samples: list[Costs]) -> Costs:
-    """Each stage's F, B and W: the median over `samples` (costs of the same stages, one per step);
-    comm and the message overhead from the first (they are not measured per step).
+    """Each stage's F, B and W: the median over `samples` (costs of the same stages, one per step;
+    a single number stands for every stage); comm and the message overhead from the first (they
+    are not measured per step).
 
     >>> median_costs([Costs(f=[1, 2], b=3, w=1), Costs(f=[9, 2], b=3, w=2), Costs(f=[2, 2], b=4, w=3)])
-    Costs(f=(2.0, 2.0), b=3.0, w=2.0, comm=0.0, message_overhead=0.0)
+    Costs(f=(2.0, 2.0), b=(3.0, 3.0), w=(2.0, 2.0), comm=0.0, message_overhead=0.0)
     """
-    def median_of(name: str) -> Any:
-        values = [getattr(c, name) for c in samples]
-        if all(isinstance(v, float) for v in values):
-            return statistics.median(values)
-        return [statistics.median(stage) for stage in zip(*(_tuple(v) for v in values))]
-
-    first = samples[0]
-    return Costs(f=median_of("f"), b=median_of("b"), w=median_of("w"), comm=first.comm,
-                 message_overhead=first.message_overhead)
+    n = max(len(_tuple(getattr(c, kind))) for c in samples for kind in ("f", "b", "w"))
+    # per kind, per stage: the samples' values
+    f, b, w = ([statistics.median(stage) for stage in zip(*kind)] for kind in zip(*(c.per_stage(n) for c in samples)))
+    return Costs(f=f, b=b, w=w, comm=samples[0].comm, message_overhead=samples[0].message_overhead)
 
 
 def _costs_ms(c: Costs) -> dict[str, Any]:
