@@ -18,12 +18,12 @@ task exactly once on the rank holding its stage, and no cycle (a cycle is a dead
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Iterator
 
 import networkx as nx
 
-from .ir import Action, Kind, Schedule, ScheduleError
+from .ir import Action, Schedule, ScheduleError
+from .replay import replay
 from .tasks import TaskIds, data_consumers, data_dependencies, input_of
 
 __all__ = ["data_dependencies", "data_consumers", "task_graph", "validate"]
@@ -59,44 +59,13 @@ def task_graph(schedule: Schedule, *, rank_chains: bool = True) -> nx.DiGraph:
     return g
 
 
-def _check_tasks(schedule: Schedule) -> None:
-    """Every (stage, mb) has one F and either one BW or one B and one W, on its own rank."""
-    p, n, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
-    if p < 1 or n < 1 or m < 1:
-        raise ScheduleError(f"need at least one rank, stage and microbatch (got p={p}, stages={n}, m={m})")
-    counts: Counter[Action] = Counter()
-    for rank, a in schedule.actions():
-        if not 0 <= a.stage < n:
-            raise ScheduleError(f"task {a} on rank {rank}: stage {a.stage} outside 0..{n - 1}")
-        if not 0 <= a.microbatch < m:
-            raise ScheduleError(f"task {a} on rank {rank}: microbatch {a.microbatch} outside 0..{m - 1}")
-        if schedule.rank_of(a.stage) != rank:
-            raise ScheduleError(
-                f"task {a} is on rank {rank} but stage {a.stage} is placed on rank {schedule.rank_of(a.stage)}"
-            )
-        counts[a] += 1
-    for a, c in counts.items():
-        if c > 1:
-            raise ScheduleError(f"task {a} appears {c} times (rank {schedule.rank_of(a.stage)})")
-    for s in range(n):
-        for j in range(m):
-            f, b, w, bw = (Action(k, s, j) for k in (Kind.F, Kind.B, Kind.W, Kind.BW))
-            where = f"rank {schedule.rank_of(s)}"
-            if f not in counts:
-                raise ScheduleError(f"task {f} is missing ({where})")
-            if bw in counts:
-                if b in counts or w in counts:
-                    extra = b if b in counts else w
-                    raise ScheduleError(f"task {extra} duplicates the work of {bw} ({where})")
-            elif b not in counts and w not in counts:
-                raise ScheduleError(f"the backward of stage {s} microbatch {j} is missing: no {bw}, {b} or {w} ({where})")
-            elif b not in counts:
-                raise ScheduleError(f"task {b} is missing ({where}); {w} has no B to follow")
-            elif w not in counts:
-                raise ScheduleError(f"task {w} is missing ({where}); {b} is never followed by its weight gradient")
+def _check_overlap_pairs(schedule: Schedule, present: bytearray) -> None:
+    """Each overlap pair names two tasks of the schedule on one rank."""
+    ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
+    n, m = schedule.num_stages, schedule.num_microbatches
     for a, b in schedule.overlap_pairs:
-        ra, rb = schedule.rank_of(a.stage), schedule.rank_of(b.stage)
-        if ra != rb or a not in counts or b not in counts:
+        known = all(0 <= x.stage < n and 0 <= x.microbatch < m and present[ids.of(x)] for x in (a, b))
+        if not known or schedule.rank_of(a.stage) != schedule.rank_of(b.stage):
             raise ScheduleError(f"overlap pair ({a}, {b}) must name two tasks of one rank")
 
 
@@ -105,50 +74,6 @@ def describe_cycle(schedule: Schedule, cycle: list[Action]) -> str:
     for a in cycle:
         parts.append(f"{a}@rank{schedule.rank_of(a.stage)}")
     return " -> ".join(parts + [parts[0]])
-
-
-def _valid_fast(schedule: Schedule) -> bool:
-    """True when `schedule` is valid, decided in one pass over integer task ids (no graph).
-
-    Every task has at most one data input, so the DAG plus the rank chains is acyclic exactly
-    when repeatedly running, on each rank, the next task whose input is done finishes every
-    task (the first unfinished task of a topological order is always runnable). False means
-    "invalid or not sure": the caller then builds the graph to name the problem.
-    """
-    n, m = schedule.num_stages, schedule.num_microbatches
-    ids = TaskIds(n, m)
-    encoded = ids.encode(schedule)
-    if encoded is None:
-        return False
-    orders, present = encoded
-    for pair in schedule.overlap_pairs:
-        for a in pair:
-            if not (0 <= a.stage < n and 0 <= a.microbatch < m and present[ids.of(a)]):
-                return False
-        if schedule.rank_of(pair[0].stage) != schedule.rank_of(pair[1].stage):
-            return False
-    inputs = ids.inputs(present)
-    done = bytearray(ids.size)
-    pos = [0] * len(orders)
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r, order in enumerate(orders):
-            i, size = pos[r], len(order)
-            while i < size:
-                t = order[i]
-                dep = inputs[t]
-                if dep >= 0 and not done[dep]:
-                    break
-                done[t] = 1
-                i += 1
-            if i != pos[r]:
-                remaining -= i - pos[r]
-                pos[r] = i
-                progressed = True
-        if not progressed:
-            return False
-    return True
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -160,15 +85,15 @@ def validate(schedule: Schedule) -> Schedule:
     >>> validate(build("zb-h2", num_ranks=4, num_microbatches=8)).name
     'zb-h2'
     """
-    if _valid_fast(schedule):
+    ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
+    orders, present = ids.encode(schedule)
+    _check_overlap_pairs(schedule, present)
+    size = ids.size
+    zeros = [0.0] * size
+    if replay(orders, ids.inputs(present), zeros, zeros, [0.0] * size, [-1.0] * size):
         return schedule
-    # Something is wrong: the graph search below finds it and names it.
-    _check_tasks(schedule)
-    g = task_graph(schedule)
-    try:
-        edges = nx.find_cycle(g)
-    except nx.NetworkXNoCycle:
-        return schedule
+    # A deadlock: the graph search names its cycle.
+    edges = nx.find_cycle(task_graph(schedule))
     cycle = [u for u, _v in edges]
     raise ScheduleError(
         "deadlock: the schedule's rank orders and data dependencies form a cycle: "

@@ -61,7 +61,8 @@ from typing import Mapping
 from .dag import validate
 from .ir import Action, Kind, Schedule
 from .simulate import Costs, simulate
-from .tasks import input_of
+from .replay import replay
+from .tasks import TaskIds, input_of
 
 __all__ = ["Message", "CommOp", "RankPlan", "Plan", "make_plan", "plan_makespan", "fifo_wgrad_problem", "DEFAULT_COSTS"]
 
@@ -313,59 +314,45 @@ def plan_makespan(plan: Plan, costs: Costs) -> float:
     >>> plan_makespan(make_plan(sched), slow) > simulate(sched, slow).makespan  # planned for a fast link
     True
     """
-    costs = costs.charged(plan.schedule.placement)
-    f, b, w = costs.per_stage(plan.schedule.num_stages)
-    length = {Kind.F: f, Kind.B: b, Kind.W: w}
+    schedule = plan.schedule
+    costs = costs.charged(schedule.placement)
+    f, b, w = costs.per_stage(schedule.num_stages)
+    ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
+    orders = [[ids.of(a) for a in rp.tasks] for rp in plan.ranks]
+    present = bytearray(ids.size)
+    for order in orders:
+        for t in order:
+            present[t] = 1
+    # tables for `replay`: a task on its own rank waits for its input there (handed over in memory)
+    inputs = ids.inputs(present)
+    durations = ids.per_task([f, b, w, [x + y for x, y in zip(b, w)]])
+    lags = [0.0] * ids.size
+
+    def reached(rank: int, boundary: int) -> int:
+        """The task whose end is the boundary (-1: the start of the step)."""
+        return ids.of(plan.ranks[rank].tasks[boundary - 1]) if boundary else -1
+
     issued_at: dict[tuple[int, bool], tuple[int, int]] = {}  # (message, send?) -> (rank, boundary)
     for rp in plan.ranks:
         for i, ops in enumerate(rp.issue):
             for op in ops:
                 issued_at[(op.message.index, op.send)] = (rp.rank, i)
-    previous = {msg.index: plan.messages[msg.index - 1] for msg in plan.messages[1:]
-                if plan.messages[msg.index - 1].channel == msg.channel}
-    end: dict[Action, float] = {}
-    arrival: dict[int, float] = {}
-
-    def reached(rank: int, boundary: int) -> float | None:
-        return 0.0 if boundary == 0 else end.get(plan.ranks[rank].tasks[boundary - 1])
-
-    def arrives(msg: Message) -> float | None:
-        if msg.index not in arrival:
-            before = previous.get(msg.index)
-            times = [end.get(msg.src), reached(*issued_at[(msg.index, True)]),
-                     reached(*issued_at[(msg.index, False)]), 0.0 if before is None else arrives(before)]
-            if any(t is None for t in times):
-                return None
-            arrival[msg.index] = max(times) + costs.comm  # type: ignore[type-var]
-        return arrival[msg.index]
-
-    pos, free = [0] * len(plan.ranks), [0.0] * len(plan.ranks)
-    remaining = sum(len(rp.tasks) for rp in plan.ranks)
-    while remaining:
-        moved = False
-        for r, rp in enumerate(plan.ranks):
-            while pos[r] < len(rp.tasks):
-                task, ready = rp.tasks[pos[r]], free[r]
-                msg = rp.recv_of.get(task)
-                source = rp.handed_from.get(task)
-                if msg is not None:
-                    at = arrives(msg)
-                    if at is None:
-                        break
-                    ready = max(ready, at)
-                elif source is not None:
-                    if source not in end:
-                        break
-                    ready = max(ready, end[source])
-                d = length[Kind.B][task.stage] + length[Kind.W][task.stage] if task.kind is Kind.BW \
-                    else length[task.kind][task.stage]
-                end[task] = free[r] = ready + d
-                pos[r] += 1
-                remaining -= 1
-                moved = True
-        if not moved:  # make_plan's plans always finish; a hand-edited one may not
-            raise ValueError("plan_makespan: the plan stalls (a task waits for a message that is never sent)")
-    return max(end.values(), default=0.0)
+    # A message is three tasks in a row of its channel (one NCCL stream, so after the channel's
+    # previous message): waiting for its producer, then for its send and its receive to be issued;
+    # the last takes `comm`, and the consumer waits for it.
+    channels: dict[tuple[int, int], list[int]] = {}
+    for msg in plan.messages:
+        first = len(inputs)
+        inputs += [ids.of(msg.src), reached(*issued_at[(msg.index, True)]), reached(*issued_at[(msg.index, False)])]
+        durations += [0.0, 0.0, costs.comm]
+        lags += [0.0, 0.0, 0.0]
+        channels.setdefault(msg.channel, []).extend(range(first, first + 3))
+        inputs[ids.of(msg.dst)] = first + 2
+    end = [-1.0] * len(inputs)
+    if not replay(orders + list(channels.values()), inputs, durations, lags, [0.0] * len(inputs), end):
+        # make_plan's plans always finish; a hand-edited one may not
+        raise ValueError("plan_makespan: the plan stalls (a task waits for a message that is never sent)")
+    return max((end[t] for order in orders for t in order), default=0.0)
 
 
 def _positive(costs: Costs) -> Costs:
@@ -384,27 +371,12 @@ def _positive(costs: Costs) -> Costs:
 def _forward_timeline(schedule: Schedule, orders: list[tuple[Action, ...]], costs: Costs) -> tuple[dict, dict]:
     """Start and end of each F task when the ranks run only their F tasks (evaluation)."""
     f, _, _ = costs.per_stage(schedule.num_stages)
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    pos = [0] * len(orders)
-    free = [0.0] * len(orders)
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        for r, order in enumerate(orders):
-            while pos[r] < len(order):
-                a = order[pos[r]]
-                ready = free[r]
-                dep = input_of(a, schedule.num_stages)
-                if dep is not None:
-                    if dep not in end:
-                        break
-                    arrive = end[dep] + (costs.comm if schedule.rank_of(dep.stage) != r else 0.0)
-                    ready = max(ready, arrive)
-                start[a], end[a] = ready, ready + f[a.stage]
-                free[r] = end[a]
-                pos[r] += 1
-                remaining -= 1
-    return start, end
+    ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
+    encoded = [[ids.of(a) for a in order] for order in orders]
+    start, end = [0.0] * ids.nm, [-1.0] * ids.nm
+    replay(encoded, ids.inputs(), ids.per_task([f]), ids.lags(schedule.placement, costs.comm), start, end)
+    return ({a: start[t] for order, row in zip(orders, encoded) for a, t in zip(order, row)},
+            {a: end[t] for order, row in zip(orders, encoded) for a, t in zip(order, row)})
 
 
 def fifo_wgrad_problem(schedule: Schedule, stage: int) -> str | None:

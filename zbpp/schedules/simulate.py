@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from .checks import as_number, as_numbers
 from .ir import Action, Schedule, ScheduleError
+from .replay import replay
 from .tasks import KINDS, TaskIds, kind_id
 
 __all__ = ["Costs", "Memory", "SimResult", "simulate", "fit_message_overhead"]
@@ -251,14 +252,6 @@ class SimResult:
         )
 
 
-def _raise_invalid(schedule: Schedule) -> None:
-    """Called when the fast path finds a problem: `validate` names it (missing task, cycle...)."""
-    from .dag import validate
-
-    validate(schedule)
-    raise ScheduleError("simulation stalled although the schedule validates (please report)")
-
-
 class _TaskTable(Mapping[Action, float]):
     """Read-only ``Action -> float`` view of one of simulate's per-task arrays.
 
@@ -317,75 +310,35 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
     """
     costs = (costs or Costs()).charged(schedule.placement)
     memory = memory or Memory()
-    p, n, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    n, m = schedule.num_stages, schedule.num_microbatches
     f, b, w = costs.per_stage(n)
     deltas = memory.deltas(n)
     ids = TaskIds(n, m)
-    encoded = ids.encode(schedule)
-    if encoded is None:
-        _raise_invalid(schedule)
-    orders, present = encoded  # type: ignore[misc]
-
-    # per task id: its one data input (-1: none), the comm before that input arrives, its
-    # duration and its memory change
-    inputs = ids.inputs(present)
-    lag = ids.lags(schedule.placement, float(costs.comm))
+    orders, present = ids.encode(schedule)
     dur = ids.per_task([f, b, w, [bi + wi for bi, wi in zip(b, w)]])
+    start = [0.0] * ids.size
+    end = [-1.0] * ids.size
+    if not replay(orders, ids.inputs(present), dur, ids.lags(schedule.placement, float(costs.comm)), start, end):
+        from .dag import validate
+
+        validate(schedule)  # names the cycle
+        raise ScheduleError("simulation stalled although the schedule validates (please report)")
+
+    # memory and work follow each rank's order, whatever the times
     delta = ids.per_task(list(zip(*deltas)))
-
-    size = ids.size
-    end: list[float | None] = [None] * size
-    start: list[float] = [0.0] * size
-    mem_after: list[float] = [0.0] * size
-    rank_free = [0.0] * p
-    rank_mem = [0.0] * p
-    peak = [0.0] * p
-    busy = [0.0] * p
-    pos = [0] * p
-    remaining = sum(len(o) for o in orders)
-
-    while remaining:
-        progressed = False
-        for r in range(p):
-            order = orders[r]
-            i = pos[r]
-            size = len(order)
-            if i == size:
-                continue
-            free = rank_free[r]
-            mem = rank_mem[r]
-            top = peak[r]
-            work = busy[r]
-            while i < size:
-                t = order[i]
-                dep = inputs[t]
-                if dep >= 0:
-                    e = end[dep]
-                    if e is None:
-                        break
-                    e += lag[t]
-                    if e > free:
-                        free = e
-                d = dur[t]
-                start[t] = free
-                free += d
-                end[t] = free
-                work += d
-                mem += delta[t]
-                mem_after[t] = mem
-                if mem > top:
-                    top = mem
-                i += 1
-            if i != pos[r]:
-                remaining -= i - pos[r]
-                pos[r] = i
-                rank_free[r] = free
-                rank_mem[r] = mem
-                peak[r] = top
-                busy[r] = work
-                progressed = True
-        if not progressed:
-            _raise_invalid(schedule)
+    mem_after = [0.0] * ids.size
+    peak = []
+    busy = []
+    for order in orders:
+        mem = top = work = 0.0
+        for t in order:
+            work += dur[t]
+            mem += delta[t]
+            mem_after[t] = mem
+            if mem > top:
+                top = mem
+        peak.append(top)
+        busy.append(work)
 
     spans = []
     first_start = float("inf")
@@ -395,7 +348,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
             spans.append(0.0)
             continue
         s0 = start[order[0]]
-        e1: float = end[order[-1]]  # type: ignore[assignment]
+        e1 = end[order[-1]]
         spans.append(e1 - s0)
         first_start = min(first_start, s0)
         last_end = max(last_end, e1)

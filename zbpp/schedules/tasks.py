@@ -35,9 +35,10 @@ Action(B3.5)
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Collection, NamedTuple, Sequence, TypeVar
 
-from .ir import Action, Kind, Schedule
+from .ir import Action, Kind, Schedule, ScheduleError
 
 __all__ = ["KINDS", "kind_id", "input_block", "input_of", "data_dependencies", "data_consumers", "TaskIds", "Encoded"]
 
@@ -185,37 +186,50 @@ class TaskIds:
         action = self.action
         return [[action(t) for t in order] for order in orders]
 
-    def encode(self, schedule: Schedule) -> Encoded | None:
-        """`schedule`'s rank orders as ids, and which ids it has.
+    def encode(self, schedule: Schedule) -> Encoded:
+        """`schedule`'s rank orders as ids, and which ids it has: the one check of a task set.
 
-        None when its task set is wrong: a task out of range, duplicated or on the wrong rank, or
-        some (stage, mb) without exactly one F and either one BW or one B and one W.
+        Raises `ScheduleError` naming the first problem: a task outside the stages or
+        microbatches, on another rank than its stage's, repeated, or a (stage, mb) without
+        exactly one F and either one BW or one B and one W.
+
+        >>> from zbpp.schedules import build
+        >>> sched = build("1f1b", num_ranks=2, num_microbatches=2)
+        >>> TaskIds(2, 2).encode(sched).orders  # rank 0: F0.0 F0.1 BW0.0 BW0.1
+        [[0, 1, 12, 13], [2, 14, 3, 15]]
+        >>> from dataclasses import replace
+        >>> TaskIds(2, 2).encode(replace(sched, orders=(sched.orders[0][:-1], sched.orders[1])))
+        Traceback (most recent call last):
+        zbpp.schedules.ir.ScheduleError: the backward of stage 0 microbatch 1 is missing: no BW0.1, B0.1 or W0.1 (rank 0)
         """
         n, m, nm = self.num_stages, self.num_microbatches, self.nm
         if (schedule.num_stages, schedule.num_microbatches) != (n, m):
             raise ValueError(f"TaskIds for {n} stages and {m} microbatches cannot encode a schedule of "
                              f"{schedule.num_stages} and {schedule.num_microbatches}")
-        if schedule.num_ranks < 1 or nm < 1:
-            return None
         placement = schedule.placement
         present = bytearray(4 * nm)
         orders: list[list[int]] = []
+        repeated = False
         for rank, order in enumerate(schedule.orders):
             ids = []
             for a in order:
                 s, j = a.stage, a.microbatch
                 if not (0 <= s < n and 0 <= j < m) or placement[s] != rank:
-                    return None
+                    raise ScheduleError(_misplaced(a, rank, schedule))
                 t = kind_id(a.kind) * nm + s * m + j
                 if present[t]:
-                    return None
+                    repeated = True
                 present[t] = 1
                 ids.append(t)
             orders.append(ids)
+        if repeated:
+            counts = Counter(a for order in schedule.orders for a in order)
+            a, c = next((a, c) for a, c in counts.items() if c > 1)
+            raise ScheduleError(f"task {a} appears {c} times (rank {schedule.rank_of(a.stage)})")
         for sj in range(nm):
             has_b, has_w = present[nm + sj], present[2 * nm + sj]
             if not present[sj] or has_b != has_w or present[3 * nm + sj] == has_b:
-                return None
+                raise ScheduleError(_incomplete(present, sj, self, schedule))
         return Encoded(orders, present)
 
     # -- the rule on ids ----------------------------------------------------------------------------
@@ -297,3 +311,30 @@ class TaskIds:
                 row.append(comm if blk is not None and placement[blk[1]] != placement[stage] else 0.0)
             per_kind.append(row)
         return self.per_task(per_kind)
+
+
+def _misplaced(a: Action, rank: int, schedule: Schedule) -> str:
+    """Why task `a`, listed on `rank`, does not belong there."""
+    n, m = schedule.num_stages, schedule.num_microbatches
+    if not 0 <= a.stage < n:
+        return f"task {a} on rank {rank}: stage {a.stage} outside 0..{n - 1}"
+    if not 0 <= a.microbatch < m:
+        return f"task {a} on rank {rank}: microbatch {a.microbatch} outside 0..{m - 1}"
+    return f"task {a} is on rank {rank} but stage {a.stage} is placed on rank {schedule.rank_of(a.stage)}"
+
+
+def _incomplete(present: bytearray, sj: int, ids: TaskIds, schedule: Schedule) -> str:
+    """What is missing or extra among the tasks of (stage, mb) number `sj`."""
+    nm = ids.nm
+    f, b, w, bw = (ids.action(k * nm + sj) for k in range(4))
+    has_f, has_b, has_w, has_bw = (present[k * nm + sj] for k in range(4))
+    where = f"rank {schedule.rank_of(f.stage)}"
+    if not has_f:
+        return f"task {f} is missing ({where})"
+    if has_bw:
+        return f"task {b if has_b else w} duplicates the work of {bw} ({where})"
+    if not has_b and not has_w:
+        return f"the backward of stage {f.stage} microbatch {f.microbatch} is missing: no {bw}, {b} or {w} ({where})"
+    if not has_b:
+        return f"task {b} is missing ({where}); {w} has no B to follow"
+    return f"task {w} is missing ({where}); {b} is never followed by its weight gradient"

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from ..ir import Action, Schedule
+from ..ir import Action, Schedule, ScheduleError
 from ..simulate import Costs, Memory
 from ..tasks import BW, TaskIds
 
@@ -139,11 +139,11 @@ class Problem:
     def encode(self, schedule: Schedule) -> list[list[int]] | None:
         """`schedule`'s orders as task ids, or None if it has a BW (auto schedules split every
         backward) or is not a complete set of tasks."""
-        encoded = self.ids.encode(schedule)
-        nm = self.ids.nm
-        if encoded is None or 1 in encoded.present[BW * nm :]:
+        try:
+            encoded = self.ids.encode(schedule)
+        except ScheduleError:
             return None
-        return encoded.orders
+        return None if 1 in encoded.present[BW * self.ids.nm :] else encoded.orders
 
     def decode(self, orders: Sequence[Sequence[int]]) -> list[list[Action]]:
         return self.ids.decode(orders)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from ..replay import replay
 from .auto_heuristic import Problem
 
 __all__ = ["TaskShape", "Timeline", "improve", "perturb_and_improve", "score_of"]
@@ -70,9 +71,6 @@ class Timeline:
         self.pos = [0] * size
         self.start = [0.0] * size
         self.end = [0.0] * size
-        self.dirty = [0] * size  # == stamp: being re-simulated in the current pass
-        self.done = [0] * size  # == stamp: re-simulated in the current pass
-        self.stamp = 0
         self.work = 0  # tasks simulated so far (the search budget counts these)
         self._log: list[tuple[int, float, float]] = []
         self._undo: tuple[int, int, int, list[float], float] | None = None
@@ -93,58 +91,18 @@ class Timeline:
 
     def _simulate(self, cuts: list[int]) -> bool:
         """Re-simulate every rank from position cuts[r] on; False if that deadlocks."""
-        self.stamp += 1
-        stamp = self.stamp
-        orders, start, end, dur, dep, lag = self.orders, self.start, self.end, self.dur, self.dep, self.lag
-        dirty, done, log = self.dirty, self.done, self._log
-        p = len(orders)
-        pos = list(cuts)
-        free = []
-        remaining = 0
-        for r in range(p):
-            order = orders[r]
-            c = cuts[r]
-            free.append(end[order[c - 1]] if c > 0 else 0.0)
-            for i in range(c, len(order)):
-                t = order[i]
-                dirty[t] = stamp
+        orders, start, end, log = self.orders, self.start, self.end, self._log
+        tails = [order[c:] for order, c in zip(orders, cuts)]
+        old = 0.0
+        for tail in tails:
+            old += sum(map(end.__getitem__, tail))
+            for t in tail:
                 log.append((t, start[t], end[t]))
-            remaining += len(order) - c
-        self.work += remaining
-        total_delta = 0.0
-        while remaining:
-            progressed = False
-            for r in range(p):
-                order = orders[r]
-                i = pos[r]
-                k = len(order)
-                fr = free[r]
-                i0 = i
-                while i < k:
-                    t = order[i]
-                    d = dep[t]
-                    ready = fr
-                    if d >= 0:
-                        if dirty[d] == stamp and done[d] != stamp:
-                            break
-                        e = end[d] + lag[t]
-                        if e > ready:
-                            ready = e
-                    old_end = end[t]
-                    start[t] = ready
-                    fr = ready + dur[t]
-                    end[t] = fr
-                    total_delta += fr - old_end
-                    done[t] = stamp
-                    i += 1
-                if i != i0:
-                    remaining -= i - i0
-                    pos[r] = i
-                    free[r] = fr
-                    progressed = True
-            if not progressed:
-                return False
-        self.total_end += total_delta
+                end[t] = -1.0  # not run yet
+            self.work += len(tail)
+        if not replay(orders, self.dep, self.dur, self.lag, start, end, cuts):
+            return False
+        self.total_end += sum(sum(map(end.__getitem__, tail)) for tail in tails) - old
         return True
 
     def _cuts(self, r: int, lo: int, t0: float) -> list[int]:
@@ -239,49 +197,13 @@ def score_of(shape: TaskShape, orders: Sequence[Sequence[int]]) -> tuple[float, 
     Raises `ValueError` if the orders deadlock.
     """
     size = 3 * shape.nm
-    end = [-1.0] * size
-    dur, dep, lag = shape.dur, shape.dep, shape.lag
-    p = len(orders)
-    pos = [0] * p
-    free = [0.0] * p
-    first = [0.0] * p
-    remaining = sum(len(o) for o in orders)
-    total = 0.0
-    while remaining:
-        progressed = False
-        for r in range(p):
-            order = orders[r]
-            i = i0 = pos[r]
-            k = len(order)
-            fr = free[r]
-            while i < k:
-                t = order[i]
-                d = dep[t]
-                ready = fr
-                if d >= 0:
-                    e = end[d]
-                    if e < 0:
-                        break
-                    e += lag[t]
-                    if e > ready:
-                        ready = e
-                if i == 0:
-                    first[r] = ready
-                fr = ready + dur[t]
-                end[t] = fr
-                total += fr
-                i += 1
-            if i != i0:
-                remaining -= i - i0
-                pos[r] = i
-                free[r] = fr
-                progressed = True
-        if not progressed:
-            raise ValueError("the orders deadlock")
-    spans = [free[r] - first[r] if orders[r] else 0.0 for r in range(p)]
-    busy = [r for r in range(p) if orders[r]]
-    makespan = max(free[r] for r in busy) - min(first[r] for r in busy) if busy else 0.0
-    return (max(spans), makespan, sum(spans), total)
+    start, end = [0.0] * size, [-1.0] * size
+    if not replay(orders, shape.dep, shape.dur, shape.lag, start, end):
+        raise ValueError("the orders deadlock")
+    busy = [o for o in orders if o]
+    spans = [end[o[-1]] - start[o[0]] if o else 0.0 for o in orders]
+    makespan = max(end[o[-1]] for o in busy) - min(start[o[0]] for o in busy) if busy else 0.0
+    return (max(spans), makespan, sum(spans), sum(end[t] for o in orders for t in o))
 
 
 def _better(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
