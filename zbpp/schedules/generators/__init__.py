@@ -5,7 +5,7 @@ module declares its schedules in a `GENERATORS` table and does not import the re
 imports this package and registers `BUILTIN` (so imports point one way: registry -> generators).
 """
 
-from . import auto, classic, dualpipe, vshape, zero_bubble
+from . import auto, classic, dualpipe, interleaved_zb, vshape, zero_bubble
 
 #: Every built-in schedule: name -> (generator, task count or None), in the order `available()` lists them.
 BUILTIN = {
@@ -14,4 +14,5 @@ BUILTIN = {
     **vshape.GENERATORS,  # zb-v, v-half, v-min
     **dualpipe.GENERATORS,  # dualpipe-v
     **auto.GENERATORS,  # zb-auto, zbv-auto
+    **interleaved_zb.GENERATORS,  # zb-interleaved
 }
