@@ -102,8 +102,11 @@ def test_memory_limit_binds():
     assert tight.result.makespan == pytest.approx(want[0][0], rel=REL)
     assert tight.result.makespan > free.result.makespan
     # DESIGN.md: ZB-V has zero bubble within 1F1B's memory (p rank-stage activations)
+    # (zb-interleaved ties with it on the step at less memory on the later ranks, so it may be the pick)
     at_1f1b = pick_schedule(4, 8, costs, memory=memory, memory_limit=4.0)
-    assert at_1f1b.result.bubble_rate == pytest.approx(0.0, abs=REL) and max(at_1f1b.result.peak_memory) <= 4
+    zbv = pick_schedule(4, 8, costs, memory=memory, memory_limit=4.0, candidates=["zb-v"])
+    assert zbv.result.bubble_rate == pytest.approx(0.0, abs=REL) and max(zbv.result.peak_memory) <= 4
+    assert at_1f1b.result.makespan <= zbv.result.makespan * (1 + REL) and max(at_1f1b.result.peak_memory) <= 4
 
 
 def test_ties_go_to_lower_memory_then_given_order():

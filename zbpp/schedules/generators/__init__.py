@@ -11,8 +11,8 @@ from . import auto, classic, dualpipe, interleaved_zb, vshape, zero_bubble
 BUILTIN = {
     **classic.GENERATORS,  # gpipe, 1f1b, interleaved-1f1b
     **zero_bubble.GENERATORS,  # zb-h1, zb-h2
+    **interleaved_zb.GENERATORS,  # zb-interleaved
     **vshape.GENERATORS,  # zb-v, v-half, v-min
     **dualpipe.GENERATORS,  # dualpipe-v
     **auto.GENERATORS,  # zb-auto, zbv-auto
-    **interleaved_zb.GENERATORS,  # zb-interleaved
 }
