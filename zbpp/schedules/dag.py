@@ -62,10 +62,10 @@ def task_graph(schedule: Schedule, *, rank_chains: bool = True) -> nx.DiGraph:
 def _check_overlap_pairs(schedule: Schedule, present: bytearray) -> None:
     """Each overlap pair names two tasks of the schedule on one rank."""
     ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
-    n, m = schedule.num_stages, schedule.num_microbatches
+    n, m, placement = schedule.num_stages, schedule.num_microbatches, schedule.placement
     for a, b in schedule.overlap_pairs:
-        known = all(0 <= x.stage < n and 0 <= x.microbatch < m and present[ids.of(x)] for x in (a, b))
-        if not known or schedule.rank_of(a.stage) != schedule.rank_of(b.stage):
+        if not (0 <= a.stage < n and 0 <= b.stage < n and a.microbatch < m and b.microbatch < m
+                and present[ids.of(a)] and present[ids.of(b)] and placement[a.stage] == placement[b.stage]):
             raise ScheduleError(f"overlap pair ({a}, {b}) must name two tasks of one rank")
 
 
@@ -88,9 +88,8 @@ def validate(schedule: Schedule) -> Schedule:
     ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
     orders, present = ids.encode(schedule)
     _check_overlap_pairs(schedule, present)
-    size = ids.size
-    zeros = [0.0] * size
-    if replay(orders, ids.inputs(present), zeros, zeros, [0.0] * size, [-1.0] * size):
+    zeros = [0.0] * ids.size  # no times: durations, lags and (so) every start are 0
+    if replay(orders, ids.inputs(present), zeros, zeros, zeros, [-1.0] * ids.size):
         return schedule
     # A deadlock: the graph search names its cycle.
     edges = nx.find_cycle(task_graph(schedule))

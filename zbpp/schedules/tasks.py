@@ -216,7 +216,8 @@ class TaskIds:
                 s, j = a.stage, a.microbatch
                 if not (0 <= s < n and 0 <= j < m) or placement[s] != rank:
                     raise ScheduleError(_misplaced(a, rank, schedule))
-                t = kind_id(a.kind) * nm + s * m + j
+                k = a.kind  # kind_id inlined: this runs once per task
+                t = (0 if k is _KIND_F else nm if k is _KIND_B else 2 * nm if k is _KIND_W else 3 * nm) + s * m + j
                 if present[t]:
                     repeated = True
                 present[t] = 1
