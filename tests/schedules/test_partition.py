@@ -1,0 +1,105 @@
+"""`zbpp.schedules.partition.search`: layers and schedule chosen together within a per-rank
+memory budget that counts static memory (parameters, gradients, optimizer state).
+
+References: per-rank static memory summed by hand from the layers each rank holds, and the
+simulator's activation peak (`simulate` is tested against DESIGN.md's figures elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zbpp.schedules import simulate
+from zbpp.schedules.partition import evaluate, search, split_balanced, split_evenly
+from zbpp.schedules.profile import Layer, Profile, transformer_profile
+
+# float sums of task times and bytes: equal within rounding
+REL = 1e-9
+
+
+def _embedding_head_profile() -> Profile:
+    """Four equal blocks between an embedding and a head whose parameters dominate (a large vocabulary)."""
+    blocks = [Layer(f"block.{i}", f=1, b=1, w=1, activation=1, wgrad=0.5, static=1) for i in range(4)]
+    return Profile([Layer("embed", 0.01, 0.01, 0.01, static=10), *blocks,
+                    Layer("head", 1, 1, 1, activation=1, wgrad=0.5, static=10)])
+
+
+def test_v_placement_that_fits_by_activations_is_refused_for_embedding_and_head_on_rank_0():
+    prof = _embedding_head_profile()
+    p, m, budget = 2, 4, 19.5
+    # every V split puts stage 0 (with the embedding) and stage 3 (with the head) on rank 0: at least
+    # 10 + 10 static bytes there, whatever the activations
+    for split in (split_evenly(6, 4), split_evenly(6, 4, first=1, last=1), split_balanced([1] * 6, 4)):
+        o = evaluate(prof, p, m, split, "zb-v", memory_budget=budget)
+        activations = simulate(_schedule("zb-v", p, m), *prof.stage_costs(split)[:2]).peak_memory
+        assert max(activations) <= budget  # fits by activations alone ...
+        static0 = sum(prof.layers[i].static for s in (0, 3) for i in split[s])
+        assert static0 >= 20 and o.peak[0] == pytest.approx(static0 + activations[0], rel=REL)
+        assert not o.fits  # ... but not with the parameters, gradients and optimizer state
+    with pytest.raises(ValueError, match="no schedule and split fits memory_budget"):
+        search(prof, p, m, budget, schedules=["zb-v", "v-half", "v-min", "dualpipe-v", "zbv-auto"])
+    layout = search(prof, p, m, budget)
+    sched = layout.schedule
+    assert sched.rank_of(0) != sched.rank_of(sched.num_stages - 1)  # embedding and head on different ranks
+    static = [sum(prof.layers[i].static for s in layout.schedule.stages_on(r) for i in layout.stages[s]) for r in range(p)]
+    assert list(layout.static) == pytest.approx(static, rel=REL)
+    res = simulate(layout.schedule, *prof.stage_costs(layout.stages)[:2])
+    assert [s + a for s, a in zip(static, res.peak_memory)] == pytest.approx(list(layout.peak), rel=REL)
+    assert max(layout.peak) <= budget
+    # without a budget ZB-V is a candidate like any other: its activations fit, its whole peak does not
+    v = search(prof, p, m, schedules=["zb-v"])
+    assert max(v.result.peak_memory) <= budget < max(v.peak)
+
+
+def test_pick_is_the_fastest_candidate_that_fits_and_explains_itself():
+    prof = transformer_profile(name="small", num_layers=12, hidden=1024, ffn=4096, heads=16, vocab=64000, seq=2048)
+    p, m, budget = 4, 8, 12e9
+    layout = search(prof, p, m, budget)
+    fitting = [o for o in layout.options if o.fits]
+    assert layout.step == pytest.approx(min(o.step for o in fitting), rel=REL)
+    assert all(max(o.peak) <= budget * (1 + REL) for o in fitting)
+    assert all(max(o.peak) > budget for o in layout.options if not o.fits and o.peak)
+    # the split covers the layers in order, one range per stage; names follow the profile
+    assert [r.start for r in layout.stages][0] == 0 and layout.stages[-1].stop == len(prof)
+    assert sum(len(n) for n in layout.names()) == len(prof)
+    # no uniform split with a fixed schedule does better (the search tries them all)
+    for name in ("1f1b", "zb-h1", "zb-h2"):
+        o = evaluate(prof, p, m, split_evenly(len(prof), p, first=1, last=1), name, memory_budget=budget)
+        assert not o.fits or o.step >= layout.step * (1 - REL)
+    text = layout.explain()
+    assert text.startswith("pick: ") and "rank 0: static" in text and "candidate" in text
+
+
+def test_splits_are_consecutive_and_balanced():
+    assert split_balanced([5, 1, 1, 1, 1, 1], 2) == (range(0, 1), range(1, 6))
+    assert split_balanced([1] * 7, 3) == (range(0, 3), range(3, 6), range(6, 7))
+    got = split_balanced([3, 1, 4, 1, 5, 9, 2, 6], 3)
+    best = min(max(sum(w[a:b]) for a, b in ((0, i), (i, j), (j, 8))) for i in range(1, 7) for j in range(i + 1, 8)
+               for w in ([3, 1, 4, 1, 5, 9, 2, 6],))
+    assert max(sum([3, 1, 4, 1, 5, 9, 2, 6][r.start:r.stop]) for r in got) == best  # brute force over all splits
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+        split_evenly(2, 3)
+
+
+def test_bad_input_is_named():
+    prof = _embedding_head_profile()
+    with pytest.raises(ValueError, match="schedule 'zb-h9' is not one"):
+        search(prof, 2, 4, schedules=["zb-h9"])
+    with pytest.raises(ValueError, match="the split has 3"):
+        evaluate(prof, 2, 4, split_evenly(6, 3), "1f1b")
+    with pytest.raises(ValueError, match="does not continue the split"):
+        prof.stage_costs([range(0, 2), range(3, 6)])
+    with pytest.raises(ValueError, match="need wgrad <= activation"):
+        Layer("x", 1, 1, 1, activation=1, wgrad=2)
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    prof = transformer_profile(name="t", num_layers=3, hidden=256, ffn=1024, heads=4, vocab=5000, seq=512)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert Profile.load(path) == prof
+
+
+def _schedule(name, p, m):
+    from zbpp.schedules import build
+
+    return build(name, num_ranks=p, num_microbatches=m)
