@@ -5,6 +5,7 @@
     zbpp compare -p 8 -m 24                     # every schedule's bubble rate and peak memory
     zbpp plot zb-v -p 4 -m 8 -o zbv.svg         # figure (needs matplotlib: pip install zbpp[viz])
     zbpp trace zb-h1 -p 4 -m 8 -o plan.json     # Perfetto / chrome://tracing trace of the plan
+    zbpp plan --profile llama3-8b.json -p 8 -m 32 --budget-gb 80   # layers and schedule chosen together
     zbpp demo                                   # train a small model on 4 CPU ranks
     zbpp --version
 
@@ -266,6 +267,25 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """``zbpp plan``: each stage's layers and the schedule, chosen together within a memory budget."""
+    from .schedules.partition import search
+    from .schedules.profile import Profile
+
+    try:
+        profile = Profile.load(args.profile)
+    except OSError as exc:
+        raise ValueError(f"--profile {args.profile}: cannot read it ({exc.strerror})") from None
+    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()] if args.schedules else None
+    budget = None if args.budget_gb is None else args.budget_gb * 1e9
+    layout = search(profile, args.ranks, args.microbatches, budget, schedules=schedules)
+    print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
+          f"microbatches={args.microbatches} budget={'none' if budget is None else f'{args.budget_gb:g} GB'} per rank")
+    print(layout.explain(top=args.top))
+    print("stages (layer index ranges):", ", ".join(f"{r.start}-{r.stop - 1}" for r in layout.stages))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -296,6 +316,16 @@ def make_parser() -> argparse.ArgumentParser:
     _add_schedule_args(trace)
     trace.add_argument("-o", "--output", required=True, help="FILE.json")
     trace.set_defaults(func=_cmd_trace)
+
+    plan = sub.add_parser("plan", help="choose each stage's layers and the schedule for a per-layer profile")
+    plan.add_argument("--profile", required=True, help="a per-layer profile (JSON, as zbpp.schedules.profile.Profile.save writes)")
+    plan.add_argument("-p", "--ranks", type=_integer(1), required=True, help="pipeline ranks")
+    plan.add_argument("-m", "--microbatches", type=_integer(1), required=True, help="microbatches per step")
+    plan.add_argument("--budget-gb", type=_number, default=None,
+                      help="memory per rank in GB (1e9 bytes): static (parameters, gradients, optimizer) and activations")
+    plan.add_argument("--schedules", default=None, help="comma-separated schedule families to try (default: all)")
+    plan.add_argument("--top", type=_integer(1), default=12, help="candidates to list (default 12)")
+    plan.set_defaults(func=_cmd_plan)
 
     demo = sub.add_parser("demo", help="train a small model with a zero-bubble schedule on CPU ranks")
     demo.add_argument("--schedule", default="zb-v", help="schedule name (default zb-v)")

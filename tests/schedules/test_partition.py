@@ -103,3 +103,20 @@ def _schedule(name, p, m):
     from zbpp.schedules import build
 
     return build(name, num_ranks=p, num_microbatches=m)
+
+
+def test_cli_plan_prints_the_pick_of_search(tmp_path, capsys):
+    from zbpp.cli import main
+
+    prof = _embedding_head_profile()
+    path = tmp_path / "prof.json"
+    prof.save(path)
+    layout = search(prof, 2, 4, 19.5e9 / 1e9)  # the CLI takes GB; this profile's bytes are tiny numbers
+    assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", "--budget-gb", str(19.5 / 1e9)]) == 0
+    out = capsys.readouterr().out
+    assert f"pick: {layout.schedule.name}" in out
+    assert "stages (layer index ranges): " + ", ".join(f"{r.start}-{r.stop - 1}" for r in layout.stages) in out
+    assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", "--budget-gb", "1e-9"]) == 2
+    assert "no schedule and split fits" in capsys.readouterr().err
+    assert main(["plan", "--profile", str(tmp_path / "missing.json"), "-p", "2", "-m", "4"]) == 2
+    assert "cannot read it" in capsys.readouterr().err
