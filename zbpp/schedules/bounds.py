@@ -86,7 +86,8 @@ class LowerBound:
 class _Graph:
     """The FIFO task graph of the module docstring, tasks as ints kind * n*m + stage * m + mb."""
 
-    def __init__(self, placement: Sequence[int], m: int, costs: Costs, memory: Memory, limit: float) -> None:
+    def __init__(self, placement: Sequence[int], m: int, costs: Costs, memory: Memory,
+                 limit: float | Sequence[float]) -> None:
         n = len(placement)
         self.ids = ids = TaskIds(n, m)
         nm = ids.nm
@@ -103,10 +104,10 @@ class _Graph:
             held[r] = held.get(r, 0.0) + act[s]
             below[s] = held[r]
         k = [m] * n
-        if math.isfinite(limit):
-            for s in range(n):
-                if below[s] > 0:
-                    k[s] = max(1, min(m, int(math.floor(limit / below[s] + _EPS))))
+        limits = _per_rank(limit, max(placement) + 1)
+        for s in range(n):
+            if below[s] > 0 and math.isfinite(limits[placement[s]]):
+                k[s] = max(1, min(m, int(math.floor(limits[placement[s]] / below[s] + _EPS))))
         # predecessors as (task, weight): x may start weight after that task starts
         preds: list[list[tuple[int, float]]] = [[] for _ in range(3 * nm)]
         dur = self.dur
@@ -220,16 +221,30 @@ def _released_work(release: list[float], dur: list[float]) -> float:
     return best
 
 
+def _per_rank(limit: float | Sequence[float] | None, num_ranks: int) -> list[float]:
+    """A memory limit as one number per rank (inf: none); a sequence must have one per rank."""
+    if limit is None:
+        return [math.inf] * num_ranks
+    if isinstance(limit, (int, float)):
+        return [float(limit)] * num_ranks
+    limits = [float(x) for x in limit]
+    if len(limits) != num_ranks:
+        raise ValueError(f"memory_limit has {len(limits)} values; give one number, or one per rank ({num_ranks})")
+    return limits
+
+
 def lower_bound(
     placement: Sequence[int],
     num_microbatches: int,
     costs: Costs | None = None,
     memory: Memory | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
 ) -> LowerBound:
     """Bounds that every split-backward schedule of `placement` meets (see the module docstring).
 
-    `memory_limit` is per rank, in the units of `memory` (None: no limit). A schedule with full
+    Stages may differ in costs and memory (`Costs` and `Memory` per stage). `memory_limit` is per
+    rank, in the units of `memory`: one number for every rank, one per rank (uneven stages leave
+    ranks different room beside their static memory), or None (no limit). A schedule with full
     backward tasks (BW) is a split one whose W runs right after its B, so the bounds hold for it
     too. Raises `ValueError` below the smallest feasible limit (a rank must hold all its stages'
     activations of one microbatch at once).
@@ -252,13 +267,16 @@ def lower_bound(
     per_rank = [0.0] * p
     for s, r in enumerate(placement):
         per_rank[r] += act[s]
-    limit = math.inf if memory_limit is None else float(memory_limit)
-    if limit < max(per_rank) * (1 - _EPS):
-        raise ValueError(
-            f"memory_limit={memory_limit:g} is infeasible; the smallest feasible limit is {max(per_rank):g} "
-            f"(a rank holds all its stages' activations of one microbatch at once)"
-        )
-    g = _Graph(placement, m, costs, memory, limit)
+    limits = _per_rank(memory_limit, p)
+    for r in range(p):
+        if limits[r] < per_rank[r] * (1 - _EPS):
+            where = "" if isinstance(memory_limit, (int, float)) else f"[{r}]"
+            smallest = max(per_rank) if isinstance(memory_limit, (int, float)) else per_rank[r]
+            raise ValueError(
+                f"memory_limit{where}={limits[r]:g} is infeasible; the smallest feasible limit is {smallest:g} "
+                f"(a rank holds all its stages' activations of one microbatch at once)"
+            )
+    g = _Graph(placement, m, costs, memory, limits)
     tasks_of: list[list[int]] = [[] for _ in range(p)]
     for x, r in enumerate(g.rank):
         tasks_of[r].append(x)

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .bounds import _Graph, lower_bound
+from .bounds import _Graph, _per_rank, lower_bound
 from .ir import Action, Kind, Schedule, from_orders
 from .simulate import Costs, Memory, simulate
 
@@ -77,7 +77,7 @@ def optimal_schedule(
     num_microbatches: int,
     costs: Costs | None = None,
     memory: Memory | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
     *,
     start: Schedule | None = None,
     time_limit: float = 60.0,
@@ -87,7 +87,9 @@ def optimal_schedule(
     `start`, a valid split-backward schedule within the limit, bounds the search from above (by
     default `zb-auto` or `zbv-auto` when the placement is theirs, else a one-microbatch-at-a-time
     schedule). `time_limit` is in seconds; when it runs out, the best schedule found comes back
-    with `proven=False` and HiGHS's lower bound. Raises `ImportError` without scipy.
+    with `proven=False` and HiGHS's lower bound. Stages may differ in costs and memory, and
+    `memory_limit` may be one number per rank (see `zbpp.schedules.bounds.lower_bound`). Raises
+    `ImportError` without scipy.
     """
     try:
         import numpy as np
@@ -100,9 +102,9 @@ def optimal_schedule(
     memory = memory if memory is not None else Memory()
     m, n = num_microbatches, len(placement)
     p = max(placement) + 1
-    limit = math.inf if memory_limit is None else float(memory_limit)
     bound = lower_bound(placement, m, costs, memory, memory_limit)  # also checks the limit
-    g = _Graph(placement, m, costs, memory, limit)
+    limits = _per_rank(memory_limit, max(placement) + 1)
+    g = _Graph(placement, m, costs, memory, limits)
     nm, num = g.nm, 3 * g.nm
     dur, preds, rank_of = g.dur, g.preds, g.rank
     delta = g.ids.per_task(list(zip(*memory.deltas(n)))[:3])  # F, B, W
@@ -166,8 +168,10 @@ def optimal_schedule(
         big_yx = max(0.0, latest[y] + dur[y] - head[x])
         row([(y, 1.0), (x, -1.0), (z, -big_xy)], dur[x] - big_xy, inf)
         row([(x, 1.0), (y, -1.0), (z, big_yx)], dur[y], inf)
-    if math.isfinite(limit):
-        for xs in tasks_of:
+    if any(math.isfinite(x) for x in limits):
+        for rank, xs in enumerate(tasks_of):
+            if not math.isfinite(limits[rank]):
+                continue
             for x in xs:
                 if x >= nm:
                     continue  # memory grows only at an F
@@ -185,7 +189,7 @@ def optimal_schedule(
                         coefs.append((pair_index[(x, y)], -delta[y]))
                     else:
                         coefs.append((pair_index[(y, x)], delta[y]))
-                row(coefs, -inf, limit - constant)
+                row(coefs, -inf, limits[rank] - constant)
 
     a = coo_array((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
     lower_b = np.array([head[x] for x in range(num)] + [bound.makespan] + [0.0] * len(pairs))
@@ -228,16 +232,21 @@ def optimal_schedule(
     return Optimum(sched, found, min(lower, found), proven)
 
 
-def _default_start(placement: Sequence[int], m: int, costs: Costs, memory: Memory, limit: float | None) -> Schedule:
+def _default_start(placement: Sequence[int], m: int, costs: Costs, memory: Memory,
+                   limit: float | Sequence[float] | None) -> Schedule:
     """A feasible upper bound: the automatic schedule of the placement, else one microbatch at a time."""
     from .generators.auto import zb_auto, zbv_auto
     from .ir import loop_placement, v_placement
 
     p = max(placement) + 1
-    if tuple(placement) == loop_placement(p):
-        return zb_auto(p, m, costs=costs, memory=memory, memory_limit=limit)
-    if tuple(placement) == v_placement(p):
-        return zbv_auto(p, m, costs=costs, memory=memory, memory_limit=limit)
+    one = limit if limit is None or isinstance(limit, (int, float)) else min(limit)  # fits every rank's
+    try:
+        if tuple(placement) == loop_placement(p):
+            return zb_auto(p, m, costs=costs, memory=memory, memory_limit=one)
+        if tuple(placement) == v_placement(p):
+            return zbv_auto(p, m, costs=costs, memory=memory, memory_limit=one)
+    except ValueError:  # the smallest rank limit is below what another rank needs: one at a time
+        pass
     n = len(placement)
     orders: list[list[Action]] = [[] for _ in range(p)]
     for j in range(m):  # within any limit a rank can hold one microbatch's activations
