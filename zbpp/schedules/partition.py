@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from .bounds import LowerBound, lower_bound
 from .checks import as_int, as_number
 from .ir import Schedule
 from .profile import Profile
@@ -97,6 +98,13 @@ class Layout:
     def step(self) -> float:
         return self.result.makespan
 
+    def bound(self) -> LowerBound:
+        """`zbpp.schedules.bounds.lower_bound` for this split and placement: what no schedule of it
+        beats within the budget (each rank's limit: the budget less its static memory)."""
+        costs, memory, _ = self.profile.stage_costs(self.stages)
+        limits = None if not math.isfinite(self.budget) else [self.budget - x for x in self.static]
+        return lower_bound(self.schedule.placement, self.schedule.num_microbatches, costs, memory, limits)
+
     def names(self) -> list[list[str]]:
         """Each stage's layer names (the profile's), e.g. as module FQNs for a stage-splitting helper."""
         return [[self.profile.layers[i].name for i in r] for r in self.stages]
@@ -107,6 +115,9 @@ class Layout:
         lines = [f"pick: {s.name}{' x' + str(s.num_stages // s.num_ranks) if s.num_stages > 2 * s.num_ranks else ''}"
                  f" on the {self.split!r} split: step {self.step:.6g}, bubble rate {self.result.bubble_rate:.4f}, "
                  f"peak {max(self.peak) / 1e9:.2f} GB of {self.budget / 1e9:.2f} GB"]
+        lb = self.bound()
+        lines.append(f"  no schedule of this split and placement within the budget beats step {lb.makespan:.6g} "
+                     f"(the pick: +{max(0.0, 100 * (self.step / lb.makespan - 1)):.2f}%)")
         for r in range(s.num_ranks):
             stages = [f"{st}:{self.profile.layers[self.stages[st][0]].name}..{self.profile.layers[self.stages[st][-1]].name}"
                       f" ({len(self.stages[st])})" for st in s.stages_on(r)]
