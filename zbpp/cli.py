@@ -92,7 +92,7 @@ def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = Tru
         parser.add_argument("name", help=f"schedule name ({', '.join(available())})")
     parser.add_argument("-p", "--ranks", type=_integer(1), required=True, help="pipeline ranks")
     parser.add_argument("-m", "--microbatches", type=_integer(1), required=True, help="microbatches per step")
-    parser.add_argument("--chunks", type=_integer(1), default=None, help="stages per rank (interleaved-1f1b)")
+    parser.add_argument("--chunks", type=_integer(1), default=None, help="stages per rank (interleaved-1f1b, zb-interleaved, zbi-auto)")
     costs = parser.add_argument_group("costs (a number, or one per stage separated by commas)")
     costs.add_argument("--f", type=_float_list, default=1.0, help="forward time (default 1)")
     costs.add_argument("--b", type=_float_list, default=1.0, help="input-gradient time (default 1)")
@@ -105,7 +105,7 @@ def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = Tru
     mem.add_argument("--wgrad", type=_float_list, default=None,
                      help="memory B keeps until W (default: 1/3 of --activation for split schedules)")
     mem.add_argument("--memory-limit", type=_number, default=None,
-                     help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto)")
+                     help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto, zbi-auto)")
 
 
 def _costs_memory(args: argparse.Namespace) -> tuple[Costs, Memory]:
@@ -135,7 +135,7 @@ def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: 
         opts["memory"] = memory
     if args.memory_limit is not None and (strict or "memory_limit" in takes):
         if "memory_limit" not in takes:
-            raise ValueError(f"schedule {name!r} does not take --memory-limit (only zb-auto and zbv-auto do)")
+            raise ValueError(f"schedule {name!r} does not take --memory-limit (only the automatic schedules do)")
         opts["memory_limit"] = args.memory_limit
     return validate(build(name, num_ranks=args.ranks, num_microbatches=args.microbatches, **opts))
 

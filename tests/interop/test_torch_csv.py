@@ -35,7 +35,7 @@ from zbpp.schedules.ir import Action, Kind  # noqa: E402
 from .torch_orders import compute_only, lower_and_simulate, torch_schedule  # noqa: E402
 
 # Every schedule DESIGN.md names. Those not registered yet (issue 3 is written concurrently) skip.
-NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-interleaved", "zb-v", "v-half", "v-min", "dualpipe-v", "zb-auto", "zbv-auto"]
+NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-interleaved", "zb-v", "v-half", "v-min", "dualpipe-v", "zb-auto", "zbv-auto", "zbi-auto"]
 SIZES = [(1, 1), (2, 1), (2, 3), (4, 4), (4, 9)]
 
 

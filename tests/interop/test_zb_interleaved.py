@@ -57,3 +57,22 @@ def test_one_chunk_is_zb_h1():
     for p, m in [(2, 3), (4, 8), (5, 7)]:
         ours = build("zb-interleaved", num_ranks=p, num_microbatches=m, chunks=1)
         assert ours.orders == build("zb-h1", num_ranks=p, num_microbatches=m).orders
+
+
+@pytest.mark.parametrize("p, m, chunks", [(2, 4, 2), (4, 8, 2), (4, 8, 3)])
+def test_zbi_auto_at_torch_memory_is_at_or_under_its_bubble(tmp_path, p, m, chunks):
+    """The automatic variant, given torch's peak as its limit, stays within it on every rank and is
+    never slower; given more memory it removes the bubble that is left (unit costs)."""
+    theirs = _torch_zb_interleaved(tmp_path, p, m, chunks)
+    for costs in COSTS:
+        a = simulate(theirs, costs, MEMORY)
+        limit = max(a.peak_memory)
+        ours = validate(build("zbi-auto", num_ranks=p, num_microbatches=m, chunks=chunks, costs=costs, memory=MEMORY,
+                              memory_limit=limit))
+        b = simulate(ours, costs, MEMORY)
+        assert max(b.peak_memory) <= limit + TOL
+        assert b.cost <= a.cost * (1 + TOL) and b.bubble_rate <= a.bubble_rate + TOL
+    unit = COSTS[0]
+    roomy = simulate(build("zbi-auto", num_ranks=p, num_microbatches=m, chunks=chunks, costs=unit, memory=MEMORY,
+                           memory_limit=4 * limit), unit, MEMORY)
+    assert roomy.bubble_rate < simulate(theirs, unit, MEMORY).bubble_rate

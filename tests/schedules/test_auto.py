@@ -239,7 +239,7 @@ def test_cli_compare_runs_v_schedules_on_the_same_model(capsys: pytest.CaptureFi
     row = next(line.split() for line in out.splitlines() if line.startswith("zb-v "))
     # stages, bubble, span: ZB-V is zero-bubble, so its span is m(F+B+W) = 8 * 3, as 1F1B's work
     assert row[1:4] == ["8", "0.0000", "24"]
-    assert "zb-v, v-half, v-min, dualpipe-v, zbv-auto: more stages than ranks" in out
+    assert "zb-v, v-half, v-min, dualpipe-v, zbv-auto, zbi-auto: more stages than ranks" in out
 
 
 def test_score_of_matches_the_timeline_and_the_simulator() -> None:

@@ -17,7 +17,8 @@ per rank; V) and the automatic ones, each on several splits of the layers:
 
 A candidate fits when static plus simulated activation memory stays within the budget on every
 rank; the automatic schedules get as their activation limit the budget less the largest static
-memory of a rank. The pick is the fitting candidate with the shortest simulated step (makespan),
+memory of a rank. `zbi-auto` runs with the stages per rank that suited `zb-interleaved` best, on
+its two best splits and its refined one. The pick is the fitting candidate with the shortest simulated step (makespan),
 then the lowest peak. `Layout.explain` says what was chosen and why the others were not.
 
 >>> from zbpp.schedules.profile import transformer_profile
@@ -45,13 +46,14 @@ __all__ = ["Option", "Layout", "search", "evaluate", "split_evenly", "split_bala
 #: The schedules `search` tries, and the stages per rank of each (None: 2, 3 and 4, interleaved).
 SCHEDULES: dict[str, int | None] = {
     "1f1b": 1, "zb-h1": 1, "zb-h2": 1, "zb-auto": 1,
-    "interleaved-1f1b": None, "zb-interleaved": None,
+    "interleaved-1f1b": None, "zb-interleaved": None, "zbi-auto": None,
     "zb-v": 2, "v-half": 2, "v-min": 2, "dualpipe-v": 2, "zbv-auto": 2,
 }
-_AUTO = ("zb-auto", "zbv-auto")
+_AUTO = ("zb-auto", "zbv-auto", "zbi-auto")
+_INTERLEAVED = ("interleaved-1f1b", "zb-interleaved", "zbi-auto")
 _V = ("zb-v", "v-half", "v-min", "dualpipe-v", "zbv-auto")
 #: The fixed schedule whose simulated step refines the split for an automatic one.
-_PROXY = {"zb-auto": "zb-h1", "zbv-auto": "zb-v"}
+_PROXY = {"zb-auto": "zb-h1", "zbv-auto": "zb-v", "zbi-auto": "zb-interleaved"}
 _REL = 1e-9  # float sums of many task times: equal within rounding counts as a tie
 _REFINE_STEPS = 24  # moves of one layer per refined candidate (each a few simulations)
 
@@ -71,8 +73,7 @@ class Option:
 
     @property
     def label(self) -> str:
-        return self.schedule if self.chunks in (1, 2) and self.schedule not in ("interleaved-1f1b", "zb-interleaved") \
-            else f"{self.schedule} x{self.chunks}"
+        return f"{self.schedule} x{self.chunks}" if self.schedule in _INTERLEAVED else self.schedule
 
     def key(self, budget: float) -> tuple[float, float, float]:
         """Lower is better: the bytes over the budget, then the step, then the peak."""
@@ -264,7 +265,7 @@ def _balance_ranks(stages: tuple[range, ...], weights: Sequence[float], placemen
 # -- evaluation ----------------------------------------------------------------------------------
 def _build(name: str, p: int, m: int, chunks: int, costs=None, memory=None, limit=None) -> Schedule:
     opts: dict = {}
-    if name in ("interleaved-1f1b", "zb-interleaved"):
+    if name in _INTERLEAVED:
         opts["chunks"] = chunks
     if name in _AUTO:
         opts.update(costs=costs, memory=memory, memory_limit=limit)
@@ -354,6 +355,12 @@ def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Sche
     return best
 
 
+def _best_chunks(best_of: dict[tuple[str, int], Option], name: str, budget: float) -> Option | None:
+    """The best option of schedule `name` over its numbers of stages per rank."""
+    mine = [o for (n, _), o in best_of.items() if n == name]
+    return min(mine, key=lambda o: o.key(budget)) if mine else None
+
+
 def search(
     profile: Profile,
     num_ranks: int,
@@ -426,8 +433,9 @@ def search(
                 best_of[(name, k)] = o
     # refine the split under the best few fixed schedules (and the automatic ones' proxies)
     ranked = sorted(best_of.values(), key=lambda o: o.key(budget))
-    chosen = ranked[:3] + [best_of[(_PROXY[a], 2 if a in _V else 1)] for a in _AUTO
-                           if a in names and (_PROXY[a], 2 if a in _V else 1) in best_of]
+    chosen = ranked[:3] + [o for (name, k), o in best_of.items() if any(
+        a in names and _PROXY[a] == name and (a not in _INTERLEAVED or o is _best_chunks(best_of, name, budget))
+        for a in _AUTO)]
     refined: dict[tuple[str, int], Option] = {}
     for o in chosen:
         if (o.schedule, o.chunks) in refined or (o.schedule, o.chunks) not in built or not o.peak:
@@ -440,7 +448,14 @@ def search(
     for name, k in configs:
         if name not in _AUTO:
             continue
-        candidates = dict(splits_for(k, name in _V))
+        if name in _INTERLEAVED:  # only as many stages per rank as its proxy did best with, on its best splits
+            best = _best_chunks(best_of, _PROXY[name], budget)
+            if best is None or best.chunks != k:
+                continue
+            mine = sorted((o for o in options if (o.schedule, o.chunks) == (_PROXY[name], k)), key=lambda o: o.key(budget))
+            candidates = {o.split: o.stages for o in mine[:2]}
+        else:
+            candidates = dict(splits_for(k, name in _V))
         proxy = refined.get((_PROXY[name], k))
         if proxy is not None and proxy.stages not in candidates.values():
             candidates["refined"] = proxy.stages

@@ -14,5 +14,5 @@ BUILTIN = {
     **interleaved_zb.GENERATORS,  # zb-interleaved
     **vshape.GENERATORS,  # zb-v, v-half, v-min
     **dualpipe.GENERATORS,  # dualpipe-v
-    **auto.GENERATORS,  # zb-auto, zbv-auto
+    **auto.GENERATORS,  # zb-auto, zbv-auto, zbi-auto
 }

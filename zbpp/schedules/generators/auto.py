@@ -1,14 +1,16 @@
-"""Automatic schedules: `zb-auto` (one stage per rank) and `zbv-auto` (V placement).
+"""Automatic schedules: `zb-auto` (one stage per rank), `zbv-auto` (V placement) and `zbi-auto`
+(interleaved: `chunks` stages per rank).
 
 Given per-stage costs (F, B, W and comm may all differ), a memory model and a per-rank memory
 limit, the search keeps the best schedule of several constructions (lowest cost, i.e. longest
 rank span; then makespan, sum of spans, sum of task ends):
 
 1. the zero-bubble paper's round heuristic (`rounds`) under every setting of its switches, where
-   it applies (one stage per rank; on a V, from ZB-V's memory up): as good as the authors' own
-   implementation of it, by construction;
+   it applies (one stage per rank; on a V, from ZB-V's memory up; not on interleaved placements):
+   as good as the authors' own implementation of it, by construction;
 2. the first handcrafted schedule of the placement that fits, from the most memory down (ZB-H2,
-   ZB-H1, 1F1B; ZB-V, DualPipeV, V-Half, V-Min), so the result is never worse than it either;
+   ZB-H1, 1F1B; ZB-V, DualPipeV, V-Half, V-Min; zb-interleaved, interleaved 1F1B), so the result
+   is never worse than it either;
 3. an event-driven list scheduler (`auto_heuristic.list_schedule`), with a policy or two;
 4. the F/B order of the best so far with its W's placed anew where they fill idle time
    (`auto_heuristic.place_w`);
@@ -40,20 +42,22 @@ ends the search at once. p = 32, m = 256 on a V builds in well under a second.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
-from ..checks import as_number
+from ..checks import as_int, as_number
 from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
 from ..simulate import Costs, Memory
 from .auto_heuristic import Policy, Problem, list_schedule, place_w
-from .classic import one_f_one_b
+from .classic import interleaved_1f1b, one_f_one_b
+from .interleaved_zb import zb_interleaved
 from .dualpipe import dualpipe_v
 from .local_search import TaskShape, improve, perturb_and_improve, score_of
 from .rounds import best_v_rounds, best_zb_rounds
 from .vshape import v_half, v_min, zb_v
 from .zero_bubble import zb_h1, zb_h2
 
-__all__ = ["zb_auto", "zbv_auto", "smallest_feasible_limit", "default_memory_limit"]
+__all__ = ["zb_auto", "zbv_auto", "zbi_auto", "smallest_feasible_limit", "default_memory_limit"]
 
 #: Where the round heuristic applies, the local search runs up to this many tasks, and the list
 #: scheduler beside it on V's up to `_TINY` (each is a pass or more over all tasks; beyond, they
@@ -153,8 +157,11 @@ def _search(
         pool.append((score_of(shape, orders), orders))
 
     # 1. the paper's round heuristic under every setting of its switches; the best (ties too)
-    v_shape = tuple(placement) != loop_placement(p)
-    rounds = best_v_rounds(prob) if v_shape else best_zb_rounds(prob)
+    v_shape = tuple(placement) != loop_placement(p)  # several stages per rank (a V, or interleaved)
+    if not v_shape:
+        rounds = best_zb_rounds(prob)
+    else:  # the round heuristic knows one stage per rank and the V
+        rounds = best_v_rounds(prob) if tuple(placement) == v_placement(p) else []
     for cost, orders in rounds[:2]:
         if cost <= rounds[0][0] * (1 + 1e-9):
             add(orders)
@@ -256,6 +263,37 @@ def zbv_auto(
     return _search("zbv-auto", v_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZBV_SEEDS)
 
 
+def zbi_auto(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    chunks: int = 2,
+    costs: Costs | None = None,
+    memory: Memory | None = None,
+    memory_limit: float | None = None,
+) -> Schedule:
+    """An automatic interleaved schedule (rank r holds stages r, r+p, ..., `chunks` of them)
+    within `memory_limit`, never slower than `zb-interleaved` where that fits the limit.
+
+    Costs and memory are per stage; `memory_limit` is per rank (default: p times a rank's
+    stages' activations). Raises `ValueError` below the smallest feasible limit.
+
+    >>> from zbpp.schedules import build, simulate, Costs, Memory
+    >>> costs, memory = Costs(1, 1, 1), Memory(1, 1 / 3)
+    >>> fixed = simulate(build("zb-interleaved", num_ranks=4, num_microbatches=8), costs, memory)
+    >>> auto = simulate(build("zbi-auto", num_ranks=4, num_microbatches=8, memory=memory, memory_limit=16), costs, memory)
+    >>> fixed.bubble_rate > 0, auto.bubble_rate, max(auto.peak_memory) <= 16
+    (True, 0.0, True)
+    """
+    k = as_int(chunks, "zbi-auto: chunks")
+    seeds = (functools.partial(zb_interleaved, chunks=k), functools.partial(interleaved_1f1b, chunks=k))
+    return _search("zbi-auto", loop_placement(num_ranks, k), num_microbatches, costs, memory, memory_limit, seeds)
+
+
+def _zbi_tasks(p: int, m: int, *, chunks: int = 2, **_: object) -> int:
+    return 3 * p * as_int(chunks, "zbi-auto: chunks") * m
+
+
 #: The schedules of this module, for the registry: name -> (generator, task count or None for
 #: the registry's default; see `zbpp.schedules.registry.register`)
-GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, None)}
+GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, None), "zbi-auto": (zbi_auto, _zbi_tasks)}
