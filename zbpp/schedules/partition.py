@@ -227,6 +227,19 @@ def _placement(num_ranks: int, chunks: int, v: bool) -> list[int]:
     return [s % num_ranks for s in range(num_ranks * chunks)]
 
 
+def _moves_off(sizes: list[int], placement: Sequence[int], rank: int) -> list[list[int]]:
+    """Stage sizes with one layer moved from a stage of `rank` to a neighbouring stage of another rank."""
+    out = []
+    for s in (s for s in range(len(sizes)) if placement[s] == rank and sizes[s] > 1):
+        for t in (s - 1, s + 1):
+            if 0 <= t < len(sizes) and placement[t] != rank:
+                trial = list(sizes)
+                trial[s] -= 1
+                trial[t] += 1
+                out.append(trial)
+    return out
+
+
 def _balance_ranks(stages: tuple[range, ...], weights: Sequence[float], placement: Sequence[int]) -> tuple[range, ...]:
     """Move single layers off the rank with the largest summed weight while that lowers it."""
     sizes = [len(r) for r in stages]
@@ -247,15 +260,10 @@ def _balance_ranks(stages: tuple[range, ...], weights: Sequence[float], placemen
         worst = max(current)
         r = current.index(worst)
         best = None
-        for s in (s for s in range(len(sizes)) if placement[s] == r and sizes[s] > 1):
-            for t in (s - 1, s + 1):
-                if 0 <= t < len(sizes) and placement[t] != r:
-                    trial = list(sizes)
-                    trial[s] -= 1
-                    trial[t] += 1
-                    got = loads(trial)
-                    if max(got) < worst * (1 - _REL) and (best is None or max(got) < max(best[1])):
-                        best = (trial, got)
+        for trial in _moves_off(sizes, placement, r):
+            got = loads(trial)
+            if max(got) < worst * (1 - _REL) and (best is None or max(got) < max(best[1])):
+                best = (trial, got)
         if best is None:
             break
         sizes, current = best
@@ -334,15 +342,7 @@ def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Sche
             r = max(range(p), key=lambda q: best.peak[q])
         else:  # the rank with the most work, whose work bounds the step
             r = max(range(p), key=lambda q: res.busy_per_rank[q])
-        sizes = [len(x) for x in best.stages]
-        trials = []
-        for s in (s for s in range(len(sizes)) if placement[s] == r and sizes[s] > 1):
-            for t in (s - 1, s + 1):
-                if 0 <= t < len(sizes) and placement[t] != r:
-                    trial = list(sizes)
-                    trial[s] -= 1
-                    trial[t] += 1
-                    trials.append(_ranges(trial))
+        trials = [_ranges(trial) for trial in _moves_off([len(x) for x in best.stages], placement, r)]
         improved = None
         for stages in trials:
             o = _simulate_option(profile, name, chunks, "refined", stages, budget, sched, p, m)[0]
