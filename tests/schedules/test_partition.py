@@ -120,3 +120,12 @@ def test_cli_plan_prints_the_pick_of_search(tmp_path, capsys):
     assert "no schedule and split fits" in capsys.readouterr().err
     assert main(["plan", "--profile", str(tmp_path / "missing.json"), "-p", "2", "-m", "4"]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+def test_each_family_alone_gives_its_own_placement():
+    prof = transformer_profile(name="small", num_layers=12, hidden=512, ffn=2048, heads=8, vocab=8000, seq=512)
+    for name, stages in [("zb-h1", 2), ("zbi-auto", 4), ("zb-interleaved", None), ("zbv-auto", 4), ("dualpipe-v", 4)]:
+        layout = search(prof, 2, 4, schedules=[name])
+        assert layout.schedule.name == name
+        assert stages is None or layout.schedule.num_stages == stages
+        assert len(layout.stages) == layout.schedule.num_stages

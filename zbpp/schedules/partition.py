@@ -444,16 +444,16 @@ def search(
         refined[(o.schedule, o.chunks)] = r
         if r.stages != o.stages:
             options.append(r)
-    # the automatic schedules, on every split and on their proxy's refined one
+    # the automatic schedules (each a search of its own), on the splits above and their proxy's refined one
     for name, k in configs:
         if name not in _AUTO:
             continue
         if name in _INTERLEAVED:  # only as many stages per rank as its proxy did best with, on its best splits
             best = _best_chunks(best_of, _PROXY[name], budget)
-            if best is None or best.chunks != k:
+            if (best.chunks if best is not None else 2) != k:
                 continue
             mine = sorted((o for o in options if (o.schedule, o.chunks) == (_PROXY[name], k)), key=lambda o: o.key(budget))
-            candidates = {o.split: o.stages for o in mine[:2]}
+            candidates = {o.split: o.stages for o in mine[:2]} if mine else dict(splits_for(k, False))
         else:
             candidates = dict(splits_for(k, name in _V))
         proxy = refined.get((_PROXY[name], k))
