@@ -211,17 +211,21 @@ class TaskIds:
         orders: list[list[int]] = []
         repeated = False
         for rank, order in enumerate(schedule.orders):
-            ids = []
-            for a in order:
+            # per stage: its first id if this rank holds it, else -1 (a task of it is misplaced)
+            first = [s * m if r == rank else -1 for s, r in enumerate(placement)]
+            ids: list[int] = []
+            append = ids.append
+            for a in order:  # this runs once per task: kind_id inlined, one lookup per check
                 s, j = a.stage, a.microbatch
-                if not (0 <= s < n and 0 <= j < m) or placement[s] != rank:
+                b = first[s] if 0 <= s < n else -1
+                if b < 0 or not 0 <= j < m:
                     raise ScheduleError(_misplaced(a, rank, schedule))
-                k = a.kind  # kind_id inlined: this runs once per task
-                t = (0 if k is _KIND_F else nm if k is _KIND_B else 2 * nm if k is _KIND_W else 3 * nm) + s * m + j
+                k = a.kind
+                t = (0 if k is _KIND_F else nm if k is _KIND_B else 2 * nm if k is _KIND_W else 3 * nm) + b + j
                 if present[t]:
                     repeated = True
                 present[t] = 1
-                ids.append(t)
+                append(t)
             orders.append(ids)
         if repeated:
             counts = Counter(a for order in schedule.orders for a in order)
