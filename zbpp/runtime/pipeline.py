@@ -296,11 +296,12 @@ class Pipeline:
         """Run one training step's forward and backward.
 
         Every rank may pass `inputs` and `target`; only the rank holding stage 0 uses `inputs`
-        and only the one holding the last stage uses `target`. Returns the batch-mean loss (a
-        detached scalar tensor, never synchronised with the device) on the rank holding the last
-        stage, None elsewhere. Gradients are accumulated into ``.grad`` (zero them between steps as
+        and only the one holding the last stage uses `target`. Returns the batch's loss (the mean
+        over rows, or weighted by ``loss_weight``; a detached scalar tensor, never synchronised with
+        the device) on the rank holding the last stage, None elsewhere. Gradients are accumulated into ``.grad`` (zero them between steps as
         usual) or ``main_grad``. With `losses` (a list), the rank holding the last stage appends
-        each microbatch's loss as `loss_fn` returned it (unweighted, detached).
+        each microbatch's loss as `loss_fn` returned it (unweighted, detached; NaN for a microbatch
+        that ``loss_weight`` gives 0 if `loss_fn` averages over nothing).
 
         Raises `PipelineError` on every rank when any rank fails (see the module docstring).
         """
@@ -358,7 +359,7 @@ class Pipeline:
 
         On the rank holding the last stage returns, without `target`, the last stage's outputs of
         all microbatches merged along dim 0 (the batch's output, tensors concatenated, other values
-        from the first microbatch); with `target`, the batch-mean loss. None elsewhere. No gradient
+        from the first microbatch); with `target`, the batch's loss (weighted as in `step`). None elsewhere. No gradient
         is touched; activations are freed as they go. Modules keep their train/eval mode: call
         ``module.eval()`` yourself for dropout or batch norm.
 
