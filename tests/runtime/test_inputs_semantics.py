@@ -1,7 +1,8 @@
 """Inputs and losses as Hugging Face passes them, on 2 and 4 gloo ranks (inputs_cases.py; tolerances
 there): shared ``[1, T]`` tensors and `Replicated` values, a token-mean loss over a right-padded batch
 (``loss_weight``, also across data-parallel replicas), and dropout that does not depend on the
-schedule. Single-process checks of the splitting rules and the seed derivation come first."""
+schedule. Single-process checks of the splitting rules and the seed derivation come first; the
+last tests run on 2 GPUs with NCCL (marked ``nccl``, skipped elsewhere)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from zbpp import Pipeline
 from zbpp.runtime import Replicated, microbatch_seed
 from zbpp.runtime.tree import batch_rows, split
 from zbpp.schedules import build
+from zbpp.testing import gpus_available
 
 from .inputs_cases import (check_dropout, check_shared_inputs, check_token_mean, check_token_mean_data_parallel)
 
@@ -135,3 +137,19 @@ def test_dropout_does_not_depend_on_the_schedule(zbpp_workers, ckpt):
 def test_dropout_seed_agreed_from_rank_zero(zbpp_workers):
     """seed=None with ranks seeded differently: every rank uses pipeline rank 0's initial seed."""
     zbpp_workers(2).run(check_dropout, "zb-v", 2, seed=None)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.nccl
+@pytest.mark.skipif(not gpus_available(2), reason="needs 2 CUDA GPUs with NCCL")
+def test_dropout_on_nccl_follows_the_seeds(zbpp_workers, name, ckpt):
+    """On CUDA the device generator is seeded per (stage, microbatch) and restored after each F."""
+    zbpp_workers(2, backend="nccl").run(check_dropout, name, 2, seed=1234, ckpt=ckpt)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.nccl
+@pytest.mark.skipif(not gpus_available(2), reason="needs 2 CUDA GPUs with NCCL")
+def test_token_mean_on_nccl(zbpp_workers, name):
+    zbpp_workers(2, backend="nccl").run(check_token_mean, name, 2, 3)
