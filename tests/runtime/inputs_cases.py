@@ -253,3 +253,23 @@ def check_dropout(name: str, p: int, *, seed: int | None, ckpt: bool = False) ->
     if outer_device is not None:
         assert torch.equal(torch.cuda.get_rng_state(device), outer_device), "a step changed the device generator"
     return results
+
+
+def check_rows_mismatch_on_one_replica(name: str, pp: int) -> str:
+    """One replica's target has other rows than its input: every rank of the job raises the
+    ValueError naming it before computing (none waits for the others), then a good step works."""
+    groups = ParallelGroups(pp=pp)
+    sched = make_schedule(name, pp, 2 * pp)
+    pipe, _ = build(sched, groups.pp_rank, loss_weight=tokens, groups=groups)
+    inputs, y = padded_batch(4 * pp, seed=5)
+    bad = y[:-1] if groups.dp_rank == 1 else y
+    try:
+        pipe.step(inputs, target=bad)
+    except ValueError as exc:
+        assert f"the target has {4 * pp - 1} rows along dim 0 but the input has {4 * pp}" in str(exc), str(exc)
+        caught = "ValueError"
+    else:
+        raise AssertionError("a target of the wrong rows was accepted")
+    assert all(q.grad is None for q in pipe.parameters()), "grads were touched by a rejected step"
+    pipe.step(inputs, target=y)
+    return caught

@@ -15,7 +15,8 @@ from zbpp.runtime.tree import batch_rows, split
 from zbpp.schedules import build
 from zbpp.testing import gpus_available
 
-from .inputs_cases import (check_dropout, check_shared_inputs, check_token_mean, check_token_mean_data_parallel)
+from .inputs_cases import (check_dropout, check_rows_mismatch_on_one_replica, check_shared_inputs, check_token_mean,
+                           check_token_mean_data_parallel)
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v"]
 
@@ -115,6 +116,10 @@ def test_token_mean_on_four_ranks(zbpp_workers):
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_token_mean_across_data_parallel_replicas(zbpp_workers, name):
     zbpp_workers(4).run(check_token_mean_data_parallel, name, 2)
+
+
+def test_rows_mismatch_on_one_replica_raises_everywhere(zbpp_workers):
+    assert zbpp_workers(4).run(check_rows_mismatch_on_one_replica, "zb-h1", 2, timeout=120) == ["ValueError"] * 4
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])

@@ -298,8 +298,8 @@ class Pipeline:
         Every rank may pass `inputs` and `target`; only the rank holding stage 0 uses `inputs`
         and only the one holding the last stage uses `target`. Returns the batch's loss (the mean
         over rows, or weighted by ``loss_weight``; a detached scalar tensor, never synchronised with
-        the device) on the rank holding the last stage, None elsewhere. Gradients are accumulated into ``.grad`` (zero them between steps as
-        usual) or ``main_grad``. With `losses` (a list), the rank holding the last stage appends
+        the device) on the rank holding the last stage, None elsewhere. Gradients are accumulated
+        into ``.grad`` (zero them between steps as usual) or ``main_grad``. With `losses` (a list), the rank holding the last stage appends
         each microbatch's loss as `loss_fn` returned it (unweighted, detached; NaN for a microbatch
         that ``loss_weight`` gives 0 if `loss_fn` averages over nothing).
 
@@ -359,8 +359,8 @@ class Pipeline:
 
         On the rank holding the last stage returns, without `target`, the last stage's outputs of
         all microbatches merged along dim 0 (the batch's output, tensors concatenated, other values
-        from the first microbatch); with `target`, the batch's loss (weighted as in `step`). None elsewhere. No gradient
-        is touched; activations are freed as they go. Modules keep their train/eval mode: call
+        from the first microbatch); with `target`, the batch's loss (weighted as in `step`). None
+        elsewhere. No gradient is touched; activations are freed as they go. Modules keep their train/eval mode: call
         ``module.eval()`` yourself for dropout or batch norm.
 
         >>> import torch
@@ -449,12 +449,16 @@ class Pipeline:
         base_seed, rng_step = line[0].seed, self.rng_step
         self.rng_step += 1
         rows = line[self.schedule.rank_of(0)].input_rows
-        target_rows = line[self.schedule.rank_of(self.schedule.num_stages - 1)].target_rows
-        if target_rows >= 0 and target_rows != rows:
-            raise ValueError(
-                f"the target has {target_rows} rows along dim 0 but the input has {rows}: every tensor of the "
-                "input and of the target is split into the same microbatches along dim 0. Nothing was computed"
-            )
+        first_rank, last_rank = self.schedule.rank_of(0), self.schedule.rank_of(self.schedule.num_stages - 1)
+        for pipeline in self.topology.pipelines:  # every replica's, so that every rank of the job raises
+            n_in = reports[self.topology.world.index(pipeline[first_rank])].input_rows
+            n_tgt = reports[self.topology.world.index(pipeline[last_rank])].target_rows
+            if n_tgt >= 0 and n_tgt != n_in:
+                raise ValueError(
+                    f"the target has {n_tgt} rows along dim 0 but the input has {n_in} (pipeline of global ranks "
+                    f"{list(pipeline)}): every tensor of the input and of the target is split into the same "
+                    "microbatches along dim 0, except shared ones (one row, or Replicated). Nothing was computed"
+                )
         weights: list[Any] = [(rows // m + (1 if j < rows % m else 0)) / rows for j in range(m)]  # tensor_split's sizes
         loss_weights = None
         if raw is not None:
