@@ -7,6 +7,8 @@
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
   parallelism: `grad_reduce.py`.
 - `init_distributed`: initialise torch.distributed from torchrun's environment with a timeout.
+- `Replicated`: a value of a step's input or target that every microbatch gets whole (`tree.py`);
+  `microbatch_seed`: the seed of each F task's random draws (`rng.py`).
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from .groups import ParallelGroups
 from .launch import init_distributed, shutdown_and_exit
 from .pipeline import Pipeline
 from .profiling import measured_bubble_rate
+from .rng import microbatch_seed
+from .tree import Replicated
 
 __all__ = [
     "Pipeline",
     "ParallelGroups",
     "CommOptions",
     "PipelineError",
+    "Replicated",
     "ShapeMismatchError",
     "clip_grad_norm_",
     "init_distributed",
     "measured_bubble_rate",
+    "microbatch_seed",
     "shutdown_and_exit",
 ]

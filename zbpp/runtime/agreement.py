@@ -6,7 +6,8 @@ CPU can run ahead of the GPU across steps.
 
 - At the start, every rank contributes a `StartReport`: whether its part of the input was
   rejected, a hash of its module state, and, from the ranks holding the first and the last stage,
-  the input's hash and row count and the target's row count. A rejected input, or a target whose
+  the input's hash and row count and the target's row count, and its base seed (the random
+  streams of the F tasks derive from pipeline rank 0's: `zbpp.runtime.rng`). A rejected input, or a target whose
   rows differ from the input's, raises on every rank before any compute.
 - At the end, every rank contributes an `EndReport`: whether it failed (and in which task, and
   when), drained because a peer failed, or saw its communication break. If any rank failed, every
@@ -47,6 +48,7 @@ class StartReport:
     input_hash: int  #: the input's structure and shapes (rank holding stage 0; else 0)
     input_rows: int  #: rows of the input (rank holding stage 0; else -1)
     target_rows: int  #: rows of the target (rank holding the last stage, when given; else -1)
+    seed: int = 0  #: its base seed of the microbatches' random streams (pipeline rank 0's is used)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Tasks (docs/DESIGN.md):
 
-- ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch((s, j))``; on the
-  last stage also the loss, weighted by the microbatch's share of the batch (its rows / all rows),
-  so that the summed backward is that of the batch-mean loss.
+- ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch((s, j))``, with
+  the random generators seeded for ``(s, j)`` (`zbpp.runtime.rng`); on the last stage also the loss,
+  weighted by the microbatch's share of the batch (its rows / all rows, or ``loss_weight``'s
+  w_j / W), so that the summed backward is that of the batch's loss.
 - ``B(s, j)``: autograd backward of the stage's outputs for ``j`` (delayed-wgrad modules only file
   their weight gradient; plain modules accumulate theirs now); the gradient of the stage's inputs
   goes to ``B(s-1, j)``.
@@ -38,6 +39,7 @@ when its send has completed; every per-microbatch object is dropped after its la
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -134,7 +136,13 @@ class StepExecutor:
         sync: the specs are not known yet: send them ahead of each activation.
         inputs: per microbatch, the first stage's input (on the rank holding stage 0).
         targets: per microbatch, the target (on the rank holding the last stage; None entries allowed).
-        weights: per microbatch, its share of the batch.
+        weights: per microbatch, the factor of its loss in the step's loss: a number, or a 0-dim
+            device tensor (``loss_weight``'s w_j / W; where it is 0 the microbatch adds nothing, even
+            a NaN loss of a microbatch with nothing to count).
+        loss_weights: per microbatch, the factor of its loss in the returned loss when it differs
+            from `weights` (data-parallel token weights: `weights` then weigh by the global total).
+        rng_of: ``(stage, microbatch) ->`` the context its F task runs in for its random draws
+            (`zbpp.runtime.rng.seeded`), or None (the global generators as they run).
         in_flight: sends still in flight from earlier steps (CUDA), reaped as they complete.
         recorder: task timing, or None.
         on_backward_done, on_wgrad_done: called with the stage after its last B/BW and W/BW.
@@ -152,7 +160,9 @@ class StepExecutor:
     sync: bool
     inputs: list[Any] | None
     targets: list[Any] | None
-    weights: list[float]
+    weights: list[Any]
+    loss_weights: list[Any] | None = None
+    rng_of: Callable[[int, int], Any] | None = None
     in_flight: list[tuple[list[Any], list[torch.Tensor]]] = field(default_factory=list)
     recorder: TaskRecorder | None = None
     on_backward_done: Callable[[int], None] | None = None
@@ -242,7 +252,8 @@ class StepExecutor:
         arg, grad_inputs = self._forward_input(a)
         started = self.recorder.start() if self.recorder is not None else None
         grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
-        with microbatch_key((s, j)), grad_mode:
+        rng = self.rng_of(s, j) if self.rng_of is not None else contextlib.nullcontext()
+        with microbatch_key((s, j)), grad_mode, rng:
             out = call(self.modules[s], arg)
             if last:
                 target = self.targets[j] if self.targets is not None else None
@@ -252,8 +263,9 @@ class StepExecutor:
                 else:
                     loss = self._loss(out, target, s)
                     self.losses.append(loss.detach())
-                    weighted = loss * self.weights[j]
-                    self._weighted.append(weighted.detach())
+                    weighted = _weigh(loss, self.weights[j])
+                    shown = weighted if self.loss_weights is None else _weigh(loss, self.loss_weights[j])
+                    self._weighted.append(shown.detach())
                     roots = [weighted]
         del arg
         if self.recorder is not None:  # the task's compute only; handing the output on is communication
@@ -529,6 +541,13 @@ class StepExecutor:
         self._outbox.clear()
         self._slots.clear()
         self._handed.clear()
+
+
+def _weigh(loss: torch.Tensor, factor: Any) -> torch.Tensor:
+    """``loss * factor``; a tensor factor of 0 gives 0 (and a zero gradient), whatever the loss."""
+    if not isinstance(factor, torch.Tensor):
+        return loss * factor
+    return torch.where(factor != 0, loss * factor.to(loss.dtype), torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
 class _Drained(Exception):

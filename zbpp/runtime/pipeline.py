@@ -49,7 +49,8 @@ from .executor import PipelineError, StepExecutor
 from .profiling import TaskRecorder
 from .tied import TiedParameters
 from .topology import Topology
-from .tree import flatten, rebuild, split
+from .rng import microbatch_seed, seeded
+from .tree import batch_rows, flatten, rebuild, split
 from .wgrad import StageWgrad
 
 __all__ = ["Pipeline"]
@@ -96,12 +97,35 @@ class Pipeline:
             ranks hold (GPT's embedding and LM head); every holder passes its copy under the same
             name; after each step every copy holds the sum of all uses' gradients, averaged over
             the replicas (`zbpp.runtime.tied`). Every rank builds its `Pipeline` with or without.
+        loss_weight: ``loss_weight(target_j) -> w_j`` (a number or a one-element tensor, kept on the
+            device: no host synchronisation), the weight of microbatch j's loss: the step's loss
+            and gradients are those of ``sum_j w_j * loss_j / sum_j w_j``. For a loss averaged
+            over tokens, the count of tokens it averages over, e.g. ``lambda y: (y != -100).sum()``
+            for a cross-entropy with ``ignore_index=-100``: the step then gives the token mean over
+            the whole batch. Weights must be non-negative (not checked). A microbatch of weight 0
+            adds nothing (its loss may be NaN, a mean over no token: it is left out, and its
+            backward gets a zero gradient); if every weight is 0 the step's loss and gradients are
+            0. With data-parallel replicas W is the total over all replicas (one all-reduce of a
+            scalar per training step): the gradient is the token mean over every replica's data,
+            and each replica returns its own batch's weighted loss. Default (None): w_j = the
+            rows of microbatch j. Every rank builds its `Pipeline` with the same ``loss_weight``.
+        seed: the random draws of each F task (dropout...) use generators seeded from
+            ``microbatch_seed(seed, step, stage, microbatch, dp_rank)`` (`zbpp.runtime.rng`), with
+            the caller's generator states restored after each task: a step's result does not
+            depend on the schedule, and two pipelines given the same seed draw the same. None (the
+            default) or True: the base seed is ``torch.initial_seed()`` of pipeline rank 0 (agreed
+            at each step's start); an int: that base seed; False: the global generators as they run.
+            ``rng_step`` counts the steps (training and evaluation) in the derivation.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
-    ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one); the
-    loss of microbatch j is weighted by rows_j / rows. A stage is called as ``module(*x)`` for a
-    tuple/list, ``module(**x)`` for a dict, else ``module(x)``; stage outputs may be tensors,
-    tuples, lists or dicts of them, with non-tensor values passed along.
+    ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
+    shared values, which every microbatch gets whole: a tensor with one row while the batch has more
+    (Hugging Face's ``position_ids`` of shape ``[1, T]``) and any value wrapped in `Replicated`
+    (``{"x": x, "table": Replicated(t)}``; the stage gets ``t`` itself). The batch's rows are those of
+    the split tensors; a target whose rows differ from the input's raises on every rank. The loss of
+    microbatch j is weighted by rows_j / rows (or by ``loss_weight``). A stage is called as
+    ``module(*x)`` for a tuple/list, ``module(**x)`` for a dict, else ``module(x)``; stage outputs may
+    be tensors, tuples, lists or dicts of them, with non-tensor values passed along.
 
     Example (one process; with torchrun every rank does the same with its own stages)::
 
@@ -114,6 +138,26 @@ class Pipeline:
         >>> loss = pipe.step(torch.ones(8, 3), target=torch.zeros(8, 1))
         >>> ref = torch.nn.functional.mse_loss(model(torch.ones(8, 3)), torch.zeros(8, 1))
         >>> bool(torch.allclose(loss, ref))
+        True
+
+    A token-mean loss over a right-padded batch, with a shared ``[1, T]`` tensor::
+
+        >>> from zbpp.runtime import Replicated
+        >>> class Tagger(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.emb = torch.nn.Embedding(5, 5, dtype=torch.float64)
+        ...     def forward(self, ids, pos, scale):
+        ...         return self.emb(ids + pos) * scale
+        >>> def ce(logits, y):
+        ...     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())  # ignore_index=-100
+        >>> model = Tagger()
+        >>> pipe = Pipeline({0: model}, build("1f1b", num_ranks=1, num_microbatches=2), loss_fn=ce,
+        ...                 loss_weight=lambda y: (y != -100).sum())
+        >>> ids, pos = torch.tensor([[1, 2, 0], [3, 0, 0]]), torch.tensor([[0, 1, 2]])
+        >>> y = torch.tensor([[2, 3, -100], [1, -100, -100]])
+        >>> loss = pipe.step((ids, pos, Replicated(torch.tensor(2.0))), target=y)
+        >>> bool(torch.allclose(loss, ce(model(ids, pos, 2.0), y)))  # the mean over the 3 tokens
         True
     """
 
@@ -134,6 +178,8 @@ class Pipeline:
         recv_lead: int = 0,
         timeout: float | None = None,
         tied_parameters: Mapping[str, nn.Parameter] | None = None,
+        loss_weight: Callable[[Any], Any] | None = None,
+        seed: int | bool | None = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
@@ -147,6 +193,17 @@ class Pipeline:
             raise TypeError(f"costs must be a zbpp.schedules.Costs, got {type(costs).__name__}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if loss_weight is not None and not callable(loss_weight):
+            raise TypeError(f"loss_weight must be callable (target of one microbatch -> weight), got {type(loss_weight).__name__}")
+        if not (seed is None or isinstance(seed, (bool, int))):
+            raise TypeError(f"seed must be None, an int or a bool, got {type(seed).__name__}")
+        self.loss_weight = loss_weight
+        #: the F tasks run under seeded generators (`zbpp.runtime.rng`); False: the global ones as they run
+        self.seeded = seed is not False
+        self._base_seed = (torch.initial_seed() if seed is None or seed is True else int(seed)) & ((1 << 63) - 1)
+        #: the index of the next step (training or evaluation) in the derivation of its seeds; save it
+        #: with a checkpoint and set it back to resume the same random streams
+        self.rng_step = 0
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.groups = groups
@@ -239,11 +296,12 @@ class Pipeline:
         """Run one training step's forward and backward.
 
         Every rank may pass `inputs` and `target`; only the rank holding stage 0 uses `inputs`
-        and only the one holding the last stage uses `target`. Returns the batch-mean loss (a
-        detached scalar tensor, never synchronised with the device) on the rank holding the last
-        stage, None elsewhere. Gradients are accumulated into ``.grad`` (zero them between steps as
-        usual) or ``main_grad``. With `losses` (a list), the rank holding the last stage appends
-        each microbatch's loss as `loss_fn` returned it (unweighted, detached).
+        and only the one holding the last stage uses `target`. Returns the batch's loss (the mean
+        over rows, or weighted by ``loss_weight``; a detached scalar tensor, never synchronised with
+        the device) on the rank holding the last stage, None elsewhere. Gradients are accumulated
+        into ``.grad`` (zero them between steps as usual) or ``main_grad``. With `losses` (a list), the rank holding the last stage appends
+        each microbatch's loss as `loss_fn` returned it (unweighted, detached; NaN for a microbatch
+        that ``loss_weight`` gives 0 if `loss_fn` averages over nothing).
 
         Raises `PipelineError` on every rank when any rank fails (see the module docstring).
         """
@@ -301,8 +359,8 @@ class Pipeline:
 
         On the rank holding the last stage returns, without `target`, the last stage's outputs of
         all microbatches merged along dim 0 (the batch's output, tensors concatenated, other values
-        from the first microbatch); with `target`, the batch-mean loss. None elsewhere. No gradient
-        is touched; activations are freed as they go. Modules keep their train/eval mode: call
+        from the first microbatch); with `target`, the batch's loss (weighted as in `step`). None
+        elsewhere. No gradient is touched; activations are freed as they go. Modules keep their train/eval mode: call
         ``module.eval()`` yourself for dropout or batch norm.
 
         >>> import torch
@@ -358,7 +416,7 @@ class Pipeline:
         m = self.schedule.num_microbatches
         first, last = self.holds_first_stage, self.holds_last_stage
         problem: Exception | None = None
-        mbs = tgts = None
+        mbs = tgts = raw = None
         in_hash, n_in, n_tgt = 0, -1, -1
         try:
             if first:
@@ -366,16 +424,17 @@ class Pipeline:
                     raise ValueError(f"pipeline rank {self.pp_rank} holds stage 0, so the step needs the inputs")
                 inputs = self._to_device(inputs, "input")
                 mbs = split(inputs, m, what="input")
-                leaves, spec = flatten(inputs)
-                n_in, in_hash = int(leaves[0].shape[0]), _hash((m, spec))
+                n_in, in_hash = batch_rows(inputs, m, what="input"), _hash((m, flatten(inputs)[1]))
             if last and target is not None:
                 target = self._to_device(target, "target")
                 tgts = split(target, m, what="target")
-                n_tgt = int(flatten(target)[0][0].shape[0])
+                n_tgt = batch_rows(target, m, what="target")
+            if last and self.loss_weight is not None and (target is not None or not forward_only):
+                raw = self._raw_weights(tgts if tgts is not None else [None] * m)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             problem = exc
         state_hash = _hash((self._module_state(), forward_only))
-        mine = StartReport(problem is not None, state_hash, in_hash, n_in, n_tgt)
+        mine = StartReport(problem is not None, state_hash, in_hash, n_in, n_tgt, self._base_seed)
         reports = self._gather(mine, "start")
         if any(r.rejected for r in reports):
             texts = self._agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
@@ -387,14 +446,23 @@ class Pipeline:
                 f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
             )
         line = [reports[self.topology.world.index(g)] for g in self.topology.pipeline]
+        base_seed, rng_step = line[0].seed, self.rng_step
+        self.rng_step += 1
         rows = line[self.schedule.rank_of(0)].input_rows
-        target_rows = line[self.schedule.rank_of(self.schedule.num_stages - 1)].target_rows
-        if target_rows >= 0 and target_rows != rows:
-            raise ValueError(
-                f"the target has {target_rows} rows along dim 0 but the input has {rows}: every tensor of the "
-                "input and of the target is split into the same microbatches along dim 0. Nothing was computed"
-            )
-        weights = [(rows // m + (1 if j < rows % m else 0)) / rows for j in range(m)]  # tensor_split's sizes
+        first_rank, last_rank = self.schedule.rank_of(0), self.schedule.rank_of(self.schedule.num_stages - 1)
+        for pipeline in self.topology.pipelines:  # every replica's, so that every rank of the job raises
+            n_in = reports[self.topology.world.index(pipeline[first_rank])].input_rows
+            n_tgt = reports[self.topology.world.index(pipeline[last_rank])].target_rows
+            if n_tgt >= 0 and n_tgt != n_in:
+                raise ValueError(
+                    f"the target has {n_tgt} rows along dim 0 but the input has {n_in} (pipeline of global ranks "
+                    f"{list(pipeline)}): every tensor of the input and of the target is split into the same "
+                    "microbatches along dim 0, except shared ones (one row, or Replicated). Nothing was computed"
+                )
+        weights: list[Any] = [(rows // m + (1 if j < rows % m else 0)) / rows for j in range(m)]  # tensor_split's sizes
+        loss_weights = None
+        if raw is not None:
+            weights, loss_weights = self._weights(raw, forward_only)
         signature = (forward_only, line[self.schedule.rank_of(0)].input_hash, rows, *(r.state_hash for r in line))
         sync = signature not in self._specs
         specs = self._specs.setdefault(signature, {})
@@ -417,6 +485,8 @@ class Pipeline:
             inputs=mbs,
             targets=tgts if tgts is not None else ([None] * m if last else None),
             weights=weights,
+            loss_weights=loss_weights,
+            rng_of=self._rng_of(base_seed, rng_step) if self.seeded else None,
             in_flight=self._in_flight,
             recorder=self._recorder if not forward_only else None,
             free_sent_activations=self.free_sent_activations,
@@ -561,6 +631,47 @@ class Pipeline:
         self._aside, self._copies = [], []
 
     # -- internals ----------------------------------------------------------------------------
+    def _raw_weights(self, targets: list[Any]) -> list[Any]:
+        """``loss_weight`` of each microbatch's target, checked: a number or a one-element tensor."""
+        assert self.loss_weight is not None
+        out = []
+        for j, t in enumerate(targets):
+            w = self.loss_weight(t)
+            ok = (isinstance(w, torch.Tensor) and w.numel() == 1) or (
+                isinstance(w, (int, float)) and not isinstance(w, bool))
+            if not ok:
+                got = f"a tensor of shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+                raise TypeError(f"loss_weight must return a number or a one-element tensor, got {got} for microbatch {j}")
+            out.append(w)
+        return out
+
+    def _weights(self, raw: list[Any], forward_only: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The factors w_j / W of the microbatches' losses (0 where w_j is 0), as device tensors (no
+        host synchronisation). With data-parallel replicas a training step's W is the total over every
+        replica (one all-reduce) and the factors are scaled by the replicas' count, which the
+        gradient averaging divides out; the returned loss keeps this replica's own weighting."""
+        dtype = torch.float64 if self.device.type in ("cpu", "cuda") else torch.float32
+        ws = torch.stack([w.detach().reshape(()).to(self.device, dtype) if isinstance(w, torch.Tensor)
+                          else torch.full((), float(w), dtype=dtype, device=self.device) for w in raw])
+        nonzero = ws != 0
+
+        def factors(total: torch.Tensor, scale: float = 1.0) -> list[torch.Tensor]:
+            return list(torch.where(nonzero, ws * scale / total, torch.zeros_like(ws)).unbind())
+
+        local = factors(ws.sum())
+        dp = self.topology.dp_size
+        if forward_only or dp == 1:
+            return local, None
+        import torch.distributed as dist
+
+        total = ws.sum()
+        dist.all_reduce(total, group=self.topology.dp_group)
+        return factors(total, float(dp)), local
+
+    def _rng_of(self, base: int, step: int) -> Callable[[int, int], Any]:
+        replica, device = self.topology.dp_rank, self.device
+        return lambda stage, microbatch: seeded(microbatch_seed(base, step, stage, microbatch, replica), device)
+
     def _forward_plan(self) -> Plan:
         if self._eval_plan is None:
             self._eval_plan = make_plan(self.schedule, costs=self._costs, recv_lead=self._recv_lead, forward_only=True)

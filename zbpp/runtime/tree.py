@@ -14,6 +14,14 @@ keyword arguments, anything else is the one argument.
 (1, 7)
 >>> [tuple(t.shape) for t in split(torch.arange(5), 2)]
 [(3,), (2,)]
+
+Values that every microbatch shares: a tensor leaf with one row while the batch has more (Hugging
+Face's ``position_ids`` of shape ``[1, T]``), and anything wrapped in `Replicated`, go to every
+microbatch whole; the batch's rows are those of the leaves that are split.
+
+>>> parts = split({"ids": torch.zeros(4, 3), "pos": torch.arange(3)[None], "k": Replicated(torch.ones(2))}, 2)
+>>> [(tuple(p["ids"].shape), tuple(p["pos"].shape), tuple(p["k"].shape)) for p in parts]
+[((2, 3), (1, 3), (2,)), ((2, 3), (1, 3), (2,))]
 """
 
 from __future__ import annotations
@@ -23,7 +31,30 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["TensorMeta", "Spec", "flatten", "rebuild", "split", "rows_of", "call", "describe"]
+__all__ = ["TensorMeta", "Spec", "Replicated", "flatten", "rebuild", "split", "batch_rows", "call", "describe"]
+
+
+class Replicated:
+    """Marks a value of a step's input or target that every microbatch gets whole (not split).
+
+    Wrap any tensor, or a tuple/list/dict of them: ``pipe.step({"x": x, "table": Replicated(t)})``.
+    The stage receives the value itself (unwrapped). Tensors with one row while the batch has more
+    need no wrapper; use it for a shared value whose dim 0 is not 1 (or that is 0-dimensional).
+
+    >>> import torch
+    >>> [p[1].shape[0] for p in split((torch.zeros(4, 2), Replicated(torch.zeros(3))), 2)]
+    [3, 3]
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        if isinstance(value, Replicated):
+            value = value.value
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Replicated({describe(self.value)})"
 
 
 @dataclass(frozen=True)
@@ -44,7 +75,8 @@ class TensorMeta:
 
 
 # A spec node: ("T", i) the i-th tensor leaf; ("V", value) a non-tensor value;
-# ("tuple" | "list", children); ("dict", ((key, child), ...)); ("namedtuple", (cls, children)).
+# ("tuple" | "list", children); ("dict", ((key, child), ...)); ("namedtuple", (cls, children));
+# ("rep", child): a `Replicated` value.
 Node = tuple
 
 
@@ -70,6 +102,8 @@ def _node_str(node: Node, metas: tuple[TensorMeta, ...]) -> str:
     if tag == "namedtuple":
         cls, kids = body
         return cls.__name__ + "(" + ", ".join(_node_str(c, metas) for c in kids) + ")"
+    if tag == "rep":
+        return f"Replicated({_node_str(body, metas)})"
     inner = ", ".join(_node_str(c, metas) for c in body)
     return f"({inner},)" if tag == "tuple" and len(body) == 1 else (f"({inner})" if tag == "tuple" else f"[{inner}]")
 
@@ -84,6 +118,8 @@ def _walk(o: Any, leaves: list[torch.Tensor]) -> Node:
         return ("namedtuple", (type(o), tuple(_walk(c, leaves) for c in o)))
     if isinstance(o, dict):
         return ("dict", tuple((k, _walk(v, leaves)) for k, v in o.items()))
+    if isinstance(o, Replicated):
+        return ("rep", _walk(o.value, leaves))
     return ("V", o)
 
 
@@ -97,19 +133,42 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
     return leaves, Spec(node, tuple(TensorMeta.of(t) for t in leaves))
 
 
-def _build(node: Node, leaves: list[torch.Tensor]) -> Any:
+def _build(node: Node, leaves: list[torch.Tensor], unwrap: bool = False) -> Any:
     tag, body = node
     if tag == "T":
         return leaves[body]
     if tag == "V":
         return body
     if tag == "dict":
-        return {k: _build(c, leaves) for k, c in body}
+        return {k: _build(c, leaves, unwrap) for k, c in body}
     if tag == "namedtuple":
         cls, kids = body
-        return cls(*(_build(c, leaves) for c in kids))
-    children = [_build(c, leaves) for c in body]
+        return cls(*(_build(c, leaves, unwrap) for c in kids))
+    if tag == "rep":
+        inner = _build(body, leaves, unwrap)
+        return inner if unwrap else Replicated(inner)
+    children = [_build(c, leaves, unwrap) for c in body]
     return tuple(children) if tag == "tuple" else children
+
+
+def _replicated_leaves(node: Node, out: set[int], inside: bool = False) -> set[int]:
+    """Indices of the tensor leaves under a `Replicated` node."""
+    tag, body = node
+    if tag == "T":
+        if inside:
+            out.add(body)
+    elif tag == "rep":
+        _replicated_leaves(body, out, True)
+    elif tag == "dict":
+        for _, c in body:
+            _replicated_leaves(c, out, inside)
+    elif tag == "namedtuple":
+        for c in body[1]:
+            _replicated_leaves(c, out, inside)
+    elif tag in ("tuple", "list"):
+        for c in body:
+            _replicated_leaves(c, out, inside)
+    return out
 
 
 def rebuild(spec: Spec, leaves: list[torch.Tensor]) -> Any:
@@ -118,39 +177,63 @@ def rebuild(spec: Spec, leaves: list[torch.Tensor]) -> Any:
 
 
 def split(obj: Any, parts: int, *, what: str = "input") -> list[Any]:
-    """Split every tensor of `obj` along dim 0 into `parts` microbatches (``torch.tensor_split``:
-    sizes differ by at most one, the larger first). Non-tensor values go to every microbatch.
+    """Split `obj` into `parts` microbatches along dim 0 (``torch.tensor_split``: sizes differ by at
+    most one, the larger first).
 
-    Raises `ValueError`, naming the leaf, for a 0-d tensor, tensors whose dim 0 differ, or fewer rows
-    than `parts`.
+    Every tensor leaf is split, except the shared ones, which every microbatch gets whole: those
+    wrapped in `Replicated` (unwrapped in the microbatches) and those with one row while other leaves
+    have more (a ``[1, T]`` ``position_ids``). Non-tensor values go to every microbatch.
+
+    Raises `ValueError`, naming the leaf, for a 0-d tensor that is not `Replicated`, split leaves
+    whose dim 0 differ (other than 1), no leaf to split, or fewer rows than `parts`.
     """
     leaves, spec = flatten(obj)
+    rows, shared = _rows_and_shared(leaves, spec, parts, what, obj)
+    pieces = [None if i in shared else torch.tensor_split(t, parts, dim=0) for i, t in enumerate(leaves)]
+    return [_build(spec.node, [t if p is None else p[j] for t, p in zip(leaves, pieces)], True) for j in range(parts)]
+
+
+def batch_rows(obj: Any, parts: int = 1, *, what: str = "input") -> int:
+    """The batch's rows: dim 0 of the leaves that `split` splits (checked as `split` does)."""
+    leaves, spec = flatten(obj)
+    return _rows_and_shared(leaves, spec, parts, what, obj)[0]
+
+
+def _rows_and_shared(leaves: list[torch.Tensor], spec: Spec, parts: int, what: str, obj: Any) -> tuple[int, set[int]]:
     if not leaves:
         raise ValueError(f"the {what} has no tensor to split into {parts} microbatches: {describe(obj)}")
-    rows = None
+    shared = _replicated_leaves(spec.node, set())
+    sizes: dict[int, int] = {}  # rows -> first leaf with that many
     for i, t in enumerate(leaves):
+        if i in shared:
+            continue
         if t.dim() == 0:
-            raise ValueError(f"the {what}'s tensor leaf #{i} is 0-dimensional: nothing to split along dim 0")
-        if rows is None:
-            rows = t.shape[0]
-        elif t.shape[0] != rows:
             raise ValueError(
-                f"the {what}'s tensor leaves have different sizes along dim 0 ({rows} and {t.shape[0]} "
-                f"at leaf #{i}, {describe(obj)}); every tensor is split into microbatches along dim 0"
+                f"the {what}'s tensor leaf #{i} is 0-dimensional: nothing to split along dim 0 "
+                "(wrap a value that every microbatch shares in zbpp.runtime.Replicated)"
             )
-    assert rows is not None
+        sizes.setdefault(int(t.shape[0]), i)
+    if not sizes:
+        raise ValueError(
+            f"every tensor of the {what} is Replicated ({describe(obj)}): no tensor gives the batch's rows to "
+            f"split into {parts} microbatches"
+        )
+    many = sorted((i, n) for n, i in sizes.items() if n != 1)
+    if len(many) > 1:
+        (i0, r0), (i1, r1) = many[0], many[1]
+        raise ValueError(
+            f"the {what}'s tensor leaves have different sizes along dim 0 ({r0} at leaf #{i0} and {r1} at leaf #{i1}, "
+            f"{describe(obj)}); every tensor is split into microbatches along dim 0, except those with one row "
+            "and those wrapped in zbpp.runtime.Replicated, which every microbatch gets whole"
+        )
+    rows = many[0][1] if many else 1
+    if many:  # one-row leaves beside a batch of more rows: shared
+        shared |= {i for i, t in enumerate(leaves) if i not in shared and t.shape[0] == 1}
     if rows < parts:
         raise ValueError(
             f"the {what} has {rows} rows along dim 0, fewer than the {parts} microbatches of the schedule"
         )
-    pieces = [torch.tensor_split(t, parts, dim=0) for t in leaves]
-    return [rebuild(spec, [p[j] for p in pieces]) for j in range(parts)]
-
-
-def rows_of(obj: Any) -> int:
-    """Size along dim 0 of the first tensor leaf of `obj` (a microbatch's weight)."""
-    leaves, _ = flatten(obj)
-    return int(leaves[0].shape[0])
+    return rows, shared
 
 
 def call(fn: Callable[..., Any], arg: Any) -> Any:

@@ -1,0 +1,160 @@
+"""Inputs and losses as Hugging Face passes them, on 2 and 4 gloo ranks (inputs_cases.py; tolerances
+there): shared ``[1, T]`` tensors and `Replicated` values, a token-mean loss over a right-padded batch
+(``loss_weight``, also across data-parallel replicas), and dropout that does not depend on the
+schedule. Single-process checks of the splitting rules and the seed derivation come first; the
+last tests run on 2 GPUs with NCCL (marked ``nccl``, skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zbpp import Pipeline
+from zbpp.runtime import Replicated, microbatch_seed
+from zbpp.runtime.tree import batch_rows, split
+from zbpp.schedules import build
+from zbpp.testing import gpus_available
+
+from .inputs_cases import (check_dropout, check_rows_mismatch_on_one_replica, check_shared_inputs, check_token_mean,
+                           check_token_mean_data_parallel)
+
+SCHEDULES = ["1f1b", "zb-h1", "zb-v"]
+
+
+def test_one_row_leaves_and_replicated_values_go_whole_to_every_microbatch():
+    pos, table = torch.arange(4)[None], torch.randn(3, 2)
+    x = {"ids": torch.arange(20).reshape(5, 4), "pos": pos, "t": Replicated(table), "n": 3}
+    parts = split(x, 2)
+    assert [p["ids"].shape[0] for p in parts] == [3, 2]
+    for p in parts:
+        assert p["pos"] is pos and p["t"] is table and p["n"] == 3
+    assert batch_rows(x) == 5
+    # a batch of one row: nothing to share, every leaf is split (into one microbatch)
+    assert split((torch.zeros(1, 3), torch.zeros(1)), 1)[0][0].shape == (1, 3)
+    # a 0-dimensional value is fine once Replicated
+    assert split((torch.zeros(4), Replicated(torch.tensor(2.0))), 2)[1][1].item() == 2.0
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ((torch.zeros(4, 2), torch.zeros(3), torch.zeros(1)), r"different sizes along dim 0 \(4 at leaf #0 and 3 at leaf #1"),
+    ((torch.zeros(4), torch.tensor(1.0)), "0-dimensional.*Replicated"),
+    (Replicated(torch.zeros(4)), "every tensor of the input is Replicated"),
+    ((torch.zeros(1, 2), torch.zeros(1)), "1 rows along dim 0, fewer than the 3 microbatches"),
+])
+def test_split_errors_name_the_problem(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        split(bad, 3)
+
+
+def test_target_rows_must_match_the_inputs():
+    pipe = Pipeline({0: torch.nn.Linear(2, 1)}, build("1f1b", num_ranks=1, num_microbatches=2),
+                    loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(ValueError, match="the target has 6 rows along dim 0 but the input has 8"):
+        pipe.step((torch.ones(8, 2), torch.ones(1, 2)), target=torch.zeros(6, 1))
+
+
+def test_loss_weight_must_give_a_scalar():
+    pipe = Pipeline({0: torch.nn.Linear(2, 1)}, build("1f1b", num_ranks=1, num_microbatches=2),
+                    loss_fn=torch.nn.functional.mse_loss, loss_weight=lambda y: y)
+    with pytest.raises(TypeError, match=r"loss_weight must return a number or a one-element tensor.*\(2, 1\).*microbatch 0"):
+        pipe.step(torch.ones(4, 2), target=torch.zeros(4, 1))
+
+
+def test_all_weights_zero_gives_zero_loss_and_gradient():
+    """Defined result: a batch with nothing to count adds nothing (not NaN)."""
+    lin = torch.nn.Linear(2, 3, dtype=torch.float64)
+    ce = lambda out, y: torch.nn.functional.cross_entropy(out, y, ignore_index=-100)  # noqa: E731
+    pipe = Pipeline({0: lin}, build("zb-h1", num_ranks=1, num_microbatches=2), loss_fn=ce,
+                    loss_weight=lambda y: (y != -100).sum())
+    losses: list[torch.Tensor] = []
+    loss = pipe.step(torch.ones(4, 2, dtype=torch.float64), target=torch.full((4,), -100), losses=losses)
+    assert loss.item() == 0.0 and all(torch.isnan(v) for v in losses)
+    assert torch.equal(lin.weight.grad, torch.zeros_like(lin.weight))
+
+
+def test_microbatch_seeds_differ_by_every_coordinate():
+    base = microbatch_seed(7, 3, 1, 2, 0)
+    others = {microbatch_seed(8, 3, 1, 2, 0), microbatch_seed(7, 4, 1, 2, 0), microbatch_seed(7, 3, 2, 2, 0),
+              microbatch_seed(7, 3, 1, 3, 0), microbatch_seed(7, 3, 1, 2, 1), microbatch_seed(7, 3, 2, 1, 0)}
+    assert base not in others and len(others) == 6
+
+
+def test_seeded_pipeline_leaves_the_callers_generator_alone_and_repeats():
+    """One process, dropout: the same seed gives the same step; the caller's stream is untouched."""
+    def run(seed):
+        torch.manual_seed(0)
+        mod = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5))
+        pipe = Pipeline({0: mod}, build("1f1b", num_ranks=1, num_microbatches=2), loss_fn=lambda o, y: o.square().mean(),
+                        seed=seed)
+        torch.manual_seed(1)
+        loss = pipe.step(torch.ones(4, 3))
+        return loss, torch.rand(()), mod[0].weight.grad
+    (a, ra, ga), (b, rb, gb), (c, _, _) = run(11), run(11), run(12)
+    torch.manual_seed(1)
+    assert torch.equal(a, b) and torch.equal(ga, gb) and ra == rb == torch.rand(())
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_shared_inputs_reach_every_microbatch(zbpp_workers, name, p):
+    zbpp_workers(p).run(check_shared_inputs, name, p)
+
+
+@pytest.mark.parametrize("empty_rows", [0, 3])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_token_mean_over_a_padded_batch_equals_one_process(zbpp_workers, name, empty_rows):
+    counts = zbpp_workers(2).run(check_token_mean, name, 2, empty_rows)
+    holder = [c for c in counts if c is not None]
+    assert len(holder) == 1 and (empty_rows == 0 or holder[0][-1] == 0)
+
+
+def test_token_mean_on_four_ranks(zbpp_workers):
+    zbpp_workers(4).run(check_token_mean, "zb-h1", 4, 0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_token_mean_across_data_parallel_replicas(zbpp_workers, name):
+    zbpp_workers(4).run(check_token_mean_data_parallel, name, 2)
+
+
+def test_rows_mismatch_on_one_replica_raises_everywhere(zbpp_workers):
+    assert zbpp_workers(4).run(check_rows_mismatch_on_one_replica, "zb-h1", 2, timeout=120) == ["ValueError"] * 4
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_dropout_does_not_depend_on_the_schedule(zbpp_workers, ckpt):
+    """Each schedule equals the seeded per-microbatch reference exactly (inside the case); 1f1b
+    and zb-h1 (the same two stages) give bit-identical losses and gradients; two steps of one
+    pipeline draw different masks; a second pipeline with the same seed repeats the first."""
+    workers = zbpp_workers(2)
+    got = {name: workers.run(check_dropout, name, 2, seed=1234, ckpt=ckpt) for name in SCHEDULES}
+    again = workers.run(check_dropout, "zb-h1", 2, seed=1234, ckpt=ckpt)
+    for rank in range(2):
+        a, b, c = got["1f1b"][rank], got["zb-h1"][rank], again[rank]
+        for x, y in ((a, b), (b, c)):
+            assert [None if v is None else v.item() for v in x["loss"]] == [None if v is None else v.item() for v in y["loss"]]
+            for gx, gy in zip(x["grads"], y["grads"]):
+                assert gx.keys() == gy.keys() and all(torch.equal(gx[k], gy[k]) for k in gx)
+        assert any(not torch.equal(b["grads"][0][k], b["grads"][1][k]) for k in b["grads"][0])
+
+
+def test_dropout_seed_agreed_from_rank_zero(zbpp_workers):
+    """seed=None with ranks seeded differently: every rank uses pipeline rank 0's initial seed."""
+    zbpp_workers(2).run(check_dropout, "zb-v", 2, seed=None)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.nccl
+@pytest.mark.skipif(not gpus_available(2), reason="needs 2 CUDA GPUs with NCCL")
+def test_dropout_on_nccl_follows_the_seeds(zbpp_workers, name, ckpt):
+    """On CUDA the device generator is seeded per (stage, microbatch) and restored after each F."""
+    zbpp_workers(2, backend="nccl").run(check_dropout, name, 2, seed=1234, ckpt=ckpt)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.nccl
+@pytest.mark.skipif(not gpus_available(2), reason="needs 2 CUDA GPUs with NCCL")
+def test_token_mean_on_nccl(zbpp_workers, name):
+    zbpp_workers(2, backend="nccl").run(check_token_mean, name, 2, 3)
