@@ -98,12 +98,12 @@ def forward_key() -> Hashable | None:
 
 
 def _tag_checkpoint(key: Hashable) -> None:
-    # the innermost reentrant checkpoint on the stack, if any, remembers `key` for its re-run
+    # every reentrant checkpoint on the stack remembers `key` for its re-run (nested ones too: an
+    # outer one re-runs the inner one's first run, which then finds the key on the outer node)
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code is _CKPT_FORWARD:
             ctx = frame.f_locals.get("ctx")
             if ctx is not None and getattr(ctx, _CKPT_KEY_ATTR, None) is None:
                 setattr(ctx, _CKPT_KEY_ATTR, key)
-            return
         frame = frame.f_back
