@@ -279,3 +279,16 @@ def test_gpu_bf16_and_fp8(name):
     assert abs(fp8_loss.item() - loss.item()) < 0.1 * abs(loss.item())
     assert all(m.weight.grad is not None and torch.isfinite(m.weight.grad).all()
                for m in converted(model))
+
+
+def test_converted_model_deep_copies():
+    model = swap("gpt2", gpt2())
+    twin = copy.deepcopy(model)
+    ids = tokens()
+    for m, key in ((model, 0), (twin, 0)):
+        with microbatch(key):
+            m(ids, labels=ids).loss.backward()
+        run_w(m, key)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert p is not q and torch.equal(p.grad, q.grad)
+    assert all(p.skip_backward_post_hook for m in converted(twin) for p in m.get_backward_dw_params())

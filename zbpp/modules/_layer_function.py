@@ -134,12 +134,12 @@ def job_outputs(parts: list[_WgradPart], fp8: bool) -> list[GradOut]:
     for call, operands, bias_grad_of in parts:
         if operands is not None:
             grad, inp = operands
-            if fp8:
+            if not fp8:
+                dw = inp.t().mm(grad) if call.transposed else grad.t().mm(inp)
+            else:
                 dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
                 dw = (fp8_gemm_nt(inp, grad, out_dtype=dtype) if call.transposed
                       else fp8_gemm_nt(grad, inp, out_dtype=dtype))
-            else:
-                dw = inp.t().mm(grad) if call.transposed else grad.t().mm(inp)
             out.append(GradOut(call.weight_name, call.weight, dw, call.fuse_wgrad_accumulation))
         if bias_grad_of is not None:
             out.append(GradOut(call.bias_name, call.bias, bias_grad_of.sum(0), False))

@@ -25,7 +25,7 @@ from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, add_to_main
 from . import _wgrad_graph
 from ._wgrad_graph import WgradGraphs
 from ._norm import make_norm_params
-from .context import forward_key
+from .context import current_microbatch, forward_key
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
 from .wgrad_store import AutoKey, WgradStore
 
@@ -222,8 +222,10 @@ class DelayedWgradModule(nn.Module):
         if self._delay and self._bias_grad_deferred != (recipe is None):
             self._bias_grad_deferred = recipe is None
             self._sync_param_flags()
+        if not self._delay:  # nothing is filed: the key only names the call
+            return ForwardCall(current_microbatch(), recipe, first)
         key = forward_key()
-        if key is None and self._delay:
+        if key is None:
             key = AutoKey(self._auto_keys)
             self._auto_keys += 1
         return ForwardCall(key, recipe, first)
@@ -326,17 +328,17 @@ class DelayedWgradModule(nn.Module):
         grad_mode = torch.is_grad_enabled()
         _set_grad_enabled(False)  # torch.no_grad() without its per-call objects
         try:
-            if len(jobs) == 1:  # one forward: each parameter appears once
-                outs = jobs[0]()
-            else:
-                outs = _summed_per_parameter(jobs)
+            # one forward: each parameter appears once; several: summed per parameter first
+            outs = jobs[0]() if len(jobs) == 1 else _summed_per_parameter(jobs)
             for name, param, grad, to_main in outs:
                 if to_main:
                     add_to_main_grad(name, param, grad)
-                elif param.grad is None:
+                    continue
+                acc = param.grad
+                if acc is None:
                     param.grad = grad
                 else:
-                    param.grad.add_(grad)
+                    acc.add_(grad)
         finally:
             _set_grad_enabled(grad_mode)
         if self._wgrad_hooks:
