@@ -15,8 +15,6 @@ from torch.utils.checkpoint import checkpoint
 
 from zbpp.modules import LayerNormMLP, Linear, delay_wgrad, microbatch
 
-transformers = pytest.importorskip("transformers")
-
 
 class Block(nn.Module):
     def __init__(self) -> None:
@@ -111,6 +109,7 @@ def test_without_keys_checkpoint_still_files_in_fifo_order():
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_hf_llama_gradient_checkpointing_after_delay_wgrad(reentrant):
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=2, num_attention_heads=4,

@@ -14,20 +14,26 @@ from torch import nn
 
 from zbpp.modules import DelayedScaling, Linear, delay_wgrad, fp8_autocast, microbatch
 
-transformers = pytest.importorskip("transformers")
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def hf():
+    """transformers (the tests that build HF models skip without it)."""
+    return pytest.importorskip("transformers")
+
+
 def gpt2(dtype=torch.float64, device="cpu"):
+    transformers = hf()
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                  attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+                                  attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=1)
     cfg._attn_implementation = "eager"
     return transformers.GPT2LMHeadModel(cfg).to(device=device, dtype=dtype)
 
 
 def llama(dtype=torch.float64, device="cpu", **extra):
+    transformers = hf()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=2, num_attention_heads=4,
@@ -217,7 +223,7 @@ def _fp8_pair(transposed: bool):
     """A converted layer and zbpp's own Linear holding the same values ([out, in])."""
     torch.manual_seed(0)
     if transposed:
-        conv = transformers.pytorch_utils.Conv1D(32, 48)  # nf=32 out, nx=48 in: weight [48, 32]
+        conv = hf().pytorch_utils.Conv1D(32, 48)  # nf=32 out, nx=48 in: weight [48, 32]
         nn.init.normal_(conv.bias)
         own = Linear(48, 32, delay_wgrad_compute=True)
         with torch.no_grad():
