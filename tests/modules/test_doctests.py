@@ -24,6 +24,7 @@ MODULES = [
     "zbpp.modules.layernorm_linear",
     "zbpp.modules.layernorm_mlp",
     "zbpp.modules.linear",
+    "zbpp.modules.swap",
     "zbpp.modules.wgrad_store",
 ]
 

@@ -9,8 +9,10 @@ activations Transformer Engine names (gelu, qgelu, relu, srelu, silu and their g
 qgeglu, reglu, sreglu, swiglu). Inside ``fp8_autocast`` their GEMMs run in FP8 with delayed
 scaling, on Hopper with the norm, the activation and its gradient fused into the casts of their
 outputs (``_fused``); their ``forward(x, is_first_microbatch=...)`` keeps the weights' FP8 casts
-across the microbatches of an optimizer step, as Transformer Engine's does. This package imports
-neither the runtime nor the schedules.
+across the microbatches of an optimizer step, as Transformer Engine's does. `delay_wgrad` turns
+the ``nn.Linear`` layers of any model (and, on request, HF's ``Conv1D``) into delayed-wgrad
+`Linear` layers in place, keeping their Parameter objects. This package imports neither the
+runtime nor the schedules.
 
 >>> import torch
 >>> from zbpp.modules import Linear, microbatch, is_delayed, supports_keys
@@ -32,6 +34,7 @@ from .fp8 import DelayedScaling, Format, fp8_autocast
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
+from .swap import delay_wgrad
 
 __all__ = [
     "Linear",
@@ -44,4 +47,5 @@ __all__ = [
     "current_microbatch",
     "is_delayed",
     "supports_keys",
+    "delay_wgrad",
 ]

@@ -52,7 +52,7 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+    return torch.ops.aten.gelu_backward.default(grad, x, approximate="tanh")
 
 
 def _qgelu(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _qgelu_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _relu_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.threshold_backward(grad, x, 0)
+    return torch.ops.aten.threshold_backward.default(grad, x, 0)
 
 
 def _srelu(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def _srelu_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _silu_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.silu_backward(grad, x)
+    return torch.ops.aten.silu_backward.default(grad, x)
 
 
 # base name -> (float32 function, float32 grad * derivative, kernel id in _fused_triton, and

@@ -33,7 +33,8 @@ from .fp8 import DelayedScaling, Quantized, ScalingMeta, fp8_gemm_nt, quantize
 from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
 
-__all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "add_to_main_grad",
+__all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "run_linear",
+           "add_to_main_grad",
            "main_grad_of", "job_outputs"]
 
 
@@ -63,7 +64,9 @@ class Fp8Slots(NamedTuple):
 
 class GemmCall(NamedTuple):
     """One GEMM of a call: its parameters (the very objects), their names, where its weight
-    gradient goes, and its FP8 slots (None outside FP8)."""
+    gradient goes, its FP8 slots (None outside FP8), and the weight's layout: [out, in] as
+    `nn.Linear` stores it, or with `transposed` [in, out] as HF's ``Conv1D`` does (``y = x W``;
+    the weight gradient then has the [in, out] shape too)."""
 
     weight: torch.nn.Parameter
     bias: torch.nn.Parameter | None
@@ -71,6 +74,7 @@ class GemmCall(NamedTuple):
     bias_name: str
     fuse_wgrad_accumulation: bool
     fp8: Fp8Slots | None
+    transposed: bool = False
 
 
 class LayerPlan(NamedTuple):
@@ -130,11 +134,12 @@ def job_outputs(parts: list[_WgradPart], fp8: bool) -> list[GradOut]:
     for call, operands, bias_grad_of in parts:
         if operands is not None:
             grad, inp = operands
-            if fp8:
-                dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
-                dw = fp8_gemm_nt(grad, inp, out_dtype=dtype)
+            if not fp8:
+                dw = inp.t().mm(grad) if call.transposed else grad.t().mm(inp)
             else:
-                dw = grad.t().mm(inp)
+                dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
+                dw = (fp8_gemm_nt(inp, grad, out_dtype=dtype) if call.transposed
+                      else fp8_gemm_nt(grad, inp, out_dtype=dtype))
             out.append(GradOut(call.weight_name, call.weight, dw, call.fuse_wgrad_accumulation))
         if bias_grad_of is not None:
             out.append(GradOut(call.bias_name, call.bias, bias_grad_of.sum(0), False))
@@ -156,6 +161,88 @@ class _Job:
 
 def _make_job(parts: list[_WgradPart], fp8: bool) -> WgradJob:
     return _Job(parts, fp8)
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool):
+    # y = x W^T + b, or x W + b for the transposed layout (the op HF's Conv1D runs)
+    if not transposed:
+        return F.linear(x, w, b)
+    return x.mm(w) if b is None else torch.addmm(b, x, w)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """`_LayerFunction` for one GEMM outside FP8 (`Linear`'s usual call): the same arithmetic,
+    with only what this case needs between the GEMMs."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        call: GemmCall,
+        store: WgradStore | None,
+        key: Hashable,
+    ) -> torch.Tensor:
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.call_store_key = (call, store, key)
+        ctx.save_for_backward(x if need_w else None, w if need_x else None)
+        return _matmul(x, w, b, call.transposed)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        call, store, key = ctx.call_store_key
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        transposed = call.transposed
+        dx = dw = db = None
+        if need_x:
+            dx = dy.mm(w.t()) if transposed else dy.mm(w)
+        if store is not None:
+            if need_w or need_b:
+                part = _WgradPart(call, (dy, x) if need_w else None, dy if need_b else None)
+                store.put(key, _Job([part], False))
+            return dx, None, None, None, None, None
+        # eager: job_outputs' arithmetic, inline
+        if need_w:
+            dw = x.t().mm(dy) if transposed else dy.t().mm(x)
+            if call.fuse_wgrad_accumulation:
+                add_to_main_grad(call.weight_name, call.weight, dw)
+                dw = _dummy_wgrad(call.weight)
+        if need_b:
+            db = dy.sum(0)
+        return dx, dw, db, None, None, None
+
+
+def run_linear(
+    x: torch.Tensor, call: GemmCall, store: WgradStore | None, key: Hashable
+) -> torch.Tensor:
+    """`run_layer` of a lone GEMM outside FP8 (`call.fp8` is None): ``x W^T + b``."""
+    weight = call.weight
+    if x.dtype != weight.dtype or x.shape[-1] != weight.shape[call.transposed ^ 1]:
+        _check_input(x, call)
+    if x.dim() == 2:
+        return _LinearFunction.apply(x, weight, call.bias, call, store, key)
+    y = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, call.bias, call, store, key)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _check_input(x: torch.Tensor, fc1: GemmCall) -> None:
+    """Raise the error that says how `x` does not fit `fc1`'s weight."""
+    weight = fc1.weight
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"{fc1.weight_name}: input dtype {x.dtype} differs from the parameters' "
+            f"{weight.dtype}; cast the input or build the module with params_dtype={x.dtype}"
+        )
+    features = weight.shape[0 if fc1.transposed else 1]
+    if x.shape[-1] != features:
+        raise ValueError(
+            f"{fc1.weight_name}: input has {x.shape[-1]} features in its last dimension, the "
+            f"weight expects {features}"
+        )
 
 
 class _LayerFunction(torch.autograd.Function):
@@ -184,7 +271,7 @@ class _LayerFunction(torch.autograd.Function):
                 ln, mean, rstd = norm_forward(x, norm, norm_w, norm_b, plan.eps)
             else:
                 ln = x
-            y = F.linear(ln, w1, b1)
+            y = _matmul(ln, w1, b1, plan.fc1.transposed)
             in1 = ln if need_w1 else None
             w1_saved = w1 if need_dln else None
             if plan.act is not None:
@@ -202,14 +289,18 @@ class _LayerFunction(torch.autograd.Function):
                 )
             else:
                 ln_q = quantize(x, s1.input, recipe, transpose=need_w1)
+            transposed = plan.fc1.transposed
             w1_q = s1.weight_cache.cast(
-                w1, s1.weight, recipe, transpose=need_dln, first_microbatch=s1.first_microbatch
+                w1, s1.weight, recipe, transpose=need_dln or transposed,
+                first_microbatch=s1.first_microbatch,
             )
-            y = fp8_gemm_nt(ln_q, w1_q, out_dtype=x.dtype, bias=b1,
+            w1_fwd = Quantized(w1_q.data_t, w1_q.scale_inv) if transposed else w1_q
+            y = fp8_gemm_nt(ln_q, w1_fwd, out_dtype=x.dtype, bias=b1,
                             fast_accumulation=recipe.fprop_fast_accumulation)
-            # the backward keeps only the transposes (x^T for dW, W^T for dx)
+            # the backward keeps only the transposes (x^T for dW, W^T for dx); a transposed
+            # layout stores the [in, out] weight that dx = dy W^T takes as it is
             in1, in1_sinv = ln_q.data_t, ln_q.scale_inv
-            w1_saved, w1_sinv = w1_q.data_t, w1_q.scale_inv
+            w1_saved, w1_sinv = (w1_q.data if transposed else w1_q.data_t), w1_q.scale_inv
             if plan.act is not None:
                 h = y
                 s2 = plan.fc2.fp8
@@ -276,7 +367,7 @@ class _LayerFunction(torch.autograd.Function):
                 parts.append(_WgradPart(plan.fc1, (g1, in1) if need_w1 else None,
                                         g1 if need_b1 else None))
             if need_dln:
-                dln = g1.mm(w1)
+                dln = g1.mm(w1.t()) if plan.fc1.transposed else g1.mm(w1)
         if need_dln:
             if plan.normalization is not None:
                 dx, d_nw, d_nb = norm_backward(dln, x, plan.normalization, mean, rstd, norm_w,
@@ -325,16 +416,8 @@ def run_layer(
     """The layer `plan` describes on `x` (any leading shape; features in the last dimension)."""
     fc1, fc2 = plan.fc1, plan.fc2
     weight = fc1.weight
-    if x.dtype != weight.dtype:
-        raise TypeError(
-            f"{fc1.weight_name}: input dtype {x.dtype} differs from the parameters' "
-            f"{weight.dtype}; cast the input or build the module with params_dtype={x.dtype}"
-        )
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"{fc1.weight_name}: input has {x.shape[-1]} features in its last dimension, the "
-            f"weight expects {weight.shape[1]}"
-        )
+    if x.dtype != weight.dtype or x.shape[-1] != weight.shape[fc1.transposed ^ 1]:
+        _check_input(x, fc1)
     two_d = x.dim() == 2
     x2 = x if two_d else x.reshape(-1, x.shape[-1])
     if fc2 is None:

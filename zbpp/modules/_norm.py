@@ -40,6 +40,9 @@ __all__ = [
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
+# the overload itself: calling the packet resolves it in Python on every call
+_layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
+
 Stats = tuple[torch.Tensor | None, torch.Tensor]  # (mean or None, rstd), float32 [rows, 1]
 
 
@@ -149,9 +152,7 @@ def norm_backward(
         stat = _layer_norm_stat_dtype(x.device.type, x.dtype)
         if mean.dtype != stat:
             mean, rstd = mean.to(stat), rstd.to(stat)
-        return torch.ops.aten.native_layer_norm_backward(
-            dy, x, (n,), mean, rstd, weight, bias, mask
-        )
+        return _layer_norm_backward(dy, x, (n,), mean, rstd, weight, bias, mask)
     x_hat = _opmath(x) * rstd
     dy32 = _opmath(dy)
     dx = dw = None

@@ -25,11 +25,13 @@ from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, add_to_main
 from . import _wgrad_graph
 from ._wgrad_graph import WgradGraphs
 from ._norm import make_norm_params
-from .context import current_microbatch
+from .context import current_microbatch, forward_key
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
 from .wgrad_store import AutoKey, WgradStore
 
 __all__ = ["DelayedWgradModule", "LayerOptions", "is_delayed", "supports_keys"]
+
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class LayerOptions(TypedDict, total=False):
@@ -95,6 +97,8 @@ class DelayedWgradModule(nn.Module):
 
     #: per GEMM: (FP8 slot prefix, weight attribute, bias attribute)
     _gemm_names: tuple[tuple[str, str, str], ...] = (("", "weight", "bias"),)
+    #: the first GEMM's weight is stored [in, out] (HF's Conv1D; see `delay_wgrad`)
+    _weight_transposed: bool = False
 
     def __init__(
         self,
@@ -120,9 +124,17 @@ class DelayedWgradModule(nn.Module):
         self._param_settings: _ParamSettings | None = _ParamSettings(
             check_params_dtype(cls, params_dtype), device, init_method or default_init
         )
+        self._init_protocol(delay_wgrad_compute, fuse_wgrad_accumulation, wgrad_cuda_graph)
+
+    def _init_protocol(
+        self, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool, wgrad_cuda_graph: bool
+    ) -> None:
+        """The layer's own state besides its parameters (also set up on a module that
+        `zbpp.modules.delay_wgrad` turns into a zbpp layer in place)."""
+        cls = type(self).__name__
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._delay = bool(delay_wgrad_compute)
-        self._wgrad_store: WgradStore = WgradStore(owner=type(self).__name__)
+        self._wgrad_store: WgradStore = WgradStore(owner=cls)
         self._wgrad_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         # None unless wgrad_cuda_graph: the option off costs backward_dw one attribute test
         self._wgrad_graphs: WgradGraphs | None = (
@@ -135,6 +147,8 @@ class DelayedWgradModule(nn.Module):
         self._fp8_weight_casts: dict[str, Fp8WeightCache] = {}  # per GEMM weight attribute
         # per GEMM: the parameter names errors and gradients carry (built once, not per call)
         self._gemm_labels = tuple((f"{cls}.{w}", f"{cls}.{b}") for _, w, b in self._gemm_names)
+        # per GEMM: its last GemmCall outside FP8, reused while its parameters stay the same
+        self._plain_calls: list[GemmCall | None] = [None] * len(self._gemm_names)
 
     # -- parameters -------------------------------------------------------------------------
     def _add_gemm_params(
@@ -208,8 +222,10 @@ class DelayedWgradModule(nn.Module):
         if self._delay and self._bias_grad_deferred != (recipe is None):
             self._bias_grad_deferred = recipe is None
             self._sync_param_flags()
-        key = current_microbatch()
-        if key is None and self._delay:
+        if not self._delay:  # nothing is filed: the key only names the call
+            return ForwardCall(current_microbatch(), recipe, first)
+        key = forward_key()
+        if key is None:
             key = AutoKey(self._auto_keys)
             self._auto_keys += 1
         return ForwardCall(key, recipe, first)
@@ -234,6 +250,8 @@ class DelayedWgradModule(nn.Module):
     ) -> GemmCall:
         """GEMM `index` of this forward (`weight` and `bias`: its parameters, read once)."""
         recipe = call.recipe
+        if recipe is None:
+            return self._plain_call(index, weight, bias)
         fp8 = None
         if recipe is not None:
             prefix, weight_name, _ = self._gemm_names[index]
@@ -249,7 +267,22 @@ class DelayedWgradModule(nn.Module):
                 call.first_microbatch,
             )
         weight_label, bias_label = self._gemm_labels[index]
-        return GemmCall(weight, bias, weight_label, bias_label, self.fuse_wgrad_accumulation, fp8)
+        return GemmCall(weight, bias, weight_label, bias_label, self.fuse_wgrad_accumulation, fp8,
+                        index == 0 and self._weight_transposed)
+
+    def _plain_call(
+        self, index: int, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None
+    ) -> GemmCall:
+        # outside FP8 a GemmCall changes only with the parameters or fuse_wgrad_accumulation
+        call = self._plain_calls[index]
+        fuse = self.fuse_wgrad_accumulation
+        if (call is None or call.weight is not weight or call.bias is not bias
+                or call.fuse_wgrad_accumulation != fuse):
+            weight_label, bias_label = self._gemm_labels[index]
+            call = GemmCall(weight, bias, weight_label, bias_label, fuse, None,
+                            index == 0 and self._weight_transposed)
+            self._plain_calls[index] = call
+        return call
 
     def _plan(
         self,
@@ -292,20 +325,25 @@ class DelayedWgradModule(nn.Module):
             self._graph_backward_dw(key)
             return
         _, jobs = self._wgrad_store.pop(key)
-        with torch.no_grad():
-            if len(jobs) == 1:  # one forward: each parameter appears once
-                outs = jobs[0]()
-            else:
-                outs = _summed_per_parameter(jobs)
+        grad_mode = torch.is_grad_enabled()
+        _set_grad_enabled(False)  # torch.no_grad() without its per-call objects
+        try:
+            # one forward: each parameter appears once; several: summed per parameter first
+            outs = jobs[0]() if len(jobs) == 1 else _summed_per_parameter(jobs)
             for name, param, grad, to_main in outs:
                 if to_main:
                     add_to_main_grad(name, param, grad)
-                elif param.grad is None:
+                    continue
+                acc = param.grad
+                if acc is None:
                     param.grad = grad
                 else:
-                    param.grad.add_(grad)
-        for hook in list(self._wgrad_hooks.values()):
-            hook()
+                    acc.add_(grad)
+        finally:
+            _set_grad_enabled(grad_mode)
+        if self._wgrad_hooks:
+            for hook in list(self._wgrad_hooks.values()):
+                hook()
 
     def _graph_backward_dw(self, key: Hashable | None) -> None:
         # W replayed from a CUDA graph: its hooks never fire (the runtime reduces what

@@ -8,6 +8,9 @@ wgrad closure under that key; ``backward_dw(key)`` then computes that one.
 The key is context state (a `contextvars.ContextVar`): each thread and each asyncio task sees its
 own innermost block, and a block puts back exactly what it found when it ends.
 
+Activation checkpointing re-runs a forward during the backward, outside the block it first ran
+in: `forward_key` gives the layers the original forward's key there too (see its docstring).
+
 >>> with microbatch(3):
 ...     current_microbatch()
 3
@@ -19,9 +22,13 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
+import sys
 from typing import Hashable, Iterator, TypeVar
 
-__all__ = ["microbatch", "current_microbatch"]
+import torch
+from torch.utils.checkpoint import CheckpointFunction
+
+__all__ = ["microbatch", "current_microbatch", "forward_key"]
 
 T = TypeVar("T")
 
@@ -47,3 +54,56 @@ def microbatch(key: Hashable) -> AbstractContextManager[Hashable]:
 def current_microbatch() -> Hashable | None:
     """The innermost active key, or None outside any `microbatch` block."""
     return _key.get()
+
+
+# the attribute that carries the key on a reentrant checkpoint's autograd node
+_CKPT_KEY_ATTR = "_zbpp_microbatch_key"
+_CKPT_FORWARD = CheckpointFunction.forward.__code__
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def forward_key() -> Hashable | None:
+    """The key a forward starting now belongs to: `current_microbatch`, or inside a re-run by
+    activation checkpointing, the key of the forward that is re-run.
+
+    Reentrant ``torch.utils.checkpoint`` (``use_reentrant=True``) runs the function without
+    autograd in the forward and again, inside the backward of its node, to build the graph it
+    differentiates; that backward runs outside the ``microbatch()`` block (on GPUs on autograd's
+    own thread). So the first run records its key on the checkpoint's node (the autograd context
+    of ``CheckpointFunction``, found on the call stack), and the re-run reads it back from the
+    node autograd is running. Non-reentrant checkpointing needs nothing: the layers' nodes of
+    the first run, which recorded their key, are the ones differentiated.
+
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> seen = []
+    >>> def f(x):
+    ...     seen.append((torch.is_grad_enabled(), forward_key()))
+    ...     return x * 2
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> with microbatch(7):
+    ...     y = checkpoint(f, x, use_reentrant=True)
+    >>> y.sum().backward()  # outside the block: the re-run still sees key 7
+    >>> seen
+    [(False, 7), (True, 7)]
+    """
+    key = _key.get()
+    if key is None:
+        node = _current_node()
+        if node is not None:
+            key = getattr(node, _CKPT_KEY_ATTR, None)
+    if key is not None and not torch.is_grad_enabled():
+        _tag_checkpoint(key)
+    return key
+
+
+def _tag_checkpoint(key: Hashable) -> None:
+    # every reentrant checkpoint on the stack remembers `key` for its re-run (nested ones too: an
+    # outer one re-runs the inner one's first run, which then finds the key on the outer node)
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CKPT_FORWARD:
+            ctx = frame.f_locals.get("ctx")
+            if ctx is not None and getattr(ctx, _CKPT_KEY_ATTR, None) is None:
+                setattr(ctx, _CKPT_KEY_ATTR, key)
+        frame = frame.f_back

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._layer_function import run_layer
+from ._layer_function import run_layer, run_linear
 from .base import DelayedWgradModule
 
 if TYPE_CHECKING:
@@ -55,6 +55,9 @@ class Linear(DelayedWgradModule):
         the weight and keeps the cast, False reuses the kept cast while the weight is unchanged
         (the same tensor at the same version), None (default) casts on every call."""
         call = self._begin_forward(is_first_microbatch)
+        if call.recipe is None:
+            gemm = self._plain_call(0, self.weight, self.bias)
+            return run_linear(x, gemm, self._wgrad_store if self._delay else None, call.key)
         return run_layer(x, self._plan(call, self._gemm_call(0, call, self.weight, self.bias)))
 
     def extra_repr(self) -> str:

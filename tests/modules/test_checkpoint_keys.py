@@ -1,0 +1,133 @@
+"""Activation checkpointing with delayed-wgrad layers: the re-run of a forward inside the backward
+files its W under the original forward's microbatch key (reentrant and non-reentrant).
+
+Reference: the same model, without checkpointing and with eager (not delayed) weight gradients,
+in the same process on the same data."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zbpp.modules import LayerNormMLP, Linear, delay_wgrad, microbatch
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = Linear(16, 16, delay_wgrad_compute=True, params_dtype=torch.float64)
+        self.mlp = LayerNormMLP(16, 32, delay_wgrad_compute=True, params_dtype=torch.float64)
+
+    def forward(self, x):
+        return x + self.mlp(torch.tanh(self.fc(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+def _delayed(model):
+    return [m for m in model.modules() if hasattr(m, "backward_dw") and m.delay_wgrad_compute]
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_zbpp_layers_file_w_under_the_forward_key(reentrant):
+    torch.manual_seed(0)
+    model = Stack(reentrant)
+    ref = copy.deepcopy(model)
+    ref.reentrant = None
+    for m in _delayed(ref):
+        m.delay_wgrad_compute = False
+    xs = {k: torch.randn(4, 16, dtype=torch.float64, requires_grad=True) for k in [(0, 0), (0, 1)]}
+    outs = {}
+    for key, x in xs.items():  # two forwards, as a pipeline stage runs F(0), F(1) ...
+        with microbatch(key):
+            outs[key] = model(x)
+    for key in [(0, 1), (0, 0)]:  # ... and B outside the block, in another order
+        outs[key].square().sum().backward()
+    for m in _delayed(model):
+        assert sorted(m.pending_wgrad_keys()) == [(0, 0), (0, 1)]
+    w_params = {id(p) for m in _delayed(model) for p in m.get_backward_dw_params()}
+    for key in [(0, 0), (0, 1)]:
+        for m in _delayed(model):
+            m.backward_dw(key)
+        ref_x = xs[key].detach().clone().requires_grad_()
+        ref(ref_x).square().sum().backward()
+        # the same GEMMs on the same (recomputed, bit-identical) operands: equal bit for bit;
+        # after W of the first key, W's parameters hold that key's gradient only (the norms'
+        # gradients, computed in B, hold both keys' until the end)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if id(p) in w_params or key == (0, 1):
+                assert torch.equal(p.grad, q.grad)
+        assert torch.equal(xs[key].grad, ref_x.grad)
+
+
+# the inner checkpoints' first run is inside the outer one's no-grad run: torch warns, rightly
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_nested_reentrant_checkpoints():
+    torch.manual_seed(0)
+    inner = Stack(True)
+    ref = copy.deepcopy(inner)
+    ref.reentrant = None
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    with microbatch("k"):
+        y = checkpoint(inner, x, use_reentrant=True)
+    y.sum().backward()
+    for m in _delayed(inner):
+        m.backward_dw("k")
+    ref(x.detach()).sum().backward()
+    for m in _delayed(ref):
+        m.backward_dw()
+    for p, q in zip(inner.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_without_keys_checkpoint_still_files_in_fifo_order():
+    torch.manual_seed(0)
+    model = Stack(True)
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    model(x).sum().backward()  # no microbatch block: automatic keys, FIFO backward_dw()
+    for m in _delayed(model):
+        m.backward_dw()
+        assert m.pending_wgrad_keys() == []
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_hf_llama_gradient_checkpointing_after_delay_wgrad(reentrant):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16,
+                                   attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).double()
+    ref = copy.deepcopy(model)
+    delay_wgrad(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with microbatch((0, 0)):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.backward_dw((0, 0))
+    ref(ids, labels=ids).loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        # see test_delay_wgrad_swap: dW^T against autograd's (X^T dY)^T, float64 last bits
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=n)
