@@ -194,7 +194,10 @@ class Pipeline:
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
                                     self._agreement.group, self.device, span)
         self._reducer = reducer
-        if reducer is None and self.topology.dp_size > 1:
+        self._fsdp = self._fsdp_reducer(reducer, tied_parameters)
+        if self._fsdp is not None:
+            self._reducer = self._fsdp
+        elif reducer is None and self.topology.dp_size > 1:
             from .grad_reduce import GradReducer
 
             self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids())
@@ -254,6 +257,8 @@ class Pipeline:
         self._set_gradients_aside(in_place=reducing and self._unreduced)
         problem: BaseException | None = None
         try:
+            if self._fsdp is not None:
+                self._fsdp.begin_step()
             if reducing:
                 if self._reducer is not None:
                     self._reducer.start_step(keep_main_grad=self._unreduced)
@@ -263,6 +268,8 @@ class Pipeline:
                 if self._reducer is not None:
                     self._reducer.finish()
                 self._tied.finish()
+            if self._fsdp is not None and not reducing and not ex.draining:
+                self._fsdp.end_step()
         except Exception as exc:  # noqa: BLE001 - the reducers; reported through the agreement
             problem = exc
         failure = self._end(ex, problem, sync, signature)
@@ -316,7 +323,11 @@ class Pipeline:
         problem: BaseException | None = None
         try:
             with torch.no_grad():
+                if self._fsdp is not None:
+                    self._fsdp.begin_step()
                 loss = ex.run()
+                if self._fsdp is not None:
+                    self._fsdp.end_step()
         except Exception as exc:  # noqa: BLE001
             problem = exc
         failure = self._end(ex, problem, sync, signature)
@@ -488,6 +499,11 @@ class Pipeline:
     def _after_failure(self, ex: StepExecutor, sync: bool, signature: tuple) -> None:
         for w in self._wgrad.values():
             w.discard()
+        if self._fsdp is not None and (ex.forward_only or not self._sync_gradients):
+            try:
+                self._fsdp.abandon()
+            except Exception:  # noqa: BLE001 - best effort: the step is lost anyway
+                pass
         if not ex.forward_only and self._sync_gradients:
             for reducer in (self._reducer, self._tied):
                 try:
@@ -561,6 +577,22 @@ class Pipeline:
         self._aside, self._copies = [], []
 
     # -- internals ----------------------------------------------------------------------------
+    def _fsdp_reducer(self, reducer: Any, tied: Mapping[str, nn.Parameter] | None) -> Any:
+        """An `FsdpReducer` when a stage holds ``fully_shard`` modules (`zbpp.runtime.fsdp`), else None."""
+        from .fsdp import FsdpReducer, holds_fsdp
+
+        if not holds_fsdp(self.stage_modules):
+            return None
+        if reducer is not None:
+            raise ValueError("reducer= cannot be combined with fully_shard stages: FSDP reduces their gradients")
+        if tied:
+            raise ValueError(
+                "tied_parameters= is not supported with fully_shard stages: FSDP owns the gradient of a "
+                "sharded parameter; untie the copies or leave those stages unsharded"
+            )
+        first = list(dict.fromkeys(a.stage for a in self._plan.ranks[self.pp_rank].tasks if a.kind.name == "F"))
+        return FsdpReducer(self.stage_modules, self.topology.dp_size, first)
+
     def _forward_plan(self) -> Plan:
         if self._eval_plan is None:
             self._eval_plan = make_plan(self.schedule, costs=self._costs, recv_lead=self._recv_lead, forward_only=True)

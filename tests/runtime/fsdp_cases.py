@@ -1,0 +1,233 @@
+"""The FSDP2 x pipeline and checkpoint cases, run on every rank of a worker pool.
+
+The whole model is `Net`: four blocks ``layers.0`` .. ``layers.3`` (Linear + tanh, float64). A stage
+is a copy of the whole model with the blocks it does not hold deleted, so its parameters keep the
+whole model's names (``layers.2.weight``): what checkpoints are keyed by and what the tests compare
+by. The reference is one process running the whole model on the whole batch (`reference_run`).
+
+Tolerances: float64 everywhere; the pipeline sums the same products in another order (microbatch
+and replica sums), so results agree to rounding: rtol 1e-9, atol 1e-11.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zbpp import Pipeline
+from zbpp.modules import Linear as ZLinear
+from zbpp.schedules import build
+
+H = 4  # feature width
+ROWS = 8  # rows of a step's whole batch (all replicas together)
+M = 4  # microbatches
+RTOL, ATOL = 1e-9, 1e-11  # see the module docstring
+
+
+class Net(nn.Module):
+    """Blocks ``layers.<i>`` (Linear + tanh), applied in index order, whichever of them it holds."""
+
+    def __init__(self, kind: str = "plain", blocks: int = 4) -> None:
+        super().__init__()
+
+        def linear() -> nn.Module:
+            if kind == "delayed":
+                return ZLinear(H, H, delay_wgrad_compute=True, params_dtype=torch.float64)
+            return nn.Linear(H, H, dtype=torch.float64)
+
+        self.layers = nn.ModuleDict({str(i): linear() for i in range(blocks)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in sorted(self.layers, key=int):
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+def whole_model(kind: str = "plain", seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    net = Net(kind)
+    with torch.no_grad():  # same values for every kind
+        g = torch.Generator().manual_seed(seed)
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+    return net
+
+
+def stage_of(whole: Net, stage: int, num_stages: int) -> Net:
+    """A copy of `whole` holding only the blocks of `stage` (names unchanged)."""
+    per = len(whole.layers) // num_stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    part = copy.deepcopy(whole)
+    for name in list(part.layers):
+        if name not in keep:
+            del part.layers[name]
+    return part
+
+
+def batch(step: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(ROWS, H, generator=g, dtype=torch.float64)
+    y = torch.randn(ROWS, H, generator=g, dtype=torch.float64)
+    return x.to(device), y.to(device)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 1) -> tuple[Net, list[dict[str, torch.Tensor]]]:
+    """One process, whole model, whole batch: the model after `steps` AdamW steps and each step's
+    gradients (with `accumulate`, each optimizer step sums the gradients of that many batches)."""
+    net = whole_model(kind).to(device)
+    opt = make_optimizer(net.parameters())
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(accumulate):
+            x, y = batch(step * accumulate + k, device)
+            loss_fn(net(x), y).backward()
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        opt.step()
+    return net, grads
+
+
+def compare(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    fails = []
+    for name, g in got.items():
+        w = want[name].to(g.device)
+        if not torch.allclose(g, w, rtol=RTOL, atol=ATOL):
+            fails.append(f"{what} {name}: max |diff| {float((g - w).abs().max()):.3g}")
+    return fails
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered (collective over its mesh), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# -- FSDP2 x pipeline ------------------------------------------------------------------------
+_MESH: dict[tuple[str, int, int], Any] = {}
+
+
+def mesh(device_type: str, dp: int, pp: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, dp, pp)
+    if key not in _MESH:  # new_group is collective: one mesh per shape, built by every rank at once
+        _MESH[key] = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    return _MESH[key]
+
+
+def device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None = None) -> Pipeline:
+    """This rank's stages of `whole` (default `whole_model(kind)`), each ``fully_shard``-ed over the
+    dp dimension, in a `Pipeline` on the (dp, pp) mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    dev = device_type()
+    m = mesh(dev, dp, pp)
+    sched = build(schedule, num_ranks=pp, num_microbatches=M)
+    whole = whole if whole is not None else whole_model(kind)
+    device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+    pp_rank = m.get_local_rank("pp")
+    stages = {}
+    for s in sched.stages_on(pp_rank):
+        part = stage_of(whole, s, sched.num_stages).to(device)
+        fully_shard(part, mesh=m["dp"])
+        stages[s] = part
+    return Pipeline(stages, sched, loss_fn=loss_fn, groups=m)
+
+
+def my_rows(dp_rank: int, dp: int, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0] // dp
+    return x[dp_rank * n:(dp_rank + 1) * n]
+
+
+class CountReduceScatter:
+    """Counts the reduce-scatters issued through torch.distributed (the FSDP collectives call
+    ``dist.reduce_scatter_single`` or ``dist.reduce_scatter_tensor`` by module attribute)."""
+
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._orig: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> "CountReduceScatter":
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._orig[name] = fn
+                setattr(dist, name, self._wrap(fn))
+        return self
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
+
+
+def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
+    """``"<schedule>/<kind>[/accumulate]"``: three AdamW steps (one with accumulate: a no_sync step
+    then a synchronised one) with `fsdp_pipeline`; every gradient (gathered) and the parameters
+    after the steps equal `reference_run`; one reduce-scatter per stage per step."""
+    schedule, kind, *rest = case.split("/")
+    accumulate = 2 if rest == ["accumulate"] else 1
+    steps = 1 if accumulate > 1 else 3
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+    pipe = fsdp_pipeline(schedule, kind, dp, pp)
+    dp_rank = pipe.topology.dp_rank
+    ref, ref_grads = reference_run("plain", steps, dev, accumulate)  # same values, eager layers
+    opt = make_optimizer(list(pipe.parameters()))
+    named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
+    fails: list[str] = []
+    for step in range(steps):
+        opt.zero_grad()
+        with CountReduceScatter() as rs:
+            for k in range(accumulate):
+                x, y = batch(step * accumulate + k, dev)
+                x, y = my_rows(dp_rank, dp, x), my_rows(dp_rank, dp, y)
+                if k < accumulate - 1:
+                    with pipe.no_sync():
+                        pipe.step(x, target=y)
+                else:
+                    pipe.step(x, target=y)
+        if rs.count != len(pipe.stage_modules):
+            fails.append(f"step {step}: {rs.count} reduce-scatters for {len(pipe.stage_modules)} stages")
+        got = {n: full(p.grad) for n, p in named.items() if p.grad is not None}
+        missing = sorted(set(named) - set(got))
+        if missing:
+            fails.append(f"step {step}: no gradient for {missing}")
+        fails += compare(f"step {step} grad", got, ref_grads[step])
+        opt.step()
+    fails += compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
+    return fails
+
+
+def fsdp_worker(cases: list[str], dp: int = 2, pp: int = 2) -> dict[str, list[str]]:
+    out = {}
+    for case in cases:
+        try:
+            out[case] = fsdp_case(case, dp, pp)
+        except Exception as exc:  # noqa: BLE001 - reported per case; the pool goes on
+            import traceback
+
+            out[case] = [f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"]
+    return out

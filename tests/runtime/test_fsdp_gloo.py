@@ -1,0 +1,27 @@
+"""FSDP2 (`fully_shard`) stages under zbpp pipelines: dp=2 x pp=2 on 4 gloo CPU ranks, float64.
+
+Every case (`fsdp_cases.fsdp_case`) checks each parameter's gathered gradient and the parameters
+after the optimizer steps against one process running the whole model on the whole batch, and
+counts one reduce-scatter per stage per step. The 4 ranks are spawned once for the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .fsdp_cases import fsdp_worker
+
+CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
+CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate"]
+
+
+@pytest.fixture(scope="module")
+def results(zbpp_workers) -> dict[str, list[str]]:
+    per_rank = zbpp_workers(4, pg_timeout=60).run(fsdp_worker, CASES)
+    return {c: [f"rank {r}: {f}" for r, res in enumerate(per_rank) for f in res[c]] for c in CASES}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
+    assert not results[case], "\n".join(results[case])
