@@ -231,3 +231,63 @@ def fsdp_worker(cases: list[str], dp: int = 2, pp: int = 2) -> dict[str, list[st
 
             out[case] = [f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"]
     return out
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+SAVED_AFTER = 2  # steps trained before the checkpoint
+RESUMED = 3  # steps after loading it
+
+
+def plain_pipeline(schedule: str, pp: int, whole: Net) -> Pipeline:
+    sched = build(schedule, num_ranks=pp, num_microbatches=M)
+    stages = {s: stage_of(whole, s, sched.num_stages) for s in sched.stages_on(dist.get_rank())}
+    return Pipeline(stages, sched, loss_fn=loss_fn)
+
+
+def train(pipe: Pipeline, opt: torch.optim.Optimizer, steps: range, dp: int = 1) -> None:
+    dp_rank = pipe.topology.dp_rank
+    for step in steps:
+        opt.zero_grad()
+        x, y = batch(step)
+        pipe.step(my_rows(dp_rank, dp, x), target=my_rows(dp_rank, dp, y))
+        opt.step()
+
+
+def params_of(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    return {n: full(p.detach()).clone() for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
+
+
+def save_case(path: str) -> list[str]:
+    """pp=2 zb-v (2 ranks, dp=1): train `SAVED_AFTER` steps, save; the parameters equal the
+    reference's at that point."""
+    from zbpp.runtime import save_checkpoint
+
+    pipe = plain_pipeline("zb-v", 2, whole_model())
+    opt = make_optimizer(list(pipe.parameters()))
+    train(pipe, opt, range(SAVED_AFTER))
+    save_checkpoint(pipe, path, opt)
+    ref, _ = reference_run("plain", SAVED_AFTER)
+    return compare("saved param", params_of(pipe), dict(ref.named_parameters()))
+
+
+def resume_case(path: str, layout: str) -> list[str]:
+    """Load the checkpoint at `layout` (``"pp4-1f1b"``: 4 ranks, plain stages; ``"dp2-pp2-fsdp-zb-h1"``:
+    fully_shard stages on a (2, 2) mesh) into a model initialised otherwise, with a fresh AdamW:
+    the parameters equal the reference after `SAVED_AFTER` steps, and `RESUMED` more steps equal
+    the reference after all of them (so the optimizer state came back too)."""
+    from zbpp.runtime import load_checkpoint
+
+    other = whole_model(seed=123)  # anything but the saved values
+    if layout == "pp4-1f1b":
+        pipe, dp = plain_pipeline("1f1b", 4, other), 1
+    elif layout == "dp2-pp2-fsdp-zb-h1":
+        pipe, dp = fsdp_pipeline("zb-h1", "plain", 2, 2, whole=other), 2
+    else:
+        raise ValueError(layout)
+    opt = make_optimizer(list(pipe.parameters()))
+    load_checkpoint(pipe, path, opt)
+    ref, _ = reference_run("plain", SAVED_AFTER)
+    fails = compare("loaded param", params_of(pipe), dict(ref.named_parameters()))
+    train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED), dp)
+    ref, _ = reference_run("plain", SAVED_AFTER + RESUMED)
+    return fails + compare("resumed param", params_of(pipe), dict(ref.named_parameters()))

@@ -6,12 +6,15 @@
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
   parallelism: `grad_reduce.py`.
+- `save_checkpoint` / `load_checkpoint`: DCP checkpoints keyed by the whole model's parameter
+  names, loadable at any other layout (`checkpoint.py`); FSDP2 stages: `fsdp.py`.
 - `init_distributed`: initialise torch.distributed from torchrun's environment with a timeout.
 """
 
 from __future__ import annotations
 
 from .channels import CommOptions
+from .checkpoint import load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_
 from .executor import PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
@@ -26,6 +29,8 @@ __all__ = [
     "PipelineError",
     "ShapeMismatchError",
     "clip_grad_norm_",
+    "save_checkpoint",
+    "load_checkpoint",
     "init_distributed",
     "measured_bubble_rate",
     "shutdown_and_exit",
