@@ -291,3 +291,58 @@ def resume_case(path: str, layout: str) -> list[str]:
     train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED), dp)
     ref, _ = reference_run("plain", SAVED_AFTER + RESUMED)
     return fails + compare("resumed param", params_of(pipe), dict(ref.named_parameters()))
+
+
+# -- when the reduce-scatters run -----------------------------------------------------------------
+def timing_case(schedule: str) -> list[str]:
+    """zbpp delayed-wgrad stages under `schedule`: a log of every W of each stage (the modules'
+    ``backward_dw``), of each stage's reduce-scatter (a custom FSDP reduce-scatter per stage) and
+    of each step's return. Each stage's reduce-scatter must come after its last W of the step and
+    before the step returns, once per step."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    pipe = fsdp_pipeline(schedule, "delayed", 2, 2)
+    log: list[tuple[str, int]] = []
+
+    class Logged(DefaultReduceScatter):
+        def __init__(self, stage: int) -> None:
+            super().__init__()
+            self.stage = stage
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            log.append(("RS", self.stage))
+            return super().__call__(*args, **kwargs)
+
+    ws: dict[int, int] = {}
+    for s, m in pipe.stage_modules.items():
+        m.set_custom_reduce_scatter(Logged(s))
+        for layer in m.modules():
+            if isinstance(layer, ZLinear):
+                ws[s] = ws.get(s, 0) + M
+                layer.backward_dw = _logged(layer.backward_dw, log, s)
+    fails = []
+    for step in range(2):
+        log.clear()
+        x, y = batch(step)
+        dp_rank = pipe.topology.dp_rank
+        pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+        log.append(("END", -1))
+        for s in pipe.stage_modules:
+            at = [i for i, e in enumerate(log) if e == ("RS", s)]
+            if len(at) != 1:
+                fails.append(f"step {step} stage {s}: {len(at)} reduce-scatters")
+                continue
+            done = sum(1 for e in log[:at[0]] if e == ("W", s))
+            if done != ws[s]:
+                fails.append(f"step {step} stage {s}: reduce-scatter after {done} of its {ws[s]} W")
+            if at[0] > log.index(("END", -1)):
+                fails.append(f"step {step} stage {s}: reduce-scatter after the step returned")
+    return fails
+
+
+def _logged(fn: Callable[..., Any], log: list, stage: int) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        log.append(("W", stage))
+        return fn(*args, **kwargs)
+
+    return wrapped

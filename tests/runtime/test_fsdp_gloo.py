@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .fsdp_cases import fsdp_worker
+from .fsdp_cases import fsdp_worker, timing_case
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate"]
@@ -25,3 +25,12 @@ def results(zbpp_workers) -> dict[str, list[str]]:
 @pytest.mark.parametrize("case", CASES)
 def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
     assert not results[case], "\n".join(results[case])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_reduce_scatter_after_last_w(zbpp_workers, schedule: str) -> None:
+    """Each stage's reduce-scatter is launched after its last W and before the step returns."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(timing_case, schedule)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
