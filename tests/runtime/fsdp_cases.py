@@ -83,9 +83,11 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
-def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 1) -> tuple[Net, list[dict[str, torch.Tensor]]]:
+def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 1,
+                  clip: float | None = None) -> tuple[Net, list[dict[str, torch.Tensor]]]:
     """One process, whole model, whole batch: the model after `steps` AdamW steps and each step's
-    gradients (with `accumulate`, each optimizer step sums the gradients of that many batches)."""
+    gradients (with `accumulate`, each optimizer step sums the gradients of that many batches;
+    with `clip`, torch's clip_grad_norm_ runs before each optimizer step, after the record)."""
     net = whole_model(kind).to(device)
     opt = make_optimizer(net.parameters())
     grads = []
@@ -95,6 +97,8 @@ def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 
             x, y = batch(step * accumulate + k, device)
             loss_fn(net(x), y).backward()
         grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
     return net, grads
 
@@ -189,12 +193,12 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
     then a synchronised one) with `fsdp_pipeline`; every gradient (gathered) and the parameters
     after the steps equal `reference_run`; one reduce-scatter per stage per step."""
     schedule, kind, *rest = case.split("/")
-    accumulate = 2 if rest == ["accumulate"] else 1
+    accumulate = 2 if "accumulate" in rest else 1
     steps = 1 if accumulate > 1 else 3
     dev = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     pipe = fsdp_pipeline(schedule, kind, dp, pp)
     dp_rank = pipe.topology.dp_rank
-    ref, ref_grads = reference_run("plain", steps, dev, accumulate)  # same values, eager layers
+    ref, ref_grads = reference_run("plain", steps, dev, accumulate, 0.05 if "clip" in rest else None)  # same values, eager layers
     opt = make_optimizer(list(pipe.parameters()))
     named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
     fails: list[str] = []
@@ -216,6 +220,16 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
         if missing:
             fails.append(f"step {step}: no gradient for {missing}")
         fails += compare(f"step {step} grad", got, ref_grads[step])
+        if "clip" in rest:  # the norm over every stage and shard, as torch's on the whole model
+            from zbpp.runtime import clip_grad_norm_
+
+            norm = clip_grad_norm_(pipe, 0.05)
+            want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in ref_grads[step].values()]))
+            if not torch.allclose(norm.to(want.device), want, rtol=RTOL, atol=ATOL):
+                fails.append(f"step {step}: clip norm {float(norm)} != {float(want)}")
+            coef = min(1.0, 0.05 / (float(want) + 1e-6))
+            clipped = {n: full(p.grad) for n, p in named.items()}
+            fails += compare(f"step {step} clipped grad", clipped, {n: g * coef for n, g in ref_grads[step].items()})
         opt.step()
     fails += compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
     return fails
