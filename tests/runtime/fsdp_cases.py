@@ -134,7 +134,8 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None = None) -> Pipeline:
+def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None = None,
+                  loss: Callable[[Any, Any], torch.Tensor] = loss_fn) -> Pipeline:
     """This rank's stages of `whole` (default `whole_model(kind)`), each ``fully_shard``-ed over the
     dp dimension, in a `Pipeline` on the (dp, pp) mesh."""
     from torch.distributed.fsdp import fully_shard
@@ -150,7 +151,7 @@ def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None 
         part = stage_of(whole, s, sched.num_stages).to(device)
         fully_shard(part, mesh=m["dp"])
         stages[s] = part
-    return Pipeline(stages, sched, loss_fn=loss_fn, groups=m)
+    return Pipeline(stages, sched, loss_fn=loss, groups=m)
 
 
 def my_rows(dp_rank: int, dp: int, x: torch.Tensor) -> torch.Tensor:
@@ -360,3 +361,42 @@ def _logged(fn: Callable[..., Any], log: list, stage: int) -> Callable[..., Any]
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+# -- a failed step ----------------------------------------------------------------------------
+def failure_case(schedule: str, microbatch: int) -> list[str]:
+    """Global rank 1 (replica 0, last stage) raises in its loss of `microbatch` during the second
+    step: every rank raises PipelineError, and the run goes on: the failed batch again, then one
+    more, equal three reference steps (FSDP's state was as the next step needs it)."""
+    from zbpp.runtime import PipelineError
+
+    armed = {"on": False, "seen": 0}
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if armed["on"] and dist.get_rank() == 1:
+            armed["seen"] += 1
+            if armed["seen"] > microbatch:
+                raise RuntimeError("injected")
+        return loss_fn(out, y)
+
+    pipe = fsdp_pipeline(schedule, "delayed", 2, 2, loss=loss)
+    opt = make_optimizer(list(pipe.parameters()))
+    dp_rank = pipe.topology.dp_rank
+    fails = []
+    for step, batch_index in enumerate([0, 1, 1, 2]):
+        opt.zero_grad()
+        x, y = batch(batch_index)
+        armed["on"] = step == 1
+        try:
+            pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+        except PipelineError:
+            if step != 1:
+                raise
+            continue
+        if step == 1:
+            fails.append("the step with the injected failure succeeded")
+            continue
+        opt.step()
+    ref, _ = reference_run("plain", 3)
+    named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
+    return fails + compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))

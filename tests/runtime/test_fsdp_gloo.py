@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .fsdp_cases import fsdp_worker, timing_case
+from .fsdp_cases import failure_case, fsdp_worker, timing_case
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip"]
@@ -32,5 +32,15 @@ def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
 def test_reduce_scatter_after_last_w(zbpp_workers, schedule: str) -> None:
     """Each stage's reduce-scatter is launched after its last W and before the step returns."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(timing_case, schedule)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("microbatch", [0, 2])
+def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int) -> None:
+    """A step that fails on one replica (before any of its backward, or midway) raises everywhere;
+    the next steps match the reference as if the failed one never ran."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)

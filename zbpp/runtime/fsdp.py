@@ -33,12 +33,13 @@ no_sync steps accumulated unreduced are lost; gradients already reduce-scattered
 before it are kept.
 
 Private FSDP calls (its post-backward machinery, the only way to reduce-scatter outside an
-autograd backward) live in `_post_backward` alone; the torch pipelining runtime does the same.
+autograd backward, and the unsharded parameters it reduces) live in the underscored helpers of this
+module alone; the torch pipelining runtime uses the same machinery.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -110,6 +111,20 @@ def _reset(root: nn.Module) -> None:
                     fp.unsharded_accumulated_grad = None
 
 
+def _zero_missing_grads(root: nn.Module) -> None:
+    """Give every unsharded parameter that requires a gradient and has none a zero one (a
+    draining rank's reduce-scatter then has the shape of its replicas')."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    for sub in state._state_ctx.all_states:
+        for group in _param_groups(sub):
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None and unsharded.requires_grad and unsharded.grad is None:
+                    unsharded.grad = torch.zeros_like(unsharded)
+
+
 def _set_flags(root: nn.Module, sync: bool) -> None:
     root.set_requires_gradient_sync(sync)
     root.set_is_last_backward(sync)
@@ -157,11 +172,15 @@ class FsdpReducer:
         self.order = [s for s in first_forward if s in self.stage_modules]
         self.reduced: dict[int, int] = {s: 0 for s in self.stage_modules}  #: reduce-scatters per stage, this step
         self._in_step = False
+        self._draining: Callable[[], bool] | None = None
 
     # -- around every step ---------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, draining: Callable[[], bool] | None = None) -> None:
         """Before any task: keep FSDP from reducing per microbatch, and all-gather every stage in
-        the order of its first F."""
+        the order of its first F. `draining` tells whether this rank's step failed and is only
+        draining (its reduce-scatters then include a zero gradient for every parameter that got
+        none, so that they match the other replicas')."""
+        self._draining = draining
         for s in self.order:
             m = self.stage_modules[s]
             _set_flags(m, False)
@@ -187,7 +206,10 @@ class FsdpReducer:
         """Reduce-scatter `stage`'s gradients (once per step) and reshard it."""
         m = self.stage_modules[stage]
         _set_flags(m, True)
+        drain = self._draining is not None and self._draining()
         try:
+            if drain:
+                _zero_missing_grads(m)
             _post_backward(m)
         finally:
             _set_flags(m, False)

@@ -258,7 +258,7 @@ class Pipeline:
         problem: BaseException | None = None
         try:
             if self._fsdp is not None:
-                self._fsdp.begin_step()
+                self._fsdp.begin_step(lambda: ex.draining)
             if reducing:
                 if self._reducer is not None:
                     self._reducer.start_step(keep_main_grad=self._unreduced)
