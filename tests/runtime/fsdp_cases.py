@@ -400,3 +400,29 @@ def failure_case(schedule: str, microbatch: int) -> list[str]:
     ref, _ = reference_run("plain", 3)
     named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
     return fails + compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
+
+
+# -- refused combinations --------------------------------------------------------------------
+def refusal_case(what: str) -> str:
+    """Build a dp=2 x pp=2 pipeline with `what` wrong; return the ValueError's message ('' if none)."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = mesh("cpu", 2, 2)
+    sched = build("1f1b", num_ranks=2, num_microbatches=M)
+    pp_rank = m.get_local_rank("pp")
+    whole = whole_model("delayed")
+    part = stage_of(whole, pp_rank, 2)
+    kwargs: dict[str, Any] = {}
+    if what == "inner-only":
+        fully_shard(part.layers[str(2 * pp_rank)], mesh=m["dp"])
+    else:
+        if what == "main_grad":
+            part.layers[str(2 * pp_rank)].fuse_wgrad_accumulation = True
+        fully_shard(part, mesh=m["dp"])
+        if what == "tied":
+            kwargs["tied_parameters"] = {"shared": part.layers[str(2 * pp_rank)].weight}
+    try:
+        Pipeline({pp_rank: part}, sched, loss_fn=loss_fn, groups=m, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return ""

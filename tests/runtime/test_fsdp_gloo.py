@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .fsdp_cases import failure_case, fsdp_worker, timing_case
+from .fsdp_cases import failure_case, fsdp_worker, refusal_case, timing_case
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip"]
@@ -44,3 +44,14 @@ def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int) -> None:
     per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("what, words", [
+    ("tied", "tied_parameters= is not supported with fully_shard"),
+    ("main_grad", "fuse_wgrad_accumulation=True (main_grad)"),
+    ("inner-only", "call fully_shard(stage_module"),
+])
+def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:
+    messages = zbpp_workers(4, pg_timeout=60).run(refusal_case, what)
+    assert all(words in msg for msg in messages), messages

@@ -191,10 +191,10 @@ class Pipeline:
         self._channels = None
         if self.topology.pp_size > 1:
             self._channels = Channels(self.topology, self._plan.channels, self.device, comm or CommOptions(), span)
+        self._fsdp = self._fsdp_reducer(reducer, tied_parameters)  # before the tied copies' first broadcast
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
                                     self._agreement.group, self.device, span)
         self._reducer = reducer
-        self._fsdp = self._fsdp_reducer(reducer, tied_parameters)
         if self._fsdp is not None:
             self._reducer = self._fsdp
         elif reducer is None and self.topology.dp_size > 1:
