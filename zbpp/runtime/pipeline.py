@@ -78,7 +78,8 @@ class Pipeline:
         reducer: the gradient reducer to drive (``start_step``, ``stage_backward_done(stage)``
             after the stage's last B/BW, ``stage_wgrad_done(stage)`` after its last W/BW,
             ``finish``, ``abandon``); default: a `zbpp.runtime.grad_reduce.GradReducer` when there
-            are data-parallel replicas, else none.
+            are data-parallel replicas, a `zbpp.runtime.fsdp.FsdpReducer` when the stages are
+            ``fully_shard`` modules (then no other reducer may be given), else none.
         keep_grads_on_failure: gradients accumulated by earlier steps survive a failed step (only
             its own contribution goes). ``.grad`` is set aside at the start of each step and added
             back at its end (no copy; one addition per parameter when ``.grad`` was set), and a
@@ -226,7 +227,8 @@ class Pipeline:
 
     @property
     def reducer(self) -> Any:
-        """The data-parallel `GradReducer`, or None without data parallelism."""
+        """The data-parallel `GradReducer` (`FsdpReducer` for ``fully_shard`` stages), or None
+        without data parallelism."""
         return self._reducer
 
     def parameters(self) -> Iterator[nn.Parameter]:
