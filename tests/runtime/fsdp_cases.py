@@ -233,6 +233,13 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
             fails += compare(f"step {step} clipped grad", clipped, {n: g * coef for n, g in ref_grads[step].items()})
         opt.step()
     fails += compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
+    x, y = batch(99, dev)
+    loss = pipe.eval_step(my_rows(dp_rank, dp, x), target=my_rows(dp_rank, dp, y))
+    if pipe.holds_last_stage:  # this replica's rows through the trained model
+        with torch.no_grad():
+            want = loss_fn(ref(my_rows(dp_rank, dp, x)), my_rows(dp_rank, dp, y))
+        if not torch.allclose(loss, want, rtol=RTOL, atol=ATOL):
+            fails.append(f"eval loss {float(loss)} != {float(want)}")
     return fails
 
 
