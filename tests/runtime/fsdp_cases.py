@@ -312,7 +312,23 @@ def resume_case(path: str, layout: str) -> list[str]:
     fails = compare("loaded param", params_of(pipe), dict(ref.named_parameters()))
     train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED), dp)
     ref, _ = reference_run("plain", SAVED_AFTER + RESUMED)
-    return fails + compare("resumed param", params_of(pipe), dict(ref.named_parameters()))
+    fails += compare("resumed param", params_of(pipe), dict(ref.named_parameters()))
+    if dp > 1:  # saved from shards, read back as one file
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        from zbpp.runtime import save_checkpoint
+
+        again = f"{path}-{layout}"
+        save_checkpoint(pipe, again, opt)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            dcp_to_torch_save(again, f"{again}.pt")
+            one = torch.load(f"{again}.pt")
+            fails += compare("one-file param", one["model"], dict(ref.named_parameters()))
+            names = sorted(n for n, _ in ref.named_parameters())
+            if sorted(one["optimizer"]["state"]) != names:
+                fails.append(f"optimizer state for {sorted(one['optimizer']['state'])}, want {names}")
+    return fails
 
 
 # -- when the reduce-scatters run -----------------------------------------------------------------
