@@ -4,6 +4,15 @@ Wrap each stage module with ``fully_shard(stage, mesh=mesh["dp"])`` (inner ``ful
 its blocks are allowed) and hand the stages to `zbpp.Pipeline` with ``groups=mesh``; the pipeline
 then drives FSDP through `FsdpReducer` instead of its all-reduce `GradReducer`:
 
+Every rank (torchrun, 4 ranks: dp=2 x pp=2)::
+
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "pp"))
+    sched = build("zb-h1", num_ranks=2, num_microbatches=8)
+    stages = {s: fully_shard(stage_module(s), mesh=mesh["dp"]) for s in sched.stages_on(mesh.get_local_rank("pp"))}
+    pipe = Pipeline(stages, sched, loss_fn=loss_fn, groups=mesh)
+    opt = torch.optim.AdamW(pipe.parameters())         # over the shards
+    pipe.step(x, target=y); opt.step(); opt.zero_grad()
+
 - *Unshard*: at the start of each step every stage of this rank is all-gathered, in the order of
   the stages' first F (asynchronously: FSDP's pre-forward waits for it), so a rank holding several
   stages (V placements) prefetches the next stage's parameters.
