@@ -61,3 +61,16 @@ def test_one_file_for_load_state_dict(saved: Path, tmp_path: Path) -> None:
     ref, _ = reference_run("plain", SAVED_AFTER)
     fails = compare("param", dict(net.named_parameters()), dict(ref.named_parameters()))
     assert not fails, "\n".join(fails)
+
+
+def test_errors_name_the_problem(tmp_path: Path) -> None:
+    from zbpp.runtime import save_checkpoint
+
+    net = whole_model()
+    stranger = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="no stage module of this rank holds"):
+        save_checkpoint(net, tmp_path / "a", torch.optim.SGD(stranger.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="different tensors named 'layers.0.weight'"):
+        save_checkpoint({0: whole_model(), 1: whole_model()}, tmp_path / "b")
+    with pytest.raises(TypeError, match="expected a zbpp Pipeline"):
+        save_checkpoint(3, tmp_path / "c")
