@@ -59,9 +59,20 @@ __all__ = ["FsdpReducer", "holds_fsdp", "is_fsdp_module"]
 def _fsdp_module_class() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return None
+    except ImportError:
+        try:  # torch < 2.6 kept FSDP2 here
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:  # torch without FSDP2
+            return None
     return FSDPModule
+
+
+def _fully_shard() -> Any:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -91,9 +102,7 @@ def _post_backward(root: nn.Module) -> None:
     """Run FSDP's post-backward on every parameter group under `root` (reduce-scatter, reshard)
     and its root callback (wait for the reductions, reset the backward state). The one place that
     uses FSDP internals."""
-    from torch.distributed.fsdp import fully_shard
-
-    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
     for sub in state._state_ctx.all_states:
         for group in _param_groups(sub):
             group.post_backward()
@@ -107,9 +116,7 @@ def _reset(root: nn.Module) -> None:
         reset()
     else:  # pragma: no cover - torch without reset_iter_state
         root.reshard()
-    from torch.distributed.fsdp import fully_shard
-
-    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
     for sub in state._state_ctx.all_states:
         for group in _param_groups(sub):
             for fp in group.fsdp_params:
@@ -123,9 +130,7 @@ def _reset(root: nn.Module) -> None:
 def _zero_missing_grads(root: nn.Module) -> None:
     """Give every unsharded parameter that requires a gradient and has none a zero one (a
     draining rank's reduce-scatter then has the shape of its replicas')."""
-    from torch.distributed.fsdp import fully_shard
-
-    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
     for sub in state._state_ctx.all_states:
         for group in _param_groups(sub):
             for fp in group.fsdp_params:
@@ -156,7 +161,7 @@ class FsdpReducer:
 
     def __init__(self, stage_modules: Mapping[int, nn.Module], dp_size: int, first_forward: list[int]) -> None:
         if _fsdp_module_class() is None:
-            raise RuntimeError("fully_shard stages need torch.distributed.fsdp.FSDPModule (torch >= 2.6)")
+            raise RuntimeError("fully_shard stages need FSDP2 (torch.distributed.fsdp.FSDPModule)")
         for s, m in stage_modules.items():
             if not is_fsdp_module(m):
                 raise ValueError(
