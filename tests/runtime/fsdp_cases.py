@@ -11,6 +11,7 @@ and replica sums), so results agree to rounding: rtol 1e-9, atol 1e-11.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
@@ -387,10 +388,11 @@ def _logged(fn: Callable[..., Any], log: list, stage: int) -> Callable[..., Any]
 
 
 # -- a failed step ----------------------------------------------------------------------------
-def failure_case(schedule: str, microbatch: int) -> list[str]:
+def failure_case(schedule: str, microbatch: int, no_sync: bool = False) -> list[str]:
     """Global rank 1 (replica 0, last stage) raises in its loss of `microbatch` during the second
-    step: every rank raises PipelineError, and the run goes on: the failed batch again, then one
-    more, equal three reference steps (FSDP's state was as the next step needs it)."""
+    step (inside ``no_sync()`` with `no_sync`): every rank raises PipelineError, and the run goes
+    on: the failed batch again, then one more, equal three reference steps (FSDP's state was as
+    the next step needs it: nothing of the failed step is left to reduce)."""
     from zbpp.runtime import PipelineError
 
     armed = {"on": False, "seen": 0}
@@ -411,7 +413,8 @@ def failure_case(schedule: str, microbatch: int) -> list[str]:
         x, y = batch(batch_index)
         armed["on"] = step == 1
         try:
-            pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+            with pipe.no_sync() if (no_sync and step == 1) else contextlib.nullcontext():
+                pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
         except PipelineError:
             if step != 1:
                 raise

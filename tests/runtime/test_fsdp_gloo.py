@@ -37,11 +37,11 @@ def test_reduce_scatter_after_last_w(zbpp_workers, schedule: str) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("microbatch", [0, 2])
-def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int) -> None:
-    """A step that fails on one replica (before any of its backward, or midway) raises everywhere;
-    the next steps match the reference as if the failed one never ran."""
-    per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch)
+@pytest.mark.parametrize("microbatch, no_sync", [(0, False), (2, False), (2, True)])
+def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: bool) -> None:
+    """A step that fails on one replica (before any of its backward, or midway; inside no_sync or
+    not) raises everywhere; the next steps match the reference as if the failed one never ran."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch, no_sync)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
 
