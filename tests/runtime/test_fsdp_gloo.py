@@ -12,7 +12,7 @@ import pytest
 from .fsdp_cases import failure_case, fsdp_worker, refusal_case, timing_case
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
-CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip"]
+CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner"]
 
 
 @pytest.fixture(scope="module")

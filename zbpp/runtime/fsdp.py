@@ -22,8 +22,8 @@ Every rank (torchrun, 4 ranks: dp=2 x pp=2)::
   autograd, needs the unsharded parameters that its forward saw.
 - *Reduce*: during the step FSDP only accumulates the unsharded gradients
   (``set_requires_gradient_sync(False)``); right after a stage's last W (its last BW under classic
-  schedules) the reducer reduce-scatters that stage's gradients once, through FSDP's own
-  post-backward, and reshards it. The sharded ``.grad`` is then a DTensor averaged over the ``dp``
+  schedules) the reducer reduce-scatters that stage's gradients once (one collective per
+  ``fully_shard`` module of the stage), through FSDP's own post-backward, and reshards it. The sharded ``.grad`` is then a DTensor averaged over the ``dp``
   mesh (HSDP meshes: reduce-scattered over the shard dimension, all-reduced over the replicate one).
 - ``Pipeline.no_sync()``: steps inside keep accumulating the unsharded gradients and reshard only
   the parameters at the step's end; the next synchronised step reduce-scatters everything once.
