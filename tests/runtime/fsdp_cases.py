@@ -36,8 +36,9 @@ class Net(nn.Module):
         super().__init__()
 
         def linear() -> nn.Module:
-            if kind == "delayed":
-                return ZLinear(H, H, delay_wgrad_compute=True, params_dtype=torch.float64)
+            if kind in ("delayed", "fused"):  # fused: weight gradients accumulate into main_grad
+                return ZLinear(H, H, delay_wgrad_compute=True, params_dtype=torch.float64,
+                               fuse_wgrad_accumulation=kind == "fused")
             return nn.Linear(H, H, dtype=torch.float64)
 
         self.layers = nn.ModuleDict({str(i): linear() for i in range(blocks)})
@@ -448,8 +449,6 @@ def refusal_case(what: str) -> str:
     if what == "inner-only":
         fully_shard(part.layers[str(2 * pp_rank)], mesh=m["dp"])
     else:
-        if what == "main_grad":
-            part.layers[str(2 * pp_rank)].fuse_wgrad_accumulation = True
         fully_shard(part, mesh=m["dp"])
         if what == "tied":
             kwargs["tied_parameters"] = {"shared": part.layers[str(2 * pp_rank)].weight}

@@ -12,7 +12,7 @@ import pytest
 from .fsdp_cases import failure_case, fsdp_worker, refusal_case, timing_case
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
-CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner"]
+CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,6 @@ def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("what, words", [
     ("tied", "tied_parameters= is not supported with fully_shard"),
-    ("main_grad", "fuse_wgrad_accumulation=True (main_grad)"),
     ("inner-only", "call fully_shard(stage_module"),
 ])
 def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:

@@ -31,12 +31,16 @@ Every rank (torchrun, 4 ranks: dp=2 x pp=2)::
 Memory per rank (P parameters of this rank's stages, dp-way sharded, G their gradients):
 outside a step P/dp parameters and G/dp gradients (plus the optimizer state of the shards); during
 a step, from a stage's first F to its last W, also the full parameters and full gradients of that
-stage (under no_sync until the synchronised step ends, the full gradients stay), and the usual
-activations of the schedule.
+stage (under no_sync until the synchronised step ends, the full gradients stay; with ``main_grad``, a
+full buffer per such parameter too), and the usual activations of the schedule.
 
-Limits: tied parameters across ranks (``tied_parameters=``) and ``main_grad`` buffers
-(``fuse_wgrad_accumulation``) are refused with FSDP stages: FSDP owns the gradient of a sharded
-parameter, so neither the tied sum nor a ``main_grad`` buffer has a place to live. After a failed
+``main_grad``: the unsharded parameters of modules with ``fuse_wgrad_accumulation=True`` get a
+``main_grad`` buffer (float32, or the parameter's dtype when wider) at the step's start; after the
+stage's last W it is added into ``.grad`` and dropped, and FSDP reduce-scatters that: the result is
+the shard's ``.grad``, as for every other parameter.
+
+Limits: tied parameters across ranks (``tied_parameters=``) are refused with FSDP stages: FSDP owns
+the gradient of a sharded parameter, so the tied sum has no place to live. After a failed
 step FSDP's per-step state is reset (``reset_iter_state``): the step's gradients and those that
 no_sync steps accumulated unreduced are lost; gradients already reduce-scattered into ``.grad``
 before it are kept.
@@ -123,6 +127,7 @@ def _reset(root: nn.Module) -> None:
                 unsharded = getattr(fp, "_unsharded_param", None)
                 if unsharded is not None:
                     unsharded.grad = None
+                    unsharded.__dict__.pop("main_grad", None)
                 if getattr(fp, "unsharded_accumulated_grad", None) is not None:
                     fp.unsharded_accumulated_grad = None
 
@@ -175,14 +180,11 @@ class FsdpReducer:
                     f"stage {s} is sharded over {size} ranks but the pipeline has {dp_size} data-parallel "
                     "replicas: pass the pipeline's mesh (groups=mesh) and fully_shard(stage, mesh=mesh['dp'])"
                 )
-            for sub in m.modules():
-                if getattr(sub, "fuse_wgrad_accumulation", False):
-                    raise ValueError(
-                        f"stage {s}: {type(sub).__name__} has fuse_wgrad_accumulation=True (main_grad), which "
-                        "fully_shard stages do not support: FSDP reduce-scatters the unsharded .grad"
-                    )
             m.set_reshard_after_forward(False, recurse=True)
         self.stage_modules = dict(stage_modules)
+        #: per stage, the modules that accumulate their weight gradients into ``main_grad``
+        self.fused = {s: [sub for sub in m.modules() if getattr(sub, "fuse_wgrad_accumulation", False)]
+                      for s, m in self.stage_modules.items()}
         self.order = [s for s in first_forward if s in self.stage_modules]
         self.reduced: dict[int, int] = {s: 0 for s in self.stage_modules}  #: reduce-scatters per stage, this step
         self._in_step = False
@@ -198,7 +200,17 @@ class FsdpReducer:
         for s in self.order:
             m = self.stage_modules[s]
             _set_flags(m, False)
-            m.unshard(async_op=True)  # FSDP's pre-forward waits for it
+            if not self.fused[s]:
+                m.unshard(async_op=True)  # FSDP's pre-forward waits for it
+                continue
+            for sub in m.modules():  # the unsharded parameters get the main_grad buffers
+                if is_fsdp_module(sub):
+                    sub.unshard()
+            for mod in self.fused[s]:
+                for p in mod.parameters(recurse=False):
+                    if getattr(p, "main_grad", None) is None:  # kept across no_sync steps
+                        p.main_grad = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                                  device=p.device)
 
     def end_step(self) -> None:
         """After a step that did not reduce (no_sync, forward only): reshard the parameters; the
@@ -222,12 +234,23 @@ class FsdpReducer:
         _set_flags(m, True)
         drain = self._draining is not None and self._draining()
         try:
+            self._fold_main_grads(stage)
             if drain:
                 _zero_missing_grads(m)
             _post_backward(m)
         finally:
             _set_flags(m, False)
         self.reduced[stage] += 1
+
+    def _fold_main_grads(self, stage: int) -> None:
+        """Move the unsharded parameters' ``main_grad`` into their ``.grad``, which FSDP reduces."""
+        for mod in self.fused[stage]:
+            for p in mod.parameters(recurse=False):
+                main = p.__dict__.pop("main_grad", None)
+                if main is None:
+                    continue
+                g = main.to(p.dtype)
+                p.grad = g if p.grad is None else p.grad.add_(g)
 
     def finish(self) -> None:
         wrong = {s: n for s, n in self.reduced.items() if n != 1}
