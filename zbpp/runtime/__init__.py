@@ -6,6 +6,8 @@
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
   parallelism: `grad_reduce.py`.
+- `save_checkpoint` / `load_checkpoint`: DCP checkpoints keyed by the whole model's parameter
+  names, loadable at any other layout (`checkpoint.py`); FSDP2 stages: `fsdp.py`.
 - `init_distributed`: initialise torch.distributed from torchrun's environment with a timeout.
 - `Replicated`: a value of a step's input or target that every microbatch gets whole (`tree.py`);
   `microbatch_seed`: the seed of each F task's random draws (`rng.py`).
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 from .channels import CommOptions
+from .checkpoint import load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_
 from .executor import PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
@@ -31,6 +34,8 @@ __all__ = [
     "Replicated",
     "ShapeMismatchError",
     "clip_grad_norm_",
+    "save_checkpoint",
+    "load_checkpoint",
     "init_distributed",
     "measured_bubble_rate",
     "microbatch_seed",

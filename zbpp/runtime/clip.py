@@ -6,6 +6,8 @@ the same, already averaged gradients after `Pipeline.step`, so they are not summ
 count every parameter `dp` times.
 
 The gradient of a parameter is its ``main_grad`` when it has one (see `GradReducer`), else ``.grad``.
+A ``fully_shard`` parameter's gradient is a DTensor shard: its share of the norm is summed over the
+mesh dimensions it is sharded over, and each rank scales its own shard.
 
 >>> import torch
 >>> lin = torch.nn.Linear(2, 1, bias=False)
@@ -57,8 +59,8 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
 def _pp_group(source: Any, groups: Any) -> tuple[Any, int]:
     """The group to sum over, and its size. Without groups: the source's, else the whole world."""
     if groups is None:
-        groups = getattr(source, "groups", None)
-    if groups is not None:
+        groups = getattr(source, "topology", None) or getattr(source, "groups", None)
+    if groups is not None and hasattr(groups, "pp_group"):
         return groups.pp_group, int(groups.pp)
     if dist.is_available() and dist.is_initialized():
         return None, dist.get_world_size()
@@ -110,9 +112,22 @@ def clip_grad_norm_(
         acc = torch.float32
     inf = math.isinf(norm_type)
     local = torch.zeros((), dtype=acc, device=device)
+    shards: dict[tuple, list[torch.Tensor]] = {}  # fully_shard gradients, by the groups they are sharded over
     for g in norm_of:
+        key = _shard_groups(g)
+        if key is not None:
+            shards.setdefault(key, []).append(g.to_local())
+            continue
         n = torch.linalg.vector_norm(g.to(acc), norm_type).to(device)
         local = torch.maximum(local, n) if inf else local + n**norm_type
+    for key, parts in shards.items():  # the same keys in the same order on every replica
+        part = torch.zeros((), dtype=acc, device=parts[0].device)
+        for g in parts:
+            n = torch.linalg.vector_norm(g.to(acc), norm_type)
+            part = torch.maximum(part, n) if inf else part + n**norm_type
+        for shard_group in key:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=shard_group)
+        local = torch.maximum(local, part.to(device)) if inf else local + part.to(device)
     if size > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     total = local if inf else local ** (1.0 / norm_type)
@@ -124,5 +139,17 @@ def clip_grad_norm_(
     # torch's formula: scale by min(1, max_norm / (norm + 1e-6)), always, so there is no host sync.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
+        if _shard_groups(g) is not None:
+            g = g.to_local()  # shares the DTensor's storage
         g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total
+
+
+def _shard_groups(g: torch.Tensor) -> tuple | None:
+    """For a DTensor gradient (``fully_shard``): the process groups of the mesh dimensions it is
+    sharded over (its norm is summed over them; replicated dimensions hold copies). None otherwise."""
+    placements = getattr(g, "placements", None)
+    mesh = getattr(g, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    return tuple(mesh.get_group(i) for i, pl in enumerate(placements) if pl.is_shard())

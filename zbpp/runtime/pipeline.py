@@ -79,7 +79,8 @@ class Pipeline:
         reducer: the gradient reducer to drive (``start_step``, ``stage_backward_done(stage)``
             after the stage's last B/BW, ``stage_wgrad_done(stage)`` after its last W/BW,
             ``finish``, ``abandon``); default: a `zbpp.runtime.grad_reduce.GradReducer` when there
-            are data-parallel replicas, else none.
+            are data-parallel replicas, a `zbpp.runtime.fsdp.FsdpReducer` when the stages are
+            ``fully_shard`` modules (then no other reducer may be given), else none.
         keep_grads_on_failure: gradients accumulated by earlier steps survive a failed step (only
             its own contribution goes). ``.grad`` is set aside at the start of each step and added
             back at its end (no copy; one addition per parameter when ``.grad`` was set), and a
@@ -248,10 +249,13 @@ class Pipeline:
         self._channels = None
         if self.topology.pp_size > 1:
             self._channels = Channels(self.topology, self._plan.channels, self.device, comm or CommOptions(), span)
+        self._fsdp = self._fsdp_reducer(reducer, tied_parameters)  # before the tied copies' first broadcast
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
                                     self._agreement.group, self.device, span)
         self._reducer = reducer
-        if reducer is None and self.topology.dp_size > 1:
+        if self._fsdp is not None:
+            self._reducer = self._fsdp
+        elif reducer is None and self.topology.dp_size > 1:
             from .grad_reduce import GradReducer
 
             self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids())
@@ -280,7 +284,8 @@ class Pipeline:
 
     @property
     def reducer(self) -> Any:
-        """The data-parallel `GradReducer`, or None without data parallelism."""
+        """The data-parallel `GradReducer` (`FsdpReducer` for ``fully_shard`` stages), or None
+        without data parallelism."""
         return self._reducer
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -312,6 +317,8 @@ class Pipeline:
         self._set_gradients_aside(in_place=reducing and self._unreduced)
         problem: BaseException | None = None
         try:
+            if self._fsdp is not None:
+                self._fsdp.begin_step(lambda: ex.draining)
             if reducing:
                 if self._reducer is not None:
                     self._reducer.start_step(keep_main_grad=self._unreduced)
@@ -321,6 +328,8 @@ class Pipeline:
                 if self._reducer is not None:
                     self._reducer.finish()
                 self._tied.finish()
+            if self._fsdp is not None and not reducing and not ex.draining:
+                self._fsdp.end_step()
         except Exception as exc:  # noqa: BLE001 - the reducers; reported through the agreement
             problem = exc
         failure = self._end(ex, problem, sync, signature)
@@ -374,7 +383,11 @@ class Pipeline:
         problem: BaseException | None = None
         try:
             with torch.no_grad():
+                if self._fsdp is not None:
+                    self._fsdp.begin_step()
                 loss = ex.run()
+                if self._fsdp is not None:
+                    self._fsdp.end_step()
         except Exception as exc:  # noqa: BLE001
             problem = exc
         failure = self._end(ex, problem, sync, signature)
@@ -558,6 +571,11 @@ class Pipeline:
     def _after_failure(self, ex: StepExecutor, sync: bool, signature: tuple) -> None:
         for w in self._wgrad.values():
             w.discard()
+        if self._fsdp is not None and (ex.forward_only or not self._sync_gradients):
+            try:
+                self._fsdp.abandon()
+            except Exception:  # noqa: BLE001 - best effort: the step is lost anyway
+                pass
         if not ex.forward_only and self._sync_gradients:
             for reducer in (self._reducer, self._tied):
                 try:
@@ -671,6 +689,22 @@ class Pipeline:
     def _rng_of(self, base: int, step: int) -> Callable[[int, int], Any]:
         replica, device = self.topology.dp_rank, self.device
         return lambda stage, microbatch: seeded(microbatch_seed(base, step, stage, microbatch, replica), device)
+
+    def _fsdp_reducer(self, reducer: Any, tied: Mapping[str, nn.Parameter] | None) -> Any:
+        """An `FsdpReducer` when a stage holds ``fully_shard`` modules (`zbpp.runtime.fsdp`), else None."""
+        from .fsdp import FsdpReducer, holds_fsdp
+
+        if not holds_fsdp(self.stage_modules):
+            return None
+        if reducer is not None:
+            raise ValueError("reducer= cannot be combined with fully_shard stages: FSDP reduces their gradients")
+        if tied:
+            raise ValueError(
+                "tied_parameters= is not supported with fully_shard stages: FSDP owns the gradient of a "
+                "sharded parameter; untie the copies or leave those stages unsharded"
+            )
+        first = list(dict.fromkeys(a.stage for a in self._plan.ranks[self.pp_rank].tasks if a.kind.name == "F"))
+        return FsdpReducer(self.stage_modules, self.topology.dp_size, first)
 
     def _forward_plan(self) -> Plan:
         if self._eval_plan is None:

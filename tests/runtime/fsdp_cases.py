@@ -1,0 +1,459 @@
+"""The FSDP2 x pipeline and checkpoint cases, run on every rank of a worker pool.
+
+The whole model is `Net`: four blocks ``layers.0`` .. ``layers.3`` (Linear + tanh, float64). A stage
+is a copy of the whole model with the blocks it does not hold deleted, so its parameters keep the
+whole model's names (``layers.2.weight``): what checkpoints are keyed by and what the tests compare
+by. The reference is one process running the whole model on the whole batch (`reference_run`).
+
+Tolerances: float64 everywhere; the pipeline sums the same products in another order (microbatch
+and replica sums), so results agree to rounding: rtol 1e-9, atol 1e-11.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zbpp import Pipeline
+from zbpp.modules import Linear as ZLinear
+from zbpp.schedules import build
+
+H = 4  # feature width
+ROWS = 8  # rows of a step's whole batch (all replicas together)
+M = 4  # microbatches
+RTOL, ATOL = 1e-9, 1e-11  # see the module docstring
+
+
+class Net(nn.Module):
+    """Blocks ``layers.<i>`` (Linear + tanh), applied in index order, whichever of them it holds."""
+
+    def __init__(self, kind: str = "plain", blocks: int = 4) -> None:
+        super().__init__()
+
+        def linear() -> nn.Module:
+            if kind in ("delayed", "fused"):  # fused: weight gradients accumulate into main_grad
+                return ZLinear(H, H, delay_wgrad_compute=True, params_dtype=torch.float64,
+                               fuse_wgrad_accumulation=kind == "fused")
+            return nn.Linear(H, H, dtype=torch.float64)
+
+        self.layers = nn.ModuleDict({str(i): linear() for i in range(blocks)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in sorted(self.layers, key=int):
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+def whole_model(kind: str = "plain", seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    net = Net(kind)
+    with torch.no_grad():  # same values for every kind
+        g = torch.Generator().manual_seed(seed)
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+    return net
+
+
+def stage_of(whole: Net, stage: int, num_stages: int) -> Net:
+    """A copy of `whole` holding only the blocks of `stage` (names unchanged)."""
+    per = len(whole.layers) // num_stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    part = copy.deepcopy(whole)
+    for name in list(part.layers):
+        if name not in keep:
+            del part.layers[name]
+    return part
+
+
+def batch(step: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(ROWS, H, generator=g, dtype=torch.float64)
+    y = torch.randn(ROWS, H, generator=g, dtype=torch.float64)
+    return x.to(device), y.to(device)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 1,
+                  clip: float | None = None) -> tuple[Net, list[dict[str, torch.Tensor]]]:
+    """One process, whole model, whole batch: the model after `steps` AdamW steps and each step's
+    gradients (with `accumulate`, each optimizer step sums the gradients of that many batches;
+    with `clip`, torch's clip_grad_norm_ runs before each optimizer step, after the record)."""
+    net = whole_model(kind).to(device)
+    opt = make_optimizer(net.parameters())
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(accumulate):
+            x, y = batch(step * accumulate + k, device)
+            loss_fn(net(x), y).backward()
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+    return net, grads
+
+
+def compare(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    fails = []
+    for name, g in got.items():
+        w = want[name].to(g.device)
+        if not torch.allclose(g, w, rtol=RTOL, atol=ATOL):
+            fails.append(f"{what} {name}: max |diff| {float((g - w).abs().max()):.3g}")
+    return fails
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered (collective over its mesh), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# -- FSDP2 x pipeline ------------------------------------------------------------------------
+_MESH: dict[tuple[str, int, int], Any] = {}
+
+
+def mesh(device_type: str, dp: int, pp: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, dp, pp)
+    if key not in _MESH:  # new_group is collective: one mesh per shape, built by every rank at once
+        _MESH[key] = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    return _MESH[key]
+
+
+def device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None = None,
+                  loss: Callable[[Any, Any], torch.Tensor] = loss_fn, inner: bool = False) -> Pipeline:
+    """This rank's stages of `whole` (default `whole_model(kind)`), each ``fully_shard``-ed over the
+    dp dimension (with `inner`, each block first, as torchtitan does), in a `Pipeline` on the
+    (dp, pp) mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    dev = device_type()
+    m = mesh(dev, dp, pp)
+    sched = build(schedule, num_ranks=pp, num_microbatches=M)
+    whole = whole if whole is not None else whole_model(kind)
+    device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+    pp_rank = m.get_local_rank("pp")
+    stages = {}
+    for s in sched.stages_on(pp_rank):
+        part = stage_of(whole, s, sched.num_stages).to(device)
+        if inner:
+            for block in part.layers.values():
+                fully_shard(block, mesh=m["dp"])
+        fully_shard(part, mesh=m["dp"])
+        stages[s] = part
+    return Pipeline(stages, sched, loss_fn=loss, groups=m)
+
+
+def my_rows(dp_rank: int, dp: int, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0] // dp
+    return x[dp_rank * n:(dp_rank + 1) * n]
+
+
+class CountReduceScatter:
+    """Counts the reduce-scatters issued through torch.distributed (the FSDP collectives call
+    ``dist.reduce_scatter_single`` or ``dist.reduce_scatter_tensor`` by module attribute)."""
+
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._orig: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> "CountReduceScatter":
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._orig[name] = fn
+                setattr(dist, name, self._wrap(fn))
+        return self
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
+
+
+def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
+    """``"<schedule>/<kind>[/accumulate]"``: three AdamW steps (one with accumulate: a no_sync step
+    then a synchronised one) with `fsdp_pipeline`; every gradient (gathered) and the parameters
+    after the steps equal `reference_run`; one reduce-scatter per stage per step."""
+    schedule, kind, *rest = case.split("/")
+    accumulate = 2 if "accumulate" in rest else 1
+    steps = 1 if accumulate > 1 else 3
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+    pipe = fsdp_pipeline(schedule, kind, dp, pp, inner="inner" in rest)
+    dp_rank = pipe.topology.dp_rank
+    # one reduce-scatter per stage and step: per FSDP module holding parameters (each block with inner)
+    expected = sum(len(m.layers) if "inner" in rest else 1 for m in pipe.stage_modules.values())
+    ref, ref_grads = reference_run("plain", steps, dev, accumulate, 0.05 if "clip" in rest else None)  # same values, eager layers
+    opt = make_optimizer(list(pipe.parameters()))
+    named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
+    fails: list[str] = []
+    for step in range(steps):
+        opt.zero_grad()
+        with CountReduceScatter() as rs:
+            for k in range(accumulate):
+                x, y = batch(step * accumulate + k, dev)
+                x, y = my_rows(dp_rank, dp, x), my_rows(dp_rank, dp, y)
+                if k < accumulate - 1:
+                    with pipe.no_sync():
+                        pipe.step(x, target=y)
+                else:
+                    pipe.step(x, target=y)
+        if dp > 1 and rs.count != expected:  # (a one-rank mesh may skip the collective)
+            fails.append(f"step {step}: {rs.count} reduce-scatters, {expected} expected")
+        got = {n: full(p.grad) for n, p in named.items() if p.grad is not None}
+        missing = sorted(set(named) - set(got))
+        if missing:
+            fails.append(f"step {step}: no gradient for {missing}")
+        fails += compare(f"step {step} grad", got, ref_grads[step])
+        if "clip" in rest:  # the norm over every stage and shard, as torch's on the whole model
+            from zbpp.runtime import clip_grad_norm_
+
+            norm = clip_grad_norm_(pipe, 0.05)
+            want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in ref_grads[step].values()]))
+            if not torch.allclose(norm.to(want.device), want, rtol=RTOL, atol=ATOL):
+                fails.append(f"step {step}: clip norm {float(norm)} != {float(want)}")
+            coef = min(1.0, 0.05 / (float(want) + 1e-6))
+            clipped = {n: full(p.grad) for n, p in named.items()}
+            fails += compare(f"step {step} clipped grad", clipped, {n: g * coef for n, g in ref_grads[step].items()})
+        opt.step()
+    fails += compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
+    x, y = batch(99, dev)
+    loss = pipe.eval_step(my_rows(dp_rank, dp, x), target=my_rows(dp_rank, dp, y))
+    if pipe.holds_last_stage:  # this replica's rows through the trained model
+        with torch.no_grad():
+            want = loss_fn(ref(my_rows(dp_rank, dp, x)), my_rows(dp_rank, dp, y))
+        if not torch.allclose(loss, want, rtol=RTOL, atol=ATOL):
+            fails.append(f"eval loss {float(loss)} != {float(want)}")
+    return fails
+
+
+def fsdp_worker(cases: list[str], dp: int = 2, pp: int = 2) -> dict[str, list[str]]:
+    out = {}
+    for case in cases:
+        try:
+            out[case] = fsdp_case(case, dp, pp)
+        except Exception as exc:  # noqa: BLE001 - reported per case; the pool goes on
+            import traceback
+
+            out[case] = [f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"]
+    return out
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+SAVED_AFTER = 2  # steps trained before the checkpoint
+RESUMED = 3  # steps after loading it
+
+
+def plain_pipeline(schedule: str, pp: int, whole: Net) -> Pipeline:
+    sched = build(schedule, num_ranks=pp, num_microbatches=M)
+    stages = {s: stage_of(whole, s, sched.num_stages) for s in sched.stages_on(dist.get_rank())}
+    return Pipeline(stages, sched, loss_fn=loss_fn)
+
+
+def train(pipe: Pipeline, opt: torch.optim.Optimizer, steps: range, dp: int = 1) -> None:
+    dp_rank = pipe.topology.dp_rank
+    for step in steps:
+        opt.zero_grad()
+        x, y = batch(step)
+        pipe.step(my_rows(dp_rank, dp, x), target=my_rows(dp_rank, dp, y))
+        opt.step()
+
+
+def params_of(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    return {n: full(p.detach()).clone() for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
+
+
+def save_case(path: str) -> list[str]:
+    """pp=2 zb-v (2 ranks, dp=1): train `SAVED_AFTER` steps, save; the parameters equal the
+    reference's at that point."""
+    from zbpp.runtime import save_checkpoint
+
+    pipe = plain_pipeline("zb-v", 2, whole_model())
+    opt = make_optimizer(list(pipe.parameters()))
+    train(pipe, opt, range(SAVED_AFTER))
+    save_checkpoint(pipe, path, opt)
+    ref, _ = reference_run("plain", SAVED_AFTER)
+    return compare("saved param", params_of(pipe), dict(ref.named_parameters()))
+
+
+def resume_case(path: str, layout: str) -> list[str]:
+    """Load the checkpoint at `layout` (``"pp4-1f1b"``: 4 ranks, plain stages; ``"dp2-pp2-fsdp-zb-h1"``:
+    fully_shard stages on a (2, 2) mesh) into a model initialised otherwise, with a fresh AdamW:
+    the parameters equal the reference after `SAVED_AFTER` steps, and `RESUMED` more steps equal
+    the reference after all of them (so the optimizer state came back too)."""
+    from zbpp.runtime import load_checkpoint
+
+    other = whole_model(seed=123)  # anything but the saved values
+    if layout == "pp4-1f1b":
+        pipe, dp = plain_pipeline("1f1b", 4, other), 1
+    elif layout == "dp2-pp2-fsdp-zb-h1":
+        pipe, dp = fsdp_pipeline("zb-h1", "plain", 2, 2, whole=other), 2
+    else:
+        raise ValueError(layout)
+    opt = make_optimizer(list(pipe.parameters()))
+    load_checkpoint(pipe, path, opt)
+    ref, _ = reference_run("plain", SAVED_AFTER)
+    fails = compare("loaded param", params_of(pipe), dict(ref.named_parameters()))
+    train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED), dp)
+    ref, _ = reference_run("plain", SAVED_AFTER + RESUMED)
+    fails += compare("resumed param", params_of(pipe), dict(ref.named_parameters()))
+    if dp > 1:  # saved from shards, read back as one file
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        from zbpp.runtime import save_checkpoint
+
+        again = f"{path}-{layout}"
+        save_checkpoint(pipe, again, opt)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            dcp_to_torch_save(again, f"{again}.pt")
+            one = torch.load(f"{again}.pt")
+            fails += compare("one-file param", one["model"], dict(ref.named_parameters()))
+            names = sorted(n for n, _ in ref.named_parameters())
+            if sorted(one["optimizer"]["state"]) != names:
+                fails.append(f"optimizer state for {sorted(one['optimizer']['state'])}, want {names}")
+    return fails
+
+
+# -- when the reduce-scatters run -----------------------------------------------------------------
+def timing_case(schedule: str) -> list[str]:
+    """zbpp delayed-wgrad stages under `schedule`: a log of every W of each stage (the modules'
+    ``backward_dw``), of each stage's reduce-scatter (a custom FSDP reduce-scatter per stage) and
+    of each step's return. Each stage's reduce-scatter must come after its last W of the step and
+    before the step returns, once per step."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    pipe = fsdp_pipeline(schedule, "delayed", 2, 2)
+    log: list[tuple[str, int]] = []
+
+    class Logged(DefaultReduceScatter):
+        def __init__(self, stage: int) -> None:
+            super().__init__()
+            self.stage = stage
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            log.append(("RS", self.stage))
+            return super().__call__(*args, **kwargs)
+
+    ws: dict[int, int] = {}
+    for s, m in pipe.stage_modules.items():
+        m.set_custom_reduce_scatter(Logged(s))
+        for layer in m.modules():
+            if isinstance(layer, ZLinear):
+                ws[s] = ws.get(s, 0) + M
+                layer.backward_dw = _logged(layer.backward_dw, log, s)
+    fails = []
+    for step in range(2):
+        log.clear()
+        x, y = batch(step)
+        dp_rank = pipe.topology.dp_rank
+        pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+        log.append(("END", -1))
+        for s in pipe.stage_modules:
+            at = [i for i, e in enumerate(log) if e == ("RS", s)]
+            if len(at) != 1:
+                fails.append(f"step {step} stage {s}: {len(at)} reduce-scatters")
+                continue
+            done = sum(1 for e in log[:at[0]] if e == ("W", s))
+            if done != ws[s]:
+                fails.append(f"step {step} stage {s}: reduce-scatter after {done} of its {ws[s]} W")
+            if at[0] > log.index(("END", -1)):
+                fails.append(f"step {step} stage {s}: reduce-scatter after the step returned")
+    return fails
+
+
+def _logged(fn: Callable[..., Any], log: list, stage: int) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        log.append(("W", stage))
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+# -- a failed step ----------------------------------------------------------------------------
+def failure_case(schedule: str, microbatch: int, no_sync: bool = False) -> list[str]:
+    """Global rank 1 (replica 0, last stage) raises in its loss of `microbatch` during the second
+    step (inside ``no_sync()`` with `no_sync`): every rank raises PipelineError, and the run goes
+    on: the failed batch again, then one more, equal three reference steps (FSDP's state was as
+    the next step needs it: nothing of the failed step is left to reduce)."""
+    from zbpp.runtime import PipelineError
+
+    armed = {"on": False, "seen": 0}
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if armed["on"] and dist.get_rank() == 1:
+            armed["seen"] += 1
+            if armed["seen"] > microbatch:
+                raise RuntimeError("injected")
+        return loss_fn(out, y)
+
+    pipe = fsdp_pipeline(schedule, "delayed", 2, 2, loss=loss)
+    opt = make_optimizer(list(pipe.parameters()))
+    dp_rank = pipe.topology.dp_rank
+    fails = []
+    for step, batch_index in enumerate([0, 1, 1, 2]):
+        opt.zero_grad()
+        x, y = batch(batch_index)
+        armed["on"] = step == 1
+        try:
+            with pipe.no_sync() if (no_sync and step == 1) else contextlib.nullcontext():
+                pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+        except PipelineError:
+            if step != 1:
+                raise
+            continue
+        if step == 1:
+            fails.append("the step with the injected failure succeeded")
+            continue
+        opt.step()
+    ref, _ = reference_run("plain", 3)
+    named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
+    return fails + compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
+
+
+# -- refused combinations --------------------------------------------------------------------
+def refusal_case(what: str) -> str:
+    """Build a dp=2 x pp=2 pipeline with `what` wrong; return the ValueError's message ('' if none)."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = mesh("cpu", 2, 2)
+    sched = build("1f1b", num_ranks=2, num_microbatches=M)
+    pp_rank = m.get_local_rank("pp")
+    whole = whole_model("delayed")
+    part = stage_of(whole, pp_rank, 2)
+    kwargs: dict[str, Any] = {}
+    if what == "inner-only":
+        fully_shard(part.layers[str(2 * pp_rank)], mesh=m["dp"])
+    else:
+        fully_shard(part, mesh=m["dp"])
+        if what == "tied":
+            kwargs["tied_parameters"] = {"shared": part.layers[str(2 * pp_rank)].weight}
+    try:
+        Pipeline({pp_rank: part}, sched, loss_fn=loss_fn, groups=m, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return ""

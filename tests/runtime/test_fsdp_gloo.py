@@ -1,0 +1,56 @@
+"""FSDP2 (`fully_shard`) stages under zbpp pipelines: dp=2 x pp=2 on 4 gloo CPU ranks, float64.
+
+Every case (`fsdp_cases.fsdp_case`) checks each parameter's gathered gradient and the parameters
+after the optimizer steps against one process running the whole model on the whole batch, and
+counts one reduce-scatter per stage per step. The 4 ranks are spawned once for the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .fsdp_cases import failure_case, fsdp_worker, refusal_case, timing_case
+
+CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
+CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
+
+
+@pytest.fixture(scope="module")
+def results(zbpp_workers) -> dict[str, list[str]]:
+    per_rank = zbpp_workers(4, pg_timeout=60).run(fsdp_worker, CASES)
+    return {c: [f"rank {r}: {f}" for r, res in enumerate(per_rank) for f in res[c]] for c in CASES}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
+    assert not results[case], "\n".join(results[case])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_reduce_scatter_after_last_w(zbpp_workers, schedule: str) -> None:
+    """Each stage's reduce-scatter is launched after its last W and before the step returns."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(timing_case, schedule)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("microbatch, no_sync", [(0, False), (2, False), (2, True)])
+def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: bool) -> None:
+    """A step that fails on one replica (before any of its backward, or midway; inside no_sync or
+    not) raises everywhere; the next steps match the reference as if the failed one never ran."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch, no_sync)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("what, words", [
+    ("tied", "tied_parameters= is not supported with fully_shard"),
+    ("inner-only", "call fully_shard(stage_module"),
+])
+def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:
+    messages = zbpp_workers(4, pg_timeout=60).run(refusal_case, what)
+    assert all(words in msg for msg in messages), messages

@@ -1,0 +1,268 @@
+"""Pipeline stages sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Wrap each stage module with ``fully_shard(stage, mesh=mesh["dp"])`` (inner ``fully_shard`` calls on
+its blocks are allowed) and hand the stages to `zbpp.Pipeline` with ``groups=mesh``; the pipeline
+then drives FSDP through `FsdpReducer` instead of its all-reduce `GradReducer`:
+
+Every rank (torchrun, 4 ranks: dp=2 x pp=2)::
+
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "pp"))
+    sched = build("zb-h1", num_ranks=2, num_microbatches=8)
+    stages = {s: fully_shard(stage_module(s), mesh=mesh["dp"]) for s in sched.stages_on(mesh.get_local_rank("pp"))}
+    pipe = Pipeline(stages, sched, loss_fn=loss_fn, groups=mesh)
+    opt = torch.optim.AdamW(pipe.parameters())         # over the shards
+    pipe.step(x, target=y); opt.step(); opt.zero_grad()
+
+- *Unshard*: at the start of each step every stage of this rank is all-gathered, in the order of
+  the stages' first F (asynchronously: FSDP's pre-forward waits for it), so a rank holding several
+  stages (V placements) prefetches the next stage's parameters.
+- *Reshard policy* (torchtitan's ``reshard_after_forward=False`` under pipelining): a stage's
+  parameters stay unsharded from its first F to its last W (or BW) of the step. Resharding after
+  every F would all-gather them again for every microbatch's B, and a W task, which runs outside
+  autograd, needs the unsharded parameters that its forward saw.
+- *Reduce*: during the step FSDP only accumulates the unsharded gradients
+  (``set_requires_gradient_sync(False)``); right after a stage's last W (its last BW under classic
+  schedules) the reducer reduce-scatters that stage's gradients once (one collective per
+  ``fully_shard`` module of the stage), through FSDP's own post-backward, and reshards it. The sharded ``.grad`` is then a DTensor averaged over the ``dp``
+  mesh (HSDP meshes: reduce-scattered over the shard dimension, all-reduced over the replicate one).
+- ``Pipeline.no_sync()``: steps inside keep accumulating the unsharded gradients and reshard only
+  the parameters at the step's end; the next synchronised step reduce-scatters everything once.
+
+Memory per rank (P parameters of this rank's stages, dp-way sharded, G their gradients):
+outside a step P/dp parameters and G/dp gradients (plus the optimizer state of the shards); during
+a step, from a stage's first F to its last W, also the full parameters and full gradients of that
+stage (under no_sync until the synchronised step ends, the full gradients stay; with ``main_grad``, a
+full buffer per such parameter too), and the usual activations of the schedule.
+
+``main_grad``: the unsharded parameters of modules with ``fuse_wgrad_accumulation=True`` get a
+``main_grad`` buffer (float32, or the parameter's dtype when wider) at the step's start; after the
+stage's last W it is added into ``.grad`` and dropped, and FSDP reduce-scatters that: the result is
+the shard's ``.grad``, as for every other parameter.
+
+Limits: tied parameters across ranks (``tied_parameters=``) are refused with FSDP stages: FSDP owns
+the gradient of a sharded parameter, so the tied sum has no place to live. After a failed
+step FSDP's per-step state is reset (``reset_iter_state``): the step's gradients and those that
+no_sync steps accumulated unreduced are lost; gradients already reduce-scattered into ``.grad``
+before it are kept.
+
+Private FSDP calls (its post-backward machinery, the only way to reduce-scatter outside an
+autograd backward, and the unsharded parameters it reduces) live in the underscored helpers of this
+module alone; the torch pipelining runtime uses the same machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["FsdpReducer", "holds_fsdp", "is_fsdp_module"]
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:  # torch < 2.6 kept FSDP2 here
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:  # torch without FSDP2
+            return None
+    return FSDPModule
+
+
+def _fully_shard() -> Any:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether `module` was wrapped by ``fully_shard``.
+
+    >>> is_fsdp_module(torch.nn.Linear(2, 2))
+    False
+    """
+    cls = _fsdp_module_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def holds_fsdp(stage_modules: Mapping[int, nn.Module]) -> bool:
+    """Whether any stage module is, or contains, a ``fully_shard`` module."""
+    return any(is_fsdp_module(m) for stage in stage_modules.values() for m in stage.modules())
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.9: one parameter group per state
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _post_backward(root: nn.Module) -> None:
+    """Run FSDP's post-backward on every parameter group under `root` (reduce-scatter, reshard)
+    and its root callback (wait for the reductions, reset the backward state). The one place that
+    uses FSDP internals."""
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
+    for sub in state._state_ctx.all_states:
+        for group in _param_groups(sub):
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def _reset(root: nn.Module) -> None:
+    """Forget a failed step: FSDP's own reset where it exists, else a reshard."""
+    reset = getattr(root, "reset_iter_state", None)
+    if callable(reset):
+        reset()
+    else:  # pragma: no cover - torch without reset_iter_state
+        root.reshard()
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
+    for sub in state._state_ctx.all_states:
+        for group in _param_groups(sub):
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                    unsharded.__dict__.pop("main_grad", None)
+                if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                    fp.unsharded_accumulated_grad = None
+
+
+def _zero_missing_grads(root: nn.Module) -> None:
+    """Give every unsharded parameter that requires a gradient and has none a zero one (a
+    draining rank's reduce-scatter then has the shape of its replicas')."""
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
+    for sub in state._state_ctx.all_states:
+        for group in _param_groups(sub):
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None and unsharded.requires_grad and unsharded.grad is None:
+                    unsharded.grad = torch.zeros_like(unsharded)
+
+
+def _set_flags(root: nn.Module, sync: bool) -> None:
+    root.set_requires_gradient_sync(sync)
+    root.set_is_last_backward(sync)
+    root.set_reshard_after_backward(sync)
+
+
+class FsdpReducer:
+    """Drive the FSDP2 stage modules of one pipeline rank (see the module docstring).
+
+    `zbpp.Pipeline` builds it when a stage holds a ``fully_shard`` module; it implements the
+    pipeline's reducer protocol (``start_step``, ``stage_backward_done``, ``stage_wgrad_done``,
+    ``finish``, ``abandon``) plus ``begin_step`` / ``end_step`` that the pipeline calls around every
+    step, synchronised or not.
+
+    Args:
+        stage_modules: ``{stage: module}``; every module must itself be a ``fully_shard`` root.
+        dp_size: the pipeline's data-parallel size; the FSDP mesh must have as many ranks.
+        first_forward: this rank's stages in the order of their first F.
+    """
+
+    def __init__(self, stage_modules: Mapping[int, nn.Module], dp_size: int, first_forward: list[int]) -> None:
+        if _fsdp_module_class() is None:
+            raise RuntimeError("fully_shard stages need FSDP2 (torch.distributed.fsdp.FSDPModule)")
+        for s, m in stage_modules.items():
+            if not is_fsdp_module(m):
+                raise ValueError(
+                    f"stage {s} contains fully_shard modules but is not one itself: call "
+                    "fully_shard(stage_module, mesh=mesh['dp']) on every stage module (after any inner calls)"
+                )
+            meshes = {p.device_mesh.size() for p in m.parameters() if hasattr(p, "device_mesh")}
+            size = meshes.pop() if len(meshes) == 1 else dp_size
+            if size != dp_size:
+                raise ValueError(
+                    f"stage {s} is sharded over {size} ranks but the pipeline has {dp_size} data-parallel "
+                    "replicas: pass the pipeline's mesh (groups=mesh) and fully_shard(stage, mesh=mesh['dp'])"
+                )
+            m.set_reshard_after_forward(False, recurse=True)
+        self.stage_modules = dict(stage_modules)
+        #: per stage, the modules that accumulate their weight gradients into ``main_grad``
+        self.fused = {s: [sub for sub in m.modules() if getattr(sub, "fuse_wgrad_accumulation", False)]
+                      for s, m in self.stage_modules.items()}
+        self.order = [s for s in first_forward if s in self.stage_modules]
+        self.reduced: dict[int, int] = {s: 0 for s in self.stage_modules}  #: reduce-scatters per stage, this step
+        self._in_step = False
+        self._draining: Callable[[], bool] | None = None
+
+    # -- around every step ---------------------------------------------------------------------
+    def begin_step(self, draining: Callable[[], bool] | None = None) -> None:
+        """Before any task: keep FSDP from reducing per microbatch, and all-gather every stage in
+        the order of its first F. `draining` tells whether this rank's step failed and is only
+        draining (its reduce-scatters then include a zero gradient for every parameter that got
+        none, so that they match the other replicas')."""
+        self._draining = draining
+        for s in self.order:
+            m = self.stage_modules[s]
+            _set_flags(m, False)
+            if not self.fused[s]:
+                m.unshard(async_op=True)  # FSDP's pre-forward waits for it
+                continue
+            for sub in m.modules():  # the unsharded parameters get the main_grad buffers
+                if is_fsdp_module(sub):
+                    sub.unshard()
+            for mod in self.fused[s]:
+                for p in mod.parameters(recurse=False):
+                    if getattr(p, "main_grad", None) is None:  # kept across no_sync steps
+                        p.main_grad = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                                  device=p.device)
+
+    def end_step(self) -> None:
+        """After a step that did not reduce (no_sync, forward only): reshard the parameters; the
+        unsharded gradients stay for the next synchronised step."""
+        for m in self.stage_modules.values():
+            for sub in m.modules():
+                if is_fsdp_module(sub):
+                    sub.reshard()
+
+    # -- the reducer protocol ------------------------------------------------------------------
+    def start_step(self, keep_main_grad: bool = False) -> None:
+        self.reduced = {s: 0 for s in self.stage_modules}
+        self._in_step = True
+
+    def stage_backward_done(self, stage: int) -> None:
+        """Nothing to do: a stage's gradients are final only after its last W."""
+
+    def stage_wgrad_done(self, stage: int) -> None:
+        """Reduce-scatter `stage`'s gradients (once per step) and reshard it."""
+        m = self.stage_modules[stage]
+        _set_flags(m, True)
+        drain = self._draining is not None and self._draining()
+        try:
+            self._fold_main_grads(stage)
+            if drain:
+                _zero_missing_grads(m)
+            _post_backward(m)
+        finally:
+            _set_flags(m, False)
+        self.reduced[stage] += 1
+
+    def _fold_main_grads(self, stage: int) -> None:
+        """Move the unsharded parameters' ``main_grad`` into their ``.grad``, which FSDP reduces."""
+        for mod in self.fused[stage]:
+            for p in mod.parameters(recurse=False):
+                main = p.__dict__.pop("main_grad", None)
+                if main is None:
+                    continue
+                g = main.to(p.dtype)
+                p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def finish(self) -> None:
+        wrong = {s: n for s, n in self.reduced.items() if n != 1}
+        self._in_step = False
+        if wrong:
+            raise RuntimeError(f"FSDP stages reduce-scattered {wrong} times in the step (once each expected)")
+
+    def abandon(self) -> None:
+        """After a failed step: reset FSDP's per-step state and drop the step's unsharded gradients."""
+        for m in self.stage_modules.values():
+            try:
+                _reset(m)
+            finally:
+                _set_flags(m, False)
+        self._in_step = False
