@@ -366,12 +366,12 @@ class DelayedWgradModule(nn.Module):
         parameters are never listed: their small gradients are always computed during B; nor are
         frozen ones (``requires_grad=False``), which get no gradient at all.
         """
-        if not self._delay:
-            return []
         return [p for p in self._deferred_params() if p.requires_grad]
 
     def _deferred_params(self) -> list[nn.Parameter]:
         # the GEMM parameters whose gradient W computes when they are trainable
+        if not self._delay:
+            return []
         return self._gemm_weights() + (self._gemm_biases() if self._bias_grad_deferred else [])
 
     def _nothing_owed(self, key: Hashable | None) -> bool:
