@@ -115,3 +115,34 @@ def test_unfreezing_lists_the_parameter_again() -> None:
     mod.weight.requires_grad_(True)
     assert [p is mod.weight for p in mod.get_backward_dw_params()] == [True, False]
     assert mod.weight.skip_backward_post_hook and mod.bias.skip_backward_post_hook
+
+
+def test_wgrad_hooks_fire_only_where_w_computed() -> None:
+    """The hooks of `register_wgrad_accumulation_and_reduce_hooks` run once per W that computed a
+    gradient, and not at all for a layer whose deferred parameters are all frozen."""
+    for frozen, calls in (("bias", 2), ("gemm", 0)):
+        mod, _, _ = _pair("Linear", frozen)
+        fired = []
+        mod.register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(1))
+        for j in range(2):
+            _run(mod, torch.randn(3, D, requires_grad=True), j, False).sum().backward()
+        mod.backward_dw(1)
+        mod.backward_dw(0)
+        assert len(fired) == calls, f"frozen={frozen}: {len(fired)} hook calls, expected {calls}"
+
+
+def test_a_frozen_weight_saves_no_input_for_backward() -> None:
+    """Between F and B a Linear with a frozen weight keeps nothing of its input (the input
+    gradient needs only the weight); with a trainable weight it keeps the input for dW."""
+    for frozen, saved in (("weight", 0), ("bias", 1)):
+        mod, _, _ = _pair("Linear", frozen)
+        x = torch.randn(3, D, requires_grad=True) * 2.0  # not a leaf: only what saves it keeps it
+        kept = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t.data_ptr() == x.data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _run(mod, x, 0, False)
+        assert sum(kept) == saved, f"frozen={frozen}: the input was saved {sum(kept)} times"

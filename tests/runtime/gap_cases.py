@@ -92,15 +92,38 @@ def hand_built_v_schedule() -> Schedule:
 
 
 # -- frozen parameters, tied parameters owned by delayed-wgrad layers --------------------------
+class SlowW(nn.Module):
+    """A delayed-wgrad module without parameters whose W takes `seconds`: the stage's W then ends
+    well after its last B, so a tied weight reduced before its W (a bug) is reduced without W's part
+    whatever the timing of the other rank."""
+
+    delay_wgrad_compute = True
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def backward_dw(self, key: Any = None) -> None:
+        time.sleep(self.seconds)
+
+    def get_backward_dw_params(self) -> list[nn.Parameter]:
+        return []
+
+
 class LMStage(nn.Module):
     """Stage `s` of `n` of a tiny language model: the embedding lookup (s == 0), a residual tanh
     layer (a zbpp delayed Linear, or torch's), and on the last stage an LM head that is a zbpp
     delayed-wgrad Linear (eager in the "plain" reference) whose weight IS the embedding `wte`
     (tied: W owes its gradient)."""
 
-    def __init__(self, s: int, n: int, kind: str, wte: nn.Parameter | None) -> None:
+    def __init__(self, s: int, n: int, kind: str, wte: nn.Parameter | None, slow_w: float = 0.0) -> None:
         super().__init__()
         self.first, self.last = s == 0, s == n - 1
+        if slow_w and self.last:
+            self.slow = SlowW(slow_w)  # first in modules(): W sleeps before the head's W adds
         torch.manual_seed(100 + s)
         lin = nn.Linear(H, H, dtype=torch.float64)
         self.extra = nn.Linear(H, H, dtype=torch.float64)  # plain: frozen in some cases
@@ -162,7 +185,8 @@ def _named(stages: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
     return {f"{s}.{n}": p for s, st in stages.items() for n, p in st.named_parameters(remove_duplicate=False)}
 
 
-def check_lm(name: str, pp: int, kind: str, frozen: str = "none", dp: int = 1, m: int | None = None) -> dict[str, int]:
+def check_lm(name: str, pp: int, kind: str, frozen: str = "none", dp: int = 1, m: int | None = None,
+             slow_w: float = 0.0) -> dict[str, int]:
     """Two SGD steps of the tied LM through `Pipeline` (dp replicas of pp ranks; the head's weight
     is the tied embedding, computed by W) against one process per replica, averaged. Frozen
     parameters must stay without gradient and never be reduced. Returns the reducer's counts."""
@@ -173,7 +197,7 @@ def check_lm(name: str, pp: int, kind: str, frozen: str = "none", dp: int = 1, m
     n = sched.num_stages
     mine = sched.stages_on(pp_rank)
     wte = make_wte(None if 0 in mine else 0.0) if (0 in mine or n - 1 in mine) else None
-    stages = {s: LMStage(s, n, kind, wte if s in (0, n - 1) else None) for s in mine}
+    stages = {s: LMStage(s, n, kind, wte if s in (0, n - 1) else None, slow_w) for s in mine}
     refs = []
     for _ in range(dp):
         w = make_wte()
@@ -307,16 +331,18 @@ def check_waiting_rank_sees_broken_job(report_dir: str) -> None:
         json.dump(out, fh)
 
 
-def check_failed_step_with_main_grad(name: str) -> None:
+def check_failed_step_with_main_grad(name: str, kind: str = "zbpp") -> None:
     """dp=2 x pp=2, zbpp Linears with fuse_wgrad_accumulation (their weights' gradients live in
     main_grad, views into the reducer's buckets). Step 1 succeeds; step 2 fails on replica 0's last
     stage in the loss of its last microbatch (after W's have added into main_grad); step 3 runs
     inside no_sync(), step 4 outside: the gradients must be the replicas' average of the sum of
-    steps 3 and 4, as one process per replica computes them (nothing of step 2 left behind)."""
+    steps 3 and 4, as one process per replica computes them (nothing of step 2 left behind).
+    kind "fifo": Transformer-Engine-like Linears (FIFO W, main_grad from the reducer): the wgrads
+    the failed step left pending must be dropped, not taken by the next step's W."""
     groups = ParallelGroups(pp=2)
     sched = make_schedule(name, 2, 4)
     S = sched.num_stages
-    stages = {s: make_stage(s, S, "zbpp").double() for s in sched.stages_on(groups.pp_rank)}
+    stages = {s: make_stage(s, S, kind).double() for s in sched.stages_on(groups.pp_rank)}
     for st in stages.values():
         for mod in st.modules():
             if isinstance(mod, ZLinear):

@@ -54,11 +54,11 @@ def test_generated_schedules_with_reordered_microbatches(zbpp_workers, p, shape)
 
 @pytest.mark.parametrize("name", W_SCHEDULES)
 def test_tied_head_owned_by_a_delayed_layer(zbpp_workers, name):
-    zbpp_workers(2).run(check_lm, name, 2, "zbpp")
+    zbpp_workers(2).run(check_lm, name, 2, "zbpp", slow_w=0.05)
 
 
-@pytest.mark.parametrize("frozen", ["weight", "all-lin", "wte"])
-@pytest.mark.parametrize("name", W_SCHEDULES)
+@pytest.mark.parametrize("name,frozen", [(n, "weight") for n in W_SCHEDULES]
+                         + [(n, f) for n in ("zb-h1", "zb-v") for f in ("all-lin", "wte")])
 def test_frozen_parameters(zbpp_workers, name, frozen):
     zbpp_workers(2).run(check_lm, name, 2, "mixed" if frozen == "weight" else "zbpp", frozen)
 
@@ -78,9 +78,9 @@ def test_nested_no_sync_keeps_the_outer_state(zbpp_workers):
     zbpp_workers(2).run(check_nested_no_sync)
 
 
-@pytest.mark.parametrize("name", ["zb-h1"])
-def test_failed_step_with_main_grad_then_good_steps(zbpp_workers, name):
-    zbpp_workers(4).run(check_failed_step_with_main_grad, name)
+@pytest.mark.parametrize("kind", ["zbpp", "fifo"])
+def test_failed_step_with_main_grad_then_good_steps(zbpp_workers, kind):
+    zbpp_workers(4).run(check_failed_step_with_main_grad, "zb-h1", kind)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
