@@ -32,6 +32,7 @@ FREEZE = {
     "bias": lambda n: n.endswith("bias") and not n.startswith("layer_norm"),
     "gemm": lambda n: not n.startswith("layer_norm"),
     "all": lambda n: True,
+    "none": lambda n: False,
 }
 
 
@@ -146,3 +147,21 @@ def test_a_frozen_weight_saves_no_input_for_backward() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             _run(mod, x, 0, False)
         assert sum(kept) == saved, f"frozen={frozen}: the input was saved {sum(kept)} times"
+
+
+def test_mlp_with_frozen_norm_and_an_input_without_grad() -> None:
+    """Nothing before fc1 needs a gradient (input and norm frozen): B still computes fc1's output
+    gradient for W (fc1 and fc2 trainable), as the eager all-trainable layer does."""
+    mod, ref, _ = _pair("LayerNormMLP", "none")
+    for n, p in mod.named_parameters():
+        p.requires_grad_(not n.startswith("layer_norm"))
+    x = torch.randn(4, D)
+    _run(mod, x, 0, False).square().sum().backward()
+    mod.backward_dw(0)
+    _run(ref, x, 0, False).square().sum().backward()
+    refs = dict(ref.named_parameters())
+    for n, p in mod.named_parameters():
+        if n.startswith("layer_norm"):
+            assert p.grad is None, n
+        else:
+            assert torch.equal(p.grad, refs[n].grad), n

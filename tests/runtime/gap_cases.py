@@ -389,6 +389,60 @@ def check_failed_step_with_main_grad(name: str, kind: str = "zbpp") -> None:
             close(f"{name} rank {dist.get_rank()} stage {s} {n}", got, (q0.grad + q1.grad) / 2)
 
 
+def check_failed_step_after_no_sync(kind: str) -> None:
+    """dp=2 x pp=2, zb-h1: step 1 inside no_sync() accumulates; step 2 (outside, so it would reduce
+    what step 1 left in place) fails on replica 0's last stage: every gradient, ``.grad`` and
+    ``main_grad``, must be step 1's own again (unreduced); step 3 then reduces steps 1 and 3 once."""
+    groups = ParallelGroups(pp=2)
+    sched = make_schedule("zb-h1", 2, 4)
+    S = sched.num_stages
+    stages = {s: make_stage(s, S, kind).double() for s in sched.stages_on(groups.pp_rank)}
+    for st in stages.values():
+        for mod in st.modules():
+            if isinstance(mod, ZLinear):
+                mod.fuse_wgrad_accumulation = True
+    refs = [[make_stage(s, S, "plain").double() for s in range(S)] for _ in range(2)]
+    armed = {"on": False}
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if armed["on"] and current_microbatch()[1] == sched.num_microbatches - 1:
+            raise RuntimeError("injected loss failure")
+        return mse(out, target)
+
+    pipe = Pipeline(stages, sched, loss, groups=groups)
+
+    def data(step: int, replica: int) -> Any:
+        (x, ids, tag), y = make_batch(10 * step + replica, 12)
+        return (x.double(), ids, tag), y.double()
+
+    def grads() -> list[tuple[str, torch.Tensor | None]]:
+        return [(f"stage {s} {n}", p.main_grad if hasattr(p, "main_grad") else p.grad)
+                for s, st in stages.items() for n, p in st.named_parameters()]
+
+    me = groups.dp_rank
+    with pipe.no_sync():
+        pipe.step(*data(0, me)[:1], target=data(0, me)[1])
+    for d, ref in enumerate(refs):
+        reference_step(ref, *data(0, d))
+    armed["on"] = me == 0 and pipe.holds_last_stage
+    try:
+        pipe.step(*data(1, me)[:1], target=data(1, me)[1])
+        raise AssertionError("the failed step returned")
+    except PipelineError:
+        pass
+    finally:
+        armed["on"] = False
+    mine = [q.grad for s in stages for q in refs[me][s].parameters()]
+    for (what, got), want in zip(grads(), mine):
+        close(f"{kind} rank {dist.get_rank()} after the failed step, {what}", got, want)
+    pipe.step(*data(2, me)[:1], target=data(2, me)[1])
+    for d, ref in enumerate(refs):
+        reference_step(ref, *data(2, d))
+    avg = [(a.grad + b.grad) / 2 for s in stages for a, b in zip(refs[0][s].parameters(), refs[1][s].parameters())]
+    for (what, got), want in zip(grads(), avg):
+        close(f"{kind} rank {dist.get_rank()} after the next step, {what}", got, want)
+
+
 def check_nested_no_sync() -> None:
     """dp=2 pipelines of one rank: nested no_sync(): after the inner block ends, a step still inside
     the outer one must not reduce; the step after both reduces everything once."""

@@ -25,7 +25,8 @@ from zbpp.schedules.ir import v_placement, loop_placement
 from zbpp.testing import DistributedTestError, Workers
 
 from .cases import make_schedule
-from .gap_cases import (check_empty_tensors, check_failed_step_with_main_grad, check_first_failure_named,
+from .gap_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
+                        check_first_failure_named,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
 from .test_random_schedules import run_schedule_against_one_process
@@ -81,6 +82,10 @@ def test_nested_no_sync_keeps_the_outer_state(zbpp_workers):
 @pytest.mark.parametrize("kind", ["zbpp", "fifo"])
 def test_failed_step_with_main_grad_then_good_steps(zbpp_workers, kind):
     zbpp_workers(4).run(check_failed_step_with_main_grad, "zb-h1", kind)
+
+
+def test_failed_step_after_no_sync_restores_the_accumulated_gradients(zbpp_workers):
+    zbpp_workers(4).run(check_failed_step_after_no_sync, "zbpp")
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
