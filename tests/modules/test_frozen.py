@@ -62,7 +62,6 @@ def _run(mod: torch.nn.Module, x: torch.Tensor, key: object, fp8: bool) -> torch
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_frozen_parameters_get_no_gradient_and_no_job(layer: str, frozen: str, fp8: bool) -> None:
     mod, ref, names = _pair(layer, frozen)
-    trainable = {n for n, p in mod.named_parameters() if p.requires_grad}
     dw = {id(p) for p in mod.get_backward_dw_params()}
     params = dict(mod.named_parameters())
     assert not any(id(params[n]) in dw for n in names), f"{layer}: get_backward_dw_params lists a frozen parameter"
@@ -89,7 +88,6 @@ def test_frozen_parameters_get_no_gradient_and_no_job(layer: str, frozen: str, f
             assert p.grad is None, f"{layer} frozen={frozen}: frozen {n} got a gradient"
         else:
             assert p.grad is not None and torch.equal(p.grad, refs[n].grad), f"{layer} frozen={frozen}: {n}"
-    assert trainable == set(params) - names
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))

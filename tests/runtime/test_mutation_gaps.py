@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from zbpp.schedules import Kind, build
+from zbpp.schedules import Kind
 from zbpp.schedules.ir import v_placement, loop_placement
 from zbpp.testing import DistributedTestError, Workers
 
