@@ -185,7 +185,7 @@ class DelayedWgradModule(nn.Module):
     def _sync_param_flags(self) -> None:
         # skip_backward_post_hook marks exactly the parameters whose gradient is final only after
         # backward_dw(), i.e. exactly get_backward_dw_params().
-        deferred = {id(p) for p in self.get_backward_dw_params()}
+        deferred = {id(p) for p in self._deferred_params()}
         for p in self._gemm_weights() + self._gemm_biases():
             p.skip_backward_post_hook = id(p) in deferred
 
@@ -305,7 +305,8 @@ class DelayedWgradModule(nn.Module):
         ``fuse_wgrad_accumulation``, into ``main_grad``; adds a bias gradient only where the job
         produced one (in FP8 the bias gradient was already computed during B); then calls each
         hook registered with `register_wgrad_accumulation_and_reduce_hooks` once, without
-        arguments. A no-op when the module does not delay; raises `WgradStoreError` when nothing
+        arguments. A no-op when the module does not delay, or when every parameter it defers is
+        frozen (``requires_grad=False``: B filed nothing); raises `WgradStoreError` when nothing
         (or nothing for `key`) is pending.
 
         >>> import torch
@@ -319,7 +320,7 @@ class DelayedWgradModule(nn.Module):
         >>> layer.weight.grad.tolist()
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
         """
-        if not self._delay:
+        if not self._delay or self._nothing_owed(key):
             return
         if self._wgrad_graphs is not None:
             self._graph_backward_dw(key)
@@ -400,11 +401,23 @@ class DelayedWgradModule(nn.Module):
 
         The GEMM weights, plus the GEMM biases unless the last forward ran in FP8 (whose bias
         gradients are computed during B); empty when the module does not delay. LayerNorm
-        parameters are never listed: their small gradients are always computed during B.
+        parameters are never listed: their small gradients are always computed during B; nor are
+        frozen ones (``requires_grad=False``), which get no gradient at all.
         """
+        return [p for p in self._deferred_params() if p.requires_grad]
+
+    def _deferred_params(self) -> list[nn.Parameter]:
+        # the GEMM parameters whose gradient W computes when they are trainable
         if not self._delay:
             return []
         return self._gemm_weights() + (self._gemm_biases() if self._bias_grad_deferred else [])
+
+    def _nothing_owed(self, key: Hashable | None) -> bool:
+        # every deferred parameter is frozen: B filed no job for `key`, so W has nothing to do
+        if self.get_backward_dw_params():
+            return False
+        pending = self._wgrad_store.keys()
+        return not pending if key is None else key not in pending
 
     def register_wgrad_accumulation_and_reduce_hooks(
         self, hook: Callable[[], None]

@@ -207,6 +207,8 @@ class GradReducer:
             return [self._entries[id(p)] for p in module.parameters(recurse=False) if p.requires_grad]
         out = []
         for t in getter():
+            if id(t) in self._exclude:  # reduced elsewhere (a tied parameter)
+                continue
             e = self._entries.get(id(t))
             if e is None or stage not in e.stages:
                 raise ValueError(

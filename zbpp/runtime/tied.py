@@ -140,7 +140,7 @@ class TiedParameters:
                 self._launch(t)
 
     def _launch(self, t: _Tie) -> None:
-        if t.group is None:
+        if t.group is None or not t.param.requires_grad:  # a frozen copy has no gradient to share
             return
         import torch.distributed as dist
 

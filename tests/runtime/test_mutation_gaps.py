@@ -1,0 +1,107 @@
+"""Runtime behaviours that plausible one-line bugs slipped past (issue 33), each against one process
+running the whole model on the whole batch (gap_cases.py; tolerance there), on 2 and 4 gloo ranks:
+
+- stages that take their microbatches in another order than the stage before produced them, V
+  placements included: a same-rank hand-over must pass microbatch j's activation and gradient;
+- frozen parameters (``requires_grad=False``) in zbpp delayed-wgrad layers and plain layers, under
+  every schedule with W tasks, with data parallelism and a tied weight: no gradient, never reduced;
+- a tied weight owned by a delayed-wgrad layer (the LM head, a zbpp Linear, tied to the embedding):
+  reduced only after the W that computes it, under every schedule with W tasks;
+- two ranks failing at different times: the error names the first; a rank waiting in the end
+  agreement while another rank dies raises within seconds;
+- nested no_sync(); a failed step with data parallelism and main_grad, then the next steps;
+- empty tensors in a stage's output sent across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from zbpp.schedules import Kind
+from zbpp.schedules.ir import v_placement, loop_placement
+from zbpp.testing import DistributedTestError, Workers
+
+from .cases import make_schedule
+from .gap_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
+                        check_first_failure_named,
+                        check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
+                        hand_built_v_schedule, reordered_schedule)
+from .test_random_schedules import run_schedule_against_one_process
+
+# every built-in schedule with W tasks (the others run BW only)
+W_SCHEDULES = [n for n in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min",
+                           "dualpipe-v", "zb-auto", "zbv-auto")
+               if any(a.kind is Kind.W for r in make_schedule(n, 2, 4).orders for a in r)]
+
+
+def test_the_w_schedules_are_the_split_ones():
+    assert set(W_SCHEDULES) >= {"zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"}, W_SCHEDULES
+
+
+@pytest.mark.parametrize("kind", ["zbpp", "mixed"])
+def test_hand_built_v_schedule_with_reordered_hand_overs(zbpp_workers, kind):
+    zbpp_workers(2).run(run_schedule_against_one_process, hand_built_v_schedule(), kind, 7)
+
+
+@pytest.mark.parametrize("p,shape", [(2, "v"), (4, "v"), (2, "interleaved"), (4, "one-stage")])
+def test_generated_schedules_with_reordered_microbatches(zbpp_workers, p, shape):
+    placement = {"v": v_placement(p), "interleaved": loop_placement(p, 2), "one-stage": loop_placement(p)}[shape]
+    sched = reordered_schedule(placement, p + 1)
+    zbpp_workers(p).run(run_schedule_against_one_process, sched, "mixed", 2 * (p + 1) + 1)
+
+
+@pytest.mark.parametrize("name", W_SCHEDULES)
+def test_tied_head_owned_by_a_delayed_layer(zbpp_workers, name):
+    zbpp_workers(2).run(check_lm, name, 2, "zbpp", slow_w=0.05)
+
+
+@pytest.mark.parametrize("name,frozen", [(n, "weight") for n in W_SCHEDULES]
+                         + [(n, f) for n in ("zb-h1", "zb-v") for f in ("all-lin", "wte")])
+def test_frozen_parameters(zbpp_workers, name, frozen):
+    zbpp_workers(2).run(check_lm, name, 2, "mixed" if frozen == "weight" else "zbpp", frozen)
+
+
+@pytest.mark.parametrize("name,frozen", [("zb-h1", "weight"), ("zb-h1", "wte"), ("zb-v", "all-lin")])
+def test_frozen_parameters_with_data_parallelism(zbpp_workers, name, frozen):
+    counts = zbpp_workers(4).run(check_lm, name, 2, "zbpp", frozen, 2)
+    assert all(counts), "no parameter went through the data-parallel reducer: the case tests nothing"
+
+
+def test_the_first_of_two_failures_is_named(zbpp_workers):
+    msgs = zbpp_workers(2).run(check_first_failure_named)
+    assert all("pipeline rank 1" in m.split("Every rank")[0] for m in msgs), msgs
+
+
+def test_nested_no_sync_keeps_the_outer_state(zbpp_workers):
+    zbpp_workers(2).run(check_nested_no_sync)
+
+
+@pytest.mark.parametrize("kind", ["zbpp", "fifo"])
+def test_failed_step_with_main_grad_then_good_steps(zbpp_workers, kind):
+    zbpp_workers(4).run(check_failed_step_with_main_grad, "zb-h1", kind)
+
+
+def test_failed_step_after_no_sync_restores_the_accumulated_gradients(zbpp_workers):
+    zbpp_workers(4).run(check_failed_step_after_no_sync, "zbpp")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_empty_tensors_between_stages(zbpp_workers, name):
+    zbpp_workers(2).run(check_empty_tensors, name, 2)
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_in_the_agreement_sees_a_broken_job(tmp_path):
+    # the process group's timeout is 120 s: raising within 10 s proves the broken mark was seen
+    with Workers(4, pg_timeout=120.0, timeout=120, grace=30) as workers:
+        with pytest.raises(DistributedTestError) as info:
+            workers.run(check_waiting_rank_sees_broken_job, str(tmp_path))
+    assert set(info.value.failures) == {0}, info.value.failures.keys()
+    for r in (1, 2, 3):
+        with open(os.path.join(tmp_path, f"rank{r}.json")) as fh:
+            o = json.load(fh)
+        assert o["result"] == "PipelineError" and "dead or hung" in o["message"], o
+        assert o["seconds"] < 10.0, o

@@ -1,0 +1,78 @@
+"""Schedule-core behaviours that plausible one-line bugs slipped past (issue 33), each against a
+hand-worked value, an exact optimum or the documented definition:
+
+- the lower bound under a memory limit that is not a whole number of activations;
+- the measured busy time when one task's interval lies inside another's;
+- the measured bubble rate, whose ``busy`` is the busiest rank's (docs/DESIGN.md);
+- ``from_torch_csv(placement="v")``: down the ranks, then back up.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zbpp.schedules import Costs, Memory, build, validate
+from zbpp.schedules.bounds import lower_bound
+from zbpp.schedules.ir import loop_placement, v_placement
+from zbpp.schedules.measured import measured_bubble_rate, measured_result
+from zbpp.schedules.torch_csv import from_torch_csv, to_torch_csv
+
+UNIT = Costs(1, 1, 1)
+
+
+@pytest.mark.parametrize("placement,m", [(loop_placement(4), 6), (loop_placement(2), 6), (v_placement(2), 6)])
+def test_a_fractional_memory_limit_rounds_down(placement, m):
+    # Memory(1, 0): every rank's memory is a whole number of activations, so a limit of 2.5 admits
+    # exactly the schedules that a limit of 2 admits: the bound must be the same. The cases are
+    # chosen where a limit of 3 admits more (a smaller bound), so rounding 2.5 up would show.
+    mem = Memory(activation=1, wgrad=0)
+    at2, at25, at3 = (lower_bound(placement, m, UNIT, mem, memory_limit=L) for L in (2, 2.5, 3))
+    assert (at25.cost, at25.makespan) == (at2.cost, at2.makespan)
+    assert (at3.cost, at3.makespan) < (at2.cost, at2.makespan)
+
+
+def test_the_fractional_limit_bound_is_below_the_exact_optimum():
+    pytest.importorskip("scipy")
+    from zbpp.schedules.exact import optimal_schedule
+
+    placement, m, mem = loop_placement(2), 3, Memory(activation=1, wgrad=0)
+    best = optimal_schedule(placement, m, UNIT, mem, memory_limit=1.5, time_limit=60)
+    lb = lower_bound(placement, m, UNIT, mem, memory_limit=1.5)
+    # at 1.5 a rank holds one activation at a time, as at 1: the same bound, below the proven optimum
+    assert best.proven
+    assert lb.makespan <= best.makespan + 1e-9
+    assert lb.makespan == lower_bound(placement, m, UNIT, mem, memory_limit=1).makespan
+
+
+def test_busy_time_counts_a_nested_task_once():
+    # one rank: F0.0 over [0, 4] with B0.0 inside it over [1, 2] (an overlapped pair), W0.0 [5, 6]:
+    # busy = |[0, 4] u [5, 6]| = 5, span 6, bubble (6 - 5) / 6
+    recs = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 4.0},
+            {"rank": 0, "action": "B0.0", "start": 1.0, "end": 2.0},
+            {"rank": 0, "action": "W0.0", "start": 5.0, "end": 6.0}]
+    res = measured_result(recs)
+    assert res.busy_per_rank == [5.0]
+    assert measured_bubble_rate(recs) == pytest.approx(1 / 6, abs=1e-12)
+
+
+def test_measured_bubble_rate_uses_the_busiest_rank():
+    # rank 0 computes 3 of its span of 6, rank 1 computes 5 of 6: cost 6, busy 5 (the busiest),
+    # bubble rate (6 - 5) / 6 (the least busy rank would give 3/6)
+    recs = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0},
+            {"rank": 0, "action": "B0.0", "start": 4.0, "end": 6.0},
+            {"rank": 1, "action": "F1.0", "start": 1.0, "end": 3.0},
+            {"rank": 1, "action": "B1.0", "start": 3.0, "end": 6.0}]
+    assert measured_bubble_rate(recs) == pytest.approx(1 / 6, abs=1e-12)
+    assert measured_result(recs).bubble_rate == pytest.approx(1 / 6, abs=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_from_torch_csv_v_placement_goes_down_then_up(tmp_path, p):
+    sched = build("zb-v", num_ranks=p, num_microbatches=2 * p)
+    path = tmp_path / "v.csv"
+    to_torch_csv(sched, path)
+    got = from_torch_csv(path, placement="v")
+    # stage s on rank s going down, then stage p + i on rank p - 1 - i coming back (docs/DESIGN.md)
+    assert got.placement == tuple(range(p)) + tuple(reversed(range(p))) == sched.placement
+    assert got.orders == sched.orders
+    validate(got)
