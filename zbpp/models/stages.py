@@ -365,14 +365,21 @@ def _initialise(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list
                 init: Callable[[nn.Module], None] | None, seed: int, device: torch.device) -> None:
     fn = init if init is not None else _default_init(model)
     done: set[int] = set()
-    for s in mine:
+    ready: set[int] = set()  # tensors initialised already: a tied weight keeps its first module's init
+    for s in sorted(mine):
         for f in fqns[s]:
             m = modules[s].get_submodule(f)
             if id(m) in done:
                 continue
             done.add(id(m))
+            tensors = [t for t in [*m.parameters(), *m.buffers()]]
+            kept = [(t, t.detach().clone()) for t in tensors if id(t) in ready]
             with _seeded(seed, f, device):
                 fn(m)
+            with torch.no_grad():
+                for t, value in kept:
+                    t.copy_(value)
+            ready.update(id(t) for t in tensors)
 
 
 def _default_init(model: nn.Module) -> Callable[[nn.Module], None]:
