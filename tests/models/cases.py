@@ -89,16 +89,19 @@ def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
 
 
-def check_hf_step(kind: str, name: str, p: int, padded: bool = False, layers: int = 4) -> dict[str, Any]:
-    """One training step of a HF model under `name` on `p` ranks, against HF's model in one process."""
+def check_hf_step(kind: str, name: str, p: int, padded: bool = False, layers: int = 4,
+                  attn: str = "eager") -> dict[str, Any]:
+    """One training step of a HF model under `name` on `p` ranks (CPU under gloo, this rank's GPU
+    under NCCL), against HF's model in one process on the CPU."""
     from zbpp.models.hf import causal_lm_stages
 
     rank = dist.get_rank()
     m = 2 * p
     sched = make_schedule(name, p, m)
     ref = reference_model(kind, layers)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     stages, kwargs = causal_lm_stages(config(kind, layers), sched, rank, dtype=torch.float64,
-                                      attn_implementation="eager", state_dict=ref.state_dict(), device="cpu")
+                                      attn_implementation=attn, state_dict=ref.state_dict(), device=device)
     if padded and "loss_weight" not in kwargs:
         raise AssertionError("causal_lm_stages did not pass loss_weight although Pipeline takes it")
     pipe = Pipeline(stages, sched, **kwargs)
@@ -110,8 +113,8 @@ def check_hf_step(kind: str, name: str, p: int, padded: bool = False, layers: in
     ref_loss = token_mean_loss(out.logits, labels)
     ref_loss.backward()
     if pipe.holds_last_stage:
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
-        torch.testing.assert_close(loss, out.loss.detach().double(), rtol=HF_LOSS_RTOL, atol=0)
+        torch.testing.assert_close(loss.cpu(), ref_loss.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(loss.cpu(), out.loss.detach().double(), rtol=HF_LOSS_RTOL, atol=0)
     else:
         assert loss is None
     scale = max(float(q.grad.abs().max()) for q in ref.parameters())
@@ -120,7 +123,7 @@ def check_hf_step(kind: str, name: str, p: int, padded: bool = False, layers: in
         for n, q in module.named_parameters():
             want = ref.get_parameter(n).grad
             assert q.grad is not None, f"{kind} {name} p={p} stage {s}: {n} got no gradient"
-            err = float((q.grad - want).abs().max())
+            err = float((q.grad.cpu() - want).abs().max())
             assert err <= GRAD_RTOL * scale, f"{kind} {name} p={p} stage {s}: {n} off by {err:.3g} (scale {scale:.3g})"
             checked += 1
     names = {n for module in stages.values() for n, _ in module.named_parameters()}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from zbpp.testing import gpus_available
+
 pytest.importorskip("transformers")
 
 from .cases import check_hf_step, check_materialised_only_own_stages, has_loss_weight  # noqa: E402
@@ -21,8 +23,7 @@ def _tie_holders(results: list[dict], name: str, p: int) -> list[int]:
     if name in V_PLACED:
         assert holders == [0]  # stage 0 and the last stage both on rank 0: one Parameter
     else:
-        last = p - 1 if name != "interleaved-1f1b" else p - 1
-        assert holders == [0, last], holders
+        assert holders == [0, p - 1], holders  # interleaved too: the last stage is on the last rank
     return holders
 
 
@@ -59,3 +60,12 @@ def test_no_rank_materialises_other_stages(zbpp_workers, kind, name, p, layers):
         assert res["held"] < res["whole"], (r, res)
     # the ranks hold the model between them: every parameter once, the tied one once per holder
     assert sum(res["held"] for res in results) >= results[0]["whole"]
+
+
+@pytest.mark.nccl
+@pytest.mark.skipif(not gpus_available(2), reason="needs 2 CUDA GPUs with NCCL")
+@pytest.mark.parametrize("kind,name", [("llama", "zb-v"), ("gpt2", "1f1b"), ("llama", "interleaved-1f1b")])
+def test_two_gpus(zbpp_workers, kind, name):
+    # HF's sdpa attention on the GPUs; the reference is eager on the CPU (same maths, float64)
+    results = zbpp_workers(2, backend="nccl").run(check_hf_step, kind, name, 2, has_loss_weight(), 4, "sdpa")
+    _tie_holders(results, name, 2)

@@ -96,3 +96,25 @@ def test_unsupported_model_is_named():
     cfg = transformers.OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2)
     with pytest.raises(ValueError, match="model_type 'opt'.* is not supported"):
         causal_lm_stages(cfg, build("1f1b", num_ranks=2, num_microbatches=2), 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_stages_on_the_gpu(kind):
+    # float64 on the GPU against HF on the CPU: other kernels, other summation orders (~1e-15)
+    cfg, _ = configs()[kind]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    ids = torch.randint(1, 40, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    stages = {}
+    for r in range(2):
+        mine, _ = causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="sdpa",
+                                   state_dict=ref.state_dict(), device="cuda")
+        stages.update(mine)
+    assert all(q.is_cuda for s in stages.values() for q in s.parameters())
+    h = stages[1](**stages[0](input_ids=ids.cuda(), attention_mask=mask.cuda()))
+    torch.testing.assert_close(h.cpu(), ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-9, atol=1e-9)
