@@ -106,10 +106,13 @@ def check_hf_step(kind: str, name: str, p: int, padded: bool = False, layers: in
         raise AssertionError("causal_lm_stages did not pass loss_weight although Pipeline takes it")
     pipe = Pipeline(stages, sched, **kwargs)
     ids, mask, labels = batch(2 * m, padded)
-    inputs: Any = {"input_ids": ids, "attention_mask": mask} if padded else ids
+    # padded: position_ids [1, T] shared by every row (and microbatch) as HF takes them, with gaps so
+    # that rotary embeddings (relative) see them too
+    pos = torch.tensor([[0, 1, 2, 4, 5, 7, 8, 11]]) if padded else None
+    inputs: Any = {"input_ids": ids, "attention_mask": mask, "position_ids": pos} if padded else ids
     loss = pipe.step(inputs, target=labels)
 
-    out = ref(input_ids=ids, attention_mask=mask if padded else None, labels=labels)
+    out = ref(input_ids=ids, attention_mask=mask if padded else None, position_ids=pos, labels=labels)
     ref_loss = token_mean_loss(out.logits, labels)
     ref_loss.backward()
     if pipe.holds_last_stage:
