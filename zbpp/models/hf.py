@@ -236,7 +236,6 @@ class _GPT2Stage(_Stage):
                 position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> Any:
         self._check(input_ids, hidden_states)
         inner = self.transformer
-        pos = position_ids
         if self.is_first:
             embeds = inner.wte(input_ids)
             pos = self._positions(embeds, position_ids)

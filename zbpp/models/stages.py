@@ -246,7 +246,9 @@ def pipeline_stages(
         init: ``init(module)`` initialises the parameters and buffers of one held module (and its
             submodules); default: Hugging Face's ``model._init_weights`` on every submodule, else each
             submodule's ``reset_parameters()``. Each held module is initialised under its own seed,
-            drawn from `seed` and its FQN: values do not depend on the split or the rank.
+            drawn from `seed` and its FQN: values do not depend on the split or the rank. A weight
+            that a later module of the rank shares keeps its first module's values (a tied LM head
+            keeps the embedding's; the copies on other ranks are made equal by `Pipeline`).
         state_dict: the whole model's (or a superset of this rank's) state, loaded after `init`.
 
     The stage modules are the model with what the stage does not hold removed, so the model's
