@@ -26,5 +26,6 @@ def test_docstring_examples_run(name: str) -> None:
 def test_public_entry_points_have_examples() -> None:
     """The modules users start from carry at least one runnable example each."""
     for name in ["zbpp.schedules", "zbpp.schedules.registry", "zbpp.schedules.simulate", "zbpp.schedules.dag",
-                 "zbpp.schedules.ir", "zbpp.viz.ascii", "zbpp.modules", "zbpp.modules.context"]:
+                 "zbpp.schedules.ir", "zbpp.viz.ascii", "zbpp.modules", "zbpp.modules.context",
+                 "zbpp.models", "zbpp.models.stages", "zbpp.models.hf"]:
         assert doctest.testmod(importlib.import_module(name)).attempted > 0, name

@@ -1,0 +1,212 @@
+"""Train a Hugging Face causal LM from its config (random weights, no download) with a zbpp schedule.
+
+Every process runs this script under torchrun: NCCL on GPUs (one per process), gloo on CPUs. The
+model is a ``LlamaForCausalLM`` (or ``--model gpt2 | mistral | qwen2``) built on the ``meta``
+device; each rank materialises only its own stages (`zbpp.models.hf.causal_lm_stages`), which
+handle HF's masks, rotary embeddings and loss. The data is the Python standard library's source
+as bytes (``--data stdlib``, the loader of ``train_gpt.py``) or counting sequences (``--data
+synthetic``: each row ``a, a+b, a+2b, ...`` modulo the vocabulary); ``--ragged`` cuts every row to a
+random length and right-pads it, with an ``attention_mask`` and labels -100 on the padding, as HF
+batches are. Launch::
+
+    # 2 CPU ranks (gloo), a small Llama, ZB-V:
+    torchrun --nproc-per-node=2 examples/train_hf.py --schedule zb-v --steps 40
+
+    # GPT-2 (tied embedding and LM head across ranks) with right-padded rows:
+    torchrun --nproc-per-node=2 examples/train_hf.py --model gpt2 --ragged --steps 40
+
+    # 2 GPUs (NCCL), a larger Llama:
+    torchrun --nproc-per-node=2 examples/train_hf.py --hidden 512 --layers 8 --heads 8 --seq-len 256 \\
+        --rows-per-microbatch 8 --microbatches 8 --steps 200
+
+The rank holding the last stage prints a line per step (loss, learning rate, step time, tokens/s)
+and a summary. Every rank draws the same batch from a generator seeded by (seed, step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zbpp import Pipeline
+from zbpp.runtime import clip_grad_norm_, init_distributed, shutdown_and_exit
+from zbpp.schedules import available, build, options_of
+
+MODELS = ("llama", "gpt2", "mistral", "qwen2")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=MODELS, default="llama")
+    ap.add_argument("--schedule", default="zb-h1", help=f"schedule name ({', '.join(available())})")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--rows-per-microbatch", type=int, default=4, help="sequences per microbatch")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers in the whole model")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (Llama family; default --heads)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    ap.add_argument("--warmup", type=int, default=5, help="linear warm-up steps, then cosine decay to 10%%")
+    ap.add_argument("--clip", type=float, default=1.0, help="clip the gradient to this global norm (0: off)")
+    ap.add_argument("--data", choices=["stdlib", "synthetic"], default="stdlib")
+    ap.add_argument("--data-bytes", type=int, default=2_000_000, help="--data stdlib: bytes of text to read")
+    ap.add_argument("--ragged", action="store_true", help="rows of random lengths, right-padded (attention_mask, -100)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="HF attention implementation")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
+    ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    args = ap.parse_args(argv)
+    for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "layers", "heads", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len < 4:
+        ap.error(f"--seq-len must be >= 4, got {args.seq_len}")
+    if args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.schedule not in available():
+        ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
+    return args
+
+
+# -- data ------------------------------------------------------------------------------------------
+def _train_gpt() -> Any:
+    """examples/train_gpt.py as a module: its standard-library text loader."""
+    name = "zbpp_example_train_gpt"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("train_gpt.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+class Batches:
+    """The step's batch, the same on every rank: ``(input_ids, attention_mask, labels)``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rows = args.rows_per_microbatch * args.microbatches
+        if args.data == "stdlib":
+            self.text = _train_gpt().load_text(args.data_bytes)
+            self.vocab = -(-len(self.text.vocab) // 64) * 64
+        else:
+            self.text, self.vocab = None, 64
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self.args
+        seed = a.seed * 1_000_003 + step
+        if self.text is not None:
+            ids, _ = self.text.batch("train", self.rows, a.seq_len, seed=seed)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            start = torch.randint(0, self.vocab, (self.rows, 1), generator=g)
+            stride = torch.randint(1, 4, (self.rows, 1), generator=g)
+            ids = (start + stride * torch.arange(a.seq_len)) % self.vocab
+        mask = torch.ones_like(ids)
+        if a.ragged:
+            g = torch.Generator().manual_seed(seed + 7)
+            lengths = torch.randint(a.seq_len // 2, a.seq_len + 1, (self.rows, 1), generator=g)
+            mask = (torch.arange(a.seq_len) < lengths).long()
+            ids = ids.masked_fill(mask == 0, 0)
+        return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+# -- model -----------------------------------------------------------------------------------------
+def make_config(args: argparse.Namespace, vocab: int) -> Any:
+    import transformers
+
+    if args.model == "gpt2":
+        return transformers.GPT2Config(vocab_size=vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                                       n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       bos_token_id=0, eos_token_id=0)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[args.model]
+    return cls(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+               num_hidden_layers=args.layers, num_attention_heads=args.heads,
+               num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=args.seq_len,
+               tie_word_embeddings=False)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse `argv`, train, report; return this rank's figures. torch.distributed is initialised
+    here unless it already is."""
+    from zbpp.models.hf import causal_lm_stages
+
+    args = parse_args(argv)
+    backend = init_distributed(args.backend, timeout=args.timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    batches = Batches(args)
+    config = make_config(args, batches.vocab)
+    sched = build(args.schedule, num_ranks=world, num_microbatches=args.microbatches,
+                  **({"chunks": 2} if "chunks" in options_of(args.schedule) else {}))
+    if args.layers < sched.num_stages:
+        raise SystemExit(f"--layers {args.layers} is fewer than the {sched.num_stages} stages of {args.schedule} on "
+                         f"{world} ranks: every stage needs a layer")
+
+    # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
+    stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=DTYPES[args.dtype],
+                                      attn_implementation=args.attn, seed=args.seed)
+    pipe = Pipeline(stages, sched, **kwargs)
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    reporting = pipe.holds_last_stage
+    say = (lambda text: print(text, flush=True)) if reporting else (lambda text: None)
+    say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {world} ranks "
+        f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
+        f"{args.seq_len} tokens, data {args.data}{' ragged' if args.ragged else ''}")
+    history: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        ids, mask, labels = batches(step)
+        lr = lr_at(step, args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        loss = pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+        norm = clip_grad_norm_(pipe, args.clip if args.clip > 0 else math.inf)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - start
+        if reporting:
+            tokens = int(mask.sum())
+            history.append({"step": step + 1, "loss": float(loss), "grad_norm": float(norm), "lr": lr, "seconds": dt})
+            say(f"step {step + 1:>5}/{args.steps} | loss {float(loss):.4f} | grad norm {float(norm):.3f} | "
+                f"lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tokens / dt:9.0f} tok/s")
+    if history:
+        say(f"done: {args.steps} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
+            f"{history[-1]['loss']:.4f}")
+    return {"rank": rank, "stages": sorted(stages), "history": history, "tied": sorted(kwargs["tied_parameters"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    res = train(argv)
+    hist = res["history"]
+    return 0 if not hist or all(math.isfinite(h["loss"]) for h in hist) else 1
+
+
+if __name__ == "__main__":
+    shutdown_and_exit(main())  # barrier, destroy_process_group, then leave (see its docstring)

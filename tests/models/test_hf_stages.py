@@ -1,0 +1,120 @@
+"""zbpp.models.hf's stages of Llama, Mistral, Qwen2, Qwen3 and GPT-2, run one after the other in one
+process, give HF's own logits for the whole model (float64: the same operations in the same order,
+so to 1e-12), with HF's causal and padding masks, sliding windows and rotary embeddings, under
+eager and sdpa attention; `CausalLMLoss` is HF's loss (which HF computes in float32: rtol 1e-6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from zbpp.models.hf import CausalLMLoss, causal_lm_stages  # noqa: E402
+from zbpp.schedules import build  # noqa: E402
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+COMMON = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+
+
+def configs():
+    # sliding windows shorter than the sequence; with right padding HF's own eager sliding mask leaves
+    # padded rows without a key (NaN in HF too), so those models run unpadded
+    return {
+        "llama": (transformers.LlamaConfig(**COMMON, tie_word_embeddings=True), True),
+        "mistral": (transformers.MistralConfig(**COMMON, sliding_window=3), False),
+        "qwen2": (transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=3, max_window_layers=2),
+                  False),
+        "qwen3": (transformers.Qwen3Config(**COMMON, head_dim=8), True),
+        "gpt2": (transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=4, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), True),
+    }
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
+def test_stages_in_a_row_are_hf_model(kind, attn):
+    cfg, padded = configs()[kind]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float64)
+    ids = torch.randint(1, 40, (3, 10))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 7:] = 0
+        mask[2, 4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    sched = build("zb-v", num_ranks=2, num_microbatches=2)  # 4 stages, one block each
+    stages: dict = {}
+    for r in range(2):
+        mine, kwargs = causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation=attn,
+                                        state_dict=ref.state_dict(), device="cpu")
+        stages.update(mine)
+    x = {"input_ids": ids, "attention_mask": mask}
+    for s in range(4):
+        x = stages[s](**x)
+    torch.testing.assert_close(x, want.logits, **TOL)
+    torch.testing.assert_close(kwargs["loss_fn"](x, labels), want.loss.double(), rtol=1e-6, atol=0)
+    if kind == "gpt2" or cfg.tie_word_embeddings:
+        assert stages[0].model.embed_tokens.weight is stages[3].lm_head.weight if kind != "gpt2" else \
+            stages[0].transformer.wte.weight is stages[3].lm_head.weight
+
+
+def test_explicit_fqns_and_position_ids():
+    cfg, _ = configs()["llama"]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    fqns = [["model.embed_tokens", "model.layers.0"],  # rotary embeddings added to every stage
+            ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+    stages = {}
+    for r in range(2):
+        mine, _ = causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="eager",
+                                   state_dict=ref.state_dict(), module_fqns_per_stage=fqns, device="cpu")
+        stages.update(mine)
+    assert [n for n, _ in stages[1].model.layers.named_children()] == ["1", "2", "3"]
+    ids = torch.randint(1, 40, (2, 6))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8]])
+    h = stages[1](**stages[0](input_ids=ids, position_ids=pos))
+    torch.testing.assert_close(h, ref(input_ids=ids, position_ids=pos).logits, **TOL)
+
+
+def test_loss_and_weight():
+    loss = CausalLMLoss()
+    logits = torch.randn(2, 4, 5, dtype=torch.float64)
+    labels = torch.tensor([[1, 2, 3, -100], [-100, 4, -100, -100]])
+    # predicted: (0 -> 2), (1 -> 3), (row 1: 0 -> 4)
+    want = -(torch.log_softmax(logits[0, 0], -1)[2] + torch.log_softmax(logits[0, 1], -1)[3]
+             + torch.log_softmax(logits[1, 0], -1)[4]) / 3
+    torch.testing.assert_close(loss(logits, labels), want, rtol=1e-14, atol=0)
+    assert int(loss.weight(labels)) == 3
+    assert float(loss(logits, torch.full((2, 4), -100))) == 0.0 and int(loss.weight(torch.full((2, 4), -100))) == 0
+
+
+def test_unsupported_model_is_named():
+    cfg = transformers.OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2)
+    with pytest.raises(ValueError, match="model_type 'opt'.* is not supported"):
+        causal_lm_stages(cfg, build("1f1b", num_ranks=2, num_microbatches=2), 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_stages_on_the_gpu(kind):
+    # float64 on the GPU against HF on the CPU: other kernels, other summation orders (~1e-15)
+    cfg, _ = configs()[kind]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    ids = torch.randint(1, 40, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    stages = {}
+    for r in range(2):
+        mine, _ = causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="sdpa",
+                                   state_dict=ref.state_dict(), device="cuda")
+        stages.update(mine)
+    assert all(q.is_cuda for s in stages.values() for q in s.parameters())
+    h = stages[1](**stages[0](input_ids=ids.cuda(), attention_mask=mask.cuda()))
+    torch.testing.assert_close(h.cpu(), ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-9, atol=1e-9)

@@ -1,0 +1,176 @@
+"""zbpp.models.pipeline_stages on a torchtitan-style model in one process: the stages of every rank,
+run one after the other, compute the whole model's output (float64, same values: exact up to
+summation order, 1e-12); they keep the model's parameter names; a Parameter two stages share comes
+back tied without being named, one object where one rank holds both stages; values do not depend
+on the split; the model given is left on meta; bad input is named."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from zbpp.models import fqns_per_stage, pipeline_stages
+from zbpp.schedules import build
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+class Tiny(nn.Module):
+    """torchtitan's convention: forward skips the modules a stage does not hold."""
+
+    def __init__(self, layers: int = 4, tie: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 6)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(layers))
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 20, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def tiny(**kw) -> Tiny:
+    torch.manual_seed(0)
+    return Tiny(**kw).double()
+
+
+def all_stages(model, name, p, **kw):
+    sched = build(name, num_ranks=p, num_microbatches=2 * p, **({"chunks": 2} if name == "interleaved-1f1b" else {}))
+    out = {}
+    tied = {}
+    for r in range(p):
+        stages, t = pipeline_stages(model, sched, r, blocks="layers", **kw)
+        out.update(stages)
+        tied[r] = t
+    return sched, out, tied
+
+
+@pytest.mark.parametrize("name,p", [("1f1b", 2), ("zb-v", 2), ("interleaved-1f1b", 2), ("1f1b", 4)])
+def test_stages_in_a_row_are_the_model(name, p):
+    ref = tiny(layers=8)
+    with torch.device("meta"):
+        meta = Tiny(layers=8).double()
+    sched, stages, tied = all_stages(meta, name, p, state_dict=ref.state_dict())
+    x = torch.randint(0, 20, (3, 5))
+    h = x
+    for s in range(sched.num_stages):
+        h = stages[s](h)
+    torch.testing.assert_close(h, ref(x), **TOL)
+    # the stages' state_dicts hold the model's own names, between them all of them
+    keys = [k for s in stages.values() for k in s.state_dict()]
+    assert set(keys) == set(ref.state_dict())
+    assert all(q.is_meta for q in meta.parameters())  # the model given is left as it was
+    # the tie is found: named by its first name, on the ranks holding stage 0 and the last stage
+    holders = {r for r, t in tied.items() if t}
+    assert holders == {sched.rank_of(0), sched.rank_of(sched.num_stages - 1)}
+    for r in holders:
+        assert list(tied[r]) == ["embed.weight"]
+    last = sched.num_stages - 1
+    if sched.rank_of(0) == sched.rank_of(last):  # V: one Parameter in both stages
+        assert stages[0].embed.weight is stages[last].head.weight is tied[0]["embed.weight"]
+    else:
+        assert stages[0].embed.weight is not stages[last].head.weight
+
+
+def test_values_depend_on_seed_and_name_not_on_split():
+    with torch.device("meta"):
+        meta = Tiny(layers=8, tie=False)
+    _, two, _ = all_stages(meta, "1f1b", 2, seed=3)
+    _, four, _ = all_stages(meta, "zb-v", 2, seed=3)
+    _, other, _ = all_stages(meta, "1f1b", 2, seed=4)
+    a = {n: q for s in two.values() for n, q in s.named_parameters()}
+    b = {n: q for s in four.values() for n, q in s.named_parameters()}
+    c = {n: q for s in other.values() for n, q in s.named_parameters()}
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not any(torch.equal(a[n], c[n]) for n in a if n.endswith("weight") and not n.startswith("norm"))
+
+
+def test_factory_and_default_init():
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    stages, tied = pipeline_stages(lambda: Tiny(), sched, 0, blocks="layers")
+    assert sorted(stages) == [0] and list(tied) == ["embed.weight"]
+    assert all(not q.is_meta and torch.isfinite(q).all() for q in stages[0].parameters())
+    assert stages[0].head is None and stages[0].norm is None
+    assert [n for n, _ in stages[0].layers.named_children()] == ["0", "1"]
+
+
+def test_explicit_fqns():
+    with torch.device("meta"):
+        meta = Tiny(layers=3)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    fqns = [["embed", "layers.0"], ["layers.1", "layers.2", "norm", "head"]]
+    stages, tied = pipeline_stages(meta, sched, 1, module_fqns_per_stage=fqns)
+    assert list(stages[1].state_dict()) == ["layers.1.weight", "layers.1.bias", "layers.2.weight", "layers.2.bias",
+                                            "norm.weight", "norm.bias", "head.weight"]
+    assert list(tied) == ["embed.weight"] and tied["embed.weight"] is stages[1].head.weight
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+        self.scale = nn.Module()
+        self.scale.gain = nn.Parameter(torch.ones(2))  # no reset_parameters initialises it
+
+
+def test_uninitialised_values_are_reported():
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"\['scale.gain \(stage 1\)'\] hold no values after initialisation"):
+        pipeline_stages(Custom, sched, 1, blocks="layers")
+    stages, _ = pipeline_stages(Custom, sched, 1, blocks="layers",
+                                init=lambda m: [nn.init.ones_(q) for q in m.parameters()])
+    assert torch.equal(stages[1].scale.gain, torch.ones(2))
+
+
+def test_bad_input_is_named():
+    with torch.device("meta"):
+        meta = Tiny(layers=3)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match="has 1 lists but the schedule has 2 stages"):
+        pipeline_stages(meta, sched, 0, module_fqns_per_stage=[["embed"]])
+    with pytest.raises(ValueError, match=r"module_fqns_per_stage\[1\]: 'layers.7' names no submodule"):
+        pipeline_stages(meta, sched, 0, module_fqns_per_stage=[["embed"], ["layers.7"]])
+    with pytest.raises(ValueError, match=r"no stage holds \['layers.2.weight'"):
+        pipeline_stages(meta, sched, 0, module_fqns_per_stage=[["embed", "layers.0"], ["layers.1", "norm", "head"]])
+    with pytest.raises(ValueError, match="'layers.0' \\(with parameters\\) is listed for stages 0 and 1"):
+        pipeline_stages(meta, sched, 0, module_fqns_per_stage=[["embed", "layers.0"],
+                                                               ["layers.0", "layers.1", "layers.2", "norm", "head"]])
+    with pytest.raises(ValueError, match="overlaps"):
+        pipeline_stages(meta, sched, 0, module_fqns_per_stage=[["embed", "layers"], ["layers.1", "norm", "head"]])
+    with pytest.raises(ValueError, match=r"pp_rank must be an int in \[0, 2\)"):
+        pipeline_stages(meta, sched, 2, blocks="layers")
+    with pytest.raises(ValueError, match="blocks='norm' is a LayerNorm"):
+        fqns_per_stage(meta, 2, blocks="norm")
+    with pytest.raises(ValueError, match=r"state_dict lacks \['head.weight', 'layers.2.bias'"):
+        pipeline_stages(meta, sched, 1, blocks="layers", state_dict={"layers.1.weight": torch.zeros(6, 6)})
+
+
+def test_a_declared_tie_the_pipeline_cannot_see_warns():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tied as declared: no warning, and the tie is found
+        _, tied = pipeline_stages(model, sched, 1)
+    assert list(tied) == ["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model.lm_head.weight = nn.Parameter(torch.empty(32, 8))  # untied behind the config's back
+    with pytest.warns(UserWarning, match="declares 'lm_head.weight' tied to 'model.embed_tokens.weight', but they "
+                                         "are two Parameters"):
+        _, tied = pipeline_stages(model, sched, 1)
+    assert tied == {}

@@ -1,0 +1,22 @@
+"""zbpp.models: bring a model, get this rank's pipeline stages.
+
+- `pipeline_stages`: cut a model (built on the ``meta`` device) into a schedule's stages by module
+  FQNs or balanced over its repeated blocks; only this rank's stages are materialised; weights
+  that two stages share come back as tied parameters (`stages.py`, `partition.py`).
+- `zbpp.models.hf`: Hugging Face decoder-only causal LMs (Llama, Mistral, Qwen2, GPT-2) with HF's
+  masks, rotary embeddings and loss (needs ``pip install zbpp[hf]``).
+
+Nothing in zbpp imports this package but the command line and the examples.
+
+>>> import torch
+>>> from zbpp.models import balanced_partition
+>>> balanced_partition([4, 1, 1, 1, 1], 2)  # block costs; max stage load 4
+[1, 4]
+"""
+
+from __future__ import annotations
+
+from .partition import balanced_partition, partition_loads
+from .stages import PipelineStages, fqns_per_stage, pipeline_stages
+
+__all__ = ["pipeline_stages", "fqns_per_stage", "PipelineStages", "balanced_partition", "partition_loads"]

@@ -1,0 +1,81 @@
+"""Optimal contiguous partition of a model's repeated blocks over pipeline stages.
+
+A stage's load is the sum of its blocks' costs, plus a fixed extra on the first stage (what comes
+before the blocks: embeddings) and on the last (what comes after: final norm, LM head). The split
+minimises the largest load, every stage holding at least one block, exactly (dynamic programming
+over the prefix sums, O(stages x blocks^2)).
+
+>>> balanced_partition([1, 1, 1, 1, 1, 1], 3)
+[2, 2, 2]
+>>> balanced_partition([1, 1, 1, 1, 1, 1], 3, first=2.0)  # the embedding weighs two blocks
+[1, 3, 2]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = ["balanced_partition", "partition_loads"]
+
+
+def partition_loads(costs: Sequence[float], sizes: Sequence[int], *, first: float = 0.0, last: float = 0.0) -> list[float]:
+    """The load of each stage when stage s holds the next ``sizes[s]`` blocks.
+
+    >>> partition_loads([3, 1, 1, 1], [1, 3], last=1.0)
+    [3.0, 4.0]
+    """
+    if sum(sizes) != len(costs) or any(n < 0 for n in sizes):
+        raise ValueError(f"sizes {list(sizes)} do not split {len(costs)} blocks")
+    loads, at = [], 0
+    for n in sizes:
+        loads.append(float(sum(costs[at:at + n])))
+        at += n
+    loads[0] += first
+    loads[-1] += last
+    return loads
+
+
+def balanced_partition(costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
+    """How many consecutive blocks each of `num_stages` stages holds, minimising the largest stage
+    load (see the module docstring); ties are broken the same way on every rank.
+
+    Args:
+        costs: one non-negative number per block (parameter count, measured time, ...).
+        num_stages: stages to split into; at most ``len(costs)`` (every stage holds a block).
+        first, last: the extra load of the first and the last stage.
+    """
+    n = len(costs)
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    if n < num_stages:
+        raise ValueError(f"{n} blocks cannot fill {num_stages} stages: every stage holds at least one block")
+    for name, c in [*((f"costs[{i}]", c) for i, c in enumerate(costs)), ("first", first), ("last", last)]:
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {c!r}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def load(s: int, i: int, j: int) -> float:  # stage s holding blocks i..j-1
+        return prefix[j] - prefix[i] + (first if s == 0 else 0.0) + (last if s == num_stages - 1 else 0.0)
+
+    # best[s][j]: the smallest largest load of stages 0..s holding blocks 0..j-1
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = load(0, 0, j)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(j - 1, s - 1, -1):
+                v = max(best[s - 1][i], load(s, i, j))
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    sizes, j = [], n
+    for s in range(num_stages - 1, 0, -1):
+        i = cut[s][j]
+        sizes.append(j - i)
+        j = i
+    sizes.append(j)
+    return sizes[::-1]
