@@ -59,17 +59,13 @@ __all__ = [
     "FP8_DTYPES",
 ]
 
-# 16-bit inputs only. With float32 inputs on an H200 (Triton 3.6) the transposed store came out
-# wrong for whole 128x128 tiles (ragged tiles and 16-bit inputs were bit-exact), so float32 takes
-# the next path (torch.compile, then eager); FP8 training feeds this cast 16-bit tensors anyway.
+# 16-bit inputs only: with float32 inputs Triton 3.6 stored wrong transposed tiles on Hopper, so
+# float32 takes the next path (torch.compile, then eager); FP8 training casts 16-bit tensors.
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# 128 x 64 tiles, 4 warps (64 elements per thread): the fastest of 16 shapes from 32 x 128 to
-# 256 x 128 with 2 to 16 warps on an H200 for an 8192 x 8192 bf16 cast-transpose (about 80 us
-# of GPU time, 3.4 TB/s, with the relaxed amax atomic; a plain 256 MB copy takes 66 us), and
-# bit-exact in all of them. Several tiles per program (fewer atomics) were slower: 4 to 8 tiles
-# unrolled in one program ran at 110 to 340 us.
+# 128 x 64 tiles, 4 warps (64 elements per thread): the fastest tile shape of a sweep on Hopper,
+# one tile per program (docs/benchmarks.md, "Modules").
 BLOCK_M = 128
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -265,8 +261,8 @@ if triton is not None:
             y = tl.where(y > fp8_max, fp8_max, y)  # compares are false for NaN: it passes
             y = tl.where(y < -fp8_max, -fp8_max, y)
         # compiled, the conversion saturates by itself (cvt.rn.satfinite clamps to the format's
-        # largest finite, fp8_max, and keeps NaN): the two selects cost four instructions per
-        # value in kernels bound by instruction issue
+        # largest finite, fp8_max, and keeps NaN): the two selects would cost instructions in
+        # kernels bound by instruction issue
         q = _fp8_bits(y, E5M2)
         inside = row_ok[:, None] & col_ok[None, :]
         tl.store(data_ptr + r64[:, None] * ld + c64[None, :], q, mask=inside)
@@ -275,8 +271,7 @@ if triton is not None:
             tl.store(data_t_ptr + c64[:, None] * ld_t + r64[None, :], tl.trans(q), mask=inside_t)
         mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| as bits; masked lanes are +0
         if COLUMN_SUMS:  # this row tile's share of x.sum(0); masked lanes hold zeros
-            # (placed after the stores and |x|: with the relaxed atomic below, an 8192^2 dy cast
-            # with its sums took 110 us in a bench_modules step on the H200, 136 us before both)
+            # (placed after the stores and |x|: faster there)
             tl.store(sums_at + c64, _sum(xf, 0), mask=col_ok)
         return _max(_max(mag, 1), 0)
 
@@ -294,9 +289,8 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
     ):
         """Merge a program's amax into the cast's; with UPDATE the last program updates the slot."""
-        # Relaxed: nothing waits on this atomic. An acquire-release one fenced every tile on its
-        # own stores (90 -> 80 us of GPU time per 8192^2 cast when relaxed); the count below is
-        # what orders it before the update.
+        # Relaxed: nothing waits on this atomic, and an acquire-release one would fence every tile
+        # on its own stores; the count below is what orders it before the update.
         tl.atomic_max(amax_bits_ptr, tile_bits, sem="relaxed")
         if UPDATE:
             # The last tile to finish updates the slot. The count is acquire-release: each tile's

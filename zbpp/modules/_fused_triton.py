@@ -41,17 +41,8 @@ __all__ = [
 # bfloat16 only: the value is rounded to the input's dtype in the kernel (the interpreter's
 # software rounding covers bfloat16), and FP8 training keeps its activations in bfloat16.
 INPUT_DTYPES = (torch.bfloat16,)
-# 64 x 128 tiles, 4 warps: 64 values per thread. These kernels are bound by instruction issue as
-# much as by memory: before the MUFU-only exponential and reciprocal (`_exp2_fast`, `_rcp_fast`)
-# and the dropped per-value masks, sm_90 SASS (Triton 3.8) had 46 instructions per value for the
-# GELU cast and 62 for its gradient against 20 for the plain cast, and a 4096 x 16384 GELU cast
-# took 151 us on an H200 (the plain cast 102 us, a bfloat16 copy 66 us); now 36 and 54, 133.5 us
-# and 188 us for the gradient with 64 x 64 tiles (docs/results/bench_fused_kernels_H200_after.json);
-# 64 x 128 tiles, twice the values per thread to spread each row's loads over, 124 / 173 us in the
-# same run, and the FP8 block stack of bench_modules 1.613x / 1.622x bf16 against 1.597x / 1.610x
-# (two rounds each, one H200; docs/results/bench_modules_blocks_4096_tile_*.json). Letting the
-# conversion saturate (cvt.rn.satfinite) instead of two selects per value: 94 / 152 us against
-# 121 / 172 in one run (docs/results/bench_fused_kernels_H200_{clamped,satfinite}.json).
+# 64 x 128 tiles, 4 warps: 64 values per thread, enough to spread each row's loads over; these
+# kernels are bound by instruction issue as much as by memory (docs/benchmarks.md, "Modules").
 # ZBPP_FUSED_TILE (rows x columns x warps, e.g. 64x64x4) picks another tile.
 BLOCK_M = 64
 BLOCK_N = 128
@@ -81,8 +72,8 @@ if triton is not None:
     @triton.jit
     def _exp2_fast(x):
         # 2^x in one MUFU.EX2 (ex2.approx.ftz: within 2 ulp, as Triton's exp; results below 2^-126
-        # flush to zero instead of going through the denormal fix-up that ex2.approx.f32 costs:
-        # four more instructions per value in this compute-bound kernel)
+        # flush to zero instead of going through the denormal fix-up that ex2.approx.f32 costs in
+        # this compute-bound kernel)
         if _INTERPRETED:
             return tl.exp2(x)
         else:

@@ -193,9 +193,8 @@ class Channels:
         """Abort the channels' NCCL communicators (a dead peer: kernels waiting for it end). Best effort;
         the channels are unusable afterwards.
 
-        NCCL's abort can itself block while a kernel still waits for the dead peer (seen on 2 x H200
-        with torch 2.11: `ProcessGroupNCCL.abort` did not return before NCCL's own watchdog ended the
-        process at the process-group timeout), and the caller is about to raise the error that says the
+        NCCL's abort can itself block while a kernel still waits for the dead peer (seen with torch
+        2.11: it did not return before NCCL's watchdog ended the process), and the caller is about to raise the error that says the
         pipeline is unusable: that must not wait. So the abort runs on a daemon thread and this returns
         when it finished or after `wait_s` seconds, whichever comes first."""
         if self.backend != "nccl":

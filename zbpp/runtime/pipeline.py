@@ -6,25 +6,10 @@ tasks in the schedule's order (one interpreter for every schedule: `zbpp.runtime
 leaves in ``.grad`` (or ``main_grad``) the gradient of the batch-mean loss, as one process running
 the whole model on the whole batch would. See docs/DESIGN.md.
 
-A step, top to bottom:
-
-1. *Start agreement* (`zbpp.runtime.agreement`, CPU only): every rank of the job says whether its
-   part of the input is acceptable and what it looks like; a problem anywhere raises on every rank
-   before any compute, and a new input signature makes the step send activation shapes ahead.
-2. *Tasks* (`StepExecutor`): this rank's F, B and W tasks with the plan's communication
-   (`zbpp.schedules.plan`). Gradients of earlier steps are set aside first, so that the step's own
-   are known apart (``keep_grads_on_failure``).
-3. *End agreement*: every rank says whether it failed. On success the set-aside gradients are
-   added back and the loss is returned; on a failure anywhere every rank raises `PipelineError`
-   naming the first failing rank and task, with the step's gradients discarded and earlier ones
-   restored.
-
-A rank whose task raises does not stop communicating: it *drains* (issues the rest of its sends
-and receives with placeholders, see the executor), so the peers finish the step's communication
-and reach the end agreement within about a step's time, whatever the process-group timeout, and
-the communicators stay usable: the next step runs normally. Only a dead or hung rank makes the
-end agreement fail; then every live rank raises, the `Pipeline` is marked unusable and its next
-step raises at once saying so (restart the job).
+`Pipeline.step` is the story of a step: the start agreement, gradients of earlier steps set
+aside, this rank's tasks, the data-parallel reduction, the end agreement, the gradients restored.
+What a failure does is told where it happens: draining in `zbpp.runtime.executor`, the agreements
+and a dead rank in `zbpp.runtime.agreement`.
 """
 
 from __future__ import annotations

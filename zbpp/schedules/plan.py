@@ -72,8 +72,8 @@ Channel = tuple[int, int]  # (sending rank, receiving rank)
 #: before it when the rank waits anyway. ``Costs(comm=0)`` posts every receive just before its consumer.
 DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
 
-#: How much slower a GEMM runs beside a spinning NCCL kernel (measured on an H200: ~940 against ~740
-#: us): posting a receive before its data exists costs the rank about this share of the spin time.
+#: How much slower a GEMM runs beside a spinning NCCL kernel (measured on Hopper; docs/benchmarks.md):
+#: posting a receive before its data exists costs the rank about this share of the spin time.
 SPIN_SLOWDOWN = 0.27
 #: A receive is posted before its data exists only when waiting for the next boundary would make
 #: the message later than this share of its consumer's time: never on a fast link (where a message
@@ -301,8 +301,7 @@ def plan_makespan(plan: Plan, costs: Costs) -> float:
     task i-1 ends) and the channel's previous message has arrived (a channel is one NCCL stream),
     then takes ``costs.comm``; a task starts when its rank is free and its input is there. With
     receives posted late for the link (a plan made for a faster one), this is what the runtime
-    loses that `simulate` does not see: on NCCL sockets between two H200s (8.5 ms messages, 13-15
-    ms tasks) it predicted zb-h1 within 0.6% where `simulate` was 9% short. With a plan made for
+    loses that `simulate` does not see (docs/benchmarks.md, "A slow link"). With a plan made for
     these costs it equals `simulate`'s makespan (tests/schedules/test_plan.py).
 
     >>> from zbpp.schedules import build, simulate
