@@ -38,6 +38,7 @@ their column sums of x (a bias gradient, summed from the unquantised values in t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -414,16 +415,8 @@ def unsupported(device: torch.device) -> str | None:
 def _on(device: torch.device):
     # Triton launches on the current device; switch only when x lives elsewhere.
     if device.index is None or device.index == torch.cuda.current_device():
-        return _NoSwitch()
+        return contextlib.nullcontext()
     return torch.cuda.device(device)
-
-
-class _NoSwitch:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _launch(

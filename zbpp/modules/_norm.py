@@ -40,8 +40,6 @@ __all__ = [
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
-Stats = tuple[torch.Tensor | None, torch.Tensor]  # (mean or None, rstd), float32 [rows, 1]
-
 
 def make_norm_params(
     module: nn.Module,

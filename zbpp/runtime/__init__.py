@@ -2,7 +2,7 @@
 
 - `Pipeline`: one interpreter for every schedule (`pipeline.py`, `executor.py`), communication on
   one channel per direction at the points the schedule's plan gives (`zbpp.schedules.plan`,
-  `channels.py`), the step's agreements (`agreement.py`), W tasks (`wgrad.py`); `CommOptions`.
+  `channels.py`), the step's agreements (`agreement.py`), W tasks (`wgrad.py`).
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
   parallelism: `grad_reduce.py`.
@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-from .channels import CommOptions
 from .clip import clip_grad_norm_
 from .executor import PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
@@ -22,7 +21,6 @@ from .profiling import measured_bubble_rate
 __all__ = [
     "Pipeline",
     "ParallelGroups",
-    "CommOptions",
     "PipelineError",
     "ShapeMismatchError",
     "clip_grad_norm_",

@@ -76,13 +76,8 @@ class _Poison:
 POISON = _Poison()
 
 
-try:  # the autograd engine entry point that takes gradients of a shape other than the tensor's
-    from torch.autograd.graph import _engine_run_backward as _engine_backward  # torch >= 2.3
-except ImportError:  # pragma: no cover - older torch
-    from torch.autograd import Variable
-
-    def _engine_backward(*args: Any, **kwargs: Any) -> Any:
-        return Variable._execution_engine.run_backward(*args, **kwargs)
+# the autograd engine entry point that takes gradients of a shape other than the tensor's
+from torch.autograd.graph import _engine_run_backward as _engine_backward
 
 
 def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:

@@ -110,7 +110,8 @@ class GradReducer:
     Args:
         stage_modules: ``{stage index: module}`` for the stages this pipeline rank holds, already
             on their device.
-        groups: a `ParallelGroups` (``dp`` and ``dp_group`` are used), or None for no data
+        groups: a `ParallelGroups` (``dp`` and ``dp_group`` are used) or the pipeline's
+            `Topology` (``dp_size`` and ``dp_group``), or None for no data
             parallelism (the exactly-once bookkeeping still runs).
         bucket_size_mb: largest bucket, in MiB of the reduced dtype; a larger parameter gets its own.
         main_grad: give every parameter a ``main_grad`` (see the module docstring for the
@@ -139,7 +140,7 @@ class GradReducer:
             raise ValueError("GradReducer needs at least one stage module, got an empty mapping")
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
-        self._dp = int(getattr(groups, "dp", 1)) if groups is not None else 1
+        self._dp = int(getattr(groups, "dp_size", getattr(groups, "dp", 1))) if groups is not None else 1
         self._dp_group = getattr(groups, "dp_group", None) if groups is not None else None
         self._cap_bytes = int(bucket_size_mb * _MiB)
         self._exclude = set(exclude)  # ids of parameters reduced elsewhere (tied parameters)

@@ -29,7 +29,7 @@ from ..schedules.ir import Schedule
 from ..schedules.plan import Plan, fifo_wgrad_problem, make_plan
 from ..schedules.simulate import Costs
 from .agreement import Agreement, BrokenJob, EndReport, StartReport
-from .channels import Channels, CommOptions, agreement_group, default_timeout
+from .channels import Channels, agreement_group, default_timeout
 from .executor import PipelineError, StepExecutor
 from .profiling import TaskRecorder
 from .tied import TiedParameters
@@ -70,11 +70,9 @@ class Pipeline:
             ``main_grad`` that no data-parallel reducer owns is copied at the start of each step
             (memory and time of one copy). False: a failed step sets ``.grad`` to None and zeroes
             ``main_grad``, and a step accumulates in place.
-        comm: how the point-to-point channels use NCCL (`CommOptions`; ignored on gloo).
         costs: the task and link times that place sends and receives
             (`zbpp.schedules.plan.make_plan`); default unit costs and a fast link. Pass measured
             costs (`Costs.from_profile`, with ``comm``) on slow links.
-        recv_lead: extra tasks of margin before each receive (`make_plan`).
         timeout: seconds a peer may take before the pipeline's own groups fail; default: the
             default process group's timeout.
         tied_parameters: ``{name: parameter}``: this rank's copies of parameters that several
@@ -114,9 +112,7 @@ class Pipeline:
         free_sent_activations: bool = True,
         reducer: Any = None,
         keep_grads_on_failure: bool = True,
-        comm: CommOptions | None = None,
         costs: Costs | None = None,
-        recv_lead: int = 0,
         timeout: float | None = None,
         tied_parameters: Mapping[str, nn.Parameter] | None = None,
     ) -> None:
@@ -126,8 +122,6 @@ class Pipeline:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not isinstance(stage_modules, Mapping):
             raise TypeError(f"stage_modules must be a mapping {{stage: module}}, got {type(stage_modules).__name__}")
-        if comm is not None and not isinstance(comm, CommOptions):
-            raise TypeError(f"comm must be a zbpp.runtime.CommOptions, got {type(comm).__name__}")
         if costs is not None and not isinstance(costs, Costs):
             raise TypeError(f"costs must be a zbpp.schedules.Costs, got {type(costs).__name__}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
@@ -148,8 +142,8 @@ class Pipeline:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"stage {s}: expected an nn.Module, got {type(m).__name__}")
         self.stage_modules: dict[int, nn.Module] = dict(sorted(stage_modules.items()))
-        self._plan: Plan = make_plan(schedule, costs=costs, recv_lead=recv_lead)
-        self._costs, self._recv_lead = costs, recv_lead
+        self._plan: Plan = make_plan(schedule, costs=costs)
+        self._costs = costs
         self._eval_plan: Plan | None = None
         self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
         for s, w in self._wgrad.items():
@@ -175,7 +169,7 @@ class Pipeline:
         self._agreement = Agreement(agreement_group(self.topology, span))
         self._channels = None
         if self.topology.pp_size > 1:
-            self._channels = Channels(self.topology, self._plan.channels, self.device, comm or CommOptions(), span)
+            self._channels = Channels(self.topology, self._plan.channels, self.device, span)
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
                                     self._agreement.group, self.device, span)
         self._reducer = reducer
@@ -202,7 +196,7 @@ class Pipeline:
     @property
     def plan(self) -> Plan:
         """The communication plan its training steps execute (`zbpp.schedules.plan.make_plan` of
-        the schedule, with the constructor's ``costs`` and ``recv_lead``): where each rank issues
+        the schedule, with the constructor's ``costs``): where each rank issues
         each send and receive; `zbpp.schedules.plan.plan_makespan` predicts its step."""
         return self._plan
 
@@ -548,7 +542,7 @@ class Pipeline:
     # -- internals ----------------------------------------------------------------------------
     def _forward_plan(self) -> Plan:
         if self._eval_plan is None:
-            self._eval_plan = make_plan(self.schedule, costs=self._costs, recv_lead=self._recv_lead, forward_only=True)
+            self._eval_plan = make_plan(self.schedule, costs=self._costs, forward_only=True)
         return self._eval_plan
 
     def _resolve_device(self, device: torch.device | str | None) -> torch.device:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["TensorMeta", "Spec", "flatten", "rebuild", "split", "rows_of", "call", "describe"]
+__all__ = ["TensorMeta", "Spec", "flatten", "rebuild", "split", "call", "describe"]
 
 
 @dataclass(frozen=True)
@@ -145,12 +145,6 @@ def split(obj: Any, parts: int, *, what: str = "input") -> list[Any]:
         )
     pieces = [torch.tensor_split(t, parts, dim=0) for t in leaves]
     return [rebuild(spec, [p[j] for p in pieces]) for j in range(parts)]
-
-
-def rows_of(obj: Any) -> int:
-    """Size along dim 0 of the first tensor leaf of `obj` (a microbatch's weight)."""
-    leaves, _ = flatten(obj)
-    return int(leaves[0].shape[0])
 
 
 def call(fn: Callable[..., Any], arg: Any) -> Any:
