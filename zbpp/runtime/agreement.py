@@ -31,6 +31,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .._compat import default_store, process_group_name
+
 __all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob"]
 
 R = TypeVar("R", "StartReport", "EndReport")
@@ -72,10 +74,8 @@ class Agreement:
         self._store: Any = None
         self._key = ""
         if group is not None:
-            import torch.distributed as dist
-
-            self._store = dist.distributed_c10d._get_default_store()
-            self._key = f"zbpp/{dist.distributed_c10d._get_process_group_name(group)}/broken"
+            self._store = default_store()
+            self._key = f"zbpp/{process_group_name(group)}/broken"
 
     def gather(self, mine: R) -> list[R]:
         """Every rank's report, in the group's rank order; raises `BrokenJob` when a rank is gone."""

@@ -29,10 +29,11 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from .._compat import default_group_timeout
 from .topology import Topology
 from .tree import TensorMeta
 
-__all__ = ["Channels", "agreement_group", "default_timeout"]
+__all__ = ["Channels", "agreement_group", "cached_group", "default_timeout"]
 
 Channel = tuple[int, int]  # (sending pipeline rank, receiving pipeline rank)
 
@@ -44,19 +45,10 @@ _GROUPS: dict[tuple[Any, ...], Any] = {}  # (purpose, backend, global ranks) -> 
 
 def default_timeout() -> timedelta:
     """The default process group's timeout (what ``init_process_group(timeout=...)`` set)."""
-    try:
-        pg = dist.distributed_c10d._get_default_group()
-        for device in ("cuda", "cpu"):
-            try:
-                return pg._get_backend(torch.device(device)).options._timeout
-            except Exception:  # noqa: BLE001 - that device has no backend; try the next
-                continue
-    except Exception:  # noqa: BLE001 - private API moved: fall back to torch's default
-        pass
-    return timedelta(minutes=10)
+    return default_group_timeout() or timedelta(minutes=10)
 
 
-def _group(purpose: str, ranks: Sequence[int], backend: str, timeout: timedelta) -> Any:
+def cached_group(purpose: str, ranks: Sequence[int], backend: str, timeout: timedelta) -> Any:
     """A cached process group of `ranks` (every rank of the default group must call this in the same
     order with the same arguments); None on ranks outside it."""
     key = (purpose, backend, tuple(ranks))
@@ -77,7 +69,7 @@ def agreement_group(topology: Topology, timeout: timedelta) -> Any:
     waits for a GPU); None without torch.distributed."""
     if not topology.distributed:
         return None
-    return _group("agree", topology.world, "gloo", timeout)
+    return cached_group("agree", topology.world, "gloo", timeout)
 
 
 class Channels:
@@ -100,7 +92,7 @@ class Channels:
         channels = sorted(set(channels))
         for line in topology.pipelines:  # every pipeline's, in one order: new_group is collective
             for src, dst in channels:
-                group = _group("p2p", (line[src], line[dst]), self.backend, timeout)
+                group = cached_group("p2p", (line[src], line[dst]), self.backend, timeout)
                 if line == topology.pipeline:
                     self._groups[(src, dst)] = group
 

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .._compat import engine_run_backward
 from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
 from ..schedules.plan import CommOp, Message, RankPlan
@@ -76,23 +77,18 @@ class _Poison:
 POISON = _Poison()
 
 
-# the autograd engine entry point that takes gradients of a shape other than the tensor's
-from torch.autograd.graph import _engine_run_backward as _engine_backward
-
-
 def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Backpropagate ``grads`` from ``roots`` (accumulating into leaves' ``.grad``).
 
     Calls the engine directly because a sent activation's storage may have been released (its
-    ``.data`` shrunk): the engine checks gradients against the autograd node's recorded input shape,
-    not against the tensor's current data.
+    ``.data`` shrunk): see `zbpp._compat.engine_run_backward`.
     """
     pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
     if not pairs:
         return
     ts = tuple(t for t, _ in pairs)
     gs = tuple(torch.ones_like(t) if g is None else g for t, g in pairs)
-    _engine_backward(ts, gs, False, False, (), allow_unreachable=True, accumulate_grad=True)
+    engine_run_backward(ts, gs)
 
 
 @dataclass
