@@ -29,7 +29,7 @@ from ..schedules.ir import Schedule
 from ..schedules.plan import Plan, fifo_wgrad_problem, make_plan
 from ..schedules.simulate import Costs
 from .agreement import Agreement, BrokenJob, EndReport, StartReport
-from .channels import Channels, agreement_group, default_timeout
+from .channels import Channels, agreement_group, cached_group, default_timeout
 from .executor import PipelineError, StepExecutor
 from .profiling import TaskRecorder
 from .tied import TiedParameters
@@ -176,7 +176,11 @@ class Pipeline:
         if reducer is None and self.topology.dp_size > 1:
             from .grad_reduce import GradReducer
 
-            self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids())
+            # a gloo group of this rank's replicas: the presence of .grad travels on the host
+            presence = [cached_group("dp-presence", [line[r] for line in self.topology.pipelines], "gloo", span)
+                        for r in range(self.topology.pp_size)][self.pp_rank]
+            self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids(),
+                                        presence_group=presence)
         self._sync_gradients = True  # False inside no_sync()
         self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
