@@ -20,12 +20,12 @@ import pickle
 import time
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..schedules.ir import Schedule
+from ..schedules.ir import Action, Schedule
 from ..schedules.plan import Plan, fifo_wgrad_problem, make_plan
 from ..schedules.simulate import Costs
 from .agreement import Agreement, BrokenJob, EndReport, StartReport
@@ -439,9 +439,13 @@ class Pipeline:
             where = f"task {ex.failed_task}" if ex.failed_task is not None else "outside any task"
             text = (f"{self.topology.describe()}, {where} of schedule {self.schedule.name or 'custom'!r}: "
                     f"{type(ex.failure).__name__}: {ex.failure}")
+            if ex.failed_task in tasks:
+                text += "\n" + tasks_around(tasks, tasks.index(ex.failed_task), self.pp_rank)
         texts = self._agreement.gather_texts(text)
         failed = sorted((r.failed_at_us, i) for i, r in enumerate(reports) if r.failed and texts[i] is not None)
         first = texts[failed[0][1]] if failed else None
+        first, _, around = (first or "").partition("\n")  # the failing rank's tasks, for the end
+        first = first or None
         if len(failed) > 1:
             first += f" ({len(failed) - 1} more rank(s) failed after it)"
         if any(r.comm_broken for r in reports):
@@ -452,7 +456,8 @@ class Pipeline:
         kept = "gradients of earlier steps kept" if self.keep_grads_on_failure else ".grad set to None, main_grad zeroed"
         msg = (f"step failed on {first or 'a rank whose message did not arrive'}. Every rank of the job raised; "
                f"this rank discarded the step's gradients ({kept})"
-               + (f". {self._broken}" if self._broken else "; the pipeline is usable"))
+               + (f". {self._broken}" if self._broken else "; the pipeline is usable")
+               + (f"\n{around}" if around else ""))
         error = PipelineError(msg)
         if ex.failure is not None:
             error.__cause__ = ex.failure
@@ -574,6 +579,20 @@ class Pipeline:
             (s, tuple(mod.training for mod in m.modules()), tuple(p.requires_grad for p in m.parameters()))
             for s, m in self.stage_modules.items()
         )
+
+
+def tasks_around(tasks: Sequence[Action], index: int, rank: int, context: int = 4) -> str:
+    """One rank's schedule around its task `index`, that task marked (as torch.distributed.pipelining
+    marks the failing action in its schedule grid).
+
+    >>> from zbpp.schedules import build
+    >>> print(tasks_around(build("zb-h1", num_ranks=2, num_microbatches=4).orders[1], 4, rank=1))
+    pipeline rank 1, tasks 1-9 of 12:  F1.0 B1.0 F1.1 B1.1 [W1.0] F1.2 B1.2 W1.1 F1.3 ...
+    """
+    lo, hi = max(0, index - context), min(len(tasks), index + context + 1)
+    shown = [f"[{a}]" if i == index else str(a) for i, a in enumerate(tasks[lo:hi], start=lo)]
+    return (f"pipeline rank {rank}, tasks {lo + 1}-{hi} of {len(tasks)}:  "
+            + ("... " if lo > 0 else "") + " ".join(shown) + (" ..." if hi < len(tasks) else ""))
 
 
 def _merge(outputs: list[Any]) -> Any:
