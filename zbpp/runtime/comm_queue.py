@@ -1,7 +1,7 @@
 """The communication queue of one rank's step: the plan's sends and receives, in order.
 
 `CommQueue` is mixed into `zbpp.runtime.executor.StepExecutor`, whose fields it uses: ``plan``
-(this rank's `RankPlan`), ``channels``, ``specs`` and ``sync`` (the shapes of this input
+(this rank's `RankPlan`), ``channels``, ``specs`` and ``new_signature`` (the shapes of this input
 signature, and whether they are still being learnt), ``in_flight``, the failure record (``current``,
 ``failure``, ``comm_error``, ``upstream_failed``, ``draining``, ``_fail``) and the per-step queues
 (``_outbox``, ``_queues``, ``_received``, ``_sending``, ``_dead``; the end of a step also clears
@@ -88,7 +88,7 @@ class CommQueue:
             spec, tensors = self._placeholder(msg)
         works: list[Any] = []
         keep = list(tensors)
-        if self.sync and not msg.is_gradient:
+        if self.new_signature and not msg.is_gradient:
             if spec is POISON:  # its gradient message will be empty, on both ends
                 self.specs[(msg.src.stage, msg.src.microbatch)] = POISON
             w, bufs = self.channels.send_object(spec, msg.channel)
@@ -144,7 +144,7 @@ class CommQueue:
 
     def _receive(self, msg: Message) -> list[torch.Tensor]:
         """The tensors of `msg`, once arrived (on CUDA: the compute stream waits for them). Receives
-        the spec first when it comes in-band (a sync step), which blocks until it has arrived."""
+        the spec first when it comes in-band (a new signature's step), which blocks until it has arrived."""
         item = self._received.pop(msg.index, None)
         if item is None:
             queue = self._queues[msg.channel]
@@ -152,7 +152,7 @@ class CommQueue:
             assert item.message.index == msg.index, "channel order broken (a bug in the plan)"
             if msg.channel in self._dead:
                 raise Drained()
-            if not self.sync or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
+            if not self.new_signature or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
                 raise PipelineError(f"rank {self.plan.rank}: the receive of {msg} was never posted (a bug)")
             try:
                 spec = self.channels.recv_object(msg.channel)

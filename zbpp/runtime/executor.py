@@ -16,8 +16,8 @@ puts before it (`zbpp.schedules.plan`: sends of data already produced, receives 
 soon, each channel's in its order), then run the task, which waits only for its own inputs. Data
 moves along the DAG: a message on each cross-rank edge, a hand-over in memory on each same-rank edge.
 
-Shapes: on the first step of a new input signature (``sync``) each activation message is preceded
-by its `Spec` (structure, shapes, dtypes, non-tensor values), received when its consumer needs it;
+Shapes: on the first step of a new input signature (``new_signature``) each activation message is
+preceded by its `Spec` (structure, shapes, dtypes, non-tensor values), received when its consumer needs it;
 later steps post receives from the cached specs, and the sender checks its output against them (a
 difference raises `ShapeMismatchError` naming the stage, the microbatch and both specs). Gradient
 messages need no metadata: they have the shapes of the activations they answer.
@@ -25,7 +25,7 @@ messages need no metadata: they have the shapes of the activations they answer.
 Failures: an exception in a task (or in handing its data on) does not stop the step's
 communication. The rank *drains*: it runs no more compute but still issues every remaining send
 and receive of its plan, in order, with placeholders of the right shapes in place of the data it
-could not produce (on a ``sync`` step, a `POISON` spec with no data: its receiver drains too), and
+could not produce (on a ``new_signature`` step, a `POISON` spec with no data: its receiver drains too), and
 still signals the stages' last B and W so that data-parallel reductions are issued as on the other
 replicas. Every peer therefore completes the step's communication, the communicators stay
 consistent, and the agreement at the end of the step (`zbpp.runtime.pipeline`) tells every rank
@@ -92,8 +92,8 @@ class StepExecutor(CommQueue):
         loss_fn: ``loss_fn(output, target) -> scalar``, mean over the microbatch.
         channels: the point-to-point channels (None when the pipeline has one rank).
         specs: the activation specs of this step's signature, ``(stage, microbatch) -> Spec``;
-            filled here when `sync` (the signature's first step), read otherwise.
-        sync: the specs are not known yet: send them ahead of each activation.
+            filled here when `new_signature` (the signature's first step), read otherwise.
+        new_signature: the specs are not known yet: send them ahead of each activation.
         inputs: per microbatch, the first stage's input (on the rank holding stage 0).
         targets: per microbatch, the target (on the rank holding the last stage; None entries allowed).
         weights: per microbatch, its share of the batch.
@@ -111,7 +111,7 @@ class StepExecutor(CommQueue):
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     channels: Any
     specs: dict[tuple[int, int], Any]
-    sync: bool
+    new_signature: bool
     inputs: list[Any] | None
     targets: list[Any] | None
     weights: list[float]
@@ -269,7 +269,7 @@ class StepExecutor(CommQueue):
                                       for t in leaves])
             return
         known = self.specs.get((s, j))
-        if self.sync:
+        if self.new_signature:
             self.specs[(s, j)] = spec
         elif known != spec:
             raise ShapeMismatchError(
@@ -278,7 +278,7 @@ class StepExecutor(CommQueue):
                 "output structure, shapes, dtypes, requires_grad and non-tensor values must be determined "
                 "by the step's input shapes (and the modules' train/requires_grad state)"
             )
-        self._outbox[msg.index] = (spec if self.sync else None, [t.detach().contiguous() for t in leaves])
+        self._outbox[msg.index] = (spec if self.new_signature else None, [t.detach().contiguous() for t in leaves])
         if self.free_sent_activations and not self.forward_only:
             for t in roots:
                 # Keep only the autograd node: what backward saved is held by the graph itself; the

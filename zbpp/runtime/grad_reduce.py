@@ -157,7 +157,7 @@ class GradReducer:
         self._delayed: dict[int, list[nn.Module]] = {}
         self._stage_entries: dict[int, list[_Entry]] = {}
         self._entries: dict[int, _Entry] = {}  # id(param) -> entry
-        self._late: dict[int, list[_Entry]] = {}  # stage -> what its W owes this step
+        self._owed_by_w_now: dict[int, list[_Entry]] = {}  # stage -> what its W owes this step
         self._hook_handles: list[Any] = []
         self._active = False
         self._in_step = False
@@ -276,7 +276,7 @@ class GradReducer:
 
     # -- hooks --------------------------------------------------------------------------------
     @staticmethod
-    def _fold(e: _Entry) -> None:
+    def _grad_into_main_grad(e: _Entry) -> None:
         """Move ``.grad`` into ``main_grad`` unless the module already accumulated it there.
 
         Megatron's rule: a fused layer that added its gradient into ``main_grad`` sets
@@ -304,7 +304,7 @@ class GradReducer:
         e = self._entries[id(p)]
         self._check_not_final(e, "autograd accumulated a gradient")
         if e.uses_main_grad:
-            self._fold(e)
+            self._grad_into_main_grad(e)
 
     def _after_module_wgrad(self, stage: int, module: nn.Module, *unused: Any) -> None:
         if not self._active:
@@ -312,7 +312,7 @@ class GradReducer:
         for e in self._owed_by_module(stage, module):
             self._check_not_final(e, "backward_dw() ran")
             if e.uses_main_grad:
-                self._fold(e)  # Transformer Engine overwrites .grad at the next W: keep this one
+                self._grad_into_main_grad(e)  # Transformer Engine overwrites .grad at the next W: keep this one
 
     # -- the per-step protocol ----------------------------------------------------------------
     def start_step(self, keep_main_grad: bool = False) -> None:
@@ -340,14 +340,14 @@ class GradReducer:
             if e.uses_main_grad and hasattr(e.param, "grad_added_to_main_grad"):
                 e.param.grad_added_to_main_grad = False
         self._called.clear()
-        self._late.clear()
+        self._owed_by_w_now.clear()
         self._in_step = True
 
     def stage_backward_done(self, stage: int) -> None:
         """The stage's last B (or BW) of the step ran: all but what its W still owes is final."""
         self._signal(stage, _B)
         late = self._owed_by_w(stage)
-        self._late[stage] = late
+        self._owed_by_w_now[stage] = late
         owed = {id(e.param) for e in late}
         self._mark(stage, _B, [e for e in self._stage_entries[stage] if id(e.param) not in owed])
 
@@ -360,8 +360,8 @@ class GradReducer:
                 "always follows its last B; call stage_backward_done first (both after a BW)"
             )
         now = self._owed_by_w(stage)
-        if {id(e.param) for e in now} != {id(e.param) for e in self._late[stage]}:
-            before = sorted(e.name for e in self._late[stage])
+        if {id(e.param) for e in now} != {id(e.param) for e in self._owed_by_w_now[stage]}:
+            before = sorted(e.name for e in self._owed_by_w_now[stage])
             raise RuntimeError(
                 f"get_backward_dw_params() of stage {stage} changed between its last B and its last W "
                 f"(was {before}, now {sorted(e.name for e in now)}); it must describe the whole step"
@@ -431,7 +431,7 @@ class GradReducer:
                 continue  # another stage of this rank still holds it open
             e.ready = True
             if e.uses_main_grad:
-                self._fold(e)  # a W outside autograd (or a CUDA graph) may have left .grad
+                self._grad_into_main_grad(e)  # a W outside autograd (or a CUDA graph) may have left .grad
             e.bucket.waiting -= 1
             if e.bucket.waiting == 0:
                 full.append(e.bucket)

@@ -31,6 +31,7 @@ from ..schedules.simulate import Costs
 from .agreement import Agreement, BrokenJob, EndReport, StartReport
 from .channels import Channels, agreement_group, cached_group, default_timeout
 from .executor import PipelineError, StepExecutor
+from .grad_aside import GradientsAside
 from .profiling import TaskRecorder
 from .tied import TiedParameters
 from .topology import Topology
@@ -232,27 +233,25 @@ class Pipeline:
         """
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
-        ex, sync, signature = self._begin(inputs, target, forward_only=False)
-        reducing = self._sync_gradients
-        self._set_gradients_aside(in_place=reducing and self._unreduced)
+        ex, new_signature, signature = self._begin(inputs, target, forward_only=False)  # agree on the input
+        reducing = self._sync_gradients  # False inside no_sync()
+        aside = GradientsAside(self.parameters(), keep=self.keep_grads_on_failure,
+                               in_place=reducing and self._unreduced,
+                               copy_main_grad=not (reducing and self._reducer is not None and not self._unreduced))
         problem: BaseException | None = None
         try:
             if reducing:
-                if self._reducer is not None:
-                    self._reducer.start_step(keep_main_grad=self._unreduced)
-                self._tied.start_step()
-            loss = ex.run()
+                self._start_reductions()
+            loss = ex.run()  # this rank's tasks, with the plan's communication
             if reducing and not ex.draining:
-                if self._reducer is not None:
-                    self._reducer.finish()
-                self._tied.finish()
+                self._finish_reductions()
         except Exception as exc:  # noqa: BLE001 - the reducers; reported through the agreement
             problem = exc
-        failure = self._end(ex, problem, sync, signature)
+        failure = self._end(ex, problem, new_signature, signature)  # agree on the outcome
         if failure is not None:
-            self._discard_step_gradients()
+            aside.discard_step()
             raise failure
-        self._take_back_gradients()
+        aside.take_back()
         self._unreduced = not reducing
         if losses is not None and self.holds_last_stage:
             losses.extend(ex.losses)
@@ -295,14 +294,14 @@ class Pipeline:
         >>> tuple(pipe.eval_step(torch.ones(4, 3)).shape)
         (4, 2)
         """
-        ex, sync, signature = self._begin(inputs, target, forward_only=True)
+        ex, new_signature, signature = self._begin(inputs, target, forward_only=True)
         problem: BaseException | None = None
         try:
             with torch.no_grad():
                 loss = ex.run()
         except Exception as exc:  # noqa: BLE001
             problem = exc
-        failure = self._end(ex, problem, sync, signature)
+        failure = self._end(ex, problem, new_signature, signature)
         if failure is not None:
             raise failure
         if not self.holds_last_stage:
@@ -369,17 +368,18 @@ class Pipeline:
                 f"global rank {bad[0][0]} rejected its part of the step's input ({bad[0][1]}); "
                 f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
             )
-        line = [reports[self.topology.world.index(g)] for g in self.topology.pipeline]
-        rows = line[self.schedule.rank_of(0)].input_rows
-        target_rows = line[self.schedule.rank_of(self.schedule.num_stages - 1)].target_rows
+        pipeline_reports = [reports[self.topology.world.index(g)] for g in self.topology.pipeline]
+        rows = pipeline_reports[self.schedule.rank_of(0)].input_rows
+        target_rows = pipeline_reports[self.schedule.rank_of(self.schedule.num_stages - 1)].target_rows
         if target_rows >= 0 and target_rows != rows:
             raise ValueError(
                 f"the target has {target_rows} rows along dim 0 but the input has {rows}: every tensor of the "
                 "input and of the target is split into the same microbatches along dim 0. Nothing was computed"
             )
         weights = [(rows // m + (1 if j < rows % m else 0)) / rows for j in range(m)]  # tensor_split's sizes
-        signature = (forward_only, line[self.schedule.rank_of(0)].input_hash, rows, *(r.state_hash for r in line))
-        sync = signature not in self._specs
+        signature = (forward_only, pipeline_reports[self.schedule.rank_of(0)].input_hash, rows,
+                     *(r.state_hash for r in pipeline_reports))
+        new_signature = signature not in self._specs
         specs = self._specs.setdefault(signature, {})
         self._specs.move_to_end(signature)
         while len(self._specs) > _MAX_SIGNATURES:  # same sequence of signatures on every rank: same eviction
@@ -396,7 +396,7 @@ class Pipeline:
             loss_fn=self.loss_fn if (not forward_only or target is not None) else None,
             channels=self._channels,
             specs=specs,
-            sync=sync,
+            new_signature=new_signature,
             inputs=mbs,
             targets=tgts if tgts is not None else ([None] * m if last else None),
             weights=weights,
@@ -406,9 +406,9 @@ class Pipeline:
             forward_only=forward_only,
             **hooks,
         )
-        return ex, sync, signature
+        return ex, new_signature, signature
 
-    def _end(self, ex: StepExecutor, problem: BaseException | None, sync: bool, signature: tuple) -> PipelineError | None:
+    def _end(self, ex: StepExecutor, problem: BaseException | None, new_signature: bool, signature: tuple) -> PipelineError | None:
         """The end agreement: None when every rank succeeded, else the error this rank raises."""
         if problem is not None and ex.failure is None:
             ex.failure, ex.failed_task, ex.failed_at = problem, None, time.time()
@@ -427,13 +427,13 @@ class Pipeline:
                 raise BrokenJob(why)
             reports = self._gather(mine, "end")
         except (PipelineError, BrokenJob) as exc:
-            self._after_failure(ex, sync, signature)
+            self._after_failure(ex, new_signature, signature)
             if isinstance(exc, BrokenJob):
                 exc = self._broken_error(exc, "end")
             return exc
         if not any(r.failed or r.drained or r.comm_broken for r in reports):
             return None
-        self._after_failure(ex, sync, signature)
+        self._after_failure(ex, new_signature, signature)
         text = None
         if ex.failure is not None:
             where = f"task {ex.failed_task}" if ex.failed_task is not None else "outside any task"
@@ -466,14 +466,14 @@ class Pipeline:
     def _stage_backward_done(self, stage: int) -> None:
         if self._reducer is not None:
             self._reducer.stage_backward_done(stage)
-        self._tied.stage_done(stage, self._wgrad[stage].owed_params())
+        self._tied.stage_done(stage, self._wgrad[stage].wgrad_param_ids())
 
     def _stage_wgrad_done(self, stage: int) -> None:
         if self._reducer is not None:
             self._reducer.stage_wgrad_done(stage)
         self._tied.stage_done(stage, None)
 
-    def _after_failure(self, ex: StepExecutor, sync: bool, signature: tuple) -> None:
+    def _after_failure(self, ex: StepExecutor, new_signature: bool, signature: tuple) -> None:
         for w in self._wgrad.values():
             w.discard()
         if not ex.forward_only and self._sync_gradients:
@@ -483,7 +483,7 @@ class Pipeline:
                         reducer.abandon()
                 except Exception:  # noqa: BLE001 - best effort: the step is lost anyway
                     pass
-        if sync:  # some shapes of this signature may never have been learnt
+        if new_signature:  # some shapes of this signature may never have been learnt
             self._specs.pop(signature, None)
 
     def _gather(self, report: Any, which: str) -> list[Any]:
@@ -503,50 +503,16 @@ class Pipeline:
         error.__cause__ = exc
         return error
 
-    # -- gradients across a step ---------------------------------------------------------------
-    def _set_gradients_aside(self, in_place: bool) -> None:
-        """Keep what earlier steps accumulated apart from this step's gradients (see
-        ``keep_grads_on_failure``): set ``.grad`` aside (`in_place` False), or, when this step must
-        reduce what no_sync steps accumulated together with its own, copy it; copy the ``main_grad``
-        that no reducer zeroes at the start of the step."""
-        self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if not self.keep_grads_on_failure:
-            return
-        zeroed_by_reducer = self._reducer is not None and self._sync_gradients and not self._unreduced
-        for p in self.parameters():
-            self._aside.append((p, p.grad))
-            if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
-                if p.grad is not None:
-                    self._copies.append((p.grad, p.grad.clone()))
-            else:
-                p.grad = None
-            main = getattr(p, "main_grad", None)
-            if isinstance(main, torch.Tensor) and not zeroed_by_reducer:
-                self._copies.append((main, main.clone()))
+    # -- reductions across a step ------------------------------------------------------------
+    def _start_reductions(self) -> None:
+        if self._reducer is not None:
+            self._reducer.start_step(keep_main_grad=self._unreduced)  # no_sync steps' main_grad stays
+        self._tied.start_step()
 
-    def _take_back_gradients(self) -> None:
-        for p, g in self._aside:
-            if g is None or g is p.grad:  # nothing set aside, or accumulated in place
-                continue
-            if p.grad is not None:
-                g.add_(p.grad)
-            p.grad = g
-        self._aside, self._copies = [], []
-
-    def _discard_step_gradients(self) -> None:
-        if self.keep_grads_on_failure:
-            for p, g in self._aside:
-                p.grad = g
-            for kept, copy in self._copies:
-                kept.copy_(copy)
-        else:
-            for p in self.parameters():
-                p.grad = None
-                main = getattr(p, "main_grad", None)
-                if isinstance(main, torch.Tensor):
-                    main.zero_()
-        self._aside, self._copies = [], []
+    def _finish_reductions(self) -> None:
+        if self._reducer is not None:
+            self._reducer.finish()
+        self._tied.finish()
 
     # -- internals ----------------------------------------------------------------------------
     def _forward_plan(self) -> Plan:
