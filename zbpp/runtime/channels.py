@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .._compat import default_group_timeout
+from .polling import poll
 from .topology import Topology
 from .tree import TensorMeta
 
@@ -134,13 +135,13 @@ class Channels:
             work.wait()  # gloo: a closed connection raises, a hung peer times out
             return
         deadline = time.monotonic() + 0.9 * self.timeout.total_seconds()  # before the watchdog's abort
-        pause = 1e-4
-        while not work.is_completed():
+
+        def check() -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"channel {channel}: no message from pipeline rank {channel[0]} within "
                                    f"{self.timeout.total_seconds():g} s (dead or hung?)")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.005)
+
+        poll(work, check)
         work.wait()
 
     def abort(self, wait_s: float = ABORT_WAIT_S) -> None:
