@@ -51,7 +51,7 @@ FUSE_ENV = "ZBPP_FP8_FUSE"
 
 def _kernels(x: torch.Tensor, meta: ScalingMeta):
     """`_fused_triton` when a fused kernel may cast `x` into `meta`'s slot, else None."""
-    if not cast._on_cuda(x) or os.environ.get(FUSE_ENV, "1").strip() == "0":
+    if not cast.on_cuda(x) or os.environ.get(FUSE_ENV, "1").strip() == "0":
         return None
     if cast.one_launch_kernels(x, also="fused") is None:
         return None
