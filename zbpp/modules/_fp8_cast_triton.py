@@ -66,7 +66,7 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # 128 x 64 tiles, 4 warps (64 elements per thread): the fastest tile shape of a sweep on Hopper,
-# one tile per program (docs/benchmarks.md, "Modules").
+# one tile per program (docs/benchmarks.md, "Constants").
 BLOCK_M = 128
 BLOCK_N = 64
 NUM_WARPS = 4

@@ -42,7 +42,7 @@ __all__ = [
 # software rounding covers bfloat16), and FP8 training keeps its activations in bfloat16.
 INPUT_DTYPES = (torch.bfloat16,)
 # 64 x 128 tiles, 4 warps: 64 values per thread, enough to spread each row's loads over; these
-# kernels are bound by instruction issue as much as by memory (docs/benchmarks.md, "Modules").
+# kernels are bound by instruction issue as much as by memory (docs/benchmarks.md, "Constants").
 # ZBPP_FUSED_TILE (rows x columns x warps, e.g. 64x64x4) picks another tile.
 BLOCK_M = 64
 BLOCK_N = 128

@@ -71,7 +71,7 @@ Channel = tuple[int, int]  # (sending rank, receiving rank)
 #: before it when the rank waits anyway. ``Costs(comm=0)`` posts every receive just before its consumer.
 DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
 
-#: How much slower a GEMM runs beside a spinning NCCL kernel (measured on Hopper; docs/benchmarks.md):
+#: How much slower a GEMM runs beside a spinning NCCL kernel (docs/benchmarks.md, "Constants"):
 #: posting a receive before its data exists costs the rank about this share of the spin time.
 SPIN_SLOWDOWN = 0.27
 #: A receive is posted before its data exists only when waiting for the next boundary would make
