@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "engine_run_backward",
+    "set_grad_enabled",
     "scaled_mm",
     "foreach_copy_",
     "default_store",
@@ -23,8 +24,15 @@ __all__ = [
 ]
 
 
-def engine_run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    """``torch.autograd.graph._engine_run_backward``, accumulating into leaves' ``.grad``.
+def engine_run_backward(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    *,
+    retain_graph: bool = False,
+    inputs: Sequence[torch.Tensor] = (),
+) -> None:
+    """``torch.autograd.graph._engine_run_backward``, accumulating into ``.grad`` (of every leaf,
+    or of `inputs` only when given).
 
     ``torch.autograd.backward`` checks each gradient against its tensor's current shape; the engine
     checks it against the autograd node's recorded input shape, which a sent activation keeps after
@@ -32,7 +40,13 @@ def engine_run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Ten
     """
     from torch.autograd.graph import _engine_run_backward
 
-    _engine_run_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    _engine_run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs),
+                         allow_unreachable=True, accumulate_grad=True)
+
+
+def set_grad_enabled(mode: bool) -> None:
+    """``torch._C._set_grad_enabled``: `torch.no_grad` without its per-call objects (hot paths)."""
+    torch._C._set_grad_enabled(mode)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
