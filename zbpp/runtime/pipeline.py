@@ -66,11 +66,8 @@ class Pipeline:
             ``finish``, ``abandon``); default: a `zbpp.runtime.grad_reduce.GradReducer` when there
             are data-parallel replicas, else none.
         keep_grads_on_failure: gradients accumulated by earlier steps survive a failed step (only
-            its own contribution goes). ``.grad`` is set aside at the start of each step and added
-            back at its end (no copy; one addition per parameter when ``.grad`` was set), and a
-            ``main_grad`` that no data-parallel reducer owns is copied at the start of each step
-            (memory and time of one copy). False: a failed step sets ``.grad`` to None and zeroes
-            ``main_grad``, and a step accumulates in place.
+            its own contribution goes; what it costs: `zbpp.runtime.grad_aside`). False: a failed
+            step sets ``.grad`` to None and zeroes ``main_grad``.
         costs: the task and link times that place sends and receives
             (`zbpp.schedules.plan.make_plan`); default unit costs and a fast link. Pass measured
             costs (`Costs.from_profile`, with ``comm``) on slow links.
