@@ -12,10 +12,6 @@ Prints one row per (library, carveout, GEMM): ms per GEMM alone and beside 1 and
 kernels, and writes JSON with ``--out``. CUDA only::
 
     PYTHONPATH=$PWD python3 benchmarks/bench_gemm_beside_kernels.py --out $OUT/gemm_beside_kernels.json
-
-Measured on one H200 (docs/results/gemm_beside_resident_kernels_H200.json): 7-26% slower beside
-one or two sleeping CTAs; with cuBLASLt and a carveout of 4 SMs, as fast as alone (which costs
-under 1% alone); cuBLAS's own path ignores the carveout.
 """
 
 from __future__ import annotations

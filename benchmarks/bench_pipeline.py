@@ -105,7 +105,7 @@ from torch import nn
 from zbpp import Pipeline
 from zbpp.demo import ModelConfig, lm_loss, make_batch, make_stage
 from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_autocast, is_delayed, microbatch
-from zbpp.runtime import CommOptions, init_distributed, measured_bubble_rate, shutdown_and_exit
+from zbpp.runtime import init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, fit_message_overhead, options_of, simulate
 from zbpp.schedules.bounds import lower_bound
 from zbpp.schedules.plan import make_plan, plan_makespan
@@ -204,11 +204,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pick-memory-limit", default=None,
                     help="per-rank activation memory the pick must fit: in mean rank-stage activations of one "
                     "microbatch (default: p, 1F1B's) or in GiB ('20GiB', GPUs only)")
-    ap.add_argument("--comm-max-ctas", default="none", help="zbpp's CommOptions.max_ctas for its channels: an integer, "
-                    "or 'none' for NCCL's default (compare them in one run: run the script once per value with --append)")
-    ap.add_argument("--recv-lead", type=int, default=0, help="zbpp's Pipeline(recv_lead=...): extra tasks of margin before "
-                    "each receive")
-    ap.add_argument("--high-priority", action="store_true", help="zbpp's CommOptions.high_priority_streams")
     ap.add_argument("--plan-comm", type=_plan_comm, default="measured",
                     help="the times zbpp's plan places sends and receives by: 'measured' (default): the ideal's "
                          "measured F/B/W and the measured message time (Pipeline(costs=...), what a slow link "
@@ -731,17 +726,13 @@ class Bench:
         n = sched.num_stages
         mine = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(self.rank)}
         a = self.args
-        ctas = None if str(a.comm_max_ctas).lower() == "none" else int(a.comm_max_ctas)
         plan_costs = None
         if a.plan_comm == "measured" and measured is not None:  # the ideal's rank-stages cut into this schedule's stages
             plan_costs, _ = scale_to_stages(dataclasses.replace(measured, comm=comm_s), Memory(), self.p, n)
         elif a.plan_comm not in ("default", "measured"):
             plan_costs = Costs(1, 1, 1, comm=a.plan_comm)
-        knobs: dict[str, Any] = {"comm": CommOptions(max_ctas=ctas, high_priority_streams=a.high_priority),
-                                 "recv_lead": a.recv_lead,
-                                 "costs": plan_costs}
-        pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, **knobs)
-        profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True, **knobs)
+        pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, costs=plan_costs)
+        profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True, costs=plan_costs)
         params = list(pipe.parameters())
 
         def step(x: torch.Tensor, y: torch.Tensor, which: Pipeline = pipe) -> None:

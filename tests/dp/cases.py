@@ -62,7 +62,7 @@ SMALL_BUCKETS = "small-buckets/"
 
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
-    return [f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + [SMALL_BUCKETS + c for c in small] + ["presence"]
+    return [f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + [SMALL_BUCKETS + c for c in small] + ["presence", "presence-host"]
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -209,13 +209,21 @@ def run_case(sched_name: str, kind: str, groups: Any, device: str, small_buckets
     return fails
 
 
-def run_presence(groups: Any, device: str) -> list[str]:
-    """A gradient present on one replica only is averaged with zeros; one absent everywhere stays None."""
+def run_presence(groups: Any, device: str, on_host: bool = False) -> list[str]:
+    """A gradient present on one replica only is averaged with zeros; one absent everywhere stays None.
+
+    `on_host`: the presence counts travel over a gloo group of the replicas, as under `Pipeline`;
+    then applying the reductions must not read the device (on CUDA, torch's sync debug mode
+    raises on any synchronising call inside `finish`)."""
     mod = torch.nn.Module()
     mod.some = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64, device=device))
     mod.none = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64, device=device))
     mod.both = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64, device=device))
-    reducer = GradReducer({groups.pp_rank: mod}, groups)
+    presence = None
+    if on_host:  # new_group is collective over the world: every rank builds every replica line
+        lines = [dist.new_group([d * groups.pp + r for d in range(groups.dp)], backend="gloo") for r in range(groups.pp)]
+        presence = lines[groups.pp_rank]
+    reducer = GradReducer({groups.pp_rank: mod}, groups, presence_group=presence)
     reducer.start_step()
     base = torch.arange(4, dtype=torch.float64, device=device) + 1
     if groups.dp_rank == 0:
@@ -223,8 +231,16 @@ def run_presence(groups: Any, device: str) -> list[str]:
     mod.both.grad = base * (groups.dp_rank + 1)
     reducer.stage_backward_done(groups.pp_rank)
     reducer.stage_wgrad_done(groups.pp_rank)
-    reducer.finish()
+    if on_host and device.startswith("cuda"):
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        reducer.finish()
+    finally:
+        if device.startswith("cuda"):
+            torch.cuda.set_sync_debug_mode("default")
     fails = []
+    if on_host and any(b.buffer.numel() != b.numel for b in reducer._buckets if not b.uses_main_grad):
+        fails.append("the presence counts travelled in the gradient bucket, not on the host")
     if not _close(mod.some.grad, base / groups.dp):
         fails.append(f"grad on replica 0 only: got {mod.some.grad}, expected {base / groups.dp}")
     if mod.none.grad is not None:
@@ -247,8 +263,8 @@ def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
     for i, name in enumerate(names):
         raised = 0
         try:
-            if name == "presence":
-                out[name] = run_presence(groups, device)
+            if name in ("presence", "presence-host"):
+                out[name] = run_presence(groups, device, on_host=name == "presence-host")
             else:
                 small = name.startswith(SMALL_BUCKETS)
                 sched, kind = name.removeprefix(SMALL_BUCKETS).split("/")

@@ -16,7 +16,7 @@ from .cases import SMALL_BUCKETS, worker
 
 KINDS = ["plain", "zbpp", "zbpp-fused", "te", "eager-bias"]
 PP2 = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v") for k in KINDS]
-DP2 = [f"{s}/{k}" for s in ("1f1b", "zb-h1") for k in KINDS] + [SMALL_BUCKETS + "zb-h1/zbpp-fused", "presence"]
+DP2 = [f"{s}/{k}" for s in ("1f1b", "zb-h1") for k in KINDS] + [SMALL_BUCKETS + "zb-h1/zbpp-fused", "presence", "presence-host"]
 BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.nccl)]
 
 

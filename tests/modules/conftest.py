@@ -49,6 +49,6 @@ def interpreted_kernels(monkeypatch):
                     delattr(package, attr)
             else:
                 setattr(package, attr, module)
-    if not bool(cast._INTERPRETED):
+    if not bool(cast.INTERPRETED):
         pytest.skip("this Triton does not pick its interpreter from TRITON_INTERPRET")
     return SimpleNamespace(cast=cast, fused=fused)

@@ -118,7 +118,7 @@ def _fake_paths(monkeypatch, calls, *, triton, compile_):
 
         return fake
 
-    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(fp8cast, "on_cuda", lambda x: True)
     fakes = {"triton": make("triton", triton), "compile": make("compile", compile_)}
     monkeypatch.setattr(fp8cast, "_FAST_CASTS", fakes)
 
@@ -189,7 +189,7 @@ class _FakeKernels:
 
 def test_update_dispatch_passes_the_factor_and_falls_back(fresh_paths):
     fake = _FakeKernels(fail=False)
-    fresh_paths.setattr(fp8cast, "_on_cuda", lambda x: True)
+    fresh_paths.setattr(fp8cast, "on_cuda", lambda x: True)
     fresh_paths.setattr(fp8cast, "_triton_kernels", lambda device: fake)
     meta = ScalingMeta(E5M2, history_len=3)
     meta.update(torch.tensor(7.0), DelayedScaling(amax_history_len=3, margin=2))
@@ -508,7 +508,7 @@ def test_a_failing_fused_kernel_warns_and_the_unfused_paths_take_over(fresh_path
         def update_scale(self, *args, **kwargs):
             raise RuntimeError("no update kernel")
 
-    fresh_paths.setattr(fp8cast, "_on_cuda", lambda x: True)
+    fresh_paths.setattr(fp8cast, "on_cuda", lambda x: True)
     fresh_paths.setattr(fp8cast, "_triton_kernels", lambda device: Broken())
     fresh_paths.setattr(fp8cast, "_FAST_CASTS", {"triton": None, "compile": fp8cast._cast_eager})
     x = torch.tensor([[1.5, -7.0], [0.25, 3.0]], dtype=torch.bfloat16)

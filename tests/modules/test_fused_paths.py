@@ -44,7 +44,7 @@ def triton_path(request, monkeypatch):
     monkeypatch.delenv(_fused.FUSE_ENV, raising=False)
     if request.param == "interpreter":
         kernels = request.getfixturevalue("interpreted_kernels")
-        monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
+        monkeypatch.setattr(fp8cast, "on_cuda", lambda x: True)
         monkeypatch.setattr(fp8cast, "_triton_kernels", lambda device: kernels.cast)
         monkeypatch.setitem(sys.modules, "zbpp.modules._fused_triton", kernels.fused)
         monkeypatch.setattr(modules, "_fused_triton", kernels.fused, raising=False)
@@ -168,7 +168,7 @@ def test_a_failing_fused_kernel_warns_once_and_the_definitions_take_over(monkeyp
     monkeypatch.setattr(fp8cast, "_failed", {})
     monkeypatch.delenv(fp8mod.CAST_ENV, raising=False)
     monkeypatch.delenv(_fused.FUSE_ENV, raising=False)
-    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(fp8cast, "on_cuda", lambda x: True)
     monkeypatch.setattr(fp8cast, "_triton_kernels", lambda device: _BrokenKernels())
     monkeypatch.setattr(fp8cast, "_quantize_fused", lambda *args, **kwargs: None)
     monkeypatch.setattr(fp8cast, "_update_with_triton", lambda *args, **kwargs: False)
@@ -184,7 +184,7 @@ def test_a_failing_fused_kernel_warns_once_and_the_definitions_take_over(monkeyp
     said = [str(w.message) for w in caught]
     assert len(said) == 1 and "the fused cast failed (RuntimeError: no norm_cast_update)" in said[0]
     assert "fused" in fp8cast._failed and _fused.fused_path_counts()["norm_eager"] == 2
-    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: False)
+    monkeypatch.setattr(fp8cast, "on_cuda", lambda x: False)
     want = _steps(copy.deepcopy(layer), x, dy, steps=2)
     for what in want:
         assert torch.equal(got[what], want[what]), what
@@ -193,7 +193,7 @@ def test_a_failing_fused_kernel_warns_once_and_the_definitions_take_over(monkeyp
 def test_fusion_needs_bfloat16_and_can_be_switched_off(monkeypatch):
     """float32 layers, ZBPP_FP8_FUSE=0 and the compile/eager cast paths take the definitions."""
     monkeypatch.setattr(fp8cast, "_failed", {})
-    monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(fp8cast, "on_cuda", lambda x: True)
     monkeypatch.setattr(fp8cast, "_triton_kernels", lambda device: object())
     meta = fp8mod.ScalingMeta(torch.float8_e4m3fn, history_len=4)
     bf16, fp32 = torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(4, 4)
@@ -210,5 +210,5 @@ def test_fusion_needs_bfloat16_and_can_be_switched_off(monkeypatch):
         assert _fused._kernels(bf16, meta) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        monkeypatch.setattr(fp8cast, "_on_cuda", lambda x: False)
+        monkeypatch.setattr(fp8cast, "on_cuda", lambda x: False)
         assert _fused._kernels(bf16, meta) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -54,6 +55,10 @@ def test_a_failure_raises_on_every_rank_fast(four, site, name, rank, where):
     assert all(detail in o["message"] for o in outcomes), outcomes[0]["message"]
     assert all(f"microbatch {mb}" in o["message"] or f", {mb})" in o["message"] or f".{mb}" in o["message"]
                for o in outcomes), outcomes[0]["message"]
+    # every rank shows the failing rank's schedule around the failing task, that task marked
+    kind = site if site in ("F", "B", "W") else "F"  # the loss, a shape, a None output: in F
+    around = re.compile(rf"^pipeline rank {rank}, tasks \d+-\d+ of \d+: .*\[{kind}\d+\.{mb}\]", re.M)
+    assert all(around.search(o["message"]) for o in outcomes), outcomes[0]["message"]
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """`Costs.message_overhead`: compute time a rank loses per message it sends or receives.
 
 References: a case worked by hand, a count of the messages from the task rule (`input_of`), the
-lower bound, and the costs measured on 2 x H200 over NCCL sockets (docs/results/
-bench_pipeline_2xH200_socket.json), where the pick without the overhead chose a V schedule that ran
+lower bound, and the costs measured on 2 x H200 over NCCL sockets (tests/schedules/data/
+socket_runs.json, from bench_pipeline.py --socket), where the pick without the overhead chose a V schedule that ran
 3.7% slower than zb-h1.
 """
 
@@ -88,7 +88,7 @@ def test_a_bad_overhead_is_named(bad):
 
 # Measured on 2 x H200, NCCL over sockets, the mlp stack (hidden 4096, ffn 16384, 16 blocks), m = 8:
 # per rank-stage costs (ms) from zb-h1's profiled step, the ping-pong's message time, the memory
-# per rank-stage in units of one activation, and the limit (docs/results/bench_pipeline_2xH200_socket.json)
+# per rank-stage in units of one activation, and the limit (run "socket" of tests/schedules/data/socket_runs.json)
 SOCKET_COSTS = Costs(f=(13.228, 13.082), b=(14.643, 13.414), w=(14.086, 15.057), comm=8.300)
 SOCKET_MEMORY = Memory(activation=(0.9693, 1.0307), wgrad=(0.9692, 0.9815))
 # measured steps there: 1f1b 451.2 ms, zb-h1 416.9, zb-v 436.9, zbv-auto 432.4: with messages as
@@ -148,25 +148,24 @@ def test_fit_needs_messages():
         fit_message_overhead(sched, Costs(), 100.0)
 
 
-# Two runs of bench_pipeline on NCCL sockets (2 x H200, the mlp stack, m = 8; docs/results/): each zbpp
+# Two runs of bench_pipeline on NCCL sockets (2 x H200, the mlp stack, m = 8; data/socket_runs.json): each zbpp
 # row's own profiled costs (ms), its message time and its measured step. Messages as latency alone
 # miss zb-v by 7-19%; the overhead fitted on zb-h1's step predicts zb-v's.
 
 
-def _socket_rows(path):
+def _socket_rows(run):
     import json
     from pathlib import Path
 
-    data = json.loads((Path(__file__).resolve().parents[2] / "docs" / "results" / path).read_text())
+    data = json.loads((Path(__file__).resolve().parent / "data" / "socket_runs.json").read_text())
     rows = {}
-    for row in data["rows"]:
-        if row["impl"] == "zbpp" and row.get("layers") == "zbpp" and row["schedule"] in ("zb-h1", "zb-v"):
-            c = row["costs_ms"]
-            rows.setdefault(row["schedule"], (Costs(c["f"], c["b"], c["w"], comm=c["comm"]), row["step_ms"]))
+    for schedule, row in data[run]["rows"].items():
+        c = row["costs_ms"]
+        rows[schedule] = (Costs(c["f"], c["b"], c["w"], comm=c["comm"]), row["step_ms"])
     return rows
 
 
-@pytest.mark.parametrize("path", ["bench_pipeline_2xH200_socket.json", "bench_pipeline_2xH200_socket_probe.json"])
+@pytest.mark.parametrize("path", ["socket", "socket_probe"])
 def test_socket_overhead_fitted_on_zb_h1_predicts_zb_v(path):
     rows = _socket_rows(path)
     h1, v = build("zb-h1", num_ranks=2, num_microbatches=8), build("zb-v", num_ranks=2, num_microbatches=8)

@@ -89,19 +89,18 @@ def test_plan_is_complete_and_deadlock_free(name, p, m):
     cross = {(u, v) for u, v, d in task_graph(sched, rank_chains=False).edges(data=True) if d["cross_rank"]}
     rng = random.Random(f"{name}{p}{m}")
     for costs in (None, _random_costs(rng, sched.num_stages)):
-        for recv_lead in (0, 2):
-            plan = make_plan(sched, costs=costs, recv_lead=recv_lead)
-            assert {(msg.src, msg.dst) for msg in plan.messages} == cross  # one message per cross-rank edge
-            assert all(msg.src_rank != msg.dst_rank for msg in plan.messages)  # never a send to oneself
-            for rp in plan.ranks:
-                assert sorted(op.message.index for op in rp.ops) == sorted(
-                    m.index for m in plan.messages if rp.rank in (m.src_rank, m.dst_rank)
-                )
-            assert _finishes(plan), f"{name} p={p} m={m} costs={costs} lead={recv_lead} deadlocks"
-            fwd = make_plan(sched, costs=costs, recv_lead=recv_lead, forward_only=True)
-            assert all(a.kind is Kind.F for rp in fwd.ranks for a in rp.tasks)
-            assert {(m.src, m.dst) for m in fwd.messages} == {(u, v) for u, v in cross if u.kind is Kind.F}
-            assert _finishes(fwd), f"{name} p={p} m={m} forward-only deadlocks"
+        plan = make_plan(sched, costs=costs)
+        assert {(msg.src, msg.dst) for msg in plan.messages} == cross  # one message per cross-rank edge
+        assert all(msg.src_rank != msg.dst_rank for msg in plan.messages)  # never a send to oneself
+        for rp in plan.ranks:
+            assert sorted(op.message.index for op in rp.ops) == sorted(
+                m.index for m in plan.messages if rp.rank in (m.src_rank, m.dst_rank)
+            )
+        assert _finishes(plan), f"{name} p={p} m={m} costs={costs} deadlocks"
+        fwd = make_plan(sched, costs=costs, forward_only=True)
+        assert all(a.kind is Kind.F for rp in fwd.ranks for a in rp.tasks)
+        assert {(m.src, m.dst) for m in fwd.messages} == {(u, v) for u, v in cross if u.kind is Kind.F}
+        assert _finishes(fwd), f"{name} p={p} m={m} forward-only deadlocks"
 
 
 def _random_schedule(rng: random.Random, p: int, m: int, v_shape: bool) -> Schedule:
@@ -139,7 +138,7 @@ def test_random_schedules_and_costs_never_deadlock(seed):
     rng = random.Random(seed)
     p, m = rng.randint(2, 4), rng.randint(1, 6)
     sched = _random_schedule(rng, p, m, v_shape=bool(seed % 2))
-    plan = make_plan(sched, costs=_random_costs(rng, sched.num_stages), recv_lead=rng.randint(0, 2))
+    plan = make_plan(sched, costs=_random_costs(rng, sched.num_stages))
     assert _finishes(plan)
 
 
@@ -202,11 +201,6 @@ def test_v_shape_hands_over_on_the_turning_rank():
     assert got == {("F0", "F1", 0, 1), ("F2", "F3", 1, 0), ("B3", "B2", 0, 1), ("B1", "B0", 1, 0)}
     assert len(plan.messages) == 4 * 3
     assert plan.channels == ((0, 1), (1, 0))
-
-
-def test_bad_recv_lead_is_refused():
-    with pytest.raises(ValueError, match="recv_lead"):
-        make_plan(_build("1f1b", 2, 2), recv_lead=-1)
 
 
 def test_fifo_wgrad_problem_names_the_task():

@@ -38,6 +38,7 @@ their column sums of x (a bias gradient, summed from the unquantised values in t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -59,17 +60,13 @@ __all__ = [
     "FP8_DTYPES",
 ]
 
-# 16-bit inputs only. With float32 inputs on an H200 (Triton 3.6) the transposed store came out
-# wrong for whole 128x128 tiles (ragged tiles and 16-bit inputs were bit-exact), so float32 takes
-# the next path (torch.compile, then eager); FP8 training feeds this cast 16-bit tensors anyway.
+# 16-bit inputs only: with float32 inputs Triton 3.6 stored wrong transposed tiles on Hopper, so
+# float32 takes the next path (torch.compile, then eager); FP8 training casts 16-bit tensors.
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# 128 x 64 tiles, 4 warps (64 elements per thread): the fastest of 16 shapes from 32 x 128 to
-# 256 x 128 with 2 to 16 warps on an H200 for an 8192 x 8192 bf16 cast-transpose (about 80 us
-# of GPU time, 3.4 TB/s, with the relaxed amax atomic; a plain 256 MB copy takes 66 us), and
-# bit-exact in all of them. Several tiles per program (fewer atomics) were slower: 4 to 8 tiles
-# unrolled in one program ran at 110 to 340 us.
+# 128 x 64 tiles, 4 warps (64 elements per thread): the fastest tile shape of a sweep on Hopper,
+# one tile per program (docs/benchmarks.md, "Constants").
 BLOCK_M = 128
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -92,7 +89,7 @@ if triton is not None:
     # conversions to bfloat16 and FP8 truncate; the kernels then take the bit-level software
     # versions in the helpers, which the interpreter tests compare with torch's casts. On a GPU
     # this constant is False and those branches are not compiled at all.
-    _INTERPRETED = tl.constexpr(_interpreting())
+    INTERPRETED = tl.constexpr(_interpreting())
 
     # tl.sum / tl.max for these 32-bit types, spelled as tl.reduce over the standard library's
     # combine functions: the interpreter can run only jit functions decorated while it was on (the
@@ -111,7 +108,7 @@ if triton is not None:
     _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _maximum)
 
     @triton.jit
-    def _sum(x, axis: tl.constexpr):
+    def tile_sum(x, axis: tl.constexpr):
         return tl.reduce(x, axis, _SUM_COMBINE)
 
     @triton.jit
@@ -119,7 +116,7 @@ if triton is not None:
         return tl.reduce(x, axis, _MAX_COMBINE)
 
     @triton.jit
-    def _ptx_f32(ASM: tl.constexpr, a):
+    def ptx_f32(ASM: tl.constexpr, a):
         # float32 -> float32 through the one PTX instruction `ASM` ("op $0, $1;"), its operands as
         # 32-bit registers (compiled code only: the interpreter cannot run PTX)
         return tl.inline_asm_elementwise(
@@ -128,42 +125,42 @@ if triton is not None:
 
     @triton.jit
     def _ptx_f32_2(ASM: tl.constexpr, a, b):
-        # the two-operand form of `_ptx_f32` ("op $0, $1, $2;")
+        # the two-operand form of `ptx_f32` ("op $0, $1, $2;")
         return tl.inline_asm_elementwise(
             ASM, "=r,r,r", [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
             dtype=tl.int32, is_pure=True, pack=1,
         ).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _mul_rn(a, b):
+    def mul_rn(a, b):
         # IEEE float32 product: PTX mul.rn.f32 without .ftz (numpy's float32 product under the
         # interpreter, IEEE too). Also keeps the product out of any FMA.
-        if _INTERPRETED:
+        if INTERPRETED:
             return a * b
         else:
             return _ptx_f32_2("mul.rn.f32 $0, $1, $2;", a, b)
 
     @triton.jit
-    def _rcp_rn(a):
+    def rcp_rn(a):
         # IEEE float32 reciprocal (correctly rounded, subnormals kept), as torch.reciprocal.
-        if _INTERPRETED:
+        if INTERPRETED:
             return 1.0 / a
         else:
-            return _ptx_f32("rcp.rn.f32 $0, $1;", a)
+            return ptx_f32("rcp.rn.f32 $0, $1;", a)
 
     @triton.jit
-    def _div_rn(a, b):
+    def div_rn(a, b):
         # IEEE float32 quotient (``/`` in Triton is the approximate div.full.f32).
-        if _INTERPRETED:
+        if INTERPRETED:
             return a / b
         else:
             return _ptx_f32_2("div.rn.f32 $0, $1, $2;", a, b)
 
     @triton.jit
-    def _round_bf16(v):
+    def round_bf16(v):
         """float32 -> the nearest bfloat16 (ties to even), returned as float32: the rounding
         torch applies when an op on bfloat16 tensors writes its float32 result."""
-        if _INTERPRETED:
+        if INTERPRETED:
             bits = v.to(tl.int32, bitcast=True)
             mag = bits & 0x7FFFFFFF
             up = (mag + 0x7FFF + ((mag >> 16) & 1)) & -65536  # -65536: the mask 0xFFFF0000
@@ -178,7 +175,7 @@ if triton is not None:
         """The FP8 byte (uint8) of float32 `y`: round to nearest even, saturating to the format's
         largest finite (interpreted: `y` already clamped to it); NaN gives 0x7F. On sm_90 one
         cvt.rn.satfinite per pair of values."""
-        if _INTERPRETED:
+        if INTERPRETED:
             # SHIFT = 23 - mantissa bits; OFFSET = (127 - bias) << mantissa bits; the smallest
             # normal 2^(1 - bias); UNIT = 1 / the subnormal spacing 2^(1 - bias - mantissa bits)
             if E5M2:
@@ -233,15 +230,15 @@ if triton is not None:
                 [BLOCK], 0.0, tl.float32
             )
             no_nan = _max(tl.where(valid & (history != history), 1, 0), 0) == 0
-        new = _mul_rn(_rcp_rn(ref), factor)
+        new = mul_rn(rcp_rn(ref), factor)
         usable = no_nan & (ref > 0) & (tl.abs(ref) < float("inf")) & (tl.abs(new) < float("inf"))
         old = tl.load(scale_ptr + i * 0)
         if WRITE_SCALE_INV:  # the reciprocal of the scale this cast used, as torch.reciprocal
-            tl.store(scale_inv_ptr + i * 0, _rcp_rn(old), mask=i == 0)
+            tl.store(scale_inv_ptr + i * 0, rcp_rn(old), mask=i == 0)
         tl.store(scale_ptr + i * 0, tl.where(usable, new, old), mask=i == 0)
 
     @triton.jit
-    def _cast_store_tile(
+    def cast_store_tile(
         xf,  # float32 [BM, BN]: the values to cast; lanes outside the tile must hold zeros
         row_ok,  # [BM] bool: rows inside the tensor
         col_ok,  # [BN] bool: columns inside the tensor
@@ -259,14 +256,14 @@ if triton is not None:
         COLUMN_SUMS: tl.constexpr,
     ):
         """Cast one tile to FP8 and store it (and its transpose, and its column sums); return the
-        tile's max |x| as int32 bits (see `_finish_cast`)."""
-        y = _mul_rn(xf, scale)
-        if _INTERPRETED:  # the software rounding below needs the clamp done
+        tile's max |x| as int32 bits (see `finish_cast`)."""
+        y = mul_rn(xf, scale)
+        if INTERPRETED:  # the software rounding below needs the clamp done
             y = tl.where(y > fp8_max, fp8_max, y)  # compares are false for NaN: it passes
             y = tl.where(y < -fp8_max, -fp8_max, y)
         # compiled, the conversion saturates by itself (cvt.rn.satfinite clamps to the format's
-        # largest finite, fp8_max, and keeps NaN): the two selects cost four instructions per
-        # value in kernels bound by instruction issue
+        # largest finite, fp8_max, and keeps NaN): the two selects would cost instructions in
+        # kernels bound by instruction issue
         q = _fp8_bits(y, E5M2)
         inside = row_ok[:, None] & col_ok[None, :]
         tl.store(data_ptr + r64[:, None] * ld + c64[None, :], q, mask=inside)
@@ -275,15 +272,14 @@ if triton is not None:
             tl.store(data_t_ptr + c64[:, None] * ld_t + r64[None, :], tl.trans(q), mask=inside_t)
         mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x| as bits; masked lanes are +0
         if COLUMN_SUMS:  # this row tile's share of x.sum(0); masked lanes hold zeros
-            # (placed after the stores and |x|: with the relaxed atomic below, an 8192^2 dy cast
-            # with its sums took 110 us in a bench_modules step on the H200, 136 us before both)
-            tl.store(sums_at + c64, _sum(xf, 0), mask=col_ok)
+            # (placed after the stores and |x|: faster there)
+            tl.store(sums_at + c64, tile_sum(xf, 0), mask=col_ok)
         return _max(_max(mag, 1), 0)
 
     @triton.jit
-    def _finish_cast(
+    def finish_cast(
         amax_bits_ptr,  # int32; UPDATE: int32[2] (amax bits, tiles done), zero between casts
-        tile_bits,  # int32 scalar from _cast_store_tile (the max over the program's tiles)
+        tile_bits,  # int32 scalar from cast_store_tile (the max over the program's tiles)
         history_ptr,
         scale_ptr,
         scale_inv_ptr,
@@ -294,9 +290,8 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
     ):
         """Merge a program's amax into the cast's; with UPDATE the last program updates the slot."""
-        # Relaxed: nothing waits on this atomic. An acquire-release one fenced every tile on its
-        # own stores (90 -> 80 us of GPU time per 8192^2 cast when relaxed); the count below is
-        # what orders it before the update.
+        # Relaxed: nothing waits on this atomic, and an acquire-release one would fence every tile
+        # on its own stores; the count below is what orders it before the update.
         tl.atomic_max(amax_bits_ptr, tile_bits, sem="relaxed")
         if UPDATE:
             # The last tile to finish updates the slot. The count is acquire-release: each tile's
@@ -358,12 +353,12 @@ if triton is not None:
         x_at = x_ptr + r64[:, None] * stride_m + c64[None, :] * stride_n
         x = tl.load(x_at, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         sums_at = column_sums_ptr + (pid // tiles_n).to(tl.int64) * N
-        bits = _cast_store_tile(
+        bits = cast_store_tile(
             x.to(tl.float32), row_ok, col_ok, r64, c64, tl.load(scale_ptr), fp8_max,
             data_ptr, data_t_ptr, N, M, sums_at,
             E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=COLUMN_SUMS,
         )
-        _finish_cast(
+        finish_cast(
             amax_bits_ptr, bits, history_ptr, scale_ptr, scale_inv_ptr, history_len, factor,
             UPDATE=UPDATE, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
@@ -417,19 +412,11 @@ def unsupported(device: torch.device) -> str | None:
     return _capability_problem(index)
 
 
-def _on(device: torch.device):
+def on_device(device: torch.device):
     # Triton launches on the current device; switch only when x lives elsewhere.
     if device.index is None or device.index == torch.cuda.current_device():
-        return _NoSwitch()
+        return contextlib.nullcontext()
     return torch.cuda.device(device)
-
-
-class _NoSwitch:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _launch(
@@ -458,7 +445,7 @@ def _launch(
         sums = torch.empty((row_tiles, n), dtype=torch.float32, device=x.device)
     history, scale_inv, factor, most_recent = update or (amax_bits, amax_bits, 0.0, False)
     block_h = max(16, triton.next_power_of_2(history.numel())) if update else 16
-    with _on(x.device):
+    with on_device(x.device):
         _cast_transpose_amax_kernel[(row_tiles * triton.cdiv(n, BLOCK_N),)](
             x2,
             scale,
@@ -557,7 +544,7 @@ def update_scale(
     if not 1 <= length <= MAX_HISTORY:
         raise ValueError(f"update_scale: history length {length}; need 1..{MAX_HISTORY}")
     block = max(16, triton.next_power_of_2(length))
-    with _on(history.device):
+    with on_device(history.device):
         _update_scale_kernel[(1,)](
             history,
             amax,

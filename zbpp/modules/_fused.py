@@ -33,7 +33,8 @@ from ._activations import ACTIVATIONS, Activation
 from ._norm import norm_reference
 from .fp8 import cast
 from .fp8.cast import DelayedScaling, Quantized, ScalingMeta, quantize, quantize_and_column_sum
-from .fp8.counts import PathCounts
+from .fp8.counts import FUSED_COUNTS as _counts
+from .fp8.counts import fused_path_counts, reset_fused_path_counts
 
 __all__ = [
     "norm_quantize",
@@ -46,24 +47,11 @@ __all__ = [
 ]
 
 FUSE_ENV = "ZBPP_FP8_FUSE"
-_counts = PathCounts(f"{kind}_{path}" for kind in ("norm", "act", "dact")
-                     for path in ("triton", "eager"))
-
-
-def fused_path_counts() -> dict[str, int]:
-    """How many norm / activation / activation-gradient casts ran fused (``*_triton``) and
-    through the torch reference (``*_eager``) so far."""
-    return _counts.snapshot()
-
-
-def reset_fused_path_counts() -> None:
-    """Set every `fused_path_counts` entry to zero."""
-    _counts.reset()
 
 
 def _kernels(x: torch.Tensor, meta: ScalingMeta):
     """`_fused_triton` when a fused kernel may cast `x` into `meta`'s slot, else None."""
-    if not cast._on_cuda(x) or os.environ.get(FUSE_ENV, "1").strip() == "0":
+    if not cast.on_cuda(x) or os.environ.get(FUSE_ENV, "1").strip() == "0":
         return None
     if cast.one_launch_kernels(x, also="fused") is None:
         return None

@@ -14,7 +14,7 @@ tile that finishes last. One launch per tensor, as ``cast_transpose_update``.
   with column sums (fc1's bias gradient).
 
 Tiles are 64 x 128 (see `BLOCK_M`). Products and quotients that the torch
-definition rounds separately are IEEE operations here too (``_mul_rn``, ``_div_rn``, ``sqrt_rn``),
+definition rounds separately are IEEE operations here too (``mul_rn``, ``div_rn``, ``sqrt_rn``),
 so no FMA contraction changes them; the sigmoids' exponential and reciprocal (one approximate
 MUFU instruction each, within 2 ulp, flushing results below 2^-126 to zero, which no FP8 cast of
 these activations can see) and the order of the row sums are the only differences from the torch
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from ._fp8_cast_triton import _INTERPRETED, MAX_FUSED_HISTORY, _on, tl, triton
+from ._fp8_cast_triton import INTERPRETED, MAX_FUSED_HISTORY, on_device, tl, triton
 
 __all__ = [
     "norm_cast_update",
@@ -41,17 +41,8 @@ __all__ = [
 # bfloat16 only: the value is rounded to the input's dtype in the kernel (the interpreter's
 # software rounding covers bfloat16), and FP8 training keeps its activations in bfloat16.
 INPUT_DTYPES = (torch.bfloat16,)
-# 64 x 128 tiles, 4 warps: 64 values per thread. These kernels are bound by instruction issue as
-# much as by memory: before the MUFU-only exponential and reciprocal (`_exp2_fast`, `_rcp_fast`)
-# and the dropped per-value masks, sm_90 SASS (Triton 3.8) had 46 instructions per value for the
-# GELU cast and 62 for its gradient against 20 for the plain cast, and a 4096 x 16384 GELU cast
-# took 151 us on an H200 (the plain cast 102 us, a bfloat16 copy 66 us); now 36 and 54, 133.5 us
-# and 188 us for the gradient with 64 x 64 tiles (docs/results/bench_fused_kernels_H200_after.json);
-# 64 x 128 tiles, twice the values per thread to spread each row's loads over, 124 / 173 us in the
-# same run, and the FP8 block stack of bench_modules 1.613x / 1.622x bf16 against 1.597x / 1.610x
-# (two rounds each, one H200; docs/results/bench_modules_blocks_4096_tile_*.json). Letting the
-# conversion saturate (cvt.rn.satfinite) instead of two selects per value: 94 / 152 us against
-# 121 / 172 in one run (docs/results/bench_fused_kernels_H200_{clamped,satfinite}.json).
+# 64 x 128 tiles, 4 warps: 64 values per thread, enough to spread each row's loads over; these
+# kernels are bound by instruction issue as much as by memory (docs/benchmarks.md, "Constants").
 # ZBPP_FUSED_TILE (rows x columns x warps, e.g. 64x64x4) picks another tile.
 BLOCK_M = 64
 BLOCK_N = 128
@@ -68,34 +59,34 @@ if triton is not None:
     _NEG_LOG2E = tl.constexpr(-1.4426950408889634)  # exp(-z) = 2^(z * -log2(e))
 
     from ._fp8_cast_triton import (
-        _cast_store_tile,
-        _div_rn,
-        _finish_cast,
-        _mul_rn,
-        _ptx_f32,
-        _rcp_rn,
-        _round_bf16,
-        _sum,
+        cast_store_tile,
+        div_rn,
+        finish_cast,
+        mul_rn,
+        ptx_f32,
+        rcp_rn,
+        round_bf16,
+        tile_sum,
     )
 
     @triton.jit
     def _exp2_fast(x):
         # 2^x in one MUFU.EX2 (ex2.approx.ftz: within 2 ulp, as Triton's exp; results below 2^-126
-        # flush to zero instead of going through the denormal fix-up that ex2.approx.f32 costs:
-        # four more instructions per value in this compute-bound kernel)
-        if _INTERPRETED:
+        # flush to zero instead of going through the denormal fix-up that ex2.approx.f32 costs in
+        # this compute-bound kernel)
+        if INTERPRETED:
             return tl.exp2(x)
         else:
-            return _ptx_f32("ex2.approx.ftz.f32 $0, $1;", x)
+            return ptx_f32("ex2.approx.ftz.f32 $0, $1;", x)
 
     @triton.jit
     def _rcp_fast(x):
         # 1 / x in one MUFU.RCP (rcp.approx.ftz: within 1 ulp; ``/`` is div.full.f32, which adds
         # range checks around the same approximation)
-        if _INTERPRETED:
+        if INTERPRETED:
             return 1.0 / x
         else:
-            return _ptx_f32("rcp.approx.ftz.f32 $0, $1;", x)
+            return ptx_f32("rcp.approx.ftz.f32 $0, $1;", x)
 
     @triton.jit
     def _sigmoid(z):
@@ -123,7 +114,7 @@ if triton is not None:
             return tl.where(x < 0, 0.0, x)
         elif ACT == 3:  # squared relu
             r = tl.where(x < 0, 0.0, x)
-            return _mul_rn(r, r)
+            return mul_rn(r, r)
         else:  # silu
             return x * _sigmoid(x)
 
@@ -140,7 +131,7 @@ if triton is not None:
         elif ACT == 2:  # threshold_backward(grad, x, 0)
             return tl.where(x <= 0, 0.0, grad)
         elif ACT == 3:
-            return _mul_rn(grad, 2.0 * tl.where(x < 0, 0.0, x))
+            return mul_rn(grad, 2.0 * tl.where(x < 0, 0.0, x))
         else:
             s, ds = _sigmoid_and_slope(x)
             return grad * (s + x * ds)
@@ -184,7 +175,7 @@ if triton is not None:
                 inside = row_ok[:, None] & (cols < N)[None, :]
                 acc += tl.load(base + cols.to(tl.int64)[None, :] * stride_n, mask=inside,
                                other=0.0).to(tl.float32)
-            mean = _div_rn(_sum(acc, 1), n_float)
+            mean = div_rn(tile_sum(acc, 1), n_float)
             tl.store(mean_ptr + rows, mean, mask=row_ok)
             acc = tl.full([ROWS, BLOCK], 0.0, tl.float32)
         for start in range(0, N, BLOCK):
@@ -193,9 +184,9 @@ if triton is not None:
             x = tl.load(base + cols.to(tl.int64)[None, :] * stride_n, mask=inside,
                         other=0.0).to(tl.float32)
             d = tl.where(inside, x - mean[:, None], 0.0)
-            acc += _mul_rn(d, d)
-        var = _div_rn(_sum(acc, 1), n_float)
-        tl.store(rstd_ptr + rows, _rcp_rn(tl.sqrt_rn(var + eps)), mask=row_ok)
+            acc += mul_rn(d, d)
+        var = div_rn(tile_sum(acc, 1), n_float)
+        tl.store(rstd_ptr + rows, rcp_rn(tl.sqrt_rn(var + eps)), mask=row_ok)
 
     @triton.jit
     def _norm_cast_kernel(
@@ -235,20 +226,20 @@ if triton is not None:
         rstd = tl.load(rstd_ptr + r64, mask=row_ok, other=0.0)
         w = tl.load(w_ptr + c64, mask=col_ok, other=0.0).to(tl.float32)
         if RMS:
-            v = _mul_rn(x, rstd[:, None])
+            v = mul_rn(x, rstd[:, None])
         else:
             mean = tl.load(mean_ptr + r64, mask=row_ok, other=0.0)
-            v = _mul_rn(x - mean[:, None], rstd[:, None])
-        y = _mul_rn(v, w[None, :])
+            v = mul_rn(x - mean[:, None], rstd[:, None])
+        y = mul_rn(v, w[None, :])
         if HAS_BIAS:
             y = y + tl.load(b_ptr + c64, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        y = tl.where(inside, _round_bf16(y), 0.0)
-        bits = _cast_store_tile(
+        y = tl.where(inside, round_bf16(y), 0.0)
+        bits = cast_store_tile(
             y, row_ok, col_ok, r64, c64, tl.load(scale_ptr), fp8_max,
             data_ptr, data_t_ptr, N, M, scale_ptr,
             E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=False,
         )
-        _finish_cast(
+        finish_cast(
             amax_bits_ptr, bits, history_ptr, scale_ptr, scale_inv_ptr, history_len, factor,
             UPDATE=True, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
@@ -284,16 +275,16 @@ if triton is not None:
         at = h_ptr + r64[:, None] * stride_m + c64[None, :]
         a = _act(tl.load(at, mask=inside, other=0.0).to(tl.float32), ACT)
         if GLU:
-            a = _mul_rn(a, tl.load(at + F, mask=inside, other=0.0).to(tl.float32))
+            a = mul_rn(a, tl.load(at + F, mask=inside, other=0.0).to(tl.float32))
         # masked lanes loaded 0 and every activation maps 0 to 0 (a GLU multiplies by 0): they
-        # hold the zeros `_cast_store_tile` needs without a select per value
-        a = _round_bf16(a)
-        bits = _cast_store_tile(
+        # hold the zeros `cast_store_tile` needs without a select per value
+        a = round_bf16(a)
+        bits = cast_store_tile(
             a, row_ok, col_ok, r64, c64, tl.load(scale_ptr), fp8_max,
             data_ptr, data_t_ptr, F, M, scale_ptr,
             E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=False,
         )
-        _finish_cast(
+        finish_cast(
             amax_bits_ptr, bits, history_ptr, scale_ptr, scale_inv_ptr, history_len, factor,
             UPDATE=True, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
@@ -340,26 +331,26 @@ if triton is not None:
         if GLU:
             up = tl.load(at + F, mask=inside, other=0.0).to(tl.float32)
             # masked lanes: grad = 0 there, so both are 0 (see _act_cast_kernel)
-            d_gate = _round_bf16(_act_grad(_mul_rn(grad, up), x, ACT))
-            d_up = _round_bf16(_mul_rn(grad, _act(x, ACT)))
-            bits = _cast_store_tile(
+            d_gate = round_bf16(_act_grad(mul_rn(grad, up), x, ACT))
+            d_up = round_bf16(mul_rn(grad, _act(x, ACT)))
+            bits = cast_store_tile(
                 d_gate, row_ok, col_ok, r64, c64, scale, fp8_max,
                 data_ptr, data_t_ptr, width, M, sums_at,
                 E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=COLUMN_SUMS,
             )
-            bits = tl.maximum(bits, _cast_store_tile(
+            bits = tl.maximum(bits, cast_store_tile(
                 d_up, row_ok, col_ok, r64, c64 + F, scale, fp8_max,
                 data_ptr, data_t_ptr, width, M, sums_at,
                 E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=COLUMN_SUMS,
             ))
         else:
-            dh = _round_bf16(_act_grad(grad, x, ACT))  # 0 on masked lanes, where grad = 0
-            bits = _cast_store_tile(
+            dh = round_bf16(_act_grad(grad, x, ACT))  # 0 on masked lanes, where grad = 0
+            bits = cast_store_tile(
                 dh, row_ok, col_ok, r64, c64, scale, fp8_max,
                 data_ptr, data_t_ptr, width, M, sums_at,
                 E5M2=E5M2, TRANSPOSE=TRANSPOSE, COLUMN_SUMS=COLUMN_SUMS,
             )
-        _finish_cast(
+        finish_cast(
             amax_bits_ptr, bits, history_ptr, scale_ptr, scale_inv_ptr, history_len, factor,
             UPDATE=True, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
@@ -440,7 +431,7 @@ def norm_cast_update(
     bm, bn, warps = tile()
     block = min(STATS_BLOCK, triton.next_power_of_2(n))
     rows = max(1, STATS_ELEMENTS // block)
-    with _on(x.device):
+    with on_device(x.device):
         _norm_stats_kernel[(triton.cdiv(m, rows),)](
             x, mean if mean is not None else rstd, rstd, m, n, float(n), x.stride(0),
             x.stride(1), _float32(eps), RMS=rms, ROWS=rows, BLOCK=block, num_warps=4,
@@ -478,7 +469,7 @@ def act_cast_update(
     data, data_t, scale_inv = _outputs(m, f, dtype, transpose, h.device)
     u8, u8_t = _u8(data, data_t)
     bm, bn, warps = tile()
-    with _on(h.device):
+    with on_device(h.device):
         _act_cast_kernel[_grid(m, f, bm, bn)](
             h, scale, u8, u8_t, workspace, history, scale_inv,
             m, f, h.stride(0), float(fp8_max), history.numel(), float(factor),
@@ -518,7 +509,7 @@ def dact_cast_update(
     if column_sums:
         sums = torch.empty((triton.cdiv(m, bm), width), dtype=torch.float32, device=h.device)
     u8, u8_t = _u8(data, data_t)
-    with _on(h.device):
+    with on_device(h.device):
         _dact_cast_kernel[_grid(m, f, bm, bn)](
             grad, h, scale, u8, u8_t, sums if sums is not None else scale, workspace, history,
             scale_inv, m, f, grad.stride(0), h.stride(0), float(fp8_max), history.numel(),

@@ -20,7 +20,7 @@ the input gradient, x^T and dy^T for the weight gradient) is transposed in the s
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Hashable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +45,6 @@ class GradOut(NamedTuple):
     param: torch.nn.Parameter
     grad: torch.Tensor
     to_main_grad: bool  # add into param.main_grad instead of param.grad
-
-
-WgradJob = Callable[[], list[GradOut]]
 
 
 class Fp8Slots(NamedTuple):
@@ -157,10 +154,6 @@ class _Job:
 
     def __call__(self) -> list[GradOut]:
         return job_outputs(self.parts, self.fp8)
-
-
-def _make_job(parts: list[_WgradPart], fp8: bool) -> WgradJob:
-    return _Job(parts, fp8)
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool):
@@ -376,7 +369,7 @@ class _LayerFunction(torch.autograd.Function):
                 dx = dln
         dw1 = dw2 = None
         if parts:
-            job = _make_job(parts, fp8)
+            job = _Job(parts, fp8)
             if plan.store is not None:
                 plan.store.put(plan.key, job)
             else:

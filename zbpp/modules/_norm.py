@@ -43,8 +43,6 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # the overload itself: calling the packet resolves it in Python on every call
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
 
-Stats = tuple[torch.Tensor | None, torch.Tensor]  # (mean or None, rstd), float32 [rows, 1]
-
 
 def make_norm_params(
     module: nn.Module,

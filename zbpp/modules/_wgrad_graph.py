@@ -43,6 +43,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 
+from .._compat import foreach_copy_
 from ._layer_function import GradOut, _Job, _WgradPart, main_grad_of
 from .fp8 import Quantized
 
@@ -110,7 +111,7 @@ def _static_jobs(jobs: Sequence[_Job], structure: tuple, static: list[torch.Tens
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(dst, src)
+    foreach_copy_(dst, src)
 
 
 def require_cuda(owner: str, device: torch.device) -> None:

@@ -1,8 +1,10 @@
 """zbpp.runtime: run a `zbpp.schedules.Schedule` across ranks with torch.distributed.
 
-- `Pipeline`: one interpreter for every schedule (`pipeline.py`, `executor.py`), communication on
-  one channel per direction at the points the schedule's plan gives (`zbpp.schedules.plan`,
-  `channels.py`), the step's agreements (`agreement.py`), W tasks (`wgrad.py`); `CommOptions`.
+- `Pipeline`: the step (`pipeline.py`), one interpreter for every schedule (`executor.py`), its
+  queue of sends and receives at the points the schedule's plan gives (`comm_queue.py`,
+  `zbpp.schedules.plan`) on one channel per direction (`channels.py`), the step's agreements
+  (`agreement.py`), gradients of earlier steps kept apart (`grad_aside.py`), W tasks (`wgrad.py`);
+  `PipelineError` and `ShapeMismatchError` (`errors.py`).
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
   parallelism: `grad_reduce.py`.
@@ -15,10 +17,9 @@
 
 from __future__ import annotations
 
-from .channels import CommOptions
 from .checkpoint import load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_
-from .executor import PipelineError, ShapeMismatchError
+from .errors import PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
 from .launch import init_distributed, shutdown_and_exit
 from .pipeline import Pipeline
@@ -29,7 +30,6 @@ from .tree import Replicated
 __all__ = [
     "Pipeline",
     "ParallelGroups",
-    "CommOptions",
     "PipelineError",
     "Replicated",
     "ShapeMismatchError",

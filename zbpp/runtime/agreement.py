@@ -26,11 +26,13 @@ False
 
 from __future__ import annotations
 
-import time
 from dataclasses import astuple, dataclass, fields
 from typing import Any, TypeVar
 
 import torch
+
+from .._compat import default_store, process_group_name
+from .polling import poll
 
 __all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob"]
 
@@ -74,10 +76,8 @@ class Agreement:
         self._store: Any = None
         self._key = ""
         if group is not None:
-            import torch.distributed as dist
-
-            self._store = dist.distributed_c10d._get_default_store()
-            self._key = f"zbpp/{dist.distributed_c10d._get_process_group_name(group)}/broken"
+            self._store = default_store()
+            self._key = f"zbpp/{process_group_name(group)}/broken"
 
     def gather(self, mine: R) -> list[R]:
         """Every rank's report, in the group's rank order; raises `BrokenJob` when a rank is gone."""
@@ -116,14 +116,7 @@ class Agreement:
                 pass
 
     def _wait(self, work: Any) -> None:
-        last_look = time.monotonic()
-        pause = 1e-4
-        while not work.is_completed():
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
-            if time.monotonic() - last_look > _POLL_STORE_S:
-                last_look = time.monotonic()
-                self.check()
+        poll(work, self.check, _POLL_STORE_S)
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - gloo: a closed connection or a timeout

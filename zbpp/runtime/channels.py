@@ -6,13 +6,11 @@ NCCL, its own stream: a receive waiting for its data never holds up a send the o
 
 NCCL communicators are created eagerly, when the groups are built (``new_group(device_id=...)``):
 created lazily, the first send or receive of a pair would be a blocking handshake of the two ranks
-that the plan's issue points do not account for. `CommOptions` set how many thread blocks (CTAs)
-the channels' NCCL kernels may use: a posted NCCL kernel occupies streaming multiprocessors while
-it waits for its peer and while it copies, and a GEMM that shares the GPU with it runs slower.
+that the plan's issue points do not account for.
 
 Process groups must be created by every rank of the job in one order (``new_group`` is collective
 over the default group), so `Channels` creates the channels of every pipeline of the job, and
-groups are cached per process: `Pipeline` objects of the same ranks, backend and options share
+groups are cached per process: `Pipeline` objects of the same ranks and backend share
 them (ops never interleave: one step runs at a time).
 
 Tensors travel one ``isend``/``irecv`` each (a message of several tensors is several operations in
@@ -25,82 +23,40 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._compat import default_group_timeout
+from .polling import poll
 from .topology import Topology
 from .tree import TensorMeta
 
-__all__ = ["CommOptions", "Channels", "agreement_group", "default_timeout"]
+__all__ = ["Channels", "agreement_group", "cached_group", "default_timeout"]
 
 Channel = tuple[int, int]  # (sending pipeline rank, receiving pipeline rank)
 
 # seconds `Channels.abort` waits for NCCL's abort before the caller goes on to raise (see there)
 ABORT_WAIT_S = 2.0
 
-_GROUPS: dict[tuple[Any, ...], Any] = {}  # (purpose, backend, global ranks, options) -> group
-
-
-@dataclass(frozen=True)
-class CommOptions:
-    """How the pipeline's point-to-point traffic uses NCCL (gloo ignores it).
-
-    Attributes:
-        max_ctas: the most CTAs (thread blocks, one per SM) an NCCL kernel of a channel may use;
-            None (the default) leaves it to NCCL. Fewer CTAs leave more SMs to the GEMMs that run
-            while a message is in flight, but copy slower, and a GEMM kernel whose grid wants every
-            SM waits for the last one anyway: on 2 x H200 (mlp stack, zb-v, m=8) one CTA gave
-            380.1 ms per step against 376.7 ms with NCCL's default.
-        high_priority_streams: give the channels' NCCL streams high priority, so a transfer
-            starts as soon as its data is ready instead of queueing behind compute kernels.
-    """
-
-    max_ctas: int | None = None
-    high_priority_streams: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_ctas is not None and (not isinstance(self.max_ctas, int) or isinstance(self.max_ctas, bool)
-                                          or not 1 <= self.max_ctas <= 64):
-            raise ValueError(f"CommOptions.max_ctas must be None or an integer in 1..64, got {self.max_ctas!r}")
-        if not isinstance(self.high_priority_streams, bool):
-            raise TypeError(f"CommOptions.high_priority_streams must be a bool, got {type(self.high_priority_streams).__name__}")
+_GROUPS: dict[tuple[Any, ...], Any] = {}  # (purpose, backend, global ranks) -> group
 
 
 def default_timeout() -> timedelta:
     """The default process group's timeout (what ``init_process_group(timeout=...)`` set)."""
-    try:
-        pg = dist.distributed_c10d._get_default_group()
-        for device in ("cuda", "cpu"):
-            try:
-                return pg._get_backend(torch.device(device)).options._timeout
-            except Exception:  # noqa: BLE001 - that device has no backend; try the next
-                continue
-    except Exception:  # noqa: BLE001 - private API moved: fall back to torch's default
-        pass
-    return timedelta(minutes=10)
+    return default_group_timeout() or timedelta(minutes=10)
 
 
-def _group(purpose: str, ranks: Sequence[int], backend: str, options: CommOptions | None, timeout: timedelta) -> Any:
+def cached_group(purpose: str, ranks: Sequence[int], backend: str, timeout: timedelta) -> Any:
     """A cached process group of `ranks` (every rank of the default group must call this in the same
     order with the same arguments); None on ranks outside it."""
-    key = (purpose, backend, tuple(ranks), options)
+    key = (purpose, backend, tuple(ranks))
     if key in _GROUPS:
         return _GROUPS[key]
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if backend == "nccl":
-        from torch.distributed import ProcessGroupNCCL
-
-        opts = ProcessGroupNCCL.Options()
-        if options is not None:
-            opts.is_high_priority_stream = options.high_priority_streams
-            if options.max_ctas is not None:
-                opts.config.max_ctas = options.max_ctas
-                opts.config.min_ctas = 1
-        kwargs["pg_options"] = opts
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())  # eager: no lazy handshake
     group = dist.new_group(sorted(ranks), **kwargs)
     if group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -114,7 +70,7 @@ def agreement_group(topology: Topology, timeout: timedelta) -> Any:
     waits for a GPU); None without torch.distributed."""
     if not topology.distributed:
         return None
-    return _group("agree", topology.world, "gloo", None, timeout)
+    return cached_group("agree", topology.world, "gloo", timeout)
 
 
 class Channels:
@@ -124,12 +80,11 @@ class Channels:
         topology: this rank's place in the job.
         channels: every channel of a pipeline, as ``(src, dst)`` pipeline ranks (`Plan.channels`).
         device: where tensors live (CUDA: NCCL; CPU: gloo).
-        options: NCCL options of the channels.
         timeout: the groups' timeout.
     """
 
     def __init__(self, topology: Topology, channels: Iterable[Channel], device: torch.device,
-                 options: CommOptions, timeout: timedelta) -> None:
+                 timeout: timedelta) -> None:
         self.device = device
         self.timeout = timeout
         self.backend = "nccl" if device.type == "cuda" else "gloo"
@@ -138,7 +93,7 @@ class Channels:
         channels = sorted(set(channels))
         for line in topology.pipelines:  # every pipeline's, in one order: new_group is collective
             for src, dst in channels:
-                group = _group("p2p", (line[src], line[dst]), self.backend, options if self.backend == "nccl" else None, timeout)
+                group = cached_group("p2p", (line[src], line[dst]), self.backend, timeout)
                 if line == topology.pipeline:
                     self._groups[(src, dst)] = group
 
@@ -180,22 +135,21 @@ class Channels:
             work.wait()  # gloo: a closed connection raises, a hung peer times out
             return
         deadline = time.monotonic() + 0.9 * self.timeout.total_seconds()  # before the watchdog's abort
-        pause = 1e-4
-        while not work.is_completed():
+
+        def check() -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"channel {channel}: no message from pipeline rank {channel[0]} within "
                                    f"{self.timeout.total_seconds():g} s (dead or hung?)")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.005)
+
+        poll(work, check)
         work.wait()
 
     def abort(self, wait_s: float = ABORT_WAIT_S) -> None:
         """Abort the channels' NCCL communicators (a dead peer: kernels waiting for it end). Best effort;
         the channels are unusable afterwards.
 
-        NCCL's abort can itself block while a kernel still waits for the dead peer (seen on 2 x H200
-        with torch 2.11: `ProcessGroupNCCL.abort` did not return before NCCL's own watchdog ended the
-        process at the process-group timeout), and the caller is about to raise the error that says the
+        NCCL's abort can itself block while a kernel still waits for the dead peer (seen with torch
+        2.11: it did not return before NCCL's watchdog ended the process), and the caller is about to raise the error that says the
         pipeline is unusable: that must not wait. So the abort runs on a daemon thread and this returns
         when it finished or after `wait_s` seconds, whichever comes first."""
         if self.backend != "nccl":

@@ -17,8 +17,8 @@ puts before it (`zbpp.schedules.plan`: sends of data already produced, receives 
 soon, each channel's in its order), then run the task, which waits only for its own inputs. Data
 moves along the DAG: a message on each cross-rank edge, a hand-over in memory on each same-rank edge.
 
-Shapes: on the first step of a new input signature (``sync``) each activation message is preceded
-by its `Spec` (structure, shapes, dtypes, non-tensor values), received when its consumer needs it;
+Shapes: on the first step of a new input signature (``new_signature``) each activation message is
+preceded by its `Spec` (structure, shapes, dtypes, non-tensor values), received when its consumer needs it;
 later steps post receives from the cached specs, and the sender checks its output against them (a
 difference raises `ShapeMismatchError` naming the stage, the microbatch and both specs). Gradient
 messages need no metadata: they have the shapes of the activations they answer.
@@ -26,7 +26,7 @@ messages need no metadata: they have the shapes of the activations they answer.
 Failures: an exception in a task (or in handing its data on) does not stop the step's
 communication. The rank *drains*: it runs no more compute but still issues every remaining send
 and receive of its plan, in order, with placeholders of the right shapes in place of the data it
-could not produce (on a ``sync`` step, a `POISON` spec with no data: its receiver drains too), and
+could not produce (on a ``new_signature`` step, a `POISON` spec with no data: its receiver drains too), and
 still signals the stages' last B and W so that data-parallel reductions are issued as on the other
 replicas. Every peer therefore completes the step's communication, the communicators stay
 consistent, and the agreement at the end of the step (`zbpp.runtime.pipeline`) tells every rank
@@ -47,59 +47,31 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .._compat import engine_run_backward
 from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
-from ..schedules.plan import CommOp, Message, RankPlan
+from ..schedules.plan import RankPlan
+from .comm_queue import POISON, CommQueue, Drained, Posted
+from .errors import PipelineError, ShapeMismatchError
 from .profiling import TaskRecorder
-from .tree import Spec, TensorMeta, call, flatten, rebuild
+from .tree import Spec, call, flatten, rebuild
 from .wgrad import StageWgrad
 
 __all__ = ["PipelineError", "ShapeMismatchError", "StepExecutor", "POISON"]
-
-
-class PipelineError(RuntimeError):
-    """A pipeline step failed; the message names the rank and the task, the cause is chained."""
-
-
-class ShapeMismatchError(PipelineError):
-    """A stage's output differs from what the receiving rank was told for this input signature."""
-
-
-class _Poison:
-    """Sent in place of a `Spec` by a draining rank: the activation does not exist, no data follows."""
-
-    def __reduce__(self) -> str:
-        return "POISON"  # unpickles to the module-level singleton
-
-    def __repr__(self) -> str:
-        return "POISON"
-
-
-POISON = _Poison()
-
-
-try:  # the autograd engine entry point that takes gradients of a shape other than the tensor's
-    from torch.autograd.graph import _engine_run_backward as _engine_backward  # torch >= 2.3
-except ImportError:  # pragma: no cover - older torch
-    from torch.autograd import Variable
-
-    def _engine_backward(*args: Any, **kwargs: Any) -> Any:
-        return Variable._execution_engine.run_backward(*args, **kwargs)
 
 
 def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Backpropagate ``grads`` from ``roots`` (accumulating into leaves' ``.grad``).
 
     Calls the engine directly because a sent activation's storage may have been released (its
-    ``.data`` shrunk): the engine checks gradients against the autograd node's recorded input shape,
-    not against the tensor's current data.
+    ``.data`` shrunk): see `zbpp._compat.engine_run_backward`.
     """
     pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
     if not pairs:
         return
     ts = tuple(t for t, _ in pairs)
     gs = tuple(torch.ones_like(t) if g is None else g for t, g in pairs)
-    _engine_backward(ts, gs, False, False, (), allow_unreachable=True, accumulate_grad=True)
+    engine_run_backward(ts, gs)
 
 
 @dataclass
@@ -111,17 +83,7 @@ class _Slot:
 
 
 @dataclass
-class _Posted:
-    """A receive: posted (buffers and works) or still waiting in its channel's queue."""
-
-    message: Message
-    bufs: list[torch.Tensor] | None = None
-    works: list[Any] = field(default_factory=list)
-    poisoned: bool = False
-
-
-@dataclass
-class StepExecutor:
+class StepExecutor(CommQueue):
     """Runs one step of one rank (see the module docstring). Built fresh for every step.
 
     Args:
@@ -132,8 +94,8 @@ class StepExecutor:
         loss_fn: ``loss_fn(output, target) -> scalar``, mean over the microbatch.
         channels: the point-to-point channels (None when the pipeline has one rank).
         specs: the activation specs of this step's signature, ``(stage, microbatch) -> Spec``;
-            filled here when `sync` (the signature's first step), read otherwise.
-        sync: the specs are not known yet: send them ahead of each activation.
+            filled here when `new_signature` (the signature's first step), read otherwise.
+        new_signature: the specs are not known yet: send them ahead of each activation.
         inputs: per microbatch, the first stage's input (on the rank holding stage 0).
         targets: per microbatch, the target (on the rank holding the last stage; None entries allowed).
         weights: per microbatch, the factor of its loss in the step's loss: a number, or a 0-dim
@@ -157,7 +119,7 @@ class StepExecutor:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     channels: Any
     specs: dict[tuple[int, int], Any]
-    sync: bool
+    new_signature: bool
     inputs: list[Any] | None
     targets: list[Any] | None
     weights: list[Any]
@@ -180,8 +142,8 @@ class StepExecutor:
     current: Action | None = field(default=None, init=False)  #: the task running (named in errors)
     # -- per-step state -----------------------------------------------------------------------
     _outbox: dict[int, tuple[Any, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
-    _queues: dict[tuple[int, int], list[_Posted]] = field(default_factory=dict, init=False, repr=False)
-    _received: dict[int, _Posted] = field(default_factory=dict, init=False, repr=False)
+    _queues: dict[tuple[int, int], list[Posted]] = field(default_factory=dict, init=False, repr=False)
+    _received: dict[int, Posted] = field(default_factory=dict, init=False, repr=False)
     _sending: list[tuple[list[Any], list[torch.Tensor], tuple[int, int]]] = field(default_factory=list, init=False, repr=False)
     _handed: dict[Action, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
     _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict, init=False, repr=False)
@@ -205,7 +167,7 @@ class StepExecutor:
             if not self.draining:
                 try:
                     self._run_task(task)
-                except _Drained:
+                except Drained:
                     pass  # a peer failed upstream: nothing to report here
                 except Exception as exc:  # noqa: BLE001 - the step drains; the agreement reports it
                     self._fail(exc, task)
@@ -236,7 +198,7 @@ class StepExecutor:
             return
         try:
             self._receive(msg)
-        except _Drained:
+        except Drained:
             pass
 
     def _fail(self, exc: BaseException, task: Action | None) -> None:
@@ -319,7 +281,7 @@ class StepExecutor:
                                       for t in leaves])
             return
         known = self.specs.get((s, j))
-        if self.sync:
+        if self.new_signature:
             self.specs[(s, j)] = spec
         elif known != spec:
             raise ShapeMismatchError(
@@ -328,7 +290,7 @@ class StepExecutor:
                 "output structure, shapes, dtypes, requires_grad and non-tensor values must be determined "
                 "by the step's input shapes (and the modules' train/requires_grad state)"
             )
-        self._outbox[msg.index] = (spec if self.sync else None, [t.detach().contiguous() for t in leaves])
+        self._outbox[msg.index] = (spec if self.new_signature else None, [t.detach().contiguous() for t in leaves])
         if self.free_sent_activations and not self.forward_only:
             for t in roots:
                 # Keep only the autograd node: what backward saved is held by the graph itself; the
@@ -384,171 +346,9 @@ class StepExecutor:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, a)
 
-    # -- communication ------------------------------------------------------------------------
-    def _issue(self, boundary: int) -> None:
-        """Issue the plan's operations at `boundary`; never raises (a failure makes the rank drain)."""
-        for op in self.plan.issue[boundary]:
-            if op.send:
-                if op.message.channel not in self._dead:
-                    try:
-                        self._send(op.message)
-                    except Exception as exc:  # noqa: BLE001
-                        self._comm_failed(exc, op.message.channel)
-            else:
-                self._queues.setdefault(op.message.channel, []).append(_Posted(op.message))
-        self._post_known_receives()
-
-    def _comm_failed(self, exc: BaseException, channel: tuple[int, int] | None = None) -> None:
-        """A send or receive raised: a ShapeMismatchError of this rank's output (the rank drains), or
-        the channel broke (a dead peer: nothing more goes on it, and the pipeline is unusable)."""
-        if isinstance(exc, ShapeMismatchError) or (channel is None and not self.draining):
-            self._fail(exc, self.current)
-            return
-        if channel is not None:
-            self._dead.add(channel)
-        self.comm_error = self.comm_error or exc
-        if self.failure is None:
-            self._fail(exc, self.current)
-
-    def _send(self, msg: Message) -> None:
-        spec, tensors = self._outbox.pop(msg.index, (None, None))
-        if tensors is None:  # draining: this rank did not produce it
-            spec, tensors = self._placeholder(msg)
-        works: list[Any] = []
-        keep = list(tensors)
-        if self.sync and not msg.is_gradient:
-            if spec is POISON:  # its gradient message will be empty, on both ends
-                self.specs[(msg.src.stage, msg.src.microbatch)] = POISON
-            w, bufs = self.channels.send_object(spec, msg.channel)
-            works += w
-            keep += bufs
-        if spec is not POISON:
-            works += self.channels.isend(tensors, msg.channel)
-        if works:
-            self._sending.append((works, keep, msg.channel))
-
-    def _placeholder(self, msg: Message) -> tuple[Any, list[torch.Tensor]]:
-        """What a draining rank sends for a message it could not produce: tensors of the right
-        shapes (their values are never used), or POISON when the shapes are unknown."""
-        metas = self._metas(msg)
-        if metas is None:
-            return POISON, []
-        spec = self.specs.get((msg.src.stage, msg.src.microbatch)) if not msg.is_gradient else None
-        # Zeros, not garbage: a peer that computes on them before it learns of the failure should
-        # not fail too (an index out of range, say) and blur which rank failed first.
-        return spec, [torch.zeros(m.shape, dtype=m.dtype, device=self.channels.device) for m in metas]
-
-    def _metas(self, msg: Message) -> list[TensorMeta] | None:
-        """The tensors of `msg`, or None while unknown (its spec is still to come in-band)."""
-        j = msg.src.microbatch
-        if msg.is_gradient:  # answers the activation of (dst stage, j), which both ends have seen
-            spec = self.specs.get((msg.dst.stage, j))
-            if spec is None or spec is POISON:  # unknown yet / the activation never existed
-                return None if spec is None else []
-            return [TensorMeta(m.shape, m.dtype, False) for m in spec.tensors if m.requires_grad]
-        spec = self.specs.get((msg.src.stage, j))
-        if spec is None or spec is POISON:
-            return None
-        return list(spec.tensors)
-
-    def _post_known_receives(self) -> None:
-        """Post each channel's due receives from its front, as long as their shapes are known."""
-        for channel, queue in self._queues.items():
-            while queue and channel not in self._dead:
-                item = queue[0]
-                metas = self._metas(item.message)
-                if metas is None:
-                    break
-                try:
-                    self._post(item, metas)
-                except Exception as exc:  # noqa: BLE001
-                    self._comm_failed(exc, channel)
-                    break
-                queue.pop(0)
-
-    def _post(self, item: _Posted, metas: list[TensorMeta]) -> None:
-        item.bufs, item.works = self.channels.irecv(metas, item.message.channel)
-        self._received[item.message.index] = item
-
-    def _receive(self, msg: Message) -> list[torch.Tensor]:
-        """The tensors of `msg`, once arrived (on CUDA: the compute stream waits for them). Receives
-        the spec first when it comes in-band (a sync step), which blocks until it has arrived."""
-        item = self._received.pop(msg.index, None)
-        if item is None:
-            queue = self._queues[msg.channel]
-            item = queue.pop(0)
-            assert item.message.index == msg.index, "channel order broken (a bug in the plan)"
-            if msg.channel in self._dead:
-                raise _Drained()
-            if not self.sync or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
-                raise PipelineError(f"rank {self.plan.rank}: the receive of {msg} was never posted (a bug)")
-            try:
-                spec = self.channels.recv_object(msg.channel)
-            except Exception as exc:  # noqa: BLE001
-                self._comm_failed(exc, msg.channel)
-                raise _Drained() from exc
-            self.specs[(msg.src.stage, msg.src.microbatch)] = spec
-            if spec is POISON:
-                self.upstream_failed = True
-                item.bufs, item.poisoned = [], True
-            else:
-                self._post(item, list(spec.tensors))
-                self._received.pop(msg.index)
-        try:
-            for w in item.works:
-                w.wait()
-        except Exception as exc:  # noqa: BLE001
-            self._comm_failed(exc, msg.channel)
-            raise _Drained() from exc
-        if item.poisoned:
-            raise _Drained()
-        assert item.bufs is not None
-        return item.bufs
-
-    def _reap(self) -> None:
-        """Drop the buffers of completed sends (CUDA: an event query, never a wait)."""
-        self.in_flight[:] = [(w, k) for w, k in self.in_flight if not all(x.is_completed() for x in w)]
-        if self._sending:
-            self._sending = [(w, k, c) for w, k, c in self._sending if not all(x.is_completed() for x in w)]
-
-    def _complete_communication(self) -> None:
-        """End of the step: every receive consumed (draining: waited for and dropped), every send
-        handed over (gloo: waited for; CUDA: kept in `in_flight` until it completes, so the compute
-        stream never waits for a peer)."""
-        for queue in self._queues.values():  # draining: receives never consumed
-            while queue:
-                try:
-                    self._receive(queue[0].message)
-                except _Drained:
-                    pass
-        for item in self._received.values():
-            try:
-                for w in item.works:
-                    w.wait()
-            except Exception as exc:  # noqa: BLE001
-                self._comm_failed(exc, item.message.channel)
-        self._received.clear()
-        if self.channels is not None and self.channels.device.type == "cuda":
-            self.in_flight.extend((w, k) for w, k, _ in self._sending)
-        else:
-            for works, _, channel in self._sending:
-                try:
-                    for w in works:
-                        w.wait()
-                except Exception as exc:  # noqa: BLE001 - a send to a dead peer
-                    self._comm_failed(exc, channel)
-        self._sending.clear()
-        self._outbox.clear()
-        self._slots.clear()
-        self._handed.clear()
-
 
 def _weigh(loss: torch.Tensor, factor: Any) -> torch.Tensor:
     """``loss * factor``; a tensor factor of 0 gives 0 (and a zero gradient), whatever the loss."""
     if not isinstance(factor, torch.Tensor):
         return loss * factor
     return torch.where(factor != 0, loss * factor.to(loss.dtype), torch.zeros((), dtype=loss.dtype, device=loss.device))
-
-
-class _Drained(Exception):
-    """A consumer's input was POISON: the rank drains (raised inside a task, never out of `run`)."""

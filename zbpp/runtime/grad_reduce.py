@@ -26,8 +26,10 @@ that buckets again hold parameters that become final together.
 
 Averaging is a pre-division by the number of replicas followed by a sum (gloo has no AVG). A
 parameter whose ``.grad`` is None on a replica contributes zeros there, so every replica issues the
-same collectives; it stays None only when it is None on every replica (a presence count travels in
-the same buffer).
+same collectives; it stays None only when it is None on every replica. Which replicas had a
+``.grad`` is host knowledge, so those presence counts travel on the host, over a gloo group
+(`presence_group`), beside each bucket's reduction: applying a reduction never reads the device.
+Without that group they travel in the bucket, which is read back (for a GPU bucket, a host sync).
 
 ``main_grad``: parameters of modules with ``fuse_wgrad_accumulation``, of Transformer Engine style
 modules (whose ``backward_dw`` overwrites ``.grad``), those that already carry ``main_grad``, or all of
@@ -102,6 +104,8 @@ class _Bucket:
     buffer: torch.Tensor | None = None
     waiting: int = 0
     work: Any = None
+    present: torch.Tensor | None = None  # .grad buckets: per entry, how many replicas had a .grad (CPU)
+    present_work: Any = None
 
 
 class GradReducer:
@@ -110,11 +114,15 @@ class GradReducer:
     Args:
         stage_modules: ``{stage index: module}`` for the stages this pipeline rank holds, already
             on their device.
-        groups: a `ParallelGroups` (``dp`` and ``dp_group`` are used), or None for no data
+        groups: a `ParallelGroups` (``dp`` and ``dp_group`` are used) or the pipeline's
+            `Topology` (``dp_size`` and ``dp_group``), or None for no data
             parallelism (the exactly-once bookkeeping still runs).
         bucket_size_mb: largest bucket, in MiB of the reduced dtype; a larger parameter gets its own.
         main_grad: give every parameter a ``main_grad`` (see the module docstring for the
             parameters that get one anyway).
+        presence_group: a gloo group of the same replicas as ``dp_group``, over which the
+            presence counts of ``.grad`` buckets travel on the host (`Pipeline` builds one); None:
+            they travel in the bucket (read back: a host sync for a GPU bucket).
 
     Per step the runtime calls `start_step`, then for every stage exactly once each
     `stage_backward_done` and (later) `stage_wgrad_done`, then `finish`; `abandon` instead of
@@ -134,20 +142,22 @@ class GradReducer:
         bucket_size_mb: float = 25.0,
         main_grad: bool = False,
         exclude: set[int] | frozenset[int] = frozenset(),
+        presence_group: Any = None,
     ) -> None:
         if not stage_modules:
             raise ValueError("GradReducer needs at least one stage module, got an empty mapping")
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
-        self._dp = int(getattr(groups, "dp", 1)) if groups is not None else 1
+        self._dp = int(getattr(groups, "dp_size", getattr(groups, "dp", 1))) if groups is not None else 1
         self._dp_group = getattr(groups, "dp_group", None) if groups is not None else None
+        self._presence_group = presence_group
         self._cap_bytes = int(bucket_size_mb * _MiB)
         self._exclude = set(exclude)  # ids of parameters reduced elsewhere (tied parameters)
         self._stages = sorted(stage_modules)
         self._delayed: dict[int, list[nn.Module]] = {}
         self._stage_entries: dict[int, list[_Entry]] = {}
         self._entries: dict[int, _Entry] = {}  # id(param) -> entry
-        self._late: dict[int, list[_Entry]] = {}  # stage -> what its W owes this step
+        self._owed_by_w_now: dict[int, list[_Entry]] = {}  # stage -> what its W owes this step
         self._hook_handles: list[Any] = []
         self._active = False
         self._in_step = False
@@ -268,7 +278,7 @@ class GradReducer:
 
     # -- hooks --------------------------------------------------------------------------------
     @staticmethod
-    def _fold(e: _Entry) -> None:
+    def _grad_into_main_grad(e: _Entry) -> None:
         """Move ``.grad`` into ``main_grad`` unless the module already accumulated it there.
 
         Megatron's rule: a fused layer that added its gradient into ``main_grad`` sets
@@ -296,7 +306,7 @@ class GradReducer:
         e = self._entries[id(p)]
         self._check_not_final(e, "autograd accumulated a gradient")
         if e.uses_main_grad:
-            self._fold(e)
+            self._grad_into_main_grad(e)
 
     def _after_module_wgrad(self, stage: int, module: nn.Module, *unused: Any) -> None:
         if not self._active:
@@ -304,7 +314,7 @@ class GradReducer:
         for e in self._owed_by_module(stage, module):
             self._check_not_final(e, "backward_dw() ran")
             if e.uses_main_grad:
-                self._fold(e)  # Transformer Engine overwrites .grad at the next W: keep this one
+                self._grad_into_main_grad(e)  # Transformer Engine overwrites .grad at the next W: keep this one
 
     # -- the per-step protocol ----------------------------------------------------------------
     def start_step(self, keep_main_grad: bool = False) -> None:
@@ -332,14 +342,14 @@ class GradReducer:
             if e.uses_main_grad and hasattr(e.param, "grad_added_to_main_grad"):
                 e.param.grad_added_to_main_grad = False
         self._called.clear()
-        self._late.clear()
+        self._owed_by_w_now.clear()
         self._in_step = True
 
     def stage_backward_done(self, stage: int) -> None:
         """The stage's last B (or BW) of the step ran: all but what its W still owes is final."""
         self._signal(stage, _B)
         late = self._owed_by_w(stage)
-        self._late[stage] = late
+        self._owed_by_w_now[stage] = late
         owed = {id(e.param) for e in late}
         self._mark(stage, _B, [e for e in self._stage_entries[stage] if id(e.param) not in owed])
 
@@ -352,8 +362,8 @@ class GradReducer:
                 "always follows its last B; call stage_backward_done first (both after a BW)"
             )
         now = self._owed_by_w(stage)
-        if {id(e.param) for e in now} != {id(e.param) for e in self._late[stage]}:
-            before = sorted(e.name for e in self._late[stage])
+        if {id(e.param) for e in now} != {id(e.param) for e in self._owed_by_w_now[stage]}:
+            before = sorted(e.name for e in self._owed_by_w_now[stage])
             raise RuntimeError(
                 f"get_backward_dw_params() of stage {stage} changed between its last B and its last W "
                 f"(was {before}, now {sorted(e.name for e in now)}); it must describe the whole step"
@@ -423,7 +433,7 @@ class GradReducer:
                 continue  # another stage of this rank still holds it open
             e.ready = True
             if e.uses_main_grad:
-                self._fold(e)  # a W outside autograd (or a CUDA graph) may have left .grad
+                self._grad_into_main_grad(e)  # a W outside autograd (or a CUDA graph) may have left .grad
             e.bucket.waiting -= 1
             if e.bucket.waiting == 0:
                 full.append(e.bucket)
@@ -437,8 +447,9 @@ class GradReducer:
         if self._dp == 1:
             return
         if not b.uses_main_grad:
-            if b.buffer is None:
-                b.buffer = torch.empty(b.numel + len(b.entries), dtype=b.dtype, device=b.device)
+            on_host = self._presence_group is not None
+            if b.buffer is None:  # without a CPU group the presence counts follow the gradients
+                b.buffer = torch.empty(b.numel + (0 if on_host else len(b.entries)), dtype=b.dtype, device=b.device)
             present = []
             for e in b.entries:
                 view = b.buffer[e.offset : e.offset + e.param.numel()]
@@ -447,9 +458,13 @@ class GradReducer:
                     view.zero_()
                 else:
                     view.copy_(g.reshape(-1))
-                present.append(0.0 if g is None else 1.0)
-            b.buffer[b.numel :].copy_(torch.tensor(present, dtype=b.dtype))
-        b.buffer[: b.numel].div_(self._dp)  # presence flags stay counts
+                present.append(int(g is not None))
+            b.present = torch.tensor(present, dtype=torch.int32)
+            if on_host:
+                b.present_work = dist.all_reduce(b.present, group=self._presence_group, async_op=True)
+            else:
+                b.buffer[b.numel :].copy_(b.present)
+        b.buffer[: b.numel].div_(self._dp)  # presence counts in the buffer stay counts
         b.work = dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self._dp_group, async_op=True)
 
     def _drain(self, apply: bool = False) -> None:
@@ -459,9 +474,15 @@ class GradReducer:
                 continue
             b.work.wait()
             b.work = None
+            if b.present_work is not None:
+                b.present_work.wait()
+                b.present_work = None
             if not apply or b.uses_main_grad:
                 continue  # main_grad buckets are reduced in place
-            present = b.buffer[b.numel :].tolist()
+            if self._presence_group is not None:
+                present = b.present.tolist()  # a CPU tensor: no device sync
+            else:
+                present = b.buffer[b.numel :].tolist()
             for e in b.entries:
                 if present[e.slot] == 0:
                     continue  # None on every replica: leave it None, as one process would

@@ -58,10 +58,9 @@ def shutdown_and_exit(exit_code: int = 0) -> None:
     """End a torchrun worker: barrier, ``destroy_process_group``, flush, then ``os._exit(exit_code)``.
 
     The barrier keeps a rank from closing connections a peer still uses. Leaving through
-    ``os._exit`` skips the interpreter's finalisation, where, with gloo on torch 2.14, about one
-    process in three aborted *after* a clean ``destroy_process_group`` ("terminate called without an
-    active exception": a C++ thread of the c10d store is still joinable at static destruction), so
-    torchrun reported a rank that had finished as failed. Call it last, from the script's main::
+    ``os._exit`` skips the interpreter's finalisation, where, with gloo on torch 2.14, a process can
+    abort *after* a clean ``destroy_process_group`` (a C++ thread of the c10d store is still joinable
+    at static destruction), so torchrun would report a rank that had finished as failed. Call it last, from the script's main::
 
         if __name__ == "__main__":
             shutdown_and_exit(main())

@@ -6,25 +6,10 @@ tasks in the schedule's order (one interpreter for every schedule: `zbpp.runtime
 leaves in ``.grad`` (or ``main_grad``) the gradient of the batch-mean loss, as one process running
 the whole model on the whole batch would. See docs/DESIGN.md.
 
-A step, top to bottom:
-
-1. *Start agreement* (`zbpp.runtime.agreement`, CPU only): every rank of the job says whether its
-   part of the input is acceptable and what it looks like; a problem anywhere raises on every rank
-   before any compute, and a new input signature makes the step send activation shapes ahead.
-2. *Tasks* (`StepExecutor`): this rank's F, B and W tasks with the plan's communication
-   (`zbpp.schedules.plan`). Gradients of earlier steps are set aside first, so that the step's own
-   are known apart (``keep_grads_on_failure``).
-3. *End agreement*: every rank says whether it failed. On success the set-aside gradients are
-   added back and the loss is returned; on a failure anywhere every rank raises `PipelineError`
-   naming the first failing rank and task, with the step's gradients discarded and earlier ones
-   restored.
-
-A rank whose task raises does not stop communicating: it *drains* (issues the rest of its sends
-and receives with placeholders, see the executor), so the peers finish the step's communication
-and reach the end agreement within about a step's time, whatever the process-group timeout, and
-the communicators stay usable: the next step runs normally. Only a dead or hung rank makes the
-end agreement fail; then every live rank raises, the `Pipeline` is marked unusable and its next
-step raises at once saying so (restart the job).
+`Pipeline.step` is the story of a step: the start agreement, gradients of earlier steps set
+aside, this rank's tasks, the data-parallel reduction, the end agreement, the gradients restored.
+What a failure does is told where it happens: draining in `zbpp.runtime.executor`, the agreements
+and a dead rank in `zbpp.runtime.agreement`.
 """
 
 from __future__ import annotations
@@ -35,17 +20,18 @@ import pickle
 import time
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..schedules.ir import Schedule
+from ..schedules.ir import Action, Schedule
 from ..schedules.plan import Plan, fifo_wgrad_problem, make_plan
 from ..schedules.simulate import Costs
 from .agreement import Agreement, BrokenJob, EndReport, StartReport
-from .channels import Channels, CommOptions, agreement_group, default_timeout
+from .channels import Channels, agreement_group, cached_group, default_timeout
 from .executor import PipelineError, StepExecutor
+from .grad_aside import GradientsAside
 from .profiling import TaskRecorder
 from .tied import TiedParameters
 from .topology import Topology
@@ -82,16 +68,11 @@ class Pipeline:
             are data-parallel replicas, a `zbpp.runtime.fsdp.FsdpReducer` when the stages are
             ``fully_shard`` modules (then no other reducer may be given), else none.
         keep_grads_on_failure: gradients accumulated by earlier steps survive a failed step (only
-            its own contribution goes). ``.grad`` is set aside at the start of each step and added
-            back at its end (no copy; one addition per parameter when ``.grad`` was set), and a
-            ``main_grad`` that no data-parallel reducer owns is copied at the start of each step
-            (memory and time of one copy). False: a failed step sets ``.grad`` to None and zeroes
-            ``main_grad``, and a step accumulates in place.
-        comm: how the point-to-point channels use NCCL (`CommOptions`; ignored on gloo).
+            its own contribution goes; what it costs: `zbpp.runtime.grad_aside`). False: a failed
+            step sets ``.grad`` to None and zeroes ``main_grad``.
         costs: the task and link times that place sends and receives
             (`zbpp.schedules.plan.make_plan`); default unit costs and a fast link. Pass measured
             costs (`Costs.from_profile`, with ``comm``) on slow links.
-        recv_lead: extra tasks of margin before each receive (`make_plan`).
         timeout: seconds a peer may take before the pipeline's own groups fail; default: the
             default process group's timeout.
         tied_parameters: ``{name: parameter}``: this rank's copies of parameters that several
@@ -174,9 +155,7 @@ class Pipeline:
         free_sent_activations: bool = True,
         reducer: Any = None,
         keep_grads_on_failure: bool = True,
-        comm: CommOptions | None = None,
         costs: Costs | None = None,
-        recv_lead: int = 0,
         timeout: float | None = None,
         tied_parameters: Mapping[str, nn.Parameter] | None = None,
         loss_weight: Callable[[Any], Any] | None = None,
@@ -188,8 +167,6 @@ class Pipeline:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not isinstance(stage_modules, Mapping):
             raise TypeError(f"stage_modules must be a mapping {{stage: module}}, got {type(stage_modules).__name__}")
-        if comm is not None and not isinstance(comm, CommOptions):
-            raise TypeError(f"comm must be a zbpp.runtime.CommOptions, got {type(comm).__name__}")
         if costs is not None and not isinstance(costs, Costs):
             raise TypeError(f"costs must be a zbpp.schedules.Costs, got {type(costs).__name__}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
@@ -221,8 +198,8 @@ class Pipeline:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"stage {s}: expected an nn.Module, got {type(m).__name__}")
         self.stage_modules: dict[int, nn.Module] = dict(sorted(stage_modules.items()))
-        self._plan: Plan = make_plan(schedule, costs=costs, recv_lead=recv_lead)
-        self._costs, self._recv_lead = costs, recv_lead
+        self._plan: Plan = make_plan(schedule, costs=costs)
+        self._costs = costs
         self._eval_plan: Plan | None = None
         self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
         for s, w in self._wgrad.items():
@@ -248,7 +225,7 @@ class Pipeline:
         self._agreement = Agreement(agreement_group(self.topology, span))
         self._channels = None
         if self.topology.pp_size > 1:
-            self._channels = Channels(self.topology, self._plan.channels, self.device, comm or CommOptions(), span)
+            self._channels = Channels(self.topology, self._plan.channels, self.device, span)
         self._fsdp = self._fsdp_reducer(reducer, tied_parameters)  # before the tied copies' first broadcast
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
                                     self._agreement.group, self.device, span)
@@ -258,7 +235,11 @@ class Pipeline:
         elif reducer is None and self.topology.dp_size > 1:
             from .grad_reduce import GradReducer
 
-            self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids())
+            # a gloo group of this rank's replicas: the presence of .grad travels on the host
+            presence = [cached_group("dp-presence", [line[r] for line in self.topology.pipelines], "gloo", span)
+                        for r in range(self.topology.pp_size)][self.pp_rank]
+            self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids(),
+                                        presence_group=presence)
         self._sync_gradients = True  # False inside no_sync()
         self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
@@ -278,7 +259,7 @@ class Pipeline:
     @property
     def plan(self) -> Plan:
         """The communication plan its training steps execute (`zbpp.schedules.plan.make_plan` of
-        the schedule, with the constructor's ``costs`` and ``recv_lead``): where each rank issues
+        the schedule, with the constructor's ``costs``): where each rank issues
         each send and receive; `zbpp.schedules.plan.plan_makespan` predicts its step."""
         return self._plan
 
@@ -312,31 +293,24 @@ class Pipeline:
         """
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
-        ex, sync, signature = self._begin(inputs, target, forward_only=False)
-        reducing = self._sync_gradients
-        self._set_gradients_aside(in_place=reducing and self._unreduced)
+        ex, new_signature, signature = self._begin(inputs, target, forward_only=False)  # agree on the input
+        reducing = self._sync_gradients  # False inside no_sync()
+        aside = GradientsAside(self.parameters(), keep=self.keep_grads_on_failure,
+                               in_place=reducing and self._unreduced,
+                               copy_main_grad=not (reducing and self._reducer is not None and not self._unreduced))
         problem: BaseException | None = None
         try:
-            if self._fsdp is not None:
-                self._fsdp.begin_step(lambda: ex.draining)
-            if reducing:
-                if self._reducer is not None:
-                    self._reducer.start_step(keep_main_grad=self._unreduced)
-                self._tied.start_step()
-            loss = ex.run()
-            if reducing and not ex.draining:
-                if self._reducer is not None:
-                    self._reducer.finish()
-                self._tied.finish()
-            if self._fsdp is not None and not reducing and not ex.draining:
-                self._fsdp.end_step()
+            self._start_reductions(reducing, lambda: ex.draining)
+            loss = ex.run()  # this rank's tasks, with the plan's communication
+            if not ex.draining:
+                self._finish_reductions(reducing)
         except Exception as exc:  # noqa: BLE001 - the reducers; reported through the agreement
             problem = exc
-        failure = self._end(ex, problem, sync, signature)
+        failure = self._end(ex, problem, new_signature, signature)  # agree on the outcome
         if failure is not None:
-            self._discard_step_gradients()
+            aside.discard_step()
             raise failure
-        self._take_back_gradients()
+        aside.take_back()
         self._unreduced = not reducing
         if losses is not None and self.holds_last_stage:
             losses.extend(ex.losses)
@@ -379,7 +353,7 @@ class Pipeline:
         >>> tuple(pipe.eval_step(torch.ones(4, 3)).shape)
         (4, 2)
         """
-        ex, sync, signature = self._begin(inputs, target, forward_only=True)
+        ex, new_signature, signature = self._begin(inputs, target, forward_only=True)
         problem: BaseException | None = None
         try:
             with torch.no_grad():
@@ -390,7 +364,7 @@ class Pipeline:
                     self._fsdp.end_step()
         except Exception as exc:  # noqa: BLE001
             problem = exc
-        failure = self._end(ex, problem, sync, signature)
+        failure = self._end(ex, problem, new_signature, signature)
         if failure is not None:
             raise failure
         if not self.holds_last_stage:
@@ -458,10 +432,10 @@ class Pipeline:
                 f"global rank {bad[0][0]} rejected its part of the step's input ({bad[0][1]}); "
                 f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
             )
-        line = [reports[self.topology.world.index(g)] for g in self.topology.pipeline]
-        base_seed, rng_step = line[0].seed, self.rng_step
+        pipeline_reports = [reports[self.topology.world.index(g)] for g in self.topology.pipeline]
+        base_seed, rng_step = pipeline_reports[0].seed, self.rng_step
         self.rng_step += 1
-        rows = line[self.schedule.rank_of(0)].input_rows
+        rows = pipeline_reports[self.schedule.rank_of(0)].input_rows
         first_rank, last_rank = self.schedule.rank_of(0), self.schedule.rank_of(self.schedule.num_stages - 1)
         for pipeline in self.topology.pipelines:  # every replica's, so that every rank of the job raises
             n_in = reports[self.topology.world.index(pipeline[first_rank])].input_rows
@@ -476,8 +450,9 @@ class Pipeline:
         loss_weights = None
         if raw is not None:
             weights, loss_weights = self._weights(raw, forward_only)
-        signature = (forward_only, line[self.schedule.rank_of(0)].input_hash, rows, *(r.state_hash for r in line))
-        sync = signature not in self._specs
+        signature = (forward_only, pipeline_reports[self.schedule.rank_of(0)].input_hash, rows,
+                     *(r.state_hash for r in pipeline_reports))
+        new_signature = signature not in self._specs
         specs = self._specs.setdefault(signature, {})
         self._specs.move_to_end(signature)
         while len(self._specs) > _MAX_SIGNATURES:  # same sequence of signatures on every rank: same eviction
@@ -494,7 +469,7 @@ class Pipeline:
             loss_fn=self.loss_fn if (not forward_only or target is not None) else None,
             channels=self._channels,
             specs=specs,
-            sync=sync,
+            new_signature=new_signature,
             inputs=mbs,
             targets=tgts if tgts is not None else ([None] * m if last else None),
             weights=weights,
@@ -506,9 +481,9 @@ class Pipeline:
             forward_only=forward_only,
             **hooks,
         )
-        return ex, sync, signature
+        return ex, new_signature, signature
 
-    def _end(self, ex: StepExecutor, problem: BaseException | None, sync: bool, signature: tuple) -> PipelineError | None:
+    def _end(self, ex: StepExecutor, problem: BaseException | None, new_signature: bool, signature: tuple) -> PipelineError | None:
         """The end agreement: None when every rank succeeded, else the error this rank raises."""
         if problem is not None and ex.failure is None:
             ex.failure, ex.failed_task, ex.failed_at = problem, None, time.time()
@@ -527,21 +502,25 @@ class Pipeline:
                 raise BrokenJob(why)
             reports = self._gather(mine, "end")
         except (PipelineError, BrokenJob) as exc:
-            self._after_failure(ex, sync, signature)
+            self._after_failure(ex, new_signature, signature)
             if isinstance(exc, BrokenJob):
                 exc = self._broken_error(exc, "end")
             return exc
         if not any(r.failed or r.drained or r.comm_broken for r in reports):
             return None
-        self._after_failure(ex, sync, signature)
+        self._after_failure(ex, new_signature, signature)
         text = None
         if ex.failure is not None:
             where = f"task {ex.failed_task}" if ex.failed_task is not None else "outside any task"
             text = (f"{self.topology.describe()}, {where} of schedule {self.schedule.name or 'custom'!r}: "
                     f"{type(ex.failure).__name__}: {ex.failure}")
+            if ex.failed_task in tasks:
+                text += "\n" + tasks_around(tasks, tasks.index(ex.failed_task), self.pp_rank)
         texts = self._agreement.gather_texts(text)
         failed = sorted((r.failed_at_us, i) for i, r in enumerate(reports) if r.failed and texts[i] is not None)
         first = texts[failed[0][1]] if failed else None
+        first, _, around = (first or "").partition("\n")  # the failing rank's tasks, for the end
+        first = first or None
         if len(failed) > 1:
             first += f" ({len(failed) - 1} more rank(s) failed after it)"
         if any(r.comm_broken for r in reports):
@@ -552,7 +531,8 @@ class Pipeline:
         kept = "gradients of earlier steps kept" if self.keep_grads_on_failure else ".grad set to None, main_grad zeroed"
         msg = (f"step failed on {first or 'a rank whose message did not arrive'}. Every rank of the job raised; "
                f"this rank discarded the step's gradients ({kept})"
-               + (f". {self._broken}" if self._broken else "; the pipeline is usable"))
+               + (f". {self._broken}" if self._broken else "; the pipeline is usable")
+               + (f"\n{around}" if around else ""))
         error = PipelineError(msg)
         if ex.failure is not None:
             error.__cause__ = ex.failure
@@ -561,14 +541,14 @@ class Pipeline:
     def _stage_backward_done(self, stage: int) -> None:
         if self._reducer is not None:
             self._reducer.stage_backward_done(stage)
-        self._tied.stage_done(stage, self._wgrad[stage].owed_params())
+        self._tied.stage_done(stage, self._wgrad[stage].wgrad_param_ids())
 
     def _stage_wgrad_done(self, stage: int) -> None:
         if self._reducer is not None:
             self._reducer.stage_wgrad_done(stage)
         self._tied.stage_done(stage, None)
 
-    def _after_failure(self, ex: StepExecutor, sync: bool, signature: tuple) -> None:
+    def _after_failure(self, ex: StepExecutor, new_signature: bool, signature: tuple) -> None:
         for w in self._wgrad.values():
             w.discard()
         if self._fsdp is not None and (ex.forward_only or not self._sync_gradients):
@@ -583,7 +563,7 @@ class Pipeline:
                         reducer.abandon()
                 except Exception:  # noqa: BLE001 - best effort: the step is lost anyway
                     pass
-        if sync:  # some shapes of this signature may never have been learnt
+        if new_signature:  # some shapes of this signature may never have been learnt
             self._specs.pop(signature, None)
 
     def _gather(self, report: Any, which: str) -> list[Any]:
@@ -603,50 +583,24 @@ class Pipeline:
         error.__cause__ = exc
         return error
 
-    # -- gradients across a step ---------------------------------------------------------------
-    def _set_gradients_aside(self, in_place: bool) -> None:
-        """Keep what earlier steps accumulated apart from this step's gradients (see
-        ``keep_grads_on_failure``): set ``.grad`` aside (`in_place` False), or, when this step must
-        reduce what no_sync steps accumulated together with its own, copy it; copy the ``main_grad``
-        that no reducer zeroes at the start of the step."""
-        self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if not self.keep_grads_on_failure:
+    # -- reductions across a step ------------------------------------------------------------
+    def _start_reductions(self, reducing: bool, draining: Callable[[], bool]) -> None:
+        if self._fsdp is not None:
+            self._fsdp.begin_step(draining)
+        if not reducing:
             return
-        zeroed_by_reducer = self._reducer is not None and self._sync_gradients and not self._unreduced
-        for p in self.parameters():
-            self._aside.append((p, p.grad))
-            if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
-                if p.grad is not None:
-                    self._copies.append((p.grad, p.grad.clone()))
-            else:
-                p.grad = None
-            main = getattr(p, "main_grad", None)
-            if isinstance(main, torch.Tensor) and not zeroed_by_reducer:
-                self._copies.append((main, main.clone()))
+        if self._reducer is not None:
+            self._reducer.start_step(keep_main_grad=self._unreduced)  # no_sync steps' main_grad stays
+        self._tied.start_step()
 
-    def _take_back_gradients(self) -> None:
-        for p, g in self._aside:
-            if g is None or g is p.grad:  # nothing set aside, or accumulated in place
-                continue
-            if p.grad is not None:
-                g.add_(p.grad)
-            p.grad = g
-        self._aside, self._copies = [], []
-
-    def _discard_step_gradients(self) -> None:
-        if self.keep_grads_on_failure:
-            for p, g in self._aside:
-                p.grad = g
-            for kept, copy in self._copies:
-                kept.copy_(copy)
-        else:
-            for p in self.parameters():
-                p.grad = None
-                main = getattr(p, "main_grad", None)
-                if isinstance(main, torch.Tensor):
-                    main.zero_()
-        self._aside, self._copies = [], []
+    def _finish_reductions(self, reducing: bool) -> None:
+        if not reducing:  # no_sync: FSDP only reshards; the unsharded gradients accumulate
+            if self._fsdp is not None:
+                self._fsdp.end_step()
+            return
+        if self._reducer is not None:
+            self._reducer.finish()
+        self._tied.finish()
 
     # -- internals ----------------------------------------------------------------------------
     def _raw_weights(self, targets: list[Any]) -> list[Any]:
@@ -708,7 +662,7 @@ class Pipeline:
 
     def _forward_plan(self) -> Plan:
         if self._eval_plan is None:
-            self._eval_plan = make_plan(self.schedule, costs=self._costs, recv_lead=self._recv_lead, forward_only=True)
+            self._eval_plan = make_plan(self.schedule, costs=self._costs, forward_only=True)
         return self._eval_plan
 
     def _resolve_device(self, device: torch.device | str | None) -> torch.device:
@@ -736,6 +690,20 @@ class Pipeline:
             (s, tuple(mod.training for mod in m.modules()), tuple(p.requires_grad for p in m.parameters()))
             for s, m in self.stage_modules.items()
         )
+
+
+def tasks_around(tasks: Sequence[Action], index: int, rank: int, context: int = 4) -> str:
+    """One rank's schedule around its task `index`, that task marked (as torch.distributed.pipelining
+    marks the failing action in its schedule grid).
+
+    >>> from zbpp.schedules import build
+    >>> print(tasks_around(build("zb-h1", num_ranks=2, num_microbatches=4).orders[1], 4, rank=1))
+    pipeline rank 1, tasks 1-9 of 12:  F1.0 B1.0 F1.1 B1.1 [W1.0] F1.2 B1.2 W1.1 F1.3 ...
+    """
+    lo, hi = max(0, index - context), min(len(tasks), index + context + 1)
+    shown = [f"[{a}]" if i == index else str(a) for i, a in enumerate(tasks[lo:hi], start=lo)]
+    return (f"pipeline rank {rank}, tasks {lo + 1}-{hi} of {len(tasks)}:  "
+            + ("... " if lo > 0 else "") + " ".join(shown) + (" ..." if hi < len(tasks) else ""))
 
 
 def _merge(outputs: list[Any]) -> Any:

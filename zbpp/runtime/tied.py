@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .channels import _group
+from .channels import cached_group
 from .topology import Topology
 
 __all__ = ["TiedParameters"]
@@ -86,7 +86,7 @@ class TiedParameters:
                 raise ValueError(f"tied parameter {name!r} has different shapes or dtypes on its ranks: "
                                  f"{ {g: h[:2] for g, h in sorted(holders.items())} }")
             ranks = sorted(holders)
-            group = _group(f"tie:{name}", ranks, backend, None, timeout) if len(ranks) > 1 and topology.distributed else None
+            group = cached_group(f"tie:{name}", ranks, backend, timeout) if len(ranks) > 1 and topology.distributed else None
             if name not in mine:
                 continue
             p, stages = mine[name]

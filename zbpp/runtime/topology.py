@@ -55,16 +55,6 @@ class Topology:
     dp_group: Any = None
 
     @property
-    def pp(self) -> int:
-        """`pp_size` (the name `ParallelGroups` uses, read by `GradReducer` and `clip_grad_norm_`)."""
-        return self.pp_size
-
-    @property
-    def dp(self) -> int:
-        """`dp_size` (as `pp`)."""
-        return self.dp_size
-
-    @property
     def world(self) -> tuple[int, ...]:
         """Every global rank of the job's pipelines, sorted."""
         return tuple(sorted(r for p in self.pipelines for r in p))

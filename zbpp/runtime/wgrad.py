@@ -104,7 +104,7 @@ class StageWgrad:
         """The modules without microbatch keys (their W takes the oldest pending wgrad)."""
         return [a.module for a in self.adapters if isinstance(a, FifoWgrad)]
 
-    def owed_params(self) -> set[int]:
+    def wgrad_param_ids(self) -> set[int]:
         """ids of the parameters this stage's W computes (`get_backward_dw_params`; all of a
         module's own parameters when it has no such method)."""
         out: set[int] = set()

@@ -24,9 +24,8 @@ possible, and the two ends of a message are issued at about the same time:
 - a receive at the last task boundary that the simulated timeline (from `costs`) reaches early
   enough for the transfer to arrive before its consumer starts (right before the consumer when the
   rank waits for it anyway, one task earlier when the rank is busy up to the consumer, earlier
-  still when the costs' `comm`, the time a message takes on the link, is longer; ``recv_lead``
-  adds whole tasks of margin), but not at a boundary reached before the data is produced, where
-  it would only spin: when the producer finishes just as the consumer could start (1F1B's steady
+  still when the costs' `comm`, the time a message takes on the link, is longer), but not at a
+  boundary reached before the data is produced, where it would only spin: when the producer finishes just as the consumer could start (1F1B's steady
   state), the receive is posted right before the consumer. On a slow link that costs a transfer:
   NCCL starts moving a message only once both ends are posted, so a receive posted at the first
   boundary after the data exists delivers it a whole transfer later. Where that would make the
@@ -73,8 +72,8 @@ Channel = tuple[int, int]  # (sending rank, receiving rank)
 #: before it when the rank waits anyway. ``Costs(comm=0)`` posts every receive just before its consumer.
 DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
 
-#: How much slower a GEMM runs beside a spinning NCCL kernel (measured on an H200: ~940 against ~740
-#: us): posting a receive before its data exists costs the rank about this share of the spin time.
+#: How much slower a GEMM runs beside a spinning NCCL kernel (docs/benchmarks.md, "Constants"):
+#: posting a receive before its data exists costs the rank about this share of the spin time.
 SPIN_SLOWDOWN = 0.27
 #: A receive is posted before its data exists only when waiting for the next boundary would make
 #: the message later than this share of its consumer's time: never on a fast link (where a message
@@ -176,7 +175,6 @@ def make_plan(
     schedule: Schedule,
     *,
     costs: Costs | None = None,
-    recv_lead: int = 0,
     forward_only: bool = False,
 ) -> Plan:
     """Validate `schedule` and derive its messages, channels and each rank's issue points.
@@ -186,15 +184,10 @@ def make_plan(
         costs: the times that place sends and receives (default `DEFAULT_COSTS`); pass measured
             costs (`Costs.from_profile`, with `comm`) when they differ much, or when the link is
             slow, so that receives are posted early enough to arrive in time.
-        recv_lead: post every receive at least this many tasks before the task that consumes it
-            (on top of the timing rule above).
         forward_only: plan the F tasks alone (evaluation: no backward, no gradients).
 
-    Raises `zbpp.schedules.ScheduleError` for an invalid or deadlocking schedule, `ValueError`
-    for a negative `recv_lead`.
+    Raises `zbpp.schedules.ScheduleError` for an invalid or deadlocking schedule.
     """
-    if not isinstance(recv_lead, int) or isinstance(recv_lead, bool) or recv_lead < 0:
-        raise ValueError(f"recv_lead must be an integer >= 0, got {recv_lead!r}")
     validate(schedule)
     costs = _positive((costs or DEFAULT_COSTS).charged(schedule.placement))
     if forward_only:
@@ -226,7 +219,7 @@ def make_plan(
                 continue
             need = start[dst] - transfer  # the receive must be posted by then
             at = k
-            while at > 0 and (at > k - recv_lead or reached(dst_rank, at) > need):
+            while at > 0 and reached(dst_rank, at) > need:
                 at -= 1
             # ... but not before the data exists, where it would only spin; unless waiting for the
             # next boundary delays the message (on a slow link the transfer starts only once both
@@ -302,8 +295,7 @@ def plan_makespan(plan: Plan, costs: Costs) -> float:
     task i-1 ends) and the channel's previous message has arrived (a channel is one NCCL stream),
     then takes ``costs.comm``; a task starts when its rank is free and its input is there. With
     receives posted late for the link (a plan made for a faster one), this is what the runtime
-    loses that `simulate` does not see: on NCCL sockets between two H200s (8.5 ms messages, 13-15
-    ms tasks) it predicted zb-h1 within 0.6% where `simulate` was 9% short. With a plan made for
+    loses that `simulate` does not see (docs/benchmarks.md, "A slow link"). With a plan made for
     these costs it equals `simulate`'s makespan (tests/schedules/test_plan.py).
 
     >>> from zbpp.schedules import build, simulate

@@ -42,8 +42,8 @@ class Costs:
 
     `comm` is the time a message takes on every edge that crosses ranks (never on same-rank edges).
     `message_overhead` is the compute time a rank loses for each message it sends or receives:
-    a message's copies share the GPU with the task that runs beside them (on NCCL over sockets
-    between two H200s, about 1-2 ms per 32 MiB activation, while the link took 8 ms). `charged`
+    a message's copies share the GPU with the task that runs beside them (large on NCCL over
+    sockets; docs/benchmarks.md). `charged`
     folds it into the F and B (and BW) of the stages that exchange messages; `simulate`,
     `lower_bound`, the plan and the automatic schedules use the charged costs, so a schedule that
     sends fewer messages wins where the overhead is large. Every value must be a finite real
@@ -379,8 +379,7 @@ def fit_message_overhead(
     and the overhead that closes the gap between its simulated and measured step is what
     the link took from compute per message; `simulate`, the pick and the automatic schedules can
     then predict the other schedules with it. Measuring it directly (GEMMs timed beside one
-    message) misses most of it on NCCL over sockets (bench_pipeline measured 0.03 ms that way,
-    and 1-2 ms per message by this fit). The makespan of a fixed schedule never falls when a
+    message) misses most of it on NCCL over sockets. The makespan of a fixed schedule never falls when a
     task grows, so a bisection finds the smallest overhead that reaches `makespan` (to a
     relative `rel_tol`); 0 when the schedule already simulates at or above it. `costs`'s own
     overhead is ignored. `predict` maps costs to a predicted step (default: `simulate`'s makespan;

@@ -5,7 +5,7 @@
 - `cast`: the scaling slots (`ScalingMeta`), the FP8 tensor (`Quantized`), `quantize` and the
   choice between the Triton, compiled and eager cast paths;
 - `gemm`: `fp8_gemm_nt`, through ``torch._scaled_mm`` or dequantised float32 operands;
-- `counts`: the tallies behind `cast_path_counts` and `gemm_path_counts`.
+- `counts`: the tallies behind `cast_path_counts`, `gemm_path_counts` and `fused_path_counts`.
 
 Formats (``Format.HYBRID``, the default): tensors of the forward (inputs, weights) are cast to
 float8 e4m3 (3 mantissa bits, max 448), gradients to float8 e5m2 (2 mantissa bits, max 57344);
@@ -51,6 +51,7 @@ from .cast import (
     quantize_and_column_sum,
     reset_cast_path_counts,
 )
+from .counts import fused_path_counts, reset_fused_path_counts
 from .gemm import fp8_gemm_nt, gemm_path_counts, reset_gemm_path_counts
 from .recipe import DelayedScaling, Format, active_recipe, fp8_autocast
 
@@ -68,4 +69,6 @@ __all__ = [
     "reset_gemm_path_counts",
     "cast_path_counts",
     "reset_cast_path_counts",
+    "fused_path_counts",
+    "reset_fused_path_counts",
 ]

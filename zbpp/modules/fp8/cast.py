@@ -147,7 +147,7 @@ _told_unavailable: set[str] = set()
 _counts = PathCounts((*CAST_PATHS, "update_triton", "update_eager"))
 
 
-def _on_cuda(x: torch.Tensor) -> bool:
+def on_cuda(x: torch.Tensor) -> bool:
     # The fast paths are CUDA-only; one predicate so the dispatch can be tested without a GPU.
     return x.is_cuda
 
@@ -192,7 +192,7 @@ def one_launch_kernels(x: torch.Tensor, also: str | None = None):
     """The Triton kernel module when `x` may be cast, and its slot updated, in one launch: `x` on
     CUDA, the triton path chosen first, neither its cast, its update nor `also` failed before,
     and the kernels can run on x's device. Else None."""
-    if not _on_cuda(x) or "triton" in _failed or "update" in _failed or also in _failed:
+    if not on_cuda(x) or "triton" in _failed or "update" in _failed or also in _failed:
         return None
     if _requested_paths()[0] != "triton":
         return None
@@ -245,7 +245,7 @@ def _cast(
     x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype, transpose: bool
 ):
     """`_cast_eager`'s result through the best path that works (see the module docstring)."""
-    if _on_cuda(x):
+    if on_cuda(x):
         for path in _requested_paths():
             if path == "eager":
                 break
@@ -266,7 +266,7 @@ def _cast(
 def _update_with_triton(meta: ScalingMeta, amax: torch.Tensor, rule: dict) -> bool:
     """Run `meta`'s update in the Triton kernel when it suits; False leaves it to the caller."""
     history, scale = meta.amax_history, meta.scale
-    if not _on_cuda(history) or "update" in _failed or "triton" not in _requested_paths():
+    if not on_cuda(history) or "update" in _failed or "triton" not in _requested_paths():
         return False
     kernels = _triton_kernels(history.device)
     if kernels is None or not (

@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from typing import Iterable
 
-__all__ = ["PathCounts"]
+__all__ = ["PathCounts", "FUSED_COUNTS", "fused_path_counts", "reset_fused_path_counts"]
 
 
 class PathCounts:
@@ -43,3 +43,22 @@ class PathCounts:
         """Set every count to zero."""
         with self._lock:
             self._counts.clear()
+
+
+#: The layers' fused norm / activation / activation-gradient casts (`zbpp.modules._fused`).
+FUSED_COUNTS = PathCounts(f"{kind}_{path}" for kind in ("norm", "act", "dact") for path in ("triton", "eager"))
+
+
+def fused_path_counts() -> dict[str, int]:
+    """How many norm / activation / activation-gradient casts ran fused (``*_triton``) and
+    through the torch reference (``*_eager``) so far.
+
+    >>> sorted(fused_path_counts())[:2]
+    ['act_eager', 'act_triton']
+    """
+    return FUSED_COUNTS.snapshot()
+
+
+def reset_fused_path_counts() -> None:
+    """Set every `fused_path_counts` entry to zero."""
+    FUSED_COUNTS.reset()

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from ..._compat import scaled_mm
 from .cast import Quantized
 from .counts import PathCounts
 
@@ -57,7 +58,7 @@ def fp8_gemm_nt(
         # _scaled_mm fuses the bias only for 16-bit outputs of the same dtype; add it after else.
         fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
         try:
-            out = torch._scaled_mm(
+            out = scaled_mm(
                 a.data,
                 b.data.t(),  # column-major [K, N], as cuBLASLt wants the second operand
                 scale_a=a.scale_inv,

@@ -1,0 +1,90 @@
+"""Every private torch API zbpp calls, in one place (checked on torch 2.11 and 2.14).
+
+torch does not promise these names; when one moves, this is the only file to change. Each
+function says what it wraps and why the public API does not do. The runtime and the modules both
+import from here (it imports nothing of zbpp). Tensor attributes torch documents as internal but
+stable (``._base``, ``._version``, ``.data``) are used in place.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+
+__all__ = [
+    "engine_run_backward",
+    "set_grad_enabled",
+    "scaled_mm",
+    "foreach_copy_",
+    "default_store",
+    "process_group_name",
+    "default_group_timeout",
+]
+
+
+def engine_run_backward(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    *,
+    retain_graph: bool = False,
+    inputs: Sequence[torch.Tensor] = (),
+) -> None:
+    """``torch.autograd.graph._engine_run_backward``, accumulating into ``.grad`` (of every leaf,
+    or of `inputs` only when given).
+
+    ``torch.autograd.backward`` checks each gradient against its tensor's current shape; the engine
+    checks it against the autograd node's recorded input shape, which a sent activation keeps after
+    its storage was released.
+    """
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs),
+                         allow_unreachable=True, accumulate_grad=True)
+
+
+def set_grad_enabled(mode: bool) -> None:
+    """``torch._C._set_grad_enabled``: `torch.no_grad` without its per-call objects (hot paths)."""
+    torch._C._set_grad_enabled(mode)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``torch._scaled_mm`` (the FP8 GEMM; torch has no public one). Looked up at each call."""
+    return torch._scaled_mm(a, b, **kwargs)
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``torch._foreach_copy_``: one launch for many copies (a CUDA graph's static inputs)."""
+    torch._foreach_copy_(list(dst), list(src))
+
+
+def default_store() -> Any:
+    """The default process group's store (``distributed_c10d._get_default_store``)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def process_group_name(group: Any) -> str:
+    """A process group's name, the same on every member (``distributed_c10d._get_process_group_name``)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_process_group_name(group)
+
+
+def default_group_timeout() -> timedelta | None:
+    """The default process group's timeout (what ``init_process_group(timeout=...)`` set), or None
+    where this torch does not tell (``_get_default_group()._get_backend(device).options._timeout``)."""
+    import torch.distributed as dist
+
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - not initialised, or the private API moved
+        return None
+    for device in ("cuda", "cpu"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - that device has no backend; try the next
+            continue
+    return None

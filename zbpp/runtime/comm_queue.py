@@ -1,0 +1,215 @@
+"""The communication queue of one rank's step: the plan's sends and receives, in order.
+
+`CommQueue` is mixed into `zbpp.runtime.executor.StepExecutor`, whose fields it uses: ``plan``
+(this rank's `RankPlan`), ``channels``, ``specs`` and ``new_signature`` (the shapes of this input
+signature, and whether they are still being learnt), ``in_flight``, the failure record (``current``,
+``failure``, ``comm_error``, ``upstream_failed``, ``draining``, ``_fail``) and the per-step queues
+(``_outbox``, ``_queues``, ``_received``, ``_sending``, ``_dead``; the end of a step also clears
+``_slots`` and ``_handed``).
+
+Before each task the executor calls `_issue`: sends of data already produced go out, receives join
+their channel's queue and are posted, in the channel's order, as soon as their shapes are known.
+A task takes its input with `_receive`. A draining rank sends placeholders (`_placeholder`), so its
+peers complete the step's communication; `_complete_communication` ends the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..schedules.plan import Message
+from .errors import PipelineError, ShapeMismatchError
+from .tree import TensorMeta
+
+__all__ = ["CommQueue", "Drained", "POISON", "Posted"]
+
+
+class _Poison:
+    """Sent in place of a `Spec` by a draining rank: the activation does not exist, no data follows."""
+
+    def __reduce__(self) -> str:
+        return "POISON"  # unpickles to the module-level singleton
+
+    def __repr__(self) -> str:
+        return "POISON"
+
+
+POISON = _Poison()
+
+
+class Drained(Exception):
+    """A consumer's input was POISON: the rank drains (raised inside a task, never out of `run`)."""
+
+
+@dataclass
+class Posted:
+    """A receive: posted (buffers and works) or still waiting in its channel's queue."""
+
+    message: Message
+    bufs: list[torch.Tensor] | None = None
+    works: list[Any] = field(default_factory=list)
+    poisoned: bool = False
+
+
+class CommQueue:
+    """The communication methods of `StepExecutor` (see the module docstring)."""
+
+    def _issue(self, boundary: int) -> None:
+        """Issue the plan's operations at `boundary`; never raises (a failure makes the rank drain)."""
+        for op in self.plan.issue[boundary]:
+            if op.send:
+                if op.message.channel not in self._dead:
+                    try:
+                        self._send(op.message)
+                    except Exception as exc:  # noqa: BLE001
+                        self._comm_failed(exc, op.message.channel)
+            else:
+                self._queues.setdefault(op.message.channel, []).append(Posted(op.message))
+        self._post_known_receives()
+
+    def _comm_failed(self, exc: BaseException, channel: tuple[int, int] | None = None) -> None:
+        """A send or receive raised: a ShapeMismatchError of this rank's output (the rank drains), or
+        the channel broke (a dead peer: nothing more goes on it, and the pipeline is unusable)."""
+        if isinstance(exc, ShapeMismatchError) or (channel is None and not self.draining):
+            self._fail(exc, self.current)
+            return
+        if channel is not None:
+            self._dead.add(channel)
+        self.comm_error = self.comm_error or exc
+        if self.failure is None:
+            self._fail(exc, self.current)
+
+    def _send(self, msg: Message) -> None:
+        spec, tensors = self._outbox.pop(msg.index, (None, None))
+        if tensors is None:  # draining: this rank did not produce it
+            spec, tensors = self._placeholder(msg)
+        works: list[Any] = []
+        keep = list(tensors)
+        if self.new_signature and not msg.is_gradient:
+            if spec is POISON:  # its gradient message will be empty, on both ends
+                self.specs[(msg.src.stage, msg.src.microbatch)] = POISON
+            w, bufs = self.channels.send_object(spec, msg.channel)
+            works += w
+            keep += bufs
+        if spec is not POISON:
+            works += self.channels.isend(tensors, msg.channel)
+        if works:
+            self._sending.append((works, keep, msg.channel))
+
+    def _placeholder(self, msg: Message) -> tuple[Any, list[torch.Tensor]]:
+        """What a draining rank sends for a message it could not produce: tensors of the right
+        shapes (their values are never used), or POISON when the shapes are unknown."""
+        metas = self._metas(msg)
+        if metas is None:
+            return POISON, []
+        spec = self.specs.get((msg.src.stage, msg.src.microbatch)) if not msg.is_gradient else None
+        # Zeros, not garbage: a peer that computes on them before it learns of the failure should
+        # not fail too (an index out of range, say) and blur which rank failed first.
+        return spec, [torch.zeros(m.shape, dtype=m.dtype, device=self.channels.device) for m in metas]
+
+    def _metas(self, msg: Message) -> list[TensorMeta] | None:
+        """The tensors of `msg`, or None while unknown (its spec is still to come in-band)."""
+        j = msg.src.microbatch
+        if msg.is_gradient:  # answers the activation of (dst stage, j), which both ends have seen
+            spec = self.specs.get((msg.dst.stage, j))
+            if spec is None or spec is POISON:  # unknown yet / the activation never existed
+                return None if spec is None else []
+            return [TensorMeta(m.shape, m.dtype, False) for m in spec.tensors if m.requires_grad]
+        spec = self.specs.get((msg.src.stage, j))
+        if spec is None or spec is POISON:
+            return None
+        return list(spec.tensors)
+
+    def _post_known_receives(self) -> None:
+        """Post each channel's due receives from its front, as long as their shapes are known."""
+        for channel, queue in self._queues.items():
+            while queue and channel not in self._dead:
+                item = queue[0]
+                metas = self._metas(item.message)
+                if metas is None:
+                    break
+                try:
+                    self._post(item, metas)
+                except Exception as exc:  # noqa: BLE001
+                    self._comm_failed(exc, channel)
+                    break
+                queue.pop(0)
+
+    def _post(self, item: Posted, metas: list[TensorMeta]) -> None:
+        item.bufs, item.works = self.channels.irecv(metas, item.message.channel)
+        self._received[item.message.index] = item
+
+    def _receive(self, msg: Message) -> list[torch.Tensor]:
+        """The tensors of `msg`, once arrived (on CUDA: the compute stream waits for them). Receives
+        the spec first when it comes in-band (a new signature's step), which blocks until it has arrived."""
+        item = self._received.pop(msg.index, None)
+        if item is None:
+            queue = self._queues[msg.channel]
+            item = queue.pop(0)
+            assert item.message.index == msg.index, "channel order broken (a bug in the plan)"
+            if msg.channel in self._dead:
+                raise Drained()
+            if not self.new_signature or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
+                raise PipelineError(f"rank {self.plan.rank}: the receive of {msg} was never posted (a bug)")
+            try:
+                spec = self.channels.recv_object(msg.channel)
+            except Exception as exc:  # noqa: BLE001
+                self._comm_failed(exc, msg.channel)
+                raise Drained() from exc
+            self.specs[(msg.src.stage, msg.src.microbatch)] = spec
+            if spec is POISON:
+                self.upstream_failed = True
+                item.bufs, item.poisoned = [], True
+            else:
+                self._post(item, list(spec.tensors))
+                self._received.pop(msg.index)
+        try:
+            for w in item.works:
+                w.wait()
+        except Exception as exc:  # noqa: BLE001
+            self._comm_failed(exc, msg.channel)
+            raise Drained() from exc
+        if item.poisoned:
+            raise Drained()
+        assert item.bufs is not None
+        return item.bufs
+
+    def _reap(self) -> None:
+        """Drop the buffers of completed sends (CUDA: an event query, never a wait)."""
+        self.in_flight[:] = [(w, k) for w, k in self.in_flight if not all(x.is_completed() for x in w)]
+        if self._sending:
+            self._sending = [(w, k, c) for w, k, c in self._sending if not all(x.is_completed() for x in w)]
+
+    def _complete_communication(self) -> None:
+        """End of the step: every receive consumed (draining: waited for and dropped), every send
+        handed over (gloo: waited for; CUDA: kept in `in_flight` until it completes, so the compute
+        stream never waits for a peer)."""
+        for queue in self._queues.values():  # draining: receives never consumed
+            while queue:
+                try:
+                    self._receive(queue[0].message)
+                except Drained:
+                    pass
+        for item in self._received.values():
+            try:
+                for w in item.works:
+                    w.wait()
+            except Exception as exc:  # noqa: BLE001
+                self._comm_failed(exc, item.message.channel)
+        self._received.clear()
+        if self.channels is not None and self.channels.device.type == "cuda":
+            self.in_flight.extend((w, k) for w, k, _ in self._sending)
+        else:
+            for works, _, channel in self._sending:
+                try:
+                    for w in works:
+                        w.wait()
+                except Exception as exc:  # noqa: BLE001 - a send to a dead peer
+                    self._comm_failed(exc, channel)
+        self._sending.clear()
+        self._outbox.clear()
+        self._slots.clear()
+        self._handed.clear()

@@ -1,0 +1,13 @@
+"""The errors a pipeline step raises on every rank (`zbpp.runtime.agreement` says how)."""
+
+from __future__ import annotations
+
+__all__ = ["PipelineError", "ShapeMismatchError"]
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed; the message names the rank and the task, the cause is chained."""
+
+
+class ShapeMismatchError(PipelineError):
+    """A stage's output differs from what the receiving rank was told for this input signature."""

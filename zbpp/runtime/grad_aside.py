@@ -1,0 +1,89 @@
+"""Gradients of earlier steps kept apart from one step's own, so that a failed step can be undone.
+
+`Pipeline(keep_grads_on_failure=True)` (the default): at a step's start ``.grad`` is set aside (the
+tensor itself: no copy) and the step accumulates into fresh ``.grad`` tensors; at its end the kept
+tensors get the step's gradients added and go back. A step that must reduce what ``no_sync``
+steps accumulated together with its own accumulates in place instead, and keeps a copy. A
+``main_grad`` that no data-parallel reducer zeroes at the step's start is copied. After a failure
+every kept tensor goes back as it was and the step's gradients are dropped.
+
+With ``keep=False`` nothing is kept (no memory, no copies) and a failure sets ``.grad`` to None
+and zeroes ``main_grad``.
+
+>>> import torch
+>>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.ones(2)
+>>> aside = GradientsAside([p], keep=True, in_place=False, copy_main_grad=True)
+>>> p.grad is None
+True
+>>> p.grad = torch.full((2,), 5.0)        # the step's own gradient
+>>> aside.take_back(); p.grad.tolist()    # success: earlier + the step's
+[6.0, 6.0]
+>>> aside = GradientsAside([p], keep=True, in_place=False, copy_main_grad=True)
+>>> p.grad = torch.full((2,), 7.0)
+>>> aside.discard_step(); p.grad.tolist() # failure: earlier only
+[6.0, 6.0]
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["GradientsAside"]
+
+
+class GradientsAside:
+    """Set the gradients of `params` aside for one step (see the module docstring).
+
+    Args:
+        params: the parameters whose gradients the step accumulates into.
+        keep: keep earlier gradients across a failure at all (``keep_grads_on_failure``).
+        in_place: leave ``.grad`` in place and keep a copy (the step reduces what ``no_sync``
+            steps accumulated together with its own).
+        copy_main_grad: copy ``main_grad`` (no reducer zeroes it at the step's start).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], *, keep: bool, in_place: bool, copy_main_grad: bool) -> None:
+        self._params = list(params)
+        self._keep = keep
+        self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept tensor, its values)
+        if not keep:
+            return
+        for p in self._params:
+            self._aside.append((p, p.grad))
+            if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
+                if p.grad is not None:
+                    self._copies.append((p.grad, p.grad.clone()))
+            else:
+                p.grad = None
+            main = getattr(p, "main_grad", None)
+            if isinstance(main, torch.Tensor) and copy_main_grad:
+                self._copies.append((main, main.clone()))
+
+    def take_back(self) -> None:
+        """The step succeeded: add its gradients to the kept ones and put those back."""
+        for p, g in self._aside:
+            if g is None or g is p.grad:  # nothing set aside, or accumulated in place
+                continue
+            if p.grad is not None:
+                g.add_(p.grad)
+            p.grad = g
+        self._aside, self._copies = [], []
+
+    def discard_step(self) -> None:
+        """The step failed: drop its gradients and restore the kept ones (or clear them all)."""
+        if self._keep:
+            for p, g in self._aside:
+                p.grad = g
+            for kept, copy in self._copies:
+                kept.copy_(copy)
+        else:
+            for p in self._params:
+                p.grad = None
+                main = getattr(p, "main_grad", None)
+                if isinstance(main, torch.Tensor):
+                    main.zero_()
+        self._aside, self._copies = [], []
