@@ -21,6 +21,7 @@ __all__ = [
     "default_store",
     "process_group_name",
     "default_group_timeout",
+    "fsdp2",
 ]
 
 
@@ -44,9 +45,9 @@ def engine_run_backward(
                          allow_unreachable=True, accumulate_grad=True)
 
 
-def set_grad_enabled(mode: bool) -> None:
-    """``torch._C._set_grad_enabled``: `torch.no_grad` without its per-call objects (hot paths)."""
-    torch._C._set_grad_enabled(mode)
+#: ``torch._C._set_grad_enabled``: `torch.no_grad` without its per-call objects (hot paths; an alias,
+#: not a wrapper, so that it costs no extra Python call).
+set_grad_enabled = torch._C._set_grad_enabled
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -88,3 +89,16 @@ def default_group_timeout() -> timedelta | None:
         except Exception:  # noqa: BLE001 - that device has no backend; try the next
             continue
     return None
+
+
+def fsdp2() -> tuple[type, Any] | None:
+    """``(FSDPModule, fully_shard)`` of FSDP2, or None where torch has none. torch < 2.6 kept them
+    in ``torch.distributed._composable.fsdp``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+        except ImportError:
+            return None
+    return FSDPModule, fully_shard

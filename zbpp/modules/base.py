@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import set_grad_enabled as _set_grad_enabled
+
 from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
 from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
@@ -31,7 +33,6 @@ from .wgrad_store import AutoKey, WgradStore
 
 __all__ = ["DelayedWgradModule", "LayerOptions", "is_delayed", "supports_keys"]
 
-_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class LayerOptions(TypedDict, total=False):

@@ -61,7 +61,7 @@ def _pp_group(source: Any, groups: Any) -> tuple[Any, int]:
     if groups is None:
         groups = getattr(source, "topology", None) or getattr(source, "groups", None)
     if groups is not None and hasattr(groups, "pp_group"):
-        return groups.pp_group, int(groups.pp)
+        return groups.pp_group, int(getattr(groups, "pp_size", None) or groups.pp)  # a Topology or ParallelGroups
     if dist.is_available() and dist.is_initialized():
         return None, dist.get_world_size()
     return None, 1

@@ -57,26 +57,21 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from .._compat import fsdp2
+
 __all__ = ["FsdpReducer", "holds_fsdp", "is_fsdp_module"]
 
 
 def _fsdp_module_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:  # torch < 2.6 kept FSDP2 here
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:  # torch without FSDP2
-            return None
-    return FSDPModule
+    found = fsdp2()
+    return None if found is None else found[0]
 
 
 def _fully_shard() -> Any:
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
+    found = fsdp2()
+    if found is None:
+        raise RuntimeError("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    return found[1]
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
