@@ -22,6 +22,7 @@ __all__ = [
     "process_group_name",
     "default_group_timeout",
     "fsdp2",
+    "current_autograd_node",
 ]
 
 
@@ -102,3 +103,8 @@ def fsdp2() -> tuple[type, Any] | None:
         except ImportError:
             return None
     return FSDPModule, fully_shard
+
+
+#: ``torch._C._current_autograd_node``: the node whose backward is running on this thread (None
+#: outside a backward, and on a torch without it).
+current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)

@@ -28,6 +28,8 @@ from typing import Hashable, Iterator, TypeVar
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
+from .._compat import current_autograd_node
+
 __all__ = ["microbatch", "current_microbatch", "forward_key"]
 
 T = TypeVar("T")
@@ -59,7 +61,6 @@ def current_microbatch() -> Hashable | None:
 # the attribute that carries the key on a reentrant checkpoint's autograd node
 _CKPT_KEY_ATTR = "_zbpp_microbatch_key"
 _CKPT_FORWARD = CheckpointFunction.forward.__code__
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 def forward_key() -> Hashable | None:
@@ -89,7 +90,7 @@ def forward_key() -> Hashable | None:
     """
     key = _key.get()
     if key is None:
-        node = _current_node()
+        node = current_autograd_node()
         if node is not None:
             key = getattr(node, _CKPT_KEY_ATTR, None)
     if key is not None and not torch.is_grad_enabled():
