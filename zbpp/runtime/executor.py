@@ -5,10 +5,12 @@ Tasks (docs/DESIGN.md):
 - ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch((s, j))``; on the
   last stage also the loss, weighted by the microbatch's share of the batch (its rows / all rows),
   so that the summed backward is that of the batch-mean loss.
-- ``B(s, j)``: autograd backward of the stage's outputs for ``j`` (delayed-wgrad modules only file
-  their weight gradient; plain modules accumulate theirs now); the gradient of the stage's inputs
-  goes to ``B(s-1, j)``.
-- ``W(s, j)``: ``backward_dw`` on every delayed-wgrad module of the stage (`zbpp.runtime.wgrad`).
+- ``B(s, j)``: autograd backward of the stage's outputs for ``j``; the gradient of the stage's
+  inputs goes to ``B(s-1, j)``. Delayed-wgrad modules only file their weight gradient. With
+  ``split_wgrad`` B computes only what the inputs' gradient needs and keeps what W needs
+  (`zbpp.runtime._autograd_split`); without, plain modules accumulate their weight gradients now.
+- ``W(s, j)``: the rest of the stage's backward (``split_wgrad``), then ``backward_dw`` on every
+  delayed-wgrad module of the stage (`zbpp.runtime.wgrad`).
 - ``BW(s, j)``: B then W.
 
 One step reads top to bottom (`StepExecutor.run`): for each task, issue the communication the plan
@@ -49,6 +51,7 @@ from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
 from ..schedules.plan import CommOp, Message, RankPlan
 from .profiling import TaskRecorder
+from ._autograd_split import backward_input, run_backward
 from .tree import Spec, TensorMeta, call, flatten, rebuild
 from .wgrad import StageWgrad
 
@@ -74,30 +77,6 @@ class _Poison:
 
 
 POISON = _Poison()
-
-
-try:  # the autograd engine entry point that takes gradients of a shape other than the tensor's
-    from torch.autograd.graph import _engine_run_backward as _engine_backward  # torch >= 2.3
-except ImportError:  # pragma: no cover - older torch
-    from torch.autograd import Variable
-
-    def _engine_backward(*args: Any, **kwargs: Any) -> Any:
-        return Variable._execution_engine.run_backward(*args, **kwargs)
-
-
-def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Backpropagate ``grads`` from ``roots`` (accumulating into leaves' ``.grad``).
-
-    Calls the engine directly because a sent activation's storage may have been released (its
-    ``.data`` shrunk): the engine checks gradients against the autograd node's recorded input shape,
-    not against the tensor's current data.
-    """
-    pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
-    if not pairs:
-        return
-    ts = tuple(t for t, _ in pairs)
-    gs = tuple(torch.ones_like(t) if g is None else g for t, g in pairs)
-    _engine_backward(ts, gs, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 @dataclass
@@ -140,6 +119,8 @@ class StepExecutor:
         on_backward_done, on_wgrad_done: called with the stage after its last B/BW and W/BW.
         free_sent_activations: release an activation's storage once it is handed to its send.
         forward_only: evaluation: F tasks under ``no_grad``, outputs (or losses) kept on the last stage.
+        split_wgrad: B tasks compute only input gradients and W every weight gradient
+            (`zbpp.runtime._autograd_split`); BW tasks run the whole backward either way.
     """
 
     plan: RankPlan
@@ -159,6 +140,7 @@ class StepExecutor:
     on_wgrad_done: Callable[[int], None] | None = None
     free_sent_activations: bool = True
     forward_only: bool = False
+    split_wgrad: bool = False
     # -- results ------------------------------------------------------------------------------
     losses: list[torch.Tensor] = field(default_factory=list, init=False)  #: per microbatch, as loss_fn returned it
     outputs: dict[int, Any] = field(default_factory=dict, init=False)  #: forward_only: last stage's outputs
@@ -333,8 +315,11 @@ class StepExecutor:
             msg = self.plan.recv_of.get(a)
             grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else self._receive(msg))
         started = self.recorder.start() if self.recorder is not None else None
-        run_backward(slot.roots, grads)
-        self.wgrad[s].filed((s, j))
+        if self.split_wgrad and a.kind is Kind.B:
+            self.wgrad[s].filed((s, j), backward_input(slot.roots, grads, slot.inputs, self.wgrad[s].owed_params()))
+        else:
+            run_backward(slot.roots, grads)
+            self.wgrad[s].filed((s, j))
         del grads
         slot.roots.clear()
         in_grads = []

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from ..schedules.ir import Schedule
+from ..schedules.ir import Kind, Schedule
 from ..schedules.plan import Plan, fifo_wgrad_problem, make_plan
 from ..schedules.simulate import Costs
 from .agreement import Agreement, BrokenJob, EndReport, StartReport
@@ -96,6 +96,13 @@ class Pipeline:
             ranks hold (GPT's embedding and LM head); every holder passes its copy under the same
             name; after each step every copy holds the sum of all uses' gradients, averaged over
             the replicas (`zbpp.runtime.tied`). Every rank builds its `Pipeline` with or without.
+        split_wgrad: under schedules with W tasks, B computes only the gradient the previous stage
+            needs and W every weight gradient, for any module: B keeps the incoming gradients of
+            the autograd nodes that lead to weights, and W runs the rest of the graph from them
+            (`zbpp.runtime._autograd_split`). The graph's saved tensors are kept until W. False:
+            plain modules get their weight gradients in B (W only runs delayed-wgrad modules).
+            BW tasks run the whole backward either way. Data-parallel and tied reductions of a
+            split stage start after its last W.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one); the
@@ -134,6 +141,7 @@ class Pipeline:
         recv_lead: int = 0,
         timeout: float | None = None,
         tied_parameters: Mapping[str, nn.Parameter] | None = None,
+        split_wgrad: bool = True,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
@@ -167,6 +175,10 @@ class Pipeline:
         self._costs, self._recv_lead = costs, recv_lead
         self._eval_plan: Plan | None = None
         self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
+        self.split_wgrad = bool(split_wgrad)
+        has_b = {t.stage for t in self._plan.ranks[self.pp_rank].tasks if t.kind is Kind.B}
+        self._split_stages = {s for s in self.stage_modules if s in has_b} if self.split_wgrad else set()
+        self._stage_param_ids = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
         for s, w in self._wgrad.items():
             fifo = w.fifo_modules
             problem = fifo_wgrad_problem(schedule, s) if fifo else None
@@ -198,6 +210,8 @@ class Pipeline:
             from .grad_reduce import GradReducer
 
             self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids())
+        if self._split_stages and callable(getattr(self._reducer, "owe_all_to_wgrad", None)):
+            self._reducer.owe_all_to_wgrad(self._split_stages)
         self._sync_gradients = True  # False inside no_sync()
         self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
@@ -421,6 +435,7 @@ class Pipeline:
             recorder=self._recorder if not forward_only else None,
             free_sent_activations=self.free_sent_activations,
             forward_only=forward_only,
+            split_wgrad=bool(self._split_stages),
             **hooks,
         )
         return ex, sync, signature
@@ -478,7 +493,8 @@ class Pipeline:
     def _stage_backward_done(self, stage: int) -> None:
         if self._reducer is not None:
             self._reducer.stage_backward_done(stage)
-        self._tied.stage_done(stage, self._wgrad[stage].owed_params())
+        owed = self._stage_param_ids[stage] if stage in self._split_stages else self._wgrad[stage].owed_params()
+        self._tied.stage_done(stage, owed)
 
     def _stage_wgrad_done(self, stage: int) -> None:
         if self._reducer is not None:
