@@ -98,11 +98,14 @@ def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], owned: set[int]) -> HeldWgrad | None:
+                   inputs: Sequence[torch.Tensor], owned: set[int],
+                   hint: dict[int, torch.Tensor] | None = None) -> HeldWgrad | None:
     """B: accumulate the gradient of `inputs` (the stage's input leaves) and return what W needs.
 
     `roots`/`grads` as for `run_backward`; `owned`: ids of the parameters that delayed-wgrad modules
-    compute in their own W. Returns None when W has nothing to do.
+    compute in their own W; `hint`: the parameters an earlier microbatch of the stage had to
+    compute in B (read and updated: the graph is then sorted once, not twice). Returns None when W
+    has nothing to do.
     """
     pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(roots, grads) if t.requires_grad]
     if not pairs:
@@ -111,14 +114,16 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
     graph = _Graph([t.grad_fn for t, _ in pairs])
-    b_ids = {id(x) for x in inputs}
-    extra: dict[int, torch.Tensor] = {}  # parameters W cannot produce: B accumulates them
+    extra: dict[int, torch.Tensor] = dict(hint or {})  # parameters W cannot produce: B accumulates them
+    b_ids = {id(x) for x in inputs} | extra.keys()
     while True:
         plan = graph.plan(b_ids, owned)
         if not plan.to_b:
             break
         extra.update(plan.to_b)
         b_ids.update(plan.to_b)  # and the graph is sorted again around the new targets
+    if hint is not None:
+        hint.update(extra)
     on_b = plan.input_side
     b_roots = [(t, g) for t, g in pairs if id(t.grad_fn) in on_b]
     kept: dict[int, tuple[torch.Tensor | None, ...]] = {}
@@ -231,9 +236,9 @@ class _Graph:
             lv = level.setdefault(nid, 0)
             side = [c for c, _ in nf if c is not None and id(c) not in on_b and id(c) in to_w]
             if side and isinstance(node, _PyNode):
-                # A custom Function computed all its outputs in B: what it feeds off the input side
-                # must be B's too (except its own delayed parameters: its backward filed them).
-                todo.extend((c, lv, True) for c in side if not (id(c) in leaves and id(leaves[id(c)]) in owned))
+                # A custom Function computes all its outputs in B: what it feeds off the input side
+                # is B's too (a delayed module's weight gets None there; its eager bias a gradient).
+                todo.extend((c, lv, True) for c in side)
             elif side:
                 p.frontier.append(node)
                 todo.extend((c, lv, False) for c in side)

@@ -316,7 +316,8 @@ class StepExecutor:
             grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else self._receive(msg))
         started = self.recorder.start() if self.recorder is not None else None
         if self.split_wgrad and a.kind is Kind.B:
-            self.wgrad[s].filed((s, j), backward_input(slot.roots, grads, slot.inputs, self.wgrad[s].owed_params()))
+            w = self.wgrad[s]
+            w.filed((s, j), backward_input(slot.roots, grads, slot.inputs, w.owed_params(), w.b_hint))
         else:
             run_backward(slot.roots, grads)
             self.wgrad[s].filed((s, j))

@@ -25,7 +25,7 @@ the public protocol needs) and the runtime discards the step's gradients with th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 from torch import nn
 
@@ -103,6 +103,7 @@ class StageWgrad:
         self.adapters = [KeyedWgrad(m) if supports_keys(m) else FifoWgrad(m) for m in self.modules]
         self._pending: list[Hashable] = []
         self._held: dict[Hashable, HeldWgrad] = {}
+        self.b_hint: dict[int, Any] = {}  # parameters the split leaves to B (`_autograd_split.backward_input`)
 
     @property
     def held(self) -> list[Hashable]:
