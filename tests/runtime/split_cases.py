@@ -133,14 +133,17 @@ def _stage_blocks(s: int, num_stages: int, twice: bool) -> list[int]:
     return [s, s] if twice and s == num_stages // 2 else [s]
 
 
-def _reference_model(family: str, num_stages: int, twice: bool, mix: bool) -> nn.Module:
+def _reference_model(family: str, num_stages: int, twice: bool) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+    """HF's model (with `twice`, its middle block listed twice) and its parameters by their names
+    in the model as built."""
     model = hf_model(family, num_stages)
+    params = dict(model.named_parameters())
     if twice:  # HF's own loop runs the listed blocks: list the middle one twice
         layers = model.model.layers
         order = [i for s in range(num_stages) for i in _stage_blocks(s, num_stages, twice)]
         model.model.layers = nn.ModuleList([layers[i] for i in order])
         model.config.num_hidden_layers = len(order)
-    return model
+    return model, params
 
 
 def make_batch(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,12 +237,11 @@ def hf_case(family: str, name: str, p: int, *, ckpt: str | None = None, split: b
     held = sum(len(w.held) for w in pipe._wgrad.values())
     assert held == 0, f"W left {held} split backward(s) held after the step"
 
-    ref = _reference_model(family, S, twice, mix)
+    ref, ref_grads = _reference_model(family, S, twice)
     ref_loss = loss_fn(ref(ids, use_cache=False).logits, target)
     ref_loss.backward()
     if loss is not None and dp == 1:
         torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-    ref_grads = dict(ref.named_parameters())
     worst = 0.0
     names = {id(p_): n for n, p_ in model.named_parameters()}
     for s, st in mine.items():

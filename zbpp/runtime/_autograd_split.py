@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - older torch: each W call recomputes th
     _RecomputeOnce = contextlib.nullcontext  # type: ignore[assignment,misc]
 
 from torch.autograd.function import BackwardCFunction as _PyNode
+from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 from torch.autograd.graph import GradientEdge
 
 __all__ = ["HeldWgrad", "backward_input"]
@@ -68,8 +69,8 @@ class HeldWgrad:
 
     __slots__ = ("calls",)
 
-    def __init__(self, calls: list[tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        self.calls = calls
+    def __init__(self, calls: list[tuple[list[Any], list[torch.Tensor], list[torch.Tensor] | None]]) -> None:
+        self.calls = calls  # (roots, their gradients, the leaves to accumulate: None for all), last first
 
     def run(self) -> None:
         """Compute the weight gradients (once: everything is dropped as it runs)."""
@@ -77,7 +78,7 @@ class HeldWgrad:
         with _RecomputeOnce():
             while calls:
                 roots, grads, params = calls.pop()
-                _engine_backward(tuple(roots), tuple(grads), False, False, tuple(params),
+                _engine_backward(tuple(roots), tuple(grads), False, False, tuple(params or ()),
                                  allow_unreachable=True, accumulate_grad=True)
                 del roots, grads, params
 
@@ -113,7 +114,12 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     if any(t.grad_fn is None for t, _ in pairs):  # an input handed on as it is: no graph to split
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
+    if not inputs and not hint:  # the first stage: B has nothing to compute, W the whole backward
+        return HeldWgrad([([t for t, _ in pairs], [g for _, g in pairs], None)])
     graph = _Graph([t.grad_fn for t, _ in pairs])
+    if graph.reentrant:  # its checkpoint refuses an engine call limited by `inputs`
+        run_backward([t for t, _ in pairs], [g for _, g in pairs])
+        return None
     extra: dict[int, torch.Tensor] = dict(hint or {})  # parameters W cannot produce: B accumulates them
     b_ids = {id(x) for x in inputs} | extra.keys()
     while True:
@@ -181,12 +187,13 @@ class _Plan:
 class _Graph:
     """The nodes reachable from the roots, children before parents, with their edges."""
 
-    __slots__ = ("post", "roots")
+    __slots__ = ("post", "roots", "reentrant")
 
     def __init__(self, roots: list[Any]) -> None:
         self.roots = roots
         post: list[tuple[Any, tuple]] = []  # keeps every node alive, so ids stay unique
         seen: set[int] = set()
+        pynodes: list[Any] = []
         for r in roots:
             if id(r) in seen:
                 continue
@@ -204,7 +211,10 @@ class _Graph:
                 else:
                     stack.pop()
                     post.append((node, nf))
+                    if isinstance(node, _PyNode):
+                        pynodes.append(node)
         self.post = post
+        self.reentrant = any(getattr(n, "_forward_cls", None) is _ReentrantCheckpoint for n in pynodes)
 
     def plan(self, b_ids: set[int], owned: set[int]) -> _Plan:
         """Sort the graph for B targets `b_ids` and W-excluded `owned` (ids of leaf tensors)."""
