@@ -56,9 +56,10 @@ def hf_model(family: str, layers: int, seed: int = 0) -> nn.Module:
     return model.double()
 
 
-def _causal(t: int) -> torch.Tensor:
+def _causal(like: torch.Tensor) -> torch.Tensor:
     """HF's eager additive mask: 0 where a token may attend, the dtype's minimum elsewhere."""
-    return torch.full((t, t), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)[None, None]
+    t = like.shape[1]
+    return torch.full((t, t), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device).triu(1)[None, None]
 
 
 class HFStage(nn.Module):
@@ -88,15 +89,15 @@ class HFStage(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
+        at = torch.arange(x.shape[1], device=x.device)[None]
         if self.first:
             h = self.embed(x)
             if self.pos is not None:
-                h = h + self.pos(torch.arange(t)[None])
+                h = h + self.pos(at)
         else:
             h = x
-        mask = _causal(t)
-        pos = self.rotary(h, torch.arange(t)[None]) if self.rotary is not None else None
+        mask = _causal(h)
+        pos = self.rotary(h, at) if self.rotary is not None else None
         for b in self.blocks:
             if self.ckpt is None:
                 h = self._block(b, h, mask, pos)
@@ -310,3 +311,63 @@ def failed_step_case(family: str, name: str, p: int) -> dict[str, Any]:
             n = names[id(p_)]
             torch.testing.assert_close(p_.grad, ref_grads[n].grad, msg=lambda msg, n=n: f"{n}: {msg}", **TOL)
     return {"raised": raised, "held": held, "grads_after_failure": grads_after_failure}
+
+
+def cuda_case() -> dict[str, Any]:
+    """One CUDA GPU, bf16: a Llama cut into the two stages zb-v places on one rank (the second
+    stage's backward is split), against the same pipeline with ``split_wgrad=False``; and the
+    FLOPs of B and W as in `hf_case`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zbpp.schedules import build
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          attn_implementation="eager")
+        return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+    sched = build("zb-v", num_ranks=1, num_microbatches=4)
+    ids = torch.randint(0, 512, (8, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    target = torch.roll(ids, -1, dims=1)
+    grads, flops = [], None
+    for split in (True, False):
+        mdl = model()
+        stages = {s: HFStage(mdl, "llama", [s], s == 0, s == 1) for s in (0, 1)}
+        pipe = Pipeline(stages, sched, loss_fn, split_wgrad=split)
+        counter = _TaskFlops()
+        with counter.installed():
+            pipe.step(ids, target=target)
+        torch.cuda.synchronize()
+        grads.append({n: p.grad.float() for n, p in mdl.named_parameters() if p.grad is not None})
+        if split:
+            assert sum(len(w.held) for w in pipe._wgrad.values()) == 0
+            flops = {}
+            for s, st in stages.items():
+                full, dgrad = stage_flops_cuda(st, s == 0, s == 1, 2, 0.25)
+                flops[s] = {"full": full, "dgrad": dgrad,
+                            **{k: (counter.count.get((s, k), 0), counter.flops.get((s, k), 0)) for k in ("B", "W", "BW")}}
+    return {"grads": grads, "flops": flops}
+
+
+def stage_flops_cuda(stage: nn.Module, first: bool, last: bool, rows: int, weight: float) -> tuple[int, int]:
+    """`stage_flops` for the bf16 CUDA stages of `cuda_case` (64 tokens, hidden 256, vocabulary 512)."""
+    out = []
+    for only_input in (False, True):
+        if first:
+            x = torch.randint(0, 512, (rows, 64), device="cuda")
+        else:
+            x = torch.randn(rows, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = stage(x)
+        root = loss_fn(y, torch.randint(0, 512, (rows, 64), device="cuda")) * weight if last else y
+        g = None if last else torch.randn_like(y)
+        with FlopCounterMode(display=False) as fc:
+            if only_input:
+                if not first:
+                    torch.autograd.backward([root], None if g is None else [g], inputs=[x])
+            else:
+                torch.autograd.backward([root], None if g is None else [g])
+        out.append(fc.get_total_flops())
+    stage.zero_grad(set_to_none=True)
+    return out[0], out[1]

@@ -5,8 +5,9 @@ ranks, against one process running HF's model on the whole batch (tolerances and
 from __future__ import annotations
 
 import pytest
+import torch
 
-from .split_cases import failed_step_case, hf_case
+from .split_cases import cuda_case, failed_step_case, hf_case
 
 W_SCHEDULES = ["zb-h1", "zb-v", "dualpipe-v"]
 
@@ -80,3 +81,18 @@ def test_data_parallel_reduces_after_last_w(zbpp_workers):
     """dp=2 x pp=2: averaged gradients equal the whole batch's (the reducer checks that no
     gradient is accumulated after its reduction started and that each is reduced once)."""
     zbpp_workers(4).run(hf_case, "gpt2", "zb-h1", 2, dp=2)
+
+
+@pytest.mark.gpu
+def test_split_on_cuda_bf16():
+    """One GPU, bf16: the split's gradients equal the unsplit pipeline's (the same GEMMs, one
+    bf16 rounding apart at most), B holds no weight-gradient FLOP and W all of them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    r = cuda_case()
+    split, plain = r["grads"]
+    assert split.keys() == plain.keys() and split
+    for n in split:  # bf16: relative 1e-2 covers one rounding of the accumulated gradient
+        torch.testing.assert_close(split[n], plain[n], rtol=1e-2, atol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
+    _check_flops([r])
+    assert r["flops"][1]["B"][1] > 0 and r["flops"][1]["W"][1] > 0  # the second stage really was split
