@@ -58,9 +58,8 @@ def test_stage_mixing_zbpp_and_plain_layers(zbpp_workers):
 
 
 def test_parameter_used_twice(zbpp_workers):
-    """A block run twice on one stage: its parameters get both uses' gradients (in B: one W call
-    cannot produce them without recomputing input gradients)."""
-    zbpp_workers(4).run(hf_case, "llama", "zb-h1", 4, twice=True)
+    """A block run twice on one stage: its parameters get both uses' gradients, all in W."""
+    _check_flops(zbpp_workers(4).run(hf_case, "llama", "zb-h1", 4, twice=True, count=True))
 
 
 def test_split_off_keeps_w_empty(zbpp_workers):

@@ -4,25 +4,24 @@
 
 - the *input side*: nodes with a path to a stage input that requires grad (or to a parameter that
   must get its gradient in B, see below). B runs the engine with ``inputs=`` those tensors, so each
-  node computes only the outputs on the input side (addmm: the gradient of ``mat1``, not of the
-  weight);
-- the *frontier*: input-side nodes with an edge leading off the input side towards a parameter
-  that W owes. A pre-hook keeps each frontier node's incoming gradient during B;
-- the *weight side*: everything below a frontier's off-side edges, and the outputs' nodes that do
-  not reach an input at all (the whole graph on the first stage).
+  node computes only its outputs towards the input side (addmm: the gradient of ``mat1``, not of
+  the weight);
+- the *frontier*: input-side nodes with an edge off the input side (towards a weight). A pre-hook
+  keeps each one's incoming gradient during B;
+- the *weight side*: everything below those edges, and the outputs' nodes that reach no input
+  (the whole graph on the first stage).
 
-`HeldWgrad.run` (W) re-runs each frontier node from its kept gradient with ``inputs=`` the
-parameters, then the weight side, accumulating into ``.grad`` as a plain backward would (hooks
-fire). A frontier node re-run in W must compute only its weight outputs, which the engine does
-only when none of its input-side edges leads to a parameter of the same engine call; frontier
-nodes are therefore grouped by *level* (the number of frontier nodes above them on the input
-side) and each level is one engine call, so W computes no input gradient again.
+`HeldWgrad.run` (W) calls each frontier node again on its kept gradient, inside a tiny engine call
+that asks for exactly the frontier's off-side children: a node computes only the outputs whose
+next node the running graph task needs, so W computes no input gradient again. One engine call
+then runs the weight side from those outputs, accumulating into ``.grad`` as a plain backward would
+(hooks fire). Its graph never reaches the input side, so W's cost does not grow with depth.
 
-Parameters whose gradient W cannot produce that way get it in B: a parameter below frontier
-nodes of two levels (used twice along the input path), and one below a custom autograd Function
-on the input side (its backward computes every output at once and may have side effects:
-reentrant checkpointing, zbpp's delayed-wgrad layers). Parameters of delayed-wgrad modules (the
-`owned` ids) are left to their own W.
+A custom autograd Function on the input side computes all its outputs in B (zbpp's delayed layers
+file their weight gradient there, an eager FP8 bias gets its gradient): the leaves below its
+off-side edges become B's targets. Reentrant ``torch.utils.checkpoint`` refuses an engine call
+limited by ``inputs``: a graph holding one runs its whole backward in B. Post-hooks registered on
+a frontier node (``Node.register_hook``) see only its B call.
 
 Every private torch call of the split is here.
 """
@@ -65,22 +64,56 @@ def _acc_type() -> type:
 
 
 class HeldWgrad:
-    """What B(s, j) leaves for W(s, j): per level, the engine call's roots, gradients and parameters."""
+    """What B(s, j) leaves for W(s, j): the frontier nodes with their kept gradients, and the outputs
+    that do not depend on an input."""
 
-    __slots__ = ("calls",)
+    __slots__ = ("frontier", "roots", "grads")
 
-    def __init__(self, calls: list[tuple[list[Any], list[torch.Tensor], list[torch.Tensor] | None]]) -> None:
-        self.calls = calls  # (roots, their gradients, the leaves to accumulate: None for all), last first
+    def __init__(self, frontier: list[tuple[Any, tuple, list[tuple[int, Any, int]]]],
+                 roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.frontier = frontier  # (node, its incoming gradients, its off-side edges (index, child, input_nr))
+        self.roots, self.grads = roots, grads
 
     def run(self) -> None:
         """Compute the weight gradients (once: everything is dropped as it runs)."""
-        calls, self.calls = self.calls, []
+        frontier, roots, grads = self.frontier, self.roots, self.grads
+        self.frontier, self.roots, self.grads = [], [], []
         with _RecomputeOnce():
-            while calls:
-                roots, grads, params = calls.pop()
-                _engine_backward(tuple(roots), tuple(grads), False, False, tuple(params or ()),
-                                 allow_unreachable=True, accumulate_grad=True)
-                del roots, grads, params
+            if frontier:
+                _apply_off_side(frontier, roots, grads)
+            del frontier
+            if roots:
+                _engine_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True,
+                                 accumulate_grad=True)
+
+
+def _apply_off_side(frontier: list[tuple[Any, tuple, list[tuple[int, Any, int]]]], roots: list[Any],
+                    grads: list[torch.Tensor]) -> None:
+    """Re-run each frontier node on its kept gradient, computing only its off-side outputs, and add
+    them to `roots`/`grads` as gradient edges.
+
+    A node computes the outputs whose next node the running graph task needs; calling it by hand
+    inside a tiny engine call that asks for exactly the off-side children (captured, never run)
+    makes it skip its input-side outputs.
+    """
+    edges = tuple(GradientEdge(child, nr) for _, _, side in frontier for _, child, nr in side)
+    z = torch.zeros((), requires_grad=True)
+    trigger = z.view_as(z)
+
+    def apply(_: Any) -> None:
+        for node, got, side in frontier:
+            out = node(*got)
+            for i, child, nr in side:
+                if out[i] is not None:
+                    roots.append(GradientEdge(child, nr))
+                    grads.append(out[i])
+
+    handle = trigger.grad_fn.register_prehook(apply)
+    try:
+        _engine_backward((trigger,), (torch.zeros(()),), False, False, (z, *edges), allow_unreachable=True,
+                         accumulate_grad=False)
+    finally:
+        handle.remove()
 
 
 def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -99,12 +132,10 @@ def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], owned: set[int],
-                   hint: dict[int, torch.Tensor] | None = None) -> HeldWgrad | None:
+                   inputs: Sequence[torch.Tensor], hint: dict[int, torch.Tensor] | None = None) -> HeldWgrad | None:
     """B: accumulate the gradient of `inputs` (the stage's input leaves) and return what W needs.
 
-    `roots`/`grads` as for `run_backward`; `owned`: ids of the parameters that delayed-wgrad modules
-    compute in their own W; `hint`: the parameters an earlier microbatch of the stage had to
+    `roots`/`grads` as for `run_backward`; `hint`: the parameters an earlier microbatch of the stage had to
     compute in B (read and updated: the graph is then sorted once, not twice). Returns None when W
     has nothing to do.
     """
@@ -115,7 +146,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
     if not inputs and not hint:  # the first stage: B has nothing to compute, W the whole backward
-        return HeldWgrad([([t for t, _ in pairs], [g for _, g in pairs], None)])
+        return HeldWgrad([], [t for t, _ in pairs], [g for _, g in pairs])
     graph = _Graph([t.grad_fn for t, _ in pairs])
     if graph.reentrant:  # its checkpoint refuses an engine call limited by `inputs`
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
@@ -123,7 +154,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     extra: dict[int, torch.Tensor] = dict(hint or {})  # parameters W cannot produce: B accumulates them
     b_ids = {id(x) for x in inputs} | extra.keys()
     while True:
-        plan = graph.plan(b_ids, owned)
+        plan = graph.plan(b_ids)
         if not plan.to_b:
             break
         extra.update(plan.to_b)
@@ -135,33 +166,18 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     kept: dict[int, tuple[torch.Tensor | None, ...]] = {}
     targets = tuple(inputs) + tuple(extra.values())
     if b_roots and targets:
-        handles = [node.register_prehook(_keeper(kept, id(node))) for node in plan.frontier]
+        handles = [node.register_prehook(_keeper(kept, id(node))) for node, _ in plan.frontier]
         try:
             _engine_backward(tuple(t for t, _ in b_roots), tuple(g for _, g in b_roots), True, False, targets,
                              allow_unreachable=True, accumulate_grad=True)
         finally:
             for h in handles:
                 h.remove()
-    calls: dict[int, tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]] = {}
-    for node in plan.frontier:
-        got = kept.get(id(node))
-        if got is None:
-            continue
-        roots_l, grads_l, _ = calls.setdefault(plan.level[id(node)], ([], [], []))
-        for k, g in enumerate(got):
-            if g is not None:
-                roots_l.append(GradientEdge(node, k))
-                grads_l.append(g)
-    for t, g in pairs:  # outputs that do not depend on an input (all of them on the first stage)
-        if id(t.grad_fn) not in on_b and id(t.grad_fn) in plan.reaches_w:
-            roots_l, grads_l, _ = calls.setdefault(0, ([], [], []))
-            roots_l.append(t)
-            grads_l.append(g)
-    for lv, params in plan.w_params.items():
-        if lv in calls:
-            calls[lv][2].extend(params)
-    todo = [calls[lv] for lv in sorted(calls, reverse=True) if calls[lv][0] and calls[lv][2]]
-    return HeldWgrad(todo) if todo else None
+    frontier = [(node, kept[id(node)], side) for node, side in plan.frontier if id(node) in kept]
+    w_roots = [(t, g) for t, g in pairs if id(t.grad_fn) not in on_b and id(t.grad_fn) in plan.reaches_w]
+    if not frontier and not w_roots:
+        return None
+    return HeldWgrad(frontier, [t for t, _ in w_roots], [g for _, g in w_roots])
 
 
 def _keeper(kept: dict[int, Any], key: int) -> Any:
@@ -173,15 +189,13 @@ def _keeper(kept: dict[int, Any], key: int) -> Any:
 class _Plan:
     """One sorting of the graph (see the module docstring); ids are of nodes unless said otherwise."""
 
-    __slots__ = ("input_side", "reaches_w", "frontier", "level", "w_params", "to_b")
+    __slots__ = ("input_side", "reaches_w", "frontier", "to_b")
 
     def __init__(self) -> None:
         self.input_side: set[int] = set()  # nodes with a path to a B target
-        self.reaches_w: set[int] = set()  # nodes with a path to a parameter W computes
-        self.frontier: list[Any] = []  # input-side nodes with an edge off it towards such a parameter
-        self.level: dict[int, int] = {}  # input-side node -> frontier nodes above it on the longest path
-        self.w_params: dict[int, list[torch.Tensor]] = {}  # level -> the parameters its W call computes
-        self.to_b: dict[int, torch.Tensor] = {}  # id(parameter) -> parameter that must go to B instead
+        self.reaches_w: set[int] = set()  # nodes with a path to a leaf that is not a B target
+        self.frontier: list[tuple[Any, list[tuple[int, Any, int]]]] = []  # (node, off-side edges)
+        self.to_b: dict[int, torch.Tensor] = {}  # id(leaf) -> leaf that must get its gradient in B
 
 
 class _Graph:
@@ -216,20 +230,14 @@ class _Graph:
         self.post = post
         self.reentrant = any(getattr(n, "_forward_cls", None) is _ReentrantCheckpoint for n in pynodes)
 
-    def plan(self, b_ids: set[int], owned: set[int]) -> _Plan:
-        """Sort the graph for B targets `b_ids` and W-excluded `owned` (ids of leaf tensors)."""
+    def plan(self, b_ids: set[int]) -> _Plan:
+        """Sort the graph for the B targets `b_ids` (ids of leaf tensors)."""
         acc = _acc_type()
         p = _Plan()
         on_b, to_w = p.input_side, p.reaches_w
-        leaves: dict[int, torch.Tensor] = {}  # AccumulateGrad node id -> its tensor, for every leaf W reaches
         for node, nf in self.post:
             if type(node) is acc:
-                v = node.variable
-                if id(v) in b_ids:
-                    on_b.add(id(node))
-                else:  # owned ones too: W must run the nodes of delayed modules that lead to them
-                    to_w.add(id(node))
-                    leaves[id(node)] = v
+                (on_b if id(node.variable) in b_ids else to_w).add(id(node))
                 continue
             for c, _ in nf:
                 if c is not None:
@@ -237,49 +245,27 @@ class _Graph:
                         on_b.add(id(node))
                     if id(c) in to_w:
                         to_w.add(id(node))
-        level = p.level
-        todo: list[tuple[Any, int, bool]] = []  # weight-side walk: (node, level, below a custom Function)
-        for node, nf in reversed(self.post):  # parents before children
-            nid = id(node)
-            if nid not in on_b:
+        custom: list[Any] = []  # off-side children of custom Functions on the input side
+        for node, nf in self.post:
+            if id(node) not in on_b:
                 continue
-            lv = level.setdefault(nid, 0)
-            side = [c for c, _ in nf if c is not None and id(c) not in on_b and id(c) in to_w]
-            if side and isinstance(node, _PyNode):
-                # A custom Function computes all its outputs in B: what it feeds off the input side
-                # is B's too (a delayed module's weight gets None there; its eager bias a gradient).
-                todo.extend((c, lv, True) for c in side)
-            elif side:
-                p.frontier.append(node)
-                todo.extend((c, lv, False) for c in side)
-                lv += 1
-            for c, _ in nf:
-                if c is not None and id(c) in on_b and level.get(id(c), -1) < lv:
-                    level[id(c)] = lv
-        for node in self.roots:
-            if id(node) not in on_b and id(node) in to_w:
-                todo.append((node, 0, False))
-        reached: dict[int, set[int]] = {}  # leaf's node -> levels whose W call reaches it
-        seen: set[tuple[int, int, bool]] = set()
-        while todo:
-            item = todo.pop()
-            node, lv, custom = item
-            if (id(node), lv, custom) in seen:
+            side = [(i, c, nr) for i, (c, nr) in enumerate(nf) if c is not None and id(c) not in on_b and id(c) in to_w]
+            if not side:
                 continue
-            seen.add((id(node), lv, custom))
-            v = leaves.get(id(node))
-            if v is not None:
-                if custom:
-                    p.to_b[id(v)] = v
-                reached.setdefault(id(node), set()).add(lv)
+            if isinstance(node, _PyNode):
+                # A custom Function computes all its outputs in B (a delayed module's weight gets
+                # None there, its eager bias a gradient): the leaves it feeds are B's targets.
+                custom.extend(c for _, c, _ in side)
+            else:
+                p.frontier.append((node, side))
+        seen: set[int] = set()
+        while custom:
+            node = custom.pop()
+            if id(node) in seen:
                 continue
-            for c, _ in node.next_functions:
-                if c is not None and id(c) in to_w:
-                    todo.append((c, lv, custom))
-        for nid, lvs in reached.items():
-            if len(lvs) > 1:  # used by two levels: one W call would recompute input gradients
-                p.to_b[id(leaves[nid])] = leaves[nid]
-        if not p.to_b:
-            for nid, lvs in reached.items():
-                p.w_params.setdefault(next(iter(lvs)), []).append(leaves[nid])
+            seen.add(id(node))
+            if type(node) is acc:
+                p.to_b[id(node.variable)] = node.variable
+                continue
+            custom.extend(c for c, _ in node.next_functions if c is not None and id(c) in to_w)
         return p

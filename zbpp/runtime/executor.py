@@ -317,7 +317,7 @@ class StepExecutor:
         started = self.recorder.start() if self.recorder is not None else None
         if self.split_wgrad and a.kind is Kind.B:
             w = self.wgrad[s]
-            w.filed((s, j), backward_input(slot.roots, grads, slot.inputs, w.owed_params(), w.b_hint))
+            w.filed((s, j), backward_input(slot.roots, grads, slot.inputs, w.b_hint))
         else:
             run_backward(slot.roots, grads)
             self.wgrad[s].filed((s, j))
