@@ -29,6 +29,7 @@ Every private torch call of the split is here.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -50,7 +51,58 @@ from torch.autograd.function import BackwardCFunction as _PyNode
 from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["HeldWgrad", "backward_input"]
+__all__ = ["HeldWgrad", "SavedBoxes", "backward_input"]
+
+_KEEP, _B_ONLY = 1, 2
+_in_frontier = threading.local()  # set while a frontier node runs in B (on the thread running it)
+
+
+class _Box:
+    __slots__ = ("t", "mark")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t: torch.Tensor | None = t
+        self.mark = 0
+
+
+class SavedBoxes:
+    """The tensors autograd saves during one F, each in a box, so that B can free those only
+    input-side nodes used (W will not run them). Use as a context manager around the forward."""
+
+    __slots__ = ("boxes", "_hooks")
+
+    def __init__(self) -> None:
+        self.boxes: list[_Box] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> _Box:
+        b = _Box(t)
+        self.boxes.append(b)
+        return b
+
+    def __enter__(self) -> "SavedBoxes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def free_input_only(self) -> None:
+        """After B: drop what only nodes B ran and W will not run unpacked."""
+        for b in self.boxes:
+            if b.mark == _B_ONLY:
+                b.t = None
+        self.boxes = []
+
+
+def _unpack(b: _Box) -> torch.Tensor:
+    if b.t is None:
+        raise RuntimeError("zbpp split backward: a saved tensor freed after B was needed again (a bug)")
+    if getattr(_in_frontier, "on", False):
+        b.mark = _KEEP
+    elif b.mark == 0:
+        b.mark = _B_ONLY
+    return b.t
 
 _ACC: type | None = None  # torch's AccumulateGrad node type, found on first use
 
@@ -132,12 +184,14 @@ def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], hint: dict[int, torch.Tensor] | None = None) -> HeldWgrad | None:
+                   inputs: Sequence[torch.Tensor], hint: dict[int, torch.Tensor] | None = None,
+                   saved: SavedBoxes | None = None) -> HeldWgrad | None:
     """B: accumulate the gradient of `inputs` (the stage's input leaves) and return what W needs.
 
     `roots`/`grads` as for `run_backward`; `hint`: the parameters an earlier microbatch of the stage had to
-    compute in B (read and updated: the graph is then sorted once, not twice). Returns None when W
-    has nothing to do.
+    compute in B (read and updated: the graph is then sorted once, not twice); `saved`: the boxes
+    of the stage's forward, whose input-only tensors are freed after B. Returns None when W has
+    nothing to do.
     """
     pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(roots, grads) if t.requires_grad]
     if not pairs:
@@ -167,12 +221,17 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     targets = tuple(inputs) + tuple(extra.values())
     if b_roots and targets:
         handles = [node.register_prehook(_keeper(kept, id(node))) for node, _ in plan.frontier]
+        if saved is not None:
+            handles += [node.register_hook(_left) for node, _ in plan.frontier]
         try:
             _engine_backward(tuple(t for t, _ in b_roots), tuple(g for _, g in b_roots), True, False, targets,
                              allow_unreachable=True, accumulate_grad=True)
         finally:
+            _in_frontier.on = False
             for h in handles:
                 h.remove()
+        if saved is not None:
+            saved.free_input_only()
     frontier = [(node, kept[id(node)], side) for node, side in plan.frontier if id(node) in kept]
     w_roots = [(t, g) for t, g in pairs if id(t.grad_fn) not in on_b and id(t.grad_fn) in plan.reaches_w]
     if not frontier and not w_roots:
@@ -183,7 +242,12 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
 def _keeper(kept: dict[int, Any], key: int) -> Any:
     def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         kept[key] = grad_outputs
+        _in_frontier.on = True  # what it unpacks now, W unpacks again
     return hook
+
+
+def _left(grad_inputs: Any, grad_outputs: Any) -> None:
+    _in_frontier.on = False
 
 
 class _Plan:

@@ -40,6 +40,7 @@ when its send has completed; every per-microbatch object is dropped after its la
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -51,7 +52,7 @@ from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
 from ..schedules.plan import CommOp, Message, RankPlan
 from .profiling import TaskRecorder
-from ._autograd_split import backward_input, run_backward
+from ._autograd_split import SavedBoxes, backward_input, run_backward
 from .tree import Spec, TensorMeta, call, flatten, rebuild
 from .wgrad import StageWgrad
 
@@ -85,6 +86,7 @@ class _Slot:
 
     inputs: list[torch.Tensor]  # the stage's input leaves that require grad (their .grad goes back)
     roots: list[torch.Tensor]  # where B starts: the outputs that require grad, or the weighted loss
+    saved: SavedBoxes | None = None  # split B: what the forward saved, boxed (input-only ones go after B)
 
 
 @dataclass
@@ -160,6 +162,9 @@ class StepExecutor:
     _weighted: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     _dead: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)  # channels that broke
 
+    def __post_init__(self) -> None:
+        self._split_keys = {(t.stage, t.microbatch) for t in self.plan.tasks if t.kind is Kind.B} if self.split_wgrad else set()
+
     @property
     def draining(self) -> bool:
         return self.failure is not None or self.upstream_failed
@@ -224,7 +229,8 @@ class StepExecutor:
         arg, grad_inputs = self._forward_input(a)
         started = self.recorder.start() if self.recorder is not None else None
         grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
-        with microbatch_key((s, j)), grad_mode:
+        saved = SavedBoxes() if grad_inputs and (s, j) in self._split_keys else None
+        with microbatch_key((s, j)), grad_mode, saved if saved is not None else contextlib.nullcontext():
             out = call(self.modules[s], arg)
             if last:
                 target = self.targets[j] if self.targets is not None else None
@@ -251,7 +257,7 @@ class StepExecutor:
             roots = [t for t in leaves if t.requires_grad]
             self._hand_forward(a, leaves, spec, roots)
         if not self.forward_only:
-            self._slots[(s, j)] = _Slot(grad_inputs, roots)
+            self._slots[(s, j)] = _Slot(grad_inputs, roots, saved)
 
     def _loss(self, out: Any, target: Any, stage: int) -> torch.Tensor:
         assert self.loss_fn is not None
@@ -317,7 +323,8 @@ class StepExecutor:
         started = self.recorder.start() if self.recorder is not None else None
         if self.split_wgrad and a.kind is Kind.B:
             w = self.wgrad[s]
-            w.filed((s, j), backward_input(slot.roots, grads, slot.inputs, w.b_hint))
+            w.filed((s, j), backward_input(slot.roots, grads, slot.inputs, w.b_hint, slot.saved))
+            slot.saved = None
         else:
             run_backward(slot.roots, grads)
             self.wgrad[s].filed((s, j))
