@@ -73,19 +73,23 @@ class SavedBoxes:
 
     def __init__(self) -> None:
         self.boxes: list[_Box] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, t: torch.Tensor) -> _Box:
-        b = _Box(t)
-        self.boxes.append(b)
-        return b
+        self._hooks: Any = None
 
     def __enter__(self) -> "SavedBoxes":
+        boxes = self.boxes
+
+        def pack(t: torch.Tensor) -> _Box:
+            b = _Box(t)
+            boxes.append(b)
+            return b
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
 
     def free_input_only(self) -> None:
         """After B: drop what only nodes B ran and W will not run unpacked."""
