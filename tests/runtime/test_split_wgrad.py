@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .split_cases import cuda_case, failed_step_case, hf_case
+from .split_cases import cuda_case, failed_step_case, hf_case, sent_output_case
 
 W_SCHEDULES = ["zb-h1", "zb-v", "dualpipe-v"]
 
@@ -80,6 +80,12 @@ def test_data_parallel_reduces_after_last_w(zbpp_workers):
     """dp=2 x pp=2: averaged gradients equal the whole batch's (the reducer checks that no
     gradient is accumulated after its reduction started and that each is reduced once)."""
     zbpp_workers(4).run(hf_case, "gpt2", "zb-h1", 2, dp=2)
+
+
+def test_sent_output_saved_by_its_own_node(zbpp_workers):
+    """A stage's output that its last node saved (sigmoid) is sent and its storage released; the
+    split still backpropagates through the saved value."""
+    zbpp_workers(2).run(sent_output_case)
 
 
 @pytest.mark.gpu

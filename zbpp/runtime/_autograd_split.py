@@ -79,7 +79,9 @@ class SavedBoxes:
         boxes = self.boxes
 
         def pack(t: torch.Tensor) -> _Box:
-            b = _Box(t)
+            # An alias: a stage output whose storage is released once sent (``t.data = ...``) must
+            # stay whole for a node that saved it.
+            b = _Box(t.detach())
             boxes.append(b)
             return b
 

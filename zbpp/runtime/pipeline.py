@@ -99,7 +99,8 @@ class Pipeline:
         split_wgrad: under schedules with W tasks, B computes only the gradient the previous stage
             needs and W every weight gradient, for any module: B keeps the incoming gradients of
             the autograd nodes that lead to weights, and W runs the rest of the graph from them
-            (`zbpp.runtime._autograd_split`). The graph's saved tensors are kept until W. False:
+            (`zbpp.runtime._autograd_split`). What W needs of the forward's saved tensors is kept
+            until W; what only B's nodes used is freed after B. False:
             plain modules get their weight gradients in B (W only runs delayed-wgrad modules).
             BW tasks run the whole backward either way. Data-parallel and tied reductions of a
             split stage start after its last W.
