@@ -23,6 +23,10 @@ off-side edges become B's targets. Reentrant ``torch.utils.checkpoint`` refuses 
 limited by ``inputs``: a graph holding one runs its whole backward in B. Post-hooks registered on
 a frontier node (``Node.register_hook``) see only its B call.
 
+Memory: B keeps the graph. `SavedBoxes` (around the forward) boxes every tensor autograd saves;
+after B it frees the boxes that only non-frontier input-side nodes unpacked (W never runs those
+nodes: attention probabilities, activation inputs), so what stays until W is what W reads.
+
 Every private torch call of the split is here.
 """
 
@@ -43,13 +47,13 @@ except ImportError:  # pragma: no cover - older torch
         return Variable._execution_engine.run_backward(*args, **kwargs)
 
 try:  # non-reentrant checkpoint: the W calls of one microbatch share one recomputation
-    from torch.utils.checkpoint import GraphExecGroup as _RecomputeOnce  # torch >= 2.10
-except ImportError:  # pragma: no cover - older torch: each W call recomputes the regions it needs
+    from torch.utils.checkpoint import GraphExecGroup as _RecomputeOnce  # recent torch
+except ImportError:  # pragma: no cover - older torch: W's two engine calls may recompute twice
     _RecomputeOnce = contextlib.nullcontext  # type: ignore[assignment,misc]
 
 from torch.autograd.function import BackwardCFunction as _PyNode
-from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 from torch.autograd.graph import GradientEdge
+from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 
 __all__ = ["HeldWgrad", "SavedBoxes", "backward_input"]
 
