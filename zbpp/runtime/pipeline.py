@@ -100,10 +100,10 @@ class Pipeline:
             needs and W every weight gradient, for any module: B keeps the incoming gradients of
             the autograd nodes that lead to weights, and W runs the rest of the graph from them
             (`zbpp.runtime._autograd_split`). What W needs of the forward's saved tensors is kept
-            until W; what only B's nodes used is freed after B. False:
-            plain modules get their weight gradients in B (W only runs delayed-wgrad modules).
-            BW tasks run the whole backward either way. Data-parallel and tied reductions of a
-            split stage start after its last W.
+            until W; what only B's nodes used is freed after B. Data-parallel and tied reductions
+            of a split stage start after its last W. False: plain modules get their weight
+            gradients in B (W only runs delayed-wgrad modules). BW tasks run the whole backward
+            either way.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one); the
