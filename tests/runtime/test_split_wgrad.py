@@ -107,7 +107,8 @@ def test_b_frees_what_only_input_side_nodes_saved():
     """A tensor only an input-side node saved (sin's input) is freed after B; one W needs (the
     second Linear's input) is kept; gradients equal a plain backward's (float64, exact ops)."""
     import gc
-    import weakref
+
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     from zbpp.runtime._autograd_split import SavedBoxes, backward_input
 
@@ -124,14 +125,14 @@ def test_b_frees_what_only_input_side_nodes_saved():
             a = l1(x)
             b = torch.sin(a)
             y = l2(b)
-        seen["a"], seen["b"] = weakref.ref(a), weakref.ref(b)
+        seen["a"], seen["b"] = StorageWeakRef(a.untyped_storage()), StorageWeakRef(b.untyped_storage())
         del a, b
         g = torch.ones_like(y)
         if split:
             held = backward_input([y], [g], [x], {}, boxes)
             del y
             gc.collect()
-            alive = (seen["a"]() is not None, seen["b"]() is not None)
+            alive = (not seen["a"].expired(), not seen["b"].expired())
             held.run()
         else:
             y.backward(g)
