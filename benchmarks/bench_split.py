@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -114,18 +114,20 @@ class Stage(nn.Module):
         return h
 
 
-def generic_split() -> tuple[Callable, str] | tuple[None, str]:
-    """zbpp's generic split as ``split(y, g, x) -> w()``, or None and why not."""
+def generic_split() -> tuple[Callable, Callable, str] | tuple[None, None, str]:
+    """zbpp's generic split, as the Pipeline runs it: ``boxes()`` (the context of the forward,
+    whose saved tensors B frees when only B needed them) and ``split(y, g, x, boxes) -> w()``;
+    or None and why not."""
     try:
-        from zbpp.runtime._autograd_split import backward_input
+        from zbpp.runtime._autograd_split import SavedBoxes, backward_input
     except ImportError as err:
-        return None, f"zbpp split: this checkout has no generic split ({err})"
+        return None, None, f"zbpp split: this checkout has no generic split ({err})"
 
-    def split(y: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> Callable[[], None]:
-        held = backward_input([y], [g], [x], owned=set())
+    def split(y: torch.Tensor, g: torch.Tensor, x: torch.Tensor, saved: Any) -> Callable[[], None]:
+        held = backward_input([y], [g], [x], saved=saved)
         return held.run if held is not None else (lambda: None)
 
-    return split, ""
+    return SavedBoxes, split, ""
 
 
 class Timer:
@@ -145,7 +147,7 @@ class Timer:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
 
-def make_rows(stage: Stage, delayed: Stage, split) -> dict[str, Callable]:
+def make_rows(stage: Stage, delayed: Stage, boxes, split) -> dict[str, Callable]:
     """Per row: ``run(x, g, timer) -> (marks)``: F, then B, then W, with a mark between each."""
     converted = [m for m in delayed.modules() if isinstance(m, Linear)]
 
@@ -155,8 +157,11 @@ def make_rows(stage: Stage, delayed: Stage, split) -> dict[str, Callable]:
         return m0, m1, m2, t.mark()
 
     def zbpp_split(x, g, t):
-        m0 = t.mark(); y = stage(x); m1 = t.mark()
-        w = split(y, g, x); del y; m2 = t.mark()
+        m0 = t.mark()
+        with boxes() as saved:
+            y = stage(x)
+        m1 = t.mark()
+        w = split(y, g, x, saved); del y, saved; m2 = t.mark()
         w(); return m0, m1, m2, t.mark()
 
     def delay(x, g, t):
@@ -206,14 +211,14 @@ def run_case(case: Case, args: argparse.Namespace, cuda: bool) -> tuple[list[dic
     torch.manual_seed(0)
     stage = Stage(case, dtype, device)
     delayed = delay_wgrad(copy.deepcopy(stage))
-    split, why = generic_split()
+    boxes, split, why = generic_split()
     notes = [why] if why else []
     gen = torch.Generator(device=device).manual_seed(1)
     shape = (case.batch, case.seq, case.hidden)
     x0 = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     g = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     timer = Timer(cuda)
-    rows = make_rows(stage, delayed, split)
+    rows = make_rows(stage, delayed, boxes, split)
     out, ref_grads = [], None
     for name, run in rows.items():
         module = delayed if name == "delay_wgrad" else stage

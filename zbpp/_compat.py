@@ -31,8 +31,9 @@ def engine_run_backward(
     grads: Sequence[torch.Tensor],
     *,
     retain_graph: bool = False,
-    inputs: Sequence[torch.Tensor] = (),
-) -> None:
+    inputs: Sequence[Any] = (),
+    accumulate_grad: bool = True,
+) -> Any:
     """``torch.autograd.graph._engine_run_backward``, accumulating into ``.grad`` (of every leaf,
     or of `inputs` only when given).
 
@@ -42,8 +43,8 @@ def engine_run_backward(
     """
     from torch.autograd.graph import _engine_run_backward
 
-    _engine_run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs),
-                         allow_unreachable=True, accumulate_grad=True)
+    return _engine_run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs),
+                                allow_unreachable=True, accumulate_grad=accumulate_grad)
 
 
 #: ``torch._C._set_grad_enabled``: `torch.no_grad` without its per-call objects (hot paths; an alias,

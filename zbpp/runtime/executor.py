@@ -6,10 +6,12 @@ Tasks (docs/DESIGN.md):
   the random generators seeded for ``(s, j)`` (`zbpp.runtime.rng`); on the last stage also the loss,
   weighted by the microbatch's share of the batch (its rows / all rows, or ``loss_weight``'s
   w_j / W), so that the summed backward is that of the batch's loss.
-- ``B(s, j)``: autograd backward of the stage's outputs for ``j`` (delayed-wgrad modules only file
-  their weight gradient; plain modules accumulate theirs now); the gradient of the stage's inputs
-  goes to ``B(s-1, j)``.
-- ``W(s, j)``: ``backward_dw`` on every delayed-wgrad module of the stage (`zbpp.runtime.wgrad`).
+- ``B(s, j)``: autograd backward of the stage's outputs for ``j``; the gradient of the stage's
+  inputs goes to ``B(s-1, j)``. Delayed-wgrad modules only file their weight gradient. With
+  ``split_wgrad`` B computes only what the inputs' gradient needs and keeps what W needs
+  (`zbpp.runtime._autograd_split`); without, plain modules accumulate their weight gradients now.
+- ``W(s, j)``: the rest of the stage's backward (``split_wgrad``), then ``backward_dw`` on every
+  delayed-wgrad module of the stage (`zbpp.runtime.wgrad`).
 - ``BW(s, j)``: B then W.
 
 One step reads top to bottom (`StepExecutor.run`): for each task, issue the communication the plan
@@ -54,24 +56,13 @@ from ..schedules.plan import RankPlan
 from .comm_queue import POISON, CommQueue, Drained, Posted
 from .errors import PipelineError, ShapeMismatchError
 from .profiling import TaskRecorder
+from ._autograd_split import SavedBoxes, backward_input, run_backward
 from .tree import Spec, call, flatten, rebuild
 from .wgrad import StageWgrad
 
 __all__ = ["PipelineError", "ShapeMismatchError", "StepExecutor", "POISON"]
 
 
-def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Backpropagate ``grads`` from ``roots`` (accumulating into leaves' ``.grad``).
-
-    Calls the engine directly because a sent activation's storage may have been released (its
-    ``.data`` shrunk): see `zbpp._compat.engine_run_backward`.
-    """
-    pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
-    if not pairs:
-        return
-    ts = tuple(t for t, _ in pairs)
-    gs = tuple(torch.ones_like(t) if g is None else g for t, g in pairs)
-    engine_run_backward(ts, gs)
 
 
 @dataclass
@@ -80,6 +71,7 @@ class _Slot:
 
     inputs: list[torch.Tensor]  # the stage's input leaves that require grad (their .grad goes back)
     roots: list[torch.Tensor]  # where B starts: the outputs that require grad, or the weighted loss
+    saved: SavedBoxes | None = None  # split B: what the forward saved, boxed (input-only ones go after B)
 
 
 @dataclass
@@ -110,6 +102,8 @@ class StepExecutor(CommQueue):
         on_backward_done, on_wgrad_done: called with the stage after its last B/BW and W/BW.
         free_sent_activations: release an activation's storage once it is handed to its send.
         forward_only: evaluation: F tasks under ``no_grad``, outputs (or losses) kept on the last stage.
+        split_wgrad: B tasks compute only input gradients and W every weight gradient
+            (`zbpp.runtime._autograd_split`); BW tasks run the whole backward either way.
     """
 
     plan: RankPlan
@@ -131,6 +125,7 @@ class StepExecutor(CommQueue):
     on_wgrad_done: Callable[[int], None] | None = None
     free_sent_activations: bool = True
     forward_only: bool = False
+    split_wgrad: bool = False
     # -- results ------------------------------------------------------------------------------
     losses: list[torch.Tensor] = field(default_factory=list, init=False)  #: per microbatch, as loss_fn returned it
     outputs: dict[int, Any] = field(default_factory=dict, init=False)  #: forward_only: last stage's outputs
@@ -149,6 +144,9 @@ class StepExecutor(CommQueue):
     _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict, init=False, repr=False)
     _weighted: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     _dead: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)  # channels that broke
+
+    def __post_init__(self) -> None:
+        self._split_keys = {(t.stage, t.microbatch) for t in self.plan.tasks if t.kind is Kind.B} if self.split_wgrad else set()
 
     @property
     def draining(self) -> bool:
@@ -215,7 +213,8 @@ class StepExecutor(CommQueue):
         started = self.recorder.start() if self.recorder is not None else None
         grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
         rng = self.rng_of(s, j) if self.rng_of is not None else contextlib.nullcontext()
-        with microbatch_key((s, j)), grad_mode, rng:
+        saved = SavedBoxes() if grad_inputs and (s, j) in self._split_keys else contextlib.nullcontext()
+        with microbatch_key((s, j)), grad_mode, rng, saved:
             out = call(self.modules[s], arg)
             if last:
                 target = self.targets[j] if self.targets is not None else None
@@ -243,7 +242,7 @@ class StepExecutor(CommQueue):
             roots = [t for t in leaves if t.requires_grad]
             self._hand_forward(a, leaves, spec, roots)
         if not self.forward_only:
-            self._slots[(s, j)] = _Slot(grad_inputs, roots)
+            self._slots[(s, j)] = _Slot(grad_inputs, roots, saved)
 
     def _loss(self, out: Any, target: Any, stage: int) -> torch.Tensor:
         assert self.loss_fn is not None
@@ -307,8 +306,13 @@ class StepExecutor(CommQueue):
             msg = self.plan.recv_of.get(a)
             grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else self._receive(msg))
         started = self.recorder.start() if self.recorder is not None else None
-        run_backward(slot.roots, grads)
-        self.wgrad[s].filed((s, j))
+        if self.split_wgrad and a.kind is Kind.B:
+            w = self.wgrad[s]
+            w.filed((s, j), backward_input(slot.roots, grads, slot.inputs, w.b_hint, slot.saved))
+            slot.saved = None
+        else:
+            run_backward(slot.roots, grads)
+            self.wgrad[s].filed((s, j))
         del grads
         slot.roots.clear()
         in_grads = []

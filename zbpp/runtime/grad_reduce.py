@@ -8,7 +8,8 @@ gradients are final:
 - ``stage_backward_done(s)`` after the stage's last B (or BW) of the step. The reducer asks each
   delayed-wgrad module of the stage ``get_backward_dw_params()`` (the parameters W still owes);
   every other parameter of the stage is final now (modules without the protocol get their weight
-  gradients during B, and so does an FP8 bias).
+  gradients during B, and so does an FP8 bias), unless the runtime splits the stage's backward
+  (`owe_all_to_wgrad`): then every parameter of the stage waits for its last W.
 - ``stage_wgrad_done(s)`` after its last W (or BW): the reducer asks again and fires the reduce
   hooks of exactly those parameters. Delayed modules (the runtime's `is_delayed`) without
   ``get_backward_dw_params`` (Transformer Engine today, which offers
@@ -59,7 +60,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -163,6 +164,7 @@ class GradReducer:
         self._in_step = False
         self._called: set[tuple[int, str]] = set()
         self._launched: list[_Bucket] = []
+        self._split: set[int] = set()  # stages whose W computes every weight gradient
         self._classify(stage_modules, main_grad)
         self._buckets = self._make_buckets()
         self._install_hooks()
@@ -202,8 +204,23 @@ class GradReducer:
             for e in self._stage_entries[s]:
                 e.layout |= {(s, _W if id(e.param) in late else _B)}
 
+    def owe_all_to_wgrad(self, stages: Iterable[int]) -> None:
+        """Declare that the W of `stages` computes every weight gradient of those stages (the
+        runtime's generic split, ``Pipeline(split_wgrad=True)``): their parameters are final only
+        after the stage's last W. Call before the first step (the bucket layout is rebuilt)."""
+        if self._in_step:
+            raise RuntimeError("GradReducer.owe_all_to_wgrad() called inside a step; call it before the first step")
+        self._split = set(stages) & set(self._stages)
+        for s in self._split:
+            for e in self._stage_entries[s]:
+                e.layout = (e.layout - {(s, _B)}) | {(s, _W)}
+        self._buckets = self._make_buckets()
+
     def _owed_by_w(self, stage: int) -> list[_Entry]:
-        """The parameters the delayed modules of `stage` say their W produces, each once."""
+        """The parameters the delayed modules of `stage` say their W produces, each once (all of the
+        stage's under the generic split)."""
+        if stage in self._split:
+            return list(self._stage_entries[stage])
         out: dict[int, _Entry] = {}
         for m in self._delayed[stage]:
             out.update((id(e.param), e) for e in self._owed_by_module(stage, m))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..schedules.ir import Action, Schedule
+from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.plan import Plan, fifo_wgrad_problem, make_plan
 from ..schedules.simulate import Costs
 from .agreement import Agreement, BrokenJob, EndReport, StartReport
@@ -98,6 +98,14 @@ class Pipeline:
             default) or True: the base seed is ``torch.initial_seed()`` of pipeline rank 0 (agreed
             at each step's start); an int: that base seed; False: the global generators as they run.
             ``rng_step`` counts the steps (training and evaluation) in the derivation.
+        split_wgrad: under schedules with W tasks, B computes only the gradient the previous stage
+            needs and W every weight gradient, for any module: B keeps the incoming gradients of
+            the autograd nodes that lead to weights, and W runs the rest of the graph from them
+            (`zbpp.runtime._autograd_split`). What W needs of the forward's saved tensors is kept
+            until W; what only B's nodes used is freed after B. Data-parallel and tied reductions
+            of a split stage start after its last W. False: plain modules get their weight
+            gradients in B (W only runs delayed-wgrad modules). BW tasks run the whole backward
+            either way.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
@@ -160,6 +168,7 @@ class Pipeline:
         tied_parameters: Mapping[str, nn.Parameter] | None = None,
         loss_weight: Callable[[Any], Any] | None = None,
         seed: int | bool | None = None,
+        split_wgrad: bool = True,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
@@ -202,6 +211,10 @@ class Pipeline:
         self._costs = costs
         self._eval_plan: Plan | None = None
         self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
+        self.split_wgrad = bool(split_wgrad)
+        has_b = {t.stage for t in self._plan.ranks[self.pp_rank].tasks if t.kind is Kind.B}
+        self._split_stages = {s for s in self.stage_modules if s in has_b} if self.split_wgrad else set()
+        self._stage_param_ids = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
         for s, w in self._wgrad.items():
             fifo = w.fifo_modules
             problem = fifo_wgrad_problem(schedule, s) if fifo else None
@@ -240,6 +253,8 @@ class Pipeline:
                         for r in range(self.topology.pp_size)][self.pp_rank]
             self._reducer = GradReducer(self.stage_modules, self.topology, exclude=self._tied.param_ids(),
                                         presence_group=presence)
+        if self._split_stages and callable(getattr(self._reducer, "owe_all_to_wgrad", None)):
+            self._reducer.owe_all_to_wgrad(self._split_stages)
         self._sync_gradients = True  # False inside no_sync()
         self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
@@ -479,6 +494,7 @@ class Pipeline:
             recorder=self._recorder if not forward_only else None,
             free_sent_activations=self.free_sent_activations,
             forward_only=forward_only,
+            split_wgrad=bool(self._split_stages),
             **hooks,
         )
         return ex, new_signature, signature
@@ -541,7 +557,8 @@ class Pipeline:
     def _stage_backward_done(self, stage: int) -> None:
         if self._reducer is not None:
             self._reducer.stage_backward_done(stage)
-        self._tied.stage_done(stage, self._wgrad[stage].wgrad_param_ids())
+        owed = self._stage_param_ids[stage] if stage in self._split_stages else self._wgrad[stage].wgrad_param_ids()
+        self._tied.stage_done(stage, owed)
 
     def _stage_wgrad_done(self, stage: int) -> None:
         if self._reducer is not None:

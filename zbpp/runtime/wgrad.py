@@ -25,11 +25,14 @@ the public protocol needs) and the runtime discards the step's gradients with th
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 from torch import nn
 
 from ..modules import is_delayed, supports_keys
+
+if TYPE_CHECKING:
+    from ._autograd_split import HeldWgrad
 
 __all__ = ["StageWgrad", "KeyedWgrad", "FifoWgrad", "delayed_modules", "is_delayed", "supports_keys"]
 
@@ -90,14 +93,22 @@ def delayed_modules(stage: nn.Module) -> list[nn.Module]:
 class StageWgrad:
     """The W of one stage: an adapter per outermost delayed-wgrad module, and what is pending.
 
-    `run(key)` is W(s, j) with ``key = (s, j)``; the B of a microbatch calls `filed(key)` so that
-    `discard` knows what a failed step left pending.
+    `run(key)` is W(s, j) with ``key = (s, j)``; the B of a microbatch calls `filed(key, held)` so
+    that `discard` knows what a failed step left pending. `held` is the rest of the stage's autograd
+    backward when B split it off (`zbpp.runtime._autograd_split`): W runs it before the modules'.
     """
 
     def __init__(self, stage: nn.Module) -> None:
         self.modules = delayed_modules(stage)
         self.adapters = [KeyedWgrad(m) if supports_keys(m) else FifoWgrad(m) for m in self.modules]
         self._pending: list[Hashable] = []
+        self._held: dict[Hashable, HeldWgrad] = {}
+        self.b_hint: dict[int, Any] = {}  # parameters the split leaves to B (`_autograd_split.backward_input`)
+
+    @property
+    def held(self) -> list[Hashable]:
+        """The microbatch keys whose split-off backward waits for its W."""
+        return list(self._held)
 
     @property
     def fifo_modules(self) -> list[nn.Module]:
@@ -114,11 +125,16 @@ class StageWgrad:
             out.update(id(p) for p in params)
         return out
 
-    def filed(self, key: Hashable) -> None:
+    def filed(self, key: Hashable, held: HeldWgrad | None = None) -> None:
+        if held is not None:
+            self._held[key] = held
         if self.adapters:
             self._pending.append(key)
 
     def run(self, key: Hashable) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            held.run()
         if key in self._pending:
             self._pending.remove(key)
         for a in self.adapters:
@@ -127,6 +143,7 @@ class StageWgrad:
     def discard(self) -> None:
         """Drop (or compute and let the caller discard) every wgrad still pending."""
         keys, self._pending = self._pending, []
+        self._held.clear()  # the graphs and gradients kept for W go with it
         for a in self.adapters:
             try:
                 a.discard(keys)
