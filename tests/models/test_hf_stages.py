@@ -102,7 +102,8 @@ def test_unsupported_model_is_named():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_stages_on_the_gpu(kind):
-    # float64 on the GPU against HF on the CPU: other kernels, other summation orders (~1e-15)
+    # float64 on the GPU against HF on the CPU; HF's rotary embedding computes cos/sin in float32,
+    # whose CPU and GPU results differ in the last bits, so the logits agree to ~1e-7, not 1e-15
     cfg, _ = configs()[kind]
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
@@ -117,4 +118,4 @@ def test_stages_on_the_gpu(kind):
         stages.update(mine)
     assert all(q.is_cuda for s in stages.values() for q in s.parameters())
     h = stages[1](**stages[0](input_ids=ids.cuda(), attention_mask=mask.cuda()))
-    torch.testing.assert_close(h.cpu(), ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(h.cpu(), ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-6)
