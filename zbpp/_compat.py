@@ -23,6 +23,7 @@ __all__ = [
     "default_group_timeout",
     "fsdp2",
     "current_autograd_node",
+    "CHECKPOINT_SAVE_INPUTS",
 ]
 
 
@@ -109,3 +110,14 @@ def fsdp2() -> tuple[type, Any] | None:
 #: ``torch._C._current_autograd_node``: the node whose backward is running on this thread (None
 #: outside a backward, and on a torch without it).
 current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _checkpoint_save_inputs() -> Any:
+    frame = getattr(__import__("torch.utils.checkpoint").utils.checkpoint, "_CheckpointFrame", None)
+    save = getattr(frame, "save_inputs", None)
+    return getattr(save, "__code__", None)
+
+
+#: The code of non-reentrant ``torch.utils.checkpoint``'s ``_CheckpointFrame.save_inputs``, which
+#: saves a region's inputs through the current saved-tensor hooks (None where torch has none).
+CHECKPOINT_SAVE_INPUTS = _checkpoint_save_inputs()

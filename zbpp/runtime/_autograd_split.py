@@ -33,12 +33,13 @@ Its private torch call (the autograd engine entry point) goes through `zbpp._com
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any, Sequence
 
 import torch
 
-from .._compat import engine_run_backward
+from .._compat import CHECKPOINT_SAVE_INPUTS, engine_run_backward
 
 try:  # non-reentrant checkpoint: the W calls of one microbatch share one recomputation
     from torch.utils.checkpoint import GraphExecGroup as _RecomputeOnce  # recent torch
@@ -80,6 +81,8 @@ class SavedBoxes:
             # An alias: a stage output whose storage is released once sent (``t.data = ...``) must
             # stay whole for a node that saved it.
             b = _Box(t.detach())
+            if _saved_by_checkpoint():
+                b.mark = _KEEP  # a checkpointed region's input: W's recomputation reads it again
             boxes.append(b)
             return b
 
@@ -97,6 +100,14 @@ class SavedBoxes:
             if b.mark == _B_ONLY:
                 b.t = None
         self.boxes = []
+
+
+def _saved_by_checkpoint() -> bool:
+    # called from pack: non-reentrant checkpoint saves its inputs from save_inputs (through a
+    # comprehension's own frame before Python 3.12)
+    f = sys._getframe(2)
+    return f is not None and (f.f_code is CHECKPOINT_SAVE_INPUTS
+                              or (f.f_back is not None and f.f_back.f_code is CHECKPOINT_SAVE_INPUTS))
 
 
 def _unpack(b: _Box) -> torch.Tensor:
