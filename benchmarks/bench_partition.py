@@ -28,7 +28,7 @@ split and placement, each rank limited to the budget less its static memory.
 A cell is "OOM" when some rank exceeds the budget. The search time of each joint row is printed
 (one process, one core).
 
-    python benchmarks/bench_partition.py --out docs/results/partition.json --markdown docs/uneven.md
+    python benchmarks/bench_partition.py --out partition.json --markdown docs/uneven.md
 """
 
 from __future__ import annotations
