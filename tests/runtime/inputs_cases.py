@@ -216,7 +216,8 @@ def seeded_reference(stages: list[Stage], inputs: dict[str, Any], y: torch.Tenso
     return total
 
 
-def check_dropout(name: str, p: int, *, seed: int | None, ckpt: bool = False) -> dict[str, Any]:
+def check_dropout(name: str, p: int, *, seed: int | None, ckpt: bool = False,
+                  microbatches: int | None = None) -> dict[str, Any]:
     """Dropout 0.3 (every stage; `ckpt`: under activation checkpointing): two steps on one input,
     each equal to the seeded per-microbatch reference with no tolerance; returns the loss (on the
     last stage's rank) and this rank's gradients of each step, for comparisons across schedules.
@@ -224,7 +225,7 @@ def check_dropout(name: str, p: int, *, seed: int | None, ckpt: bool = False) ->
     rank = dist.get_rank()
     device = device_for_rank()
     tol = EXACT if device.type == "cpu" else TOL
-    m = 2 * p
+    m = microbatches or 2 * p
     sched = make_schedule(name, p, m)
     mine = {s: Stage(s, sched.num_stages, pdrop=0.3, ckpt=ckpt).to(device) for s in sched.stages_on(rank)}
     if seed is None:

@@ -139,6 +139,19 @@ def test_dropout_does_not_depend_on_the_schedule(zbpp_workers, ckpt):
         assert any(not torch.equal(b["grads"][0][k], b["grads"][1][k]) for k in b["grads"][0])
 
 
+def test_dropout_same_stages_same_result_whatever_the_placement(zbpp_workers):
+    """The seeds depend on (step, stage, microbatch) only: zb-v's four stages on two ranks draw
+    exactly what 1f1b's four stages on four ranks draw, so loss and gradients are bit-identical."""
+    four = zbpp_workers(4).run(check_dropout, "1f1b", 4, seed=1234, microbatches=4)
+    two = zbpp_workers(2).run(check_dropout, "zb-v", 2, seed=1234, microbatches=4)
+    for step in range(2):
+        merged = [{k: v for r in got for k, v in r["grads"][step].items()} for got in (four, two)]
+        assert merged[0].keys() == merged[1].keys()
+        assert all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0]), f"step {step}"
+        # the last stage: rank 3 under 1f1b, rank 0 under zb-v
+        assert torch.equal(four[3]["loss"][step], two[0]["loss"][step])
+
+
 def test_dropout_seed_agreed_from_rank_zero(zbpp_workers):
     """seed=None with ranks seeded differently: every rank uses pipeline rank 0's initial seed."""
     zbpp_workers(2).run(check_dropout, "zb-v", 2, seed=None)
