@@ -84,12 +84,7 @@ def test_model_layers_by_blocks():
 
 
 def test_hf_llama_profile_is_searchable():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).double()
+    model = _tiny_llama()
     ids = torch.randint(0, 48, (2, 8))
     prof = measure_profile(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, steps=1, warmup=0,
                            name="tiny-llama")
@@ -105,6 +100,29 @@ def test_hf_llama_profile_is_searchable():
     assert prof.layers[0].b == 0 and prof.layers[-1].activation > 0
     layout = search(prof, num_ranks=2, num_microbatches=4)
     assert [r for st in layout.stages for r in st] == list(range(len(prof)))
+
+
+def _tiny_llama(layers: int = 4):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).double()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bytes_match_cpu():
+    # saved tensors follow autograd's formulas, not the device: the same bytes on both (eager attention)
+    model = _tiny_llama(2)
+    ids = torch.randint(0, 48, (2, 8))
+    cpu = measure_profile(model, ids, steps=1, warmup=0)
+    gpu = measure_profile(model.cuda(), ids.cuda(), steps=3, warmup=1)
+    assert gpu.notes["measured_on"].startswith("cuda")
+    for a, b in zip(cpu.layers, gpu.layers):
+        assert (a.name, a.activation, a.wgrad, a.static) == (b.name, b.activation, b.wgrad, b.static)
+    assert all(x.f > 0 and x.w > 0 for x in gpu.layers)
 
 
 def test_saved_profile_round_trips(tmp_path):

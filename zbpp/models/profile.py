@@ -14,6 +14,9 @@ so embeddings, rotary embeddings and masks are as in the pipeline. Or pass ``lay
 module), ...]``: layer 0 gets the example input, every later layer the output of the one before
 (a tuple as ``module(*x)``, a dict as ``module(**x)``, as `Pipeline` calls stages).
 
+The whole model must fit the device. For a larger one, measure the same configuration with a few
+blocks and repeat a block's `Layer` (``Profile([first, *[block] * n, last])``).
+
 >>> import torch
 >>> from torch import nn
 >>> torch.manual_seed(0) and None
