@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from zbpp.models import measure_profile
+from zbpp.models import measure_causal_lm, measure_profile
 from zbpp.schedules.partition import search
 
 F64 = 8  # bytes of a float64
@@ -161,3 +161,35 @@ def test_bad_model():
     frozen = nn.Linear(3, 3).requires_grad_(False)
     with pytest.raises(ValueError, match="no output needs a gradient"):
         measure_profile(layers=[("frozen", frozen)], example_input=torch.randn(2, 3))
+
+
+def test_measure_causal_lm_repeats_a_block():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=5, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    prof = measure_causal_lm(cfg, seq=8, micro_batch=2, measured_blocks=2, dtype=torch.float64, link_bytes_per_s=1e9,
+                             steps=1, warmup=0)
+    assert [x.name for x in prof.layers] == ["transformer.wte+transformer.wpe", *(f"transformer.h.{i}" for i in range(5)),
+                                             "transformer.ln_f+lm_head"]
+    assert len({(x.f, x.activation) for x in prof.layers[1:-1]}) == 1  # one measured block, repeated
+    assert prof.comm == 2 * 8 * 16 * F64 / 1e9  # the hidden states of a microbatch over 1 GB/s
+    assert prof.notes["measured_blocks"] == 2 and cfg.n_layer == 5  # the caller's config is left as it was
+    with pytest.raises(ValueError, match="measured_blocks=6 exceeds"):
+        measure_causal_lm(cfg, seq=8, measured_blocks=6)
+
+
+def test_cli_measure_then_plan(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from zbpp.cli import main
+
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.save_pretrained(tmp_path)
+    out = tmp_path / "prof.json"
+    assert main(["measure", "--hf-config", str(tmp_path), "--seq", "8", "--measured-blocks", "1", "--steps", "1",
+                 "--warmup", "0", "--dtype", "float64", "-o", str(out)]) == 0
+    assert "model.layers.3" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(out), "-p", "2", "-m", "4"]) == 0
+    assert "pick:" in capsys.readouterr().out
+    assert main(["measure", "--hf-config", str(tmp_path), "--seq", "8", "--dtype", "nope", "-o", str(out)]) == 2
+    assert "--dtype 'nope'" in capsys.readouterr().err

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..schedules.profile import Layer, Profile
 
-__all__ = ["measure_profile", "ADAMW_BYTES_PER_PARAM"]
+__all__ = ["measure_profile", "measure_causal_lm", "ADAMW_BYTES_PER_PARAM"]
 
 #: AdamW optimizer state per parameter in mixed precision: fp32 master weight and two fp32 moments.
 ADAMW_BYTES_PER_PARAM = 12.0
@@ -148,6 +148,80 @@ def _check_layers(layers: Any) -> list[tuple[str, nn.Module]]:
             raise ValueError(f"layers[{i}] must be a (name, module) pair, got {item!r:.80}")
         out.append((item[0], item[1]))
     return out
+
+
+def measure_causal_lm(
+    config: Any,
+    *,
+    seq: int,
+    micro_batch: int = 1,
+    measured_blocks: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    attn_implementation: str | None = None,
+    link_bytes_per_s: float = 50e9,
+    seed: int = 0,
+    **kwargs: Any,
+) -> Profile:
+    """`measure_profile` of a Hugging Face causal LM built from `config` with random weights on
+    `device`, on one microbatch of ``micro_batch x seq`` random tokens.
+
+    With `measured_blocks`, the model is built with that many blocks only (for a model larger than
+    the device) and the profile repeats the measured block of median F+B+W to the config's count.
+    A message between ranks is the ``micro_batch x seq x hidden`` hidden states at
+    `link_bytes_per_s` (the profile's ``comm``). Other keyword arguments go to `measure_profile`.
+
+    >>> import transformers
+    >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=6,
+    ...                                num_attention_heads=2, num_key_value_heads=1)
+    >>> prof = measure_causal_lm(cfg, seq=8, measured_blocks=1, steps=1, warmup=0)
+    >>> [x.name for x in prof.layers][:3], len(prof)
+    (['model.embed_tokens', 'model.layers.0', 'model.layers.1'], 8)
+    """
+    import copy
+
+    import transformers
+
+    from .hf import SUPPORTED
+
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+    if config.model_type not in SUPPORTED:
+        raise ValueError(f"model_type {config.model_type!r} is not supported; measure_causal_lm builds {list(SUPPORTED)}")
+    T, mb = _count(seq, "seq", 1), _count(micro_batch, "micro_batch", 1)
+    total = int(config.num_hidden_layers)
+    n = total if measured_blocks is None else _count(measured_blocks, "measured_blocks", 1)
+    if n > total:
+        raise ValueError(f"measured_blocks={n} exceeds the config's {total} blocks")
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = n
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:n]
+    kw: dict[str, Any] = {}
+    if dtype is not None:
+        kw["dtype"] = dtype
+    if attn_implementation is not None:
+        kw["attn_implementation"] = attn_implementation
+    dev = torch.device(device)
+    cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        with dev:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
+        ids = torch.randint(0, int(cfg.vocab_size), (mb, T), device=dev)
+    name = kwargs.pop("name", "") or getattr(config, "name_or_path", "") or str(config.model_type)
+    prof = measure_profile(model, ids, name=name, **kwargs)
+    bytes_per = next(model.parameters()).element_size()
+    comm = mb * T * int(cfg.hidden_size) * bytes_per / float(link_bytes_per_s)
+    first, blocks, last = prof.layers[:1], prof.layers[1:-1], prof.layers[-1:]
+    if n < total:
+        typical = sorted(blocks, key=lambda x: x.f + x.b + x.w)[(len(blocks) - 1) // 2]
+        prefix = typical.name.rpartition(".")[0]
+        blocks = tuple(Layer(f"{prefix}.{i}", typical.f, typical.b, typical.w, typical.activation, typical.wgrad,
+                             typical.static) for i in range(total))
+    notes = {**prof.notes, "seq": T, "micro_batch": mb, "measured_blocks": n, "num_layers": total,
+             "dtype": str(next(model.parameters()).dtype), "link_bytes_per_s": float(link_bytes_per_s)}
+    return Profile((*first, *blocks, *last), comm=comm, name=prof.name, notes=notes)
 
 
 # -- layers of a model -----------------------------------------------------------------------------
