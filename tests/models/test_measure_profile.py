@@ -176,6 +176,8 @@ def test_measure_causal_lm_repeats_a_block():
     assert prof.notes["measured_blocks"] == 2 and cfg.n_layer == 5  # the caller's config is left as it was
     with pytest.raises(ValueError, match="measured_blocks=6 exceeds"):
         measure_causal_lm(cfg, seq=8, measured_blocks=6)
+    with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
+        measure_causal_lm(cfg, seq=8, link_bytes_per_s=0)
 
 
 def test_cli_measure_then_plan(tmp_path, capsys):

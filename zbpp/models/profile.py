@@ -193,6 +193,8 @@ def measure_causal_lm(
     n = total if measured_blocks is None else _count(measured_blocks, "measured_blocks", 1)
     if n > total:
         raise ValueError(f"measured_blocks={n} exceeds the config's {total} blocks")
+    if not float(link_bytes_per_s) > 0:
+        raise ValueError(f"link_bytes_per_s must be > 0, got {link_bytes_per_s!r}")
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = n
     if isinstance(getattr(cfg, "layer_types", None), list):
@@ -228,7 +230,7 @@ def measure_causal_lm(
 def _model_layers(model: nn.Module, example_input: Any, blocks: str | None, loss_fn: Any,
                   target: Any) -> tuple[list[tuple[str, nn.Module]], Any, Any]:
     from . import hf
-    from .stages import _CONTAINERS, _container, _model_order, _outside, _prune
+    from .stages import _container, _model_order, _outside, _prune
 
     kind = getattr(getattr(model, "config", None), "model_type", None)
     is_hf = kind in hf.SUPPORTED
@@ -247,7 +249,7 @@ def _model_layers(model: nn.Module, example_input: Any, blocks: str | None, loss
         parent_fqn, _, leaf = blocks.rpartition(".")
         parent = pruned.get_submodule(parent_fqn) if parent_fqn else pruned
         if parent._modules.get(leaf) is None:  # no block held: an empty container, so forward loops over none
-            parent._modules[leaf] = type(container)() if isinstance(container, _CONTAINERS) else None
+            parent._modules[leaf] = type(container)()
         if not is_hf:
             return pruned
         wrap = hf._GPT2Stage if kind == "gpt2" else hf._DecoderStage
