@@ -38,6 +38,15 @@ def test_activation_wgrad_static_by_hand():
     assert la.f > 0 and la.w > 0 and lb.f > 0 and lb.b > 0 and lb.w > 0
 
 
+def test_wgrad_through_a_transposed_weight():
+    # without a bias the weight reaches the GEMM's backward only through a transpose node, which
+    # saves nothing: W still needs the GEMM's saved input
+    lin = nn.Linear(6, 5, bias=False).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    prof = measure_profile(layers=[("l", lin)], example_input=x, steps=1, warmup=0)
+    assert prof.layers[0].activation == prof.layers[0].wgrad == 4 * 6 * F64
+
+
 def test_shared_storage_counted_once_and_parameter_free_layer():
     class Twice(nn.Module):  # saves the same tensor for two products: one storage
         def forward(self, x):
