@@ -5,6 +5,8 @@
     zbpp compare -p 8 -m 24                     # every schedule's bubble rate and peak memory
     zbpp plot zb-v -p 4 -m 8 -o zbv.svg         # figure (needs matplotlib: pip install zbpp[viz])
     zbpp trace zb-h1 -p 4 -m 8 -o plan.json     # Perfetto / chrome://tracing trace of the plan
+    zbpp measure --hf-config config.json --seq 4096 --dtype bfloat16 --device cuda -o llama3-8b.json
+                                                # per-layer profile of a HF causal LM, measured
     zbpp plan --profile llama3-8b.json -p 8 -m 32 --budget-gb 80   # layers and schedule chosen together
     zbpp demo                                   # train a small model on 4 CPU ranks
     zbpp --version
@@ -286,6 +288,34 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_measure(args: argparse.Namespace) -> int:
+    """``zbpp measure``: a HF causal LM's per-layer profile, measured on one device, for ``zbpp plan``."""
+    _check_output(args.output)
+    import torch
+    import transformers
+
+    from .models import measure_causal_lm
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(args.hf_config)
+    except OSError as exc:
+        raise ValueError(f"--hf-config {args.hf_config}: cannot read a transformers config there ({exc})") from None
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16, ...)")
+    profile = measure_causal_lm(config, seq=args.seq, micro_batch=args.micro_batch, measured_blocks=args.measured_blocks,
+                                dtype=dtype, device=args.device, attn_implementation=args.attn,
+                                link_bytes_per_s=args.link_gb_per_s * 1e9, steps=args.steps, warmup=args.warmup,
+                                optimizer_bytes_per_param=args.optimizer_bytes)
+    profile.save(args.output)
+    print(f"wrote {args.output}: {len(profile)} layers of {profile.name} measured on {profile.notes['measured_on']}")
+    print(f"{'layer':<28} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'act MB':>9} {'wgrad MB':>9} {'static MB':>10}")
+    for x in profile.layers:
+        print(f"{x.name:<28} {x.f * 1e3:9.3f} {x.b * 1e3:9.3f} {x.w * 1e3:9.3f} {x.activation / 1e6:9.2f} "
+              f"{x.wgrad / 1e6:9.2f} {x.static / 1e6:10.2f}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -326,6 +356,24 @@ def make_parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedules", default=None, help="comma-separated schedule families to try (default: all)")
     plan.add_argument("--top", type=_integer(1), default=12, help="candidates to list (default 12)")
     plan.set_defaults(func=_cmd_plan)
+
+    measure = sub.add_parser("measure", help="measure a Hugging Face causal LM's per-layer profile (for zbpp plan)")
+    measure.add_argument("--hf-config", required=True, help="a transformers config.json (or a folder holding one)")
+    measure.add_argument("--seq", type=_integer(1), required=True, help="tokens per sequence")
+    measure.add_argument("--micro-batch", type=_integer(1), default=1, help="sequences per microbatch (default 1)")
+    measure.add_argument("--measured-blocks", type=_integer(1), default=None,
+                         help="build only this many blocks and repeat one to the config's count (default: all)")
+    measure.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
+    measure.add_argument("--device", default="cpu", help="where to measure (default cpu; cuda for a GPU)")
+    measure.add_argument("--attn", default=None, help="attn_implementation: eager, sdpa, ... (default: the config's)")
+    measure.add_argument("--steps", type=_integer(1), default=3, help="timed steps per layer, median kept (default 3)")
+    measure.add_argument("--warmup", type=_integer(0), default=1, help="untimed steps first (default 1)")
+    measure.add_argument("--optimizer-bytes", type=_number, default=12.0,
+                         help="optimizer state per parameter (default 12: AdamW fp32 master weight and moments)")
+    measure.add_argument("--link-gb-per-s", type=_number, default=50.0,
+                         help="bandwidth between ranks in GB/s, for the message time (default 50)")
+    measure.add_argument("-o", "--output", required=True, help="the profile, FILE.json")
+    measure.set_defaults(func=_cmd_measure)
 
     demo = sub.add_parser("demo", help="train a small model with a zero-bubble schedule on CPU ranks")
     demo.add_argument("--schedule", default="zb-v", help="schedule name (default zb-v)")

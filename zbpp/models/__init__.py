@@ -3,6 +3,9 @@
 - `pipeline_stages`: cut a model (built on the ``meta`` device) into a schedule's stages by module
   FQNs or balanced over its repeated blocks; only this rank's stages are materialised; weights
   that two stages share come back as tied parameters (`stages.py`, `partition.py`).
+- `measure_profile`: a per-layer `zbpp.schedules.profile.Profile` (F, B, W times, activation,
+  W-kept and static bytes) measured on one device, for `zbpp.schedules.partition.search`
+  (`profile.py`); `measure_causal_lm` builds and measures a Hugging Face causal LM from its config.
 - `zbpp.models.hf`: Hugging Face decoder-only causal LMs (Llama, Mistral, Qwen2, GPT-2) with HF's
   masks, rotary embeddings and loss (needs ``pip install zbpp[hf]``).
 
@@ -17,6 +20,8 @@ Nothing in zbpp imports this package but the command line and the examples.
 from __future__ import annotations
 
 from .partition import balanced_partition, partition_loads
+from .profile import measure_causal_lm, measure_profile
 from .stages import PipelineStages, fqns_per_stage, pipeline_stages
 
-__all__ = ["pipeline_stages", "fqns_per_stage", "PipelineStages", "balanced_partition", "partition_loads"]
+__all__ = ["pipeline_stages", "fqns_per_stage", "PipelineStages", "balanced_partition", "partition_loads",
+           "measure_profile", "measure_causal_lm"]

@@ -1,0 +1,206 @@
+"""`zbpp.models.measure_profile`: per-layer memory against hand counts, static bytes against the
+formula, the layers of a torchtitan-style model and of a tiny HF Llama, and what `search` makes of
+the result. Times are only checked to be measured (positive where there is work): speed is never
+asserted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zbpp.models import measure_causal_lm, measure_profile
+from zbpp.schedules.partition import search
+
+F64 = 8  # bytes of a float64
+
+
+def _mlp(i: int, o: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(i, o), nn.Tanh()).double()
+
+
+def test_activation_wgrad_static_by_hand():
+    torch.manual_seed(0)
+    a, b = _mlp(4, 6), _mlp(6, 5)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    prof = measure_profile(layers=[("a", a), ("b", b)], example_input=x, steps=1, warmup=0,
+                           optimizer_bytes_per_param=12)
+    la, lb = prof.layers
+    # Linear saves its input (the weight is a parameter: static, not counted), tanh its output.
+    assert la.activation == (3 * 4 + 3 * 6) * F64
+    assert lb.activation == (3 * 6 + 3 * 5) * F64
+    # W needs the Linear's input only: tanh's saved output serves B (the gradient to the input).
+    assert la.wgrad == 3 * 4 * F64 and lb.wgrad == 3 * 6 * F64
+    # static: weight + gradient (float64 each) + 12 optimizer bytes per parameter
+    assert la.static == (4 * 6 + 6) * (2 * F64 + 12)
+    assert lb.static == (6 * 5 + 5) * (2 * F64 + 12)
+    assert la.b == 0.0  # the first layer's input needs no gradient
+    assert la.f > 0 and la.w > 0 and lb.f > 0 and lb.b > 0 and lb.w > 0
+
+
+def test_wgrad_through_a_transposed_weight():
+    # without a bias the weight reaches the GEMM's backward only through a transpose node, which
+    # saves nothing: W still needs the GEMM's saved input
+    lin = nn.Linear(6, 5, bias=False).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    prof = measure_profile(layers=[("l", lin)], example_input=x, steps=1, warmup=0)
+    assert prof.layers[0].activation == prof.layers[0].wgrad == 4 * 6 * F64
+
+
+def test_shared_storage_counted_once_and_parameter_free_layer():
+    class Twice(nn.Module):  # saves the same tensor for two products: one storage
+        def forward(self, x):
+            return x * x + x.sin()
+
+    x = torch.randn(5, 7, dtype=torch.float64)
+    lin = nn.Linear(7, 7).double()
+    prof = measure_profile(layers=[("lin", lin), ("twice", Twice())], example_input=x, steps=1, warmup=0)
+    # mul saves x twice and sin saves x: all one storage, the layer's input
+    assert prof.layers[1].activation == 5 * 7 * F64
+    assert prof.layers[1].wgrad == 0 and prof.layers[1].static == 0 and prof.layers[1].w == 0
+
+
+class _Net(nn.Module):
+    """torchtitan's convention: forward runs the modules it holds and skips those set to None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.layers = nn.ModuleList(_mlp(8, 8).float() for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 20, bias=False)
+
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers:
+            h = layer(h)
+        if self.norm is not None:
+            h = self.head(self.norm(h))
+        return h
+
+
+def test_model_layers_by_blocks():
+    torch.manual_seed(0)
+    net = _Net().double()
+    ids = torch.randint(0, 20, (2, 5))
+    prof = measure_profile(net, ids, blocks="layers", steps=1, warmup=0, optimizer_bytes_per_param=0)
+    assert [x.name for x in prof.layers] == ["embed", "layers.0", "layers.1", "layers.2", "norm+head"]
+    assert prof.layers[0].static == 20 * 8 * 2 * F64
+    assert prof.layers[-1].static == (8 + 8 + 8 * 20) * 2 * F64
+    # the same layer, given by hand, measures the same bytes
+    by_hand = measure_profile(layers=[("embed", net.embed), ("l0", net.layers[0])], example_input=ids, steps=1, warmup=0)
+    assert prof.layers[1].activation == by_hand.layers[1].activation == (2 * 5 * 8 * 2) * F64
+
+
+def test_hf_llama_profile_is_searchable():
+    model = _tiny_llama()
+    ids = torch.randint(0, 48, (2, 8))
+    prof = measure_profile(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, steps=1, warmup=0,
+                           name="tiny-llama")
+    names = [x.name for x in prof.layers]
+    assert names == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm+lm_head"]
+    blocks = prof.layers[1:-1]
+    block_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert all(x.static == block_params * (2 * F64 + 12) for x in blocks)
+    # the tied embedding counts in the first and the last layer, as on two ranks
+    assert prof.layers[0].static == 48 * 16 * (2 * F64 + 12)
+    assert prof.layers[-1].static == (48 * 16 + 16) * (2 * F64 + 12)
+    assert all(x.f > 0 and x.b > 0 and x.w > 0 and 0 < x.wgrad < x.activation for x in blocks)
+    assert prof.layers[0].b == 0 and prof.layers[-1].activation > 0
+    layout = search(prof, num_ranks=2, num_microbatches=4)
+    assert [r for st in layout.stages for r in st] == list(range(len(prof)))
+
+
+def _tiny_llama(layers: int = 4):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).double()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bytes_match_cpu():
+    # saved tensors follow autograd's formulas, not the device: the same bytes on both (eager attention)
+    model = _tiny_llama(2)
+    ids = torch.randint(0, 48, (2, 8))
+    cpu = measure_profile(model, ids, steps=1, warmup=0)
+    gpu = measure_profile(model.cuda(), ids.cuda(), steps=3, warmup=1)
+    assert gpu.notes["measured_on"].startswith("cuda")
+    for a, b in zip(cpu.layers, gpu.layers):
+        assert (a.name, a.activation, a.wgrad, a.static) == (b.name, b.activation, b.wgrad, b.static)
+    assert all(x.f > 0 and x.w > 0 for x in gpu.layers)
+
+
+def test_saved_profile_round_trips(tmp_path):
+    x = torch.randn(2, 3, dtype=torch.float64)
+    prof = measure_profile(layers=[("l", nn.Linear(3, 3).double())], example_input=x, steps=1, warmup=0)
+    prof.save(tmp_path / "p.json")
+    assert type(prof).load(tmp_path / "p.json") == prof
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(steps=0), "steps must be an int >= 1"),
+    (dict(warmup=-1), "warmup must be an int >= 0"),
+    (dict(optimizer_bytes_per_param=-1), "optimizer_bytes_per_param"),
+    (dict(loss_fn=nn.functional.mse_loss), "loss_fn needs target"),
+    (dict(blocks="layers"), "blocks applies to a model"),
+    (dict(example_input=None), "needs example_input"),
+    (dict(layers=[("l", 3)]), r"layers\[0\] must be a \(name, module\) pair"),
+    (dict(layers=[]), "non-empty list"),
+])
+def test_bad_input(kwargs, match):
+    args = dict(layers=[("l", nn.Linear(3, 3))], example_input=torch.randn(2, 3))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        measure_profile(**args)
+
+
+def test_bad_model():
+    with pytest.raises(ValueError, match="not both or neither"):
+        measure_profile(nn.Linear(3, 3), torch.randn(2, 3), layers=[("l", nn.Linear(3, 3))])
+    with pytest.raises(ValueError, match="names no submodule"):
+        measure_profile(_Net(), torch.zeros(2, 3, dtype=torch.long), blocks="blocks")
+    with torch.device("meta"):
+        net = _Net()
+    with pytest.raises(ValueError, match="meta device"):
+        measure_profile(net, torch.zeros(2, 3, dtype=torch.long), blocks="layers")
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    with pytest.raises(ValueError, match="no output needs a gradient"):
+        measure_profile(layers=[("frozen", frozen)], example_input=torch.randn(2, 3))
+
+
+def test_measure_causal_lm_repeats_a_block():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=5, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    prof = measure_causal_lm(cfg, seq=8, micro_batch=2, measured_blocks=2, dtype=torch.float64, link_bytes_per_s=1e9,
+                             steps=1, warmup=0)
+    assert [x.name for x in prof.layers] == ["transformer.wte+transformer.wpe", *(f"transformer.h.{i}" for i in range(5)),
+                                             "transformer.ln_f+lm_head"]
+    assert len({(x.f, x.activation) for x in prof.layers[1:-1]}) == 1  # one measured block, repeated
+    assert prof.comm == 2 * 8 * 16 * F64 / 1e9  # the hidden states of a microbatch over 1 GB/s
+    assert prof.notes["measured_blocks"] == 2 and cfg.n_layer == 5  # the caller's config is left as it was
+    with pytest.raises(ValueError, match="measured_blocks=6 exceeds"):
+        measure_causal_lm(cfg, seq=8, measured_blocks=6)
+    with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
+        measure_causal_lm(cfg, seq=8, link_bytes_per_s=0)
+
+
+def test_cli_measure_then_plan(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from zbpp.cli import main
+
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.save_pretrained(tmp_path)
+    out = tmp_path / "prof.json"
+    assert main(["measure", "--hf-config", str(tmp_path), "--seq", "8", "--measured-blocks", "1", "--steps", "1",
+                 "--warmup", "0", "--dtype", "float64", "-o", str(out)]) == 0
+    assert "model.layers.3" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(out), "-p", "2", "-m", "4"]) == 0
+    assert "pick:" in capsys.readouterr().out
+    assert main(["measure", "--hf-config", str(tmp_path), "--seq", "8", "--dtype", "nope", "-o", str(out)]) == 2
+    assert "--dtype 'nope'" in capsys.readouterr().err

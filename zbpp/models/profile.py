@@ -1,0 +1,463 @@
+"""Measure a model's per-layer `Profile` on one device, for `zbpp.schedules.partition.search`.
+
+`measure_profile` runs each layer of a model on its own, a few steps of each, and returns a
+`zbpp.schedules.profile.Profile`: per layer the median time of F (its forward), B (the gradient
+with respect to its input only) and W (the gradient with respect to its parameters only), in
+seconds; the bytes of activations F keeps for backward and the part of them W needs; and the
+static bytes of its parameters, gradients and optimizer state. Save it with ``Profile.save`` and
+``zbpp plan --profile FILE -p P -m M --budget-gb G`` chooses the stages and the schedule.
+
+The layers are the modules before the model's repeated blocks (one layer), each block, and the
+modules after them (one layer), found as `zbpp.models.fqns_per_stage` finds them; a Hugging Face
+causal LM (`zbpp.models.hf.SUPPORTED`) runs each layer with the stage forward of `zbpp.models.hf`,
+so embeddings, rotary embeddings and masks are as in the pipeline. Or pass ``layers=[(name,
+module), ...]``: layer 0 gets the example input, every later layer the output of the one before
+(a tuple as ``module(*x)``, a dict as ``module(**x)``, as `Pipeline` calls stages).
+
+The whole model must fit the device. For a larger one, measure the same configuration with a few
+blocks and repeat a block's `Layer` (``Profile([first, *[block] * n, last])``).
+
+>>> import torch
+>>> from torch import nn
+>>> torch.manual_seed(0) and None
+>>> net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+>>> prof = measure_profile(layers=[("up", net[0]), ("act", net[1]), ("down", net[2])],
+...                        example_input=torch.randn(32, 8, dtype=torch.float64), steps=2)
+>>> [x.name for x in prof.layers], prof.layers[1].static, prof.layers[2].activation  # tanh: no weights
+(['up', 'act', 'down'], 0.0, 4096.0)
+>>> from zbpp.schedules.partition import search
+>>> len(search(prof, num_ranks=1, num_microbatches=2).stages)
+1
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..schedules.profile import Layer, Profile
+
+__all__ = ["measure_profile", "measure_causal_lm", "ADAMW_BYTES_PER_PARAM"]
+
+#: AdamW optimizer state per parameter in mixed precision: fp32 master weight and two fp32 moments.
+ADAMW_BYTES_PER_PARAM = 12.0
+
+
+def measure_profile(
+    model: nn.Module | None = None,
+    example_input: Any = None,
+    *,
+    layers: Sequence[tuple[str, nn.Module]] | None = None,
+    blocks: str | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    steps: int = 3,
+    warmup: int = 1,
+    optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM,
+    comm: float = 0.0,
+    name: str = "",
+) -> Profile:
+    """A `Profile` of `model` (or of `layers`) measured on the device its parameters are on.
+
+    Args:
+        model: a model with real weights (not on ``meta``). Its layers: the modules registered
+            before `blocks`, each child of `blocks`, the modules after (parameter-free ones, such as
+            rotary embeddings, run with every layer). A model whose forward runs only the modules it
+            holds, skipping those set to None (torchtitan's convention), or a Hugging Face causal LM.
+        example_input: one microbatch as the first layer takes it (``input_ids`` for a HF model).
+        layers: ``[(name, module), ...]`` in order, instead of `model`.
+        blocks: the FQN of the repeated blocks (default ``model.layers``; GPT-2 ``transformer.h``).
+        loss_fn, target: the last layer's output becomes ``loss_fn(output, target)`` (a HF model's
+            default: `zbpp.models.hf.CausalLMLoss` with the input ids as labels); without them its
+            backward starts from a random gradient of the output's shape.
+        steps, warmup: timed steps (the median is kept) after `warmup` untimed ones.
+        optimizer_bytes_per_param: optimizer state per parameter (default 12: AdamW's fp32 master
+            weight and moments; 8 when the weights are fp32 themselves and need no master copy).
+        comm, name: the profile's message time (seconds) and name.
+
+    Per layer (times in seconds, on CUDA with CUDA events, else with ``time.perf_counter``):
+
+    - f, b, w: forward; ``torch.autograd.grad`` of the outputs with respect to the inputs that
+      need a gradient (0 for the first layer, whose input needs none); and with respect to the
+      parameters (0 without any). W runs through the layer's graph anew, so it also counts the
+      gradients of interior activations it passes through: an upper bound on a split backward's W.
+    - activation: bytes of the tensors autograd saves in F (`torch.autograd.graph.saved_tensors_hooks`),
+      one count per storage, parameters and buffers left out. A layer's saved input is also the
+      layer before's saved output, so summing layers counts such a tensor at each stage boundary.
+    - wgrad: the part of them saved by the backward nodes that produce a parameter's gradient
+      (those that reach it through nodes that unpack nothing, such as transposes): the inputs of
+      the weight GEMMs. The output gradients B hands to W are not counted.
+    - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
+      gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
+      LM head) counts in each, as on two ranks.
+
+    The device's timings vary from run to run: take a few steps and compare plans, not digits.
+    """
+    steps_, warmup_ = _count(steps, "steps", 1), _count(warmup, "warmup", 0)
+    opt = float(optimizer_bytes_per_param)
+    if not opt >= 0:
+        raise ValueError(f"optimizer_bytes_per_param must be >= 0, got {optimizer_bytes_per_param!r}")
+    if example_input is None:
+        raise ValueError("measure_profile needs example_input: one microbatch as the first layer takes it")
+    if (model is None) == (layers is None):
+        raise ValueError("measure_profile takes a model or layers=[(name, module), ...], not both or neither")
+    if layers is not None:
+        if blocks is not None:
+            raise ValueError("blocks applies to a model; layers= lists the layers themselves")
+        named = _check_layers(layers)
+    else:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        named, loss_fn, target = _model_layers(model, example_input, blocks, loss_fn, target)
+    if loss_fn is not None and target is None:
+        raise ValueError("loss_fn needs target: the last layer's output becomes loss_fn(output, target)")
+    for lname, module in named:
+        meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if meta:
+            raise ValueError(f"layer {lname!r}: {meta[:4]} are on the meta device: measure_profile runs the layers, "
+                             "so build the model with real weights on the device to measure")
+    out: list[Layer] = []
+    x = example_input
+    for i, (lname, module) in enumerate(named):
+        last = i == len(named) - 1
+        x, layer = _measure(lname, module, x, first=i == 0, loss=(loss_fn, target) if last else None,
+                            steps=steps_, warmup=warmup_, opt=opt)
+        out.append(layer)
+    notes = {"measured_on": str(_device_of(named, example_input)), "steps": steps_, "warmup": warmup_,
+             "optimizer_bytes_per_param": opt, "torch": torch.__version__}
+    return Profile(tuple(out), comm=comm, name=name, notes=notes)
+
+
+def _count(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_layers(layers: Any) -> list[tuple[str, nn.Module]]:
+    if isinstance(layers, (str, nn.Module)) or not isinstance(layers, Sequence) or not layers:
+        raise ValueError("layers must be a non-empty list of (name, module) pairs")
+    out = []
+    for i, item in enumerate(layers):
+        if (not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[0], str)
+                or not callable(item[1])):
+            raise ValueError(f"layers[{i}] must be a (name, module) pair, got {item!r:.80}")
+        out.append((item[0], item[1]))
+    return out
+
+
+def measure_causal_lm(
+    config: Any,
+    *,
+    seq: int,
+    micro_batch: int = 1,
+    measured_blocks: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    attn_implementation: str | None = None,
+    link_bytes_per_s: float = 50e9,
+    seed: int = 0,
+    **kwargs: Any,
+) -> Profile:
+    """`measure_profile` of a Hugging Face causal LM built from `config` with random weights on
+    `device`, on one microbatch of ``micro_batch x seq`` random tokens.
+
+    With `measured_blocks`, the model is built with that many blocks only (for a model larger than
+    the device) and the profile repeats the measured block of median F+B+W to the config's count.
+    A message between ranks is the ``micro_batch x seq x hidden`` hidden states at
+    `link_bytes_per_s` (the profile's ``comm``). Other keyword arguments go to `measure_profile`.
+
+    >>> import transformers
+    >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=6,
+    ...                                num_attention_heads=2, num_key_value_heads=1)
+    >>> prof = measure_causal_lm(cfg, seq=8, measured_blocks=1, steps=1, warmup=0)
+    >>> [x.name for x in prof.layers][:3], len(prof)
+    (['model.embed_tokens', 'model.layers.0', 'model.layers.1'], 8)
+    """
+    import copy
+
+    import transformers
+
+    from .hf import SUPPORTED
+
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+    if config.model_type not in SUPPORTED:
+        raise ValueError(f"model_type {config.model_type!r} is not supported; measure_causal_lm builds {list(SUPPORTED)}")
+    T, mb = _count(seq, "seq", 1), _count(micro_batch, "micro_batch", 1)
+    total = int(config.num_hidden_layers)
+    n = total if measured_blocks is None else _count(measured_blocks, "measured_blocks", 1)
+    if n > total:
+        raise ValueError(f"measured_blocks={n} exceeds the config's {total} blocks")
+    if not float(link_bytes_per_s) > 0:
+        raise ValueError(f"link_bytes_per_s must be > 0, got {link_bytes_per_s!r}")
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = n
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:n]
+    kw: dict[str, Any] = {}
+    if dtype is not None:
+        kw["dtype"] = dtype
+    if attn_implementation is not None:
+        kw["attn_implementation"] = attn_implementation
+    dev = torch.device(device)
+    cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        with dev:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
+        ids = torch.randint(0, int(cfg.vocab_size), (mb, T), device=dev)
+    name = kwargs.pop("name", "") or getattr(config, "name_or_path", "") or str(config.model_type)
+    prof = measure_profile(model, ids, name=name, **kwargs)
+    bytes_per = next(model.parameters()).element_size()
+    comm = mb * T * int(cfg.hidden_size) * bytes_per / float(link_bytes_per_s)
+    first, blocks, last = prof.layers[:1], prof.layers[1:-1], prof.layers[-1:]
+    if n < total:
+        typical = sorted(blocks, key=lambda x: x.f + x.b + x.w)[(len(blocks) - 1) // 2]
+        prefix = typical.name.rpartition(".")[0]
+        blocks = tuple(Layer(f"{prefix}.{i}", typical.f, typical.b, typical.w, typical.activation, typical.wgrad,
+                             typical.static) for i in range(total))
+    notes = {**prof.notes, "seq": T, "micro_batch": mb, "measured_blocks": n, "num_layers": total,
+             "dtype": str(next(model.parameters()).dtype), "link_bytes_per_s": float(link_bytes_per_s)}
+    return Profile((*first, *blocks, *last), comm=comm, name=prof.name, notes=notes)
+
+
+# -- layers of a model -----------------------------------------------------------------------------
+def _model_layers(model: nn.Module, example_input: Any, blocks: str | None, loss_fn: Any,
+                  target: Any) -> tuple[list[tuple[str, nn.Module]], Any, Any]:
+    from . import hf
+    from .stages import _container, _model_order, _outside, _prune
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    is_hf = kind in hf.SUPPORTED
+    if blocks is None:
+        blocks = "transformer.h" if kind == "gpt2" else "model.layers"
+    container = _container(model, blocks)
+    before, after, everywhere = _outside(model, blocks)
+    order = {f: i for i, f in enumerate(_model_order(model))}
+    before, after = sorted(before, key=order.__getitem__), sorted(after, key=order.__getitem__)
+    block_fqns = [f"{blocks}.{n}" for n, m in container._modules.items() if m is not None]
+    # the model's own tensors, so that the stages share them instead of copying
+    shared: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+
+    def stage(held: list[str], first: bool, last: bool) -> nn.Module:
+        pruned = _prune(model, "", set(held) | set(everywhere), dict(shared))
+        parent_fqn, _, leaf = blocks.rpartition(".")
+        parent = pruned.get_submodule(parent_fqn) if parent_fqn else pruned
+        if parent._modules.get(leaf) is None:  # no block held: an empty container, so forward loops over none
+            parent._modules[leaf] = type(container)()
+        if not is_hf:
+            return pruned
+        wrap = hf._GPT2Stage if kind == "gpt2" else hf._DecoderStage
+        return wrap(pruned, model.config, first=first, last=last)
+
+    named: list[tuple[str, nn.Module]] = []
+    if before:
+        named.append(("+".join(before), stage(before, True, False)))
+    named += [(f, stage([f], not before and i == 0, not after and i == len(block_fqns) - 1))
+              for i, f in enumerate(block_fqns)]
+    if after:
+        named.append(("+".join(after), stage(after, False, True)))
+    if is_hf and loss_fn is None:
+        loss_fn = hf.CausalLMLoss()
+        if target is None:
+            ids = example_input.get("input_ids") if isinstance(example_input, dict) else example_input
+            target = ids
+    return named, loss_fn, target
+
+
+# -- one layer -------------------------------------------------------------------------------------
+def _call(module: Any, x: Any) -> Any:
+    if isinstance(x, dict):
+        return module(**x)
+    if isinstance(x, (tuple, list)):
+        return module(*x)
+    return module(x)
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def _leaves(x: Any, first: bool) -> Any:
+    """`x` detached; tensors that carried a gradient (none for the first layer) become leaves that need one."""
+    if isinstance(x, torch.Tensor):
+        grad = x.requires_grad and not first
+        return x.detach().requires_grad_(grad) if grad else x.detach()
+    if isinstance(x, dict):
+        return {k: _leaves(v, first) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_leaves(v, first) for v in x) if isinstance(x, tuple) else [_leaves(v, first) for v in x]
+    return x
+
+
+class _Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            value = fn()
+            end.record()
+            end.synchronize()
+            return value, start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        value = fn()
+        return value, time.perf_counter() - t0
+
+
+def _device_of(named: Sequence[tuple[str, nn.Module]], x: Any) -> torch.device:
+    for t in _tensors(x):
+        return t.device
+    for _, m in named:
+        for p in m.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _key(t: torch.Tensor) -> tuple[Any, int]:
+    s = t.untyped_storage()
+    return (t.device, s.data_ptr()), s.nbytes()
+
+
+def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, Any] | None, steps: int,
+             warmup: int, opt: float) -> tuple[Any, Layer]:
+    x = _leaves(x, first)
+    inputs = [t for t in _tensors(x) if t.requires_grad]
+    params = list({id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())
+                   if p.requires_grad}.values())
+    static_ids = {_key(t)[0] for t in (module.parameters() if isinstance(module, nn.Module) else ())}
+    static_ids |= {_key(t)[0] for t in (module.buffers() if isinstance(module, nn.Module) else ())}
+    timer = _Timer(_device_of([("", module)] if isinstance(module, nn.Module) else [], x))
+    gen = torch.Generator().manual_seed(0)
+    grads: list[torch.Tensor] | None = None
+
+    def forward() -> tuple[Any, list[torch.Tensor]]:
+        out = _call(module, x)
+        if loss is not None and loss[0] is not None:
+            return out, [loss[0](out, loss[1])]
+        return out, [t for t in _tensors(out) if t.requires_grad]
+
+    times: dict[str, list[float]] = {"f": [], "b": [], "w": []}
+    out: Any = None
+    for step in range(warmup + steps):
+        (out, outs), f = timer(forward)
+        if not outs:
+            raise ValueError(f"layer {lname!r}: no output needs a gradient (no parameter or input on its path), so "
+                             "it cannot be profiled for backward")
+        if grads is None:
+            grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
+                     for t in outs]
+        b = w = 0.0
+        if inputs:
+            _, b = timer(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True))
+        if params:
+            _, w = timer(lambda: torch.autograd.grad(outs, params, grads, retain_graph=True, allow_unused=True))
+        if step >= warmup:
+            for k, v in (("f", f), ("b", b), ("w", w)):
+                times[k].append(v)
+        del outs
+    activation, wgrad = _saved_bytes(forward, params, grads or [], static_ids)
+    static = sum(p.numel() * (2 * p.element_size() + opt) for p in
+                 {id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())}.values())
+    layer = Layer(lname, *(statistics.median(times[k]) for k in ("f", "b", "w")), activation=float(activation),
+                  wgrad=float(min(wgrad, activation)), static=float(static))
+    return _detached(out), layer
+
+
+def _detached(x: Any) -> Any:
+    """The output for the next layer: tensors cut from this layer's graph, their need of a gradient kept."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    if isinstance(x, dict):
+        return {k: _detached(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(_detached(v) for v in x)
+    if isinstance(x, list):
+        return [_detached(v) for v in x]
+    return x
+
+
+def _saved_bytes(forward: Callable[[], tuple[Any, list[torch.Tensor]]], params: list[torch.Tensor],
+                 grads: list[torch.Tensor], static_ids: set[Any]) -> tuple[int, int]:
+    """Bytes autograd saves in one forward (one count per storage, parameters and buffers left
+    out), and the part of them the nodes producing a parameter's gradient unpack."""
+    saved: dict[Any, int] = {}
+    unpacked: dict[Any, set[Any]] = {}  # node -> storages it unpacked
+    current: list[Any] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key, nbytes = _key(t)
+        if key not in static_ids:
+            saved[key] = nbytes
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        if current:
+            unpacked.setdefault(current[-1], set()).add(_key(t)[0])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        _, outs = forward()
+    if not params:
+        return sum(saved.values()), 0
+    nodes = _graph([t.grad_fn for t in outs if t.grad_fn is not None])
+    def enter(node: Any) -> Callable[..., None]:
+        def hook(grad_outputs: Any) -> None:
+            current.append(node)
+        return hook
+
+    def leave(grad_inputs: Any, grad_outputs: Any) -> None:
+        current.pop()
+
+    handles = []
+    for node in nodes:
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
+            continue
+        handles += [node.register_prehook(enter(node)), node.register_hook(leave)]
+        unpacked[node] = set()
+    try:
+        torch.autograd.grad(outs, params, grads, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    param_ids = {id(p) for p in params}
+    memo: dict[Any, bool] = {}
+
+    def makes_wgrad(node: Any) -> bool:
+        """The node reaches a parameter's AccumulateGrad through nodes that unpack nothing."""
+        if node not in memo:
+            memo[node] = False
+            memo[node] = any(
+                child is not None and (id(getattr(child, "variable", None)) in param_ids
+                                       or (not unpacked.get(child) and child in unpacked and makes_wgrad(child)))
+                for child, _ in node.next_functions)
+        return memo[node]
+
+    keys = {k for node, ks in unpacked.items() if ks and makes_wgrad(node) for k in ks}
+    return sum(saved.values()), sum(saved[k] for k in keys if k in saved)
+
+
+def _graph(roots: list[Any]) -> list[Any]:
+    seen: dict[Any, None] = {}
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen[node] = None
+        todo.extend(child for child, _ in node.next_functions)
+    return list(seen)
