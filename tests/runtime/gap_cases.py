@@ -331,14 +331,9 @@ def check_waiting_rank_sees_broken_job(report_dir: str) -> None:
         json.dump(out, fh)
 
 
-def check_failed_step_with_main_grad(name: str, kind: str = "zbpp") -> None:
-    """dp=2 x pp=2, zbpp Linears with fuse_wgrad_accumulation (their weights' gradients live in
-    main_grad, views into the reducer's buckets). Step 1 succeeds; step 2 fails on replica 0's last
-    stage in the loss of its last microbatch (after W's have added into main_grad); step 3 runs
-    inside no_sync(), step 4 outside: the gradients must be the replicas' average of the sum of
-    steps 3 and 4, as one process per replica computes them (nothing of step 2 left behind).
-    kind "fifo": Transformer-Engine-like Linears (FIFO W, main_grad from the reducer): the wgrads
-    the failed step left pending must be dropped, not taken by the next step's W."""
+def _fused_dp_pipeline(name: str, kind: str) -> tuple[Any, Any, dict, list, dict]:
+    """dp=2 x pp=2 stages of `kind` whose zbpp Linears accumulate into main_grad, a plain reference
+    per replica, and a Pipeline whose loss raises on the last microbatch while ``armed["on"]``."""
     groups = ParallelGroups(pp=2)
     sched = make_schedule(name, 2, 4)
     S = sched.num_stages
@@ -355,7 +350,18 @@ def check_failed_step_with_main_grad(name: str, kind: str = "zbpp") -> None:
             raise RuntimeError("injected loss failure")
         return mse(out, target)
 
-    pipe = Pipeline(stages, sched, loss, groups=groups)
+    return groups, Pipeline(stages, sched, loss, groups=groups), stages, refs, armed
+
+
+def check_failed_step_with_main_grad(name: str, kind: str = "zbpp") -> None:
+    """dp=2 x pp=2, zbpp Linears with fuse_wgrad_accumulation (their weights' gradients live in
+    main_grad, views into the reducer's buckets). Step 1 succeeds; step 2 fails on replica 0's last
+    stage in the loss of its last microbatch (after W's have added into main_grad); step 3 runs
+    inside no_sync(), step 4 outside: the gradients must be the replicas' average of the sum of
+    steps 3 and 4, as one process per replica computes them (nothing of step 2 left behind).
+    kind "fifo": Transformer-Engine-like Linears (FIFO W, main_grad from the reducer): the wgrads
+    the failed step left pending must be dropped, not taken by the next step's W."""
+    groups, pipe, stages, refs, armed = _fused_dp_pipeline(name, kind)
     with_main = [p for st in stages.values() for p in st.parameters() if hasattr(p, "main_grad")]
     assert with_main, "no parameter got a main_grad: the case tests nothing"
 
@@ -393,23 +399,7 @@ def check_failed_step_after_no_sync(kind: str) -> None:
     """dp=2 x pp=2, zb-h1: step 1 inside no_sync() accumulates; step 2 (outside, so it would reduce
     what step 1 left in place) fails on replica 0's last stage: every gradient, ``.grad`` and
     ``main_grad``, must be step 1's own again (unreduced); step 3 then reduces steps 1 and 3 once."""
-    groups = ParallelGroups(pp=2)
-    sched = make_schedule("zb-h1", 2, 4)
-    S = sched.num_stages
-    stages = {s: make_stage(s, S, kind).double() for s in sched.stages_on(groups.pp_rank)}
-    for st in stages.values():
-        for mod in st.modules():
-            if isinstance(mod, ZLinear):
-                mod.fuse_wgrad_accumulation = True
-    refs = [[make_stage(s, S, "plain").double() for s in range(S)] for _ in range(2)]
-    armed = {"on": False}
-
-    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if armed["on"] and current_microbatch()[1] == sched.num_microbatches - 1:
-            raise RuntimeError("injected loss failure")
-        return mse(out, target)
-
-    pipe = Pipeline(stages, sched, loss, groups=groups)
+    groups, pipe, stages, refs, armed = _fused_dp_pipeline("zb-h1", kind)
 
     def data(step: int, replica: int) -> Any:
         (x, ids, tag), y = make_batch(10 * step + replica, 12)
