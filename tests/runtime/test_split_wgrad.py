@@ -110,7 +110,7 @@ def test_b_frees_what_only_input_side_nodes_saved():
 
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from zbpp.runtime._autograd_split import SavedBoxes, backward_input
+    from zbpp.runtime._autograd_split import SavedBoxes, StageSplit, backward_input
 
     torch.manual_seed(0)
     l1, l2 = torch.nn.Linear(8, 8).double(), torch.nn.Linear(8, 8).double()
@@ -129,7 +129,7 @@ def test_b_frees_what_only_input_side_nodes_saved():
         del a, b
         g = torch.ones_like(y)
         if split:
-            held = backward_input([y], [g], [x], {}, boxes)
+            held = backward_input([y], [g], [x], StageSplit(), boxes)
             del y
             gc.collect()
             alive = (not seen["a"].expired(), not seen["b"].expired())
