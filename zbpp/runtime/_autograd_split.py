@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Any, Sequence
 
 import torch
 
-from .._compat import CHECKPOINT_SAVE_INPUTS, current_autograd_node, engine_run_backward
+from .._compat import (CHECKPOINT_SAVE_INPUTS, HAS_CURRENT_AUTOGRAD_NODE, current_autograd_node,
+                       engine_run_backward)
 
 try:  # non-reentrant checkpoint: the W calls of one microbatch share one recomputation
     from torch.utils.checkpoint import GraphExecGroup as _RecomputeOnce  # recent torch
@@ -60,8 +60,7 @@ from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 __all__ = ["HeldWgrad", "SavedBoxes", "StageSplit", "backward_input"]
 
 _KEEP, _B_ONLY, _CKPT = 1, 2, 3  # a box's mark: read again in W / read in B only / never freed
-#: Whether this torch names the running autograd node (without it, B frees nothing early).
-_NODE_AWARE = hasattr(torch._C, "_current_autograd_node")
+_NODE_AWARE = HAS_CURRENT_AUTOGRAD_NODE  # without it, B and W free nothing early
 
 
 class _BState:
@@ -187,9 +186,9 @@ class HeldWgrad:
 
     __slots__ = ("frontier", "roots", "grads", "state")
 
-    def __init__(self, frontier: list[tuple[Any, tuple, list[tuple[int, Any, int]]]],
+    def __init__(self, frontier: list[tuple[Any, tuple, list[tuple[int, GradientEdge]]]],
                  roots: list[torch.Tensor], grads: list[torch.Tensor], state: _BState | None = None) -> None:
-        self.frontier = frontier  # (node, its incoming gradients, its off-side edges (index, child, input_nr))
+        self.frontier = frontier  # (node, its incoming gradients, its off-side edges (output index, edge))
         self.roots, self.grads = roots, grads
         self.state = state  # the boxes' of the forward, when it had some
 
@@ -215,7 +214,7 @@ def _apply_off_side(frontier: list[Any], roots: list[Any], grads: list[torch.Ten
     inside a tiny engine call that asks for exactly the off-side children (captured, never run)
     makes it skip its input-side outputs.
     """
-    edges = tuple(GradientEdge(child, nr) for _, _, side in frontier for _, child, nr in side)
+    edges = tuple(e for _, _, side in frontier for _, e in side)
     z = torch.zeros((), requires_grad=True)
     trigger = z.view_as(z)
 
@@ -226,9 +225,9 @@ def _apply_off_side(frontier: list[Any], roots: list[Any], grads: list[torch.Ten
                 state.calling = node
             out = node(*got)
             del got
-            for i, child, nr in side:
+            for i, e in side:
                 if out[i] is not None:
-                    roots.append(GradientEdge(child, nr))
+                    roots.append(e)
                     grads.append(out[i])
 
     handle = trigger.grad_fn.register_prehook(apply)
@@ -334,7 +333,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         if saved is not None:
             saved.free_input_only()
     kept, state.kept = state.kept, {}
-    frontier = [(node, kept[id(node)], [(k, nodes[c], nr) for k, c, nr in side])
+    frontier = [(node, kept[id(node)], [(k, GradientEdge(nodes[c], nr)) for k, c, nr in side])
                 for node, (_, side) in zip(front, plan.frontier) if id(node) in kept]
     w_roots = [pr for pr, on_b, to_w in zip(pairs, plan.root_on_b, plan.root_to_w) if not on_b and to_w]
     if not frontier and not w_roots:

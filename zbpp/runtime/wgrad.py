@@ -25,7 +25,7 @@ the public protocol needs) and the runtime discards the step's gradients with th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Hashable
 
 from torch import nn
 
