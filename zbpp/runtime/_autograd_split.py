@@ -357,16 +357,16 @@ class _Walk:
 
     def __init__(self, roots: list[Any]) -> None:
         acc = _acc_type()
-        nodes: list[Any] = []  # keeps every node alive, so ids stay unique
-        index: dict[int, int] = {}
+        nodes: list[Any] = []  # keeps every node alive
+        index: dict[Any, int] = {}  # node -> position (nodes hash and compare by identity)
         for r in roots:
-            if id(r) not in index:
-                index[id(r)] = len(nodes)
+            if r not in index:
+                index[r] = len(nodes)
                 nodes.append(r)
-        self.roots = [index[id(r)] for r in roots]
+        self.roots = [index[r] for r in roots]
         sig: list[Any] = []
         accs: list[int] = []
-        add = sig.append
+        add, n = sig.append, len(nodes)
         for pos, node in enumerate(nodes):  # grows while it runs
             t = type(node)
             add(t)
@@ -377,9 +377,10 @@ class _Walk:
                     if c is None:
                         add(-1)
                         continue
-                    k = index.get(id(c))
+                    k = index.get(c)
                     if k is None:
-                        k = index[id(c)] = len(nodes)
+                        k = index[c] = n
+                        n += 1
                         nodes.append(c)
                     add(k)
                     add(nr)
