@@ -18,7 +18,9 @@ of ``--iters`` iterations after ``--warmup``; ``time.perf_counter`` on a CPU), t
 iteration (``max_memory_allocated``, reset before it) and that peak above what was allocated when
 the iteration began, and each row's B+W, F+B+W and peak-above-start over the plain row's. The
 gradients of the stage input and of every parameter are compared with the plain row's
-(``max_rel_err``: the largest |a - b| / max|b| over those tensors).
+(``max_rel_err``: the largest |a - b| / max|b| over those tensors). ``B host``/``W host``: the
+host's ``perf_counter`` time of B and W (on a GPU: how long issuing them took; a phase whose host
+time reaches its CUDA time is launch-bound).
 
 Cases (``--case``): ``A`` hidden 2048, ffn 5632, 8 layers; ``B`` hidden 4096, ffn 11008, 4 layers;
 4096 tokens (2 x 2048) each. On the GPU machine (one H200)::
@@ -119,19 +121,22 @@ def generic_split() -> tuple[Callable, Callable, str] | tuple[None, None, str]:
     whose saved tensors B frees when only B needed them) and ``split(y, g, x, boxes) -> w()``;
     or None and why not."""
     try:
-        from zbpp.runtime._autograd_split import SavedBoxes, backward_input
+        from zbpp.runtime import _autograd_split as generic
     except ImportError as err:
         return None, None, f"zbpp split: this checkout has no generic split ({err})"
+    SavedBoxes, backward_input = generic.SavedBoxes, generic.backward_input
+    hint = generic.StageSplit() if hasattr(generic, "StageSplit") else {}  # one per stage, as the Pipeline
 
     def split(y: torch.Tensor, g: torch.Tensor, x: torch.Tensor, saved: Any) -> Callable[[], None]:
-        held = backward_input([y], [g], [x], saved=saved)
+        held = backward_input([y], [g], [x], hint, saved)
         return held.run if held is not None else (lambda: None)
 
     return SavedBoxes, split, ""
 
 
 class Timer:
-    """Milliseconds of phases, with CUDA events on a GPU and perf_counter on a CPU."""
+    """Milliseconds of phases, with CUDA events on a GPU and perf_counter on a CPU; `host_ms`: the
+    host's own time between two marks (on a GPU, how long issuing the phase took)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
@@ -140,11 +145,15 @@ class Timer:
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            return e
-        return time.perf_counter()
+            return e, time.perf_counter()
+        return None, time.perf_counter()
 
     def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return a[0].elapsed_time(b[0]) if self.cuda else (b[1] - a[1]) * 1e3
+
+    @staticmethod
+    def host_ms(a, b) -> float:
+        return (b[1] - a[1]) * 1e3
 
 
 def make_rows(stage: Stage, delayed: Stage, boxes, split) -> dict[str, Callable]:
@@ -239,7 +248,8 @@ def run_case(case: Case, args: argparse.Namespace, cuda: bool) -> tuple[list[dic
             times = []
             for _ in range(args.iters):
                 _, (m0, m1, m2, m3) = once(True)
-                times.append((timer.ms(m0, m1), timer.ms(m1, m2), timer.ms(m2, m3)))
+                times.append((timer.ms(m0, m1), timer.ms(m1, m2), timer.ms(m2, m3),
+                              timer.host_ms(m1, m2), timer.host_ms(m2, m3)))
             if cuda:
                 module.zero_grad(set_to_none=True)
                 torch.cuda.synchronize()
@@ -253,11 +263,12 @@ def run_case(case: Case, args: argparse.Namespace, cuda: bool) -> tuple[list[dic
         grads = _grads(module, x)
         if ref_grads is None:
             ref_grads = grads
-        f, b, w = (statistics.median(t[i] for t in times) for i in range(3))
+        f, b, w, hb, hw = (statistics.median(t[i] for t in times) for i in range(5))
         out.append({
             "case": case.name, "row": name, "hidden": case.hidden, "ffn": case.ffn,
             "layers": case.layers, "tokens": case.batch * case.seq, "dtype": str(dtype),
             "F_ms": f, "B_ms": b, "W_ms": w, "BW_ms": b + w, "FBW_ms": f + b + w,
+            "B_host_ms": hb, "W_host_ms": hw,
             "peak_gib": None if peak is None else peak / 2**30,
             "peak_above_start_gib": None if peak is None else (peak - start) / 2**30,
             "max_rel_err": _rel_err(grads, ref_grads),
@@ -272,7 +283,8 @@ def run_case(case: Case, args: argparse.Namespace, cuda: bool) -> tuple[list[dic
 
 def print_table(report: dict) -> None:
     head = (f"{'case':6} {'row':12} {'F':>8} {'B':>8} {'W':>8} {'B+W':>8} {'F+B+W':>8} "
-            f"{'peak GiB':>9} {'+start':>7} {'B+W/pl':>7} {'FBW/pl':>7} {'mem/pl':>7} {'rel err':>8}")
+            f"{'peak GiB':>9} {'+start':>7} {'B+W/pl':>7} {'FBW/pl':>7} {'mem/pl':>7} {'rel err':>8} "
+            f"{'B host':>7} {'W host':>7}")
     print(head)
     print("-" * len(head))
 
@@ -284,7 +296,7 @@ def print_table(report: dict) -> None:
               f"{r['BW_ms']:8.2f} {r['FBW_ms']:8.2f} {fmt(r['peak_gib'], '9.2f')} "
               f"{fmt(r['peak_above_start_gib'], '7.2f')} {fmt(r['BW_over_plain'], '7.3f')} "
               f"{fmt(r['FBW_over_plain'], '7.3f')} {fmt(r['peak_over_plain'], '7.3f')} "
-              f"{r['max_rel_err']:8.1e}")
+              f"{r['max_rel_err']:8.1e} {r['B_host_ms']:7.2f} {r['W_host_ms']:7.2f}")
     for note in report["meta"]["notes"]:
         print(note)
 

@@ -23,6 +23,7 @@ __all__ = [
     "default_group_timeout",
     "fsdp2",
     "current_autograd_node",
+    "HAS_CURRENT_AUTOGRAD_NODE",
     "CHECKPOINT_SAVE_INPUTS",
 ]
 
@@ -110,6 +111,8 @@ def fsdp2() -> tuple[type, Any] | None:
 #: ``torch._C._current_autograd_node``: the node whose backward is running on this thread (None
 #: outside a backward, and on a torch without it).
 current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+#: Whether `current_autograd_node` names the node (False: that torch has none, it answers None).
+HAS_CURRENT_AUTOGRAD_NODE = hasattr(torch._C, "_current_autograd_node")
 
 
 def _checkpoint_save_inputs() -> Any:

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = {"case", "row", "hidden", "ffn", "layers", "tokens", "dtype", "F_ms", "B_ms", "W_ms",
-              "BW_ms", "FBW_ms", "peak_gib", "peak_above_start_gib", "max_rel_err",
+              "BW_ms", "FBW_ms", "B_host_ms", "W_host_ms", "peak_gib", "peak_above_start_gib", "max_rel_err",
               "BW_over_plain", "FBW_over_plain", "peak_over_plain"}
 
 

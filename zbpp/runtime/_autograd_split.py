@@ -11,6 +11,10 @@
 - the *weight side*: everything below those edges, and the outputs' nodes that reach no input
   (the whole graph on the first stage).
 
+The sorting depends only on the graph's structure (node types, edges, which leaves are B's
+targets), which repeats for every microbatch of a stage: a `StageSplit` keeps it, and a later
+microbatch whose walk finds the same structure reuses it.
+
 `HeldWgrad.run` (W) calls each frontier node again on its kept gradient, inside a tiny engine call
 that asks for exactly the frontier's off-side children: a node computes only the outputs whose
 next node the running graph task needs, so W computes no input gradient again. One engine call
@@ -23,23 +27,26 @@ off-side edges become B's targets. Reentrant ``torch.utils.checkpoint`` refuses 
 limited by ``inputs``: a graph holding one runs its whole backward in B. Post-hooks registered on
 a frontier node (``Node.register_hook``) see only its B call.
 
-Memory: B keeps the graph. `SavedBoxes` (around the forward) boxes every tensor autograd saves;
-after B it frees the boxes that only non-frontier input-side nodes unpacked (W never runs those
-nodes: attention probabilities, activation inputs), so what stays until W is what W reads.
+Memory: B keeps the graph. `SavedBoxes` (around the forward) boxes every tensor autograd saves.
+During B, a box unpacked by an input-side node that is not on the frontier is emptied at once (W
+never runs that node: attention probabilities, activation inputs), as a plain backward frees what
+a node saved once it ran; a custom Function's boxes (its backward may read them twice) go when B
+ends. What stays until W is what the frontier and the weight side read.
 
-Its private torch call (the autograd engine entry point) goes through `zbpp._compat`.
+Its private torch calls (the autograd engine entry point, the running node) go through
+`zbpp._compat`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Any, Sequence
 
 import torch
 
-from .._compat import CHECKPOINT_SAVE_INPUTS, engine_run_backward
+from .._compat import (CHECKPOINT_SAVE_INPUTS, HAS_CURRENT_AUTOGRAD_NODE, current_autograd_node,
+                       engine_run_backward)
 
 try:  # non-reentrant checkpoint: the W calls of one microbatch share one recomputation
     from torch.utils.checkpoint import GraphExecGroup as _RecomputeOnce  # recent torch
@@ -50,39 +57,57 @@ from torch.autograd.function import BackwardCFunction as _PyNode
 from torch.autograd.graph import GradientEdge
 from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 
-__all__ = ["HeldWgrad", "SavedBoxes", "backward_input"]
+__all__ = ["HeldWgrad", "SavedBoxes", "StageSplit", "backward_input"]
 
-_KEEP, _B_ONLY = 1, 2
-_in_frontier = threading.local()  # set while a frontier node runs in B (on the thread running it)
+_KEEP, _B_ONLY, _CKPT = 1, 2, 3  # a box's mark: read again in W / read in B only / never freed
+_NODE_AWARE = HAS_CURRENT_AUTOGRAD_NODE  # without it, B and W free nothing early
+
+
+class _BState:
+    """What the boxes of one forward see of its B and W: the frontier's node ids while B runs (None
+    otherwise), the gradients kept for W, and the frontier node W is calling (None otherwise)."""
+
+    __slots__ = ("frontier", "kept", "calling")
+
+    def __init__(self) -> None:
+        self.frontier: set[int] | None = None
+        self.kept: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        self.calling: Any = None
+
+    def keep(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        """Pre-hook of every frontier node in B: W calls it again on these gradients."""
+        self.kept[id(current_autograd_node())] = grad_outputs
 
 
 class _Box:
-    __slots__ = ("t", "mark")
+    __slots__ = ("t", "mark", "state")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, state: _BState) -> None:
         self.t: torch.Tensor | None = t
         self.mark = 0
+        self.state = state
 
 
 class SavedBoxes:
     """The tensors autograd saves during one F, each in a box, so that B can free those only
     input-side nodes used (W will not run them). Use as a context manager around the forward."""
 
-    __slots__ = ("boxes", "_hooks")
+    __slots__ = ("boxes", "state", "_hooks")
 
     def __init__(self) -> None:
         self.boxes: list[_Box] = []
+        self.state = _BState()
         self._hooks: Any = None
 
     def __enter__(self) -> "SavedBoxes":
-        boxes = self.boxes
+        boxes, state = self.boxes, self.state
 
         def pack(t: torch.Tensor) -> _Box:
             # An alias: a stage output whose storage is released once sent (``t.data = ...``) must
             # stay whole for a node that saved it.
-            b = _Box(t.detach())
+            b = _Box(t.detach(), state)
             if _saved_by_checkpoint():
-                b.mark = _KEEP  # a checkpointed region's input: W's recomputation reads it again
+                b.mark = _CKPT  # a checkpointed region's input: W's recomputation reads it again
             boxes.append(b)
             return b
 
@@ -110,14 +135,39 @@ def _saved_by_checkpoint() -> bool:
                               or (f.f_back is not None and f.f_back.f_code is CHECKPOINT_SAVE_INPUTS))
 
 
+_ONCE: dict[type, bool] = {}  # node type -> whether its backward reads each saved tensor once
+
+
+def _reads_once(t: type) -> bool:
+    once = _ONCE.get(t)
+    if once is None:
+        # torch's generated nodes (``MmBackward0``) unpack each saved tensor once per call; a custom
+        # Function's ``ctx.saved_tensors`` may be read any number of times
+        once = _ONCE[t] = not issubclass(t, _PyNode) and t.__name__[-1:].isdigit()
+    return once
+
+
 def _unpack(b: _Box) -> torch.Tensor:
-    if b.t is None:
+    t = b.t
+    if t is None:
         raise RuntimeError("zbpp split backward: a saved tensor freed after B was needed again (a bug)")
-    if getattr(_in_frontier, "on", False):
-        b.mark = _KEEP
-    elif b.mark == 0:
-        b.mark = _B_ONLY
-    return b.t
+    mark = b.mark
+    if mark == 0:
+        frontier = b.state.frontier
+        if frontier is not None:  # its B is running
+            node = current_autograd_node()
+            if id(node) in frontier:
+                b.mark = _KEEP  # what a frontier node unpacks now, W unpacks again
+            elif _reads_once(type(node)):
+                b.t = None  # W never runs this node, and it reads this once: gone when it returns
+            else:
+                b.mark = _B_ONLY
+    elif mark == _KEEP:
+        calling = b.state.calling
+        if calling is not None and _reads_once(type(calling)):
+            b.t = None  # W calls each frontier node once
+    return t
+
 
 _ACC: type | None = None  # torch's AccumulateGrad node type, found on first use
 
@@ -134,12 +184,13 @@ class HeldWgrad:
     """What B(s, j) leaves for W(s, j): the frontier nodes with their kept gradients, and the outputs
     that do not depend on an input."""
 
-    __slots__ = ("frontier", "roots", "grads")
+    __slots__ = ("frontier", "roots", "grads", "state")
 
-    def __init__(self, frontier: list[tuple[Any, tuple, list[tuple[int, Any, int]]]],
-                 roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        self.frontier = frontier  # (node, its incoming gradients, its off-side edges (index, child, input_nr))
+    def __init__(self, frontier: list[tuple[Any, tuple, list[tuple[int, GradientEdge]]]],
+                 roots: list[torch.Tensor], grads: list[torch.Tensor], state: _BState | None = None) -> None:
+        self.frontier = frontier  # (node, its incoming gradients, its off-side edges (output index, edge))
         self.roots, self.grads = roots, grads
+        self.state = state  # the boxes' of the forward, when it had some
 
     def run(self) -> None:
         """Compute the weight gradients (once: everything is dropped as it runs)."""
@@ -147,31 +198,36 @@ class HeldWgrad:
         self.frontier, self.roots, self.grads = [], [], []
         with _RecomputeOnce():
             if frontier:
-                _apply_off_side(frontier, roots, grads)
+                _apply_off_side(frontier, roots, grads, self.state)
             del frontier
             if roots:
                 engine_run_backward(roots, grads)
 
 
-def _apply_off_side(frontier: list[tuple[Any, tuple, list[tuple[int, Any, int]]]], roots: list[Any],
-                    grads: list[torch.Tensor]) -> None:
+def _apply_off_side(frontier: list[Any], roots: list[Any], grads: list[torch.Tensor],
+                    state: _BState | None) -> None:
     """Re-run each frontier node on its kept gradient, computing only its off-side outputs, and add
-    them to `roots`/`grads` as gradient edges.
+    them to `roots`/`grads` as gradient edges. Each node's kept gradients and saved tensors go once
+    it ran (the entries of `frontier` are emptied).
 
     A node computes the outputs whose next node the running graph task needs; calling it by hand
     inside a tiny engine call that asks for exactly the off-side children (captured, never run)
     makes it skip its input-side outputs.
     """
-    edges = tuple(GradientEdge(child, nr) for _, _, side in frontier for _, child, nr in side)
+    edges = tuple(e for _, _, side in frontier for _, e in side)
     z = torch.zeros((), requires_grad=True)
     trigger = z.view_as(z)
 
     def apply(_: Any) -> None:
-        for node, got, side in frontier:
+        for j, (node, got, side) in enumerate(frontier):
+            frontier[j] = None
+            if state is not None:
+                state.calling = node
             out = node(*got)
-            for i, child, nr in side:
+            del got
+            for i, e in side:
                 if out[i] is not None:
-                    roots.append(GradientEdge(child, nr))
+                    roots.append(e)
                     grads.append(out[i])
 
     handle = trigger.grad_fn.register_prehook(apply)
@@ -179,6 +235,8 @@ def _apply_off_side(frontier: list[tuple[Any, tuple, list[tuple[int, Any, int]]]
         engine_run_backward((trigger,), (torch.zeros(()),), inputs=(z, *edges), accumulate_grad=False)
     finally:
         handle.remove()
+        if state is not None:
+            state.calling = None
 
 
 def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -196,15 +254,38 @@ def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     engine_run_backward(ts, gs)
 
 
+class StageSplit:
+    """What the B of one stage learns for its later microbatches: the parameters B must compute
+    (`extra`, see the module docstring) and the sortings of the graph structures seen so far."""
+
+    __slots__ = ("extra", "_plans")
+
+    _MAX_PLANS = 8  # distinct structures kept (a stage's graph rarely has more than one)
+
+    def __init__(self) -> None:
+        self.extra: dict[int, torch.Tensor] = {}  # id(parameter) -> parameter
+        self._plans: list[tuple[tuple[int, ...], list[Any], _Plan]] = []
+
+    def _find(self, targets: tuple[int, ...], sig: list[Any]) -> _Plan | None:
+        for t, s, plan in self._plans:
+            if t == targets and s == sig:
+                return plan
+        return None
+
+    def _add(self, targets: tuple[int, ...], sig: list[Any], plan: _Plan) -> None:
+        if len(self._plans) >= self._MAX_PLANS:
+            self._plans.pop(0)
+        self._plans.append((targets, sig, plan))
+
+
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], hint: dict[int, torch.Tensor] | None = None,
+                   inputs: Sequence[torch.Tensor], hint: StageSplit | None = None,
                    saved: SavedBoxes | None = None) -> HeldWgrad | None:
     """B: accumulate the gradient of `inputs` (the stage's input leaves) and return what W needs.
 
-    `roots`/`grads` as for `run_backward`; `hint`: the parameters an earlier microbatch of the stage had to
-    compute in B (read and updated: the graph is then sorted once, not twice); `saved`: the boxes
-    of the stage's forward, whose input-only tensors are freed after B. Returns None when W has
-    nothing to do.
+    `roots`/`grads` as for `run_backward`; `hint`: what earlier microbatches of the stage learnt
+    (read and updated); `saved`: the boxes of the stage's forward, whose input-only tensors are
+    freed during B. Returns None when W has nothing to do.
     """
     pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(roots, grads) if t.requires_grad]
     if not pairs:
@@ -212,137 +293,212 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     if any(t.grad_fn is None for t, _ in pairs):  # an input handed on as it is: no graph to split
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
-    if not inputs and not hint:  # the first stage: B has nothing to compute, W the whole backward
+    extra: dict[int, torch.Tensor] = dict(hint.extra) if hint is not None else {}
+    if not inputs and not extra:  # the first stage: B has nothing to compute, W the whole backward
         return HeldWgrad([], [t for t, _ in pairs], [g for _, g in pairs])
-    graph = _Graph([t.grad_fn for t, _ in pairs])
-    if graph.reentrant:  # its checkpoint refuses an engine call limited by `inputs`
+    b_ids = {id(x) for x in inputs} | extra.keys()
+    graph = _Walk([t.grad_fn for t, _ in pairs])
+    targets = tuple(i for i in graph.accs if id(graph.nodes[i].variable) in b_ids)
+    plan = hint._find(targets, graph.sig) if hint is not None else None
+    if plan is None:
+        plan = _plan(graph, b_ids)
+        if hint is not None:
+            hint._add(targets, graph.sig, plan)
+            final = tuple(i for i in graph.accs if i in plan.b_targets)
+            if final != targets:  # what the next microbatch finds, its hint holding this one's extras
+                hint._add(final, graph.sig, plan)
+    if plan.reentrant:  # its checkpoint refuses an engine call limited by `inputs`
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
-    extra: dict[int, torch.Tensor] = dict(hint or {})  # parameters W cannot produce: B accumulates them
-    b_ids = {id(x) for x in inputs} | extra.keys()
-    while True:
-        plan = graph.plan(b_ids)
-        if not plan.to_b:
-            break
-        extra.update(plan.to_b)
-        b_ids.update(plan.to_b)  # and the graph is sorted again around the new targets
+    nodes = graph.nodes
+    for i in plan.to_b:
+        v = nodes[i].variable
+        extra[id(v)] = v
     if hint is not None:
-        hint.update(extra)
-    on_b = plan.input_side
-    b_roots = [(t, g) for t, g in pairs if id(t.grad_fn) in on_b]
-    kept: dict[int, tuple[torch.Tensor | None, ...]] = {}
-    targets = tuple(inputs) + tuple(extra.values())
-    if b_roots and targets:
-        handles = [node.register_prehook(_keeper(kept, id(node))) for node, _ in plan.frontier]
-        if saved is not None:
-            handles += [node.register_hook(_left) for node, _ in plan.frontier]
+        hint.extra.update(extra)
+    b_roots = [pr for pr, on_b in zip(pairs, plan.root_on_b) if on_b]
+    state = saved.state if saved is not None else _BState()
+    targets_t = tuple(inputs) + tuple(extra.values())
+    front = [nodes[i] for i, _ in plan.frontier]
+    if b_roots and targets_t:
+        for node in front:  # never removed: W calls the node by hand, which runs no hook
+            node.register_prehook(state.keep if _NODE_AWARE else _keeper(state.kept, id(node)))
+        if saved is not None and _NODE_AWARE:
+            state.frontier = {id(n) for n in front}
         try:
             engine_run_backward([t for t, _ in b_roots], [g for _, g in b_roots], retain_graph=True,
-                                inputs=targets)
+                                inputs=targets_t)
         finally:
-            _in_frontier.on = False
-            for h in handles:
-                h.remove()
+            state.frontier = None
         if saved is not None:
             saved.free_input_only()
-    frontier = [(node, kept[id(node)], side) for node, side in plan.frontier if id(node) in kept]
-    w_roots = [(t, g) for t, g in pairs if id(t.grad_fn) not in on_b and id(t.grad_fn) in plan.reaches_w]
+    kept, state.kept = state.kept, {}
+    frontier = [(node, kept[id(node)], [(k, GradientEdge(nodes[c], nr)) for k, c, nr in side])
+                for node, (_, side) in zip(front, plan.frontier) if id(node) in kept]
+    w_roots = [pr for pr, on_b, to_w in zip(pairs, plan.root_on_b, plan.root_to_w) if not on_b and to_w]
     if not frontier and not w_roots:
         return None
-    return HeldWgrad(frontier, [t for t, _ in w_roots], [g for _, g in w_roots])
+    return HeldWgrad(frontier, [t for t, _ in w_roots], [g for _, g in w_roots],
+                     state if saved is not None and _NODE_AWARE else None)
 
 
 def _keeper(kept: dict[int, Any], key: int) -> Any:
     def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         kept[key] = grad_outputs
-        _in_frontier.on = True  # what it unpacks now, W unpacks again
     return hook
 
 
-def _left(grad_inputs: Any, grad_outputs: Any) -> None:
-    _in_frontier.on = False
+class _Walk:
+    """The nodes reachable from the roots (breadth first), and their structure as a flat list: per
+    node its type, then per edge the child's position and input number (-1 for no edge), then -2.
+    Two graphs with equal lists sort alike; `accs`: the positions of the leaves' nodes."""
+
+    __slots__ = ("nodes", "sig", "accs", "roots")
+
+    def __init__(self, roots: list[Any]) -> None:
+        acc = _acc_type()
+        nodes: list[Any] = []  # keeps every node alive
+        index: dict[Any, int] = {}  # node -> position (nodes hash and compare by identity)
+        for r in roots:
+            if r not in index:
+                index[r] = len(nodes)
+                nodes.append(r)
+        self.roots = [index[r] for r in roots]
+        sig: list[Any] = []
+        accs: list[int] = []
+        add, n = sig.append, len(nodes)
+        for pos, node in enumerate(nodes):  # grows while it runs
+            t = type(node)
+            add(t)
+            if t is acc:
+                accs.append(pos)
+            else:
+                for c, nr in node.next_functions:
+                    if c is None:
+                        add(-1)
+                        continue
+                    k = index.get(c)
+                    if k is None:
+                        k = index[c] = n
+                        n += 1
+                        nodes.append(c)
+                    add(k)
+                    add(nr)
+            add(-2)
+        self.nodes, self.sig, self.accs = nodes, sig, accs
+
+    def edges(self) -> list[list[tuple[int, int] | None]]:
+        """Per node, its edges as (child position, input number), None for no edge."""
+        out: list[list[tuple[int, int] | None]] = []
+        sig, i = self.sig, 0
+        for _ in self.nodes:
+            i += 1  # the type
+            es: list[tuple[int, int] | None] = []
+            while sig[i] != -2:
+                if sig[i] == -1:
+                    es.append(None)
+                    i += 1
+                else:
+                    es.append((sig[i], sig[i + 1]))
+                    i += 2
+            i += 1
+            out.append(es)
+        return out
 
 
 class _Plan:
-    """One sorting of the graph (see the module docstring); ids are of nodes unless said otherwise."""
+    """One sorting of a graph structure (see the module docstring), in node positions of `_Walk`."""
 
-    __slots__ = ("input_side", "reaches_w", "frontier", "to_b")
+    __slots__ = ("frontier", "to_b", "b_targets", "root_on_b", "root_to_w", "reentrant")
 
     def __init__(self) -> None:
-        self.input_side: set[int] = set()  # nodes with a path to a B target
-        self.reaches_w: set[int] = set()  # nodes with a path to a leaf that is not a B target
-        self.frontier: list[tuple[Any, list[tuple[int, Any, int]]]] = []  # (node, off-side edges)
-        self.to_b: dict[int, torch.Tensor] = {}  # id(leaf) -> leaf that must get its gradient in B
+        self.frontier: list[tuple[int, list[tuple[int, int, int]]]] = []  # (node, off-side edges (index, child, input_nr))
+        self.to_b: list[int] = []  # leaves' nodes that must get their gradient in B, not being inputs or hinted
+        self.b_targets: set[int] = set()  # every B target's leaf node
+        self.root_on_b: list[bool] = []  # per root: on the input side
+        self.root_to_w: list[bool] = []  # per root: reaches a leaf that is not a B target
+        self.reentrant = False
 
 
-class _Graph:
-    """The nodes reachable from the roots, children before parents, with their edges."""
+def _plan(graph: _Walk, b_ids: set[int]) -> _Plan:
+    """Sort `graph` for the B targets `b_ids` (ids of leaf tensors), adding to them the leaves a
+    custom Function on the input side feeds until none is left (see the module docstring)."""
+    nodes, edges = graph.nodes, graph.edges()
+    post = _post_order(graph.roots, edges)
+    targets = {i for i in graph.accs if id(nodes[i].variable) in b_ids}
+    found: list[int] = []
+    while True:
+        p = _sort(graph, edges, post, targets)
+        if not p.to_b:
+            break
+        found += p.to_b
+        targets.update(p.to_b)  # and the graph is sorted again around the new targets
+    p.to_b, p.b_targets = found, targets
+    p.reentrant = any(getattr(type(nodes[i]), "_forward_cls", None) is _ReentrantCheckpoint for i in post
+                      if isinstance(nodes[i], _PyNode))
+    return p
 
-    __slots__ = ("post", "roots", "reentrant")
 
-    def __init__(self, roots: list[Any]) -> None:
-        self.roots = roots
-        post: list[tuple[Any, tuple]] = []  # keeps every node alive, so ids stay unique
-        seen: set[int] = set()
-        pynodes: list[Any] = []
-        for r in roots:
-            if id(r) in seen:
-                continue
-            seen.add(id(r))
-            nf = r.next_functions
-            stack = [(r, nf, iter(nf))]
-            while stack:
-                node, nf, it = stack[-1]
-                for c, _ in it:
-                    if c is not None and id(c) not in seen:
-                        seen.add(id(c))
-                        cnf = c.next_functions
-                        stack.append((c, cnf, iter(cnf)))
-                        break
-                else:
-                    stack.pop()
-                    post.append((node, nf))
-                    if isinstance(node, _PyNode):
-                        pynodes.append(node)
-        self.post = post
-        self.reentrant = any(getattr(n, "_forward_cls", None) is _ReentrantCheckpoint for n in pynodes)
-
-    def plan(self, b_ids: set[int]) -> _Plan:
-        """Sort the graph for the B targets `b_ids` (ids of leaf tensors)."""
-        acc = _acc_type()
-        p = _Plan()
-        on_b, to_w = p.input_side, p.reaches_w
-        for node, nf in self.post:
-            if type(node) is acc:
-                (on_b if id(node.variable) in b_ids else to_w).add(id(node))
-                continue
-            for c, _ in nf:
-                if c is not None:
-                    if id(c) in on_b:
-                        on_b.add(id(node))
-                    if id(c) in to_w:
-                        to_w.add(id(node))
-        custom: list[Any] = []  # off-side children of custom Functions on the input side
-        for node, nf in self.post:
-            if id(node) not in on_b:
-                continue
-            side = [(i, c, nr) for i, (c, nr) in enumerate(nf) if c is not None and id(c) not in on_b and id(c) in to_w]
-            if not side:
-                continue
-            if isinstance(node, _PyNode):
-                # A custom Function computes all its outputs in B (a delayed module's weight gets
-                # None there, its eager bias a gradient): the leaves it feeds are B's targets.
-                custom.extend(c for _, c, _ in side)
+def _post_order(roots: list[int], edges: list[list[tuple[int, int] | None]]) -> list[int]:
+    """Positions reachable from `roots`, children before parents (depth first, edges in order)."""
+    seen: set[int] = set()
+    post: list[int] = []
+    for r in roots:
+        if r in seen:
+            continue
+        seen.add(r)
+        stack = [(r, iter(edges[r]))]
+        while stack:
+            node, it = stack[-1]
+            for e in it:
+                if e is not None and e[0] not in seen:
+                    seen.add(e[0])
+                    stack.append((e[0], iter(edges[e[0]])))
+                    break
             else:
-                p.frontier.append((node, side))
-        seen: set[int] = set()
-        while custom:
-            node = custom.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if type(node) is acc:
-                p.to_b[id(node.variable)] = node.variable
-                continue
-            custom.extend(c for c, _ in node.next_functions if c is not None and id(c) in to_w)
-        return p
+                stack.pop()
+                post.append(node)
+    return post
+
+
+def _sort(graph: _Walk, edges: list[list[tuple[int, int] | None]], post: list[int], targets: set[int]) -> _Plan:
+    acc, nodes = _acc_type(), graph.nodes
+    p = _Plan()
+    on_b: set[int] = set()  # nodes with a path to a B target
+    to_w: set[int] = set()  # nodes with a path to a leaf that is not a B target
+    for i in post:
+        if type(nodes[i]) is acc:
+            (on_b if i in targets else to_w).add(i)
+            continue
+        for e in edges[i]:
+            if e is not None:
+                if e[0] in on_b:
+                    on_b.add(i)
+                if e[0] in to_w:
+                    to_w.add(i)
+    custom: list[int] = []  # off-side children of custom Functions on the input side
+    for i in post:
+        if i not in on_b:
+            continue
+        side = [(k, e[0], e[1]) for k, e in enumerate(edges[i]) if e is not None and e[0] not in on_b and e[0] in to_w]
+        if not side:
+            continue
+        if isinstance(nodes[i], _PyNode):
+            # A custom Function computes all its outputs in B (a delayed module's weight gets
+            # None there, its eager bias a gradient): the leaves it feeds are B's targets.
+            custom.extend(c for _, c, _ in side)
+        else:
+            p.frontier.append((i, side))
+    seen: set[int] = set()
+    while custom:
+        i = custom.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        if type(nodes[i]) is acc:
+            p.to_b.append(i)
+            continue
+        custom.extend(e[0] for e in edges[i] if e is not None and e[0] in to_w)
+    p.root_on_b = [r in on_b for r in graph.roots]
+    p.root_to_w = [r in to_w for r in graph.roots]
+    return p

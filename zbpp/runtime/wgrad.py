@@ -25,11 +25,12 @@ the public protocol needs) and the runtime discards the step's gradients with th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Hashable
 
 from torch import nn
 
 from ..modules import is_delayed, supports_keys
+from ._autograd_split import StageSplit
 
 if TYPE_CHECKING:
     from ._autograd_split import HeldWgrad
@@ -103,7 +104,7 @@ class StageWgrad:
         self.adapters = [KeyedWgrad(m) if supports_keys(m) else FifoWgrad(m) for m in self.modules]
         self._pending: list[Hashable] = []
         self._held: dict[Hashable, HeldWgrad] = {}
-        self.b_hint: dict[int, Any] = {}  # parameters the split leaves to B (`_autograd_split.backward_input`)
+        self.b_hint = StageSplit()  # what the stage's split B learnt (`_autograd_split.backward_input`)
 
     @property
     def held(self) -> list[Hashable]:
