@@ -209,7 +209,7 @@ def stage_flops(stage: nn.Module, first: bool, last: bool, rows: int, weight: fl
 
 # -- the case -----------------------------------------------------------------------------------
 def hf_case(family: str, name: str, p: int, *, ckpt: str | None = None, split: bool = True, count: bool = False,
-            mix: bool = False, twice: bool = False, dp: int = 1) -> dict[str, Any]:
+            mix: bool = False, twice: bool = False, dp: int = 1, delay: bool = False) -> dict[str, Any]:
     """One step of `family` under schedule `name` on `p` pipeline ranks (x `dp` replicas): the worst
     relative gradient error, and (``count``) the per-stage FLOPs of B, W and BW tasks with the
     stage's `stage_flops`."""
@@ -223,6 +223,10 @@ def hf_case(family: str, name: str, p: int, *, ckpt: str | None = None, split: b
     model = hf_model(family, S)
     if mix:
         _mix_zbpp_layers(model, family)
+    if delay:  # every Linear (and GPT-2's Conv1D) defers its W itself: zbpp.modules.delay_wgrad
+        from zbpp.modules import delay_wgrad
+
+        delay_wgrad(model, transposed=True)
     mine = {s: HFStage(model, family, _stage_blocks(s, S, twice), s == 0, s == S - 1, ckpt)
             for s in sched.stages_on(pp_rank)}
     tied = {}
@@ -258,8 +262,15 @@ def hf_case(family: str, name: str, p: int, *, ckpt: str | None = None, split: b
     if count:
         per = {}
         for s, st in mine.items():
+            kept = st.ckpt  # reentrant: torch refuses the reference's input-only backward; count without
+            st.ckpt = None if kept == "reentrant" else kept
             full, dgrad = stage_flops(st, s == 0, s == S - 1, rows // m // dp, 1.0 / m)
-            per[s] = {"full": full, "dgrad": dgrad,
+            st.ckpt = kept
+            with FlopCounterMode(display=False) as fc, torch.no_grad():
+                first = s == 0
+                st(torch.randint(0, V, (rows // m // dp, T)) if first
+                   else torch.randn(rows // m // dp, T, H, dtype=torch.float64))
+            per[s] = {"full": full, "dgrad": dgrad, "forward": fc.get_total_flops(),
                       **{k: (counter.count.get((s, k), 0), counter.flops.get((s, k), 0)) for k in ("B", "W", "BW")}}
         result["flops"] = per
     return result

@@ -52,6 +52,22 @@ def test_checkpointed_blocks(zbpp_workers, ckpt):
         _check_flops(results, exact=False)
 
 
+def test_reentrant_checkpoint_with_delay_wgrad_keeps_w_apart(zbpp_workers):
+    """Reentrant checkpointing runs a stage's backward in B, but after `delay_wgrad` every Linear
+    defers its weight gradient itself (filed under the microbatch's key during the recomputation):
+    W holds at least 95% of the weight-gradient FLOPs, and B no more than the input gradients plus
+    the recomputed forward (the two add up to the whole backward plus that recomputation)."""
+    for family in ("llama", "gpt2"):
+        results = zbpp_workers(2).run(hf_case, family, "zb-v", 2, ckpt="reentrant", count=True, delay=True)
+        for r in results:
+            for s, f in r["flops"].items():
+                (nb, b), (nw, w) = f["B"], f["W"]
+                wgrad = f["full"] - f["dgrad"]
+                assert wgrad > 0 and nw > 0, f"{family} stage {s}: {f}"
+                assert w >= 0.95 * nw * wgrad, f"{family} stage {s}: W did {w} < 95% of {nw} x {wgrad}"
+                assert b <= nb * (f["dgrad"] + f["forward"]), f"{family} stage {s}: B did {b}: {f}"
+
+
 def test_stage_mixing_zbpp_and_plain_layers(zbpp_workers):
     results = zbpp_workers(2).run(hf_case, "llama", "zb-h1", 2, mix=True, count=True)
     _check_flops(results)
