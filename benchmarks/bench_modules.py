@@ -103,7 +103,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -126,7 +125,7 @@ from zbpp.modules import _fused  # noqa: E402
 from zbpp.modules import fp8 as fp8mod  # noqa: E402
 from zbpp.modules.fp8 import ScalingMeta, quantize, quantize_and_column_sum  # noqa: E402
 
-from provenance import code_identity  # noqa: E402 - benchmarks/provenance.py, beside this script
+from provenance import code_identity, write_report  # noqa: E402 - benchmarks/provenance.py, beside this script
 
 CASES = (
     "bf16 eager",
@@ -1062,10 +1061,7 @@ def main(argv: list[str] | None = None) -> None:
         report = run_pipeline(args)
         if report is not None:
             print_pipeline(report)
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(report, indent=2) + "\n")
-                print(f"wrote {args.out}")
+            write_report(report, args.out)
         shutdown_and_exit(0)
     if args.suite == "wgrad-graph":
         report = run_wgrad_graph(args)
@@ -1076,10 +1072,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         report = run(args)
         print_table(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

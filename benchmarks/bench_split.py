@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -55,7 +54,7 @@ from torch import nn  # noqa: E402
 
 from zbpp.modules import Linear, delay_wgrad, microbatch  # noqa: E402
 
-from provenance import code_identity  # noqa: E402 - benchmarks/provenance.py, beside this script
+from provenance import code_identity, write_report  # noqa: E402 - benchmarks/provenance.py, beside this script
 
 ROWS = ("plain", "zbpp split", "delay_wgrad", "torch split")
 
@@ -326,10 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     print_table(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

@@ -48,5 +48,14 @@ def code_identity() -> dict[str, object]:
             "zbpp_sha256": source_fingerprint()}
 
 
+def write_report(report: dict, out: Path | None) -> None:
+    """Write a benchmark's `report` as indented JSON to `out` (folders made), if `out` is given."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 if __name__ == "__main__":
     print(json.dumps(code_identity()))

@@ -20,7 +20,6 @@ the tensors every frontier node saved (the inputs of the weight GEMMs) and its k
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from bench_split import Case, Stage  # noqa: E402
-from provenance import code_identity  # noqa: E402
+from provenance import code_identity, write_report  # noqa: E402
 
 from zbpp.runtime import _autograd_split as split  # noqa: E402
 
@@ -191,10 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"between B and W {mib(r['allocated_between_B_and_W_bytes'])}{extra}")
     report = {"meta": {"benchmark": "split_host", "torch": torch.__version__, **code_identity(),
                        "config": vars(args) | {"out": str(args.out)}}, "host": host, "memory": mem}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

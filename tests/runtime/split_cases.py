@@ -31,7 +31,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from zbpp import Pipeline
 from zbpp.runtime import executor as _executor
-from zbpp.schedules.ir import Kind
 
 from .cases import make_schedule
 
@@ -184,17 +183,24 @@ class _TaskFlops:
 def stage_flops(stage: nn.Module, first: bool, last: bool, rows: int, weight: float) -> tuple[int, int]:
     """(full, dgrad): matmul FLOPs of one microbatch's backward of `stage` alone: every gradient,
     and only the stage input's (delayed-wgrad modules' W counted with the first)."""
+    return _backward_flops(
+        stage, last, weight,
+        lambda: torch.randint(0, V, (rows, T)) if first else torch.randn(rows, T, H, dtype=torch.float64, requires_grad=True),
+        lambda: torch.randint(0, V, (rows, T)))
+
+
+def _backward_flops(stage: nn.Module, last: bool, weight: float, make_input: Any, make_target: Any) -> tuple[int, int]:
     from zbpp.runtime.wgrad import delayed_modules
 
     out = []
     for only_input in (False, True):
-        x = torch.randint(0, V, (rows, T)) if first else torch.randn(rows, T, H, dtype=torch.float64, requires_grad=True)
+        x = make_input()
         y = stage(x)
-        root = loss_fn(y, torch.randint(0, V, (rows, T))) * weight if last else y
+        root = loss_fn(y, make_target()) * weight if last else y
         g = None if last else torch.randn_like(y)
         with FlopCounterMode(display=False) as fc:
             if only_input:
-                if not first:
+                if x.requires_grad:
                     torch.autograd.backward([root], None if g is None else [g], inputs=[x])
             else:
                 torch.autograd.backward([root], None if g is None else [g])
@@ -364,24 +370,11 @@ def cuda_case() -> dict[str, Any]:
 
 def stage_flops_cuda(stage: nn.Module, first: bool, last: bool, rows: int, weight: float) -> tuple[int, int]:
     """`stage_flops` for the bf16 CUDA stages of `cuda_case` (64 tokens, hidden 256, vocabulary 512)."""
-    out = []
-    for only_input in (False, True):
-        if first:
-            x = torch.randint(0, 512, (rows, 64), device="cuda")
-        else:
-            x = torch.randn(rows, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        y = stage(x)
-        root = loss_fn(y, torch.randint(0, 512, (rows, 64), device="cuda")) * weight if last else y
-        g = None if last else torch.randn_like(y)
-        with FlopCounterMode(display=False) as fc:
-            if only_input:
-                if not first:
-                    torch.autograd.backward([root], None if g is None else [g], inputs=[x])
-            else:
-                torch.autograd.backward([root], None if g is None else [g])
-        out.append(fc.get_total_flops())
-    stage.zero_grad(set_to_none=True)
-    return out[0], out[1]
+    return _backward_flops(
+        stage, last, weight,
+        lambda: (torch.randint(0, 512, (rows, 64), device="cuda") if first
+                 else torch.randn(rows, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)),
+        lambda: torch.randint(0, 512, (rows, 64), device="cuda"))
 
 
 class _Sigmoid(nn.Module):
