@@ -41,6 +41,18 @@ def test_hf_model_matches_single_process(zbpp_workers, family, name, p):
         assert all(f["W"][0] > 0 for r in results for f in r["flops"].values())
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("name,p", [("1f1b", 4), ("interleaved-1f1b", 2), ("zb-h1", 2), ("zb-v", 2),
+                                    ("dualpipe-v", 2)])
+def test_delay_wgrad_model_matches_single_process(zbpp_workers, family, name, p):
+    """After `delay_wgrad` (GPT-2's Conv1D too) the Linears defer W themselves and the split takes
+    the rest: gradients equal HF's whole-batch ones, B does exactly the input gradients' FLOPs and
+    W all of the weight gradients'."""
+    results = zbpp_workers(p).run(hf_case, family, name, p, count=True, delay=True)
+    if name in W_SCHEDULES:
+        _check_flops(results)
+
+
 @pytest.mark.parametrize("ckpt", ["nonreentrant", "reentrant"])
 def test_checkpointed_blocks(zbpp_workers, ckpt):
     """torch.utils.checkpoint around every block: gradients exact. Non-reentrant: B still computes
