@@ -12,17 +12,15 @@ they start equal, receive the same summed gradient and take the same AdamW step.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from .loader import load_example, train_example
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-10  # float64, see the module docstring
@@ -34,23 +32,11 @@ TINY = ["--hidden", "16", "--heads", "2", "--layers", "4", "--seq-len", "16", "-
 
 
 def _example() -> Any:
-    """examples/train_gpt.py as a module (examples/ is not a package)."""
-    name = "zbpp_example_train_gpt"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "train_gpt.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_example("train_gpt")
 
 
 def train_on_rank(argv: list[str]) -> dict[str, Any]:
-    """Runs on every rank: the example's `train`, with what it printed."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = _example().train(argv)
-    result["stdout"] = out.getvalue()
-    return result
+    return train_example("train_gpt", argv)
 
 
 def _reference() -> dict[str, Any]:

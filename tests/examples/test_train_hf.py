@@ -11,17 +11,15 @@ float64 pipeline's first loss agrees to rtol 1e-6 (a wrong init, mask or shift m
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import inspect
-import io
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from .loader import load_example, train_example
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,21 +31,11 @@ TINY = ["--hidden", "32", "--heads", "4", "--layers", "4", "--seq-len", "16", "-
 
 
 def _example() -> Any:
-    name = "zbpp_example_train_hf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "train_hf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_example("train_hf")
 
 
 def train_on_rank(argv: list[str]) -> dict[str, Any]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = _example().train(argv)
-    result["stdout"] = out.getvalue()
-    return result
+    return train_example("train_hf", argv)
 
 
 def first_loss_of_hf(argv: list[str]) -> float:
