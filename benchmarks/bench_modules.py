@@ -142,6 +142,9 @@ BLOCK_VARIANTS = (
     "zbpp bf16",
     "zbpp bf16 delayed",
     "zbpp bf16 graph W",
+    "zbpp bf16 pipeline",
+    "zbpp bf16 task graphs",
+    "torch.nn task graphs",
     "zbpp fp8",
     "zbpp fp8 delayed",
     "zbpp fp8 unfused",
@@ -572,12 +575,13 @@ class Residual(nn.Module):
 def make_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
     torch.manual_seed(0)
     kw = dict(device=args.device)
-    if variant == "torch.nn":
+    if variant.startswith("torch.nn"):
         return [Residual(TorchMLP(args.hidden, args.ffn, dtype=torch.bfloat16, **kw))
                 for _ in range(args.blocks)]
     graph = "graph W" in variant
+    delayed = "delayed" in variant or "pipeline" in variant or "task graphs" in variant
     return [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
-                                  delay_wgrad_compute="delayed" in variant or graph,
+                                  delay_wgrad_compute=delayed or graph,
                                   wgrad_cuda_graph=graph, **kw))
             for _ in range(args.blocks)]
 
@@ -585,7 +589,11 @@ def make_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
 def make_block_step(
     blocks: list[Residual], xs: list[torch.Tensor], grad: torch.Tensor, variant: str
 ) -> Callable[[], None]:
-    """One training step: every microbatch's forward and backward (and W when delayed)."""
+    """One training step: every microbatch's forward and backward (and W when delayed); the
+    ``pipeline`` and ``task graphs`` variants run it as a one-rank zb-h1 `Pipeline` (F, B, W per
+    microbatch; ``task graphs``: with ``cuda_graphs=True``), with the loss ``sum(out * grad)``."""
+    if "pipeline" in variant or "task graphs" in variant:
+        return make_pipeline_step(blocks, xs, grad, cuda_graphs="task graphs" in variant)
     fp8 = "fp8" in variant
     delayed = "delayed" in variant or "graph W" in variant
     recipe = DelayedScaling(amax_history_len=16)
@@ -605,6 +613,25 @@ def make_block_step(
             microbatch_step(j, x)
 
     step.microbatch = microbatch_step  # type: ignore[attr-defined]
+    return step
+
+
+def make_pipeline_step(blocks: list[Residual], xs: list[torch.Tensor], grad: torch.Tensor,
+                       cuda_graphs: bool) -> Callable[[], None]:
+    from zbpp import Pipeline
+    from zbpp.schedules import build
+
+    sched = build("zb-h1", num_ranks=1, num_microbatches=len(xs))
+    pipe = Pipeline({0: nn.Sequential(*blocks)}, sched, loss_fn=lambda out, g: (out * g).sum(),
+                    cuda_graphs=cuda_graphs, seed=False)
+    batch = torch.cat([x.detach() for x in xs])
+    target = grad.repeat(len(xs), 1)
+
+    def step() -> None:
+        pipe.step(batch, target)
+
+    step.microbatch = lambda j, x: step()  # type: ignore[attr-defined]
+    step.per_call = len(xs)  # type: ignore[attr-defined]  # the host time above is a whole step's
     return step
 
 
@@ -672,7 +699,8 @@ HOST_SLEEP_CYCLES = 200_000_000
 
 def run_blocks(args: argparse.Namespace) -> dict:
     cuda = args.device.startswith("cuda")
-    variants = [v for v in BLOCK_VARIANTS if v in args.variants.split(",") and (cuda or "graph W" not in v)]
+    variants = [v for v in BLOCK_VARIANTS if v in args.variants.split(",")
+                and (cuda or ("graph W" not in v and "task graphs" not in v))]
     gen = torch.Generator(device=args.device).manual_seed(1)
     xs = [torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
                       dtype=torch.bfloat16).requires_grad_(True)
@@ -685,6 +713,7 @@ def run_blocks(args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {v: [] for v in variants}
     host: dict[str, list[float]] = {v: [] for v in variants}
     fused: dict[str, dict[str, int]] = {}
+    peak: dict[str, float] = {}  # GiB allocated at most during one step (parameters included)
     saved_fuse = os.environ.get(_fused.FUSE_ENV)
 
     def clear(variant: str) -> None:
@@ -713,9 +742,14 @@ def run_blocks(args: argparse.Namespace) -> dict:
                     torch.cuda._sleep(HOST_SLEEP_CYCLES)
                 t = time.perf_counter()
                 steps[v].microbatch(0, xs[0])
-                host[v].append(1e3 * (time.perf_counter() - t))
+                host[v].append(1e3 * (time.perf_counter() - t) / getattr(steps[v], "per_call", 1))
                 if cuda:
                     torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    clear(v)
+                    steps[v]()
+                    torch.cuda.synchronize()
+                    peak[v] = max(peak.get(v, 0.0), torch.cuda.max_memory_allocated() / 2**30)
         breakdown = {}
         if cuda and not args.no_profile:
             for v in variants:
@@ -738,7 +772,7 @@ def run_blocks(args: argparse.Namespace) -> dict:
             "tflops": flop / med / 1e9, "host_ms_per_microbatch": statistics.median(host[v]),
             "gpu_ms_per_microbatch": med / args.microbatches,
             "samples_ms": [round(t, 3) for t in times[v]], "fused_paths": fused[v],
-            "breakdown": breakdown.get(v),
+            "breakdown": breakdown.get(v), "peak_gib": peak.get(v),
         })
     by = {r["variant"]: r["median_ms"] for r in results}
 
@@ -756,6 +790,9 @@ def run_blocks(args: argparse.Namespace) -> dict:
             "zbpp_bf16_over_torch_nn": ratio("zbpp bf16", "torch.nn"),
             "zbpp_bf16_delayed_over_torch_nn": ratio("zbpp bf16 delayed", "torch.nn"),
             "zbpp_bf16_graph_w_over_torch_nn": ratio("zbpp bf16 graph W", "torch.nn"),
+            "zbpp_bf16_pipeline_over_torch_nn": ratio("zbpp bf16 pipeline", "torch.nn"),
+            "torch_nn_over_zbpp_task_graphs": ratio("torch.nn", "zbpp bf16 task graphs"),
+            "torch_nn_over_torch_nn_task_graphs": ratio("torch.nn", "torch.nn task graphs"),
         },
         "fp8_gemm_paths": fp8mod.gemm_path_counts(),
         "fp8_cast_paths": fp8mod.cast_path_counts(),

@@ -18,6 +18,7 @@ __all__ = [
     "set_grad_enabled",
     "scaled_mm",
     "foreach_copy_",
+    "foreach_zero_",
     "default_store",
     "process_group_name",
     "default_group_timeout",
@@ -62,6 +63,11 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``torch._foreach_copy_``: one launch for many copies (a CUDA graph's static inputs)."""
     torch._foreach_copy_(list(dst), list(src))
+
+
+def foreach_zero_(tensors: Sequence[torch.Tensor]) -> None:
+    """``torch._foreach_zero_``: one launch to zero many tensors (fixed gradient buffers)."""
+    torch._foreach_zero_(list(tensors))
 
 
 def default_store() -> Any:

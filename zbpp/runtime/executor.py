@@ -56,6 +56,7 @@ from ..schedules.plan import RankPlan
 from .comm_queue import POISON, CommQueue, Drained, Posted
 from .errors import PipelineError, ShapeMismatchError
 from .profiling import TaskRecorder
+from .task_graphs import TaskGraphs
 from ._autograd_split import SavedBoxes, backward_input, run_backward
 from .tree import Spec, call, flatten, rebuild
 from .wgrad import StageWgrad
@@ -104,6 +105,8 @@ class StepExecutor(CommQueue):
         forward_only: evaluation: F tasks under ``no_grad``, outputs (or losses) kept on the last stage.
         split_wgrad: B tasks compute only input gradients and W every weight gradient
             (`zbpp.runtime._autograd_split`); BW tasks run the whole backward either way.
+        graphs: the CUDA graphs of this step's signature (`zbpp.runtime.task_graphs`): each
+            compute task is captured on its first run and replayed after; None: eager.
     """
 
     plan: RankPlan
@@ -126,6 +129,7 @@ class StepExecutor(CommQueue):
     free_sent_activations: bool = True
     forward_only: bool = False
     split_wgrad: bool = False
+    graphs: TaskGraphs | None = None
     # -- results ------------------------------------------------------------------------------
     losses: list[torch.Tensor] = field(default_factory=list, init=False)  #: per microbatch, as loss_fn returned it
     outputs: dict[int, Any] = field(default_factory=dict, init=False)  #: forward_only: last stage's outputs
@@ -181,6 +185,17 @@ class StepExecutor(CommQueue):
         return torch.stack(self._weighted).sum()
 
     def _run_task(self, task: Action) -> None:
+        if self.graphs is not None:
+            if task.kind is Kind.F:
+                self._forward_graphed(task)
+            elif task.kind is Kind.W:
+                started = self.recorder.start() if self.recorder is not None else None
+                self.graphs.run(task, [], lambda _: self._wgrad_body(task))
+                if self.recorder is not None:
+                    self.recorder.stop(str(task), started)
+            else:
+                self._backward_graphed(task)
+            return
         if task.kind is Kind.F:
             self._forward(task)
         elif task.kind is Kind.W:
@@ -339,6 +354,104 @@ class StepExecutor(CommQueue):
         self.wgrad[a.stage].run((a.stage, a.microbatch))
         if self.recorder is not None:
             self.recorder.stop(str(a), started)
+
+    # -- tasks replayed from CUDA graphs (`zbpp.runtime.task_graphs`) ----------------------------
+    def _forward_graphed(self, a: Action) -> None:
+        """F as a graph: the inputs (and on the last stage the target and the loss factor) are the
+        graph's static inputs; the outputs (or the loss) its static outputs."""
+        assert self.graphs is not None
+        s, j = a.stage, a.microbatch
+        last = s == self.num_stages - 1
+        if s == 0:
+            assert self.inputs is not None
+            leaves, spec = flatten(self.inputs[j])
+            wants_grad = [False] * len(leaves)
+        else:
+            msg = self.plan.recv_of.get(a)
+            if msg is None:
+                spec, leaves = self._handed.pop(self.plan.handed_from[a])
+            else:
+                leaves = self._receive(msg)
+                spec = self.specs[(msg.src.stage, msg.src.microbatch)]
+            wants_grad = [m.requires_grad for m in spec.tensors]
+        n = len(leaves)
+        target_leaves: list[torch.Tensor] = []
+        factor = self.weights[j] if last else None
+        if last:
+            target_leaves, target_spec = flatten(self.targets[j] if self.targets is not None else None)
+        extra = target_leaves + ([factor] if isinstance(factor, torch.Tensor) else [])
+
+        def body(statics: list[torch.Tensor]) -> list[torch.Tensor]:
+            xs = [t.detach().requires_grad_(g) for t, g in zip(statics[:n], wants_grad)]
+            grad_inputs = [x for x in xs if x.requires_grad]
+            saved = SavedBoxes() if grad_inputs and (s, j) in self._split_keys else contextlib.nullcontext()
+            with microbatch_key((s, j)), torch.enable_grad(), saved:
+                out = call(self.modules[s], rebuild(spec, xs))
+                if last:
+                    loss = self._loss(out, rebuild(target_spec, statics[n:n + len(target_leaves)]), s)
+                    f = statics[-1] if isinstance(factor, torch.Tensor) else factor
+                    roots, outs = [_weigh(loss, f)], [loss]
+                else:
+                    outs, self.graphs.meta[a] = flatten(out)
+                    roots = [t for t in outs if t.requires_grad]
+            self._slots[(s, j)] = _Slot(grad_inputs, roots, saved)
+            return outs
+
+        started = self.recorder.start() if self.recorder is not None else None
+        outs = self.graphs.run(a, leaves + extra, body)
+        if self.recorder is not None:
+            self.recorder.stop(str(a), started)
+        if last:
+            loss = outs[0]
+            self.losses.append(loss.clone())
+            shown = _weigh(loss, self.weights[j] if self.loss_weights is None else self.loss_weights[j])
+            self._weighted.append(shown.detach())
+            return
+        out_spec = self.graphs.meta[a]
+        if not outs:
+            raise TypeError(f"stage {s} returned {out_spec} for microbatch {j}: a stage that feeds another must "
+                            "return a tensor, or a tuple/list/dict holding at least one")
+        self._hand_forward(a, outs, out_spec, [])
+
+    def _backward_graphed(self, a: Action) -> None:
+        """B or BW as a graph: the output gradients in, the input gradients out (BW: and the W)."""
+        assert self.graphs is not None
+        s, j = a.stage, a.microbatch
+        grads: list[torch.Tensor] = []
+        if s < self.num_stages - 1:
+            msg = self.plan.recv_of.get(a)
+            grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else self._receive(msg))
+
+        def body(statics: list[torch.Tensor]) -> list[torch.Tensor]:
+            slot = self._slots.pop((s, j))
+            gs: list[torch.Tensor | None] = list(statics) if statics else [None] * len(slot.roots)
+            if self.split_wgrad and a.kind is Kind.B:
+                w = self.wgrad[s]
+                w.filed((s, j), backward_input(slot.roots, gs, slot.inputs, w.b_hint, slot.saved))
+            else:
+                run_backward(slot.roots, gs)
+                self.wgrad[s].filed((s, j))
+            in_grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in slot.inputs]
+            for x in slot.inputs:
+                x.grad = None
+            if a.kind is Kind.BW:
+                self.wgrad[s].run((s, j))
+            return in_grads
+
+        started = self.recorder.start() if self.recorder is not None else None
+        in_grads = self.graphs.run(a, grads, body)
+        if self.recorder is not None:
+            self.recorder.stop(str(a), started)
+        if s > 0:
+            msg = self.plan.send_of.get(a)
+            if msg is None:
+                self._handed[a] = (None, list(in_grads))
+            else:
+                self._outbox[msg.index] = (None, list(in_grads))
+
+    def _wgrad_body(self, a: Action) -> list[torch.Tensor]:
+        self.wgrad[a.stage].run((a.stage, a.microbatch))
+        return []
 
     def _signal(self, a: Action) -> None:
         """The stage's last B / W ran (or, draining, would have): data-parallel reductions start."""

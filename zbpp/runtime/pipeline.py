@@ -33,6 +33,7 @@ from .channels import Channels, agreement_group, cached_group, default_timeout
 from .executor import PipelineError, StepExecutor
 from .grad_aside import GradientsAside
 from .profiling import TaskRecorder
+from .task_graphs import GradBuffers, TaskGraphs, MAX_GRAPHED_SIGNATURES, external_addresses, refusal
 from .tied import TiedParameters
 from .topology import Topology
 from .rng import microbatch_seed, seeded
@@ -106,6 +107,12 @@ class Pipeline:
             of a split stage start after its last W. False: plain modules get their weight
             gradients in B (W only runs delayed-wgrad modules). BW tasks run the whole backward
             either way.
+        cuda_graphs: from the second training step of each input signature on, replay every F, B,
+            W and BW task of this rank from a CUDA graph captured in the schedule's order (sends,
+            receives and reductions stay outside): for small layers, where launching kernels
+            costs more than running them. CUDA only; each trainable parameter without
+            ``main_grad`` keeps one ``.grad`` tensor; ``seed=`` does not apply to replayed draws;
+            what is captured and what is refused: `zbpp.runtime.task_graphs`.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
@@ -169,6 +176,7 @@ class Pipeline:
         loss_weight: Callable[[Any], Any] | None = None,
         seed: int | bool | None = None,
         split_wgrad: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
@@ -255,6 +263,10 @@ class Pipeline:
                                         presence_group=presence)
         if self._split_stages and callable(getattr(self._reducer, "owe_all_to_wgrad", None)):
             self._reducer.owe_all_to_wgrad(self._split_stages)
+        self.cuda_graphs = bool(cuda_graphs)
+        self._graphs: OrderedDict[tuple[Any, ...], TaskGraphs] = OrderedDict()
+        if self.cuda_graphs:
+            self._setup_graphs()
         self._sync_gradients = True  # False inside no_sync()
         self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
@@ -310,21 +322,29 @@ class Pipeline:
             raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
         ex, new_signature, signature = self._begin(inputs, target, forward_only=False)  # agree on the input
         reducing = self._sync_gradients  # False inside no_sync()
+        if self.cuda_graphs:  # before the aside: it keeps what the fixed .grad buffers hold
+            self._grad_buffers.attach(list(self.parameters()))
         aside = GradientsAside(self.parameters(), keep=self.keep_grads_on_failure,
-                               in_place=reducing and self._unreduced,
+                               in_place=(reducing and self._unreduced) or self.cuda_graphs,
                                copy_main_grad=not (reducing and self._reducer is not None and not self._unreduced))
         problem: BaseException | None = None
-        try:
-            self._start_reductions(reducing, lambda: ex.draining)
-            loss = ex.run()  # this rank's tasks, with the plan's communication
-            if not ex.draining:
-                self._finish_reductions(reducing)
-        except Exception as exc:  # noqa: BLE001 - the reducers; reported through the agreement
-            problem = exc
+        with self._compute_stream():
+            try:
+                self._start_reductions(reducing, lambda: ex.draining)
+                ex.graphs = self._graphs_of(signature, new_signature)
+                loss = ex.run()  # this rank's tasks, with the plan's communication
+                if not ex.draining:
+                    self._finish_reductions(reducing)
+            except Exception as exc:  # noqa: BLE001 - the reducers; reported through the agreement
+                problem = exc
         failure = self._end(ex, problem, new_signature, signature)  # agree on the outcome
         if failure is not None:
+            if ex.graphs is not None and ex.graphs.capturing:  # a capture cut short is no graph
+                self._graphs.pop(signature, None)
             aside.discard_step()
             raise failure
+        if ex.graphs is not None:
+            ex.graphs.capturing = False
         aside.take_back()
         self._unreduced = not reducing
         if losses is not None and self.holds_last_stage:
@@ -660,6 +680,60 @@ class Pipeline:
     def _rng_of(self, base: int, step: int) -> Callable[[int, int], Any]:
         replica, device = self.topology.dp_rank, self.device
         return lambda stage, microbatch: seeded(microbatch_seed(base, step, stage, microbatch, replica), device)
+
+    # -- CUDA graphs (`zbpp.runtime.task_graphs`) ---------------------------------------------
+    def _setup_graphs(self) -> None:
+        why = refusal(self.stage_modules, self.device)
+        if why is not None:
+            raise ValueError(why)
+        if self._fsdp is not None:
+            raise ValueError("cuda_graphs=True cannot capture fully_shard stages (FSDP all-gathers and frees "
+                             "parameters from Python hooks around each task); pass cuda_graphs=False")
+        self._grad_buffers = GradBuffers()
+        cuda = self.device.type == "cuda"
+        self._graph_pool = torch.cuda.graph_pool_handle() if cuda else None
+        self._graph_stream = torch.cuda.Stream(self.device) if cuda else None
+
+    @contextlib.contextmanager
+    def _compute_stream(self) -> Iterator[None]:
+        """A training step's stream: with CUDA graphs a side stream (no capture on the default one),
+        which first waits for the caller's work and the sends of earlier steps (their buffers are
+        static outputs that the step rewrites)."""
+        stream = self._graph_stream if self.cuda_graphs else None
+        if stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            for works, _ in self._in_flight:
+                for w in works:
+                    w.wait()
+            try:
+                yield
+            finally:
+                caller.wait_stream(stream)
+
+    def _graphs_of(self, signature: tuple, new_signature: bool) -> TaskGraphs | None:
+        """The graphs this training step captures or replays; None on a signature's first step (eager)."""
+        if not self.cuda_graphs:
+            return None
+        params = list(self.parameters())
+        if new_signature:
+            self._graphs.pop(signature, None)
+            return None
+        external = external_addresses(params)
+        graphs = self._graphs.get(signature)
+        if graphs is None or graphs.external != external:
+            graphs = TaskGraphs(self._graph_pool, stand_in=self._graph_stream is None)
+            graphs.external = external
+            self._graphs[signature] = graphs
+        else:
+            graphs.replays += 1
+        self._graphs.move_to_end(signature)
+        while len(self._graphs) > MAX_GRAPHED_SIGNATURES:  # same signatures on every rank: same eviction
+            self._graphs.popitem(last=False)
+        return graphs
 
     def _fsdp_reducer(self, reducer: Any, tied: Mapping[str, nn.Parameter] | None) -> Any:
         """An `FsdpReducer` when a stage holds ``fully_shard`` modules (`zbpp.runtime.fsdp`), else None."""

@@ -1,0 +1,156 @@
+"""Cases for ``Pipeline(cuda_graphs=True)``: the same training run with and without graphs.
+
+The model is a stack of residual blocks, alternately zbpp's ``LayerNormMLP`` (delayed W) and a
+plain ``nn.Sequential`` MLP (its W comes from the runtime's generic split), cut into the
+schedule's stages. Each run does `STEPS` optimizer steps with two batch sizes alternating (two
+input signatures: each is eager on its first step, captures on its second, replays after).
+
+The reference of a graph run is the eager run of the same pipeline: the same kernels in the
+same order, so losses and gradients must be equal bit for bit (no tolerance). On CPUs the
+graphs are `TaskGraphs` stand-ins (each replay runs eagerly again through the static buffers),
+which tests the bookkeeping only; there the eager run is also checked against one process on the
+whole batch (float64: rtol 1e-9, rounding of sums taken in another order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from zbpp import Pipeline
+from zbpp.modules import DelayedScaling, LayerNormMLP, fp8_autocast
+from zbpp.runtime import task_graphs
+from zbpp.schedules import build
+
+D = 32  # hidden width
+STEPS = 7  # signature A on steps 0, 2, 4, 6 (eager, capture, replay, replay); B on 1, 3, 5
+M = 4  # microbatches
+
+
+class Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+class Stage(nn.Module):
+    """Some blocks of the stack; in FP8 the forward runs inside ``fp8_autocast``."""
+
+    def __init__(self, blocks: list[nn.Module], fp8: bool) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+        self.fp8 = fp8
+        self.recipe = DelayedScaling(amax_history_len=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fp8_autocast(enabled=self.fp8, fp8_recipe=self.recipe) if self.fp8 else contextlib.nullcontext():
+            return self.blocks(x)
+
+
+def make_blocks(num_blocks: int, dtype: torch.dtype, device: torch.device, main_grad: bool,
+                delay: bool = True) -> list[nn.Module]:
+    torch.manual_seed(0)
+    out: list[nn.Module] = []
+    for i in range(num_blocks):
+        if i % 2 == 0:
+            inner: nn.Module = LayerNormMLP(D, 2 * D, params_dtype=dtype, device=device, delay_wgrad_compute=delay,
+                                            fuse_wgrad_accumulation=main_grad)
+            if main_grad:
+                for p in inner.parameters():
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+        else:
+            inner = nn.Sequential(nn.LayerNorm(D, dtype=dtype, device=device), nn.Linear(D, 2 * D, dtype=dtype, device=device),
+                                  nn.GELU(), nn.Linear(2 * D, D, dtype=dtype, device=device))
+        out.append(Residual(inner))
+    return out
+
+
+def _batch(step: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = 32 if step % 2 == 0 else 48
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(rows, D, generator=g).to(device, dtype)
+    return x, torch.randn(rows, D, generator=g).to(device, dtype)
+
+
+def train(schedule: str, *, graphs: bool, rank: int, world: int, device: torch.device, dtype: torch.dtype,
+          fp8: bool = False, main_grad: bool = False, groups: Any = None) -> dict[str, Any]:
+    """`STEPS` steps of SGD; returns the losses, every step's gradients and the graph counters."""
+    sched = build(schedule, num_ranks=world, num_microbatches=M)
+    per_stage = 2
+    blocks = make_blocks(per_stage * sched.num_stages, dtype, device, main_grad)
+    stages = {s: Stage(blocks[s * per_stage:(s + 1) * per_stage], fp8) for s in sched.stages_on(rank)}
+    pipe = Pipeline(stages, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=graphs, groups=groups)
+    params = list(pipe.parameters())
+    opt = torch.optim.SGD(params, lr=0.05)
+    losses, grads = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        for p in params:
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+        x, y = _batch(step, dtype, device)
+        loss = pipe.step(x, y)
+        losses.append(None if loss is None else loss.clone())
+        grads.append([(p.main_grad if hasattr(p, "main_grad") else p.grad).clone() for p in params])
+        for p in params:
+            if hasattr(p, "main_grad"):
+                p.grad = p.main_grad.to(p.dtype)
+        opt.step()
+    counts = [(len(g), g.replays) for g in pipe._graphs.values()]
+    return {"losses": losses, "grads": grads, "graphs": counts}
+
+
+def compare(schedule: str, *, rank: int = 0, world: int = 1, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+            fp8: bool = False, main_grad: bool = False, groups: Any = None) -> list[str]:
+    """The graph run against the eager run, bit for bit; what differs, as lines (empty: equal)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        task_graphs._CPU_STAND_IN = True
+    kw = dict(rank=rank, world=world, device=dev, dtype=dtype, fp8=fp8, main_grad=main_grad, groups=groups)
+    eager, graphed = train(schedule, graphs=False, **kw), train(schedule, graphs=True, **kw)
+    fails = []
+    counts = graphed["graphs"]  # (tasks captured, replay steps) per signature
+    if len(counts) != 2 or any(n == 0 for n, _ in counts) or sorted(r for _, r in counts) != [1, 2]:
+        fails.append(f"(tasks captured, replay steps) per signature: {counts}; expected 2 signatures replayed 1 and 2 times")
+    for step in range(STEPS):
+        a, b = eager["losses"][step], graphed["losses"][step]
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+            fails.append(f"step {step}: loss {b} with graphs, {a} eager")
+        for i, (ga, gb) in enumerate(zip(eager["grads"][step], graphed["grads"][step])):
+            if not torch.equal(ga, gb):
+                fails.append(f"step {step}: parameter {i}: max |difference| {(ga.float() - gb.float()).abs().max().item():.3g}")
+    return fails
+
+
+def whole_batch_reference(schedule: str) -> list[str]:
+    """CPU float64: the eager pipeline's first-step gradients against one process on the whole batch."""
+    dev, dtype = torch.device("cpu"), torch.float64
+    sched = build(schedule, num_ranks=1, num_microbatches=M)
+    blocks = make_blocks(2 * sched.num_stages, dtype, dev, False, delay=False)
+    ref = copy.deepcopy(nn.Sequential(*blocks))
+    x, y = _batch(0, dtype, dev)
+    nn.functional.mse_loss(ref(x), y).backward()
+    task_graphs._CPU_STAND_IN = True
+    got = train(schedule, graphs=True, rank=0, world=1, device=dev, dtype=dtype)
+    fails = []
+    for i, (p, g) in enumerate(zip(ref.parameters(), got["grads"][0])):
+        if not torch.allclose(g, p.grad, rtol=1e-9, atol=1e-12):
+            fails.append(f"parameter {i}: max |difference| {(g - p.grad).abs().max().item():.3g} from one process")
+    return fails
+
+
+def worker(schedule: str, backend: str, **kw: Any) -> list[str]:
+    """On every rank of a pipeline of the job's world size (gloo: CPU stand-ins; nccl: GPUs)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    dtype = torch.bfloat16 if backend == "nccl" else torch.float64
+    return compare(schedule, rank=rank, world=world, device=device, dtype=dtype, **kw)

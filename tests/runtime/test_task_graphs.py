@@ -1,0 +1,107 @@
+"""``Pipeline(cuda_graphs=True)``: graph-replayed steps against eager steps (`graph_cases`).
+
+On a GPU (one process, one rank; two ranks over NCCL when 2 GPUs are there): bit for bit, in bf16
+and FP8, into ``.grad`` and ``main_grad``, two input signatures alternating. On CPUs the graphs are
+stand-ins that run each replay eagerly through the same static buffers: the bookkeeping
+(capture order, static inputs and outputs, hand-over, fixed ``.grad`` buffers, signatures).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zbpp import Pipeline
+from zbpp.runtime import PipelineError, task_graphs
+from zbpp.schedules import build
+
+from . import graph_cases
+
+SCHEDULES = ["1f1b", "zb-h1", "zb-v"]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stand_in_equals_eager_and_one_process(schedule: str) -> None:
+    fails = graph_cases.compare(schedule, device="cpu", dtype=torch.float64)
+    fails += graph_cases.whole_batch_reference(schedule)
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_stand_in_on_two_gloo_ranks(zbpp_workers, schedule: str) -> None:
+    per_rank = zbpp_workers(2).run(graph_cases.worker, schedule, "gloo")
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+def test_refused_on_cpu_and_for_declared_stages(monkeypatch) -> None:
+    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", False)
+    sched = build("1f1b", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ValueError, match="move the stages to a CUDA device or pass cuda_graphs=False"):
+        Pipeline({0: nn.Linear(2, 2)}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=True)
+    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
+    stage = nn.Sequential(nn.Linear(2, 2))
+    stage[0].zbpp_cuda_graphs = False
+    with pytest.raises(ValueError, match="stage 0: its submodule '0' sets zbpp_cuda_graphs = False"):
+        Pipeline({0: stage}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=True)
+
+
+def test_fixed_grad_buffers_keep_accumulation(monkeypatch) -> None:
+    """Without zero_grad between steps the gradients add up, as in eager mode; a replaced .grad is
+    copied into the fixed buffer."""
+    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
+    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(4, 1, dtype=torch.float64, generator=g)
+    grads = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1, dtype=torch.float64)
+        pipe = Pipeline({0: m}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=graphs)
+        for _ in range(3):
+            pipe.step(x, y)
+        m.weight.grad = m.weight.grad * 2  # a new tensor: copied into the buffer, not lost
+        pipe.step(x, y)
+        grads[graphs] = m.weight.grad.clone()
+    # eager adds the step's gradient to the kept one at the end, graphs accumulate into the kept
+    # buffer: the same sums in another order (float64 rounding)
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-12, atol=0)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_graphs_bit_identical_to_eager(schedule: str, precision: str, main_grad: bool) -> None:
+    fails = graph_cases.compare(schedule, fp8=precision == "fp8", main_grad=main_grad)
+    assert not fails, "\n".join(fails)
+
+
+class _Syncs(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(x.sum().item() > 0)  # a host synchronisation: cannot be captured
+
+
+@cuda
+@pytest.mark.gpu
+def test_capture_failure_names_the_task() -> None:
+    sched = build("1f1b", num_ranks=1, num_microbatches=2)
+    stage = nn.Sequential(nn.Linear(4, 4, device="cuda"), _Syncs())
+    pipe = Pipeline({0: stage}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=True)
+    x, y = torch.randn(4, 4, device="cuda"), torch.randn(4, 4, device="cuda")
+    pipe.step(x, y)  # eager
+    with pytest.raises(PipelineError, match=r"task F0\.0 could not be captured into a CUDA graph"):
+        pipe.step(x, y)
+
+
+@pytest.mark.nccl
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_graphs_on_two_nccl_ranks(zbpp_workers, schedule: str) -> None:
+    per_rank = zbpp_workers(2, backend="nccl").run(graph_cases.worker, schedule, "nccl", fp8=True)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
