@@ -627,9 +627,19 @@ def make_pipeline_step(blocks: list[Residual], xs: list[torch.Tensor], grad: tor
     batch = torch.cat([x.detach() for x in xs])
     target = grad.repeat(len(xs), 1)
 
+    first_peaks: list[float] = []  # GiB allocated at most in the first two steps (eager, then capture)
+
     def step() -> None:
+        if len(first_peaks) < 2 and batch.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            pipe.step(batch, target)
+            torch.cuda.synchronize()
+            first_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            return
         pipe.step(batch, target)
 
+    step.first_peaks = first_peaks  # type: ignore[attr-defined]
     step.microbatch = lambda j, x: step()  # type: ignore[attr-defined]
     step.per_call = len(xs)  # type: ignore[attr-defined]  # the host time above is a whole step's
     return step
@@ -773,6 +783,7 @@ def run_blocks(args: argparse.Namespace) -> dict:
             "gpu_ms_per_microbatch": med / args.microbatches,
             "samples_ms": [round(t, 3) for t in times[v]], "fused_paths": fused[v],
             "breakdown": breakdown.get(v), "peak_gib": peak.get(v),
+            "first_steps_peak_gib": getattr(steps[v], "first_peaks", None),
         })
     by = {r["variant"]: r["median_ms"] for r in results}
 

@@ -221,7 +221,8 @@ class Pipeline:
         self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
         self.split_wgrad = bool(split_wgrad)
         has_b = {t.stage for t in self._plan.ranks[self.pp_rank].tasks if t.kind is Kind.B}
-        self._split_stages = {s for s in self.stage_modules if s in has_b} if self.split_wgrad else set()
+        self._split_stages = {s for s in self.stage_modules
+                              if s in has_b and _has_own_wgrad(self.stage_modules[s], self._wgrad[s])} if self.split_wgrad else set()
         self._stage_param_ids = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
         for s, w in self._wgrad.items():
             fifo = w.fifo_modules
@@ -795,6 +796,13 @@ def tasks_around(tasks: Sequence[Action], index: int, rank: int, context: int = 
     shown = [f"[{a}]" if i == index else str(a) for i, a in enumerate(tasks[lo:hi], start=lo)]
     return (f"pipeline rank {rank}, tasks {lo + 1}-{hi} of {len(tasks)}:  "
             + ("... " if lo > 0 else "") + " ".join(shown) + (" ..." if hi < len(tasks) else ""))
+
+
+def _has_own_wgrad(stage: nn.Module, wgrad: StageWgrad) -> bool:
+    """The stage has a parameter that no delayed-wgrad module computes in W: only then is there
+    anything for the generic split to move out of B (a walk of the graph per microbatch)."""
+    delayed = {id(p) for m in wgrad.modules for p in m.parameters()}
+    return any(id(p) not in delayed for p in stage.parameters())
 
 
 def _merge(outputs: list[Any]) -> Any:
