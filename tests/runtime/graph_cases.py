@@ -146,11 +146,17 @@ def whole_batch_reference(schedule: str) -> list[str]:
     return fails
 
 
-def worker(schedule: str, backend: str, **kw: Any) -> list[str]:
-    """On every rank of a pipeline of the job's world size (gloo: CPU stand-ins; nccl: GPUs)."""
+def worker(schedule: str, backend: str, dp: int = 1, **kw: Any) -> list[str]:
+    """On every rank of the job: `dp` replicas of a pipeline over the rest (gloo: CPU stand-ins;
+    nccl: GPUs). With replicas, the data-parallel reducer averages the gradients after each
+    stage's last W, outside the graphs."""
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from zbpp import ParallelGroups
+
+    world = dist.get_world_size()
+    groups = ParallelGroups(pp=world // dp) if dp > 1 else None
+    rank = groups.pp_rank if groups is not None else dist.get_rank()
     device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     dtype = torch.bfloat16 if backend == "nccl" else torch.float64
-    return compare(schedule, rank=rank, world=world, device=device, dtype=dtype, **kw)
+    return compare(schedule, rank=rank, world=world // dp, device=device, dtype=dtype, groups=groups, **kw)

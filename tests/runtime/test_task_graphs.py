@@ -37,6 +37,13 @@ def test_stand_in_on_two_gloo_ranks(zbpp_workers, schedule: str) -> None:
     assert not fails, "\n".join(fails)
 
 
+@pytest.mark.timeout(300)
+def test_stand_in_with_data_parallel_replicas(zbpp_workers) -> None:
+    per_rank = zbpp_workers(2).run(graph_cases.worker, "zb-h1", "gloo", dp=2)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
 def test_refused_on_cpu_and_for_declared_stages(monkeypatch) -> None:
     monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", False)
     sched = build("1f1b", num_ranks=1, num_microbatches=2)
@@ -100,8 +107,11 @@ def test_capture_failure_names_the_task() -> None:
 
 @pytest.mark.nccl
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
-def test_graphs_on_two_nccl_ranks(zbpp_workers, schedule: str) -> None:
-    per_rank = zbpp_workers(2, backend="nccl").run(graph_cases.worker, schedule, "nccl", fp8=True)
+@pytest.mark.parametrize("schedule, dp, main_grad", [("zb-h1", 1, False), ("zb-v", 1, True), ("zb-h1", 2, True)])
+def test_graphs_on_two_nccl_ranks(zbpp_workers, schedule: str, dp: int, main_grad: bool) -> None:
+    """Pipelines over 2 GPUs (sends and receives between the replays), or 2 data-parallel replicas
+    of a one-rank pipeline (the reduction after each stage's last W, outside the graphs)."""
+    per_rank = zbpp_workers(2, backend="nccl").run(graph_cases.worker, schedule, "nccl", dp=dp, fp8=True,
+                                                   main_grad=main_grad)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
