@@ -4,6 +4,8 @@ The whole model is `Net`: four blocks ``layers.0`` .. ``layers.3`` (Linear + tan
 is a copy of the whole model with the blocks it does not hold deleted, so its parameters keep the
 whole model's names (``layers.2.weight``): what checkpoints are keyed by and what the tests compare
 by. The reference is one process running the whole model on the whole batch (`reference_run`).
+Tied cases make the weight of some blocks the very Parameter of ``layers.0.weight`` (`whole_model`'s
+`tie`): the reference's gradient of it is the sum over its uses, recorded under every name.
 
 Tolerances: float64 everywhere; the pipeline sums the same products in another order (microbatch
 and replica sums), so results agree to rounding: rtol 1e-9, atol 1e-11.
@@ -49,14 +51,22 @@ class Net(nn.Module):
         return x
 
 
-def whole_model(kind: str = "plain", seed: int = 0) -> Net:
+def whole_model(kind: str = "plain", seed: int = 0, tie: tuple[int, ...] = ()) -> Net:
+    """`Net` with seeded values; the blocks in `tie` use ``layers.0.weight`` as their weight."""
     torch.manual_seed(seed)
     net = Net(kind)
+    for i in tie:
+        net.layers[str(i)].weight = net.layers["0"].weight
     with torch.no_grad():  # same values for every kind
         g = torch.Generator().manual_seed(seed)
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
     return net
+
+
+def all_params(net: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by every name (a tied one under each of its names)."""
+    return dict(net.named_parameters(remove_duplicate=False))
 
 
 def stage_of(whole: Net, stage: int, num_stages: int) -> Net:
@@ -86,11 +96,12 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 1,
-                  clip: float | None = None) -> tuple[Net, list[dict[str, torch.Tensor]]]:
+                  clip: float | None = None, tie: tuple[int, ...] = ()) -> tuple[Net, list[dict[str, torch.Tensor]]]:
     """One process, whole model, whole batch: the model after `steps` AdamW steps and each step's
-    gradients (with `accumulate`, each optimizer step sums the gradients of that many batches;
-    with `clip`, torch's clip_grad_norm_ runs before each optimizer step, after the record)."""
-    net = whole_model(kind).to(device)
+    gradients by every name, a tied weight's under each (with `accumulate`, each optimizer step sums
+    the gradients of that many batches; with `clip`, torch's clip_grad_norm_ runs before each
+    optimizer step, after the record)."""
+    net = whole_model(kind, tie=tie).to(device)
     opt = make_optimizer(net.parameters())
     grads = []
     for step in range(steps):
@@ -98,7 +109,7 @@ def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 
         for k in range(accumulate):
             x, y = batch(step * accumulate + k, device)
             loss_fn(net(x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False)})
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
@@ -136,28 +147,51 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
+def rank_stages(whole: Net, stages: list[int], num_stages: int) -> dict[int, Net]:
+    """This rank's stages of one copy of `whole`: a Parameter that blocks of two of them share (a
+    tie under a V placement) is one object, as when a rank splits its own model."""
+    mine = copy.deepcopy(whole)
+    per = len(whole.layers) // num_stages
+    out = {}
+    for s in stages:
+        part = Net(blocks=0)
+        for i in range(s * per, (s + 1) * per):
+            part.layers[str(i)] = mine.layers[str(i)]
+        out[s] = part
+    return out
+
+
 def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None = None,
-                  loss: Callable[[Any, Any], torch.Tensor] = loss_fn, inner: bool = False) -> Pipeline:
-    """This rank's stages of `whole` (default `whole_model(kind)`), each ``fully_shard``-ed over the
-    dp dimension (with `inner`, each block first, as torchtitan does), in a `Pipeline` on the
-    (dp, pp) mesh."""
+                  loss: Callable[[Any, Any], torch.Tensor] = loss_fn, inner: bool = False,
+                  tie: tuple[int, ...] = (), named: bool = True) -> Pipeline:
+    """This rank's stages of `whole` (default `whole_model(kind, tie=tie)`), each ``fully_shard``-ed
+    over the dp dimension (with `inner`, each block first, as torchtitan does), in a `Pipeline` on the
+    (dp, pp) mesh. With `tie` (blocks whose weight is ``layers.0.weight``) and `named`, a rank holding
+    a tied block passes its copy as ``tied_parameters={"w": ...}``; a rank without stage 0 zeroes its
+    copy first: construction must make it equal to stage 0's."""
     from torch.distributed.fsdp import fully_shard
 
     dev = device_type()
     m = mesh(dev, dp, pp)
     sched = build(schedule, num_ranks=pp, num_microbatches=M)
-    whole = whole if whole is not None else whole_model(kind)
+    whole = whole if whole is not None else whole_model(kind, tie=tie)
     device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
     pp_rank = m.get_local_rank("pp")
-    stages = {}
-    for s in sched.stages_on(pp_rank):
-        part = stage_of(whole, s, sched.num_stages).to(device)
+    stages = rank_stages(whole, sched.stages_on(pp_rank), sched.num_stages)
+    held = [str(i) for i in (0, *tie) if any(str(i) in part.layers for part in stages.values())]
+    if held and 0 not in stages:
+        with torch.no_grad():
+            next(part for part in stages.values() if held[0] in part.layers).layers[held[0]].weight.zero_()
+    for s, part in stages.items():
+        part.to(device)
         if inner:
             for block in part.layers.values():
                 fully_shard(block, mesh=m["dp"])
         fully_shard(part, mesh=m["dp"])
-        stages[s] = part
-    return Pipeline(stages, sched, loss_fn=loss, groups=m)
+    tied = {}
+    if held and named:
+        tied["w"] = next(part for part in stages.values() if held[0] in part.layers).layers[held[0]].weight
+    return Pipeline(stages, sched, loss_fn=loss, groups=m, tied_parameters=tied)
 
 
 def my_rows(dp_rank: int, dp: int, x: torch.Tensor) -> torch.Tensor:
@@ -195,19 +229,26 @@ class CountReduceScatter:
             setattr(dist, name, fn)
 
 
+TIES = {"tied": (3,), "tied023": (2, 3)}  # the blocks whose weight is layers.0.weight
+
+
 def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
-    """``"<schedule>/<kind>[/accumulate]"``: three AdamW steps (one with accumulate: a no_sync step
+    """``"<schedule>/<kind>[/option...]"``: three AdamW steps (one with accumulate: a no_sync step
     then a synchronised one) with `fsdp_pipeline`; every gradient (gathered) and the parameters
-    after the steps equal `reference_run`; one reduce-scatter per stage per step."""
+    after the steps equal `reference_run`; one reduce-scatter per stage per step. Options:
+    ``accumulate``, ``clip``, ``inner``, ``tied`` / ``tied023`` (`TIES`), ``unnamed`` (the tie
+    not passed as tied_parameters)."""
     schedule, kind, *rest = case.split("/")
     accumulate = 2 if "accumulate" in rest else 1
     steps = 1 if accumulate > 1 else 3
+    tie = next((TIES[o] for o in rest if o in TIES), ())
     dev = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
-    pipe = fsdp_pipeline(schedule, kind, dp, pp, inner="inner" in rest)
+    pipe = fsdp_pipeline(schedule, kind, dp, pp, inner="inner" in rest, tie=tie, named="unnamed" not in rest)
     dp_rank = pipe.topology.dp_rank
     # one reduce-scatter per stage and step: per FSDP module holding parameters (each block with inner)
     expected = sum(len(m.layers) if "inner" in rest else 1 for m in pipe.stage_modules.values())
-    ref, ref_grads = reference_run("plain", steps, dev, accumulate, 0.05 if "clip" in rest else None)  # same values, eager layers
+    ref, ref_grads = reference_run("plain", steps, dev, accumulate, 0.05 if "clip" in rest else None, tie)  # same values, eager layers
+    once = {n for n, _ in ref.named_parameters()}  # a tied weight's name once: the norm counts it once
     opt = make_optimizer(list(pipe.parameters()))
     named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
     fails: list[str] = []
@@ -233,14 +274,14 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
             from zbpp.runtime import clip_grad_norm_
 
             norm = clip_grad_norm_(pipe, 0.05)
-            want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in ref_grads[step].values()]))
+            want = torch.linalg.vector_norm(torch.cat([g.flatten() for n, g in ref_grads[step].items() if n in once]))
             if not torch.allclose(norm.to(want.device), want, rtol=RTOL, atol=ATOL):
                 fails.append(f"step {step}: clip norm {float(norm)} != {float(want)}")
             coef = min(1.0, 0.05 / (float(want) + 1e-6))
             clipped = {n: full(p.grad) for n, p in named.items()}
             fails += compare(f"step {step} clipped grad", clipped, {n: g * coef for n, g in ref_grads[step].items()})
         opt.step()
-    fails += compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
+    fails += compare("param", {n: full(p.detach()) for n, p in named.items()}, all_params(ref))
     x, y = batch(99, dev)
     loss = pipe.eval_step(my_rows(dp_rank, dp, x), target=my_rows(dp_rank, dp, y))
     if pipe.holds_last_stage:  # this replica's rows through the trained model
@@ -395,11 +436,11 @@ def _logged(fn: Callable[..., Any], log: list, stage: int) -> Callable[..., Any]
 
 
 # -- a failed step ----------------------------------------------------------------------------
-def failure_case(schedule: str, microbatch: int, no_sync: bool = False) -> list[str]:
+def failure_case(schedule: str, microbatch: int, no_sync: bool = False, tie: tuple[int, ...] = ()) -> list[str]:
     """Global rank 1 (replica 0, last stage) raises in its loss of `microbatch` during the second
     step (inside ``no_sync()`` with `no_sync`): every rank raises PipelineError, and the run goes
     on: the failed batch again, then one more, equal three reference steps (FSDP's state was as
-    the next step needs it: nothing of the failed step is left to reduce)."""
+    the next step needs it: nothing of the failed step is left to reduce). `tie`: `fsdp_pipeline`'s."""
     from zbpp.runtime import PipelineError
 
     armed = {"on": False, "seen": 0}
@@ -411,7 +452,7 @@ def failure_case(schedule: str, microbatch: int, no_sync: bool = False) -> list[
                 raise RuntimeError("injected")
         return loss_fn(out, y)
 
-    pipe = fsdp_pipeline(schedule, "delayed", 2, 2, loss=loss)
+    pipe = fsdp_pipeline(schedule, "delayed", 2, 2, loss=loss, tie=tie)
     opt = make_optimizer(list(pipe.parameters()))
     dp_rank = pipe.topology.dp_rank
     fails = []
@@ -430,30 +471,35 @@ def failure_case(schedule: str, microbatch: int, no_sync: bool = False) -> list[
             fails.append("the step with the injected failure succeeded")
             continue
         opt.step()
-    ref, _ = reference_run("plain", 3)
+    ref, _ = reference_run("plain", 3, tie=tie)
     named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
-    return fails + compare("param", {n: full(p.detach()) for n, p in named.items()}, dict(ref.named_parameters()))
+    return fails + compare("param", {n: full(p.detach()) for n, p in named.items()}, all_params(ref))
 
 
 # -- refused combinations --------------------------------------------------------------------
 def refusal_case(what: str) -> str:
-    """Build a dp=2 x pp=2 pipeline with `what` wrong; return the ValueError's message ('' if none)."""
+    """Build a dp=2 x pp=2 pipeline with `what` wrong; return the ValueError's message ('' if none).
+    ``inner-only``: a stage not itself fully_shard-ed; ``one-call``: zb-v, the two stages of a rank
+    sharded by one ``fully_shard([a, b])``; ``tied-half-sharded``: a tied copy sharded on pipeline
+    rank 0 only."""
     from torch.distributed.fsdp import fully_shard
 
     m = mesh("cpu", 2, 2)
-    sched = build("1f1b", num_ranks=2, num_microbatches=M)
+    sched = build("zb-v" if what == "one-call" else "1f1b", num_ranks=2, num_microbatches=M)
     pp_rank = m.get_local_rank("pp")
-    whole = whole_model("delayed")
-    part = stage_of(whole, pp_rank, 2)
+    whole = whole_model("delayed", tie=(2,))
+    stages = rank_stages(whole, sched.stages_on(pp_rank), sched.num_stages)
     kwargs: dict[str, Any] = {}
     if what == "inner-only":
-        fully_shard(part.layers[str(2 * pp_rank)], mesh=m["dp"])
-    else:
-        fully_shard(part, mesh=m["dp"])
-        if what == "tied":
-            kwargs["tied_parameters"] = {"shared": part.layers[str(2 * pp_rank)].weight}
+        fully_shard(stages[pp_rank].layers[str(2 * pp_rank)], mesh=m["dp"])
+    elif what == "one-call":
+        fully_shard(list(stages.values()), mesh=m["dp"])
+    elif what == "tied-half-sharded":
+        if pp_rank == 0:
+            fully_shard(stages[0], mesh=m["dp"])
+        kwargs["tied_parameters"] = {"w": stages[pp_rank].layers[str(2 * pp_rank)].weight}
     try:
-        Pipeline({pp_rank: part}, sched, loss_fn=loss_fn, groups=m, **kwargs)
+        Pipeline(stages, sched, loss_fn=loss_fn, groups=m, **kwargs)
     except ValueError as exc:
         return str(exc)
     return ""

@@ -13,6 +13,11 @@ from .fsdp_cases import failure_case, fsdp_worker, refusal_case, timing_case
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
+# layers.0.weight tied: to layers.3 (1f1b, zb-h1: stages 0 and 1 on two ranks; zb-v, dualpipe-v: stages
+# 0 and 3 on one rank, fully_shard splits the Parameter into one copy per stage) and to layers.2 too
+# (a stage of the other rank as well); clip: the norm counts the tied weight once
+CASES += ["1f1b/plain/tied", "zb-h1/plain/tied", "zb-h1/delayed/tied/clip", "zb-h1/delayed/tied/accumulate",
+          "zb-h1/fused/tied", "zb-v/plain/tied/unnamed", "zb-v/delayed/tied/clip", "dualpipe-v/delayed/tied023"]
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +42,21 @@ def test_reduce_scatter_after_last_w(zbpp_workers, schedule: str) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("microbatch, no_sync", [(0, False), (2, False), (2, True)])
-def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: bool) -> None:
+@pytest.mark.parametrize("microbatch, no_sync, tie", [(0, False, ()), (2, False, ()), (2, True, ()), (2, False, (3,))])
+def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: bool, tie: tuple[int, ...]) -> None:
     """A step that fails on one replica (before any of its backward, or midway; inside no_sync or
-    not) raises everywhere; the next steps match the reference as if the failed one never ran."""
-    per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch, no_sync)
+    not; with a weight tied across the ranks) raises everywhere; the next steps match the reference
+    as if the failed one never ran."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch, no_sync, tie)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("what, words", [
-    ("tied", "tied_parameters= is not supported with fully_shard"),
     ("inner-only", "call fully_shard(stage_module"),
+    ("one-call", "were sharded by one fully_shard call"),
+    ("tied-half-sharded", "is sharded by fully_shard on global ranks [0, 2] but not on [1, 3]"),
 ])
 def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:
     messages = zbpp_workers(4, pg_timeout=60).run(refusal_case, what)

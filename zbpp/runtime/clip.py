@@ -91,7 +91,8 @@ def clip_grad_norm_(
         error_if_nonfinite: raise if the total norm is NaN or infinite.
 
     A `Pipeline`'s tied parameters (`tied_parameters=`) count once: on the rank of their lowest
-    stage. Parameters passed otherwise count on every rank that passes them.
+    stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages).
+    Parameters passed otherwise count on every rank that passes them.
     """
     if max_norm < 0 or math.isnan(max_norm):
         raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")

@@ -39,9 +39,18 @@ full buffer per such parameter too), and the usual activations of the schedule.
 stage's last W it is added into ``.grad`` and dropped, and FSDP reduce-scatters that: the result is
 the shard's ``.grad``, as for every other parameter.
 
-Limits: tied parameters across ranks (``tied_parameters=``) are refused with FSDP stages: FSDP owns
-the gradient of a sharded parameter, so the tied sum has no place to live. After a failed
-step FSDP's per-step state is reset (``reset_iter_state``): the step's gradients and those that
+Tied parameters (``tied_parameters=``, `zbpp.runtime.tied`): every copy is sharded like the rest of
+its stage, so replica k holds shard k of each copy. After a holding stage's reduce-scatter (the
+shards of ``.grad`` are then averaged over the replicas) the shards are summed over the copies of
+the same replica, one group per pipeline. Under a V placement a Parameter that two stages of one
+rank share becomes two sharded Parameters, one per ``fully_shard`` call (FSDP keeps no link between
+them; one call over both stages, ``fully_shard([a, b])``, cannot run as two roots and is refused):
+`FsdpReducer.split_copies` finds them by the original Parameter that FSDP records (a torch whose
+FSDP records none, one older than its check for parameters shared across groups, cannot tell: there
+the copies are not tied), and the pipeline keeps them tied, named in ``tied_parameters`` or not: after both stages' reduce-scatters each gets
+their sum (the optimizer then updates both alike), and gradient norms count it once.
+
+Limits: after a failed step FSDP's per-step state is reset (``reset_iter_state``): the step's gradients and those that
 no_sync steps accumulated unreduced are lost; gradients already reduce-scattered into ``.grad``
 before it are kept.
 
@@ -139,6 +148,20 @@ def _zero_missing_grads(root: nn.Module) -> None:
                     unsharded.grad = torch.zeros_like(unsharded)
 
 
+def _original_uids(root: nn.Module) -> list[tuple[Any, nn.Parameter]]:
+    """``(id of the original Parameter, sharded parameter)`` for every parameter that fully_shard
+    calls under `root` manage (none on a torch whose FSDP does not record the original)."""
+    out = []
+    states = {id(st): st for st in (_fully_shard().state(sub) for sub in root.modules() if is_fsdp_module(sub))}  # type: ignore[attr-defined]
+    for state in states.values():
+        for group in _param_groups(state):
+            for fp in group.fsdp_params:
+                uid = getattr(fp, "_orig_param_uid", None)
+                if uid is not None:
+                    out.append((uid, fp.sharded_param))
+    return out
+
+
 def _set_flags(root: nn.Module, sync: bool) -> None:
     root.set_requires_gradient_sync(sync)
     root.set_is_last_backward(sync)
@@ -151,7 +174,9 @@ class FsdpReducer:
     `zbpp.Pipeline` builds it when a stage holds a ``fully_shard`` module; it implements the
     pipeline's reducer protocol (``start_step``, ``stage_backward_done``, ``stage_wgrad_done``,
     ``finish``, ``abandon``) plus ``begin_step`` / ``end_step`` that the pipeline calls around every
-    step, synchronised or not.
+    step, synchronised or not. Each stage module is its own FSDP root and is reduce-scattered alone;
+    a Parameter that two of them shared is one sharded copy per stage (`split_copies`), which
+    `zbpp.runtime.tied.TiedParameters` keeps tied.
 
     Args:
         stage_modules: ``{stage: module}``; every module must itself be a ``fully_shard`` root.
@@ -176,6 +201,14 @@ class FsdpReducer:
                     "replicas: pass the pipeline's mesh (groups=mesh) and fully_shard(stage, mesh=mesh['dp'])"
                 )
             m.set_reshard_after_forward(False, recurse=True)
+        roots = [(s, _fully_shard().state(m)) for s, m in sorted(stage_modules.items())]  # type: ignore[attr-defined]
+        shared = [(a, b) for i, (a, sa) in enumerate(roots) for b, sb in roots[i + 1:] if sa is sb]
+        if shared:
+            raise ValueError(
+                f"stages {list(shared[0])} were sharded by one fully_shard call (fully_shard([...])), which FSDP "
+                "cannot run as two roots: call fully_shard(stage_module, mesh=mesh['dp']) on each stage (a Parameter "
+                "they share stays tied: see FsdpReducer.split_copies)"
+            )
         self.stage_modules = dict(stage_modules)
         #: per stage, the modules that accumulate their weight gradients into ``main_grad``
         self.fused = {s: [sub for sub in m.modules() if getattr(sub, "fuse_wgrad_accumulation", False)]
@@ -184,6 +217,16 @@ class FsdpReducer:
         self.reduced: dict[int, int] = {s: 0 for s in self.stage_modules}  #: reduce-scatters per stage, this step
         self._in_step = False
         self._draining: Callable[[], bool] | None = None
+
+    def split_copies(self) -> list[list[nn.Parameter]]:
+        """The sharded parameters that one Parameter shared by several stages of this rank became,
+        each list by stage: ``fully_shard`` on each stage module shards it once per stage, with no
+        link between the copies but the original's id that FSDP records (`_original_uids`)."""
+        found: dict[Any, list[tuple[int, nn.Parameter]]] = {}
+        for s, m in sorted(self.stage_modules.items()):
+            for uid, p in _original_uids(m):
+                found.setdefault(uid, []).append((s, p))
+        return [[p for _, p in copies] for copies in found.values() if len({s for s, _ in copies}) > 1]
 
     # -- around every step ---------------------------------------------------------------------
     def begin_step(self, draining: Callable[[], bool] | None = None) -> None:

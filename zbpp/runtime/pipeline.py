@@ -248,9 +248,10 @@ class Pipeline:
         self._channels = None
         if self.topology.pp_size > 1:
             self._channels = Channels(self.topology, self._plan.channels, self.device, span)
-        self._fsdp = self._fsdp_reducer(reducer, tied_parameters)  # before the tied copies' first broadcast
+        self._fsdp = self._fsdp_reducer(reducer)  # before the tied copies' first broadcast
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
-                                    self._agreement.group, self.device, span)
+                                    self._agreement.group, self.device, span,
+                                    split=self._fsdp.split_copies() if self._fsdp is not None else ())
         self._reducer = reducer
         if self._fsdp is not None:
             self._reducer = self._fsdp
@@ -736,7 +737,7 @@ class Pipeline:
             self._graphs.popitem(last=False)
         return graphs
 
-    def _fsdp_reducer(self, reducer: Any, tied: Mapping[str, nn.Parameter] | None) -> Any:
+    def _fsdp_reducer(self, reducer: Any) -> Any:
         """An `FsdpReducer` when a stage holds ``fully_shard`` modules (`zbpp.runtime.fsdp`), else None."""
         from .fsdp import FsdpReducer, holds_fsdp
 
@@ -744,11 +745,6 @@ class Pipeline:
             return None
         if reducer is not None:
             raise ValueError("reducer= cannot be combined with fully_shard stages: FSDP reduces their gradients")
-        if tied:
-            raise ValueError(
-                "tied_parameters= is not supported with fully_shard stages: FSDP owns the gradient of a "
-                "sharded parameter; untie the copies or leave those stages unsharded"
-            )
         first = list(dict.fromkeys(a.stage for a in self._plan.ranks[self.pp_rank].tasks if a.kind.name == "F"))
         return FsdpReducer(self.stage_modules, self.topology.dp_size, first)
 

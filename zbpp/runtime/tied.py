@@ -16,12 +16,24 @@ a V placement both uses may sit on one rank, as one Parameter shared by its two 
 
 The reduced tensor is ``main_grad`` when the parameter has one, else ``.grad`` (zeros when a copy
 got no gradient this step, so every copy takes part).
+
+``fully_shard`` stages (`zbpp.runtime.fsdp`): a tied copy is a DTensor sharded over the ``dp`` mesh
+dimension, so replica k holds shard k of every copy, and FSDP already averages each copy's gradient
+over the replicas when it reduce-scatters the stage after its last W. The tie then works shard by
+shard: one group per pipeline (the holders of replica k), the copies made equal to the lowest stage's
+within it, and after every holding stage of the rank has reduce-scattered (its last W, whatever its
+modules are) the local shards of ``.grad`` are summed over the group, without a division. Under a V
+placement a Parameter that two stages of one rank share becomes one sharded copy per stage when
+each stage is sharded (FSDP keeps no link between them); `FsdpReducer.split_copies` finds them, and
+the pipeline keeps them tied, named or not: their gradients are added after both stages'
+reduce-scatter (then all-reduced with the other ranks' copies if there are any), and each copy gets
+the sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,13 +46,18 @@ __all__ = ["TiedParameters"]
 
 @dataclass(eq=False)
 class _Tie:
-    name: str
-    param: nn.Parameter
-    stages: tuple[int, ...]  # the stages of this rank whose modules hold the parameter
-    group: Any  # every copy of every replica (None: this rank holds the only copy)
+    name: str | None  # None: copies found by FSDP on this rank alone, not named by the caller
+    params: tuple[nn.Parameter, ...]  # this rank's copies, by stage (more than one: FSDP split them)
+    stages: tuple[int, ...]  # the stages of this rank whose modules hold a copy
+    group: Any  # the copies to sum with (None: this rank's only)
     counted_here: bool  # this rank holds the copy of the lowest stage in its pipeline (norms count it)
+    sharded: bool = False  # fully_shard copies: local shards, summed without a division
     pending: set[int] = field(default_factory=set)  # holding stages not final yet this step
     work: Any = None
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.params[0]
 
 
 class TiedParameters:
@@ -54,52 +71,92 @@ class TiedParameters:
         agreement: the job's gloo group (to learn who holds what).
         device: where gradients live (CUDA: NCCL groups; CPU: gloo).
         timeout: the groups' timeout.
+        split: ``fully_shard`` stages: the sharded copies that one Parameter shared by several
+            stages of this rank became (`FsdpReducer.split_copies`); each list is kept tied.
     """
 
     def __init__(self, tied: Mapping[str, nn.Parameter], stage_modules: Mapping[int, nn.Module], topology: Topology,
-                 stage_rank: tuple[int, ...], agreement: Any, device: torch.device, timeout: Any) -> None:
+                 stage_rank: tuple[int, ...], agreement: Any, device: torch.device, timeout: Any,
+                 split: Sequence[Sequence[nn.Parameter]] = ()) -> None:
         if not isinstance(tied, Mapping):
             raise TypeError(f"tied_parameters must be a mapping {{name: parameter}}, got {type(tied).__name__}")
         self.topology = topology
         self.dp = topology.dp_size
-        mine: dict[str, tuple[nn.Parameter, tuple[int, ...]]] = {}
+        unclaimed = [tuple(c) for c in split]
+
+        def stages_of(params: Sequence[nn.Parameter]) -> tuple[int, ...]:
+            return tuple(s for s, m in sorted(stage_modules.items()) if any(q is p for q in m.parameters() for p in params))
+
+        mine: dict[str, tuple[tuple[nn.Parameter, ...], tuple[int, ...]]] = {}
         for name, p in tied.items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"tied_parameters: names must be non-empty strings, got {name!r}")
             if not isinstance(p, nn.Parameter):
                 raise TypeError(f"tied_parameters[{name!r}] must be an nn.Parameter, got {type(p).__name__}")
-            stages = tuple(s for s, m in sorted(stage_modules.items()) if any(q is p for q in m.parameters()))
+            copies = next((c for c in unclaimed if any(q is p for q in c)), (p,))
+            unclaimed = [c for c in unclaimed if c is not copies]
+            stages = stages_of(copies)
             if not stages:
                 raise ValueError(
                     f"tied_parameters[{name!r}] is not a parameter of this rank's stage modules (stages "
                     f"{sorted(stage_modules)}): pass the very Parameter object the stage uses"
                 )
-            mine[name] = (p, stages)
-        held = {n: (tuple(p.shape), str(p.dtype), min(stages)) for n, (p, stages) in mine.items()}
+            mine[name] = (copies, stages)
+        held = {n: (tuple(ps[0].shape), str(ps[0].dtype), min(stages), _shard_of(ps[0])) for n, (ps, stages) in mine.items()}
         everyone = self._exchange(agreement, held)
         self._ties: list[_Tie] = []
         backend = "nccl" if device.type == "cuda" else "gloo"
         for name in sorted({n for h in everyone.values() for n in h}):
             holders = {g: h[name] for g, h in everyone.items() if name in h}
-            kinds = {(shape, dtype) for shape, dtype, _ in holders.values()}
+            kinds = {(shape, dtype) for shape, dtype, _, _ in holders.values()}
             if len(kinds) > 1:
                 raise ValueError(f"tied parameter {name!r} has different shapes or dtypes on its ranks: "
                                  f"{ {g: h[:2] for g, h in sorted(holders.items())} }")
+            sharded = {g for g, h in holders.items() if h[3] is not None}
+            if sharded and len(sharded) < len(holders):
+                raise ValueError(
+                    f"tied parameter {name!r} is sharded by fully_shard on global ranks {sorted(sharded)} but not on "
+                    f"{sorted(set(holders) - sharded)}: fully_shard every stage module that holds a copy"
+                )
             ranks = sorted(holders)
-            group = cached_group(f"tie:{name}", ranks, backend, timeout) if len(ranks) > 1 and topology.distributed else None
+            if sharded:  # replica k's copies hold shard k: one group per pipeline, created by every rank
+                groups = [self._shard_group(name, [g for g in ranks if g in line], holders, backend, timeout)
+                          for line in topology.pipelines]
+                group = groups[topology.pipelines.index(topology.pipeline)]
+            else:
+                group = cached_group(f"tie:{name}", ranks, backend, timeout) if len(ranks) > 1 and topology.distributed else None
             if name not in mine:
                 continue
-            p, stages = mine[name]
+            params, stages = mine[name]
             in_my_pipeline = [g for g in ranks if g in topology.pipeline]
             lowest = min(in_my_pipeline, key=lambda g: (holders[g][2], g))
-            tie = _Tie(name, p, stages, group, lowest == topology.global_rank)
+            tie = _Tie(name, params, stages, group, lowest == topology.global_rank, bool(sharded))
             self._ties.append(tie)
-            if group is not None:  # copies equal to the lowest stage's, of replica 0
-                src = min(ranks, key=lambda g: (g not in topology.pipelines[0], holders[g][2], g))
+            if group is not None:  # copies equal to the lowest stage's (of replica 0; sharded: of the pipeline)
+                pool = in_my_pipeline if sharded else ranks
+                src = min(pool, key=lambda g: (g not in topology.pipelines[0], holders[g][2], g))
                 import torch.distributed as dist
 
                 with torch.no_grad():
-                    dist.broadcast(p.data, src, group=group)
+                    dist.broadcast(_local(tie.param.data), src, group=group)
+            _equalise(tie)
+        for copies in unclaimed:  # shared by stages of this rank only: no collective
+            tie = _Tie(None, copies, stages_of(copies), None, True, True)
+            self._ties.append(tie)
+            _equalise(tie)
+
+    @staticmethod
+    def _shard_group(name: str, ranks: list[int], holders: dict[int, Any], backend: str, timeout: Any) -> Any:
+        """The group of one pipeline's holders of a sharded tie (every rank calls this for every
+        pipeline); their shards must be the same part of the parameter."""
+        shards = {holders[g][3] for g in ranks}
+        if len(shards) > 1:
+            raise ValueError(
+                f"tied parameter {name!r}: the copies of one pipeline (global ranks {ranks}) hold different shards "
+                f"{ {g: holders[g][3] for g in ranks} }: fully_shard every stage over the pipeline's dp mesh "
+                "(fully_shard(stage, mesh=mesh['dp']) with groups=mesh)"
+            )
+        return cached_group(f"tie:{name}", ranks, backend, timeout) if len(ranks) > 1 else None
 
     @staticmethod
     def _exchange(agreement: Any, held: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -113,15 +170,16 @@ class TiedParameters:
 
     @property
     def names(self) -> list[str]:
-        return [t.name for t in self._ties]
+        return [t.name for t in self._ties if t.name is not None]
 
     def counted_here(self, p: nn.Parameter) -> bool:
-        """False for a tied copy whose norm another rank of the pipeline counts (see `clip_grad_norm_`)."""
-        return all(t.counted_here for t in self._ties if t.param is p)
+        """False for a tied copy whose norm another rank of the pipeline, or another copy of this
+        rank, counts (see `clip_grad_norm_`)."""
+        return all(t.counted_here and p is t.param for t in self._ties if any(q is p for q in t.params))
 
     def param_ids(self) -> set[int]:
         """ids of this rank's tied parameters (the data-parallel reducer leaves them out)."""
-        return {id(t.param) for t in self._ties}
+        return {id(p) for t in self._ties for p in t.params}
 
     # -- per step -------------------------------------------------------------------------------
     def start_step(self) -> None:
@@ -131,32 +189,46 @@ class TiedParameters:
 
     def stage_done(self, stage: int, owed_by_w: set[int] | None) -> None:
         """The stage's last B (``owed_by_w``: ids of the parameters its W still computes) or its last
-        W (``owed_by_w`` None): launch the reduction of every copy now final."""
+        W (``owed_by_w`` None): launch the reduction of every copy now final. A sharded copy is final
+        only after the stage's reduce-scatter, which follows its last W."""
         for t in self._ties:
-            if stage not in t.pending or (owed_by_w is not None and id(t.param) in owed_by_w):
+            if stage not in t.pending or (owed_by_w is not None and (t.sharded or id(t.param) in owed_by_w)):
                 continue
             t.pending.discard(stage)
             if not t.pending:
                 self._launch(t)
 
     def _launch(self, t: _Tie) -> None:
-        if t.group is None or not t.param.requires_grad:  # a frozen copy has no gradient to share
+        if not t.param.requires_grad:  # a frozen copy has no gradient to share
+            return
+        g = _local(_grad_of(t.param))
+        for q in t.params[1:]:  # copies of this rank (FSDP split them): their sum, then the group's
+            g.add_(_local(_grad_of(q)))
+        if t.group is None:
+            self._copy_out(t)
             return
         import torch.distributed as dist
 
-        g = _grad_of(t.param)
-        if self.dp > 1:
+        if self.dp > 1 and not t.sharded:
             g.div_(self.dp)
         t.work = dist.all_reduce(g, group=t.group, async_op=True)
+
+    @staticmethod
+    def _copy_out(t: _Tie) -> None:
+        """Every copy of this rank gets the first one's reduced gradient."""
+        for q in t.params[1:]:
+            _local(_grad_of(q)).copy_(_local(_grad_of(t.param)))
 
     def finish(self) -> None:
         """Wait for the step's reductions (CUDA: the compute stream waits, the host does not)."""
         for t in self._ties:
             if t.pending:
-                raise RuntimeError(f"tied parameter {t.name!r}: stages {sorted(t.pending)} never finished with it this step")
+                what = repr(t.name) if t.name is not None else "shared by stages " + str(list(t.stages))
+                raise RuntimeError(f"tied parameter {what}: stages {sorted(t.pending)} never finished with it this step")
             if t.work is not None:
                 t.work.wait()
                 t.work = None
+                self._copy_out(t)
 
     def abandon(self) -> None:
         for t in self._ties:
@@ -172,3 +244,27 @@ def _grad_of(p: nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage), or the tensor itself."""
+    if hasattr(t, "to_local") and hasattr(t, "device_mesh"):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def _shard_of(p: nn.Parameter) -> tuple | None:
+    """Which part of a ``fully_shard`` parameter this rank holds: its coordinate on the mesh and the
+    local shape (None for a plain tensor)."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or not hasattr(p, "to_local"):
+        return None
+    return (tuple(mesh.get_coordinate() or ()), tuple(_local(p.data).shape))
+
+
+def _equalise(t: _Tie) -> None:
+    """This rank's copies equal to its first (FSDP split copies start equal; a broadcast wrote the first)."""
+    with torch.no_grad():
+        for q in t.params[1:]:
+            _local(q.data).copy_(_local(t.param.data))
