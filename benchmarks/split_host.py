@@ -15,6 +15,18 @@ its boxes keep after B (one count per storage, parameters left out) next to what
 the tensors every frontier node saved (the inputs of the weight GEMMs) and its kept gradients.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/split_host.py --out /tmp/split_host.json
+
+``--suite layers``: the host time per block of ``bench_modules --suite blocks``' residual MLP
+stack (``x + mlp(x)``, float32, default hidden 64, ffn 256, 16 tokens, 16 blocks), each
+microbatch's F inside ``microbatch((0, j))`` as the Pipeline runs it, in three rows: ``torch.nn``
+(LayerNorm, Linear, GELU, Linear), ``zbpp eager`` (`LayerNormMLP`, weight gradients in the
+backward) and ``zbpp delayed`` (``delay_wgrad_compute=True``: B files the weight gradients, W
+runs them through the stage's `StageWgrad`, ``filed`` then ``run``, as the executor does). Times
+are µs of this thread's CPU time per block (``time.thread_time``: time the process waits for
+a core does not count; the minimum over ``--iters`` steps of F, B and W each, the rows taking
+turns), with each row's F+B+W over torch.nn's; ``--profile ROW`` prints that row's top functions under cProfile::
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/split_host.py --suite layers
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ from provenance import code_identity, write_report  # noqa: E402
 
 from zbpp.runtime import _autograd_split as split  # noqa: E402
 
+LAYER_ROWS = ("torch.nn", "zbpp eager", "zbpp delayed")  # --suite layers
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -46,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mem-tokens", type=int, default=64)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--suite", choices=("split", "layers"), default="split",
+                    help="split: the generic B/W split of Llama layers; layers: zbpp's layer calls")
+    ap.add_argument("--blocks", type=int, default=16, help="layers: residual MLP blocks")
+    ap.add_argument("--ffn", type=int, default=None, help="layers: ffn width (4 x hidden)")
+    ap.add_argument("--profile", choices=LAYER_ROWS, default=None,
+                    help="layers: print the cProfile top functions of this row")
     return ap.parse_args(argv)
 
 
@@ -170,9 +190,101 @@ def _saved_tensors(node: Any) -> list[torch.Tensor]:
     return out
 
 
+def layer_steps(args: argparse.Namespace) -> dict[str, Callable[[int], tuple[float, float, float]]]:
+    """Per row: ``step(j) -> (F, B, W)`` seconds of microbatch `j` through the block stack."""
+    from bench_modules import Residual, TorchMLP
+
+    from zbpp.modules import LayerNormMLP, microbatch
+    from zbpp.runtime.wgrad import StageWgrad
+
+    hidden, ffn = args.hidden, args.ffn or 4 * args.hidden
+    clock = time.thread_time  # this thread's CPU time: on a CPU autograd runs the backward here
+    gen = torch.Generator().manual_seed(1)
+    x0 = torch.randn(args.tokens, hidden, generator=gen)
+    g = torch.randn(args.tokens, hidden, generator=gen)
+
+    def stack(row: str) -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        if row == "torch.nn":
+            return torch.nn.Sequential(*[Residual(TorchMLP(hidden, ffn)) for _ in range(args.blocks)])
+        return torch.nn.Sequential(*[
+            Residual(LayerNormMLP(hidden, ffn, delay_wgrad_compute=row == "zbpp delayed"))
+            for _ in range(args.blocks)])
+
+    def runner(row: str) -> Callable[[int], tuple[float, float, float]]:
+        model = stack(row)
+        wgrad = StageWgrad(model)
+
+        def step(j: int) -> tuple[float, float, float]:
+            x = x0.clone().requires_grad_()
+            key = (0, j)
+            t0 = clock()
+            with microbatch(key):
+                y = model(x)
+            t1 = clock()
+            split.run_backward([y], [g])
+            wgrad.filed(key)
+            t2 = clock()
+            wgrad.run(key)
+            t3 = clock()
+            return t1 - t0, t2 - t1, t3 - t2
+
+        return step
+
+    return {row: runner(row) for row in LAYER_ROWS}
+
+
+def layer_times(args: argparse.Namespace) -> list[dict]:
+    steps = layer_steps(args)
+    best: dict[str, list[float]] = {}
+    for i in range(args.iters + 3):  # the rows take turns, so that a noisy moment hits each
+        for name, step in steps.items():
+            got = list(step(i))
+            if i >= 3:
+                best[name] = [min(a, b) for a, b in zip(best.get(name, got), got)]
+    per_block = 1e6 / args.blocks
+    ref = sum(best["torch.nn"])
+    return [{"row": n, "F_us": f * per_block, "B_us": b * per_block, "W_us": w * per_block,
+             "FBW_us": (f + b + w) * per_block, "over_torch_nn": (f + b + w) / ref}
+            for n, (f, b, w) in best.items()]
+
+
+def profile_layers(args: argparse.Namespace) -> None:
+    import cProfile
+    import pstats
+
+    step = layer_steps(args)[args.profile]
+    for i in range(5):
+        step(i)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(args.iters):
+        step(i)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+def main_layers(args: argparse.Namespace) -> dict:
+    if args.profile is not None:
+        profile_layers(args)
+    rows = layer_times(args)
+    print(f"host per block, hidden {args.hidden}, ffn {args.ffn or 4 * args.hidden}, "
+          f"{args.tokens} tokens, {args.blocks} blocks, float32 (min of {args.iters}, us)")
+    print(f"{'row':14} {'F':>7} {'B':>7} {'W':>7} {'F+B+W':>7} {'/torch':>7}")
+    for r in rows:
+        print(f"{r['row']:14} {r['F_us']:7.1f} {r['B_us']:7.1f} {r['W_us']:7.1f} "
+              f"{r['FBW_us']:7.1f} {r['over_torch_nn']:7.3f}")
+    report = {"meta": {"benchmark": "split_host layers", "torch": torch.__version__, **code_identity(),
+                       "config": vars(args) | {"out": str(args.out)}}, "layers": rows}
+    write_report(report, args.out)
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    if args.suite == "layers":
+        return main_layers(args)
     host = host_times(args)
     mem = memory(args)
     print(f"host, hidden {args.hidden}, {args.tokens} tokens, {args.layers} layers (min of {args.iters}, ms)")

@@ -406,6 +406,28 @@ def test_get_backward_dw_params_is_exactly_what_w_produces(name, bias, fp8):
         assert getattr(p, "skip_backward_post_hook", False) == (n in expected), n
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_b_runs_no_accumulation_for_what_w_computes(name, fp8):
+    """B's autograd graph has no edge to a parameter W computes: autograd's accumulation (and
+    with it the parameter's post-accumulate hook) runs in B only for the gradients B produces,
+    and W still delivers the rest."""
+    _, layer, _ = make_pair(name)
+    fired = []
+    for n, p in layer.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: fired.append(n))
+    with fp8_ctx(fp8):
+        y = layer(torch.randn(2, 3, HIDDEN, requires_grad=True))
+    y.square().sum().backward()
+    deferred = {id(p) for p in layer.get_backward_dw_params()}
+    in_b = {n for n, p in layer.named_parameters() if id(p) not in deferred}
+    assert sorted(fired) == sorted(in_b)
+    assert all(p.grad is None for p in layer.get_backward_dw_params())
+    layer.backward_dw()
+    assert all(p.grad is not None for p in layer.get_backward_dw_params())
+    assert sorted(fired) == sorted(in_b)  # W writes .grad itself
+
+
 def test_skip_flags_follow_the_delay_setting():
     layer = LayerNormLinear(4, 4)
     assert not any(getattr(p, "skip_backward_post_hook", False) for p in layer.parameters())

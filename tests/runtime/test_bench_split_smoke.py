@@ -45,3 +45,21 @@ def test_bench_split_smoke(tmp_path):
         # float64, the same gradients by the same GEMMs in other orders: round-off only
         assert r["max_rel_err"] <= 1e-12, r
     assert rows[0]["BW_over_plain"] == 1.0
+
+
+def test_split_host_layers_smoke(tmp_path):
+    """benchmarks/split_host.py --suite layers runs its three rows and writes them (times only)."""
+    out = tmp_path / "layers.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "split_host.py"), "--suite",
+                           "layers", "--blocks", "2", "--iters", "2", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["benchmark"] == "split_host layers"
+    rows = {r["row"]: r for r in doc["layers"]}
+    assert list(rows) == ["torch.nn", "zbpp eager", "zbpp delayed"]
+    assert rows["torch.nn"]["over_torch_nn"] == 1.0
+    for r in rows.values():
+        assert r["FBW_us"] == pytest.approx(r["F_us"] + r["B_us"] + r["W_us"])
+        assert min(r["F_us"], r["B_us"]) > 0

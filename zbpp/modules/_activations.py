@@ -103,6 +103,12 @@ class Activation:
     glu: bool  # h = [gate, up] and a = f(gate) * up
     kernel_id: int  # f's number in the fused Triton kernels
 
+    def __post_init__(self) -> None:
+        fn, grad_fn, _, native = _BASES[self.base]
+        if native and not self.glu:  # torch's own op as it is: the methods would only wrap it
+            object.__setattr__(self, "forward", fn)
+            object.__setattr__(self, "backward", grad_fn)
+
     @property
     def width(self) -> int:
         """How many times ``ffn_hidden_size`` columns fc1 produces (2 for a GLU)."""

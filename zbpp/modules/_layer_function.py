@@ -34,7 +34,7 @@ from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
 
 __all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "run_linear",
-           "add_to_main_grad",
+           "add_to_main_grad", "accumulate_grad",
            "main_grad_of", "job_outputs"]
 
 
@@ -124,23 +124,35 @@ class _WgradPart(NamedTuple):
     bias_grad_of: torch.Tensor | None
 
 
+def _weight_grad(call: GemmCall, grad: Any, inp: Any, fp8: bool) -> torch.Tensor:
+    # dW = dy^T x ([out, in]; x^T dy for the transposed layout), every job's and eager's GEMM
+    if not fp8:
+        return inp.t().mm(grad) if call.transposed else grad.t().mm(inp)
+    dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
+    return (fp8_gemm_nt(inp, grad, out_dtype=dtype) if call.transposed
+            else fp8_gemm_nt(grad, inp, out_dtype=dtype))
+
+
 def job_outputs(parts: list[_WgradPart], fp8: bool) -> list[GradOut]:
     """The gradients of a job's `parts`: a pure function of the tensors they hold (a CUDA graph
     of W captures it on static copies of them, `_wgrad_graph`)."""
     out = []
     for call, operands, bias_grad_of in parts:
         if operands is not None:
-            grad, inp = operands
-            if not fp8:
-                dw = inp.t().mm(grad) if call.transposed else grad.t().mm(inp)
-            else:
-                dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
-                dw = (fp8_gemm_nt(inp, grad, out_dtype=dtype) if call.transposed
-                      else fp8_gemm_nt(grad, inp, out_dtype=dtype))
+            dw = _weight_grad(call, operands[0], operands[1], fp8)
             out.append(GradOut(call.weight_name, call.weight, dw, call.fuse_wgrad_accumulation))
         if bias_grad_of is not None:
             out.append(GradOut(call.bias_name, call.bias, bias_grad_of.sum(0), False))
     return out
+
+
+def accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` as autograd accumulates (`grad` itself where there is none yet)."""
+    acc = param.grad
+    if acc is None:
+        param.grad = grad
+    else:
+        acc.add_(grad)
 
 
 class _Job:
@@ -155,6 +167,20 @@ class _Job:
     def __call__(self) -> list[GradOut]:
         return job_outputs(self.parts, self.fp8)
 
+    def accumulate(self) -> None:
+        """Add the job's gradients where `backward_dw` puts them: ``.grad``, or ``main_grad``
+        for a fused weight (each computed as ``job_outputs`` does, added as soon as it is)."""
+        fp8 = self.fp8
+        for call, operands, bias_grad_of in self.parts:
+            if operands is not None:
+                dw = _weight_grad(call, operands[0], operands[1], fp8)
+                if call.fuse_wgrad_accumulation:
+                    add_to_main_grad(call.weight_name, call.weight, dw)
+                else:
+                    accumulate_grad(call.weight, dw)
+            if bias_grad_of is not None:
+                accumulate_grad(call.bias, bias_grad_of.sum(0))
+
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool):
     # y = x W^T + b, or x W + b for the transposed layout (the op HF's Conv1D runs)
@@ -165,48 +191,49 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed
 
 class _LinearFunction(torch.autograd.Function):
     """`_LayerFunction` for one GEMM outside FP8 (`Linear`'s usual call): the same arithmetic,
-    with only what this case needs between the GEMMs."""
+    with only what this case needs between the GEMMs. `w` and `b` are the parameters where B
+    computes their gradients, None where W does (`run_linear`); the GEMM reads `call`'s."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x: torch.Tensor,
-        w: torch.Tensor,
+        w: torch.Tensor | None,
         b: torch.Tensor | None,
         call: GemmCall,
         store: WgradStore | None,
         key: Hashable,
     ) -> torch.Tensor:
-        need_x, need_w = ctx.needs_input_grad[:2]
-        ctx.call_store_key = (call, store, key)
-        ctx.save_for_backward(x if need_w else None, w if need_x else None)
-        return _matmul(x, w, b, call.transposed)
+        weight, bias = call.weight, call.bias
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if w is None:  # deferred: not inputs of this node, wanted when trainable
+            need_w, need_b = weight.requires_grad, _trainable(bias)
+        ctx.call_store_key = (call, store, key, need_w, need_b)
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        return _matmul(x, weight, bias, call.transposed)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        call, store, key = ctx.call_store_key
+        call, store, key, need_w, need_b = ctx.call_store_key
         if not dy.is_contiguous():
             dy = dy.contiguous()
-        transposed = call.transposed
         dx = dw = db = None
-        if need_x:
-            dx = dy.mm(w.t()) if transposed else dy.mm(w)
+        if ctx.needs_input_grad[0]:
+            dx = dy.mm(w.t()) if call.transposed else dy.mm(w)
         if store is not None:
             if need_w or need_b:
                 part = _WgradPart(call, (dy, x) if need_w else None, dy if need_b else None)
                 store.put(key, _Job([part], False))
             return dx, None, None, None, None, None
-        # eager: job_outputs' arithmetic, inline
-        if need_w:
-            dw = x.t().mm(dy) if transposed else dy.t().mm(x)
-            if call.fuse_wgrad_accumulation:
-                add_to_main_grad(call.weight_name, call.weight, dw)
-                dw = _dummy_wgrad(call.weight)
-        if need_b:
-            db = dy.sum(0)
+        if need_w or need_b:
+            dw, db = _eager_wgrad(_WgradPart(call, (dy, x) if need_w else None,
+                                             dy if need_b else None), False)
         return dx, dw, db, None, None, None
+
+
+def _trainable(p: torch.Tensor | None) -> bool:
+    return p is not None and p.requires_grad
 
 
 def run_linear(
@@ -216,10 +243,14 @@ def run_linear(
     weight = call.weight
     if x.dtype != weight.dtype or x.shape[-1] != weight.shape[call.transposed ^ 1]:
         _check_input(x, call)
-    if x.dim() == 2:
-        return _LinearFunction.apply(x, weight, call.bias, call, store, key)
-    y = _LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, call.bias, call, store, key)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if store is not None and x.requires_grad:
+        # W computes both gradients: no edges to the parameters, whose accumulation nodes would
+        # run for nothing in every B (kept where they are the node's only way into the graph)
+        y = _LinearFunction.apply(x2, None, None, call, store, key)
+    else:
+        y = _LinearFunction.apply(x2, weight, call.bias, call, store, key)
+    return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _check_input(x: torch.Tensor, fc1: GemmCall) -> None:
@@ -252,9 +283,17 @@ class _LayerFunction(torch.autograd.Function):
         plan: LayerPlan,
     ) -> torch.Tensor:
         ctx.plan = plan
-        need_x, need_nw, need_nb, need_w1, _, need_w2, _ = ctx.needs_input_grad[:7]
+        fc1, fc2 = plan.fc1, plan.fc2
+        needs = ctx.needs_input_grad[:7]
+        if w1 is None:  # deferred GEMM parameters are no inputs (`run_layer`): wanted if trainable
+            w1, w2 = fc1.weight, fc2 and fc2.weight
+            needs = (*needs[:3], w1.requires_grad, needs[4] or _trainable(fc1.bias),
+                     _trainable(w2), needs[6] or (fc2 is not None and _trainable(fc2.bias)))
+            b1, b2 = fc1.bias, fc2 and fc2.bias
+        ctx.needs = needs
+        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, _ = needs
         need_dln = need_x or need_nw or need_nb  # the gradient at fc1's input
-        need_dh = need_dln or any(ctx.needs_input_grad[3:5])  # ... at fc1's output (MLP)
+        need_dh = need_dln or need_w1 or need_b1  # ... at fc1's output (MLP)
         norm = plan.normalization
         recipe = plan.recipe
         mean = rstd = in1 = in1_sinv = w1_saved = w1_sinv = None
@@ -322,7 +361,7 @@ class _LayerFunction(torch.autograd.Function):
         plan: LayerPlan = ctx.plan
         (x, mean, rstd, norm_w, norm_b, in1, in1_sinv, w1, w1_sinv, h, in2, in2_sinv, w2,
          w2_sinv) = ctx.saved_tensors
-        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, need_b2 = ctx.needs
         need_dln = need_x or need_nw or need_nb
         need_dh = need_dln or need_w1 or need_b1
         if not dy.is_contiguous():
@@ -364,28 +403,39 @@ class _LayerFunction(torch.autograd.Function):
         if need_dln:
             if plan.normalization is not None:
                 dx, d_nw, d_nb = norm_backward(dln, x, plan.normalization, mean, rstd, norm_w,
-                                               norm_b, (need_x, need_nw, need_nb))
+                                               norm_b, (need_x, need_nw, need_nb),
+                                               stats_from_torch=not fp8)
             else:
                 dx = dln
+        if not parts:
+            return dx, d_nw, d_nb, None, db1, None, db2, None
+        if plan.store is not None:
+            plan.store.put(plan.key, _Job(parts, fp8))
+            return dx, d_nw, d_nb, None, db1, None, db2, None
+        # eager: the job's arithmetic, in its order (fc2's part first)
         dw1 = dw2 = None
-        if parts:
-            job = _Job(parts, fp8)
-            if plan.store is not None:
-                plan.store.put(plan.key, job)
+        for part in parts:
+            dw, db = _eager_wgrad(part, fp8)
+            if part.call is plan.fc1:
+                dw1, db1 = dw, db1 if db is None else db
             else:
-                for name, param, grad, to_main in job():
-                    if to_main:
-                        add_to_main_grad(name, param, grad)
-                        grad = _dummy_wgrad(param)
-                    if param is plan.fc1.weight:
-                        dw1 = grad
-                    elif param is plan.fc1.bias:
-                        db1 = grad
-                    elif param is plan.fc2.weight:
-                        dw2 = grad
-                    else:
-                        db2 = grad
+                dw2, db2 = dw, db2 if db is None else db
         return dx, d_nw, d_nb, dw1, db1, dw2, db2, None
+
+
+def _eager_wgrad(part: _WgradPart, fp8: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A part's weight and bias gradients for autograd to accumulate (`_Job.accumulate`'s
+    arithmetic); a fused weight's goes into ``main_grad``, autograd gets `_dummy_wgrad`'s."""
+    call, operands, bias_grad_of = part
+    dw = db = None
+    if operands is not None:
+        dw = _weight_grad(call, operands[0], operands[1], fp8)
+        if call.fuse_wgrad_accumulation:
+            add_to_main_grad(call.weight_name, call.weight, dw)
+            dw = _dummy_wgrad(call.weight)
+    if bias_grad_of is not None:
+        db = bias_grad_of.sum(0)
+    return dw, db
 
 
 def _dummy_wgrad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -411,12 +461,21 @@ def run_layer(
     weight = fc1.weight
     if x.dtype != weight.dtype or x.shape[-1] != weight.shape[fc1.transposed ^ 1]:
         _check_input(x, fc1)
-    two_d = x.dim() == 2
-    x2 = x if two_d else x.reshape(-1, x.shape[-1])
-    if fc2 is None:
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if plan.store is not None and (x.requires_grad or _trainable(norm_weight)
+                                   or _trainable(norm_bias)):
+        # W computes the GEMM weights' gradients (outside FP8 the biases' too): no edges to
+        # them, whose accumulation nodes would run for nothing in every B (kept where they are
+        # the node's only way into the graph)
+        if plan.recipe is None:
+            y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, None, None, None, plan)
+        else:
+            y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, fc1.bias, None,
+                                     fc2 and fc2.bias, plan)
+    elif fc2 is None:
         y = _LayerFunction.apply(x2, norm_weight, norm_bias, weight, fc1.bias, None, None, plan)
     else:
         y = _LayerFunction.apply(
             x2, norm_weight, norm_bias, weight, fc1.bias, fc2.weight, fc2.bias, plan
         )
-    return y if two_d else y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if x2 is x else y.reshape(*x.shape[:-1], y.shape[-1])

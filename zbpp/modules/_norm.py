@@ -139,17 +139,22 @@ def norm_backward(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     needs: tuple[bool, bool, bool] = (True, True, True),
+    *,
+    stats_from_torch: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dweight, dbias)`` from the output gradient `dy` and the forward's statistics
     (float32 [rows, 1], as `norm_forward` returns them); `needs` says which of the three to
-    compute (the others are None, as is dbias for RMSNorm)."""
+    compute (the others are None, as is dbias for RMSNorm). `stats_from_torch`: LayerNorm's
+    statistics come from `norm_forward` on this `x`, so they have the dtype torch's backward
+    takes."""
     need_dx, need_dw, need_db = needs
     n = x.shape[-1]
     if normalization == "LayerNorm":
         mask = [need_dx, need_dw, need_db and bias is not None]
-        stat = _layer_norm_stat_dtype(x.device.type, x.dtype)
-        if mean.dtype != stat:
-            mean, rstd = mean.to(stat), rstd.to(stat)
+        if not stats_from_torch:
+            stat = _layer_norm_stat_dtype(x.device.type, x.dtype)
+            if mean.dtype != stat:
+                mean, rstd = mean.to(stat), rstd.to(stat)
         return _layer_norm_backward(dy, x, (n,), mean, rstd, weight, bias, mask)
     x_hat = _opmath(x) * rstd
     dy32 = _opmath(dy)

@@ -10,6 +10,7 @@ treat zbpp layers and real Transformer Engine layers (FIFO ``backward_dw()`` onl
 from __future__ import annotations
 
 import inspect
+import operator
 
 from collections import OrderedDict
 from typing import Callable, Hashable, NamedTuple, TypedDict
@@ -23,7 +24,8 @@ from .._compat import set_grad_enabled as _set_grad_enabled
 from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
 from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
-from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, add_to_main_grad
+from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, _Job, accumulate_grad
+from ._layer_function import add_to_main_grad
 from . import _wgrad_graph
 from ._wgrad_graph import WgradGraphs
 from ._norm import make_norm_params
@@ -100,6 +102,8 @@ class DelayedWgradModule(nn.Module):
     _gemm_names: tuple[tuple[str, str, str], ...] = (("", "weight", "bias"),)
     #: the first GEMM's weight is stored [in, out] (HF's Conv1D; see `delay_wgrad`)
     _weight_transposed: bool = False
+    #: the parameters a forward reads, in the order `_forward_params` returns them
+    _forward_param_names: tuple[str, ...] = ("weight", "bias")
 
     def __init__(
         self,
@@ -176,6 +180,19 @@ class DelayedWgradModule(nn.Module):
         """End of a subclass constructor: mark the deferred parameters, drop the settings."""
         self._param_settings = None
         self._sync_param_flags()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # one C-level lookup of all of them (two or more names: itemgetter then returns a tuple)
+        cls._read_forward_params = operator.itemgetter(*cls._forward_param_names)
+
+    def _forward_params(self) -> tuple[nn.Parameter | None, ...]:
+        """The parameters `_forward_param_names` names (the very objects, None where one is
+        registered as None), read from ``_parameters`` without ``nn.Module.__getattr__``."""
+        try:
+            return self._read_forward_params(self._parameters)
+        except KeyError:  # one moved behind a property (torch.nn.utils.parametrize)
+            return tuple(getattr(self, name) for name in self._forward_param_names)
 
     def _gemm_weights(self) -> list[nn.Parameter]:
         return [getattr(self, w) for _, w, _ in self._gemm_names]
@@ -321,26 +338,28 @@ class DelayedWgradModule(nn.Module):
         >>> layer.weight.grad.tolist()
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
         """
-        if not self._delay or self._nothing_owed(key):
+        if not self._delay:
             return
         if self._wgrad_graphs is not None:
-            self._graph_backward_dw(key)
+            if not self._nothing_owed(key):
+                self._graph_backward_dw(key)
             return
-        _, jobs = self._wgrad_store.pop(key)
+        jobs = self._wgrad_store.take(key)
+        if jobs is None:
+            if self.get_backward_dw_params():  # something was owed: pop raises, naming what
+                self._wgrad_store.pop(key)
+            return
         grad_mode = torch.is_grad_enabled()
         _set_grad_enabled(False)  # torch.no_grad() without its per-call objects
         try:
-            # one forward: each parameter appears once; several: summed per parameter first
-            outs = jobs[0]() if len(jobs) == 1 else _summed_per_parameter(jobs)
-            for name, param, grad, to_main in outs:
-                if to_main:
-                    add_to_main_grad(name, param, grad)
-                    continue
-                acc = param.grad
-                if acc is None:
-                    param.grad = grad
-                else:
-                    acc.add_(grad)
+            if len(jobs) == 1 and isinstance(jobs[0], _Job):  # one forward: no sums between jobs
+                jobs[0].accumulate()
+            else:  # several: summed per parameter first
+                for name, param, grad, to_main in _summed_per_parameter(jobs):
+                    if to_main:
+                        add_to_main_grad(name, param, grad)
+                    else:
+                        accumulate_grad(param, grad)
         finally:
             _set_grad_enabled(grad_mode)
         if self._wgrad_hooks:

@@ -36,6 +36,8 @@ class LayerNormLinear(DelayedWgradModule):
     True
     """
 
+    _forward_param_names = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
+
     def __init__(
         self,
         in_features: int,
@@ -56,9 +58,10 @@ class LayerNormLinear(DelayedWgradModule):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``norm(x) W^T + b``; `is_first_microbatch` as in `Linear.forward`."""
         call = self._begin_forward(is_first_microbatch)
-        fc = self._gemm_call(0, call, self.weight, self.bias)
+        norm_w, norm_b, weight, bias = self._forward_params()
+        fc = self._gemm_call(0, call, weight, bias)
         plan = self._plan(call, fc, normalization=self.normalization, eps=self.eps)
-        return run_layer(x, plan, self.layer_norm_weight, self.layer_norm_bias)
+        return run_layer(x, plan, norm_w, norm_b)
 
     def extra_repr(self) -> str:
         return (

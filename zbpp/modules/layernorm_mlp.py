@@ -45,6 +45,8 @@ class LayerNormMLP(DelayedWgradModule):
     """
 
     _gemm_names = (("fc1_", "fc1_weight", "fc1_bias"), ("fc2_", "fc2_weight", "fc2_bias"))
+    _forward_param_names = ("layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias",
+                            "fc2_weight", "fc2_bias")
 
     def __init__(
         self,
@@ -78,10 +80,11 @@ class LayerNormMLP(DelayedWgradModule):
         """``fc2(act(fc1(norm(x))))``; `is_first_microbatch` as in `Linear.forward` (both
         weights)."""
         call = self._begin_forward(is_first_microbatch)
-        fc1 = self._gemm_call(0, call, self.fc1_weight, self.fc1_bias)
-        fc2 = self._gemm_call(1, call, self.fc2_weight, self.fc2_bias)
+        norm_w, norm_b, w1, b1, w2, b2 = self._forward_params()
+        fc1 = self._gemm_call(0, call, w1, b1)
+        fc2 = self._gemm_call(1, call, w2, b2)
         plan = self._plan(call, fc1, fc2, self.normalization, self.eps, self._act)
-        return run_layer(x, plan, self.layer_norm_weight, self.layer_norm_bias)
+        return run_layer(x, plan, norm_w, norm_b)
 
     def extra_repr(self) -> str:
         return (

@@ -55,10 +55,11 @@ class Linear(DelayedWgradModule):
         the weight and keeps the cast, False reuses the kept cast while the weight is unchanged
         (the same tensor at the same version), None (default) casts on every call."""
         call = self._begin_forward(is_first_microbatch)
+        weight, bias = self._forward_params()
         if call.recipe is None:
-            gemm = self._plain_call(0, self.weight, self.bias)
+            gemm = self._plain_call(0, weight, bias)
             return run_linear(x, gemm, self._wgrad_store if self._delay else None, call.key)
-        return run_layer(x, self._plan(call, self._gemm_call(0, call, self.weight, self.bias)))
+        return run_layer(x, self._plan(call, self._gemm_call(0, call, weight, bias)))
 
     def extra_repr(self) -> str:
         return (

@@ -81,6 +81,14 @@ class WgradStore(Generic[Job]):
                 )
             return key, self._jobs.pop(key)
 
+    def take(self, key: Hashable | None = None) -> list[Job] | None:
+        """`pop`'s jobs, or None (nothing taken) where `pop` would raise."""
+        with self._lock:
+            jobs = self._jobs
+            if key is None:
+                return jobs.popitem(last=False)[1] if jobs else None
+            return jobs.pop(key, None)
+
     def keys(self) -> list[Hashable]:
         """Pending keys, oldest first."""
         with self._lock:
