@@ -25,6 +25,7 @@ __all__ = [
     "current_autograd_node",
     "HAS_CURRENT_AUTOGRAD_NODE",
     "CHECKPOINT_SAVE_INPUTS",
+    "disable_dynamo",
 ]
 
 
@@ -124,3 +125,12 @@ def _checkpoint_save_inputs() -> Any:
 #: The code of non-reentrant ``torch.utils.checkpoint``'s ``_CheckpointFrame.save_inputs``, which
 #: saves a region's inputs through the current saved-tensor hooks (None where torch has none).
 CHECKPOINT_SAVE_INPUTS = _checkpoint_save_inputs()
+
+
+def disable_dynamo(fn: Any) -> Any:
+    """`fn` with torch.compile (dynamo) off while it runs, and a graph break where a compiled
+    region calls it: ``torch.compiler.disable``, but importing ``torch._dynamo`` (a second or so)
+    on the first call rather than now (``torch._disable_dynamo``, torch's own lazy form; the
+    public one where this torch has none)."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
