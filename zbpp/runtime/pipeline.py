@@ -105,7 +105,8 @@ class Pipeline:
             until W; what only B's nodes used is freed after B. Data-parallel and tied reductions
             of a split stage start after its last W. False: plain modules get their weight
             gradients in B (W only runs delayed-wgrad modules). BW tasks run the whole backward
-            either way.
+            either way. A ``torch.compile``d region is one autograd node: the weights inside it
+            get their gradients in B (zbpp's layers stay outside the compiled graph, W intact).
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
