@@ -8,8 +8,9 @@ stable (``._base``, ``._version``, ``.data``) are used in place.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -26,6 +27,9 @@ __all__ = [
     "current_autograd_node",
     "HAS_CURRENT_AUTOGRAD_NODE",
     "CHECKPOINT_SAVE_INPUTS",
+    "is_compiled_node",
+    "compiled_backward_retained",
+    "disable_dynamo",
 ]
 
 
@@ -130,3 +134,49 @@ def _checkpoint_save_inputs() -> Any:
 #: The code of non-reentrant ``torch.utils.checkpoint``'s ``_CheckpointFrame.save_inputs``, which
 #: saves a region's inputs through the current saved-tensor hooks (None where torch has none).
 CHECKPOINT_SAVE_INPUTS = _checkpoint_save_inputs()
+
+
+def is_compiled_node(node: Any) -> bool:
+    """Whether an autograd node is the backward of a ``torch.compile``d region (AOTAutograd's
+    ``CompiledFunctionBackward``: one node for the whole region)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+def _functorch_config() -> Any:
+    try:
+        from torch._functorch import config
+    except ImportError:  # pragma: no cover - a torch without AOTAutograd
+        return None
+    return config if hasattr(config, "donated_buffer") else None
+
+
+@contextlib.contextmanager
+def compiled_backward_retained() -> Iterator[None]:
+    """A block in which a compiled region's backward may run in an engine call that retains the
+    graph (``retain_graph=True``) although it was compiled with donated buffers.
+
+    AOTAutograd compiles a backward first run without retaining the graph so that it may reuse
+    the memory of the region's saved intermediates (``torch._functorch.config.donated_buffer``),
+    and from then on refuses any run that retains the graph, since a second run would read that
+    memory. The split B retains the graph for the nodes W calls again, but runs a compiled node
+    only once (all its gradients in B, never in W): the refusal guards a case that does not
+    arise, so the option is off for the block (where this torch has none, nothing changes).
+    """
+    config = _functorch_config()  # imported already: a compiled region ran
+    if config is None or not config.donated_buffer:
+        yield
+        return
+    config.donated_buffer = False
+    try:
+        yield
+    finally:
+        config.donated_buffer = True
+
+
+def disable_dynamo(fn: Any) -> Any:
+    """`fn` with torch.compile (dynamo) off while it runs, and a graph break where a compiled
+    region calls it: ``torch.compiler.disable``, but importing ``torch._dynamo`` (a second or so)
+    on the first call rather than now (``torch._disable_dynamo``, torch's own lazy form; the
+    public one where this torch has none)."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import disable_dynamo as _disable_dynamo
 from .._compat import set_grad_enabled as _set_grad_enabled
 
 from ._activations import Activation
@@ -35,6 +36,23 @@ from .wgrad_store import AutoKey, WgradStore
 
 __all__ = ["DelayedWgradModule", "LayerOptions", "is_delayed", "supports_keys"]
 
+
+#: True only while torch.compile (dynamo) traces: it folds the call to a constant, so a layer's
+#: forward can step out of the graph there at the cost of one cheap call in eager.
+_tracing = torch.compiler.is_compiling
+
+
+@_disable_dynamo
+def _outside_graph(forward: Callable[..., torch.Tensor], module: nn.Module, *args: object) -> torch.Tensor:
+    """``forward(module, *args)``, run eagerly even inside a compiled region.
+
+    A layer's forward calls this (itself) while dynamo traces it: the graph breaks here, and the
+    layer runs as in eager, with dynamo off for everything it calls. Traced, its autograd Function
+    would have its backward compiled into the region's one backward node, and the microbatch key
+    it reads at forward time would be guarded as a constant (one recompilation per microbatch);
+    outside, its B files the weight-gradient job under the right key and W runs it.
+    """
+    return forward(module, *args)
 
 
 class LayerOptions(TypedDict, total=False):
@@ -81,6 +99,10 @@ class DelayedWgradModule(nn.Module):
       ``_wgrad_graph``). The hooks registered with
       `register_wgrad_accumulation_and_reduce_hooks` are then not called (hooks inside a graph
       never fire); the runtime reduces the gradients through `get_backward_dw_params` instead.
+
+    Under ``torch.compile`` each call of a layer is a graph break (`_outside_graph`): the layer
+    runs eagerly, so a compiled model still leaves its W to `backward_dw`; the code around it
+    compiles (``fullgraph=True`` refuses a graph holding a layer).
 
     Subclasses declare their GEMMs with `_gemm_names` (weight and bias attribute names per GEMM),
     build their parameters with `_add_gemm_params` and `_add_norm_params`, call `_built` at the

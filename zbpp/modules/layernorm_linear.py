@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._layer_function import run_layer
-from .base import DelayedWgradModule
+from .base import DelayedWgradModule, _outside_graph, _tracing
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -57,6 +57,8 @@ class LayerNormLinear(DelayedWgradModule):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``norm(x) W^T + b``; `is_first_microbatch` as in `Linear.forward`."""
+        if _tracing():  # under torch.compile: out of the graph, so that W stays deferred
+            return _outside_graph(LayerNormLinear.forward, self, x, is_first_microbatch)
         call = self._begin_forward(is_first_microbatch)
         norm_w, norm_b, weight, bias = self._forward_params()
         fc = self._gemm_call(0, call, weight, bias)

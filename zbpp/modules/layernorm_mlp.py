@@ -9,7 +9,7 @@ import torch
 from ._activations import ACTIVATIONS
 from ._init import InitMethod
 from ._layer_function import run_layer
-from .base import DelayedWgradModule
+from .base import DelayedWgradModule, _outside_graph, _tracing
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -79,6 +79,8 @@ class LayerNormMLP(DelayedWgradModule):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``fc2(act(fc1(norm(x))))``; `is_first_microbatch` as in `Linear.forward` (both
         weights)."""
+        if _tracing():  # under torch.compile: out of the graph, so that W stays deferred
+            return _outside_graph(LayerNormMLP.forward, self, x, is_first_microbatch)
         call = self._begin_forward(is_first_microbatch)
         norm_w, norm_b, w1, b1, w2, b2 = self._forward_params()
         fc1 = self._gemm_call(0, call, w1, b1)

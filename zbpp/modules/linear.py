@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._layer_function import run_layer, run_linear
-from .base import DelayedWgradModule
+from .base import DelayedWgradModule, _outside_graph, _tracing
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -54,6 +54,8 @@ class Linear(DelayedWgradModule):
         """``x W^T + b``. `is_first_microbatch` (FP8 only, as in Transformer Engine): True casts
         the weight and keeps the cast, False reuses the kept cast while the weight is unchanged
         (the same tensor at the same version), None (default) casts on every call."""
+        if _tracing():  # under torch.compile: out of the graph, so that W stays deferred
+            return _outside_graph(Linear.forward, self, x, is_first_microbatch)
         call = self._begin_forward(is_first_microbatch)
         weight, bias = self._forward_params()
         if call.recipe is None:

@@ -23,9 +23,13 @@ then runs the weight side from those outputs, accumulating into ``.grad`` as a p
 
 A custom autograd Function on the input side computes all its outputs in B (zbpp's delayed layers
 file their weight gradient there, an eager FP8 bias gets its gradient): the leaves below its
-off-side edges become B's targets. Reentrant ``torch.utils.checkpoint`` refuses an engine call
-limited by ``inputs``: a graph holding one runs its whole backward in B. Post-hooks registered on
-a frontier node (``Node.register_hook``) see only its B call.
+off-side edges become B's targets. So does a region compiled by ``torch.compile``: its backward is
+one such node (``CompiledFunctionBackward``) computing every gradient of the region at once, so the
+weights inside it get their gradients in B (on the first stage, whose input needs none, all of it
+runs in W); zbpp's layers run outside compiled graphs and keep their W. Reentrant
+``torch.utils.checkpoint`` refuses an engine call limited by ``inputs``: a graph holding one runs
+its whole backward in B. Post-hooks registered on a frontier node (``Node.register_hook``) see
+only its B call.
 
 Memory: B keeps the graph. `SavedBoxes` (around the forward) boxes every tensor autograd saves.
 During B, a box unpacked by an input-side node that is not on the frontier is emptied at once (W
@@ -45,8 +49,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .._compat import (CHECKPOINT_SAVE_INPUTS, HAS_CURRENT_AUTOGRAD_NODE, current_autograd_node,
-                       engine_run_backward)
+from .._compat import (CHECKPOINT_SAVE_INPUTS, HAS_CURRENT_AUTOGRAD_NODE, compiled_backward_retained,
+                       current_autograd_node, engine_run_backward, is_compiled_node)
 
 try:  # non-reentrant checkpoint: the W calls of one microbatch share one recomputation
     from torch.utils.checkpoint import GraphExecGroup as _RecomputeOnce  # recent torch
@@ -326,8 +330,13 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         if saved is not None and _NODE_AWARE:
             state.frontier = {id(n) for n in front}
         try:
-            engine_run_backward([t for t, _ in b_roots], [g for _, g in b_roots], retain_graph=True,
-                                inputs=targets_t)
+            if plan.compiled:  # a compiled node runs once, in B: its donated buffers are safe
+                with compiled_backward_retained():
+                    engine_run_backward([t for t, _ in b_roots], [g for _, g in b_roots], retain_graph=True,
+                                        inputs=targets_t)
+            else:
+                engine_run_backward([t for t, _ in b_roots], [g for _, g in b_roots], retain_graph=True,
+                                    inputs=targets_t)
         finally:
             state.frontier = None
         if saved is not None:
@@ -409,7 +418,7 @@ class _Walk:
 class _Plan:
     """One sorting of a graph structure (see the module docstring), in node positions of `_Walk`."""
 
-    __slots__ = ("frontier", "to_b", "b_targets", "root_on_b", "root_to_w", "reentrant")
+    __slots__ = ("frontier", "to_b", "b_targets", "root_on_b", "root_to_w", "reentrant", "compiled")
 
     def __init__(self) -> None:
         self.frontier: list[tuple[int, list[tuple[int, int, int]]]] = []  # (node, off-side edges (index, child, input_nr))
@@ -418,6 +427,7 @@ class _Plan:
         self.root_on_b: list[bool] = []  # per root: on the input side
         self.root_to_w: list[bool] = []  # per root: reaches a leaf that is not a B target
         self.reentrant = False
+        self.compiled = False  # holds a torch.compile'd region's node
 
 
 def _plan(graph: _Walk, b_ids: set[int]) -> _Plan:
@@ -434,8 +444,9 @@ def _plan(graph: _Walk, b_ids: set[int]) -> _Plan:
         found += p.to_b
         targets.update(p.to_b)  # and the graph is sorted again around the new targets
     p.to_b, p.b_targets = found, targets
-    p.reentrant = any(getattr(type(nodes[i]), "_forward_cls", None) is _ReentrantCheckpoint for i in post
-                      if isinstance(nodes[i], _PyNode))
+    custom = [nodes[i] for i in post if isinstance(nodes[i], _PyNode)]
+    p.reentrant = any(getattr(type(n), "_forward_cls", None) is _ReentrantCheckpoint for n in custom)
+    p.compiled = any(is_compiled_node(n) for n in custom)
     return p
 
 

@@ -106,7 +106,8 @@ class Pipeline:
             until W; what only B's nodes used is freed after B. Data-parallel and tied reductions
             of a split stage start after its last W. False: plain modules get their weight
             gradients in B (W only runs delayed-wgrad modules). BW tasks run the whole backward
-            either way.
+            either way. A ``torch.compile``d region is one autograd node: the weights inside it
+            get their gradients in B (zbpp's layers stay outside the compiled graph, W intact).
         cuda_graphs: from the second training step of each input signature on, replay every F, B,
             W and BW task of this rank from a CUDA graph captured in the schedule's order (sends,
             receives and reductions stay outside): for small layers, where launching kernels
