@@ -30,6 +30,7 @@ __all__ = [
     "is_compiled_node",
     "compiled_backward_retained",
     "disable_dynamo",
+    "uncompiled",
 ]
 
 
@@ -180,3 +181,10 @@ def disable_dynamo(fn: Any) -> Any:
     public one where this torch has none)."""
     lazy = getattr(torch, "_disable_dynamo", None)
     return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+def uncompiled(module: Any) -> Any:
+    """The module that ``torch.compile(module)`` wrapped (its ``OptimizedModule`` adds an
+    ``_orig_mod.`` prefix to every state_dict key); any other object as it is."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) and type(module).__name__ == "OptimizedModule" else module

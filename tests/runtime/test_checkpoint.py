@@ -74,3 +74,17 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         save_checkpoint({0: whole_model(), 1: whole_model()}, tmp_path / "b")
     with pytest.raises(TypeError, match="expected a zbpp Pipeline"):
         save_checkpoint(3, tmp_path / "c")
+
+
+def test_compiled_stage_keeps_the_model_names(tmp_path: Path) -> None:
+    """torch.compile(stage) prefixes its state_dict keys with ``_orig_mod.``; a checkpoint keeps the
+    whole model's names, so a plain module loads it (backend "eager": no compilation needed here)."""
+    from zbpp.runtime import save_checkpoint
+
+    torch.manual_seed(0)
+    net = Net()
+    save_checkpoint({0: torch.compile(net, backend="eager")}, tmp_path / "ckpt")
+    fresh = Net()
+    load_checkpoint(fresh, tmp_path / "ckpt")
+    for (name, a), (_, b) in zip(net.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -37,6 +37,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from .._compat import uncompiled
+
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 
@@ -45,7 +47,7 @@ def _stage_modules(model: Any) -> list[nn.Module]:
     mapping's values, or one module."""
     stages = getattr(model, "stage_modules", None)
     if isinstance(stages, Mapping):
-        return list(stages.values())
+        return [uncompiled(m) for m in stages.values()]
     if isinstance(model, Mapping):
         mods = list(model.values())
     elif isinstance(model, nn.Module):
@@ -57,7 +59,7 @@ def _stage_modules(model: Any) -> list[nn.Module]:
     for m in mods:
         if not isinstance(m, nn.Module):
             raise TypeError(f"expected nn.Module stages, got {type(m).__name__}")
-    return mods
+    return [uncompiled(m) for m in mods]  # torch.compile(stage) keeps the stage's own names
 
 
 def _model_state(mods: list[nn.Module]) -> dict[str, Any]:

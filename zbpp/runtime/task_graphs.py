@@ -114,6 +114,10 @@ class TaskGraphs:
             self._records[key] = _Recorded(None, statics, outs, body)
         else:
             graph = torch.cuda.CUDAGraph()
+            # A host synchronisation raises before it reaches the stream, so that the capture
+            # ends cleanly instead of being invalidated by CUDA.
+            sync_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 outs = body(statics)
@@ -128,6 +132,8 @@ class TaskGraphs:
                     "tensor, shapes that depend on values); pass cuda_graphs=False, or mark the stage module "
                     "with zbpp_cuda_graphs = False"
                 ) from exc
+            finally:
+                torch.cuda.set_sync_debug_mode(sync_mode)
             with warnings.catch_warnings():  # a task with no kernel (B of a first stage) is a valid empty graph
                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                 graph.capture_end()
