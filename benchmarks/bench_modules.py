@@ -59,8 +59,6 @@ over the step; no pipeline, no optimizer), in these variants:
 - ``zbpp bf16``             zbpp ``LayerNormMLP``, weight gradients in the backward
 - ``zbpp bf16 delayed``     the same with ``delay_wgrad_compute=True``: B, then ``backward_dw``
                             of every block (W) after each microbatch's B
-- ``zbpp bf16 graph W``     the same with ``wgrad_cuda_graph=True``: each W replayed from a CUDA
-                            graph, one launch per block (CUDA only; left out on a CPU)
 - ``zbpp fp8``, ``zbpp fp8 delayed``  the same inside ``fp8_autocast`` (HYBRID, delayed scaling,
                             the default recipe), ``is_first_microbatch`` True on the first
                             microbatch and False on the others (the weights' casts kept)
@@ -83,20 +81,6 @@ Targets (issue 16, H200): hidden 4096, ffn 16384, 4096 tokens, 16 blocks, 8 micr
         --ffn 16384 --tokens 4096 --blocks 16 --out $OUT/bench_modules_blocks_4096.json
     PYTHONPATH=$PWD python3 benchmarks/bench_modules.py --suite blocks --hidden 1024 \
         --ffn 4096 --tokens 2048 --blocks 32 --out $OUT/bench_modules_blocks_1024.json
-
-``--suite wgrad-graph`` (CUDA only): W replayed from CUDA graphs (``wgrad_cuda_graph=True``)
-against eager W on the launch-bound stack, ``--blocks`` residual ``LayerNormMLP`` blocks, bf16,
-``delay_wgrad_compute=True``, weight gradients into ``.grad`` and (``... main_grad``, with
-``fuse_wgrad_accumulation=True``) into float32 ``main_grad``. Per variant: ``W ms/mb`` is the W of
-all blocks for one microbatch (the B of all ``--microbatches`` ran first, as in a zero-bubble
-stage) timed with CUDA events from an idle GPU, so the host's launch rate counts as it does in a
-pipeline; ``W GPU ms/mb`` the same with the GPU given a head start (its own time only); ``W host
-ms/mb`` the host's time to issue it; ``step ms`` forward + backward + W of every microbatch (W
-after each B). The first W of a graph variant captures (in the warm-up); the gradients of one
-step are then compared with the eager variant's (``equal``: bit for bit)::
-
-    PYTHONPATH=$PWD python3 benchmarks/bench_modules.py --suite wgrad-graph --hidden 1024 \
-        --ffn 4096 --tokens 2048 --blocks 32 --microbatches 8 --out $OUT/bench_wgrad_graph.json
 """
 
 from __future__ import annotations
@@ -141,7 +125,6 @@ BLOCK_VARIANTS = (
     "torch.nn",
     "zbpp bf16",
     "zbpp bf16 delayed",
-    "zbpp bf16 graph W",
     "zbpp bf16 pipeline",
     "zbpp bf16 task graphs",
     "torch.nn task graphs",
@@ -166,11 +149,10 @@ def run_env(cuda: bool) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--suite", choices=("linear", "blocks", "pipeline", "wgrad-graph"),
+    ap.add_argument("--suite", choices=("linear", "blocks", "pipeline"),
                     default="linear",
                     help="linear: the Linear stack and the casts; blocks: residual MLP blocks; "
-                    "pipeline: the blocks split over the ranks of --schedule (torchrun); "
-                    "wgrad-graph: eager W against W replayed from CUDA graphs (CUDA)")
+                    "pipeline: the blocks split over the ranks of --schedule (torchrun)")
     ap.add_argument("--schedule", default="zb-v", help="pipeline: the zbpp schedule")
     ap.add_argument("--hidden", type=int, default=None, help="default 8192 (linear), 4096")
     ap.add_argument("--tokens", type=int, default=None,
@@ -578,11 +560,9 @@ def make_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
     if variant.startswith("torch.nn"):
         return [Residual(TorchMLP(args.hidden, args.ffn, dtype=torch.bfloat16, **kw))
                 for _ in range(args.blocks)]
-    graph = "graph W" in variant
     delayed = "delayed" in variant or "pipeline" in variant or "task graphs" in variant
     return [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
-                                  delay_wgrad_compute=delayed or graph,
-                                  wgrad_cuda_graph=graph, **kw))
+                                  delay_wgrad_compute=delayed, **kw))
             for _ in range(args.blocks)]
 
 
@@ -595,7 +575,7 @@ def make_block_step(
     if "pipeline" in variant or "task graphs" in variant:
         return make_pipeline_step(blocks, xs, grad, cuda_graphs="task graphs" in variant)
     fp8 = "fp8" in variant
-    delayed = "delayed" in variant or "graph W" in variant
+    delayed = "delayed" in variant
     recipe = DelayedScaling(amax_history_len=16)
 
     def microbatch_step(j: int, x: torch.Tensor) -> None:
@@ -710,7 +690,7 @@ HOST_SLEEP_CYCLES = 200_000_000
 def run_blocks(args: argparse.Namespace) -> dict:
     cuda = args.device.startswith("cuda")
     variants = [v for v in BLOCK_VARIANTS if v in args.variants.split(",")
-                and (cuda or ("graph W" not in v and "task graphs" not in v))]
+                and (cuda or "task graphs" not in v)]
     gen = torch.Generator(device=args.device).manual_seed(1)
     xs = [torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
                       dtype=torch.bfloat16).requires_grad_(True)
@@ -801,7 +781,6 @@ def run_blocks(args: argparse.Namespace) -> dict:
             "fusion_speedup": ratio("zbpp fp8 unfused", "zbpp fp8"),
             "zbpp_bf16_over_torch_nn": ratio("zbpp bf16", "torch.nn"),
             "zbpp_bf16_delayed_over_torch_nn": ratio("zbpp bf16 delayed", "torch.nn"),
-            "zbpp_bf16_graph_w_over_torch_nn": ratio("zbpp bf16 graph W", "torch.nn"),
             "zbpp_bf16_pipeline_over_torch_nn": ratio("zbpp bf16 pipeline", "torch.nn"),
             "torch_nn_over_zbpp_task_graphs": ratio("torch.nn", "zbpp bf16 task graphs"),
             "torch_nn_over_torch_nn_task_graphs": ratio("torch.nn", "torch.nn task graphs"),
@@ -844,7 +823,6 @@ def print_blocks(report: dict) -> None:
     show("torch.nn / zbpp bf16 task graphs", q.get("torch_nn_over_zbpp_task_graphs"),
          "  (target >= 1.3 at hidden 1024)")
     show("torch.nn / torch.nn task graphs", q.get("torch_nn_over_torch_nn_task_graphs"))
-    show("zbpp bf16 graph W / torch.nn", q.get("zbpp_bf16_graph_w_over_torch_nn"))
     show("zbpp bf16 / torch.nn", q["zbpp_bf16_over_torch_nn"])
     print(f"FP8 GEMM paths: {report['fp8_gemm_paths']}")
     print(f"FP8 cast paths: {report['fp8_cast_paths']}")
@@ -876,145 +854,6 @@ class PipelineStage(nn.Module):
 
 
 PIPELINE_VARIANTS = ("zbpp bf16 delayed", "zbpp fp8 delayed")
-
-# -- W replayed from CUDA graphs (wgrad_cuda_graph=True) against eager W -------------------------
-
-GRAPH_VARIANTS = ("eager W", "graph W", "eager W main_grad", "graph W main_grad")
-
-
-def make_graph_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
-    torch.manual_seed(0)
-    fused = "main_grad" in variant
-    blocks = [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
-                                    delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
-                                    wgrad_cuda_graph=variant.startswith("graph"),
-                                    device=args.device))
-              for _ in range(args.blocks)]
-    if fused:
-        for block in blocks:
-            for p in block.mlp.parameters():
-                if p.dim() == 2:
-                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=args.device)
-    return blocks
-
-
-def _grads(blocks: list[Residual]) -> list[torch.Tensor | None]:
-    return [getattr(p, "main_grad", p.grad) for b in blocks for p in b.parameters()]
-
-
-def run_wgrad_graph(args: argparse.Namespace) -> dict:
-    if not args.device.startswith("cuda"):
-        raise SystemExit("--suite wgrad-graph needs a CUDA GPU: W is replayed from CUDA graphs")
-    gen = torch.Generator(device=args.device).manual_seed(1)
-    xs = [torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
-                      dtype=torch.bfloat16).requires_grad_(True)
-          for _ in range(args.microbatches)]
-    grad = torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
-                       dtype=torch.bfloat16) / (args.tokens * args.hidden)
-    stacks = {v: make_graph_blocks(args, v) for v in GRAPH_VARIANTS}
-    steps = {v: make_block_step(stacks[v], xs, grad, "zbpp bf16 delayed") for v in GRAPH_VARIANTS}
-    timer = Timer(args.device)
-    m = args.microbatches
-    keys = ("step", "w", "w_gpu", "w_host")
-    times = {v: {k: [] for k in keys} for v in GRAPH_VARIANTS}
-
-    def clear(v: str) -> None:
-        for x in xs:
-            x.grad = None
-        for block in stacks[v]:
-            block.zero_grad(set_to_none=True)
-            for p in block.parameters():
-                if hasattr(p, "main_grad"):
-                    p.main_grad.zero_()
-
-    def all_b(v: str) -> None:  # every microbatch's F and B: its W all pending, as in a stage
-        clear(v)
-        for j, x in enumerate(xs):
-            with microbatch(j):
-                h = x
-                for block in stacks[v]:
-                    h = block(h)
-            h.backward(grad)
-        torch.cuda.synchronize()
-
-    def all_w(v: str) -> None:
-        for j in range(m):
-            for block in reversed(stacks[v]):
-                block.mlp.backward_dw(j)
-
-    for _ in range(args.rounds):
-        for v in GRAPH_VARIANTS:
-            for i in range(args.warmup + args.iters):
-                clear(v)
-                step_ms = timer(steps[v])
-                all_b(v)
-                w_ms = timer(lambda v=v: all_w(v))
-                all_b(v)
-                w_gpu_ms = timer(lambda v=v: all_w(v), gpu_only=True)
-                all_b(v)
-                w_host_ms = timer.host(lambda v=v: all_w(v))
-                if i >= args.warmup:
-                    for k, value in zip(keys, (step_ms, w_ms / m, w_gpu_ms / m, w_host_ms / m)):
-                        times[v][k].append(value)
-    equal = {}
-    for v in GRAPH_VARIANTS:  # one more step each from zero: graph W against eager W, bitwise
-        clear(v)
-        steps[v]()
-    torch.cuda.synchronize()
-    for v in ("graph W", "graph W main_grad"):
-        ref = v.replace("graph", "eager")
-        pairs = list(zip(_grads(stacks[ref]), _grads(stacks[v])))
-        equal[v] = all((a is None and b is None) or (a is not None and b is not None
-                                                     and torch.equal(a, b)) for a, b in pairs)
-    results = []
-    for v in GRAPH_VARIANTS:
-        row = {"variant": v}
-        for k in keys:
-            row[f"{k}_ms" if k == "step" else f"{k}_ms_per_microbatch"] = statistics.median(times[v][k])
-        row["step_samples_ms"] = [round(t, 3) for t in times[v]["step"]]
-        graphs = stacks[v][0].mlp._wgrad_graphs
-        row["captures_per_block"] = None if graphs is None else graphs.captures
-        row["equal_to_eager"] = equal.get(v)
-        results.append(row)
-    by = {r["variant"]: r for r in results}
-
-    def gain(key: str, eager: str, graph: str) -> float:
-        return by[eager][key] / by[graph][key]
-
-    return {
-        "suite": "wgrad-graph",
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "results": results,
-        "ratios": {
-            "w_speedup": gain("w_ms_per_microbatch", "eager W", "graph W"),
-            "step_speedup": gain("step_ms", "eager W", "graph W"),
-            "w_speedup_main_grad": gain("w_ms_per_microbatch", "eager W main_grad",
-                                        "graph W main_grad"),
-            "step_speedup_main_grad": gain("step_ms", "eager W main_grad", "graph W main_grad"),
-        },
-        "env": run_env(True),
-    }
-
-
-def print_wgrad_graph(report: dict) -> None:
-    cfg = report["config"]
-    print(
-        f"{cfg['blocks']} blocks x + LayerNormMLP(x), bf16, delayed wgrad: hidden "
-        f"{cfg['hidden']}, ffn {cfg['ffn']}, {cfg['microbatches']} microbatches of "
-        f"{cfg['tokens']} tokens, on {report['env']['device']}"
-    )
-    print(f"{'variant':<18} {'W ms/mb':>9} {'W GPU ms/mb':>12} {'W host ms/mb':>13} "
-          f"{'step ms':>9}  equal")
-    for r in report["results"]:
-        eq = r["equal_to_eager"]
-        print(f"{r['variant']:<18} {r['w_ms_per_microbatch']:>9.3f} "
-              f"{r['w_gpu_ms_per_microbatch']:>12.3f} {r['w_host_ms_per_microbatch']:>13.3f} "
-              f"{r['step_ms']:>9.2f}  {'-' if eq is None else eq}")
-    q = report["ratios"]
-    print(f"graph W gain, W per microbatch: {q['w_speedup']:.3f}x (.grad), "
-          f"{q['w_speedup_main_grad']:.3f}x (main_grad)")
-    print(f"graph W gain, forward+backward step: {q['step_speedup']:.3f}x (.grad), "
-          f"{q['step_speedup_main_grad']:.3f}x (main_grad)")
 
 
 def run_pipeline(args: argparse.Namespace) -> dict | None:
@@ -1117,10 +956,7 @@ def main(argv: list[str] | None = None) -> None:
             print_pipeline(report)
             write_report(report, args.out)
         shutdown_and_exit(0)
-    if args.suite == "wgrad-graph":
-        report = run_wgrad_graph(args)
-        print_wgrad_graph(report)
-    elif args.suite == "blocks":
+    if args.suite == "blocks":
         report = run_blocks(args)
         print_blocks(report)
     else:

@@ -67,10 +67,12 @@ def test_good_params_dtypes_still_work(name):
     assert next(LAYERS[name](params_dtype=None).parameters()).dtype == torch.get_default_dtype()
 
 
+# wgrad_cuda_graph: a removed option (Pipeline(cuda_graphs=True) replays whole tasks instead)
+@pytest.mark.parametrize("keyword", ["delay_wgrad", "wgrad_cuda_graph"])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_an_unknown_keyword_is_named_with_the_accepted_ones(name):
-    message = _type_error(name, delay_wgrad=True)
-    assert message.startswith(f"{name}: unknown keyword argument 'delay_wgrad'")
+def test_an_unknown_keyword_is_named_with_the_accepted_ones(name, keyword):
+    message = _type_error(name, delay_wgrad_compute=True, **{keyword: True})
+    assert message.startswith(f"{name}: unknown keyword argument {keyword!r}")
     assert "delay_wgrad_compute" in message and "params_dtype" in message
 
 

@@ -34,8 +34,7 @@ from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
 
 __all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "run_linear",
-           "add_to_main_grad", "accumulate_grad",
-           "main_grad_of", "job_outputs"]
+           "add_to_main_grad", "accumulate_grad"]
 
 
 class GradOut(NamedTuple):
@@ -134,8 +133,7 @@ def _weight_grad(call: GemmCall, grad: Any, inp: Any, fp8: bool) -> torch.Tensor
 
 
 def job_outputs(parts: list[_WgradPart], fp8: bool) -> list[GradOut]:
-    """The gradients of a job's `parts`: a pure function of the tensors they hold (a CUDA graph
-    of W captures it on static copies of them, `_wgrad_graph`)."""
+    """The gradients of a job's `parts`: a pure function of the tensors they hold."""
     out = []
     for call, operands, bias_grad_of in parts:
         if operands is not None:

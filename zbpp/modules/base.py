@@ -27,8 +27,6 @@ from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
 from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, _Job, accumulate_grad
 from ._layer_function import add_to_main_grad
-from . import _wgrad_graph
-from ._wgrad_graph import WgradGraphs
 from ._norm import make_norm_params
 from .context import current_microbatch, forward_key
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
@@ -63,7 +61,6 @@ class LayerOptions(TypedDict, total=False):
     params_dtype: torch.dtype | None
     device: torch.device | str | None
     init_method: InitMethod | None
-    wgrad_cuda_graph: bool
 
 
 class _ParamSettings(NamedTuple):
@@ -93,12 +90,6 @@ class DelayedWgradModule(nn.Module):
     - ``params_dtype`` (None: torch's default dtype) and ``device``: of the parameters;
     - ``init_method`` (None: normal with std 0.023, Transformer Engine's default): fills each
       GEMM weight (biases start at zero, norm weights at one);
-    - ``wgrad_cuda_graph`` (False; needs ``delay_wgrad_compute=True`` and a CUDA device):
-      `backward_dw` captures the layer's W once per input signature into a
-      ``torch.cuda.CUDAGraph`` and replays it, with static buffers, in every later W (see
-      ``_wgrad_graph``). The hooks registered with
-      `register_wgrad_accumulation_and_reduce_hooks` are then not called (hooks inside a graph
-      never fire); the runtime reduces the gradients through `get_backward_dw_params` instead.
 
     Under ``torch.compile`` each call of a layer is a graph break (`_outside_graph`): the layer
     runs eagerly, so a compiled model still leaves its W to `backward_dw`; the code around it
@@ -115,9 +106,6 @@ class DelayedWgradModule(nn.Module):
     >>> Linear(2, 2, delay_wgrad=True)
     Traceback (most recent call last):
     TypeError: Linear: unknown keyword argument 'delay_wgrad'; the layers take delay_wgrad_compute, ...
-    >>> Linear(2, 2, delay_wgrad_compute=True, wgrad_cuda_graph=True, device="cpu")
-    Traceback (most recent call last):
-    ValueError: Linear: wgrad_cuda_graph=True captures W into a CUDA graph, but device='cpu' is not a CUDA device; ...
     """
 
     #: per GEMM: (FP8 slot prefix, weight attribute, bias attribute)
@@ -135,7 +123,6 @@ class DelayedWgradModule(nn.Module):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         init_method: InitMethod | None = None,
-        wgrad_cuda_graph: bool = False,
         **unknown: object,
     ) -> None:
         cls = type(self).__name__
@@ -146,16 +133,13 @@ class DelayedWgradModule(nn.Module):
                 f"{cls}: unknown keyword argument{plural} {names}; the layers take "
                 f"{', '.join(LayerOptions.__annotations__)} besides their own"
             )
-        _check_wgrad_cuda_graph(cls, wgrad_cuda_graph, delay_wgrad_compute, device)
         super().__init__()
         self._param_settings: _ParamSettings | None = _ParamSettings(
             check_params_dtype(cls, params_dtype), device, init_method or default_init
         )
-        self._init_protocol(delay_wgrad_compute, fuse_wgrad_accumulation, wgrad_cuda_graph)
+        self._init_protocol(delay_wgrad_compute, fuse_wgrad_accumulation)
 
-    def _init_protocol(
-        self, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool, wgrad_cuda_graph: bool
-    ) -> None:
+    def _init_protocol(self, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool) -> None:
         """The layer's own state besides its parameters (also set up on a module that
         `zbpp.modules.delay_wgrad` turns into a zbpp layer in place)."""
         cls = type(self).__name__
@@ -163,10 +147,6 @@ class DelayedWgradModule(nn.Module):
         self._delay = bool(delay_wgrad_compute)
         self._wgrad_store: WgradStore = WgradStore(owner=cls)
         self._wgrad_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
-        # None unless wgrad_cuda_graph: the option off costs backward_dw one attribute test
-        self._wgrad_graphs: WgradGraphs | None = (
-            WgradGraphs(cls, _job_outputs) if wgrad_cuda_graph else None
-        )
         self._auto_keys = 0  # how many forwards ran outside any microbatch() block
         # False after an FP8 forward: there the bias gradients are computed during B.
         self._bias_grad_deferred = True
@@ -362,10 +342,6 @@ class DelayedWgradModule(nn.Module):
         """
         if not self._delay:
             return
-        if self._wgrad_graphs is not None:
-            if not self._nothing_owed(key):
-                self._graph_backward_dw(key)
-            return
         jobs = self._wgrad_store.take(key)
         if jobs is None:
             if self.get_backward_dw_params():  # something was owed: pop raises, naming what
@@ -387,48 +363,6 @@ class DelayedWgradModule(nn.Module):
         if self._wgrad_hooks:
             for hook in list(self._wgrad_hooks.values()):
                 hook()
-
-    def _graph_backward_dw(self, key: Hashable | None) -> None:
-        # W replayed from a CUDA graph: its hooks never fire (the runtime reduces what
-        # get_backward_dw_params() lists after the stage's last W)
-        # before taking the jobs out: on a CPU they stay pending
-        _wgrad_graph.require_cuda(type(self).__name__, self._gemm_weights()[0].device)
-        _, jobs = self._wgrad_store.pop(key)
-        with torch.no_grad():
-            self._wgrad_graphs.run(jobs)
-
-    @property
-    def wgrad_cuda_graph(self) -> bool:
-        """Whether `backward_dw` replays W from CUDA graphs (the constructor keyword).
-
-        On a GPU the first W captures the graph and the second replays it; on a CPU, W raises
-        (naming the option) and leaves the wgrad pending:
-
-        >>> import torch
-        >>> from zbpp.modules import Linear, microbatch
-        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
-        >>> layer = Linear(4, 2, delay_wgrad_compute=True, wgrad_cuda_graph=True).to(device)
-        >>> layer.wgrad_cuda_graph
-        True
-        >>> for j in range(2):
-        ...     with microbatch(j):
-        ...         layer(torch.ones(3, 4, device=device)).sum().backward()
-        >>> def w():
-        ...     try:
-        ...         layer.backward_dw(0); layer.backward_dw(1)  # GPU: capture, then replay
-        ...     except RuntimeError as err:  # CPU
-        ...         return str(err).split(";")[0], layer.pending_wgrad_keys()
-        ...     return layer.weight.grad.tolist() == [[6.0] * 4] * 2
-        >>> w() in (True, ("Linear: wgrad_cuda_graph=True replays W from a CUDA graph, but the "
-        ...                "layer is on cpu", [0, 1]))
-        True
-        """
-        return self._wgrad_graphs is not None
-
-    def clear_wgrad_graphs(self) -> None:
-        """Drop the captured W graphs and their static buffers (the next W captures again)."""
-        if self._wgrad_graphs is not None:
-            self._wgrad_graphs.clear()
 
     def pending_wgrad_keys(self) -> list[Hashable]:
         """Microbatch keys with a pending wgrad, in filing (B) order."""
@@ -454,53 +388,24 @@ class DelayedWgradModule(nn.Module):
             return []
         return self._gemm_weights() + (self._gemm_biases() if self._bias_grad_deferred else [])
 
-    def _nothing_owed(self, key: Hashable | None) -> bool:
-        # every deferred parameter is frozen: B filed no job for `key`, so W has nothing to do
-        if self.get_backward_dw_params():
-            return False
-        pending = self._wgrad_store.keys()
-        return not pending if key is None else key not in pending
-
     def register_wgrad_accumulation_and_reduce_hooks(
         self, hook: Callable[[], None]
     ) -> RemovableHandle:
-        """Call ``hook()`` (no arguments) at the end of every `backward_dw` that computed."""
+        """Call ``hook()`` (no arguments) at the end of every `backward_dw` that computed.
+
+        A W replayed from a CUDA graph (``Pipeline(..., cuda_graphs=True)``) calls no hook: hooks
+        inside a graph never fire, so the runtime reduces the parameters `get_backward_dw_params`
+        lists after a stage's last W instead.
+        """
         handle = RemovableHandle(self._wgrad_hooks)
         self._wgrad_hooks[handle.id] = hook
         return handle
 
     def extra_repr(self) -> str:
-        graph = ", wgrad_cuda_graph=True" if self._wgrad_graphs is not None else ""
         return (
             f"delay_wgrad_compute={self._delay}, "
-            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}{graph}"
+            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}"
         )
-
-
-def _check_wgrad_cuda_graph(cls: str, value: object, delay: bool, device: object) -> None:
-    """Raise when ``wgrad_cuda_graph`` is not a bool, or True where it cannot work."""
-    if value is not True and value is not False:
-        raise TypeError(
-            f"{cls}: wgrad_cuda_graph={value!r} is not a bool; pass True (replay W from a CUDA "
-            "graph) or False (the default)"
-        )
-    if not value:
-        return
-    if not delay:
-        raise ValueError(
-            f"{cls}: wgrad_cuda_graph=True captures the delayed W into a CUDA graph; it needs "
-            "delay_wgrad_compute=True"
-        )
-    if device is not None and torch.device(device).type != "cuda":
-        raise ValueError(
-            f"{cls}: wgrad_cuda_graph=True captures W into a CUDA graph, but device={device!r} "
-            "is not a CUDA device; build the layer on a CUDA device or with wgrad_cuda_graph=False"
-        )
-
-
-def _job_outputs(jobs: list[Callable[[], list[GradOut]]]) -> list[GradOut]:
-    """The gradients of one key's jobs, as `backward_dw` accumulates them."""
-    return jobs[0]() if len(jobs) == 1 else _summed_per_parameter(jobs)
 
 
 def _summed_per_parameter(jobs: list[Callable[[], list[GradOut]]]) -> list[GradOut]:

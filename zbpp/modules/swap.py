@@ -124,9 +124,7 @@ def _convert(module: nn.Module, transposed: bool) -> None:
     if "bias" not in module._parameters:
         module.register_parameter("bias", None)
     module._param_settings = None
-    module._init_protocol(
-        delay_wgrad_compute=True, fuse_wgrad_accumulation=False, wgrad_cuda_graph=False
-    )
+    module._init_protocol(delay_wgrad_compute=True, fuse_wgrad_accumulation=False)
     module._sync_param_flags()
 
 
