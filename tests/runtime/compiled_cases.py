@@ -32,19 +32,19 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from zbpp import Pipeline
 from zbpp.modules import LayerNormMLP, Linear as ZLinear
-from zbpp.runtime import executor as _executor
 from zbpp.runtime import wgrad as _wgrad
 from zbpp.schedules import build
+
+from .split_cases import TaskFlops
 
 H, ROWS, M = 8, 8, 4  # hidden size, batch rows (per replica), microbatches
 TOL = {"rtol": 1e-9, "atol": 1e-12}
@@ -100,30 +100,20 @@ def build_models(kind: str, num_stages: int, tied: bool) -> tuple[nn.Sequential,
     return ref, stages
 
 
-class _Watch:
+class _Watch(TaskFlops):
     """Test-only wrappers of the executor's B and W tasks and of each keyed W: FLOPs per (stage,
-    task kind), and per zbpp layer's W whether its job for that microbatch was pending (filed by B,
-    not computed yet)."""
+    task kind) (`split_cases.TaskFlops`), and per zbpp layer's W whether its job for that
+    microbatch was pending (filed by B, not computed yet)."""
 
     def __init__(self) -> None:
-        self.flops: dict[tuple[int, str], int] = {}
-        self.count: dict[tuple[int, str], int] = {}
+        super().__init__()
         self.not_pending: list[str] = []
         self.keyed_runs = 0
 
     @contextlib.contextmanager
     def installed(self):
-        ex, keyed = _executor.StepExecutor, _wgrad.KeyedWgrad
-        orig_b, orig_w, orig_run = ex._backward, ex._wgrad, keyed.run
-
-        def wrap(orig: Callable[..., None]) -> Callable[..., None]:
-            def run(exself: Any, a: Any) -> None:
-                with FlopCounterMode(display=False) as fc:
-                    orig(exself, a)
-                k = (a.stage, a.kind.value)
-                self.flops[k] = self.flops.get(k, 0) + fc.get_total_flops()
-                self.count[k] = self.count.get(k, 0) + 1
-            return run
+        keyed = _wgrad.KeyedWgrad
+        orig_run = keyed.run
 
         def keyed_run(adapter: Any, key: Any) -> None:
             self.keyed_runs += 1
@@ -131,11 +121,12 @@ class _Watch:
                 self.not_pending.append(f"{type(adapter.module).__name__} key {key}")
             orig_run(adapter, key)
 
-        ex._backward, ex._wgrad, keyed.run = wrap(orig_b), wrap(orig_w), keyed_run
+        keyed.run = keyed_run
         try:
-            yield self
+            with super().installed():
+                yield self
         finally:
-            ex._backward, ex._wgrad, keyed.run = orig_b, orig_w, orig_run
+            keyed.run = orig_run
 
 
 def compiled_case(case: str) -> list[str]:

@@ -152,7 +152,7 @@ def make_batch(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- FLOPs --------------------------------------------------------------------------------------
-class _TaskFlops:
+class TaskFlops:
     """Counts the FLOPs of each B, W and BW task of this rank, per stage (wraps the executor)."""
 
     def __init__(self) -> None:
@@ -242,7 +242,7 @@ def hf_case(family: str, name: str, p: int, *, ckpt: str | None = None, split: b
     rows = m * dp
     ids, target = make_batch(rows)
     part = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
-    counter = _TaskFlops()
+    counter = TaskFlops()
     with counter.installed() if count else contextlib.nullcontext():
         loss = pipe.step(ids[part], target=target[part])
     held = sum(len(w.held) for w in pipe._wgrad.values())
@@ -353,7 +353,7 @@ def cuda_case() -> dict[str, Any]:
         mdl = model()
         stages = {s: HFStage(mdl, "llama", [s], s == 0, s == 1) for s in (0, 1)}
         pipe = Pipeline(stages, sched, loss_fn, split_wgrad=split)
-        counter = _TaskFlops()
+        counter = TaskFlops()
         with counter.installed():
             pipe.step(ids, target=target)
         torch.cuda.synchronize()

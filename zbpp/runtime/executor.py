@@ -274,17 +274,21 @@ class StepExecutor(CommQueue):
         if s == 0:
             assert self.inputs is not None
             return self.inputs[j], []
+        spec, leaves, received = self._stage_input(a)
+        if received and not self.forward_only:
+            for t, m in zip(leaves, spec.tensors):
+                if m.requires_grad:
+                    t.requires_grad_()
+        return rebuild(spec, leaves), [t for t in leaves if t.requires_grad]
+
+    def _stage_input(self, a: Action) -> tuple[Spec, list[torch.Tensor], bool]:
+        """F(s, j)'s input leaves for s > 0, handed over on this rank or received (then True)."""
         msg = self.plan.recv_of.get(a)
         if msg is None:
             spec, leaves = self._handed.pop(self.plan.handed_from[a])
-        else:
-            leaves = self._receive(msg)
-            spec = self.specs[(msg.src.stage, msg.src.microbatch)]
-            if not self.forward_only:
-                for t, m in zip(leaves, spec.tensors):
-                    if m.requires_grad:
-                        t.requires_grad_()
-        return rebuild(spec, leaves), [t for t in leaves if t.requires_grad]
+            return spec, leaves, False
+        leaves = self._receive(msg)  # on a new signature, its spec arrives with it
+        return self.specs[(msg.src.stage, msg.src.microbatch)], leaves, True
 
     def _hand_forward(self, a: Action, leaves: list[torch.Tensor], spec: Spec, roots: list[torch.Tensor]) -> None:
         s, j = a.stage, a.microbatch
@@ -366,12 +370,7 @@ class StepExecutor(CommQueue):
             leaves, spec = flatten(self.inputs[j])
             wants_grad = [False] * len(leaves)
         else:
-            msg = self.plan.recv_of.get(a)
-            if msg is None:
-                spec, leaves = self._handed.pop(self.plan.handed_from[a])
-            else:
-                leaves = self._receive(msg)
-                spec = self.specs[(msg.src.stage, msg.src.microbatch)]
+            spec, leaves, _ = self._stage_input(a)
             wants_grad = [m.requires_grad for m in spec.tensors]
         n = len(leaves)
         target_leaves: list[torch.Tensor] = []
