@@ -80,13 +80,20 @@ def _batch(step: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.T
 
 
 def train(schedule: str, *, graphs: bool, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-          fp8: bool = False, main_grad: bool = False, groups: Any = None) -> dict[str, Any]:
-    """`STEPS` steps of SGD; returns the losses, every step's gradients and the graph counters."""
+          fp8: bool = False, main_grad: bool = False, groups: Any = None, tied: bool = False) -> dict[str, Any]:
+    """`STEPS` steps of SGD; returns the losses, every step's gradients and the graph counters.
+    `tied`: the first plain block's fc1 weight is also the last block's (a tied parameter: its
+    copies' gradients are summed outside the graphs)."""
     sched = build(schedule, num_ranks=world, num_microbatches=M)
     per_stage = 2
     blocks = make_blocks(per_stage * sched.num_stages, dtype, device, main_grad)
+    if tied:
+        blocks[-1].inner[1].weight = blocks[1].inner[1].weight
     stages = {s: Stage(blocks[s * per_stage:(s + 1) * per_stage], fp8) for s in sched.stages_on(rank)}
-    pipe = Pipeline(stages, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=graphs, groups=groups)
+    tie = blocks[1].inner[1].weight
+    held = any(p is tie for m in stages.values() for p in m.parameters())
+    pipe = Pipeline(stages, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=graphs, groups=groups,
+                    tied_parameters={"fc1": tie} if tied and held else None)
     params = list(pipe.parameters())
     opt = torch.optim.SGD(params, lr=0.05)
     losses, grads = [], []
@@ -108,12 +115,12 @@ def train(schedule: str, *, graphs: bool, rank: int, world: int, device: torch.d
 
 
 def compare(schedule: str, *, rank: int = 0, world: int = 1, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-            fp8: bool = False, main_grad: bool = False, groups: Any = None) -> list[str]:
+            fp8: bool = False, main_grad: bool = False, groups: Any = None, tied: bool = False) -> list[str]:
     """The graph run against the eager run, bit for bit; what differs, as lines (empty: equal)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         task_graphs._CPU_STAND_IN = True
-    kw = dict(rank=rank, world=world, device=dev, dtype=dtype, fp8=fp8, main_grad=main_grad, groups=groups)
+    kw = dict(rank=rank, world=world, device=dev, dtype=dtype, fp8=fp8, main_grad=main_grad, groups=groups, tied=tied)
     eager, graphed = train(schedule, graphs=False, **kw), train(schedule, graphs=True, **kw)
     fails = []
     counts = graphed["graphs"]  # (tasks captured, replay steps) per signature

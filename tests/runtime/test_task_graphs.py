@@ -31,8 +31,9 @@ def test_stand_in_equals_eager_and_one_process(schedule: str) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
-def test_stand_in_on_two_gloo_ranks(zbpp_workers, schedule: str) -> None:
-    per_rank = zbpp_workers(2).run(graph_cases.worker, schedule, "gloo")
+@pytest.mark.parametrize("tied", [False, True], ids=["", "tied"])
+def test_stand_in_on_two_gloo_ranks(zbpp_workers, schedule: str, tied: bool) -> None:
+    per_rank = zbpp_workers(2).run(graph_cases.worker, schedule, "gloo", tied=tied)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
 
@@ -124,11 +125,12 @@ def test_capture_failure_names_the_task_and_leaves_the_pipeline_usable() -> None
 
 @pytest.mark.nccl
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule, dp, main_grad", [("zb-h1", 1, False), ("zb-v", 1, True), ("zb-h1", 2, True)])
-def test_graphs_on_two_nccl_ranks(zbpp_workers, schedule: str, dp: int, main_grad: bool) -> None:
+@pytest.mark.parametrize("schedule, dp, main_grad, tied", [("zb-h1", 1, False, True), ("zb-v", 1, True, False),
+                                                           ("zb-h1", 2, True, False)])
+def test_graphs_on_two_nccl_ranks(zbpp_workers, schedule: str, dp: int, main_grad: bool, tied: bool) -> None:
     """Pipelines over 2 GPUs (sends and receives between the replays), or 2 data-parallel replicas
     of a one-rank pipeline (the reduction after each stage's last W, outside the graphs)."""
     per_rank = zbpp_workers(2, backend="nccl").run(graph_cases.worker, schedule, "nccl", dp=dp, fp8=True,
-                                                   main_grad=main_grad)
+                                                   main_grad=main_grad, tied=tied)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
