@@ -45,6 +45,32 @@ def test_stand_in_with_data_parallel_replicas(zbpp_workers) -> None:
     assert not fails, "\n".join(fails)
 
 
+def test_stand_in_with_evaluation_and_no_sync(monkeypatch) -> None:
+    """Evaluation steps (eager) and no_sync steps between captured and replayed steps leave the
+    training steps as eager ones (float64: the same sums, bit for bit)."""
+    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
+    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 3, dtype=torch.float64, generator=g), torch.randn(8, 2, dtype=torch.float64, generator=g)
+    seen = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 4, dtype=torch.float64), nn.Tanh(), nn.Linear(4, 2, dtype=torch.float64))
+        pipe = Pipeline({0: m}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=graphs)
+        out = []
+        for i in range(5):
+            m.zero_grad()
+            if i % 2:
+                with pipe.no_sync():
+                    out.append(pipe.step(x, y))
+            else:
+                out.append(pipe.step(x, y))
+            out.append(pipe.eval_step(x))
+            out += [p.grad.clone() for p in m.parameters()]
+        seen[graphs] = out
+    assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
+
+
 def test_refused_on_cpu_and_for_declared_stages(monkeypatch) -> None:
     monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", False)
     sched = build("1f1b", num_ranks=1, num_microbatches=2)

@@ -61,6 +61,7 @@ module alone; the torch pipelining runtime uses the same machinery.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
@@ -226,6 +227,14 @@ class FsdpReducer:
         for s, m in sorted(self.stage_modules.items()):
             for uid, p in _original_uids(m):
                 found.setdefault(uid, []).append((s, p))
+        managed = sum(1 for m in self.stage_modules.values() for p in m.parameters() if hasattr(p, "device_mesh"))
+        if len(self.stage_modules) > 1 and managed and not found:
+            warnings.warn(
+                "this torch's FSDP does not record which Parameter a sharded one came from, so a Parameter that "
+                f"stages {sorted(self.stage_modules)} of this rank shared before fully_shard cannot be kept tied "
+                "(each stage trains its own copy); keep such weights in one stage, or use a newer torch",
+                stacklevel=2,
+            )
         return [[p for _, p in copies] for copies in found.values() if len({s for s, _ in copies}) > 1]
 
     # -- around every step ---------------------------------------------------------------------
