@@ -8,6 +8,9 @@ Every process runs this script; NCCL on GPUs (one per process), gloo on CPUs. La
     # CPU only (gloo), 4 processes, ZB-V, checked against one process:
     torchrun --nproc-per-node=4 examples/train.py --schedule zb-v --check
 
+    # small layers on 2 GPUs, every task replayed from a CUDA graph after the first step:
+    torchrun --nproc-per-node=2 examples/train.py --schedule zb-v --cuda-graphs --check
+
     # 2 pipelines of 2 ranks (data parallel), gradients clipped to a global norm of 1:
     torchrun --nproc-per-node=4 examples/train.py --schedule zb-h1 --dp 2 --clip 1.0 --check
 
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     ap.add_argument("--check", action="store_true", help="compare with one process training the whole model")
     ap.add_argument("--profile-out", default=None, help="write the last step's task records (JSON) here")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay the tasks from CUDA graphs after each input signature's first step (NCCL only)")
     return ap.parse_args(argv)
 
 
@@ -79,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig(hidden=args.hidden, heads=4, seq_len=args.seq_len, blocks_per_stage=args.blocks_per_stage)
     S = sched.num_stages
     mine = {s: make_stage(s, S, cfg, seed=args.seed).to(device) for s in sched.stages_on(pp_rank)}
-    pipe = Pipeline(mine, sched, lm_loss, groups=groups, profile=args.profile_out is not None)
+    if args.cuda_graphs and device.type != "cuda":
+        raise SystemExit("--cuda-graphs needs GPUs (backend nccl)")
+    pipe = Pipeline(mine, sched, lm_loss, groups=groups, profile=args.profile_out is not None,
+                    cuda_graphs=args.cuda_graphs)
     opt = torch.optim.Adam(list(pipe.parameters()), lr=args.lr)
     ref = ref_opt = None
     if args.check:
