@@ -396,7 +396,10 @@ class StepExecutor(CommQueue):
             return outs
 
         started = self.recorder.start() if self.recorder is not None else None
-        outs = self.graphs.run(a, leaves + extra, body)
+        # seeded around the capture and each replay: a graph's draws start from the generator's
+        # state at its replay, so they are the eager task's
+        with self.rng_of(s, j) if self.rng_of is not None else contextlib.nullcontext():
+            outs = self.graphs.run(a, leaves + extra, body)
         if self.recorder is not None:
             self.recorder.stop(str(a), started)
         if last:

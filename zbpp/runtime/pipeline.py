@@ -111,9 +111,9 @@ class Pipeline:
         cuda_graphs: from the second training step of each input signature on, replay every F, B,
             W and BW task of this rank from a CUDA graph captured in the schedule's order (sends,
             receives and reductions stay outside): for small layers, where launching kernels
-            costs more than running them. CUDA only; each trainable parameter without
-            ``main_grad`` keeps one ``.grad`` tensor; ``seed=`` does not apply to replayed draws;
-            what is captured and what is refused: `zbpp.runtime.task_graphs`.
+            costs more than running them; bit-identical to eager steps (dropout included). CUDA
+            only; each trainable parameter without ``main_grad`` keeps one ``.grad`` tensor; what is
+            captured and what is refused: `zbpp.runtime.task_graphs`.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except

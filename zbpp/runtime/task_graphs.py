@@ -26,8 +26,9 @@ of that signature copies each task's inputs into the graph's static buffers and 
   host (``.item()``, ``.cpu()``, a data-dependent shape) fails its capture with `GraphCaptureError`
   on every rank. Host-side decisions inside a stage (a Python branch on the step count, on a
   tensor's value) are taken once, at capture: declare such a stage with
-  ``zbpp_cuda_graphs = False``. Random draws in a replay come from the CUDA generator's graph-safe
-  state (a new draw each replay), not from ``seed=``: the run is random, but not the same as eager.
+  ``zbpp_cuda_graphs = False``.
+- **Random draws.** Each F is captured and replayed under its microbatch's seed (`zbpp.runtime.rng`):
+  a replay draws from the generator's state at its start, so dropout masks are the eager step's.
 
 Captures use ``capture_begin(capture_error_mode="thread_local")`` on the pipeline's compute stream
 (not the ``torch.cuda.graph`` context manager: it synchronises the whole device, which could wait
