@@ -71,6 +71,28 @@ def test_stand_in_with_evaluation_and_no_sync(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
 
 
+def test_signatures_kept_are_bounded_and_recaptured(monkeypatch) -> None:
+    """At most MAX_GRAPHED_SIGNATURES signatures keep graphs (least recently used dropped); one
+    that comes back after being dropped captures again; profile records cover replayed tasks."""
+    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
+    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+    pipe = Pipeline({0: nn.Linear(3, 1, dtype=torch.float64)}, sched, loss_fn=nn.functional.mse_loss,
+                    cuda_graphs=True, profile=True)
+    limit = task_graphs.MAX_GRAPHED_SIGNATURES
+    rows = [2 * (i + 1) for i in range(limit + 1)]
+    for _ in range(2):  # each signature: eager, then captured
+        for r in rows:
+            pipe.step(torch.ones(r, 3, dtype=torch.float64), torch.zeros(r, 1, dtype=torch.float64))
+    assert len(pipe._graphs) == limit
+    assert all(g.replays == 0 for g in pipe._graphs.values())
+    pipe.step(torch.ones(rows[-1], 3, dtype=torch.float64), torch.zeros(rows[-1], 1, dtype=torch.float64))
+    assert [g.replays for g in pipe._graphs.values()][-1] == 1  # kept: replayed
+    pipe.step(torch.ones(rows[0], 3, dtype=torch.float64), torch.zeros(rows[0], 1, dtype=torch.float64))
+    newest = list(pipe._graphs.values())[-1]
+    assert newest.replays == 0 and len(newest) == len(sched.orders[0])  # dropped earlier: captured again
+    assert sorted(r["action"] for r in pipe.profile_records()) == sorted(str(a) for a in sched.orders[0])
+
+
 def test_refused_on_cpu_and_for_declared_stages(monkeypatch) -> None:
     monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", False)
     sched = build("1f1b", num_ranks=1, num_microbatches=2)
