@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from zbpp import Pipeline
-from zbpp.runtime import PipelineError, task_graphs
+from zbpp.runtime import GraphCaptureError, PipelineError, task_graphs
 from zbpp.schedules import build
 
 from . import graph_cases
@@ -158,8 +158,9 @@ def test_capture_failure_names_the_task_and_leaves_the_pipeline_usable() -> None
     x, y = torch.randn(4, 4, device="cuda"), torch.randn(4, 4, device="cuda")
     pipe.step(x, y)  # eager
     stage.zero_grad()
-    with pytest.raises(PipelineError, match=r"task F0\.0 could not be captured into a CUDA graph"):
+    with pytest.raises(PipelineError, match=r"task F0\.0 could not be captured into a CUDA graph") as failed:
         pipe.step(x, y)
+    assert isinstance(failed.value.__cause__, GraphCaptureError)
     assert stage[0].weight.grad is None or not stage[0].weight.grad.any()  # the failed step left nothing
     stage[1].sync = False
     for _ in range(3):  # captures again, then replays

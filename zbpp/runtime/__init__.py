@@ -4,7 +4,8 @@
   queue of sends and receives at the points the schedule's plan gives (`comm_queue.py`,
   `zbpp.schedules.plan`) on one channel per direction (`channels.py`), the step's agreements
   (`agreement.py`), gradients of earlier steps kept apart (`grad_aside.py`), W tasks (`wgrad.py`);
-  `PipelineError` and `ShapeMismatchError` (`errors.py`).
+  `PipelineError`, `ShapeMismatchError` and `GraphCaptureError` (`errors.py`); tasks replayed from
+  CUDA graphs (`task_graphs.py`).
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
   parallelism: `grad_reduce.py`.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_
-from .errors import PipelineError, ShapeMismatchError
+from .errors import GraphCaptureError, PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
 from .launch import init_distributed, shutdown_and_exit
 from .pipeline import Pipeline
@@ -30,6 +31,7 @@ from .tree import Replicated
 __all__ = [
     "Pipeline",
     "ParallelGroups",
+    "GraphCaptureError",
     "PipelineError",
     "Replicated",
     "ShapeMismatchError",

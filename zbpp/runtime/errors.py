@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PipelineError", "ShapeMismatchError"]
+__all__ = ["GraphCaptureError", "PipelineError", "ShapeMismatchError"]
 
 
 class PipelineError(RuntimeError):
@@ -11,3 +11,8 @@ class PipelineError(RuntimeError):
 
 class ShapeMismatchError(PipelineError):
     """A stage's output differs from what the receiving rank was told for this input signature."""
+
+
+class GraphCaptureError(RuntimeError):
+    """A task could not be captured into a CUDA graph (``Pipeline(cuda_graphs=True)``, see
+    `zbpp.runtime.task_graphs`); the step's `PipelineError` chains it as its cause."""

@@ -47,15 +47,12 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from .._compat import foreach_copy_, foreach_zero_
+from .errors import GraphCaptureError
 
-__all__ = ["GraphCaptureError", "GradBuffers", "TaskGraphs", "MAX_GRAPHED_SIGNATURES", "external_addresses", "refusal"]
+__all__ = ["GradBuffers", "TaskGraphs", "MAX_GRAPHED_SIGNATURES", "external_addresses", "refusal"]
 
 MAX_GRAPHED_SIGNATURES = 4
 _CPU_STAND_IN = False  # tests: accept CPU stages and run TaskGraphs as stand-ins
-
-
-class GraphCaptureError(RuntimeError):
-    """A task could not be captured into a CUDA graph (see `zbpp.runtime.task_graphs`)."""
 
 
 @dataclass
