@@ -28,11 +28,13 @@ from zbpp.schedules.dag import data_consumers, data_dependencies
 from zbpp.schedules.ir import from_orders
 
 from .cases import make_schedule
+from .feature_cases import V, H, make_wte
+from .feature_cases import batch as lm_batch
+from .feature_cases import loss_fn as lm_loss
 from .models import make_batch, make_stage, reference_step
 from .models import loss_fn as mse
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-V, H = 11, 6  # vocabulary and width of the language model below
 
 
 def close(what: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
@@ -144,21 +146,6 @@ class LMStage(nn.Module):
             x = F.embedding(x, self.wte)
         x = x + torch.tanh(self.lin(x)) + 0.5 * self.extra(x)
         return self.head(x) if self.last else x
-
-
-def make_wte(value: float | None = None) -> nn.Parameter:
-    torch.manual_seed(7)
-    w = torch.randn(V, H, dtype=torch.float64)
-    return nn.Parameter(torch.full_like(w, value) if value is not None else w)
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, target)
-
-
-def lm_batch(step: int, rows: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * replica + step)
-    return torch.randint(0, V, (rows,), generator=g), torch.randint(0, V, (rows,), generator=g)
 
 
 def freeze(stage: nn.Module, s: int, pattern: str) -> None:

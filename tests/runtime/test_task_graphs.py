@@ -45,13 +45,19 @@ def test_stand_in_with_data_parallel_replicas(zbpp_workers) -> None:
     assert not fails, "\n".join(fails)
 
 
+def _one_rank_stand_in(monkeypatch, rows: int, outputs: int, seed: int):
+    """CPU stand-in graphs, a one-rank zb-h1 schedule of 2 microbatches, a float64 batch of 3 features."""
+    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 3, dtype=torch.float64, generator=g)
+    y = torch.randn(rows, outputs, dtype=torch.float64, generator=g)
+    return build("zb-h1", num_ranks=1, num_microbatches=2), x, y
+
+
 def test_stand_in_with_evaluation_and_no_sync(monkeypatch) -> None:
     """Evaluation steps (eager) and no_sync steps between captured and replayed steps leave the
     training steps as eager ones (float64: the same sums, bit for bit)."""
-    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
-    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(8, 3, dtype=torch.float64, generator=g), torch.randn(8, 2, dtype=torch.float64, generator=g)
+    sched, x, y = _one_rank_stand_in(monkeypatch, rows=8, outputs=2, seed=2)
     seen = {}
     for graphs in (False, True):
         torch.manual_seed(0)
@@ -108,10 +114,7 @@ def test_refused_on_cpu_and_for_declared_stages(monkeypatch) -> None:
 def test_fixed_grad_buffers_keep_accumulation(monkeypatch) -> None:
     """Without zero_grad between steps the gradients add up, as in eager mode; a replaced .grad is
     copied into the fixed buffer."""
-    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
-    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(4, 1, dtype=torch.float64, generator=g)
+    sched, x, y = _one_rank_stand_in(monkeypatch, rows=4, outputs=1, seed=1)
     grads = {}
     for graphs in (False, True):
         torch.manual_seed(0)
