@@ -15,9 +15,9 @@ batches are. Launch::
     # GPT-2 (tied embedding and LM head across ranks) with right-padded rows:
     torchrun --nproc-per-node=2 examples/train_hf.py --model gpt2 --ragged --steps 40
 
-    # 2 GPUs (NCCL), a larger Llama:
+    # 2 GPUs (NCCL, bf16), a larger Llama in its fast form (compiled layers, task graphs):
     torchrun --nproc-per-node=2 examples/train_hf.py --hidden 512 --layers 8 --heads 8 --seq-len 256 \\
-        --rows-per-microbatch 8 --microbatches 8 --steps 200
+        --rows-per-microbatch 8 --microbatches 8 --steps 200 --fast
 
 The rank holding the last stage prints a line per step (loss, learning rate, step time, tokens/s)
 and a summary. Every rank draws the same batch from a generator seeded by (seed, step).
@@ -62,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data", choices=["stdlib", "synthetic"], default="stdlib")
     ap.add_argument("--data-bytes", type=int, default=2_000_000, help="--data stdlib: bytes of text to read")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths, right-padded (attention_mask, -100)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPUs, else float32")
+    ap.add_argument("--fast", action="store_true",
+                    help="the stages' fast form: compiled layers, task graphs on GPUs (zbpp.models.fast)")
+    ap.add_argument("--fp8", action="store_true", help="with --fast: FP8 GEMMs (Hopper or later)")
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="HF attention implementation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
@@ -77,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.fp8 and not args.fast:
+        ap.error("--fp8 applies to the fast form: add --fast")
     if args.schedule not in available():
         ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
     return args
@@ -166,8 +171,9 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{world} ranks: every stage needs a layer")
 
     # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
-    stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=DTYPES[args.dtype],
-                                      attn_implementation=args.attn, seed=args.seed)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=dtype, attn_implementation=args.attn,
+                                      seed=args.seed, fast=args.fast, fp8=args.fp8)
     pipe = Pipeline(stages, sched, **kwargs)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
@@ -175,7 +181,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     say = (lambda text: print(text, flush=True)) if reporting else (lambda text: None)
     say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {world} ranks "
         f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
-        f"{args.seq_len} tokens, data {args.data}{' ragged' if args.ragged else ''}")
+        f"{args.seq_len} tokens, data {args.data}{' ragged' if args.ragged else ''}, {dtype}"
+        f"{', fast' if args.fast else ''}{' fp8' if args.fp8 else ''}")
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for step in range(args.steps):

@@ -95,6 +95,8 @@ def causal_lm_stages(
     state_dict: Mapping[str, torch.Tensor] | None = None,
     seed: int = 0,
     ignore_index: int = -100,
+    fast: bool = False,
+    fp8: Any = False,
 ) -> tuple[dict[int, nn.Module], dict[str, Any]]:
     """This rank's stages of a HF causal LM, and the `Pipeline` keyword arguments that go with them.
 
@@ -109,6 +111,9 @@ def causal_lm_stages(
         module_fqns_per_stage, balance, state_dict, seed: as `pipeline_stages`; the blocks are
             ``model.layers`` (Llama family) or ``transformer.h`` (GPT-2).
         ignore_index: the label value the loss ignores.
+        fast, fp8: ``fast=True`` gives every stage its fastest correct form and adds the runtime's
+            keywords for it (`zbpp.models.fast.fast_hf_stages`: delayed weight gradients, compiled
+            decoder layers, task graphs on CUDA); ``fp8=True`` or a `DelayedScaling` adds FP8.
 
     Returns ``(stages, kwargs)``: ``Pipeline(stages, schedule, **kwargs)`` with ``loss_fn``,
     ``tied_parameters`` and, when the runtime takes it, ``loss_weight`` (tokens per microbatch).
@@ -133,6 +138,10 @@ def causal_lm_stages(
     kwargs: dict[str, Any] = {"loss_fn": loss, "tied_parameters": tied}
     if _takes_loss_weight():
         kwargs["loss_weight"] = loss.weight
+    if fast or fp8 is not False:
+        from .fast import fast_hf_stages
+
+        kwargs.update(fast_hf_stages(modules, fast=fast, fp8=fp8, loss_fn=loss))
     return modules, kwargs
 
 

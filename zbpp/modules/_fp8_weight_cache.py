@@ -24,7 +24,7 @@ import torch
 
 from .fp8 import DelayedScaling, Quantized, ScalingMeta, quantize
 
-__all__ = ["Fp8WeightCache", "check_first_microbatch"]
+__all__ = ["Fp8WeightCache", "check_first_microbatch", "step_first_microbatch"]
 
 
 def check_first_microbatch(owner: str, value: object) -> bool | None:
@@ -35,6 +35,19 @@ def check_first_microbatch(owner: str, value: object) -> bool | None:
             "optimizer step, False on the others, or None to cast the weights on every call"
         )
     return value
+
+
+def step_first_microbatch(key: object) -> bool | None:
+    """``is_first_microbatch`` read from a `Pipeline` microbatch key ``(stage, j)``: True for the
+    step's first microbatch (j == 0), False for the others; None (cast on every call) for any other
+    key. Every schedule runs a stage's F tasks in microbatch order, so j == 0 casts first.
+
+    >>> step_first_microbatch((1, 0)), step_first_microbatch((1, 3)), step_first_microbatch("a")
+    (True, False, None)
+    """
+    if isinstance(key, tuple) and len(key) == 2 and type(key[1]) is int:
+        return key[1] == 0
+    return None
 
 
 @dataclass(frozen=True)

@@ -165,17 +165,24 @@ class _Job:
     def __call__(self) -> list[GradOut]:
         return job_outputs(self.parts, self.fp8)
 
-    def accumulate(self) -> None:
+    def accumulate(self, in_gemm: bool = False) -> None:
         """Add the job's gradients where `backward_dw` puts them: ``.grad``, or ``main_grad``
-        for a fused weight (each computed as ``job_outputs`` does, added as soon as it is)."""
+        for a fused weight (each computed as ``job_outputs`` does, added as soon as it is).
+        `in_gemm`: outside FP8, add into an existing ``.grad`` of the GEMM's dtype inside the GEMM
+        (``addmm`` into it: one pass over ``.grad`` instead of writing dW and adding it; the sum is
+        rounded once, so it may differ from autograd's in the last bit)."""
         fp8 = self.fp8
         for call, operands, bias_grad_of in self.parts:
             if operands is not None:
-                dw = _weight_grad(call, operands[0], operands[1], fp8)
-                if call.fuse_wgrad_accumulation:
-                    add_to_main_grad(call.weight_name, call.weight, dw)
+                acc = call.weight.grad
+                if (in_gemm and not fp8 and not call.fuse_wgrad_accumulation and not call.transposed
+                        and acc is not None and acc.dtype == operands[0].dtype):
+                    # dW = dy^T x added by the GEMM (out=: aten.addmm, the op FLOP counters know)
+                    torch.addmm(acc, operands[0].t(), operands[1], out=acc)
+                elif call.fuse_wgrad_accumulation:
+                    add_to_main_grad(call.weight_name, call.weight, _weight_grad(call, *operands, fp8))
                 else:
-                    accumulate_grad(call.weight, dw)
+                    accumulate_grad(call.weight, _weight_grad(call, *operands, fp8))
             if bias_grad_of is not None:
                 accumulate_grad(call.bias, bias_grad_of.sum(0))
 

@@ -23,7 +23,7 @@ from .._compat import disable_dynamo as _disable_dynamo
 from .._compat import set_grad_enabled as _set_grad_enabled
 
 from ._activations import Activation
-from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch
+from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch, step_first_microbatch
 from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, _Job, accumulate_grad
 from ._layer_function import add_to_main_grad
@@ -114,6 +114,13 @@ class DelayedWgradModule(nn.Module):
     _weight_transposed: bool = False
     #: the parameters a forward reads, in the order `_forward_params` returns them
     _forward_param_names: tuple[str, ...] = ("weight", "bias")
+    #: a forward called without ``is_first_microbatch`` (a swapped layer inside a model that does not
+    #: pass it) keeps its FP8 weight casts as if it were passed, reading the microbatch index from
+    #: the `Pipeline`'s key ``(stage, j)``: True for j == 0, False after (`step_first_microbatch`)
+    keep_fp8_weight_casts: bool = False
+    #: `backward_dw` adds a bf16/float32 weight gradient into an existing ``.grad`` inside its GEMM
+    #: (one pass over ``.grad`` less per microbatch; rounded once, so not bit-identical to autograd)
+    accumulate_wgrad_in_gemm: bool = False
 
     def __init__(
         self,
@@ -233,6 +240,8 @@ class DelayedWgradModule(nn.Module):
     def _begin_forward(self, is_first_microbatch: bool | None = None) -> ForwardCall:
         """The key, FP8 recipe and weight-cast reuse of the forward starting now."""
         first = is_first_microbatch
+        if first is None and self.keep_fp8_weight_casts:
+            first = step_first_microbatch(current_microbatch())
         if first is not None and first is not True and first is not False:
             check_first_microbatch(type(self).__name__, first)  # raises: names what is accepted
         recipe = active_recipe()
@@ -351,7 +360,7 @@ class DelayedWgradModule(nn.Module):
         _set_grad_enabled(False)  # torch.no_grad() without its per-call objects
         try:
             if len(jobs) == 1 and isinstance(jobs[0], _Job):  # one forward: no sums between jobs
-                jobs[0].accumulate()
+                jobs[0].accumulate(self.accumulate_wgrad_in_gemm)
             else:  # several: summed per parameter first
                 for name, param, grad, to_main in _summed_per_parameter(jobs):
                     if to_main:

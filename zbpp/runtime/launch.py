@@ -46,11 +46,13 @@ def init_distributed(backend: str | None = None, *, timeout: float = 600.0) -> s
                 "(e.g. torchrun --nproc-per-node=2 script.py)"
             )
     backend = backend or default_backend()
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # No device_id: NCCL communicators are created lazily per pair of ranks, which the plan's one
-    # order of operations keeps deadlock-free (an eager, shared communicator works too).
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    # device_id binds the group to this rank's GPU: without it NCCL guesses the device from the
+    # global rank and warns that this can hang (wrong where LOCAL_RANK differs, on several nodes)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device)
     return backend
 
 

@@ -1,0 +1,144 @@
+"""The fast form of a stage (`zbpp.models.fast`): the same gradients as the eager form, its W intact,
+its FP8 weight casts kept across a step's microbatches.
+
+CPU, float64, one process. The model is a tiny random Llama (tied embedding and LM head) cut by
+`causal_lm_stages` into the two stages of a one-rank zb-v schedule, so stage 1 is not the first
+and its B computes an input gradient. The fast form compiles its decoder layers and its loss with
+``backend="aot_eager"`` (the same graphs and autograd split as inductor, without a C++ build on
+CI's CPUs); task graphs and FP8 GEMMs on a GPU: ``test_fast_form_gpu.py``.
+
+Tolerance (gradients): within ``1e-10`` of the largest gradient, the bound `tests.models.cases`
+states: the compiled regions may order float64 sums differently and W adds its weight gradients
+inside the GEMM (``addmm``), each ~1e-16 relative; a lost, doubled or misplaced microbatch moves a
+gradient by 1/m.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from zbpp import Pipeline
+from zbpp.models.fast import fast_hf_stages, fast_stage
+from zbpp.models.hf import causal_lm_stages
+from zbpp.modules import DelayedScaling
+from zbpp.schedules import build
+
+from tests.runtime.split_cases import TaskFlops
+
+from .cases import GRAD_RTOL, SEQ, batch, config, make_schedule, reference_model
+
+pytest.importorskip("transformers")
+
+M, ROWS = 2, 4  # microbatches, rows per step
+
+
+def _pipeline(fast: bool) -> tuple[Pipeline, dict[int, nn.Module]]:
+    ref = reference_model("llama", 2)
+    sched = make_schedule("zb-v", 1, M)
+    stages, kwargs = causal_lm_stages(config("llama", 2), sched, 0, dtype=torch.float64, attn_implementation="eager",
+                                      state_dict=ref.state_dict(), device="cpu")
+    if fast:
+        kwargs.update(fast_hf_stages(stages, loss_fn=kwargs["loss_fn"], backend="aot_eager"))
+    return Pipeline(stages, sched, **kwargs), stages
+
+
+def _grads(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    return {f"{s}.{n}": p.grad.clone() for s, m in stages.items() for n, p in m.named_parameters()}
+
+
+def test_fast_form_gradients_equal_eager_forms_and_w_keeps_every_weight_gemm() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids, mask, labels = batch(ROWS, padded=True)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    eager_pipe, eager_stages = _pipeline(fast=False)
+    fast_pipe, fast_stages = _pipeline(fast=True)
+    eager_loss = eager_pipe.step(inputs, target=labels)
+    with TaskFlops().installed() as flops:
+        fast_loss = fast_pipe.step(inputs, target=labels)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    torch.testing.assert_close(fast_loss, eager_loss, rtol=1e-12, atol=0)
+    want, got = _grads(eager_stages), _grads(fast_stages)
+    assert want.keys() == got.keys()
+    bound = GRAD_RTOL * max(g.abs().max() for g in want.values())
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=0, atol=bound, msg=name)
+
+    # W of stage 1 does every weight GEMM of its decoder layer and the LM head (2 x tokens x in x out
+    # each, over the step's tokens) and nothing else; a compiled region that kept them would leave
+    # them in B and W short
+    stage = fast_stages[1]
+    linears = [m for m in stage.modules() if hasattr(m, "backward_dw") and hasattr(m, "in_features")]
+    assert len(linears) == 8  # q, k, v, o, gate, up, down, lm_head
+    tokens = ROWS * SEQ
+    assert flops.flops[(1, "W")] == sum(2 * tokens * m.in_features * m.out_features for m in linears)
+
+
+def test_fast_stage_compiles_the_whole_stage_without_blocks_and_keeps_names() -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.LayerNorm(8, dtype=torch.float64), nn.Linear(8, 8, dtype=torch.float64), nn.Tanh())
+    stage = copy.deepcopy(eager)
+    names = [n for n, _ in stage.named_parameters()]
+    fast_stage(stage, backend="aot_eager")
+    assert [n for n, _ in stage.named_parameters()] == names
+    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    losses = [Pipeline({0: m}, sched, lambda y, _: y.square().mean()).step(x) for m in (eager, stage)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for (n, a), b in zip(stage.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def test_fast_stage_rejects_foreign_blocks_and_bad_fp8() -> None:
+    stage = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="inside the stage"):
+        fast_stage(stage, blocks=[nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="fp8="):
+        fast_stage(stage, fp8="e4m3")
+    with pytest.raises(ValueError, match="needs fast=True"):
+        fast_hf_stages({0: stage}, fast=False, fp8=True)
+
+
+WIDTH = 32  # 16 rows per microbatch: torch._scaled_mm runs on the CPU too
+
+
+def _fp8_stage(keep: bool) -> nn.Module:
+    torch.manual_seed(3)
+    stage = fast_stage(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH)), compile=False,
+                       fp8=DelayedScaling(amax_history_len=16))
+    assert stage[0].keep_fp8_weight_casts  # what fp8 sets; the reference turns it off
+    for layer in (stage[0], stage[2]):
+        layer.keep_fp8_weight_casts = keep
+    return stage
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "1f1b"])
+def test_swapped_layers_cast_each_weight_once_per_step_with_the_same_result(name: str) -> None:
+    """Reference: the same stage casting its weights on every microbatch. After a warm-up step (the
+    weights' scales settle; no optimizer step, so the weights stay) every cast of a weight gives the
+    same bytes: losses and gradients bit-identical, with one weight cast per step instead of M."""
+    m = 4
+    sched = build(name, num_ranks=1, num_microbatches=m)
+    kept, every = _fp8_stage(True), _fp8_stage(False)
+    pipes = [Pipeline({0: s}, sched, lambda y, _: y.square().mean()) for s in (kept, every)]
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        for layer in (kept[0], kept[2]):
+            layer.keep_fp8_weight_casts = step > 0  # step 0 (warm-up) casts every microbatch in both
+        x = torch.randn(16 * m, WIDTH, generator=gen)
+        casts_before = [int((s[0].fp8_meta["weight"].amax_history != 0).sum()) if step else 0 for s in (kept, every)]
+        losses = [p.step(x) for p in pipes]
+        assert torch.equal(losses[0], losses[1]), step
+        for (n, a), b in zip(kept.named_parameters(), every.parameters()):
+            assert torch.equal(a.grad, b.grad), (step, n)
+        kept.zero_grad(set_to_none=True)
+        every.zero_grad(set_to_none=True)
+        if step:  # the history has 16 slots: count the casts of this step
+            casts = [int((s[0].fp8_meta["weight"].amax_history != 0).sum()) - c for s, c in zip((kept, every), casts_before)]
+            assert casts == [1, m], casts

@@ -1,0 +1,165 @@
+"""A stage's fastest correct form: `fast_stage` (the recipe) and `fast_pipeline_kwargs` (the runtime).
+
+`fast_stage(stage, blocks=...)` changes a stage in place, keeping its module objects, parameter
+objects and parameter names (checkpoints and optimizers are unaffected):
+
+- every ``nn.Linear`` becomes a zbpp delayed-wgrad `Linear` (`zbpp.modules.delay_wgrad`): its
+  weight gradient waits for W, computed by zbpp's own GEMM code outside any compiled graph;
+- the code between the GEMMs (norms, rotary embeddings, attention, activations, residual adds) is
+  compiled by ``torch.compile``, block by block (`blocks`: the repeated blocks, one compilation
+  shared by all of them) or, without `blocks`, the stage's forward as a whole. Each zbpp layer is a
+  graph break (``zbpp.modules.base._outside_graph``), so a compiled region never swallows a
+  weight GEMM and W stays non-empty; the regions' own weights (norm scales) get their gradients
+  in B, in the region's one backward node;
+- W adds each weight gradient into ``.grad`` inside its GEMM (``accumulate_wgrad_in_gemm``:
+  one pass over the gradient less per microbatch; rounded once, so not bit-identical to eager);
+- ``fp8=True`` (or a `DelayedScaling` recipe) runs the stage's forward inside `fp8_autocast`, and
+  the swapped layers keep their weights' FP8 casts across a step's microbatches
+  (``keep_fp8_weight_casts``: one cast per weight and step instead of one per microbatch).
+
+`fast_pipeline_kwargs(device)` gives the `Pipeline` keywords that go with it: ``cuda_graphs=True``
+on a CUDA device (each F, B and W task replayed from a CUDA graph: the host's work between the many
+small kernels, and the compiled regions' guards, leave the step), nothing on the CPU.
+`zbpp.models.hf.causal_lm_stages(..., fast=True)` applies both to a Hugging Face model.
+
+>>> import torch
+>>> from torch import nn
+>>> from zbpp import Pipeline
+>>> from zbpp.schedules import build
+>>> torch.manual_seed(0) and None
+>>> blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU()) for _ in range(2)])
+>>> stage = fast_stage(blocks, blocks=list(blocks), backend="eager")
+>>> type(blocks[0][1]).__name__, blocks[0][1].delay_wgrad_compute
+('Linear', True)
+>>> sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+>>> pipe = Pipeline({0: stage}, sched, lambda y, _: y.square().mean(), **fast_pipeline_kwargs("cpu"))
+>>> loss = pipe.step(torch.randn(4, 8))
+>>> blocks[1][1].weight.grad.shape
+torch.Size([8, 8])
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..modules import DelayedScaling, delay_wgrad, fp8_autocast
+from ..modules.base import DelayedWgradModule
+
+__all__ = ["fast_stage", "fast_pipeline_kwargs", "fast_hf_stages", "Fp8Forward"]
+
+
+class Fp8Forward:
+    """Forward hooks that run a module's forward inside ``fp8_autocast(fp8_recipe=recipe)`` (hooks,
+    not a wrapper module, so that parameter names stay as they were). `attach` installs them."""
+
+    def __init__(self, recipe: DelayedScaling) -> None:
+        self.recipe = recipe
+        self._open: list[Any] = []  # the entered blocks, innermost last (a stage may re-enter itself)
+
+    def attach(self, module: nn.Module) -> None:
+        # eager even in a compiled stage: a context variable is set and reset, not traced
+        module.register_forward_pre_hook(torch.compiler.disable(self._enter))
+        module.register_forward_hook(torch.compiler.disable(self._exit), always_call=True)  # also when forward raises
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        block = fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+        block.__enter__()
+        self._open.append(block)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._open.pop().__exit__(None, None, None)
+
+
+def fast_stage(
+    stage: nn.Module,
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+    fp8: bool | DelayedScaling = False,
+    compile: bool = True,
+    backend: str = "inductor",
+) -> nn.Module:
+    """Give `stage` its fast form (see the module docstring), in place, and return it.
+
+    Args:
+        stage: a pipeline stage (any ``nn.Module``).
+        blocks: modules inside `stage` to compile one by one (the repeated decoder layers, so one
+            compilation serves them all); None compiles the stage's forward as a whole.
+        fp8: False (bf16 or whatever the parameters are), True (FP8 with the default
+            `DelayedScaling`) or a `DelayedScaling` recipe.
+        compile: False keeps everything eager (the delayed weight gradients and FP8 still apply).
+        backend: ``torch.compile``'s backend ("inductor"; "aot_eager" or "eager" to debug).
+    """
+    if not isinstance(stage, nn.Module):
+        raise TypeError(f"fast_stage: stage is a {type(stage).__name__}, not a torch.nn.Module")
+    if fp8 is not True and fp8 is not False and not isinstance(fp8, DelayedScaling):
+        raise TypeError(f"fast_stage: fp8={fp8!r}; pass True, False or a zbpp.modules.DelayedScaling")
+    owned = {id(m) for m in stage.modules()}
+    for block in blocks or ():
+        if not isinstance(block, nn.Module) or id(block) not in owned:
+            raise ValueError(f"fast_stage: every one of blocks must be a module inside the stage; "
+                             f"{type(block).__name__} is not")
+    delay_wgrad(stage)
+    for layer in stage.modules():
+        if isinstance(layer, DelayedWgradModule):
+            layer.accumulate_wgrad_in_gemm = True
+            layer.keep_fp8_weight_casts = fp8 is not False
+    if compile:
+        if blocks is None:
+            stage.compile(backend=backend)
+        else:
+            for block in blocks:
+                block.compile(backend=backend)
+    if fp8 is not False:
+        Fp8Forward(DelayedScaling() if fp8 is True else fp8).attach(stage)
+    return stage
+
+
+def fast_pipeline_kwargs(device: torch.device | str | None) -> dict[str, Any]:
+    """The `Pipeline` keywords of the fast form on `device`: ``{"cuda_graphs": True}`` on CUDA,
+    ``{}`` elsewhere (task graphs are CUDA graphs).
+
+    >>> fast_pipeline_kwargs("cpu"), fast_pipeline_kwargs("cuda:0")
+    ({}, {'cuda_graphs': True})
+    """
+    kind = torch.device(device).type if device is not None else "cpu"
+    return {"cuda_graphs": True} if kind == "cuda" else {}
+
+
+def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool | DelayedScaling = False,
+                   loss_fn: Any = None, backend: str = "inductor") -> dict[str, Any]:
+    """`fast_stage` on each stage of `zbpp.models.hf.causal_lm_stages` (its decoder layers, ``model.layers``
+    or ``transformer.h``, compiled one by one), in place; returns `fast_pipeline_kwargs` for their
+    device, with `loss_fn` compiled (the float32 upcast of the logits and the cross entropy fused:
+    eager, they make several passes over a [tokens, vocab] float32 tensor) when given.
+    ``causal_lm_stages(..., fast=True, fp8=...)`` calls it.
+
+    >>> import transformers
+    >>> from zbpp.models.hf import causal_lm_stages
+    >>> from zbpp.schedules import build
+    >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    ...                                   num_attention_heads=2, num_key_value_heads=1)
+    >>> stages, kwargs = causal_lm_stages(config, build("zb-h1", num_ranks=1, num_microbatches=2), 0,
+    ...                                   device="cpu", fast=True)
+    >>> type(stages[0].model.layers[0].mlp.up_proj).__name__, kwargs.get("cuda_graphs", False)
+    ('Linear', False)
+    """
+    if fast is not True:
+        raise ValueError(f"fp8={fp8!r} needs fast=True: FP8 applies to the fast form's zbpp layers")
+    devices = set()
+    for stage in stages.values():
+        inner = getattr(stage, "model", None) or getattr(stage, "transformer", None)
+        layers = getattr(inner, "layers", None) if hasattr(stage, "model") else getattr(inner, "h", None)
+        fast_stage(stage, blocks=list(layers) if layers is not None else None, fp8=fp8, backend=backend)
+        devices.update(p.device for p in stage.parameters())
+    if len(devices) > 1:
+        raise ValueError(f"the stages' parameters are on several devices {sorted(map(str, devices))}; "
+                         "the fast form's task graphs take one")
+    kwargs = fast_pipeline_kwargs(devices.pop() if devices else None)
+    if loss_fn is not None:
+        plain = inspect.isfunction(loss_fn) or inspect.ismethod(loss_fn)  # else a callable object
+        kwargs["loss_fn"] = torch.compile(loss_fn if plain else loss_fn.__call__, backend=backend)
+    return kwargs
