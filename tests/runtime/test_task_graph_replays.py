@@ -1,0 +1,176 @@
+"""``Pipeline(cuda_graphs=True)``: captured and replayed steps give what one process gives.
+
+Each test runs a one-rank zb-h1 pipeline of 2 microbatches for a few steps of one input signature
+(step 0 eager, step 1 captures every task, later steps replay) and checks, step by step, against
+one process on the same batch:
+
+- each F draws its dropout masks under its own microbatch's seed, at capture and at replay;
+- the per-microbatch losses handed to the caller (``losses=``) and the step's loss keep their
+  values after later replays (no alias of a graph's static output);
+- a ``main_grad`` replaced between steps makes the next step capture again, and the gradient
+  lands in the new buffer (a replay would write into the old one).
+
+On the CPU the graphs are the test stand-ins of `test_task_graphs._one_rank_stand_in` (each
+"replay" runs the task again through the same static buffers); on CUDA (marked ``gpu``) they are
+real CUDA graphs. Float64 throughout.
+
+Tolerance against one process: float64 ``rtol=1e-10, atol=1e-12``: the pipeline adds the
+microbatches' weight gradients in another order than one process's backward (~1e-15 relative);
+a wrong dropout mask or an overwritten loss moves values by percents.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from zbpp import Pipeline
+from zbpp.modules import Linear
+from zbpp.runtime import microbatch_seed
+
+from .test_task_graphs import _one_rank_stand_in
+
+TOL: dict[str, Any] = {"rtol": 1e-10, "atol": 1e-12}
+F64 = torch.float64
+SEED = 2024
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def _schedule_and_batch(monkeypatch: pytest.MonkeyPatch, device: str, rows: int, outputs: int,
+                        seed: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The one-rank zb-h1 schedule of 2 microbatches and the float64 batch (3 features) of
+    `_one_rank_stand_in`, which also switches the CPU stand-in graphs on (on CUDA the pipeline
+    captures real graphs whatever that switch says)."""
+    sched, x, y = _one_rank_stand_in(monkeypatch, rows=rows, outputs=outputs, seed=seed)
+    return sched, x.to(device), y.to(device)
+
+
+def _per_microbatch(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(torch.tensor_split(x, m), torch.tensor_split(y, m)))
+
+
+def _one_process_with_seeds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, step: int, m: int) -> torch.Tensor:
+    """One process, microbatch by microbatch, each forward after
+    ``torch.manual_seed(microbatch_seed(SEED, step, 0, j))`` (the rng module's recipe); backward of
+    each microbatch's MSE times its share of the rows. Returns the microbatches' losses."""
+    devices = [x.device.index] if x.device.type == "cuda" else []
+    losses = []
+    for j, (xj, yj) in enumerate(_per_microbatch(x, y, m)):
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(microbatch_seed(SEED, step, 0, j))
+            loss = nn.functional.mse_loss(model(xj), yj)
+        (loss * (xj.shape[0] / x.shape[0])).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _assert_grads_equal(got: nn.Module, want: nn.Module, what: str) -> None:
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"{what}: {name}: {s}", **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_graphed_forward_draws_under_its_own_microbatch_seed(monkeypatch, device: str) -> None:
+    """Dropout 0.5: at capture (step 1) and at each replay (steps 2, 3) every microbatch's masks
+    are the ones its own seed gives, as in the eager step 0 and in one process."""
+    sched, x, y = _schedule_and_batch(monkeypatch, device, rows=8, outputs=2, seed=3)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16, dtype=F64), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 2, dtype=F64)).to(device)
+    ref = copy.deepcopy(model)
+    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, seed=SEED, cuda_graphs=True)
+    for step in range(4):  # eager, capture, replay, replay
+        model.zero_grad()
+        ref.zero_grad()
+        per_mb: list[torch.Tensor] = []
+        loss = pipe.step(x, y, losses=per_mb)
+        want = _one_process_with_seeds(ref, x, y, step=step, m=sched.num_microbatches)
+        what = f"step {step}"
+        torch.testing.assert_close(torch.stack(per_mb), want, msg=lambda s: f"{what} microbatch losses: {s}", **TOL)
+        torch.testing.assert_close(loss, want.mean(), msg=lambda s: f"{what} loss: {s}", **TOL)  # equal halves
+        _assert_grads_equal(model, ref, what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_losses_handed_out_keep_their_values_after_later_replays(monkeypatch, device: str) -> None:
+    """Four steps on batches of one shape and other values: the losses of every step (the
+    ``losses=`` list and the returned loss), read after the last step, are still that step's."""
+    sched, x, y = _schedule_and_batch(monkeypatch, device, rows=6, outputs=1, seed=4)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4, dtype=F64), nn.Tanh(), nn.Linear(4, 1, dtype=F64)).to(device)
+    ref = copy.deepcopy(model)
+    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=True)
+    handed, want = [], []
+    for step in range(4):  # eager, capture, replay, replay: each replay rewrites the static outputs
+        xs = x + step
+        per_mb: list[torch.Tensor] = []
+        loss = pipe.step(xs, y, losses=per_mb)
+        handed.append((loss, per_mb))
+        with torch.no_grad():
+            want.append(torch.stack([nn.functional.mse_loss(ref(a), b) for a, b in _per_microbatch(xs, y, 2)]))
+    for step, ((loss, per_mb), w) in enumerate(zip(handed, want)):
+        torch.testing.assert_close(torch.stack(per_mb), w, msg=lambda s: f"step {step} microbatch losses: {s}", **TOL)
+        torch.testing.assert_close(loss, w.mean(), msg=lambda s: f"step {step} loss: {s}", **TOL)  # equal halves
+
+
+class _InputProbe(nn.Module):
+    """The identity, keeping every tensor it is called with: kept alive, no two of the buffers it
+    saw share an address, so a capture (new static input buffers) shows as new addresses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x)
+        return x
+
+    def buffers_seen(self) -> int:
+        return len({t.untyped_storage().data_ptr() for t in self.seen})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replaced_main_grad_is_captured_again_and_receives_the_gradient(monkeypatch, device: str) -> None:
+    """fc1's weight accumulates into ``main_grad`` (``fuse_wgrad_accumulation``), the rest into
+    ``.grad``. After a capture and a replay, the caller puts a new ``main_grad`` in place (the
+    old one kept alive, so the new one has another address): the next step reads new static
+    input buffers (it captured again), the gradient equals one process's in the new buffer, the
+    old buffer is untouched; the step after replays that capture, again into the new buffer."""
+    sched, x, y = _schedule_and_batch(monkeypatch, device, rows=4, outputs=2, seed=5)
+    torch.manual_seed(0)
+    fc1 = Linear(3, 4, params_dtype=F64, device=device, fuse_wgrad_accumulation=True)
+    fc2 = nn.Linear(4, 2, dtype=F64, device=device)
+    probe = _InputProbe()
+    model = nn.Sequential(probe, fc1, nn.Tanh(), fc2)
+    ref = nn.Sequential(nn.Linear(3, 4, dtype=F64), nn.Tanh(), nn.Linear(4, 2, dtype=F64)).to(device)
+    ref[0].load_state_dict(fc1.state_dict())
+    ref[2].load_state_dict(fc2.state_dict())
+    nn.functional.mse_loss(ref(x), y).backward()
+    fc1.weight.main_grad = torch.zeros_like(fc1.weight)
+    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=True)
+
+    def step(what: str) -> int:
+        """One step from zero gradients, checked against one process; the new input buffers read."""
+        model.zero_grad()
+        fc1.weight.main_grad.zero_()
+        before = probe.buffers_seen()
+        pipe.step(x, y)
+        torch.testing.assert_close(fc1.weight.main_grad, ref[0].weight.grad, msg=lambda s: f"{what} main_grad: {s}", **TOL)
+        for got, want in ((fc1.bias, ref[0].bias), (fc2.weight, ref[2].weight), (fc2.bias, ref[2].bias)):
+            torch.testing.assert_close(got.grad, want.grad, msg=lambda s: f"{what} .grad: {s}", **TOL)
+        return probe.buffers_seen() - before
+
+    assert step("eager step") > 0
+    assert step("capture") > 0, "the capture step read no new static input buffers"
+    assert step("replay") == 0, "a replay read new input buffers: it was not a replay"
+    replaced = fc1.weight.main_grad
+    kept = replaced.clone()
+    fc1.weight.main_grad = torch.zeros_like(fc1.weight)
+    assert step("step after main_grad was replaced") > 0, "a replaced main_grad did not make the step capture again"
+    assert torch.equal(replaced, kept), "the step wrote into the replaced main_grad"
+    assert step("replay after the new capture") == 0
+    assert torch.equal(replaced, kept), "the replay wrote into the replaced main_grad"
