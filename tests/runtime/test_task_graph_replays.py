@@ -54,17 +54,20 @@ def _per_microbatch(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torc
     return list(zip(torch.tensor_split(x, m), torch.tensor_split(y, m)))
 
 
-def _one_process_with_seeds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, step: int, m: int) -> torch.Tensor:
+def _one_process_with_seeds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, step: int, m: int,
+                            backward: bool = True) -> torch.Tensor:
     """One process, microbatch by microbatch, each forward after
-    ``torch.manual_seed(microbatch_seed(SEED, step, 0, j))`` (the rng module's recipe); backward of
-    each microbatch's MSE times its share of the rows. Returns the microbatches' losses."""
+    ``torch.manual_seed(microbatch_seed(SEED, step, 0, j))`` (the rng module's recipe); with
+    `backward`, backward of each microbatch's MSE times its share of the rows. Returns the
+    microbatches' losses."""
     devices = [x.device.index] if x.device.type == "cuda" else []
     losses = []
     for j, (xj, yj) in enumerate(_per_microbatch(x, y, m)):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(microbatch_seed(SEED, step, 0, j))
             loss = nn.functional.mse_loss(model(xj), yj)
-        (loss * (xj.shape[0] / x.shape[0])).backward()
+        if backward:
+            (loss * (xj.shape[0] / x.shape[0])).backward()
         losses.append(loss.detach())
     return torch.stack(losses)
 
@@ -76,14 +79,20 @@ def _assert_grads_equal(got: nn.Module, want: nn.Module, what: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_graphed_forward_draws_under_its_own_microbatch_seed(monkeypatch, device: str) -> None:
-    """Dropout 0.5: at capture (step 1) and at each replay (steps 2, 3) every microbatch's masks
-    are the ones its own seed gives, as in the eager step 0 and in one process."""
+    """Dropout 0.5: at capture (step 1) and at each replay (steps 3, 4) every microbatch's masks
+    are the ones its own seed gives, as in the eager step 0 and in one process; the evaluation
+    step between them (eager) counts as step 2 of the seeds."""
     sched, x, y = _schedule_and_batch(monkeypatch, device, rows=8, outputs=2, seed=3)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 16, dtype=F64), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 2, dtype=F64)).to(device)
     ref = copy.deepcopy(model)
     pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, seed=SEED, cuda_graphs=True)
-    for step in range(4):  # eager, capture, replay, replay
+    for step in range(5):  # eager, capture, evaluation, replay, replay
+        if step == 2:
+            with torch.no_grad():
+                want = _one_process_with_seeds(ref, x, y, step=step, m=sched.num_microbatches, backward=False)
+            torch.testing.assert_close(pipe.eval_step(x, y), want.mean(), msg=lambda s: f"evaluation: {s}", **TOL)
+            continue
         model.zero_grad()
         ref.zero_grad()
         per_mb: list[torch.Tensor] = []
