@@ -7,8 +7,10 @@ one process on the same batch:
 - each F draws its dropout masks under its own microbatch's seed, at capture and at replay;
 - the per-microbatch losses handed to the caller (``losses=``) and the step's loss keep their
   values after later replays (no alias of a graph's static output);
-- a ``main_grad`` replaced between steps makes the next step capture again, and the gradient
-  lands in the new buffer (a replay would write into the old one).
+- a ``main_grad`` replaced between steps, or a parameter moved to a new tensor, makes the next
+  step capture again: the gradient lands in the new buffer, the step reads the new values (a
+  replay would use the old addresses). A probe module that keeps its inputs tells a capture (new
+  static input buffers) from a replay, on CPUs and GPUs alike.
 
 On the CPU the graphs are the test stand-ins of `test_task_graphs._one_rank_stand_in` (each
 "replay" runs the task again through the same static buffers); on CUDA (marked ``gpu``) they are
@@ -142,44 +144,75 @@ class _InputProbe(nn.Module):
         return len({t.untyped_storage().data_ptr() for t in self.seen})
 
 
+class _ProbedRun:
+    """A one-rank graphed pipeline over ``probe -> fc1 -> tanh -> fc2`` beside its one-process
+    reference: fc1's weight accumulates into ``main_grad`` (``fuse_wgrad_accumulation``), the
+    other parameters into ``.grad``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+        sched, self.x, self.y = _schedule_and_batch(monkeypatch, device, rows=4, outputs=2, seed=5)
+        torch.manual_seed(0)
+        self.fc1 = Linear(3, 4, params_dtype=F64, device=device, fuse_wgrad_accumulation=True)
+        self.fc2 = nn.Linear(4, 2, dtype=F64, device=device)
+        self.probe = _InputProbe()
+        self.model = nn.Sequential(self.probe, self.fc1, nn.Tanh(), self.fc2)
+        self.ref = nn.Sequential(nn.Linear(3, 4, dtype=F64), nn.Tanh(), nn.Linear(4, 2, dtype=F64)).to(device)
+        self.ref[0].load_state_dict(self.fc1.state_dict())
+        self.ref[2].load_state_dict(self.fc2.state_dict())
+        self.fc1.weight.main_grad = torch.zeros_like(self.fc1.weight)
+        self.pipe = Pipeline({0: self.model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=True)
+
+    def step(self, what: str) -> int:
+        """One step from zero gradients, its loss and gradients checked against one process;
+        returns how many input buffers the stage read that it had not read before."""
+        self.model.zero_grad()
+        self.ref.zero_grad()
+        self.fc1.weight.main_grad.zero_()
+        before = self.probe.buffers_seen()
+        loss = self.pipe.step(self.x, self.y)
+        want = nn.functional.mse_loss(self.ref(self.x), self.y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), msg=lambda s: f"{what} loss: {s}", **TOL)
+        torch.testing.assert_close(self.fc1.weight.main_grad, self.ref[0].weight.grad,
+                                   msg=lambda s: f"{what} main_grad: {s}", **TOL)
+        for name, got, ref in (("fc1.bias", self.fc1.bias, self.ref[0].bias), ("fc2.weight", self.fc2.weight, self.ref[2].weight),
+                               ("fc2.bias", self.fc2.bias, self.ref[2].bias)):
+            torch.testing.assert_close(got.grad, ref.grad, msg=lambda s: f"{what} {name}.grad: {s}", **TOL)
+        return self.probe.buffers_seen() - before
+
+    def capture_and_replay(self) -> None:
+        assert self.step("eager step") > 0
+        assert self.step("capture") > 0, "the capture step read no new static input buffers"
+        assert self.step("replay") == 0, "a replay read new input buffers: it was not a replay"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_replaced_main_grad_is_captured_again_and_receives_the_gradient(monkeypatch, device: str) -> None:
-    """fc1's weight accumulates into ``main_grad`` (``fuse_wgrad_accumulation``), the rest into
-    ``.grad``. After a capture and a replay, the caller puts a new ``main_grad`` in place (the
-    old one kept alive, so the new one has another address): the next step reads new static
-    input buffers (it captured again), the gradient equals one process's in the new buffer, the
-    old buffer is untouched; the step after replays that capture, again into the new buffer."""
-    sched, x, y = _schedule_and_batch(monkeypatch, device, rows=4, outputs=2, seed=5)
-    torch.manual_seed(0)
-    fc1 = Linear(3, 4, params_dtype=F64, device=device, fuse_wgrad_accumulation=True)
-    fc2 = nn.Linear(4, 2, dtype=F64, device=device)
-    probe = _InputProbe()
-    model = nn.Sequential(probe, fc1, nn.Tanh(), fc2)
-    ref = nn.Sequential(nn.Linear(3, 4, dtype=F64), nn.Tanh(), nn.Linear(4, 2, dtype=F64)).to(device)
-    ref[0].load_state_dict(fc1.state_dict())
-    ref[2].load_state_dict(fc2.state_dict())
-    nn.functional.mse_loss(ref(x), y).backward()
-    fc1.weight.main_grad = torch.zeros_like(fc1.weight)
-    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=True)
-
-    def step(what: str) -> int:
-        """One step from zero gradients, checked against one process; the new input buffers read."""
-        model.zero_grad()
-        fc1.weight.main_grad.zero_()
-        before = probe.buffers_seen()
-        pipe.step(x, y)
-        torch.testing.assert_close(fc1.weight.main_grad, ref[0].weight.grad, msg=lambda s: f"{what} main_grad: {s}", **TOL)
-        for got, want in ((fc1.bias, ref[0].bias), (fc2.weight, ref[2].weight), (fc2.bias, ref[2].bias)):
-            torch.testing.assert_close(got.grad, want.grad, msg=lambda s: f"{what} .grad: {s}", **TOL)
-        return probe.buffers_seen() - before
-
-    assert step("eager step") > 0
-    assert step("capture") > 0, "the capture step read no new static input buffers"
-    assert step("replay") == 0, "a replay read new input buffers: it was not a replay"
-    replaced = fc1.weight.main_grad
+    """After a capture and a replay the caller puts a new ``main_grad`` in place (the old one
+    kept alive, so the new one has another address): the next step reads new static input
+    buffers (it captured again), the gradient equals one process's in the new buffer, the old
+    buffer is untouched; the step after replays that capture, again into the new buffer."""
+    run = _ProbedRun(monkeypatch, device)
+    run.capture_and_replay()
+    replaced = run.fc1.weight.main_grad
     kept = replaced.clone()
-    fc1.weight.main_grad = torch.zeros_like(fc1.weight)
-    assert step("step after main_grad was replaced") > 0, "a replaced main_grad did not make the step capture again"
+    run.fc1.weight.main_grad = torch.zeros_like(run.fc1.weight)
+    assert run.step("step after main_grad was replaced") > 0, "a replaced main_grad did not make the step capture again"
     assert torch.equal(replaced, kept), "the step wrote into the replaced main_grad"
-    assert step("replay after the new capture") == 0
+    assert run.step("replay after the new capture") == 0
     assert torch.equal(replaced, kept), "the replay wrote into the replaced main_grad"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moved_parameter_is_captured_again_and_read_from_its_new_place(monkeypatch, device: str) -> None:
+    """After a capture and a replay fc2's weight moves to a new tensor of other values (the old
+    one kept alive): the next step captures again and computes with the new values (a replay
+    would read the old tensor); the step after replays that capture."""
+    run = _ProbedRun(monkeypatch, device)
+    run.capture_and_replay()
+    old = run.fc2.weight.data
+    with torch.no_grad():
+        run.fc2.weight.data = old * 0.5
+        run.ref[2].weight.mul_(0.5)
+    assert run.step("step after the weight moved") > 0, "a moved parameter did not make the step capture again"
+    assert run.step("replay after the new capture") == 0
