@@ -86,7 +86,8 @@ def test_each_graphed_forward_draws_under_its_own_microbatch_seed(monkeypatch, d
     step between them (eager) counts as step 2 of the seeds."""
     sched, x, y = _schedule_and_batch(monkeypatch, device, rows=8, outputs=2, seed=3)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 16, dtype=F64), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 2, dtype=F64)).to(device)
+    model = nn.Sequential(nn.Linear(3, 16, dtype=F64), nn.Dropout(0.5), nn.Tanh(),
+                          nn.Linear(16, 2, dtype=F64)).to(device)
     ref = copy.deepcopy(model)
     pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, seed=SEED, cuda_graphs=True)
     for step in range(5):  # eager, capture, evaluation, replay, replay
@@ -175,8 +176,9 @@ class _ProbedRun:
         torch.testing.assert_close(loss, want.detach(), msg=lambda s: f"{what} loss: {s}", **TOL)
         torch.testing.assert_close(self.fc1.weight.main_grad, self.ref[0].weight.grad,
                                    msg=lambda s: f"{what} main_grad: {s}", **TOL)
-        for name, got, ref in (("fc1.bias", self.fc1.bias, self.ref[0].bias), ("fc2.weight", self.fc2.weight, self.ref[2].weight),
-                               ("fc2.bias", self.fc2.bias, self.ref[2].bias)):
+        pairs = (("fc1.bias", self.fc1.bias, self.ref[0].bias), ("fc2.weight", self.fc2.weight, self.ref[2].weight),
+                 ("fc2.bias", self.fc2.bias, self.ref[2].bias))
+        for name, got, ref in pairs:
             torch.testing.assert_close(got.grad, ref.grad, msg=lambda s: f"{what} {name}.grad: {s}", **TOL)
         return self.probe.buffers_seen() - before
 
