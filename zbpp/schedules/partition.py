@@ -448,9 +448,10 @@ def _bound_over_splits(profile: Profile, placement: Sequence[int], p: int, m: in
 
     def fits(cap: float) -> bool:
         at, head = 0, 0.0
-        for _ in range(p):
+        for stage in range(p):
             load, start = 0.0, at
-            while at < len(work) and head + m * (load + work[at]) <= cap:
+            last = len(work) - (p - 1 - stage)  # leave a layer for each later stage
+            while at < last and head + m * (load + work[at]) <= cap:
                 load += work[at]
                 at += 1
             if at == start:
@@ -519,7 +520,7 @@ def search(
     """
     p = as_int(num_ranks, "num_ranks")
     m = as_int(num_microbatches, "num_microbatches")
-    max_splits = as_int(max_splits, "max_splits")
+    max_splits = as_int(max_splits, "max_splits", minimum=0)
     budget = math.inf if memory_budget is None else as_number(memory_budget, "memory_budget")
     names = list(schedules) if schedules is not None else list(SCHEDULES)
     for name in names:
