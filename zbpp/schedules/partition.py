@@ -3,8 +3,22 @@
 `search` takes a per-layer `Profile`, p ranks, m microbatches and a memory budget in bytes per
 rank that covers everything a rank holds: the static memory of its layers (parameters, gradients,
 optimizer state) plus the activations the schedule keeps in flight, as simulated. It tries every
-built-in schedule family on its placement (one stage per rank; interleaved with 2, 3 or 4 stages
-per rank; V) and the automatic ones, each on several splits of the layers:
+registered schedule (`SCHEDULES`; GPipe too) on its placement: one stage per rank; interleaved
+with 2, 3 or 4 stages per rank; V.
+
+Exact where the splits are few. A placement with at most `max_splits` (`MAX_SPLITS`) splits of
+the layers into consecutive stages has every split considered under every schedule, by branch and
+bound: before anything is simulated each split gets two lower bounds that hold for every schedule
+on it, on the step (per rank: the forwards of the stages above its first, which must run before
+its first task, plus m times its F+B+W) and on the bytes over the budget (per rank: its static
+memory plus one microbatch's activations of all its stages, which every schedule holds at once).
+Candidates that may fit are simulated in order of their step bound until it passes the best step
+that fits; if none fits, candidates in order of their bytes bound until it passes the least
+excess found, which is the closest plan the error names. So on such cases the pick is the best
+plan of every split x every schedule (tests/schedules/test_search_exact.py checks it against an
+exhaustive enumeration).
+
+Beyond, heuristic splits, each under every schedule of its placement (same branch and bound):
 
 - ``count``: as many layers per stage as can be (the remainder to the first stages);
 - ``blocks``: the layers between the first and the last split that way, the first layer (an
@@ -12,14 +26,18 @@ per rank; V) and the automatic ones, each on several splits of the layers:
 - ``time``: the largest stage time F+B+W as small as can be (bisection on it);
 - ``params``: the largest stage static memory as small as can be;
 - ``ranks``: from ``time``, layers moved off the rank with the most work while that lowers it;
-- ``refined``: from the best of these, layers moved off the rank that bounds the simulated step
-  (or that exceeds the budget) while the step (or the excess) falls, under the schedule itself.
+- ``refined``: from the best few of these, a layer at a time moved off the rank that bounds the
+  simulated step (or exceeds the budget by the most) to the stage before it or after it, while
+  the step (or the excess) falls, under the schedule itself (an automatic one: under a fixed
+  proxy, then built on the result).
 
 A candidate fits when static plus simulated activation memory stays within the budget on every
-rank; the automatic schedules get as their activation limit the budget less the largest static
-memory of a rank. `zbi-auto` runs with the stages per rank that suited `zb-interleaved` best, on
-its two best splits and its refined one. The pick is the fitting candidate with the shortest simulated step (makespan),
-then the lowest peak. `Layout.explain` says what was chosen and why the others were not.
+rank; an automatic schedule gets as each rank's activation limit the budget less that rank's own
+static memory. Candidates rank by the bytes over the budget, then the simulated step (makespan),
+then the peak. `Layout.searched` says how much was covered and what no schedule of these
+placements beats on any split (`Searched.bound_over_splits`: the least step bound over every split
+that may fit where all were bounded, else a bound over all splits that ignores memory);
+`Layout.explain` prints it with what was chosen and why.
 
 >>> from zbpp.schedules.profile import transformer_profile
 >>> prof = transformer_profile(name="small", num_layers=8, hidden=1024, ffn=4096, heads=16, vocab=32000, seq=2048)
@@ -275,7 +293,12 @@ def _placement(num_ranks: int, chunks: int, v: bool) -> list[int]:
 
 
 def _moves_off(sizes: list[int], placement: Sequence[int], rank: int) -> list[list[int]]:
-    """Stage sizes with one layer moved from a stage of `rank` to a neighbouring stage of another rank."""
+    """Stage sizes with one layer moved from a stage of `rank` to the stage before it or the one
+    after it (where another rank holds that one).
+
+    >>> _moves_off([1, 3, 2], [0, 1, 2], 1)
+    [[2, 2, 2], [1, 2, 3]]
+    """
     out = []
     for s in (s for s in range(len(sizes)) if placement[s] == rank and sizes[s] > 1):
         for t in (s - 1, s + 1):
@@ -396,23 +419,6 @@ def all_splits(num_layers: int, num_stages: int) -> Iterator[tuple[range, ...]]:
         yield _ranges([b - a for a, b in zip((0, *cuts), (*cuts, num_layers))])
 
 
-def _neighbours(sizes: Sequence[int]) -> list[list[int]]:
-    """Stage sizes with one layer moved across one boundary, to the previous stage or to the next.
-
-    >>> _neighbours([2, 1, 2])  # stage 1 keeps its one layer
-    [[1, 2, 2], [2, 2, 1]]
-    """
-    out = []
-    for s in range(len(sizes) - 1):
-        for give, take in ((s, s + 1), (s + 1, s)):  # a layer of stage s to s+1, and one of s+1 back to s
-            if sizes[give] > 1:
-                trial = list(sizes)
-                trial[give] -= 1
-                trial[take] += 1
-                out.append(trial)
-    return out
-
-
 @dataclass(frozen=True)
 class _Split:
     """What one split of one placement costs before any schedule is simulated: a lower bound on
@@ -438,13 +444,24 @@ def _split_bounds(profile: Profile, stages: tuple[range, ...], placement: Sequen
 def _bound_over_splits(profile: Profile, placement: Sequence[int], p: int, m: int) -> float:
     """A lower bound on every schedule's step of `placement` on *any* split of the layers (memory
     aside): one stage per rank, the least over splits of the largest bound of `_split_bounds`
-    (a greedy fill of each stage is optimal for it); else the busiest rank's least share, ``m``
-    times the larger of the total F+B+W over p and the largest layer's."""
+    (a greedy fill of each stage is optimal for it); else the larger of the ranks' mean bound
+    (rank r's first stage, stage r, follows at least the first r layers) and m times the work of
+    the layers one rank must hold together (the largest; the first and the last on a V).
+
+    >>> from zbpp.schedules.profile import Layer, Profile
+    >>> prof = Profile([Layer("x", 1, 1, 1)] * 4)
+    >>> round(_bound_over_splits(prof, [0, 1], 2, 2), 9)  # 2 / 2: rank 1 waits 2 forwards, then 2 x 6
+    14.0
+    >>> _bound_over_splits(prof, [0, 1, 1, 0], 2, 2)  # (a forward before rank 1 + 2 x 12) / 2
+    12.5
+    """
     f = [x.f for x in profile.layers]
     work = [x.f + x.b + x.w for x in profile.layers]
     n = len(placement)
     if n != p:
-        return m * max(sum(work) / p, max(work))
+        heads = sum(sum(f[:r]) for r in range(p))
+        together = work[0] + work[-1] if placement[0] == placement[-1] else max(work)
+        return max((heads + m * sum(work)) / p, m * together)
 
     def fits(cap: float) -> bool:
         at, head = 0, 0.0
@@ -467,12 +484,21 @@ def _bound_over_splits(profile: Profile, placement: Sequence[int], p: int, m: in
 
 
 def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Schedule, budget: float, p: int, m: int) -> Option:
-    """Move one layer at a time across a stage boundary, to the next stage or the previous one,
-    while the candidate's key (excess bytes, step, peak) falls: the best move each time."""
+    """Move one layer at a time off the rank over the budget by the most or, within it, the rank
+    with the most work (whose work bounds the step), to the stage before or after, while the
+    candidate's key (excess bytes, step, peak) falls: the best such move each time."""
+    placement = _placement(p, chunks, name in _V)
     best = start
     for _ in range(_REFINE_STEPS):
+        _, _, res, _ = _simulate_option(profile, name, chunks, "refined", best.stages, budget, sched, p, m)
+        if res is None:
+            break
+        if max(best.peak) > budget:
+            r = max(range(p), key=lambda q: best.peak[q])
+        else:
+            r = max(range(p), key=lambda q: res.busy_per_rank[q])
         improved = None
-        for sizes in _neighbours([len(x) for x in best.stages]):
+        for sizes in _moves_off([len(x) for x in best.stages], placement, r):
             o = _simulate_option(profile, name, chunks, "refined", _ranges(sizes), budget, sched, p, m)[0]
             if o.key(budget) < (improved or best).key(budget) and _clearly_better(o, best, budget):
                 improved = o
