@@ -109,6 +109,7 @@ class Searched:
     """How much of the space `search` covered, and what no plan beats."""
 
     exact: bool  #: every split of every placement was bounded, and simulated unless its bound ruled it out
+    max_splits: int  #: the most splits of a placement that were all tried
     simulated: int  #: (schedule, split) pairs simulated
     candidates: int  #: (schedule, split) pairs considered, simulated or ruled out by a bound
     #: no schedule of the placements searched, on any split that may fit the budget, has a
@@ -172,7 +173,7 @@ class Layout:
                 lines.append(f"  exact: every split under every schedule searched ({w.candidates} candidates, "
                              f"{w.simulated} simulated, the others ruled out by a lower bound): none fits faster")
             else:
-                lines.append(f"  not exhaustive (more than {MAX_SPLITS} splits on a placement): {w.candidates} heuristic "
+                lines.append(f"  not exhaustive (more than {w.max_splits} splits on a placement): {w.candidates} heuristic "
                              f"and refined splits x schedules, {w.simulated} simulated")
             lines.append(f"  no schedule on any split within the budget beats step {w.bound_over_splits:.6g} "
                          f"(the pick: +{_over(self.step, w.bound_over_splits):.2f}%)")
@@ -682,6 +683,7 @@ def search(
             over += [i.step_bound for _, i in infos if i.excess_bound <= budget * _REL]
     searched = Searched(
         exact=all(exact.values()),
+        max_splits=max_splits,
         simulated=len(seen),
         candidates=sum(len(split_info[(k, name in _V)]) for name, k in configs),
         bound_over_splits=min(over, default=math.inf),
