@@ -171,7 +171,8 @@ class Layout:
         if w is not None:
             if w.exact:
                 lines.append(f"  exact: every split under every schedule searched ({w.candidates} candidates, "
-                             f"{w.simulated} simulated, the others ruled out by a lower bound): none fits faster")
+                             f"{w.simulated} simulated, the others ruled out by a lower bound): no other split x "
+                             f"schedule fits with a shorter step")
             else:
                 lines.append(f"  not exhaustive (more than {w.max_splits} splits on a placement): {w.candidates} heuristic "
                              f"and refined splits x schedules, {w.simulated} simulated")
