@@ -76,9 +76,10 @@ _V = ("zb-v", "v-half", "v-min", "dualpipe-v", "zbv-auto")
 _PROXY = {"zb-auto": "zb-h1", "zbv-auto": "zb-v", "zbi-auto": "zb-interleaved"}
 _REL = 1e-9  # float sums of many task times: equal within rounding counts as a tie
 _REFINE_STEPS = 24  # moves of one layer per refined candidate (each a few simulations)
-#: A placement with at most this many splits has every split tried (p = 4 and 12 layers: 165
-#: with one stage per rank, 330 with two); beyond, heuristic splits and their refinements.
-MAX_SPLITS = 400
+#: A placement with at most this many splits has every split tried: every placement of p <= 4
+#: ranks and up to 12 layers (the most: 462, p = 2 with 3 stages per rank or p = 3 with 2);
+#: beyond, heuristic splits and their refinements.
+MAX_SPLITS = 512
 
 
 @dataclass(frozen=True)
