@@ -486,6 +486,14 @@ def _bound_over_splits(profile: Profile, placement: Sequence[int], p: int, m: in
     return lo
 
 
+def _full_bound(profile: Profile, stages: tuple[range, ...], placement: Sequence[int], p: int, m: int,
+                budget: float) -> float:
+    """`bounds.lower_bound` of the split, each rank limited to the budget less its static memory."""
+    costs, memory, static_stage = profile.stage_costs(stages)
+    limits = None if not math.isfinite(budget) else [budget - x for x in _per_rank(static_stage, placement, p)]
+    return lower_bound(placement, m, costs, memory, limits).makespan
+
+
 def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Schedule, budget: float, p: int, m: int) -> Option:
     """Move one layer at a time off the rank over the budget by the most or, within it, the rank
     with the most work (whose work bounds the step), to the stage before or after, while the
@@ -617,10 +625,15 @@ def search(
     def best_fit() -> float:
         return min((o.step for o in options if o.fits), default=math.inf)
 
-    may_fit = sorted((c for c in pending if c[3].excess_bound <= budget * _REL), key=lambda c: c[3].step_bound)
+    # (the fixed schedules first among equal bounds: they simulate in a fraction of an automatic
+    # one's build, and a good step found early rules more out)
+    may_fit = sorted((c for c in pending if c[3].excess_bound <= budget * _REL),
+                     key=lambda c: (c[3].step_bound, c[0] in _AUTO))
     for name, k, label, info in may_fit:
         if info.step_bound > best_fit() * (1 + _REL):
             break
+        if name in _AUTO and _full_bound(profile, info.stages, _placement(p, k, name in _V), p, m, budget) > best_fit() * (1 + _REL):
+            continue  # the bound of every schedule on this split, memory included, rules it out before a build
         run(name, k, label, info.stages)
     if not any(o.fits for o in options):
         for name, k, label, info in sorted(pending, key=lambda c: c[3].excess_bound):
