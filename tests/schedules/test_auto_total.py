@@ -51,9 +51,9 @@ def _random_problem(rng: random.Random) -> Problem:
 
 def test_list_scheduler_finishes_every_random_tiny_instance_within_each_ranks_limit() -> None:
     # 137 of 3,000 such inputs stalled before (a middle stage of three per rank filled the room
-    # kept for the oldest microbatch's last stage); 1,000 instances x 5 policies take about 2 s
+    # kept for the oldest microbatch's last stage); 600 instances x 5 policies take about a second
     rng = random.Random(41)
-    for _ in range(1000):
+    for _ in range(600):
         prob = _random_problem(rng)
         nm = prob.num_stages * prob.num_microbatches
         for policy in _POLICIES:
@@ -78,7 +78,7 @@ def test_zbi_auto_with_three_stages_per_rank_builds_the_reported_case() -> None:
     assert res.makespan >= max(4 * 3 * (f[0] + f[2] + f[4]), 4 * 3 * (f[1] + f[3] + f[5]))
 
 
-@settings(max_examples=120, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(name=st.sampled_from(["zb-auto", "zbv-auto", "zbi-auto"]), p=st.integers(1, 3), m=st.integers(1, 5),
        chunks=st.integers(2, 3), seed=st.integers(0, 2**16), per_rank=st.booleans())
 def test_every_auto_builder_is_total_on_tiny_inputs(name, p, m, chunks, seed, per_rank) -> None:
