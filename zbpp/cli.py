@@ -28,6 +28,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from . import __version__
 from .schedules import Costs, Memory, available, build, options_of, simulate, validate
+from .schedules.partition import MAX_SPLITS
 
 __all__ = ["main"]
 
@@ -280,7 +281,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--profile {args.profile}: cannot read it ({exc.strerror})") from None
     schedules = [x.strip() for x in args.schedules.split(",") if x.strip()] if args.schedules else None
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
-    layout = search(profile, args.ranks, args.microbatches, budget, schedules=schedules)
+    layout = search(profile, args.ranks, args.microbatches, budget, schedules=schedules, max_splits=args.max_splits)
     print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
           f"microbatches={args.microbatches} budget={'none' if budget is None else f'{args.budget_gb:g} GB'} per rank")
     print(layout.explain(top=args.top))
@@ -355,6 +356,9 @@ def make_parser() -> argparse.ArgumentParser:
                       help="memory per rank in GB (1e9 bytes): static (parameters, gradients, optimizer) and activations")
     plan.add_argument("--schedules", default=None, help="comma-separated schedule families to try (default: all)")
     plan.add_argument("--top", type=_integer(1), default=12, help="candidates to list (default 12)")
+    plan.add_argument("--max-splits", type=_integer(0), default=MAX_SPLITS,
+                      help=f"try every split of a placement with at most this many (exact; default {MAX_SPLITS}); "
+                           "beyond, heuristic splits, refined")
     plan.set_defaults(func=_cmd_plan)
 
     measure = sub.add_parser("measure", help="measure a Hugging Face causal LM's per-layer profile (for zbpp plan)")
