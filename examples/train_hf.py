@@ -19,6 +19,14 @@ batches are. Launch::
     torchrun --nproc-per-node=2 examples/train_hf.py --hidden 512 --layers 8 --heads 8 --seq-len 256 \\
         --rows-per-microbatch 8 --microbatches 8 --steps 200
 
+Pretrained weights and fault tolerance::
+
+    # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors):
+    torchrun --nproc-per-node=2 examples/train_hf.py --from path/to/hf_dir --steps 100
+
+    # checkpoint every 50 steps; restarted after a rank dies, the job resumes from the newest:
+    torchrun --nproc-per-node=2 --max-restarts=3 examples/train_hf.py --checkpoint-dir ckpt --checkpoint-every 50
+
 The rank holding the last stage prints a line per step (loss, learning rate, step time, tokens/s)
 and a summary. Every rank draws the same batch from a generator seeded by (seed, step).
 """

@@ -13,10 +13,14 @@ Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
 
     {"model": {name: tensor},                                  # every stage's state_dict()
      "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
-                   "param_groups": {name: {"lr": ..., "betas": ..., ...}}}}
+                   "param_groups": {name: {"lr": ..., "betas": ..., ...}}},
+     "lr_scheduler": {"state": <pickled state_dict>},           # given lr_scheduler=
+     "rng": {"step": ..., "seed": ...}}                         # a Pipeline's random stream
 
-The optimizer's state is keyed by parameter name too, so it follows its parameter to whichever
-rank holds it next. One file for ``nn.Module.load_state_dict``::
+The optimizer's state is keyed by parameter name too, under every name a parameter has on the rank
+(a tied Parameter shared by two stages: the embedding's and the LM head's), so it follows its
+parameter to whichever rank holds it next, one Parameter or copies. `load_checkpoint` says what
+comes back (the checkpoint's hyperparameters win). One file for ``nn.Module.load_state_dict``::
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save("ckpt/step-100", "model.pt")
