@@ -5,6 +5,8 @@ head are one weight). Two layouts of the 4 ranks:
 
 - ``V``: 2 data-parallel replicas of a zb-v pipeline of 2 ranks (rank 0 of each holds the first and
   the last stage: the embedding and the LM head are one Parameter there);
+- ``V-fsdp``: the same with each stage ``fully_shard``-ed over the 2 replicas (the tie becomes one
+  sharded copy per stage, kept tied by the pipeline);
 - ``flat``: one 1f1b pipeline of 4 ranks (the embedding on rank 0, the LM head's copy on rank 3).
 
 A run saves after `SAVED_AFTER` AdamW steps at one layout and resumes at the other, with another
@@ -30,7 +32,7 @@ from zbpp.schedules import build
 SAVED_AFTER, RESUMED = 2, 2
 ROWS, SEQ, VOCAB, M = 8, 8, 32, 4
 RTOL = 1e-9  # relative to the largest parameter: summation order only (float64); see the docstring
-LAYOUTS = {"V": ("zb-v", 2), "flat": ("1f1b", 4)}
+LAYOUTS = {"V": ("zb-v", 2), "V-fsdp": ("zb-v", 2), "flat": ("1f1b", 4)}
 
 
 def config(dropout: float = 0.0) -> Any:
@@ -69,6 +71,13 @@ def pipeline(layout: str, state: dict[str, torch.Tensor], dropout: float = 0.0, 
     sched = build(name, num_ranks=pp, num_microbatches=M)
     stages, kwargs = causal_lm_stages(config(dropout), sched, groups.pp_rank, dtype=torch.float64, device="cpu",
                                       attn_implementation="eager", state_dict=state)
+    if layout.endswith("fsdp"):  # each stage sharded over the replicas: the tie becomes a sharded copy per stage
+        from torch.distributed.fsdp import fully_shard
+
+        for m in stages.values():
+            fully_shard(m, mesh=groups.mesh["dp"])
+        kwargs["tied_parameters"] = {}  # split copies the pipeline finds by itself
+        return Pipeline(stages, sched, groups=groups.mesh, seed=seed, **kwargs)
     return Pipeline(stages, sched, groups=groups, seed=seed, **kwargs)
 
 
@@ -82,8 +91,13 @@ def train(pipe: Pipeline, opt: torch.optim.Optimizer, steps: range) -> None:
         opt.step()
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered (collective over its mesh), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def named_params(pipe: Pipeline) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for m in pipe.stage_modules.values() for n, p in m.named_parameters(remove_duplicate=False)}
+    return {n: full(p.detach()) for m in pipe.stage_modules.values() for n, p in m.named_parameters(remove_duplicate=False)}
 
 
 def reference(steps: int) -> dict[str, torch.Tensor]:
@@ -146,7 +160,7 @@ def _exactly_saved(path: str, pipe: Pipeline, opt: torch.optim.Optimizer) -> lis
         if want is None or set(state) != set(want):
             fails.append(f"{n}: optimizer state {sorted(state)}, saved {None if want is None else sorted(want)}")
             continue
-        fails += [f"{n}: optimizer {k} {state[k]} != saved {want[k]}" for k in want if not torch.equal(state[k], want[k])]
+        fails += [f"{n}: optimizer {k} differs from the saved one" for k in want if not torch.equal(full(state[k]), want[k])]
     if [g["lr"] for g in opt.param_groups] != [0.02] * len(opt.param_groups):
         fails.append(f"lr {[g['lr'] for g in opt.param_groups]}: not the checkpoint's 0.02")
     return fails
@@ -181,6 +195,8 @@ def all_cases(root: str) -> dict[str, list[str]]:
     out = {}
     for case, run in [("V->flat", lambda: resume_case(f"{root}/v", "V", "flat")),
                       ("flat->V", lambda: resume_case(f"{root}/flat", "flat", "V")),
+                      ("V-fsdp->flat", lambda: resume_case(f"{root}/v-fsdp", "V-fsdp", "flat")),
+                      ("flat->V-fsdp", lambda: resume_case(f"{root}/flat2", "flat", "V-fsdp")),
                       ("dropout", lambda: dropout_case(f"{root}/dropout"))]:
         try:
             out[case] = run()

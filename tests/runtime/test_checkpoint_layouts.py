@@ -1,5 +1,5 @@
-"""Checkpoints of a tied-embedding GPT-2 resume across V <-> non-V placements and pipeline degrees
-2 <-> 4 (4 gloo ranks, one worker pool): the loaded state is the saved one exactly, the resumed run
+"""Checkpoints of a tied-embedding GPT-2 resume across V <-> non-V placements, pipeline degrees
+2 <-> 4 and FSDP shards <-> whole copies (4 gloo ranks, one worker pool): the loaded state is the saved one exactly, the resumed run
 meets the one-process reference, and dropout draws resume bit for bit. Cases and tolerances:
 `resume_cases`."""
 
@@ -19,7 +19,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, zbpp_workers) -> list[dict
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["V->flat", "flat->V"])
+@pytest.mark.parametrize("case", ["V->flat", "flat->V", "V-fsdp->flat", "flat->V-fsdp"])
 def test_tied_embedding_resumes_across_layouts(results, case: str) -> None:
     fails = [f"rank {r}: {f}" for r, per in enumerate(results) for f in per[case]]
     assert not fails, "\n".join(fails)
