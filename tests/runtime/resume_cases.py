@@ -139,7 +139,22 @@ def resume_case(path: str, saved_at: str, resumed_at: str) -> list[str]:
     fails = _exactly_saved(path, pipe, opt)
     train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED))
     want = reference(SAVED_AFTER + RESUMED)
-    return fails + _compare(f"{saved_at}->{resumed_at} resumed", named_params(pipe), want)
+    fails += _compare(f"{saved_at}->{resumed_at} resumed", named_params(pipe), want)
+    if resumed_at == "V-fsdp":  # HF weights out of sharded stages and 2 replicas: what from_pretrained reads
+        fails += _pretrained_out(pipe, f"{path}-hf", want)
+    return fails
+
+
+def _pretrained_out(pipe: Pipeline, out: str, want: dict[str, torch.Tensor]) -> list[str]:
+    import transformers
+
+    from zbpp.models.hf import save_pretrained
+
+    save_pretrained(pipe, out, max_shard_size="20KB")
+    if dist.get_rank() != 0:
+        return []
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    return _compare("save_pretrained", {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, want)
 
 
 def _exactly_saved(path: str, pipe: Pipeline, opt: torch.optim.Optimizer) -> list[str]:
