@@ -19,6 +19,14 @@ batches are. Launch::
     torchrun --nproc-per-node=2 examples/train_hf.py --hidden 512 --layers 8 --heads 8 --seq-len 256 \\
         --rows-per-microbatch 8 --microbatches 8 --steps 200
 
+Pretrained weights and fault tolerance::
+
+    # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors):
+    torchrun --nproc-per-node=2 examples/train_hf.py --from path/to/hf_dir --steps 100
+
+    # checkpoint every 50 steps; restarted after a rank dies, the job resumes from the newest:
+    torchrun --nproc-per-node=2 --max-restarts=3 examples/train_hf.py --checkpoint-dir ckpt --checkpoint-every 50
+
 The rank holding the last stage prints a line per step (loss, learning rate, step time, tokens/s)
 and a summary. Every rank draws the same batch from a generator seeded by (seed, step).
 """
@@ -67,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    ap.add_argument("--from", dest="pretrained", default=None, metavar="DIR",
+                    help="start from the pretrained weights of this local HF directory (config.json + safetensors)")
+    ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                    help="save checkpoints here; a run finding one here resumes from the latest")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="with --checkpoint-dir: save every N steps (and after the last)")
     args = ap.parse_args(argv)
     for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "layers", "heads", "steps"):
         if getattr(args, name) < 1:
@@ -77,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint_dir):
+        ap.error("--checkpoint-every N needs N >= 0 and --checkpoint-dir")
     if args.schedule not in available():
         ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
     return args
@@ -141,6 +157,41 @@ def make_config(args: argparse.Namespace, vocab: int) -> Any:
                tie_word_embeddings=False)
 
 
+def model_source(args: argparse.Namespace, vocab: int) -> Any:
+    """The pretrained directory of --from (its vocabulary must cover the data's), else a config."""
+    if args.pretrained is None:
+        return make_config(args, vocab)
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(args.pretrained)
+    if getattr(config, "vocab_size", 0) < vocab:
+        raise SystemExit(f"--from {args.pretrained}: its vocabulary ({config.vocab_size}) is smaller than the data's ({vocab})")
+    return args.pretrained
+
+
+# -- checkpoints: <dir>/step-<n>, written whole or not at all ---------------------------------------
+def latest_checkpoint(directory: str | None) -> tuple[int, Path | None]:
+    """The step and path of the newest complete checkpoint in `directory` (0, None: none)."""
+    if directory is None or not Path(directory).is_dir():
+        return 0, None
+    done = [(int(p.name[5:]), p) for p in Path(directory).glob("step-*") if p.name[5:].isdigit()]
+    return max(done) if done else (0, None)
+
+
+def save_step(pipe: Any, opt: Any, directory: str, step: int) -> None:
+    """Checkpoint after `step` steps: written under a temporary name, renamed once every rank is
+    done, so a job killed while saving resumes from the previous one."""
+    from zbpp.runtime import save_checkpoint
+
+    final = Path(directory) / f"step-{step}"
+    partial = Path(directory) / f".step-{step}.partial"
+    save_checkpoint(pipe, partial, opt)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        partial.rename(final)
+    dist.barrier()
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -158,7 +209,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     batches = Batches(args)
-    config = make_config(args, batches.vocab)
+    source = model_source(args, batches.vocab)
     sched = build(args.schedule, num_ranks=world, num_microbatches=args.microbatches,
                   **({"chunks": 2} if "chunks" in options_of(args.schedule) else {}))
     if args.layers < sched.num_stages:
@@ -166,19 +217,26 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{world} ranks: every stage needs a layer")
 
     # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
-    stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=DTYPES[args.dtype],
+    stages, kwargs = causal_lm_stages(source, sched, rank, device=device, dtype=DTYPES[args.dtype],
                                       attn_implementation=args.attn, seed=args.seed)
     pipe = Pipeline(stages, sched, **kwargs)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    first_step, found = latest_checkpoint(args.checkpoint_dir)
+    if found is not None:  # resume: weights, optimizer state and random stream; data and lr follow the step
+        from zbpp.runtime import load_checkpoint
+
+        load_checkpoint(pipe, found, opt)
 
     reporting = pipe.holds_last_stage
     say = (lambda text: print(text, flush=True)) if reporting else (lambda text: None)
+    if found is not None:
+        say(f"train_hf: resumed from {found} (step {first_step})")
     say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {world} ranks "
         f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
         f"{args.seq_len} tokens, data {args.data}{' ragged' if args.ragged else ''}")
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         ids, mask, labels = batches(step)
         lr = lr_at(step, args)
         for group in opt.param_groups:
@@ -196,8 +254,11 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
             history.append({"step": step + 1, "loss": float(loss), "grad_norm": float(norm), "lr": lr, "seconds": dt})
             say(f"step {step + 1:>5}/{args.steps} | loss {float(loss):.4f} | grad norm {float(norm):.3f} | "
                 f"lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tokens / dt:9.0f} tok/s")
+        every = args.checkpoint_every
+        if args.checkpoint_dir and ((every and (step + 1) % every == 0) or step + 1 == args.steps):
+            save_step(pipe, opt, args.checkpoint_dir, step + 1)
     if history:
-        say(f"done: {args.steps} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
+        say(f"done: {args.steps - first_step} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
             f"{history[-1]['loss']:.4f}")
     return {"rank": rank, "stages": sorted(stages), "history": history, "tied": sorted(kwargs["tied_parameters"])}
 

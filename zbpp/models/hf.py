@@ -31,6 +31,7 @@ True
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -38,9 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..schedules.ir import Schedule
+from .hf_weights import save_pretrained
 from .stages import Balance, pipeline_stages
 
-__all__ = ["causal_lm_stages", "CausalLMLoss", "SUPPORTED"]
+__all__ = ["causal_lm_stages", "save_pretrained", "CausalLMLoss", "SUPPORTED"]
 
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = (*_LLAMA_FAMILY, "gpt2")  # config.model_type values
@@ -99,7 +101,10 @@ def causal_lm_stages(
     """This rank's stages of a HF causal LM, and the `Pipeline` keyword arguments that go with them.
 
     Args:
-        model_or_config: a ``PretrainedConfig`` of a supported model type (`SUPPORTED`): the model
+        model_or_config: a local HF directory (``config.json`` and ``*.safetensors``, sharded or
+            not, as ``save_pretrained`` writes it): built from its config, this rank's stages read
+            their own tensors only (`zbpp.models.hf_weights`); dtype default: the checkpoint's.
+            Or a ``PretrainedConfig`` of a supported model type (`SUPPORTED`): the model
             is built on the ``meta`` device and only this rank's stages get weights (random, by the
             model's own init, or `state_dict`); or a ``*ForCausalLM`` model (best on ``meta``).
         schedule, pp_rank: the schedule and this rank's pipeline rank.
@@ -113,6 +118,8 @@ def causal_lm_stages(
     Returns ``(stages, kwargs)``: ``Pipeline(stages, schedule, **kwargs)`` with ``loss_fn``,
     ``tied_parameters`` and, when the runtime takes it, ``loss_weight`` (tokens per microbatch).
     """
+    if isinstance(model_or_config, (str, os.PathLike)):  # a local HF directory: read this rank's tensors only
+        model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
     model = _model(model_or_config, dtype, attn_implementation)
     kind = getattr(model.config, "model_type", None)
     if kind not in SUPPORTED:
@@ -134,6 +141,15 @@ def causal_lm_stages(
     if _takes_loss_weight():
         kwargs["loss_weight"] = loss.weight
     return modules, kwargs
+
+
+def _pretrained(path: Any, state_dict: Any, device: Any, dtype: torch.dtype | None) -> tuple[Any, Any, torch.dtype]:
+    from .hf_weights import pretrained
+    from .stages import _device
+
+    if state_dict is not None:
+        raise ValueError("give the weights as a directory or as state_dict=, not both")
+    return pretrained(path, device=_device(device), dtype=dtype)
 
 
 def _takes_loss_weight() -> bool:

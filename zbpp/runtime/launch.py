@@ -50,7 +50,16 @@ def init_distributed(backend: str | None = None, *, timeout: float = 600.0) -> s
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # No device_id: NCCL communicators are created lazily per pair of ranks, which the plan's one
     # order of operations keeps deadlock-free (an eager, shared communicator works too).
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    span = timedelta(seconds=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend, timeout=span)
+        return backend
+    # torchrun restarted the job: its store still holds the previous attempt's keys (gloo would
+    # connect to a dead peer's address), so each attempt rendezvous under its own prefix
+    store, rank, world = next(dist.rendezvous("env://", timeout=span))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"zbpp/attempt-{restart}", store), rank=rank,
+                            world_size=world, timeout=span)
     return backend
 
 
