@@ -79,3 +79,152 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "ge
 def family_config(name: str) -> Any:
     """The tiny config of a family (``falcon_rotary``: Falcon's rotary, new-architecture variant)."""
     return _families()[name]()
+
+
+# -- what every rank runs ----------------------------------------------------------------------------
+GRAD_RTOL = 1e-10  # of the largest reference gradient: float64, only the summation order differs
+# Families that compute part of the model in float32 even in a float64 model: Gemma 1/2/3 and Helium
+# their RMSNorms (x.float(), weight.float()), Cohere its LayerNorm, DeepSeek-V3 its router. Their
+# gradients there are sums over the batch's rows rounded in float32, which the pipeline sums per
+# microbatch: they agree to float32 rounding (epsilon 1.2e-7 of the gradient, itself at most the
+# largest one), the microbatching floor of one process too. Measured: up to 7e-9.
+FLOAT32_RTOL = 1e-7
+FLOAT32_FAMILIES = {"gemma", "gemma2", "gemma3_text", "helium", "cohere", "deepseek_v3"}
+LOSS_RTOL = 1e-12  # the loss is float64 in the pipeline and in the reference (token_mean_loss)
+ROWS_PER_MICROBATCH, SEQ = 2, 8
+
+
+def padded_batch(rows: int, seed: int = 5) -> tuple[Any, Any, Any]:
+    """Right-padded rows of 6 to 8 tokens (a padded position is then at most 2 past the last real
+    one, inside every tiny config's sliding window of 3: HF's own eager sliding mask gives a padded
+    row no key at all further out, NaN in HF too), labels -100 on the padding and on a few prompt
+    tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (rows, SEQ), generator=g)
+    lengths = torch.randint(SEQ - 2, SEQ + 1, (rows,), generator=g)
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 1)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[::3, :2] = -100
+    return ids, mask, labels
+
+
+def _reference_loss(ref: Any, ids: Any, mask: Any, labels: Any, m: int, aux: bool) -> tuple[Any, Any]:
+    """(loss, loss without the router auxiliary term) of HF's model in one process: the token mean
+    over the whole batch; with the auxiliary loss, per microbatch as the pipeline weighs them:
+    sum_j w_j (CE_j + coef * aux_j) / sum_j w_j, with HF's aux_loss of microbatch j's forward
+    (load_balancing_loss_func over the router logits of all its layers) and w_j its predicted tokens."""
+    import torch
+
+    from .cases import token_mean_loss
+
+    if not aux:
+        loss = token_mean_loss(ref(input_ids=ids, attention_mask=mask).logits, labels)
+        return loss, loss
+    total = plain = 0.0
+    weights = 0
+    for i, a, y in zip(ids.tensor_split(m), mask.tensor_split(m), labels.tensor_split(m)):
+        out = ref(input_ids=i, attention_mask=a, output_router_logits=True)
+        w = int((y[:, 1:] != -100).sum())
+        ce = token_mean_loss(out.logits, y)
+        total = total + w * (ce + ref.router_aux_loss_coef * out.aux_loss)
+        plain = plain + w * ce
+        weights += w
+    return total / weights, plain / weights
+
+
+def family_step(family: str, name: str, count_flops: bool = False) -> dict[str, Any]:
+    """One training step of `family` under schedule `name` on this rank (2 gloo ranks, 4
+    microbatches of 2 padded rows), against HF's model in one process: every stage parameter's
+    gradient and the loss."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+
+    from .cases import make_schedule
+
+    rank = dist.get_rank()
+    m = 4
+    sched = make_schedule(name, dist.get_world_size(), m)
+    cfg = family_config(family)
+    torch.manual_seed(1234)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    stages, kwargs = causal_lm_stages(cfg, sched, rank, dtype=torch.float64, attn_implementation="eager",
+                                      state_dict=ref.state_dict(), device="cpu")
+    aux = kwargs["loss_fn"].router_aux is not None
+    pipe = Pipeline(stages, sched, **kwargs)
+    ids, mask, labels = padded_batch(ROWS_PER_MICROBATCH * m)
+    counter = None
+    if count_flops:
+        from tests.runtime.split_cases import TaskFlops
+
+        counter = TaskFlops()
+        with counter.installed():
+            loss = pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+    else:
+        loss = pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+
+    ref_loss, ref_plain = _reference_loss(ref, ids, mask, labels, m, aux)
+    ref_loss.backward()
+    loss_err = None if loss is None else float((loss - ref_loss.detach()).abs() / ref_loss.detach().abs())
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
+    worst, where = 0.0, ""
+    for s, module in stages.items():
+        for n, q in module.named_parameters():
+            want = ref.get_parameter(n).grad
+            assert q.grad is not None and want is not None, f"{family} {name} stage {s}: {n} got no gradient"
+            err = float((q.grad - want).abs().max()) / scale
+            if err > worst:
+                worst, where = err, f"stage {s} {n}"
+    out: dict[str, Any] = {
+        "worst": worst, "where": where, "loss_err": loss_err, "aux": aux, "loss": None if loss is None else float(loss),
+        "aux_share": float((ref_loss - ref_plain).detach() / ref_loss.detach()),
+        "names": sorted({n for module in stages.values() for n, _ in module.named_parameters()}),
+        "whole": sorted(n for n, _ in ref.named_parameters()),
+    }
+    if counter is not None:
+        out["flops"] = {s: {k: counter.flops.get((s, k), 0) for k in ("B", "W", "BW")} for s in stages}
+        out["full"] = {s: _stage_backward_flops(module, sched.num_stages, s, m) for s, module in stages.items()}
+    return out
+
+
+def _stage_backward_flops(stage: Any, num_stages: int, s: int, m: int) -> tuple[int, int]:
+    """(every gradient, the stage input's only): FLOPs of one microbatch's backward of the stage
+    alone, on a microbatch's shapes."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids, mask, labels = padded_batch(ROWS_PER_MICROBATCH * m)
+    ids, mask, labels = ids[:ROWS_PER_MICROBATCH], mask[:ROWS_PER_MICROBATCH], labels[:ROWS_PER_MICROBATCH]
+    last = s == num_stages - 1
+    out = []
+    for only_input in (False, True):
+        x: dict[str, Any] = {"attention_mask": mask}
+        if s == 0:
+            x["input_ids"] = ids
+        else:
+            x["hidden_states"] = torch.randn(*ids.shape, stage.config.hidden_size, dtype=torch.float64,
+                                             requires_grad=True)
+        y = stage(**x)
+        root = y if last else y["hidden_states"]
+        if last:
+            root = torch.nn.functional.cross_entropy(root.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        g = None if last else torch.randn_like(root)
+        with FlopCounterMode(display=False) as fc:
+            if not only_input:
+                torch.autograd.backward([root], None if g is None else [g])
+            elif s > 0:
+                torch.autograd.backward([root], None if g is None else [g], inputs=[x["hidden_states"]])
+        out.append(fc.get_total_flops())
+    stage.zero_grad(set_to_none=True)
+    return out[0], out[1]
+
+
+def every_family_step(name: str, families: list[str], flops_of: list[str]) -> dict[str, Any]:
+    """`family_step` for each family in turn (one spawn of workers for them all)."""
+    return {f: family_step(f, name, f in flops_of) for f in families}
