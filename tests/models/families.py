@@ -189,19 +189,20 @@ def family_step(family: str, name: str, count_flops: bool = False) -> dict[str, 
     }
     if counter is not None:
         out["flops"] = {s: {k: counter.flops.get((s, k), 0) for k in ("B", "W", "BW")} for s in stages}
-        out["full"] = {s: _stage_backward_flops(module, sched.num_stages, s, m) for s, module in stages.items()}
+        out["full"] = {s: _stage_backward_flops(module, kwargs["loss_fn"], sched.num_stages, s, m)
+                       for s, module in stages.items()}
     return out
 
 
-def _stage_backward_flops(stage: Any, num_stages: int, s: int, m: int) -> tuple[int, int]:
-    """(every gradient, the stage input's only): FLOPs of one microbatch's backward of the stage
-    alone, on a microbatch's shapes."""
+def _stage_backward_flops(stage: Any, loss_fn: Any, num_stages: int, s: int, m: int) -> tuple[int, int]:
+    """(every gradient, the stage inputs' only): FLOPs of one microbatch's backward of the stage
+    alone, on a microbatch's shapes (with the router logits of the layers before it, every one
+    routed, when the loss takes them)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    ids, mask, labels = padded_batch(ROWS_PER_MICROBATCH * m)
-    ids, mask, labels = ids[:ROWS_PER_MICROBATCH], mask[:ROWS_PER_MICROBATCH], labels[:ROWS_PER_MICROBATCH]
-    last = s == num_stages - 1
+    ids, mask, labels = (t[:ROWS_PER_MICROBATCH] for t in padded_batch(ROWS_PER_MICROBATCH * m))
+    aux = loss_fn.router_aux
     out = []
     for only_input in (False, True):
         x: dict[str, Any] = {"attention_mask": mask}
@@ -210,16 +211,19 @@ def _stage_backward_flops(stage: Any, num_stages: int, s: int, m: int) -> tuple[
         else:
             x["hidden_states"] = torch.randn(*ids.shape, stage.config.hidden_size, dtype=torch.float64,
                                              requires_grad=True)
+            if aux is not None:
+                x["router_logits"] = torch.randn(stage._zbpp_plan.held[0], ids.numel(), aux.num_experts,
+                                                 dtype=torch.float64, requires_grad=True)
         y = stage(**x)
-        root = y if last else y["hidden_states"]
-        if last:
-            root = torch.nn.functional.cross_entropy(root.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        g = None if last else torch.randn_like(root)
+        last = s == num_stages - 1
+        roots = [loss_fn(y, labels)] if last else [y["hidden_states"]] + ([y["router_logits"]] if aux else [])
+        grads = None if last else [torch.randn_like(r) for r in roots]
+        inputs = [x[k] for k in ("hidden_states", "router_logits") if k in x]
         with FlopCounterMode(display=False) as fc:
             if not only_input:
-                torch.autograd.backward([root], None if g is None else [g])
-            elif s > 0:
-                torch.autograd.backward([root], None if g is None else [g], inputs=[x["hidden_states"]])
+                torch.autograd.backward(roots, grads)
+            elif inputs:
+                torch.autograd.backward(roots, grads, inputs=inputs)
         out.append(fc.get_total_flops())
     stage.zero_grad(set_to_none=True)
     return out[0], out[1]

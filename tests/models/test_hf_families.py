@@ -11,6 +11,8 @@ carries the weight gradients: B costs exactly the FLOPs of the stage's input gra
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 pytest.importorskip("transformers")
 
@@ -43,3 +45,71 @@ def test_every_family_equals_hf_on_two_ranks(zbpp_workers, name):
                 # 4 microbatches: B computes the stage input's gradient and nothing more, W the rest
                 assert f["B"] == 4 * dgrad and f["W"] == 4 * (full - dgrad), (family, name, s, f, full, dgrad)
                 assert f["W"] > 0
+    # the W share of the backward FLOPs of a stage of decoder layers (hidden 16, 8 tokens): every
+    # weight GEMM's gradient (an input-gradient GEMM's twin), but attention's score and value
+    # products have only input gradients: 45% for Llama, 47% for Mixtral (its router and experts)
+    middle = next(r["llama"]["flops"][1] for r in results if 1 in r["llama"]["flops"])
+    assert 0.40 < middle["W"] / (middle["B"] + middle["W"]) < 0.5, middle
+
+
+# -- placement by use (one process) ------------------------------------------------------------------
+def _meta(family: str):
+    import transformers
+
+    from .families import family_config
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float64)
+
+
+def test_opt_final_norm_registered_first_is_placed_last():
+    from zbpp.models import fqns_per_stage
+
+    model = _meta("opt")
+    # OPT registers decoder.final_layer_norm before decoder.layers, and applies it after them
+    names = [n for n, _ in model.model.decoder.named_children()]
+    assert names.index("final_layer_norm") < names.index("layers")
+    fqns = fqns_per_stage(model, 2, blocks="model.decoder.layers")
+    assert "model.decoder.final_layer_norm" in fqns[1] and "model.decoder.final_layer_norm" not in fqns[0]
+    assert {"model.decoder.embed_tokens", "model.decoder.embed_positions"} <= set(fqns[0])
+    assert "lm_head" in fqns[1]
+
+
+def test_fqns_per_stage_answer_is_accepted_back():
+    from zbpp.models import fqns_per_stage, pipeline_stages
+    from zbpp.schedules import build
+
+    model = _meta("gpt_bigcode")  # transformer.bias: a buffer of the module that holds the blocks
+    fqns = fqns_per_stage(model, 2, blocks="transformer.h")
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    tril = torch.tril(torch.ones(32, 32, dtype=torch.bool))
+    for rank in range(2):
+        stages, _ = pipeline_stages(model, sched, rank, module_fqns_per_stage=fqns)
+        assert torch.equal(stages[rank].transformer.bias, tril)  # kept by every stage, by HF's init
+
+
+class _SharedNorm(nn.Module):
+    """A module with parameters used both before and after the blocks: no one stage can hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.norm(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def test_a_module_used_on_both_sides_or_never_raises():
+    from zbpp.models import fqns_per_stage
+
+    with torch.device("meta"):
+        model = _SharedNorm()
+    with pytest.raises(ValueError, match=r"cannot place \{'norm': \['after', 'before'\], 'unused': \[\]\}"):
+        fqns_per_stage(model, 2, blocks="layers", example=torch.zeros(1, 4, device="meta"))
+    # without an example (and not a Hugging Face model) registration order places them
+    assert fqns_per_stage(model, 2, blocks="layers")[0] == ["norm", "layers.0"]
