@@ -185,7 +185,7 @@ def family_step(family: str, name: str, count_flops: bool = False) -> dict[str, 
         "worst": worst, "where": where, "loss_err": loss_err, "aux": aux, "loss": None if loss is None else float(loss),
         "aux_share": float((ref_loss - ref_plain).detach() / ref_loss.detach()),
         "names": sorted({n for module in stages.values() for n, _ in module.named_parameters()}),
-        "whole": sorted(n for n, _ in ref.named_parameters()),
+        "whole": sorted(n for n, _ in ref.named_parameters(remove_duplicate=False)),
     }
     if counter is not None:
         out["flops"] = {s: {k: counter.flops.get((s, k), 0) for k in ("B", "W", "BW")} for s in stages}

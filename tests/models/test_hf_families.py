@@ -48,8 +48,9 @@ def test_every_family_equals_hf_on_two_ranks(zbpp_workers, name):
     # the W share of the backward FLOPs of a stage of decoder layers (hidden 16, 8 tokens): every
     # weight GEMM's gradient (an input-gradient GEMM's twin), but attention's score and value
     # products have only input gradients: 45% for Llama, 47% for Mixtral (its router and experts)
-    middle = next(r["llama"]["flops"][1] for r in results if 1 in r["llama"]["flops"])
-    assert 0.40 < middle["W"] / (middle["B"] + middle["W"]) < 0.5, middle
+    if name == "zb-v":  # stages 1 and 2 hold one decoder layer each
+        middle = next(r["llama"]["flops"][1] for r in results if 1 in r["llama"]["flops"])
+        assert 0.40 < middle["W"] / (middle["B"] + middle["W"]) < 0.5, middle
 
 
 # -- placement by use (one process) ------------------------------------------------------------------

@@ -65,7 +65,7 @@ from torch import nn
 from ..schedules.ir import Schedule
 from .stages import Balance, fqns_per_stage, pipeline_stages
 
-__all__ = ["causal_lm_stages", "CausalLMLoss", "RouterAuxLoss", "SUPPORTED", "check_template"]
+__all__ = ["causal_lm_stages", "CausalLMLoss", "RouterAuxLoss", "SUPPORTED", "check_template", "small_config"]
 
 #: the ``config.model_type``\ s the tests run on 2 ranks under zb-h1 and zb-v against HF's model
 #: (tests/models/test_hf_families.py); any other model that fits the template works too
@@ -463,3 +463,40 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
     object.__setattr__(pruned, "_zbpp_plan", _Plan(template, first, last, cls.forward, held, absent))
     object.__setattr__(pruned, "_zbpp_call", None)
     return pruned
+
+
+def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
+                 num_heads: int = 4, num_kv_heads: int | None = None, max_positions: int = 512,
+                 **overrides: Any) -> Any:
+    """A small config of any ``model_type`` for trials (random weights, nothing downloaded): the
+    sizes given, heads of ``hidden_size // num_heads``, an MLP 4x wide, mixture-of-experts with 4
+    experts (2 per token) of width `hidden_size`, token ids 0 for pad/bos/eos; the family's other
+    settings at HF's defaults. `overrides` are set last (a config attribute each).
+
+    >>> cfg = small_config("gemma2", hidden_size=32, num_layers=2)
+    >>> cfg.model_type, cfg.head_dim, cfg.num_hidden_layers
+    ('gemma2', 8, 2)
+    """
+    import transformers
+
+    head = hidden_size // num_heads
+    wanted: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
+        "ffn_dim": 4 * hidden_size, "n_inner": 4 * hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads or num_heads, "head_dim": head,
+        "max_position_embeddings": max_positions, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+        # mixture of experts (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3, ...)
+        "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden_size, "shared_expert_intermediate_size": hidden_size, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": min(1, num_layers - 1),
+        # DeepSeek's low-rank attention
+        "q_lora_rank": hidden_size // 2, "kv_lora_rank": hidden_size // 2, "qk_rope_head_dim": head,
+        "qk_nope_head_dim": head, "v_head_dim": head,
+    }
+    default = transformers.AutoConfig.for_model(model_type)
+    settable = {k for k in wanted if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)}
+    kw = {k: v for k, v in wanted.items() if k in settable}
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
