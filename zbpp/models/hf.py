@@ -181,7 +181,9 @@ def causal_lm_stages(
     stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
                                    state_dict=state_dict, seed=seed)
     last = schedule.num_stages - 1
-    modules = {s: _as_stage(m, model, template, first=s == 0, last=s == last) for s, m in stages.items()}
+    tuple_out = _layers_return_tuple(model, template)
+    modules = {s: _as_stage(m, model, template, first=s == 0, last=s == last, tuple_out=tuple_out)
+               for s, m in stages.items()}
     loss = CausalLMLoss(ignore_index, template.router_aux)
     kwargs: dict[str, Any] = {"loss_fn": loss, "tied_parameters": tied}
     if _takes_loss_weight():
@@ -293,44 +295,12 @@ def _parameter_free(model: nn.Module, blocks: str) -> list[str]:
 # -- a stage ---------------------------------------------------------------------------------------
 @dataclass
 class _Call:
-    """The state of one stage call that the stand-ins read."""
+    """The state of one stage call that the stand-ins read and write."""
 
     inject: torch.Tensor | None  # the received hidden states (None on the first stage)
-    placeholder: torch.Tensor | None
-    before_layers: bool = True
-    last_output: Any = None
-
-
-class _Skip(nn.Module):
-    """A decoder layer this stage does not hold: before the stage's layers it passes its input on
-    (the first held layer's input is replaced); after them it returns the last held layer's output."""
-
-    def __init__(self, stage: "_CausalLMStage") -> None:
-        super().__init__()
-        object.__setattr__(self, "_stage", stage)  # not a submodule
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        call = self._stage._zbpp_call
-        if not call.before_layers:
-            return call.last_output
-        return args[0] if args else kwargs.get("hidden_states")
-
-
-class _Absent(nn.Module):
-    """A module of the model this stage does not hold: before the layers (a later stage's embedding
-    side) it returns the placeholder embeddings, after them (a non-last stage's norm) its input."""
-
-    def __init__(self, stage: "_CausalLMStage") -> None:
-        super().__init__()
-        object.__setattr__(self, "_stage", stage)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        call = self._stage._zbpp_call
-        if call.before_layers:
-            if call.placeholder is None:
-                raise RuntimeError("a module the first stage does not hold was called before the decoder layers")
-            return call.placeholder
-        return args[0] if args else next(iter(kwargs.values()))
+    placeholder: torch.Tensor | None  # zeros in place of the embeddings a later stage does not compute
+    before_layers: bool = True  # the forward has not reached the stage's first layer yet
+    produced: torch.Tensor | None = None  # the input of the layer after the stage's last one
 
 
 @dataclass
@@ -339,8 +309,52 @@ class _Plan:
     first: bool
     last: bool
     hf_forward: Callable[..., Any]
-    held: list[int] = field(default_factory=list)
-    absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name)
+    lo: int  # the stage computes the layers lo..hi-1 (none when lo == hi)
+    hi: int
+    tuple_out: bool  # the model's decoder layers return a tuple (hidden, ...), not the tensor
+    absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name) not held
+    skips: list[nn.Module] = field(default_factory=list)  # a stand-in per layer position
+
+
+class _Skip(nn.Module):
+    """The decoder layer at position `index` where this stage does not hold it: it passes its
+    input on, in the layers' output form; the one just before the stage's layers returns the
+    received hidden states instead."""
+
+    def __init__(self, stage: nn.Module, index: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_stage", stage)  # not a submodule
+        self.index = index
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        stage = self._stage
+        plan, call = stage._zbpp_plan, stage._zbpp_call
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.index == plan.lo - 1 and call.inject is not None:
+            hidden, call.before_layers = call.inject, False
+        return (hidden,) if plan.tuple_out else hidden
+
+
+class _Absent(nn.Module):
+    """A module of the model this stage does not hold: before the stage's layers (a later stage's
+    embedding side) it returns the placeholder embeddings, after them (a norm) its input."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_stage", stage)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._stage._zbpp_call
+        if call.before_layers:
+            if call.placeholder is None:
+                raise RuntimeError("the model's forward called a module that its first stage does not hold before "
+                                   "the decoder layers")
+            return call.placeholder
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
 
 
 class _CausalLMStage:
@@ -348,7 +362,7 @@ class _CausalLMStage:
     stage's forward drives the class's forward (module docstring)."""
 
     _zbpp_plan: _Plan
-    _zbpp_call: _Call
+    _zbpp_call: _Call | None
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
@@ -365,52 +379,56 @@ class _CausalLMStage:
             kw["input_ids"] = input_ids
         else:
             kw["inputs_embeds"] = torch.zeros_like(hidden_states)
-        with self._zbpp_standins(hidden_states, kw.get("inputs_embeds")):
+        call = _Call(None if plan.first else hidden_states, kw.get("inputs_embeds"))
+        with self._zbpp_standins(call):
             if plan.last:
                 out = plan.hf_forward(self, **kw)
             else:
-                out = self.get_submodule(plan.template.base)(**kw)
-            produced = self._zbpp_call.last_output
+                out = self.get_submodule(plan.template.base)(**kw)  # type: ignore[attr-defined]
         if plan.template.router_aux is not None:
             router_logits = _append(router_logits, out.router_logits)
         if plan.last:
             if plan.template.router_aux is None:
                 return out.logits
             return {"logits": out.logits, "router_logits": router_logits, "attention_mask": attention_mask}
-        hidden = produced[0] if isinstance(produced, tuple) else produced
-        result = {"hidden_states": hidden, "attention_mask": attention_mask, "position_ids": position_ids}
+        result = {"hidden_states": call.produced, "attention_mask": attention_mask, "position_ids": position_ids}
         if plan.template.router_aux is not None:
             result["router_logits"] = router_logits
         return result
 
     @contextlib.contextmanager
-    def _zbpp_standins(self, inject: torch.Tensor | None, placeholder: torch.Tensor | None) -> Iterator[None]:
+    def _zbpp_standins(self, call: _Call) -> Iterator[None]:
+        """During the call: the layer list at its full length (stand-ins where not held), the
+        modules not held as stand-ins, and hooks that put the received hidden states in and take
+        the stage's result out."""
         plan = self._zbpp_plan
-        call = _Call(inject, placeholder, before_layers=True)
         object.__setattr__(self, "_zbpp_call", call)
         container: nn.Module = self.get_submodule(plan.template.blocks)  # type: ignore[attr-defined]
         held = container._modules
-        full: OrderedDict[str, Any] = OrderedDict()
-        for i in range(plan.template.num_layers):
-            full[str(i)] = held[str(i)] if str(i) in held else _Skip(self)  # type: ignore[arg-type]
-        first, last = held[str(plan.held[0])], held[str(plan.held[-1])]
+        full = OrderedDict((str(i), held.get(str(i), plan.skips[i])) for i in range(plan.template.num_layers))
+        hooks = []
+        if plan.lo == 0 and (call.inject is not None or plan.hi == 0):
+            def enter(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+                call.before_layers = False
+                if call.inject is not None:
+                    args, kwargs = ((call.inject, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": call.inject})
+                if plan.hi == 0:
+                    call.produced = args[0] if args else kwargs["hidden_states"]
+                return args, kwargs
 
-        def enter(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            hooks.append(full["0"].register_forward_pre_hook(enter, with_kwargs=True))
+        elif plan.lo == 0:
             call.before_layers = False
-            if call.inject is None:
-                return None
-            if args:
-                return (call.inject, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": call.inject}
+        if plan.hi >= 1 and not plan.last:
+            def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                call.produced = _hidden(output)
 
-        def leave(module: nn.Module, args: tuple, output: Any) -> None:
-            call.last_output = output
-
-        hooks = [first.register_forward_pre_hook(enter, with_kwargs=True), last.register_forward_hook(leave)]
+            hooks.append(full[str(plan.hi - 1)].register_forward_hook(leave))
         parents = [(self.get_submodule(p) if p else self, n) for p, n in plan.absent]  # type: ignore[attr-defined]
         container._modules = full  # type: ignore[assignment]
+        absent = _Absent(self)  # type: ignore[arg-type]
         for parent, n in parents:
-            parent._modules[n] = _Absent(self)  # type: ignore[arg-type]
+            parent._modules[n] = absent
         try:
             yield
         finally:
@@ -432,35 +450,75 @@ def _append(carried: torch.Tensor | None, produced: Sequence[torch.Tensor] | Non
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+class _Stop(Exception):
+    pass
+
+
+def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
+    """Whether the model's decoder layers return a tuple: seen in a forward on the ``meta`` device
+    up to its first layer."""
+    from .stages import _meta_values
+
+    first = next(iter(model.get_submodule(template.blocks)._modules.values()))
+    seen: list[bool] = []
+
+    def stop(module: nn.Module, args: Any, output: Any) -> None:
+        seen.append(isinstance(output, tuple))
+        raise _Stop
+
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
+    handle = first.register_forward_hook(stop)
+    try:
+        with torch.no_grad(), _meta_values():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
+                         f"{template.blocks}.0")
+    return seen[0]
+
+
 _STAGE_CLASSES: dict[type, type] = {}
 
 
-def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first: bool, last: bool) -> nn.Module:
+def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first: bool, last: bool,
+              tuple_out: bool | None = None) -> nn.Module:
     """`pruned` (the model with what the stage does not hold set to None) as a stage: its class
     becomes a subclass of the model's own with `_CausalLMStage`'s forward."""
     cls = type(pruned)
-    container = pruned.get_submodule(template.blocks)
-    held = sorted(int(n) for n in container._modules)
-    if not held:
-        raise ValueError(f"stage {'0' if first else '?'} holds no decoder layer of {template.blocks}: every stage of a "
-                         "causal LM holds at least one (give module_fqns_per_stage that does)")
+    held = sorted(int(n) for n in pruned.get_submodule(template.blocks)._modules)
+    n = template.num_layers
+    if held:
+        lo, hi = held[0], held[-1] + 1
+        if held != list(range(lo, hi)):
+            raise ValueError(f"a stage holds the decoder layers {held} of {template.blocks}: they must be contiguous")
+    elif first or last:  # only the embeddings, or only the final norm and LM head
+        lo = hi = 0 if first else n
+    else:
+        raise ValueError(f"a middle stage holds no decoder layer of {template.blocks}")
     absent = []
     for fqn, original in model.named_modules():
-        if not fqn or original is None:
-            continue
         parent, _, child = fqn.rpartition(".")
+        if not fqn or fqn.startswith(template.blocks + "."):
+            continue
         try:
             holder = pruned.get_submodule(parent) if parent else pruned
         except AttributeError:
             continue
-        if isinstance(holder, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-            continue
-        if child in holder._modules and holder._modules[child] is None:
+        if not isinstance(holder, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and \
+                child in holder._modules and holder._modules[child] is None:
             absent.append((parent, child))
     if cls not in _STAGE_CLASSES:
         _STAGE_CLASSES[cls] = type(f"{cls.__name__}Stage", (_CausalLMStage, cls), {"__module__": __name__})
     pruned.__class__ = _STAGE_CLASSES[cls]
-    object.__setattr__(pruned, "_zbpp_plan", _Plan(template, first, last, cls.forward, held, absent))
+    if tuple_out is None:
+        tuple_out = _layers_return_tuple(model, template)
+    plan = _Plan(template, first, last, cls.forward, lo, hi, tuple_out, absent)
+    plan.skips = [_Skip(pruned, i) for i in range(n)]
+    object.__setattr__(pruned, "_zbpp_plan", plan)
     object.__setattr__(pruned, "_zbpp_call", None)
     return pruned
 

@@ -2,9 +2,10 @@
 
 A stage is named by the modules it holds: a list of module FQNs per stage (torchtitan's
 ``module_fqns_per_model_part``), given or computed by `fqns_per_stage`, which balances the
-model's repeated blocks (``model.layers``) over the stages with the modules before the blocks on
-the first stage, those after on the last, and parameter-free ones (rotary embeddings, dropout)
-on every stage.
+model's repeated blocks (``model.layers``) over the stages, puts the modules a forward uses before
+the blocks on the first stage and those it uses after them on the last (seen in one forward on the
+``meta`` device; an ambiguous one raises), and parameter-free ones (rotary embeddings, dropout) on
+every stage.
 
 `pipeline_stages` builds this rank's stage modules from a model on the ``meta`` device (or a
 factory that builds one): each stage module is the model itself with the modules it does not hold
@@ -50,6 +51,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..schedules.ir import Schedule
 from .partition import balanced_partition
@@ -153,11 +155,19 @@ _DATA_DEPENDENT: dict[Any, Callable[[torch.Tensor], Any]] = {
 }
 
 
+class _meta_values(TorchFunctionMode):
+    """Answers what a meta tensor's value would decide (``.item()``, ``bool``, ``nonzero``) with a
+    fixed value, so that a forward on the ``meta`` device runs through its branches."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return _DATA_DEPENDENT[func](args[0])
+        return func(*args, **(kwargs or {}))
+
+
 def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], example: Any) -> tuple[list[str], list[str]]:
     """Run `model` once on `example` and split the `watched` modules into those used only before
     the blocks and those used only after them; anything else raises."""
-    from torch.overrides import TorchFunctionMode
-
     use = _Use(["before"], [], {f: set() for f in watched})
     owners: dict[int, list[str]] = {}
     for f in watched:
@@ -185,19 +195,17 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
                 use.active.pop()
         return hook
 
-    class Tensors(TorchFunctionMode):
+    class Tensors(_meta_values):
         """A watched module's tensor used by code outside its module (``F.linear(h, embed.weight)``)."""
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-                return _DATA_DEPENDENT[func](args[0])  # a meta tensor has no value: any will do to see the calls
             for a in [*args, *(kwargs or {}).values()]:
                 for t in (a if isinstance(a, (list, tuple)) else (a,)):
                     fs = owners.get(id(t)) if isinstance(t, torch.Tensor) else None
                     if fs and not any(f in use.active for f in fs):
                         for f in fs:
                             use.seen[f].add(use.phase[0])
-            return func(*args, **(kwargs or {}))
+            return super().__torch_function__(func, types, args, kwargs)
 
     for m in children:
         handles += [m.register_forward_pre_hook(block_start), m.register_forward_hook(block_end)]
