@@ -410,8 +410,10 @@ class _CausalLMStage:
         if plan.lo == 0 and (call.inject is not None or plan.hi == 0):
             def enter(module: nn.Module, args: tuple, kwargs: dict) -> Any:
                 call.before_layers = False
-                if call.inject is not None:
-                    args, kwargs = ((call.inject, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": call.inject})
+                if call.inject is not None and args:
+                    args = (call.inject, *args[1:])
+                elif call.inject is not None:
+                    kwargs = {**kwargs, "hidden_states": call.inject}
                 if plan.hi == 0:
                     call.produced = args[0] if args else kwargs["hidden_states"]
                 return args, kwargs
