@@ -114,3 +114,49 @@ def test_a_module_used_on_both_sides_or_never_raises():
         fqns_per_stage(model, 2, blocks="layers", example=torch.zeros(1, 4, device="meta"))
     # without an example (and not a Hugging Face model) registration order places them
     assert fqns_per_stage(model, 2, blocks="layers")[0] == ["norm", "layers.0"]
+
+
+def test_a_middle_stage_without_a_decoder_layer_is_refused():
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .families import family_config
+
+    sched = build("zb-v", num_ranks=2, num_microbatches=2)  # 4 stages
+    fqns = [["model.embed_tokens", "model.layers.0", "model.layers.1"], [], ["model.layers.2", "model.layers.3"],
+            ["model.norm", "lm_head"]]
+    with pytest.raises(ValueError, match="a middle stage holds no decoder layer of model.layers"):
+        causal_lm_stages(family_config("qwen3"), sched, 1, module_fqns_per_stage=fqns)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "falcon", "gemma2"])
+def test_embeddings_alone_and_head_alone_as_stages(family):
+    # the stages run one after the other in one process give HF's logits (float64, the same
+    # operations: 1e-12), with the first stage only embedding and the last only norm and head
+    import transformers
+
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .families import LAYERS, family_config, padded_batch
+
+    cfg = family_config(family)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    blocks = {"gpt2": "transformer.h", "falcon": "transformer.h", "gemma2": "model.layers"}[family]
+    layers = [f"{blocks}.{i}" for i in range(LAYERS)]
+    embed = {"gpt2": ["transformer.wte", "transformer.wpe"], "falcon": ["transformer.word_embeddings"],
+             "gemma2": ["model.embed_tokens"]}[family]
+    head = {"gpt2": ["transformer.ln_f", "lm_head"], "falcon": ["transformer.ln_f", "lm_head"],
+            "gemma2": ["model.norm", "lm_head"]}[family]
+    fqns = [embed, layers[:2], layers[2:], head]
+    sched = build("zb-v", num_ranks=2, num_microbatches=2)
+    stages = {}
+    for r in range(2):
+        stages.update(causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="eager",
+                                       state_dict=ref.state_dict(), module_fqns_per_stage=fqns, device="cpu")[0])
+    ids, mask, _ = padded_batch(3)
+    x = {"input_ids": ids, "attention_mask": mask}
+    for s in range(4):
+        x = stages[s](**x)
+    torch.testing.assert_close(x, ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-12, atol=1e-12)

@@ -491,7 +491,11 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
     """`pruned` (the model with what the stage does not hold set to None) as a stage: its class
     becomes a subclass of the model's own with `_CausalLMStage`'s forward."""
     cls = type(pruned)
-    held = sorted(int(n) for n in pruned.get_submodule(template.blocks)._modules)
+    parent_fqn, _, leaf = template.blocks.rpartition(".")
+    parent = pruned.get_submodule(parent_fqn)
+    if parent._modules.get(leaf) is None:  # no layer held: an empty list, filled with stand-ins in a call
+        parent._modules[leaf] = type(model.get_submodule(template.blocks))()
+    held = sorted(int(n) for n in parent._modules[leaf]._modules)
     n = template.num_layers
     if held:
         lo, hi = held[0], held[-1] + 1
