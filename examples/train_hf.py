@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-bytes", type=int, default=2_000_000, help="--data stdlib: bytes of text to read")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths, right-padded (attention_mask, -100)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="HF attention implementation")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default=None,
+                    help="HF attention implementation (default: HF's choice for the model, sdpa where it has it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")

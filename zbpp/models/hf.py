@@ -174,7 +174,8 @@ def causal_lm_stages(
     template = check_template(model)
     fqns = module_fqns_per_stage
     if fqns is None:
-        fqns = fqns_per_stage(model, schedule.num_stages, blocks=template.blocks, balance=balance)
+        with _loop_experts(model):
+            fqns = fqns_per_stage(model, schedule.num_stages, blocks=template.blocks, balance=balance)
     else:  # modules without parameters (rotary embeddings, dropout) go to every stage, as fqns_per_stage does
         free = [f for f in _parameter_free(model, template.blocks) if not any(f in names for names in fqns)]
         fqns = [list(names) + free for names in fqns]
@@ -471,7 +472,7 @@ def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
     ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
     handle = first.register_forward_hook(stop)
     try:
-        with torch.no_grad(), _meta_values():
+        with torch.no_grad(), _meta_values(), _loop_experts(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except _Stop:
         pass
@@ -481,6 +482,22 @@ def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
         raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
                          f"{template.blocks}.0")
     return seen[0]
+
+
+@contextlib.contextmanager
+def _loop_experts(model: nn.Module) -> Iterator[None]:
+    """HF's mixture-of-experts layers as a loop over experts for a forward on the ``meta`` device
+    (the grouped matmul's meta kernel takes only 16-bit floats)."""
+    config = model.config
+    was = getattr(config, "_experts_implementation", None)
+    if was in (None, "eager"):
+        yield
+        return
+    config._experts_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._experts_implementation = was
 
 
 _STAGE_CLASSES: dict[type, type] = {}
