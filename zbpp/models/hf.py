@@ -15,8 +15,9 @@ or learned positions, alibi, embedding scales (Gemma, Granite), the embedding La
 and on the last stage the LM head with the ``*ForCausalLM`` forward's logit scales and softcaps
 (Gemma 2/3, Cohere, Granite). A later stage passes zeros as ``inputs_embeds``; the modules it does
 not hold that the forward calls before the layers (GPT-2's position embedding, Bloom's embedding
-LayerNorm, ...) are stand-ins that return them, and the received hidden states replace the input of
-its first decoder layer. Its output is its last layer's output, taken by a hook. Placement is
+LayerNorm, ...) are stand-ins that return them, and the stand-in of the layer before its first one
+returns the received hidden states instead. Its output is its last layer's output, taken by a hook
+(a non-last stage calls the base model, the last one the ``*ForCausalLM``). Placement is
 `zbpp.models.fqns_per_stage`, decided by a forward on the ``meta`` device (which stage uses what).
 
 Stages pass ``{"hidden_states", "attention_mask", "position_ids"}`` along (and ``"router_logits"``,
@@ -27,7 +28,9 @@ HF's ``labels`` (-100 ignored). The loss (`CausalLMLoss`) is HF's, weighted by p
 Mixture-of-experts (Mixtral, Qwen2-MoE, OLMoE, ...): when the config asks for the router auxiliary
 loss (``output_router_logits=True``), every stage appends its layers' router logits to a
 ``"router_logits"`` tensor ``[layers so far, tokens, experts]`` that travels with the hidden states,
-and the last stage returns ``{"logits", "router_logits", "attention_mask"}``. Microbatch j's loss is
+and the last stage returns ``{"logits", "router_logits", "attention_mask"}`` (carried, not summed
+per stage: the balancing loss multiplies means over all layers, so it does not split by stage; the
+tensor is small, layers x tokens x experts). Microbatch j's loss is
 then HF's: ``CE_j + router_aux_loss_coef * load_balancing_loss_func(router logits of all layers for
 microbatch j, num_experts, num_experts_per_tok, attention_mask_j)`` (the model's own function), and
 the step's loss and gradient are those of ``sum_j w_j * loss_j / sum_j w_j`` with w_j the predicted
@@ -162,7 +165,8 @@ def causal_lm_stages(
         dtype: parameter dtype when building from a config (default: the config's, else float32).
         attn_implementation: "eager", "sdpa", ... when building from a config.
         module_fqns_per_stage, balance, state_dict, seed: as `pipeline_stages`; the blocks are the
-            model's decoder layers. Every stage must hold at least one decoder layer.
+            model's decoder layers. A stage holds a contiguous run of them; only the first stage
+            may hold none (the embeddings alone) and the last (the final norm and LM head alone).
         ignore_index: the label value the loss ignores.
 
     Returns ``(stages, kwargs)``: ``Pipeline(stages, schedule, **kwargs)`` with ``loss_fn``,
