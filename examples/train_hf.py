@@ -1,8 +1,8 @@
 """Train a Hugging Face causal LM from its config (random weights, no download) with a zbpp schedule.
 
 Every process runs this script under torchrun: NCCL on GPUs (one per process), gloo on CPUs. The
-model is a ``LlamaForCausalLM`` (or ``--model gpt2 | mistral | qwen2``) built on the ``meta``
-device; each rank materialises only its own stages (`zbpp.models.hf.causal_lm_stages`), which
+model is a ``LlamaForCausalLM`` (or ``--model <model_type>``, any of `zbpp.models.hf.SUPPORTED`: a
+small config of that family, `zbpp.models.hf.small_config`) built on the ``meta`` device; each rank materialises only its own stages (`zbpp.models.hf.causal_lm_stages`), which
 handle HF's masks, rotary embeddings and loss. The data is the Python standard library's source
 as bytes (``--data stdlib``, the loader of ``train_gpt.py``) or counting sequences (``--data
 synthetic``: each row ``a, a+b, a+2b, ...`` modulo the vocabulary); ``--ragged`` cuts every row to a
@@ -45,10 +45,11 @@ import torch
 import torch.distributed as dist
 
 from zbpp import Pipeline
+from zbpp.models.hf import SUPPORTED, small_config
 from zbpp.runtime import clip_grad_norm_, init_distributed, shutdown_and_exit
 from zbpp.schedules import available, build, options_of
 
-MODELS = ("llama", "gpt2", "mistral", "qwen2")
+MODELS = SUPPORTED
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -71,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-bytes", type=int, default=2_000_000, help="--data stdlib: bytes of text to read")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths, right-padded (attention_mask, -100)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="HF attention implementation")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default=None,
+                    help="HF attention implementation (default: HF's choice for the model, sdpa where it has it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
@@ -149,6 +151,9 @@ def make_config(args: argparse.Namespace, vocab: int) -> Any:
         return transformers.GPT2Config(vocab_size=vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
                                        n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        bos_token_id=0, eos_token_id=0)
+    if args.model not in ("llama", "mistral", "qwen2"):
+        return small_config(args.model, vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers,
+                            num_heads=args.heads, num_kv_heads=args.kv_heads, max_positions=args.seq_len)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config}[args.model]
     return cls(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,

@@ -234,8 +234,9 @@ def _model_layers(model: nn.Module, example_input: Any, blocks: str | None, loss
 
     kind = getattr(getattr(model, "config", None), "model_type", None)
     is_hf = kind in hf.SUPPORTED
+    template = hf.check_template(model) if is_hf else None
     if blocks is None:
-        blocks = "transformer.h" if kind == "gpt2" else "model.layers"
+        blocks = template.blocks if template is not None else "model.layers"
     container = _container(model, blocks)
     before, after, everywhere = _outside(model, blocks)
     order = {f: i for i, f in enumerate(_model_order(model))}
@@ -250,10 +251,11 @@ def _model_layers(model: nn.Module, example_input: Any, blocks: str | None, loss
         parent = pruned.get_submodule(parent_fqn) if parent_fqn else pruned
         if parent._modules.get(leaf) is None:  # no block held: an empty container, so forward loops over none
             parent._modules[leaf] = type(container)()
-        if not is_hf:
+        if template is None:
             return pruned
-        wrap = hf._GPT2Stage if kind == "gpt2" else hf._DecoderStage
-        return wrap(pruned, model.config, first=first, last=last)
+        return hf._as_stage(pruned, model, template, first=first, last=last, tuple_out=tuple_out)
+
+    tuple_out = hf._layers_return_tuple(model, template) if template is not None else None
 
     named: list[tuple[str, nn.Module]] = []
     if before:
