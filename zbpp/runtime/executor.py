@@ -99,11 +99,11 @@ class StepResults:
 
     losses: list[torch.Tensor] = field(default_factory=list)  #: per microbatch, as loss_fn returned it
     outputs: dict[int, Any] = field(default_factory=dict)  #: forward only, without loss: the last stage's outputs
-    shown: list[torch.Tensor] = field(default_factory=list)  #: per microbatch, its weighted share of the step's loss
+    weighted: list[torch.Tensor] = field(default_factory=list)  #: per microbatch, its weighted share of the step's loss
 
     def loss(self) -> torch.Tensor | None:
         """The step's loss (the weighted sum), on the last stage's rank; None elsewhere."""
-        return torch.stack(self.shown).sum() if self.shown else None
+        return torch.stack(self.weighted).sum() if self.weighted else None
 
 
 class StageBoundaries(Protocol):
@@ -274,7 +274,7 @@ class StepExecutor:
             loss = outs[0]
             results.losses.append(loss.detach().clone())  # a copy: a replayed graph rewrites its output
             factor = data.weights[j] if data.loss_weights is None else data.loss_weights[j]
-            results.shown.append(_weigh(loss, factor).detach())
+            results.weighted.append(_weigh(loss, factor).detach())
         elif last:
             results.outputs[j] = rebuild(out_spec, outs)
         else:

@@ -270,17 +270,16 @@ class Pipeline:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
         step = self._agree_start(inputs, target, forward_only=False)  # agree on the input
-        reductions = self._reductions
-        reductions.set_aside(reducing=self._sync_gradients)
+        self._reductions.set_aside(reducing=self._sync_gradients)
         with self._compute_stream(step):
-            problem = _first_error(lambda: reductions.begin(lambda: step.failure.draining),
+            problem = _first_error(lambda: self._reductions.begin(lambda: step.failure.draining),
                                    lambda: self._run_tasks(step),  # with the plan's communication
-                                   lambda: step.failure.draining or reductions.finish())
-        failure = self._agree_end(step, problem)  # agree on the outcome; a failed step is rolled back
-        if self._graph_cache is not None:
-            self._graph_cache.step_ended(step.signature, step.runner, ok=failure is None)
+                                   lambda: step.failure.draining or self._reductions.finish())
+        failure = self._agree_end(step, problem)  # agree on the outcome
         if failure is not None:
-            raise failure  # the step's gradients were rolled back
+            raise failure  # the step was rolled back
+        if self._graph_cache is not None:
+            self._graph_cache.captured(step.runner)
         self._reductions.commit()
         if losses is not None and self.holds_last_stage:
             losses.extend(step.results.losses)
@@ -385,13 +384,12 @@ class Pipeline:
         comm = CommQueue(plan, self._channels, specs, new_signature, self._in_flight, failure)
         return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure)
 
-    def _compute_stream(self, step: _Step) -> Any:
-        """Where a training step computes: with CUDA graphs a side stream (`GraphCache.stream`)."""
+    def _compute_stream(self, step: _Step) -> Any:  # with CUDA graphs a side stream (`GraphCache.stream`)
         return self._graph_cache.stream(self._in_flight) if self._graph_cache else contextlib.nullcontext()
 
     def _run_tasks(self, step: _Step) -> None:
-        """This rank's tasks, each through the runner of the step's signature (chosen after the
-        reductions began: a reducer may move ``main_grad``, which graphs bake in)."""
+        """This rank's tasks, through the runner of the step's signature (chosen after `begin`: a
+        reducer may move ``main_grad``, which graphs bake in)."""
         if self._graph_cache is not None and not step.forward_only:
             step.runner = self._graph_cache.runner(step.signature, step.new_signature, list(self.parameters()))
         boundaries = self._reductions if not step.forward_only else None
@@ -413,12 +411,14 @@ class Pipeline:
 
     def _roll_back(self, step: _Step) -> None:
         """A failed step: its wgrads pending, its reductions and gradients (`Reductions.rollback`),
-        the shapes of a signature it was learning."""
+        the shapes of a signature it was learning, a capture it cut short."""
         for w in self._wgrad.values():
             w.discard()
         self._reductions.rollback()
         if step.new_signature:  # some shapes of this signature may never have been learnt
             self._specs.pop(step.signature, None)
+        if self._graph_cache is not None:
+            self._graph_cache.forget(step.signature, step.runner)
 
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
         self._broken = (f"this Pipeline is unusable: the {which}-of-step agreement among its ranks cannot complete "

@@ -275,14 +275,14 @@ class GraphCache:
             self.graphs.popitem(last=False)
         return graphs
 
-    def step_ended(self, signature: Hashable, runner: TaskRunner, ok: bool) -> None:
-        """After the end agreement: a capture cut short by a failure is no graph; a finished one
-        replays from now on."""
-        if not isinstance(runner, TaskGraphs):
-            return
-        if ok:
+    def captured(self, runner: TaskRunner) -> None:
+        """Every rank succeeded: graphs captured in this step replay from now on."""
+        if isinstance(runner, TaskGraphs):
             runner.capturing = False
-        elif runner.capturing:
+
+    def forget(self, signature: Hashable, runner: TaskRunner) -> None:
+        """The step failed: a capture cut short is no graph."""
+        if isinstance(runner, TaskGraphs) and runner.capturing:
             self.graphs.pop(signature, None)
 
     @contextlib.contextmanager
