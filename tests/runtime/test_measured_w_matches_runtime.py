@@ -1,6 +1,7 @@
 """`zbpp measure` (`zbpp.models.measure_profile`) measures a stage's B and W through the runtime's own
 split: its W does the work of the W task `Pipeline` runs for the same stage, on a stage whose W
-comes from the generic split of plain layers and on one of delayed-wgrad layers.
+comes from the generic split of plain layers and on one of delayed-wgrad layers; the memory W
+keeps is what the split's marks leave after B (checked by hand on the plain stage, float64).
 
 The work is compared in FLOPs (`torch.utils.flop_counter`, matmuls), not seconds, so that the test
 is exact on a shared CPU: the measurement's timer is replaced by a FLOP counter, the pipeline's W
@@ -69,3 +70,7 @@ def test_measured_w_is_the_runtime_w(monkeypatch, kind: str) -> None:
     assert measured.w == pytest.approx(runtime_w, rel=0.10), (measured.w, runtime_w)
     # and B: the input's gradient only, as the runtime's B computes it
     assert measured.b == pytest.approx(flops.flops[(1, "B")], rel=0.10), (measured.b, flops.flops[(1, "B")])
+    if kind == "plain":
+        # what W keeps, by the split's own marks: each Linear's input (the weight GEMMs' operand);
+        # tanh's saved output serves B, but the second Linear keeps the same storage: counted once
+        assert measured.wgrad == (ROWS * WIDTH + ROWS * 2 * WIDTH) * 8, measured.wgrad

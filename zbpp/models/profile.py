@@ -93,9 +93,11 @@ def measure_profile(
     - activation: bytes of the tensors autograd saves in F (`torch.autograd.graph.saved_tensors_hooks`),
       one count per storage, parameters and buffers left out. A layer's saved input is also the
       layer before's saved output, so summing layers counts such a tensor at each stage boundary.
-    - wgrad: the part of them saved by the backward nodes that produce a parameter's gradient
-      (those that reach it through nodes that unpack nothing, such as transposes): the inputs of
-      the weight GEMMs. The output gradients B hands to W are not counted.
+    - wgrad: the part of them W keeps: where the runtime splits the layer's backward, what its B
+      left unfreed (the split's own marks, `zbpp.runtime._autograd_split`); else the part saved by
+      the backward nodes that produce a parameter's gradient (those that reach it through nodes
+      that unpack nothing, such as transposes): the inputs of the weight GEMMs. The output
+      gradients B hands to W are not counted.
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
       gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
       LM head) counts in each, as on two ranks.
@@ -363,6 +365,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
 
     times: dict[str, list[float]] = {"f": [], "b": [], "w": []}
     out: Any = None
+    kept_by_w: dict[Any, int] | None = None
     try:
         for step in range(warmup + steps):
             key = ("profile", step)
@@ -374,7 +377,10 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
             if grads is None:
                 grads = [torch.ones_like(t) if t.dim() == 0
                          else torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in outs]
+            held = saved.still_held() if saved is not None else None
             _, b = timer(lambda: tasks.backward(key, outs, list(grads), inputs, saved, split=split))
+            if held is not None:  # what W keeps, by the runtime's own marks
+                kept_by_w = {_key(t)[0]: _key(t)[1] for t in held() if _key(t)[0] not in static_ids}
             if split and not inputs:
                 b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
             _, w = timer(lambda: tasks.run(key))
@@ -390,6 +396,8 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
         tasks.discard()
         kept()
     activation, wgrad = _saved_bytes(forward, params, grads or [], static_ids)
+    if kept_by_w is not None:  # a split B: the saved tensors it left for W (else the rule above)
+        wgrad = sum(kept_by_w.values())
     static = sum(p.numel() * (2 * p.element_size() + opt) for p in
                  {id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())}.values())
     layer = Layer(lname, *(statistics.median(times[k]) for k in ("f", "b", "w")), activation=float(activation),
