@@ -1,7 +1,9 @@
-"""Every private torch API zbpp calls, in one place (checked on torch 2.11 and 2.14).
+"""The private torch APIs zbpp calls, in one place (checked on torch 2.11 and 2.14), but FSDP's.
 
-torch does not promise these names; when one moves, this is the only file to change. Each
-function says what it wraps and why the public API does not do. The runtime and the modules both
+torch does not promise these names; when one moves, this file is the place to change, with one
+exception: FSDP2's internals (its post-backward machinery, the only way to reduce-scatter outside
+an autograd backward) stay in the underscored helpers of `zbpp.runtime.fsdp`. Each function says
+what it wraps and why the public API does not do. The runtime and the modules both
 import from here (it imports nothing of zbpp). Tensor attributes torch documents as internal but
 stable (``._base``, ``._version``, ``.data``) are used in place.
 """
