@@ -12,8 +12,8 @@ one process on the same batch:
   replay would use the old addresses). A probe module that keeps its inputs tells a capture (new
   static input buffers) from a replay, on CPUs and GPUs alike.
 
-On the CPU the graphs are the test stand-ins of `test_task_graphs._one_rank_stand_in` (each
-"replay" runs the task again through the same static buffers); on CUDA (marked ``gpu``) they are
+On the CPU the graphs are the test runner `StandInGraphs` (each "replay" runs the task again
+through the same static buffers); on CUDA (marked ``gpu``) they are
 real CUDA graphs. Float64 throughout.
 
 Tolerance against one process: float64 ``rtol=1e-10, atol=1e-12``: the pipeline adds the
@@ -33,6 +33,7 @@ from torch import nn
 from zbpp import Pipeline
 from zbpp.modules import Linear
 from zbpp.runtime import microbatch_seed
+from zbpp.runtime.task_graphs import StandInGraphs
 
 from .test_task_graphs import _one_rank_stand_in
 
@@ -43,13 +44,17 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
-def _schedule_and_batch(monkeypatch: pytest.MonkeyPatch, device: str, rows: int, outputs: int,
+def _schedule_and_batch(device: str, rows: int, outputs: int,
                         seed: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """The one-rank zb-h1 schedule of 2 microbatches and the float64 batch (3 features) of
-    `_one_rank_stand_in`, which also switches the CPU stand-in graphs on (on CUDA the pipeline
-    captures real graphs whatever that switch says)."""
-    sched, x, y = _one_rank_stand_in(monkeypatch, rows=rows, outputs=outputs, seed=seed)
+    `_one_rank_stand_in`, on `device`."""
+    sched, x, y = _one_rank_stand_in(rows=rows, outputs=outputs, seed=seed)
     return sched, x.to(device), y.to(device)
+
+
+def _graphs(device: str) -> Any:
+    """The `cuda_graphs=` runner: real CUDA graphs on a GPU, the stand-in test runner on the CPU."""
+    return True if device == "cuda" else StandInGraphs
 
 
 def _per_microbatch(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -80,16 +85,17 @@ def _assert_grads_equal(got: nn.Module, want: nn.Module, what: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_each_graphed_forward_draws_under_its_own_microbatch_seed(monkeypatch, device: str) -> None:
+def test_each_graphed_forward_draws_under_its_own_microbatch_seed(device: str) -> None:
     """Dropout 0.5: at capture (step 1) and at each replay (steps 3, 4) every microbatch's masks
     are the ones its own seed gives, as in the eager step 0 and in one process; the evaluation
     step between them (eager) counts as step 2 of the seeds."""
-    sched, x, y = _schedule_and_batch(monkeypatch, device, rows=8, outputs=2, seed=3)
+    sched, x, y = _schedule_and_batch(device, rows=8, outputs=2, seed=3)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 16, dtype=F64), nn.Dropout(0.5), nn.Tanh(),
                           nn.Linear(16, 2, dtype=F64)).to(device)
     ref = copy.deepcopy(model)
-    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, seed=SEED, cuda_graphs=True)
+    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, seed=SEED,
+                    cuda_graphs=_graphs(device))
     for step in range(5):  # eager, capture, evaluation, replay, replay
         if step == 2:
             with torch.no_grad():
@@ -108,14 +114,14 @@ def test_each_graphed_forward_draws_under_its_own_microbatch_seed(monkeypatch, d
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_losses_handed_out_keep_their_values_after_later_replays(monkeypatch, device: str) -> None:
+def test_losses_handed_out_keep_their_values_after_later_replays(device: str) -> None:
     """Four steps on batches of one shape and other values: the losses of every step (the
     ``losses=`` list and the returned loss), read after the last step, are still that step's."""
-    sched, x, y = _schedule_and_batch(monkeypatch, device, rows=6, outputs=1, seed=4)
+    sched, x, y = _schedule_and_batch(device, rows=6, outputs=1, seed=4)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4, dtype=F64), nn.Tanh(), nn.Linear(4, 1, dtype=F64)).to(device)
     ref = copy.deepcopy(model)
-    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=True)
+    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=_graphs(device))
     handed, want = [], []
     for step in range(4):  # eager, capture, replay, replay: each replay rewrites the static outputs
         xs = x + step
@@ -150,8 +156,8 @@ class _ProbedRun:
     reference: fc1's weight accumulates into ``main_grad`` (``fuse_wgrad_accumulation``), the
     other parameters into ``.grad``."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, device: str) -> None:
-        sched, self.x, self.y = _schedule_and_batch(monkeypatch, device, rows=4, outputs=2, seed=5)
+    def __init__(self, device: str) -> None:
+        sched, self.x, self.y = _schedule_and_batch(device, rows=4, outputs=2, seed=5)
         torch.manual_seed(0)
         self.fc1 = Linear(3, 4, params_dtype=F64, device=device, fuse_wgrad_accumulation=True)
         self.fc2 = nn.Linear(4, 2, dtype=F64, device=device)
@@ -161,7 +167,8 @@ class _ProbedRun:
         self.ref[0].load_state_dict(self.fc1.state_dict())
         self.ref[2].load_state_dict(self.fc2.state_dict())
         self.fc1.weight.main_grad = torch.zeros_like(self.fc1.weight)
-        self.pipe = Pipeline({0: self.model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=True)
+        self.pipe = Pipeline({0: self.model}, sched, loss_fn=nn.functional.mse_loss, device=device,
+                             cuda_graphs=_graphs(device))
 
     def step(self, what: str) -> int:
         """One step from zero gradients, its loss and gradients checked against one process;
@@ -189,12 +196,12 @@ class _ProbedRun:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_replaced_main_grad_is_captured_again_and_receives_the_gradient(monkeypatch, device: str) -> None:
+def test_replaced_main_grad_is_captured_again_and_receives_the_gradient(device: str) -> None:
     """After a capture and a replay the caller puts a new ``main_grad`` in place (the old one
     kept alive, so the new one has another address): the next step reads new static input
     buffers (it captured again), the gradient equals one process's in the new buffer, the old
     buffer is untouched; the step after replays that capture, again into the new buffer."""
-    run = _ProbedRun(monkeypatch, device)
+    run = _ProbedRun(device)
     run.capture_and_replay()
     replaced = run.fc1.weight.main_grad
     kept = replaced.clone()
@@ -206,11 +213,11 @@ def test_replaced_main_grad_is_captured_again_and_receives_the_gradient(monkeypa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_moved_parameter_is_captured_again_and_read_from_its_new_place(monkeypatch, device: str) -> None:
+def test_moved_parameter_is_captured_again_and_read_from_its_new_place(device: str) -> None:
     """After a capture and a replay fc2's weight moves to a new tensor of other values (the old
     one kept alive): the next step captures again and computes with the new values (a replay
     would read the old tensor); the step after replays that capture."""
-    run = _ProbedRun(monkeypatch, device)
+    run = _ProbedRun(device)
     run.capture_and_replay()
     old = run.fc2.weight.data
     with torch.no_grad():
