@@ -32,6 +32,7 @@ __all__ = [
     "disable_dynamo",
     "uncompiled",
     "current_saved_tensors_hooks",
+    "torch_dispatch_mode",
 ]
 
 
@@ -198,3 +199,11 @@ def current_saved_tensors_hooks() -> tuple[Any, Any] | None:
     ones for a region call these to compose with them; torch offers no public way to read them."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top(False) if top is not None else None
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``, the base class of a ``__torch_dispatch__``
+    mode (torch documents the protocol, not the module's name)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

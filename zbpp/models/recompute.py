@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -56,9 +57,9 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
-from .._compat import current_saved_tensors_hooks, disable_dynamo
+from .._compat import current_saved_tensors_hooks, disable_dynamo, torch_dispatch_mode
 
 __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "ActivationCost",
            "measure_activation_policies"]
@@ -241,14 +242,24 @@ class _Frame:
                 with _restored(self.rng, self.autocast), torch.enable_grad(), \
                         torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack), mode:
                     self.fn(*args, **kwargs)
-        except _StopRecompute:
+        except _StopRecompute as stop:
+            # the stopped frames' locals (the re-run's tensors) would wait for the cycle collector
+            traceback.clear_frames(stop.__traceback__)
             return
         finally:
             self.gemm_outputs = []
+            # The re-run's leaves (inputs, replayed GEMM outputs) give their storage up: something of
+            # the early stop outlives it (autograd keeps them from its graph), and what backward reads
+            # holds its own alias.
+            for t in (*leaves, *getattr(mode, "made", ())):
+                t.data = _EMPTY.to(dtype=t.dtype, device=t.device)
         if seen != len(slots):
             raise RuntimeError(f"zbpp activation policy ({self.policy}): the re-run of a layer's forward saved {seen} "
                                f"tensors for backward where its first run saved {len(slots)}; its forward must do the "
                                "same operations given the same inputs and random state")
+
+
+_EMPTY = torch.empty((0,))
 
 
 class _StopRecompute(Exception):
@@ -311,15 +322,17 @@ class _GemmReplay(TorchFunctionMode):
     def __init__(self, frame: _Frame) -> None:
         super().__init__()
         self.outputs = list(frame.gemm_outputs)
+        self.made: list[torch.Tensor] = []  # the replayed outputs, emptied with the re-run's leaves
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if _weight_gemm_input(func, args) is None:
             return func(*args, **(kwargs or {}))
-        if not self.outputs:
-            raise RuntimeError("zbpp selective recompute: the re-run called more weight GEMMs than the forward")
-        out = self.outputs.pop(0)
-        return out.detach().requires_grad_(torch.is_grad_enabled() and any(
+        if not self.outputs:  # past the last kept output (the re-run normally stops before)
+            return func(*args, **(kwargs or {}))
+        out = self.outputs.pop(0).detach().requires_grad_(torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+        self.made.append(out)
+        return out
 
 
 _GEMMS_XW = {torch.nn.functional.linear, torch.mm, torch.matmul, torch.Tensor.mm, torch.Tensor.matmul,
@@ -463,7 +476,7 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     """Run ``layer(*args, **kwargs)`` once per policy with zbpp's B/W split and measure its costs.
 
     Floating-point tensors of `args` are the layer's differentiable inputs (B computes their
-    gradient); everything else is passed as it is. Bytes are counted with saved-tensor hooks
+    gradient); `kwargs` (masks, rotary tables) are passed as they are. Bytes are counted with saved-tensor hooks
     (storages held by autograd, each once) and FLOPs with ``torch.utils.flop_counter`` (matrix
     products only: an elementwise re-run counts 0), so a CPU run gives the figures of any device. The
     layer's own policy is restored afterwards. The planner needs, per layer and policy, these bytes
@@ -505,7 +518,9 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
 def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxes: Any,
                   backward_input: Any) -> tuple[tuple[int, int, int, int], int]:
     template, leaves = _flatten((args, kwargs))
-    grad_leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in leaves]
+    n_args = len(_flatten(args)[1])  # positional tensors first: the differentiable ones
+    grad_leaves = [t.detach().requires_grad_() if i < n_args and t.is_floating_point() else t
+                   for i, t in enumerate(leaves)]
     targets = [t for t in grad_leaves if t.requires_grad]
     free = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     free.update(t.untyped_storage().data_ptr() for t in grad_leaves if not t.requires_grad)
@@ -532,7 +547,7 @@ def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxe
         a, k = _fill(template, [t.clone() if t.requires_grad else t for t in grad_leaves])
         _observers.append(record)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), FlopCounterMode(display=False) as fc:
+            with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), _Flops() as fc:
                 y = layer(*a, **k)
         finally:
             _observers.remove(record)
@@ -546,13 +561,33 @@ def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxe
         if t.grad_fn is not None and t._base is None:
             t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
     f_to_b = alive()
-    with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), FlopCounterMode(display=False) as fb:
+    with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), _Flops() as fb:
         held = backward_input(roots, grads, targets, None, saved)
         del roots, grads, saved
         b_to_w = alive()
         if held is not None:
             held.run()
     return (f_to_b, b_to_w, _offloaded_bytes[0] - host0, forward_flops), fb.get_total_flops()
+
+
+class _Flops(torch_dispatch_mode()):  # type: ignore[misc]
+    """Counts FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` does, without its module tracker
+    (whose gradient hooks on a re-run's tensors would keep them alive and skew the byte counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.total += count(*args, **kwargs, out_val=out)
+        return out
+
+    def get_total_flops(self) -> int:
+        return self.total
 
 
 # -- helpers ----------------------------------------------------------------------------------------
