@@ -191,9 +191,9 @@ def test_offload_on_cuda_copies_on_a_side_stream_without_host_sync():
     host: list[torch.Tensor] = []
     orig = recompute._Offloaded.__init__
 
-    def spy(self, h, device, group):
+    def spy(self, h, t, group):
         host.append(h)
-        orig(self, h, device, group)
+        orig(self, h, t, group)
 
     recompute._Offloaded.__init__ = spy
     try:

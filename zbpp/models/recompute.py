@@ -354,38 +354,47 @@ def _weight_gemm_input(func: Any, args: tuple) -> torch.Tensor | None:
 
 # -- offload ----------------------------------------------------------------------------------------
 class _Offloaded:
-    """One saved tensor on the host: its copy, and the device copy a prefetch started."""
+    """One saved tensor of an offloaded layer: the host copy of its storage (shared by the layer's
+    tensors on that storage, copied once) and where in it the tensor lies."""
 
-    __slots__ = ("host", "device", "event", "group", "__weakref__")
+    __slots__ = ("host", "device", "dtype", "size", "stride", "offset", "event", "group", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, group: "_OffloadGroup") -> None:
-        self.host, self.device, self.group = host, device, group
+    def __init__(self, host: torch.Tensor, t: torch.Tensor, group: "_OffloadGroup") -> None:
+        self.host, self.device, self.group = host, t.device, group
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         self.event: Any = None
         group.items.append(weakref.ref(self))
 
+    def _view(self, buffer: torch.Tensor) -> torch.Tensor:
+        return torch.empty((0,), dtype=self.dtype, device=buffer.device).set_(
+            buffer.untyped_storage(), self.offset, self.size, self.stride)
+
     def fetch(self) -> torch.Tensor:
-        """Start the copy back (on the side stream); the tensor, valid on the compute stream once it
-        waits on `event`."""
+        """Start the copy of its storage back (on the side stream); the tensor, valid on the compute
+        stream once it waits on `event`."""
         if self.device.type != "cuda":
-            return self.host
+            return self._view(self.host)
         main, side = torch.cuda.current_stream(self.device), _side_stream(self.device)
-        out = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)  # on the compute stream
+        buffer = torch.empty(self.host.shape, dtype=torch.uint8, device=self.device)  # on the compute stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            out.copy_(self.host, non_blocking=True)
+            buffer.copy_(self.host, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record(side)
-        out.record_stream(side)
-        return out
+        buffer.record_stream(side)
+        return self._view(buffer)
 
 
 class _OffloadGroup:
-    """The offloaded tensors of one forward of one layer, and the group that ran before it."""
+    """The offloaded tensors of one forward of one layer, their storages' host copies, and the
+    group that ran before it."""
 
     last: "weakref.ref[_OffloadGroup] | None" = None  # the latest group's forward
 
     def __init__(self) -> None:
         self.items: list[weakref.ref] = []
+        # (device storage pointer, version) -> (the storage, weakly; its host copy), during F
+        self.hosts: dict[tuple[int, int], tuple[StorageWeakRef, torch.Tensor]] = {}
         prev = _OffloadGroup.last() if _OffloadGroup.last is not None else None
         self.prev = weakref.ref(prev) if prev is not None else None
         self.fetched: dict[int, torch.Tensor] = {}
@@ -405,22 +414,35 @@ class _OffloadGroup:
 _offloaded_bytes = [0]  # every byte offload copied to the host so far (read by the measurement)
 
 
+def _host_copy(t: torch.Tensor, group: _OffloadGroup) -> torch.Tensor:
+    """The host copy (bytes) of `t`'s storage, made once per layer forward."""
+    st = t.untyped_storage()
+    key = (st.data_ptr(), t._version)  # changed in place since: a new copy
+    known = group.hosts.get(key)
+    if known is not None and not known[0].expired():  # else the memory now holds another storage
+        return known[1]
+    src = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(st)
+    _offloaded_bytes[0] += src.numel()
+    if t.device.type != "cuda":
+        host = src.clone()  # CPU: the mechanism, as a copy
+    else:
+        host = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
+        main, side = torch.cuda.current_stream(t.device), _side_stream(t.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            host.copy_(src, non_blocking=True)
+        src.record_stream(side)  # the device memory is reused only after the copy
+    group.hosts[key] = (StorageWeakRef(st), host)
+    return host
+
+
 def _offload_forward(fn: Callable[..., Any], params: set[int], args: tuple, kwargs: dict) -> Any:
     group = _OffloadGroup()
 
     def pack(t: torch.Tensor) -> Any:
         if t.untyped_storage().data_ptr() in params:
             return t  # a parameter stays where it is
-        _offloaded_bytes[0] += t.numel() * t.element_size()
-        if t.device.type != "cuda":
-            return _Offloaded(t.detach().clone(), t.device, group)  # CPU: the mechanism, as a copy
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        main, side = torch.cuda.current_stream(t.device), _side_stream(t.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            host.copy_(t, non_blocking=True)
-        t.record_stream(side)  # its memory is reused only after the copy
-        return _Offloaded(host, t.device, group)
+        return _Offloaded(_host_copy(t, group), t, group)
 
     def unpack(x: Any) -> torch.Tensor:
         if not isinstance(x, _Offloaded):
@@ -437,8 +459,11 @@ def _offload_forward(fn: Callable[..., Any], params: set[int], args: tuple, kwar
             torch.cuda.current_stream(x.device).wait_event(x.event)
         return out
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return fn(*args, **kwargs)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(*args, **kwargs)
+    finally:
+        group.hosts = {}
 
 
 _SIDE: dict[torch.device, Any] = {}
