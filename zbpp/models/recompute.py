@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -242,24 +241,14 @@ class _Frame:
                 with _restored(self.rng, self.autocast), torch.enable_grad(), \
                         torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack), mode:
                     self.fn(*args, **kwargs)
-        except _StopRecompute as stop:
-            # the stopped frames' locals (the re-run's tensors) would wait for the cycle collector
-            traceback.clear_frames(stop.__traceback__)
+        except _StopRecompute:
             return
         finally:
             self.gemm_outputs = []
-            # The re-run's leaves (inputs, replayed GEMM outputs) give their storage up: something of
-            # the early stop outlives it (autograd keeps them from its graph), and what backward reads
-            # holds its own alias.
-            for t in (*leaves, *getattr(mode, "made", ())):
-                t.data = _EMPTY.to(dtype=t.dtype, device=t.device)
         if seen != len(slots):
             raise RuntimeError(f"zbpp activation policy ({self.policy}): the re-run of a layer's forward saved {seen} "
                                f"tensors for backward where its first run saved {len(slots)}; its forward must do the "
                                "same operations given the same inputs and random state")
-
-
-_EMPTY = torch.empty((0,))
 
 
 class _StopRecompute(Exception):
@@ -322,17 +311,14 @@ class _GemmReplay(TorchFunctionMode):
     def __init__(self, frame: _Frame) -> None:
         super().__init__()
         self.outputs = list(frame.gemm_outputs)
-        self.made: list[torch.Tensor] = []  # the replayed outputs, emptied with the re-run's leaves
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if _weight_gemm_input(func, args) is None:
             return func(*args, **(kwargs or {}))
         if not self.outputs:  # past the last kept output (the re-run normally stops before)
             return func(*args, **(kwargs or {}))
-        out = self.outputs.pop(0).detach().requires_grad_(torch.is_grad_enabled() and any(
+        return self.outputs.pop(0).detach().requires_grad_(torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args))
-        self.made.append(out)
-        return out
 
 
 _GEMMS_XW = {torch.nn.functional.linear, torch.mm, torch.matmul, torch.Tensor.mm, torch.Tensor.matmul,
@@ -626,20 +612,21 @@ class _Leaf:
 def _flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """`obj` with each tensor (in tuples, lists, dicts) replaced by its index, and the tensors."""
     leaves: list[torch.Tensor] = []
+    return _flatten_into(obj, leaves), leaves
 
-    def go(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            leaves.append(o)
-            return _Leaf(len(leaves) - 1)
-        if isinstance(o, tuple) and not hasattr(o, "_fields"):
-            return tuple(go(x) for x in o)
-        if isinstance(o, list):
-            return [go(x) for x in o]
-        if isinstance(o, dict):
-            return {k: go(v) for k, v in o.items()}
-        return o
 
-    return go(obj), leaves
+def _flatten_into(o: Any, leaves: list[torch.Tensor]) -> Any:
+    # a module-level function: a recursive closure would hold `leaves` in a reference cycle
+    if isinstance(o, torch.Tensor):
+        leaves.append(o)
+        return _Leaf(len(leaves) - 1)
+    if isinstance(o, tuple) and not hasattr(o, "_fields"):
+        return tuple(_flatten_into(x, leaves) for x in o)
+    if isinstance(o, list):
+        return [_flatten_into(x, leaves) for x in o]
+    if isinstance(o, dict):
+        return {k: _flatten_into(v, leaves) for k, v in o.items()}
+    return o
 
 
 def _fill(template: Any, leaves: Sequence[torch.Tensor]) -> Any:
