@@ -118,6 +118,32 @@ def test_delayed_wgrad_layers_compose_with_full_recompute():
         assert extra == M * n_layers * _recompute_per_layer("full", delayed=True)
 
 
+def test_compiled_stage_runs_policy_layers_eagerly():
+    """A ``torch.compile``d stage (dynamo only: ``backend="eager"`` keeps the test fast) breaks its
+    graph around a policy layer, which runs eagerly: gradients equal the uncompiled, no-policy ones."""
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+
+    def stages(policy):
+        torch.manual_seed(0)
+        out = {s: nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 8)).double()
+               for s in range(sched.num_stages)}
+        for m in out.values():
+            if policy is not None:
+                apply_activation_policy(m, {"1": policy})
+        return out
+
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    ref = stages(None)
+    Pipeline(ref, sched, loss_fn=nn.functional.mse_loss).step(x, target=y)
+    for policy in ("full", "selective", "offload"):
+        mine = stages(policy)
+        compiled = {s: torch.compile(m, backend="eager") for s, m in mine.items()}
+        Pipeline(compiled, sched, loss_fn=nn.functional.mse_loss).step(x, target=y)
+        for s in mine:
+            for a, b in zip(mine[s].parameters(), ref[s].parameters()):
+                assert torch.equal(a.grad, b.grad), (policy, s)
+
+
 def test_bytes_kept_per_policy():
     """One decoder layer: full keeps its input alone from F to B, selective less than none, both after
     B what none keeps, offload nothing on the device and its saved tensors on the host; re-run

@@ -23,8 +23,8 @@ inputs go, and a later unpack reads the tensors it produced. Those tensors are p
 saved-tensor hooks that were current at F (the runtime's boxes), so B frees what only B reads and
 keeps what W reads (the GEMM inputs), as without a policy. zbpp's delayed-wgrad layers compose (their
 W reads the tensors B handed to their store). A policy-wrapped layer runs eagerly inside a
-``torch.compile``d stage (a graph break around it); ``Pipeline(cuda_graphs=True)`` is not
-supported with a policy (a re-run inside a replayed graph is not captured). Side effects of a
+``torch.compile``d stage (a graph break around it); inside a CUDA graph capture
+(``Pipeline(cuda_graphs=True)``) a policy layer raises a ``RuntimeError`` that says so. Side effects of a
 forward (FP8 amax histories, running statistics) happen again in the re-run.
 
 `measure_activation_policies` reports, per policy, the bytes one layer keeps from F to B and from
@@ -138,6 +138,10 @@ def _wrapped(fn: Callable[..., Any], m: nn.Module, policy: str) -> Callable[...,
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"activation policy {policy!r} of {type(mref()).__name__}: not supported inside a CUDA "
+                               "graph capture (Pipeline(cuda_graphs=True)): its re-run or copies would not be captured; "
+                               "give the layer the policy 'none' or run the pipeline without cuda_graphs")
         mod = mref()
         params = {p.untyped_storage().data_ptr() for p in mod.parameters()} if mod is not None else set()
         if policy == "offload":
