@@ -6,14 +6,15 @@ submodule whose name matches a pattern (``fnmatch``) with one of:
 - ``"none"``: autograd keeps what it saves (removes an earlier policy);
 - ``"full"``: the layer keeps only its inputs; its forward runs again, once, at the first
   backward that reads a saved tensor, under the forward's random-generator and autocast state;
-- ``"selective"``: the layer also keeps the input and output of every GEMM with a weight
-  (``F.linear``, ``torch.addmm``/``mm``/``matmul`` with an ``nn.Parameter`` operand): what the
-  weight gradient reads. The re-run replays those GEMMs from the kept outputs and recomputes only
-  the rest (norms, activations, the attention core);
+- ``"selective"``: the layer also keeps the input of every GEMM with a weight (``F.linear``,
+  ``torch.addmm``/``mm``/``matmul`` with an ``nn.Parameter`` operand), what the weight gradient
+  reads, and its output where the re-run reaches it. The re-run replays those GEMMs from the kept
+  outputs and recomputes only the rest (norms, activations, the attention core);
 - ``"offload"``: every tensor the layer saves, but its parameters, is copied to host memory after
   F (pinned, on a side stream, on CUDA; a copy on CPU) and back before its backward, on the side
-  stream, the compute stream waiting on an event: no host synchronisation. When a layer's tensors
-  come back, the copies of the layer that ran before it in the same microbatch start (prefetch).
+  stream, the compute stream waiting on an event: no host synchronisation. A storage that several
+  saved tensors share is copied once. When a layer's tensors come back, the copies of the layer
+  that ran before it in the same microbatch (the runtime's ``zbpp.modules.microbatch`` key) start.
 
 Composition with zbpp's B/W split (`zbpp.runtime._autograd_split`). torch's non-reentrant
 ``checkpoint`` recomputes once per backward engine call, so the split's B and its W each recompute a
@@ -59,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
 from .._compat import current_saved_tensors_hooks, disable_dynamo, torch_dispatch_mode
+from ..modules.context import current_microbatch
 
 __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "ActivationCost",
            "measure_activation_policies"]
@@ -385,8 +387,10 @@ class _OffloadGroup:
         self.items: list[weakref.ref] = []
         # (device storage pointer, version) -> (the storage, weakly; its host copy), during F
         self.hosts: dict[tuple[int, int], tuple[StorageWeakRef, torch.Tensor]] = {}
+        self.key = current_microbatch()  # the runtime's (stage, microbatch) of this F, or None
         prev = _OffloadGroup.last() if _OffloadGroup.last is not None else None
-        self.prev = weakref.ref(prev) if prev is not None else None
+        # the layer before, in the same microbatch's forward: its B comes right after this one's
+        self.prev = weakref.ref(prev) if prev is not None and prev.key == self.key else None
         self.fetched: dict[int, torch.Tensor] = {}
         self.started = False
         _OffloadGroup.last = weakref.ref(self)
