@@ -118,6 +118,35 @@ def test_delayed_wgrad_layers_compose_with_full_recompute():
         assert extra == M * n_layers * _recompute_per_layer("full", delayed=True)
 
 
+def two_rank_policies() -> dict:
+    """On each of 2 gloo ranks under zb-h1 (stage 1's B split off, stage 0's backward all in W): the
+    step with every policy gives this rank's gradients of the step without one, bit for bit."""
+    import torch.distributed as dist
+
+    from zbpp.models.hf import causal_lm_stages
+
+    sched = build("zb-h1", num_ranks=2, num_microbatches=2)
+    ids = torch.randint(0, 61, (ROWS, T), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for policy in (None, "full", "selective", "offload"):
+        stages, kwargs = causal_lm_stages(_config(), sched, dist.get_rank(), dtype=torch.float64,
+                                          attn_implementation="eager")
+        for st in stages.values():
+            if policy is not None:
+                apply_activation_policy(st, {"model.layers.*[0-9]": policy})
+        Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+        grads[policy] = {f"{s}.{n}": p.grad for s, st in stages.items() for n, p in st.named_parameters()}
+    for policy in ("full", "selective", "offload"):
+        assert grads[policy].keys() == grads[None].keys()
+        for n, g in grads[None].items():
+            assert torch.equal(grads[policy][n], g), f"rank {dist.get_rank()} {policy}: {n}"
+    return {"checked": len(grads[None])}
+
+
+def test_two_gloo_ranks_every_policy_equals_none(zbpp_workers):
+    assert all(r["checked"] > 0 for r in zbpp_workers(2).run(two_rank_policies))
+
+
 def test_compiled_stage_runs_policy_layers_eagerly():
     """A ``torch.compile``d stage (dynamo only: ``backend="eager"`` keeps the test fast) breaks its
     graph around a policy layer, which runs eagerly: gradients equal the uncompiled, no-policy ones."""
