@@ -218,6 +218,7 @@ def test_bad_policies_are_named():
     with pytest.raises(ValueError, match="may not nest: '1.0'.*inside '1'"):
         apply_activation_policy(net, {"1": "full", "1.0": "selective"})
     assert activation_policies(net) == {}
+    assert apply_activation_policy(net, {"layers.*": "full"}, strict=False) == {}  # a stage without layers
     apply_activation_policy(net, {"1": "full"})
     apply_activation_policy(net, {"1": "none"})
     assert activation_policies(net) == {} and "forward" not in net[1].__dict__

@@ -72,19 +72,22 @@ _ATTR = "_zbpp_activation_policy"  # the policy a wrapped module runs under
 
 
 # -- applying ------------------------------------------------------------------------------------
-def apply_activation_policy(module: nn.Module, policies: Mapping[str, str]) -> dict[str, str]:
+def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, strict: bool = True) -> dict[str, str]:
     """Give each submodule of `module` whose name matches a pattern of `policies` that policy.
 
     `policies` maps ``fnmatch`` patterns of ``module.named_modules()`` names (``"model.layers.*"``,
     ``"model.layers.1"``, ``""`` for `module` itself) to one of `POLICIES`. Every pattern must match
-    a module, a module may match patterns of one policy only, and a wrapped module may not contain
-    another (a clear ``ValueError`` otherwise). Returns ``{name: policy}`` of the modules set now.
+    a module (``strict=False``: or none, as a pipeline stage without decoder layers), a module may
+    match patterns of one policy only, and a wrapped module may not contain another (a clear
+    ``ValueError`` otherwise). Returns ``{name: policy}`` of the modules set now.
     Parameters and ``state_dict`` keys do not change; ``"none"`` restores the plain forward.
 
     >>> from torch import nn
     >>> stack = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
     >>> apply_activation_policy(stack, {"[01]": "offload", "2": "none"})
     {'0': 'offload', '1': 'offload', '2': 'none'}
+    >>> apply_activation_policy(stack, {"model.layers.*": "full"}, strict=False)
+    {}
     """
     chosen: dict[str, str] = {}
     where: dict[str, str] = {}
@@ -93,7 +96,7 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str]) -> d
         if policy not in POLICIES:
             raise ValueError(f"activation policy {policy!r} for {pattern!r}: choose one of {', '.join(POLICIES)}")
         hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        if not hits and strict:
             some = ", ".join(repr(n) for n in list(named)[:8])
             raise ValueError(f"activation policy pattern {pattern!r} matches no module of "
                              f"{type(module).__name__} (names such as {some})")
