@@ -228,6 +228,9 @@ class _Frame:
         args, kwargs = _fill(self.template, leaves)
         slots, self.slots = self.slots, []
         live = sum(1 for r in slots if r is not None and r() is not None)
+        if not live:  # autograd released every tensor the re-run would make
+            self.gemm_outputs = []
+            return
         seen = 0
 
         def pack(t: torch.Tensor) -> None:
@@ -246,10 +249,9 @@ class _Frame:
 
         mode = _GemmReplay(self) if self.policy == "selective" else contextlib.nullcontext()
         try:
-            if live:
-                with _restored(self.rng, self.autocast), torch.enable_grad(), \
-                        torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack), mode:
-                    self.fn(*args, **kwargs)
+            with _restored(self.rng, self.autocast), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack), mode:
+                self.fn(*args, **kwargs)
         except _StopRecompute:
             return
         finally:
