@@ -419,13 +419,12 @@ def _simulate_option(profile: Profile, name: str, chunks: int, split: str, stage
 def _build_within(name: str, p: int, m: int, chunks: int, costs, memory: Memory, static: list[float],
                   budget: float) -> Schedule:
     """Build a schedule; an automatic one with each rank's activation limit the budget less its
-    static memory, planned on memory where B frees nothing it does not (``activation`` at least
-    ``wgrad``: never below the true use, so a plan within the limit is within it truly)."""
+    static memory (refused naming the rank where that is below one microbatch's activations)."""
     if name not in _AUTO:
         return _build(name, p, m, chunks)
     placement = _placement(p, chunks, name in _V)
     act, wgrad = memory.per_stage(len(placement))
-    memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)
+    memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)  # what the builder plans on
     limit = None
     if math.isfinite(budget):
         limit = [budget - x for x in static]

@@ -132,6 +132,10 @@ class Profile:
                 raise ValueError(f"Profile: layers must be Layer objects, got {layer!r}")
         object.__setattr__(self, "comm", as_number(self.comm, "Profile.comm"))
         object.__setattr__(self, "host_bytes_per_s", as_number(self.host_bytes_per_s, "Profile.host_bytes_per_s"))
+        copying = [x.name for x in self.layers if x.cost("offload").copy > 0 and "offload" in x.offers()]
+        if copying and self.host_bytes_per_s <= 0:
+            raise ValueError(f"Profile: layer {copying[0]!r} offers offload but the profile has no host link "
+                             "bandwidth (Profile.host_bytes_per_s)")
 
     def offers(self) -> tuple[str, ...]:
         """Every policy some layer offers, in `POLICIES` order ("none" first)."""
@@ -186,8 +190,6 @@ class Profile:
         """
         self.check_split(stages)
         copy = [sum(self.layers[i].cost(q).copy for i in r) for r, q in zip(stages, self._policies(stages, policies))]
-        if any(copy) and self.host_bytes_per_s <= 0:
-            raise ValueError("a stage offloads but the profile has no host link bandwidth (Profile.host_bytes_per_s)")
         return [c / self.host_bytes_per_s if c else 0.0 for c in copy]
 
     def _policies(self, stages: Sequence[range], policies: Sequence[str] | None) -> list[str]:
