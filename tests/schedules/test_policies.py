@@ -186,3 +186,23 @@ def test_explain_names_each_ranks_policy_and_the_alternatives() -> None:
     for r in range(p):
         q = (layout.policies or ("none",) * p)[layout.schedule.stages_on(r)[0]]
         assert f"rank {r}: {q}  [none " in text
+
+
+def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
+    from zbpp.cli import main
+
+    prof, p, m = _profile(0, 6), 2, 4
+    path = tmp_path / "prof.json"
+    prof.save(path)
+    budget = 0.55 * max(search(prof, p, m, policies=["none"]).peak)
+    layout = search(prof, p, m, budget)
+    assert layout.policies  # this budget needs a policy somewhere
+    args = ["plan", "--profile", str(path), "-p", str(p), "-m", str(m), "--budget-gb", repr(budget / 1e9)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "policies (per stage): " + ", ".join(layout.policies) in out and "policies (one per rank" in out
+    assert main(args + ["--policies", "none"]) == 0  # no recompute: the layers as they are
+    out = capsys.readouterr().out
+    assert "policies (per stage)" not in out and "policies (one per rank" not in out
+    assert main(args + ["--policies", "none,ful"]) == 2
+    assert "unknown policy 'ful'" in capsys.readouterr().err

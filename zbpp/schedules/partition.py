@@ -84,6 +84,8 @@ MAX_SPLITS = 512
 #: Per-rank policy choices that are not dominated (see `_choose_policies`) are all simulated up to
 #: this many combinations; beyond, each rank takes its choice with the least added B time.
 MAX_POLICY_COMBOS = 64
+#: Between policies that give the same step: the one that changes the run least first.
+_INTRUSION = {"none": 0, "selective": 1, "full": 2, "offload": 3}
 
 
 @dataclass(frozen=True)
@@ -461,7 +463,7 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
         if proxy.peak:
             tries.append(proxy.policies or tuple(["none"] * n))
         got = [_simulate_option(profile, name, chunks, split, stages, budget, None, p, m, given=t) for t in dict.fromkeys(tries)]
-        return min(got, key=lambda g: g[0].key(budget))
+        return _least(got, budget)
     if sched is None:
         try:
             sched = _build(name, p, m, chunks)
@@ -484,20 +486,26 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
         fit = [q for q in allowed if peak[q][r] <= budget * (1 + _REL)] or [min(allowed, key=lambda q: peak[q][r])]
         undominated = [q for q in fit if not any(
             all(extra[o][s] <= extra[q][s] for s in mine) and
-            (any(extra[o][s] < extra[q][s] for s in mine) or fit.index(o) < fit.index(q)) for o in fit if o != q)]
+            (any(extra[o][s] < extra[q][s] for s in mine) or _INTRUSION[o] < _INTRUSION[q]) for o in fit if o != q)]
         kept.append(undominated)
     combos = list(itertools.islice(itertools.product(*kept), MAX_POLICY_COMBOS + 1))
     if len(combos) > MAX_POLICY_COMBOS:
         combos = [tuple(min(k, key=lambda q: sum(extra[q][s] for s in range(n) if placement[s] == r))
                         for r, k in enumerate(kept))]
-    best = None
-    for combo in combos:
-        given = [combo[placement[s]] for s in range(n)]
-        got = _simulate_option(profile, name, chunks, split, stages, budget, sched, p, m, given=given)
-        if best is None or got[0].key(budget) < best[0].key(budget):
-            best = got
-    assert best is not None
-    return best
+    return _least([_simulate_option(profile, name, chunks, split, stages, budget, sched, p, m,
+                                    given=[combo[placement[s]] for s in range(n)]) for combo in combos], budget)
+
+
+def _least(got: list, budget: float):
+    """The best of `_simulate_option` results: least bytes over the budget, then shortest step;
+    among steps equal within rounding, the fewest layers moved off "none" by the least intrusive
+    policy (no copy or recompute the step does not need), then the lowest peak."""
+    excess = min(g[0].key(budget)[0] for g in got)
+    tied = [g for g in got if g[0].key(budget)[0] <= excess]
+    step = min(g[0].step for g in tied)
+    tied = [g for g in tied if g[0].step <= step * (1 + _REL)]
+
+    return min(tied, key=lambda g: (sum(_INTRUSION[q] for q in g[0].policies), max(g[0].peak, default=math.inf)))
 
 
 def evaluate(profile: Profile, num_ranks: int, num_microbatches: int, stages: Sequence[range], schedule: str, *,
