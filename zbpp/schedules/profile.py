@@ -60,6 +60,23 @@ class PolicyCost:
         for key in ("activation", "wgrad", "recompute", "copy"):
             object.__setattr__(self, key, as_number(getattr(self, key), f"PolicyCost.{key}"))
 
+    @classmethod
+    def from_measured(cls, measured: Any, flops_per_s: float) -> "PolicyCost":
+        """From what `zbpp.models.recompute.measure_activation_policies` reports for one policy
+        (``kept_f_to_b``, ``kept_b_to_w``, ``host_bytes``, ``recompute_flops``), the re-run timed
+        at `flops_per_s` (matrix products only: an elementwise re-run counts 0).
+
+        >>> from types import SimpleNamespace
+        >>> got = SimpleNamespace(kept_f_to_b=2, kept_b_to_w=5, host_bytes=0, recompute_flops=3e12)
+        >>> PolicyCost.from_measured(got, flops_per_s=1e12)
+        PolicyCost(activation=2.0, wgrad=5.0, recompute=3.0, copy=0.0)
+        """
+        speed = as_number(flops_per_s, "flops_per_s", minimum=1.0)
+        try:
+            return cls(measured.kept_f_to_b, measured.kept_b_to_w, measured.recompute_flops / speed, measured.host_bytes)
+        except AttributeError as exc:
+            raise ValueError(f"PolicyCost.from_measured: {measured!r} is not a measured activation cost: {exc}") from None
+
 
 @dataclass(frozen=True)
 class Layer:
