@@ -147,7 +147,7 @@ def _best_by_enumeration(prof: Profile, p: int, m: int, budget: float, names) ->
 
 @pytest.mark.parametrize("seed, p, num_layers, names", [
     (0, 2, 6, FIXED_ONE_STAGE + FIXED_TWO),
-    (1, 3, 6, FIXED_ONE_STAGE),
+    (1, 3, 6, ["1f1b", "zb-h1"]),
 ])
 def test_search_with_policies_equals_every_split_schedule_and_per_rank_policy(seed, p, num_layers, names) -> None:
     prof, m = _profile(seed, num_layers), 2 * p

@@ -39,6 +39,13 @@ placements beats on any split (`Searched.bound_over_splits`: the least step boun
 that may fit where all were bounded, else a bound over all splits that ignores memory);
 `Layout.explain` prints it with what was chosen and why.
 
+Activation policies (none, full, selective, offload; `zbpp.schedules.profile.PolicyCost`), where
+the profile's layers offer them: each candidate gets one policy per rank, for every layer of its
+stages that offers it (`_choose_policies`: on a fixed schedule the best per-rank assignment, on an
+automatic one the best of each policy everywhere and its fixed proxy's choice); offload's copies
+are costed as `zbpp.schedules.policies` says. The bounds above hold under every policy (a policy
+only adds time to B; the bytes bound takes each layer's least-keeping policy).
+
 >>> from zbpp.schedules.profile import transformer_profile
 >>> prof = transformer_profile(name="small", num_layers=8, hidden=1024, ffn=4096, heads=16, vocab=32000, seq=2048)
 >>> layout = search(prof, num_ranks=4, num_microbatches=8, memory_budget=20e9)
@@ -182,7 +189,9 @@ class Layout:
             if w.exact:
                 lines.append(f"  exact: every split under every schedule searched ({w.candidates} candidates, "
                              f"{w.simulated} simulated, the others ruled out by a lower bound): no other split x "
-                             f"schedule fits with a shorter step")
+                             f"schedule fits with a shorter step"
+                             + ("" if self.allowed == ("none",) else " (with per-rank policies: exact on the fixed "
+                                "schedules; an automatic one tries each policy everywhere and its proxy's choice)"))
             else:
                 lines.append(f"  not exhaustive (more than {w.max_splits} splits on a placement): {w.candidates} heuristic "
                              f"and refined splits x schedules, {w.simulated} simulated")
@@ -694,6 +703,8 @@ def search(
     m = as_int(num_microbatches, "num_microbatches")
     max_splits = as_int(max_splits, "max_splits", minimum=0)
     budget = math.inf if memory_budget is None else as_number(memory_budget, "memory_budget")
+    if not math.isfinite(budget) and "none" in allowed:
+        allowed = ("none",)  # a policy only adds time: without a budget nothing needs one
     names = list(schedules) if schedules is not None else list(SCHEDULES)
     for name in names:
         if name not in SCHEDULES:
