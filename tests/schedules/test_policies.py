@@ -103,7 +103,7 @@ def _profile(seed: int, num_layers: int) -> Profile:
                                 "selective": PolicyCost(act * 0.5, wg, recompute=f * 0.3),
                                 "offload": PolicyCost(0, wg, copy=act)}))
     layers.append(Layer("head", 1.5, 1.5, 1.5, activation=6, wgrad=2, static=2))
-    return Profile(layers, comm=0.02, host_bytes_per_s=rng.uniform(2, 8))
+    return Profile(layers, comm=0.02, host_bytes_per_s=rng.uniform(1, 3))
 
 
 def _plan(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[float, list[float]]:
