@@ -206,3 +206,15 @@ def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
     assert "policies (per stage)" not in out and "policies (one per rank" not in out
     assert main(args + ["--policies", "none,ful"]) == 2
     assert "unknown policy 'ful'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, p", [("zb-auto", 3), ("zbv-auto", 2), ("zbi-auto", 2)])
+def test_automatic_schedules_keep_their_limit_when_b_adds_what_w_keeps(name: str, p: int) -> None:
+    # recompute-like memory: F keeps 0.25, B brings W's inputs back up to 1; the builders plan as
+    # if F held 1 from the start, so the simulated peak under the true memory stays within the limit
+    costs = Costs(f=1, b=1.5, w=1)
+    memory = Memory(activation=0.25, wgrad=1)
+    opts = {"chunks": 2} if name == "zbi-auto" else {}
+    for limit in (2.0, 3.0, 5.0):
+        sched = build(name, num_ranks=p, num_microbatches=2 * p, costs=costs, memory=memory, memory_limit=limit, **opts)
+        assert max(simulate(sched, costs, memory).peak_memory) <= limit * (1 + REL)
