@@ -137,8 +137,8 @@ class Profile:
     layers: tuple[Layer, ...]
     comm: float = 0.0
     name: str = ""
-    host_bytes_per_s: float = 0.0  #: host link bandwidth per direction, for "offload" copies (0: none)
     notes: dict[str, Any] = field(default_factory=dict, compare=False)  #: how it was made (shapes, throughput)
+    host_bytes_per_s: float = 0.0  #: host link bandwidth per direction, for "offload" copies (0: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
