@@ -84,7 +84,7 @@ def _every_plan(prof: Profile, p: int, m: int, budget: float, names, fixed_cache
 
 def _resimulated_peak(prof: Profile, layout) -> list[float]:
     sched = layout.schedule
-    res = simulate(sched, *prof.stage_costs(layout.stages)[:2])
+    res = simulate(sched, *prof.stage_costs(layout.stages, layout.policies or None)[:2])  # under the chosen policies
     static = [sum(prof.layers[i].static for s in sched.stages_on(r) for i in layout.stages[s]) for r in range(sched.num_ranks)]
     return [x + y for x, y in zip(static, res.peak_memory)]
 

@@ -39,6 +39,13 @@ placements beats on any split (`Searched.bound_over_splits`: the least step boun
 that may fit where all were bounded, else a bound over all splits that ignores memory);
 `Layout.explain` prints it with what was chosen and why.
 
+Activation policies (none, full, selective, offload; `zbpp.schedules.profile.PolicyCost`), where
+the profile's layers offer them: each candidate gets one policy per rank, for every layer of its
+stages that offers it (`_choose_policies`: on a fixed schedule the best per-rank assignment, on an
+automatic one the best of each policy everywhere and its fixed proxy's choice); offload's copies
+are costed as `zbpp.schedules.policies` says. The bounds above hold under every policy (a policy
+only adds time to B; the bytes bound takes each layer's least-keeping policy).
+
 >>> from zbpp.schedules.profile import transformer_profile
 >>> prof = transformer_profile(name="small", num_layers=8, hidden=1024, ffn=4096, heads=16, vocab=32000, seq=2048)
 >>> layout = search(prof, num_ranks=4, num_microbatches=8, memory_budget=20e9)
@@ -56,12 +63,13 @@ from typing import Iterator, Sequence
 from .bounds import LowerBound, lower_bound
 from .checks import as_int, as_number
 from .ir import Schedule
-from .profile import Profile
+from .policies import simulate_policies
+from .profile import POLICIES, Profile
 from .registry import build
-from .simulate import SimResult, simulate
+from .simulate import Memory, SimResult, simulate
 
 __all__ = ["Option", "Layout", "Searched", "search", "evaluate", "all_splits", "split_evenly", "split_balanced",
-           "SCHEDULES", "MAX_SPLITS"]
+           "SCHEDULES", "MAX_SPLITS", "MAX_POLICY_COMBOS"]
 
 #: The schedules `search` tries, and the stages per rank of each (None: 2, 3 and 4, interleaved).
 SCHEDULES: dict[str, int | None] = {
@@ -80,6 +88,11 @@ _REFINE_STEPS = 24  # moves of one layer per refined candidate (each a few simul
 #: ranks and up to 12 layers (the most: 462, p = 2 with 3 stages per rank or p = 3 with 2);
 #: beyond, heuristic splits and their refinements.
 MAX_SPLITS = 512
+#: Per-rank policy choices that are not dominated (see `_choose_policies`) are all simulated up to
+#: this many combinations; beyond, each rank takes its choice with the least added B time.
+MAX_POLICY_COMBOS = 64
+#: Between policies that give the same step: the one that changes the run least first.
+_INTRUSION = {"none": 0, "selective": 1, "full": 2, "offload": 3}
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class Option:
     peak: tuple[float, ...]  #: per rank: static + simulated activation bytes
     fits: bool
     note: str = ""  #: why it could not be built, if so
+    policies: tuple[str, ...] = ()  #: each stage's activation policy (empty: "none" everywhere)
 
     @property
     def label(self) -> str:
@@ -132,6 +146,8 @@ class Layout:
     options: tuple[Option, ...] = field(repr=False, default=())  #: all candidates, best first
     split: str = ""
     searched: "Searched | None" = field(repr=False, default=None)  #: how far the search went
+    policies: tuple[str, ...] = ()  #: each stage's activation policy (empty: "none" everywhere)
+    allowed: tuple[str, ...] = ("none",)  #: the policies the search chose from
 
     @property
     def step(self) -> float:
@@ -140,7 +156,7 @@ class Layout:
     def bound(self) -> LowerBound:
         """`zbpp.schedules.bounds.lower_bound` for this split and placement: what no schedule of it
         beats within the budget (each rank's limit: the budget less its static memory)."""
-        costs, memory, _ = self.profile.stage_costs(self.stages)
+        costs, memory, _ = self.profile.stage_costs(self.stages, self.policies or None)
         limits = None if not math.isfinite(self.budget) else [self.budget - x for x in self.static]
         return lower_bound(self.schedule.placement, self.schedule.num_microbatches, costs, memory, limits)
 
@@ -173,7 +189,9 @@ class Layout:
             if w.exact:
                 lines.append(f"  exact: every split under every schedule searched ({w.candidates} candidates, "
                              f"{w.simulated} simulated, the others ruled out by a lower bound): no other split x "
-                             f"schedule fits with a shorter step")
+                             f"schedule fits with a shorter step"
+                             + ("" if self.allowed == ("none",) else " (with per-rank policies: exact on the fixed "
+                                "schedules; an automatic one tries each policy everywhere and its proxy's choice)"))
             else:
                 lines.append(f"  not exhaustive (more than {w.max_splits} splits on a placement): {w.candidates} heuristic "
                              f"and refined splits x schedules, {w.simulated} simulated")
@@ -182,6 +200,8 @@ class Layout:
         lb = self.bound()
         lines.append(f"  no schedule of this split and placement within the budget beats step {lb.makespan:.6g} "
                      f"(the pick: +{_over(self.step, lb.makespan):.2f}%)")
+        if self.allowed != ("none",):
+            lines += self._explain_policies()
         for r in range(s.num_ranks):
             stages = [f"{st}:{self.profile.layers[self.stages[st][0]].name}..{self.profile.layers[self.stages[st][-1]].name}"
                       f" ({len(self.stages[st])})" for st in s.stages_on(r)]
@@ -200,6 +220,31 @@ class Layout:
             if len(seen) >= top:
                 break
         return "\n".join(lines)
+
+
+    def _explain_policies(self) -> list[str]:
+        """Per rank: its policy and why, from each policy's peak and added B time on the pick's order."""
+        s, n = self.schedule, self.schedule.num_stages
+        chosen = self.policies or tuple(["none"] * n)
+        costs, memory, _ = self.profile.stage_costs(self.stages)
+        base = simulate(s, costs, memory)
+        plain_b = costs.per_stage(n)[1]
+        table = {}
+        for q in self.allowed:
+            got = simulate_policies(s, self.profile, self.stages, [q] * n, base)
+            table[q] = (got.result.peak_memory, [x - y for x, y in zip(got.costs.per_stage(n)[1], plain_b)])
+        lines = [f"  policies (one per rank, for its layers that offer it; chosen from {', '.join(self.allowed)}):"
+                 " the one adding the least B time that fits"]
+        for r in range(s.num_ranks):
+            mine = s.stages_on(r)
+            q = chosen[mine[0]]
+            alts = []
+            for o in self.allowed:
+                peak = self.static[r] + table[o][0][r]
+                extra = sum(table[o][1][st] for st in mine)
+                alts.append(f"{o} {peak / 1e9:.2f} GB +{extra:.4g} per B{'' if peak <= self.budget * (1 + _REL) else ' (over)'}")
+            lines.append(f"    rank {r}: {q}  [{'; '.join(alts)}]")
+        return lines
 
 
 def _over(step: float, bound: float) -> float:
@@ -361,38 +406,126 @@ def _per_rank(values: Sequence[float], placement: Sequence[int], p: int) -> list
 
 
 def _simulate_option(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
-                     sched: Schedule | None, p: int, m: int) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
-    costs, memory, static_stage = profile.stage_costs(stages)
+                     sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...] = ("none",),
+                     given: Sequence[str] | None = None) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
+    """Build (unless `sched` is given) and simulate one candidate. With `given` per-stage policies,
+    under those; else with only "none" allowed, under none; else the policies `_choose_policies` picks."""
+    if given is None and allowed != ("none",):
+        return _choose_policies(profile, name, chunks, split, stages, budget, sched, p, m, allowed)
     placement = _placement(p, chunks, name in _V)
+    costs, memory, static_stage = profile.stage_costs(stages, given)
     static = _per_rank(static_stage, placement, p)
     try:
         if sched is None:
-            limit = None
-            if name in _AUTO and math.isfinite(budget):
-                # each rank's activations may use what its own static memory leaves of the budget
-                limit = [budget - x for x in static]
-                floor = _per_rank(memory.per_stage(len(placement))[0], placement, p)
-                short = [r for r in range(p) if limit[r] < floor[r] * (1 - _REL)]
-                if short:
-                    r = short[0]
-                    raise ValueError(f"rank {r}: static memory {static[r] / 1e9:.2f} GB plus one microbatch's "
-                                     f"activations {floor[r] / 1e9:.2f} GB exceed the budget")
-            sched = _build(name, p, m, chunks, costs, memory, limit)
-        res = simulate(sched, costs, memory)
+            sched = _build_within(name, p, m, chunks, costs, memory, static, budget)
+        res = simulate_policies(sched, profile, stages, given).result
     except ValueError as exc:
         return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
     peak = tuple(x + y for x, y in zip(static, res.peak_memory))
     fits = max(peak) <= budget * (1 + _REL)
-    return Option(name, chunks, split, stages, res.makespan, peak, fits), sched, res, static
+    policies = tuple(given) if given is not None and any(q != "none" for q in given) else ()
+    return Option(name, chunks, split, stages, res.makespan, peak, fits, policies=policies), sched, res, static
+
+
+def _build_within(name: str, p: int, m: int, chunks: int, costs, memory: Memory, static: list[float],
+                  budget: float) -> Schedule:
+    """Build a schedule; an automatic one with each rank's activation limit the budget less its
+    static memory (refused naming the rank where that is below one microbatch's activations)."""
+    if name not in _AUTO:
+        return _build(name, p, m, chunks)
+    placement = _placement(p, chunks, name in _V)
+    act, wgrad = memory.per_stage(len(placement))
+    memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)  # what the builder plans on
+    limit = None
+    if math.isfinite(budget):
+        limit = [budget - x for x in static]
+        floor = _per_rank(memory.per_stage(len(placement))[0], placement, p)
+        short = [r for r in range(p) if limit[r] < floor[r] * (1 - _REL)]
+        if short:
+            r = short[0]
+            raise ValueError(f"rank {r}: static memory {static[r] / 1e9:.2f} GB plus one microbatch's "
+                             f"activations {floor[r] / 1e9:.2f} GB exceed the budget")
+    return _build(name, p, m, chunks, costs, memory, limit)
+
+
+def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
+                     sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...]
+                     ) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
+    """One policy per rank (for every layer of its stages that offers it), chosen for the
+    candidate: the best of the per-rank choices that are not dominated.
+
+    A fixed schedule's task order does not depend on the costs, so a rank's memory depends only
+    on its own policy (simulated once per policy, every rank under it) and the step never falls
+    when a B grows (each task starts at the latest end of what it waits for). Per rank the
+    policies that fit are kept unless another fitting one adds no more time to any B of its
+    stages (recompute, and offload's exposed copy, a fixed number per stage: see
+    `zbpp.schedules.policies`); where none fits, the one with the least peak. Every combination
+    of what is kept (at most `MAX_POLICY_COMBOS`) is simulated: on fixed schedules this is the
+    best of every per-rank assignment. An automatic schedule's order follows its costs: it is
+    built under each policy on every rank and under the choice of its fixed proxy, the best kept.
+    """
+    placement = _placement(p, chunks, name in _V)
+    n = len(stages)
+    if name in _AUTO:
+        tries = [tuple([q] * n) for q in allowed]
+        proxy = _choose_policies(profile, _PROXY[name], chunks, split, stages, budget, None, p, m, allowed)[0]
+        if proxy.peak:
+            tries.append(proxy.policies or tuple(["none"] * n))
+        got = [_simulate_option(profile, name, chunks, split, stages, budget, None, p, m, given=t) for t in dict.fromkeys(tries)]
+        return _least(got, budget)
+    if sched is None:
+        try:
+            sched = _build(name, p, m, chunks)
+        except ValueError as exc:
+            static = _per_rank(profile.stage_costs(stages)[2], placement, p)
+            return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
+    costs, memory, static_stage = profile.stage_costs(stages)
+    base = simulate(sched, costs, memory)
+    static = _per_rank(static_stage, placement, p)
+    plain_b = costs.per_stage(n)[1]
+    peak: dict[str, list[float]] = {}
+    extra: dict[str, list[float]] = {}
+    for q in allowed:
+        got = simulate_policies(sched, profile, stages, [q] * n, base)
+        peak[q] = [x + y for x, y in zip(static, got.result.peak_memory)]
+        extra[q] = [x - y for x, y in zip(got.costs.per_stage(n)[1], plain_b)]
+    kept: list[list[str]] = []
+    for r in range(p):
+        mine = [s for s in range(n) if placement[s] == r]
+        fit = [q for q in allowed if peak[q][r] <= budget * (1 + _REL)] or [min(allowed, key=lambda q: peak[q][r])]
+        undominated = [q for q in fit if not any(
+            all(extra[o][s] <= extra[q][s] for s in mine) and
+            (any(extra[o][s] < extra[q][s] for s in mine) or _INTRUSION[o] < _INTRUSION[q]) for o in fit if o != q)]
+        kept.append(undominated)
+    combos = list(itertools.islice(itertools.product(*kept), MAX_POLICY_COMBOS + 1))
+    if len(combos) > MAX_POLICY_COMBOS:
+        combos = [tuple(min(k, key=lambda q: sum(extra[q][s] for s in range(n) if placement[s] == r))
+                        for r, k in enumerate(kept))]
+    return _least([_simulate_option(profile, name, chunks, split, stages, budget, sched, p, m,
+                                    given=[combo[placement[s]] for s in range(n)]) for combo in combos], budget)
+
+
+def _least(got: list, budget: float):
+    """The best of `_simulate_option` results: least bytes over the budget, then shortest step;
+    among steps equal within rounding, the fewest layers moved off "none" by the least intrusive
+    policy (no copy or recompute the step does not need), then the lowest peak."""
+    excess = min(g[0].key(budget)[0] for g in got)
+    tied = [g for g in got if g[0].key(budget)[0] <= excess]
+    step = min(g[0].step for g in tied)
+    tied = [g for g in tied if g[0].step <= step * (1 + _REL)]
+
+    return min(tied, key=lambda g: (sum(_INTRUSION[q] for q in g[0].policies), max(g[0].peak, default=math.inf)))
 
 
 def evaluate(profile: Profile, num_ranks: int, num_microbatches: int, stages: Sequence[range], schedule: str, *,
-             chunks: int | None = None, memory_budget: float | None = None) -> Option:
+             chunks: int | None = None, memory_budget: float | None = None,
+             policies: str | Sequence[str] | None = None) -> Option:
     """Simulate `schedule` on the split `stages` of `profile`: its step and per-rank peak bytes.
 
     `chunks` is the stages per rank (interleaved schedules; V schedules have 2). The split must
     have as many stages as the schedule. An automatic schedule gets as each rank's activation
-    limit the budget less that rank's static memory.
+    limit the budget less that rank's static memory. `policies`: each stage's activation policy
+    (one name: every stage's; None: "none"), simulated as `zbpp.schedules.policies` says.
 
     >>> from zbpp.schedules.profile import Layer, Profile
     >>> prof = Profile([Layer("x", 1, 1, 1, activation=1, static=10)] * 4)
@@ -409,7 +542,10 @@ def evaluate(profile: Profile, num_ranks: int, num_microbatches: int, stages: Se
     if len(stages) != k * p:
         raise ValueError(f"{schedule} with {k} stage(s) per rank on {p} ranks has {k * p} stages; the split has {len(stages)}")
     budget = math.inf if memory_budget is None else as_number(memory_budget, "memory_budget")
-    return _simulate_option(profile, schedule, k, "given", stages, budget, None, p, m)[0]
+    given = None if policies is None else [policies] * len(stages) if isinstance(policies, str) else list(policies)
+    if given is not None:
+        profile.stage_costs(stages, given)  # checks the names and their count
+    return _simulate_option(profile, schedule, k, "given", stages, budget, None, p, m, given=given)[0]
 
 
 def all_splits(num_layers: int, num_stages: int) -> Iterator[tuple[range, ...]]:
@@ -433,10 +569,11 @@ class _Split:
 
 
 def _split_bounds(profile: Profile, stages: tuple[range, ...], placement: Sequence[int], p: int, m: int,
-                  budget: float) -> _Split:
+                  budget: float, allowed: tuple[str, ...] = ("none",)) -> _Split:
     costs, memory, static_stage = profile.stage_costs(stages)
-    f, b, w = costs.per_stage(len(stages))
-    act, _ = memory.per_stage(len(stages))
+    f, b, w = costs.per_stage(len(stages))  # every policy adds time to B, never takes any away
+    # the least a microbatch can keep: each layer under its policy that keeps the least
+    act = [sum(min(profile.layers[i].cost(q).activation for q in allowed) for i in r) for r in stages]
     work = _per_rank([x + y + z for x, y, z in zip(f, b, w)], placement, p)
     need = [x + y for x, y in zip(_per_rank(static_stage, placement, p), _per_rank(act, placement, p))]
     first = [placement.index(r) for r in range(p)]  # no task of rank r starts before F of the stages above its first
@@ -494,14 +631,15 @@ def _full_bound(profile: Profile, stages: tuple[range, ...], placement: Sequence
     return lower_bound(placement, m, costs, memory, limits).makespan
 
 
-def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Schedule, budget: float, p: int, m: int) -> Option:
+def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Schedule, budget: float, p: int, m: int,
+            allowed: tuple[str, ...] = ("none",)) -> Option:
     """Move one layer at a time off the rank over the budget by the most or, within it, the rank
     with the most work (whose work bounds the step), to the stage before or after, while the
     candidate's key (excess bytes, step, peak) falls: the best such move each time."""
     placement = _placement(p, chunks, name in _V)
     best = start
     for _ in range(_REFINE_STEPS):
-        _, _, res, _ = _simulate_option(profile, name, chunks, "refined", best.stages, budget, sched, p, m)
+        _, _, res, _ = _simulate_option(profile, name, chunks, "refined", best.stages, budget, sched, p, m, allowed)
         if res is None:
             break
         if max(best.peak) > budget:
@@ -510,7 +648,7 @@ def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Sche
             r = max(range(p), key=lambda q: res.busy_per_rank[q])
         improved = None
         for sizes in _moves_off([len(x) for x in best.stages], placement, r):
-            o = _simulate_option(profile, name, chunks, "refined", _ranges(sizes), budget, sched, p, m)[0]
+            o = _simulate_option(profile, name, chunks, "refined", _ranges(sizes), budget, sched, p, m, allowed)[0]
             if o.key(budget) < (improved or best).key(budget) and _clearly_better(o, best, budget):
                 improved = o
         if improved is None:
@@ -545,6 +683,7 @@ def search(
     schedules: Sequence[str] | None = None,
     splits: dict[str, Sequence[Sequence[range]]] | None = None,
     max_splits: int = MAX_SPLITS,
+    policies: Sequence[str] | None = None,
 ) -> Layout:
     """Choose each stage's layers and the schedule, minimising the simulated step within
     `memory_budget` bytes per rank (static memory included; None: no budget).
@@ -554,11 +693,18 @@ def search(
     schedule's stages; those of another length are skipped). A placement with at most
     `max_splits` splits has every split tried (exact); beyond, the heuristic splits and their
     refinements. Raises `ValueError` when no candidate fits, naming the one that came closest.
+
+    `policies` are the activation policies each rank may run its layers under (one per rank, for
+    every layer that offers it; default: every one the profile's layers offer, `Profile.offers`);
+    ``["none"]`` leaves every layer as it is, ``["full"]`` recomputes every layer that can.
     """
     p = as_int(num_ranks, "num_ranks")
+    allowed = _allowed(profile, policies)
     m = as_int(num_microbatches, "num_microbatches")
     max_splits = as_int(max_splits, "max_splits", minimum=0)
     budget = math.inf if memory_budget is None else as_number(memory_budget, "memory_budget")
+    if not math.isfinite(budget) and "none" in allowed:
+        allowed = ("none",)  # a policy only adds time: without a budget nothing needs one
     names = list(schedules) if schedules is not None else list(SCHEDULES)
     for name in names:
         if name not in SCHEDULES:
@@ -603,7 +749,7 @@ def search(
             count = math.comb(L - 1, k * p - 1)
             chosen = (list(heuristic_splits(k, v).items()) if count > max_splits else
                       [("exhaustive", st) for st in all_splits(L, k * p)])
-            split_info[(k, v)] = [(label, _split_bounds(profile, st, placement, p, m, budget)) for label, st in chosen]
+            split_info[(k, v)] = [(label, _split_bounds(profile, st, placement, p, m, budget, allowed)) for label, st in chosen]
         exact[(name, k)] = math.comb(L - 1, k * p - 1) <= max_splits
         pending += [(name, k, label, info) for label, info in split_info[(k, v)]]
 
@@ -612,7 +758,7 @@ def search(
     seen: set[tuple[str, int, tuple[range, ...]]] = set()
 
     def run(name: str, k: int, label: str, stages: tuple[range, ...]) -> Option:
-        o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m)
+        o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m, allowed)
         if sched is not None and name not in _AUTO:
             built[(name, k)] = sched
         seen.add((name, k, stages))
@@ -632,7 +778,7 @@ def search(
     for name, k, label, info in may_fit:
         if info.step_bound > best_fit() * (1 + _REL):
             break
-        if name in _AUTO and _full_bound(profile, info.stages, _placement(p, k, name in _V), p, m, budget) > best_fit() * (1 + _REL):
+        if name in _AUTO and allowed == ("none",) and _full_bound(profile, info.stages, _placement(p, k, name in _V), p, m, budget) > best_fit() * (1 + _REL):
             continue  # the bound of every schedule on this split, memory included, rules it out before a build
         run(name, k, label, info.stages)
     if not any(o.fits for o in options):
@@ -656,7 +802,7 @@ def search(
             proxy = _PROXY.get(name)
             if proxy is not None and (proxy, k) not in best_of:
                 for label, info in split_info[(k, name in _V)]:
-                    o = _simulate_option(profile, proxy, k, label, info.stages, budget, built.get((proxy, k)), p, m)
+                    o = _simulate_option(profile, proxy, k, label, info.stages, budget, built.get((proxy, k)), p, m, allowed)
                     if o[1] is not None:
                         built[(proxy, k)] = o[1]
                     if o[0].peak and ((proxy, k) not in best_of or o[0].key(budget) < best_of[(proxy, k)].key(budget)):
@@ -668,7 +814,7 @@ def search(
             key = (o.schedule, o.chunks)
             if key in refined or key not in built:
                 continue
-            refined[key] = r = _refine(profile, o.schedule, o.chunks, o, built[key], budget, p, m)
+            refined[key] = r = _refine(profile, o.schedule, o.chunks, o, built[key], budget, p, m, allowed)
             if key in large and (o.schedule, o.chunks, r.stages) not in seen:
                 seen.add((o.schedule, o.chunks, r.stages))
                 options.append(r)
@@ -686,7 +832,8 @@ def search(
         raise ValueError(f"no schedule and split fits memory_budget={budget / 1e9:.3f} GB per rank; the closest, {where}, "
                          f"peaks at {closest}")
     sched = _build(best.schedule, p, m, best.chunks) if best.schedule not in _AUTO else None
-    _, sched, res, static = _simulate_option(profile, best.schedule, best.chunks, best.split, best.stages, budget, sched, p, m)
+    best, sched, res, static = _simulate_option(profile, best.schedule, best.chunks, best.split, best.stages, budget, sched,
+                                               p, m, allowed)
     assert sched is not None and res is not None
     peak = tuple(x + y for x, y in zip(static, res.peak_memory))
     # what no schedule of these placements beats on any split that may fit
@@ -703,7 +850,22 @@ def search(
         candidates=sum(len(split_info[(k, name in _V)]) for name, k in configs),
         bound_over_splits=min(over, default=math.inf),
     )
-    return Layout(sched, best.stages, res, tuple(static), peak, budget, profile, tuple(options), best.split, searched)
+    return Layout(sched, best.stages, res, tuple(static), peak, budget, profile, tuple(options), best.split, searched,
+                  best.policies, allowed)
+
+
+def _allowed(profile: Profile, policies: Sequence[str] | None) -> tuple[str, ...]:
+    """The policies to choose from, in `POLICIES` order, each checked."""
+    if policies is None:
+        return profile.offers()
+    if isinstance(policies, str):
+        policies = [policies]
+    for q in policies:
+        if q not in POLICIES:
+            raise ValueError(f"unknown policy {q!r}; the policies are {', '.join(POLICIES)}")
+    if not policies:
+        raise ValueError("policies: give at least one (e.g. ['none'])")
+    return tuple(q for q in POLICIES if q in policies)
 
 
 def _sizes(stages: Sequence[range]) -> str:

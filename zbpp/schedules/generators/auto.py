@@ -170,6 +170,11 @@ def _search(
 ) -> Schedule:
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
+    act, wgrad = memory.per_stage(len(placement))
+    if any(w > a for a, w in zip(act, wgrad)):
+        # B re-creates what W keeps (recompute, offload): plan as if F held it from the start,
+        # never below the true use, so a plan within the limit stays within it
+        memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)
     p = max(placement) + 1
     prob = Problem.make(placement, m, costs, memory, _limits(name, memory_limit, _rank_floors(placement, memory)))
     shape = TaskShape(prob)
