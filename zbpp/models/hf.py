@@ -176,7 +176,7 @@ def causal_lm_stages(
         ignore_index: the label value the loss ignores.
 
     Returns ``(stages, kwargs)``: ``Pipeline(stages, schedule, **kwargs)`` with ``loss_fn``,
-    ``tied_parameters`` and, when the runtime takes it, ``loss_weight`` (tokens per microbatch).
+    ``tied_parameters`` and ``loss_weight`` (tokens per microbatch).
     Each stage is the model's own ``*ForCausalLM`` class with the modules it does not hold set to
     None, so its ``state_dict`` keys are HF's.
     """
@@ -198,9 +198,7 @@ def causal_lm_stages(
     modules = {s: _as_stage(m, model, template, first=s == 0, last=s == last, tuple_out=tuple_out)
                for s, m in stages.items()}
     loss = CausalLMLoss(ignore_index, template.router_aux)
-    kwargs: dict[str, Any] = {"loss_fn": loss, "tied_parameters": tied}
-    if _takes_loss_weight():
-        kwargs["loss_weight"] = loss.weight
+    kwargs: dict[str, Any] = {"loss_fn": loss, "tied_parameters": tied, "loss_weight": loss.weight}
     return modules, kwargs
 
 
@@ -211,12 +209,6 @@ def _pretrained(path: Any, state_dict: Any, device: Any, dtype: torch.dtype | No
     if state_dict is not None:
         raise ValueError("give the weights as a directory or as state_dict=, not both")
     return pretrained(path, device=_device(device), dtype=dtype)
-
-
-def _takes_loss_weight() -> bool:
-    from ..runtime import Pipeline
-
-    return "loss_weight" in inspect.signature(Pipeline).parameters
 
 
 def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation: str | None) -> nn.Module:
