@@ -29,6 +29,14 @@ A cell is "OOM" when some rank exceeds the budget. The search time of each joint
 (one process, one core).
 
     python benchmarks/bench_partition.py --out partition.json --markdown docs/uneven.md
+
+With ``--policies``, the activation policies instead (none, full, selective, offload; one per
+rank, chosen by `search` with the split and the schedule): Llama-3 8B and 70B at p = 8, 16,
+m = 2p, 4p, budgets 80 and 40 GB, the planner's pick against full recompute on every block
+(``policies=["full"]``, the split and schedule still searched) and against no recompute
+(``["none"]``):
+
+    python benchmarks/bench_partition.py --policies --out policies.json --markdown docs/uneven.md
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ def row(prof: Profile, p: int, m: int) -> dict:
     lb = layout.bound()
     out["bound_s"] = time.perf_counter() - t
     out["joint"]["bound"] = lb.makespan
+    out["joint"]["bound_over_splits"] = layout.searched.bound_over_splits
+    out["joint"]["exact"] = layout.searched.exact
     uniform = [evaluate(prof, p, m, split_evenly(L, k * p, first=1, last=1), name, chunks=k, memory_budget=BUDGET)
                for name, k in FIXED]
     fitting = [o for o in uniform if o.fits]
@@ -106,23 +116,108 @@ def _fmt(cell: dict, best: float) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | p | m | " + " | ".join(HEADS) + " | joint pick | gap to bound | search s |",
-             "|---|---:|---:|" + "---|" * len(HEADS) + "---|---:|---:|"]
+    lines = ["| model | p | m | " + " | ".join(HEADS) + " | joint pick | gap to bound | gap to bound over all splits | search s |",
+             "|---|---:|---:|" + "---|" * len(HEADS) + "---|---:|---:|---:|"]
     for r in rows:
         best = r["joint"]["step"]
         cells = [_fmt(r[c], best) for c in COLUMNS]
         lines.append(f"| {r['model']} | {r['p']} | {r['m']} | " + " | ".join(cells)
                      + f" | {r['joint']['schedule']} ({r['joint']['split']}) | "
-                     f"+{max(0.0, 100 * (best / r['joint']['bound'] - 1)):.2f}% | {r['search_s']:.2f} |")
+                     f"+{max(0.0, 100 * (best / r['joint']['bound'] - 1)):.2f}% | "
+                     f"+{max(0.0, 100 * (best / r['joint']['bound_over_splits'] - 1)):.2f}%"
+                     f"{' (exact)' if r['joint']['exact'] else ''} | {r['search_s']:.2f} |")
     return "\n".join(lines)
+
+
+def _policy_summary(layout) -> str:
+    """Each rank's policy, run-length coded: e.g. "offload x2, none x6"."""
+    s = layout.schedule
+    per_rank = [(layout.policies or ("none",) * s.num_stages)[s.stages_on(r)[0]] for r in range(s.num_ranks)]
+    runs: list[list] = []
+    for q in per_rank:
+        if runs and runs[-1][0] == q:
+            runs[-1][1] += 1
+        else:
+            runs.append([q, 1])
+    return ", ".join(f"{q} x{k}" if k > 1 else q for q, k in runs)
+
+
+def policy_row(prof: Profile, p: int, m: int, budget: float) -> dict:
+    out: dict = {"model": prof.name, "p": p, "m": m, "budget": budget}
+    for key, allowed in (("planner", None), ("full", ["full"]), ("none", ["none"])):
+        t = time.perf_counter()
+        try:
+            layout = search(prof, p, m, budget, policies=allowed)
+        except ValueError as exc:
+            out[key] = {"fits": False, "error": str(exc)}
+            continue
+        out[key] = {"fits": True, "schedule": layout.options[0].label, "step": layout.step, "peak": list(layout.peak),
+                    "stages": [[r.start, r.stop] for r in layout.stages], "policies": list(layout.policies),
+                    "per_rank": _policy_summary(layout), "search_s": time.perf_counter() - t}
+        assert max(layout.peak) <= budget * (1 + 1e-9), (prof.name, p, m, key)
+    return out
+
+
+def policy_markdown(rows: list[dict]) -> str:
+    lines = ["| model | p | m | budget GB | planner: schedule, policy per rank (ranks 0..p-1) | planner step / peak | "
+             "full recompute everywhere | no recompute | planner vs full | search s |",
+             "|---|---:|---:|---:|---|---|---|---|---:|---:|"]
+    for r in rows:
+        pl, full, none = r["planner"], r["full"], r["none"]
+
+        def cell(c: dict) -> str:
+            return f"{c['step']:.3f} / {max(c['peak']) / 1e9:.1f} ({c['schedule']})" if c["fits"] else "does not fit"
+
+        gain = f"{100 * (1 - pl['step'] / full['step']):.1f}% faster" if pl["fits"] and full["fits"] else "-"
+        lines.append(f"| {r['model']} | {r['p']} | {r['m']} | {r['budget'] / 1e9:g} | "
+                     f"{pl.get('schedule', '-')}: {pl.get('per_rank', '-')} | {cell(pl)} | {cell(full)} | {cell(none)} | "
+                     f"{gain} | {pl.get('search_s', 0):.2f} |")
+    return "\n".join(lines)
+
+
+def _write_table(path: Path, marker: str, table: str) -> None:
+    text = path.read_text()
+    start, end = f"<!-- table: {marker} -->", "<!-- end table -->"
+    if start not in text:
+        raise SystemExit(f"{path}: no {start} marker to write the table between")
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    path.write_text(head + start + "\n" + table + "\n" + end + tail)
+
+
+def main_policies(args: argparse.Namespace) -> int:
+    profs = profiles(ROOT / "benchmarks" / "profiles")
+    rows = []
+    for name in ("llama3-8b", "llama3-70b"):
+        for p in (8,) if args.quick else (8, 16):
+            for m in (2 * p, 4 * p):
+                for budget in (80e9, 40e9):
+                    r = policy_row(profs[name], p, m, budget)
+                    rows.append(r)
+                    pl = r["planner"]
+                    print(f"{name:<11} p={p:<2} m={m:<3} {budget / 1e9:g} GB  planner "
+                          f"{pl.get('schedule', '-')} [{pl.get('per_rank', 'does not fit')}] "
+                          f"{pl.get('step', float('nan')):.4f}  full {r['full'].get('step', float('nan')):.4f}  "
+                          f"none {r['none'].get('step', float('nan')):.4f}", flush=True)
+    table = policy_markdown(rows)
+    print()
+    print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"benchmark": "policies", "rows": rows}, indent=1) + "\n")
+    if args.markdown:
+        _write_table(Path(args.markdown), "bench_policies", table)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--markdown", default=None, help="write the table into this markdown file (between its markers)")
-    ap.add_argument("--quick", action="store_true", help="p = 4 only")
+    ap.add_argument("--quick", action="store_true", help="p = 4 only (with --policies: p = 8 only)")
+    ap.add_argument("--policies", action="store_true", help="the activation-policy table instead (see the docstring)")
     args = ap.parse_args(argv)
+    if args.policies:
+        return main_policies(args)
     profs = profiles(ROOT / "benchmarks" / "profiles")
     rows = []
     for prof in profs.values():
@@ -141,12 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "partition", "budget": BUDGET, "rows": rows}, indent=1) + "\n")
     if args.markdown:
-        path = Path(args.markdown)
-        text = path.read_text()
-        start, end = "<!-- table: bench_partition -->", "<!-- end table -->"
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        path.write_text(head + start + "\n" + table + "\n" + end + tail)
+        _write_table(Path(args.markdown), "bench_partition", table)
     return 0
 
 

@@ -1,8 +1,8 @@
 """Train a Hugging Face causal LM from its config (random weights, no download) with a zbpp schedule.
 
 Every process runs this script under torchrun: NCCL on GPUs (one per process), gloo on CPUs. The
-model is a ``LlamaForCausalLM`` (or ``--model gpt2 | mistral | qwen2``) built on the ``meta``
-device; each rank materialises only its own stages (`zbpp.models.hf.causal_lm_stages`), which
+model is a ``LlamaForCausalLM`` (or ``--model <model_type>``, any of `zbpp.models.hf.SUPPORTED`: a
+small config of that family, `zbpp.models.hf.small_config`) built on the ``meta`` device; each rank materialises only its own stages (`zbpp.models.hf.causal_lm_stages`), which
 handle HF's masks, rotary embeddings and loss. The data is the Python standard library's source
 as bytes (``--data stdlib``, the loader of ``train_gpt.py``) or counting sequences (``--data
 synthetic``: each row ``a, a+b, a+2b, ...`` modulo the vocabulary); ``--ragged`` cuts every row to a
@@ -18,6 +18,14 @@ batches are. Launch::
     # 2 GPUs (NCCL, bf16), a larger Llama in its fast form (compiled layers, task graphs):
     torchrun --nproc-per-node=2 examples/train_hf.py --hidden 512 --layers 8 --heads 8 --seq-len 256 \\
         --rows-per-microbatch 8 --microbatches 8 --steps 200 --fast
+
+Pretrained weights and fault tolerance::
+
+    # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors):
+    torchrun --nproc-per-node=2 examples/train_hf.py --from path/to/hf_dir --steps 100
+
+    # checkpoint every 50 steps; restarted after a rank dies, the job resumes from the newest:
+    torchrun --nproc-per-node=2 --max-restarts=3 examples/train_hf.py --checkpoint-dir ckpt --checkpoint-every 50
 
 The rank holding the last stage prints a line per step (loss, learning rate, step time, tokens/s)
 and a summary. Every rank draws the same batch from a generator seeded by (seed, step).
@@ -37,10 +45,11 @@ import torch
 import torch.distributed as dist
 
 from zbpp import Pipeline
+from zbpp.models.hf import SUPPORTED, small_config
 from zbpp.runtime import clip_grad_norm_, init_distributed, shutdown_and_exit
 from zbpp.schedules import available, build, options_of
 
-MODELS = ("llama", "gpt2", "mistral", "qwen2")
+MODELS = SUPPORTED
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -66,10 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fast", action="store_true",
                     help="the stages' fast form: compiled layers, task graphs on GPUs (zbpp.models.fast)")
     ap.add_argument("--fp8", action="store_true", help="with --fast: FP8 GEMMs (Hopper or later)")
-    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="HF attention implementation")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default=None,
+                    help="HF attention implementation (default: HF's choice for the model, sdpa where it has it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    ap.add_argument("--from", dest="pretrained", default=None, metavar="DIR",
+                    help="start from the pretrained weights of this local HF directory (config.json + safetensors)")
+    ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                    help="save checkpoints here; a run finding one here resumes from the latest")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="with --checkpoint-dir: save every N steps (and after the last)")
     args = ap.parse_args(argv)
     for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "layers", "heads", "steps"):
         if getattr(args, name) < 1:
@@ -82,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.fp8 and not args.fast:
         ap.error("--fp8 applies to the fast form: add --fast")
+    if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint_dir):
+        ap.error("--checkpoint-every N needs N >= 0 and --checkpoint-dir")
     if args.schedule not in available():
         ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
     return args
@@ -138,12 +156,50 @@ def make_config(args: argparse.Namespace, vocab: int) -> Any:
         return transformers.GPT2Config(vocab_size=vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
                                        n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        bos_token_id=0, eos_token_id=0)
+    if args.model not in ("llama", "mistral", "qwen2"):
+        return small_config(args.model, vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers,
+                            num_heads=args.heads, num_kv_heads=args.kv_heads, max_positions=args.seq_len)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config}[args.model]
     return cls(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                num_hidden_layers=args.layers, num_attention_heads=args.heads,
                num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=args.seq_len,
                tie_word_embeddings=False)
+
+
+def model_source(args: argparse.Namespace, vocab: int) -> Any:
+    """The pretrained directory of --from (its vocabulary must cover the data's), else a config."""
+    if args.pretrained is None:
+        return make_config(args, vocab)
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(args.pretrained)
+    if getattr(config, "vocab_size", 0) < vocab:
+        raise SystemExit(f"--from {args.pretrained}: its vocabulary ({config.vocab_size}) is smaller than the data's ({vocab})")
+    return args.pretrained
+
+
+# -- checkpoints: <dir>/step-<n>, written whole or not at all ---------------------------------------
+def latest_checkpoint(directory: str | None) -> tuple[int, Path | None]:
+    """The step and path of the newest complete checkpoint in `directory` (0, None: none)."""
+    if directory is None or not Path(directory).is_dir():
+        return 0, None
+    done = [(int(p.name[5:]), p) for p in Path(directory).glob("step-*") if p.name[5:].isdigit()]
+    return max(done) if done else (0, None)
+
+
+def save_step(pipe: Any, opt: Any, directory: str, step: int) -> None:
+    """Checkpoint after `step` steps: written under a temporary name, renamed once every rank is
+    done, so a job killed while saving resumes from the previous one."""
+    from zbpp.runtime import save_checkpoint
+
+    final = Path(directory) / f"step-{step}"
+    partial = Path(directory) / f".step-{step}.partial"
+    save_checkpoint(pipe, partial, opt)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        partial.rename(final)
+    dist.barrier()
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -163,7 +219,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     batches = Batches(args)
-    config = make_config(args, batches.vocab)
+    source = model_source(args, batches.vocab)
     sched = build(args.schedule, num_ranks=world, num_microbatches=args.microbatches,
                   **({"chunks": 2} if "chunks" in options_of(args.schedule) else {}))
     if args.layers < sched.num_stages:
@@ -172,20 +228,27 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
 
     # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=dtype, attn_implementation=args.attn,
+    stages, kwargs = causal_lm_stages(source, sched, rank, device=device, dtype=dtype, attn_implementation=args.attn,
                                       seed=args.seed, fast=args.fast, fp8=args.fp8)
     pipe = Pipeline(stages, sched, **kwargs)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    first_step, found = latest_checkpoint(args.checkpoint_dir)
+    if found is not None:  # resume: weights, optimizer state and random stream; data and lr follow the step
+        from zbpp.runtime import load_checkpoint
+
+        load_checkpoint(pipe, found, opt)
 
     reporting = pipe.holds_last_stage
     say = (lambda text: print(text, flush=True)) if reporting else (lambda text: None)
+    if found is not None:
+        say(f"train_hf: resumed from {found} (step {first_step})")
     say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {world} ranks "
         f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
         f"{args.seq_len} tokens, data {args.data}{' ragged' if args.ragged else ''}, {dtype}"
         f"{', fast' if args.fast else ''}{' fp8' if args.fp8 else ''}")
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         ids, mask, labels = batches(step)
         lr = lr_at(step, args)
         for group in opt.param_groups:
@@ -203,8 +266,11 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
             history.append({"step": step + 1, "loss": float(loss), "grad_norm": float(norm), "lr": lr, "seconds": dt})
             say(f"step {step + 1:>5}/{args.steps} | loss {float(loss):.4f} | grad norm {float(norm):.3f} | "
                 f"lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tokens / dt:9.0f} tok/s")
+        every = args.checkpoint_every
+        if args.checkpoint_dir and ((every and (step + 1) % every == 0) or step + 1 == args.steps):
+            save_step(pipe, opt, args.checkpoint_dir, step + 1)
     if history:
-        say(f"done: {args.steps} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
+        say(f"done: {args.steps - first_step} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
             f"{history[-1]['loss']:.4f}")
     return {"rank": rank, "stages": sorted(stages), "history": history, "tied": sorted(kwargs["tied_parameters"])}
 

@@ -1,7 +1,9 @@
-"""Every private torch API zbpp calls, in one place (checked on torch 2.11 and 2.14).
+"""The private torch APIs zbpp calls, in one place (checked on torch 2.11 and 2.14), but FSDP's.
 
-torch does not promise these names; when one moves, this is the only file to change. Each
-function says what it wraps and why the public API does not do. The runtime and the modules both
+torch does not promise these names; when one moves, this file is the place to change, with one
+exception: FSDP2's internals (its post-backward machinery, the only way to reduce-scatter outside
+an autograd backward) stay in the underscored helpers of `zbpp.runtime.fsdp`. Each function says
+what it wraps and why the public API does not do. The runtime and the modules both
 import from here (it imports nothing of zbpp). Tensor attributes torch documents as internal but
 stable (``._base``, ``._version``, ``.data``) are used in place.
 """
@@ -31,6 +33,8 @@ __all__ = [
     "compiled_backward_retained",
     "disable_dynamo",
     "uncompiled",
+    "current_saved_tensors_hooks",
+    "torch_dispatch_mode",
 ]
 
 
@@ -188,3 +192,20 @@ def uncompiled(module: Any) -> Any:
     ``_orig_mod.`` prefix to every state_dict key); any other object as it is."""
     inner = getattr(module, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) and type(module).__name__ == "OptimizedModule" else module
+
+
+def current_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The ``(pack, unpack)`` pair that a tensor saved for backward right now would go through
+    (the innermost ``torch.autograd.graph.saved_tensors_hooks``), or None
+    (``torch._C._autograd._top_saved_tensors_default_hooks``). Hooks that replace the current
+    ones for a region call these to compose with them; torch offers no public way to read them."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``, the base class of a ``__torch_dispatch__``
+    mode (torch documents the protocol, not the module's name)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

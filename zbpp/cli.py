@@ -28,6 +28,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from . import __version__
 from .schedules import Costs, Memory, available, build, options_of, simulate, validate
+from .schedules.partition import MAX_SPLITS
 
 __all__ = ["main"]
 
@@ -280,11 +281,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--profile {args.profile}: cannot read it ({exc.strerror})") from None
     schedules = [x.strip() for x in args.schedules.split(",") if x.strip()] if args.schedules else None
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
-    layout = search(profile, args.ranks, args.microbatches, budget, schedules=schedules)
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()] if args.policies else None
+    layout = search(profile, args.ranks, args.microbatches, budget, schedules=schedules, max_splits=args.max_splits,
+                    policies=policies)
     print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
           f"microbatches={args.microbatches} budget={'none' if budget is None else f'{args.budget_gb:g} GB'} per rank")
     print(layout.explain(top=args.top))
     print("stages (layer index ranges):", ", ".join(f"{r.start}-{r.stop - 1}" for r in layout.stages))
+    if layout.policies:
+        print("policies (per stage):", ", ".join(layout.policies))
     return 0
 
 
@@ -355,6 +360,12 @@ def make_parser() -> argparse.ArgumentParser:
                       help="memory per rank in GB (1e9 bytes): static (parameters, gradients, optimizer) and activations")
     plan.add_argument("--schedules", default=None, help="comma-separated schedule families to try (default: all)")
     plan.add_argument("--top", type=_integer(1), default=12, help="candidates to list (default 12)")
+    plan.add_argument("--max-splits", type=_integer(0), default=MAX_SPLITS,
+                      help=f"try every split of a placement with at most this many (exact; default {MAX_SPLITS}); "
+                           "beyond, heuristic splits, refined")
+    plan.add_argument("--policies", default=None,
+                      help="comma-separated activation policies a rank may use (none, full, selective, offload; "
+                           "default: every one the profile's layers offer)")
     plan.set_defaults(func=_cmd_plan)
 
     measure = sub.add_parser("measure", help="measure a Hugging Face causal LM's per-layer profile (for zbpp plan)")

@@ -92,3 +92,27 @@ def test_gpt2_trains_with_the_tie_across_ranks_and_ragged_rows(zbpp_workers):
 
     if "loss_weight" in inspect.signature(Pipeline).parameters:  # token-weighted microbatches: HF's mean
         assert last["history"][0]["loss"] == pytest.approx(first_loss_of_hf(argv), rel=HF_LOSS_RTOL, abs=0)
+
+
+@pytest.mark.slow
+def test_from_pretrained_directory_starts_at_its_loss(tmp_path: Path, zbpp_workers) -> None:
+    """--from DIR: the stages start from the directory's weights (read per rank). The first step's
+    loss is HF's own loss of the saved model on the same batch, to HF_LOSS_RTOL (random weights
+    instead of the saved ones move it by 1e-2 or more)."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(21)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa")
+    model.save_pretrained(tmp_path / "hf", max_shard_size="30KB")
+    argv = ["--from", str(tmp_path / "hf"), "--schedule", "zb-v", "--seq-len", "16", "--rows-per-microbatch", "2",
+            "--microbatches", "4", "--steps", "1", "--data", "synthetic", "--dtype", "float64", "--backend", "gloo",
+            "--timeout", "60"]
+    results = zbpp_workers(2).run(train_on_rank, argv)  # the pool the other cases use
+    first = next(r for r in results if r["history"])["history"][0]["loss"]
+
+    ex = _example()
+    args = ex.parse_args(argv)
+    ids, mask, labels = ex.Batches(args)(0)
+    with torch.no_grad():
+        want = float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    assert first == pytest.approx(want, rel=HF_LOSS_RTOL, abs=0)

@@ -105,6 +105,26 @@ def test_fast_stage_rejects_foreign_blocks_and_bad_fp8() -> None:
         fast_hf_stages({0: stage}, fast=False, fp8=True)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_fast_hf_stages_compile_the_decoder_layers_each_stage_holds(kind: str) -> None:
+    """The stages are the model's own class with what they do not hold set to None; the fast form
+    finds their layers (``model.layers``, GPT-2's ``transformer.h``) and compiles each, nothing else."""
+    sched = make_schedule("zb-v", 1, M)
+    stages, _ = causal_lm_stages(config(kind, 3), sched, 0, dtype=torch.float64, device="cpu")
+    fast_hf_stages(stages, backend="eager")
+    blocks = "model.layers" if kind == "llama" else "transformer.h"
+    held = {s: [n for n, _ in m.get_submodule(blocks).named_children()] for s, m in stages.items()}
+    assert sorted(sum(held.values(), [])) == ["0", "1", "2"], held
+    for s, m in stages.items():
+        compiled = {n for n, sub in m.named_modules() if getattr(sub, "_compiled_call_impl", None) is not None}
+        assert compiled == {f"{blocks}.{n}" for n in held[s]}, (s, compiled)
+
+
+def test_fast_hf_stages_refuses_a_stage_not_from_causal_lm_stages() -> None:
+    with pytest.raises(TypeError, match="not a stage of zbpp.models.hf.causal_lm_stages"):
+        fast_hf_stages({0: nn.Sequential(nn.Linear(2, 2))})
+
+
 WIDTH = 32  # 16 rows per microbatch: torch._scaled_mm runs on the CPU too
 
 

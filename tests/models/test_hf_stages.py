@@ -92,10 +92,14 @@ def test_loss_and_weight():
     assert float(loss(logits, torch.full((2, 4), -100))) == 0.0 and int(loss.weight(torch.full((2, 4), -100))) == 0
 
 
-def test_unsupported_model_is_named():
-    cfg = transformers.OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2)
-    with pytest.raises(ValueError, match="model_type 'opt'.* is not supported"):
-        causal_lm_stages(cfg, build("1f1b", num_ranks=2, num_microbatches=2), 0)
+def test_a_model_off_the_template_is_named():
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    cfg = transformers.BartConfig(vocab_size=40, d_model=16, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, encoder_attention_heads=2, decoder_attention_heads=2)
+    with pytest.raises(ValueError, match=r"BartForCausalLM \(model_type 'bart'\) does not fit .* takes no inputs_embeds"):
+        causal_lm_stages(cfg, sched, 0)
+    with pytest.raises(ValueError, match="model_type 't5' has no \\*ForCausalLM"):
+        causal_lm_stages(transformers.T5Config(d_model=16, num_layers=2, num_heads=2, d_ff=32), sched, 0)
 
 
 @pytest.mark.gpu

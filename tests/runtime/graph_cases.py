@@ -23,7 +23,7 @@ from torch import nn
 
 from zbpp import Pipeline
 from zbpp.modules import DelayedScaling, LayerNormMLP, fp8_autocast
-from zbpp.runtime import task_graphs
+from zbpp.runtime.task_graphs import StandInGraphs, TaskGraphs
 from zbpp.schedules import build
 
 D = 32  # hidden width
@@ -79,7 +79,25 @@ def _batch(step: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.T
     return x, torch.randn(rows, D, generator=g).to(device, dtype)
 
 
-def train(schedule: str, *, graphs: bool, rank: int, world: int, device: torch.device, dtype: torch.dtype,
+def replay_counter(pipe: Pipeline) -> dict[int, int]:
+    """Counts, per graphs object (by id), the steps that replayed it (counted as the pipeline picks
+    each training step's runner: graphs that finished capturing)."""
+    cache = pipe._graph_cache
+    assert cache is not None
+    counts: dict[int, int] = {}
+    pick = cache.runner
+
+    def counted(*args):
+        runner = pick(*args)
+        if isinstance(runner, TaskGraphs):
+            counts[id(runner)] = counts.get(id(runner), 0) + (not runner.capturing)
+        return runner
+
+    cache.runner = counted
+    return counts
+
+
+def train(schedule: str, *, graphs: bool | type[TaskGraphs], rank: int, world: int, device: torch.device, dtype: torch.dtype,
           fp8: bool = False, main_grad: bool = False, groups: Any = None, tied: bool = False) -> dict[str, Any]:
     """`STEPS` steps of SGD; returns the losses, every step's gradients and the graph counters.
     `tied`: the first plain block's fc1 weight is also the last block's (a tied parameter: its
@@ -94,6 +112,7 @@ def train(schedule: str, *, graphs: bool, rank: int, world: int, device: torch.d
     held = any(p is tie for m in stages.values() for p in m.parameters())
     pipe = Pipeline(stages, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=graphs, groups=groups,
                     tied_parameters={"fc1": tie} if tied and held else None)
+    replays = replay_counter(pipe) if graphs else {}
     params = list(pipe.parameters())
     opt = torch.optim.SGD(params, lr=0.05)
     losses, grads = [], []
@@ -110,7 +129,8 @@ def train(schedule: str, *, graphs: bool, rank: int, world: int, device: torch.d
             if hasattr(p, "main_grad"):
                 p.grad = p.main_grad.to(p.dtype)
         opt.step()
-    counts = [(len(g), g.replays) for g in pipe._graphs.values()]
+    graphed = pipe._graph_cache.graphs.values() if pipe._graph_cache is not None else []
+    counts = [(len(g), replays.get(id(g), 0)) for g in graphed]
     return {"losses": losses, "grads": grads, "graphs": counts}
 
 
@@ -118,10 +138,9 @@ def compare(schedule: str, *, rank: int = 0, world: int = 1, device: str = "cuda
             fp8: bool = False, main_grad: bool = False, groups: Any = None, tied: bool = False) -> list[str]:
     """The graph run against the eager run, bit for bit; what differs, as lines (empty: equal)."""
     dev = torch.device(device)
-    if dev.type == "cpu":
-        task_graphs._CPU_STAND_IN = True
     kw = dict(rank=rank, world=world, device=dev, dtype=dtype, fp8=fp8, main_grad=main_grad, groups=groups, tied=tied)
-    eager, graphed = train(schedule, graphs=False, **kw), train(schedule, graphs=True, **kw)
+    graphs = StandInGraphs if dev.type == "cpu" else True  # on CPUs the tests pick the stand-in
+    eager, graphed = train(schedule, graphs=False, **kw), train(schedule, graphs=graphs, **kw)
     fails = []
     counts = graphed["graphs"]  # (tasks captured, replay steps) per signature
     if len(counts) != 2 or any(n == 0 for n, _ in counts) or sorted(r for _, r in counts) != [1, 2]:
@@ -144,8 +163,7 @@ def whole_batch_reference(schedule: str) -> list[str]:
     ref = copy.deepcopy(nn.Sequential(*blocks))
     x, y = _batch(0, dtype, dev)
     nn.functional.mse_loss(ref(x), y).backward()
-    task_graphs._CPU_STAND_IN = True
-    got = train(schedule, graphs=True, rank=0, world=1, device=dev, dtype=dtype)
+    got = train(schedule, graphs=StandInGraphs, rank=0, world=1, device=dev, dtype=dtype)
     fails = []
     for i, (p, g) in enumerate(zip(ref.parameters(), got["grads"][0])):
         if not torch.allclose(g, p.grad, rtol=1e-9, atol=1e-12):

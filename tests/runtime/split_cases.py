@@ -162,22 +162,22 @@ class TaskFlops:
     @contextlib.contextmanager
     def installed(self):
         ex = _executor.StepExecutor
-        orig_b, orig_w = ex._backward, ex._wgrad
+        orig = ex._run_task
 
-        def wrap(orig):
-            def run(exself, a):
-                with FlopCounterMode(display=False) as fc:
-                    orig(exself, a)
-                key = (a.stage, a.kind.value)
-                self.flops[key] = self.flops.get(key, 0) + fc.get_total_flops()
-                self.count[key] = self.count.get(key, 0) + 1
-            return run
+        def run(exself, a, *args):
+            if a.kind.value == "F":
+                return orig(exself, a, *args)
+            with FlopCounterMode(display=False) as fc:
+                orig(exself, a, *args)
+            key = (a.stage, a.kind.value)
+            self.flops[key] = self.flops.get(key, 0) + fc.get_total_flops()
+            self.count[key] = self.count.get(key, 0) + 1
 
-        ex._backward, ex._wgrad = wrap(orig_b), wrap(orig_w)
+        ex._run_task = run
         try:
             yield self
         finally:
-            ex._backward, ex._wgrad = orig_b, orig_w
+            ex._run_task = orig
 
 
 def stage_flops(stage: nn.Module, first: bool, last: bool, rows: int, weight: float) -> tuple[int, int]:

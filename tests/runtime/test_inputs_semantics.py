@@ -1,10 +1,13 @@
 """Inputs and losses as Hugging Face passes them, on 2 and 4 gloo ranks (inputs_cases.py; tolerances
 there): shared ``[1, T]`` tensors and `Replicated` values, a token-mean loss over a right-padded batch
 (``loss_weight``, also across data-parallel replicas), and dropout that does not depend on the
-schedule. Single-process checks of the splitting rules and the seed derivation come first; the
-last tests run on 2 GPUs with NCCL (marked ``nccl``, skipped elsewhere)."""
+schedule but differs between data-parallel replicas (replica_seed_cases.py). Single-process checks
+of the splitting rules and the seed derivation come first; the last tests run on 2 GPUs with NCCL
+(marked ``nccl``, skipped elsewhere)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from zbpp.testing import gpus_available
 
 from .inputs_cases import (check_dropout, check_rows_mismatch_on_one_replica, check_shared_inputs, check_token_mean,
                            check_token_mean_data_parallel)
+from .replica_seed_cases import check_dropout_across_replicas
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v"]
 
@@ -155,6 +159,13 @@ def test_dropout_same_stages_same_result_whatever_the_placement(zbpp_workers):
 def test_dropout_seed_agreed_from_rank_zero(zbpp_workers):
     """seed=None with ranks seeded differently: every rank uses pipeline rank 0's initial seed."""
     zbpp_workers(2).run(check_dropout, "zb-v", 2, seed=None)
+
+
+def test_replicas_draw_their_own_dropout_masks(zbpp_workers):
+    """Two replicas of a one-rank zb-v pipeline (two stages) on the same batch: each equals one
+    process drawing under its replica's seeds (`replica_seed_cases`), so their losses differ."""
+    losses = zbpp_workers(2).run(check_dropout_across_replicas, "zb-v", 1)
+    assert not any(math.isnan(v) for v in losses) and losses[0] != losses[1], losses
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

@@ -14,6 +14,7 @@ from torch import nn
 
 from zbpp import Pipeline
 from zbpp.runtime import GraphCaptureError, PipelineError, task_graphs
+from zbpp.runtime.task_graphs import StandInGraphs
 from zbpp.schedules import build
 
 from . import graph_cases
@@ -45,24 +46,23 @@ def test_stand_in_with_data_parallel_replicas(zbpp_workers) -> None:
     assert not fails, "\n".join(fails)
 
 
-def _one_rank_stand_in(monkeypatch, rows: int, outputs: int, seed: int):
-    """CPU stand-in graphs, a one-rank zb-h1 schedule of 2 microbatches, a float64 batch of 3 features."""
-    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
+def _one_rank_stand_in(rows: int, outputs: int, seed: int):
+    """A one-rank zb-h1 schedule of 2 microbatches, a float64 batch of 3 features (for CPU stand-in graphs)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 3, dtype=torch.float64, generator=g)
     y = torch.randn(rows, outputs, dtype=torch.float64, generator=g)
     return build("zb-h1", num_ranks=1, num_microbatches=2), x, y
 
 
-def test_stand_in_with_evaluation_and_no_sync(monkeypatch) -> None:
+def test_stand_in_with_evaluation_and_no_sync() -> None:
     """Evaluation steps (eager) and no_sync steps between captured and replayed steps leave the
     training steps as eager ones (float64: the same sums, bit for bit)."""
-    sched, x, y = _one_rank_stand_in(monkeypatch, rows=8, outputs=2, seed=2)
+    sched, x, y = _one_rank_stand_in(rows=8, outputs=2, seed=2)
     seen = {}
     for graphs in (False, True):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(3, 4, dtype=torch.float64), nn.Tanh(), nn.Linear(4, 2, dtype=torch.float64))
-        pipe = Pipeline({0: m}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=graphs)
+        pipe = Pipeline({0: m}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=StandInGraphs if graphs else False)
         out = []
         for i in range(5):
             m.zero_grad()
@@ -77,49 +77,48 @@ def test_stand_in_with_evaluation_and_no_sync(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
 
 
-def test_signatures_kept_are_bounded_and_recaptured(monkeypatch) -> None:
+def test_signatures_kept_are_bounded_and_recaptured() -> None:
     """At most MAX_GRAPHED_SIGNATURES signatures keep graphs (least recently used dropped); one
     that comes back after being dropped captures again; profile records cover replayed tasks."""
-    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
     sched = build("zb-h1", num_ranks=1, num_microbatches=2)
     pipe = Pipeline({0: nn.Linear(3, 1, dtype=torch.float64)}, sched, loss_fn=nn.functional.mse_loss,
-                    cuda_graphs=True, profile=True)
+                    cuda_graphs=StandInGraphs, profile=True)
+    replays = graph_cases.replay_counter(pipe)
+    kept = pipe._graph_cache.graphs
     limit = task_graphs.MAX_GRAPHED_SIGNATURES
     rows = [2 * (i + 1) for i in range(limit + 1)]
     for _ in range(2):  # each signature: eager, then captured
         for r in rows:
             pipe.step(torch.ones(r, 3, dtype=torch.float64), torch.zeros(r, 1, dtype=torch.float64))
-    assert len(pipe._graphs) == limit
-    assert all(g.replays == 0 for g in pipe._graphs.values())
+    assert len(kept) == limit
+    assert all(replays[id(g)] == 0 for g in kept.values())
     pipe.step(torch.ones(rows[-1], 3, dtype=torch.float64), torch.zeros(rows[-1], 1, dtype=torch.float64))
-    assert [g.replays for g in pipe._graphs.values()][-1] == 1  # kept: replayed
+    assert [replays[id(g)] for g in kept.values()][-1] == 1  # kept: replayed
     pipe.step(torch.ones(rows[0], 3, dtype=torch.float64), torch.zeros(rows[0], 1, dtype=torch.float64))
-    newest = list(pipe._graphs.values())[-1]
-    assert newest.replays == 0 and len(newest) == len(sched.orders[0])  # dropped earlier: captured again
+    newest = list(kept.values())[-1]
+    assert replays[id(newest)] == 0 and len(newest) == len(sched.orders[0])  # dropped earlier: captured again
     assert sorted(r["action"] for r in pipe.profile_records()) == sorted(str(a) for a in sched.orders[0])
 
 
-def test_refused_on_cpu_and_for_declared_stages(monkeypatch) -> None:
-    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", False)
+def test_refused_on_cpu_and_for_declared_stages() -> None:
     sched = build("1f1b", num_ranks=1, num_microbatches=2)
     with pytest.raises(ValueError, match="move the stages to a CUDA device or pass cuda_graphs=False"):
         Pipeline({0: nn.Linear(2, 2)}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=True)
-    monkeypatch.setattr(task_graphs, "_CPU_STAND_IN", True)
     stage = nn.Sequential(nn.Linear(2, 2))
     stage[0].zbpp_cuda_graphs = False
     with pytest.raises(ValueError, match="stage 0: its submodule '0' sets zbpp_cuda_graphs = False"):
-        Pipeline({0: stage}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=True)
+        Pipeline({0: stage}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=StandInGraphs)
 
 
-def test_fixed_grad_buffers_keep_accumulation(monkeypatch) -> None:
+def test_fixed_grad_buffers_keep_accumulation() -> None:
     """Without zero_grad between steps the gradients add up, as in eager mode; a replaced .grad is
     copied into the fixed buffer."""
-    sched, x, y = _one_rank_stand_in(monkeypatch, rows=4, outputs=1, seed=1)
+    sched, x, y = _one_rank_stand_in(rows=4, outputs=1, seed=1)
     grads = {}
     for graphs in (False, True):
         torch.manual_seed(0)
         m = nn.Linear(3, 1, dtype=torch.float64)
-        pipe = Pipeline({0: m}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=graphs)
+        pipe = Pipeline({0: m}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=StandInGraphs if graphs else False)
         for _ in range(3):
             pipe.step(x, y)
         m.weight.grad = m.weight.grad * 2  # a new tensor: copied into the buffer, not lost
@@ -172,7 +171,7 @@ def test_capture_failure_names_the_task_and_leaves_the_pipeline_usable() -> None
     nn.functional.mse_loss(reference(x), y).backward()
     # the pipeline sums two microbatch gradients of half the batch each: float32 rounding
     torch.testing.assert_close(stage[0].weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-6)
-    assert [len(g) for g in pipe._graphs.values()] == [len(sched.orders[0])]
+    assert [len(g) for g in pipe._graph_cache.graphs.values()] == [len(sched.orders[0])]
 
 
 @pytest.mark.nccl

@@ -116,6 +116,11 @@ def test_cli_plan_prints_the_pick_of_search(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"pick: {layout.schedule.name}" in out
     assert "stages (layer index ranges): " + ", ".join(f"{r.start}-{r.stop - 1}" for r in layout.stages) in out
+    # what it chose and why: the ranking, the coverage, the bound over every split
+    assert "why: the fitting candidate with the shortest step" in out and "exact: every split under every schedule" in out
+    assert f"no schedule on any split within the budget beats step {layout.searched.bound_over_splits:.6g}" in out
+    assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", "--max-splits", "0"]) == 0
+    assert "not exhaustive (more than" in capsys.readouterr().out
     assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", "--budget-gb", "1e-9"]) == 2
     assert "no schedule and split fits" in capsys.readouterr().err
     assert main(["plan", "--profile", str(tmp_path / "missing.json"), "-p", "2", "-m", "4"]) == 2

@@ -131,8 +131,8 @@ def fast_pipeline_kwargs(device: torch.device | str | None) -> dict[str, Any]:
 
 def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool | DelayedScaling = False,
                    loss_fn: Any = None, backend: str = "inductor") -> dict[str, Any]:
-    """`fast_stage` on each stage of `zbpp.models.hf.causal_lm_stages` (its decoder layers, ``model.layers``
-    or ``transformer.h``, compiled one by one), in place; returns `fast_pipeline_kwargs` for their
+    """`fast_stage` on each stage of `zbpp.models.hf.causal_lm_stages` (the decoder layers it holds, e.g.
+    ``model.layers`` or ``transformer.h``, compiled one by one), in place; returns `fast_pipeline_kwargs` for their
     device, with `loss_fn` compiled (the float32 upcast of the logits and the cross entropy fused:
     eager, they make several passes over a [tokens, vocab] float32 tensor) when given.
     ``causal_lm_stages(..., fast=True, fp8=...)`` calls it.
@@ -151,9 +151,12 @@ def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool
         raise ValueError(f"fp8={fp8!r} needs fast=True: FP8 applies to the fast form's zbpp layers")
     devices = set()
     for stage in stages.values():
-        inner = getattr(stage, "model", None) or getattr(stage, "transformer", None)
-        layers = getattr(inner, "layers", None) if hasattr(stage, "model") else getattr(inner, "h", None)
-        fast_stage(stage, blocks=list(layers) if layers is not None else None, fp8=fp8, backend=backend)
+        plan = getattr(stage, "_zbpp_plan", None)  # set by causal_lm_stages: where the decoder layers are
+        if plan is None:
+            raise TypeError(f"fast_hf_stages: a {type(stage).__name__} is not a stage of "
+                            "zbpp.models.hf.causal_lm_stages; use fast_stage for other stages")
+        layers = stage.get_submodule(plan.template.blocks)  # only this stage's (maybe none: embeddings alone)
+        fast_stage(stage, blocks=list(layers), fp8=fp8, backend=backend)
         devices.update(p.device for p in stage.parameters())
     if len(devices) > 1:
         raise ValueError(f"the stages' parameters are on several devices {sorted(map(str, devices))}; "

@@ -1,24 +1,48 @@
-"""Hugging Face decoder-only causal LMs as pipeline stages: Llama, Mistral, Qwen2, Qwen3 and GPT-2.
+"""Hugging Face decoder-only causal LMs as pipeline stages, every family that fits one template.
 
-`causal_lm_stages` cuts a ``*ForCausalLM`` (built from its config on the ``meta`` device, random
-weights, no download; or a model you built) into this rank's stages with `pipeline_stages`, and
-returns the keyword arguments of `Pipeline` that go with them: the loss with HF's causal-LM
-semantics (`CausalLMLoss`), each microbatch's weight (its count of predicted tokens) and the tied
-parameters (GPT-2's embedding and LM head, or any model with ``tie_word_embeddings``).
+The template: a ``*ForCausalLM`` whose base model (``model.<base_model_prefix>``) embeds the tokens,
+runs ``config.num_hidden_layers`` decoder layers from one ``ModuleList`` (``model.layers``,
+``transformer.h``, ``model.decoder.layers``, ...), applies a final norm, and whose LM head
+(``get_output_embeddings()``) turns the result into logits. `SUPPORTED` lists the ``model_type``\\s
+the tests run (every one exact against HF's model on 2 ranks under zb-h1 and zb-v); another model
+that fits the template works the same way, one that does not is refused naming what did not fit.
 
-A stage does what the model's ``forward`` does for its part: the first stage embeds the tokens
-(and positions: GPT-2), every stage builds HF's causal and padding mask (sliding windows included)
-for its layers with HF's own mask functions and, for the Llama family, the rotary embeddings, and
-calls its decoder layers as the model does; the last stage applies the final norm and the LM head
-and returns the logits. Stages pass ``{"hidden_states", "attention_mask", "position_ids"}`` along.
-The step's input is ``input_ids`` or ``{"input_ids": ..., "attention_mask": ..., "position_ids":
-...}`` (the last two optional, as in HF), the target is HF's ``labels`` (-100 ignored).
+How a stage computes its part: it runs **the model's own forward** (HF's code, not a copy), with
+the decoder layer list swapped, during the call, for one of the model's full length in which the
+layers this stage does not hold are stand-ins. So everything the forward does around the layers is
+HF's: the masks of each layer type (``config.layer_types`` read with the global layer index), rotary
+or learned positions, alibi, embedding scales (Gemma, Granite), the embedding LayerNorm (Bloom),
+and on the last stage the LM head with the ``*ForCausalLM`` forward's logit scales and softcaps
+(Gemma 2/3, Cohere, Granite). A later stage passes zeros as ``inputs_embeds``; the modules it does
+not hold that the forward calls before the layers (GPT-2's position embedding, Bloom's embedding
+LayerNorm, ...) are stand-ins that return them, and the stand-in of the layer before its first one
+returns the received hidden states instead. Its output is its last layer's output, taken by a hook
+(a non-last stage calls the base model, the last one the ``*ForCausalLM``). Placement is
+`zbpp.models.fqns_per_stage`, decided by a forward on the ``meta`` device (which stage uses what).
+
+Stages pass ``{"hidden_states", "attention_mask", "position_ids"}`` along (and ``"router_logits"``,
+below); the last stage returns the logits. The step's input is ``input_ids`` or ``{"input_ids":
+..., "attention_mask": ..., "position_ids": ...}`` (the last two optional, as in HF), the target is
+HF's ``labels`` (-100 ignored). The loss (`CausalLMLoss`) is HF's, weighted by predicted tokens.
+
+Mixture-of-experts (Mixtral, Qwen2-MoE, OLMoE, ...): when the config asks for the router auxiliary
+loss (``output_router_logits=True``), every stage appends its layers' router logits to a
+``"router_logits"`` tensor ``[layers so far, tokens, experts]`` that travels with the hidden states,
+and the last stage returns ``{"logits", "router_logits", "attention_mask"}`` (carried, not summed
+per stage: the balancing loss multiplies means over all layers, so it does not split by stage; the
+tensor is small, layers x tokens x experts). Microbatch j's loss is
+then HF's: ``CE_j + router_aux_loss_coef * load_balancing_loss_func(router logits of all layers for
+microbatch j, num_experts, num_experts_per_tok, attention_mask_j)`` (the model's own function), and
+the step's loss and gradient are those of ``sum_j w_j * loss_j / sum_j w_j`` with w_j the predicted
+tokens of microbatch j. The balancing loss is not linear in the batch, so this equals HF on the
+whole batch only for one microbatch; it is HF's loss applied per microbatch, as gradient
+accumulation with HF gives it. DeepSeek-V3 has no auxiliary loss in HF (bias-based balancing).
 
 >>> import torch, transformers
 >>> from zbpp import Pipeline
 >>> from zbpp.schedules import build
->>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-...                                   num_attention_heads=2, num_key_value_heads=1)
+>>> config = transformers.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+...                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8)
 >>> sched = build("1f1b", num_ranks=1, num_microbatches=2)
 >>> stages, kwargs = causal_lm_stages(config, sched, pp_rank=0)
 >>> pipe = Pipeline(stages, sched, **kwargs)
@@ -30,20 +54,46 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Mapping, Sequence
+import os
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..schedules.ir import Schedule
-from .stages import Balance, pipeline_stages
+from .hf_weights import save_pretrained
+from .stages import Balance, fqns_per_stage, pipeline_stages
 
-__all__ = ["causal_lm_stages", "CausalLMLoss", "SUPPORTED"]
+__all__ = ["causal_lm_stages", "save_pretrained", "CausalLMLoss", "RouterAuxLoss", "SUPPORTED", "check_template",
+           "small_config"]
 
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED = (*_LLAMA_FAMILY, "gpt2")  # config.model_type values
+#: the ``config.model_type``\ s the tests run on 2 ranks under zb-h1 and zb-v against HF's model
+#: (tests/models/test_hf_families.py); any other model that fits the template works too
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
+             "olmo2", "gpt_neox", "opt", "falcon", "bloom", "starcoder2", "gpt_bigcode", "cohere", "granite", "glm",
+             "smollm3", "helium", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class RouterAuxLoss:
+    """A mixture-of-experts model's router auxiliary loss as its ``*ForCausalLM`` forward adds it:
+    ``coef * fn(router_logits_per_layer, num_experts, top_k, attention_mask)``."""
+
+    fn: Callable[..., torch.Tensor]
+    num_experts: int
+    top_k: int
+    coef: float
+
+    def __call__(self, router_logits: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | float:
+        if router_logits is None:  # no layer routed
+            return 0.0
+        return self.coef * self.fn(tuple(router_logits.unbind(0)), self.num_experts, self.top_k, attention_mask)
 
 
 class CausalLMLoss:
@@ -51,7 +101,9 @@ class CausalLMLoss:
     `ignore_index` (padding, prompts) are left out, and the loss is the mean over the tokens left
     (in float32 at least). ``weight(labels)`` is that count, for ``Pipeline(..., loss_weight=)``:
     the step's loss is then the mean over all of the batch's predicted tokens, as HF's on the whole
-    batch. A microbatch without a predicted token has loss 0 and weight 0.
+    batch. A microbatch without a predicted token has loss 0 and weight 0. With `router_aux` the
+    output is ``{"logits", "router_logits", "attention_mask"}`` and the router auxiliary loss of the
+    microbatch is added (the module docstring states the semantics).
 
     >>> loss = CausalLMLoss()
     >>> labels = torch.tensor([[1, 2, -100]])
@@ -59,15 +111,17 @@ class CausalLMLoss:
     1
     """
 
-    def __init__(self, ignore_index: int = -100) -> None:
+    def __init__(self, ignore_index: int = -100, router_aux: RouterAuxLoss | None = None) -> None:
         self.ignore_index = int(ignore_index)
+        self.router_aux = router_aux
 
     def _shifted(self, labels: torch.Tensor) -> torch.Tensor:
         if not isinstance(labels, torch.Tensor) or labels.dim() < 1:
             raise TypeError(f"the target must be HF's labels, a [batch, seq] tensor of token ids, got {labels!r:.80}")
         return F.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        logits = output["logits"] if isinstance(output, Mapping) else output
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         target = self._shifted(labels).reshape(-1).to(logits.device)
@@ -75,7 +129,13 @@ class CausalLMLoss:
             raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=self.ignore_index,
                                 reduction="sum")
-        return total / (target != self.ignore_index).sum().clamp(min=1)
+        loss = total / (target != self.ignore_index).sum().clamp(min=1)
+        if self.router_aux is not None:
+            if not isinstance(output, Mapping) or "router_logits" not in output:
+                raise ValueError("this loss adds the router auxiliary loss: the output must be the last stage's "
+                                 "{'logits', 'router_logits', 'attention_mask'}")
+            loss = loss + self.router_aux(output["router_logits"], output.get("attention_mask"))
+        return loss
 
     def weight(self, labels: torch.Tensor) -> torch.Tensor:
         """The number of tokens the loss of these labels averages over (a 0-dim tensor)."""
@@ -101,43 +161,49 @@ def causal_lm_stages(
     """This rank's stages of a HF causal LM, and the `Pipeline` keyword arguments that go with them.
 
     Args:
-        model_or_config: a ``PretrainedConfig`` of a supported model type (`SUPPORTED`): the model
-            is built on the ``meta`` device and only this rank's stages get weights (random, by the
-            model's own init, or `state_dict`); or a ``*ForCausalLM`` model (best on ``meta``).
+        model_or_config: a local HF directory (``config.json`` and ``*.safetensors``, sharded or
+            not, as ``save_pretrained`` writes it): built from its config, this rank's stages read
+            their own tensors only (`zbpp.models.hf_weights`); dtype default: the checkpoint's.
+            Or a ``PretrainedConfig`` of a decoder-only causal LM: the model is built on the
+            ``meta`` device and only this rank's stages get weights (random, by the model's own
+            init, or `state_dict`); or a ``*ForCausalLM`` model (best on ``meta``). It must fit the
+            template of the module docstring (`check_template` says what does not).
         schedule, pp_rank: the schedule and this rank's pipeline rank.
         device: where the stages live (default as `pipeline_stages`).
         dtype: parameter dtype when building from a config (default: the config's, else float32).
         attn_implementation: "eager", "sdpa", ... when building from a config.
-        module_fqns_per_stage, balance, state_dict, seed: as `pipeline_stages`; the blocks are
-            ``model.layers`` (Llama family) or ``transformer.h`` (GPT-2).
+        module_fqns_per_stage, balance, state_dict, seed: as `pipeline_stages`; the blocks are the
+            model's decoder layers. A stage holds a contiguous run of them; only the first stage
+            may hold none (the embeddings alone) and the last (the final norm and LM head alone).
         ignore_index: the label value the loss ignores.
         fast, fp8: ``fast=True`` gives every stage its fastest correct form and adds the runtime's
             keywords for it (`zbpp.models.fast.fast_hf_stages`: delayed weight gradients, compiled
             decoder layers, task graphs on CUDA); ``fp8=True`` or a `DelayedScaling` adds FP8.
 
     Returns ``(stages, kwargs)``: ``Pipeline(stages, schedule, **kwargs)`` with ``loss_fn``,
-    ``tied_parameters`` and, when the runtime takes it, ``loss_weight`` (tokens per microbatch).
+    ``tied_parameters`` and ``loss_weight`` (tokens per microbatch).
+    Each stage is the model's own ``*ForCausalLM`` class with the modules it does not hold set to
+    None, so its ``state_dict`` keys are HF's.
     """
+    if isinstance(model_or_config, (str, os.PathLike)):  # a local HF directory: read this rank's tensors only
+        model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
     model = _model(model_or_config, dtype, attn_implementation)
-    kind = getattr(model.config, "model_type", None)
-    if kind not in SUPPORTED:
-        raise ValueError(f"{type(model).__name__} (model_type {kind!r}) is not supported: zbpp.models.hf builds "
-                         f"decoder-only causal LMs of the types {list(SUPPORTED)}; cut other models with "
-                         "zbpp.models.pipeline_stages and a stage forward of your own")
-    gpt2 = kind == "gpt2"
-    blocks = "transformer.h" if gpt2 else "model.layers"
+    template = check_template(model)
     fqns = module_fqns_per_stage
-    if fqns is not None and not gpt2:  # every stage computes its rotary embeddings
-        fqns = [list(f) + ([] if "model.rotary_emb" in f else ["model.rotary_emb"]) for f in fqns]
-    stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, blocks=blocks,
-                                   balance=balance, device=device, state_dict=state_dict, seed=seed)
+    if fqns is None:
+        with _loop_experts(model):
+            fqns = fqns_per_stage(model, schedule.num_stages, blocks=template.blocks, balance=balance)
+    else:  # modules without parameters (rotary embeddings, dropout) go to every stage, as fqns_per_stage does
+        free = [f for f in _parameter_free(model, template.blocks) if not any(f in names for names in fqns)]
+        fqns = [list(names) + free for names in fqns]
+    stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
+                                   state_dict=state_dict, seed=seed)
     last = schedule.num_stages - 1
-    wrap = _GPT2Stage if gpt2 else _DecoderStage
-    modules = {s: wrap(m, model.config, first=s == 0, last=s == last) for s, m in stages.items()}
-    loss = CausalLMLoss(ignore_index)
-    kwargs: dict[str, Any] = {"loss_fn": loss, "tied_parameters": tied}
-    if _takes_loss_weight():
-        kwargs["loss_weight"] = loss.weight
+    tuple_out = _layers_return_tuple(model, template)
+    modules = {s: _as_stage(m, model, template, first=s == 0, last=s == last, tuple_out=tuple_out)
+               for s, m in stages.items()}
+    loss = CausalLMLoss(ignore_index, template.router_aux)
+    kwargs: dict[str, Any] = {"loss_fn": loss, "tied_parameters": tied, "loss_weight": loss.weight}
     if fast or fp8 is not False:
         from .fast import fast_hf_stages
 
@@ -145,10 +211,13 @@ def causal_lm_stages(
     return modules, kwargs
 
 
-def _takes_loss_weight() -> bool:
-    from ..runtime import Pipeline
+def _pretrained(path: Any, state_dict: Any, device: Any, dtype: torch.dtype | None) -> tuple[Any, Any, torch.dtype]:
+    from .hf_weights import pretrained
+    from .stages import _device
 
-    return "loss_weight" in inspect.signature(Pipeline).parameters
+    if state_dict is not None:
+        raise ValueError("give the weights as a directory or as state_dict=, not both")
+    return pretrained(path, device=_device(device), dtype=dtype)
 
 
 def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation: str | None) -> nn.Module:
@@ -162,8 +231,15 @@ def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation:
             kw["attn_implementation"] = attn_implementation
         if dtype is not None:
             kw["dtype"] = dtype
-        with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(model_or_config, **kw)
+        kind = getattr(model_or_config, "model_type", None)
+        try:
+            with torch.device("meta"):
+                return transformers.AutoModelForCausalLM.from_config(model_or_config, **kw)
+        except ValueError as exc:
+            if "Unrecognized configuration class" not in str(exc):
+                raise
+            raise ValueError(f"model_type {kind!r} has no *ForCausalLM in transformers: zbpp.models.hf builds "
+                             "decoder-only causal LMs") from None
     if isinstance(model_or_config, nn.Module) and hasattr(model_or_config, "config"):
         if dtype is not None or attn_implementation is not None:
             raise ValueError("dtype and attn_implementation apply when building from a config; a model you built "
@@ -172,92 +248,358 @@ def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation:
     raise TypeError(f"expected a transformers PretrainedConfig or *ForCausalLM model, got {type(model_or_config).__name__}")
 
 
-def _masks() -> tuple[Any, Any]:
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+# -- the template ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Template:
+    """Where a causal LM keeps what the stages need: its base model's FQN, its decoder layers'
+    FQN and count, and its router auxiliary loss (None when the config does not ask for it)."""
 
-    return create_causal_mask, create_sliding_window_causal_mask
+    base: str
+    blocks: str
+    num_layers: int
+    router_aux: RouterAuxLoss | None
 
 
-class _Stage(nn.Module):
-    """A stage: the pruned model's top-level modules under their own names, HF's glue in forward."""
+def check_template(model: nn.Module) -> Template:
+    """How `model` (a ``*ForCausalLM``) fits the template of this module, or a ``ValueError``
+    naming what does not fit.
 
-    def __init__(self, pruned: nn.Module, config: Any, *, first: bool, last: bool) -> None:
+    >>> import transformers
+    >>> cfg = transformers.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=16)
+    >>> with torch.device("meta"):
+    ...     check_template(transformers.GPT2LMHeadModel(cfg)).blocks
+    'transformer.h'
+    """
+    name = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} does not fit zbpp.models.hf's template: it is not a decoder-only causal LM")
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module) or base is model:
+        raise ValueError(f"{name} does not fit zbpp.models.hf's template: no base model under base_model_prefix "
+                         f"{prefix!r} (the template is *ForCausalLM = base model + LM head)")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"{name} does not fit zbpp.models.hf's template: it has no LM head (get_output_embeddings())")
+    params = inspect.signature(type(model).forward).parameters
+    if "inputs_embeds" not in params or "inputs_embeds" not in inspect.signature(type(base).forward).parameters:
+        raise ValueError(f"{name} does not fit zbpp.models.hf's template: its forward takes no inputs_embeds, which "
+                         "a later stage passes in place of the tokens")
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} does not fit zbpp.models.hf's template: config.num_hidden_layers is {n!r}")
+    lists = [f for f, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n and f]
+    outer = [f for f in lists if not any(f.startswith(g + ".") for g in lists)]
+    if len(outer) != 1:
+        raise ValueError(f"{name} does not fit zbpp.models.hf's template: its base model must hold its "
+                         f"{n} decoder layers in one ModuleList, found {outer or 'none'}")
+    return Template(prefix, f"{prefix}.{outer[0]}", n, _router_aux(model, name, params))
+
+
+def _router_aux(model: nn.Module, name: str, params: Mapping[str, Any]) -> RouterAuxLoss | None:
+    if "output_router_logits" not in params or not getattr(model.config, "output_router_logits", False):
+        return None
+    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    missing = [a for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef") if not hasattr(model, a)]
+    if fn is None or missing:
+        raise ValueError(f"{name} asks for the router auxiliary loss (output_router_logits=True) but does not fit "
+                         f"HF's MoE template: {'no load_balancing_loss_func in its module; ' if fn is None else ''}"
+                         f"{'missing attributes ' + str(missing) if missing else ''}")
+    return RouterAuxLoss(fn, int(model.num_experts), int(model.num_experts_per_tok), float(model.router_aux_loss_coef))
+
+
+def _parameter_free(model: nn.Module, blocks: str) -> list[str]:
+    from .stages import _outside
+
+    return _outside(model, blocks)[2]
+
+
+# -- a stage ---------------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    """The state of one stage call that the stand-ins read and write."""
+
+    inject: torch.Tensor | None  # the received hidden states (None on the first stage)
+    placeholder: torch.Tensor | None  # zeros in place of the embeddings a later stage does not compute
+    before_layers: bool = True  # the forward has not reached the stage's first layer yet
+    produced: torch.Tensor | None = None  # the input of the layer after the stage's last one
+
+
+@dataclass
+class _Plan:
+    template: Template
+    first: bool
+    last: bool
+    hf_forward: Callable[..., Any]
+    lo: int  # the stage computes the layers lo..hi-1 (none when lo == hi)
+    hi: int
+    tuple_out: bool  # the model's decoder layers return a tuple (hidden, ...), not the tensor
+    absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name) not held
+    skips: list[nn.Module] = field(default_factory=list)  # a stand-in per layer position
+
+
+class _Skip(nn.Module):
+    """The decoder layer at position `index` where this stage does not hold it: it passes its
+    input on, in the layers' output form; the one just before the stage's layers returns the
+    received hidden states instead."""
+
+    def __init__(self, stage: nn.Module, index: int) -> None:
         super().__init__()
-        for name, child in pruned._modules.items():
-            self._modules[name] = child
-        self.config = config
-        self.is_first, self.is_last = first, last
+        object.__setattr__(self, "_stage", stage)  # not a submodule
+        self.index = index
 
-    def _mask(self, kind: str, hidden: torch.Tensor, attention_mask: Any, position_ids: torch.Tensor,
-              cache: dict[str, Any]) -> Any:
-        if kind not in cache:
-            causal, sliding = _masks()
-            fn = sliding if kind == "sliding_attention" else causal
-            # positional: the cache argument is `past_key_values` in transformers 5.17, `cache` later
-            cache[kind] = fn(self.config, hidden, attention_mask, None, position_ids=position_ids)
-        return cache[kind]
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        stage = self._stage
+        plan, call = stage._zbpp_plan, stage._zbpp_call
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.index == plan.lo - 1 and call.inject is not None:
+            hidden, call.before_layers = call.inject, False
+        return (hidden,) if plan.tuple_out else hidden
 
-    def _output(self, hidden: torch.Tensor, attention_mask: Any, position_ids: Any) -> Any:
-        return {"hidden_states": hidden, "attention_mask": attention_mask, "position_ids": position_ids}
 
-    @staticmethod
-    def _positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        if position_ids is not None:
-            return position_ids
-        return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+class _Absent(nn.Module):
+    """A module of the model this stage does not hold: before the stage's layers (a later stage's
+    embedding side) it returns the placeholder embeddings, after them (a norm) its input."""
 
-    def _check(self, input_ids: Any, hidden_states: Any) -> None:
-        if self.is_first and input_ids is None:
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_stage", stage)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._stage._zbpp_call
+        if call.before_layers:
+            if call.placeholder is None:
+                raise RuntimeError("the model's forward called a module that its first stage does not hold before "
+                                   "the decoder layers")
+            return call.placeholder
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+class _CausalLMStage:
+    """Mixed into the model's own class (``LlamaForCausalLM`` -> ``LlamaForCausalLMStage``): the
+    stage's forward drives the class's forward (module docstring)."""
+
+    _zbpp_plan: _Plan
+    _zbpp_call: _Call | None
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                router_logits: torch.Tensor | None = None) -> Any:
+        plan = self._zbpp_plan
+        if plan.first and input_ids is None:
             raise ValueError("the first stage takes input_ids: pipe.step(ids) or pipe.step({'input_ids': ids, ...})")
-        if not self.is_first and hidden_states is None:
+        if not plan.first and hidden_states is None:
             raise ValueError("a later stage takes the previous stage's hidden_states")
-
-
-class _DecoderStage(_Stage):
-    """Llama family: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``,
-    ``lm_head``."""
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> Any:
-        self._check(input_ids, hidden_states)
-        inner = self.model
-        hidden = inner.embed_tokens(input_ids) if self.is_first else hidden_states
-        pos = self._positions(hidden, position_ids)
-        rotary = inner.rotary_emb(hidden, pos)
-        types = getattr(self.config, "layer_types", None)
-        default = "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
-        cache: dict[str, Any] = {}
-        for name, layer in inner.layers._modules.items():
-            kind = types[int(name)] if types else default
-            out = layer(hidden, attention_mask=self._mask(kind, hidden, attention_mask, pos, cache), position_ids=pos,
-                        position_embeddings=rotary)
-            hidden = out[0] if isinstance(out, tuple) else out
-        if self.is_last:
-            return self.lm_head(inner.norm(hidden))
-        return self._output(hidden, attention_mask, position_ids)
-
-
-class _GPT2Stage(_Stage):
-    """GPT-2: ``transformer.wte``, ``transformer.wpe``, ``transformer.drop``, ``transformer.h``,
-    ``transformer.ln_f``, ``lm_head``."""
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> Any:
-        self._check(input_ids, hidden_states)
-        inner = self.transformer
-        if self.is_first:
-            embeds = inner.wte(input_ids)
-            pos = self._positions(embeds, position_ids)
-            hidden = inner.drop(embeds + inner.wpe(pos))
+        kw: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        if plan.template.router_aux is not None:
+            kw["output_router_logits"] = True
+        if plan.first:
+            kw["input_ids"] = input_ids
         else:
-            hidden = hidden_states
-            pos = self._positions(hidden, position_ids)
-        if attention_mask is not None and attention_mask.dim() < 4:
-            attention_mask = attention_mask.view(hidden.shape[0], -1)
-        mask = self._mask("full_attention", hidden, attention_mask, pos, {})
-        for block in inner.h._modules.values():
-            out = block(hidden, attention_mask=mask)
-            hidden = out[0] if isinstance(out, tuple) else out
-        if self.is_last:
-            return self.lm_head(inner.ln_f(hidden))
-        return self._output(hidden, attention_mask, position_ids)
+            kw["inputs_embeds"] = torch.zeros_like(hidden_states)
+        call = _Call(None if plan.first else hidden_states, kw.get("inputs_embeds"))
+        with self._zbpp_standins(call):
+            if plan.last:
+                out = plan.hf_forward(self, **kw)
+            else:
+                out = self.get_submodule(plan.template.base)(**kw)  # type: ignore[attr-defined]
+        if plan.template.router_aux is not None:
+            router_logits = _append(router_logits, out.router_logits)
+        if plan.last:
+            if plan.template.router_aux is None:
+                return out.logits
+            return {"logits": out.logits, "router_logits": router_logits, "attention_mask": attention_mask}
+        result = {"hidden_states": call.produced, "attention_mask": attention_mask, "position_ids": position_ids}
+        if plan.template.router_aux is not None:
+            result["router_logits"] = router_logits
+        return result
+
+    @contextlib.contextmanager
+    def _zbpp_standins(self, call: _Call) -> Iterator[None]:
+        """During the call: the layer list at its full length (stand-ins where not held), the
+        modules not held as stand-ins, and hooks that put the received hidden states in and take
+        the stage's result out."""
+        plan = self._zbpp_plan
+        object.__setattr__(self, "_zbpp_call", call)
+        container: nn.Module = self.get_submodule(plan.template.blocks)  # type: ignore[attr-defined]
+        held = container._modules
+        full = OrderedDict((str(i), held.get(str(i), plan.skips[i])) for i in range(plan.template.num_layers))
+        hooks = []
+        if plan.lo == 0 and (call.inject is not None or plan.hi == 0):
+            def enter(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+                call.before_layers = False
+                if call.inject is not None and args:
+                    args = (call.inject, *args[1:])
+                elif call.inject is not None:
+                    kwargs = {**kwargs, "hidden_states": call.inject}
+                if plan.hi == 0:
+                    call.produced = args[0] if args else kwargs["hidden_states"]
+                return args, kwargs
+
+            hooks.append(full["0"].register_forward_pre_hook(enter, with_kwargs=True))
+        elif plan.lo == 0:
+            call.before_layers = False
+        if plan.hi >= 1 and not plan.last:
+            def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                call.produced = _hidden(output)
+
+            hooks.append(full[str(plan.hi - 1)].register_forward_hook(leave))
+        parents = [(self.get_submodule(p) if p else self, n) for p, n in plan.absent]  # type: ignore[attr-defined]
+        container._modules = full  # type: ignore[assignment]
+        absent = _Absent(self)  # type: ignore[arg-type]
+        for parent, n in parents:
+            parent._modules[n] = absent
+        try:
+            yield
+        finally:
+            container._modules = held
+            for parent, n in parents:
+                parent._modules[n] = None
+            for h in hooks:
+                h.remove()
+            object.__setattr__(self, "_zbpp_call", None)
+
+
+def _append(carried: torch.Tensor | None, produced: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+    """The router logits so far, ``[layers, tokens, experts]``, with this stage's layers' appended."""
+    parts = [] if carried is None else [carried]
+    if produced:
+        parts.append(torch.stack(list(produced)))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
+    """Whether the model's decoder layers return a tuple: seen in a forward on the ``meta`` device
+    up to its first layer."""
+    from .stages import _meta_values
+
+    first = next(iter(model.get_submodule(template.blocks)._modules.values()))
+    seen: list[bool] = []
+
+    def stop(module: nn.Module, args: Any, output: Any) -> None:
+        seen.append(isinstance(output, tuple))
+        raise _Stop
+
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
+    handle = first.register_forward_hook(stop)
+    try:
+        with torch.no_grad(), _meta_values(), _loop_experts(model):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
+                         f"{template.blocks}.0")
+    return seen[0]
+
+
+@contextlib.contextmanager
+def _loop_experts(model: nn.Module) -> Iterator[None]:
+    """HF's mixture-of-experts layers as a loop over experts for a forward on the ``meta`` device
+    (the grouped matmul's meta kernel takes only 16-bit floats)."""
+    config = model.config
+    was = getattr(config, "_experts_implementation", None)
+    if was in (None, "eager"):
+        yield
+        return
+    config._experts_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._experts_implementation = was
+
+
+_STAGE_CLASSES: dict[type, type] = {}
+
+
+def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first: bool, last: bool,
+              tuple_out: bool | None = None) -> nn.Module:
+    """`pruned` (the model with what the stage does not hold set to None) as a stage: its class
+    becomes a subclass of the model's own with `_CausalLMStage`'s forward."""
+    cls = type(pruned)
+    parent_fqn, _, leaf = template.blocks.rpartition(".")
+    parent = pruned.get_submodule(parent_fqn)
+    if parent._modules.get(leaf) is None:  # no layer held: an empty list, filled with stand-ins in a call
+        parent._modules[leaf] = type(model.get_submodule(template.blocks))()
+    held = sorted(int(n) for n in parent._modules[leaf]._modules)
+    n = template.num_layers
+    if held:
+        lo, hi = held[0], held[-1] + 1
+        if held != list(range(lo, hi)):
+            raise ValueError(f"a stage holds the decoder layers {held} of {template.blocks}: they must be contiguous")
+    elif first or last:  # only the embeddings, or only the final norm and LM head
+        lo = hi = 0 if first else n
+    else:
+        raise ValueError(f"a middle stage holds no decoder layer of {template.blocks}")
+    absent = []
+    for fqn, original in model.named_modules():
+        parent, _, child = fqn.rpartition(".")
+        if not fqn or fqn.startswith(template.blocks + "."):
+            continue
+        try:
+            holder = pruned.get_submodule(parent) if parent else pruned
+        except AttributeError:
+            continue
+        if not isinstance(holder, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and \
+                child in holder._modules and holder._modules[child] is None:
+            absent.append((parent, child))
+    if cls not in _STAGE_CLASSES:
+        _STAGE_CLASSES[cls] = type(f"{cls.__name__}Stage", (_CausalLMStage, cls), {"__module__": __name__})
+    pruned.__class__ = _STAGE_CLASSES[cls]
+    if tuple_out is None:
+        tuple_out = _layers_return_tuple(model, template)
+    plan = _Plan(template, first, last, cls.forward, lo, hi, tuple_out, absent)
+    plan.skips = [_Skip(pruned, i) for i in range(n)]
+    object.__setattr__(pruned, "_zbpp_plan", plan)
+    object.__setattr__(pruned, "_zbpp_call", None)
+    return pruned
+
+
+def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
+                 num_heads: int = 4, num_kv_heads: int | None = None, max_positions: int = 512,
+                 **overrides: Any) -> Any:
+    """A small config of any ``model_type`` for trials (random weights, nothing downloaded): the
+    sizes given, heads of ``hidden_size // num_heads``, an MLP 4x wide, mixture-of-experts with 4
+    experts (2 per token) of width `hidden_size`, token ids 0 for pad/bos/eos; the family's other
+    settings at HF's defaults. `overrides` are set last (a config attribute each).
+
+    >>> cfg = small_config("gemma2", hidden_size=32, num_layers=2)
+    >>> cfg.model_type, cfg.head_dim, cfg.num_hidden_layers
+    ('gemma2', 8, 2)
+    """
+    import transformers
+
+    head = hidden_size // num_heads
+    wanted: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
+        "ffn_dim": 4 * hidden_size, "n_inner": 4 * hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads or num_heads, "head_dim": head,
+        "max_position_embeddings": max_positions, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+        # mixture of experts (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3, ...)
+        "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden_size, "shared_expert_intermediate_size": hidden_size, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": min(1, num_layers - 1),
+        # DeepSeek's low-rank attention
+        "q_lora_rank": hidden_size // 2, "kv_lora_rank": hidden_size // 2, "qk_rope_head_dim": head,
+        "qk_nope_head_dim": head, "v_head_dim": head,
+    }
+    default = transformers.AutoConfig.for_model(model_type)
+    settable = {k for k in wanted if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)}
+    kw = {k: v for k, v in wanted.items() if k in settable}
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config

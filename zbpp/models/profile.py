@@ -32,6 +32,7 @@ blocks and repeat a block's `Layer` (``Profile([first, *[block] * n, last])``).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -39,6 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..modules.context import microbatch
+from ..runtime.wgrad import SavedBoxes, StageWgrad, has_own_wgrad
 from ..schedules.profile import Layer, Profile
 
 __all__ = ["measure_profile", "measure_causal_lm", "ADAMW_BYTES_PER_PARAM"]
@@ -81,16 +84,20 @@ def measure_profile(
 
     Per layer (times in seconds, on CUDA with CUDA events, else with ``time.perf_counter``):
 
-    - f, b, w: forward; ``torch.autograd.grad`` of the outputs with respect to the inputs that
-      need a gradient (0 for the first layer, whose input needs none); and with respect to the
-      parameters (0 without any). W runs through the layer's graph anew, so it also counts the
-      gradients of interior activations it passes through: an upper bound on a split backward's W.
+    - f, b, w: the layer's F, B and W tasks as `zbpp.Pipeline` runs them under a zero-bubble
+      schedule (one microbatch key per step, the same code: `zbpp.runtime.wgrad.StageWgrad`): B
+      computes the gradient of the inputs that need one and only what it needs (the runtime's
+      generic split; a first layer's B computes nothing), W every weight gradient (the rest of
+      the split backward, then the delayed-wgrad modules' ``backward_dw``). The layer's ``.grad``
+      (and ``main_grad``) are restored after measuring.
     - activation: bytes of the tensors autograd saves in F (`torch.autograd.graph.saved_tensors_hooks`),
       one count per storage, parameters and buffers left out. A layer's saved input is also the
       layer before's saved output, so summing layers counts such a tensor at each stage boundary.
-    - wgrad: the part of them saved by the backward nodes that produce a parameter's gradient
-      (those that reach it through nodes that unpack nothing, such as transposes): the inputs of
-      the weight GEMMs. The output gradients B hands to W are not counted.
+    - wgrad: the part of them W keeps: where the runtime splits the layer's backward, what its B
+      left unfreed (the split's own marks, `zbpp.runtime._autograd_split`); else the part saved by
+      the backward nodes that produce a parameter's gradient (those that reach it through nodes
+      that unpack nothing, such as transposes): the inputs of the weight GEMMs. The output
+      gradients B hands to W are not counted.
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
       gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
       LM head) counts in each, as on two ranks.
@@ -234,8 +241,9 @@ def _model_layers(model: nn.Module, example_input: Any, blocks: str | None, loss
 
     kind = getattr(getattr(model, "config", None), "model_type", None)
     is_hf = kind in hf.SUPPORTED
+    template = hf.check_template(model) if is_hf else None
     if blocks is None:
-        blocks = "transformer.h" if kind == "gpt2" else "model.layers"
+        blocks = template.blocks if template is not None else "model.layers"
     container = _container(model, blocks)
     before, after, everywhere = _outside(model, blocks)
     order = {f: i for i, f in enumerate(_model_order(model))}
@@ -250,10 +258,11 @@ def _model_layers(model: nn.Module, example_input: Any, blocks: str | None, loss
         parent = pruned.get_submodule(parent_fqn) if parent_fqn else pruned
         if parent._modules.get(leaf) is None:  # no block held: an empty container, so forward loops over none
             parent._modules[leaf] = type(container)()
-        if not is_hf:
+        if template is None:
             return pruned
-        wrap = hf._GPT2Stage if kind == "gpt2" else hf._DecoderStage
-        return wrap(pruned, model.config, first=first, last=last)
+        return hf._as_stage(pruned, model, template, first=first, last=last, tuple_out=tuple_out)
+
+    tuple_out = hf._layers_return_tuple(model, template) if template is not None else None
 
     named: list[tuple[str, nn.Module]] = []
     if before:
@@ -344,38 +353,73 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     timer = _Timer(_device_of([("", module)] if isinstance(module, nn.Module) else [], x))
     gen = torch.Generator().manual_seed(0)
     grads: list[torch.Tensor] | None = None
+    stage = module if isinstance(module, nn.Module) else nn.Module()
+    tasks = StageWgrad(stage)  # the runtime's B and W of this layer as a stage
+    split = has_own_wgrad(stage, tasks)
+    kept = _kept_gradients(stage)
 
-    def forward() -> tuple[Any, list[torch.Tensor]]:
-        out = _call(module, x)
-        if loss is not None and loss[0] is not None:
-            return out, [loss[0](out, loss[1])]
-        return out, [t for t in _tensors(out) if t.requires_grad]
+    def forward(key: Any = None, saved: SavedBoxes | None = None) -> tuple[Any, list[torch.Tensor]]:
+        with microbatch(key), saved if saved is not None else contextlib.nullcontext():
+            out = _call(module, x)
+            if loss is not None and loss[0] is not None:
+                return out, [loss[0](out, loss[1])]
+            return out, [t for t in _tensors(out) if t.requires_grad]
 
     times: dict[str, list[float]] = {"f": [], "b": [], "w": []}
     out: Any = None
-    for step in range(warmup + steps):
-        (out, outs), f = timer(forward)
-        if not outs:
-            raise ValueError(f"layer {lname!r}: no output needs a gradient (no parameter or input on its path), so "
-                             "it cannot be profiled for backward")
-        if grads is None:
-            grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)
-                     for t in outs]
-        b = w = 0.0
-        if inputs:
-            _, b = timer(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True))
-        if params:
-            _, w = timer(lambda: torch.autograd.grad(outs, params, grads, retain_graph=True, allow_unused=True))
-        if step >= warmup:
-            for k, v in (("f", f), ("b", b), ("w", w)):
-                times[k].append(v)
-        del outs
+    kept_by_w: dict[Any, int] | None = None
+    try:
+        for step in range(warmup + steps):
+            key = ("profile", step)
+            saved = SavedBoxes() if split and inputs else None  # as the runtime's F of a split B
+            (out, outs), f = timer(lambda: forward(key, saved))
+            if not outs:
+                raise ValueError(f"layer {lname!r}: no output needs a gradient (no parameter or input on its path), "
+                                 "so it cannot be profiled for backward")
+            if grads is None:
+                grads = [torch.ones_like(t) if t.dim() == 0
+                         else torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in outs]
+            held = saved.still_held() if saved is not None else None
+            _, b = timer(lambda: tasks.backward(key, outs, list(grads), inputs, saved, split=split))
+            if held is not None:  # what W keeps, by the runtime's own marks
+                kept_by_w = {_key(t)[0]: _key(t)[1] for t in held() if _key(t)[0] not in static_ids}
+            if split and not inputs:
+                b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
+            _, w = timer(lambda: tasks.run(key))
+            if not params:
+                w = 0.0  # no weight: W computes nothing
+            for t in inputs:
+                t.grad = None
+            if step >= warmup:
+                for k, v in (("f", f), ("b", b), ("w", w)):
+                    times[k].append(v)
+            del outs, saved
+    finally:
+        tasks.discard()
+        kept()
     activation, wgrad = _saved_bytes(forward, params, grads or [], static_ids)
+    if kept_by_w is not None:  # a split B: the saved tensors it left for W (else the rule above)
+        wgrad = sum(kept_by_w.values())
     static = sum(p.numel() * (2 * p.element_size() + opt) for p in
                  {id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())}.values())
     layer = Layer(lname, *(statistics.median(times[k]) for k in ("f", "b", "w")), activation=float(activation),
                   wgrad=float(min(wgrad, activation)), static=float(static))
     return _detached(out), layer
+
+
+def _kept_gradients(module: nn.Module) -> Callable[[], None]:
+    """Set the module's ``.grad`` and ``main_grad`` aside; the returned function puts them back."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    mains = [(m, m.clone()) for p in params if isinstance(m := getattr(p, "main_grad", None), torch.Tensor)]
+
+    def restore() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+        for m, copy in mains:
+            m.copy_(copy)
+
+    return restore
 
 
 def _detached(x: Any) -> Any:

@@ -2,9 +2,10 @@
 
 A stage is named by the modules it holds: a list of module FQNs per stage (torchtitan's
 ``module_fqns_per_model_part``), given or computed by `fqns_per_stage`, which balances the
-model's repeated blocks (``model.layers``) over the stages with the modules before the blocks on
-the first stage, those after on the last, and parameter-free ones (rotary embeddings, dropout)
-on every stage.
+model's repeated blocks (``model.layers``) over the stages, puts the modules a forward uses before
+the blocks on the first stage and those it uses after them on the last (seen in one forward on the
+``meta`` device; an ambiguous one raises), and parameter-free ones (rotary embeddings, dropout) on
+every stage.
 
 `pipeline_stages` builds this rank's stage modules from a model on the ``meta`` device (or a
 factory that builds one): each stage module is the model itself with the modules it does not hold
@@ -50,6 +51,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..schedules.ir import Schedule
 from .partition import balanced_partition
@@ -70,14 +72,23 @@ class PipelineStages(NamedTuple):
 
 # -- which stage holds what ------------------------------------------------------------------------
 def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.layers",
-                   balance: Balance = "params") -> list[list[str]]:
+                   balance: Balance = "params", example: Any = None) -> list[list[str]]:
     """The modules each of `num_stages` stages holds, as lists of module FQNs in model order.
 
     The children of `blocks` (a ``ModuleList``, ``ModuleDict`` or ``Sequential``) are split into
     contiguous runs, every stage holding at least one, so that the largest stage load is the
-    smallest possible (`zbpp.models.partition.balanced_partition`). The modules beside the path
-    from the model to `blocks` go to the first stage when registered before it, to the last
-    when after, and to every stage when they hold no parameter.
+    smallest possible (`zbpp.models.partition.balanced_partition`). The other modules beside the
+    path from the model to `blocks` are placed by use, seen in one forward of the model with
+    `example` (on the ``meta`` device when the model is there: nothing is computed): a module
+    with parameters used only before the first block goes to the first stage, one used only after
+    the last block to the last stage; one used both before and after, or while the blocks run, or
+    never, is ambiguous and raises (name its stage in ``module_fqns_per_stage``). A module
+    without parameters goes to every stage. `example` is the forward's input (a tensor, a tuple of
+    arguments or a dict of keyword arguments); for a Hugging Face model it defaults to a batch of
+    two tokens. Without it (a model that is not Hugging Face's), modules are placed by
+    registration order instead: before `blocks` on the first stage, after it on the last.
+    Buffers held directly by a module on the path to `blocks` (GPTBigCode's ``transformer.bias``)
+    are kept by every stage (`pipeline_stages`).
 
     `balance`:
       - ``"params"``: a stage's load is its parameter count (a tied parameter counted in each
@@ -89,6 +100,10 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
     blocks_mod = _container(model, blocks)
     block_fqns = [f"{blocks}.{name}" for name, m in blocks_mod._modules.items() if m is not None]
     before, after, everywhere = _outside(model, blocks)
+    if example is None:
+        example = _default_example(model)
+    if example is not None:
+        before, after = _placed_by_use(model, blocks_mod, before + after, example)
     costs, first, last = _costs(model, balance, block_fqns, before, after)
     sizes = balanced_partition(costs, num_stages, first=first, last=last)
     out: list[list[str]] = []
@@ -102,6 +117,125 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
         out.append([f for f in _model_order(model) if f in held])
         at += n
     return out
+
+
+def _default_example(model: nn.Module) -> Any:
+    """Two tokens for a Hugging Face model (one with a ``config`` whose forward takes ``input_ids``)."""
+    import inspect
+
+    if getattr(model, "config", None) is None:
+        return None
+    try:
+        takes_ids = "input_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if not takes_ids:
+        return None
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+
+
+class _Use(NamedTuple):
+    phase: list[str]  # "before", "blocks" (from the first block's start to the last one's end), "after"
+    active: list[str]  # the watched modules running now, innermost last
+    seen: dict[str, set[str]]  # module FQN -> the phases it was used in
+
+
+#: what a tensor's value decides, answered for a meta tensor during the placement trace
+_DATA_DEPENDENT: dict[Any, Callable[[torch.Tensor], Any]] = {
+    torch.Tensor.item: lambda t: False if t.dtype == torch.bool else 0,
+    torch.Tensor.__bool__: lambda t: False,
+    torch.Tensor.__int__: lambda t: 0,
+    torch.Tensor.__index__: lambda t: 0,
+    torch.Tensor.__float__: lambda t: 0.0,
+    torch.Tensor.tolist: lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist(),
+    torch.Tensor.nonzero: lambda t: torch.empty(0, t.dim(), dtype=torch.long, device="meta"),
+    torch.nonzero: lambda t: torch.empty(0, t.dim(), dtype=torch.long, device="meta"),
+}
+
+
+class _meta_values(TorchFunctionMode):
+    """Answers what a meta tensor's value would decide (``.item()``, ``bool``, ``nonzero``) with a
+    fixed value, so that a forward on the ``meta`` device runs through its branches."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _DATA_DEPENDENT and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return _DATA_DEPENDENT[func](args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], example: Any) -> tuple[list[str], list[str]]:
+    """Run `model` once on `example` and split the `watched` modules into those used only before
+    the blocks and those used only after them; anything else raises."""
+    use = _Use(["before"], [], {f: set() for f in watched})
+    owners: dict[int, list[str]] = {}
+    for f in watched:
+        for t in [*model.get_submodule(f).parameters(), *model.get_submodule(f).buffers()]:
+            owners.setdefault(id(t), []).append(f)
+    handles = []
+    children = [m for m in blocks_mod._modules.values() if m is not None]
+
+    def block_start(module: nn.Module, args: Any) -> None:
+        use.phase[0] = "blocks"
+
+    def block_end(module: nn.Module, args: Any, out: Any) -> None:
+        if module is children[-1]:
+            use.phase[0] = "after"
+
+    def enter(f: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            use.active.append(f)
+            use.seen[f].add(use.phase[0])
+        return hook
+
+    def leave(f: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if use.active and use.active[-1] == f:
+                use.active.pop()
+        return hook
+
+    class Tensors(_meta_values):
+        """A watched module's tensor used by code outside its module (``F.linear(h, embed.weight)``)."""
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            for a in [*args, *(kwargs or {}).values()]:
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    fs = owners.get(id(t)) if isinstance(t, torch.Tensor) else None
+                    if fs and not any(f in use.active for f in fs):
+                        for f in fs:
+                            use.seen[f].add(use.phase[0])
+            return super().__torch_function__(func, types, args, kwargs)
+
+    for m in children:
+        handles += [m.register_forward_pre_hook(block_start), m.register_forward_hook(block_end)]
+    for f in watched:
+        for m in model.get_submodule(f).modules():
+            handles += [m.register_forward_pre_hook(enter(f)), m.register_forward_hook(leave(f))]
+    try:
+        with torch.no_grad(), Tensors():
+            if isinstance(example, Mapping):
+                model(**example)
+            elif isinstance(example, tuple):
+                model(*example)
+            else:
+                model(example)
+    except Exception as exc:
+        raise ValueError(f"placing the modules beside the blocks needs one forward of {type(model).__name__} on the "
+                         f"example input, which failed ({type(exc).__name__}: {exc}); pass module_fqns_per_stage, or "
+                         "an example= the forward takes") from exc
+    finally:
+        for h in handles:
+            h.remove()
+    before = [f for f in watched if use.seen[f] == {"before"}]
+    after = [f for f in watched if use.seen[f] == {"after"}]
+    unclear = {f: sorted(p) for f, p in use.seen.items() if f not in before and f not in after}
+    if unclear:
+        raise ValueError(f"cannot place {unclear} (module: the phases of the forward that use it; [] = never): a module "
+                         "with parameters beside the blocks must be used only before the first block (first stage) "
+                         "or only after the last one (last stage); name their stages in module_fqns_per_stage")
+    order = _model_order(model)
+    return sorted(before, key=order.index), sorted(after, key=order.index)
 
 
 def _container(model: nn.Module, blocks: str) -> nn.Module:
@@ -205,10 +339,22 @@ def _check_fqns(model: nn.Module, fqns: Sequence[Sequence[str]], num_stages: int
                 raise ValueError(f"module {f!r} of stage {s} overlaps {inside} of another stage")
     held = [f for names in fqns for f in names]
     orphans = [n for n in _state_names(model) if not any(n.startswith(f + ".") for f in held)]
+    shared = [n for n in orphans if _on_path(n, held)]
+    wide = [n for n in shared if n in dict(model.named_parameters(remove_duplicate=False))]
+    if wide:
+        raise ValueError(f"parameters {wide[:8]} belong directly to a module that holds modules of several stages, so no "
+                         "one stage holds them: move them into a submodule and list it")
+    orphans = [n for n in orphans if n not in shared]  # buffers of a module on the way: every stage below keeps them
     if orphans:
         raise ValueError(f"no stage holds {orphans[:8]}{' ...' if len(orphans) > 8 else ''}: every parameter and "
                          "buffer of the model must be in a module some stage lists")
     return fqns
+
+
+def _on_path(name: str, held: Sequence[str]) -> bool:
+    """Whether tensor `name` belongs directly to a module that contains a held module."""
+    owner = name.rpartition(".")[0]
+    return any(f.startswith(owner + ".") if owner else True for f in held)
 
 
 def _state_names(model: nn.Module) -> Iterator[str]:
@@ -231,6 +377,7 @@ def pipeline_stages(
     init: Callable[[nn.Module], None] | None = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     seed: int = 0,
+    example: Any = None,
 ) -> PipelineStages:
     """This rank's stage modules of `schedule` cut from `model`, and its tied parameters.
 
@@ -241,7 +388,8 @@ def pipeline_stages(
         schedule: the `zbpp.schedules.Schedule`; this rank builds ``schedule.stages_on(pp_rank)``.
         pp_rank: this rank's pipeline rank.
         module_fqns_per_stage: one list of module FQNs per stage (every parameter must be in one);
-            default `fqns_per_stage` with `blocks` and `balance`.
+            default `fqns_per_stage` with `blocks`, `balance` and `example`. The buffers a module
+            on the way to the listed ones holds itself are kept by every stage under it.
         device: where the stages live; default the current CUDA device under NCCL, else the CPU.
         init: ``init(module)`` initialises the parameters and buffers of one held module (and its
             submodules); default: Hugging Face's ``model._init_weights`` on every submodule, else each
@@ -265,16 +413,17 @@ def pipeline_stages(
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < schedule.num_ranks:
         raise ValueError(f"pp_rank must be an int in [0, {schedule.num_ranks}), got {pp_rank!r}")
     S = schedule.num_stages
-    if module_fqns_per_stage is None:
-        fqns = fqns_per_stage(model, S, blocks=blocks, balance=balance)
-    else:
-        fqns = _check_fqns(model, module_fqns_per_stage, S)
+    fqns = module_fqns_per_stage
+    if fqns is None:
+        fqns = fqns_per_stage(model, S, blocks=blocks, balance=balance, example=example)
+    fqns = _check_fqns(model, fqns, S)  # fqns_per_stage's own answer passes the same check
     _warn_hidden_ties(model)
     dev = _device(device)
     mine = schedule.stages_on(pp_rank)
     memo: dict[int, Any] = {}
     modules = {s: _prune(model, "", set(fqns[s]), memo) for s in mine}
     fresh = _materialise(modules.values(), dev)
+    _initialise_path_buffers(model, modules, fqns, init, seed, dev, fresh)
     _initialise(model, modules, fqns, mine, init, seed, dev)
     if state_dict is not None:
         _load(model, modules, state_dict)
@@ -313,7 +462,10 @@ def _prune(module: nn.Module, prefix: str, held: set[str], memo: dict[int, Any])
     shell = module.__class__.__new__(module.__class__)
     state = {k: (copy.copy(v) if isinstance(v, (dict, set)) else v) for k, v in module.__dict__.items()}
     shell.__dict__.update(state)
-    shell._parameters, shell._buffers, shell._non_persistent_buffers_set = {}, {}, set()
+    # its own buffers go with it (the stages below need them); its own parameters cannot (_check_fqns)
+    shell._parameters = {}
+    shell._buffers = {k: copy.deepcopy(v, memo) for k, v in module._buffers.items()}
+    shell._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
     shell._modules = OrderedDict()
     for name, child in module._modules.items():
         fqn = prefix + name
@@ -382,6 +534,28 @@ def _initialise(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list
                 for t, value in kept:
                     t.copy_(value)
             ready.update(id(t) for t in tensors)
+
+
+def _initialise_path_buffers(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list[str]],
+                             init: Callable[[nn.Module], None] | None, seed: int, device: torch.device,
+                             fresh: dict[int, str]) -> None:
+    """The buffers that a module on the way to the held ones holds itself, made from the meta device:
+    initialised by `init`, else Hugging Face's ``_init_weights`` or ``reset_parameters`` of that
+    module alone (before the held modules, which keep their own initialisation)."""
+    hf = getattr(model, "_init_weights", None)
+    for s, root in modules.items():
+        for name, m in root.named_modules():
+            if name in fqns[s] or any(name.startswith(f + ".") for f in fqns[s]):
+                continue
+            if not any(id(b) in fresh for b in m._buffers.values() if b is not None):
+                continue
+            with _seeded(seed, name, device):
+                if init is not None:
+                    init(m)
+                elif callable(hf):
+                    hf(m)
+                elif callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
 
 
 def _default_init(model: nn.Module) -> Callable[[nn.Module], None]:

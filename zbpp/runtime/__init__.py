@@ -1,14 +1,17 @@
 """zbpp.runtime: run a `zbpp.schedules.Schedule` across ranks with torch.distributed.
 
-- `Pipeline`: the step (`pipeline.py`), one interpreter for every schedule (`executor.py`), its
-  queue of sends and receives at the points the schedule's plan gives (`comm_queue.py`,
-  `zbpp.schedules.plan`) on one channel per direction (`channels.py`), the step's agreements
-  (`agreement.py`), gradients of earlier steps kept apart (`grad_aside.py`), W tasks (`wgrad.py`);
-  `PipelineError`, `ShapeMismatchError` and `GraphCaptureError` (`errors.py`); tasks replayed from
-  CUDA graphs (`task_graphs.py`).
+- `Pipeline`: the step (`pipeline.py`, its arguments checked in `arguments.py`, its input in
+  `step_input.py`, the microbatches' loss factors in `loss_weights.py`), one interpreter for every
+  schedule with each task written once (`executor.py`), run eagerly or replayed from CUDA graphs
+  (`task_graphs.py`), its queue of sends and receives at the points the schedule's plan gives
+  (`comm_queue.py`, `zbpp.schedules.plan`) on one channel per direction (`channels.py`), the
+  step's failure record (`failure.py`) and agreements (`agreement.py`), every reduction of the
+  gradients behind one object (`reductions.py`: gradients of earlier steps kept apart in
+  `grad_aside.py`, data parallelism in `grad_reduce.py` or `fsdp.py`, tied parameters in
+  `tied.py`), W tasks (`wgrad.py`); `PipelineError`, `ShapeMismatchError` and `GraphCaptureError`
+  (`errors.py`).
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
-- `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`); data
-  parallelism: `grad_reduce.py`.
+- `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`).
 - `save_checkpoint` / `load_checkpoint`: DCP checkpoints keyed by the whole model's parameter
   names, loadable at any other layout (`checkpoint.py`); FSDP2 stages: `fsdp.py`.
 - `init_distributed`: initialise torch.distributed from torchrun's environment with a timeout.

@@ -9,10 +9,12 @@ CPU can run ahead of the GPU across steps.
   the input's hash and row count and the target's row count, and its base seed (the random
   streams of the F tasks derive from pipeline rank 0's: `zbpp.runtime.rng`). A rejected input, or a target whose
   rows differ from the input's, raises on every rank before any compute.
+  `decide_start` decides: the step's rows, seed and input signature (`StartDecision`).
 - At the end, every rank contributes an `EndReport`: whether it failed (and in which task, and
   when), drained because a peer failed, or saw its communication break. If any rank failed, every
   rank raises; the failing ranks' messages travel with the agreement, so every rank names the first
-  failure (by wall-clock time: a rank computing on a drained peer's placeholders may fail after it).
+  failure (by wall-clock time: a rank computing on a drained peer's placeholders may fail after it;
+  `failed_step_error`).
 
 A rank that died makes the agreement fail. gloo tells only the ranks that exchange data with it
 directly (a closed connection, at once); the others would wait for the group's timeout. So a rank
@@ -27,14 +29,19 @@ False
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
 from .._compat import default_store, process_group_name
+from .errors import PipelineError
 from .polling import poll
 
-__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob"]
+if TYPE_CHECKING:
+    from ..schedules.ir import Action
+    from .failure import StepFailure
+
+__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "decide_start", "decide_end", "failed_step_error"]
 
 R = TypeVar("R", "StartReport", "EndReport")
 
@@ -123,3 +130,94 @@ class Agreement:
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             self.mark_broken(why)
             raise BrokenJob(why) from exc
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    """What the start agreement decided for one pipeline (every rank of it decides the same)."""
+
+    rows: int  #: rows of the batch (from the rank holding stage 0)
+    seed: int  #: base seed of the microbatches' random streams (pipeline rank 0's)
+    signature: tuple  #: the step's input signature: the input's shapes and rows, every rank's module state
+
+
+def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException | None, topology: Any,
+                 schedule: Any, forward_only: bool) -> StartDecision:
+    """Gather every rank's `StartReport` and decide: raise on every rank when one rejected its
+    input (that rank: its own error) or a target's rows differ from the input's; else the step's
+    rows, seed and signature. `BrokenJob` when a rank is gone."""
+    reports = agreement.gather(mine)
+    if any(r.rejected for r in reports):
+        texts = agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
+        if problem is not None:
+            raise problem
+        bad = [(rank, t) for rank, t in zip(topology.world, texts) if t is not None]
+        raise PipelineError(
+            f"global rank {bad[0][0]} rejected its part of the step's input ({bad[0][1]}); "
+            f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
+        )
+    first_rank, last_rank = schedule.rank_of(0), schedule.rank_of(schedule.num_stages - 1)
+    for pipeline in topology.pipelines:  # every replica's, so that every rank of the job raises
+        n_in = reports[topology.world.index(pipeline[first_rank])].input_rows
+        n_tgt = reports[topology.world.index(pipeline[last_rank])].target_rows
+        if n_tgt >= 0 and n_tgt != n_in:
+            raise ValueError(
+                f"the target has {n_tgt} rows along dim 0 but the input has {n_in} (pipeline of global ranks "
+                f"{list(pipeline)}): every tensor of the input and of the target is split into the same "
+                "microbatches along dim 0, except shared ones (one row, or Replicated). Nothing was computed"
+            )
+    mine_ = [reports[topology.world.index(g)] for g in topology.pipeline]
+    rows = mine_[first_rank].input_rows
+    return StartDecision(rows, mine_[0].seed,
+                         (forward_only, mine_[first_rank].input_hash, rows, *(r.state_hash for r in mine_)))
+
+
+def decide_end(agreement: Agreement, record: StepFailure, tasks: Sequence[Action], *, where: str, schedule: str,
+               rank: int, kept_grads: bool, broken: str | None,
+               roll_back: Callable[[], None]) -> tuple[PipelineError | None, str | None]:
+    """Gather every rank's `EndReport` (this rank's from its failure `record` of the step, whose
+    plan is `tasks`) and decide: None when every rank succeeded; else `roll_back` this rank's step
+    and return the error it raises, and why the pipeline is unusable now (`broken`). Raises
+    `BrokenJob` (after `roll_back`) when a rank is gone or this rank's communication broke."""
+    mine = EndReport(failed=record.error is not None, drained=record.draining, comm_broken=record.comm_error is not None,
+                     task=tasks.index(record.task) if record.task in tasks else -1, failed_at_us=int(record.at * 1e6))
+    try:
+        if record.comm_error is not None:  # a dead peer: no agreement can complete; tell the others
+            why = f"{where} could not communicate: {type(record.comm_error).__name__}: {record.comm_error}"
+            agreement.mark_broken(why)
+            raise BrokenJob(why)
+        reports = agreement.gather(mine)
+    except BrokenJob:
+        roll_back()
+        raise
+    if not any(r.failed or r.drained or r.comm_broken for r in reports):
+        return None, broken
+    roll_back()
+    error, broken = failed_step_error(agreement, reports, record.report(tasks, where, schedule, rank),
+                                      kept_grads=kept_grads, broken=broken)
+    if record.error is not None:
+        error.__cause__ = record.error
+    return error, broken
+
+
+def failed_step_error(agreement: Agreement, reports: list[EndReport], text: str | None, *, kept_grads: bool,
+                      broken: str | None) -> tuple[PipelineError, str | None]:
+    """After a failed step: every failing rank's `text` gathered; the error every rank raises, naming
+    the first failure (by wall-clock time, with how many failed after it) and the schedule around
+    its task; and why the pipeline is unusable now (`broken`, or a send or receive that failed)."""
+    texts = agreement.gather_texts(text)
+    failed = sorted((r.failed_at_us, i) for i, r in enumerate(reports) if r.failed and texts[i] is not None)
+    first, _, around = (texts[failed[0][1]] if failed else "").partition("\n")  # the failing rank's tasks, at the end
+    if first and len(failed) > 1:
+        first += f" ({len(failed) - 1} more rank(s) failed after it)"
+    if any(r.comm_broken for r in reports):
+        broken = (
+            "this Pipeline is unusable: a send or receive failed during a failed step (a dead peer?), so its "
+            f"communicators are in an unknown state. First failure: {first or None}. End the processes and restart"
+        )
+    kept = "gradients of earlier steps kept" if kept_grads else ".grad set to None, main_grad zeroed"
+    msg = (f"step failed on {first or 'a rank whose message did not arrive'}. Every rank of the job raised; "
+           f"this rank discarded the step's gradients ({kept})"
+           + (f". {broken}" if broken else "; the pipeline is usable")
+           + (f"\n{around}" if around else ""))
+    return PipelineError(msg), broken

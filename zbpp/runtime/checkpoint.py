@@ -13,10 +13,14 @@ Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
 
     {"model": {name: tensor},                                  # every stage's state_dict()
      "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
-                   "param_groups": {name: {"lr": ..., "betas": ..., ...}}}}
+                   "param_groups": {name: {"lr": ..., "betas": ..., ...}}},
+     "lr_scheduler": {"state": <pickled state_dict>},           # given lr_scheduler=
+     "rng": {"step": ..., "seed": ...}}                         # a Pipeline's random stream
 
-The optimizer's state is keyed by parameter name too, so it follows its parameter to whichever
-rank holds it next. One file for ``nn.Module.load_state_dict``::
+The optimizer's state is keyed by parameter name too, under every name a parameter has on the rank
+(a tied Parameter shared by two stages: the embedding's and the LM head's), so it follows its
+parameter to whichever rank holds it next, one Parameter or copies. `load_checkpoint` says what
+comes back (the checkpoint's hyperparameters win). One file for ``nn.Module.load_state_dict``::
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save("ckpt/step-100", "model.pt")
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import warnings
 from typing import Any, Iterator, Mapping
 
@@ -83,15 +88,19 @@ def _same(a: Any, b: Any) -> bool:
     return False
 
 
-def _param_names(mods: list[nn.Module]) -> dict[int, tuple[str, nn.Parameter]]:
-    names: dict[int, tuple[str, nn.Parameter]] = {}
+def _param_names(mods: list[nn.Module]) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in this rank's stages (a tied Parameter that two stages
+    of a V placement share has two: the embedding's and the LM head's)."""
+    names: dict[int, list[str]] = {}
     for m in mods:
-        for name, p in m.named_parameters():
-            names.setdefault(id(p), (name, p))
+        for name, p in m.named_parameters(remove_duplicate=False):
+            held = names.setdefault(id(p), [])
+            if name not in held:
+                held.append(name)
     return names
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter, dict]]:
+def _optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, list[str]]) -> list[tuple[list[str], nn.Parameter, dict]]:
     out = []
     for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -100,7 +109,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, tuple[s
                     f"the optimizer's param_groups[{index}] holds a parameter (shape {tuple(p.shape)}) that no stage "
                     "module of this rank holds: build the optimizer over this rank's stage parameters"
                 )
-            out.append((names[id(p)][0], p, group))
+            out.append((names[id(p)], p, group))
     return out
 
 
@@ -109,14 +118,19 @@ def _hyper(group: dict) -> dict[str, Any]:
 
 
 def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                    *, process_group: Any = None) -> None:
+                    *, lr_scheduler: Any = None, process_group: Any = None) -> None:
     """Save this rank's share of the model (and optimizer) state into the DCP checkpoint `path`.
 
     Args:
         model: a `zbpp.Pipeline`, a mapping ``{stage: module}``, or an ``nn.Module``: the stages of
-            this rank, whose ``state_dict()`` keys are the whole model's names.
+            this rank, whose ``state_dict()`` keys are the whole model's names. A Pipeline's random
+            stream (``rng_step`` and its base seed) is saved too.
         path: the checkpoint directory (shared by every rank).
         optimizer: an optimizer over this rank's stage parameters (plain or ``fully_shard`` ones).
+            A parameter's state and hyperparameters are saved under each of its names (a tied
+            Parameter that one rank's stages share: under the embedding's and the LM head's name).
+        lr_scheduler: a ``torch.optim.lr_scheduler`` (anything with ``state_dict()``) over
+            `optimizer`; built alike on every rank, so one copy is kept.
         process_group: the ranks that save together; default: every rank of the default group.
 
     Example (one process; under torchrun every rank does the same with its stages)::
@@ -137,20 +151,39 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     if optimizer is not None:
         opt_state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
-        for name, p, group in _optimizer_params(optimizer, _param_names(mods)):
-            if optimizer.state.get(p):
-                opt_state[name] = dict(optimizer.state[p])
-            groups[name] = _hyper(group)
+        for names, p, group in _optimizer_params(optimizer, _param_names(mods)):
+            for name in names:  # every name: the rank that holds it at the next layout finds it
+                if optimizer.state.get(p):
+                    opt_state[name] = dict(optimizer.state[p])
+                groups[name] = _hyper(group)
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = {"state": pickle.dumps(lr_scheduler.state_dict())}
+    rng = _rng_state(model)
+    if rng is not None:
+        state["rng"] = rng
     with _one_process_quiet():
         dcp.save(state, checkpoint_id=os.fspath(path), process_group=process_group)
 
 
 def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                    *, process_group: Any = None) -> None:
+                    *, lr_scheduler: Any = None, process_group: Any = None) -> None:
     """Load the DCP checkpoint `path` (written by `save_checkpoint` at any layout) into this rank's
-    stages, and into `optimizer` given one: its state and each parameter group's hyperparameters
-    (``lr``, ...) come from the checkpoint's entries of the group's parameters.
+    stages, and into `optimizer` and `lr_scheduler` given them.
+
+    What comes back (the run continues as if never stopped):
+
+    - every parameter and buffer of this rank's stages, by name;
+    - the optimizer's per-parameter state (``exp_avg``, ``step``, ...), by parameter name: a tied
+      Parameter gets the state saved under any of its names, so copies on several ranks and one
+      Parameter shared by a V placement's two stages convert into each other;
+    - the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``, ... every key of a
+      parameter group but ``params``): the checkpoint's win over the new optimizer's, as with
+      ``torch.optim.Optimizer.load_state_dict``. To change one on resume, set it after loading;
+    - `lr_scheduler`'s state (``last_epoch``, ``base_lrs``, ...) when given and saved: the next
+      ``lr_scheduler.step()`` sets the learning rate the uninterrupted run would have;
+    - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
+      uninterrupted run draws (the new Pipeline's ``seed`` argument is overridden).
 
     Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks
     raises (DCP's error names it); the checkpoint may hold more (other ranks' stages).
@@ -161,13 +194,14 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     mods = _stage_modules(model)
     model_state = _model_state(mods)
     state: dict[str, Any] = {"model": model_state}
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     wanted: list[tuple[str, nn.Parameter, dict]] = []
     if optimizer is not None:
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        wanted = _optimizer_params(optimizer, _param_names(mods))
         opt_state: dict[str, dict[str, Any]] = {}
         groups: dict[str, Any] = {}
-        for name, p, group in wanted:
+        for names, p, group in _optimizer_params(optimizer, _param_names(mods)):
+            name = next((n for n in names if _saved(meta, f"optimizer.param_groups.{n}.")), names[0])
+            wanted.append((name, p, group))
             entry = _optimizer_destination(meta, name, p)
             if entry:
                 opt_state[name] = entry
@@ -176,6 +210,13 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
             if hyper:
                 groups[name] = hyper
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
+    if lr_scheduler is not None:
+        if "lr_scheduler.state" not in meta:
+            raise ValueError(f"the checkpoint {path!r} holds no LR scheduler state (saved without lr_scheduler=)")
+        state["lr_scheduler"] = {"state": None}
+    restore_rng = hasattr(model, "rng_step") and "rng.step" in meta
+    if restore_rng:
+        state["rng"] = {"step": None, "seed": None}
     with _one_process_quiet():
         dcp.load(state, checkpoint_id=path, process_group=process_group)
     for m in mods:
@@ -187,6 +228,29 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
                 optimizer.state[p] = dict(loaded["state"][name])
             for key, value in loaded["param_groups"].get(name, {}).items():
                 group[key] = value
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]["state"]))
+    if restore_rng:
+        model.rng_step = int(state["rng"]["step"])
+        model._base_seed = int(state["rng"]["seed"])
+
+
+def _saved(meta: Mapping[str, Any], prefix: str) -> bool:
+    return any(k.startswith(prefix) for k in meta)
+
+
+def _rng_state(model: Any) -> dict[str, int] | None:
+    """A Pipeline's random stream: the steps taken and the base seed in effect, which is pipeline
+    rank 0's (every rank of a pipeline draws from that one)."""
+    if not hasattr(model, "rng_step") or not hasattr(model, "_base_seed"):
+        return None
+    seed = [int(model._base_seed)]
+    topology = getattr(model, "topology", None)
+    if topology is not None and topology.distributed and topology.pp_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(seed, src=topology.pipeline[0], group=topology.pp_group)
+    return {"step": int(model.rng_step), "seed": seed[0]}
 
 
 @contextlib.contextmanager

@@ -59,7 +59,7 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
 def _pp_group(source: Any, groups: Any) -> tuple[Any, int]:
     """The group to sum over, and its size. Without groups: the source's, else the whole world."""
     if groups is None:
-        groups = getattr(source, "topology", None) or getattr(source, "groups", None)
+        groups = getattr(source, "topology", None) or getattr(source, "groups", None)  # a Pipeline's, or any
     if groups is not None and hasattr(groups, "pp_group"):
         return groups.pp_group, int(getattr(groups, "pp_size", None) or groups.pp)  # a Topology or ParallelGroups
     if dist.is_available() and dist.is_initialized():
@@ -85,8 +85,8 @@ def clip_grad_norm_(
         pipeline_or_params: a `Pipeline` or module (anything with ``parameters()``), a mapping
             ``{stage: module}``, or an iterable of parameters: this rank's share of the model.
         max_norm: the largest allowed norm.
-        groups: a `ParallelGroups`; defaults to ``pipeline.groups``, else the whole world is one
-            pipeline (no data parallelism).
+        groups: a `ParallelGroups`; defaults to the pipeline's own (``Pipeline.topology``), else
+            the whole world is one pipeline (no data parallelism).
         norm_type: p of the p-norm, ``math.inf`` for the max norm.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
 

@@ -1,16 +1,14 @@
 """The communication queue of one rank's step: the plan's sends and receives, in order.
 
-`CommQueue` is mixed into `zbpp.runtime.executor.StepExecutor`, whose fields it uses: ``plan``
-(this rank's `RankPlan`), ``channels``, ``specs`` and ``new_signature`` (the shapes of this input
-signature, and whether they are still being learnt), ``in_flight``, the failure record (``current``,
-``failure``, ``comm_error``, ``upstream_failed``, ``draining``, ``_fail``) and the per-step queues
-(``_outbox``, ``_queues``, ``_received``, ``_sending``, ``_dead``; the end of a step also clears
-``_slots`` and ``_handed``).
+`CommQueue` is built for each step from this rank's `RankPlan`, the channels, the shapes of the
+step's input signature (``specs``, still being learnt when ``new_signature``), the sends still in
+flight from earlier steps and the step's `StepFailure` record, which it writes when communication
+breaks and reads to know whether the rank drains.
 
-Before each task the executor calls `_issue`: sends of data already produced go out, receives join
-their channel's queue and are posted, in the channel's order, as soon as their shapes are known.
-A task takes its input with `_receive`. A draining rank sends placeholders (`_placeholder`), so its
-peers complete the step's communication; `_complete_communication` ends the step.
+Before each task the executor calls `issue`: sends of data already produced (handed in with `put`)
+go out, receives join their channel's queue and are posted, in the channel's order, as soon as
+their shapes are known. A task takes its input with `receive`. A draining rank sends placeholders
+(`_placeholder`), so its peers complete the step's communication; `complete` ends the step.
 """
 
 from __future__ import annotations
@@ -20,9 +18,10 @@ from typing import Any
 
 import torch
 
-from ..schedules.plan import Message
+from ..schedules.plan import Message, RankPlan
 from .errors import PipelineError, ShapeMismatchError
-from .tree import TensorMeta
+from .failure import StepFailure
+from .tree import Spec, TensorMeta
 
 __all__ = ["CommQueue", "Drained", "POISON", "Posted"]
 
@@ -55,9 +54,34 @@ class Posted:
 
 
 class CommQueue:
-    """The communication methods of `StepExecutor` (see the module docstring)."""
+    """The sends and receives of one rank's step (see the module docstring).
 
-    def _issue(self, boundary: int) -> None:
+    Args:
+        plan: this rank's plan: at which task boundary each operation is issued.
+        channels: the point-to-point channels (None when the pipeline has one rank).
+        specs: the activation specs of this step's signature, ``(stage, microbatch) -> Spec``;
+            filled here when `new_signature` (received in-band), read otherwise.
+        new_signature: each activation message is preceded by its spec.
+        in_flight: sends still in flight from earlier steps (CUDA), reaped as they complete; this
+            step's join them at its end.
+        failure: the step's failure record.
+    """
+
+    def __init__(self, plan: RankPlan, channels: Any, specs: dict[tuple[int, int], Any], new_signature: bool,
+                 in_flight: list[tuple[list[Any], list[torch.Tensor]]], failure: StepFailure) -> None:
+        self.plan, self.channels, self.specs, self.new_signature = plan, channels, specs, new_signature
+        self.in_flight, self.failure = in_flight, failure
+        self._outbox: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # produced, not yet sent
+        self._queues: dict[tuple[int, int], list[Posted]] = {}  # receives due, per channel, in order
+        self._received: dict[int, Posted] = {}  # posted receives, by message index
+        self._sending: list[tuple[list[Any], list[torch.Tensor], tuple[int, int]]] = []
+        self._dead: set[tuple[int, int]] = set()  # channels that broke
+
+    def put(self, msg: Message, spec: Spec | None, tensors: list[torch.Tensor]) -> None:
+        """The data of `msg` (and its spec on a new signature), sent when the plan issues it."""
+        self._outbox[msg.index] = (spec, tensors)
+
+    def issue(self, boundary: int) -> None:
         """Issue the plan's operations at `boundary`; never raises (a failure makes the rank drain)."""
         for op in self.plan.issue[boundary]:
             if op.send:
@@ -73,14 +97,14 @@ class CommQueue:
     def _comm_failed(self, exc: BaseException, channel: tuple[int, int] | None = None) -> None:
         """A send or receive raised: a ShapeMismatchError of this rank's output (the rank drains), or
         the channel broke (a dead peer: nothing more goes on it, and the pipeline is unusable)."""
-        if isinstance(exc, ShapeMismatchError) or (channel is None and not self.draining):
-            self._fail(exc, self.current)
+        f = self.failure
+        if isinstance(exc, ShapeMismatchError) or (channel is None and not f.draining):
+            f.fail(exc, f.current)
             return
         if channel is not None:
             self._dead.add(channel)
-        self.comm_error = self.comm_error or exc
-        if self.failure is None:
-            self._fail(exc, self.current)
+        f.comm_error = f.comm_error or exc
+        f.fail(exc, f.current)
 
     def _send(self, msg: Message) -> None:
         spec, tensors = self._outbox.pop(msg.index, (None, None))
@@ -142,7 +166,7 @@ class CommQueue:
         item.bufs, item.works = self.channels.irecv(metas, item.message.channel)
         self._received[item.message.index] = item
 
-    def _receive(self, msg: Message) -> list[torch.Tensor]:
+    def receive(self, msg: Message) -> list[torch.Tensor]:
         """The tensors of `msg`, once arrived (on CUDA: the compute stream waits for them). Receives
         the spec first when it comes in-band (a new signature's step), which blocks until it has arrived."""
         item = self._received.pop(msg.index, None)
@@ -161,7 +185,7 @@ class CommQueue:
                 raise Drained() from exc
             self.specs[(msg.src.stage, msg.src.microbatch)] = spec
             if spec is POISON:
-                self.upstream_failed = True
+                self.failure.upstream = True
                 item.bufs, item.poisoned = [], True
             else:
                 self._post(item, list(spec.tensors))
@@ -177,20 +201,20 @@ class CommQueue:
         assert item.bufs is not None
         return item.bufs
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         """Drop the buffers of completed sends (CUDA: an event query, never a wait)."""
         self.in_flight[:] = [(w, k) for w, k in self.in_flight if not all(x.is_completed() for x in w)]
         if self._sending:
             self._sending = [(w, k, c) for w, k, c in self._sending if not all(x.is_completed() for x in w)]
 
-    def _complete_communication(self) -> None:
+    def complete(self) -> None:
         """End of the step: every receive consumed (draining: waited for and dropped), every send
         handed over (gloo: waited for; CUDA: kept in `in_flight` until it completes, so the compute
         stream never waits for a peer)."""
         for queue in self._queues.values():  # draining: receives never consumed
             while queue:
                 try:
-                    self._receive(queue[0].message)
+                    self.receive(queue[0].message)
                 except Drained:
                     pass
         for item in self._received.values():
@@ -211,5 +235,3 @@ class CommQueue:
                     self._comm_failed(exc, channel)
         self._sending.clear()
         self._outbox.clear()
-        self._slots.clear()
-        self._handed.clear()

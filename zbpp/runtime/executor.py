@@ -15,9 +15,14 @@ Tasks (docs/DESIGN.md):
 - ``BW(s, j)``: B then W.
 
 One step reads top to bottom (`StepExecutor.run`): for each task, issue the communication the plan
-puts before it (`zbpp.schedules.plan`: sends of data already produced, receives of data needed
+puts before it (`zbpp.runtime.comm_queue`: sends of data already produced, receives of data needed
 soon, each channel's in its order), then run the task, which waits only for its own inputs. Data
 moves along the DAG: a message on each cross-rank edge, a hand-over in memory on each same-rank edge.
+
+Each task is written once, as a body from its input tensors to its output tensors; the step's
+runner (`zbpp.runtime.task_graphs`) runs the bodies: eagerly, or captured into CUDA graphs and
+replayed. What a task reads comes in as arguments: the step's `StepInputs`, its `CommQueue`, its
+runner; what it produces goes to the `StepResults`, the queue, or the next task on this rank.
 
 Shapes: on the first step of a new input signature (``new_signature``) each activation message is
 preceded by its `Spec` (structure, shapes, dtypes, non-tensor values), received when its consumer needs it;
@@ -32,7 +37,8 @@ could not produce (on a ``new_signature`` step, a `POISON` spec with no data: it
 still signals the stages' last B and W so that data-parallel reductions are issued as on the other
 replicas. Every peer therefore completes the step's communication, the communicators stay
 consistent, and the agreement at the end of the step (`zbpp.runtime.pipeline`) tells every rank
-that the step failed and where. `failure` holds the first exception; nothing is raised here.
+that the step failed and where. The step's `StepFailure` holds the first exception; nothing is
+raised here.
 
 Memory: an activation is released as soon as it is handed to its send (the output tensor keeps
 only its autograd node, so B can still start from it: Megatron's trick); a sent buffer is dropped
@@ -42,9 +48,8 @@ when its send has completed; every per-microbatch object is dropped after its la
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -52,17 +57,63 @@ from torch import nn
 from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
 from ..schedules.plan import RankPlan
-from .comm_queue import POISON, CommQueue, Drained, Posted
+from ._autograd_split import SavedBoxes
+from .comm_queue import POISON, CommQueue, Drained
 from .errors import PipelineError, ShapeMismatchError
+from .failure import StepFailure
 from .profiling import TaskRecorder
-from .task_graphs import TaskGraphs
-from ._autograd_split import SavedBoxes, backward_input, run_backward
+from .task_graphs import EAGER, TaskRunner
 from .tree import Spec, call, flatten, rebuild
 from .wgrad import StageWgrad
 
-__all__ = ["PipelineError", "ShapeMismatchError", "StepExecutor", "POISON"]
+__all__ = ["PipelineError", "ShapeMismatchError", "StepExecutor", "StepInputs", "StepResults", "StageBoundaries",
+           "POISON"]
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step computes on, per microbatch (built by `zbpp.runtime.pipeline.Pipeline`).
+
+    Args:
+        inputs: the first stage's input (on the rank holding stage 0, else None).
+        targets: the target (on the rank holding the last stage; None entries allowed).
+        weights: the factor of its loss in the step's loss: a number, or a 0-dim device tensor
+            (``loss_weight``'s w_j / W; where it is 0 the microbatch adds nothing, even a NaN loss of
+            a microbatch with nothing to count).
+        loss_weights: the factor of its loss in the returned loss when it differs from `weights`
+            (data-parallel token weights: `weights` then weigh by the global total).
+        rng_of: ``(stage, microbatch) ->`` the context its F task runs in for its random draws
+            (`zbpp.runtime.rng.seeded`), or None (the global generators as they run).
+    """
+
+    inputs: list[Any] | None
+    targets: list[Any] | None
+    weights: list[Any]
+    loss_weights: list[Any] | None = None
+    rng_of: Callable[[int, int], Any] | None = None
+
+
+@dataclass
+class StepResults:
+    """What one rank's step produced."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)  #: per microbatch, as loss_fn returned it
+    outputs: dict[int, Any] = field(default_factory=dict)  #: forward only, without loss: the last stage's outputs
+    weighted: list[torch.Tensor] = field(default_factory=list)  #: per microbatch, its weighted share of the step's loss
+
+    def loss(self) -> torch.Tensor | None:
+        """The step's loss (the weighted sum), on the last stage's rank; None elsewhere."""
+        return torch.stack(self.weighted).sum() if self.weighted else None
+
+
+class StageBoundaries(Protocol):
+    """Told when a stage's gradients are final (`zbpp.runtime.reductions.Reductions`)."""
+
+    def stage_backward_done(self, stage: int) -> None:
+        """The stage's last B (or BW) of the step ran (or, draining, would have)."""
+
+    def stage_wgrad_done(self, stage: int) -> None:
+        """The stage's last W (or BW) of the step ran (or, draining, would have)."""
 
 
 @dataclass
@@ -75,7 +126,7 @@ class _Slot:
 
 
 @dataclass
-class StepExecutor(CommQueue):
+class StepExecutor:
     """Runs one step of one rank (see the module docstring). Built fresh for every step.
 
     Args:
@@ -83,29 +134,13 @@ class StepExecutor(CommQueue):
         num_stages: stages of the schedule.
         modules: this rank's stage modules.
         wgrad: per stage, its `StageWgrad`.
-        loss_fn: ``loss_fn(output, target) -> scalar``, mean over the microbatch.
-        channels: the point-to-point channels (None when the pipeline has one rank).
-        specs: the activation specs of this step's signature, ``(stage, microbatch) -> Spec``;
-            filled here when `new_signature` (the signature's first step), read otherwise.
-        new_signature: the specs are not known yet: send them ahead of each activation.
-        inputs: per microbatch, the first stage's input (on the rank holding stage 0).
-        targets: per microbatch, the target (on the rank holding the last stage; None entries allowed).
-        weights: per microbatch, the factor of its loss in the step's loss: a number, or a 0-dim
-            device tensor (``loss_weight``'s w_j / W; where it is 0 the microbatch adds nothing, even
-            a NaN loss of a microbatch with nothing to count).
-        loss_weights: per microbatch, the factor of its loss in the returned loss when it differs
-            from `weights` (data-parallel token weights: `weights` then weigh by the global total).
-        rng_of: ``(stage, microbatch) ->`` the context its F task runs in for its random draws
-            (`zbpp.runtime.rng.seeded`), or None (the global generators as they run).
-        in_flight: sends still in flight from earlier steps (CUDA), reaped as they complete.
-        recorder: task timing, or None.
-        on_backward_done, on_wgrad_done: called with the stage after its last B/BW and W/BW.
-        free_sent_activations: release an activation's storage once it is handed to its send.
+        loss_fn: ``loss_fn(output, target) -> scalar``, mean over the microbatch; None: evaluation
+            returns the last stage's outputs.
         forward_only: evaluation: F tasks under ``no_grad``, outputs (or losses) kept on the last stage.
         split_wgrad: B tasks compute only input gradients and W every weight gradient
             (`zbpp.runtime._autograd_split`); BW tasks run the whole backward either way.
-        graphs: the CUDA graphs of this step's signature (`zbpp.runtime.task_graphs`): each
-            compute task is captured on its first run and replayed after; None: eager.
+        free_sent_activations: release an activation's storage once it is handed to its send.
+        recorder: task timing, or None.
     """
 
     plan: RankPlan
@@ -113,150 +148,140 @@ class StepExecutor(CommQueue):
     modules: dict[int, nn.Module]
     wgrad: dict[int, StageWgrad]
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    channels: Any
-    specs: dict[tuple[int, int], Any]
-    new_signature: bool
-    inputs: list[Any] | None
-    targets: list[Any] | None
-    weights: list[Any]
-    loss_weights: list[Any] | None = None
-    rng_of: Callable[[int, int], Any] | None = None
-    in_flight: list[tuple[list[Any], list[torch.Tensor]]] = field(default_factory=list)
-    recorder: TaskRecorder | None = None
-    on_backward_done: Callable[[int], None] | None = None
-    on_wgrad_done: Callable[[int], None] | None = None
-    free_sent_activations: bool = True
     forward_only: bool = False
     split_wgrad: bool = False
-    graphs: TaskGraphs | None = None
-    # -- results ------------------------------------------------------------------------------
-    losses: list[torch.Tensor] = field(default_factory=list, init=False)  #: per microbatch, as loss_fn returned it
-    outputs: dict[int, Any] = field(default_factory=dict, init=False)  #: forward_only: last stage's outputs
-    failure: BaseException | None = field(default=None, init=False)  #: the first exception of this rank
-    failed_task: Action | None = field(default=None, init=False)  #: where it happened (None: outside a task)
-    failed_at: float = field(default=0.0, init=False)  #: when (time.time())
-    upstream_failed: bool = field(default=False, init=False)  #: a peer's POISON made this rank drain
-    comm_error: BaseException | None = field(default=None, init=False)  #: communication broke while draining
-    current: Action | None = field(default=None, init=False)  #: the task running (named in errors)
-    # -- per-step state -----------------------------------------------------------------------
-    _outbox: dict[int, tuple[Any, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
-    _queues: dict[tuple[int, int], list[Posted]] = field(default_factory=dict, init=False, repr=False)
-    _received: dict[int, Posted] = field(default_factory=dict, init=False, repr=False)
-    _sending: list[tuple[list[Any], list[torch.Tensor], tuple[int, int]]] = field(default_factory=list, init=False, repr=False)
-    _handed: dict[Action, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
+    free_sent_activations: bool = True
+    recorder: TaskRecorder | None = None
+    # -- what one task hands to the next on this rank ---------------------------------------------
     _slots: dict[tuple[int, int], _Slot] = field(default_factory=dict, init=False, repr=False)
-    _weighted: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
-    _dead: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)  # channels that broke
+    _handed: dict[Action, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._split_keys = {(t.stage, t.microbatch) for t in self.plan.tasks if t.kind is Kind.B} if self.split_wgrad else set()
 
-    @property
-    def draining(self) -> bool:
-        return self.failure is not None or self.upstream_failed
-
     # -- the step -----------------------------------------------------------------------------
-    def run(self) -> torch.Tensor | None:
-        """Run every task of this rank; return the weighted loss sum on the last stage's rank (None
-        elsewhere, or after a failure: see `failure`)."""
+    def run(self, data: StepInputs, comm: CommQueue, failure: StepFailure, runner: TaskRunner = EAGER,
+            boundaries: StageBoundaries | None = None) -> StepResults:
+        """Run every task of this rank with the plan's communication (`comm`), each through
+        `runner`; tell `boundaries` where each stage's last B and W are. A failure is recorded in
+        `failure` (then the results are incomplete), never raised."""
+        results = StepResults()
         if self.recorder is not None:
             self.recorder.begin_step()
         tasks = self.plan.tasks
         for i, task in enumerate(tasks):
-            self._issue(i)
-            self.current = task
-            if not self.draining:
+            comm.issue(i)
+            failure.current = task
+            if not failure.draining:
                 try:
-                    self._run_task(task)
+                    self._run_task(task, data, comm, runner, results)
                 except Drained:
                     pass  # a peer failed upstream: nothing to report here
                 except Exception as exc:  # noqa: BLE001 - the step drains; the agreement reports it
-                    self._fail(exc, task)
+                    failure.fail(exc, task)
             else:
-                self._drain_task(task)
-            self._signal(task)
-            self._reap()
-        self.current = None
-        self._issue(len(tasks))
-        self._complete_communication()
-        if self.draining or not self._weighted:
-            return None
-        return torch.stack(self._weighted).sum()
+                self._drain_task(task, comm)
+            if failure.draining:  # nothing of the step will be computed: free its activations now
+                self._slots.clear()
+                self._handed.clear()
+            self._signal(task, boundaries, failure)
+            comm.reap()
+        failure.current = None
+        comm.issue(len(tasks))
+        comm.complete()
+        self._slots.clear()
+        self._handed.clear()
+        return results
 
-    def _run_task(self, task: Action) -> None:
-        if self.graphs is not None:
-            if task.kind is Kind.F:
-                self._forward_graphed(task)
-            elif task.kind is Kind.W:
-                started = self.recorder.start() if self.recorder is not None else None
-                self.graphs.run(task, [], lambda _: self._wgrad_body(task))
-                if self.recorder is not None:
-                    self.recorder.stop(str(task), started)
-            else:
-                self._backward_graphed(task)
-            return
+    def _run_task(self, task: Action, data: StepInputs, comm: CommQueue, runner: TaskRunner,
+                  results: StepResults) -> None:
         if task.kind is Kind.F:
-            self._forward(task)
+            self._forward(task, data, comm, runner, results)
         elif task.kind is Kind.W:
-            self._wgrad(task)
+            started = self._start()
+            runner.run(task, [], self._wgrad_body(task))
+            self._stop(task, started)
         else:
-            self._backward(task)
+            self._backward(task, comm, runner)
 
-    def _drain_task(self, task: Action) -> None:
+    def _start(self) -> Any:
+        """A task's compute starts (after its inputs arrived: waiting is communication)."""
+        return self.recorder.start() if self.recorder is not None else None
+
+    def _stop(self, task: Action, started: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.stop(str(task), started)
+
+    def _drain_task(self, task: Action, comm: CommQueue) -> None:
         """Draining: no compute, but the task's receive still happens here (its shapes may be needed
         by a later send, and its sender is waiting)."""
         msg = self.plan.recv_of.get(task)
         if msg is None:
             return
         try:
-            self._receive(msg)
+            comm.receive(msg)
         except Drained:
             pass
 
-    def _fail(self, exc: BaseException, task: Action | None) -> None:
-        if self.failure is None:
-            self.failure, self.failed_task, self.failed_at = exc, task, time.time()
-        self._slots.clear()  # nothing of the step will be computed: free its activations now
-        self._handed.clear()
-
     # -- tasks --------------------------------------------------------------------------------
-    def _forward(self, a: Action) -> None:
+    def _forward(self, a: Action, data: StepInputs, comm: CommQueue, runner: TaskRunner, results: StepResults) -> None:
+        """F(s, j): the stage's input (and on the last stage the target and the loss factor) in; the
+        output leaves (or the loss) out, handed on to the next stage."""
         s, j = a.stage, a.microbatch
         last = s == self.num_stages - 1
-        arg, grad_inputs = self._forward_input(a)
-        started = self.recorder.start() if self.recorder is not None else None
-        grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
-        rng = self.rng_of(s, j) if self.rng_of is not None else contextlib.nullcontext()
-        saved = SavedBoxes() if grad_inputs and (s, j) in self._split_keys else contextlib.nullcontext()
-        with microbatch_key((s, j)), grad_mode, rng, saved:
-            out = call(self.modules[s], arg)
-            if last:
-                target = self.targets[j] if self.targets is not None else None
-                if self.forward_only and self.loss_fn is None:
-                    self.outputs[j] = out
-                    roots: list[torch.Tensor] = []
+        if s == 0:
+            assert data.inputs is not None
+            leaves, spec = flatten(data.inputs[j])
+            wants_grad = None  # the batch's own tensors, as given
+        else:
+            spec, leaves = self._stage_input(a, comm)
+            wants_grad = [m.requires_grad and not self.forward_only for m in spec.tensors]
+        n = len(leaves)
+        with_loss = last and self.loss_fn is not None
+        extra: list[torch.Tensor] = []
+        if with_loss:
+            target_leaves, target_spec = flatten(data.targets[j] if data.targets is not None else None)
+            factor = data.weights[j]
+            extra = target_leaves + ([factor] if isinstance(factor, torch.Tensor) else [])
+
+        def body(ins: list[torch.Tensor]) -> tuple[list[torch.Tensor], Spec | None]:
+            xs = ins[:n] if wants_grad is None else [t.detach().requires_grad_(g) for t, g in zip(ins[:n], wants_grad)]
+            grad_inputs = [] if wants_grad is None else [x for x in xs if x.requires_grad]
+            saved = SavedBoxes() if grad_inputs and (s, j) in self._split_keys else None
+            grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
+            with microbatch_key((s, j)), grad_mode, saved if saved is not None else contextlib.nullcontext():
+                out = call(self.modules[s], rebuild(spec, xs))
+                if with_loss:
+                    loss = self._loss(out, rebuild(target_spec, ins[n:n + len(target_leaves)]), s)
+                    f = ins[-1] if isinstance(factor, torch.Tensor) else factor
+                    outs, out_spec, roots = [loss], None, [_weigh(loss, f)]
                 else:
-                    loss = self._loss(out, target, s)
-                    self.losses.append(loss.detach())
-                    weighted = _weigh(loss, self.weights[j])
-                    shown = weighted if self.loss_weights is None else _weigh(loss, self.loss_weights[j])
-                    self._weighted.append(shown.detach())
-                    roots = [weighted]
-        del arg
-        if self.recorder is not None:  # the task's compute only; handing the output on is communication
-            self.recorder.stop(str(a), started)
-        if not last:
-            leaves, spec = flatten(out)
-            del out
-            if not leaves:
-                raise TypeError(
-                    f"stage {s} returned {spec} for microbatch {j}: a stage that feeds another must return a "
-                    "tensor, or a tuple/list/dict holding at least one"
-                )
-            roots = [t for t in leaves if t.requires_grad]
-            self._hand_forward(a, leaves, spec, roots)
-        if not self.forward_only:
-            self._slots[(s, j)] = _Slot(grad_inputs, roots, saved)
+                    outs, out_spec = flatten(out)
+                    roots = [t for t in outs if t.requires_grad]
+            del out, xs
+            if not self.forward_only:
+                self._slots[(s, j)] = _Slot(grad_inputs, roots, saved)
+            return outs, out_spec
+
+        started = self._start()
+        # seeded around the body (and around a graph's capture and each replay: its draws start
+        # from the generator's state at its replay, so they are the eager task's)
+        with data.rng_of(s, j) if data.rng_of is not None else contextlib.nullcontext():
+            outs, out_spec = runner.run(a, leaves + extra, body)
+        del leaves
+        self._stop(a, started)  # the task's compute only; handing the output on is communication
+        if with_loss:
+            loss = outs[0]
+            results.losses.append(loss.detach().clone())  # a copy: a replayed graph rewrites its output
+            factor = data.weights[j] if data.loss_weights is None else data.loss_weights[j]
+            results.weighted.append(_weigh(loss, factor).detach())
+        elif last:
+            results.outputs[j] = rebuild(out_spec, outs)
+        else:
+            if not outs:
+                raise TypeError(f"stage {s} returned {out_spec} for microbatch {j}: a stage that feeds another must "
+                                "return a tensor, or a tuple/list/dict holding at least one")
+            self._hand_forward(a, outs, out_spec, comm, release=not runner.static_outputs)
 
     def _loss(self, out: Any, target: Any, stage: int) -> torch.Tensor:
         assert self.loss_fn is not None
@@ -269,37 +294,27 @@ class StepExecutor(CommQueue):
             )
         return loss.reshape(())
 
-    def _forward_input(self, a: Action) -> tuple[Any, list[torch.Tensor]]:
-        s, j = a.stage, a.microbatch
-        if s == 0:
-            assert self.inputs is not None
-            return self.inputs[j], []
-        spec, leaves, received = self._stage_input(a)
-        if received and not self.forward_only:
-            for t, m in zip(leaves, spec.tensors):
-                if m.requires_grad:
-                    t.requires_grad_()
-        return rebuild(spec, leaves), [t for t in leaves if t.requires_grad]
-
-    def _stage_input(self, a: Action) -> tuple[Spec, list[torch.Tensor], bool]:
-        """F(s, j)'s input leaves for s > 0, handed over on this rank or received (then True)."""
+    def _stage_input(self, a: Action, comm: CommQueue) -> tuple[Spec, list[torch.Tensor]]:
+        """F(s, j)'s input leaves for s > 0, handed over on this rank or received."""
         msg = self.plan.recv_of.get(a)
         if msg is None:
             spec, leaves = self._handed.pop(self.plan.handed_from[a])
-            return spec, leaves, False
-        leaves = self._receive(msg)  # on a new signature, its spec arrives with it
-        return self.specs[(msg.src.stage, msg.src.microbatch)], leaves, True
+            return spec, leaves
+        leaves = comm.receive(msg)  # on a new signature, its spec arrives with it
+        return comm.specs[(msg.src.stage, msg.src.microbatch)], leaves
 
-    def _hand_forward(self, a: Action, leaves: list[torch.Tensor], spec: Spec, roots: list[torch.Tensor]) -> None:
+    def _hand_forward(self, a: Action, leaves: list[torch.Tensor], spec: Spec, comm: CommQueue, *, release: bool) -> None:
+        """F's output to the next stage: in memory on this rank, else to its send (checked against
+        the signature's spec). `release`: free the storage of the outputs once sent."""
         s, j = a.stage, a.microbatch
         msg = self.plan.send_of.get(a)
         if msg is None:  # the next stage is on this rank: its inputs are fresh leaves
             self._handed[a] = (spec, [t.detach().requires_grad_(t.requires_grad and not self.forward_only)
                                       for t in leaves])
             return
-        known = self.specs.get((s, j))
-        if self.new_signature:
-            self.specs[(s, j)] = spec
+        known = comm.specs.get((s, j))
+        if comm.new_signature:
+            comm.specs[(s, j)] = spec
         elif known != spec:
             raise ShapeMismatchError(
                 f"stage {s} microbatch {j}: the output is {spec}, but on the first step of this input "
@@ -307,162 +322,72 @@ class StepExecutor(CommQueue):
                 "output structure, shapes, dtypes, requires_grad and non-tensor values must be determined "
                 "by the step's input shapes (and the modules' train/requires_grad state)"
             )
-        self._outbox[msg.index] = (spec if self.new_signature else None, [t.detach().contiguous() for t in leaves])
-        if self.free_sent_activations and not self.forward_only:
-            for t in roots:
+        comm.put(msg, spec if comm.new_signature else None, [t.detach().contiguous() for t in leaves])
+        if release and self.free_sent_activations and not self.forward_only:
+            for t in leaves:
                 # Keep only the autograd node: what backward saved is held by the graph itself; the
                 # storage goes once the send completes. Views and leaves share memory with others.
-                if t.grad_fn is not None and t._base is None:
+                if t.requires_grad and t.grad_fn is not None and t._base is None:
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
-    def _backward(self, a: Action) -> None:
-        s, j = a.stage, a.microbatch
-        slot = self._slots.pop((s, j))
-        if s == self.num_stages - 1:
-            grads: list[torch.Tensor | None] = [None] * len(slot.roots)
-        else:
-            msg = self.plan.recv_of.get(a)
-            grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else self._receive(msg))
-        started = self.recorder.start() if self.recorder is not None else None
-        if self.split_wgrad and a.kind is Kind.B:
-            w = self.wgrad[s]
-            w.filed((s, j), backward_input(slot.roots, grads, slot.inputs, w.b_hint, slot.saved))
-            slot.saved = None
-        else:
-            run_backward(slot.roots, grads)
-            self.wgrad[s].filed((s, j))
-        del grads
-        slot.roots.clear()
-        in_grads = []
-        for x in slot.inputs:
-            g = x.grad
-            in_grads.append(torch.zeros_like(x) if g is None else g)
-            x.grad = None
-        slot.inputs.clear()
-        if self.recorder is not None and a.kind is Kind.B:
-            self.recorder.stop(str(a), started)
-        if s > 0:  # hand the input gradient on before W (BW): the previous stage waits for it
-            msg = self.plan.send_of.get(a)
-            if msg is None:
-                self._handed[a] = (None, in_grads)
-            else:
-                self._outbox[msg.index] = (None, [g.contiguous() for g in in_grads])
-        if a.kind is Kind.BW:
-            self.wgrad[s].run((s, j))
-            if self.recorder is not None:
-                self.recorder.stop(str(a), started)
-
-    def _wgrad(self, a: Action) -> None:
-        started = self.recorder.start() if self.recorder is not None else None
-        self.wgrad[a.stage].run((a.stage, a.microbatch))
-        if self.recorder is not None:
-            self.recorder.stop(str(a), started)
-
-    # -- tasks replayed from CUDA graphs (`zbpp.runtime.task_graphs`) ----------------------------
-    def _forward_graphed(self, a: Action) -> None:
-        """F as a graph: the inputs (and on the last stage the target and the loss factor) are the
-        graph's static inputs; the outputs (or the loss) its static outputs."""
-        assert self.graphs is not None
-        s, j = a.stage, a.microbatch
-        last = s == self.num_stages - 1
-        if s == 0:
-            assert self.inputs is not None
-            leaves, spec = flatten(self.inputs[j])
-            wants_grad = [False] * len(leaves)
-        else:
-            spec, leaves, _ = self._stage_input(a)
-            wants_grad = [m.requires_grad for m in spec.tensors]
-        n = len(leaves)
-        target_leaves: list[torch.Tensor] = []
-        factor = self.weights[j] if last else None
-        if last:
-            target_leaves, target_spec = flatten(self.targets[j] if self.targets is not None else None)
-        extra = target_leaves + ([factor] if isinstance(factor, torch.Tensor) else [])
-
-        def body(statics: list[torch.Tensor]) -> list[torch.Tensor]:
-            xs = [t.detach().requires_grad_(g) for t, g in zip(statics[:n], wants_grad)]
-            grad_inputs = [x for x in xs if x.requires_grad]
-            saved = SavedBoxes() if grad_inputs and (s, j) in self._split_keys else contextlib.nullcontext()
-            with microbatch_key((s, j)), torch.enable_grad(), saved:
-                out = call(self.modules[s], rebuild(spec, xs))
-                if last:
-                    loss = self._loss(out, rebuild(target_spec, statics[n:n + len(target_leaves)]), s)
-                    f = statics[-1] if isinstance(factor, torch.Tensor) else factor
-                    roots, outs = [_weigh(loss, f)], [loss]
-                else:
-                    outs, self.graphs.meta[a] = flatten(out)
-                    roots = [t for t in outs if t.requires_grad]
-            self._slots[(s, j)] = _Slot(grad_inputs, roots, saved)
-            return outs
-
-        started = self.recorder.start() if self.recorder is not None else None
-        # seeded around the capture and each replay: a graph's draws start from the generator's
-        # state at its replay, so they are the eager task's
-        with self.rng_of(s, j) if self.rng_of is not None else contextlib.nullcontext():
-            outs = self.graphs.run(a, leaves + extra, body)
-        if self.recorder is not None:
-            self.recorder.stop(str(a), started)
-        if last:
-            loss = outs[0]
-            self.losses.append(loss.clone())
-            shown = _weigh(loss, self.weights[j] if self.loss_weights is None else self.loss_weights[j])
-            self._weighted.append(shown.detach())
-            return
-        out_spec = self.graphs.meta[a]
-        if not outs:
-            raise TypeError(f"stage {s} returned {out_spec} for microbatch {j}: a stage that feeds another must "
-                            "return a tensor, or a tuple/list/dict holding at least one")
-        self._hand_forward(a, outs, out_spec, [])
-
-    def _backward_graphed(self, a: Action) -> None:
-        """B or BW as a graph: the output gradients in, the input gradients out (BW: and the W)."""
-        assert self.graphs is not None
+    def _backward(self, a: Action, comm: CommQueue, runner: TaskRunner) -> None:
+        """B(s, j) or BW(s, j): the output gradients in, the input gradients out (handed on before
+        the previous stage's B needs them); BW also runs W."""
         s, j = a.stage, a.microbatch
         grads: list[torch.Tensor] = []
         if s < self.num_stages - 1:
             msg = self.plan.recv_of.get(a)
-            grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else self._receive(msg))
+            grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else comm.receive(msg))
 
-        def body(statics: list[torch.Tensor]) -> list[torch.Tensor]:
+        def body(ins: list[torch.Tensor]) -> tuple[list[torch.Tensor], None]:
             slot = self._slots.pop((s, j))
-            gs: list[torch.Tensor | None] = list(statics) if statics else [None] * len(slot.roots)
-            if self.split_wgrad and a.kind is Kind.B:
-                w = self.wgrad[s]
-                w.filed((s, j), backward_input(slot.roots, gs, slot.inputs, w.b_hint, slot.saved))
-            else:
-                run_backward(slot.roots, gs)
-                self.wgrad[s].filed((s, j))
+            gs: list[torch.Tensor | None] = list(ins) if ins else [None] * len(slot.roots)
+            ins.clear()  # the output gradients go as soon as backward is done with them
+            split = self.split_wgrad and a.kind is Kind.B
+            self.wgrad[s].backward((s, j), slot.roots, gs, slot.inputs, slot.saved, split=split)
+            slot.saved = None
+            del gs
+            slot.roots.clear()
             in_grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in slot.inputs]
             for x in slot.inputs:
                 x.grad = None
+            slot.inputs.clear()
             if a.kind is Kind.BW:
                 self.wgrad[s].run((s, j))
-            return in_grads
+            return in_grads, None
 
-        started = self.recorder.start() if self.recorder is not None else None
-        in_grads = self.graphs.run(a, grads, body)
-        if self.recorder is not None:
-            self.recorder.stop(str(a), started)
-        if s > 0:
+        started = self._start()
+        in_grads, _ = runner.run(a, grads, body)
+        del grads
+        self._stop(a, started)
+        if s > 0:  # the previous stage waits for the input gradient
             msg = self.plan.send_of.get(a)
             if msg is None:
                 self._handed[a] = (None, list(in_grads))
             else:
-                self._outbox[msg.index] = (None, list(in_grads))
+                comm.put(msg, None, [g.contiguous() for g in in_grads])
 
-    def _wgrad_body(self, a: Action) -> list[torch.Tensor]:
-        self.wgrad[a.stage].run((a.stage, a.microbatch))
-        return []
+    def _wgrad_body(self, a: Action) -> Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], None]]:
+        """W(s, j): the rest of the stage's backward and its delayed-wgrad modules' (no tensor in or out)."""
+        def body(_: list[torch.Tensor]) -> tuple[list[torch.Tensor], None]:
+            self.wgrad[a.stage].run((a.stage, a.microbatch))
+            return [], None
+        return body
 
-    def _signal(self, a: Action) -> None:
-        """The stage's last B / W ran (or, draining, would have): data-parallel reductions start."""
+    def _signal(self, a: Action, boundaries: StageBoundaries | None, failure: StepFailure) -> None:
+        """At the plan's known boundaries (the stage's last B / W ran or, draining, would have):
+        the data-parallel reductions start."""
+        if boundaries is None:
+            return
         try:
-            if a.kind in (Kind.B, Kind.BW) and self.plan.last_backward.get(a.stage) == a and self.on_backward_done:
-                self.on_backward_done(a.stage)
-            if a.kind in (Kind.W, Kind.BW) and self.plan.last_wgrad.get(a.stage) == a and self.on_wgrad_done:
-                self.on_wgrad_done(a.stage)
+            if a.kind in (Kind.B, Kind.BW) and self.plan.last_backward.get(a.stage) == a:
+                boundaries.stage_backward_done(a.stage)
+            if a.kind in (Kind.W, Kind.BW) and self.plan.last_wgrad.get(a.stage) == a:
+                boundaries.stage_wgrad_done(a.stage)
         except Exception as exc:  # noqa: BLE001
-            self._fail(exc, a)
+            failure.fail(exc, a)
+            self._slots.clear()
+            self._handed.clear()
 
 
 def _weigh(loss: torch.Tensor, factor: Any) -> torch.Tensor:

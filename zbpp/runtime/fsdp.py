@@ -216,7 +216,6 @@ class FsdpReducer:
                       for s, m in self.stage_modules.items()}
         self.order = [s for s in first_forward if s in self.stage_modules]
         self.reduced: dict[int, int] = {s: 0 for s in self.stage_modules}  #: reduce-scatters per stage, this step
-        self._in_step = False
         self._draining: Callable[[], bool] | None = None
 
     def split_copies(self) -> list[list[nn.Parameter]]:
@@ -270,7 +269,6 @@ class FsdpReducer:
     # -- the reducer protocol ------------------------------------------------------------------
     def start_step(self, keep_main_grad: bool = False) -> None:
         self.reduced = {s: 0 for s in self.stage_modules}
-        self._in_step = True
 
     def stage_backward_done(self, stage: int) -> None:
         """Nothing to do: a stage's gradients are final only after its last W."""
@@ -301,7 +299,6 @@ class FsdpReducer:
 
     def finish(self) -> None:
         wrong = {s: n for s, n in self.reduced.items() if n != 1}
-        self._in_step = False
         if wrong:
             raise RuntimeError(f"FSDP stages reduce-scattered {wrong} times in the step (once each expected)")
 
@@ -312,4 +309,3 @@ class FsdpReducer:
                 _reset(m)
             finally:
                 _set_flags(m, False)
-        self._in_step = False

@@ -51,8 +51,18 @@ def init_distributed(backend: str | None = None, *, timeout: float = 600.0) -> s
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     # device_id binds the group to this rank's GPU: without it NCCL guesses the device from the
-    # global rank and warns that this can hang (wrong where LOCAL_RANK differs, on several nodes)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device)
+    # global rank and warns that this can hang (wrong where LOCAL_RANK differs, on several nodes).
+    # It makes the communicator eager and shared, which the plan's one order of operations allows.
+    span = timedelta(seconds=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend, timeout=span, device_id=device)
+        return backend
+    # torchrun restarted the job: its store still holds the previous attempt's keys (gloo would
+    # connect to a dead peer's address), so each attempt rendezvous under its own prefix
+    store, rank, world = next(dist.rendezvous("env://", timeout=span))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"zbpp/attempt-{restart}", store), rank=rank,
+                            world_size=world, timeout=span, device_id=device)
     return backend
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ..schedules.measured import measured_bubble_rate  # re-exported: its one definition lives there
 
-__all__ = ["TaskRecorder", "measured_bubble_rate"]
+__all__ = ["TaskRecorder", "gather_records", "measured_bubble_rate"]
 
 
 class TaskRecorder:
@@ -67,3 +67,19 @@ class TaskRecorder:
             for action, s, e in self._open:
                 out.append({"rank": self.rank, "action": action, "start": s - self._origin, "end": e - self._origin})
         return out
+
+
+def gather_records(recorder: TaskRecorder, topology: Any) -> list[dict[str, Any]] | None:
+    """The last step's records of every rank of the pipeline, on its rank 0 (None on the others).
+    Collective over the pipeline group."""
+    mine = recorder.records()  # resolved now, so that a step never waits for the device
+    if topology.pp_size == 1:
+        return mine
+    import torch.distributed as dist
+
+    root = topology.pipeline[0]
+    gathered: list[Any] | None = [None] * topology.pp_size if topology.pp_rank == 0 else None
+    dist.gather_object(mine, gathered, dst=root, group=topology.pp_group)
+    if gathered is None:
+        return None
+    return [rec for recs in gathered for rec in recs]

@@ -34,25 +34,60 @@ Captures use ``capture_begin(capture_error_mode="thread_local")`` on the pipelin
 (not the ``torch.cuda.graph`` context manager: it synchronises the whole device, which could wait
 for a peer's receive while the peer waits for this rank).
 
-`TaskGraphs` keeps the graphs of one signature; `stand_in=True` runs every "replay" eagerly again
-(through the same static buffers), so the bookkeeping is tested on CPUs.
+Each task of `zbpp.runtime.executor` is written once, as a body from its input tensors to its
+output tensors; a *runner* decides how the body runs, once per input signature: `EAGER` calls it,
+`TaskGraphs` captures it on the signature's capture step and replays it after, and `StandInGraphs`
+(for tests on CPUs) does the graphs' bookkeeping but runs every "replay" eagerly again, through the
+same static buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import torch
 
 from .._compat import foreach_copy_, foreach_zero_
 from .errors import GraphCaptureError
 
-__all__ = ["GradBuffers", "TaskGraphs", "MAX_GRAPHED_SIGNATURES", "external_addresses", "refusal"]
+__all__ = ["Body", "TaskRunner", "EAGER", "GradBuffers", "TaskGraphs", "StandInGraphs", "GraphCache",
+           "MAX_GRAPHED_SIGNATURES", "external_addresses", "refusal"]
 
 MAX_GRAPHED_SIGNATURES = 4
-_CPU_STAND_IN = False  # tests: accept CPU stages and run TaskGraphs as stand-ins
+
+#: A task's body: its input tensors in (a list the body owns: it may empty it to free them early),
+#: its output tensors and what else it learnt (an output's `Spec`) out. A runner may call it once
+#: and reuse what it returned.
+Body = Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], Any]]
+
+
+class TaskRunner(Protocol):
+    """How every task of one step runs (chosen once per input signature)."""
+
+    #: the outputs are buffers that every run rewrites (keep a copy of what must outlive the step;
+    #: never release their storage)
+    static_outputs: bool
+
+    def run(self, key: Hashable, inputs: list[torch.Tensor], body: Body) -> tuple[list[torch.Tensor], Any]:
+        """Run task `key`'s `body` on `inputs` (the list may be emptied); return its outputs and
+        what else it returned."""
+        ...
+
+
+class _Eager:
+    """Every task runs its body, now: ``run(key, inputs, body) == body(inputs)``."""
+
+    static_outputs = False
+
+    def run(self, key: Hashable, inputs: list[torch.Tensor], body: Body) -> tuple[list[torch.Tensor], Any]:
+        return body(inputs)
+
+
+EAGER: TaskRunner = _Eager()
 
 
 @dataclass
@@ -60,91 +95,102 @@ class _Recorded:
     graph: Any  # torch.cuda.CUDAGraph, or None for the stand-in
     statics: list[torch.Tensor]  # where each replay reads the task's inputs
     outs: list[torch.Tensor]  # what each replay rewrites
-    body: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None  # the stand-in re-runs it
+    meta: Any  # what the body returned besides its outputs, at capture
+    body: Body | None  # the stand-in re-runs it
 
 
 class TaskGraphs:
-    """The captured tasks of one input signature (see the module docstring).
+    """The captured tasks of one input signature (see the module docstring): a `TaskRunner`.
 
     `run(key, inputs, body)` captures ``body(statics)`` the first time `key` is seen while
     `capturing`, then replays it: `inputs` are copied into the statics unless they already are
     them (the output of another of these graphs handed over in memory).
     """
 
-    def __init__(self, pool: Any, *, stand_in: bool = False) -> None:
+    static_outputs = True
+    #: where its stages may be: CUDA graphs need a CUDA device
+    needs_cuda = True
+
+    def __init__(self, pool: Any, external: tuple = ()) -> None:
         self.pool = pool
-        self.stand_in = stand_in
         self.capturing = True  # the step that captures; later steps replay
-        self.replays = 0  # steps that replayed these graphs
         self._records: dict[Hashable, _Recorded] = {}
         self._stable: set[int] = set()  # data_ptr of every static output
-        self.external: tuple = ()  # the addresses the graphs bake in, outside their pool
-        self.meta: dict[Hashable, Any] = {}  # what the executor learnt at capture (output specs)
+        self.external = external  # the addresses the graphs bake in, outside their pool
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def run(self, key: Hashable, inputs: Sequence[torch.Tensor],
-            body: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    def run(self, key: Hashable, inputs: list[torch.Tensor], body: Body) -> tuple[list[torch.Tensor], Any]:
         rec = self._records.get(key)
         if rec is None:
             if not self.capturing:
                 raise GraphCaptureError(f"task {key} was not captured on this signature's capture step")
-            return self._capture(key, inputs, body)
+            statics = [t if t.data_ptr() in self._stable else t.detach().clone() for t in inputs]
+            rec = self._records[key] = self._record(key, statics, body)
+            self._stable.update(o.data_ptr() for o in rec.outs)
+            return rec.outs, rec.meta
         stale = [(s, t) for s, t in zip(rec.statics, inputs) if s.data_ptr() != t.data_ptr()]
         if stale:
             foreach_copy_([s for s, _ in stale], [t for _, t in stale])
-        if rec.graph is not None:
-            rec.graph.replay()
-            return rec.outs
+        self._replay(rec)
+        return rec.outs, rec.meta
+
+    def _replay(self, rec: _Recorded) -> None:
+        rec.graph.replay()
+
+    def _record(self, key: Hashable, statics: list[torch.Tensor], body: Body) -> _Recorded:
+        """Capture `body` on `statics` into a CUDA graph and replay it once (this step's run)."""
+        graph = torch.cuda.CUDAGraph()
+        # A host synchronisation raises before it reaches the stream, so that the capture
+        # ends cleanly instead of being invalidated by CUDA.
+        sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        try:
+            outs, meta = body(list(statics))
+        except BaseException as exc:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
+                pass
+            raise GraphCaptureError(
+                f"task {key} could not be captured into a CUDA graph ({type(exc).__name__}: {exc}). Under "
+                "cuda_graphs=True a stage must not synchronise with the host (.item(), .cpu(), printing a "
+                "tensor, shapes that depend on values); pass cuda_graphs=False, or mark the stage module "
+                "with zbpp_cuda_graphs = False"
+            ) from exc
+        finally:
+            torch.cuda.set_sync_debug_mode(sync_mode)
+        with warnings.catch_warnings():  # a task with no kernel (B of a first stage) is a valid empty graph
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            graph.capture_end()
+        graph.replay()
+        return _Recorded(graph, statics, [o.detach() for o in outs], meta, None)
+
+
+class StandInGraphs(TaskGraphs):
+    """`TaskGraphs` without CUDA, for tests: the same capture order, static inputs and outputs and
+    hand-over, but each "replay" runs the body again eagerly and copies its outputs into the
+    static ones. Tests pick it with ``Pipeline(..., cuda_graphs=StandInGraphs)``."""
+
+    needs_cuda = False
+
+    def _record(self, key: Hashable, statics: list[torch.Tensor], body: Body) -> _Recorded:
+        outs, meta = body(list(statics))
+        return _Recorded(None, statics, [o.detach() for o in outs], meta, body)
+
+    def _replay(self, rec: _Recorded) -> None:
         assert rec.body is not None
-        news = rec.body(rec.statics)
+        news, _ = rec.body(list(rec.statics))
         with torch.no_grad():
             for out, new in zip(rec.outs, news):
                 out.copy_(new)
-        return rec.outs
-
-    def _capture(self, key: Hashable, inputs: Sequence[torch.Tensor],
-                 body: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
-        statics = [t if t.data_ptr() in self._stable else t.detach().clone() for t in inputs]
-        if self.stand_in:
-            outs = [o.detach() for o in body(statics)]
-            self._records[key] = _Recorded(None, statics, outs, body)
-        else:
-            graph = torch.cuda.CUDAGraph()
-            # A host synchronisation raises before it reaches the stream, so that the capture
-            # ends cleanly instead of being invalidated by CUDA.
-            sync_mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                outs = body(statics)
-            except BaseException as exc:
-                try:
-                    graph.capture_end()
-                except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
-                    pass
-                raise GraphCaptureError(
-                    f"task {key} could not be captured into a CUDA graph ({type(exc).__name__}: {exc}). Under "
-                    "cuda_graphs=True a stage must not synchronise with the host (.item(), .cpu(), printing a "
-                    "tensor, shapes that depend on values); pass cuda_graphs=False, or mark the stage module "
-                    "with zbpp_cuda_graphs = False"
-                ) from exc
-            finally:
-                torch.cuda.set_sync_debug_mode(sync_mode)
-            with warnings.catch_warnings():  # a task with no kernel (B of a first stage) is a valid empty graph
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                graph.capture_end()
-            graph.replay()
-            outs = [o.detach() for o in outs]
-            self._records[key] = _Recorded(graph, statics, outs, None)
-        self._stable.update(o.data_ptr() for o in outs)
-        return outs
 
 
-def refusal(modules: dict[int, torch.nn.Module], device: torch.device) -> str | None:
+def refusal(modules: dict[int, torch.nn.Module], device: torch.device, kind: type[TaskGraphs] = TaskGraphs) -> str | None:
     """Why this rank's stages cannot run under ``cuda_graphs=True`` (None: they can)."""
-    if device.type != "cuda" and not _CPU_STAND_IN:
+    if device.type != "cuda" and kind.needs_cuda:
         return (f"cuda_graphs=True replays tasks from CUDA graphs, but the pipeline's device is {device}; "
                 "move the stages to a CUDA device or pass cuda_graphs=False")
     for s, m in modules.items():
@@ -191,3 +237,70 @@ def external_addresses(params: Sequence[torch.nn.Parameter]) -> tuple:
         out.append((p.data_ptr(), p.grad.data_ptr() if p.grad is not None else 0,
                     main.data_ptr() if isinstance(main, torch.Tensor) else 0))
     return tuple(out)
+
+
+class GraphCache:
+    """The graphs of a `Pipeline`'s recent input signatures, their memory pool and side stream.
+
+    Args:
+        kind: `TaskGraphs` (CUDA) or `StandInGraphs` (tests, any device).
+        modules: this rank's stage modules (checked: `refusal`).
+        device: the pipeline's device.
+    """
+
+    def __init__(self, kind: type[TaskGraphs], modules: dict[int, torch.nn.Module], device: torch.device) -> None:
+        why = refusal(modules, device, kind)
+        if why is not None:
+            raise ValueError(why)
+        self.kind = kind
+        self.graphs: OrderedDict[Hashable, TaskGraphs] = OrderedDict()
+        self.grad_buffers = GradBuffers()
+        cuda = kind.needs_cuda
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        self._device = device
+
+    def runner(self, signature: Hashable, new_signature: bool, params: Sequence[torch.nn.Parameter]) -> TaskRunner:
+        """How a training step of `signature` runs: eagerly on its first step, else its graphs
+        (captured again when an address they bake in moved)."""
+        if new_signature:
+            self.graphs.pop(signature, None)
+            return EAGER
+        external = external_addresses(params)
+        graphs = self.graphs.get(signature)
+        if graphs is None or graphs.external != external:
+            graphs = self.graphs[signature] = self.kind(self._pool, external)
+        self.graphs.move_to_end(signature)
+        while len(self.graphs) > MAX_GRAPHED_SIGNATURES:  # same signatures on every rank: same eviction
+            self.graphs.popitem(last=False)
+        return graphs
+
+    def captured(self, runner: TaskRunner) -> None:
+        """Every rank succeeded: graphs captured in this step replay from now on."""
+        if isinstance(runner, TaskGraphs):
+            runner.capturing = False
+
+    def forget(self, signature: Hashable, runner: TaskRunner) -> None:
+        """The step failed: a capture cut short is no graph."""
+        if isinstance(runner, TaskGraphs) and runner.capturing:
+            self.graphs.pop(signature, None)
+
+    @contextlib.contextmanager
+    def stream(self, in_flight: list[tuple[list[Any], list[torch.Tensor]]]) -> Iterator[None]:
+        """A training step's stream: a side stream (no capture on the default one), which first
+        waits for the caller's work and the sends of earlier steps (their buffers are static
+        outputs that the step rewrites)."""
+        stream = self._stream
+        if stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self._device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            for works, _ in in_flight:
+                for w in works:
+                    w.wait()
+            try:
+                yield
+            finally:
+                caller.wait_stream(stream)

@@ -66,6 +66,21 @@ class Topology:
             extra += f", replica {self.dp_rank}"
         return f"pipeline rank {self.pp_rank} ({extra})"
 
+    def default_device(self, stage_modules: Any) -> Any:
+        """Where activations live by default: the current CUDA device under NCCL, else the device
+        of the stage modules' first parameter (or buffer), else the CPU."""
+        import torch
+
+        if self.distributed:
+            import torch.distributed as dist
+
+            if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+        for m in stage_modules.values():
+            for t in list(m.parameters()) + list(m.buffers()):
+                return t.device
+        return torch.device("cpu")
+
     @classmethod
     def resolve(cls, groups: Any, num_ranks: int) -> "Topology":
         """The topology described by `groups` (None, a ParallelGroups or a DeviceMesh) for a

@@ -25,17 +25,18 @@ the public protocol needs) and the runtime discards the step's gradients with th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 from torch import nn
 
 from ..modules import is_delayed, supports_keys
-from ._autograd_split import StageSplit
+from ._autograd_split import SavedBoxes, StageSplit, backward_input, run_backward
 
 if TYPE_CHECKING:
     from ._autograd_split import HeldWgrad
 
-__all__ = ["StageWgrad", "KeyedWgrad", "FifoWgrad", "delayed_modules", "is_delayed", "supports_keys"]
+__all__ = ["StageWgrad", "KeyedWgrad", "FifoWgrad", "SavedBoxes", "delayed_modules", "is_delayed", "supports_keys",
+           "check_fifo_wgrad", "has_own_wgrad"]
 
 
 class KeyedWgrad:
@@ -126,6 +127,18 @@ class StageWgrad:
             out.update(id(p) for p in params)
         return out
 
+    def backward(self, key: Hashable, roots: list[Any], grads: list[Any], inputs: list[Any],
+                 saved: SavedBoxes | None = None, *, split: bool) -> None:
+        """B of microbatch `key` (BW's first half): from `roots` with `grads` into the gradients of
+        `inputs`. With `split` only what the inputs' gradient needs, holding the rest for
+        `run(key)` (`saved`: the boxes of its forward, whose input-only tensors go now); else the
+        whole backward (plain modules' weight gradients now, delayed modules' filed for `run`)."""
+        if split:
+            self.filed(key, backward_input(roots, grads, inputs, self.b_hint, saved))
+        else:
+            run_backward(roots, grads)
+            self.filed(key)
+
     def filed(self, key: Hashable, held: HeldWgrad | None = None) -> None:
         if held is not None:
             self._held[key] = held
@@ -150,3 +163,28 @@ class StageWgrad:
                 a.discard(keys)
             except Exception:  # noqa: BLE001 - a module that failed mid-B may hold fewer: best effort
                 pass
+
+
+def check_fifo_wgrad(wgrad: dict[int, StageWgrad], schedule: Any) -> None:
+    """Raise, naming the stage and its modules, when a stage's `FifoWgrad` modules cannot follow
+    `schedule` (its W tasks out of B order: `zbpp.schedules.plan.fifo_wgrad_problem`)."""
+    from ..schedules.plan import fifo_wgrad_problem
+
+    for s, w in wgrad.items():
+        fifo = w.fifo_modules
+        problem = fifo_wgrad_problem(schedule, s) if fifo else None
+        if problem is not None:
+            names = ", ".join(sorted({type(d).__name__ for d in fifo}))
+            raise ValueError(
+                f"stage {s} has delayed-wgrad modules without microbatch keys ({names}: backward_dw() takes "
+                f"the oldest pending wgrad), which schedule {schedule.name or 'custom'!r} cannot use: {problem}. "
+                "Use a schedule that keeps each stage's W in B order, or modules that take a microbatch key "
+                "(zbpp.modules)"
+            )
+
+
+def has_own_wgrad(stage: nn.Module, wgrad: StageWgrad) -> bool:
+    """The stage has a parameter that no delayed-wgrad module computes in W: only then is there
+    anything for the generic split to move out of B (a walk of the graph per microbatch)."""
+    delayed = {id(p) for m in wgrad.modules for p in m.parameters()}
+    return any(id(p) not in delayed for p in stage.parameters())

@@ -3,8 +3,22 @@
 `search` takes a per-layer `Profile`, p ranks, m microbatches and a memory budget in bytes per
 rank that covers everything a rank holds: the static memory of its layers (parameters, gradients,
 optimizer state) plus the activations the schedule keeps in flight, as simulated. It tries every
-built-in schedule family on its placement (one stage per rank; interleaved with 2, 3 or 4 stages
-per rank; V) and the automatic ones, each on several splits of the layers:
+registered schedule (`SCHEDULES`; GPipe too) on its placement: one stage per rank; interleaved
+with 2, 3 or 4 stages per rank; V.
+
+Exact where the splits are few. A placement with at most `max_splits` (`MAX_SPLITS`) splits of
+the layers into consecutive stages has every split considered under every schedule, by branch and
+bound: before anything is simulated each split gets two lower bounds that hold for every schedule
+on it, on the step (per rank: the forwards of the stages above its first, which must run before
+its first task, plus m times its F+B+W) and on the bytes over the budget (per rank: its static
+memory plus one microbatch's activations of all its stages, which every schedule holds at once).
+Candidates that may fit are simulated in order of their step bound until it passes the best step
+that fits; if none fits, candidates in order of their bytes bound until it passes the least
+excess found, which is the closest plan the error names. So on such cases the pick is the best
+plan of every split x every schedule (tests/schedules/test_search_exact.py checks it against an
+exhaustive enumeration).
+
+Beyond, heuristic splits, each under every schedule of its placement (same branch and bound):
 
 - ``count``: as many layers per stage as can be (the remainder to the first stages);
 - ``blocks``: the layers between the first and the last split that way, the first layer (an
@@ -12,14 +26,25 @@ per rank; V) and the automatic ones, each on several splits of the layers:
 - ``time``: the largest stage time F+B+W as small as can be (bisection on it);
 - ``params``: the largest stage static memory as small as can be;
 - ``ranks``: from ``time``, layers moved off the rank with the most work while that lowers it;
-- ``refined``: from the best of these, layers moved off the rank that bounds the simulated step
-  (or that exceeds the budget) while the step (or the excess) falls, under the schedule itself.
+- ``refined``: from the best few of these, a layer at a time moved off the rank that bounds the
+  simulated step (or exceeds the budget by the most) to the stage before it or after it, while
+  the step (or the excess) falls, under the schedule itself (an automatic one: under a fixed
+  proxy, then built on the result).
 
 A candidate fits when static plus simulated activation memory stays within the budget on every
-rank; the automatic schedules get as their activation limit the budget less the largest static
-memory of a rank. `zbi-auto` runs with the stages per rank that suited `zb-interleaved` best, on
-its two best splits and its refined one. The pick is the fitting candidate with the shortest simulated step (makespan),
-then the lowest peak. `Layout.explain` says what was chosen and why the others were not.
+rank; an automatic schedule gets as each rank's activation limit the budget less that rank's own
+static memory. Candidates rank by the bytes over the budget, then the simulated step (makespan),
+then the peak. `Layout.searched` says how much was covered and what no schedule of these
+placements beats on any split (`Searched.bound_over_splits`: the least step bound over every split
+that may fit where all were bounded, else a bound over all splits that ignores memory);
+`Layout.explain` prints it with what was chosen and why.
+
+Activation policies (none, full, selective, offload; `zbpp.schedules.profile.PolicyCost`), where
+the profile's layers offer them: each candidate gets one policy per rank, for every layer of its
+stages that offers it (`_choose_policies`: on a fixed schedule the best per-rank assignment, on an
+automatic one the best of each policy everywhere and its fixed proxy's choice); offload's copies
+are costed as `zbpp.schedules.policies` says. The bounds above hold under every policy (a policy
+only adds time to B; the bytes bound takes each layer's least-keeping policy).
 
 >>> from zbpp.schedules.profile import transformer_profile
 >>> prof = transformer_profile(name="small", num_layers=8, hidden=1024, ffn=4096, heads=16, vocab=32000, seq=2048)
@@ -30,22 +55,25 @@ then the lowest peak. `Layout.explain` says what was chosen and why the others w
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Iterator, Sequence
 
 from .bounds import LowerBound, lower_bound
 from .checks import as_int, as_number
 from .ir import Schedule
-from .profile import Profile
+from .policies import simulate_policies
+from .profile import POLICIES, Profile
 from .registry import build
-from .simulate import SimResult, simulate
+from .simulate import Memory, SimResult, simulate
 
-__all__ = ["Option", "Layout", "search", "evaluate", "split_evenly", "split_balanced", "SCHEDULES"]
+__all__ = ["Option", "Layout", "Searched", "search", "evaluate", "all_splits", "split_evenly", "split_balanced",
+           "SCHEDULES", "MAX_SPLITS", "MAX_POLICY_COMBOS"]
 
 #: The schedules `search` tries, and the stages per rank of each (None: 2, 3 and 4, interleaved).
 SCHEDULES: dict[str, int | None] = {
-    "1f1b": 1, "zb-h1": 1, "zb-h2": 1, "zb-auto": 1,
+    "gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-h2": 1, "zb-auto": 1,
     "interleaved-1f1b": None, "zb-interleaved": None, "zbi-auto": None,
     "zb-v": 2, "v-half": 2, "v-min": 2, "dualpipe-v": 2, "zbv-auto": 2,
 }
@@ -56,6 +84,15 @@ _V = ("zb-v", "v-half", "v-min", "dualpipe-v", "zbv-auto")
 _PROXY = {"zb-auto": "zb-h1", "zbv-auto": "zb-v", "zbi-auto": "zb-interleaved"}
 _REL = 1e-9  # float sums of many task times: equal within rounding counts as a tie
 _REFINE_STEPS = 24  # moves of one layer per refined candidate (each a few simulations)
+#: A placement with at most this many splits has every split tried: every placement of p <= 4
+#: ranks and up to 12 layers (the most: 462, p = 2 with 3 stages per rank or p = 3 with 2);
+#: beyond, heuristic splits and their refinements.
+MAX_SPLITS = 512
+#: Per-rank policy choices that are not dominated (see `_choose_policies`) are all simulated up to
+#: this many combinations; beyond, each rank takes its choice with the least added B time.
+MAX_POLICY_COMBOS = 64
+#: Between policies that give the same step: the one that changes the run least first.
+_INTRUSION = {"none": 0, "selective": 1, "full": 2, "offload": 3}
 
 
 @dataclass(frozen=True)
@@ -70,6 +107,7 @@ class Option:
     peak: tuple[float, ...]  #: per rank: static + simulated activation bytes
     fits: bool
     note: str = ""  #: why it could not be built, if so
+    policies: tuple[str, ...] = ()  #: each stage's activation policy (empty: "none" everywhere)
 
     @property
     def label(self) -> str:
@@ -79,6 +117,19 @@ class Option:
         """Lower is better: the bytes over the budget, then the step, then the peak."""
         excess = max(0.0, max(self.peak, default=math.inf) - budget) if self.peak else math.inf
         return (excess, self.step, max(self.peak, default=math.inf))
+
+
+@dataclass(frozen=True)
+class Searched:
+    """How much of the space `search` covered, and what no plan beats."""
+
+    exact: bool  #: every split of every placement was bounded, and simulated unless its bound ruled it out
+    max_splits: int  #: the most splits of a placement that were all tried
+    simulated: int  #: (schedule, split) pairs simulated
+    candidates: int  #: (schedule, split) pairs considered, simulated or ruled out by a bound
+    #: no schedule of the placements searched, on any split that may fit the budget, has a
+    #: shorter step (memory aside beyond each rank's static memory and one microbatch's activations)
+    bound_over_splits: float
 
 
 @dataclass(frozen=True)
@@ -94,6 +145,9 @@ class Layout:
     profile: Profile = field(repr=False)
     options: tuple[Option, ...] = field(repr=False, default=())  #: all candidates, best first
     split: str = ""
+    searched: "Searched | None" = field(repr=False, default=None)  #: how far the search went
+    policies: tuple[str, ...] = ()  #: each stage's activation policy (empty: "none" everywhere)
+    allowed: tuple[str, ...] = ("none",)  #: the policies the search chose from
 
     @property
     def step(self) -> float:
@@ -102,7 +156,7 @@ class Layout:
     def bound(self) -> LowerBound:
         """`zbpp.schedules.bounds.lower_bound` for this split and placement: what no schedule of it
         beats within the budget (each rank's limit: the budget less its static memory)."""
-        costs, memory, _ = self.profile.stage_costs(self.stages)
+        costs, memory, _ = self.profile.stage_costs(self.stages, self.policies or None)
         limits = None if not math.isfinite(self.budget) else [self.budget - x for x in self.static]
         return lower_bound(self.schedule.placement, self.schedule.num_microbatches, costs, memory, limits)
 
@@ -111,20 +165,49 @@ class Layout:
         return [[self.profile.layers[i].name for i in r] for r in self.stages]
 
     def explain(self, top: int = 12) -> str:
-        """The pick and its memory per rank, then the best candidate of each schedule, best first."""
+        """What was chosen and why: the pick, how much the search covered, what no plan beats (on
+        this split, and on any split), each rank's memory, then the best candidate of each schedule.
+
+        >>> from zbpp.schedules.profile import Layer, Profile
+        >>> prof = Profile([Layer("x", 1, 1, 1, activation=1, static=10)] * 4)
+        >>> print(search(prof, 2, 4, 36, schedules=["1f1b", "gpipe"]).explain().splitlines()[1])
+          why: the fitting candidate with the shortest step (ranked by bytes over the budget, then step, then peak)
+        """
         s = self.schedule
-        lines = [f"pick: {s.name}{' x' + str(s.num_stages // s.num_ranks) if s.num_stages > 2 * s.num_ranks else ''}"
-                 f" on the {self.split!r} split: step {self.step:.6g}, bubble rate {self.result.bubble_rate:.4f}, "
-                 f"peak {max(self.peak) / 1e9:.2f} GB of {self.budget / 1e9:.2f} GB"]
+        chunks = s.num_stages // s.num_ranks
+        lines = [f"pick: {s.name}{' x' + str(chunks) if s.name in _INTERLEAVED else ''} with layers per stage "
+                 f"{_sizes(self.stages)} ({self.split}): step {self.step:.6g}, bubble rate {self.result.bubble_rate:.4f}, "
+                 f"peak {max(self.peak) / 1e9:.2f} GB of {self.budget / 1e9:.2f} GB",
+                 "  why: the fitting candidate with the shortest step (ranked by bytes over the budget, then step, then peak)"]
+        fitting = [o for o in self.options if o.fits]
+        runner = next((o for o in fitting if (o.schedule, o.chunks, o.stages) != (s.name, chunks, self.stages)), None)
+        if runner is not None:
+            lines.append(f"  runner-up: {runner.label} with layers per stage {_sizes(runner.stages)}: step "
+                         f"{runner.step:.6g} ({100 * (runner.step / self.step - 1):+.2f}%)")
+        w = self.searched
+        if w is not None:
+            if w.exact:
+                lines.append(f"  exact: every split under every schedule searched ({w.candidates} candidates, "
+                             f"{w.simulated} simulated, the others ruled out by a lower bound): no other split x "
+                             f"schedule fits with a shorter step"
+                             + ("" if self.allowed == ("none",) else " (with per-rank policies: exact on the fixed "
+                                "schedules; an automatic one tries each policy everywhere and its proxy's choice)"))
+            else:
+                lines.append(f"  not exhaustive (more than {w.max_splits} splits on a placement): {w.candidates} heuristic "
+                             f"and refined splits x schedules, {w.simulated} simulated")
+            lines.append(f"  no schedule on any split within the budget beats step {w.bound_over_splits:.6g} "
+                         f"(the pick: +{_over(self.step, w.bound_over_splits):.2f}%)")
         lb = self.bound()
         lines.append(f"  no schedule of this split and placement within the budget beats step {lb.makespan:.6g} "
-                     f"(the pick: +{max(0.0, 100 * (self.step / lb.makespan - 1)):.2f}%)")
+                     f"(the pick: +{_over(self.step, lb.makespan):.2f}%)")
+        if self.allowed != ("none",):
+            lines += self._explain_policies()
         for r in range(s.num_ranks):
             stages = [f"{st}:{self.profile.layers[self.stages[st][0]].name}..{self.profile.layers[self.stages[st][-1]].name}"
                       f" ({len(self.stages[st])})" for st in s.stages_on(r)]
             lines.append(f"  rank {r}: static {self.static[r] / 1e9:.2f} GB + activations "
                          f"{self.result.peak_memory[r] / 1e9:.2f} GB = {self.peak[r] / 1e9:.2f} GB; stages {', '.join(stages)}")
-        lines.append(f"{'candidate':<22} {'split':<8} {'step':>12} {'vs pick':>8} {'peak GB':>9}  fits")
+        lines.append(f"{'candidate':<22} {'layers per stage':<18} {'step':>12} {'vs pick':>8} {'peak GB':>9}  fits")
         seen = set()
         for o in self.options:
             if o.label in seen:
@@ -133,10 +216,40 @@ class Layout:
             vs = f"{100 * (o.step / self.step - 1):+.1f}%" if math.isfinite(o.step) and self.step > 0 else "-"
             peak = f"{max(o.peak) / 1e9:9.2f}" if o.peak else f"{'-':>9}"
             why = "yes" if o.fits else (o.note or f"no: over the budget by {(max(o.peak) - self.budget) / 1e9:.2f} GB")
-            lines.append(f"{o.label:<22} {o.split:<8} {o.step:>12.6g} {vs:>8} {peak}  {why}")
+            lines.append(f"{o.label:<22} {_sizes(o.stages):<18} {o.step:>12.6g} {vs:>8} {peak}  {why}")
             if len(seen) >= top:
                 break
         return "\n".join(lines)
+
+
+    def _explain_policies(self) -> list[str]:
+        """Per rank: its policy and why, from each policy's peak and added B time on the pick's order."""
+        s, n = self.schedule, self.schedule.num_stages
+        chosen = self.policies or tuple(["none"] * n)
+        costs, memory, _ = self.profile.stage_costs(self.stages)
+        base = simulate(s, costs, memory)
+        plain_b = costs.per_stage(n)[1]
+        table = {}
+        for q in self.allowed:
+            got = simulate_policies(s, self.profile, self.stages, [q] * n, base)
+            table[q] = (got.result.peak_memory, [x - y for x, y in zip(got.costs.per_stage(n)[1], plain_b)])
+        lines = [f"  policies (one per rank, for its layers that offer it; chosen from {', '.join(self.allowed)}):"
+                 " the one adding the least B time that fits"]
+        for r in range(s.num_ranks):
+            mine = s.stages_on(r)
+            q = chosen[mine[0]]
+            alts = []
+            for o in self.allowed:
+                peak = self.static[r] + table[o][0][r]
+                extra = sum(table[o][1][st] for st in mine)
+                alts.append(f"{o} {peak / 1e9:.2f} GB +{extra:.4g} per B{'' if peak <= self.budget * (1 + _REL) else ' (over)'}")
+            lines.append(f"    rank {r}: {q}  [{'; '.join(alts)}]")
+        return lines
+
+
+def _over(step: float, bound: float) -> float:
+    """How far `step` is above `bound`, in percent."""
+    return max(0.0, 100 * (step / bound - 1)) if bound > 0 else 0.0
 
 
 # -- splits --------------------------------------------------------------------------------------
@@ -228,7 +341,12 @@ def _placement(num_ranks: int, chunks: int, v: bool) -> list[int]:
 
 
 def _moves_off(sizes: list[int], placement: Sequence[int], rank: int) -> list[list[int]]:
-    """Stage sizes with one layer moved from a stage of `rank` to a neighbouring stage of another rank."""
+    """Stage sizes with one layer moved from a stage of `rank` to the stage before it or the one
+    after it (where another rank holds that one).
+
+    >>> _moves_off([1, 3, 2], [0, 1, 2], 1)
+    [[2, 2, 2], [1, 2, 3]]
+    """
     out = []
     for s in (s for s in range(len(sizes)) if placement[s] == rank and sizes[s] > 1):
         for t in (s - 1, s + 1):
@@ -280,35 +398,134 @@ def _build(name: str, p: int, m: int, chunks: int, costs=None, memory=None, limi
     return build(name, num_ranks=p, num_microbatches=m, **opts)
 
 
-def _simulate_option(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
-                     sched: Schedule | None, p: int, m: int) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
-    costs, memory, static_stage = profile.stage_costs(stages)
-    placement = _placement(p, chunks, name in _V)
-    static = [0.0] * p
+def _per_rank(values: Sequence[float], placement: Sequence[int], p: int) -> list[float]:
+    out = [0.0] * p
     for s, r in enumerate(placement):
-        static[r] += static_stage[s]
+        out[r] += values[s]
+    return out
+
+
+def _simulate_option(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
+                     sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...] = ("none",),
+                     given: Sequence[str] | None = None) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
+    """Build (unless `sched` is given) and simulate one candidate. With `given` per-stage policies,
+    under those; else with only "none" allowed, under none; else the policies `_choose_policies` picks."""
+    if given is None and allowed != ("none",):
+        return _choose_policies(profile, name, chunks, split, stages, budget, sched, p, m, allowed)
+    placement = _placement(p, chunks, name in _V)
+    costs, memory, static_stage = profile.stage_costs(stages, given)
+    static = _per_rank(static_stage, placement, p)
     try:
         if sched is None:
-            limit = None
-            if name in _AUTO and math.isfinite(budget):
-                limit = budget - max(static)
-                if limit <= 0:
-                    raise ValueError(f"static memory alone ({max(static) / 1e9:.2f} GB on a rank) exceeds the budget")
-            sched = _build(name, p, m, chunks, costs, memory, limit)
-        res = simulate(sched, costs, memory)
+            sched = _build_within(name, p, m, chunks, costs, memory, static, budget)
+        res = simulate_policies(sched, profile, stages, given).result
     except ValueError as exc:
         return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
     peak = tuple(x + y for x, y in zip(static, res.peak_memory))
     fits = max(peak) <= budget * (1 + _REL)
-    return Option(name, chunks, split, stages, res.makespan, peak, fits), sched, res, static
+    policies = tuple(given) if given is not None and any(q != "none" for q in given) else ()
+    return Option(name, chunks, split, stages, res.makespan, peak, fits, policies=policies), sched, res, static
+
+
+def _build_within(name: str, p: int, m: int, chunks: int, costs, memory: Memory, static: list[float],
+                  budget: float) -> Schedule:
+    """Build a schedule; an automatic one with each rank's activation limit the budget less its
+    static memory (refused naming the rank where that is below one microbatch's activations)."""
+    if name not in _AUTO:
+        return _build(name, p, m, chunks)
+    placement = _placement(p, chunks, name in _V)
+    act, wgrad = memory.per_stage(len(placement))
+    memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)  # what the builder plans on
+    limit = None
+    if math.isfinite(budget):
+        limit = [budget - x for x in static]
+        floor = _per_rank(memory.per_stage(len(placement))[0], placement, p)
+        short = [r for r in range(p) if limit[r] < floor[r] * (1 - _REL)]
+        if short:
+            r = short[0]
+            raise ValueError(f"rank {r}: static memory {static[r] / 1e9:.2f} GB plus one microbatch's "
+                             f"activations {floor[r] / 1e9:.2f} GB exceed the budget")
+    return _build(name, p, m, chunks, costs, memory, limit)
+
+
+def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
+                     sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...]
+                     ) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
+    """One policy per rank (for every layer of its stages that offers it), chosen for the
+    candidate: the best of the per-rank choices that are not dominated.
+
+    A fixed schedule's task order does not depend on the costs, so a rank's memory depends only
+    on its own policy (simulated once per policy, every rank under it) and the step never falls
+    when a B grows (each task starts at the latest end of what it waits for). Per rank the
+    policies that fit are kept unless another fitting one adds no more time to any B of its
+    stages (recompute, and offload's exposed copy, a fixed number per stage: see
+    `zbpp.schedules.policies`); where none fits, the one with the least peak. Every combination
+    of what is kept (at most `MAX_POLICY_COMBOS`) is simulated: on fixed schedules this is the
+    best of every per-rank assignment. An automatic schedule's order follows its costs: it is
+    built under each policy on every rank and under the choice of its fixed proxy, the best kept.
+    """
+    placement = _placement(p, chunks, name in _V)
+    n = len(stages)
+    if name in _AUTO:
+        tries = [tuple([q] * n) for q in allowed]
+        proxy = _choose_policies(profile, _PROXY[name], chunks, split, stages, budget, None, p, m, allowed)[0]
+        if proxy.peak:
+            tries.append(proxy.policies or tuple(["none"] * n))
+        got = [_simulate_option(profile, name, chunks, split, stages, budget, None, p, m, given=t) for t in dict.fromkeys(tries)]
+        return _least(got, budget)
+    if sched is None:
+        try:
+            sched = _build(name, p, m, chunks)
+        except ValueError as exc:
+            static = _per_rank(profile.stage_costs(stages)[2], placement, p)
+            return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
+    costs, memory, static_stage = profile.stage_costs(stages)
+    base = simulate(sched, costs, memory)
+    static = _per_rank(static_stage, placement, p)
+    plain_b = costs.per_stage(n)[1]
+    peak: dict[str, list[float]] = {}
+    extra: dict[str, list[float]] = {}
+    for q in allowed:
+        got = simulate_policies(sched, profile, stages, [q] * n, base)
+        peak[q] = [x + y for x, y in zip(static, got.result.peak_memory)]
+        extra[q] = [x - y for x, y in zip(got.costs.per_stage(n)[1], plain_b)]
+    kept: list[list[str]] = []
+    for r in range(p):
+        mine = [s for s in range(n) if placement[s] == r]
+        fit = [q for q in allowed if peak[q][r] <= budget * (1 + _REL)] or [min(allowed, key=lambda q: peak[q][r])]
+        undominated = [q for q in fit if not any(
+            all(extra[o][s] <= extra[q][s] for s in mine) and
+            (any(extra[o][s] < extra[q][s] for s in mine) or _INTRUSION[o] < _INTRUSION[q]) for o in fit if o != q)]
+        kept.append(undominated)
+    combos = list(itertools.islice(itertools.product(*kept), MAX_POLICY_COMBOS + 1))
+    if len(combos) > MAX_POLICY_COMBOS:
+        combos = [tuple(min(k, key=lambda q: sum(extra[q][s] for s in range(n) if placement[s] == r))
+                        for r, k in enumerate(kept))]
+    return _least([_simulate_option(profile, name, chunks, split, stages, budget, sched, p, m,
+                                    given=[combo[placement[s]] for s in range(n)]) for combo in combos], budget)
+
+
+def _least(got: list, budget: float):
+    """The best of `_simulate_option` results: least bytes over the budget, then shortest step;
+    among steps equal within rounding, the fewest layers moved off "none" by the least intrusive
+    policy (no copy or recompute the step does not need), then the lowest peak."""
+    excess = min(g[0].key(budget)[0] for g in got)
+    tied = [g for g in got if g[0].key(budget)[0] <= excess]
+    step = min(g[0].step for g in tied)
+    tied = [g for g in tied if g[0].step <= step * (1 + _REL)]
+
+    return min(tied, key=lambda g: (sum(_INTRUSION[q] for q in g[0].policies), max(g[0].peak, default=math.inf)))
 
 
 def evaluate(profile: Profile, num_ranks: int, num_microbatches: int, stages: Sequence[range], schedule: str, *,
-             chunks: int | None = None, memory_budget: float | None = None) -> Option:
+             chunks: int | None = None, memory_budget: float | None = None,
+             policies: str | Sequence[str] | None = None) -> Option:
     """Simulate `schedule` on the split `stages` of `profile`: its step and per-rank peak bytes.
 
     `chunks` is the stages per rank (interleaved schedules; V schedules have 2). The split must
-    have as many stages as the schedule.
+    have as many stages as the schedule. An automatic schedule gets as each rank's activation
+    limit the budget less that rank's static memory. `policies`: each stage's activation policy
+    (one name: every stage's; None: "none"), simulated as `zbpp.schedules.policies` says.
 
     >>> from zbpp.schedules.profile import Layer, Profile
     >>> prof = Profile([Layer("x", 1, 1, 1, activation=1, static=10)] * 4)
@@ -325,34 +542,130 @@ def evaluate(profile: Profile, num_ranks: int, num_microbatches: int, stages: Se
     if len(stages) != k * p:
         raise ValueError(f"{schedule} with {k} stage(s) per rank on {p} ranks has {k * p} stages; the split has {len(stages)}")
     budget = math.inf if memory_budget is None else as_number(memory_budget, "memory_budget")
-    return _simulate_option(profile, schedule, k, "given", stages, budget, None, p, m)[0]
+    given = None if policies is None else [policies] * len(stages) if isinstance(policies, str) else list(policies)
+    if given is not None:
+        profile.stage_costs(stages, given)  # checks the names and their count
+    return _simulate_option(profile, schedule, k, "given", stages, budget, None, p, m, given=given)[0]
+
+
+def all_splits(num_layers: int, num_stages: int) -> Iterator[tuple[range, ...]]:
+    """Every split of `num_layers` layers into `num_stages` consecutive non-empty stages.
+
+    >>> [[len(r) for r in st] for st in all_splits(4, 2)]
+    [[1, 3], [2, 2], [3, 1]]
+    """
+    for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+        yield _ranges([b - a for a, b in zip((0, *cuts), (*cuts, num_layers))])
+
+
+@dataclass(frozen=True)
+class _Split:
+    """What one split of one placement costs before any schedule is simulated: a lower bound on
+    the step of every schedule on it, and on the bytes it goes over the budget."""
+
+    stages: tuple[range, ...]
+    step_bound: float  #: each rank: the forwards before its first task, then m times its F+B+W
+    excess_bound: float  #: most over the budget of a rank's static memory + one microbatch's activations
+
+
+def _split_bounds(profile: Profile, stages: tuple[range, ...], placement: Sequence[int], p: int, m: int,
+                  budget: float, allowed: tuple[str, ...] = ("none",)) -> _Split:
+    costs, memory, static_stage = profile.stage_costs(stages)
+    f, b, w = costs.per_stage(len(stages))  # every policy adds time to B, never takes any away
+    # the least a microbatch can keep: each layer under its policy that keeps the least
+    act = [sum(min(profile.layers[i].cost(q).activation for q in allowed) for i in r) for r in stages]
+    work = _per_rank([x + y + z for x, y, z in zip(f, b, w)], placement, p)
+    need = [x + y for x, y in zip(_per_rank(static_stage, placement, p), _per_rank(act, placement, p))]
+    first = [placement.index(r) for r in range(p)]  # no task of rank r starts before F of the stages above its first
+    bound = max(sum(f[:first[r]]) + m * work[r] for r in range(p))
+    return _Split(stages, bound, max(need) - budget)
+
+
+def _bound_over_splits(profile: Profile, placement: Sequence[int], p: int, m: int) -> float:
+    """A lower bound on every schedule's step of `placement` on *any* split of the layers (memory
+    aside): one stage per rank, the least over splits of the largest bound of `_split_bounds`
+    (a greedy fill of each stage is optimal for it); else the larger of the ranks' mean bound
+    (rank r's first stage, stage r, follows at least the first r layers) and m times the work of
+    the layers one rank must hold together (the largest; the first and the last on a V).
+
+    >>> from zbpp.schedules.profile import Layer, Profile
+    >>> prof = Profile([Layer("x", 1, 1, 1)] * 4)
+    >>> round(_bound_over_splits(prof, [0, 1], 2, 2), 9)  # 2 / 2: rank 1 waits 2 forwards, then 2 x 6
+    14.0
+    >>> _bound_over_splits(prof, [0, 1, 1, 0], 2, 2)  # (a forward before rank 1 + 2 x 12) / 2
+    12.5
+    """
+    f = [x.f for x in profile.layers]
+    work = [x.f + x.b + x.w for x in profile.layers]
+    n = len(placement)
+    if n != p:
+        heads = sum(sum(f[:r]) for r in range(p))
+        together = work[0] + work[-1] if placement[0] == placement[-1] else max(work)
+        return max((heads + m * sum(work)) / p, m * together)
+
+    def fits(cap: float) -> bool:
+        at, head = 0, 0.0
+        for stage in range(p):
+            load, start = 0.0, at
+            last = len(work) - (p - 1 - stage)  # leave a layer for each later stage
+            while at < last and head + m * (load + work[at]) <= cap:
+                load += work[at]
+                at += 1
+            if at == start:
+                return False
+            head += sum(f[start:at])
+        return at == len(work)
+
+    lo, hi = 0.0, sum(f) + m * sum(work)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return lo
+
+
+def _full_bound(profile: Profile, stages: tuple[range, ...], placement: Sequence[int], p: int, m: int,
+                budget: float) -> float:
+    """`bounds.lower_bound` of the split, each rank limited to the budget less its static memory."""
+    costs, memory, static_stage = profile.stage_costs(stages)
+    limits = None if not math.isfinite(budget) else [budget - x for x in _per_rank(static_stage, placement, p)]
+    return lower_bound(placement, m, costs, memory, limits).makespan
 
 
 def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Schedule, budget: float, p: int, m: int,
-            weights: Sequence[float]) -> Option:
-    """Move one layer at a time off the rank that bounds the step (or exceeds the budget) while
-    the candidate's key (excess bytes, step, peak) falls."""
+            allowed: tuple[str, ...] = ("none",)) -> Option:
+    """Move one layer at a time off the rank over the budget by the most or, within it, the rank
+    with the most work (whose work bounds the step), to the stage before or after, while the
+    candidate's key (excess bytes, step, peak) falls: the best such move each time."""
     placement = _placement(p, chunks, name in _V)
     best = start
     for _ in range(_REFINE_STEPS):
-        _, _, res, static = _simulate_option(profile, name, chunks, "refined", best.stages, budget, sched, p, m)
+        _, _, res, _ = _simulate_option(profile, name, chunks, "refined", best.stages, budget, sched, p, m, allowed)
         if res is None:
             break
         if max(best.peak) > budget:
             r = max(range(p), key=lambda q: best.peak[q])
-        else:  # the rank with the most work, whose work bounds the step
+        else:
             r = max(range(p), key=lambda q: res.busy_per_rank[q])
-        trials = [_ranges(trial) for trial in _moves_off([len(x) for x in best.stages], placement, r)]
         improved = None
-        for stages in trials:
-            o = _simulate_option(profile, name, chunks, "refined", stages, budget, sched, p, m)[0]
-            if o.key(budget) < best.key(budget) and (improved is None or o.key(budget) < improved.key(budget)):
-                if o.key(budget)[:2] != best.key(budget)[:2] or o.key(budget)[2] < best.key(budget)[2] * (1 - _REL):
-                    improved = o
+        for sizes in _moves_off([len(x) for x in best.stages], placement, r):
+            o = _simulate_option(profile, name, chunks, "refined", _ranges(sizes), budget, sched, p, m, allowed)[0]
+            if o.key(budget) < (improved or best).key(budget) and _clearly_better(o, best, budget):
+                improved = o
         if improved is None:
             break
         best = improved
     return best
+
+
+def _clearly_better(a: Option, b: Option, budget: float) -> bool:
+    """`a` before `b` by more than rounding: less excess, a shorter step, or a lower peak."""
+    ka, kb = a.key(budget), b.key(budget)
+    for x, y in zip(ka, kb):
+        if x < y - _REL * max(1.0, abs(y)):
+            return True
+        if x > y + _REL * max(1.0, abs(y)):
+            return False
+    return False
 
 
 def _best_chunks(best_of: dict[tuple[str, int], Option], name: str, budget: float) -> Option | None:
@@ -369,18 +682,29 @@ def search(
     *,
     schedules: Sequence[str] | None = None,
     splits: dict[str, Sequence[Sequence[range]]] | None = None,
+    max_splits: int = MAX_SPLITS,
+    policies: Sequence[str] | None = None,
 ) -> Layout:
     """Choose each stage's layers and the schedule, minimising the simulated step within
     `memory_budget` bytes per rank (static memory included; None: no budget).
 
     `schedules` restricts the families tried (default: all of `SCHEDULES`). `splits` adds
     splits of your own: label -> a list of candidate splits (each as many ranges as the
-    schedule's stages; those of another length are skipped). Raises `ValueError` when no
-    candidate fits, naming the one that came closest.
+    schedule's stages; those of another length are skipped). A placement with at most
+    `max_splits` splits has every split tried (exact); beyond, the heuristic splits and their
+    refinements. Raises `ValueError` when no candidate fits, naming the one that came closest.
+
+    `policies` are the activation policies each rank may run its layers under (one per rank, for
+    every layer that offers it; default: every one the profile's layers offer, `Profile.offers`);
+    ``["none"]`` leaves every layer as it is, ``["full"]`` recomputes every layer that can.
     """
     p = as_int(num_ranks, "num_ranks")
+    allowed = _allowed(profile, policies)
     m = as_int(num_microbatches, "num_microbatches")
+    max_splits = as_int(max_splits, "max_splits", minimum=0)
     budget = math.inf if memory_budget is None else as_number(memory_budget, "memory_budget")
+    if not math.isfinite(budget) and "none" in allowed:
+        allowed = ("none",)  # a policy only adds time: without a budget nothing needs one
     names = list(schedules) if schedules is not None else list(SCHEDULES)
     for name in names:
         if name not in SCHEDULES:
@@ -395,82 +719,154 @@ def search(
     if not configs:
         raise ValueError(f"{L} layers are too few for {p} ranks with the schedules {', '.join(names)}")
 
-    split_cache: dict[tuple[int, bool], dict[str, tuple[range, ...]]] = {}
+    def heuristic_splits(k: int, v: bool) -> dict[str, tuple[range, ...]]:
+        n = k * p
+        out: dict[str, tuple[range, ...]] = {"count": split_evenly(L, n)}
+        if L - 2 >= n:
+            out["blocks"] = split_evenly(L, n, first=1, last=1)
+        out["time"] = split_balanced(work, n)
+        out["params"] = split_balanced(params, n)
+        out["ranks"] = _balance_ranks(out["time"], work, _placement(p, k, v))
+        for label, given in (splits or {}).items():
+            for i, st in enumerate(given):
+                st = tuple(st)
+                if len(st) == n:
+                    profile.check_split(st)
+                    out[label if len(given) == 1 else f"{label}{i}"] = st
+        unique: dict[tuple, str] = {}
+        for label, st in out.items():
+            unique.setdefault(tuple((r.start, r.stop) for r in st), label)
+        return {label: out[label] for label in unique.values()}
 
-    def splits_for(k: int, v: bool) -> dict[str, tuple[range, ...]]:
-        if (k, v) not in split_cache:
-            n = k * p
-            out: dict[str, tuple[range, ...]] = {"count": split_evenly(L, n)}
-            if L - 2 >= n:
-                out["blocks"] = split_evenly(L, n, first=1, last=1)
-            out["time"] = split_balanced(work, n)
-            out["params"] = split_balanced(params, n)
-            out["ranks"] = _balance_ranks(out["time"], work, _placement(p, k, v))
-            for label, given in (splits or {}).items():
-                for i, st in enumerate(given):
-                    st = tuple(st)
-                    if len(st) == n:
-                        profile.check_split(st)
-                        out[label if len(given) == 1 else f"{label}{i}"] = st
-            unique: dict[tuple, str] = {}
-            for label, st in out.items():
-                unique.setdefault(tuple((r.start, r.stop) for r in st), label)
-            split_cache[(k, v)] = {label: out[label] for label in unique.values()}
-        return split_cache[(k, v)]
+    # every (schedule, stages per rank, split) to consider, with its bounds before simulation
+    exact: dict[tuple[str, int], bool] = {}
+    pending: list[tuple[str, int, str, _Split]] = []
+    split_info: dict[tuple[int, bool], list[tuple[str, _Split]]] = {}
+    for name, k in configs:
+        v = name in _V
+        if (k, v) not in split_info:
+            placement = _placement(p, k, v)
+            count = math.comb(L - 1, k * p - 1)
+            chosen = (list(heuristic_splits(k, v).items()) if count > max_splits else
+                      [("exhaustive", st) for st in all_splits(L, k * p)])
+            split_info[(k, v)] = [(label, _split_bounds(profile, st, placement, p, m, budget, allowed)) for label, st in chosen]
+        exact[(name, k)] = math.comb(L - 1, k * p - 1) <= max_splits
+        pending += [(name, k, label, info) for label, info in split_info[(k, v)]]
 
     options: list[Option] = []
     built: dict[tuple[str, int], Schedule] = {}
-    best_of: dict[tuple[str, int], Option] = {}
-    for name, k in configs:
-        if name in _AUTO:
-            continue
-        for label, stages in splits_for(k, name in _V).items():
-            o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m)
-            if sched is not None:
-                built[(name, k)] = sched
-            options.append(o)
-            if (name, k) not in best_of or o.key(budget) < best_of[(name, k)].key(budget):
-                best_of[(name, k)] = o
-    # refine the split under the best few fixed schedules (and the automatic ones' proxies)
-    ranked = sorted(best_of.values(), key=lambda o: o.key(budget))
-    chosen = ranked[:3] + [o for (name, k), o in best_of.items() if any(
-        a in names and _PROXY[a] == name and (a not in _INTERLEAVED or o is _best_chunks(best_of, name, budget))
-        for a in _AUTO)]
-    refined: dict[tuple[str, int], Option] = {}
-    for o in chosen:
-        if (o.schedule, o.chunks) in refined or (o.schedule, o.chunks) not in built or not o.peak:
-            continue
-        r = _refine(profile, o.schedule, o.chunks, o, built[(o.schedule, o.chunks)], budget, p, m, work)
-        refined[(o.schedule, o.chunks)] = r
-        if r.stages != o.stages:
-            options.append(r)
-    # the automatic schedules (each a search of its own), on the splits above and their proxy's refined one
-    for name, k in configs:
-        if name not in _AUTO:
-            continue
-        if name in _INTERLEAVED:  # only as many stages per rank as its proxy did best with, on its best splits
-            best = _best_chunks(best_of, _PROXY[name], budget)
-            if (best.chunks if best is not None else 2) != k:
+    seen: set[tuple[str, int, tuple[range, ...]]] = set()
+
+    def run(name: str, k: int, label: str, stages: tuple[range, ...]) -> Option:
+        o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m, allowed)
+        if sched is not None and name not in _AUTO:
+            built[(name, k)] = sched
+        seen.add((name, k, stages))
+        options.append(o)
+        return o
+
+    # branch and bound: candidates that may fit, by their step bound, until the bound passes the
+    # best step that fits; then, if none fits, candidates by their excess bound, until that passes
+    # the smallest excess found (the closest plan)
+    def best_fit() -> float:
+        return min((o.step for o in options if o.fits), default=math.inf)
+
+    # (the fixed schedules first among equal bounds: they simulate in a fraction of an automatic
+    # one's build, and a good step found early rules more out)
+    may_fit = sorted((c for c in pending if c[3].excess_bound <= budget * _REL),
+                     key=lambda c: (c[3].step_bound, c[0] in _AUTO))
+    for name, k, label, info in may_fit:
+        if info.step_bound > best_fit() * (1 + _REL):
+            break
+        if name in _AUTO and allowed == ("none",) and _full_bound(profile, info.stages, _placement(p, k, name in _V), p, m, budget) > best_fit() * (1 + _REL):
+            continue  # the bound of every schedule on this split, memory included, rules it out before a build
+        run(name, k, label, info.stages)
+    if not any(o.fits for o in options):
+        for name, k, label, info in sorted(pending, key=lambda c: c[3].excess_bound):
+            closest = min((o.key(budget)[0] for o in options), default=math.inf)
+            if info.excess_bound > closest * (1 + _REL) + budget * _REL:
+                break
+            if (name, k, info.stages) not in seen:
+                run(name, k, label, info.stages)
+
+    # beyond `max_splits`: refine the best few under their schedule (the automatic ones under a
+    # fixed proxy, then built on the result)
+    large = [(name, k) for name, k in configs if not exact[(name, k)]]
+    if large:
+        best_of: dict[tuple[str, int], Option] = {}
+        for o in options:
+            if (o.schedule, o.chunks) in large and o.peak and ((o.schedule, o.chunks) not in best_of
+                                                              or o.key(budget) < best_of[(o.schedule, o.chunks)].key(budget)):
+                best_of[(o.schedule, o.chunks)] = o
+        for name, k in large:  # proxies are simulated on the heuristic splits even where pruned
+            proxy = _PROXY.get(name)
+            if proxy is not None and (proxy, k) not in best_of:
+                for label, info in split_info[(k, name in _V)]:
+                    o = _simulate_option(profile, proxy, k, label, info.stages, budget, built.get((proxy, k)), p, m, allowed)
+                    if o[1] is not None:
+                        built[(proxy, k)] = o[1]
+                    if o[0].peak and ((proxy, k) not in best_of or o[0].key(budget) < best_of[(proxy, k)].key(budget)):
+                        best_of[(proxy, k)] = o[0]
+        ranked = sorted((o for key, o in best_of.items() if key[0] not in _AUTO), key=lambda o: o.key(budget))
+        chosen = ranked[:3] + [o for o in ranked if any(a in names and _PROXY[a] == o.schedule for a in _AUTO)]
+        refined: dict[tuple[str, int], Option] = {}
+        for o in chosen:
+            key = (o.schedule, o.chunks)
+            if key in refined or key not in built:
                 continue
-            mine = sorted((o for o in options if (o.schedule, o.chunks) == (_PROXY[name], k)), key=lambda o: o.key(budget))
-            candidates = {o.split: o.stages for o in mine[:2]} if mine else dict(splits_for(k, False))
-        else:
-            candidates = dict(splits_for(k, name in _V))
-        proxy = refined.get((_PROXY[name], k))
-        if proxy is not None and proxy.stages not in candidates.values():
-            candidates["refined"] = proxy.stages
-        for label, stages in candidates.items():
-            options.append(_simulate_option(profile, name, k, label, stages, budget, None, p, m)[0])
+            refined[key] = r = _refine(profile, o.schedule, o.chunks, o, built[key], budget, p, m, allowed)
+            if key in large and (o.schedule, o.chunks, r.stages) not in seen:
+                seen.add((o.schedule, o.chunks, r.stages))
+                options.append(r)
+        for name, k in large:
+            if name in _AUTO and (_PROXY[name], k) in refined:
+                stages = refined[(_PROXY[name], k)].stages
+                if (name, k, stages) not in seen:
+                    run(name, k, "refined", stages)
 
     options.sort(key=lambda o: o.key(budget))
     best = options[0]
     if not best.fits:
-        where = f"{best.label} on the {best.split!r} split" if best.peak else best.label
+        where = f"{best.label} on layers per stage {_sizes(best.stages)} ({best.split})" if best.peak else best.label
         closest = f"{max(best.peak) / 1e9:.3f} GB" if best.peak else "none"
         raise ValueError(f"no schedule and split fits memory_budget={budget / 1e9:.3f} GB per rank; the closest, {where}, "
                          f"peaks at {closest}")
     sched = _build(best.schedule, p, m, best.chunks) if best.schedule not in _AUTO else None
-    _, sched, res, static = _simulate_option(profile, best.schedule, best.chunks, best.split, best.stages, budget, sched, p, m)
+    best, sched, res, static = _simulate_option(profile, best.schedule, best.chunks, best.split, best.stages, budget, sched,
+                                               p, m, allowed)
     assert sched is not None and res is not None
     peak = tuple(x + y for x, y in zip(static, res.peak_memory))
-    return Layout(sched, best.stages, res, tuple(static), peak, budget, profile, tuple(options), best.split)
+    # what no schedule of these placements beats on any split that may fit
+    over: list[float] = []
+    for (k, v), infos in split_info.items():
+        if math.comb(L - 1, k * p - 1) > max_splits:
+            over.append(_bound_over_splits(profile, _placement(p, k, v), p, m))
+        else:  # every split was bounded: those that may fit
+            over += [i.step_bound for _, i in infos if i.excess_bound <= budget * _REL]
+    searched = Searched(
+        exact=all(exact.values()),
+        max_splits=max_splits,
+        simulated=len(seen),
+        candidates=sum(len(split_info[(k, name in _V)]) for name, k in configs),
+        bound_over_splits=min(over, default=math.inf),
+    )
+    return Layout(sched, best.stages, res, tuple(static), peak, budget, profile, tuple(options), best.split, searched,
+                  best.policies, allowed)
+
+
+def _allowed(profile: Profile, policies: Sequence[str] | None) -> tuple[str, ...]:
+    """The policies to choose from, in `POLICIES` order, each checked."""
+    if policies is None:
+        return profile.offers()
+    if isinstance(policies, str):
+        policies = [policies]
+    for q in policies:
+        if q not in POLICIES:
+            raise ValueError(f"unknown policy {q!r}; the policies are {', '.join(POLICIES)}")
+    if not policies:
+        raise ValueError("policies: give at least one (e.g. ['none'])")
+    return tuple(q for q in POLICIES if q in policies)
+
+
+def _sizes(stages: Sequence[range]) -> str:
+    return "/".join(str(len(r)) for r in stages)

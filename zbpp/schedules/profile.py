@@ -27,7 +27,55 @@ from typing import Any, Sequence
 from .checks import as_int, as_number
 from .simulate import Costs, Memory
 
-__all__ = ["Layer", "Profile", "transformer_profile"]
+__all__ = ["POLICIES", "PolicyCost", "Layer", "Profile", "transformer_profile"]
+
+#: Per-layer activation policies, by the names the torch side (zbpp.models.recompute) uses.
+POLICIES = ("none", "full", "selective", "offload")
+
+
+@dataclass(frozen=True)
+class PolicyCost:
+    """What one layer costs under one activation policy, per microbatch.
+
+    - `activation`: bytes on the device from the end of F to B (what F keeps, or, offloaded,
+      what stays on the device once its copy to the host is done: nothing);
+    - `wgrad`: bytes on the device from the end of B to W (the GEMM inputs and output gradients
+      W needs; B re-creates them under recompute or brings them back under offload, so this may
+      exceed `activation`: B then adds ``wgrad - activation``);
+    - `recompute`: time added to B (the layer's forward for ``full``, its non-GEMM part for
+      ``selective``);
+    - `copy`: bytes copied to the host after F and back before B (``offload``), timed over the
+      profile's `Profile.host_bytes_per_s` (see `zbpp.schedules.policies`).
+
+    What runs inside a task (the recomputed forward, the reloaded activations during their B) is
+    a transient the model does not count, as for every task.
+    """
+
+    activation: float
+    wgrad: float
+    recompute: float = 0.0
+    copy: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("activation", "wgrad", "recompute", "copy"):
+            object.__setattr__(self, key, as_number(getattr(self, key), f"PolicyCost.{key}"))
+
+    @classmethod
+    def from_measured(cls, measured: Any, flops_per_s: float) -> "PolicyCost":
+        """From what `zbpp.models.recompute.measure_activation_policies` reports for one policy
+        (``kept_f_to_b``, ``kept_b_to_w``, ``host_bytes``, ``recompute_flops``), the re-run timed
+        at `flops_per_s` (matrix products only: an elementwise re-run counts 0).
+
+        >>> from types import SimpleNamespace
+        >>> got = SimpleNamespace(kept_f_to_b=2, kept_b_to_w=5, host_bytes=0, recompute_flops=3e12)
+        >>> PolicyCost.from_measured(got, flops_per_s=1e12)
+        PolicyCost(activation=2.0, wgrad=5.0, recompute=3.0, copy=0.0)
+        """
+        speed = as_number(flops_per_s, "flops_per_s", minimum=1.0)
+        try:
+            return cls(measured.kept_f_to_b, measured.kept_b_to_w, measured.recompute_flops / speed, measured.host_bytes)
+        except AttributeError as exc:
+            raise ValueError(f"PolicyCost.from_measured: {measured!r} is not a measured activation cost: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -48,6 +96,8 @@ class Layer:
     activation: float = 0.0  #: bytes F allocates and B frees (but `wgrad`)
     wgrad: float = 0.0  #: bytes B keeps until W
     static: float = 0.0  #: parameter + gradient + optimizer-state bytes
+    #: the policies other than "none" this layer offers, by name (a mapping is stored as sorted pairs)
+    policies: tuple[tuple[str, PolicyCost], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("f", "b", "w", "activation", "wgrad", "static"):
@@ -55,6 +105,29 @@ class Layer:
         if self.wgrad > self.activation:
             raise ValueError(f"Layer {self.name!r}: need wgrad <= activation, got wgrad={self.wgrad!r} "
                              f"> activation={self.activation!r}")
+        pairs = self.policies.items() if isinstance(self.policies, dict) else self.policies
+        out = []
+        for name, cost in pairs:
+            if name not in POLICIES[1:]:
+                raise ValueError(f"Layer {self.name!r}: unknown policy {name!r}; a layer may offer "
+                                 f"{', '.join(POLICIES[1:])} (\"none\" is the layer's own numbers)")
+            out.append((name, cost if isinstance(cost, PolicyCost) else PolicyCost(**cost)))
+        object.__setattr__(self, "policies", tuple(sorted(out)))
+
+    def offers(self) -> tuple[str, ...]:
+        """The policies this layer can run under: "none" and those it lists."""
+        return ("none",) + tuple(name for name, _ in self.policies)
+
+    def cost(self, policy: str) -> PolicyCost:
+        """What `policy` costs here; a layer that does not offer it (an embedding, say) runs as "none".
+
+        >>> block = Layer("block", 2, 2, 1, activation=8, wgrad=4, policies={"full": PolicyCost(1, 4, recompute=2)})
+        >>> block.cost("full"), block.cost("offload") == block.cost("none")
+        (PolicyCost(activation=1.0, wgrad=4.0, recompute=2.0, copy=0.0), True)
+        """
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; the policies are {', '.join(POLICIES)}")
+        return dict(self.policies).get(policy, PolicyCost(self.activation, self.wgrad))
 
 
 @dataclass(frozen=True)
@@ -65,6 +138,7 @@ class Profile:
     comm: float = 0.0
     name: str = ""
     notes: dict[str, Any] = field(default_factory=dict, compare=False)  #: how it was made (shapes, throughput)
+    host_bytes_per_s: float = 0.0  #: host link bandwidth per direction, for "offload" copies (0: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -74,6 +148,16 @@ class Profile:
             if not isinstance(layer, Layer):
                 raise ValueError(f"Profile: layers must be Layer objects, got {layer!r}")
         object.__setattr__(self, "comm", as_number(self.comm, "Profile.comm"))
+        object.__setattr__(self, "host_bytes_per_s", as_number(self.host_bytes_per_s, "Profile.host_bytes_per_s"))
+        copying = [x.name for x in self.layers if x.cost("offload").copy > 0 and "offload" in x.offers()]
+        if copying and self.host_bytes_per_s <= 0:
+            raise ValueError(f"Profile: layer {copying[0]!r} offers offload but the profile has no host link "
+                             "bandwidth (Profile.host_bytes_per_s)")
+
+    def offers(self) -> tuple[str, ...]:
+        """Every policy some layer offers, in `POLICIES` order ("none" first)."""
+        got = {q for layer in self.layers for q in layer.offers()}
+        return tuple(q for q in POLICIES if q in got)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -89,18 +173,58 @@ class Profile:
         if at != len(self):
             raise ValueError(f"the split covers layers 0..{at - 1} of 0..{len(self) - 1}")
 
-    def stage_costs(self, stages: Sequence[range]) -> tuple[Costs, Memory, list[float]]:
-        """Per stage of the split: `Costs` (with `comm`), `Memory`, and the static bytes."""
+    def stage_costs(self, stages: Sequence[range], policies: Sequence[str] | None = None
+                    ) -> tuple[Costs, Memory, list[float]]:
+        """Per stage of the split: `Costs` (with `comm`), `Memory`, and the static bytes.
+
+        `policies` gives each stage's activation policy (None: "none" everywhere), applied to
+        every layer of the stage that offers it: B gains the layers' `PolicyCost.recompute`,
+        memory is their kept bytes. Offload's copy time is not in B here: it depends on the
+        schedule's gaps (`zbpp.schedules.policies.simulate_policies` adds what they do not hide).
+
+        >>> block = Layer("block", 2, 2, 1, activation=8, wgrad=4, policies={"full": PolicyCost(1, 4, recompute=2)})
+        >>> costs, memory, _ = Profile([block, block]).stage_costs([range(0, 1), range(1, 2)], ["full", "none"])
+        >>> costs.b, memory.activation, memory.wgrad
+        ((4.0, 2.0), (1.0, 8.0), (4.0, 4.0))
+        """
         self.check_split(stages)
-        sums = [[sum(getattr(self.layers[i], k) for i in r) for r in stages]
-                for k in ("f", "b", "w", "activation", "wgrad", "static")]
-        f, b, w, act, wgrad, static = sums
-        wgrad = [min(x, a) for x, a in zip(wgrad, act)]  # equal sums may differ in the last bit
+        chosen = self._policies(stages, policies)
+        f, b, w, static = ([sum(getattr(self.layers[i], k) for i in r) for r in stages] for k in ("f", "b", "w", "static"))
+        cost = [[self.layers[i].cost(q) for i in r] for r, q in zip(stages, chosen)]
+        b = [x + sum(c.recompute for c in cs) for x, cs in zip(b, cost)]
+        act = [sum(c.activation for c in cs) for cs in cost]
+        wgrad = [sum(c.wgrad for c in cs) for cs in cost]
+        # equal sums may differ in the last bit: a stage whose W keeps all F kept keeps no more
+        wgrad = [a if a < x <= a * (1 + 1e-12) else x for x, a in zip(wgrad, act)]
         return Costs(f=f, b=b, w=w, comm=self.comm), Memory(activation=act, wgrad=wgrad), static
+
+    def stage_copies(self, stages: Sequence[range], policies: Sequence[str] | None = None) -> list[float]:
+        """Per stage: the time one microbatch's offload copy takes one way (bytes over `host_bytes_per_s`).
+
+        >>> block = Layer("b", 1, 1, 1, activation=8, wgrad=4, policies={"offload": PolicyCost(0, 4, copy=8)})
+        >>> Profile([block, block], host_bytes_per_s=4).stage_copies([range(0, 1), range(1, 2)], ["offload", "none"])
+        [2.0, 0.0]
+        """
+        self.check_split(stages)
+        copy = [sum(self.layers[i].cost(q).copy for i in r) for r, q in zip(stages, self._policies(stages, policies))]
+        return [c / self.host_bytes_per_s if c else 0.0 for c in copy]
+
+    def _policies(self, stages: Sequence[range], policies: Sequence[str] | None) -> list[str]:
+        if policies is None:
+            return ["none"] * len(stages)
+        chosen = list(policies)
+        if len(chosen) != len(stages):
+            raise ValueError(f"{len(chosen)} policies for {len(stages)} stages; give one per stage")
+        for q in chosen:
+            if q not in POLICIES:
+                raise ValueError(f"unknown policy {q!r}; the policies are {', '.join(POLICIES)}")
+        return chosen
 
     # -- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "comm": self.comm, "notes": self.notes, "layers": [asdict(x) for x in self.layers]}
+        layers = [{**asdict(x), "policies": {q: asdict(c) for q, c in x.policies}} for x in self.layers]
+        return {"name": self.name, "comm": self.comm, "host_bytes_per_s": self.host_bytes_per_s, "notes": self.notes,
+                "layers": layers}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
@@ -108,7 +232,8 @@ class Profile:
             layers = [Layer(**x) for x in data["layers"]]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a profile needs 'layers': a list of {{name, f, b, w, activation, wgrad, static}}: {exc}") from None
-        return cls(layers, comm=data.get("comm", 0.0), name=data.get("name", ""), notes=data.get("notes", {}))
+        return cls(layers, comm=data.get("comm", 0.0), name=data.get("name", ""), notes=data.get("notes", {}),
+                   host_bytes_per_s=data.get("host_bytes_per_s", 0.0))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as fh:
@@ -143,6 +268,7 @@ def transformer_profile(
     hbm_bytes_per_s: float = 3.35e12,
     link_bytes_per_s: float = 50e9,
     bytes_per_param: float = 7.5,
+    host_bytes_per_s: float = 50e9,
 ) -> Profile:
     """A decoder-only transformer's profile from FLOP counts: embedding, `num_layers` blocks, head.
 
@@ -153,6 +279,17 @@ def transformer_profile(
       F = 2PT + 2 T s h FLOPs (causal attention), B = 2PT + 4 T s h, W = 2PT; it keeps
       ``T (18 h + 4 ffn)`` activation bytes in bf16 (34 T h for ffn = 4h, flash attention),
       of which W needs the linears' inputs and output gradients, ``2 T (5h + 2 kv + k ffn)``;
+    - a block's policies (`PolicyCost`; bf16, per rank of `tensor_parallel`, sequence-parallel):
+      ``none`` keeps the ``T (18 h + 4 ffn)`` above (Korthikanti et al.'s ``34 s b h + 5 a s^2 b``
+      for ffn = 4h, the ``5 a s^2 b`` of the attention scores never stored with flash attention);
+      ``full`` keeps only the block's input, ``2 T h`` (their ``2 s b h``), and B recomputes the
+      block's forward (B + F); ``selective`` keeps the GEMM inputs W needs (the QKV, output and
+      gate/up projections' inputs, ``h`` each, the down projection's, ``ffn``) and the block's input
+      to recompute the rest from, ``2 T (4 h + ffn)``, and B recomputes attention (its FLOPs) and
+      the elementwise work (writing the bytes not kept once at `hbm_bytes_per_s`); ``offload``
+      keeps nothing on the device between F and B and copies the ``none`` bytes to the host and
+      back over `host_bytes_per_s` (per direction; 50 GB/s: PCIe 5 x16). Every policy's W keeps
+      the same bytes after B (B re-creates or reloads them);
     - the embedding: a gather, timed as moving its ``2 T h`` output bytes at `hbm_bytes_per_s`;
     - the head (final norm, output projection, loss): 2 T h V FLOPs each for F, B and W; it keeps
       the fp32 logits and the bf16 input, ``T (4V + 2h)`` bytes, and for W ``2 T (h + V)``.
@@ -176,19 +313,27 @@ def transformer_profile(
     block_params = h * (2 * h + 2 * kv) + k * h * ffn
     attention = 2 * T * s * h  # causal: half of QK^T and AV
     act = T * (18 * h + 4 * ffn) / t
-    block = Layer("block", f=(2 * block_params * T + attention) / t / speed, b=(2 * block_params * T + 2 * attention) / t / speed,
-                  w=2 * block_params * T / t / speed, activation=act, wgrad=min(act, 2 * T * (5 * h + 2 * kv + k * ffn) / t),
-                  static=block_params / t * bytes_per_param)
+    f_block = (2 * block_params * T + attention) / t / speed
+    wgrad = min(act, 2 * T * (5 * h + 2 * kv + k * ffn) / t)
+    kept = min(act, 2 * T * (4 * h + ffn) / t)
+    policies = {"full": PolicyCost(2 * T * h / t, wgrad, recompute=f_block),
+                "selective": PolicyCost(kept, wgrad, recompute=attention / t / speed + (act - kept) / hbm),
+                "offload": PolicyCost(0.0, wgrad, copy=act)}
+    block = Layer("block", f=f_block, b=(2 * block_params * T + 2 * attention) / t / speed,
+                  w=2 * block_params * T / t / speed, activation=act, wgrad=wgrad,
+                  static=block_params / t * bytes_per_param, policies=policies)
     gather = 2 * T * h / hbm
     head_flops = 2 * T * h * V / t / speed
     layers = [Layer("embed", f=gather, b=gather, w=gather, static=V * h / t * bytes_per_param)]
-    layers += [Layer(f"block.{i}", block.f, block.b, block.w, block.activation, block.wgrad, block.static) for i in range(L)]
+    layers += [Layer(f"block.{i}", block.f, block.b, block.w, block.activation, block.wgrad, block.static, block.policies)
+               for i in range(L)]
     layers.append(Layer("head", f=head_flops, b=head_flops, w=head_flops, activation=T * (4 * V + 2 * h) / t,
                         wgrad=2 * T * (h + V) / t, static=(V * h + h) / t * bytes_per_param))
     notes = {"num_layers": L, "hidden": h, "ffn": ffn, "heads": heads, "kv_heads": kv * heads // h, "vocab": V, "seq": s,
              "micro_batch": T // s, "gated": gated, "tensor_parallel": t, "flops_per_s": speed, "hbm_bytes_per_s": hbm,
-             "link_bytes_per_s": link_bytes_per_s, "bytes_per_param": bytes_per_param}
+             "link_bytes_per_s": link_bytes_per_s, "bytes_per_param": bytes_per_param, "host_bytes_per_s": host_bytes_per_s}
     comm = 2 * T * h / t / as_number(link_bytes_per_s, "link_bytes_per_s", minimum=1.0)
     if not math.isfinite(comm):  # pragma: no cover - as_number refuses what would make it so
         raise ValueError("link_bytes_per_s gives an infinite message time")
-    return Profile(tuple(layers), comm=comm, name=name, notes=notes)
+    return Profile(tuple(layers), comm=comm, name=name, notes=notes,
+                   host_bytes_per_s=as_number(host_bytes_per_s, "host_bytes_per_s", minimum=1.0))

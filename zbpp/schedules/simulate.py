@@ -167,15 +167,15 @@ class Costs:
 class Memory:
     """Memory per stage and microbatch: F allocates `activation`; B keeps `wgrad` until W.
 
-    Each is a finite real number >= 0, or one per stage, with ``wgrad <= activation`` stage by
-    stage (a `ValueError` names the value that is not); they are stored as floats and tuples.
+    Each is a finite real number >= 0, or one per stage; they are stored as floats and tuples.
+    `wgrad` may exceed `activation` where B re-creates what W needs (activation recompute, or
+    activations offloaded after F and brought back for B): B then adds ``wgrad - activation``.
 
     >>> from fractions import Fraction
     >>> Memory(activation=[1, 2], wgrad=Fraction(1, 2))
     Memory(activation=(1.0, 2.0), wgrad=0.5)
-    >>> Memory(activation=1, wgrad=2)
-    Traceback (most recent call last):
-    ValueError: Memory: need 0 <= wgrad <= activation, got wgrad=2.0 > activation=1.0
+    >>> Memory(activation=1, wgrad=2).deltas(1)  # F, B, W, BW
+    [(1.0, 1.0, -2.0, -1.0)]
     """
 
     activation: PerStage = 1.0
@@ -188,26 +188,15 @@ class Memory:
         object.__setattr__(self, "wgrad", wg)
         if isinstance(act, tuple) and isinstance(wg, tuple) and len(act) != len(wg):
             raise ValueError(f"Memory.activation has {len(act)} per-stage values but Memory.wgrad has {len(wg)}")
-        n = max(len(v) if isinstance(v, tuple) else 1 for v in (act, wg))
-        acts = act if isinstance(act, tuple) else (act,) * n
-        wgs = wg if isinstance(wg, tuple) else (wg,) * n
-        for s, (a, w) in enumerate(zip(acts, wgs)):
-            if w > a:
-                where = f" of stage {s}" if n > 1 else ""
-                raise ValueError(f"Memory{where}: need 0 <= wgrad <= activation, got wgrad={w!r} > activation={a!r}")
 
     def per_stage(self, num_stages: int) -> tuple[list[float], list[float]]:
-        act = _per_stage(self.activation, num_stages, "Memory.activation")
-        wg = _per_stage(self.wgrad, num_stages, "Memory.wgrad")
-        for s, (a, w) in enumerate(zip(act, wg)):
-            if not 0 <= w <= a:
-                raise ValueError(f"Memory of stage {s}: need 0 <= wgrad <= activation, got wgrad={w}, activation={a}")
-        return act, wg
+        return (_per_stage(self.activation, num_stages, "Memory.activation"),
+                _per_stage(self.wgrad, num_stages, "Memory.wgrad"))
 
     def deltas(self, num_stages: int) -> list[tuple[float, float, float, float]]:
         """Per stage, the memory change of F, B, W and BW."""
         act, wg = self.per_stage(num_stages)
-        return [(a, -(a - w), -w, -a) for a, w in zip(act, wg)]
+        return [(a, w - a, -w, -a) for a, w in zip(act, wg)]
 
 
 @dataclass

@@ -18,9 +18,10 @@ rank span; then makespan, sum of spans, sum of task ends):
    instances (the exact solver's sizes) an iterated local search that kicks it out of local
    optima.
 
-The memory limit holds by construction (admission in the heuristics, checks on every move) and
-is checked again on the result. A limit below the smallest feasible one (a rank must hold all its
-stages' activations of one microbatch at once) raises a `ValueError` that names it.
+The memory limit (one number, or one per rank) holds by construction (admission in the
+heuristics, checks on every move) and is checked again on the result. A limit below the smallest
+feasible one (a rank must hold all its stages' activations of one microbatch at once) raises a
+`ValueError` that names it.
 
 The search's work is counted in simulated tasks, not seconds, so the result is deterministic,
 and it builds no slower than the authors' implementation of the paper's heuristic alone (step 1
@@ -43,6 +44,7 @@ ends the search at once. p = 32, m = 256 on a V builds in well under a second.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable, Sequence
 
 from ..checks import as_int, as_number
@@ -82,11 +84,42 @@ def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=0.5))
     2.0
     """
+    return max(_rank_floors(placement, memory))
+
+
+def _rank_floors(placement: Sequence[int], memory: Memory) -> list[float]:
+    """Per rank, the activations of all its stages for one microbatch."""
     act, _ = memory.per_stage(len(placement))
-    per_rank: dict[int, float] = {}
+    out = [0.0] * (max(placement) + 1)
     for s, r in enumerate(placement):
-        per_rank[r] = per_rank.get(r, 0.0) + act[s]
-    return max(per_rank.values())
+        out[r] += act[s]
+    return out
+
+
+def _limits(name: str, memory_limit: float | Sequence[float] | None, floors: Sequence[float]) -> list[float]:
+    """Each rank's limit: `memory_limit` (one number, or one per rank) checked against `floors`."""
+    p = len(floors)
+    if memory_limit is None:
+        return [p * max(floors)] * p  # 1F1B's (and ZB-V's) activation memory
+    what = f"{name}: memory_limit (per rank, in Memory's units)"
+    if isinstance(memory_limit, numbers.Real):
+        limit = as_number(memory_limit, what)
+        if limit < max(floors) * (1 - 1e-9):
+            raise ValueError(
+                f"{name}: memory_limit={limit:g} is infeasible; the smallest feasible limit is {max(floors):g} "
+                f"(a rank holds all its stages' activations of one microbatch at once)"
+            )
+        return [limit] * p
+    limits = [as_number(x, f"{what}[{r}]") for r, x in enumerate(memory_limit)]
+    if len(limits) != p:
+        raise ValueError(f"{name}: memory_limit has {len(limits)} values for {p} ranks; give one number or one per rank")
+    for r, (limit, floor) in enumerate(zip(limits, floors)):
+        if limit < floor * (1 - 1e-9):
+            raise ValueError(
+                f"{name}: memory_limit[{r}]={limit:g} is infeasible; rank {r} needs at least {floor:g} "
+                f"(it holds all its stages' activations of one microbatch at once)"
+            )
+    return limits
 
 
 def default_memory_limit(placement: Sequence[int], memory: Memory) -> float:
@@ -106,15 +139,16 @@ _ZB_POLICIES = (Policy(),)
 _V_POLICIES = (Policy(b_first=False, always_fill=True), Policy())
 
 
-def _peak(prob: Problem, orders: Sequence[Sequence[int]]) -> float:
+def _fits(prob: Problem, orders: Sequence[Sequence[int]]) -> bool:
+    """Whether every rank's memory stays within its limit (with a relative 1e-9 for rounding)."""
     delta = prob.memory_deltas
-    peak = 0.0
-    for order in orders:
+    for order, limit in zip(orders, prob.limits):
         mem = 0.0
         for t in order:
             mem += delta[t]
-            peak = max(peak, mem)
-    return peak
+            if mem > limit * (1 + 1e-9):
+                return False
+    return True
 
 
 def _skeleton(prob: Problem, schedule: Schedule) -> list[list[int]]:
@@ -131,23 +165,18 @@ def _search(
     m: int,
     costs: Costs | None,
     memory: Memory | None,
-    memory_limit: float | None,
+    memory_limit: float | Sequence[float] | None,
     seeds: Sequence[Callable[[int, int], Schedule]],
 ) -> Schedule:
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
+    act, wgrad = memory.per_stage(len(placement))
+    if any(w > a for a, w in zip(act, wgrad)):
+        # B re-creates what W keeps (recompute, offload): plan as if F held it from the start,
+        # never below the true use, so a plan within the limit stays within it
+        memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)
     p = max(placement) + 1
-    floor = smallest_feasible_limit(placement, memory)
-    if memory_limit is None:
-        limit = p * floor  # 1F1B's (and ZB-V's) activation memory
-    else:
-        limit = as_number(memory_limit, f"{name}: memory_limit (per rank, in Memory's units)")
-        if limit < floor * (1 - 1e-9):
-            raise ValueError(
-                f"{name}: memory_limit={limit:g} is infeasible; the smallest feasible limit is {floor:g} "
-                f"(a rank holds all its stages' activations of one microbatch at once)"
-            )
-    prob = Problem.make(placement, m, costs, memory, limit)
+    prob = Problem.make(placement, m, costs, memory, _limits(name, memory_limit, _rank_floors(placement, memory)))
     shape = TaskShape(prob)
     tasks = 3 * len(placement) * m
     small = tasks <= _SMALL
@@ -176,7 +205,7 @@ def _search(
     for seed in seeds:
         sched = seed(p, m)
         encoded = prob.encode(sched)
-        if encoded is not None and _peak(prob, encoded) <= limit * (1 + 1e-9):
+        if encoded is not None and _fits(prob, encoded):
             add(encoded)
             skeletons = []
             break
@@ -210,8 +239,8 @@ def _search(
         best = perturb_and_improve(prob, best, budget=_ILS_BUDGET * tasks, shape=shape)
     else:
         best = improve(prob, best, budget=(_SMALL_BUDGET if small else 1) * tasks, shape=shape)
-    if _peak(prob, best) > limit * (1 + 1e-9):  # pragma: no cover - every step keeps the limit
-        raise RuntimeError(f"{name}: the search exceeded memory_limit={limit:g}; please report")
+    if not _fits(prob, best):  # pragma: no cover - every step keeps the limits
+        raise RuntimeError(f"{name}: the search exceeded memory_limit={prob.limits}; please report")
     return from_orders(name, placement, m, prob.decode(best))
 
 
@@ -225,12 +254,13 @@ def zb_auto(
     *,
     costs: Costs | None = None,
     memory: Memory | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
 ) -> Schedule:
     """An automatic zero-bubble schedule, one stage per rank, for `costs` within `memory_limit`.
 
-    `memory_limit` is per rank, in the units of `memory` (default: p times a stage's activation,
-    1F1B's memory). Raises `ValueError` if the limit is below the smallest feasible one.
+    `memory_limit` is per rank, in the units of `memory`: one number, or one per rank (ranks
+    whose other memory differs); default p times a stage's activation, 1F1B's memory. Raises
+    `ValueError` if a rank's limit is below the smallest feasible one.
 
     >>> from zbpp.schedules import build, Costs, Memory
     >>> build("zb-auto", num_ranks=4, num_microbatches=8, memory=Memory(1, 0.5), memory_limit=0.5)
@@ -246,7 +276,7 @@ def zbv_auto(
     *,
     costs: Costs | None = None,
     memory: Memory | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
 ) -> Schedule:
     """An automatic V-shape schedule (2p stages; rank r holds r and 2p-1-r) within `memory_limit`.
 
@@ -270,7 +300,7 @@ def zbi_auto(
     chunks: int = 2,
     costs: Costs | None = None,
     memory: Memory | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
 ) -> Schedule:
     """An automatic interleaved schedule (rank r holds stages r, r+p, ..., `chunks` of them)
     within `memory_limit`, never slower than `zb-interleaved` where that fits the limit.

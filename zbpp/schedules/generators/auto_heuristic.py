@@ -22,9 +22,13 @@ only decides where the W's go.
 Admission keeps every memory limit at or above the smallest feasible one deadlock-free. A rank
 with several stages (a V) keeps room for the later-stage forwards of the *oldest* microbatch it
 has admitted that still needs them: it admits a new microbatch (the F of its first stage) only if
-that room stays free afterwards, and runs a later-stage F only if it fits. Later-stage forwards run
-in microbatch order, so the room always goes to the oldest; the oldest unfinished microbatch of the
-whole pipeline can therefore always proceed, and every microbatch after it once it is done. (Room
+that room stays free afterwards, and runs a later-stage F only if it fits: in the room kept for it
+when it is the oldest's, beside that room when it is a newer microbatch's (with three or more
+stages on a rank, a middle stage's F's of newer microbatches would otherwise fill the room the
+oldest needs for its last stage, and no B could ever come back). Later-stage forwards run in
+microbatch order, so the room always goes to the oldest; the oldest unfinished microbatch of the
+whole pipeline can therefore always proceed, and every microbatch after it once it is done (its
+memory, once freed, is at least what the next needs of the room). (Room
 for *every* admitted microbatch would also be safe, but halves a V's warm-up: ZB-V itself holds
 2p-1 first-stage activations before its first second-stage F.)
 
@@ -35,6 +39,7 @@ the hot loops stay in plain lists; which task feeds which comes from there too (
 from __future__ import annotations
 
 import heapq
+import numbers
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
@@ -51,7 +56,7 @@ EPS = 1e-9
 
 @dataclass(frozen=True)
 class Problem:
-    """One scheduling instance: placement, per-stage costs and memory, and the per-rank limit."""
+    """One scheduling instance: placement, per-stage costs and memory, and each rank's limit."""
 
     num_ranks: int
     num_microbatches: int
@@ -62,11 +67,16 @@ class Problem:
     comm: float
     act: tuple[float, ...]
     wgrad: tuple[float, ...]
-    limit: float
+    limits: tuple[float, ...]  #: per rank
 
     @classmethod
-    def make(cls, placement: Sequence[int], num_microbatches: int, costs: Costs, memory: Memory, limit: float) -> "Problem":
-        n = len(placement)
+    def make(cls, placement: Sequence[int], num_microbatches: int, costs: Costs, memory: Memory,
+             limit: float | Sequence[float]) -> "Problem":
+        """`limit`: one number for every rank, or one per rank."""
+        n, p = len(placement), max(placement) + 1
+        limits = [float(limit)] * p if isinstance(limit, numbers.Real) else [float(x) for x in limit]
+        if len(limits) != p:
+            raise ValueError(f"memory limit: {len(limits)} values for {p} ranks; give one number or one per rank")
         f, b, w = costs.per_stage(n)
         act, wgrad = memory.per_stage(n)
         return cls(
@@ -79,7 +89,7 @@ class Problem:
             comm=float(costs.comm),
             act=tuple(act),
             wgrad=tuple(wgrad),
-            limit=float(limit),
+            limits=tuple(limits),
         )
 
     @property
@@ -95,10 +105,15 @@ class Problem:
         return out
 
     @property
-    def admits(self) -> float:
-        """The memory a rank may reach: `limit` with a relative 1e-9 to spare, so that rounding
-        never refuses a task that fits exactly."""
-        return self.limit + EPS * max(1.0, abs(self.limit))
+    def limit(self) -> float:
+        """The largest rank's limit (for messages; the searches use `limits`)."""
+        return max(self.limits)
+
+    @cached_property
+    def admits(self) -> tuple[float, ...]:
+        """Per rank, the memory it may reach: its limit with a relative 1e-9 to spare, so that
+        rounding never refuses a task that fits exactly."""
+        return tuple(x + EPS * max(1.0, abs(x)) for x in self.limits)
 
     @cached_property
     def ids(self) -> TaskIds:
@@ -199,7 +214,7 @@ def _leads(prob: Problem) -> tuple[list[float], list[float]]:
 
 
 def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
-    """Per-rank task orders built by the heuristic; memory never exceeds `prob.limit`.
+    """Per-rank task orders built by the heuristic; rank r's memory never exceeds `prob.limits[r]`.
 
     Start and end times inside equal what `simulate` computes for the returned orders: every
     task starts when its rank is free and its input has arrived. A rank decides at the time it
@@ -309,9 +324,15 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
                 need = act[s]
                 for x in later[r]:
                     need += act[x] * min(depth[r], j + 1 - next_f[x])
-            else:
+            else:  # a later stage: the oldest open microbatch's F uses the room kept for it; a
+                # newer one's (a middle stage of three or more) must leave that room free
                 need = act[s]
-            if mem[r] + need > limit:
+                oldest = min(next_f[x] for x in later[r])
+                if j > oldest:
+                    for x in later[r]:
+                        if next_f[x] == oldest:
+                            need += act[x]
+            if mem[r] + need > limit[r]:
                 f_blocked = True
                 continue
             f_stage = s
@@ -369,7 +390,7 @@ def list_schedule(prob: Problem, policy: Policy) -> list[list[int]]:
 
     if any(left):  # pragma: no cover - admission makes this impossible
         stuck = [r for r in range(p) if left[r]]
-        raise RuntimeError(f"list scheduler stalled on ranks {stuck} (limit {prob.limit}); please report")
+        raise RuntimeError(f"list scheduler stalled on ranks {stuck} (limits {prob.limits}); please report")
     return orders
 
 
@@ -380,7 +401,7 @@ def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = 
     (with `always`, in every wait), before an F that memory would not allow, and at the end.
     Fixed W slots (ZB-V's) delay an F or B whenever F, B and W take different times; W's placed
     this way delay one only when memory forces them (or with `always`). Raises `ValueError` if
-    the F/B order needs more than `prob.limit` even with every W run as early as possible.
+    the F/B order needs more than `prob.limits` even with every W run as early as possible.
     """
     p, n, m = prob.num_ranks, prob.num_stages, prob.num_microbatches
     nm = n * m
@@ -415,9 +436,9 @@ def place_w(prob: Problem, skeleton: Sequence[Sequence[int]], *, always: bool = 
             kind, rest = divmod(x, nm)
             s = rest // m
             at = arrival[x]
-            if kind == 0 and mem[r] + act[s] > limit:
+            if kind == 0 and mem[r] + act[s] > limit[r]:
                 if not w_waiting[r]:
-                    raise ValueError(f"the F/B order needs more memory than {prob.limit} on rank {r}")
+                    raise ValueError(f"the F/B order needs more memory than {prob.limits[r]} on rank {r}")
                 kind = 2
             elif at > now + EPS:
                 if not w_waiting[r]:

@@ -270,19 +270,19 @@ def _candidates(tl: Timeline) -> list[tuple[int, int, int]]:
 
 
 def improve(prob: Problem, orders: Sequence[Sequence[int]], *, budget: int, shape: TaskShape | None = None) -> list[list[int]]:
-    """Lower the cost of `orders` by local moves; memory stays within `prob.limit`.
+    """Lower the cost of `orders` by local moves; each rank's memory stays within its `prob.limits`.
 
     `budget` bounds the number of task re-simulations (the search's work).
     """
     tl = Timeline(prob, orders, shape)
-    limit = prob.limit
+    limits = prob.limits
     best = tl.score()
     while tl.work < budget:
         improved = False
         for r, i, k in _candidates(tl):
             if tl.work >= budget:
                 break
-            if not tl.memory_ok(r, i, k, limit):
+            if not tl.memory_ok(r, i, k, limits[r]):
                 continue
             if not tl.try_move(r, i, k):
                 continue
@@ -324,7 +324,7 @@ def perturb_and_improve(
                 continue
             i = rng.randrange(len(order))
             k = min(len(order) - 1, max(0, i + rng.choice((-3, -2, -1, 1, 2, 3))))
-            if k != i and tl.memory_ok(r, i, k, prob.limit) and tl.try_move(r, i, k):
+            if k != i and tl.memory_ok(r, i, k, prob.limits[r]) and tl.try_move(r, i, k):
                 tl.accept()
         step = 20 * size
         candidate = improve(prob, tl.orders, budget=step, shape=shape)

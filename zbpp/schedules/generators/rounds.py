@@ -136,7 +136,7 @@ def zb_rounds(
             return True
         # W's memory would force in front of this F
         t_w, used, k = 0.0, mem[s] + act[s], nw[s]
-        while used > limit and k < nb[s]:
+        while used > limit[s] and k < nb[s]:
             t_w += w[s]
             used -= wgrad[s]
             k += 1
@@ -152,7 +152,7 @@ def zb_rounds(
     for s in range(n - 2, -1, -1):
         t, used, k = free[s], mem[s], 0
         arrival = back + comm
-        while nf[s] + k < m and used + act[s] <= limit:
+        while nf[s] + k < m and used + act[s] <= limit[s]:
             ends_late, starts_late = t + f[s] > arrival, t >= arrival
             if ends_late != starts_late:
                 note("gap_before_first_b")
@@ -189,7 +189,7 @@ def zb_rounds(
         for s in range(n):
             if not want[s]:
                 continue
-            while mem[s] + act[s] > limit:
+            while mem[s] + act[s] > limit[s]:
                 if nw[s] >= nb[s]:
                     raise _CannotFit
                 run_w(s)
@@ -318,7 +318,7 @@ def v_rounds(
     def forward(r: int, s: int, count: list[int], fill: str | None = None) -> None:
         """Rank r runs the next F of its stage s (`count`: nf_d or nf_u, F's run per rank)."""
         j = count[r]
-        if mem[r] + act[s] > limit:
+        if mem[r] + act[s] > limit[r]:
             raise _CannotFit
         count[r] = j + 1
         run(r, s * m + j, fill)
@@ -350,7 +350,7 @@ def v_rounds(
             first_up = up[r] * m
             back = end[inputs[first_up]] + lags[first_up]
             room = (r + 1) * (act[down[r]] + act[up[r]])
-            while mem[r] + room <= limit and free[r] + f[down[r]] <= back and nf_d[r] < m:
+            while mem[r] + room <= limit[r] and free[r] + f[down[r]] <= back and nf_d[r] < m:
                 for q in range(r + 1):
                     forward(q, down[q], nf_d)
         forward(r, up[r], nf_u)
@@ -391,7 +391,7 @@ def v_rounds(
             else:
                 continue
             s = up[r] if go_up else down[r]
-            while mem[r] + act[s] > limit:
+            while mem[r] + act[s] > limit[r]:
                 if not pending[r]:
                     raise _CannotFit
                 run_w(r)

@@ -1,5 +1,5 @@
-"""What every rank runs in test_mutation_gaps.py: runtime behaviours that plausible one-line bugs
-used to slip past (see that file's docstring). Module-level functions, so the harness can ship them.
+"""What every rank runs in test_order_frozen_tied_and_failed_steps.py: runtime behaviours that
+plausible one-line bugs used to slip past (see that file's docstring). Module-level functions, so the harness can ship them.
 
 Every check compares with one process running the whole model on the whole batch, in float64:
 ``rtol=1e-10, atol=1e-12`` (the pipeline sums per-microbatch gradients where the reference does one

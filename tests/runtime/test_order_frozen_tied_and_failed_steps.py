@@ -1,5 +1,5 @@
-"""Runtime behaviours that plausible one-line bugs slipped past (issue 33), each against one process
-running the whole model on the whole batch (gap_cases.py; tolerance there), on 2 and 4 gloo ranks:
+"""Microbatch order across hand-overs, frozen and tied parameters, failed steps: each against one process
+running the whole model on the whole batch (order_frozen_tied_cases.py; tolerance there), on 2 and 4 gloo ranks:
 
 - stages that take their microbatches in another order than the stage before produced them, V
   placements included: a same-rank hand-over must pass microbatch j's activation and gradient;
@@ -25,7 +25,7 @@ from zbpp.schedules.ir import v_placement, loop_placement
 from zbpp.testing import DistributedTestError, Workers
 
 from .cases import make_schedule
-from .gap_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
+from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
                         check_first_failure_named,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)

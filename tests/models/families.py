@@ -1,0 +1,234 @@
+"""Tiny configs of every decoder-only causal-LM family that the tests of `zbpp.models.hf` run: hidden
+16, 4 layers, vocab 64, dropout off, each family's distinctive options on (sliding windows shorter
+than the sequence, softcaps, logit and embedding scales, alibi, learned positions, a tied or untied
+LM head, mixture-of-experts with the router auxiliary loss). Built from each family's own Config
+class: nothing is downloaded."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+VOCAB, LAYERS = 64, 4
+_LLAMA = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+# float64 on the CPU: the default grouped-matmul experts take float32 and lower only
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1, experts_implementation="eager")
+
+
+def _families() -> dict[str, Callable[[], Any]]:
+    import transformers as t
+
+    return {
+        "llama": lambda: t.LlamaConfig(**_LLAMA, tie_word_embeddings=True),
+        "mistral": lambda: t.MistralConfig(**_LLAMA, sliding_window=3),
+        "qwen2": lambda: t.Qwen2Config(**_LLAMA, use_sliding_window=True, sliding_window=3, max_window_layers=2),
+        "qwen3": lambda: t.Qwen3Config(**_LLAMA, head_dim=8, tie_word_embeddings=True),
+        "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=LAYERS, n_head=2, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "gemma": lambda: t.GemmaConfig(**_LLAMA, head_dim=8),
+        "gemma2": lambda: t.Gemma2Config(**_LLAMA, head_dim=8, sliding_window=3, final_logit_softcapping=3.0,
+                                         attn_logit_softcapping=5.0),
+        "gemma3_text": lambda: t.Gemma3TextConfig(**_LLAMA, head_dim=8, sliding_window=3, sliding_window_pattern=2,
+                                                  final_logit_softcapping=3.0),
+        "phi": lambda: t.PhiConfig(**_LLAMA, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
+        "phi3": lambda: t.Phi3Config(**_LLAMA, pad_token_id=0),
+        "olmo": lambda: t.OlmoConfig(**_LLAMA, clip_qkv=8.0),
+        "olmo2": lambda: t.Olmo2Config(**_LLAMA),
+        "gpt_neox": lambda: t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS,
+                                            num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
+                                            rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0),
+        "opt": lambda: t.OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS, ffn_dim=32,
+                                   num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=16,
+                                   dropout=0.0, attention_dropout=0.0, pad_token_id=1),
+        "falcon": lambda: t.FalconConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS,
+                                         num_attention_heads=2, alibi=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                         new_decoder_architecture=False, multi_query=True),
+        "falcon_rotary": lambda: t.FalconConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS,
+                                                num_attention_heads=2, num_kv_heads=2, alibi=False,
+                                                new_decoder_architecture=True, hidden_dropout=0.0,
+                                                attention_dropout=0.0),
+        "bloom": lambda: t.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=LAYERS, n_head=2,
+                                       hidden_dropout=0.0, attention_dropout=0.0),
+        "starcoder2": lambda: t.Starcoder2Config(**_LLAMA, sliding_window=3, residual_dropout=0.0,
+                                                 embedding_dropout=0.0),
+        "gpt_bigcode": lambda: t.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=16, n_layer=LAYERS, n_head=2,
+                                                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "cohere": lambda: t.CohereConfig(**_LLAMA, logit_scale=0.5),
+        "granite": lambda: t.GraniteConfig(**_LLAMA, embedding_multiplier=3.0, logits_scaling=2.0,
+                                           residual_multiplier=0.5, attention_multiplier=0.3),
+        "glm": lambda: t.GlmConfig(**_LLAMA, head_dim=8, pad_token_id=0),
+        "smollm3": lambda: t.SmolLM3Config(**_LLAMA, no_rope_layer_interval=2, pad_token_id=0),
+        "helium": lambda: t.HeliumConfig(**_LLAMA, head_dim=4),
+        "mixtral": lambda: t.MixtralConfig(**_LLAMA, num_local_experts=4, **_MOE),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(**_LLAMA, num_experts=4, moe_intermediate_size=16,
+                                              shared_expert_intermediate_size=16, mlp_only_layers=[1], **_MOE),
+        "olmoe": lambda: t.OlmoeConfig(**_LLAMA, num_experts=4, **_MOE),
+        "deepseek_v3": lambda: t.DeepseekV3Config(**{**_LLAMA, "num_key_value_heads": 4}, moe_intermediate_size=16,
+                                                  n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                                  n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=8,
+                                                  kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                                  v_head_dim=4, experts_implementation="eager"),
+    }
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
+            "olmo2", "gpt_neox", "opt", "falcon", "falcon_rotary", "bloom", "starcoder2", "gpt_bigcode", "cohere",
+            "granite", "glm", "smollm3", "helium", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3"]
+
+
+def family_config(name: str) -> Any:
+    """The tiny config of a family (``falcon_rotary``: Falcon's rotary, new-architecture variant)."""
+    return _families()[name]()
+
+
+# -- what every rank runs ----------------------------------------------------------------------------
+GRAD_RTOL = 1e-10  # of the largest reference gradient: float64, only the summation order differs
+# Families that compute part of the model in float32 even in a float64 model: Gemma 1/2/3 and Helium
+# their RMSNorms (x.float(), weight.float()), Cohere its LayerNorm, DeepSeek-V3 its router. Their
+# gradients there are sums over the batch's rows rounded in float32, which the pipeline sums per
+# microbatch: they agree to float32 rounding (epsilon 1.2e-7 of the gradient, itself at most the
+# largest one), the microbatching floor of one process too. Measured: up to 7e-9.
+FLOAT32_RTOL = 1e-7
+FLOAT32_FAMILIES = {"gemma", "gemma2", "gemma3_text", "helium", "cohere", "deepseek_v3"}
+LOSS_RTOL = 1e-12  # the loss is float64 in the pipeline and in the reference (token_mean_loss)
+ROWS_PER_MICROBATCH, SEQ = 2, 8
+
+
+def padded_batch(rows: int, seed: int = 5) -> tuple[Any, Any, Any]:
+    """Right-padded rows of 6 to 8 tokens (a padded position is then at most 2 past the last real
+    one, inside every tiny config's sliding window of 3: HF's own eager sliding mask gives a padded
+    row no key at all further out, NaN in HF too), labels -100 on the padding and on a few prompt
+    tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (rows, SEQ), generator=g)
+    lengths = torch.randint(SEQ - 2, SEQ + 1, (rows,), generator=g)
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 1)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[::3, :2] = -100
+    return ids, mask, labels
+
+
+def _reference_loss(ref: Any, ids: Any, mask: Any, labels: Any, m: int, aux: bool) -> tuple[Any, Any]:
+    """(loss, loss without the router auxiliary term) of HF's model in one process: the token mean
+    over the whole batch; with the auxiliary loss, per microbatch as the pipeline weighs them:
+    sum_j w_j (CE_j + coef * aux_j) / sum_j w_j, with HF's aux_loss of microbatch j's forward
+    (load_balancing_loss_func over the router logits of all its layers) and w_j its predicted tokens."""
+    import torch
+
+    from .cases import token_mean_loss
+
+    if not aux:
+        loss = token_mean_loss(ref(input_ids=ids, attention_mask=mask).logits, labels)
+        return loss, loss
+    total = plain = 0.0
+    weights = 0
+    for i, a, y in zip(ids.tensor_split(m), mask.tensor_split(m), labels.tensor_split(m)):
+        out = ref(input_ids=i, attention_mask=a, output_router_logits=True)
+        w = int((y[:, 1:] != -100).sum())
+        ce = token_mean_loss(out.logits, y)
+        total = total + w * (ce + ref.router_aux_loss_coef * out.aux_loss)
+        plain = plain + w * ce
+        weights += w
+    return total / weights, plain / weights
+
+
+def family_step(family: str, name: str, count_flops: bool = False) -> dict[str, Any]:
+    """One training step of `family` under schedule `name` on this rank (2 gloo ranks, 4
+    microbatches of 2 padded rows), against HF's model in one process: every stage parameter's
+    gradient and the loss."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+
+    from .cases import make_schedule
+
+    rank = dist.get_rank()
+    m = 4
+    sched = make_schedule(name, dist.get_world_size(), m)
+    cfg = family_config(family)
+    torch.manual_seed(1234)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    stages, kwargs = causal_lm_stages(cfg, sched, rank, dtype=torch.float64, attn_implementation="eager",
+                                      state_dict=ref.state_dict(), device="cpu")
+    aux = kwargs["loss_fn"].router_aux is not None
+    pipe = Pipeline(stages, sched, **kwargs)
+    ids, mask, labels = padded_batch(ROWS_PER_MICROBATCH * m)
+    counter = None
+    if count_flops:
+        from tests.runtime.split_cases import TaskFlops
+
+        counter = TaskFlops()
+        with counter.installed():
+            loss = pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+    else:
+        loss = pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+
+    ref_loss, ref_plain = _reference_loss(ref, ids, mask, labels, m, aux)
+    ref_loss.backward()
+    loss_err = None if loss is None else float((loss - ref_loss.detach()).abs() / ref_loss.detach().abs())
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
+    worst, where = 0.0, ""
+    for s, module in stages.items():
+        for n, q in module.named_parameters():
+            want = ref.get_parameter(n).grad
+            assert q.grad is not None and want is not None, f"{family} {name} stage {s}: {n} got no gradient"
+            err = float((q.grad - want).abs().max()) / scale
+            if err > worst:
+                worst, where = err, f"stage {s} {n}"
+    out: dict[str, Any] = {
+        "worst": worst, "where": where, "loss_err": loss_err, "aux": aux, "loss": None if loss is None else float(loss),
+        "aux_share": float((ref_loss - ref_plain).detach() / ref_loss.detach()),
+        "names": sorted({n for module in stages.values() for n, _ in module.named_parameters()}),
+        "whole": sorted(n for n, _ in ref.named_parameters(remove_duplicate=False)),
+    }
+    if counter is not None:
+        out["flops"] = {s: {k: counter.flops.get((s, k), 0) for k in ("B", "W", "BW")} for s in stages}
+        out["full"] = {s: _stage_backward_flops(module, kwargs["loss_fn"], sched.num_stages, s, m)
+                       for s, module in stages.items()}
+    return out
+
+
+def _stage_backward_flops(stage: Any, loss_fn: Any, num_stages: int, s: int, m: int) -> tuple[int, int]:
+    """(every gradient, the stage inputs' only): FLOPs of one microbatch's backward of the stage
+    alone, on a microbatch's shapes (with the router logits of the layers before it, every one
+    routed, when the loss takes them)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids, mask, labels = (t[:ROWS_PER_MICROBATCH] for t in padded_batch(ROWS_PER_MICROBATCH * m))
+    aux = loss_fn.router_aux
+    out = []
+    for only_input in (False, True):
+        x: dict[str, Any] = {"attention_mask": mask}
+        if s == 0:
+            x["input_ids"] = ids
+        else:
+            x["hidden_states"] = torch.randn(*ids.shape, stage.config.hidden_size, dtype=torch.float64,
+                                             requires_grad=True)
+            if aux is not None:
+                x["router_logits"] = torch.randn(stage._zbpp_plan.lo, ids.numel(), aux.num_experts,
+                                                 dtype=torch.float64, requires_grad=True)
+        y = stage(**x)
+        last = s == num_stages - 1
+        roots = [loss_fn(y, labels)] if last else [y["hidden_states"]] + ([y["router_logits"]] if aux else [])
+        grads = None if last else [torch.randn_like(r) for r in roots]
+        inputs = [x[k] for k in ("hidden_states", "router_logits") if k in x]
+        with FlopCounterMode(display=False) as fc:
+            if not only_input:
+                torch.autograd.backward(roots, grads)
+            elif inputs:
+                torch.autograd.backward(roots, grads, inputs=inputs)
+        out.append(fc.get_total_flops())
+    stage.zero_grad(set_to_none=True)
+    return out[0], out[1]
+
+
+def every_family_step(name: str, families: list[str], flops_of: list[str]) -> dict[str, Any]:
+    """`family_step` for each family in turn (one spawn of workers for them all)."""
+    return {f: family_step(f, name, f in flops_of) for f in families}

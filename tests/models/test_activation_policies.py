@@ -1,0 +1,264 @@
+"""Per-layer activation policies (`zbpp.models.recompute`) on a tiny Hugging Face Llama in float64,
+one-rank pipelines (every schedule runs in this process): every policy under W schedules and a BW
+schedule gives the loss and gradients of no policy bit for bit (the re-run repeats the same CPU
+float64 operations on the same values; offload copies them), each layer's forward is re-run once
+per microbatch (FLOPs per task against a hand count), and where B is split off, W's FLOPs do not
+change."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from zbpp import Pipeline
+from zbpp.models.recompute import activation_policies, apply_activation_policy, measure_activation_policies
+from zbpp.schedules import build
+
+transformers = pytest.importorskip("transformers")
+
+from ..runtime.split_cases import TaskFlops  # noqa: E402
+
+M, ROWS, T, H, I = 2, 4, 8, 32, 64  # microbatches, batch rows, tokens per row, hidden, MLP width
+
+
+def _config():
+    return transformers.LlamaConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=61, max_position_embeddings=32)
+
+
+@functools.lru_cache(maxsize=None)  # the no-policy references are shared by the tests
+def _step(name: str, policy: str | None, *, ckpt: bool = False, delay: bool = False):
+    """One step of a one-rank pipeline: (loss, gradients by name, FLOPs per (stage, task kind))."""
+    from zbpp.models.hf import causal_lm_stages
+
+    sched = build(name, num_ranks=1, num_microbatches=M)
+    stages, kwargs = causal_lm_stages(_config(), sched, 0, dtype=torch.float64, attn_implementation="eager")
+    for st in stages.values():
+        if delay:
+            from zbpp.modules import delay_wgrad
+            delay_wgrad(st)
+        layers = [n for n, _ in st.named_modules() if n.startswith("model.layers.") and n.count(".") == 2]
+        if policy is not None and layers:
+            assert apply_activation_policy(st, {"model.layers.*[0-9]": policy}) == {n: policy for n in layers}
+        if ckpt:
+            for n in layers:
+                layer = st.get_submodule(n)
+                inner = layer.forward
+                layer.forward = lambda *a, f=inner, **k: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False, **k)
+    pipe = Pipeline(stages, sched, **kwargs)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 61, (ROWS, T), generator=g)
+    with TaskFlops().installed() as counter:
+        loss = pipe.step(ids, target=ids)
+    grads = {f"{s}.{n}": p.grad for s, st in stages.items() for n, p in st.named_parameters()}
+    return loss, grads, counter.flops, stages
+
+
+def _layers_per_stage(stages) -> dict[int, int]:
+    return {s: sum(1 for n, _ in st.named_modules() if n.startswith("model.layers.") and n.count(".") == 2)
+            for s, st in stages.items()}
+
+
+def _recompute_per_layer(policy: str, delayed: bool = False) -> int:
+    """The re-run's matmul FLOPs of one decoder layer for one microbatch, by hand.
+
+    Linear GEMMs: q, o (H x H), k, v (H x H/2: 2 of 4 heads' width), gate, up (H x I), down (I x H);
+    the attention core: Q K^T and P V, 2 * heads * T * T * head_dim each per row. The re-run stops at
+    the last tensor backward reads (down's input): `full` re-runs all but down's GEMM (`delayed`:
+    a delayed-wgrad Linear saves its input after its GEMM ran, so all of it), `selective` replays
+    every Linear and re-runs only the attention core, `offload` re-runs nothing."""
+    tokens = ROWS // M * T
+    attention = 2 * (2 * (ROWS // M) * 4 * T * T * (H // 4))
+    linear = 2 * tokens * (H * H * 2 + H * H // 2 * 2 + H * I * (3 if delayed else 2))
+    return {"full": attention + linear, "selective": attention, "offload": 0}[policy]
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v", "1f1b"])
+@pytest.mark.parametrize("policy", ["full", "selective", "offload"])
+def test_policy_equals_no_policy_and_reruns_once(name, policy):
+    loss0, grads0, flops0, stages = _step(name, None)
+    loss, grads, flops, _ = _step(name, policy)
+    assert torch.equal(loss, loss0)
+    assert grads.keys() == grads0.keys()
+    for n in grads0:  # bit for bit: the same float64 operations on the same values
+        assert torch.equal(grads[n], grads0[n]), n
+    per_layer = _recompute_per_layer(policy)
+    for s, n_layers in _layers_per_stage(stages).items():
+        extra = sum(flops.get((s, k), 0) - flops0.get((s, k), 0) for k in ("B", "W", "BW"))
+        assert extra == M * n_layers * per_layer, f"stage {s}: {extra} extra FLOPs, want {M} x {n_layers} x {per_layer}"
+        if flops0.get((s, "B"), 0) > 0:  # B split off: the re-run is B's, W does what it did
+            assert flops[(s, "W")] == flops0[(s, "W")], f"stage {s}: W {flops[(s, 'W')]} != {flops0[(s, 'W')]}"
+
+
+def test_torch_checkpoint_reruns_in_b_and_again_in_w():
+    """The reason for the policies: torch's non-reentrant checkpoint re-runs once per engine call,
+    so under the split both B and W re-run the layer (the gradients stay right)."""
+    _, grads0, flops0, stages = _step("zb-v", None)
+    _, grads, flops, _ = _step("zb-v", None, ckpt=True)
+    for n in grads0:
+        assert torch.equal(grads[n], grads0[n]), n
+    split = [s for s in stages if flops0.get((s, "B"), 0) > 0 and _layers_per_stage(stages)[s]]
+    assert split
+    for s in split:
+        assert flops[(s, "B")] > flops0[(s, "B")] and flops[(s, "W")] > flops0[(s, "W")]
+
+
+def test_delayed_wgrad_layers_compose_with_full_recompute():
+    """`delay_wgrad`'s Linears file their weight gradient in B's re-run-fed backward; W computes it."""
+    loss0, grads0, flops0, stages = _step("zb-v", None, delay=True)
+    loss, grads, flops, _ = _step("zb-v", "full", delay=True)
+    assert torch.equal(loss, loss0)
+    for n in grads0:
+        assert torch.equal(grads[n], grads0[n]), n
+    for s, n_layers in _layers_per_stage(stages).items():
+        extra = sum(flops.get((s, k), 0) - flops0.get((s, k), 0) for k in ("B", "W"))
+        assert extra == M * n_layers * _recompute_per_layer("full", delayed=True)
+
+
+def two_rank_policies() -> dict:
+    """On each of 2 gloo ranks under zb-h1 (stage 1's B split off, stage 0's backward all in W): the
+    step with every policy gives this rank's gradients of the step without one, bit for bit."""
+    import torch.distributed as dist
+
+    from zbpp.models.hf import causal_lm_stages
+
+    sched = build("zb-h1", num_ranks=2, num_microbatches=2)
+    ids = torch.randint(0, 61, (ROWS, T), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for policy in (None, "full", "selective", "offload"):
+        stages, kwargs = causal_lm_stages(_config(), sched, dist.get_rank(), dtype=torch.float64,
+                                          attn_implementation="eager")
+        for st in stages.values():
+            if policy is not None:
+                apply_activation_policy(st, {"model.layers.*[0-9]": policy})
+        Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+        grads[policy] = {f"{s}.{n}": p.grad for s, st in stages.items() for n, p in st.named_parameters()}
+    for policy in ("full", "selective", "offload"):
+        assert grads[policy].keys() == grads[None].keys()
+        for n, g in grads[None].items():
+            assert torch.equal(grads[policy][n], g), f"rank {dist.get_rank()} {policy}: {n}"
+    return {"checked": len(grads[None])}
+
+
+def test_two_gloo_ranks_every_policy_equals_none(zbpp_workers):
+    assert all(r["checked"] > 0 for r in zbpp_workers(2).run(two_rank_policies))
+
+
+def test_compiled_stage_runs_policy_layers_eagerly():
+    """A ``torch.compile``d stage (dynamo only: ``backend="eager"`` keeps the test fast) breaks its
+    graph around a policy layer, which runs eagerly: gradients equal the uncompiled, no-policy ones."""
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+
+    def stages(policy):
+        torch.manual_seed(0)
+        out = {s: nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 8)).double()
+               for s in range(sched.num_stages)}
+        for m in out.values():
+            if policy is not None:
+                apply_activation_policy(m, {"1": policy})
+        return out
+
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    ref = stages(None)
+    Pipeline(ref, sched, loss_fn=nn.functional.mse_loss).step(x, target=y)
+    for policy in ("full", "selective", "offload"):
+        mine = stages(policy)
+        compiled = {s: torch.compile(m, backend="eager") for s, m in mine.items()}
+        Pipeline(compiled, sched, loss_fn=nn.functional.mse_loss).step(x, target=y)
+        for s in mine:
+            for a, b in zip(mine[s].parameters(), ref[s].parameters()):
+                assert torch.equal(a.grad, b.grad), (policy, s)
+
+
+def test_bytes_kept_per_policy():
+    """One decoder layer: full keeps its input alone from F to B, selective less than none, both after
+    B what none keeps, offload nothing on the device and its saved tensors on the host; re-run
+    FLOPs as counted by hand (per microbatch of ROWS // M rows: here the whole ROWS)."""
+    from zbpp.models.hf import causal_lm_stages
+
+    stages, _ = causal_lm_stages(_config(), build("1f1b", num_ranks=1, num_microbatches=1), 0,
+                                 dtype=torch.float64, attn_implementation="eager")
+    st = stages[0]
+    seen = {}
+    hook = st.model.layers[0].register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    st(torch.randint(0, 61, (ROWS // M, T)))
+    hook.remove()
+    c = measure_activation_policies(st.model.layers[0], *seen["a"], **seen["k"])
+    hidden = ROWS // M * T * H * 8  # one float64 hidden-state tensor
+    assert c["full"].kept_f_to_b == hidden
+    assert c["selective"].kept_f_to_b < c["none"].kept_f_to_b
+    assert c["full"].kept_b_to_w == c["selective"].kept_b_to_w == c["none"].kept_b_to_w
+    assert c["offload"].kept_f_to_b == c["offload"].kept_b_to_w == 0
+    assert c["offload"].host_bytes >= c["none"].kept_f_to_b
+    for p in ("full", "selective", "offload"):
+        assert c[p].recompute_flops == _recompute_per_layer(p), p
+    assert activation_policies(st) == {}  # the measurement put the layer back
+
+
+def test_plain_stack_keeps_for_w_what_no_policy_keeps():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16)).double()
+    c = measure_activation_policies(block, torch.randn(12, 16, dtype=torch.float64))
+    assert c["full"].kept_b_to_w == c["selective"].kept_b_to_w == c["none"].kept_b_to_w
+    assert c["full"].kept_f_to_b == 12 * 16 * 8  # the input alone
+    assert c["full"].recompute_flops == 2 * 12 * 16 * 48  # up to the last saved tensor: the first GEMM
+
+
+def test_bad_policies_are_named():
+    net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="'fast'.*choose one of none, full, selective, offload"):
+        apply_activation_policy(net, {"0": "fast"})
+    with pytest.raises(ValueError, match="'layers.\\*' matches no module"):
+        apply_activation_policy(net, {"layers.*": "full"})
+    with pytest.raises(ValueError, match="'0' matches .*full.*offload"):
+        apply_activation_policy(net, {"0": "full", "[0]": "offload"})
+    with pytest.raises(ValueError, match="may not nest: '1.0'.*inside '1'"):
+        apply_activation_policy(net, {"1": "full", "1.0": "selective"})
+    assert activation_policies(net) == {}
+    assert apply_activation_policy(net, {"layers.*": "full"}, strict=False) == {}  # a stage without layers
+    apply_activation_policy(net, {"1": "full"})
+    apply_activation_policy(net, {"1": "none"})
+    assert activation_policies(net) == {} and "forward" not in net[1].__dict__
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_copies_on_a_side_stream_without_host_sync():
+    """One GPU: the saved tensors go to pinned host memory and come back on a side stream; the
+    gradients equal no policy's (copies), and no step synchronises the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from zbpp.models import recompute
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(3)]).cuda()
+    net = nn.Sequential(*[nn.Sequential(*[m for m in blk]) for blk in ref]).cuda()  # the same Parameters
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    ref(x).square().sum().backward()
+    want = [p.grad.clone() for p in ref.parameters()] + [x.grad.clone()]
+    for p in [*ref.parameters(), x]:
+        p.grad = None
+    apply_activation_policy(net, {"[0-2]": "offload"})
+    host: list[torch.Tensor] = []
+    orig = recompute._Offloaded.__init__
+
+    def spy(self, h, t, group):
+        host.append(h)
+        orig(self, h, t, group)
+
+    recompute._Offloaded.__init__ = spy
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            net(x).square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        recompute._Offloaded.__init__ = orig
+    assert host and all(h.is_pinned() and h.device.type == "cpu" for h in host)
+    got = [p.grad for p in net.parameters()] + [x.grad]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # copies: the same values, the same GEMMs

@@ -1,0 +1,115 @@
+"""Pretrained weights in and out (`zbpp.models.hf_weights`): HF's ``save_pretrained`` of a tiny
+random model in small shards -> `causal_lm_stages(dir)` on 2 gloo ranks -> one AdamW step ->
+`zbpp.models.hf.save_pretrained` -> ``AutoModelForCausalLM.from_pretrained`` equals one process
+doing the same step on HF's model. Float64; the pipeline sums the microbatches' gradients where the
+reference takes the whole batch, so parameters agree to 1e-12 absolute (AdamW's first step moves
+each by about lr = 1e-2, so a lost gradient or a wrong weight is far above). Each rank reads only
+the tensors of its own stages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from .weights_cases import config, hf_model, pipeline_step, reference_step
+
+transformers = pytest.importorskip("transformers")
+ATOL = 1e-12  # see the module docstring
+EMBEDDING = {"gpt2": "transformer.wte.weight", "qwen2": "model.embed_tokens.weight"}  # what a tied head reads
+CASES = [("llama", "zb-v"), ("gpt2", "1f1b"), ("qwen2", "zb-v")]
+
+
+@pytest.mark.parametrize("kind,schedule", CASES)
+def test_pretrained_round_trip_equals_one_process_step(kind: str, schedule: str, tmp_path: Path, zbpp_workers) -> None:
+    src, out = tmp_path / "src", tmp_path / "out"
+    hf_model(kind).save_pretrained(src, max_shard_size="8KB")
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert len(shards) > 2, shards  # the reading side meets a sharded checkpoint with its index
+
+    per_rank = zbpp_workers(2, pg_timeout=60).run(pipeline_step, str(src), str(out), schedule)
+    saved_keys = set(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
+    for r in per_rank:  # one read per tensor its stages hold, nothing else, in the checkpoint's dtype
+        tie_source = {EMBEDDING[kind]} if set(r["held"]) - saved_keys else set()  # a tied head missing
+        assert len(r["read"]) == len(r["held"]) and set(r["read"]) <= set(r["held"]) | tie_source, r
+        assert r["dtypes"] == ["torch.float64"], r
+
+    got, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched key
+    written = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+    assert written == saved_keys  # a tied weight written once, as HF writes it
+    want = reference_step(hf_model(kind))
+    for name, p in want.named_parameters():
+        torch.testing.assert_close(got.get_parameter(name), p.detach(), rtol=0, atol=ATOL, msg=name)
+    assert got.config.tie_word_embeddings == config(kind).tie_word_embeddings
+
+
+def _family_configs() -> dict[str, object]:
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    return {
+        "gemma": transformers.GemmaConfig(**small, head_dim=8),  # tied, scaled embeddings
+        "mixtral": transformers.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": transformers.Qwen2MoeConfig(**small, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                                                 num_experts=4, num_experts_per_tok=2),
+    }
+
+
+@pytest.mark.parametrize("kind", ["gemma", "mixtral", "qwen2_moe"])
+def test_checkpoint_names_map_to_the_model_both_ways(kind: str, tmp_path: Path) -> None:
+    """HF writes MoE experts one tensor each and the model fuses them (its conversion mapping); a
+    Gemma checkpoint has no LM head (tied). Reading by model name gives the model's own tensors, and
+    `save_pretrained` of a one-rank Pipeline over the model writes what ``from_pretrained`` loads
+    back exactly (no pipeline maths here: the names and conversions only)."""
+    from zbpp import Pipeline
+    from zbpp.models.hf import save_pretrained
+    from zbpp.models.hf_weights import SafetensorsWeights
+    from zbpp.schedules import build
+
+    config = _family_configs()[kind]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    weights = SafetensorsWeights(tmp_path / "src", config)
+    state = model.state_dict()
+    assert sorted(weights) == sorted(state)
+    for name, t in state.items():
+        assert torch.equal(weights[name], t), name
+
+    pipe = Pipeline({0: model}, build("1f1b", num_ranks=1, num_microbatches=1), loss_fn=lambda out, y: out)
+    save_pretrained(pipe, tmp_path / "out", max_shard_size="20KB")
+    written = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    original = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(written) == sorted(original)  # HF's checkpoint format: per-expert tensors, no tied head
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, t in state.items():
+        assert torch.equal(back.state_dict()[name], t), name
+
+
+def test_base_model_checkpoint_loads_into_the_lm(tmp_path: Path) -> None:
+    """A checkpoint of the base model (GPT-2's original names: ``h.0...``, ``wte.weight``, no
+    ``transformer.`` prefix and no head) maps onto the LM's names as ``from_pretrained`` maps it, the
+    tied head reading the embedding."""
+    from zbpp.models.hf_weights import SafetensorsWeights
+
+    cfg = config("gpt2")
+    torch.manual_seed(0)
+    transformers.GPT2Model(cfg).save_pretrained(tmp_path)
+    lm = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    weights = SafetensorsWeights(tmp_path, cfg)
+    for name, t in lm.state_dict().items():
+        assert torch.equal(weights[name], t), name
+
+
+def test_a_directory_without_weights_is_named(tmp_path: Path) -> None:
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        causal_lm_stages(tmp_path, sched, 0)
+    config("llama").save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+        causal_lm_stages(tmp_path, sched, 0)

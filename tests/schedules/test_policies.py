@@ -1,0 +1,220 @@
+"""Activation policies (none, full, selective, offload) in the profile, the simulator and the search.
+
+References: hand-worked step and peak per policy on one rank; an exhaustive enumeration here of
+every split x every fixed schedule x every per-rank policy, each plan built with `build`, its
+costs and memory summed here from the layers' `PolicyCost`, offload's exposed copy time worked
+out here from the "none" simulation's F-to-B gaps (the model zbpp.schedules.policies states).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from zbpp.schedules import Costs, Memory, build, simulate
+from zbpp.schedules.ir import Kind
+from zbpp.schedules.partition import SCHEDULES, evaluate, search
+from zbpp.schedules.profile import Layer, PolicyCost, Profile, transformer_profile
+
+REL = 1e-9  # sums of a few task times and byte counts: rounding only
+FIXED_ONE_STAGE = ["gpipe", "1f1b", "zb-h1", "zb-h2"]
+FIXED_TWO = ["zb-v", "v-half", "v-min", "dualpipe-v"]
+
+# one layer, times in seconds, bytes; the host link moves 4 bytes/s: an offload copy of 8 bytes
+# takes 2 s each way
+_BLOCK = Layer("block", f=2, b=2, w=1, activation=8, wgrad=4, policies={
+    "full": PolicyCost(1, 4, recompute=2),
+    "selective": PolicyCost(3, 4, recompute=0.5),
+    "offload": PolicyCost(0, 4, copy=8)})
+_ONE = Profile([_BLOCK], host_bytes_per_s=4)
+
+
+@pytest.mark.parametrize("policy, step, peak", [
+    # GPipe on one rank, 2 microbatches: F0 F1 BW0 BW1; BW = b + recompute (+ exposed copy) + w
+    ("none", 2 + 2 + 3 + 3, 8 + 8),
+    ("full", 2 + 2 + 5 + 5, 1 + 1),
+    ("selective", 2 + 2 + 3.5 + 3.5, 3 + 3),
+    # the shortest F-to-B gap is microbatch 0's, 2 s (F0 ends at 2, BW0 starts at 4): a copy out
+    # and back takes 4 s, 2 s of it shows in each BW; nothing stays on the device between F and B
+    ("offload", 2 + 2 + 5 + 5, 0),
+])
+def test_each_policy_costs_what_the_hand_worked_gpipe_run_says(policy: str, step: float, peak: float) -> None:
+    o = evaluate(_ONE, 1, 2, [range(0, 1)], "gpipe", policies=policy)
+    assert o.step == pytest.approx(step, rel=REL) and o.peak == pytest.approx((peak,), rel=REL)
+
+
+@pytest.mark.parametrize("policy, peak", [("none", 8), ("full", 4), ("selective", 4), ("offload", 4)])
+def test_after_b_w_keeps_its_inputs_under_every_policy(policy: str, peak: float) -> None:
+    # ZB-H1 on one rank: F0 B0 W0 F1 B1 W1. F keeps the policy's bytes, B leaves W's 4 bytes (a
+    # recomputed or reloaded layer's B adds 4 - kept), W frees them: the peak is max(kept, 4)
+    o = evaluate(_ONE, 1, 2, [range(0, 1)], "zb-h1", policies=policy)
+    assert o.peak == pytest.approx((peak,), rel=REL)
+
+
+def test_memory_lets_b_add_what_w_keeps() -> None:
+    res = simulate(build("zb-h1", num_ranks=1, num_microbatches=1), Costs(1, 1, 1), Memory(activation=1, wgrad=3))
+    assert [res.memory_after[a] for a in res.schedule.orders[0]] == [1.0, 3.0, 0.0]
+
+
+def test_transformer_profile_derives_the_policies_from_the_shapes() -> None:
+    # hidden 64, ffn 256, 4 heads, seq 128, micro-batch 1 (T = 128 tokens), bf16, tp 1:
+    # none keeps T (18 h + 4 ffn) = 128 * 2,176 = 278,528 bytes; full the input 2 T h = 16,384;
+    # selective the GEMM inputs and the input, 2 T (4 h + ffn) = 128,... = 2 * 128 * 512 = 131,072;
+    # full recomputes F; selective attention's 2 T s h FLOPs plus the bytes not kept once at HBM speed
+    prof = transformer_profile(name="t", num_layers=1, hidden=64, ffn=256, heads=4, vocab=100, seq=128,
+                               flops_per_s=1e12, hbm_bytes_per_s=1e11, host_bytes_per_s=1e10)
+    block = prof.layers[1]
+    assert block.activation == 278_528
+    assert block.cost("full") == PolicyCost(16_384, block.wgrad, recompute=block.f)
+    sel = block.cost("selective")
+    assert sel.activation == 131_072
+    assert sel.recompute == pytest.approx(2 * 128 * 128 * 64 / 1e12 + (278_528 - 131_072) / 1e11, rel=REL)
+    assert block.cost("offload") == PolicyCost(0, block.wgrad, copy=278_528)
+    assert prof.layers[0].offers() == ("none",) and block.offers() == ("none", "full", "offload", "selective")
+    assert Profile.from_dict(prof.to_dict()) == prof
+
+
+def test_bad_policies_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'checkpoint'"):
+        Layer("x", 1, 1, 1, policies={"checkpoint": PolicyCost(0, 0)})
+    with pytest.raises(ValueError, match="unknown policy 'ful'"):
+        search(_ONE, 1, 2, policies=["ful"])
+    with pytest.raises(ValueError, match="1 policies for 2 stages"):
+        Profile([_BLOCK, _BLOCK], host_bytes_per_s=4).stage_costs([range(0, 1), range(1, 2)], ["full"])
+    with pytest.raises(ValueError, match="no host link bandwidth"):
+        Profile([_BLOCK])
+
+
+# -- the search against an exhaustive enumeration ------------------------------------------------
+def _profile(seed: int, num_layers: int) -> Profile:
+    """An embedding (static only), blocks with random policy costs, a head with large activations."""
+    rng = random.Random(seed)
+    layers = [Layer("embed", 0.05, 0.05, 0.05, static=rng.uniform(1, 2))]
+    for i in range(1, num_layers - 1):
+        f = rng.uniform(0.8, 1.2)
+        act = rng.uniform(2, 4)
+        wg = act * rng.uniform(0.5, 1)
+        layers.append(Layer(f"block.{i}", f, f * rng.uniform(1, 1.3), f * 0.7, activation=act, wgrad=wg,
+                            static=rng.uniform(0.5, 1), policies={
+                                "full": PolicyCost(act * 0.1, wg, recompute=f),
+                                "selective": PolicyCost(act * 0.5, wg, recompute=f * 0.3),
+                                "offload": PolicyCost(0, wg, copy=act)}))
+    layers.append(Layer("head", 1.5, 1.5, 1.5, activation=6, wgrad=2, static=2))
+    return Profile(layers, comm=0.02, host_bytes_per_s=rng.uniform(1, 3))
+
+
+def _plan(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[float, list[float]]:
+    """Step and per-rank peak (static included) of one plan, every number summed here."""
+    sched = build(name, num_ranks=p, num_microbatches=m)
+    n = len(stages)
+    cost = [[prof.layers[i].cost(q) for i in r] for r, q in zip(stages, policies)]
+    f = [sum(prof.layers[i].f for i in r) for r in stages]
+    w = [sum(prof.layers[i].w for i in r) for r in stages]
+    b0 = [sum(prof.layers[i].b for i in r) for r in stages]
+    act0 = [sum(prof.layers[i].activation for i in r) for r in stages]
+    wg0 = [min(a, sum(prof.layers[i].wgrad for i in r)) for a, r in zip(act0, stages)]
+    base = simulate(sched, Costs(f, b0, w, comm=prof.comm), Memory(act0, wg0))
+    b = [x + sum(c.recompute for c in cs) for x, cs in zip(b0, cost)]
+    for s in range(n):
+        copy = sum(c.copy for c in cost[s]) / prof.host_bytes_per_s
+        if copy:
+            gap = min(base.start[a] - base.end[type(a)(Kind.F, s, a.microbatch)]
+                      for order in sched.orders for a in order if a.stage == s and a.kind in (Kind.B, Kind.BW))
+            b[s] += max(0.0, 2 * copy - gap)
+    act = [sum(c.activation for c in cs) for cs in cost]
+    wg = [sum(c.wgrad for c in cs) for cs in cost]
+    res = simulate(sched, Costs(f, b, w, comm=prof.comm), Memory(act, wg))
+    static = [sum(prof.layers[i].static for s in sched.stages_on(r) for i in stages[s]) for r in range(p)]
+    return res.makespan, [x + y for x, y in zip(static, res.peak_memory)]
+
+
+def _best_by_enumeration(prof: Profile, p: int, m: int, budget: float, names) -> float:
+    L, best = len(prof), math.inf
+    for name in names:
+        k = SCHEDULES[name]
+        placement = list(range(p)) + list(reversed(range(p))) if name in FIXED_TWO else list(range(p))
+        for cuts in itertools.combinations(range(1, L), k * p - 1):
+            stages = [range(a, b) for a, b in zip((0, *cuts), (*cuts, L))]
+            for per_rank in itertools.product(("none", "full", "selective", "offload"), repeat=p):
+                step, peak = _plan(prof, name, p, m, stages, [per_rank[r] for r in placement])
+                if max(peak) <= budget * (1 + REL):
+                    best = min(best, step)
+    return best
+
+
+@pytest.mark.parametrize("seed, p, num_layers, names", [
+    (0, 2, 6, FIXED_ONE_STAGE + FIXED_TWO),
+    (1, 3, 6, ["1f1b", "zb-h1"]),
+])
+def test_search_with_policies_equals_every_split_schedule_and_per_rank_policy(seed, p, num_layers, names) -> None:
+    prof, m = _profile(seed, num_layers), 2 * p
+    none_peak = search(prof, p, m, schedules=names, policies=["none"]).peak
+    for budget in (math.inf, 0.8 * max(none_peak), 0.55 * max(none_peak), 0.3 * max(none_peak)):
+        best = _best_by_enumeration(prof, p, m, budget, names)
+        if not math.isfinite(best):
+            with pytest.raises(ValueError, match="no schedule and split fits"):
+                search(prof, p, m, budget, schedules=names)
+            continue
+        layout = search(prof, p, m, None if math.isinf(budget) else budget, schedules=names)
+        assert layout.step == pytest.approx(best, rel=REL)
+        # the plan it returns, re-simulated here, is as fast and within the budget
+        step, peak = _plan(prof, layout.schedule.name, p, m, layout.stages,
+                           layout.policies or ["none"] * len(layout.stages))
+        assert step == pytest.approx(layout.step, rel=REL) and max(peak) <= budget * (1 + REL)
+
+
+def test_automatic_schedules_with_policies_stay_within_the_budget() -> None:
+    prof, p, m = _profile(3, 8), 2, 4
+    none_peak = max(search(prof, p, m, policies=["none"]).peak)
+    for budget in (0.7 * none_peak, 0.5 * none_peak):
+        layout = search(prof, p, m, budget, schedules=["zb-auto", "zbv-auto"])
+        res = simulate(layout.schedule, *prof.stage_costs(layout.stages, layout.policies or None)[:2])
+        static = [sum(prof.layers[i].static for s in layout.schedule.stages_on(r) for i in layout.stages[s])
+                  for r in range(p)]
+        assert max(x + y for x, y in zip(static, res.peak_memory)) <= budget * (1 + REL)
+
+
+def test_explain_names_each_ranks_policy_and_the_alternatives() -> None:
+    prof, p, m = _profile(0, 6), 2, 4
+    budget = 0.55 * max(search(prof, p, m, schedules=["1f1b"], policies=["none"]).peak)
+    layout = search(prof, p, m, budget, schedules=["1f1b"])
+    text = layout.explain()
+    assert "policies (one per rank" in text
+    for r in range(p):
+        q = (layout.policies or ("none",) * p)[layout.schedule.stages_on(r)[0]]
+        assert f"rank {r}: {q}  [none " in text
+
+
+def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
+    from zbpp.cli import main
+
+    prof, p, m = _profile(0, 6), 2, 4
+    path = tmp_path / "prof.json"
+    prof.save(path)
+    budget = 0.55 * max(search(prof, p, m, policies=["none"]).peak)
+    layout = search(prof, p, m, budget)
+    assert layout.policies  # this budget needs a policy somewhere
+    args = ["plan", "--profile", str(path), "-p", str(p), "-m", str(m), "--budget-gb", repr(budget / 1e9)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "policies (per stage): " + ", ".join(layout.policies) in out and "policies (one per rank" in out
+    assert main(args + ["--policies", "none"]) == 0  # no recompute: the layers as they are
+    out = capsys.readouterr().out
+    assert "policies (per stage)" not in out and "policies (one per rank" not in out
+    assert main(args + ["--policies", "none,ful"]) == 2
+    assert "unknown policy 'ful'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, p", [("zb-auto", 3), ("zbv-auto", 2), ("zbi-auto", 2)])
+def test_automatic_schedules_keep_their_limit_when_b_adds_what_w_keeps(name: str, p: int) -> None:
+    # recompute-like memory: F keeps 0.25, B brings W's inputs back up to 1; the builders plan as
+    # if F held 1 from the start, so the simulated peak under the true memory stays within the limit
+    costs = Costs(f=1, b=1.5, w=1)
+    memory = Memory(activation=0.25, wgrad=1)
+    opts = {"chunks": 2} if name == "zbi-auto" else {}
+    for limit in (2.0, 3.0, 5.0):
+        sched = build(name, num_ranks=p, num_microbatches=2 * p, costs=costs, memory=memory, memory_limit=limit, **opts)
+        assert max(simulate(sched, costs, memory).peak_memory) <= limit * (1 + REL)

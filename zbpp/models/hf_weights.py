@@ -1,0 +1,296 @@
+"""Hugging Face pretrained weights in and out of a pipeline, one rank's share at a time.
+
+In: `pretrained` reads a local directory as ``save_pretrained`` writes it (``config.json`` and one
+``model.safetensors`` or shards with ``model.safetensors.index.json``) into the config and a lazy
+mapping ``{name: tensor}`` (`SafetensorsWeights`) that reads a tensor from its file only when asked
+for it, straight to the rank's device and dtype. `zbpp.models.hf.causal_lm_stages` gives it to
+`pipeline_stages` as ``state_dict``, which asks for the names this rank's stages hold and nothing
+else: no process builds or reads the whole model. The checkpoint's names are mapped to the model's
+as ``from_pretrained`` maps them (HF's conversion mapping of the family: renames, the base-model
+prefix of checkpoints saved without the head, per-expert tensors merged for fused MoE layers), and a
+tied LM head missing from the checkpoint takes the embedding's tensor.
+
+Host memory: a rank holds its own stages and one tensor in flight. Measured by
+``benchmarks/bench_pretrained_load.py`` (a 439 MB float32 Llama, hidden 1024, 6 layers, vocabulary
+16000, in 40 MB shards; stages of 1f1b on 2 ranks): a rank's peak RSS grows by 291 MB for its
+220 MB share (0.66 of the model: the share plus the 65 MB embedding being read), where
+``from_pretrained`` of the whole model grows by 445 MB.
+
+Out: `save_pretrained` (collective over the job's ranks) writes the trained pipeline as a directory
+that ``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``config.json`` (the stages carry
+the config) and safetensors shards with their index. Every pipeline rank of data-parallel replica 0
+writes the shards of its own stages (no tensor crosses ranks; ``fully_shard`` stages are gathered
+per tensor, which every replica joins), a tied weight once under the name HF keeps, in the
+checkpoint format HF's own ``save_pretrained`` writes (its conversions reverted).
+
+>>> import tempfile, torch, transformers
+>>> from zbpp import Pipeline
+>>> from zbpp.models.hf import causal_lm_stages, save_pretrained
+>>> from zbpp.schedules import build
+>>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+...                                   num_attention_heads=2, num_key_value_heads=1)
+>>> model = transformers.AutoModelForCausalLM.from_config(config)
+>>> sched = build("1f1b", num_ranks=1, num_microbatches=2)
+>>> with tempfile.TemporaryDirectory() as src, tempfile.TemporaryDirectory() as out:
+...     model.save_pretrained(src)
+...     stages, kwargs = causal_lm_stages(src, sched, 0)       # reads this rank's tensors only
+...     pipe = Pipeline(stages, sched, **kwargs)
+...     save_pretrained(pipe, out)
+...     back = transformers.AutoModelForCausalLM.from_pretrained(out)
+>>> torch.equal(back.lm_head.weight, model.lm_head.weight)
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["SafetensorsWeights", "pretrained", "save_pretrained"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+# -- in ------------------------------------------------------------------------------------------
+def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None) -> tuple[Any, "SafetensorsWeights", torch.dtype]:
+    """The config of the HF directory `path`, its weights as a lazy mapping, and the dtype to build
+    the model in: `dtype`, else the checkpoint's (``config.dtype``, as ``from_pretrained`` with
+    ``dtype="auto"``), else float32."""
+    import transformers
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{os.fspath(path)!r} is not a Hugging Face model directory: it has no config.json")
+    config = transformers.AutoConfig.from_pretrained(root)
+    if dtype is None:
+        saved = getattr(config, "dtype", None)
+        dtype = saved if isinstance(saved, torch.dtype) else getattr(torch, saved) if isinstance(saved, str) else torch.float32
+    return config, SafetensorsWeights(root, config, device=device, dtype=dtype), dtype
+
+
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """The weights of a HF directory by the model's parameter names, each read from its safetensors
+    file when asked for (``safe_open``, one tensor), onto `device` in `dtype` (floating tensors).
+
+    Keys are the names of the model built from `config`; a name asked for twice is read twice (the
+    mapping keeps nothing). ``len`` and iteration list the names the checkpoint provides.
+    """
+
+    def __init__(self, root: str | os.PathLike, config: Any, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.root = Path(root)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype = dtype
+        self._files = _tensor_files(self.root)  # checkpoint key -> file
+        self._sources, self._converters, self._model = _model_names(config, list(self._files))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._sources:
+            raise KeyError(name)
+        sources = self._sources[name]
+        pattern = self._converters.get(name)
+        if pattern is None:
+            return self._read(sources[0][0])
+        # a converted weight (e.g. one fused tensor of every expert): HF's own converter builds it
+        converter = copy.deepcopy(pattern)
+        for key, source_pattern in sources:
+            converter.add_tensor(name, key, source_pattern, self._read(key))
+        out = converter.convert(name, model=self._model, config=self._model.config)
+        value = out[name]
+        return value[0] if isinstance(value, list) else value
+
+    def _read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.root / self._files[key], framework="pt", device=str(self.device)) as f:
+            t = f.get_tensor(key)
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._sources
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+
+def _tensor_files(root: Path) -> dict[str, str]:
+    """Checkpoint key -> the safetensors file (relative to `root`) that holds it."""
+    if (root / _INDEX).is_file():
+        return dict(json.loads((root / _INDEX).read_text())["weight_map"])
+    if (root / _SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(root / _SINGLE, framework="pt") as f:
+            return {k: _SINGLE for k in f.keys()}
+    found = sorted(p.name for p in root.iterdir())
+    raise FileNotFoundError(f"{os.fspath(root)!r} holds neither {_SINGLE} nor {_INDEX} (found {found[:10]}): zbpp "
+                            "reads safetensors checkpoints as save_pretrained writes them")
+
+
+def _meta_model(config: Any) -> nn.Module:
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _model_names(config: Any, keys: list[str]) -> tuple[dict[str, list[tuple[str, str]]], dict[str, Any], nn.Module]:
+    """Map checkpoint keys to the model's names as ``from_pretrained`` does: the family's renames,
+    then at most one converter, then the base-model prefix added or removed. Returns ``{model name:
+    [(checkpoint key, source pattern)]}``, ``{model name: converter}`` for converted weights, and the
+    meta model. A tied weight absent from the checkpoint gets its tie's source."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = _meta_model(config)
+    wanted = {n: True for n in model.state_dict()}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None)
+    sources: dict[str, list[tuple[str, str]]] = {}
+    converted: dict[str, Any] = {}
+    for key in keys:
+        name, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
+        if name not in wanted and key in wanted:
+            name, pattern = key, None
+        if name not in wanted:
+            continue  # a tensor the model has no place for (HF drops it too, with a warning)
+        sources.setdefault(name, []).append((key, pattern if pattern is not None else key))
+        if pattern is not None:
+            converted[name] = by_pattern[pattern]
+    for names in _tie_groups(model):
+        present = [n for n in names if n in sources]
+        for n in names:
+            if n not in sources and present:
+                sources[n] = sources[present[0]]
+                if present[0] in converted:
+                    converted[n] = converted[present[0]]
+    return sources, converted, model
+
+
+def _tie_groups(model: nn.Module) -> list[list[str]]:
+    """Names that are one Parameter in `model` (its ties, as the config asks), in model order."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+# -- out -----------------------------------------------------------------------------------------
+def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int | str = "2GB") -> None:
+    """Write the pipeline's model as a HF directory that ``from_pretrained`` loads (see the module
+    docstring). Every rank of the job calls it together, between steps.
+
+    Args:
+        pipe: a `zbpp.Pipeline` of stages from `zbpp.models.hf.causal_lm_stages` (they carry the
+            model's config as ``.config``; ``state_dict()`` keys are the whole model's names).
+        path: the directory to write (created; shared by the writing ranks).
+        max_shard_size: the largest safetensors file, in bytes or as ``"500MB"``: each pipeline
+            rank writes its stages in files of at most this size (a tensor larger goes alone).
+    """
+    import torch.distributed as dist
+
+    from .._compat import uncompiled
+
+    mods = [uncompiled(m) for m in pipe.stage_modules.values()]
+    config = next((getattr(m, "config", None) for m in mods if getattr(m, "config", None) is not None), None)
+    if config is None:
+        raise ValueError("save_pretrained needs stages that carry the model's config (.config), as "
+                         "zbpp.models.hf.causal_lm_stages builds them")
+    limit = _bytes(max_shard_size)
+    topology = pipe.topology
+    state = _rank_state(mods, config)  # every replica gathers its fully_shard tensors together
+    writes = topology.dp_rank == 0
+    plan = _shards(state, limit) if writes else []
+    counts = [len(plan)]
+    if topology.distributed and topology.pp_size > 1:
+        every: list[Any] = [None] * topology.pp_size
+        dist.all_gather_object(every, counts[0], group=topology.pp_group)
+        counts = [int(c) for c in every]
+    out = Path(path)
+    total_files = sum(counts)
+    first = sum(counts[:topology.pp_rank])
+    index: dict[str, str] = {}
+    if writes:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        single = total_files == 1
+        for i, names in enumerate(plan):
+            fname = _SINGLE if single else f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
+            save_file({n: state[n] for n in names}, out / fname, metadata={"format": "pt"})
+            index.update({n: fname for n in names})
+    maps: list[Any] = [(index, sum(state[n].numel() * state[n].element_size() for n in index))]
+    if topology.distributed and topology.pp_size > 1:
+        mine, maps = maps[0], [None] * topology.pp_size
+        dist.all_gather_object(maps, mine, group=topology.pp_group)
+    if writes and topology.pp_rank == 0:
+        weight_map = {k: v for m, _ in maps for k, v in m.items()}
+        if total_files > 1:
+            meta = {"metadata": {"total_size": sum(n for _, n in maps)}, "weight_map": dict(sorted(weight_map.items()))}
+            (out / _INDEX).write_text(json.dumps(meta, indent=2) + "\n")
+        saved = copy.deepcopy(config)
+        floating = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+        if floating is not None:
+            saved.dtype = floating
+        saved.save_pretrained(out)
+    if topology.distributed:
+        dist.barrier()
+
+
+def _rank_state(mods: list[nn.Module], config: Any) -> dict[str, torch.Tensor]:
+    """This rank's tensors as HF's save_pretrained writes them: full (DTensors gathered), on the
+    CPU, each once (a tie under the name HF keeps), converted back to the checkpoint format."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = _meta_model(config)
+    dropped = {n for names in _tie_groups(model) for n in names[1:]}  # HF keeps the first (the embedding)
+    state: dict[str, torch.Tensor] = {}
+    for m in mods:
+        for name, t in m.state_dict().items():
+            if name in state or name in dropped:
+                continue
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            state[name] = t.detach().to("cpu", copy=True).contiguous()
+    return revert_weight_conversion(model, state)
+
+
+def _shards(state: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
+    out: list[list[str]] = []
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if not out or (size + n > limit and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
+
+
+def _bytes(size: int | str) -> int:
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str):
+        units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+        text = size.strip().upper()
+        for unit, factor in units.items():
+            if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
+                return int(float(text[:-len(unit)]) * factor)
+    raise ValueError(f"max_shard_size must be a positive number of bytes or a size like '500MB', got {size!r}")

@@ -1,0 +1,677 @@
+"""Per-layer activation policies: what a layer keeps between its forward (F) and its backward.
+
+`apply_activation_policy(module, {"model.layers.*": "selective"})` wraps the forward of every
+submodule whose name matches a pattern (``fnmatch``) with one of:
+
+- ``"none"``: autograd keeps what it saves (removes an earlier policy);
+- ``"full"``: the layer keeps only its inputs; its forward runs again, once, at the first
+  backward that reads a saved tensor, under the forward's random-generator and autocast state;
+- ``"selective"``: the layer also keeps the input of every GEMM with a weight (``F.linear``,
+  ``torch.addmm``/``mm``/``matmul`` with an ``nn.Parameter`` operand), what the weight gradient
+  reads, and its output where the re-run reaches it. The re-run replays those GEMMs from the kept
+  outputs and recomputes only the rest (norms, activations, the attention core);
+- ``"offload"``: every tensor the layer saves, but its parameters, is copied to host memory after
+  F (pinned, on a side stream, on CUDA; a copy on CPU) and back before its backward, on the side
+  stream, the compute stream waiting on an event: no host synchronisation. A storage that several
+  saved tensors share is copied once. When a layer's tensors come back, the copies of the layer
+  that ran before it in the same microbatch (the runtime's ``zbpp.modules.microbatch`` key) start.
+
+Composition with zbpp's B/W split (`zbpp.runtime._autograd_split`). torch's non-reentrant
+``checkpoint`` recomputes once per backward engine call, so the split's B and its W each recompute a
+checkpointed layer: twice per microbatch. Here the re-run belongs to the layer's forward, not to an
+engine call: the first unpack (in B, or in W on a stage whose B computes nothing) re-runs it, the
+inputs go, and a later unpack reads the tensors it produced. Those tensors are packed through the
+saved-tensor hooks that were current at F (the runtime's boxes), so B frees what only B reads and
+keeps what W reads (the GEMM inputs), as without a policy. zbpp's delayed-wgrad layers compose (their
+W reads the tensors B handed to their store). A policy-wrapped layer runs eagerly inside a
+``torch.compile``d stage (a graph break around it); inside a CUDA graph capture
+(``Pipeline(cuda_graphs=True)``) a policy layer raises a ``RuntimeError`` that says so. Side effects of a
+forward (FP8 amax histories, running statistics) happen again in the re-run.
+
+`measure_activation_policies` reports, per policy, the bytes one layer keeps from F to B and from
+B to W, the host bytes offloaded and the re-run's FLOPs (CPU is enough: bytes and FLOPs do not
+depend on the device).
+
+>>> import torch
+>>> from torch import nn
+>>> net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+>>> apply_activation_policy(net, {"0": "full", "2": "selective"})
+{'0': 'full', '2': 'selective'}
+>>> net(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+>>> net[0].weight.grad.shape
+torch.Size([8, 4])
+>>> activation_policies(net)
+{'0': 'full', '2': 'selective'}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import flop_registry
+
+from .._compat import current_saved_tensors_hooks, disable_dynamo, torch_dispatch_mode
+from ..modules.context import current_microbatch
+
+__all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "ActivationCost",
+           "measure_activation_policies"]
+
+#: The policies `apply_activation_policy` knows.
+POLICIES = ("none", "full", "selective", "offload")
+
+_ATTR = "_zbpp_activation_policy"  # the policy a wrapped module runs under
+
+
+# -- applying ------------------------------------------------------------------------------------
+def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, strict: bool = True) -> dict[str, str]:
+    """Give each submodule of `module` whose name matches a pattern of `policies` that policy.
+
+    `policies` maps ``fnmatch`` patterns of ``module.named_modules()`` names (``"model.layers.*"``,
+    ``"model.layers.1"``, ``""`` for `module` itself) to one of `POLICIES`. Every pattern must match
+    a module (``strict=False``: or none, as a pipeline stage without decoder layers), a module may
+    match patterns of one policy only, and a wrapped module may not contain another (a clear
+    ``ValueError`` otherwise). Returns ``{name: policy}`` of the modules set now.
+    Parameters and ``state_dict`` keys do not change; ``"none"`` restores the plain forward.
+
+    >>> from torch import nn
+    >>> stack = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> apply_activation_policy(stack, {"[01]": "offload", "2": "none"})
+    {'0': 'offload', '1': 'offload', '2': 'none'}
+    >>> apply_activation_policy(stack, {"model.layers.*": "full"}, strict=False)
+    {}
+    """
+    chosen: dict[str, str] = {}
+    where: dict[str, str] = {}
+    named = dict(module.named_modules(remove_duplicate=False))
+    for pattern, policy in policies.items():
+        if policy not in POLICIES:
+            raise ValueError(f"activation policy {policy!r} for {pattern!r}: choose one of {', '.join(POLICIES)}")
+        hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
+        if not hits and strict:
+            some = ", ".join(repr(n) for n in list(named)[:8])
+            raise ValueError(f"activation policy pattern {pattern!r} matches no module of "
+                             f"{type(module).__name__} (names such as {some})")
+        for n in hits:
+            if chosen.get(n, policy) != policy:
+                raise ValueError(f"module {n!r} matches {where[n]!r} ({chosen[n]}) and {pattern!r} ({policy}): "
+                                 "give each module one policy")
+            chosen[n], where[n] = policy, pattern
+    final = {n: p for n, p in _current(named).items() if n not in chosen} | chosen
+    wrapped = sorted(n for n, p in final.items() if p != "none")
+    for a in wrapped:
+        for b in wrapped:
+            if b != a and (a == "" or b.startswith(a + ".")):
+                raise ValueError(f"activation policies may not nest: {b!r} ({final[b]}) is inside {a!r} ({final[a]})")
+    for n, policy in chosen.items():
+        _set(named[n], policy)
+    return chosen
+
+
+def activation_policies(module: nn.Module) -> dict[str, str]:
+    """``{name: policy}`` of the submodules of `module` that run under a policy other than none."""
+    return _current(dict(module.named_modules(remove_duplicate=False)))
+
+
+def _current(named: Mapping[str, nn.Module]) -> dict[str, str]:
+    return {n: m.__dict__[_ATTR] for n, m in named.items() if _ATTR in m.__dict__}
+
+
+def _set(m: nn.Module, policy: str) -> None:
+    m.__dict__.pop("forward", None)  # the class's forward again
+    m.__dict__.pop(_ATTR, None)
+    if policy == "none":
+        return
+    inner = m.forward  # bound to the class's forward (or a hook-free instance override)
+    m.forward = _wrapped(inner, m, policy)  # type: ignore[method-assign]
+    m.__dict__[_ATTR] = policy
+
+
+def _wrapped(fn: Callable[..., Any], m: nn.Module, policy: str) -> Callable[..., Any]:
+    mref = weakref.ref(m)
+
+    @functools.wraps(fn)
+    @disable_dynamo  # a graph break in a compiled stage: the hooks need eager autograd
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"activation policy {policy!r} of {type(mref()).__name__}: not supported inside a CUDA "
+                               "graph capture (Pipeline(cuda_graphs=True)): its re-run or copies would not be captured; "
+                               "give the layer the policy 'none' or run the pipeline without cuda_graphs")
+        mod = mref()
+        params = {p.untyped_storage().data_ptr() for p in mod.parameters()} if mod is not None else set()
+        if policy == "offload":
+            return _offload_forward(fn, params, args, kwargs)
+        return _Frame(fn, policy, params, args, kwargs).forward()
+
+    return forward
+
+
+# -- recompute (full, selective) ------------------------------------------------------------------
+class _Saved:
+    """One saved tensor of a recomputed layer: the outer hooks' packed value (filled at F when kept,
+    by the re-run otherwise) and the outer unpack that reads it."""
+
+    __slots__ = ("frame", "packed", "unpack", "__weakref__")
+
+    def __init__(self, frame: "_Frame | None", unpack: Callable[[Any], torch.Tensor], packed: Any = None) -> None:
+        self.frame, self.unpack, self.packed = frame, unpack, packed
+
+
+class _Frame:
+    """One forward of one recomputed layer: its inputs until the re-run, the GEMM outputs a
+    selective re-run replays, and the saved tensors the re-run fills (held weakly: what autograd
+    released needs no re-run)."""
+
+    def __init__(self, fn: Callable[..., Any], policy: str, params: set[int], args: tuple, kwargs: dict) -> None:
+        self.fn, self.policy = fn, policy
+        hooks = current_saved_tensors_hooks()
+        self.outer_pack, self.outer_unpack = hooks if hooks is not None else (_identity, _identity)
+        self.template, leaves = _flatten((args, kwargs))
+        self.keep_ptrs = set(params)  # storages alive anyway, or kept (selective GEMM operands)
+        self.keep_ptrs.update(t.untyped_storage().data_ptr() for t in leaves)
+        self.requires_grad = [t.requires_grad for t in leaves]
+        # held here, not through the outer hooks: nothing but the re-run reads them, and they go with it
+        self.inputs: list[torch.Tensor] | None = [_held(t.detach()) for t in leaves]
+        self.slots: list[weakref.ref | None] = []  # per saved tensor outside recorded GEMMs
+        self.gemm_outputs: list[Any] = []  # selective: packed outputs, in call order
+        self.rng = _rng_state(leaves)
+        self.autocast = _autocast_state()
+        self.leaves = leaves  # for the first run only
+
+    def forward(self) -> Any:
+        args, kwargs = _fill(self.template, self.leaves)
+        self.leaves = []
+        mode = _GemmRecorder(self) if self.policy == "selective" else contextlib.nullcontext()
+        me = weakref.ref(self)  # autograd keeps a pack hook as long as the graph: not the frame
+
+        def pack(t: torch.Tensor) -> Any:
+            frame = me()
+            assert frame is not None
+            return frame._pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), mode:
+            out = self.fn(*args, **kwargs)
+        # the re-run stops at the last tensor it must produce: GEMMs after it are never replayed
+        last = max((i for i, r in enumerate(self.slots) if r is not None), default=-1)
+        self.gemm_outputs = [o for at, o in self.gemm_outputs if at <= last]
+        if last < 0:
+            self.inputs = None  # nothing to re-run
+        return out
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if _GemmRecorder.depth > 0:  # inside a recorded GEMM: kept, the re-run replays its output
+            return _Saved(None, self.outer_unpack, self.outer_pack(t))
+        if t.untyped_storage().data_ptr() in self.keep_ptrs:
+            self.slots.append(None)
+            return _Saved(None, self.outer_unpack, self.outer_pack(t))
+        s = _Saved(self, self.outer_unpack)
+        self.slots.append(weakref.ref(s))
+        return s
+
+    def recompute(self) -> None:
+        """Re-run the forward once, filling every saved tensor still referenced; drop the inputs."""
+        packed, self.inputs = self.inputs, None
+        if packed is None:
+            raise RuntimeError("zbpp activation policy: a layer's forward was re-run twice (a bug)")
+        leaves = [t.detach().requires_grad_(g) for t, g in zip(packed, self.requires_grad)]
+        del packed
+        args, kwargs = _fill(self.template, leaves)
+        slots, self.slots = self.slots, []
+        live = sum(1 for r in slots if r is not None and r() is not None)
+        if not live:  # autograd released every tensor the re-run would make
+            self.gemm_outputs = []
+            return
+        seen = 0
+
+        def pack(t: torch.Tensor) -> None:
+            nonlocal seen, live
+            if _GemmRecorder.depth > 0:
+                return None
+            i, seen = seen, seen + 1
+            ref = slots[i] if i < len(slots) else None
+            s = ref() if ref is not None else None
+            if s is not None:
+                s.packed, s.frame = self.outer_pack(t.detach()), None
+                live -= 1
+                if live == 0:  # the rest of the forward produces nothing backward reads (torch's early stop)
+                    raise _StopRecompute
+            return None
+
+        mode = _GemmReplay(self) if self.policy == "selective" else contextlib.nullcontext()
+        try:
+            with _restored(self.rng, self.autocast), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack), mode:
+                self.fn(*args, **kwargs)
+        except _StopRecompute:
+            return
+        finally:
+            self.gemm_outputs = []
+        if seen != len(slots):
+            raise RuntimeError(f"zbpp activation policy ({self.policy}): the re-run of a layer's forward saved {seen} "
+                               f"tensors for backward where its first run saved {len(slots)}; its forward must do the "
+                               "same operations given the same inputs and random state")
+
+
+class _StopRecompute(Exception):
+    """Ends a re-run once every saved tensor still referenced is filled."""
+
+
+def _unpack(s: _Saved) -> torch.Tensor:
+    frame = s.frame
+    if frame is not None:  # the first unpack of the layer's tensors in this microbatch
+        frame.recompute()
+    if s.packed is None:
+        raise RuntimeError("zbpp activation policy: a saved tensor was not produced by the re-run (a bug)")
+    return s.unpack(s.packed)
+
+
+_observers: list[Callable[[torch.Tensor], None]] = []  # the measurement's: told of what a frame holds
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    for see in _observers:
+        see(t)
+    return t
+
+
+def _no_unpack(_: Any) -> torch.Tensor:
+    raise RuntimeError("zbpp activation policy: the graph of a re-run forward is not differentiated")
+
+
+def _identity(t: Any) -> Any:
+    return t
+
+
+class _GemmRecorder(TorchFunctionMode):
+    """Selective F: run each weight GEMM, keep its input and output storages (and the output)."""
+
+    depth = 0  # > 0 while a recorded GEMM runs (its own saves are kept, never re-run)
+
+    def __init__(self, frame: _Frame) -> None:
+        super().__init__()
+        self.frame = frame
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        x = _weight_gemm_input(func, args)
+        if x is None:
+            return func(*args, **kwargs)
+        _GemmRecorder.depth += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            _GemmRecorder.depth -= 1
+        self.frame.keep_ptrs.update((x.untyped_storage().data_ptr(), out.untyped_storage().data_ptr()))
+        self.frame.gemm_outputs.append((len(self.frame.slots), _held(out.detach())))
+        return out
+
+
+class _GemmReplay(TorchFunctionMode):
+    """Selective re-run: each weight GEMM returns the output its first run kept."""
+
+    def __init__(self, frame: _Frame) -> None:
+        super().__init__()
+        self.outputs = list(frame.gemm_outputs)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _weight_gemm_input(func, args) is None:
+            return func(*args, **(kwargs or {}))
+        if not self.outputs:  # past the last kept output (the re-run normally stops before)
+            return func(*args, **(kwargs or {}))
+        return self.outputs.pop(0).detach().requires_grad_(torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+
+
+_GEMMS_XW = {torch.nn.functional.linear, torch.mm, torch.matmul, torch.Tensor.mm, torch.Tensor.matmul,
+             torch.Tensor.__matmul__}
+
+
+def _weight_gemm_input(func: Any, args: tuple) -> torch.Tensor | None:
+    """The activation operand of a GEMM whose other operand is a weight (`nn.Parameter`), else None."""
+    if func in _GEMMS_XW and len(args) >= 2:
+        x, w = args[0], args[1]
+    elif func in (torch.addmm, torch.Tensor.addmm) and len(args) >= 3:
+        x, w = args[1], args[2]
+    else:
+        return None
+    if isinstance(w, nn.Parameter) and isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter):
+        return x
+    return None
+
+
+# -- offload ----------------------------------------------------------------------------------------
+class _Offloaded:
+    """One saved tensor of an offloaded layer: the host copy of its storage (shared by the layer's
+    tensors on that storage, copied once) and where in it the tensor lies."""
+
+    __slots__ = ("host", "device", "dtype", "size", "stride", "offset", "event", "group", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, t: torch.Tensor, group: "_OffloadGroup") -> None:
+        self.host, self.device, self.group = host, t.device, group
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.event: Any = None
+        group.items.append(weakref.ref(self))
+
+    def _view(self, buffer: torch.Tensor) -> torch.Tensor:
+        return torch.empty((0,), dtype=self.dtype, device=buffer.device).set_(
+            buffer.untyped_storage(), self.offset, self.size, self.stride)
+
+    def fetch(self) -> torch.Tensor:
+        """Start the copy of its storage back (on the side stream); the tensor, valid on the compute
+        stream once it waits on `event`."""
+        if self.device.type != "cuda":
+            return self._view(self.host)
+        main, side = torch.cuda.current_stream(self.device), _side_stream(self.device)
+        buffer = torch.empty(self.host.shape, dtype=torch.uint8, device=self.device)  # on the compute stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            buffer.copy_(self.host, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(side)
+        buffer.record_stream(side)
+        return self._view(buffer)
+
+
+class _OffloadGroup:
+    """The offloaded tensors of one forward of one layer, their storages' host copies, and the
+    group that ran before it."""
+
+    last: "weakref.ref[_OffloadGroup] | None" = None  # the latest group's forward
+
+    def __init__(self) -> None:
+        self.items: list[weakref.ref] = []
+        # (device storage pointer, version) -> (the storage, weakly; its host copy), during F
+        self.hosts: dict[tuple[int, int], tuple[StorageWeakRef, torch.Tensor]] = {}
+        self.key = current_microbatch()  # the runtime's (stage, microbatch) of this F, or None
+        prev = _OffloadGroup.last() if _OffloadGroup.last is not None else None
+        # the layer before, in the same microbatch's forward: its B comes right after this one's
+        self.prev = weakref.ref(prev) if prev is not None and prev.key == self.key else None
+        self.fetched: dict[int, torch.Tensor] = {}
+        self.started = False
+        _OffloadGroup.last = weakref.ref(self)
+
+    def prefetch(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        for ref in self.items:
+            item = ref()
+            if item is not None and item.device.type == "cuda":
+                self.fetched[id(item)] = item.fetch()
+
+
+_offloaded_bytes = [0]  # every byte offload copied to the host so far (read by the measurement)
+
+
+def _host_copy(t: torch.Tensor, group: _OffloadGroup) -> torch.Tensor:
+    """The host copy (bytes) of `t`'s storage, made once per layer forward."""
+    st = t.untyped_storage()
+    key = (st.data_ptr(), t._version)  # changed in place since: a new copy
+    known = group.hosts.get(key)
+    if known is not None and not known[0].expired():  # else the memory now holds another storage
+        return known[1]
+    src = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(st)
+    _offloaded_bytes[0] += src.numel()
+    if t.device.type != "cuda":
+        host = src.clone()  # CPU: the mechanism, as a copy
+    else:
+        host = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
+        main, side = torch.cuda.current_stream(t.device), _side_stream(t.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            host.copy_(src, non_blocking=True)
+        src.record_stream(side)  # the device memory is reused only after the copy
+    group.hosts[key] = (StorageWeakRef(st), host)
+    return host
+
+
+def _offload_forward(fn: Callable[..., Any], params: set[int], args: tuple, kwargs: dict) -> Any:
+    group = _OffloadGroup()
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in params:
+            return t  # a parameter stays where it is
+        return _Offloaded(_host_copy(t, group), t, group)
+
+    def unpack(x: Any) -> torch.Tensor:
+        if not isinstance(x, _Offloaded):
+            return x
+        g = x.group
+        if g.prev is not None:
+            before = g.prev()
+            if before is not None:
+                before.prefetch()  # the layer before this one is differentiated next
+        out = g.fetched.pop(id(x), None)
+        if out is None:
+            out = x.fetch()
+        if x.event is not None:
+            torch.cuda.current_stream(x.device).wait_event(x.event)
+        return out
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(*args, **kwargs)
+    finally:
+        group.hosts = {}
+
+
+_SIDE: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    s = _SIDE.get(device)
+    if s is None:
+        s = _SIDE[device] = torch.cuda.Stream(device)
+    return s
+
+
+# -- measurement -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActivationCost:
+    """What one layer's activations cost under one policy, for one input (bytes and FLOPs).
+
+    ``kept_f_to_b``: bytes of the storages that the tensors saved for backward keep alive from the
+    end of F to B (parameters and the layer's inputs that need no gradient, such as masks and
+    rotary tables shared by every layer, not counted); ``kept_b_to_w``: of those, and of what a
+    re-run in B produced, the bytes still kept after B for W (zbpp's split B: only what W reads);
+    ``host_bytes``: bytes copied to host memory (offload); ``forward_flops``: F's FLOPs;
+    ``recompute_flops``: the FLOPs B and W do beyond what they do without a policy (the re-run)."""
+
+    policy: str
+    kept_f_to_b: int
+    kept_b_to_w: int
+    host_bytes: int
+    forward_flops: int
+    recompute_flops: int
+
+
+def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence[str] = POLICIES,
+                                **kwargs: Any) -> dict[str, ActivationCost]:
+    """Run ``layer(*args, **kwargs)`` once per policy with zbpp's B/W split and measure its costs.
+
+    Floating-point tensors of `args` are the layer's differentiable inputs (B computes their
+    gradient); `kwargs` (masks, rotary tables) are passed as they are. Bytes are counted with saved-tensor hooks
+    (storages held by autograd, each once) and FLOPs with ``torch.utils.flop_counter`` (matrix
+    products only: an elementwise re-run counts 0), so a CPU run gives the figures of any device. The
+    layer's own policy is restored afterwards. The planner needs, per layer and policy, these bytes
+    (F->B, B->W) for its memory model and ``recompute_flops`` (or the host copy time of
+    ``host_bytes`` beyond the gap the schedule leaves) added to B's time.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> torch.manual_seed(0) and None
+    >>> mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).double()
+    >>> x = torch.randn(32, 64, dtype=torch.float64)
+    >>> costs = measure_activation_policies(mlp, x)
+    >>> [(p, c.kept_f_to_b, c.kept_b_to_w, c.host_bytes, c.recompute_flops) for p, c in costs.items()]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('none', 147456, 81920, 0, 0), ('full', 16384, 81920, 0, 1048576),
+     ('selective', 147456, 81920, 0, 0), ('offload', 0, 0, 147456, 0)]
+    """
+    from ..runtime._autograd_split import SavedBoxes, backward_input  # the runtime's own B/W split
+
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"activation policy {p!r}: choose one of {', '.join(POLICIES)}")
+    before = layer.__dict__.get(_ATTR, "none")
+    out: dict[str, ActivationCost] = {}
+    base: int | None = None
+    try:
+        for policy in ("none", *[p for p in policies if p != "none"]):
+            _set(layer, policy)
+            cost, bw = _measure_once(layer, policy, args, kwargs, SavedBoxes, backward_input)
+            if base is None:
+                base = bw
+            if policy in policies:
+                out[policy] = ActivationCost(policy, *cost, bw - base)
+    finally:
+        _set(layer, before)
+    return out
+
+
+def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxes: Any,
+                  backward_input: Any) -> tuple[tuple[int, int, int, int], int]:
+    template, leaves = _flatten((args, kwargs))
+    n_args = len(_flatten(args)[1])  # positional tensors first: the differentiable ones
+    grad_leaves = [t.detach().requires_grad_() if i < n_args and t.is_floating_point() else t
+                   for i, t in enumerate(leaves)]
+    targets = [t for t in grad_leaves if t.requires_grad]
+    free = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    free.update(t.untyped_storage().data_ptr() for t in grad_leaves if not t.requires_grad)
+    seen: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def alive() -> int:
+        return sum(n for ref, n in seen.values() if not ref.expired())
+
+    host0 = _offloaded_bytes[0]
+    with boxes() as saved:
+        outer_pack, outer_unpack = current_saved_tensors_hooks()
+
+        def record(t: torch.Tensor) -> None:
+            st = t.untyped_storage()
+            if st.data_ptr() not in free:
+                ref = StorageWeakRef(st)
+                seen.setdefault(ref.cdata, (ref, st.nbytes()))
+
+        def pack(t: torch.Tensor) -> Any:
+            record(t)
+            return outer_pack(t)
+
+        # each differentiable input enters through a copy, so that only autograd keeps it
+        a, k = _fill(template, [t.clone() if t.requires_grad else t for t in grad_leaves])
+        _observers.append(record)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), _Flops() as fc:
+                y = layer(*a, **k)
+        finally:
+            _observers.remove(record)
+        del a, k
+        forward_flops = fc.get_total_flops()
+    _, ys = _flatten(y)
+    roots = [t for t in ys if t.requires_grad]
+    del y, ys
+    grads = [torch.ones_like(t) for t in roots]
+    for t in roots:  # as the runtime does once an output is sent: only its autograd node stays
+        if t.grad_fn is not None and t._base is None:
+            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+    f_to_b = alive()
+    with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), _Flops() as fb:
+        held = backward_input(roots, grads, targets, None, saved)
+        del roots, grads, saved
+        b_to_w = alive()
+        if held is not None:
+            held.run()
+    return (f_to_b, b_to_w, _offloaded_bytes[0] - host0, forward_flops), fb.get_total_flops()
+
+
+class _Flops(torch_dispatch_mode()):  # type: ignore[misc]
+    """Counts FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` does, without its module tracker
+    (whose gradient hooks on a re-run's tensors would keep them alive and skew the byte counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.total += count(*args, **kwargs, out_val=out)
+        return out
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+class _Leaf:
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def _flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """`obj` with each tensor (in tuples, lists, dicts) replaced by its index, and the tensors."""
+    leaves: list[torch.Tensor] = []
+    return _flatten_into(obj, leaves), leaves
+
+
+def _flatten_into(o: Any, leaves: list[torch.Tensor]) -> Any:
+    # a module-level function: a recursive closure would hold `leaves` in a reference cycle
+    if isinstance(o, torch.Tensor):
+        leaves.append(o)
+        return _Leaf(len(leaves) - 1)
+    if isinstance(o, tuple) and not hasattr(o, "_fields"):
+        return tuple(_flatten_into(x, leaves) for x in o)
+    if isinstance(o, list):
+        return [_flatten_into(x, leaves) for x in o]
+    if isinstance(o, dict):
+        return {k: _flatten_into(v, leaves) for k, v in o.items()}
+    return o
+
+
+def _fill(template: Any, leaves: Sequence[torch.Tensor]) -> Any:
+    if isinstance(template, _Leaf):
+        return leaves[template.i]
+    if isinstance(template, tuple):
+        return tuple(_fill(x, leaves) for x in template)
+    if isinstance(template, list):
+        return [_fill(x, leaves) for x in template]
+    if isinstance(template, dict):
+        return {k: _fill(v, leaves) for k, v in template.items()}
+    return template
+
+
+def _rng_state(leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    cuda = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+
+
+@contextlib.contextmanager
+def _restored(rng: tuple[torch.Tensor, dict[int, torch.Tensor]], autocast: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    """The forward's random-generator states and autocast settings (the caller's come back after)."""
+    cpu, cuda = rng
+    with torch.random.fork_rng(devices=list(cuda), device_type="cuda"), contextlib.ExitStack() as stack:
+        torch.set_rng_state(cpu)
+        for d, state in cuda.items():
+            torch.cuda.set_rng_state(state, d)
+        for device, enabled, dtype in autocast:
+            if enabled or torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
