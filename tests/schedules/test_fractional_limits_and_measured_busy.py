@@ -1,5 +1,5 @@
-"""Schedule-core behaviours that plausible one-line bugs slipped past (issue 33), each against a
-hand-worked value, an exact optimum or the documented definition:
+"""Schedule-core behaviours pinned against a hand-worked value, an exact optimum or the documented
+definition:
 
 - the lower bound under a memory limit that is not a whole number of activations;
 - the measured busy time when one task's interval lies inside another's;
