@@ -44,6 +44,7 @@ same static buffers.
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -143,28 +144,33 @@ class TaskGraphs:
         """Capture `body` on `statics` into a CUDA graph and replay it once (this step's run)."""
         graph = torch.cuda.CUDAGraph()
         # A host synchronisation raises before it reaches the stream, so that the capture
-        # ends cleanly instead of being invalidated by CUDA.
-        sync_mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        # ends cleanly instead of being invalidated by CUDA. The garbage collector waits: freeing
+        # an unreachable graph (a dropped pipeline's) during a capture invalidates the capture.
+        sync_mode, collecting = torch.cuda.get_sync_debug_mode(), gc.isenabled()
+        gc.disable()
         try:
-            outs, meta = body(list(statics))
-        except BaseException as exc:
+            torch.cuda.set_sync_debug_mode("error")
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
+                outs, meta = body(list(statics))
+            except BaseException as exc:
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
+                    pass
+                raise GraphCaptureError(
+                    f"task {key} could not be captured into a CUDA graph ({type(exc).__name__}: {exc}). Under "
+                    "cuda_graphs=True a stage must not synchronise with the host (.item(), .cpu(), printing a "
+                    "tensor, shapes that depend on values); pass cuda_graphs=False, or mark the stage module "
+                    "with zbpp_cuda_graphs = False"
+                ) from exc
+            with warnings.catch_warnings():  # a task with no kernel (B of a first stage) is a valid empty graph
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                 graph.capture_end()
-            except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
-                pass
-            raise GraphCaptureError(
-                f"task {key} could not be captured into a CUDA graph ({type(exc).__name__}: {exc}). Under "
-                "cuda_graphs=True a stage must not synchronise with the host (.item(), .cpu(), printing a "
-                "tensor, shapes that depend on values); pass cuda_graphs=False, or mark the stage module "
-                "with zbpp_cuda_graphs = False"
-            ) from exc
         finally:
             torch.cuda.set_sync_debug_mode(sync_mode)
-        with warnings.catch_warnings():  # a task with no kernel (B of a first stage) is a valid empty graph
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            graph.capture_end()
+            if collecting:
+                gc.enable()
         graph.replay()
         return _Recorded(graph, statics, [o.detach() for o in outs], meta, None)
 
@@ -256,7 +262,10 @@ class GraphCache:
         self.graphs: OrderedDict[Hashable, TaskGraphs] = OrderedDict()
         self.grad_buffers = GradBuffers()
         cuda = kind.needs_cuda
-        self._pool = torch.cuda.graph_pool_handle() if cuda else None
+        # A pool object, not a bare handle: it keeps the pool alive while no graph holds it (a
+        # handle whose graphs were all freed cannot be captured into again)
+        self._mem_pool = torch.cuda.MemPool() if cuda else None
+        self._pool = self._mem_pool.id if self._mem_pool is not None else None
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._device = device
 
