@@ -26,11 +26,13 @@ def test_activation_wgrad_static_by_hand():
     prof = measure_profile(layers=[("a", a), ("b", b)], example_input=x, steps=1, warmup=0,
                            optimizer_bytes_per_param=12)
     la, lb = prof.layers
-    # Linear saves its input (the weight is a parameter: static, not counted), tanh its output.
-    assert la.activation == (3 * 4 + 3 * 6) * F64
+    # Linear saves its input (the weight is a parameter: static, not counted; the first layer's
+    # input needs no gradient: the caller's, not counted either), tanh its output.
+    assert la.activation == 3 * 6 * F64
     assert lb.activation == (3 * 6 + 3 * 5) * F64
-    # W needs the Linear's input only: tanh's saved output serves B (the gradient to the input).
-    assert la.wgrad == 3 * 4 * F64 and lb.wgrad == 3 * 6 * F64
+    # the first layer's B computes nothing: W runs its whole backward and keeps all F saved; the
+    # second's split B frees tanh's output (it serves B only) and leaves W the Linear's input
+    assert la.wgrad == la.activation and lb.wgrad == 3 * 6 * F64
     # static: weight + gradient (float64 each) + 12 optimizer bytes per parameter
     assert la.static == (4 * 6 + 6) * (2 * F64 + 12)
     assert lb.static == (6 * 5 + 5) * (2 * F64 + 12)
@@ -40,11 +42,11 @@ def test_activation_wgrad_static_by_hand():
 
 def test_wgrad_through_a_transposed_weight():
     # without a bias the weight reaches the GEMM's backward only through a transpose node, which
-    # saves nothing: W still needs the GEMM's saved input
+    # saves nothing: W still needs the GEMM's saved input (the first layer makes it need a gradient)
     lin = nn.Linear(6, 5, bias=False).double()
     x = torch.randn(4, 6, dtype=torch.float64)
-    prof = measure_profile(layers=[("l", lin)], example_input=x, steps=1, warmup=0)
-    assert prof.layers[0].activation == prof.layers[0].wgrad == 4 * 6 * F64
+    prof = measure_profile(layers=[("pre", nn.Linear(6, 6).double()), ("l", lin)], example_input=x, steps=1, warmup=0)
+    assert prof.layers[1].activation == prof.layers[1].wgrad == 4 * 6 * F64
 
 
 def test_shared_storage_counted_once_and_parameter_free_layer():

@@ -39,7 +39,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._compat import current_saved_tensors_hooks
 from ..modules.context import microbatch
 from ..runtime.wgrad import SavedBoxes, StageWgrad, has_own_wgrad
 from ..schedules.profile import Layer, Profile
@@ -91,13 +93,15 @@ def measure_profile(
       the split backward, then the delayed-wgrad modules' ``backward_dw``). The layer's ``.grad``
       (and ``main_grad``) are restored after measuring.
     - activation: bytes of the tensors autograd saves in F (`torch.autograd.graph.saved_tensors_hooks`),
-      one count per storage, parameters and buffers left out. A layer's saved input is also the
-      layer before's saved output, so summing layers counts such a tensor at each stage boundary.
-    - wgrad: the part of them W keeps: where the runtime splits the layer's backward, what its B
-      left unfreed (the split's own marks, `zbpp.runtime._autograd_split`); else the part saved by
-      the backward nodes that produce a parameter's gradient (those that reach it through nodes
-      that unpack nothing, such as transposes): the inputs of the weight GEMMs. The output
-      gradients B hands to W are not counted.
+      one count per storage; parameters, buffers, the inputs that need no gradient (token ids,
+      masks) and the target left out (the caller holds them anyway). A layer's saved input is also
+      the layer before's saved output, so summing layers counts such a tensor at each stage boundary.
+    - wgrad: the part of them W keeps: the saved storages still alive once the runtime's B is done
+      (each microbatch's input a fresh tensor, each output's storage dropped as the pipeline drops
+      a sent one). Where the runtime splits the layer's backward, its marks
+      (`zbpp.runtime._autograd_split`) free what only B reads; a delayed-wgrad module keeps what
+      its ``backward_dw`` reads; a first layer's B computes nothing, so W keeps all F saved. The
+      output gradients B hands to W are not counted.
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
       gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
       LM head) counts in each, as on two ranks.
@@ -345,11 +349,12 @@ def _key(t: torch.Tensor) -> tuple[Any, int]:
 def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, Any] | None, steps: int,
              warmup: int, opt: float) -> tuple[Any, Layer]:
     x = _leaves(x, first)
-    inputs = [t for t in _tensors(x) if t.requires_grad]
     params = list({id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())
                    if p.requires_grad}.values())
     static_ids = {_key(t)[0] for t in (module.parameters() if isinstance(module, nn.Module) else ())}
     static_ids |= {_key(t)[0] for t in (module.buffers() if isinstance(module, nn.Module) else ())}
+    # what the caller holds anyway (token ids, masks, rotary tables) is no layer's activation
+    static_ids |= {_key(t)[0] for t in [*_tensors(x), *_tensors(loss[1] if loss else None)] if not t.requires_grad}
     timer = _Timer(_device_of([("", module)] if isinstance(module, nn.Module) else [], x))
     gen = torch.Generator().manual_seed(0)
     grads: list[torch.Tensor] | None = None
@@ -358,53 +363,116 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     split = has_own_wgrad(stage, tasks)
     kept = _kept_gradients(stage)
 
-    def forward(key: Any = None, saved: SavedBoxes | None = None) -> tuple[Any, list[torch.Tensor]]:
-        with microbatch(key), saved if saved is not None else contextlib.nullcontext():
-            out = _call(module, x)
+    def forward(xs: Any, key: Any, saved: SavedBoxes | None, seen: _SavedStorages) -> tuple[Any, list[torch.Tensor]]:
+        with microbatch(key), saved if saved is not None else contextlib.nullcontext(), seen:
+            out = _call(module, xs)
             if loss is not None and loss[0] is not None:
                 return out, [loss[0](out, loss[1])]
             return out, [t for t in _tensors(out) if t.requires_grad]
 
     times: dict[str, list[float]] = {"f": [], "b": [], "w": []}
-    out: Any = None
-    kept_by_w: dict[Any, int] | None = None
+    nxt: Any = None
+    activation = wgrad = 0
     try:
         for step in range(warmup + steps):
             key = ("profile", step)
+            xs = _received(x)  # a fresh input, as the runtime receives one per microbatch
+            inputs = [t for t in _tensors(xs) if t.requires_grad]
             saved = SavedBoxes() if split and inputs else None  # as the runtime's F of a split B
-            (out, outs), f = timer(lambda: forward(key, saved))
+            seen = _SavedStorages(static_ids)
+            (out, outs), f = timer(lambda: forward(xs, key, saved, seen))
             if not outs:
                 raise ValueError(f"layer {lname!r}: no output needs a gradient (no parameter or input on its path), "
                                  "so it cannot be profiled for backward")
             if grads is None:
                 grads = [torch.ones_like(t) if t.dim() == 0
                          else torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in outs]
-            held = saved.still_held() if saved is not None else None
+            activation = seen.alive()
+            if step == warmup + steps - 1:
+                nxt = _detached(out, copy=True)
+            _release(out)  # as the runtime does once an output is sent: only its autograd node stays
+            del out, xs
             _, b = timer(lambda: tasks.backward(key, outs, list(grads), inputs, saved, split=split))
-            if held is not None:  # what W keeps, by the runtime's own marks
-                kept_by_w = {_key(t)[0]: _key(t)[1] for t in held() if _key(t)[0] not in static_ids}
             if split and not inputs:
                 b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
+            _drop_grads(inputs)  # (in a function: a loop variable here would keep an input alive)
+            del inputs, outs, saved
+            wgrad = seen.alive()  # what W keeps: left by the split's marks (or a delayed module's store)
             _, w = timer(lambda: tasks.run(key))
             if not params:
                 w = 0.0  # no weight: W computes nothing
-            for t in inputs:
-                t.grad = None
             if step >= warmup:
                 for k, v in (("f", f), ("b", b), ("w", w)):
                     times[k].append(v)
-            del outs, saved
     finally:
         tasks.discard()
         kept()
-    activation, wgrad = _saved_bytes(forward, params, grads or [], static_ids)
-    if kept_by_w is not None:  # a split B: the saved tensors it left for W (else the rule above)
-        wgrad = sum(kept_by_w.values())
     static = sum(p.numel() * (2 * p.element_size() + opt) for p in
                  {id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())}.values())
     layer = Layer(lname, *(statistics.median(times[k]) for k in ("f", "b", "w")), activation=float(activation),
                   wgrad=float(min(wgrad, activation)), static=float(static))
-    return _detached(out), layer
+    return nxt, layer
+
+
+class _SavedStorages:
+    """Around a forward: the storages of the tensors autograd saves (one count per storage, those
+    in `skip` left out), held weakly, so that `alive` tells the bytes still held by someone: after
+    F all of them, after B what W keeps. Composes with the hooks current at entry (a split's boxes)."""
+
+    def __init__(self, skip: set[Any]) -> None:
+        self.skip = skip
+        self.refs: dict[Any, tuple[StorageWeakRef, int]] = {}
+        self._hooks: Any = None
+
+    def __enter__(self) -> "_SavedStorages":
+        outer = current_saved_tensors_hooks()
+        # no hooks: save an alias, as autograd does (an output's storage dropped later stays saved)
+        outer_pack, outer_unpack = outer if outer is not None else (torch.Tensor.detach, _same)
+
+        def pack(t: torch.Tensor) -> Any:
+            key, nbytes = _key(t)
+            if key not in self.skip and key not in self.refs:
+                self.refs[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
+            return outer_pack(t)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+
+    def alive(self) -> int:
+        return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+def _drop_grads(leaves: list[torch.Tensor]) -> None:
+    for t in leaves:
+        t.grad = None
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _received(x: Any) -> Any:
+    """`x` with each tensor that needs a gradient replaced by a new leaf holding a copy of it."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().requires_grad_() if x.requires_grad else x
+    if isinstance(x, dict):
+        return {k: _received(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_received(v) for v in x) if isinstance(x, tuple) else [_received(v) for v in x]
+    return x
+
+
+def _release(out: Any) -> None:
+    """Drop the storage of each output with a gradient function, keeping the tensor (as
+    `zbpp.Pipeline` does once it has sent it): what still holds that memory is autograd's."""
+    for t in _tensors(out):
+        if t.requires_grad and t.grad_fn is not None and t._base is None:
+            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
 
 def _kept_gradients(module: nn.Module) -> Callable[[], None]:
@@ -422,86 +490,16 @@ def _kept_gradients(module: nn.Module) -> Callable[[], None]:
     return restore
 
 
-def _detached(x: Any) -> Any:
-    """The output for the next layer: tensors cut from this layer's graph, their need of a gradient kept."""
+def _detached(x: Any, copy: bool = False) -> Any:
+    """The output for the next layer: tensors cut from this layer's graph (copies of those that
+    need a gradient, with `copy`), their need of a gradient kept."""
     if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.requires_grad)
+        d = x.detach()
+        return (d.clone() if copy and x.requires_grad else d).requires_grad_(x.requires_grad)
     if isinstance(x, dict):
-        return {k: _detached(v) for k, v in x.items()}
+        return {k: _detached(v, copy) for k, v in x.items()}
     if isinstance(x, tuple):
-        return tuple(_detached(v) for v in x)
+        return tuple(_detached(v, copy) for v in x)
     if isinstance(x, list):
-        return [_detached(v) for v in x]
+        return [_detached(v, copy) for v in x]
     return x
-
-
-def _saved_bytes(forward: Callable[[], tuple[Any, list[torch.Tensor]]], params: list[torch.Tensor],
-                 grads: list[torch.Tensor], static_ids: set[Any]) -> tuple[int, int]:
-    """Bytes autograd saves in one forward (one count per storage, parameters and buffers left
-    out), and the part of them the nodes producing a parameter's gradient unpack."""
-    saved: dict[Any, int] = {}
-    unpacked: dict[Any, set[Any]] = {}  # node -> storages it unpacked
-    current: list[Any] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key, nbytes = _key(t)
-        if key not in static_ids:
-            saved[key] = nbytes
-        return t
-
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        if current:
-            unpacked.setdefault(current[-1], set()).add(_key(t)[0])
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        _, outs = forward()
-    if not params:
-        return sum(saved.values()), 0
-    nodes = _graph([t.grad_fn for t in outs if t.grad_fn is not None])
-    def enter(node: Any) -> Callable[..., None]:
-        def hook(grad_outputs: Any) -> None:
-            current.append(node)
-        return hook
-
-    def leave(grad_inputs: Any, grad_outputs: Any) -> None:
-        current.pop()
-
-    handles = []
-    for node in nodes:
-        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
-            continue
-        handles += [node.register_prehook(enter(node)), node.register_hook(leave)]
-        unpacked[node] = set()
-    try:
-        torch.autograd.grad(outs, params, grads, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    param_ids = {id(p) for p in params}
-    memo: dict[Any, bool] = {}
-
-    def makes_wgrad(node: Any) -> bool:
-        """The node reaches a parameter's AccumulateGrad through nodes that unpack nothing."""
-        if node not in memo:
-            memo[node] = False
-            memo[node] = any(
-                child is not None and (id(getattr(child, "variable", None)) in param_ids
-                                       or (not unpacked.get(child) and child in unpacked and makes_wgrad(child)))
-                for child, _ in node.next_functions)
-        return memo[node]
-
-    keys = {k for node, ks in unpacked.items() if ks and makes_wgrad(node) for k in ks}
-    return sum(saved.values()), sum(saved[k] for k in keys if k in saved)
-
-
-def _graph(roots: list[Any]) -> list[Any]:
-    seen: dict[Any, None] = {}
-    todo = list(roots)
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen[node] = None
-        todo.extend(child for child, _ in node.next_functions)
-    return list(seen)
