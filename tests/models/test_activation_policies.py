@@ -262,3 +262,30 @@ def test_offload_on_cuda_copies_on_a_side_stream_without_host_sync():
     got = [p.grad for p in net.parameters()] + [x.grad]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # copies: the same values, the same GEMMs
+
+
+@pytest.mark.parametrize("hidden, ffn, heads, kv_heads, seq", [(64, 176, 4, 4, 32), (64, 176, 4, 2, 32),
+                                                               (96, 256, 6, 2, 48)])
+def test_transformer_profile_bytes_are_what_a_llama_layer_keeps(hidden, ffn, heads, kv_heads, seq):
+    """`transformer_profile`'s none and selective bytes (bf16: 2 per element) against what one HF
+    Llama decoder layer keeps from F to B under SDPA, measured in float32 (4 per element), so
+    measured / 2 == formula. Exact for selective; for none the measurement also holds SDPA's
+    logsumexp (heads float32 per token) and the two norms' 1 / rms (one each), which the formula
+    leaves out as small: added here."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules.profile import transformer_profile
+
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=61,
+                                   max_position_embeddings=seq)
+    stages, _ = causal_lm_stages(cfg, build("1f1b", num_ranks=1, num_microbatches=1), 0, dtype=torch.float32,
+                                 attn_implementation="sdpa")
+    layer, seen = stages[0].model.layers[0], {}
+    hook = layer.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    stages[0](torch.randint(0, 61, (1, seq)))
+    hook.remove()
+    got = measure_activation_policies(layer, *seen["a"], **seen["k"], policies=["none", "selective"])
+    block = transformer_profile(name="llama", num_layers=1, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads,
+                                vocab=61, seq=seq).layers[1]
+    assert got["selective"].kept_f_to_b / 2 == block.cost("selective").activation
+    assert got["none"].kept_f_to_b / 2 == block.activation + 2 * seq * (heads + 2)

@@ -60,19 +60,20 @@ def test_memory_lets_b_add_what_w_keeps() -> None:
 
 
 def test_transformer_profile_derives_the_policies_from_the_shapes() -> None:
-    # hidden 64, ffn 256, 4 heads, seq 128, micro-batch 1 (T = 128 tokens), bf16, tp 1:
-    # none keeps T (18 h + 4 ffn) = 128 * 2,176 = 278,528 bytes; full the input 2 T h = 16,384;
-    # selective the GEMM inputs and the input, 2 T (4 h + ffn) = 128,... = 2 * 128 * 512 = 131,072;
-    # full recomputes F; selective attention's 2 T s h FLOPs plus the bytes not kept once at HBM speed
+    # hidden 64, ffn 256, 4 heads (kv 64), seq 128, micro-batch 1 (T = 128 tokens), bf16, tp 1, gated:
+    # none keeps 2 T (6 h + 2 h + 2 kv + 4 ffn) = 256 * 1,664 = 425,984 bytes; full the input 2 T h =
+    # 16,384; selective the input and the GEMMs' inputs and outputs, 2 T (6 h + 2 kv + 3 ffn) =
+    # 256 * 1,280 = 327,680; full recomputes F; selective attention's 2 T s h FLOPs plus the bytes
+    # not kept once at HBM speed
     prof = transformer_profile(name="t", num_layers=1, hidden=64, ffn=256, heads=4, vocab=100, seq=128,
                                flops_per_s=1e12, hbm_bytes_per_s=1e11, host_bytes_per_s=1e10)
     block = prof.layers[1]
-    assert block.activation == 278_528
+    assert block.activation == 425_984
     assert block.cost("full") == PolicyCost(16_384, block.wgrad, recompute=block.f)
     sel = block.cost("selective")
-    assert sel.activation == 131_072
-    assert sel.recompute == pytest.approx(2 * 128 * 128 * 64 / 1e12 + (278_528 - 131_072) / 1e11, rel=REL)
-    assert block.cost("offload") == PolicyCost(0, block.wgrad, copy=278_528)
+    assert sel.activation == 327_680
+    assert sel.recompute == pytest.approx(2 * 128 * 128 * 64 / 1e12 + (425_984 - 327_680) / 1e11, rel=REL)
+    assert block.cost("offload") == PolicyCost(0, block.wgrad, copy=425_984)
     assert prof.layers[0].offers() == ("none",) and block.offers() == ("none", "full", "offload", "selective")
     assert Profile.from_dict(prof.to_dict()) == prof
 

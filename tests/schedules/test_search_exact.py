@@ -214,12 +214,12 @@ def test_tensor_parallel_divides_block_time_memory_and_messages() -> None:
     # block weights P = 64 (2*64 + 2*64) + 3*64*256 = 65,536; T = 128 tokens; causal attention
     # 2 T s h = 2,097,152 FLOPs. Per rank (halved): F = (2 P T + 2,097,152) / 2 = 9,437,184 FLOPs,
     # B = (2 P T + 4,194,304) / 2 = 10,485,760, W = 2 P T / 2 = 8,388,608; activations
-    # T (18 h + 4 ffn) / 2 = 139,264 bytes; static 7.5 P / 2 = 245,760 bytes; head F = 2 T h V / 2 =
+    # 2 T (8 h + 2 kv + 4 ffn) / 2 = 212,992 bytes; static 7.5 P / 2 = 245,760 bytes; head F = 2 T h V / 2 =
     # 8,192,000 FLOPs; a message 2 T h / 2 = 8,192 bytes over 50 GB/s.
     prof = transformer_profile(name="tp2", num_layers=2, hidden=64, ffn=256, heads=4, vocab=1000, seq=128,
                                tensor_parallel=2, flops_per_s=1e12, link_bytes_per_s=50e9)
     block, head = prof.layers[1], prof.layers[-1]
     assert (block.f, block.b, block.w) == pytest.approx((9_437_184e-12, 10_485_760e-12, 8_388_608e-12), rel=REL)
-    assert block.activation == pytest.approx(139_264, rel=REL) and block.static == pytest.approx(245_760, rel=REL)
+    assert block.activation == pytest.approx(212_992, rel=REL) and block.static == pytest.approx(245_760, rel=REL)
     assert head.f == pytest.approx(8_192_000e-12, rel=REL)
     assert prof.comm == pytest.approx(8_192 / 50e9, rel=REL)

@@ -277,15 +277,22 @@ def transformer_profile(
 
     - a block with P weights (attention ``h(2h + 2 kv)``, MLP ``(3 if gated else 2) h ffn``):
       F = 2PT + 2 T s h FLOPs (causal attention), B = 2PT + 4 T s h, W = 2PT; it keeps
-      ``T (18 h + 4 ffn)`` activation bytes in bf16 (34 T h for ffn = 4h, flash attention),
-      of which W needs the linears' inputs and output gradients, ``2 T (5h + 2 kv + k ffn)``;
+      ``2 T (n h + 2 h + 2 kv + g ffn)`` activation bytes in bf16 with flash attention (its
+      ``5 a s^2 b`` scores never stored): each norm its input, and a gated block's RMSNorm also
+      the normalised and the weighted tensors (n = 6; a LayerNorm block n = 4), attention its
+      Q, K, V and output, the MLP ``g ffn`` (gated: gate, its activation, up and the down
+      projection's input, g = 4; else the activation's input and output, g = 2); of which W needs
+      the linears' inputs and output gradients, ``2 T (5h + 2 kv + k ffn)``. These are the bytes
+      torch saves for a Hugging Face Llama layer (gated) under SDPA
+      (tests/models/test_activation_policies.py checks them, the logsumexp and the norms'
+      ``1 / rms`` aside);
     - a block's policies (`PolicyCost`; bf16, per rank of `tensor_parallel`, sequence-parallel):
-      ``none`` keeps the ``T (18 h + 4 ffn)`` above (Korthikanti et al.'s ``34 s b h + 5 a s^2 b``
-      for ffn = 4h, the ``5 a s^2 b`` of the attention scores never stored with flash attention);
-      ``full`` keeps only the block's input, ``2 T h`` (their ``2 s b h``), and B recomputes the
-      block's forward (B + F); ``selective`` keeps the GEMM inputs W needs (the QKV, output and
-      gate/up projections' inputs, ``h`` each, the down projection's, ``ffn``) and the block's input
-      to recompute the rest from, ``2 T (4 h + ffn)``, and B recomputes attention (its FLOPs) and
+      ``none`` keeps the bytes above; ``full`` keeps only the block's input, ``2 T h`` (Korthikanti
+      et al.'s ``2 s b h``), and B recomputes the block's forward (B + F); ``selective``
+      (`zbpp.models.recompute`) keeps the block's input and every weight GEMM's input and output up
+      to the last one backward reads (QKV input ``h``, Q, K, V ``h + 2 kv``, the output projection's
+      input and output ``2h``, the MLP's input ``h``, its ``k ffn`` up to the down projection's
+      input), ``2 T (6 h + 2 kv + k ffn)``, and B recomputes the rest: attention (its FLOPs) and
       the elementwise work (writing the bytes not kept once at `hbm_bytes_per_s`); ``offload``
       keeps nothing on the device between F and B and copies the ``none`` bytes to the host and
       back over `host_bytes_per_s` (per direction; 50 GB/s: PCIe 5 x16). Every policy's W keeps
@@ -312,10 +319,11 @@ def transformer_profile(
     k = 3 if gated else 2
     block_params = h * (2 * h + 2 * kv) + k * h * ffn
     attention = 2 * T * s * h  # causal: half of QK^T and AV
-    act = T * (18 * h + 4 * ffn) / t
+    norms, mlp = (6 * h, 4 * ffn) if gated else (4 * h, 2 * ffn)
+    act = 2 * T * (norms + 2 * h + 2 * kv + mlp) / t
     f_block = (2 * block_params * T + attention) / t / speed
     wgrad = min(act, 2 * T * (5 * h + 2 * kv + k * ffn) / t)
-    kept = min(act, 2 * T * (4 * h + ffn) / t)
+    kept = min(act, 2 * T * (6 * h + 2 * kv + k * ffn) / t)
     policies = {"full": PolicyCost(2 * T * h / t, wgrad, recompute=f_block),
                 "selective": PolicyCost(kept, wgrad, recompute=attention / t / speed + (act - kept) / hbm),
                 "offload": PolicyCost(0.0, wgrad, copy=act)}
