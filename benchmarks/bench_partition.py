@@ -130,11 +130,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _policy_summary(layout) -> str:
-    """Each rank's policy, run-length coded: e.g. "offload x2, none x6"."""
-    s = layout.schedule
-    per_rank = [(layout.policies or ("none",) * s.num_stages)[s.stages_on(r)[0]] for r in range(s.num_ranks)]
+    """Each stage's policy in stage order, run-length coded: e.g. "offload x2, none x6"."""
     runs: list[list] = []
-    for q in per_rank:
+    for q in layout.policies or ("none",) * layout.schedule.num_stages:
         if runs and runs[-1][0] == q:
             runs[-1][1] += 1
         else:
@@ -153,13 +151,13 @@ def policy_row(prof: Profile, p: int, m: int, budget: float) -> dict:
             continue
         out[key] = {"fits": True, "schedule": layout.options[0].label, "step": layout.step, "peak": list(layout.peak),
                     "stages": [[r.start, r.stop] for r in layout.stages], "policies": list(layout.policies),
-                    "per_rank": _policy_summary(layout), "search_s": time.perf_counter() - t}
+                    "per_stage": _policy_summary(layout), "search_s": time.perf_counter() - t}
         assert max(layout.peak) <= budget * (1 + 1e-9), (prof.name, p, m, key)
     return out
 
 
 def policy_markdown(rows: list[dict]) -> str:
-    lines = ["| model | p | m | budget GB | planner: schedule, policy per rank (ranks 0..p-1) | planner step / peak | "
+    lines = ["| model | p | m | budget GB | planner: schedule, policy per stage (stages 0..n-1) | planner step / peak | "
              "full recompute everywhere | no recompute | planner vs full | search s |",
              "|---|---:|---:|---:|---|---|---|---|---:|---:|"]
     for r in rows:
@@ -170,7 +168,7 @@ def policy_markdown(rows: list[dict]) -> str:
 
         gain = f"{100 * (1 - pl['step'] / full['step']):.1f}% faster" if pl["fits"] and full["fits"] else "-"
         lines.append(f"| {r['model']} | {r['p']} | {r['m']} | {r['budget'] / 1e9:g} | "
-                     f"{pl.get('schedule', '-')}: {pl.get('per_rank', '-')} | {cell(pl)} | {cell(full)} | {cell(none)} | "
+                     f"{pl.get('schedule', '-')}: {pl.get('per_stage', '-')} | {cell(pl)} | {cell(full)} | {cell(none)} | "
                      f"{gain} | {pl.get('search_s', 0):.2f} |")
     return "\n".join(lines)
 
@@ -196,7 +194,7 @@ def main_policies(args: argparse.Namespace) -> int:
                     rows.append(r)
                     pl = r["planner"]
                     print(f"{name:<11} p={p:<2} m={m:<3} {budget / 1e9:g} GB  planner "
-                          f"{pl.get('schedule', '-')} [{pl.get('per_rank', 'does not fit')}] "
+                          f"{pl.get('schedule', '-')} [{pl.get('per_stage', 'does not fit')}] "
                           f"{pl.get('step', float('nan')):.4f}  full {r['full'].get('step', float('nan')):.4f}  "
                           f"none {r['none'].get('step', float('nan')):.4f}", flush=True)
     table = policy_markdown(rows)

@@ -364,7 +364,7 @@ def make_parser() -> argparse.ArgumentParser:
                       help=f"try every split of a placement with at most this many (exact; default {MAX_SPLITS}); "
                            "beyond, heuristic splits, refined")
     plan.add_argument("--policies", default=None,
-                      help="comma-separated activation policies a rank may use (none, full, selective, offload; "
+                      help="comma-separated activation policies a stage may use (none, full, selective, offload; "
                            "default: every one the profile's layers offer)")
     plan.set_defaults(func=_cmd_plan)
 

@@ -1,13 +1,14 @@
 """Activation policies (none, full, selective, offload) in the profile, the simulator and the search.
 
 References: hand-worked step and peak per policy on one rank; an exhaustive enumeration here of
-every split x every fixed schedule x every per-rank policy, each plan built with `build`, its
+every split x every fixed schedule x every per-stage policy, each plan built with `build`, its
 costs and memory summed here from the layers' `PolicyCost`, offload's exposed copy time worked
 out here from the "none" simulation's F-to-B gaps (the model zbpp.schedules.policies states).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -107,9 +108,14 @@ def _profile(seed: int, num_layers: int) -> Profile:
     return Profile(layers, comm=0.02, host_bytes_per_s=rng.uniform(1, 3))
 
 
+@functools.lru_cache(maxsize=None)
+def _built(name: str, p: int, m: int):
+    return build(name, num_ranks=p, num_microbatches=m)
+
+
 def _plan(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[float, list[float]]:
     """Step and per-rank peak (static included) of one plan, every number summed here."""
-    sched = build(name, num_ranks=p, num_microbatches=m)
+    sched = _built(name, p, m)
     n = len(stages)
     cost = [[prof.layers[i].cost(q) for i in r] for r, q in zip(stages, policies)]
     f = [sum(prof.layers[i].f for i in r) for r in stages]
@@ -117,14 +123,15 @@ def _plan(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[f
     b0 = [sum(prof.layers[i].b for i in r) for r in stages]
     act0 = [sum(prof.layers[i].activation for i in r) for r in stages]
     wg0 = [min(a, sum(prof.layers[i].wgrad for i in r)) for a, r in zip(act0, stages)]
-    base = simulate(sched, Costs(f, b0, w, comm=prof.comm), Memory(act0, wg0))
     b = [x + sum(c.recompute for c in cs) for x, cs in zip(b0, cost)]
-    for s in range(n):
-        copy = sum(c.copy for c in cost[s]) / prof.host_bytes_per_s
-        if copy:
-            gap = min(base.start[a] - base.end[type(a)(Kind.F, s, a.microbatch)]
-                      for order in sched.orders for a in order if a.stage == s and a.kind in (Kind.B, Kind.BW))
-            b[s] += max(0.0, 2 * copy - gap)
+    copies = [sum(c.copy for c in cs) / prof.host_bytes_per_s if any(c.copy for c in cs) else 0.0 for cs in cost]
+    if any(copies):
+        base = simulate(sched, Costs(f, b0, w, comm=prof.comm), Memory(act0, wg0))
+        for s in range(n):
+            if copies[s]:
+                gap = min(base.start[a] - base.end[type(a)(Kind.F, s, a.microbatch)]
+                          for order in sched.orders for a in order if a.stage == s and a.kind in (Kind.B, Kind.BW))
+                b[s] += max(0.0, 2 * copies[s] - gap)
     act = [sum(c.activation for c in cs) for cs in cost]
     wg = [sum(c.wgrad for c in cs) for cs in cost]
     res = simulate(sched, Costs(f, b, w, comm=prof.comm), Memory(act, wg))
@@ -132,29 +139,29 @@ def _plan(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[f
     return res.makespan, [x + y for x, y in zip(static, res.peak_memory)]
 
 
-def _best_by_enumeration(prof: Profile, p: int, m: int, budget: float, names) -> float:
-    L, best = len(prof), math.inf
+def _every_plan(prof: Profile, p: int, m: int, names) -> list[tuple[float, float]]:
+    """(step, largest peak) of every split x schedule x per-stage policy (each stage its own)."""
+    L, out = len(prof), []
     for name in names:
         k = SCHEDULES[name]
-        placement = list(range(p)) + list(reversed(range(p))) if name in FIXED_TWO else list(range(p))
         for cuts in itertools.combinations(range(1, L), k * p - 1):
             stages = [range(a, b) for a, b in zip((0, *cuts), (*cuts, L))]
-            for per_rank in itertools.product(("none", "full", "selective", "offload"), repeat=p):
-                step, peak = _plan(prof, name, p, m, stages, [per_rank[r] for r in placement])
-                if max(peak) <= budget * (1 + REL):
-                    best = min(best, step)
-    return best
+            for per_stage in itertools.product(("none", "full", "selective", "offload"), repeat=k * p):
+                step, peak = _plan(prof, name, p, m, stages, per_stage)
+                out.append((step, max(peak)))
+    return out
 
 
 @pytest.mark.parametrize("seed, p, num_layers, names", [
     (0, 2, 6, FIXED_ONE_STAGE + FIXED_TWO),
     (1, 3, 6, ["1f1b", "zb-h1"]),
 ])
-def test_search_with_policies_equals_every_split_schedule_and_per_rank_policy(seed, p, num_layers, names) -> None:
+def test_search_with_policies_equals_every_split_schedule_and_per_stage_policy(seed, p, num_layers, names) -> None:
     prof, m = _profile(seed, num_layers), 2 * p
+    plans = _every_plan(prof, p, m, names)
     none_peak = search(prof, p, m, schedules=names, policies=["none"]).peak
     for budget in (math.inf, 0.8 * max(none_peak), 0.55 * max(none_peak), 0.3 * max(none_peak)):
-        best = _best_by_enumeration(prof, p, m, budget, names)
+        best = min((step for step, peak in plans if peak <= budget * (1 + REL)), default=math.inf)
         if not math.isfinite(best):
             with pytest.raises(ValueError, match="no schedule and split fits"):
                 search(prof, p, m, budget, schedules=names)
@@ -165,6 +172,24 @@ def test_search_with_policies_equals_every_split_schedule_and_per_rank_policy(se
         step, peak = _plan(prof, layout.schedule.name, p, m, layout.stages,
                            layout.policies or ["none"] * len(layout.stages))
         assert step == pytest.approx(layout.step, rel=REL) and max(peak) <= budget * (1 + REL)
+
+
+def test_a_rank_of_a_v_gives_each_of_its_stages_its_own_policy() -> None:
+    # one rank holding both stages of a V (m = 4): two blocks alike in bytes, block 0 cheap to
+    # recompute, block 1 dear; at a budget that fits one recomputed stage but not none everywhere,
+    # recomputing block 0 alone beats both policies uniform on the rank (what a per-rank choice had)
+    cheap = Layer("cheap", 1, 1, 1, activation=8, wgrad=2, policies={"full": PolicyCost(1, 2, recompute=0.5)})
+    dear = Layer("dear", 1, 1, 1, activation=8, wgrad=2, policies={"full": PolicyCost(1, 2, recompute=3)})
+    prof, p, m = Profile([cheap, dear]), 1, 4
+    plans = {q: _plan(prof, "zb-v", p, m, [range(0, 1), range(1, 2)], q)
+             for q in itertools.product(("none", "full"), repeat=2)}
+    budget = max(plans[("full", "none")][1])
+    assert max(plans[("none", "none")][1]) > budget  # a policy is needed ...
+    assert plans[("full", "none")][0] < plans[("full", "full")][0]  # ... and one stage's is enough
+    layout = search(prof, p, m, budget, schedules=["zb-v"])
+    assert layout.policies == ("full", "none")
+    assert layout.step == pytest.approx(min(step for step, peak in plans.values() if max(peak) <= budget), rel=REL)
+    assert "stage 0 (rank 0): full" in layout.explain() and "stage 1 (rank 0): none" in layout.explain()
 
 
 def test_automatic_schedules_with_policies_stay_within_the_budget() -> None:
@@ -178,15 +203,15 @@ def test_automatic_schedules_with_policies_stay_within_the_budget() -> None:
         assert max(x + y for x, y in zip(static, res.peak_memory)) <= budget * (1 + REL)
 
 
-def test_explain_names_each_ranks_policy_and_the_alternatives() -> None:
+def test_explain_names_each_stages_policy_and_the_alternatives() -> None:
     prof, p, m = _profile(0, 6), 2, 4
-    budget = 0.55 * max(search(prof, p, m, schedules=["1f1b"], policies=["none"]).peak)
-    layout = search(prof, p, m, budget, schedules=["1f1b"])
+    budget = 0.55 * max(search(prof, p, m, schedules=["zb-v"], policies=["none"]).peak)
+    layout = search(prof, p, m, budget, schedules=["zb-v"])
     text = layout.explain()
-    assert "policies (one per rank" in text
-    for r in range(p):
-        q = (layout.policies or ("none",) * p)[layout.schedule.stages_on(r)[0]]
-        assert f"rank {r}: {q}  [none " in text
+    assert "policies (one per stage" in text
+    chosen = layout.policies or ("none",) * 4
+    for st in range(4):
+        assert f"stage {st} (rank {layout.schedule.rank_of(st)}): {chosen[st]}  [none " in text
 
 
 def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
@@ -201,10 +226,10 @@ def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
     args = ["plan", "--profile", str(path), "-p", str(p), "-m", str(m), "--budget-gb", repr(budget / 1e9)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "policies (per stage): " + ", ".join(layout.policies) in out and "policies (one per rank" in out
+    assert "policies (per stage): " + ", ".join(layout.policies) in out and "policies (one per stage" in out
     assert main(args + ["--policies", "none"]) == 0  # no recompute: the layers as they are
     out = capsys.readouterr().out
-    assert "policies (per stage)" not in out and "policies (one per rank" not in out
+    assert "policies (per stage)" not in out and "policies (one per stage" not in out
     assert main(args + ["--policies", "none,ful"]) == 2
     assert "unknown policy 'ful'" in capsys.readouterr().err
 

@@ -40,9 +40,10 @@ that may fit where all were bounded, else a bound over all splits that ignores m
 `Layout.explain` prints it with what was chosen and why.
 
 Activation policies (none, full, selective, offload; `zbpp.schedules.profile.PolicyCost`), where
-the profile's layers offer them: each candidate gets one policy per rank, for every layer of its
-stages that offers it (`_choose_policies`: on a fixed schedule the best per-rank assignment, on an
-automatic one the best of each policy everywhere and its fixed proxy's choice); offload's copies
+the profile's layers offer them: each candidate gets one policy per stage (the stages a rank holds
+under V and interleaved schedules each their own), for every layer of the stage that offers it
+(`_choose_policies`: on a fixed schedule the best per-stage assignment, on an automatic one the
+best of each policy everywhere and its fixed proxy's choice); offload's copies
 are costed as `zbpp.schedules.policies` says. The bounds above hold under every policy (a policy
 only adds time to B; the bytes bound takes each layer's least-keeping policy).
 
@@ -63,7 +64,7 @@ from typing import Iterator, Sequence
 from .bounds import LowerBound, lower_bound
 from .checks import as_int, as_number
 from .ir import Schedule
-from .policies import simulate_policies
+from .policies import memory_terms, policy_costs, rank_peak, simulate_policies
 from .profile import POLICIES, Profile
 from .registry import build
 from .simulate import Memory, SimResult, simulate
@@ -88,8 +89,9 @@ _REFINE_STEPS = 24  # moves of one layer per refined candidate (each a few simul
 #: ranks and up to 12 layers (the most: 462, p = 2 with 3 stages per rank or p = 3 with 2);
 #: beyond, heuristic splits and their refinements.
 MAX_SPLITS = 512
-#: Per-rank policy choices that are not dominated (see `_choose_policies`) are all simulated up to
-#: this many combinations; beyond, each rank takes its choice with the least added B time.
+#: Each rank's combinations of its stages' policies that are not dominated (see `_choose_policies`):
+#: their products are all simulated up to this many; beyond, each rank takes its combination
+#: with the least added B time.
 MAX_POLICY_COMBOS = 64
 #: Between policies that give the same step: the one that changes the run least first.
 _INTRUSION = {"none": 0, "selective": 1, "full": 2, "offload": 3}
@@ -190,7 +192,7 @@ class Layout:
                 lines.append(f"  exact: every split under every schedule searched ({w.candidates} candidates, "
                              f"{w.simulated} simulated, the others ruled out by a lower bound): no other split x "
                              f"schedule fits with a shorter step"
-                             + ("" if self.allowed == ("none",) else " (with per-rank policies: exact on the fixed "
+                             + ("" if self.allowed == ("none",) else " (with per-stage policies: exact on the fixed "
                                 "schedules; an automatic one tries each policy everywhere and its proxy's choice)"))
             else:
                 lines.append(f"  not exhaustive (more than {w.max_splits} splits on a placement): {w.candidates} heuristic "
@@ -223,27 +225,30 @@ class Layout:
 
 
     def _explain_policies(self) -> list[str]:
-        """Per rank: its policy and why, from each policy's peak and added B time on the pick's order."""
+        """Per stage: its policy and why: for each policy it could have had (the rank's other
+        stages as chosen), the rank's peak and the time it adds to each of the stage's B."""
         s, n = self.schedule, self.schedule.num_stages
-        chosen = self.policies or tuple(["none"] * n)
+        chosen = list(self.policies or ["none"] * n)
         costs, memory, _ = self.profile.stage_costs(self.stages)
         base = simulate(s, costs, memory)
         plain_b = costs.per_stage(n)[1]
-        table = {}
+        extra, act, wg = {}, {}, {}
         for q in self.allowed:
-            got = simulate_policies(s, self.profile, self.stages, [q] * n, base)
-            table[q] = (got.result.peak_memory, [x - y for x, y in zip(got.costs.per_stage(n)[1], plain_b)])
-        lines = [f"  policies (one per rank, for its layers that offer it; chosen from {', '.join(self.allowed)}):"
-                 " the one adding the least B time that fits"]
-        for r in range(s.num_ranks):
-            mine = s.stages_on(r)
-            q = chosen[mine[0]]
-            alts = []
-            for o in self.allowed:
-                peak = self.static[r] + table[o][0][r]
-                extra = sum(table[o][1][st] for st in mine)
-                alts.append(f"{o} {peak / 1e9:.2f} GB +{extra:.4g} per B{'' if peak <= self.budget * (1 + _REL) else ' (over)'}")
-            lines.append(f"    rank {r}: {q}  [{'; '.join(alts)}]")
+            c, mem, _, _, _ = policy_costs(s, self.profile, self.stages, [q] * n, base)
+            extra[q] = [x - y for x, y in zip(c.per_stage(n)[1], plain_b)]
+            act[q], wg[q] = mem.per_stage(n)
+        lines = [f"  policies (one per stage, for its layers that offer it; chosen from {', '.join(self.allowed)}):"
+                 " the least added B time with every rank within the budget"]
+        for r, (mine, terms) in enumerate(memory_terms(s)):
+            for st in mine:
+                alts = []
+                for o in self.allowed:
+                    trial = [o if x == st else chosen[x] for x in mine]
+                    peak = self.static[r] + rank_peak(terms, [act[q][x] for q, x in zip(trial, mine)],
+                                                      [wg[q][x] for q, x in zip(trial, mine)])
+                    over = "" if peak <= self.budget * (1 + 4 * _REL) else " (over)"
+                    alts.append(f"{o} {peak / 1e9:.2f} GB +{extra[o][st]:.4g} per B{over}")
+                lines.append(f"    stage {st} (rank {r}): {chosen[st]}  [{'; '.join(alts)}]")
         return lines
 
 
@@ -451,18 +456,20 @@ def _build_within(name: str, p: int, m: int, chunks: int, costs, memory: Memory,
 def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
                      sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...]
                      ) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
-    """One policy per rank (for every layer of its stages that offers it), chosen for the
-    candidate: the best of the per-rank choices that are not dominated.
+    """One policy per stage (for every layer of the stage that offers it), chosen for the
+    candidate: the best of the per-rank combinations that are not dominated.
 
     A fixed schedule's task order does not depend on the costs, so a rank's memory depends only
-    on its own policy (simulated once per policy, every rank under it) and the step never falls
-    when a B grows (each task starts at the latest end of what it waits for). Per rank the
-    policies that fit are kept unless another fitting one adds no more time to any B of its
-    stages (recompute, and offload's exposed copy, a fixed number per stage: see
-    `zbpp.schedules.policies`); where none fits, the one with the least peak. Every combination
-    of what is kept (at most `MAX_POLICY_COMBOS`) is simulated: on fixed schedules this is the
-    best of every per-rank assignment. An automatic schedule's order follows its costs: it is
-    built under each policy on every rank and under the choice of its fixed proxy, the best kept.
+    on its own stages' policies (`zbpp.schedules.policies.memory_terms`: exact, without
+    simulating) and the step never falls when a B grows (each task starts at the latest end of
+    what it waits for); a stage's added B time (recompute, and offload's exposed copy, a fixed
+    number per stage: see `zbpp.schedules.policies`) depends on its own policy only. Per rank the
+    combinations of its stages' policies that fit are kept unless another fitting one adds no
+    more time to any of its B and less to one (or as much, less intrusively); where none fits,
+    the one with the least peak. Every product of what is kept (at most `MAX_POLICY_COMBOS`) is
+    simulated: on fixed schedules this is the best of every per-stage assignment. An automatic
+    schedule's order follows its costs: it is built under each policy on every stage and under
+    the choice of its fixed proxy, the best kept.
     """
     placement = _placement(p, chunks, name in _V)
     n = len(stages)
@@ -479,30 +486,52 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
         except ValueError as exc:
             static = _per_rank(profile.stage_costs(stages)[2], placement, p)
             return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
+    kept = _rank_choices(profile, sched, stages, budget, placement, p, allowed)
+    combos = list(itertools.islice(itertools.product(*[c for c, _ in kept]), MAX_POLICY_COMBOS + 1))
+    if len(combos) > MAX_POLICY_COMBOS:
+        combos = [tuple(c[0] for c, _ in kept)]  # each rank's least added B time
+    out = []
+    for combo in combos:
+        given = ["none"] * n
+        for (_, mine), choice in zip(kept, combo):
+            for st, q in zip(mine, choice):
+                given[st] = q
+        out.append(_simulate_option(profile, name, chunks, split, stages, budget, sched, p, m, given=given))
+    return _least(out, budget)
+
+
+def _rank_choices(profile: Profile, sched: Schedule, stages: tuple[range, ...], budget: float, placement: list[int],
+                  p: int, allowed: tuple[str, ...]) -> list[tuple[list[tuple[str, ...]], tuple[int, ...]]]:
+    """Per rank: the combinations of its stages' policies worth simulating (see
+    `_choose_policies`), the least added B time first, and its stages."""
+    n = len(stages)
     costs, memory, static_stage = profile.stage_costs(stages)
     base = simulate(sched, costs, memory)
     static = _per_rank(static_stage, placement, p)
-    plain_b = costs.per_stage(n)[1]
-    peak: dict[str, list[float]] = {}
+    base_b = costs.per_stage(n)[1]
     extra: dict[str, list[float]] = {}
+    act: dict[str, list[float]] = {}
+    wg: dict[str, list[float]] = {}
     for q in allowed:
-        got = simulate_policies(sched, profile, stages, [q] * n, base)
-        peak[q] = [x + y for x, y in zip(static, got.result.peak_memory)]
-        extra[q] = [x - y for x, y in zip(got.costs.per_stage(n)[1], plain_b)]
-    kept: list[list[str]] = []
-    for r in range(p):
-        mine = [s for s in range(n) if placement[s] == r]
-        fit = [q for q in allowed if peak[q][r] <= budget * (1 + _REL)] or [min(allowed, key=lambda q: peak[q][r])]
-        undominated = [q for q in fit if not any(
-            all(extra[o][s] <= extra[q][s] for s in mine) and
-            (any(extra[o][s] < extra[q][s] for s in mine) or _INTRUSION[o] < _INTRUSION[q]) for o in fit if o != q)]
-        kept.append(undominated)
-    combos = list(itertools.islice(itertools.product(*kept), MAX_POLICY_COMBOS + 1))
-    if len(combos) > MAX_POLICY_COMBOS:
-        combos = [tuple(min(k, key=lambda q: sum(extra[q][s] for s in range(n) if placement[s] == r))
-                        for r, k in enumerate(kept))]
-    return _least([_simulate_option(profile, name, chunks, split, stages, budget, sched, p, m,
-                                    given=[combo[placement[s]] for s in range(n)]) for combo in combos], budget)
+        costs, memory, _, _, _ = policy_costs(sched, profile, stages, [q] * n, base)
+        extra[q] = [x - y for x, y in zip(costs.per_stage(n)[1], base_b)]
+        act[q], wg[q] = memory.per_stage(n)
+    out = []
+    for r, (mine, terms) in enumerate(memory_terms(sched)):
+        rows = []
+        for combo in itertools.product(allowed, repeat=len(mine)):
+            peak = static[r] + rank_peak(terms, [act[q][st] for q, st in zip(combo, mine)],
+                                         [wg[q][st] for q, st in zip(combo, mine)])
+            rows.append((combo, peak, [extra[q][st] for q, st in zip(combo, mine)],
+                         sum(_INTRUSION[q] for q in combo)))
+        # a little slack: these peaks are summed in another order than the simulator's
+        fit = [x for x in rows if x[1] <= budget * (1 + 4 * _REL)] or [min(rows, key=lambda x: x[1])]
+        undominated = [x for x in fit if not any(
+            all(a <= b for a, b in zip(o[2], x[2])) and (any(a < b for a, b in zip(o[2], x[2])) or o[3] < x[3])
+            for o in fit if o is not x)]
+        undominated.sort(key=lambda x: (sum(x[2]), x[3], x[1]))
+        out.append(([x[0] for x in undominated], tuple(mine)))
+    return out
 
 
 def _least(got: list, budget: float):
@@ -694,7 +723,7 @@ def search(
     `max_splits` splits has every split tried (exact); beyond, the heuristic splits and their
     refinements. Raises `ValueError` when no candidate fits, naming the one that came closest.
 
-    `policies` are the activation policies each rank may run its layers under (one per rank, for
+    `policies` are the activation policies each stage may run its layers under (one per stage, for
     every layer that offers it; default: every one the profile's layers offer, `Profile.offers`);
     ``["none"]`` leaves every layer as it is, ``["full"]`` recomputes every layer that can.
     """

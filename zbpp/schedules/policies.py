@@ -14,7 +14,7 @@ layers offload ``c_s`` bytes per microbatch over a host link of bandwidth H per 
   link that carries more than the step's length is not modelled).
 
 Measuring the gap on the "none" costs makes each stage's copy cost a fixed number for a
-schedule and split, whatever the other stages choose, so `partition.search` can pick per rank.
+schedule and split, whatever the other stages choose, so `partition.search` can pick per stage.
 
 >>> from zbpp.schedules import build
 >>> from zbpp.schedules.profile import Layer, PolicyCost, Profile
@@ -35,7 +35,7 @@ from .ir import Kind, Schedule
 from .profile import Profile
 from .simulate import Costs, Memory, SimResult, simulate
 
-__all__ = ["PolicySim", "simulate_policies", "shortest_gaps"]
+__all__ = ["PolicySim", "simulate_policies", "policy_costs", "shortest_gaps", "memory_terms", "rank_peak"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,15 @@ def simulate_policies(schedule: Schedule, profile: Profile, stages: Sequence[ran
     """Simulate `schedule` on the split `stages` of `profile`, stage s under ``policies[s]``
     (None: all "none"), offload copies costed as the module docstring says. `base`: the schedule
     already simulated with every stage at "none" (computed if needed and not given)."""
+    costs, memory, static, gaps, exposed = policy_costs(schedule, profile, stages, policies, base)
+    return PolicySim(simulate(schedule, costs, memory), costs, memory, tuple(static), tuple(gaps), tuple(exposed))
+
+
+def policy_costs(schedule: Schedule, profile: Profile, stages: Sequence[range], policies: Sequence[str] | None,
+                 base: SimResult | None = None) -> tuple[Costs, Memory, list[float], list[float], list[float]]:
+    """What `simulate_policies` simulates, without simulating it: the costs (B with recompute and
+    exposed copy time), the memory, the static bytes, the gaps and the exposed copy time per
+    stage. A stage's B and memory depend on its own policy only."""
     costs, memory, static = profile.stage_costs(stages, policies)
     copies = profile.stage_copies(stages, policies)
     n = len(stages)
@@ -80,4 +89,48 @@ def simulate_policies(schedule: Schedule, profile: Profile, stages: Sequence[ran
         if any(exposed):
             _, b, _ = costs.per_stage(n)
             costs = replace(costs, b=tuple(x + e for x, e in zip(b, exposed)))
-    return PolicySim(simulate(schedule, costs, memory), costs, memory, tuple(static), tuple(gaps), tuple(exposed))
+    return costs, memory, static, gaps, exposed
+
+
+def memory_terms(schedule: Schedule) -> list[tuple[tuple[int, ...], list[tuple[int, ...]]]]:
+    """Per rank: its stages, and the ways its memory is made up after each of its tasks.
+
+    After a task, rank r holds ``sum over its stages s of A_s * activation_s + W_s * wgrad_s``
+    (A_s: microbatches of s past F and before their B or BW, W_s: past B and before W), whatever
+    the costs: its order fixes the counts. Each term is ``(A_1, W_1, A_2, W_2, ...)`` over the
+    rank's stages; a term another one is at least on every count is left out (activation and
+    wgrad bytes are >= 0), so `rank_peak` is the simulated peak of any per-stage memory.
+
+    >>> from zbpp.schedules import build
+    >>> memory_terms(build("gpipe", num_ranks=1, num_microbatches=2))  # F F BW BW: at most 2 in flight
+    [((0,), [(2, 0)])]
+    """
+    out = []
+    for r, order in enumerate(schedule.orders):
+        mine = tuple(schedule.stages_on(r))
+        at = {s: i for i, s in enumerate(mine)}
+        counts = [0] * (2 * len(mine))
+        terms: set[tuple[int, ...]] = set()
+        for a in order:
+            i = 2 * at[a.stage]
+            if a.kind is Kind.F:
+                counts[i] += 1
+            elif a.kind is Kind.B:
+                counts[i] -= 1
+                counts[i + 1] += 1
+            elif a.kind is Kind.W:
+                counts[i + 1] -= 1
+            else:  # BW
+                counts[i] -= 1
+            terms.add(tuple(counts))
+        kept = [t for t in terms if not any(o != t and all(x >= y for x, y in zip(o, t)) for o in terms)]
+        out.append((mine, sorted(kept)))
+    return out
+
+
+def rank_peak(terms: list[tuple[int, ...]], activation: Sequence[float], wgrad: Sequence[float]) -> float:
+    """The peak of one rank from its `memory_terms`, given its stages' activation and wgrad bytes."""
+    top = 0.0
+    for t in terms:
+        top = max(top, sum(t[2 * i] * a + t[2 * i + 1] * w for i, (a, w) in enumerate(zip(activation, wgrad))))
+    return top
