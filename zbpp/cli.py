@@ -308,16 +308,28 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16, ...)")
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    host = None if args.host_gb_per_s is None else args.host_gb_per_s * 1e9
     profile = measure_causal_lm(config, seq=args.seq, micro_batch=args.micro_batch, measured_blocks=args.measured_blocks,
                                 dtype=dtype, device=args.device, attn_implementation=args.attn,
                                 link_bytes_per_s=args.link_gb_per_s * 1e9, steps=args.steps, warmup=args.warmup,
-                                optimizer_bytes_per_param=args.optimizer_bytes)
+                                optimizer_bytes_per_param=args.optimizer_bytes, policies=policies,
+                                host_bytes_per_s=host)
     profile.save(args.output)
     print(f"wrote {args.output}: {len(profile)} layers of {profile.name} measured on {profile.notes['measured_on']}")
-    print(f"{'layer':<28} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'act MB':>9} {'wgrad MB':>9} {'static MB':>10}")
+    if profile.host_bytes_per_s:
+        print(f"host link: {profile.host_bytes_per_s / 1e9:.2f} GB/s per direction ({profile.notes['host_link']})")
+    print(f"{'layer':<28} {'policy':<10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'F->B MB':>9} {'B->W MB':>9} "
+          f"{'copy MB':>9} {'copy ms':>9} {'static MB':>10}")
     for x in profile.layers:
-        print(f"{x.name:<28} {x.f * 1e3:9.3f} {x.b * 1e3:9.3f} {x.w * 1e3:9.3f} {x.activation / 1e6:9.2f} "
-              f"{x.wgrad / 1e6:9.2f} {x.static / 1e6:10.2f}")
+        rows = [("none", x.b, x.activation, x.wgrad, 0.0)]
+        rows += [(q, x.b + c.recompute, c.activation, c.wgrad, c.copy) for q, c in x.policies]
+        for i, (q, b, act, wgrad, copy) in enumerate(rows):
+            copy_ms = f"{copy / profile.host_bytes_per_s * 1e3:9.3f}" if copy else f"{'-':>9}"
+            name, f, w, static = (x.name, f"{x.f * 1e3:9.3f}", f"{x.w * 1e3:9.3f}", f"{x.static / 1e6:10.2f}") if i == 0 \
+                else ("", f"{'':>9}", f"{'':>9}", f"{'':>10}")
+            print(f"{name:<28} {q:<10} {f} {b * 1e3:9.3f} {w} {act / 1e6:9.2f} {wgrad / 1e6:9.2f} "
+                  f"{copy / 1e6 if copy else 0:9.2f} {copy_ms} {static}")
     return 0
 
 
@@ -383,6 +395,11 @@ def make_parser() -> argparse.ArgumentParser:
                          help="optimizer state per parameter (default 12: AdamW fp32 master weight and moments)")
     measure.add_argument("--link-gb-per-s", type=_number, default=50.0,
                          help="bandwidth between ranks in GB/s, for the message time (default 50)")
+    measure.add_argument("--policies", default="none,full,selective,offload",
+                         help="activation policies to measure per block (B time, bytes kept F->B and B->W, bytes "
+                              "copied; default all: none,full,selective,offload; 'none' for none)")
+    measure.add_argument("--host-gb-per-s", type=_number, default=None,
+                         help="host link bandwidth per direction for offload (default: measured once, pinned copies)")
     measure.add_argument("-o", "--output", required=True, help="the profile, FILE.json")
     measure.set_defaults(func=_cmd_measure)
 

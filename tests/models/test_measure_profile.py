@@ -201,8 +201,43 @@ def test_cli_measure_then_plan(tmp_path, capsys):
     out = tmp_path / "prof.json"
     assert main(["measure", "--hf-config", str(tmp_path), "--seq", "8", "--measured-blocks", "1", "--steps", "1",
                  "--warmup", "0", "--dtype", "float64", "-o", str(out)]) == 0
-    assert "model.layers.3" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "model.layers.3" in text and "host link:" in text
+    prof = type(measure_profile(layers=[("l", nn.Linear(2, 2))], example_input=torch.randn(1, 2), steps=1)).load(out)
+    # every policy measured on each block (the first layer's input needs no gradient: none there)
+    assert [x.offers() for x in prof.layers[:2]] == [("none",), ("none", "full", "offload", "selective")]
+    assert prof.host_bytes_per_s > 0
+    for q in ("full", "selective", "offload"):  # a row per block and policy, as saved
+        assert any(line.split()[:1] == [q] for line in text.splitlines()), q
     assert main(["plan", "--profile", str(out), "-p", "2", "-m", "4"]) == 0
     assert "pick:" in capsys.readouterr().out
+    # a budget below keeping everything: the planner reads the measured policies and picks some
+    none = search(prof, 2, 4, policies=["none"])
+    assert main(["plan", "--profile", str(out), "-p", "2", "-m", "4", "--budget-gb", repr(0.9 * max(none.peak) / 1e9)]) == 0
+    assert "policies (one per stage" in capsys.readouterr().out
     assert main(["measure", "--hf-config", str(tmp_path), "--seq", "8", "--dtype", "nope", "-o", str(out)]) == 2
     assert "--dtype 'nope'" in capsys.readouterr().err
+
+
+def test_policy_costs_by_hand():
+    """An MLP layer (Linear, GELU, Linear) after a first layer, float64, R rows of width W: none
+    keeps its input (R W), GELU's input (3 R W) and output (3 R W), W of them the Linears' inputs
+    (4 R W); full only the input, W's bytes unchanged; selective the GEMMs' inputs and outputs up
+    to the last read, here all of none; offload nothing on the device, the 7 R W copied, and W's
+    inputs on the host too. Recompute: B's measured time less its own, >= 0 (speed not asserted)."""
+    R, W = 4, 8
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(W, 3 * W), nn.GELU(), nn.Linear(3 * W, W)).double()
+    prof = measure_profile(layers=[("pre", nn.Linear(W, W).double()), ("mlp", mlp)],
+                           example_input=torch.randn(R, W, dtype=torch.float64), steps=1, warmup=0,
+                           policies=["full", "selective", "offload"], host_bytes_per_s=1e9)
+    pre, layer = prof.layers
+    assert pre.policies == () and prof.host_bytes_per_s == 1e9
+    assert (layer.activation, layer.wgrad) == (7 * R * W * F64, 4 * R * W * F64)
+    full, offload, selective = (layer.cost(q) for q in ("full", "offload", "selective"))
+    assert (full.activation, full.wgrad, full.copy) == (R * W * F64, 4 * R * W * F64, 0)
+    assert (selective.activation, selective.wgrad, selective.copy) == (7 * R * W * F64, 4 * R * W * F64, 0)
+    assert (offload.activation, offload.wgrad, offload.copy, offload.recompute) == (0, 0, 7 * R * W * F64, 0)
+    assert full.recompute >= 0 and selective.recompute >= 0
+    with pytest.raises(ValueError, match="activation policy 'ful'"):
+        measure_profile(layers=[("mlp", mlp)], example_input=torch.randn(R, W, dtype=torch.float64), policies=["ful"])

@@ -33,8 +33,10 @@ blocks and repeat a block's `Layer` (``Profile([first, *[block] * n, last])``).
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -44,9 +46,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .._compat import current_saved_tensors_hooks
 from ..modules.context import microbatch
 from ..runtime.wgrad import SavedBoxes, StageWgrad, has_own_wgrad
-from ..schedules.profile import Layer, Profile
+from ..schedules.profile import Layer, PolicyCost, Profile
 
-__all__ = ["measure_profile", "measure_causal_lm", "ADAMW_BYTES_PER_PARAM"]
+__all__ = ["measure_profile", "measure_causal_lm", "measure_host_link", "ADAMW_BYTES_PER_PARAM"]
 
 #: AdamW optimizer state per parameter in mixed precision: fp32 master weight and two fp32 moments.
 ADAMW_BYTES_PER_PARAM = 12.0
@@ -65,6 +67,8 @@ def measure_profile(
     optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM,
     comm: float = 0.0,
     name: str = "",
+    policies: Sequence[str] = (),
+    host_bytes_per_s: float | None = None,
 ) -> Profile:
     """A `Profile` of `model` (or of `layers`) measured on the device its parameters are on.
 
@@ -83,6 +87,10 @@ def measure_profile(
         optimizer_bytes_per_param: optimizer state per parameter (default 12: AdamW's fp32 master
             weight and moments; 8 when the weights are fp32 themselves and need no master copy).
         comm, name: the profile's message time (seconds) and name.
+        policies: activation policies to measure besides ``"none"`` (``"full"``, ``"selective"``,
+            ``"offload"``; see below). Empty: none (the layers offer no policy).
+        host_bytes_per_s: the host link's bandwidth per direction for offload's copies (None:
+            measured once, `measure_host_link`, when ``"offload"`` is asked for).
 
     Per layer (times in seconds, on CUDA with CUDA events, else with ``time.perf_counter``):
 
@@ -105,6 +113,14 @@ def measure_profile(
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
       gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
       LM head) counts in each, as on two ranks.
+    - policies (`zbpp.schedules.profile.PolicyCost`, each of `policies`, on every layer but the
+      first, whose input needs no gradient): the layer's submodule its name names (a model's
+      block; else the layer itself) measured by `zbpp.models.recompute.measure_activation_policies`
+      once per policy; the bytes kept F->B and B->W are the layer's own (activation, wgrad) moved
+      by what the policy changes against "none"; the time a recompute policy adds to B is its B
+      timed as above less the layer's own (at least 0; noisy on a busy CPU); offload's copy is the
+      bytes it moved, timed by the profile over `host_bytes_per_s` (its B time is not: the
+      schedule's gaps hide part of the copy, `zbpp.schedules.policies`).
 
     The device's timings vary from run to run: take a few steps and compare plans, not digits.
     """
@@ -131,16 +147,108 @@ def measure_profile(
         if meta:
             raise ValueError(f"layer {lname!r}: {meta[:4]} are on the meta device: measure_profile runs the layers, "
                              "so build the model with real weights on the device to measure")
+    asked = _check_policies(policies)
+    device = _device_of(named, example_input)
+    link = 0.0
+    if "offload" in asked:
+        link = measure_host_link(device) if host_bytes_per_s is None else float(host_bytes_per_s)
+        if not link > 0:
+            raise ValueError(f"host_bytes_per_s must be > 0, got {host_bytes_per_s!r}")
     out: list[Layer] = []
     x = example_input
     for i, (lname, module) in enumerate(named):
         last = i == len(named) - 1
+        given = x
         x, layer = _measure(lname, module, x, first=i == 0, loss=(loss_fn, target) if last else None,
                             steps=steps_, warmup=warmup_, opt=opt)
+        if asked and i > 0:
+            timed = {q: _timed_b(lname, module, given, q, loss=(loss_fn, target) if last else None,
+                                 steps=steps_, warmup=warmup_) for q in asked if q != "offload"}
+            layer = replace(layer, policies=_policy_costs(lname, module, given, layer, asked, timed))
         out.append(layer)
-    notes = {"measured_on": str(_device_of(named, example_input)), "steps": steps_, "warmup": warmup_,
+    notes = {"measured_on": str(device), "steps": steps_, "warmup": warmup_,
              "optimizer_bytes_per_param": opt, "torch": torch.__version__}
-    return Profile(tuple(out), comm=comm, name=name, notes=notes)
+    if link:
+        notes["host_link"] = "given" if host_bytes_per_s is not None else "measured (pinned copies)"
+    return Profile(tuple(out), comm=comm, name=name, notes=notes, host_bytes_per_s=link)
+
+
+def measure_host_link(device: torch.device | str, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bytes per second of a copy between `device` and host memory, per direction (the slower
+    of device-to-pinned-host and back, the best of `repeats` each); on a CPU device, of a copy in
+    memory (what offload does there).
+
+    >>> measure_host_link("cpu", nbytes=2**20) > 0
+    True
+    """
+    dev = torch.device(device)
+    n = _count(nbytes, "nbytes", 1)
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    if dev.type != "cuda":
+        best = math.inf
+        for _ in range(_count(repeats, "repeats", 1)):
+            t0 = time.perf_counter()
+            src.clone()
+            best = min(best, time.perf_counter() - t0)
+        return n / best
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    timer = _Timer(dev)
+    down = min(timer(lambda: host.copy_(src, non_blocking=True))[1] for _ in range(repeats))
+    up = min(timer(lambda: src.copy_(host, non_blocking=True))[1] for _ in range(repeats))
+    return n / max(down, up)
+
+
+def _check_policies(policies: Sequence[str]) -> tuple[str, ...]:
+    from .recompute import POLICIES
+
+    if isinstance(policies, str):
+        policies = [policies]
+    for q in policies:
+        if q not in POLICIES:
+            raise ValueError(f"activation policy {q!r}: choose from {', '.join(POLICIES)}")
+    return tuple(q for q in POLICIES[1:] if q in policies)
+
+
+def _policy_target(lname: str, module: Any) -> tuple[nn.Module, str]:
+    """The submodule of a layer that a policy wraps (the one its name names, else the layer), and its name."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"layer {lname!r}: activation policies need an nn.Module")
+    named = dict(module.named_modules())
+    return (named[lname], lname) if lname in named else (module, "")
+
+
+def _timed_b(lname: str, module: Any, x: Any, policy: str, **kwargs: Any) -> float:
+    """The layer's B time (median, as `measure_profile` times it) with its policy target under `policy`."""
+    from .recompute import apply_activation_policy
+
+    _, where = _policy_target(lname, module)
+    apply_activation_policy(module, {where: policy})
+    try:
+        return _measure(lname, module, x, first=False, opt=0.0, **kwargs)[1].b
+    finally:
+        apply_activation_policy(module, {where: "none"})
+
+
+def _policy_costs(lname: str, module: Any, x: Any, layer: Layer, asked: tuple[str, ...],
+                  timed_b: dict[str, float]) -> dict[str, PolicyCost]:
+    """`asked`'s costs of one layer (see `measure_profile`), measured on the submodule its name
+    names; `timed_b`: B's time under each recompute policy."""
+    from .recompute import measure_activation_policies
+
+    target, _ = _policy_target(lname, module)
+    seen: dict[str, Any] = {}
+    hook = target.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    try:
+        with torch.no_grad():  # only the arguments it is called with
+            _call(module, _received(_leaves(x, False)))
+    finally:
+        hook.remove()
+    got = measure_activation_policies(target, *seen["a"], policies=("none", *asked), **seen["k"])
+    none = got["none"]
+    return {q: PolicyCost(activation=max(0.0, layer.activation + c.kept_f_to_b - none.kept_f_to_b),
+                          wgrad=max(0.0, layer.wgrad + c.kept_b_to_w - none.kept_b_to_w),
+                          recompute=max(0.0, timed_b.get(q, layer.b) - layer.b), copy=float(c.host_bytes))
+            for q, c in got.items() if q != "none"}
 
 
 def _count(value: Any, what: str, minimum: int) -> int:
@@ -230,11 +338,11 @@ def measure_causal_lm(
     if n < total:
         typical = sorted(blocks, key=lambda x: x.f + x.b + x.w)[(len(blocks) - 1) // 2]
         prefix = typical.name.rpartition(".")[0]
-        blocks = tuple(Layer(f"{prefix}.{i}", typical.f, typical.b, typical.w, typical.activation, typical.wgrad,
-                             typical.static) for i in range(total))
+        blocks = tuple(replace(typical, name=f"{prefix}.{i}") for i in range(total))
     notes = {**prof.notes, "seq": T, "micro_batch": mb, "measured_blocks": n, "num_layers": total,
              "dtype": str(next(model.parameters()).dtype), "link_bytes_per_s": float(link_bytes_per_s)}
-    return Profile((*first, *blocks, *last), comm=comm, name=prof.name, notes=notes)
+    return Profile((*first, *blocks, *last), comm=comm, name=prof.name, notes=notes,
+                   host_bytes_per_s=prof.host_bytes_per_s)
 
 
 # -- layers of a model -----------------------------------------------------------------------------
