@@ -471,8 +471,8 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     split = has_own_wgrad(stage, tasks)
     kept = _kept_gradients(stage)
 
-    def forward(xs: Any, key: Any, saved: SavedBoxes | None, seen: _SavedStorages) -> tuple[Any, list[torch.Tensor]]:
-        with microbatch(key), saved if saved is not None else contextlib.nullcontext(), seen:
+    def forward(xs: Any, key: Any, saved: SavedBoxes | None, seen: dict[Any, Any]) -> tuple[Any, list[torch.Tensor]]:
+        with microbatch(key), saved if saved is not None else contextlib.nullcontext(), _saved_storages(static_ids, seen):
             out = _call(module, xs)
             if loss is not None and loss[0] is not None:
                 return out, [loss[0](out, loss[1])]
@@ -487,7 +487,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
             xs = _received(x)  # a fresh input, as the runtime receives one per microbatch
             inputs = [t for t in _tensors(xs) if t.requires_grad]
             saved = SavedBoxes() if split and inputs else None  # as the runtime's F of a split B
-            seen = _SavedStorages(static_ids)
+            seen: dict[Any, Any] = {}  # the forward's saved storages, held weakly
             (out, outs), f = timer(lambda: forward(xs, key, saved, seen))
             if not outs:
                 raise ValueError(f"layer {lname!r}: no output needs a gradient (no parameter or input on its path), "
@@ -495,7 +495,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
             if grads is None:
                 grads = [torch.ones_like(t) if t.dim() == 0
                          else torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in outs]
-            activation = seen.alive()
+            activation = _alive(seen)
             if step == warmup + steps - 1:
                 nxt = _detached(out, copy=True)
             _release(out)  # as the runtime does once an output is sent: only its autograd node stays
@@ -505,7 +505,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
                 b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
             _drop_grads(inputs)  # (in a function: a loop variable here would keep an input alive)
             del inputs, outs, saved
-            wgrad = seen.alive()  # what W keeps: left by the split's marks (or a delayed module's store)
+            wgrad = _alive(seen)  # what W keeps: left by the split's marks (or a delayed module's store)
             _, w = timer(lambda: tasks.run(key))
             if not params:
                 w = 0.0  # no weight: W computes nothing
@@ -522,37 +522,28 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     return nxt, layer
 
 
-class _SavedStorages:
-    """Around a forward: the storages of the tensors autograd saves (one count per storage, those
-    in `skip` left out), held weakly, so that `alive` tells the bytes still held by someone: after
-    F all of them, after B what W keeps. Composes with the hooks current at entry (a split's boxes)."""
+@contextlib.contextmanager
+def _saved_storages(skip: set[Any], refs: dict[Any, tuple[StorageWeakRef, int]]) -> Iterator[None]:
+    """Around a forward: record in `refs` the storages of the tensors autograd saves (one entry per
+    storage, those in `skip` left out), held weakly, so that `_alive` tells the bytes still held
+    by someone: after F all of them, after B what W keeps. Composes with the hooks current at
+    entry (a split's boxes)."""
+    outer = current_saved_tensors_hooks()
+    # no hooks: save an alias, as autograd does (an output's storage dropped later stays saved)
+    outer_pack, outer_unpack = outer if outer is not None else (torch.Tensor.detach, _same)
 
-    def __init__(self, skip: set[Any]) -> None:
-        self.skip = skip
-        self.refs: dict[Any, tuple[StorageWeakRef, int]] = {}
-        self._hooks: Any = None
+    def pack(t: torch.Tensor) -> Any:
+        key, nbytes = _key(t)
+        if key not in skip and key not in refs:
+            refs[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
+        return outer_pack(t)
 
-    def __enter__(self) -> "_SavedStorages":
-        outer = current_saved_tensors_hooks()
-        # no hooks: save an alias, as autograd does (an output's storage dropped later stays saved)
-        outer_pack, outer_unpack = outer if outer is not None else (torch.Tensor.detach, _same)
+    with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
+        yield
 
-        def pack(t: torch.Tensor) -> Any:
-            key, nbytes = _key(t)
-            if key not in self.skip and key not in self.refs:
-                self.refs[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
-            return outer_pack(t)
 
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
-
-    def alive(self) -> int:
-        return sum(n for ref, n in self.refs.values() if not ref.expired())
+def _alive(refs: dict[Any, tuple[StorageWeakRef, int]]) -> int:
+    return sum(n for ref, n in refs.values() if not ref.expired())
 
 
 def _drop_grads(leaves: list[torch.Tensor]) -> None:
