@@ -56,6 +56,7 @@ only adds time to B; the bytes bound takes each layer's least-keeping policy).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -403,6 +404,13 @@ def _build(name: str, p: int, m: int, chunks: int, costs=None, memory=None, limi
     return build(name, num_ranks=p, num_microbatches=m, **opts)
 
 
+@functools.lru_cache(maxsize=32)
+def _build_fixed(name: str, p: int, m: int, chunks: int) -> Schedule:
+    """A fixed schedule, built once (its task order does not depend on the costs): a proxy's
+    policy choice on each split of an automatic schedule reuses it, and its memory terms."""
+    return _build(name, p, m, chunks)
+
+
 def _per_rank(values: Sequence[float], placement: Sequence[int], p: int) -> list[float]:
     out = [0.0] * p
     for s, r in enumerate(placement):
@@ -482,7 +490,7 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
         return _least(got, budget)
     if sched is None:
         try:
-            sched = _build(name, p, m, chunks)
+            sched = _build_fixed(name, p, m, chunks)
         except ValueError as exc:
             static = _per_rank(profile.stage_costs(stages)[2], placement, p)
             return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
@@ -518,10 +526,19 @@ def _rank_choices(profile: Profile, sched: Schedule, stages: tuple[range, ...], 
         act[q], wg[q] = memory.per_stage(n)
     out = []
     for r, (mine, terms) in enumerate(memory_terms(sched)):
+        # per stage, the policies no other one matches or beats on bytes, added time and
+        # intrusion together (a rank's peak never falls with more bytes: its terms' counts are >= 0)
+        options = [[q for q in allowed if not any(
+            act[o][st] <= act[q][st] and wg[o][st] <= wg[q][st] and extra[o][st] <= extra[q][st]
+            and _INTRUSION[o] <= _INTRUSION[q]
+            and (act[o][st], wg[o][st], extra[o][st], _INTRUSION[o]) != (act[q][st], wg[q][st], extra[q][st], _INTRUSION[q])
+            for o in allowed)] for st in mine]
+        # each term's bytes per stage and policy, so a combination's peak is a max of sums
+        vals = {(i, q): [t[2 * i] * act[q][st] + t[2 * i + 1] * wg[q][st] for t in terms]
+                for i, st in enumerate(mine) for q in options[i]}
         rows = []
-        for combo in itertools.product(allowed, repeat=len(mine)):
-            peak = static[r] + rank_peak(terms, [act[q][st] for q, st in zip(combo, mine)],
-                                         [wg[q][st] for q, st in zip(combo, mine)])
+        for combo in itertools.product(*options):
+            peak = static[r] + max(0.0, max(map(sum, zip(*[vals[(i, q)] for i, q in enumerate(combo)])), default=0.0))
             rows.append((combo, peak, [extra[q][st] for q, st in zip(combo, mine)],
                          sum(_INTRUSION[q] for q in combo)))
         # a little slack: these peaks are summed in another order than the simulator's

@@ -105,6 +105,9 @@ def memory_terms(schedule: Schedule) -> list[tuple[tuple[int, ...], list[tuple[i
     >>> memory_terms(build("gpipe", num_ranks=1, num_microbatches=2))  # F F BW BW: at most 2 in flight
     [((0,), [(2, 0)])]
     """
+    known = _TERMS.get(id(schedule))
+    if known is not None and known[0] is schedule:  # the search asks once per split of a schedule
+        return known[1]
     out = []
     for r, order in enumerate(schedule.orders):
         mine = tuple(schedule.stages_on(r))
@@ -123,9 +126,18 @@ def memory_terms(schedule: Schedule) -> list[tuple[tuple[int, ...], list[tuple[i
             else:  # BW
                 counts[i] -= 1
             terms.add(tuple(counts))
-        kept = [t for t in terms if not any(o != t and all(x >= y for x, y in zip(o, t)) for o in terms)]
+        kept: list[tuple[int, ...]] = []  # the maximal terms: by falling sum, none is above a later one
+        for t in sorted(terms, key=lambda t: (-sum(t), t)):
+            if not any(all(x >= y for x, y in zip(o, t)) for o in kept):
+                kept.append(t)
         out.append((mine, sorted(kept)))
+    _TERMS[id(schedule)] = (schedule, out)
+    while len(_TERMS) > 16:
+        _TERMS.pop(next(iter(_TERMS)))
     return out
+
+
+_TERMS: dict[int, tuple[Schedule, list]] = {}  # id -> (the schedule, kept alive so the id stays its own; its terms)
 
 
 def rank_peak(terms: list[tuple[int, ...]], activation: Sequence[float], wgrad: Sequence[float]) -> float:
