@@ -182,19 +182,19 @@ def measure_host_link(device: torch.device | str, nbytes: int = 64 * 2**20, repe
     True
     """
     dev = torch.device(device)
-    n = _count(nbytes, "nbytes", 1)
+    n, reps = _count(nbytes, "nbytes", 1), _count(repeats, "repeats", 1)
     src = torch.empty(n, dtype=torch.uint8, device=dev)
     if dev.type != "cuda":
         best = math.inf
-        for _ in range(_count(repeats, "repeats", 1)):
+        for _ in range(reps):
             t0 = time.perf_counter()
             src.clone()
             best = min(best, time.perf_counter() - t0)
         return n / best
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     timer = _Timer(dev)
-    down = min(timer(lambda: host.copy_(src, non_blocking=True))[1] for _ in range(repeats))
-    up = min(timer(lambda: src.copy_(host, non_blocking=True))[1] for _ in range(repeats))
+    down = min(timer(lambda: host.copy_(src, non_blocking=True))[1] for _ in range(reps))
+    up = min(timer(lambda: src.copy_(host, non_blocking=True))[1] for _ in range(reps))
     return n / max(down, up)
 
 
@@ -219,14 +219,15 @@ def _policy_target(lname: str, module: Any) -> tuple[nn.Module, str]:
 
 def _timed_b(lname: str, module: Any, x: Any, policy: str, **kwargs: Any) -> float:
     """The layer's B time (median, as `measure_profile` times it) with its policy target under `policy`."""
-    from .recompute import apply_activation_policy
+    from .recompute import activation_policies, apply_activation_policy
 
     _, where = _policy_target(lname, module)
+    before = activation_policies(module).get(where, "none")
     apply_activation_policy(module, {where: policy})
     try:
         return _measure(lname, module, x, first=False, opt=0.0, **kwargs)[1].b
     finally:
-        apply_activation_policy(module, {where: "none"})
+        apply_activation_policy(module, {where: before})
 
 
 def _policy_costs(lname: str, module: Any, x: Any, layer: Layer, asked: tuple[str, ...],
@@ -243,6 +244,9 @@ def _policy_costs(lname: str, module: Any, x: Any, layer: Layer, asked: tuple[st
             _call(module, _received(_leaves(x, False)))
     finally:
         hook.remove()
+    if not seen:
+        raise ValueError(f"layer {lname!r}: its submodule {lname!r} did not run in the layer's forward, so its "
+                         "activation policies cannot be measured")
     got = measure_activation_policies(target, *seen["a"], policies=("none", *asked), **seen["k"])
     none = got["none"]
     return {q: PolicyCost(activation=max(0.0, layer.activation + c.kept_f_to_b - none.kept_f_to_b),
