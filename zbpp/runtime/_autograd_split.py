@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -122,12 +122,6 @@ class SavedBoxes:
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
-
-    def still_held(self) -> Callable[[], list[torch.Tensor]]:
-        """(For measuring, `zbpp.models.measure_profile`) a function listing, whenever called, the
-        saved tensors of this forward not freed yet: after B, what W keeps."""
-        boxes = self.boxes
-        return lambda: [b.t for b in boxes if b.t is not None]
 
     def free_input_only(self) -> None:
         """After B: drop what only nodes B ran and W will not run unpacked."""
