@@ -204,8 +204,8 @@ def test_cli_measure_then_plan(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "model.layers.3" in text and "host link:" in text
     prof = type(measure_profile(layers=[("l", nn.Linear(2, 2))], example_input=torch.randn(1, 2), steps=1)).load(out)
-    # every policy measured on each block (the first layer's input needs no gradient: none there)
-    assert [x.offers() for x in prof.layers[:2]] == [("none",), ("none", "full", "offload", "selective")]
+    # every policy measured on each block, the blocks only (the modules before and after them run as they are)
+    assert [x.offers() for x in prof.layers] == [("none",), *[("none", "full", "offload", "selective")] * 4, ("none",)]
     assert prof.host_bytes_per_s > 0
     for q in ("full", "selective", "offload"):  # a row per block and policy, as saved
         assert any(line.split()[:1] == [q] for line in text.splitlines()), q

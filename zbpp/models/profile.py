@@ -113,10 +113,10 @@ def measure_profile(
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
       gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
       LM head) counts in each, as on two ranks.
-    - policies (`zbpp.schedules.profile.PolicyCost`, each of `policies`, on every layer but the
-      first, whose input needs no gradient): the layer's submodule its name names (a model's
-      block; else the layer itself) measured by `zbpp.models.recompute.measure_activation_policies`
-      once per policy; the bytes kept F->B and B->W are the layer's own (activation, wgrad) moved
+    - policies (`zbpp.schedules.profile.PolicyCost`, each of `policies`): on a model's blocks (the
+      submodule each layer's name names, as `zbpp.models.recompute.apply_activation_policy` wraps
+      it by name), or with `layers=` on every layer but the first (whose input needs no gradient),
+      measured by `zbpp.models.recompute.measure_activation_policies` once per policy; the bytes kept F->B and B->W are the layer's own (activation, wgrad) moved
       by what the policy changes against "none"; the time a recompute policy adds to B is its B
       timed as above less the layer's own (at least 0; noisy on a busy CPU); offload's copy is the
       bytes it moved, timed by the profile over `host_bytes_per_s` (its B time is not: the
@@ -161,7 +161,7 @@ def measure_profile(
         given = x
         x, layer = _measure(lname, module, x, first=i == 0, loss=(loss_fn, target) if last else None,
                             steps=steps_, warmup=warmup_, opt=opt)
-        if asked and i > 0:
+        if asked and i > 0 and (layers is not None or _names_a_block(lname, module)):
             timed = {q: _timed_b(lname, module, given, q, loss=(loss_fn, target) if last else None,
                                  steps=steps_, warmup=warmup_) for q in asked if q != "offload"}
             layer = replace(layer, policies=_policy_costs(lname, module, given, layer, asked, timed))
@@ -207,6 +207,11 @@ def _check_policies(policies: Sequence[str]) -> tuple[str, ...]:
         if q not in POLICIES:
             raise ValueError(f"activation policy {q!r}: choose from {', '.join(POLICIES)}")
     return tuple(q for q in POLICIES[1:] if q in policies)
+
+
+def _names_a_block(lname: str, module: Any) -> bool:
+    """A model's layer that is one of its blocks (named by its FQN, as policies are applied by name)."""
+    return isinstance(module, nn.Module) and lname in dict(module.named_modules())
 
 
 def _policy_target(lname: str, module: Any) -> tuple[nn.Module, str]:
