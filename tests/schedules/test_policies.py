@@ -244,3 +244,20 @@ def test_automatic_schedules_keep_their_limit_when_b_adds_what_w_keeps(name: str
     for limit in (2.0, 3.0, 5.0):
         sched = build(name, num_ranks=p, num_microbatches=2 * p, costs=costs, memory=memory, memory_limit=limit, **opts)
         assert max(simulate(sched, costs, memory).peak_memory) <= limit * (1 + REL)
+
+
+@pytest.mark.parametrize("name, p", [(n, 2) for n in FIXED_ONE_STAGE + FIXED_TWO] + [("zb-interleaved", 2),
+                                                                                   ("1f1b", 3)])
+def test_rank_peaks_from_memory_terms_are_the_simulated_ones(name: str, p: int) -> None:
+    # the per-stage choice reads each rank's peak from its order's counts; the simulator is the reference
+    from zbpp.schedules.policies import memory_terms, rank_peak
+
+    sched = build(name, num_ranks=p, num_microbatches=2 * p, **({"chunks": 3} if name == "zb-interleaved" else {}))
+    rng = random.Random(7)
+    for _ in range(20):
+        act = [rng.uniform(0, 4) for _ in range(sched.num_stages)]
+        wg = [a * rng.uniform(0, 2) for a in act]  # B may add bytes (recompute) or free some
+        want = simulate(sched, Costs(1, 1, 1), Memory(act, wg)).peak_memory
+        for r, (mine, terms) in enumerate(memory_terms(sched)):
+            assert list(mine) == list(sched.stages_on(r))
+            assert rank_peak(terms, [act[s] for s in mine], [wg[s] for s in mine]) == pytest.approx(want[r], rel=REL)
