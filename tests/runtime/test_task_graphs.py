@@ -79,10 +79,10 @@ def test_stand_in_with_evaluation_and_no_sync() -> None:
 
 def test_signatures_kept_are_bounded_and_recaptured() -> None:
     """At most MAX_GRAPHED_SIGNATURES signatures keep graphs (least recently used dropped); one
-    that comes back after being dropped captures again; profile records cover replayed tasks."""
+    that comes back after being dropped captures again; task records cover replayed tasks."""
     sched = build("zb-h1", num_ranks=1, num_microbatches=2)
     pipe = Pipeline({0: nn.Linear(3, 1, dtype=torch.float64)}, sched, loss_fn=nn.functional.mse_loss,
-                    cuda_graphs=StandInGraphs, profile=True)
+                    cuda_graphs=StandInGraphs, record_task_times=True)
     replays = graph_cases.replay_counter(pipe)
     kept = pipe._graph_cache.graphs
     limit = task_graphs.MAX_GRAPHED_SIGNATURES
@@ -97,7 +97,7 @@ def test_signatures_kept_are_bounded_and_recaptured() -> None:
     pipe.step(torch.ones(rows[0], 3, dtype=torch.float64), torch.zeros(rows[0], 1, dtype=torch.float64))
     newest = list(kept.values())[-1]
     assert replays[id(newest)] == 0 and len(newest) == len(sched.orders[0])  # dropped earlier: captured again
-    assert sorted(r["action"] for r in pipe.profile_records()) == sorted(str(a) for a in sched.orders[0])
+    assert sorted(r["action"] for r in pipe.task_times()) == sorted(str(a) for a in sched.orders[0])
 
 
 def test_refused_on_cpu_and_for_declared_stages() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from zbpp.schedules import Costs, Memory, build, simulate
 from zbpp.schedules.ir import Kind
-from zbpp.schedules.partition import SCHEDULES, evaluate, search
+from zbpp.schedules.planner import SCHEDULES, evaluate, search
 from zbpp.schedules.profile import Layer, PolicyCost, Profile, transformer_profile
 
 REL = 1e-9  # sums of a few task times and byte counts: rounding only
@@ -106,7 +106,7 @@ def _profile(seed: int, num_layers: int) -> Profile:
     return Profile(layers, comm=0.02, host_bytes_per_s=rng.uniform(1, 3))
 
 
-def _plan(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[float, list[float]]:
+def _step_and_peak(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[float, list[float]]:
     """Step and per-rank peak (static included) of one plan, every number summed here."""
     sched = build(name, num_ranks=p, num_microbatches=m)
     n = len(stages)
@@ -139,7 +139,7 @@ def _best_by_enumeration(prof: Profile, p: int, m: int, budget: float, names) ->
         for cuts in itertools.combinations(range(1, L), k * p - 1):
             stages = [range(a, b) for a, b in zip((0, *cuts), (*cuts, L))]
             for per_rank in itertools.product(("none", "full", "selective", "offload"), repeat=p):
-                step, peak = _plan(prof, name, p, m, stages, [per_rank[r] for r in placement])
+                step, peak = _step_and_peak(prof, name, p, m, stages, [per_rank[r] for r in placement])
                 if max(peak) <= budget * (1 + REL):
                     best = min(best, step)
     return best
@@ -158,21 +158,21 @@ def test_search_with_policies_equals_every_split_schedule_and_per_rank_policy(se
             with pytest.raises(ValueError, match="no schedule and split fits"):
                 search(prof, p, m, budget, schedules=names)
             continue
-        layout = search(prof, p, m, None if math.isinf(budget) else budget, schedules=names)
-        assert layout.step == pytest.approx(best, rel=REL)
+        plan = search(prof, p, m, None if math.isinf(budget) else budget, schedules=names)
+        assert plan.step == pytest.approx(best, rel=REL)
         # the plan it returns, re-simulated here, is as fast and within the budget
-        step, peak = _plan(prof, layout.schedule.name, p, m, layout.stages,
-                           layout.policies or ["none"] * len(layout.stages))
-        assert step == pytest.approx(layout.step, rel=REL) and max(peak) <= budget * (1 + REL)
+        step, peak = _step_and_peak(prof, plan.schedule.name, p, m, plan.stages,
+                           plan.policies or ["none"] * len(plan.stages))
+        assert step == pytest.approx(plan.step, rel=REL) and max(peak) <= budget * (1 + REL)
 
 
 def test_automatic_schedules_with_policies_stay_within_the_budget() -> None:
     prof, p, m = _profile(3, 8), 2, 4
     none_peak = max(search(prof, p, m, policies=["none"]).peak)
     for budget in (0.7 * none_peak, 0.5 * none_peak):
-        layout = search(prof, p, m, budget, schedules=["zb-auto", "zbv-auto"])
-        res = simulate(layout.schedule, *prof.stage_costs(layout.stages, layout.policies or None)[:2])
-        static = [sum(prof.layers[i].static for s in layout.schedule.stages_on(r) for i in layout.stages[s])
+        plan = search(prof, p, m, budget, schedules=["zb-auto", "zbv-auto"])
+        res = simulate(plan.schedule, *prof.stage_costs(plan.stages, plan.policies or None)[:2])
+        static = [sum(prof.layers[i].static for s in plan.schedule.stages_on(r) for i in plan.stages[s])
                   for r in range(p)]
         assert max(x + y for x, y in zip(static, res.peak_memory)) <= budget * (1 + REL)
 
@@ -180,11 +180,11 @@ def test_automatic_schedules_with_policies_stay_within_the_budget() -> None:
 def test_explain_names_each_ranks_policy_and_the_alternatives() -> None:
     prof, p, m = _profile(0, 6), 2, 4
     budget = 0.55 * max(search(prof, p, m, schedules=["1f1b"], policies=["none"]).peak)
-    layout = search(prof, p, m, budget, schedules=["1f1b"])
-    text = layout.explain()
+    plan = search(prof, p, m, budget, schedules=["1f1b"])
+    text = plan.explain()
     assert "policies (one per rank" in text
     for r in range(p):
-        q = (layout.policies or ("none",) * p)[layout.schedule.stages_on(r)[0]]
+        q = (plan.policies or ("none",) * p)[plan.schedule.stages_on(r)[0]]
         assert f"rank {r}: {q}  [none " in text
 
 
@@ -195,12 +195,12 @@ def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
     path = tmp_path / "prof.json"
     prof.save(path)
     budget = 0.55 * max(search(prof, p, m, policies=["none"]).peak)
-    layout = search(prof, p, m, budget)
-    assert layout.policies  # this budget needs a policy somewhere
+    plan = search(prof, p, m, budget)
+    assert plan.policies  # this budget needs a policy somewhere
     args = ["plan", "--profile", str(path), "-p", str(p), "-m", str(m), "--budget-gb", repr(budget / 1e9)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "policies (per stage): " + ", ".join(layout.policies) in out and "policies (one per rank" in out
+    assert "policies (per stage): " + ", ".join(plan.policies) in out and "policies (one per rank" in out
     assert main(args + ["--policies", "none"]) == 0  # no recompute: the layers as they are
     out = capsys.readouterr().out
     assert "policies (per stage)" not in out and "policies (one per rank" not in out

@@ -151,11 +151,11 @@ def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool
         raise ValueError(f"fp8={fp8!r} needs fast=True: FP8 applies to the fast form's zbpp layers")
     devices = set()
     for stage in stages.values():
-        plan = getattr(stage, "_zbpp_plan", None)  # set by causal_lm_stages: where the decoder layers are
-        if plan is None:
+        spec = getattr(stage, "_zbpp_stage_spec", None)  # set by causal_lm_stages: where the decoder layers are
+        if spec is None:
             raise TypeError(f"fast_hf_stages: a {type(stage).__name__} is not a stage of "
                             "zbpp.models.hf.causal_lm_stages; use fast_stage for other stages")
-        layers = stage.get_submodule(plan.template.blocks)  # only this stage's (maybe none: embeddings alone)
+        layers = stage.get_submodule(spec.template.blocks)  # only this stage's (maybe none: embeddings alone)
         fast_stage(stage, blocks=list(layers), fp8=fp8, backend=backend)
         devices.update(p.device for p in stage.parameters())
     if len(devices) > 1:

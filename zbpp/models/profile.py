@@ -1,4 +1,4 @@
-"""Measure a model's per-layer `Profile` on one device, for `zbpp.schedules.partition.search`.
+"""Measure a model's per-layer `Profile` on one device, for `zbpp.schedules.planner.search`.
 
 `measure_profile` runs each layer of a model on its own, a few steps of each, and returns a
 `zbpp.schedules.profile.Profile`: per layer the median time of F (its forward), B (the gradient
@@ -25,7 +25,7 @@ blocks and repeat a block's `Layer` (``Profile([first, *[block] * n, last])``).
 ...                        example_input=torch.randn(32, 8, dtype=torch.float64), steps=2)
 >>> [x.name for x in prof.layers], prof.layers[1].static, prof.layers[2].activation  # tanh: no weights
 (['up', 'act', 'down'], 0.0, 4096.0)
->>> from zbpp.schedules.partition import search
+>>> from zbpp.schedules.planner import search
 >>> len(search(prof, num_ranks=1, num_microbatches=2).stages)
 1
 """
@@ -385,7 +385,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
                 kept_by_w = {_key(t)[0]: _key(t)[1] for t in held() if _key(t)[0] not in static_ids}
             if split and not inputs:
                 b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
-            _, w = timer(lambda: tasks.run(key))
+            _, w = timer(lambda: tasks.compute(key))
             if not params:
                 w = 0.0  # no weight: W computes nothing
             for t in inputs:

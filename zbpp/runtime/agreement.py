@@ -67,7 +67,7 @@ class EndReport:
     failed: bool  #: an exception on this rank (not a peer's POISON)
     drained: bool  #: it stopped computing because some rank failed
     comm_broken: bool  #: a send or receive failed (e.g. a dead peer): the pipeline is unusable
-    task: int  #: index of the failed task in this rank's plan (-1: none, or outside any task)
+    task: int  #: index of the failed task in this rank's program (-1: none, or outside any task)
     failed_at_us: int = 0  #: wall-clock time of the failure (us since the epoch): the first one is the cause
 
 
@@ -176,7 +176,7 @@ def decide_end(agreement: Agreement, record: StepFailure, tasks: Sequence[Action
                rank: int, kept_grads: bool, broken: str | None,
                roll_back: Callable[[], None]) -> tuple[PipelineError | None, str | None]:
     """Gather every rank's `EndReport` (this rank's from its failure `record` of the step, whose
-    plan is `tasks`) and decide: None when every rank succeeded; else `roll_back` this rank's step
+    program is `tasks`) and decide: None when every rank succeeded; else `roll_back` this rank's step
     and return the error it raises, and why the pipeline is unusable now (`broken`). Raises
     `BrokenJob` (after `roll_back`) when a rank is gone or this rank's communication broke."""
     mine = EndReport(failed=record.error is not None, drained=record.draining, comm_broken=record.comm_error is not None,
