@@ -34,7 +34,7 @@ KINDS = ["plain", "zbpp", "mixed"]
 
 
 @pytest.mark.parametrize("name", SLOW_LINK_NAMES[P])
-def test_slow_link_plan_matches_single_process(zbpp_workers, name):
+def test_slow_link_program_matches_single_process(zbpp_workers, name):
     """Receives posted before their data exists (a program for a link slower than a task)."""
     worst = zbpp_workers(P).run(check_slow_link_program, name, P)
     assert max(worst) < 1e-3  # checked per tensor inside (rtol=1e-5, atol=1e-6)

@@ -44,7 +44,7 @@ def test_schedule_matches_single_process_on_nccl(zbpp_workers, name, eager):
 
 
 @pytest.mark.parametrize("name", SLOW_LINK_NAMES[P])
-def test_slow_link_plan_on_nccl(zbpp_workers, name):
+def test_slow_link_program_on_nccl(zbpp_workers, name):
     """A program for a slow link posts receives before their data exists: NCCL must not deadlock on it
     and the step must equal one process."""
     worst = zbpp_workers(P, backend="nccl").run(check_slow_link_program, name, P)

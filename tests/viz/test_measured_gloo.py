@@ -40,7 +40,7 @@ def _check_measured_trace(workers, p: int, tmp_path) -> None:
         events = json.load(fh)["traceEvents"]
     measured = sorted((e["args"]["rank"], e["name"]) for e in events if e.get("cat") == "measured")
     assert measured == sorted((r, str(a)) for r, a in sched.actions())
-   simulated = sorted((e["pid"], e["name"]) for e in events if e.get("cat") == "simulated")
+    simulated = sorted((e["pid"], e["name"]) for e in events if e.get("cat") == "simulated")
     assert simulated == measured
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {f"{kind} · rank {r}" for kind in ("simulated", "measured") for r in range(p)}
