@@ -757,7 +757,7 @@ def search(
     built: dict[tuple[str, int], Schedule] = {}
     seen: set[tuple[str, int, tuple[range, ...]]] = set()
 
-    def run(name: str, k: int, label: str, stages: tuple[range, ...]) -> Option:
+    def try_candidate(name: str, k: int, label: str, stages: tuple[range, ...]) -> Option:
         o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m, allowed)
         if sched is not None and name not in _AUTO:
             built[(name, k)] = sched
@@ -780,14 +780,14 @@ def search(
             break
         if name in _AUTO and allowed == ("none",) and _full_bound(profile, info.stages, _placement(p, k, name in _V), p, m, budget) > best_fit() * (1 + _REL):
             continue  # the bound of every schedule on this split, memory included, rules it out before a build
-        run(name, k, label, info.stages)
+        try_candidate(name, k, label, info.stages)
     if not any(o.fits for o in options):
         for name, k, label, info in sorted(pending, key=lambda c: c[3].excess_bound):
             closest = min((o.key(budget)[0] for o in options), default=math.inf)
             if info.excess_bound > closest * (1 + _REL) + budget * _REL:
                 break
             if (name, k, info.stages) not in seen:
-                run(name, k, label, info.stages)
+                try_candidate(name, k, label, info.stages)
 
     # beyond `max_splits`: refine the best few under their schedule (the automatic ones under a
     # fixed proxy, then built on the result)
@@ -822,7 +822,7 @@ def search(
             if name in _AUTO and (_PROXY[name], k) in refined:
                 stages = refined[(_PROXY[name], k)].stages
                 if (name, k, stages) not in seen:
-                    run(name, k, "refined", stages)
+                    try_candidate(name, k, "refined", stages)
 
     options.sort(key=lambda o: o.key(budget))
     best = options[0]
