@@ -218,3 +218,30 @@ def test_bad_cuda_graphs_values_are_refused_by_name() -> None:
         Pipeline({0: nn.Linear(2, 2)}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs="sometimes")
     with pytest.raises(ValueError, match="move the stages to a CUDA device or pass cuda_graphs=False"):
         Pipeline({0: nn.Linear(2, 2)}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs="auto")
+
+
+def test_auto_trial_step_that_fails_is_run_again_and_not_timed() -> None:
+    """A replay of the trial whose step fails (its loss raises, after turning the clock back: a
+    time below zero, which would make "graphs" win were it counted) neither counts nor gives a
+    time: the next step is that replay again, and eager (2 against 5 on the clock) is kept."""
+    sched, x, y = _one_rank_stand_in(rows=4, outputs=1, seed=6)
+    clock, forms = graph_cases.TaskClock(per_forward=1.0, per_replay=0.5), []
+    fail = [False]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            clock.now -= 1000.0
+            raise RuntimeError("this step fails")
+        return nn.functional.mse_loss(out, target)
+
+    pipe = Pipeline({0: nn.Linear(3, 1, dtype=torch.float64)}, sched, loss_fn=loss_fn, cuda_graphs=clock.graphs())
+    clock.install(pipe, forms)
+    for step in range(8):
+        fail[0] = step == 3
+        if fail[0]:
+            with pytest.raises(PipelineError, match="this step fails"):
+                pipe.step(x, y)
+        else:
+            pipe.step(x, y)
+    assert forms == ["eager", "capture", "eager", "replay", "replay", "eager", "replay", "eager"]
+    assert pipe._graph_cache.choices() == [False] and not pipe._graph_cache.graphs

@@ -28,15 +28,18 @@ of that signature copies each task's inputs into the graph's static buffers and 
   tensor's value) are taken once, at capture: declare such a stage with
   ``zbpp_cuda_graphs = False``.
 - **Choosing by measurement** (``cuda_graphs="auto"``, `AutoGraphs`). Where the GPU, not the host,
-  sets the pace, replays can be slower than eager steps (a compute-bound stage: other kernels, no
-  overlap of host work). For each input signature: step 1 eager, step 2 captures, then
-  `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed steps alternate, each timed on the compute stream
-  (CUDA events; a failed step or a replay that had to capture again gives no time). At the next
-  step's start agreement every rank reports the mean time of each form (one host synchronisation
-  per signature, to read its events): the slowest rank of each form sets its pace, and eager wins
-  only if its slowest rank is faster than the replays' slowest rank. Every rank takes that
-  decision, which sticks for the signature (until it is dropped with the pipeline's cached
-  signatures); if eager wins its graphs are dropped (their memory goes back to the graphs' pool).
+  sets the pace, replays can be slower than eager steps (a compute-bound stage). For each input
+  signature: step 1 eager, step 2 captures, then `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed
+  steps alternate, their tasks timed on the compute stream (CUDA events; a failed step, or a replay
+  that had to capture again, gives no time). At the next step's start agreement every rank whose
+  trial ended reports its fastest step of each form (reading the events is the one host
+  synchronisation of a signature's trial); the slowest rank of each form sets its pace, and eager
+  is kept only if it was timed and that pace beat the replays' (`agreement.graphs_win`). Every
+  rank takes that decision, for that signature from then on (measured again if the pipeline
+  forgets the signature); if eager wins, its graphs are dropped (their memory goes back to the
+  graphs' pool, for later captures). Steady steps add nothing: no timing, no collective. The
+  trial's eager steps run beside the graphs' memory: a stage that fits only one of them at a time
+  should pass True or False.
 - **Random draws.** Each F is captured and replayed under its microbatch's seed (`zbpp.runtime.rng`):
   a replay draws from the generator's state at its start, so dropout masks are the eager step's.
 
