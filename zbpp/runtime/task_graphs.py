@@ -479,7 +479,8 @@ class GraphCache:
         trial = self._trials.get(self._reported) if self._reported is not None else None
         if trial is None:
             return False, 0, 0
-        best = [min((self.timer.seconds(a, b) for a, b in trial.marks[form]), default=0.0) for form in ("eager", "graphs")]
+        best = [min((self.timer.seconds(a, b) for a, b in trial.marks[form]), default=0.0)
+                for form in ("eager", "graphs")]
         eager_us, graphs_us = (max(1, round(t * 1e6)) if t > 0 else 0 for t in best)
         return True, eager_us, graphs_us
 
