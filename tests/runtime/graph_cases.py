@@ -23,7 +23,7 @@ from torch import nn
 
 from zbpp import Pipeline
 from zbpp.modules import DelayedScaling, LayerNormMLP, fp8_autocast
-from zbpp.runtime.task_graphs import EAGER, AutoGraphs, HostTimer, StandInGraphs, TaskGraphs
+from zbpp.runtime.task_graphs import EAGER, TRIAL_STEPS, AutoGraphs, HostTimer, StandInGraphs, TaskGraphs
 from zbpp.schedules import build
 
 D = 32  # hidden width
@@ -166,12 +166,12 @@ def differences(eager: dict[str, Any], graphed: dict[str, Any]) -> list[str]:
 
 # -- cuda_graphs="auto" on CPUs: time that moves only when the tasks say so ----------------------
 
-AUTO_STEPS = 16  # each signature: eager, capture, eager, replay, eager, replay (timed), then its choice twice
+AUTO_STEPS = 16  # each signature: eager, capture, TRIAL_STEPS x (eager, replay) timed, then its choice twice
 
 
 class TaskClock:
     """A fake clock for `HostTimer`: every forward of a stage moves it by `per_forward`, every
-    stand-in replay of a task by `per_replay` more (negative: replays are faster than eager tasks).
+    replay of a task by `per_replay` more (negative: replays are faster than eager tasks).
     A rank's eager step then takes F * per_forward, a replayed one F * per_forward + T * per_replay
     (F forwards, T tasks)."""
 
@@ -182,16 +182,16 @@ class TaskClock:
     def __call__(self) -> float:
         return self.now
 
-    def graphs(self) -> AutoGraphs:
-        """``cuda_graphs=`` for a pipeline timed by this clock."""
+    def graphs(self, kind: type[TaskGraphs] = StandInGraphs) -> AutoGraphs:
+        """``cuda_graphs=`` for a pipeline of `kind` graphs timed by this clock."""
         clock = self
 
-        class TickingStandIn(StandInGraphs):
+        class Ticking(kind):  # type: ignore[misc, valid-type]
             def _replay(self, rec: Any) -> None:
                 clock.now += clock.per_replay
                 super()._replay(rec)
 
-        return AutoGraphs(TickingStandIn, HostTimer(self))
+        return AutoGraphs(Ticking, HostTimer(self))
 
     def install(self, pipe: Pipeline, forms: list[str]) -> None:
         """Tick on every stage forward; append each training step's form to `forms` ("eager",
@@ -210,32 +210,44 @@ class TaskClock:
         cache.runner = recorded
 
 
-def auto_forms(graphs: bool) -> list[str]:
-    """The forms of `AUTO_STEPS` steps of two signatures alternating, when the trial chooses `graphs`."""
-    chosen = "replay" if graphs else "eager"
-    one = ["eager", "capture", "eager", "replay", "eager", "replay"] + [chosen] * (AUTO_STEPS // 2 - 6)
+def auto_forms(graphs: bool | None) -> list[str]:
+    """The forms of `AUTO_STEPS` steps of two signatures alternating, when the trial chooses `graphs`
+    (None: the trial's steps only)."""
+    one = ["eager", "capture"] + ["eager", "replay"] * TRIAL_STEPS
+    if graphs is not None:
+        one += ["replay" if graphs else "eager"] * (AUTO_STEPS // 2 - len(one))
     return [form for pair in zip(one, one) for form in pair]
 
 
-def compare_auto(schedule: str, runs: list[tuple[float, float, bool]], *, rank: int = 0, world: int = 1,
-                 groups: Any = None) -> list[str]:
-    """CPU float64: for each run (per_forward, per_replay, graphs expected), `AUTO_STEPS` steps of
-    ``cuda_graphs="auto"`` on stand-ins timed by a `TaskClock` against eager steps, bit for bit;
-    the forms it ran, its choices and the graphs it kept. What differs, as lines."""
-    kw: dict[str, Any] = dict(rank=rank, world=world, device=torch.device("cpu"), dtype=torch.float64, groups=groups,
-                              steps=AUTO_STEPS)
+def compare_auto(schedule: str, runs: list[tuple[float, float, bool] | None], *, rank: int = 0, world: int = 1,
+                 groups: Any = None, device: str = "cpu") -> list[str]:
+    """For each run, `AUTO_STEPS` steps of ``cuda_graphs="auto"`` against eager steps, bit for bit;
+    the forms it ran, its choices and the graphs (and, on CUDA, the memory pool) it kept. A run is
+    (per_forward, per_replay, graphs expected): timed by a `TaskClock`; or None: timed by CUDA
+    events, any choice. CPU: float64 stand-ins; CUDA: bf16 CUDA graphs. What differs, as lines."""
+    dev = torch.device(device)
+    kw: dict[str, Any] = dict(rank=rank, world=world, device=dev, groups=groups, steps=AUTO_STEPS,
+                              dtype=torch.float64 if dev.type == "cpu" else torch.bfloat16)
+    kind = StandInGraphs if dev.type == "cpu" else TaskGraphs
     eager = train(schedule, graphs=False, **kw)
     fails = []
-    for per_forward, per_replay, want in runs:
-        clock, forms = TaskClock(per_forward, per_replay), []
-        auto = train(schedule, graphs=clock.graphs(), on_pipeline=lambda pipe: clock.install(pipe, forms), **kw)
-        what = f"per_forward={per_forward}, per_replay={per_replay}"
-        if forms != auto_forms(want):
-            fails.append(f"{what}: forms {forms}, expected {auto_forms(want)}")
-        if auto["choices"] != [want, want]:
+    for run in runs:
+        clock, forms, pipes = TaskClock(*run[:2]) if run else TaskClock(0.0, 0.0), [], []
+
+        def watch(pipe: Pipeline) -> None:
+            clock.install(pipe, forms)
+            pipes.append(pipe)
+
+        auto = train(schedule, graphs=clock.graphs(kind) if run else "auto", on_pipeline=watch, **kw)
+        what = f"per_forward, per_replay = {run[:2]}" if run else "timed by CUDA events"
+        want = run[2] if run else None
+        expected = auto_forms(want)
+        if forms[:len(expected)] != expected:
+            fails.append(f"{what}: forms {forms}, expected {expected}")
+        if (run and auto["choices"] != [want, want]) or None in auto["choices"] or len(auto["choices"]) != 2:
             fails.append(f"{what}: choices {auto['choices']} of the two signatures, expected {[want, want]}")
-        if not want and auto["graphs"]:
-            fails.append(f"{what}: eager chosen, yet graphs kept: {auto['graphs']}")
+        if run and not want and (auto["graphs"] or pipes[0]._graph_cache._mem_pool is not None):
+            fails.append(f"{what}: eager chosen, yet graphs {auto['graphs']} or their pool kept")
         fails += [f"{what}: {f}" for f in differences(eager, auto)]
     return fails
 
@@ -266,7 +278,6 @@ def worker(schedule: str, backend: str, dp: int = 1, **kw: Any) -> list[str]:
 
     world = dist.get_world_size()
     groups = ParallelGroups(pp=world // dp) if dp > 1 else None
-
     rank = groups.pp_rank if groups is not None else dist.get_rank()
     device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     dtype = torch.bfloat16 if backend == "nccl" else torch.float64

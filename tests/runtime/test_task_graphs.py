@@ -245,3 +245,13 @@ def test_auto_trial_step_that_fails_is_run_again_and_not_timed() -> None:
             pipe.step(x, y)
     assert forms == ["eager", "capture", "eager", "replay", "replay", "eager", "replay", "eager"]
     assert pipe._graph_cache.choices() == [False] and not pipe._graph_cache.graphs
+
+
+@cuda
+@pytest.mark.gpu
+def test_auto_on_a_gpu_equals_eager_and_gives_the_pool_back_when_eager_wins() -> None:
+    """Real CUDA graphs, bf16: the fake clock makes eager win (graphs and their memory pool given
+    back) or graphs win; CUDA events (the default timer) make some choice for both signatures.
+    Every step bit-identical to eager steps."""
+    fails = graph_cases.compare_auto("zb-h1", [(1.0, 0.5, False), (1.0, -0.25, True), None], device="cuda")
+    assert not fails, "\n".join(fails)

@@ -37,7 +37,7 @@ of that signature copies each task's inputs into the graph's static buffers and 
   is kept only if it was timed and that pace beat the replays' (`agreement.graphs_win`). Every
   rank takes that decision, for that signature from then on (measured again if the pipeline
   forgets the signature); if eager wins, its graphs are dropped (their memory goes back to the
-  graphs' pool, for later captures). Steady steps add nothing: no timing, no collective. The
+  graphs' pool, for later captures; the pool itself, once it holds no graph, to the allocator). Steady steps add nothing: no timing, no collective. The
   trial's eager steps run beside the graphs' memory: a stage that fits only one of them at a time
   should pass True or False.
 - **Random draws.** Each F is captured and replayed under its microbatch's seed (`zbpp.runtime.rng`):
@@ -431,6 +431,9 @@ class GraphCache:
         external = external_addresses(params)
         graphs = self.graphs.get(signature)
         if graphs is None or graphs.external != external:
+            if self._mem_pool is None and self.kind.needs_cuda:  # given back when eager won everywhere
+                self._mem_pool = torch.cuda.MemPool()
+                self._pool = self._mem_pool.id
             graphs = self.graphs[signature] = self.kind(self._pool, external)
         self.graphs.move_to_end(signature)
         while len(self.graphs) > MAX_GRAPHED_SIGNATURES:  # same signatures on every rank: same eviction
@@ -495,6 +498,8 @@ class GraphCache:
         trial.marks = {"eager": [], "graphs": []}
         if not graphs:
             self.graphs.pop(signature, None)
+            if not self.graphs:  # no graph left in the pool: give it back, so eager steps can use its memory
+                self._mem_pool = self._pool = None
 
     def choices(self) -> list[bool | None]:
         """``cuda_graphs="auto"``: per remembered signature (least recently used first), whether
