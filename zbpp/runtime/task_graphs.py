@@ -482,8 +482,13 @@ class GraphCache:
         trial = self._trials.get(self._reported) if self._reported is not None else None
         if trial is None:
             return False, 0, 0
-        best = [min((self.timer.seconds(a, b) for a, b in trial.marks[form]), default=0.0)
-                for form in ("eager", "graphs")]
+        # a device error raised here, before the agreement, would leave the other ranks waiting; it
+        # shows again at this rank's next CUDA call, inside the step, where every rank hears of it
+        try:
+            best = [min((self.timer.seconds(a, b) for a, b in trial.marks[form]), default=0.0)
+                    for form in ("eager", "graphs")]
+        except Exception:  # noqa: BLE001
+            best = [0.0, 0.0]
         eager_us, graphs_us = (max(1, round(t * 1e6)) if t > 0 else 0 for t in best)
         return True, eager_us, graphs_us
 
