@@ -171,7 +171,7 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
                  schedule: Any, forward_only: bool) -> StartDecision:
     """Gather every rank's `StartReport` and decide: raise on every rank when one rejected its
     input (that rank: its own error) or a target's rows differ from the input's; else the step's
-    rows, seed and signature. `BrokenJob` when a rank is gone."""
+    rows, seed and signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
     reports = agreement.gather(mine)
     if any(r.rejected for r in reports):
         texts = agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
