@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
-    ap.add_argument("--warmup", type=int, default=2, help=f"untimed steps per variant and round ({FIRST_WARMUP} more in the first)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help=f"untimed steps per variant and round ({FIRST_WARMUP} more in the first)")
     ap.add_argument("--profile", default="hf compile,zbpp fast,zbpp fp8 eager,zbpp fast fp8",
                     help="variants whose one step is profiled by kernel kind ('' for none)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
