@@ -52,6 +52,11 @@ import torch  # noqa: E402
 from bench_modules import kernel_kind, run_env  # noqa: E402 - benchmarks/, beside this script
 from provenance import write_report  # noqa: E402
 
+from zbpp.runtime.task_graphs import TRIAL_STEPS  # noqa: E402
+
+# a variant's first steps: compile, capture the task graphs, and their trial under cuda_graphs="auto"
+FIRST_WARMUP = 3 + 2 * TRIAL_STEPS
+
 VARIANTS = ("hf eager", "hf compile", "zbpp eager", "zbpp fast", "zbpp fast nographs", "zbpp fp8 eager",
             "zbpp fast fp8")
 REFERENCE = "hf compile"
@@ -75,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant and round (3 more in the first)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help=f"untimed steps per variant and round ({FIRST_WARMUP} more in the first)")
     ap.add_argument("--kernel-profile", default="hf compile,zbpp fast,zbpp fp8 eager,zbpp fast fp8",
                     help="variants whose one step is profiled by kernel kind ('' for none)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
@@ -274,7 +280,7 @@ def run_preset(args: argparse.Namespace, preset: str) -> dict:
                 t0 = time.perf_counter()
                 try:
                     v = build_variant(name, config, args, batch)
-                    for _ in range(3):  # compile, capture the task graphs
+                    for _ in range(FIRST_WARMUP):
                         v.clear()
                         v.step()
                     timer.sync()

@@ -178,7 +178,8 @@ def causal_lm_stages(
         ignore_index: the label value the loss ignores.
         fast, fp8: ``fast=True`` gives every stage its fastest correct form and adds the runtime's
             keywords for it (`zbpp.models.fast.fast_hf_stages`: delayed weight gradients, compiled
-            decoder layers, task graphs on CUDA); ``fp8=True`` or a `DelayedScaling` adds FP8.
+            decoder layers, task graphs on CUDA where measured faster); ``fp8=True`` or a
+            `DelayedScaling` adds FP8.
 
     Returns ``(stages, kwargs)``: ``Pipeline(stages, schedule, **kwargs)`` with ``loss_fn``,
     ``tied_parameters`` and ``loss_weight`` (tokens per microbatch).

@@ -38,7 +38,7 @@ from .loss_weights import row_factors, weight_factors
 from .task_times import TaskRecorder, gather_records
 from .reductions import Reductions, default_reducer, fsdp_reducer
 from .rng import microbatch_seed, seeded
-from .task_graphs import EAGER, GraphCache, TaskGraphs, TaskRunner
+from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
 from .tied import TiedParameters
 from .topology import Topology
 from .step_input import LocalBatch, local_batch, merge, module_state, stable_hash
@@ -117,7 +117,10 @@ class Pipeline:
             W and BW task of this rank from a CUDA graph captured in the schedule's order (sends,
             receives and reductions stay outside): for small layers; bit-identical to eager steps.
             CUDA only; what is captured and refused: `zbpp.runtime.task_graphs` (tests on CPUs
-            pass its `StandInGraphs` instead of True).
+            pass its `StandInGraphs` instead of True). ``"auto"``: per input signature, a few
+            eager and replayed steps are timed after its capture, and the faster form (on the
+            slowest rank) sticks: graphs for small layers, eager where they would slow a
+            compute-bound stage; the rule: `zbpp.runtime.task_graphs`.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
@@ -158,7 +161,7 @@ class Pipeline:
         loss_weight: Callable[[Any], Any] | None = None,
         seed: int | bool | None = None,
         split_wgrad: bool = True,
-        cuda_graphs: bool | type[TaskGraphs] = False,
+        cuda_graphs: bool | str | type[TaskGraphs] | AutoGraphs = False,
     ) -> None:
         check_arguments(schedule, loss_fn, stage_modules, costs, timeout, loss_weight, seed)
         self.loss_weight = loss_weight
@@ -204,14 +207,11 @@ class Pipeline:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
         if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
             reducer.owe_all_to_wgrad(self._split_stages)
-        self.cuda_graphs = bool(cuda_graphs)
-        self._graph_cache: GraphCache | None = None
-        if self.cuda_graphs:
-            if fsdp is not None:
-                raise ValueError("cuda_graphs=True cannot capture fully_shard stages (FSDP all-gathers and frees "
-                                 "parameters from Python hooks around each task); pass cuda_graphs=False")
-            kind = cuda_graphs if isinstance(cuda_graphs, type) and issubclass(cuda_graphs, TaskGraphs) else TaskGraphs
-            self._graph_cache = GraphCache(kind, self.stage_modules, self.device)
+        self._graph_cache: GraphCache | None = graph_cache(cuda_graphs, self.stage_modules, self.device)
+        self.cuda_graphs = self._graph_cache is not None
+        if self.cuda_graphs and fsdp is not None:
+            raise ValueError(f"cuda_graphs={cuda_graphs!r} cannot capture fully_shard stages (FSDP all-gathers and "
+                             "frees parameters from Python hooks around each task); pass cuda_graphs=False")
         stage_params = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
         self._reductions = Reductions(
             self.parameters, reducer=reducer, fsdp=fsdp, tied=self._tied,
@@ -356,12 +356,15 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement
             batch, problem = None, exc
         b = batch if batch is not None else LocalBatch()  # nothing of the input on this rank
+        trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
         mine = StartReport(problem is not None, stable_hash((module_state(self.stage_modules), forward_only)),
-                           b.input_hash, b.input_rows, b.target_rows, self._base_seed)
+                           b.input_hash, b.input_rows, b.target_rows, self._base_seed, *trial)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BrokenJob as exc:
             raise self._broken_error(exc, "start") from exc
+        if self._graph_cache is not None:
+            self._graph_cache.settle(agreed.graphs)  # the same decision on every rank
         rng_step, self.rng_step = self.rng_step, self.rng_step + 1
         weights, loss_weights = row_factors(agreed.rows, m), None
         if b.raw_weights is not None:
@@ -390,10 +393,13 @@ class Pipeline:
     def _run_tasks(self, step: _Step) -> None:
         """This rank's tasks, through the runner of the step's signature (chosen after `begin`: a
         reducer may move ``main_grad``, which graphs bake in)."""
-        if self._graph_cache is not None and not step.forward_only:
-            step.runner = self._graph_cache.runner(step.signature, step.new_signature, list(self.parameters()))
+        graphs = self._graph_cache if not step.forward_only else None
+        if graphs is not None:
+            step.runner = graphs.runner(step.signature, step.new_signature, list(self.parameters()))
         boundaries = self._reductions if not step.forward_only else None
         step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
+        if graphs is not None:
+            graphs.tasks_done()  # the end of a timed step of cuda_graphs="auto"
 
     def _agree_end(self, step: _Step, problem: BaseException | None) -> PipelineError | None:
         """The end agreement: None when every rank succeeded, else the error this rank raises (its
