@@ -144,7 +144,7 @@ class Bench:
                                           attn_implementation="sdpa")
         self.stage = stages[0]
         self.loss_fn = kwargs["loss_fn"]
-        self.pipe = Pipeline(stages, self.sched, profile=True, **kwargs)
+        self.pipe = Pipeline(stages, self.sched, record_task_times=True, **kwargs)
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, args.vocab, (args.microbatches, seq), generator=gen).to(args.device)
         self.layers = [n for n, _ in self.stage.named_modules() if n.rpartition(".")[0] == "model.layers"]
@@ -248,7 +248,7 @@ def trace_offload(bench: Bench, trace_dir: Path | None) -> dict:
     with profile(activities=[ProfilerActivity.CUDA if bench.cuda else ProfilerActivity.CPU]) as prof:
         bench.step()
         bench.timer.sync()
-    records = bench.pipe.profile_records()
+    records = bench.pipe.task_times()
     trace_dir = trace_dir or Path(tempfile.mkdtemp(prefix="bench_activation_policies-"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"kernels_trace": str(trace_dir / "offload_step.json"),
@@ -289,7 +289,7 @@ def run_at(args: argparse.Namespace, seq: int, schedule: str) -> dict:
     bench.set_policy("none", 0)
     for _ in range(2):  # the largest footprint first (an OOM falls back to a shorter sequence); timed warm
         bench.timed_step()
-    costs = Costs.from_profile(bench.pipe.profile_records(), 1)
+    costs = Costs.from_task_times(bench.pipe.task_times(), 1)
     static = torch.cuda.memory_allocated() if bench.cuda else None
     param_grad = 2 * sum(t.numel() * t.element_size() for t in bench.stage.parameters())
     per_layer, rest = measure_bytes(bench)
