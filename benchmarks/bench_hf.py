@@ -22,7 +22,7 @@ one by one with CUDA events); the table gives the median ms per step, tokens/s, 
 causal attention counted half; over ``--peak-tflops``, the H200's dense bf16 989 by default, also
 for FP8), the peak memory (the variant's resident bytes after warm-up, parameters, gradients and
 graph pools, plus the most its step allocates beyond them) and each variant's speed against
-``hf compile`` (> 1: faster). ``--profile`` sums one profiled step's GPU kernels by kind (gemm,
+``hf compile`` (> 1: faster). ``--kernel-profile`` sums one profiled step's GPU kernels by kind (gemm,
 attention, cast, norm, activation, other) for the variants named, and the step's GPU idle time.
 
 On one H200 (both of the issue's workloads in one run)::
@@ -52,6 +52,11 @@ import torch  # noqa: E402
 from bench_modules import kernel_kind, run_env  # noqa: E402 - benchmarks/, beside this script
 from provenance import write_report  # noqa: E402
 
+from zbpp.runtime.task_graphs import TRIAL_STEPS  # noqa: E402
+
+# a variant's first steps: compile, capture the task graphs, and their trial under cuda_graphs="auto"
+FIRST_WARMUP = 3 + 2 * TRIAL_STEPS
+
 VARIANTS = ("hf eager", "hf compile", "zbpp eager", "zbpp fast", "zbpp fast nographs", "zbpp fp8 eager",
             "zbpp fast fp8")
 REFERENCE = "hf compile"
@@ -75,8 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant and round (3 more in the first)")
-    ap.add_argument("--profile", default="hf compile,zbpp fast,zbpp fp8 eager,zbpp fast fp8",
+    ap.add_argument("--warmup", type=int, default=2,
+                    help=f"untimed steps per variant and round ({FIRST_WARMUP} more in the first)")
+    ap.add_argument("--kernel-profile", default="hf compile,zbpp fast,zbpp fp8 eager,zbpp fast fp8",
                     help="variants whose one step is profiled by kernel kind ('' for none)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     ap.add_argument("--deadline-s", type=float, default=None,
@@ -89,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.preset, args.hidden, args.layers, args.ffn, args.heads = "custom", 32, 2, 64, 2
         args.vocab, args.seq_len, args.microbatches, args.rounds, args.steps, args.warmup = 64, 16, 2, 2, 1, 1
-        args.backend, args.profile = "aot_eager", ""
+        args.backend, args.kernel_profile = "aot_eager", ""
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -224,7 +230,7 @@ def _kind(name: str) -> str:
     return kind
 
 
-def profile_step(v: Variant, timer: Timer) -> dict:
+def kernel_profile_step(v: Variant, timer: Timer) -> dict:
     """GPU milliseconds of one step by kernel kind, the step's wall time and GPU idle share."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -274,7 +280,7 @@ def run_preset(args: argparse.Namespace, preset: str) -> dict:
                 t0 = time.perf_counter()
                 try:
                     v = build_variant(name, config, args, batch)
-                    for _ in range(3):  # compile, capture the task graphs
+                    for _ in range(FIRST_WARMUP):
                         v.clear()
                         v.step()
                     timer.sync()
@@ -300,9 +306,9 @@ def run_preset(args: argparse.Namespace, preset: str) -> dict:
                 if cuda:
                     v.transient = max(v.transient, torch.cuda.max_memory_allocated() - base)
     profiles = {}
-    for name in [p for p in args.profile.split(",") if p in variants] if cuda else []:
+    for name in [p for p in args.kernel_profile.split(",") if p in variants] if cuda else []:
         try:
-            profiles[name] = profile_step(variants[name], timer)
+            profiles[name] = kernel_profile_step(variants[name], timer)
         except Exception as exc:  # noqa: BLE001 - a profiler failure keeps the timings
             profiles[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     results = {}

@@ -163,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=8, help="blocks: microbatches per step")
     ap.add_argument("--variants", default=",".join(BLOCK_VARIANTS),
                     help="blocks: which variants (comma separated)")
-    ap.add_argument("--no-profile", action="store_true", help="blocks: skip the kernel breakdown")
+    ap.add_argument("--no-kernel-profile", action="store_true", help="blocks: skip the kernel breakdown")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed steps per case and round (default 10; blocks 5)")
     ap.add_argument("--warmup", type=int, default=None,
@@ -742,7 +742,7 @@ def run_blocks(args: argparse.Namespace) -> dict:
                     torch.cuda.synchronize()
                     peak[v] = max(peak.get(v, 0.0), torch.cuda.max_memory_allocated() / 2**30)
         breakdown = {}
-        if cuda and not args.no_profile:
+        if cuda and not args.no_kernel_profile:
             for v in variants:
                 use(v)
                 try:

@@ -43,19 +43,19 @@ Per row: the median step time over ``--steps`` steps after ``--warmup`` (no opti
 pipeline is what is measured; a step is as long as its slowest rank, after a device
 synchronisation), % of ideal (100 x ideal / step), x best torch (fastest torch step / this step)
 and the peak memory allocated during the timed steps (largest rank). zbpp rows add the measured
-bubble rate and the simulator's prediction: after the warm-up, ``--profile-steps`` steps (default
-5) run on a second `Pipeline` over the same modules with ``profile=True`` (the timed steps run
-unprofiled: timing the profiled Pipeline instead measured the same step, 188.05 against 187.99 ms),
-``Costs.from_profile`` turns each step's task times into per-stage F, B, W costs, and the row's
-costs are their median over the profiled steps but the first (which exchanges activation shapes):
-on the H200s at their power cap one step in three or four runs 5-10% long, in the profiled steps
+bubble rate and the simulator's prediction: after the warm-up, ``--task-time-steps`` steps (default
+5) run on a second `Pipeline` over the same modules with ``record_task_times=True`` (the timed steps run
+without recording: timing the recording Pipeline instead measured the same step, 188.05 against 187.99 ms),
+``Costs.from_task_times`` turns each step's task times into per-stage F, B, W costs, and the row's
+costs are their median over the recorded steps but the first (which exchanges activation shapes):
+on the H200s at their power cap one step in three or four runs 5-10% long, in the recorded steps
 as in the timed ones, and the costs of one step were off the timed median by as much. The message time
 ``comm`` is measured by a send/recv ping-pong of one activation between neighbouring ranks, and
-the predicted step is ``zbpp.schedules.plan.plan_makespan(pipe.plan, costs)``: the simulator's
-timeline of the plan the row's Pipeline ran, with each message leaving only once both its ends are
+the predicted step is ``zbpp.schedules.program.program_makespan(pipe.program, costs)``: the simulator's
+timeline of the program the row's Pipeline ran, with each message leaving only once both its ends are
 posted (NCCL's rendezvous; ``simulated_ms`` in the JSON is ``simulate``'s, where messages leave
-with their producer: on a slow link with a plan made for a fast one, the two differ by 9-19%).
-Zbpp's plans are made for the measured link (``--plan-comm``, default ``measured``: the ideal's
+with their producer: on a slow link with a program made for a fast one, the two differ by 9-19%).
+Zbpp's programs are made for the measured link (``--program-comm``, default ``measured``: the ideal's
 F, B, W and the measured message time), and no parameter is fitted: on 2 x H200 with the median
 costs the prediction was within 1.7% of every zbpp row at m = 8 and 16 over NVLink (zb-v 1.6% and
 1.0%), 2.2% (zb-v) to 4.4% (zb-h1) short at m = 4, and within 0.5% for the transformer's zb-v at
@@ -63,14 +63,14 @@ m = 8 (with the last step's costs, before: 1.6-3.4% over sockets, 4-9% too slow 
 ``message_overhead`` (compute a rank loses per message it sends or receives) fitted on the
 measured step of the ``--pick-costs-from`` row (``zbpp.schedules.fit_message_overhead``): that row
 then matches by construction; it stood in for receives posted too late for a slow link, before
-plans were made for the link, and over NVLink it over-predicts the V schedules, which send twice
+programs were made for the link, and over NVLink it over-predicts the V schedules, which send twice
 the messages. ``--telemetry`` samples the GPUs with nvidia-smi (`gpu_telemetry.py`) and adds each
 row's mean SM clock, power and temperature over its timed steps: at the power cap a GPU's clock is
 what its other work leaves of the power budget.
 
-The pick: costs per rank-stage from the profiled steps of ``--pick-costs-from`` (default zb-h1;
-the ideal's profile when that row is absent), ``comm`` as above, and memory per rank-stage and
-microbatch measured in the ideal's profiled step (activation: what F keeps; wgrad: what B leaves
+The pick: costs per rank-stage from the recorded steps of ``--pick-costs-from`` (default zb-h1;
+the ideal's task times when that row is absent), ``comm`` as above, and memory per rank-stage and
+microbatch measured in the ideal's recorded step (activation: what F keeps; wgrad: what B leaves
 for W), in units of the mean rank-stage activation; ``--pick-memory-limit`` is per rank in those
 units (default p: 1F1B's activation memory) or in GiB of activations (``20GiB``; GPUs only).
 
@@ -108,7 +108,7 @@ from zbpp.modules import DelayedScaling, LayerNormMLP, current_microbatch, fp8_a
 from zbpp.runtime import init_distributed, measured_bubble_rate, shutdown_and_exit
 from zbpp.schedules import Costs, Kind, Memory, Schedule, available, build, fit_message_overhead, options_of, simulate
 from zbpp.schedules.bounds import lower_bound
-from zbpp.schedules.plan import make_plan, plan_makespan
+from zbpp.schedules.program import make_program, program_makespan
 from zbpp.schedules.select import evaluate_candidates, scale_to_stages
 
 from gpu_telemetry import Telemetry  # benchmarks/gpu_telemetry.py (this script's folder is on sys.path)
@@ -127,8 +127,8 @@ PING_PONGS = 10  # timed round trips of the comm measurement (after 3 untimed)
 
 
 # -- options ------------------------------------------------------------------------------------
-def _plan_comm(text: str) -> float | str:
-    """--plan-comm: 'measured', 'default', or a link time >= 0 in task units."""
+def _program_comm(text: str) -> float | str:
+    """--program-comm: 'measured', 'default', or a link time >= 0 in task units."""
     if text in ("measured", "default"):
         return text
     try:
@@ -184,10 +184,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="transformer: older spelling of --tokens (in rows)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default 20)")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed steps per row before them (default 5); zbpp rows then run --profile-steps "
-                    "profiled steps on a second Pipeline, the ideal one, before the timed steps")
-    ap.add_argument("--profile-steps", type=int, default=5,
-                    help="profiled steps per zbpp row (default 5, at least 2: the first step of a Pipeline exchanges "
+                    help="untimed steps per row before them (default 5); zbpp rows then run --task-time-steps "
+                    "recorded steps on a second Pipeline, the ideal one, before the timed steps")
+    ap.add_argument("--task-time-steps", type=int, default=5,
+                    help="recorded steps per zbpp row (default 5, at least 2: the first step of a Pipeline exchanges "
                     "activation shapes); the costs are the median over the others")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--zbpp", default=None, help="zbpp schedules (comma separated)")
@@ -199,15 +199,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="zbpp schedules also run with torch.nn layers, like for like with torch (comma separated; "
                     "with --layers-kind zbpp)")
     ap.add_argument("--pick-costs-from", default="zb-h1",
-                    help="one-stage-per-rank zbpp schedule whose profiled costs feed the pick and zb-auto/zbv-auto "
-                    "('ideal': the ideal row's profile)")
+                    help="one-stage-per-rank zbpp schedule whose recorded costs feed the pick and zb-auto/zbv-auto "
+                    "('ideal': the ideal row's task times)")
     ap.add_argument("--pick-memory-limit", default=None,
                     help="per-rank activation memory the pick must fit: in mean rank-stage activations of one "
                     "microbatch (default: p, 1F1B's) or in GiB ('20GiB', GPUs only)")
-    ap.add_argument("--plan-comm", type=_plan_comm, default="measured",
-                    help="the times zbpp's plan places sends and receives by: 'measured' (default): the ideal's "
+    ap.add_argument("--program-comm", type=_program_comm, default="measured",
+                    help="the times zbpp's program places sends and receives by: 'measured' (default): the ideal's "
                          "measured F/B/W and the measured message time (Pipeline(costs=...), what a slow link "
-                         "needs); 'default': the plan's DEFAULT_COSTS (unit tasks, a fast link); or a link time in "
+                         "needs); 'default': the program's DEFAULT_COSTS (unit tasks, a fast link); or a link time in "
                          "task units with unit tasks (0 posts each receive just before its consumer)")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR", help="after each row's timed steps, profile one "
                     "more step (torch.profiler, GPUs) into DIR and add where its time went (kernel_timeline.py) to the row")
@@ -256,8 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--warmup {args.warmup}: need >= 1 (the first step of a Pipeline exchanges activation shapes)")
     if args.steps < 1:
         ap.error(f"--steps {args.steps}: need >= 1")
-    if args.profile_steps < 2:
-        ap.error(f"--profile-steps {args.profile_steps}: need >= 2 (the first step of a Pipeline exchanges shapes)")
+    if args.task_time_steps < 2:
+        ap.error(f"--task-time-steps {args.task_time_steps}: need >= 2 (the first step of a Pipeline exchanges shapes)")
     if "fp8" in args.layers_kind and (args.quick or not torch.cuda.is_available()):
         ap.error("--layers-kind fp8 needs CUDA GPUs (FP8 GEMMs on Hopper); this is a CPU run" +
                  (" (--quick runs gloo on CPU)" if args.quick else ""))
@@ -482,26 +482,26 @@ class Bench:
 
     # -- timing -------------------------------------------------------------------------------
     def time_steps(self, spec: ModelSpec, m: int, run_step: Callable[[torch.Tensor, torch.Tensor], None],
-                   profiled_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                   profile_steps: int = 1, after_profiled: Callable[[], None] | None = None) -> dict[str, Any]:
-        """``--warmup`` untimed steps, then `profile_steps` of `profiled_step` (when given), each
-        timed on its own and followed by `after_profiled` (e.g. to collect its records), then
+                   recorded_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                   task_time_steps: int = 1, after_recorded: Callable[[], None] | None = None) -> dict[str, Any]:
+        """``--warmup`` untimed steps, then `task_time_steps` of `recorded_step` (when given), each
+        timed on its own and followed by `after_recorded` (e.g. to collect its records), then
         ``--steps`` timed steps of `run_step`."""
         a = self.args
-        n = a.warmup + (profile_steps if profiled_step is not None else 0)
-        profiled_s = []  # the profiled steps' own wall times: their costs describe steps this long
+        n = a.warmup + (task_time_steps if recorded_step is not None else 0)
+        recorded_s = []  # the recorded steps' own wall times: their costs describe steps this long
         for i in range(n):
-            step = profiled_step if profiled_step is not None and i >= a.warmup else run_step
+            step = recorded_step if recorded_step is not None and i >= a.warmup else run_step
             x, y = spec.batch(m, i, self.device, self.dtype)
-            if step is profiled_step:
+            if step is recorded_step:
                 self.sync()
                 t0 = time.perf_counter()
             step(x, y)
-            if step is profiled_step:
+            if step is recorded_step:
                 self.sync()
-                profiled_s.append(time.perf_counter() - t0)
-                if after_profiled is not None:
-                    after_profiled()
+                recorded_s.append(time.perf_counter() - t0)
+                if after_recorded is not None:
+                    after_recorded()
         self.sync()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -520,10 +520,10 @@ class Bench:
                # wall clock of the timed steps, to line a row up with GPU telemetry (clocks, power)
                # sampled beside the run, e.g. `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 100`
                "timed_unix_s": [started, time.time()],
-               # every timed step, and the profiled steps (their costs describe steps this long)
+               # every timed step, and the recorded steps (their costs describe steps this long)
                "step_ms_all": [1e3 * t for t in self.all_max_each(times)]}
-        if profiled_s:
-            out["profiled_step_ms"] = [1e3 * t for t in self.all_max_each(profiled_s)]
+        if recorded_s:
+            out["recorded_step_ms"] = [1e3 * t for t in self.all_max_each(recorded_s)]
         if self.telemetry is not None:
             out["gpu"] = self.telemetry.window(*out["timed_unix_s"])
         if a.kernel_profile and self.cuda:
@@ -598,17 +598,17 @@ class Bench:
                 return ev
             return time.perf_counter()
 
-        def one_step(x: torch.Tensor, y: torch.Tensor, profile: bool = False) -> None:
+        def one_step(x: torch.Tensor, y: torch.Tensor, record: bool = False) -> None:
             xs = torch.tensor_split(x, m) if first else acts
             ys = torch.tensor_split(y, m) if last else [None] * m
             marks = []
             for j in range(m):
-                mem0 = torch.cuda.memory_allocated() if profile and self.cuda and j == probe_mb else None
-                t0 = clock() if profile else None
+                mem0 = torch.cuda.memory_allocated() if record and self.cuda and j == probe_mb else None
+                t0 = clock() if record else None
                 with microbatch((r, j)):
                     out = stage(xs[j])
                     loss = spec.loss_fn(out, ys[j]) / m if last else None
-                t1 = clock() if profile else None
+                t1 = clock() if record else None
                 if mem0 is not None:  # F keeps the saved tensors; a sent output is freed in a pipeline
                     sent = 0 if last else out.numel() * out.element_size()
                     probe["activation"] = torch.cuda.memory_allocated() - mem0 - sent
@@ -619,16 +619,16 @@ class Bench:
                 del out, loss
                 if not first:
                     xs[j].grad = None  # the pipeline sends it away
-                t2 = clock() if profile else None
+                t2 = clock() if record else None
                 if mem0 is not None:  # what B leaves for W
                     probe["wgrad"] = torch.cuda.memory_allocated() - mem0
                 for mod in delayed:
                     mod.backward_dw((r, j))
-                if profile:
+                if record:
                     marks.append((j, t0, t1, t2, clock()))
             for q in stage.parameters():
                 q.grad = None
-            if profile:
+            if record:
                 self.sync()
                 for j, t0, t1, t2, t3 in marks:
                     for kind, s, e in (("F", t0, t1), ("B", t1, t2), ("W", t2, t3)):
@@ -638,11 +638,11 @@ class Bench:
                             start, end = s - marks[0][1], e - marks[0][1]
                         records.append({"rank": r, "action": f"{kind}{r}.{j}", "start": start, "end": end})
 
-        row = self.time_steps(spec, m, one_step, profiled_step=lambda x, y: one_step(x, y, profile=True))
+        row = self.time_steps(spec, m, one_step, recorded_step=lambda x, y: one_step(x, y, record=True))
         gathered: list[Any] = [None] * p
         dist.all_gather_object(gathered, (records, probe))
         all_records = [rec for recs, _ in gathered for rec in recs]
-        costs = Costs.from_profile(all_records, p)
+        costs = Costs.from_task_times(all_records, p)
         act = [pr.get("activation") for _, pr in gathered]
         wg = [pr.get("wgrad") for _, pr in gathered]
         info = {"costs": costs, "activation_bytes": act, "wgrad_bytes": wg}
@@ -668,8 +668,8 @@ class Bench:
         r, n, m = self.rank, sched.num_stages, sched.num_microbatches
         stages = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(r)}
         delayed = {s: [mod for mod in st.modules() if is_delayed(mod)] for s, st in stages.items()}
-        # which inputs come from another rank and which are handed over in memory: the runtime's plan
-        rp = make_plan(sched).ranks[r]
+        # which inputs come from another rank and which are handed over in memory: the runtime's program
+        rp = make_program(sched).ranks[r]
         hands_on = set(rp.handed_from.values())  # tasks whose output a task of this rank consumes
         shape = spec.activation_shape()
         g = torch.Generator(device=self.device).manual_seed(53 + r)
@@ -722,17 +722,17 @@ class Bench:
     # -- zbpp -----------------------------------------------------------------------------------
     def run_zbpp(self, spec: ModelSpec, sched: Schedule, comm_s: float,
                  measured: Costs | None = None) -> tuple[dict[str, Any], Costs]:
-        """A zbpp row, and (on every rank) the costs measured in its profiled step."""
+        """A zbpp row, and (on every rank) the costs measured in its recorded step."""
         n = sched.num_stages
         mine = {s: spec.stage(s, n, self.device, self.dtype) for s in sched.stages_on(self.rank)}
         a = self.args
-        plan_costs = None
-        if a.plan_comm == "measured" and measured is not None:  # the ideal's rank-stages cut into this schedule's stages
-            plan_costs, _ = scale_to_stages(dataclasses.replace(measured, comm=comm_s), Memory(), self.p, n)
-        elif a.plan_comm not in ("default", "measured"):
-            plan_costs = Costs(1, 1, 1, comm=a.plan_comm)
-        pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, costs=plan_costs)
-        profiled = Pipeline(mine, sched, spec.loss_fn, device=self.device, profile=True, costs=plan_costs)
+        program_costs = None
+        if a.program_comm == "measured" and measured is not None:  # the ideal's rank-stages cut into this schedule's stages
+            program_costs, _ = scale_to_stages(dataclasses.replace(measured, comm=comm_s), Memory(), self.p, n)
+        elif a.program_comm not in ("default", "measured"):
+            program_costs = Costs(1, 1, 1, comm=a.program_comm)
+        pipe = Pipeline(mine, sched, spec.loss_fn, device=self.device, costs=program_costs)
+        recorded = Pipeline(mine, sched, spec.loss_fn, device=self.device, record_task_times=True, costs=program_costs)
         params = list(pipe.parameters())
 
         def step(x: torch.Tensor, y: torch.Tensor, which: Pipeline = pipe) -> None:
@@ -740,23 +740,23 @@ class Bench:
             for q in params:
                 q.grad = None
 
-        steps_records: list[Any] = []  # each profiled step's records (on rank 0; None elsewhere)
-        out = self.time_steps(spec, sched.num_microbatches, step, profiled_step=lambda x, y: step(x, y, profiled),
-                              profile_steps=a.profile_steps,
-                              after_profiled=lambda: steps_records.append(profiled.profile_records()))
+        steps_records: list[Any] = []  # each recorded step's records (on rank 0; None elsewhere)
+        out = self.time_steps(spec, sched.num_microbatches, step, recorded_step=lambda x, y: step(x, y, recorded),
+                              task_time_steps=a.task_time_steps,
+                              after_recorded=lambda: steps_records.append(recorded.task_times()))
         costs = None
         if steps_records[-1] is not None:
             # the first step of a new Pipeline exchanges activation shapes (host waits that would
             # show as bubble): the costs are the median over the others (see the module docstring)
             kept = steps_records[1:]
-            costs = median_costs([Costs.from_profile(recs, n, comm=comm_s) for recs in kept])
+            costs = median_costs([Costs.from_task_times(recs, n, comm=comm_s) for recs in kept])
             # each recorded step: first task start to last task end on the slowest rank
             spans = [1e3 * max(rec["end"] for rec in recs) for recs in kept]
             out.update({"measured_bubble": statistics.median(measured_bubble_rate(recs) for recs in kept),
-                        "num_stages": n, "profiled_span_ms": spans})
-        out["_plan"] = pipe.plan  # what `_predict` replays
-        out["plan_costs_ms"] = None if plan_costs is None else _costs_ms(plan_costs)  # None: DEFAULT_COSTS
-        del pipe, profiled, mine, params
+                        "num_stages": n, "recorded_span_ms": spans})
+        out["_program"] = pipe.program  # what `_predict` replays
+        out["program_costs_ms"] = None if program_costs is None else _costs_ms(program_costs)  # None: DEFAULT_COSTS
+        del pipe, recorded, mine, params
         return out, self.bcast(costs)
 
     # -- torch.distributed.pipelining -------------------------------------------------------------
@@ -858,7 +858,7 @@ class Bench:
         if pick_costs is not None and source != "ideal" and p > 1 and a.fit_message_overhead:  # p = 1: no messages
             measured = next(r for r in rows if r["impl"] == "zbpp" and r["layers"] == kind and r["schedule"] == source)
             overhead_s = fit_message_overhead(measured["_schedule"], pick_costs, measured["step_ms"] / 1e3,
-                                              predict=lambda c, plan=measured["_plan"]: plan_makespan(plan, c))
+                                              predict=lambda c, program=measured["_program"]: program_makespan(program, c))
             measured["overhead_fitted_here"] = True
             pick_costs = dataclasses.replace(pick_costs, message_overhead=overhead_s)
             case["overhead_fitted_on"] = source
@@ -906,7 +906,7 @@ class Bench:
         for row in rows:
             row.pop("_schedule", None)
             row.pop("_costs", None)
-            row.pop("_plan", None)
+            row.pop("_program", None)
         return rows, case
 
     def _pick_memory(self, info: dict[str, Any] | None) -> tuple[Memory, float, float | None]:
@@ -1050,7 +1050,7 @@ class Bench:
                           f"NCCL {k['nccl_ms']:.1f} ms ({k['nccl_beside_compute_ms']:.1f} beside compute)")
         _print_summary(case.get("summary", {}))
         print("% ideal = 100 x ideal step / step (same layers; the mean of the case's first and last ideal "
-              "rows); pred ms = plan_makespan(the row's plan, the median of Costs.from_profile(each profiled step "
+              "rows); pred ms = program_makespan(the row's program, the median of Costs.from_task_times(each recorded step "
               "but the first) + measured comm"
               + (" + fitted overhead" if self.args.fit_message_overhead else "")
               + "): simulate's step with each message leaving once both its ends are posted; "
@@ -1065,15 +1065,15 @@ def _fitted_on(case: dict[str, Any]) -> str:
 
 
 def _predict(row: dict[str, Any], overhead_s: float) -> None:
-    """A zbpp row's prediction: `plan_makespan` of the plan its Pipeline ran, with the costs of its
-    own profiled steps (their median) and the case's message overhead (fitted on the pick-costs row's measured
+    """A zbpp row's prediction: `program_makespan` of the program its Pipeline ran, with the costs of its
+    own recorded steps (their median) and the case's message overhead (fitted on the pick-costs row's measured
     step); `simulate`'s step and the lower bound of its placement with the same costs."""
-    sched, costs, plan = row.get("_schedule"), row.get("_costs"), row.get("_plan")
-    if sched is None or costs is None or plan is None or "step_ms" not in row:
+    sched, costs, program = row.get("_schedule"), row.get("_costs"), row.get("_program")
+    if sched is None or costs is None or program is None or "step_ms" not in row:
         return
     costs = dataclasses.replace(costs, message_overhead=overhead_s)
     sim = simulate(sched, costs)
-    row.update({"predicted_ms": 1e3 * plan_makespan(plan, costs), "simulated_ms": 1e3 * sim.makespan,
+    row.update({"predicted_ms": 1e3 * program_makespan(program, costs), "simulated_ms": 1e3 * sim.makespan,
                 "predicted_bubble": sim.bubble_rate, "costs_ms": _costs_ms(costs)})
     row["measured_over_predicted"] = row["step_ms"] / row["predicted_ms"]
     # what no schedule of this placement can beat with these task costs: how much of the gap to the

@@ -21,10 +21,10 @@ stack (``x + mlp(x)``, float32, default hidden 64, ffn 256, 16 tokens, 16 blocks
 microbatch's F inside ``microbatch((0, j))`` as the Pipeline runs it, in three rows: ``torch.nn``
 (LayerNorm, Linear, GELU, Linear), ``zbpp eager`` (`LayerNormMLP`, weight gradients in the
 backward) and ``zbpp delayed`` (``delay_wgrad_compute=True``: B files the weight gradients, W
-runs them through the stage's `StageWgrad`, ``filed`` then ``run``, as the executor does). Times
+runs them through the stage's `StageWgrad`, ``filed`` then ``compute``, as the executor does). Times
 are µs of this thread's CPU time per block (``time.thread_time``: time the process waits for
 a core does not count; the minimum over ``--iters`` steps of F, B and W each, the rows taking
-turns), with each row's F+B+W over torch.nn's; ``--profile ROW`` prints that row's top functions under cProfile::
+turns), with each row's F+B+W over torch.nn's; ``--cprofile ROW`` prints that row's top functions under cProfile::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/split_host.py --suite layers
 """
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="split: the generic B/W split of Llama layers; layers: zbpp's layer calls")
     ap.add_argument("--blocks", type=int, default=16, help="layers: residual MLP blocks")
     ap.add_argument("--ffn", type=int, default=None, help="layers: ffn width (4 x hidden)")
-    ap.add_argument("--profile", choices=LAYER_ROWS, default=None,
+    ap.add_argument("--cprofile", choices=LAYER_ROWS, default=None,
                     help="layers: print the cProfile top functions of this row")
     return ap.parse_args(argv)
 
@@ -225,7 +225,7 @@ def layer_steps(args: argparse.Namespace) -> dict[str, Callable[[int], tuple[flo
             split.run_backward([y], [g])
             wgrad.filed(key)
             t2 = clock()
-            wgrad.run(key)
+            wgrad.compute(key)
             t3 = clock()
             return t1 - t0, t2 - t1, t3 - t2
 
@@ -249,11 +249,11 @@ def layer_times(args: argparse.Namespace) -> list[dict]:
             for n, (f, b, w) in best.items()]
 
 
-def profile_layers(args: argparse.Namespace) -> None:
+def cprofile_layers(args: argparse.Namespace) -> None:
     import cProfile
     import pstats
 
-    step = layer_steps(args)[args.profile]
+    step = layer_steps(args)[args.cprofile]
     for i in range(5):
         step(i)
     prof = cProfile.Profile()
@@ -265,8 +265,8 @@ def profile_layers(args: argparse.Namespace) -> None:
 
 
 def main_layers(args: argparse.Namespace) -> dict:
-    if args.profile is not None:
-        profile_layers(args)
+    if args.cprofile is not None:
+        cprofile_layers(args)
     rows = layer_times(args)
     print(f"host per block, hidden {args.hidden}, ffn {args.ffn or 4 * args.hidden}, "
           f"{args.tokens} tokens, {args.blocks} blocks, float32 (min of {args.iters}, us)")

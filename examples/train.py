@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     ap.add_argument("--check", action="store_true", help="compare with one process training the whole model")
-    ap.add_argument("--profile-out", default=None, help="write the last step's task records (JSON) here")
+    ap.add_argument("--task-times-out", default=None, help="write the last step's task records (JSON) here")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay the tasks from CUDA graphs after each input signature's first step (NCCL only)")
     return ap.parse_args(argv)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     mine = {s: make_stage(s, S, cfg, seed=args.seed).to(device) for s in sched.stages_on(pp_rank)}
     if args.cuda_graphs and device.type != "cuda":
         raise SystemExit("--cuda-graphs needs GPUs (backend nccl)")
-    pipe = Pipeline(mine, sched, lm_loss, groups=groups, profile=args.profile_out is not None,
+    pipe = Pipeline(mine, sched, lm_loss, groups=groups, record_task_times=args.task_times_out is not None,
                     cuda_graphs=args.cuda_graphs)
     opt = torch.optim.Adam(list(pipe.parameters()), lr=args.lr)
     ref = ref_opt = None
@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                 torch.nn.utils.clip_grad_norm_([q for st in ref for q in st.parameters()], args.clip)
             ref_opt.step()
             ref_opt.zero_grad()
-    if args.profile_out:
-        records = pipe.profile_records()
+    if args.task_times_out:
+        records = pipe.task_times()
         if records is not None and dp_rank == 0:
-            with open(args.profile_out, "w") as fh:
+            with open(args.task_times_out, "w") as fh:
                 json.dump({"schedule": sched.to_text(), "records": records}, fh)
-            print(f"measured bubble rate {measured_bubble_rate(records):.3f}; records in {args.profile_out}", flush=True)
+            print(f"measured bubble rate {measured_bubble_rate(records):.3f}; records in {args.task_times_out}", flush=True)
     status = 0
     if ref is not None:
         diff = torch.zeros((), dtype=torch.float64, device=device)

@@ -22,7 +22,7 @@ sorted order: on every machine, no download. The last 10% is the validation spli
         --warmup 10 --data-bytes 1000000 --check
 
 The rank holding the last stage prints a line per step (loss, step time, tokens/s and, with
-``--trace`` or ``--profile``, the step's measured bubble rate), the validation loss from
+``--trace`` or ``--task-times``, the step's measured bubble rate), the validation loss from
 `Pipeline.eval_step` every ``--eval-every`` steps (and before the first step), and a summary.
 Every rank draws the same batch from a generator seeded by (seed, step); the ranks holding stage 0
 use its input tokens, the one holding the last stage its targets.
@@ -306,8 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
-    ap.add_argument("--profile", action="store_true", help="measure every task (the bubble rate of each step)")
-    ap.add_argument("--trace", default=None, metavar="PATH", help="write the last step's measured Perfetto trace (implies --profile)")
+    ap.add_argument("--task-times", action="store_true", help="measure every task (the bubble rate of each step)")
+    ap.add_argument("--trace", default=None, metavar="PATH", help="write the last step's measured Perfetto trace (implies --task-times)")
     ap.add_argument("--loss-curve", default=None, metavar="PATH", help="write a PNG of the training and validation loss")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every step's figures as JSON")
     ap.add_argument("--check", action="store_true",
@@ -347,7 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.backend = backend
     if args.dtype is None:
         args.dtype = "bfloat16" if backend == "nccl" and not args.check else "float32"
-    args.profile = args.profile or args.trace is not None
+    args.task_times = args.task_times or args.trace is not None
     return args
 
 
@@ -383,7 +383,7 @@ class Run:
         ends = [self.mine[s] for s in (0, S - 1) if s in self.mine]
         self.wte = ends[0].wte if ends else None
         tied = {"wte": self.wte} if self.wte is not None else {}
-        self.pipe = Pipeline(self.mine, self.sched, lm_loss, tied_parameters=tied, profile=args.profile)
+        self.pipe = Pipeline(self.mine, self.sched, lm_loss, tied_parameters=tied, record_task_times=args.task_times)
         self.opt = AdamWMaster(list(self.pipe.parameters()), args.lr, args.weight_decay)
         self.rows = args.rows_per_microbatch * args.microbatches
         self.history: list[dict[str, Any]] = []
@@ -463,8 +463,8 @@ class Run:
         self._sync()
         seconds += time.perf_counter() - t1
         bubble = None
-        if a.profile:
-            self.records = self.pipe.profile_records()  # gathered on pipeline rank 0
+        if a.task_times:
+            self.records = self.pipe.task_times()  # gathered on pipeline rank 0
             box = [None if self.records is None else measured_bubble_rate(self.records)]
             if self.reporter != 0:
                 dist.broadcast_object_list(box, src=0)

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths, right-padded (attention_mask, -100)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPUs, else float32")
     ap.add_argument("--fast", action="store_true",
-                    help="the stages' fast form: compiled layers, task graphs on GPUs (zbpp.models.fast)")
+                    help="the stages' fast form: compiled layers, task graphs on GPUs where measured faster "
+                         "(zbpp.models.fast)")
     ap.add_argument("--fp8", action="store_true", help="with --fast: FP8 GEMMs (Hopper or later)")
     ap.add_argument("--attn", choices=["sdpa", "eager"], default=None,
                     help="HF attention implementation (default: HF's choice for the model, sdpa where it has it)")

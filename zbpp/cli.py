@@ -4,7 +4,7 @@
     zbpp show zb-auto -p 8 -m 24 --f 18.5 --b 18.1 --w 9.3 --comm 0.6 --memory-limit 16
     zbpp compare -p 8 -m 24                     # every schedule's bubble rate and peak memory
     zbpp plot zb-v -p 4 -m 8 -o zbv.svg         # figure (needs matplotlib: pip install zbpp[viz])
-    zbpp trace zb-h1 -p 4 -m 8 -o plan.json     # Perfetto / chrome://tracing trace of the plan
+    zbpp trace zb-h1 -p 4 -m 8 -o sim.json      # Perfetto / chrome://tracing trace of the simulated step
     zbpp measure --hf-config config.json --seq 4096 --dtype bfloat16 --device cuda -o llama3-8b.json
                                                 # per-layer profile of a HF causal LM, measured
     zbpp plan --profile llama3-8b.json -p 8 -m 32 --budget-gb 80   # layers and schedule chosen together
@@ -28,7 +28,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from . import __version__
 from .schedules import Costs, Memory, available, build, options_of, simulate, validate
-from .schedules.partition import MAX_SPLITS
+from .schedules.planner import MAX_SPLITS
 
 __all__ = ["main"]
 
@@ -257,14 +257,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    """``zbpp trace``: a Perfetto trace of the simulated plan."""
+    """``zbpp trace``: a Perfetto trace of the simulated step."""
     _check_output(args.output)
     from .viz.trace import write_trace
 
     costs, memory = _costs_memory(args)
     sched = _build_from_args(args.name, args, costs, memory)
     res = simulate(sched, costs, memory)
-    write_trace(args.output, plan=res, comm=costs.comm)
+    write_trace(args.output, simulated=res, comm=costs.comm)
     print(f"wrote {args.output}: {sched.num_tasks} tasks on {sched.num_ranks} ranks "
           "(open it at https://ui.perfetto.dev or chrome://tracing; 1 cost unit = 1 ms)")
     return 0
@@ -272,7 +272,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """``zbpp plan``: each stage's layers and the schedule, chosen together within a memory budget."""
-    from .schedules.partition import search
+    from .schedules.planner import search
     from .schedules.profile import Profile
 
     try:
@@ -282,14 +282,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     schedules = [x.strip() for x in args.schedules.split(",") if x.strip()] if args.schedules else None
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
     policies = [x.strip() for x in args.policies.split(",") if x.strip()] if args.policies else None
-    layout = search(profile, args.ranks, args.microbatches, budget, schedules=schedules, max_splits=args.max_splits,
+    plan = search(profile, args.ranks, args.microbatches, budget, schedules=schedules, max_splits=args.max_splits,
                     policies=policies)
     print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
           f"microbatches={args.microbatches} budget={'none' if budget is None else f'{args.budget_gb:g} GB'} per rank")
-    print(layout.explain(top=args.top))
-    print("stages (layer index ranges):", ", ".join(f"{r.start}-{r.stop - 1}" for r in layout.stages))
-    if layout.policies:
-        print("policies (per stage):", ", ".join(layout.policies))
+    print(plan.explain(top=args.top))
+    print("stages (layer index ranges):", ", ".join(f"{r.start}-{r.stop - 1}" for r in plan.stages))
+    if plan.policies:
+        print("policies (per stage):", ", ".join(plan.policies))
     return 0
 
 
@@ -356,7 +356,7 @@ def make_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw a schedule (or a measured run) to an SVG or PNG file")
     _add_schedule_args(plot)
     plot.add_argument("-o", "--output", required=True, help="FILE.svg or FILE.png")
-    plot.add_argument("--measured", default=None, help="a trace JSON written by Pipeline(profile=True) to draw instead")
+    plot.add_argument("--measured", default=None, help="a trace JSON written by Pipeline(record_task_times=True) to draw instead")
     plot.set_defaults(func=_cmd_plot)
 
     trace = sub.add_parser("trace", help="write a Perfetto/Chrome trace of the simulated schedule")

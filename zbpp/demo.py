@@ -157,7 +157,7 @@ def _rank_main(name: str, m: int, steps: int, seed: int) -> dict[str, Any]:
     sched = build(name, num_ranks=p, num_microbatches=m)
     S = sched.num_stages
     mine = {s: make_stage(s, S, cfg, seed=seed) for s in sched.stages_on(rank)}
-    pipe = Pipeline(mine, sched, lm_loss, profile=True)
+    pipe = Pipeline(mine, sched, lm_loss, record_task_times=True)
     opt = torch.optim.Adam(list(pipe.parameters()), lr=LR)
     ref = [make_stage(s, S, cfg, delayed=False, seed=seed) for s in range(S)]
     ref_opt = torch.optim.Adam([q for st in ref for q in st.parameters()], lr=LR)
@@ -182,7 +182,7 @@ def _rank_main(name: str, m: int, steps: int, seed: int) -> dict[str, Any]:
     for s, st in mine.items():
         for a, b in zip(st.parameters(), ref[s].parameters()):
             diff = max(diff, float((a.detach() - b.detach()).abs().max()))
-    records = pipe.profile_records()
+    records = pipe.task_times()
     params = sum(q.numel() for q in pipe.parameters())
     return {"rank": rank, "losses": losses, "ref_losses": ref_losses, "diff": diff, "records": records,
             "params": params, "step_times": step_times, "stages": sorted(mine)}
@@ -204,7 +204,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """Run the demo described in the module docstring; 0 when the check passes."""
     import os
 
-    from zbpp.runtime.profiling import measured_bubble_rate
+    from zbpp.runtime.task_times import measured_bubble_rate
     from zbpp.schedules import Costs, available, build, simulate
     from zbpp.testing import DistributedTestError, run_distributed
 
@@ -235,7 +235,7 @@ def run_demo(args: argparse.Namespace) -> int:
     params = sum(r["params"] for r in results)
     step_ms = 1e3 * sum(r["step_times"][-1] for r in results) / len(results)
     print(f"parameters {params:,}   last step {step_ms:.1f} ms   total {wall:.1f} s (spawning included)")
-    costs = Costs.from_profile(records, sched.num_stages)
+    costs = Costs.from_task_times(records, sched.num_stages)
     task_ms = ", ".join(f"{k} {1e3 * sum(getattr(costs, k.lower())) / sched.num_stages:.2f} ms" for k in "FBW")
     print(f"bubble rate: {simulate(sched, costs).bubble_rate:.3f} with the task times measured on the last step "
           f"(simulated; mean {task_ms}), planned {planned:.3f} with equal F, B, W times")

@@ -212,7 +212,7 @@ def _stage_backward_flops(stage: Any, loss_fn: Any, num_stages: int, s: int, m: 
             x["hidden_states"] = torch.randn(*ids.shape, stage.config.hidden_size, dtype=torch.float64,
                                              requires_grad=True)
             if aux is not None:
-                x["router_logits"] = torch.randn(stage._zbpp_plan.lo, ids.numel(), aux.num_experts,
+                x["router_logits"] = torch.randn(stage._zbpp_stage_spec.lo, ids.numel(), aux.num_experts,
                                                  dtype=torch.float64, requires_grad=True)
         y = stage(**x)
         last = s == num_stages - 1

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zbpp.models import measure_causal_lm, measure_profile
-from zbpp.schedules.partition import search
+from zbpp.schedules.planner import search
 
 F64 = 8  # bytes of a float64
 
@@ -109,8 +109,8 @@ def test_hf_llama_profile_is_searchable():
     assert prof.layers[-1].static == (48 * 16 + 16) * (2 * F64 + 12)
     assert all(x.f > 0 and x.b > 0 and x.w > 0 and 0 < x.wgrad < x.activation for x in blocks)
     assert prof.layers[0].b == 0 and prof.layers[-1].activation > 0
-    layout = search(prof, num_ranks=2, num_microbatches=4)
-    assert [r for st in layout.stages for r in st] == list(range(len(prof)))
+    plan = search(prof, num_ranks=2, num_microbatches=4)
+    assert [r for st in plan.stages for r in st] == list(range(len(prof)))
 
 
 def _tiny_llama(layers: int = 4):

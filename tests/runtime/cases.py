@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from zbpp import Pipeline
 from zbpp.schedules import Costs, Schedule, build, options_of, simulate
-from zbpp.schedules.plan import make_plan
+from zbpp.schedules.program import make_program
 
 from .models import H, loss_fn, make_batch, make_stage, reference_step
 
@@ -107,27 +107,27 @@ def check_schedule(name: str, p: int, kinds: list[str], cases: list[tuple[int, i
     return worst
 
 
-# schedules whose slow-link plan (`slow_link_case`) posts receives early, per number of ranks: at
-# p = 2, zb-h1's plan has none (its W tasks fill every wait), so it would test nothing new there
+# schedules whose slow-link program (`slow_link_case`) posts receives early, per number of ranks: at
+# p = 2, zb-h1's program has none (its W tasks fill every wait), so it would test nothing new there
 SLOW_LINK_NAMES = {2: ["1f1b", "zb-v", "dualpipe-v"], 4: ["1f1b", "zb-h1", "zb-v", "dualpipe-v"]}
 
 
 def slow_link_case(name: str, p: int) -> tuple[Schedule, Costs]:
-    """A schedule and costs for a slow link (a message takes 2.5 tasks) under which the plan posts
+    """A schedule and costs for a slow link (a message takes 2.5 tasks) under which the program posts
     some receives before their data exists, so that the transfer starts with the send; raises
     AssertionError when it posts none (the case would test nothing new)."""
     sched = make_schedule(name, p, 2 * p + 1)
     costs = Costs(1.0, 1.0, 1.0, comm=2.5)
-    plan, sim = make_plan(sched, costs=costs), simulate(sched, costs)
-    early = [op for rp in plan.ranks for i, ops in enumerate(rp.issue) for op in ops
+    program, sim = make_program(sched, costs=costs), simulate(sched, costs)
+    early = [op for rp in program.ranks for i, ops in enumerate(rp.issue) for op in ops
              if not op.send and 0 < i < rp.tasks.index(op.message.dst)
              and sim.end[rp.tasks[i - 1]] < sim.end[op.message.src]]
     assert early, f"{name} at p={p}: no receive posted before its data; the case tests nothing new"
     return sched, costs
 
 
-def check_slow_link_plan(name: str, p: int) -> float:
-    """`slow_link_case`'s step equals the reference (the order of operations is the plan's, on
+def check_slow_link_program(name: str, p: int) -> float:
+    """`slow_link_case`'s step equals the reference (the order of operations is the program's, on
     every backend)."""
     sched, costs = slow_link_case(name, p)
     return max(run_case(sched, rows, "zbpp", pipe_kwargs={"costs": costs}) for rows in (2 * (2 * p + 1), 5 * p + 2))
@@ -155,8 +155,8 @@ def check_many_steps(name: str, p: int) -> dict[str, Any]:
     ref = [make_stage(s, S, "plain", device) for s in range(S)]
     pipe = Pipeline(mine, sched, loss_fn)
     counts = []
-    plan = [(4 * p, "double"), (6 * p + 1, "double"), (4 * p, "single"), (4 * p, "double"), (6 * p + 1, "double"), (4 * p, "double")]
-    for step, (rows, tag) in enumerate(plan):
+    batches = [(4 * p, "double"), (6 * p + 1, "double"), (4 * p, "single"), (4 * p, "double"), (6 * p + 1, "double"), (4 * p, "double")]
+    for step, (rows, tag) in enumerate(batches):
         inputs, target = make_batch(step, rows, device, tag=tag)
         loss = pipe.step(inputs, target=target)
         ref_loss = reference_step(ref, inputs, target)
@@ -178,17 +178,17 @@ def check_many_steps(name: str, p: int) -> dict[str, Any]:
     return {"counts": counts, "signatures": len(pipe._specs)}
 
 
-def check_profile(name: str, p: int) -> Any:
-    """profile=True: rank 0 gets every rank's records, one per task, in each rank's schedule order."""
+def check_task_times(name: str, p: int) -> Any:
+    """record_task_times=True: rank 0 gets every rank's records, one per task, in each rank's schedule order."""
     rank = dist.get_rank()
     device = device_for_rank()
     sched = make_schedule(name, p, 2 * p)
     mine = {s: make_stage(s, sched.num_stages, "zbpp", device) for s in sched.stages_on(rank)}
-    pipe = Pipeline(mine, sched, loss_fn, profile=True)
+    pipe = Pipeline(mine, sched, loss_fn, record_task_times=True)
     for step in range(2):
         inputs, target = make_batch(step, 4 * p, device)
         pipe.step(inputs, target=target)
-    recs = pipe.profile_records()
+    recs = pipe.task_times()
     if rank != 0:
         assert recs is None, f"rank {rank} got records"
         return None
@@ -249,7 +249,7 @@ def check_release(name: str, p: int, free: bool) -> list[tuple[int, int]]:
     pipe.step(inputs, target=target)
     reference_step(ref, inputs, target)
     _grads_close(f"free={free}:", mine, ref, tolerance(torch.device("cpu")))
-    sent_stages = {a.stage for a in pipe._plan.ranks[pipe.pp_rank].send_of if a.kind.value == "F"}
+    sent_stages = {a.stage for a in pipe._program.ranks[pipe.pp_rank].send_of if a.kind.value == "F"}
     out = []
     for s, t in captured:
         if s in sent_stages:
@@ -261,7 +261,7 @@ def check_release(name: str, p: int, free: bool) -> list[tuple[int, int]]:
 def check_fifo(name: str, p: int) -> str:
     """FIFO (Transformer-Engine-like) delayed modules: accepted and correct when the schedule keeps
     each stage's W in B order, refused with a clear error otherwise."""
-    from zbpp.schedules.plan import fifo_wgrad_problem
+    from zbpp.schedules.program import fifo_wgrad_problem
 
     sched = make_schedule(name, p, 2 * p + 1)
     unsafe = [s for s in range(sched.num_stages) if fifo_wgrad_problem(sched, s)]

@@ -108,25 +108,25 @@ class _Watch(TaskFlops):
     def __init__(self) -> None:
         super().__init__()
         self.not_pending: list[str] = []
-        self.keyed_runs = 0
+        self.keyed_computes = 0
 
     @contextlib.contextmanager
     def installed(self):
         keyed = _wgrad.KeyedWgrad
-        orig_run = keyed.run
+        orig_compute = keyed.compute
 
-        def keyed_run(adapter: Any, key: Any) -> None:
-            self.keyed_runs += 1
+        def keyed_compute(adapter: Any, key: Any) -> None:
+            self.keyed_computes += 1
             if key not in adapter.module.pending_wgrad_keys():
                 self.not_pending.append(f"{type(adapter.module).__name__} key {key}")
-            orig_run(adapter, key)
+            orig_compute(adapter, key)
 
-        keyed.run = keyed_run
+        keyed.compute = keyed_compute
         try:
             with super().installed():
                 yield self
         finally:
-            keyed.run = orig_run
+            keyed.compute = orig_compute
 
 
 def compiled_case(case: str) -> list[str]:
@@ -193,7 +193,7 @@ def _case(name: str, kind: str, how: str, variant: str = "") -> list[str]:
             _compare(f"stage {s} grad {pn}", a.grad, b.grad, fails)
     if kind == "zbpp":
         fails += [f"W ran a job that B had not filed (computed in B?): {w}" for w in watch.not_pending]
-        if not watch.keyed_runs:
+        if not watch.keyed_computes:
             fails.append("no zbpp layer's W ran")
     if not variant:
         fails += _check_flops(kind, sched, watch)

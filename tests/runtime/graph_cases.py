@@ -23,7 +23,7 @@ from torch import nn
 
 from zbpp import Pipeline
 from zbpp.modules import DelayedScaling, LayerNormMLP, fp8_autocast
-from zbpp.runtime.task_graphs import StandInGraphs, TaskGraphs
+from zbpp.runtime.task_graphs import EAGER, TRIAL_STEPS, AutoGraphs, HostTimer, StandInGraphs, TaskGraphs
 from zbpp.schedules import build
 
 D = 32  # hidden width
@@ -97,11 +97,12 @@ def replay_counter(pipe: Pipeline) -> dict[int, int]:
     return counts
 
 
-def train(schedule: str, *, graphs: bool | type[TaskGraphs], rank: int, world: int, device: torch.device, dtype: torch.dtype,
-          fp8: bool = False, main_grad: bool = False, groups: Any = None, tied: bool = False) -> dict[str, Any]:
-    """`STEPS` steps of SGD; returns the losses, every step's gradients and the graph counters.
+def train(schedule: str, *, graphs: bool | type[TaskGraphs] | AutoGraphs, rank: int, world: int, device: torch.device,
+          dtype: torch.dtype, fp8: bool = False, main_grad: bool = False, groups: Any = None, tied: bool = False,
+          steps: int = STEPS, on_pipeline: Any = None) -> dict[str, Any]:
+    """`steps` steps of SGD; returns the losses, every step's gradients and the graph counters.
     `tied`: the first plain block's fc1 weight is also the last block's (a tied parameter: its
-    copies' gradients are summed outside the graphs)."""
+    copies' gradients are summed outside the graphs). `on_pipeline(pipe)` is called once it is built."""
     sched = build(schedule, num_ranks=world, num_microbatches=M)
     per_stage = 2
     blocks = make_blocks(per_stage * sched.num_stages, dtype, device, main_grad)
@@ -113,10 +114,12 @@ def train(schedule: str, *, graphs: bool | type[TaskGraphs], rank: int, world: i
     pipe = Pipeline(stages, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=graphs, groups=groups,
                     tied_parameters={"fc1": tie} if tied and held else None)
     replays = replay_counter(pipe) if graphs else {}
+    if on_pipeline is not None:
+        on_pipeline(pipe)
     params = list(pipe.parameters())
     opt = torch.optim.SGD(params, lr=0.05)
     losses, grads = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         for p in params:
             if hasattr(p, "main_grad"):
@@ -131,7 +134,8 @@ def train(schedule: str, *, graphs: bool | type[TaskGraphs], rank: int, world: i
         opt.step()
     graphed = pipe._graph_cache.graphs.values() if pipe._graph_cache is not None else []
     counts = [(len(g), replays.get(id(g), 0)) for g in graphed]
-    return {"losses": losses, "grads": grads, "graphs": counts}
+    choices = pipe._graph_cache.choices() if pipe._graph_cache is not None else []
+    return {"losses": losses, "grads": grads, "graphs": counts, "choices": choices}
 
 
 def compare(schedule: str, *, rank: int = 0, world: int = 1, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -145,13 +149,106 @@ def compare(schedule: str, *, rank: int = 0, world: int = 1, device: str = "cuda
     counts = graphed["graphs"]  # (tasks captured, replay steps) per signature
     if len(counts) != 2 or any(n == 0 for n, _ in counts) or sorted(r for _, r in counts) != [1, 2]:
         fails.append(f"(tasks captured, replay steps) per signature: {counts}; expected 2 signatures replayed 1 and 2 times")
-    for step in range(STEPS):
-        a, b = eager["losses"][step], graphed["losses"][step]
+    return fails + differences(eager, graphed)
+
+
+def differences(eager: dict[str, Any], graphed: dict[str, Any]) -> list[str]:
+    """Where two `train` runs' losses or gradients differ by a bit, as lines (empty: equal)."""
+    fails = []
+    for step, (a, b) in enumerate(zip(eager["losses"], graphed["losses"], strict=True)):
         if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
             fails.append(f"step {step}: loss {b} with graphs, {a} eager")
         for i, (ga, gb) in enumerate(zip(eager["grads"][step], graphed["grads"][step])):
             if not torch.equal(ga, gb):
                 fails.append(f"step {step}: parameter {i}: max |difference| {(ga.float() - gb.float()).abs().max().item():.3g}")
+    return fails
+
+
+# -- cuda_graphs="auto" on CPUs: time that moves only when the tasks say so ----------------------
+
+AUTO_STEPS = 16  # each signature: eager, capture, TRIAL_STEPS x (eager, replay) timed, then its choice twice
+
+
+class TaskClock:
+    """A fake clock for `HostTimer`: every forward of a stage moves it by `per_forward`, every
+    replay of a task by `per_replay` more (negative: replays are faster than eager tasks).
+    A rank's eager step then takes F * per_forward, a replayed one F * per_forward + T * per_replay
+    (F forwards, T tasks)."""
+
+    def __init__(self, per_forward: float, per_replay: float) -> None:
+        self.now = 0.0
+        self.per_forward, self.per_replay = per_forward, per_replay
+
+    def __call__(self) -> float:
+        return self.now
+
+    def graphs(self, kind: type[TaskGraphs] = StandInGraphs) -> AutoGraphs:
+        """``cuda_graphs=`` for a pipeline of `kind` graphs timed by this clock."""
+        clock = self
+
+        class Ticking(kind):  # type: ignore[misc, valid-type]
+            def _replay(self, rec: Any) -> None:
+                clock.now += clock.per_replay
+                super()._replay(rec)
+
+        return AutoGraphs(Ticking, HostTimer(self))
+
+    def install(self, pipe: Pipeline, forms: list[str]) -> None:
+        """Tick on every stage forward; append each training step's form to `forms` ("eager",
+        "capture" or "replay")."""
+        for m in pipe.stage_modules.values():
+            m.register_forward_pre_hook(lambda *_: setattr(self, "now", self.now + self.per_forward))
+        cache = pipe._graph_cache
+        assert cache is not None
+        pick = cache.runner
+
+        def recorded(*args: Any) -> Any:
+            runner = pick(*args)
+            forms.append("eager" if runner is EAGER else "capture" if runner.capturing else "replay")
+            return runner
+
+        cache.runner = recorded
+
+
+def auto_forms(graphs: bool | None) -> list[str]:
+    """The forms of `AUTO_STEPS` steps of two signatures alternating, when the trial chooses `graphs`
+    (None: the trial's steps only)."""
+    one = ["eager", "capture"] + ["eager", "replay"] * TRIAL_STEPS
+    if graphs is not None:
+        one += ["replay" if graphs else "eager"] * (AUTO_STEPS // 2 - len(one))
+    return [form for pair in zip(one, one) for form in pair]
+
+
+def compare_auto(schedule: str, runs: list[tuple[float, float, bool] | None], *, rank: int = 0, world: int = 1,
+                 groups: Any = None, device: str = "cpu") -> list[str]:
+    """For each run, `AUTO_STEPS` steps of ``cuda_graphs="auto"`` against eager steps, bit for bit;
+    the forms it ran, its choices and the graphs (and, on CUDA, the memory pool) it kept. A run is
+    (per_forward, per_replay, graphs expected): timed by a `TaskClock`; or None: timed by CUDA
+    events, any choice. CPU: float64 stand-ins; CUDA: bf16 CUDA graphs. What differs, as lines."""
+    dev = torch.device(device)
+    kw: dict[str, Any] = dict(rank=rank, world=world, device=dev, groups=groups, steps=AUTO_STEPS,
+                              dtype=torch.float64 if dev.type == "cpu" else torch.bfloat16)
+    kind = StandInGraphs if dev.type == "cpu" else TaskGraphs
+    eager = train(schedule, graphs=False, **kw)
+    fails = []
+    for run in runs:
+        clock, forms, pipes = TaskClock(*run[:2]) if run else TaskClock(0.0, 0.0), [], []
+
+        def watch(pipe: Pipeline) -> None:
+            clock.install(pipe, forms)
+            pipes.append(pipe)
+
+        auto = train(schedule, graphs=clock.graphs(kind) if run else "auto", on_pipeline=watch, **kw)
+        what = f"per_forward, per_replay = {run[:2]}" if run else "timed by CUDA events"
+        want = run[2] if run else None
+        expected = auto_forms(want)
+        if forms[:len(expected)] != expected:
+            fails.append(f"{what}: forms {forms}, expected {expected}")
+        if (run and auto["choices"] != [want, want]) or None in auto["choices"] or len(auto["choices"]) != 2:
+            fails.append(f"{what}: choices {auto['choices']} of the two signatures, expected {[want, want]}")
+        if run and not want and (auto["graphs"] or pipes[0]._graph_cache._mem_pool is not None):
+            fails.append(f"{what}: eager chosen, yet graphs {auto['graphs']} or their pool kept")
+        fails += [f"{what}: {f}" for f in differences(eager, auto)]
     return fails
 
 
@@ -185,3 +282,11 @@ def worker(schedule: str, backend: str, dp: int = 1, **kw: Any) -> list[str]:
     device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     dtype = torch.bfloat16 if backend == "nccl" else torch.float64
     return compare(schedule, rank=rank, world=world // dp, device=device, dtype=dtype, groups=groups, **kw)
+
+
+def auto_worker(schedule: str, runs_by_rank: list[list[tuple[float, float, bool]]]) -> list[str]:
+    """On each gloo rank of one pipeline: `compare_auto` with this rank's runs (its clock's costs)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return compare_auto(schedule, runs_by_rank[rank], rank=rank, world=dist.get_world_size())

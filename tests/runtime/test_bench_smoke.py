@@ -40,12 +40,12 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_bench_pipeline_quick_under_torchrun(tmp_path):
-    """The default model (its plans made for the plan's default costs), then the MLP stack over two
-    microbatch counts appended to the same JSON (its plans made from the measured costs, the
+    """The default model (its programs made for the program's default costs), then the MLP stack over two
+    microbatch counts appended to the same JSON (its programs made from the measured costs, the
     default, and a message overhead fitted): every row timed, the ideal rows, the prediction on
     every zbpp row, a pick."""
     out = tmp_path / "bench.json"
-    proc = _torchrun("--quick", "--plan-comm", "default", "--out", str(out))
+    proc = _torchrun("--quick", "--program-comm", "default", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     proc = _torchrun("--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto",
                      "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2", "--ordered", "zb-v",
@@ -55,7 +55,7 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
     rows = doc["rows"]
     assert all("step_ms" in r for r in rows), [r for r in rows if "error" in r]
     assert [run["model"] for run in doc["meta"]["runs"]] == ["transformer", "mlp-stack"]
-    assert [run["config"]["plan_comm"] for run in doc["meta"]["runs"]] == ["default", "measured"]
+    assert [run["config"]["program_comm"] for run in doc["meta"]["runs"]] == ["default", "measured"]
     fit = [run["config"]["fit_message_overhead"] for run in doc["meta"]["runs"]]
     assert fit == [False, True]
     # the code that ran, independent of git (benchmarks/provenance.py)
@@ -79,15 +79,15 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
                 assert r["measured_over_predicted"] == pytest.approx(r["step_ms"] / r["predicted_ms"])
                 # the lower bound holds for the simulated schedule with the same costs
                 assert 0 < r["bound_ms"] <= r["predicted_ms"] * (1 + 1e-9)
-                # the plan's message timing can only add to simulate's (messages leave with their producer)
+                # the program's message timing can only add to simulate's (messages leave with their producer)
                 assert r["bound_ms"] <= r["simulated_ms"] * (1 + 1e-9) <= r["predicted_ms"] * (1 + 1e-9) ** 2
                 assert set(r["costs_ms"]) == {"f", "b", "w", "comm", "message_overhead"}
                 assert len(r["costs_ms"]["f"]) == r["num_stages"]
-                # the recorded step (task starts and ends) lies inside its profiled step's wall time
-                assert len(r["profiled_step_ms"]) == 5  # --profile-steps' default
-                # the first profiled step exchanges shapes: its records are left out of the costs
-                assert len(r["profiled_span_ms"]) == 4
-                assert all(0 < span <= wall for span, wall in zip(r["profiled_span_ms"], r["profiled_step_ms"][1:]))
+                # the recorded step (task starts and ends) lies inside its recorded step's wall time
+                assert len(r["recorded_step_ms"]) == 5  # --task-time-steps' default
+                # the first recorded step exchanges shapes: its records are left out of the costs
+                assert len(r["recorded_span_ms"]) == 4
+                assert all(0 < span <= wall for span, wall in zip(r["recorded_span_ms"], r["recorded_step_ms"][1:]))
             if r["impl"] != "pick":
                 assert len(r["step_ms_all"]) == (3 if model == "transformer" else 2)  # --quick's steps, then --steps 2
                 # step_ms: the slowest rank's median step; step_ms_all: each step's slowest rank
@@ -102,14 +102,14 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
     # step runs every task or the script asserts)
     assert sorted((r["m"], r["schedule"]) for r in rows if r["impl"] == "ordered") == [(2, "zb-v"), (4, "zb-v")]
     comm = {(c["run"], c["m"]): c["comm_ms"] for c in doc["meta"]["cases"]}  # one layers kind per case here
-    for r in rows:  # --plan-comm measured: the mlp run's plans got the ideal's costs cut to their stages
+    for r in rows:  # --program-comm measured: the mlp run's programs got the ideal's costs cut to their stages
         if r["impl"] in ("zbpp", "pick"):
-            plan_costs = r["plan_costs_ms"]
+            program_costs = r["program_costs_ms"]
             if r["model"] == "transformer":
-                assert plan_costs is None  # the plan's DEFAULT_COSTS
+                assert program_costs is None  # the program's DEFAULT_COSTS
             else:
-                assert plan_costs["comm"] == pytest.approx(comm[(r["run"], r["m"])])
-                assert len(plan_costs["f"]) == r["num_stages"] and min(plan_costs["f"]) > 0
+                assert program_costs["comm"] == pytest.approx(comm[(r["run"], r["m"])])
+                assert len(program_costs["f"]) == r["num_stages"] and min(program_costs["f"]) > 0
     for case in doc["meta"]["cases"]:  # the overhead fitted on one row reaches every zbpp row's costs
         assert case["message_overhead_ms"] >= 0
         if not fit[case["run"]]:  # not asked for: none fitted, none charged
@@ -225,7 +225,7 @@ def test_kernel_timeline_compare_by_kernel_name(tmp_path):
     assert got["kernels"] == [{"name": "gemm_x", "count": [2, 2], "median_us": [105.0, 115.0], "ratio": 115.0 / 105.0}]
 
 
-def test_bench_pipeline_costs_are_the_median_of_the_profiled_steps(monkeypatch):
+def test_bench_pipeline_costs_are_the_median_of_the_recorded_steps(monkeypatch):
     """bench_pipeline.median_costs, by hand (its docstring too): a slow step in three moves no cost."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling modules, as when run as a script
     bench = _load_benchmark("bench_pipeline")

@@ -19,10 +19,10 @@ from .cases import (
     check_groups,
     check_many_steps,
     check_no_cyclic_garbage,
-    check_profile,
+    check_task_times,
     check_release,
     check_schedule,
-    check_slow_link_plan,
+    check_slow_link_program,
     slow_link_case,
     standard_cases,
 )
@@ -34,9 +34,9 @@ KINDS = ["plain", "zbpp", "mixed"]
 
 
 @pytest.mark.parametrize("name", SLOW_LINK_NAMES[P])
-def test_slow_link_plan_matches_single_process(zbpp_workers, name):
-    """Receives posted before their data exists (a plan for a link slower than a task)."""
-    worst = zbpp_workers(P).run(check_slow_link_plan, name, P)
+def test_slow_link_program_matches_single_process(zbpp_workers, name):
+    """Receives posted before their data exists (a program for a link slower than a task)."""
+    worst = zbpp_workers(P).run(check_slow_link_program, name, P)
     assert max(worst) < 1e-3  # checked per tensor inside (rtol=1e-5, atol=1e-6)
 
 
@@ -69,8 +69,8 @@ def test_many_steps_new_shapes_and_no_leaks(zbpp_workers, name):
     assert all(r["signatures"] == 3 for r in results)
 
 
-def test_profile_records_gathered_on_rank_zero(zbpp_workers):
-    recs = zbpp_workers(P).run(check_profile, "zb-h1", P)
+def test_task_times_gathered_on_rank_zero(zbpp_workers):
+    recs = zbpp_workers(P).run(check_task_times, "zb-h1", P)
     assert recs[1:] == [None] * (P - 1)
     assert {r["rank"] for r in recs[0]} == set(range(P))
 

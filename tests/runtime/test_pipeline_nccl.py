@@ -1,8 +1,8 @@
 """The runtime on NCCL (2 GPUs, pp=2): every schedule against one process, with per-pair and with
-eagerly created (shared) communicators; leaks, profiling and torchrun. Skipped without 2 GPUs.
+eagerly created (shared) communicators; leaks, task times and torchrun. Skipped without 2 GPUs.
 
 NCCL has no tags and may block a send until its receive is posted, so these tests are the real
-check of the plan's one order of operations (gloo hides ordering bugs). Tolerances: see
+check of the program's one order of operations (gloo hides ordering bugs). Tolerances: see
 `tests.runtime.cases` (CUDA: rtol=1e-4, atol=1e-5).
 """
 
@@ -22,9 +22,9 @@ from .cases import (
     SLOW_LINK_NAMES,
     check_cuda_memory,
     check_many_steps,
-    check_profile,
+    check_task_times,
     check_schedule,
-    check_slow_link_plan,
+    check_slow_link_program,
     standard_cases,
 )
 
@@ -44,10 +44,10 @@ def test_schedule_matches_single_process_on_nccl(zbpp_workers, name, eager):
 
 
 @pytest.mark.parametrize("name", SLOW_LINK_NAMES[P])
-def test_slow_link_plan_on_nccl(zbpp_workers, name):
-    """A plan for a slow link posts receives before their data exists: NCCL must not deadlock on it
+def test_slow_link_program_on_nccl(zbpp_workers, name):
+    """A program for a slow link posts receives before their data exists: NCCL must not deadlock on it
     and the step must equal one process."""
-    worst = zbpp_workers(P, backend="nccl").run(check_slow_link_plan, name, P)
+    worst = zbpp_workers(P, backend="nccl").run(check_slow_link_program, name, P)
     assert max(worst) < 1e-2
 
 
@@ -58,8 +58,8 @@ def test_many_steps_and_no_leaks_on_nccl(zbpp_workers, name):
     workers.run(check_cuda_memory, name, P)
 
 
-def test_profile_with_cuda_events(zbpp_workers):
-    recs = zbpp_workers(P, backend="nccl").run(check_profile, "zb-v", P)
+def test_task_times_with_cuda_events(zbpp_workers):
+    recs = zbpp_workers(P, backend="nccl").run(check_task_times, "zb-v", P)
     assert {r["rank"] for r in recs[0]} == {0, 1}
 
 

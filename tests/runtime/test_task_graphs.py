@@ -79,10 +79,10 @@ def test_stand_in_with_evaluation_and_no_sync() -> None:
 
 def test_signatures_kept_are_bounded_and_recaptured() -> None:
     """At most MAX_GRAPHED_SIGNATURES signatures keep graphs (least recently used dropped); one
-    that comes back after being dropped captures again; profile records cover replayed tasks."""
+    that comes back after being dropped captures again; task records cover replayed tasks."""
     sched = build("zb-h1", num_ranks=1, num_microbatches=2)
     pipe = Pipeline({0: nn.Linear(3, 1, dtype=torch.float64)}, sched, loss_fn=nn.functional.mse_loss,
-                    cuda_graphs=StandInGraphs, profile=True)
+                    cuda_graphs=StandInGraphs, record_task_times=True)
     replays = graph_cases.replay_counter(pipe)
     kept = pipe._graph_cache.graphs
     limit = task_graphs.MAX_GRAPHED_SIGNATURES
@@ -97,7 +97,7 @@ def test_signatures_kept_are_bounded_and_recaptured() -> None:
     pipe.step(torch.ones(rows[0], 3, dtype=torch.float64), torch.zeros(rows[0], 1, dtype=torch.float64))
     newest = list(kept.values())[-1]
     assert replays[id(newest)] == 0 and len(newest) == len(sched.orders[0])  # dropped earlier: captured again
-    assert sorted(r["action"] for r in pipe.profile_records()) == sorted(str(a) for a in sched.orders[0])
+    assert sorted(r["action"] for r in pipe.task_times()) == sorted(str(a) for a in sched.orders[0])
 
 
 def test_refused_on_cpu_and_for_declared_stages() -> None:
@@ -184,4 +184,74 @@ def test_graphs_on_two_nccl_ranks(zbpp_workers, schedule: str, dp: int, main_gra
     per_rank = zbpp_workers(2, backend="nccl").run(graph_cases.worker, schedule, "nccl", dp=dp, fp8=True,
                                                    main_grad=main_grad, tied=tied)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+# -- cuda_graphs="auto" (stand-ins on CPUs, timed by a fake clock: `graph_cases.TaskClock`) -------
+# zb-h1 over M=4 microbatches: each rank runs 4 F and 12 tasks a step, so an eager step takes
+# 4 * per_forward and a replayed one 4 * per_forward + 12 * per_replay on the fake clock.
+
+
+@pytest.mark.parametrize("per_replay, graphs", [(0.5, False), (-0.25, True)], ids=["eager-faster", "graphs-faster"])
+def test_auto_keeps_the_faster_form_and_equals_eager(per_replay: float, graphs: bool) -> None:
+    """One rank: eager 4 against replays 10 (eager kept, graphs dropped) or 1 (graphs kept); two
+    signatures alternate through their trials; every step's loss and gradients equal eager steps'."""
+    fails = graph_cases.compare_auto("zb-h1", [(1.0, per_replay, graphs)])
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.timeout(300)
+def test_auto_every_rank_takes_the_choice_of_the_slowest(zbpp_workers) -> None:
+    """Two gloo ranks whose clocks disagree; each form's pace is its slowest rank's. Run 1: rank 0
+    eager 8, replays 2; rank 1 eager 4, replays 5.5 (alone it would keep eager): 8 > 5.5, both
+    keep graphs. Run 2: rank 0 eager 8, replays 11; rank 1 eager 4, replays 1 (alone: graphs):
+    8 < 11, both run eagerly."""
+    runs = [[(2.0, -0.5, True), (2.0, 0.25, False)], [(1.0, 0.125, True), (1.0, -0.25, False)]]
+    per_rank = zbpp_workers(2).run(graph_cases.auto_worker, "zb-h1", runs)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+def test_bad_cuda_graphs_values_are_refused_by_name() -> None:
+    sched = build("1f1b", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ValueError, match="cuda_graphs='sometimes': pass False, True or \"auto\""):
+        Pipeline({0: nn.Linear(2, 2)}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs="sometimes")
+    with pytest.raises(ValueError, match="move the stages to a CUDA device or pass cuda_graphs=False"):
+        Pipeline({0: nn.Linear(2, 2)}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs="auto")
+
+
+def test_auto_trial_step_that_fails_is_run_again_and_not_timed() -> None:
+    """A replay of the trial whose step fails (its loss raises, after turning the clock back: a
+    time below zero, which would make "graphs" win were it counted) neither counts nor gives a
+    time: the next step is that replay again, and eager (2 against 5 on the clock) is kept."""
+    sched, x, y = _one_rank_stand_in(rows=4, outputs=1, seed=6)
+    clock, forms = graph_cases.TaskClock(per_forward=1.0, per_replay=0.5), []
+    fail = [False]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            clock.now -= 1000.0
+            raise RuntimeError("this step fails")
+        return nn.functional.mse_loss(out, target)
+
+    pipe = Pipeline({0: nn.Linear(3, 1, dtype=torch.float64)}, sched, loss_fn=loss_fn, cuda_graphs=clock.graphs())
+    clock.install(pipe, forms)
+    for step in range(8):
+        fail[0] = step == 3
+        if fail[0]:
+            with pytest.raises(PipelineError, match="this step fails"):
+                pipe.step(x, y)
+        else:
+            pipe.step(x, y)
+    assert forms == ["eager", "capture", "eager", "replay", "replay", "eager", "replay", "eager"]
+    assert pipe._graph_cache.choices() == [False] and not pipe._graph_cache.graphs
+
+
+@cuda
+@pytest.mark.gpu
+def test_auto_on_a_gpu_equals_eager_and_gives_the_pool_back_when_eager_wins() -> None:
+    """Real CUDA graphs, bf16: the fake clock makes eager win (graphs and their memory pool given
+    back) or graphs win; CUDA events (the default timer) make some choice for both signatures.
+    Every step bit-identical to eager steps."""
+    fails = graph_cases.compare_auto("zb-h1", [(1.0, 0.5, False), (1.0, -0.25, True), None], device="cuda")
     assert not fails, "\n".join(fails)

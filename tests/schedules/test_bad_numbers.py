@@ -67,10 +67,10 @@ def test_bad_memory_is_refused_naming_the_field(kwargs: dict, message: str) -> N
         Memory(**kwargs)
 
 
-def test_bad_profile_record_is_refused_naming_the_record() -> None:
+def test_bad_task_record_is_refused_naming_the_record() -> None:
     records = [{"action": "F0.0", "start": 0.0, "end": NAN}, {"action": "BW0.0", "start": 1.0, "end": 2.0}]
-    with pytest.raises(ValueError, match=r"profile record .*'F0.0'.*'start' and 'end' must be finite numbers"):
-        Costs.from_profile(records, 1)
+    with pytest.raises(ValueError, match=r"task record .*'F0.0'.*'start' and 'end' must be finite numbers"):
+        Costs.from_task_times(records, 1)
 
 
 def test_numbers_of_any_numeric_type_are_accepted_and_give_the_same_result() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from zbpp.schedules import Costs, Memory, build, fit_message_overhead, pick_schedule, simulate
 from zbpp.schedules.bounds import lower_bound
-from zbpp.schedules.plan import make_plan
+from zbpp.schedules.program import make_program
 from zbpp.schedules.select import evaluate_candidates
 from zbpp.schedules.tasks import input_of
 
@@ -67,10 +67,10 @@ def test_lower_bound_holds_with_the_overhead(name):
     assert without < bound <= simulate(sched, costs).makespan + 1e-9
 
 
-def test_plan_charges_the_overhead_once():
+def test_program_charges_the_overhead_once():
     sched = build("zb-v", num_ranks=2, num_microbatches=4)
     costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.1, message_overhead=0.2)
-    assert make_plan(sched, costs=costs) == make_plan(sched, costs=costs.charged(sched.placement))
+    assert make_program(sched, costs=costs) == make_program(sched, costs=costs.charged(sched.placement))
 
 
 def test_charged_is_idempotent_and_keeps_comm():
@@ -87,7 +87,7 @@ def test_a_bad_overhead_is_named(bad):
 
 
 # Measured on 2 x H200, NCCL over sockets, the mlp stack (hidden 4096, ffn 16384, 16 blocks), m = 8:
-# per rank-stage costs (ms) from zb-h1's profiled step, the ping-pong's message time, the memory
+# per rank-stage costs (ms) from zb-h1's recorded step, the ping-pong's message time, the memory
 # per rank-stage in units of one activation, and the limit (run "socket" of tests/schedules/data/socket_runs.json)
 SOCKET_COSTS = Costs(f=(13.228, 13.082), b=(14.643, 13.414), w=(14.086, 15.057), comm=8.300)
 SOCKET_MEMORY = Memory(activation=(0.9693, 1.0307), wgrad=(0.9692, 0.9815))
@@ -149,7 +149,7 @@ def test_fit_needs_messages():
 
 
 # Two runs of bench_pipeline on NCCL sockets (2 x H200, the mlp stack, m = 8; data/socket_runs.json): each zbpp
-# row's own profiled costs (ms), its message time and its measured step. Messages as latency alone
+# row's own recorded costs (ms), its message time and its measured step. Messages as latency alone
 # miss zb-v by 7-19%; the overhead fitted on zb-h1's step predicts zb-v's.
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from zbpp.schedules import Costs, Memory, build, simulate
 from zbpp.schedules.ir import Kind
-from zbpp.schedules.partition import SCHEDULES, evaluate, search
+from zbpp.schedules.planner import SCHEDULES, evaluate, search
 from zbpp.schedules.profile import Layer, PolicyCost, Profile, transformer_profile
 
 REL = 1e-9  # sums of a few task times and byte counts: rounding only
@@ -113,7 +113,7 @@ def _built(name: str, p: int, m: int):
     return build(name, num_ranks=p, num_microbatches=m)
 
 
-def _plan(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[float, list[float]]:
+def _step_and_peak(prof: Profile, name: str, p: int, m: int, stages, policies) -> tuple[float, list[float]]:
     """Step and per-rank peak (static included) of one plan, every number summed here."""
     sched = _built(name, p, m)
     n = len(stages)
@@ -147,7 +147,7 @@ def _every_plan(prof: Profile, p: int, m: int, names) -> list[tuple[float, float
         for cuts in itertools.combinations(range(1, L), k * p - 1):
             stages = [range(a, b) for a, b in zip((0, *cuts), (*cuts, L))]
             for per_stage in itertools.product(("none", "full", "selective", "offload"), repeat=k * p):
-                step, peak = _plan(prof, name, p, m, stages, per_stage)
+                step, peak = _step_and_peak(prof, name, p, m, stages, per_stage)
                 out.append((step, max(peak)))
     return out
 
@@ -166,12 +166,12 @@ def test_search_with_policies_equals_every_split_schedule_and_per_stage_policy(s
             with pytest.raises(ValueError, match="no schedule and split fits"):
                 search(prof, p, m, budget, schedules=names)
             continue
-        layout = search(prof, p, m, None if math.isinf(budget) else budget, schedules=names)
-        assert layout.step == pytest.approx(best, rel=REL)
+        plan = search(prof, p, m, None if math.isinf(budget) else budget, schedules=names)
+        assert plan.step == pytest.approx(best, rel=REL)
         # the plan it returns, re-simulated here, is as fast and within the budget
-        step, peak = _plan(prof, layout.schedule.name, p, m, layout.stages,
-                           layout.policies or ["none"] * len(layout.stages))
-        assert step == pytest.approx(layout.step, rel=REL) and max(peak) <= budget * (1 + REL)
+        step, peak = _step_and_peak(prof, plan.schedule.name, p, m, plan.stages,
+                                    plan.policies or ["none"] * len(plan.stages))
+        assert step == pytest.approx(plan.step, rel=REL) and max(peak) <= budget * (1 + REL)
 
 
 def test_a_rank_of_a_v_gives_each_of_its_stages_its_own_policy() -> None:
@@ -181,24 +181,24 @@ def test_a_rank_of_a_v_gives_each_of_its_stages_its_own_policy() -> None:
     cheap = Layer("cheap", 1, 1, 1, activation=8, wgrad=2, policies={"full": PolicyCost(1, 2, recompute=0.5)})
     dear = Layer("dear", 1, 1, 1, activation=8, wgrad=2, policies={"full": PolicyCost(1, 2, recompute=3)})
     prof, p, m = Profile([cheap, dear]), 1, 4
-    plans = {q: _plan(prof, "zb-v", p, m, [range(0, 1), range(1, 2)], q)
+    plans = {q: _step_and_peak(prof, "zb-v", p, m, [range(0, 1), range(1, 2)], q)
              for q in itertools.product(("none", "full"), repeat=2)}
     budget = max(plans[("full", "none")][1])
     assert max(plans[("none", "none")][1]) > budget  # a policy is needed ...
     assert plans[("full", "none")][0] < plans[("full", "full")][0]  # ... and one stage's is enough
-    layout = search(prof, p, m, budget, schedules=["zb-v"])
-    assert layout.policies == ("full", "none")
-    assert layout.step == pytest.approx(min(step for step, peak in plans.values() if max(peak) <= budget), rel=REL)
-    assert "stage 0 (rank 0): full" in layout.explain() and "stage 1 (rank 0): none" in layout.explain()
+    plan = search(prof, p, m, budget, schedules=["zb-v"])
+    assert plan.policies == ("full", "none")
+    assert plan.step == pytest.approx(min(step for step, peak in plans.values() if max(peak) <= budget), rel=REL)
+    assert "stage 0 (rank 0): full" in plan.explain() and "stage 1 (rank 0): none" in plan.explain()
 
 
 def test_automatic_schedules_with_policies_stay_within_the_budget() -> None:
     prof, p, m = _profile(3, 8), 2, 4
     none_peak = max(search(prof, p, m, policies=["none"]).peak)
     for budget in (0.7 * none_peak, 0.5 * none_peak):
-        layout = search(prof, p, m, budget, schedules=["zb-auto", "zbv-auto"])
-        res = simulate(layout.schedule, *prof.stage_costs(layout.stages, layout.policies or None)[:2])
-        static = [sum(prof.layers[i].static for s in layout.schedule.stages_on(r) for i in layout.stages[s])
+        plan = search(prof, p, m, budget, schedules=["zb-auto", "zbv-auto"])
+        res = simulate(plan.schedule, *prof.stage_costs(plan.stages, plan.policies or None)[:2])
+        static = [sum(prof.layers[i].static for s in plan.schedule.stages_on(r) for i in plan.stages[s])
                   for r in range(p)]
         assert max(x + y for x, y in zip(static, res.peak_memory)) <= budget * (1 + REL)
 
@@ -206,12 +206,12 @@ def test_automatic_schedules_with_policies_stay_within_the_budget() -> None:
 def test_explain_names_each_stages_policy_and_the_alternatives() -> None:
     prof, p, m = _profile(0, 6), 2, 4
     budget = 0.55 * max(search(prof, p, m, schedules=["zb-v"], policies=["none"]).peak)
-    layout = search(prof, p, m, budget, schedules=["zb-v"])
-    text = layout.explain()
+    plan = search(prof, p, m, budget, schedules=["zb-v"])
+    text = plan.explain()
     assert "policies (one per stage" in text
-    chosen = layout.policies or ("none",) * 4
+    chosen = plan.policies or ("none",) * 4
     for st in range(4):
-        assert f"stage {st} (rank {layout.schedule.rank_of(st)}): {chosen[st]}  [none " in text
+        assert f"stage {st} (rank {plan.schedule.rank_of(st)}): {chosen[st]}  [none " in text
 
 
 def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
@@ -221,12 +221,12 @@ def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
     path = tmp_path / "prof.json"
     prof.save(path)
     budget = 0.55 * max(search(prof, p, m, policies=["none"]).peak)
-    layout = search(prof, p, m, budget)
-    assert layout.policies  # this budget needs a policy somewhere
+    plan = search(prof, p, m, budget)
+    assert plan.policies  # this budget needs a policy somewhere
     args = ["plan", "--profile", str(path), "-p", str(p), "-m", str(m), "--budget-gb", repr(budget / 1e9)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "policies (per stage): " + ", ".join(layout.policies) in out and "policies (one per stage" in out
+    assert "policies (per stage): " + ", ".join(plan.policies) in out and "policies (one per stage" in out
     assert main(args + ["--policies", "none"]) == 0  # no recompute: the layers as they are
     out = capsys.readouterr().out
     assert "policies (per stage)" not in out and "policies (one per stage" not in out

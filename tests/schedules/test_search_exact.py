@@ -1,4 +1,4 @@
-"""`partition.search` is exact on small cases: its pick equals the best of an exhaustive enumeration
+"""`planner.search` is exact on small cases: its pick equals the best of an exhaustive enumeration
 of every split x every schedule, done here; every plan it returns re-simulates within the budget;
 the bound it prints holds over every split; and the issue-41/42 cases.
 
@@ -17,7 +17,7 @@ import random
 import pytest
 
 from zbpp.schedules import build, simulate
-from zbpp.schedules.partition import SCHEDULES, _refine, evaluate, search
+from zbpp.schedules.planner import SCHEDULES, _refine, evaluate, search
 from zbpp.schedules.profile import Layer, Profile, transformer_profile
 from zbpp.schedules.registry import available
 
@@ -82,10 +82,10 @@ def _every_plan(prof: Profile, p: int, m: int, budget: float, names, fixed_cache
     return out
 
 
-def _resimulated_peak(prof: Profile, layout) -> list[float]:
-    sched = layout.schedule
-    res = simulate(sched, *prof.stage_costs(layout.stages, layout.policies or None)[:2])  # under the chosen policies
-    static = [sum(prof.layers[i].static for s in sched.stages_on(r) for i in layout.stages[s]) for r in range(sched.num_ranks)]
+def _resimulated_peak(prof: Profile, plan) -> list[float]:
+    sched = plan.schedule
+    res = simulate(sched, *prof.stage_costs(plan.stages, plan.policies or None)[:2])  # under the chosen policies
+    static = [sum(prof.layers[i].static for s in sched.stages_on(r) for i in plan.stages[s]) for r in range(sched.num_ranks)]
     return [x + y for x, y in zip(static, res.peak_memory)]
 
 
@@ -98,12 +98,12 @@ def _check_against_enumeration(prof: Profile, p: int, m: int, budget: float, nam
             search(prof, p, m, budget, schedules=names)
         return
     best = min(x[1] for x in plans if x[0] == 0)
-    layout = search(prof, p, m, None if not math.isfinite(budget) else budget, schedules=names)
-    assert layout.step == pytest.approx(best, rel=REL), (budget, layout.explain())
-    assert max(_resimulated_peak(prof, layout)) <= budget * (1 + REL)
+    plan = search(prof, p, m, None if not math.isfinite(budget) else budget, schedules=names)
+    assert plan.step == pytest.approx(best, rel=REL), (budget, plan.explain())
+    assert max(_resimulated_peak(prof, plan)) <= budget * (1 + REL)
     lowest = min(x[2] for x in plans if x[0] == 0 and x[1] <= best * (1 + REL))
-    assert max(layout.peak) <= lowest * (1 + REL)  # ties in step go to the lower peak
-    assert layout.searched.exact and layout.searched.bound_over_splits <= best * (1 + REL)
+    assert max(plan.peak) <= lowest * (1 + REL)  # ties in step go to the lower peak
+    assert plan.searched.exact and plan.searched.bound_over_splits <= best * (1 + REL)
     # the heuristic search (no exhaustive placement) is no better, and its bound still holds for every split
     heuristic = search(prof, p, m, None if not math.isfinite(budget) else budget, schedules=names, max_splits=0)
     assert heuristic.step >= best * (1 - REL) and max(_resimulated_peak(prof, heuristic)) <= budget * (1 + REL)
@@ -148,10 +148,10 @@ def test_an_automatic_schedule_gets_each_ranks_budget_less_its_own_static_memory
     # kept. Given the whole budget (10) it would keep two in flight (4 + 8 > 10 with anything
     # else); given the budget less the largest static memory (10 - 9 = 1) it could not be built.
     prof = _static_heavy_profile()
-    layout = search(prof, 2, 4, 10, schedules=["zb-auto"])
-    peak = _resimulated_peak(prof, layout)
-    assert max(peak) <= 10 * (1 + REL) and list(layout.peak) == pytest.approx(peak, rel=REL)
-    assert max(layout.result.peak_memory) > 10 - 9  # a rank used more than the largest rank's leftover
+    plan = search(prof, 2, 4, 10, schedules=["zb-auto"])
+    peak = _resimulated_peak(prof, plan)
+    assert max(peak) <= 10 * (1 + REL) and list(plan.peak) == pytest.approx(peak, rel=REL)
+    assert max(plan.result.peak_memory) > 10 - 9  # a rank used more than the largest rank's leftover
     one = evaluate(prof, 2, 4, (range(0, 1), range(1, 4)), "zb-auto", memory_budget=10)
     assert one.fits and one.peak[1] <= 10 * (1 + REL) and one.peak[1] - 4 > 10 - 9
 
@@ -201,12 +201,12 @@ def test_tight_budget_on_a_256k_vocabulary_finds_the_plan_that_fits_fast(budget_
     res = simulate(sched, costs, memory)
     hand = [x + y for x, y in zip(static_stage, res.peak_memory)]
     assert max(hand) <= budget
-    layout = search(prof, p, m, budget)
-    assert max(_resimulated_peak(prof, layout)) <= budget * (1 + REL)
-    assert layout.step <= res.makespan * (1 + REL) and layout.step < 1.5
-    text = layout.explain()
+    plan = search(prof, p, m, budget)
+    assert max(_resimulated_peak(prof, plan)) <= budget * (1 + REL)
+    assert plan.step <= res.makespan * (1 + REL) and plan.step < 1.5
+    text = plan.explain()
     assert "exact: every split under every schedule searched" in text
-    assert f"no schedule on any split within the budget beats step {layout.searched.bound_over_splits:.6g}" in text
+    assert f"no schedule on any split within the budget beats step {plan.searched.bound_over_splits:.6g}" in text
 
 
 def test_tensor_parallel_divides_block_time_memory_and_messages() -> None:

@@ -129,7 +129,7 @@ def test_cli_plot_svg_and_png(tmp_path, capsys):
 
 def test_cli_plot_measured_trace(tmp_path, capsys):
     sched = build("zb-h1", num_ranks=2, num_microbatches=3)
-    res = simulate(sched, Costs(0.01, 0.01, 0.005))  # seconds, as a profile would record them
+    res = simulate(sched, Costs(0.01, 0.01, 0.005))  # seconds, as recorded task times are
     records = [{"rank": sched.rank_of(a.stage), "action": str(a), "start": res.start[a], "end": res.end[a]} for a in res.start]
     trace = tmp_path / "run.json"
     write_trace(trace, measured=records, schedule=sched)

@@ -1,5 +1,5 @@
-"""A measured run end to end: 4 gloo ranks step with ``Pipeline(profile=True)``, rank 0 gathers
-every rank's task records, and `write_trace` puts the plan (re-simulated from the measured costs)
+"""A measured run end to end: 4 gloo ranks step with ``Pipeline(record_task_times=True)``, rank 0 gathers
+every rank's task records, and `write_trace` puts the simulation (re-simulated from the measured costs)
 and the measurement in ONE Perfetto trace. The reference is the schedule itself: every task of
 every rank appears exactly once, on its rank's measured process.
 """
@@ -30,20 +30,20 @@ def test_measured_trace_of_a_2_gpu_nccl_run_holds_every_rank(zbpp_workers, tmp_p
 
 
 def _check_measured_trace(workers, p: int, tmp_path) -> None:
-    records = workers.run(cases.check_profile, "zb-h1", p)[0]  # rank 0 holds all ranks' records
-    sched = cases.make_schedule("zb-h1", p, 2 * p)  # the schedule check_profile ran
-    costs = Costs.from_profile(records, sched.num_stages)
+    records = workers.run(cases.check_task_times, "zb-h1", p)[0]  # rank 0 holds all ranks' records
+    sched = cases.make_schedule("zb-h1", p, 2 * p)  # the schedule check_task_times ran
+    costs = Costs.from_task_times(records, sched.num_stages)
     path = tmp_path / "run.json"
-    write_trace(path, plan=simulate(sched, costs), measured=records)
+    write_trace(path, simulated=simulate(sched, costs), measured=records)
 
     with open(path) as fh:
         events = json.load(fh)["traceEvents"]
     measured = sorted((e["args"]["rank"], e["name"]) for e in events if e.get("cat") == "measured")
     assert measured == sorted((r, str(a)) for r, a in sched.actions())
-    planned = sorted((e["pid"], e["name"]) for e in events if e.get("cat") == "plan")
-    assert planned == measured
+    simulated = sorted((e["pid"], e["name"]) for e in events if e.get("cat") == "simulated")
+    assert simulated == measured
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names == {f"{kind} · rank {r}" for kind in ("plan", "measured") for r in range(p)}
+    assert names == {f"{kind} · rank {r}" for kind in ("simulated", "measured") for r in range(p)}
     back, stored = read_trace(path)
     assert len(back) == sched.num_tasks and stored.orders == sched.orders
 
@@ -51,5 +51,5 @@ def _check_measured_trace(workers, p: int, tmp_path) -> None:
     assert 0.0 <= summary["bubble_rate"] < 1.0
     for kind in ("F", "B", "W"):
         assert all(t is not None and t > 0 for t in summary["mean_time"][kind]), kind
-    if "zb-auto" in available():  # re-plan from what was measured
+    if "zb-auto" in available():  # a schedule built from what was measured
         validate(build("zb-auto", num_ranks=p, num_microbatches=2 * p, costs=costs))

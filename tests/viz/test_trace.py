@@ -1,4 +1,4 @@
-"""Perfetto traces of plans and measurements; measured summaries; Costs.from_profile.
+"""Perfetto traces of simulations and measurements; measured summaries; Costs.from_task_times.
 
 References: hand-worked times (1F1B, p=2, m=2), message counts derived from the placement
 (one stage per rank: 2(p-1) messages per microbatch; interleaved with c chunks: 2(cp-1)), and
@@ -18,7 +18,7 @@ from zbpp.viz.trace import measured_result, measured_summary, read_trace, write_
 
 
 def _records(res, *, scale: float = 1.0):
-    """Synthetic profile records: the simulated times, as a profiled run would report them."""
+    """Synthetic task records: the simulated times, as a run recording its task times reports them."""
     sched = res.schedule
     return [
         {"rank": sched.rank_of(a.stage), "action": str(a), "start": res.start[a] * scale, "end": res.end[a] * scale}
@@ -31,12 +31,12 @@ def _load(path):
         return json.load(fh)["traceEvents"]
 
 
-def test_plan_trace_hand_worked_1f1b(tmp_path):
+def test_simulated_trace_hand_worked_1f1b(tmp_path):
     res = simulate(build("1f1b", num_ranks=2, num_microbatches=2), Costs(1, 1, 1))
     path = tmp_path / "t.json"
-    write_trace(path, plan=res)  # default: 1 cost unit = 1 ms = 1000 us
+    write_trace(path, simulated=res)  # default: 1 cost unit = 1 ms = 1000 us
     ev = _load(path)
-    tasks = {(e["pid"], e["name"]): (e["ts"], e["dur"]) for e in ev if e["ph"] == "X" and e["cat"] == "plan"}
+    tasks = {(e["pid"], e["name"]): (e["ts"], e["dur"]) for e in ev if e["ph"] == "X" and e["cat"] == "simulated"}
     assert tasks == {
         (0, "F0.0"): (0, 1000), (0, "F0.1"): (1000, 1000), (0, "BW0.0"): (4000, 2000), (0, "BW0.1"): (7000, 2000),
         (1, "F1.0"): (1000, 1000), (1, "BW1.0"): (2000, 2000), (1, "F1.1"): (4000, 1000), (1, "BW1.1"): (5000, 2000),
@@ -44,7 +44,7 @@ def test_plan_trace_hand_worked_1f1b(tmp_path):
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
     assert names == {(0, 0): "compute", (0, 1): "comm", (1, 0): "compute", (1, 1): "comm"}
     procs = {e["pid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
-    assert procs == {0: "plan · rank 0", 1: "plan · rank 1"}
+    assert procs == {0: "simulated · rank 0", 1: "simulated · rank 1"}
 
 
 @pytest.mark.parametrize("name,opts,per_mb", [
@@ -52,18 +52,18 @@ def test_plan_trace_hand_worked_1f1b(tmp_path):
     ("interleaved-1f1b", {"chunks": 2}, lambda p: 2 * (2 * p - 1)),
     ("zb-v", {}, lambda p: 2 * (2 * p - 2)),  # V: stages p-1 and p share the last rank
 ])
-def test_plan_trace_has_one_event_per_task_and_a_flow_per_message(tmp_path, name, opts, per_mb):
+def test_simulated_trace_has_one_event_per_task_and_a_flow_per_message(tmp_path, name, opts, per_mb):
     if name not in available():
         pytest.skip(f"schedule {name!r} is not registered yet")
     p, m, comm = 4, 6, 0.25
     sched = build(name, num_ranks=p, num_microbatches=m, **opts)
     res = simulate(sched, Costs(1, 1, 1, comm=comm))
     path = tmp_path / "t.json"
-    write_trace(path, plan=res, comm=comm)
+    write_trace(path, simulated=res, comm=comm)
     ev = _load(path)
     per_pid = {}
     for e in ev:
-        if e["ph"] == "X" and e["cat"] == "plan":
+        if e["ph"] == "X" and e["cat"] == "simulated":
             per_pid.setdefault(e["pid"], []).append(e["name"])
     assert {r: sorted(v) for r, v in per_pid.items()} == {r: sorted(map(str, sched.orders[r])) for r in range(p)}
     sends = [e for e in ev if e["ph"] == "X" and e["name"].startswith("send ")]
@@ -85,15 +85,15 @@ def test_plan_trace_has_one_event_per_task_and_a_flow_per_message(tmp_path, name
         assert res.start[dst] >= res.end[src] + comm - 1e-12
 
 
-def test_merged_trace_has_plan_and_measurement_side_by_side(tmp_path):
+def test_merged_trace_has_simulation_and_measurement_side_by_side(tmp_path):
     sched = build("zb-h1", num_ranks=4, num_microbatches=8)
-    plan = simulate(sched, Costs(0.010, 0.010, 0.005))  # seconds
+    sim = simulate(sched, Costs(0.010, 0.010, 0.005))  # seconds
     measured = _records(simulate(sched, Costs(0.012, 0.011, 0.004)))
     path = tmp_path / "merged.json"
-    write_trace(path, plan=plan, measured=measured)
+    write_trace(path, simulated=sim, measured=measured)
     ev = _load(path)
     procs = {e["pid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
-    assert procs == {**{r: f"plan · rank {r}" for r in range(4)}, **{4 + r: f"measured · rank {r}" for r in range(4)}}
+    assert procs == {**{r: f"simulated · rank {r}" for r in range(4)}, **{4 + r: f"measured · rank {r}" for r in range(4)}}
     got = sorted((e["pid"] - 4, e["name"], round(e["ts"]), round(e["dur"])) for e in ev if e.get("cat") == "measured")
     want = sorted((r["rank"], r["action"], round(r["start"] * 1e6), round(r["end"] * 1e6 - r["start"] * 1e6)) for r in measured)
     assert got == want  # one event per task per rank, every rank in one file
@@ -103,8 +103,8 @@ def test_merged_trace_has_plan_and_measurement_side_by_side(tmp_path):
     assert len(flows) == 2 * 2 * 3 * 8  # 2(p-1) messages per microbatch, two ends each
     for e in flows:
         assert any(lo < e["ts"] < hi for (pid, _), (lo, hi) in slices.items() if pid == e["pid"])
-    plan_ev = [e for e in ev if e.get("cat") == "plan"]
-    assert len(plan_ev) == sched.num_tasks and max(e["ts"] + e["dur"] for e in plan_ev) == pytest.approx(plan.makespan * 1e6)
+    sim_ev = [e for e in ev if e.get("cat") == "simulated"]
+    assert len(sim_ev) == sched.num_tasks and max(e["ts"] + e["dur"] for e in sim_ev) == pytest.approx(sim.makespan * 1e6)
     records, stored = read_trace(path)
     assert stored.orders == sched.orders
     key = lambda r: (r["rank"], r["action"])  # noqa: E731
@@ -114,11 +114,11 @@ def test_merged_trace_has_plan_and_measurement_side_by_side(tmp_path):
 
 
 def test_read_trace_without_measurement_says_so(tmp_path):
-    path = tmp_path / "plan.json"
-    write_trace(path, plan=simulate(build("1f1b", num_ranks=2, num_microbatches=2)))
+    path = tmp_path / "simulated.json"
+    write_trace(path, simulated=simulate(build("1f1b", num_ranks=2, num_microbatches=2)))
     with pytest.raises(ValueError, match="no measured tasks"):
         read_trace(path)
-    with pytest.raises(ValueError, match="plan=.*measured="):
+    with pytest.raises(ValueError, match="simulated=.*measured="):
         write_trace(path)
 
 
@@ -180,47 +180,47 @@ def test_measured_records_must_match_the_schedule():
         measured_result([{"action": "F0.0", "start": 0, "end": 1}])
 
 
-# -- Costs.from_profile ------------------------------------------------------------------------
-def test_from_profile_recovers_per_stage_costs_and_replans():
+# -- Costs.from_task_times ------------------------------------------------------------------------
+def test_from_task_times_recovers_per_stage_costs():
     f, b, w = (0.010, 0.011, 0.012, 0.013), (0.020, 0.018, 0.016, 0.014), (0.005, 0.006, 0.007, 0.008)
     sched = build("zb-h1", num_ranks=4, num_microbatches=8)
     truth = Costs(f, b, w, comm=0.001)
     records = _records(simulate(sched, truth))
-    est = Costs.from_profile(records, 4, comm=0.001)
+    est = Costs.from_task_times(records, 4, comm=0.001)
     assert est.f == pytest.approx(f) and est.b == pytest.approx(b) and est.w == pytest.approx(w)
     assert simulate(sched, est).makespan == pytest.approx(simulate(sched, truth).makespan)
-    if "zb-auto" in available():  # re-plan from the measurement
-        plan = build("zb-auto", num_ranks=4, num_microbatches=8, costs=est)
-        assert simulate(plan, est).makespan <= simulate(sched, est).makespan * (1 + 1e-9)
+    if "zb-auto" in available():  # a schedule built from the measurement
+        auto = build("zb-auto", num_ranks=4, num_microbatches=8, costs=est)
+        assert simulate(auto, est).makespan <= simulate(sched, est).makespan * (1 + 1e-9)
 
 
-def test_from_profile_splits_full_backward_by_the_stated_rule():
+def test_from_task_times_splits_full_backward_by_the_stated_rule():
     def rec(action, dur):
         return {"rank": 0, "action": action, "start": 0.0, "end": dur}
 
     # stage 0: own ratio (B:W = 2:1 measured), stage 1: only BW -> pooled ratio 2:1, 3 -> 2 + 1
     recs = [rec("F0.0", 1), rec("B0.0", 2), rec("W0.0", 1), rec("BW0.1", 6), rec("F1.0", 1), rec("BW1.0", 3)]
-    c = Costs.from_profile(recs, 2)
+    c = Costs.from_task_times(recs, 2)
     assert c.b == pytest.approx((3.0, 2.0))  # stage 0: mean(2, 6*2/3)
     assert c.w == pytest.approx((1.5, 1.0))  # stage 0: mean(1, 6*1/3)
     # no split records anywhere: half and half
-    c = Costs.from_profile([rec("F0.0", 1), rec("BW0.0", 4)], 1)
+    c = Costs.from_task_times([rec("F0.0", 1), rec("BW0.0", 4)], 1)
     assert (c.b, c.w) == ((2.0,), (2.0,))
 
 
-def test_from_profile_errors_name_the_stage_or_record():
+def test_from_task_times_errors_name_the_stage_or_record():
     with pytest.raises(ValueError, match="no F records for stage 1"):
-        Costs.from_profile([{"action": "F0.0", "start": 0, "end": 1}, {"action": "BW0.0", "start": 1, "end": 2}], 2)
+        Costs.from_task_times([{"action": "F0.0", "start": 0, "end": 1}, {"action": "BW0.0", "start": 1, "end": 2}], 2)
     with pytest.raises(ValueError, match="stage 3 outside 0..1"):
-        Costs.from_profile([{"action": "F3.0", "start": 0, "end": 1}], 2)
+        Costs.from_task_times([{"action": "F3.0", "start": 0, "end": 1}], 2)
     with pytest.raises(ValueError, match="ends before it starts"):
-        Costs.from_profile([{"action": "F0.0", "start": 2, "end": 1}], 1)
+        Costs.from_task_times([{"action": "F0.0", "start": 2, "end": 1}], 1)
 
 
 def test_cli_trace(tmp_path, capsys):
-    out = tmp_path / "plan.json"
+    out = tmp_path / "simulated.json"
     assert main(["trace", "zb-h1", "-p", "4", "-m", "8", "--comm", "0.5", "-o", str(out)]) == 0
     ev = _load(out)
-    assert sum(e["ph"] == "X" and e["cat"] == "plan" for e in ev) == 96
+    assert sum(e["ph"] == "X" and e["cat"] == "simulated" for e in ev) == 96
     assert sum(bool(e.get("flow_out")) for e in ev) == 2 * 3 * 8
     assert "wrote" in capsys.readouterr().out

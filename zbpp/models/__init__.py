@@ -4,7 +4,7 @@
   FQNs or balanced over its repeated blocks; only this rank's stages are materialised; weights
   that two stages share come back as tied parameters (`stages.py`, `partition.py`).
 - `measure_profile`: a per-layer `zbpp.schedules.profile.Profile` (F, B, W times, activation,
-  W-kept and static bytes) measured on one device, for `zbpp.schedules.partition.search`
+  W-kept and static bytes) measured on one device, for `zbpp.schedules.planner.search`
   (`profile.py`); `measure_causal_lm` builds and measures a Hugging Face causal LM from its config.
 - `zbpp.models.hf`: Hugging Face decoder-only causal LMs of every family that fits embed ->
   decoder layers -> final norm -> LM head (Llama, Mistral, Qwen2/3, GPT-2, Gemma 1/2/3, Phi,

@@ -17,9 +17,10 @@ objects and parameter names (checkpoints and optimizers are unaffected):
   the swapped layers keep their weights' FP8 casts across a step's microbatches
   (``keep_fp8_weight_casts``: one cast per weight and step instead of one per microbatch).
 
-`fast_pipeline_kwargs(device)` gives the `Pipeline` keywords that go with it: ``cuda_graphs=True``
-on a CUDA device (each F, B and W task replayed from a CUDA graph: the host's work between the many
-small kernels, and the compiled regions' guards, leave the step), nothing on the CPU.
+`fast_pipeline_kwargs(device)` gives the `Pipeline` keywords that go with it: ``cuda_graphs="auto"``
+on a CUDA device (each F, B and W task replayed from a CUDA graph where that measured faster: the
+host's work between the many small kernels, and the compiled regions' guards, leave the step; a
+compute-bound stage, where replays can be slower, keeps its eager steps), nothing on the CPU.
 `zbpp.models.hf.causal_lm_stages(..., fast=True)` applies both to a Hugging Face model.
 
 >>> import torch
@@ -119,14 +120,15 @@ def fast_stage(
 
 
 def fast_pipeline_kwargs(device: torch.device | str | None) -> dict[str, Any]:
-    """The `Pipeline` keywords of the fast form on `device`: ``{"cuda_graphs": True}`` on CUDA,
-    ``{}`` elsewhere (task graphs are CUDA graphs).
+    """The `Pipeline` keywords of the fast form on `device`: ``{"cuda_graphs": "auto"}`` on CUDA
+    (task graphs per input signature where its trial timed them faster than eager steps:
+    `zbpp.runtime.task_graphs`), ``{}`` elsewhere (task graphs are CUDA graphs).
 
     >>> fast_pipeline_kwargs("cpu"), fast_pipeline_kwargs("cuda:0")
-    ({}, {'cuda_graphs': True})
+    ({}, {'cuda_graphs': 'auto'})
     """
     kind = torch.device(device).type if device is not None else "cpu"
-    return {"cuda_graphs": True} if kind == "cuda" else {}
+    return {"cuda_graphs": "auto"} if kind == "cuda" else {}
 
 
 def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool | DelayedScaling = False,
@@ -151,11 +153,11 @@ def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool
         raise ValueError(f"fp8={fp8!r} needs fast=True: FP8 applies to the fast form's zbpp layers")
     devices = set()
     for stage in stages.values():
-        plan = getattr(stage, "_zbpp_plan", None)  # set by causal_lm_stages: where the decoder layers are
-        if plan is None:
+        spec = getattr(stage, "_zbpp_stage_spec", None)  # set by causal_lm_stages: where the decoder layers are
+        if spec is None:
             raise TypeError(f"fast_hf_stages: a {type(stage).__name__} is not a stage of "
                             "zbpp.models.hf.causal_lm_stages; use fast_stage for other stages")
-        layers = stage.get_submodule(plan.template.blocks)  # only this stage's (maybe none: embeddings alone)
+        layers = stage.get_submodule(spec.template.blocks)  # only this stage's (maybe none: embeddings alone)
         fast_stage(stage, blocks=list(layers), fp8=fp8, backend=backend)
         devices.update(p.device for p in stage.parameters())
     if len(devices) > 1:

@@ -178,7 +178,8 @@ def causal_lm_stages(
         ignore_index: the label value the loss ignores.
         fast, fp8: ``fast=True`` gives every stage its fastest correct form and adds the runtime's
             keywords for it (`zbpp.models.fast.fast_hf_stages`: delayed weight gradients, compiled
-            decoder layers, task graphs on CUDA); ``fp8=True`` or a `DelayedScaling` adds FP8.
+            decoder layers, task graphs on CUDA where measured faster); ``fp8=True`` or a
+            `DelayedScaling` adds FP8.
 
     Returns ``(stages, kwargs)``: ``Pipeline(stages, schedule, **kwargs)`` with ``loss_fn``,
     ``tied_parameters`` and ``loss_weight`` (tokens per microbatch).
@@ -327,7 +328,9 @@ class _Call:
 
 
 @dataclass
-class _Plan:
+class _StageSpec:
+    """Which part of the model a pruned stage holds, and what its forward needs to run it."""
+
     template: Template
     first: bool
     last: bool
@@ -351,11 +354,11 @@ class _Skip(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
-        plan, call = stage._zbpp_plan, stage._zbpp_call
+        spec, call = stage._zbpp_stage_spec, stage._zbpp_call
         hidden = args[0] if args else kwargs["hidden_states"]
-        if self.index == plan.lo - 1 and call.inject is not None:
+        if self.index == spec.lo - 1 and call.inject is not None:
             hidden, call.before_layers = call.inject, False
-        return (hidden,) if plan.tuple_out else hidden
+        return (hidden,) if spec.tuple_out else hidden
 
 
 class _Absent(nn.Module):
@@ -384,38 +387,38 @@ class _CausalLMStage:
     """Mixed into the model's own class (``LlamaForCausalLM`` -> ``LlamaForCausalLMStage``): the
     stage's forward drives the class's forward (module docstring)."""
 
-    _zbpp_plan: _Plan
+    _zbpp_stage_spec: _StageSpec
     _zbpp_call: _Call | None
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 router_logits: torch.Tensor | None = None) -> Any:
-        plan = self._zbpp_plan
-        if plan.first and input_ids is None:
+        spec = self._zbpp_stage_spec
+        if spec.first and input_ids is None:
             raise ValueError("the first stage takes input_ids: pipe.step(ids) or pipe.step({'input_ids': ids, ...})")
-        if not plan.first and hidden_states is None:
+        if not spec.first and hidden_states is None:
             raise ValueError("a later stage takes the previous stage's hidden_states")
         kw: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
-        if plan.template.router_aux is not None:
+        if spec.template.router_aux is not None:
             kw["output_router_logits"] = True
-        if plan.first:
+        if spec.first:
             kw["input_ids"] = input_ids
         else:
             kw["inputs_embeds"] = torch.zeros_like(hidden_states)
-        call = _Call(None if plan.first else hidden_states, kw.get("inputs_embeds"))
+        call = _Call(None if spec.first else hidden_states, kw.get("inputs_embeds"))
         with self._zbpp_standins(call):
-            if plan.last:
-                out = plan.hf_forward(self, **kw)
+            if spec.last:
+                out = spec.hf_forward(self, **kw)
             else:
-                out = self.get_submodule(plan.template.base)(**kw)  # type: ignore[attr-defined]
-        if plan.template.router_aux is not None:
+                out = self.get_submodule(spec.template.base)(**kw)  # type: ignore[attr-defined]
+        if spec.template.router_aux is not None:
             router_logits = _append(router_logits, out.router_logits)
-        if plan.last:
-            if plan.template.router_aux is None:
+        if spec.last:
+            if spec.template.router_aux is None:
                 return out.logits
             return {"logits": out.logits, "router_logits": router_logits, "attention_mask": attention_mask}
         result = {"hidden_states": call.produced, "attention_mask": attention_mask, "position_ids": position_ids}
-        if plan.template.router_aux is not None:
+        if spec.template.router_aux is not None:
             result["router_logits"] = router_logits
         return result
 
@@ -424,32 +427,32 @@ class _CausalLMStage:
         """During the call: the layer list at its full length (stand-ins where not held), the
         modules not held as stand-ins, and hooks that put the received hidden states in and take
         the stage's result out."""
-        plan = self._zbpp_plan
+        spec = self._zbpp_stage_spec
         object.__setattr__(self, "_zbpp_call", call)
-        container: nn.Module = self.get_submodule(plan.template.blocks)  # type: ignore[attr-defined]
+        container: nn.Module = self.get_submodule(spec.template.blocks)  # type: ignore[attr-defined]
         held = container._modules
-        full = OrderedDict((str(i), held.get(str(i), plan.skips[i])) for i in range(plan.template.num_layers))
+        full = OrderedDict((str(i), held.get(str(i), spec.skips[i])) for i in range(spec.template.num_layers))
         hooks = []
-        if plan.lo == 0 and (call.inject is not None or plan.hi == 0):
+        if spec.lo == 0 and (call.inject is not None or spec.hi == 0):
             def enter(module: nn.Module, args: tuple, kwargs: dict) -> Any:
                 call.before_layers = False
                 if call.inject is not None and args:
                     args = (call.inject, *args[1:])
                 elif call.inject is not None:
                     kwargs = {**kwargs, "hidden_states": call.inject}
-                if plan.hi == 0:
+                if spec.hi == 0:
                     call.produced = args[0] if args else kwargs["hidden_states"]
                 return args, kwargs
 
             hooks.append(full["0"].register_forward_pre_hook(enter, with_kwargs=True))
-        elif plan.lo == 0:
+        elif spec.lo == 0:
             call.before_layers = False
-        if plan.hi >= 1 and not plan.last:
+        if spec.hi >= 1 and not spec.last:
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
                 call.produced = _hidden(output)
 
-            hooks.append(full[str(plan.hi - 1)].register_forward_hook(leave))
-        parents = [(self.get_submodule(p) if p else self, n) for p, n in plan.absent]  # type: ignore[attr-defined]
+            hooks.append(full[str(spec.hi - 1)].register_forward_hook(leave))
+        parents = [(self.get_submodule(p) if p else self, n) for p, n in spec.absent]  # type: ignore[attr-defined]
         container._modules = full  # type: ignore[assignment]
         absent = _Absent(self)  # type: ignore[arg-type]
         for parent, n in parents:
@@ -561,9 +564,9 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
     pruned.__class__ = _STAGE_CLASSES[cls]
     if tuple_out is None:
         tuple_out = _layers_return_tuple(model, template)
-    plan = _Plan(template, first, last, cls.forward, lo, hi, tuple_out, absent)
-    plan.skips = [_Skip(pruned, i) for i in range(n)]
-    object.__setattr__(pruned, "_zbpp_plan", plan)
+    spec = _StageSpec(template, first, last, cls.forward, lo, hi, tuple_out, absent)
+    spec.skips = [_Skip(pruned, i) for i in range(n)]
+    object.__setattr__(pruned, "_zbpp_stage_spec", spec)
     object.__setattr__(pruned, "_zbpp_call", None)
     return pruned
 

@@ -1,4 +1,4 @@
-"""Measure a model's per-layer `Profile` on one device, for `zbpp.schedules.partition.search`.
+"""Measure a model's per-layer `Profile` on one device, for `zbpp.schedules.planner.search`.
 
 `measure_profile` runs each layer of a model on its own, a few steps of each, and returns a
 `zbpp.schedules.profile.Profile`: per layer the median time of F (its forward), B (the gradient
@@ -25,7 +25,7 @@ blocks and repeat a block's `Layer` (``Profile([first, *[block] * n, last])``).
 ...                        example_input=torch.randn(32, 8, dtype=torch.float64), steps=2)
 >>> [x.name for x in prof.layers], prof.layers[1].static, prof.layers[2].activation  # tanh: no weights
 (['up', 'act', 'down'], 0.0, 4096.0)
->>> from zbpp.schedules.partition import search
+>>> from zbpp.schedules.planner import search
 >>> len(search(prof, num_ranks=1, num_microbatches=2).stages)
 1
 """
@@ -515,7 +515,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
             _drop_grads(inputs)  # (in a function: a loop variable here would keep an input alive)
             del inputs, outs, saved
             wgrad = _alive(seen)  # what W keeps: left by the split's marks (or a delayed module's store)
-            _, w = timer(lambda: tasks.run(key))
+            _, w = timer(lambda: tasks.compute(key))
             if not params:
                 w = 0.0  # no weight: W computes nothing
             if step >= warmup:

@@ -367,18 +367,11 @@ class _Offloaded:
             buffer.untyped_storage(), self.offset, self.size, self.stride)
 
     def fetch(self) -> torch.Tensor:
-        """Start the copy of its storage back (on the side stream); the tensor, valid on the compute
-        stream once it waits on `event`."""
+        """Start the copy of its storage back (on the side stream, once per storage of the group);
+        the tensor, valid on the compute stream once it waits on `event`."""
         if self.device.type != "cuda":
             return self._view(self.host)
-        main, side = torch.cuda.current_stream(self.device), _side_stream(self.device)
-        buffer = torch.empty(self.host.shape, dtype=torch.uint8, device=self.device)  # on the compute stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            buffer.copy_(self.host, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(side)
-        buffer.record_stream(side)
+        buffer, self.event = self.group.storage_back(self.host, self.device)
         return self._view(buffer)
 
 
@@ -397,6 +390,9 @@ class _OffloadGroup:
         # the layer before, in the same microbatch's forward: its B comes right after this one's
         self.prev = weakref.ref(prev) if prev is not None and prev.key == self.key else None
         self.fetched: dict[int, torch.Tensor] = {}
+        # id(host copy) -> (its device buffer, the copy's event): a storage shared by several saved
+        # tensors comes back once
+        self.back: dict[int, tuple[torch.Tensor, Any]] = {}
         self.started = False
         _OffloadGroup.last = weakref.ref(self)
 
@@ -408,6 +404,23 @@ class _OffloadGroup:
             item = ref()
             if item is not None and item.device.type == "cuda":
                 self.fetched[id(item)] = item.fetch()
+
+
+    def storage_back(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """The device copy of `host` (started on the side stream the first time) and its event."""
+        known = self.back.get(id(host))
+        if known is not None:
+            return known
+        main, side = torch.cuda.current_stream(device), _side_stream(device)
+        buffer = torch.empty(host.shape, dtype=torch.uint8, device=device)  # on the compute stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            buffer.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        buffer.record_stream(side)
+        self.back[id(host)] = (buffer, event)
+        return buffer, event
 
 
 _offloaded_bytes = [0]  # every byte offload copied to the host so far (read by the measurement)

@@ -33,7 +33,7 @@ from .fp8 import DelayedScaling, Quantized, ScalingMeta, fp8_gemm_nt, quantize
 from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
 
-__all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerPlan", "run_layer", "run_linear",
+__all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerSpec", "run_layer", "run_linear",
            "add_to_main_grad", "accumulate_grad"]
 
 
@@ -73,7 +73,7 @@ class GemmCall(NamedTuple):
     transposed: bool = False
 
 
-class LayerPlan(NamedTuple):
+class LayerSpec(NamedTuple):
     """Everything one call needs besides its tensors; captured at forward time, kept in the ctx."""
 
     fc1: GemmCall
@@ -285,10 +285,10 @@ class _LayerFunction(torch.autograd.Function):
         b1: torch.Tensor | None,
         w2: torch.Tensor | None,
         b2: torch.Tensor | None,
-        plan: LayerPlan,
+        spec: LayerSpec,
     ) -> torch.Tensor:
-        ctx.plan = plan
-        fc1, fc2 = plan.fc1, plan.fc2
+        ctx.spec = spec
+        fc1, fc2 = spec.fc1, spec.fc2
         needs = ctx.needs_input_grad[:7]
         if w1 is None:  # deferred GEMM parameters are no inputs (`run_layer`): wanted if trainable
             w1, w2 = fc1.weight, fc2 and fc2.weight
@@ -299,34 +299,34 @@ class _LayerFunction(torch.autograd.Function):
         need_x, need_nw, need_nb, need_w1, need_b1, need_w2, _ = needs
         need_dln = need_x or need_nw or need_nb  # the gradient at fc1's input
         need_dh = need_dln or need_w1 or need_b1  # ... at fc1's output (MLP)
-        norm = plan.normalization
-        recipe = plan.recipe
+        norm = spec.normalization
+        recipe = spec.recipe
         mean = rstd = in1 = in1_sinv = w1_saved = w1_sinv = None
         h_saved = in2 = in2_sinv = w2_saved = w2_sinv = None
         if recipe is None:
             if norm is not None:
-                ln, mean, rstd = norm_forward(x, norm, norm_w, norm_b, plan.eps)
+                ln, mean, rstd = norm_forward(x, norm, norm_w, norm_b, spec.eps)
             else:
                 ln = x
-            y = _matmul(ln, w1, b1, plan.fc1.transposed)
+            y = _matmul(ln, w1, b1, spec.fc1.transposed)
             in1 = ln if need_w1 else None
             w1_saved = w1 if need_dln else None
-            if plan.act is not None:
+            if spec.act is not None:
                 h = y
-                a = plan.act.forward(h)
+                a = spec.act.forward(h)
                 y = F.linear(a, w2, b2)
                 h_saved = h if need_dh else None
                 in2 = a if need_w2 else None
                 w2_saved = w2 if need_dh else None
         else:
-            s1 = plan.fc1.fp8
+            s1 = spec.fc1.fp8
             if norm is not None:
                 ln_q, mean, rstd = norm_quantize(
-                    x, norm, norm_w, norm_b, plan.eps, s1.input, recipe, transpose=need_w1
+                    x, norm, norm_w, norm_b, spec.eps, s1.input, recipe, transpose=need_w1
                 )
             else:
                 ln_q = quantize(x, s1.input, recipe, transpose=need_w1)
-            transposed = plan.fc1.transposed
+            transposed = spec.fc1.transposed
             w1_q = s1.weight_cache.cast(
                 w1, s1.weight, recipe, transpose=need_dln or transposed,
                 first_microbatch=s1.first_microbatch,
@@ -338,10 +338,10 @@ class _LayerFunction(torch.autograd.Function):
             # layout stores the [in, out] weight that dx = dy W^T takes as it is
             in1, in1_sinv = ln_q.data_t, ln_q.scale_inv
             w1_saved, w1_sinv = (w1_q.data if transposed else w1_q.data_t), w1_q.scale_inv
-            if plan.act is not None:
+            if spec.act is not None:
                 h = y
-                s2 = plan.fc2.fp8
-                a_q = act_quantize(h, plan.act, s2.input, recipe, transpose=need_w2)
+                s2 = spec.fc2.fp8
+                a_q = act_quantize(h, spec.act, s2.input, recipe, transpose=need_w2)
                 w2_q = s2.weight_cache.cast(
                     w2, s2.weight, recipe, transpose=need_dh, first_microbatch=s2.first_microbatch
                 )
@@ -363,7 +363,7 @@ class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
-        plan: LayerPlan = ctx.plan
+        spec: LayerSpec = ctx.spec
         (x, mean, rstd, norm_w, norm_b, in1, in1_sinv, w1, w1_sinv, h, in2, in2_sinv, w2,
          w2_sinv) = ctx.saved_tensors
         need_x, need_nw, need_nb, need_w1, need_b1, need_w2, need_b2 = ctx.needs
@@ -371,57 +371,57 @@ class _LayerFunction(torch.autograd.Function):
         need_dh = need_dln or need_w1 or need_b1
         if not dy.is_contiguous():
             dy = dy.contiguous()
-        fp8 = plan.recipe is not None
+        fp8 = spec.recipe is not None
         dx = d_nw = d_nb = db1 = db2 = None
         parts: list[_WgradPart] = []
         g1 = dy  # the gradient at fc1's output (a Quantized one in FP8)
-        if plan.act is not None:
+        if spec.act is not None:
             if fp8:
-                dy_q, db2 = _quantize_grad(dy, plan.fc2.fp8, need_w2, need_b2)
+                dy_q, db2 = _quantize_grad(dy, spec.fc2.fp8, need_w2, need_b2)
                 if need_w2:
                     operands = (Quantized(dy_q.data_t, dy_q.scale_inv), Quantized(in2, in2_sinv))
-                    parts.append(_WgradPart(plan.fc2, operands, None))
+                    parts.append(_WgradPart(spec.fc2, operands, None))
                 if need_dh:
                     da = fp8_gemm_nt(dy_q, Quantized(w2, w2_sinv), out_dtype=dy.dtype)
-                    g1, db1 = dact_quantize(da, h, plan.act, plan.fc1.fp8.grad_output,
-                                            plan.recipe, transpose=need_w1, column_sum=need_b1)
+                    g1, db1 = dact_quantize(da, h, spec.act, spec.fc1.fp8.grad_output,
+                                            spec.recipe, transpose=need_w1, column_sum=need_b1)
             else:
                 if need_w2 or need_b2:
-                    parts.append(_WgradPart(plan.fc2, (dy, in2) if need_w2 else None,
+                    parts.append(_WgradPart(spec.fc2, (dy, in2) if need_w2 else None,
                                             dy if need_b2 else None))
                 if need_dh:
-                    g1 = plan.act.backward(dy.mm(w2), h)
+                    g1 = spec.act.backward(dy.mm(w2), h)
         elif fp8:
-            g1, db1 = _quantize_grad(dy, plan.fc1.fp8, need_w1, need_b1)
+            g1, db1 = _quantize_grad(dy, spec.fc1.fp8, need_w1, need_b1)
         if fp8:
             if need_w1:
                 operands = (Quantized(g1.data_t, g1.scale_inv), Quantized(in1, in1_sinv))
-                parts.append(_WgradPart(plan.fc1, operands, None))
+                parts.append(_WgradPart(spec.fc1, operands, None))
             if need_dln:
                 dln = fp8_gemm_nt(g1, Quantized(w1, w1_sinv), out_dtype=dy.dtype)
         else:
             if need_w1 or need_b1:
-                parts.append(_WgradPart(plan.fc1, (g1, in1) if need_w1 else None,
+                parts.append(_WgradPart(spec.fc1, (g1, in1) if need_w1 else None,
                                         g1 if need_b1 else None))
             if need_dln:
-                dln = g1.mm(w1.t()) if plan.fc1.transposed else g1.mm(w1)
+                dln = g1.mm(w1.t()) if spec.fc1.transposed else g1.mm(w1)
         if need_dln:
-            if plan.normalization is not None:
-                dx, d_nw, d_nb = norm_backward(dln, x, plan.normalization, mean, rstd, norm_w,
+            if spec.normalization is not None:
+                dx, d_nw, d_nb = norm_backward(dln, x, spec.normalization, mean, rstd, norm_w,
                                                norm_b, (need_x, need_nw, need_nb),
                                                stats_from_torch=not fp8)
             else:
                 dx = dln
         if not parts:
             return dx, d_nw, d_nb, None, db1, None, db2, None
-        if plan.store is not None:
-            plan.store.put(plan.key, _Job(parts, fp8))
+        if spec.store is not None:
+            spec.store.put(spec.key, _Job(parts, fp8))
             return dx, d_nw, d_nb, None, db1, None, db2, None
         # eager: the job's arithmetic, in its order (fc2's part first)
         dw1 = dw2 = None
         for part in parts:
             dw, db = _eager_wgrad(part, fp8)
-            if part.call is plan.fc1:
+            if part.call is spec.fc1:
                 dw1, db1 = dw, db1 if db is None else db
             else:
                 dw2, db2 = dw, db2 if db is None else db
@@ -457,30 +457,30 @@ def _dummy_wgrad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 def run_layer(
     x: torch.Tensor,
-    plan: LayerPlan,
+    spec: LayerSpec,
     norm_weight: torch.Tensor | None = None,
     norm_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The layer `plan` describes on `x` (any leading shape; features in the last dimension)."""
-    fc1, fc2 = plan.fc1, plan.fc2
+    """The layer `spec` describes on `x` (any leading shape; features in the last dimension)."""
+    fc1, fc2 = spec.fc1, spec.fc2
     weight = fc1.weight
     if x.dtype != weight.dtype or x.shape[-1] != weight.shape[fc1.transposed ^ 1]:
         _check_input(x, fc1)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if plan.store is not None and (x.requires_grad or _trainable(norm_weight)
+    if spec.store is not None and (x.requires_grad or _trainable(norm_weight)
                                    or _trainable(norm_bias)):
         # W computes the GEMM weights' gradients (outside FP8 the biases' too): no edges to
         # them, whose accumulation nodes would run for nothing in every B (kept where they are
         # the node's only way into the graph)
-        if plan.recipe is None:
-            y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, None, None, None, plan)
+        if spec.recipe is None:
+            y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, None, None, None, spec)
         else:
             y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, fc1.bias, None,
-                                     fc2 and fc2.bias, plan)
+                                     fc2 and fc2.bias, spec)
     elif fc2 is None:
-        y = _LayerFunction.apply(x2, norm_weight, norm_bias, weight, fc1.bias, None, None, plan)
+        y = _LayerFunction.apply(x2, norm_weight, norm_bias, weight, fc1.bias, None, None, spec)
     else:
         y = _LayerFunction.apply(
-            x2, norm_weight, norm_bias, weight, fc1.bias, fc2.weight, fc2.bias, plan
+            x2, norm_weight, norm_bias, weight, fc1.bias, fc2.weight, fc2.bias, spec
         )
     return y if x2 is x else y.reshape(*x.shape[:-1], y.shape[-1])

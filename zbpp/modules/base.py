@@ -25,7 +25,7 @@ from .._compat import set_grad_enabled as _set_grad_enabled
 from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache, check_first_microbatch, step_first_microbatch
 from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
-from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerPlan, _Job, accumulate_grad
+from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerSpec, _Job, accumulate_grad
 from ._layer_function import add_to_main_grad
 from ._norm import make_norm_params
 from .context import current_microbatch, forward_key
@@ -97,7 +97,7 @@ class DelayedWgradModule(nn.Module):
 
     Subclasses declare their GEMMs with `_gemm_names` (weight and bias attribute names per GEMM),
     build their parameters with `_add_gemm_params` and `_add_norm_params`, call `_built` at the
-    end of their constructor, and describe each forward with `_plan` (run by
+    end of their constructor, and describe each forward with `_layer_spec` (run by
     ``_layer_function.run_layer``).
 
     >>> from zbpp.modules import Linear
@@ -313,7 +313,7 @@ class DelayedWgradModule(nn.Module):
             self._plain_calls[index] = call
         return call
 
-    def _plan(
+    def _layer_spec(
         self,
         call: ForwardCall,
         fc1: GemmCall,
@@ -321,9 +321,9 @@ class DelayedWgradModule(nn.Module):
         normalization: str | None = None,
         eps: float = 0.0,
         act: Activation | None = None,
-    ) -> LayerPlan:
+    ) -> LayerSpec:
         store = self._wgrad_store if self._delay else None
-        return LayerPlan(fc1, fc2, normalization, eps, act, store, call.key, call.recipe)
+        return LayerSpec(fc1, fc2, normalization, eps, act, store, call.key, call.recipe)
 
     # -- the protocol -------------------------------------------------------------------------
     def backward_dw(self, key: Hashable | None = None) -> None:

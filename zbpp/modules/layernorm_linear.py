@@ -62,8 +62,8 @@ class LayerNormLinear(DelayedWgradModule):
         call = self._begin_forward(is_first_microbatch)
         norm_w, norm_b, weight, bias = self._forward_params()
         fc = self._gemm_call(0, call, weight, bias)
-        plan = self._plan(call, fc, normalization=self.normalization, eps=self.eps)
-        return run_layer(x, plan, norm_w, norm_b)
+        spec = self._layer_spec(call, fc, normalization=self.normalization, eps=self.eps)
+        return run_layer(x, spec, norm_w, norm_b)
 
     def extra_repr(self) -> str:
         return (

@@ -85,8 +85,8 @@ class LayerNormMLP(DelayedWgradModule):
         norm_w, norm_b, w1, b1, w2, b2 = self._forward_params()
         fc1 = self._gemm_call(0, call, w1, b1)
         fc2 = self._gemm_call(1, call, w2, b2)
-        plan = self._plan(call, fc1, fc2, self.normalization, self.eps, self._act)
-        return run_layer(x, plan, norm_w, norm_b)
+        spec = self._layer_spec(call, fc1, fc2, self.normalization, self.eps, self._act)
+        return run_layer(x, spec, norm_w, norm_b)
 
     def extra_repr(self) -> str:
         return (

@@ -61,7 +61,7 @@ class Linear(DelayedWgradModule):
         if call.recipe is None:
             gemm = self._plain_call(0, weight, bias)
             return run_linear(x, gemm, self._wgrad_store if self._delay else None, call.key)
-        return run_layer(x, self._plan(call, self._gemm_call(0, call, weight, bias)))
+        return run_layer(x, self._layer_spec(call, self._gemm_call(0, call, weight, bias)))
 
     def extra_repr(self) -> str:
         return (

@@ -3,8 +3,8 @@
 - `Pipeline`: the step (`pipeline.py`, its arguments checked in `arguments.py`, its input in
   `step_input.py`, the microbatches' loss factors in `loss_weights.py`), one interpreter for every
   schedule with each task written once (`executor.py`), run eagerly or replayed from CUDA graphs
-  (`task_graphs.py`), its queue of sends and receives at the points the schedule's plan gives
-  (`comm_queue.py`, `zbpp.schedules.plan`) on one channel per direction (`channels.py`), the
+  (`task_graphs.py`), its queue of sends and receives at the points the schedule's program gives
+  (`comm_queue.py`, `zbpp.schedules.program`) on one channel per direction (`channels.py`), the
   step's failure record (`failure.py`) and agreements (`agreement.py`), every reduction of the
   gradients behind one object (`reductions.py`: gradients of earlier steps kept apart in
   `grad_aside.py`, data parallelism in `grad_reduce.py` or `fsdp.py`, tied parameters in
@@ -27,7 +27,7 @@ from .errors import GraphCaptureError, PipelineError, ShapeMismatchError
 from .groups import ParallelGroups
 from .launch import init_distributed, shutdown_and_exit
 from .pipeline import Pipeline
-from .profiling import measured_bubble_rate
+from .task_times import measured_bubble_rate
 from .rng import microbatch_seed
 from .tree import Replicated
 

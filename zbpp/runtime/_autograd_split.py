@@ -262,24 +262,24 @@ class StageSplit:
     """What the B of one stage learns for its later microbatches: the parameters B must compute
     (`extra`, see the module docstring) and the sortings of the graph structures seen so far."""
 
-    __slots__ = ("extra", "_plans")
+    __slots__ = ("extra", "_sortings")
 
-    _MAX_PLANS = 8  # distinct structures kept (a stage's graph rarely has more than one)
+    _MAX_SORTINGS = 8  # distinct structures kept (a stage's graph rarely has more than one)
 
     def __init__(self) -> None:
         self.extra: dict[int, torch.Tensor] = {}  # id(parameter) -> parameter
-        self._plans: list[tuple[tuple[int, ...], list[Any], _Plan]] = []
+        self._sortings: list[tuple[tuple[int, ...], list[Any], _Sorting]] = []
 
-    def _find(self, targets: tuple[int, ...], sig: list[Any]) -> _Plan | None:
-        for t, s, plan in self._plans:
+    def _find(self, targets: tuple[int, ...], sig: list[Any]) -> _Sorting | None:
+        for t, s, sorting in self._sortings:
             if t == targets and s == sig:
-                return plan
+                return sorting
         return None
 
-    def _add(self, targets: tuple[int, ...], sig: list[Any], plan: _Plan) -> None:
-        if len(self._plans) >= self._MAX_PLANS:
-            self._plans.pop(0)
-        self._plans.append((targets, sig, plan))
+    def _add(self, targets: tuple[int, ...], sig: list[Any], sorting: _Sorting) -> None:
+        if len(self._sortings) >= self._MAX_SORTINGS:
+            self._sortings.pop(0)
+        self._sortings.append((targets, sig, sorting))
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -303,34 +303,34 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     b_ids = {id(x) for x in inputs} | extra.keys()
     graph = _Walk([t.grad_fn for t, _ in pairs])
     targets = tuple(i for i in graph.accs if id(graph.nodes[i].variable) in b_ids)
-    plan = hint._find(targets, graph.sig) if hint is not None else None
-    if plan is None:
-        plan = _plan(graph, b_ids)
+    sorting = hint._find(targets, graph.sig) if hint is not None else None
+    if sorting is None:
+        sorting = _sort_for_targets(graph, b_ids)
         if hint is not None:
-            hint._add(targets, graph.sig, plan)
-            final = tuple(i for i in graph.accs if i in plan.b_targets)
+            hint._add(targets, graph.sig, sorting)
+            final = tuple(i for i in graph.accs if i in sorting.b_targets)
             if final != targets:  # what the next microbatch finds, its hint holding this one's extras
-                hint._add(final, graph.sig, plan)
-    if plan.reentrant:  # its checkpoint refuses an engine call limited by `inputs`
+                hint._add(final, graph.sig, sorting)
+    if sorting.reentrant:  # its checkpoint refuses an engine call limited by `inputs`
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
     nodes = graph.nodes
-    for i in plan.to_b:
+    for i in sorting.to_b:
         v = nodes[i].variable
         extra[id(v)] = v
     if hint is not None:
         hint.extra.update(extra)
-    b_roots = [pr for pr, on_b in zip(pairs, plan.root_on_b) if on_b]
+    b_roots = [pr for pr, on_b in zip(pairs, sorting.root_on_b) if on_b]
     state = saved.state if saved is not None else _BState()
     targets_t = tuple(inputs) + tuple(extra.values())
-    front = [nodes[i] for i, _ in plan.frontier]
+    front = [nodes[i] for i, _ in sorting.frontier]
     if b_roots and targets_t:
         for node in front:  # never removed: W calls the node by hand, which runs no hook
             node.register_prehook(state.keep if _NODE_AWARE else _keeper(state.kept, id(node)))
         if saved is not None and _NODE_AWARE:
             state.frontier = {id(n) for n in front}
         try:
-            if plan.compiled:  # a compiled node runs once, in B: its donated buffers are safe
+            if sorting.compiled:  # a compiled node runs once, in B: its donated buffers are safe
                 with compiled_backward_retained():
                     engine_run_backward([t for t, _ in b_roots], [g for _, g in b_roots], retain_graph=True,
                                         inputs=targets_t)
@@ -343,8 +343,8 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
             saved.free_input_only()
     kept, state.kept = state.kept, {}
     frontier = [(node, kept[id(node)], [(k, GradientEdge(nodes[c], nr)) for k, c, nr in side])
-                for node, (_, side) in zip(front, plan.frontier) if id(node) in kept]
-    w_roots = [pr for pr, on_b, to_w in zip(pairs, plan.root_on_b, plan.root_to_w) if not on_b and to_w]
+                for node, (_, side) in zip(front, sorting.frontier) if id(node) in kept]
+    w_roots = [pr for pr, on_b, to_w in zip(pairs, sorting.root_on_b, sorting.root_to_w) if not on_b and to_w]
     if not frontier and not w_roots:
         return None
     return HeldWgrad(frontier, [t for t, _ in w_roots], [g for _, g in w_roots],
@@ -415,7 +415,7 @@ class _Walk:
         return out
 
 
-class _Plan:
+class _Sorting:
     """One sorting of a graph structure (see the module docstring), in node positions of `_Walk`."""
 
     __slots__ = ("frontier", "to_b", "b_targets", "root_on_b", "root_to_w", "reentrant", "compiled")
@@ -430,7 +430,7 @@ class _Plan:
         self.compiled = False  # holds a torch.compile'd region's node
 
 
-def _plan(graph: _Walk, b_ids: set[int]) -> _Plan:
+def _sort_for_targets(graph: _Walk, b_ids: set[int]) -> _Sorting:
     """Sort `graph` for the B targets `b_ids` (ids of leaf tensors), adding to them the leaves a
     custom Function on the input side feeds until none is left (see the module docstring)."""
     nodes, edges = graph.nodes, graph.edges()
@@ -472,9 +472,9 @@ def _post_order(roots: list[int], edges: list[list[tuple[int, int] | None]]) -> 
     return post
 
 
-def _sort(graph: _Walk, edges: list[list[tuple[int, int] | None]], post: list[int], targets: set[int]) -> _Plan:
+def _sort(graph: _Walk, edges: list[list[tuple[int, int] | None]], post: list[int], targets: set[int]) -> _Sorting:
     acc, nodes = _acc_type(), graph.nodes
-    p = _Plan()
+    p = _Sorting()
     on_b: set[int] = set()  # nodes with a path to a B target
     to_w: set[int] = set()  # nodes with a path to a leaf that is not a B target
     for i in post:

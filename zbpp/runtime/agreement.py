@@ -9,7 +9,10 @@ CPU can run ahead of the GPU across steps.
   the input's hash and row count and the target's row count, and its base seed (the random
   streams of the F tasks derive from pipeline rank 0's: `zbpp.runtime.rng`). A rejected input, or a target whose
   rows differ from the input's, raises on every rank before any compute.
-  `decide_start` decides: the step's rows, seed and input signature (`StartDecision`).
+  `decide_start` decides: the step's rows, seed and input signature (`StartDecision`). Under
+  ``cuda_graphs="auto"`` a rank whose trial of a signature just ended also reports the fastest
+  eager and replayed step it timed, and the decision carries the form every rank takes
+  (`graphs_win`); other steps carry zeros: no collective is added.
 - At the end, every rank contributes an `EndReport`: whether it failed (and in which task, and
   when), drained because a peer failed, or saw its communication break. If any rank failed, every
   rank raises; the failing ranks' messages travel with the agreement, so every rank names the first
@@ -41,7 +44,8 @@ if TYPE_CHECKING:
     from ..schedules.ir import Action
     from .failure import StepFailure
 
-__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "decide_start", "decide_end", "failed_step_error"]
+__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "decide_start", "decide_end",
+           "failed_step_error", "graphs_win"]
 
 R = TypeVar("R", "StartReport", "EndReport")
 
@@ -58,6 +62,9 @@ class StartReport:
     input_rows: int  #: rows of the input (rank holding stage 0; else -1)
     target_rows: int  #: rows of the target (rank holding the last stage, when given; else -1)
     seed: int = 0  #: its base seed of the microbatches' random streams (pipeline rank 0's is used)
+    trial: bool = False  #: a signature's trial of task graphs ended on it (``cuda_graphs="auto"``)
+    eager_us: int = 0  #: that trial's fastest eager step, microseconds (0: none timed)
+    graphs_us: int = 0  #: that trial's fastest replayed step, microseconds (0: none timed)
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ class EndReport:
     failed: bool  #: an exception on this rank (not a peer's POISON)
     drained: bool  #: it stopped computing because some rank failed
     comm_broken: bool  #: a send or receive failed (e.g. a dead peer): the pipeline is unusable
-    task: int  #: index of the failed task in this rank's plan (-1: none, or outside any task)
+    task: int  #: index of the failed task in this rank's program (-1: none, or outside any task)
     failed_at_us: int = 0  #: wall-clock time of the failure (us since the epoch): the first one is the cause
 
 
@@ -139,13 +146,32 @@ class StartDecision:
     rows: int  #: rows of the batch (from the rank holding stage 0)
     seed: int  #: base seed of the microbatches' random streams (pipeline rank 0's)
     signature: tuple  #: the step's input signature: the input's shapes and rows, every rank's module state
+    graphs: bool | None = None  #: the form of the signature whose trial ended (`graphs_win`; None: no trial ended)
+
+
+def graphs_win(reports: Sequence[StartReport]) -> bool | None:
+    """The form a trial chose, from the reports of the ranks whose trial ended (None: none did):
+    the slowest rank of each form sets its pace, and eager wins only if it was timed and its
+    slowest rank beat the replays' slowest.
+
+    >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=90, graphs_us=100),
+    ...             StartReport(False, 0, 0, -1, -1, trial=True, eager_us=130, graphs_us=95)])
+    True
+    >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=90, graphs_us=100)])
+    False
+    """
+    ended = [r for r in reports if r.trial]
+    if not ended:
+        return None
+    eager, graphs = max(r.eager_us for r in ended), max(r.graphs_us for r in ended)
+    return not 0 < eager < graphs
 
 
 def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException | None, topology: Any,
                  schedule: Any, forward_only: bool) -> StartDecision:
     """Gather every rank's `StartReport` and decide: raise on every rank when one rejected its
     input (that rank: its own error) or a target's rows differ from the input's; else the step's
-    rows, seed and signature. `BrokenJob` when a rank is gone."""
+    rows, seed and signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
     reports = agreement.gather(mine)
     if any(r.rejected for r in reports):
         texts = agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
@@ -169,14 +195,15 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
     mine_ = [reports[topology.world.index(g)] for g in topology.pipeline]
     rows = mine_[first_rank].input_rows
     return StartDecision(rows, mine_[0].seed,
-                         (forward_only, mine_[first_rank].input_hash, rows, *(r.state_hash for r in mine_)))
+                         (forward_only, mine_[first_rank].input_hash, rows, *(r.state_hash for r in mine_)),
+                         graphs_win(reports))
 
 
 def decide_end(agreement: Agreement, record: StepFailure, tasks: Sequence[Action], *, where: str, schedule: str,
                rank: int, kept_grads: bool, broken: str | None,
                roll_back: Callable[[], None]) -> tuple[PipelineError | None, str | None]:
     """Gather every rank's `EndReport` (this rank's from its failure `record` of the step, whose
-    plan is `tasks`) and decide: None when every rank succeeded; else `roll_back` this rank's step
+    program is `tasks`) and decide: None when every rank succeeded; else `roll_back` this rank's step
     and return the error it raises, and why the pipeline is unusable now (`broken`). Raises
     `BrokenJob` (after `roll_back`) when a rank is gone or this rank's communication broke."""
     mine = EndReport(failed=record.error is not None, drained=record.draining, comm_broken=record.comm_error is not None,

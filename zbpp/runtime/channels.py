@@ -1,12 +1,12 @@
 """Point-to-point channels between the ranks of a pipeline, and the agreement group of a job.
 
-A *channel* carries the messages from one pipeline rank to another (`zbpp.schedules.plan`). Each
+A *channel* carries the messages from one pipeline rank to another (`zbpp.schedules.program`). Each
 channel is its own two-rank process group, so each direction has its own communicator and, on
 NCCL, its own stream: a receive waiting for its data never holds up a send the other way.
 
 NCCL communicators are created eagerly, when the groups are built (``new_group(device_id=...)``):
 created lazily, the first send or receive of a pair would be a blocking handshake of the two ranks
-that the plan's issue points do not account for.
+that the program's issue points do not account for.
 
 Process groups must be created by every rank of the job in one order (``new_group`` is collective
 over the default group), so `Channels` creates the channels of every pipeline of the job, and
@@ -78,7 +78,7 @@ class Channels:
 
     Args:
         topology: this rank's place in the job.
-        channels: every channel of a pipeline, as ``(src, dst)`` pipeline ranks (`Plan.channels`).
+        channels: every channel of a pipeline, as ``(src, dst)`` pipeline ranks (`Program.channels`).
         device: where tensors live (CUDA: NCCL; CPU: gloo).
         timeout: the groups' timeout.
     """

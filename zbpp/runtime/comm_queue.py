@@ -1,6 +1,6 @@
-"""The communication queue of one rank's step: the plan's sends and receives, in order.
+"""The communication queue of one rank's step: the program's sends and receives, in order.
 
-`CommQueue` is built for each step from this rank's `RankPlan`, the channels, the shapes of the
+`CommQueue` is built for each step from this rank's `RankProgram`, the channels, the shapes of the
 step's input signature (``specs``, still being learnt when ``new_signature``), the sends still in
 flight from earlier steps and the step's `StepFailure` record, which it writes when communication
 breaks and reads to know whether the rank drains.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..schedules.plan import Message, RankPlan
+from ..schedules.program import Message, RankProgram
 from .errors import PipelineError, ShapeMismatchError
 from .failure import StepFailure
 from .tree import Spec, TensorMeta
@@ -57,7 +57,7 @@ class CommQueue:
     """The sends and receives of one rank's step (see the module docstring).
 
     Args:
-        plan: this rank's plan: at which task boundary each operation is issued.
+        program: this rank's program: at which task boundary each operation is issued.
         channels: the point-to-point channels (None when the pipeline has one rank).
         specs: the activation specs of this step's signature, ``(stage, microbatch) -> Spec``;
             filled here when `new_signature` (received in-band), read otherwise.
@@ -67,9 +67,9 @@ class CommQueue:
         failure: the step's failure record.
     """
 
-    def __init__(self, plan: RankPlan, channels: Any, specs: dict[tuple[int, int], Any], new_signature: bool,
+    def __init__(self, program: RankProgram, channels: Any, specs: dict[tuple[int, int], Any], new_signature: bool,
                  in_flight: list[tuple[list[Any], list[torch.Tensor]]], failure: StepFailure) -> None:
-        self.plan, self.channels, self.specs, self.new_signature = plan, channels, specs, new_signature
+        self.program, self.channels, self.specs, self.new_signature = program, channels, specs, new_signature
         self.in_flight, self.failure = in_flight, failure
         self._outbox: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # produced, not yet sent
         self._queues: dict[tuple[int, int], list[Posted]] = {}  # receives due, per channel, in order
@@ -78,12 +78,12 @@ class CommQueue:
         self._dead: set[tuple[int, int]] = set()  # channels that broke
 
     def put(self, msg: Message, spec: Spec | None, tensors: list[torch.Tensor]) -> None:
-        """The data of `msg` (and its spec on a new signature), sent when the plan issues it."""
+        """The data of `msg` (and its spec on a new signature), sent when the program issues it."""
         self._outbox[msg.index] = (spec, tensors)
 
     def issue(self, boundary: int) -> None:
-        """Issue the plan's operations at `boundary`; never raises (a failure makes the rank drain)."""
-        for op in self.plan.issue[boundary]:
+        """Issue the program's operations at `boundary`; never raises (a failure makes the rank drain)."""
+        for op in self.program.issue[boundary]:
             if op.send:
                 if op.message.channel not in self._dead:
                     try:
@@ -173,11 +173,11 @@ class CommQueue:
         if item is None:
             queue = self._queues[msg.channel]
             item = queue.pop(0)
-            assert item.message.index == msg.index, "channel order broken (a bug in the plan)"
+            assert item.message.index == msg.index, "channel order broken (a bug in the program)"
             if msg.channel in self._dead:
                 raise Drained()
             if not self.new_signature or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
-                raise PipelineError(f"rank {self.plan.rank}: the receive of {msg} was never posted (a bug)")
+                raise PipelineError(f"rank {self.program.rank}: the receive of {msg} was never posted (a bug)")
             try:
                 spec = self.channels.recv_object(msg.channel)
             except Exception as exc:  # noqa: BLE001

@@ -14,7 +14,7 @@ Tasks (docs/DESIGN.md):
   delayed-wgrad module of the stage (`zbpp.runtime.wgrad`).
 - ``BW(s, j)``: B then W.
 
-One step reads top to bottom (`StepExecutor.run`): for each task, issue the communication the plan
+One step reads top to bottom (`StepExecutor.run`): for each task, issue the communication the program
 puts before it (`zbpp.runtime.comm_queue`: sends of data already produced, receives of data needed
 soon, each channel's in its order), then run the task, which waits only for its own inputs. Data
 moves along the DAG: a message on each cross-rank edge, a hand-over in memory on each same-rank edge.
@@ -32,7 +32,7 @@ messages need no metadata: they have the shapes of the activations they answer.
 
 Failures: an exception in a task (or in handing its data on) does not stop the step's
 communication. The rank *drains*: it runs no more compute but still issues every remaining send
-and receive of its plan, in order, with placeholders of the right shapes in place of the data it
+and receive of its program, in order, with placeholders of the right shapes in place of the data it
 could not produce (on a ``new_signature`` step, a `POISON` spec with no data: its receiver drains too), and
 still signals the stages' last B and W so that data-parallel reductions are issued as on the other
 replicas. Every peer therefore completes the step's communication, the communicators stay
@@ -56,12 +56,12 @@ from torch import nn
 
 from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
-from ..schedules.plan import RankPlan
+from ..schedules.program import RankProgram
 from ._autograd_split import SavedBoxes
 from .comm_queue import POISON, CommQueue, Drained
 from .errors import PipelineError, ShapeMismatchError
 from .failure import StepFailure
-from .profiling import TaskRecorder
+from .task_times import TaskRecorder
 from .task_graphs import EAGER, TaskRunner
 from .tree import Spec, call, flatten, rebuild
 from .wgrad import StageWgrad
@@ -130,7 +130,7 @@ class StepExecutor:
     """Runs one step of one rank (see the module docstring). Built fresh for every step.
 
     Args:
-        plan: this rank's plan (`zbpp.schedules.plan.RankPlan`; forward-only for evaluation).
+        program: this rank's program (`zbpp.schedules.program.RankProgram`; forward-only for evaluation).
         num_stages: stages of the schedule.
         modules: this rank's stage modules.
         wgrad: per stage, its `StageWgrad`.
@@ -143,7 +143,7 @@ class StepExecutor:
         recorder: task timing, or None.
     """
 
-    plan: RankPlan
+    program: RankProgram
     num_stages: int
     modules: dict[int, nn.Module]
     wgrad: dict[int, StageWgrad]
@@ -157,18 +157,18 @@ class StepExecutor:
     _handed: dict[Action, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._split_keys = {(t.stage, t.microbatch) for t in self.plan.tasks if t.kind is Kind.B} if self.split_wgrad else set()
+        self._split_keys = {(t.stage, t.microbatch) for t in self.program.tasks if t.kind is Kind.B} if self.split_wgrad else set()
 
     # -- the step -----------------------------------------------------------------------------
     def run(self, data: StepInputs, comm: CommQueue, failure: StepFailure, runner: TaskRunner = EAGER,
             boundaries: StageBoundaries | None = None) -> StepResults:
-        """Run every task of this rank with the plan's communication (`comm`), each through
+        """Run every task of this rank with the program's communication (`comm`), each through
         `runner`; tell `boundaries` where each stage's last B and W are. A failure is recorded in
         `failure` (then the results are incomplete), never raised."""
         results = StepResults()
         if self.recorder is not None:
             self.recorder.begin_step()
-        tasks = self.plan.tasks
+        tasks = self.program.tasks
         for i, task in enumerate(tasks):
             comm.issue(i)
             failure.current = task
@@ -215,7 +215,7 @@ class StepExecutor:
     def _drain_task(self, task: Action, comm: CommQueue) -> None:
         """Draining: no compute, but the task's receive still happens here (its shapes may be needed
         by a later send, and its sender is waiting)."""
-        msg = self.plan.recv_of.get(task)
+        msg = self.program.recv_of.get(task)
         if msg is None:
             return
         try:
@@ -296,9 +296,9 @@ class StepExecutor:
 
     def _stage_input(self, a: Action, comm: CommQueue) -> tuple[Spec, list[torch.Tensor]]:
         """F(s, j)'s input leaves for s > 0, handed over on this rank or received."""
-        msg = self.plan.recv_of.get(a)
+        msg = self.program.recv_of.get(a)
         if msg is None:
-            spec, leaves = self._handed.pop(self.plan.handed_from[a])
+            spec, leaves = self._handed.pop(self.program.handed_from[a])
             return spec, leaves
         leaves = comm.receive(msg)  # on a new signature, its spec arrives with it
         return comm.specs[(msg.src.stage, msg.src.microbatch)], leaves
@@ -307,7 +307,7 @@ class StepExecutor:
         """F's output to the next stage: in memory on this rank, else to its send (checked against
         the signature's spec). `release`: free the storage of the outputs once sent."""
         s, j = a.stage, a.microbatch
-        msg = self.plan.send_of.get(a)
+        msg = self.program.send_of.get(a)
         if msg is None:  # the next stage is on this rank: its inputs are fresh leaves
             self._handed[a] = (spec, [t.detach().requires_grad_(t.requires_grad and not self.forward_only)
                                       for t in leaves])
@@ -336,8 +336,8 @@ class StepExecutor:
         s, j = a.stage, a.microbatch
         grads: list[torch.Tensor] = []
         if s < self.num_stages - 1:
-            msg = self.plan.recv_of.get(a)
-            grads = list(self._handed.pop(self.plan.handed_from[a])[1] if msg is None else comm.receive(msg))
+            msg = self.program.recv_of.get(a)
+            grads = list(self._handed.pop(self.program.handed_from[a])[1] if msg is None else comm.receive(msg))
 
         def body(ins: list[torch.Tensor]) -> tuple[list[torch.Tensor], None]:
             slot = self._slots.pop((s, j))
@@ -353,7 +353,7 @@ class StepExecutor:
                 x.grad = None
             slot.inputs.clear()
             if a.kind is Kind.BW:
-                self.wgrad[s].run((s, j))
+                self.wgrad[s].compute((s, j))
             return in_grads, None
 
         started = self._start()
@@ -361,7 +361,7 @@ class StepExecutor:
         del grads
         self._stop(a, started)
         if s > 0:  # the previous stage waits for the input gradient
-            msg = self.plan.send_of.get(a)
+            msg = self.program.send_of.get(a)
             if msg is None:
                 self._handed[a] = (None, list(in_grads))
             else:
@@ -370,19 +370,19 @@ class StepExecutor:
     def _wgrad_body(self, a: Action) -> Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], None]]:
         """W(s, j): the rest of the stage's backward and its delayed-wgrad modules' (no tensor in or out)."""
         def body(_: list[torch.Tensor]) -> tuple[list[torch.Tensor], None]:
-            self.wgrad[a.stage].run((a.stage, a.microbatch))
+            self.wgrad[a.stage].compute((a.stage, a.microbatch))
             return [], None
         return body
 
     def _signal(self, a: Action, boundaries: StageBoundaries | None, failure: StepFailure) -> None:
-        """At the plan's known boundaries (the stage's last B / W ran or, draining, would have):
+        """At the program's known boundaries (the stage's last B / W ran or, draining, would have):
         the data-parallel reductions start."""
         if boundaries is None:
             return
         try:
-            if a.kind in (Kind.B, Kind.BW) and self.plan.last_backward.get(a.stage) == a:
+            if a.kind in (Kind.B, Kind.BW) and self.program.last_backward.get(a.stage) == a:
                 boundaries.stage_backward_done(a.stage)
-            if a.kind in (Kind.W, Kind.BW) and self.plan.last_wgrad.get(a.stage) == a:
+            if a.kind in (Kind.W, Kind.BW) and self.program.last_wgrad.get(a.stage) == a:
                 boundaries.stage_wgrad_done(a.stage)
         except Exception as exc:  # noqa: BLE001
             failure.fail(exc, a)

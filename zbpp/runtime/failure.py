@@ -2,7 +2,7 @@
 
 A task that raises, a send or receive that breaks, or a peer's POISON makes the rank *drain*
 (`zbpp.runtime.executor`): it computes nothing more but still issues every send and receive of its
-plan. The record is written by the executor and the communication queue, and read by the end
+program. The record is written by the executor and the communication queue, and read by the end
 agreement (`zbpp.runtime.pipeline`).
 
 >>> record = StepFailure()

@@ -52,7 +52,7 @@ def init_distributed(backend: str | None = None, *, timeout: float = 600.0) -> s
         torch.cuda.set_device(device)
     # device_id binds the group to this rank's GPU: without it NCCL guesses the device from the
     # global rank and warns that this can hang (wrong where LOCAL_RANK differs, on several nodes).
-    # It makes the communicator eager and shared, which the plan's one order of operations allows.
+    # It makes the communicator eager and shared, which the program's one order of operations allows.
     span = timedelta(seconds=timeout)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:

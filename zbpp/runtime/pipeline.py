@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..schedules.ir import Kind, Schedule
-from ..schedules.plan import Plan, make_plan
+from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
 from .arguments import check_arguments, check_stage_modules
 from .agreement import Agreement, BrokenJob, StartReport, decide_end, decide_start
@@ -35,10 +35,10 @@ from .comm_queue import CommQueue
 from .executor import PipelineError, StepExecutor, StepInputs, StepResults
 from .failure import StepFailure
 from .loss_weights import row_factors, weight_factors
-from .profiling import TaskRecorder, gather_records
+from .task_times import TaskRecorder, gather_records
 from .reductions import Reductions, default_reducer, fsdp_reducer
 from .rng import microbatch_seed, seeded
-from .task_graphs import EAGER, GraphCache, TaskGraphs, TaskRunner
+from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
 from .tied import TiedParameters
 from .topology import Topology
 from .step_input import LocalBatch, local_batch, merge, module_state, stable_hash
@@ -78,7 +78,7 @@ class Pipeline:
             parallelism gradients are averaged over the replicas (`zbpp.runtime.topology`).
         device: where activations live; default: the current CUDA device under NCCL, else the
             device of the stage modules' first parameter, else the CPU.
-        profile: record each task's start and end (see `profile_records`).
+        record_task_times: record each task's start and end (see `task_times`).
         free_sent_activations: release a sent activation's memory as soon as it is handed to its
             send (B still works: only the autograd node is kept). Turn off only if your code holds
             on to stage outputs.
@@ -90,8 +90,8 @@ class Pipeline:
             its own contribution goes; what it costs: `zbpp.runtime.grad_aside`). False: a failed
             step sets ``.grad`` to None and zeroes ``main_grad``.
         costs: the task and link times that place sends and receives
-            (`zbpp.schedules.plan.make_plan`); default unit costs and a fast link. Pass measured
-            costs (`Costs.from_profile`, with ``comm``) on slow links.
+            (`zbpp.schedules.program.make_program`); default unit costs and a fast link. Pass measured
+            costs (`Costs.from_task_times`, with ``comm``) on slow links.
         timeout: seconds a peer may take before the pipeline's own groups fail; default: the
             default process group's timeout.
         tied_parameters: ``{name: parameter}``: this rank's copies of parameters that several
@@ -117,7 +117,10 @@ class Pipeline:
             W and BW task of this rank from a CUDA graph captured in the schedule's order (sends,
             receives and reductions stay outside): for small layers; bit-identical to eager steps.
             CUDA only; what is captured and refused: `zbpp.runtime.task_graphs` (tests on CPUs
-            pass its `StandInGraphs` instead of True).
+            pass its `StandInGraphs` instead of True). ``"auto"``: per input signature, a few
+            eager and replayed steps are timed after its capture, and the faster form (on the
+            slowest rank) sticks: graphs for small layers, eager where they would slow a
+            compute-bound stage; the rule: `zbpp.runtime.task_graphs`.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
@@ -148,7 +151,7 @@ class Pipeline:
         *,
         groups: Any = None,
         device: torch.device | str | None = None,
-        profile: bool = False,
+        record_task_times: bool = False,
         free_sent_activations: bool = True,
         reducer: Any = None,
         keep_grads_on_failure: bool = True,
@@ -158,7 +161,7 @@ class Pipeline:
         loss_weight: Callable[[Any], Any] | None = None,
         seed: int | bool | None = None,
         split_wgrad: bool = True,
-        cuda_graphs: bool | type[TaskGraphs] = False,
+        cuda_graphs: bool | str | type[TaskGraphs] | AutoGraphs = False,
     ) -> None:
         check_arguments(schedule, loss_fn, stage_modules, costs, timeout, loss_weight, seed)
         self.loss_weight = loss_weight
@@ -174,27 +177,27 @@ class Pipeline:
         self.pp_rank: int = self.topology.pp_rank
         check_stage_modules(stage_modules, schedule, self.pp_rank)
         self.stage_modules: dict[int, nn.Module] = dict(sorted(stage_modules.items()))
-        self._plan: Plan = make_plan(schedule, costs=costs)
+        self._program: Program = make_program(schedule, costs=costs)
         self._costs = costs
-        self._eval_plan: Plan | None = None
+        self._eval_program: Program | None = None
         self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
         check_fifo_wgrad(self._wgrad, schedule)
         self.split_wgrad = bool(split_wgrad)
-        tasks = self._plan.ranks[self.pp_rank].tasks
+        tasks = self._program.ranks[self.pp_rank].tasks
         has_b = {t.stage for t in tasks if t.kind is Kind.B}
         self._split_stages = {s for s in self.stage_modules
                               if s in has_b and has_own_wgrad(self.stage_modules[s], self._wgrad[s])} if self.split_wgrad else set()
         self.device = torch.device(device) if device is not None else self.topology.default_device(self.stage_modules)
-        self.profile = bool(profile)
+        self.record_task_times = bool(record_task_times)
         self.free_sent_activations = bool(free_sent_activations)
         self.keep_grads_on_failure = bool(keep_grads_on_failure)
-        self._recorder = TaskRecorder(self.pp_rank, self.device) if self.profile else None
+        self._recorder = TaskRecorder(self.pp_rank, self.device) if self.record_task_times else None
         self._specs: OrderedDict[tuple[Any, ...], dict[tuple[int, int], Any]] = OrderedDict()
         self._in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
         self._broken: str | None = None
         span = timedelta(seconds=timeout) if timeout is not None else (default_timeout() if self.topology.distributed else timedelta(minutes=10))
         self._agreement = Agreement(agreement_group(self.topology, span))
-        self._channels = Channels(self.topology, self._plan.channels, self.device, span) if self.topology.pp_size > 1 else None
+        self._channels = Channels(self.topology, self._program.channels, self.device, span) if self.topology.pp_size > 1 else None
         first_forward = list(dict.fromkeys(a.stage for a in tasks if a.kind is Kind.F))
         fsdp = fsdp_reducer(self.stage_modules, self.topology, first_forward, reducer)  # before the tied copies' first broadcast
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
@@ -204,14 +207,11 @@ class Pipeline:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
         if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
             reducer.owe_all_to_wgrad(self._split_stages)
-        self.cuda_graphs = bool(cuda_graphs)
-        self._graph_cache: GraphCache | None = None
-        if self.cuda_graphs:
-            if fsdp is not None:
-                raise ValueError("cuda_graphs=True cannot capture fully_shard stages (FSDP all-gathers and frees "
-                                 "parameters from Python hooks around each task); pass cuda_graphs=False")
-            kind = cuda_graphs if isinstance(cuda_graphs, type) and issubclass(cuda_graphs, TaskGraphs) else TaskGraphs
-            self._graph_cache = GraphCache(kind, self.stage_modules, self.device)
+        self._graph_cache: GraphCache | None = graph_cache(cuda_graphs, self.stage_modules, self.device)
+        self.cuda_graphs = self._graph_cache is not None
+        if self.cuda_graphs and fsdp is not None:
+            raise ValueError(f"cuda_graphs={cuda_graphs!r} cannot capture fully_shard stages (FSDP all-gathers and "
+                             "frees parameters from Python hooks around each task); pass cuda_graphs=False")
         stage_params = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
         self._reductions = Reductions(
             self.parameters, reducer=reducer, fsdp=fsdp, tied=self._tied,
@@ -234,10 +234,10 @@ class Pipeline:
         return self.schedule.num_stages - 1 in self.stage_modules
 
     @property
-    def plan(self) -> Plan:
-        """The communication plan its training steps execute (`zbpp.schedules.plan.make_plan` of the
-        schedule, with ``costs``); `zbpp.schedules.plan.plan_makespan` predicts its step."""
-        return self._plan
+    def program(self) -> Program:
+        """The program its training steps execute (`zbpp.schedules.program.make_program` of the
+        schedule, with ``costs``); `zbpp.schedules.program.program_makespan` predicts its step."""
+        return self._program
 
     @property
     def reducer(self) -> Any:
@@ -273,7 +273,7 @@ class Pipeline:
         self._reductions.set_aside(reducing=self._sync_gradients)
         with self._compute_stream(step):
             problem = _first_error(lambda: self._reductions.begin(lambda: step.failure.draining),
-                                   lambda: self._run_tasks(step),  # with the plan's communication
+                                   lambda: self._run_tasks(step),  # with the program's communication
                                    lambda: step.failure.draining or self._reductions.finish())
         failure = self._agree_end(step, problem)  # agree on the outcome
         if failure is not None:
@@ -335,12 +335,12 @@ class Pipeline:
             return step.results.loss()
         return merge([step.results.outputs[j] for j in range(self.num_microbatches)])
 
-    def profile_records(self) -> list[dict[str, Any]] | None:
+    def task_times(self) -> list[dict[str, Any]] | None:
         """The last step's task records of every rank, on pipeline rank 0 (None on the others):
         ``{"rank", "action", "start", "end"}`` (seconds from the step's start on that rank).
-        Collective over the pipeline group: every rank of it must call it. Needs ``profile=True``."""
+        Collective over the pipeline group: every rank of it must call it. Needs ``record_task_times=True``."""
         if self._recorder is None:
-            raise RuntimeError("profile_records() needs Pipeline(..., profile=True)")
+            raise RuntimeError("task_times() needs Pipeline(..., record_task_times=True)")
         return gather_records(self._recorder, self.topology)
 
     # -- a step -------------------------------------------------------------------------------
@@ -356,12 +356,15 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement
             batch, problem = None, exc
         b = batch if batch is not None else LocalBatch()  # nothing of the input on this rank
+        trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
         mine = StartReport(problem is not None, stable_hash((module_state(self.stage_modules), forward_only)),
-                           b.input_hash, b.input_rows, b.target_rows, self._base_seed)
+                           b.input_hash, b.input_rows, b.target_rows, self._base_seed, *trial)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BrokenJob as exc:
             raise self._broken_error(exc, "start") from exc
+        if self._graph_cache is not None:
+            self._graph_cache.settle(agreed.graphs)  # the same decision on every rank
         rng_step, self.rng_step = self.rng_step, self.rng_step + 1
         weights, loss_weights = row_factors(agreed.rows, m), None
         if b.raw_weights is not None:
@@ -374,14 +377,14 @@ class Pipeline:
         self._specs.move_to_end(agreed.signature)
         while len(self._specs) > _MAX_SIGNATURES:  # same sequence of signatures on every rank: same eviction
             self._specs.popitem(last=False)
-        plan = (self._plan if not forward_only else self._forward_plan()).ranks[self.pp_rank]
-        executor = StepExecutor(plan, self.schedule.num_stages, self.stage_modules, self._wgrad,
+        program = (self._program if not forward_only else self._forward_program()).ranks[self.pp_rank]
+        executor = StepExecutor(program, self.schedule.num_stages, self.stage_modules, self._wgrad,
                                 self.loss_fn if (not forward_only or target is not None) else None,
                                 forward_only=forward_only, split_wgrad=bool(self._split_stages),
                                 free_sent_activations=self.free_sent_activations,
                                 recorder=self._recorder if not forward_only else None)
         failure = StepFailure()
-        comm = CommQueue(plan, self._channels, specs, new_signature, self._in_flight, failure)
+        comm = CommQueue(program, self._channels, specs, new_signature, self._in_flight, failure)
         return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure)
 
     def _compute_stream(self, step: _Step) -> Any:  # with CUDA graphs a side stream (`GraphCache.stream`)
@@ -390,10 +393,13 @@ class Pipeline:
     def _run_tasks(self, step: _Step) -> None:
         """This rank's tasks, through the runner of the step's signature (chosen after `begin`: a
         reducer may move ``main_grad``, which graphs bake in)."""
-        if self._graph_cache is not None and not step.forward_only:
-            step.runner = self._graph_cache.runner(step.signature, step.new_signature, list(self.parameters()))
+        graphs = self._graph_cache if not step.forward_only else None
+        if graphs is not None:
+            step.runner = graphs.runner(step.signature, step.new_signature, list(self.parameters()))
         boundaries = self._reductions if not step.forward_only else None
         step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
+        if graphs is not None:
+            graphs.tasks_done()  # the end of a timed step of cuda_graphs="auto"
 
     def _agree_end(self, step: _Step, problem: BaseException | None) -> PipelineError | None:
         """The end agreement: None when every rank succeeded, else the error this rank raises (its
@@ -402,7 +408,7 @@ class Pipeline:
             step.failure.fail(problem, None)
         try:
             error, self._broken = decide_end(
-                self._agreement, step.failure, step.executor.plan.tasks, where=self.topology.describe(),
+                self._agreement, step.failure, step.executor.program.tasks, where=self.topology.describe(),
                 schedule=self.schedule.name or "custom", rank=self.pp_rank, kept_grads=self.keep_grads_on_failure,
                 broken=self._broken, roll_back=lambda: self._roll_back(step))
         except BrokenJob as exc:
@@ -434,10 +440,10 @@ class Pipeline:
         replica, device = self.topology.dp_rank, self.device
         return lambda stage, microbatch: seeded(microbatch_seed(base, step, stage, microbatch, replica), device)
 
-    def _forward_plan(self) -> Plan:
-        if self._eval_plan is None:
-            self._eval_plan = make_plan(self.schedule, costs=self._costs, forward_only=True)
-        return self._eval_plan
+    def _forward_program(self) -> Program:
+        if self._eval_program is None:
+            self._eval_program = make_program(self.schedule, costs=self._costs, forward_only=True)
+        return self._eval_program
 
 
 def _first_error(*calls: Callable[[], Any]) -> BaseException | None:

@@ -7,8 +7,8 @@ A training step's gradients go through, in order:
 - the data-parallel reducer (`zbpp.runtime.grad_reduce.GradReducer`, FSDP's
   `zbpp.runtime.fsdp.FsdpReducer`, or the one given as ``Pipeline(reducer=...)``: any
   `GradientReducer`) and the tied parameters' sums (`zbpp.runtime.tied`), told when each stage's
-  gradients are final. The executor tells them at the plan's known boundaries
-  (``RankPlan.last_backward`` / ``last_wgrad``), as `StageBoundaries`.
+  gradients are final. The executor tells them at the program's known boundaries
+  (``RankProgram.last_backward`` / ``last_wgrad``), as `StageBoundaries`.
 
 `Pipeline.step` drives one step: `set_aside`, `begin`, the tasks (which call
 `stage_backward_done` / `stage_wgrad_done`), `finish`, then after the end agreement `commit` or

@@ -27,6 +27,19 @@ of that signature copies each task's inputs into the graph's static buffers and 
   on every rank. Host-side decisions inside a stage (a Python branch on the step count, on a
   tensor's value) are taken once, at capture: declare such a stage with
   ``zbpp_cuda_graphs = False``.
+- **Choosing by measurement** (``cuda_graphs="auto"``, `AutoGraphs`). Where the GPU, not the host,
+  sets the pace, replays can be slower than eager steps (a compute-bound stage). For each input
+  signature: step 1 eager, step 2 captures, then `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed
+  steps alternate, their tasks timed on the compute stream (CUDA events; a failed step, or a replay
+  that had to capture again, gives no time). At the next step's start agreement every rank whose
+  trial ended reports its fastest step of each form (reading the events is the one host
+  synchronisation of a signature's trial); the slowest rank of each form sets its pace, and eager
+  is kept only if it was timed and that pace beat the replays' (`agreement.graphs_win`). Every
+  rank takes that decision, for that signature from then on (measured again if the pipeline
+  forgets the signature); if eager wins, its graphs are dropped (their memory goes back to the
+  graphs' pool, for later captures; the pool itself, once it holds no graph, to the allocator). Steady steps add nothing: no timing, no collective. The
+  trial's eager steps run beside the graphs' memory: a stage that fits only one of them at a time
+  should pass True or False.
 - **Random draws.** Each F is captured and replayed under its microbatch's seed (`zbpp.runtime.rng`):
   a replay draws from the generator's state at its start, so dropout masks are the eager step's.
 
@@ -45,9 +58,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import torch
@@ -55,10 +69,14 @@ import torch
 from .._compat import foreach_copy_, foreach_zero_
 from .errors import GraphCaptureError
 
-__all__ = ["Body", "TaskRunner", "EAGER", "GradBuffers", "TaskGraphs", "StandInGraphs", "GraphCache",
-           "MAX_GRAPHED_SIGNATURES", "external_addresses", "refusal"]
+__all__ = ["Body", "TaskRunner", "EAGER", "GradBuffers", "TaskGraphs", "StandInGraphs", "GraphCache", "AutoGraphs",
+           "StepTimer", "EventTimer", "HostTimer", "graph_cache", "MAX_GRAPHED_SIGNATURES", "TRIAL_STEPS",
+           "external_addresses", "refusal"]
 
 MAX_GRAPHED_SIGNATURES = 4
+#: ``cuda_graphs="auto"``: timed steps of each form (eager, replayed) per input signature before it chooses
+TRIAL_STEPS = 2
+_MAX_CHOSEN_SIGNATURES = 16  # choices remembered (at least the pipeline's cached signatures)
 
 #: A task's body: its input tensors in (a list the body owns: it may empty it to free them early),
 #: its output tensors and what else it learnt (an output's `Spec`) out. A runner may call it once
@@ -194,6 +212,85 @@ class StandInGraphs(TaskGraphs):
                 out.copy_(new)
 
 
+class StepTimer(Protocol):
+    """Times a step's tasks for ``cuda_graphs="auto"`` (`EventTimer` on CUDA, `HostTimer` elsewhere)."""
+
+    def mark(self) -> Any:
+        """A point in time, taken where the current stream has got to."""
+        ...
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from mark `start` to mark `end` (may wait for the device to reach `end`)."""
+        ...
+
+
+class EventTimer:
+    """`StepTimer` of CUDA events recorded on the current stream: a step's time on the device,
+    gaps where the host starved it included."""
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class HostTimer:
+    """`StepTimer` of a host clock (`time.perf_counter`; tests pass their own).
+
+    >>> ticks = iter([1.0, 3.5])
+    >>> timer = HostTimer(lambda: next(ticks))
+    >>> timer.seconds(timer.mark(), timer.mark())
+    2.5
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+
+    def mark(self) -> Any:
+        return self.clock()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+
+@dataclass(frozen=True)
+class AutoGraphs:
+    """``Pipeline(..., cuda_graphs="auto")`` is ``cuda_graphs=AutoGraphs()``: each input signature
+    runs eagerly or from its graphs, whichever its trial measured faster (the module docstring).
+    Tests on CPUs pass ``AutoGraphs(StandInGraphs, HostTimer(clock))``."""
+
+    kind: type[TaskGraphs] = TaskGraphs
+    timer: StepTimer | None = None  #: None: `EventTimer` for CUDA graphs, else `HostTimer`
+
+
+def graph_cache(option: Any, modules: dict[int, torch.nn.Module], device: torch.device) -> GraphCache | None:
+    """The `GraphCache` of ``Pipeline(..., cuda_graphs=option)``: None for False; always graphs for
+    True (or a `TaskGraphs` class: tests); measured per signature for "auto" (or an `AutoGraphs`).
+
+    >>> graph_cache(False, {}, torch.device("cpu")) is None
+    True
+    >>> graph_cache("sometimes", {}, torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    ValueError: cuda_graphs='sometimes': pass False, True or "auto"
+    """
+    if option is False:
+        return None
+    if option is True:
+        return GraphCache(TaskGraphs, modules, device)
+    if isinstance(option, str) and option == "auto":
+        option = AutoGraphs()
+    if isinstance(option, AutoGraphs):
+        return GraphCache(option.kind, modules, device, choose=True, timer=option.timer)
+    if isinstance(option, type) and issubclass(option, TaskGraphs):
+        return GraphCache(option, modules, device)
+    raise ValueError(f'cuda_graphs={option!r}: pass False, True or "auto"')
+
+
 def refusal(modules: dict[int, torch.nn.Module], device: torch.device, kind: type[TaskGraphs] = TaskGraphs) -> str | None:
     """Why this rank's stages cannot run under ``cuda_graphs=True`` (None: they can)."""
     if device.type != "cuda" and kind.needs_cuda:
@@ -245,6 +342,36 @@ def external_addresses(params: Sequence[torch.nn.Parameter]) -> tuple:
     return tuple(out)
 
 
+@dataclass
+class _Trial:
+    """One input signature under ``cuda_graphs="auto"``: how far its trial got, its choice."""
+
+    steps: int = 0  #: its training steps that succeeded (the first one eager, the second captured)
+    marks: dict[str, list[tuple[Any, Any]]] = field(default_factory=lambda: {"eager": [], "graphs": []})
+    graphs: bool | None = None  #: the choice, once every rank agreed on it
+
+    def form(self) -> str:
+        """How its next step runs: "eager" or "graphs" (captured on step 2, then alternating)."""
+        if self.graphs is not None:
+            return "graphs" if self.graphs else "eager"
+        slot = self.steps - 2
+        return "eager" if 0 <= slot < 2 * TRIAL_STEPS and slot % 2 == 0 else "graphs"
+
+    @property
+    def timing(self) -> bool:
+        return self.graphs is None and 2 <= self.steps < 2 + 2 * TRIAL_STEPS
+
+
+@dataclass
+class _TrialStep:
+    """The training step under way of a signature under ``cuda_graphs="auto"``."""
+
+    signature: Hashable
+    form: str
+    start: Any = None  # its tasks' start mark, when it is a timed trial step
+    end: Any = None
+
+
 class GraphCache:
     """The graphs of a `Pipeline`'s recent input signatures, their memory pool and side stream.
 
@@ -252,9 +379,13 @@ class GraphCache:
         kind: `TaskGraphs` (CUDA) or `StandInGraphs` (tests, any device).
         modules: this rank's stage modules (checked: `refusal`).
         device: the pipeline's device.
+        choose: per signature, eager steps or replays, whichever its trial measured faster
+            (``cuda_graphs="auto"``); False: always replays.
+        timer: what times the trial's steps; default `EventTimer` for CUDA graphs, else `HostTimer`.
     """
 
-    def __init__(self, kind: type[TaskGraphs], modules: dict[int, torch.nn.Module], device: torch.device) -> None:
+    def __init__(self, kind: type[TaskGraphs], modules: dict[int, torch.nn.Module], device: torch.device, *,
+                 choose: bool = False, timer: StepTimer | None = None) -> None:
         why = refusal(modules, device, kind)
         if why is not None:
             raise ValueError(why)
@@ -268,31 +399,117 @@ class GraphCache:
         self._pool = self._mem_pool.id if self._mem_pool is not None else None
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._device = device
+        self.choose = choose
+        self.timer: StepTimer = timer if timer is not None else (EventTimer() if cuda else HostTimer())
+        self._trials: OrderedDict[Hashable, _Trial] = OrderedDict()
+        self._now: _TrialStep | None = None  # the training step under way (choose only)
+        self._reported: Hashable | None = None  # the signature whose trial ended, until the ranks decide
 
     def runner(self, signature: Hashable, new_signature: bool, params: Sequence[torch.nn.Parameter]) -> TaskRunner:
         """How a training step of `signature` runs: eagerly on its first step, else its graphs
-        (captured again when an address they bake in moved)."""
+        (captured again when an address they bake in moved); with `choose`, the form its trial
+        step or its choice says (a timed step's tasks start now: `tasks_done` ends them)."""
         if new_signature:
             self.graphs.pop(signature, None)
+            if self.choose:
+                self._trial(signature, fresh=True)
+                self._now = _TrialStep(signature, "eager")
             return EAGER
+        trial = self._trial(signature) if self.choose else None
+        if trial is not None:
+            self._now = _TrialStep(signature, trial.form())
+            if self._now.form == "eager":
+                if trial.timing:
+                    self._now.start = self.timer.mark()
+                return EAGER
+        graphs = self._graphs(signature, params)
+        if self._now is not None and trial is not None and trial.timing and not graphs.capturing:
+            self._now.start = self.timer.mark()  # a replay (a capture's time is no replay's)
+        return graphs
+
+    def _graphs(self, signature: Hashable, params: Sequence[torch.nn.Parameter]) -> TaskGraphs:
         external = external_addresses(params)
         graphs = self.graphs.get(signature)
         if graphs is None or graphs.external != external:
+            if self._mem_pool is None and self.kind.needs_cuda:  # given back when eager won everywhere
+                self._mem_pool = torch.cuda.MemPool()
+                self._pool = self._mem_pool.id
             graphs = self.graphs[signature] = self.kind(self._pool, external)
         self.graphs.move_to_end(signature)
         while len(self.graphs) > MAX_GRAPHED_SIGNATURES:  # same signatures on every rank: same eviction
             self.graphs.popitem(last=False)
         return graphs
 
+    def _trial(self, signature: Hashable, fresh: bool = False) -> _Trial:
+        trial = None if fresh else self._trials.get(signature)
+        if trial is None:  # a new signature; or one whose choice was dropped: measured again from its capture
+            trial = self._trials[signature] = _Trial(steps=0 if fresh else 1)
+        self._trials.move_to_end(signature)
+        while len(self._trials) > _MAX_CHOSEN_SIGNATURES:  # same signatures on every rank: same eviction
+            self._trials.popitem(last=False)
+        return trial
+
+    def tasks_done(self) -> None:
+        """The step's tasks are all issued: the end of a timed trial step."""
+        if self._now is not None and self._now.start is not None:
+            self._now.end = self.timer.mark()
+
     def captured(self, runner: TaskRunner) -> None:
-        """Every rank succeeded: graphs captured in this step replay from now on."""
+        """Every rank succeeded: graphs captured in this step replay from now on; a trial step
+        counts (its time, when it was timed)."""
         if isinstance(runner, TaskGraphs):
             runner.capturing = False
+        now, self._now = self._now, None
+        trial = self._trials.get(now.signature) if now is not None else None
+        if trial is None:
+            return
+        if now.end is not None:
+            trial.marks[now.form].append((now.start, now.end))
+        trial.steps += 1
+        if trial.graphs is None and trial.steps == 2 + 2 * TRIAL_STEPS:  # every rank of the pipeline: same step
+            self._reported = now.signature
 
     def forget(self, signature: Hashable, runner: TaskRunner) -> None:
-        """The step failed: a capture cut short is no graph."""
+        """The step failed: a capture cut short is no graph; a trial step neither counts nor is timed."""
+        self._now = None
         if isinstance(runner, TaskGraphs) and runner.capturing:
             self.graphs.pop(signature, None)
+
+    def trial_report(self) -> tuple[bool, int, int]:
+        """For the next start agreement: whether a signature's trial ended on this rank, and its
+        fastest eager and replayed step (microseconds, at least 1; 0: none was timed). Reading the
+        marks waits for the last one: the one host synchronisation of a signature's trial."""
+        trial = self._trials.get(self._reported) if self._reported is not None else None
+        if trial is None:
+            return False, 0, 0
+        # a device error raised here, before the agreement, would leave the other ranks waiting; it
+        # shows again at this rank's next CUDA call, inside the step, where every rank hears of it
+        try:
+            best = [min((self.timer.seconds(a, b) for a, b in trial.marks[form]), default=0.0)
+                    for form in ("eager", "graphs")]
+        except Exception:  # noqa: BLE001
+            best = [0.0, 0.0]
+        eager_us, graphs_us = (max(1, round(t * 1e6)) if t > 0 else 0 for t in best)
+        return True, eager_us, graphs_us
+
+    def settle(self, graphs: bool | None) -> None:
+        """The ranks' decision on the trial reported at this start agreement (None: no rank
+        reported one): it sticks for that signature; graphs that lost are dropped."""
+        signature, self._reported = self._reported, None
+        trial = self._trials.get(signature) if signature is not None else None
+        if trial is None or graphs is None:
+            return
+        trial.graphs = graphs
+        trial.marks = {"eager": [], "graphs": []}
+        if not graphs:
+            self.graphs.pop(signature, None)
+            if not self.graphs:  # no graph left in the pool: give it back, so eager steps can use its memory
+                self._mem_pool = self._pool = None
+
+    def choices(self) -> list[bool | None]:
+        """``cuda_graphs="auto"``: per remembered signature (least recently used first), whether
+        it runs from graphs (True), eagerly (False), or is still on trial (None)."""
+        return [t.graphs for t in self._trials.values()]
 
     @contextlib.contextmanager
     def stream(self, in_flight: list[tuple[list[Any], list[torch.Tensor]]]) -> Iterator[None]:

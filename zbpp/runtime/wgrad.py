@@ -12,7 +12,7 @@ Two adapters:
   (`zbpp.modules.microbatch`); the runtime's key is ``(stage, microbatch)``, so a module shared by two
   stages of one rank (tied weights under a V placement) keeps their wgrads apart.
 - `FifoWgrad`: ``backward_dw()`` computes the *oldest* pending wgrad (Transformer Engine). Accepted
-  only under schedules that keep each stage's W in B order (`zbpp.schedules.plan.fifo_wgrad_problem`).
+  only under schedules that keep each stage's W in B order (`zbpp.schedules.program.fifo_wgrad_problem`).
 
 After a failed step the pending wgrads must go. A keyed module with ``discard_wgrad()`` drops them;
 otherwise the adapter computes them (``backward_dw`` as many times as they are pending, which only
@@ -45,7 +45,7 @@ class KeyedWgrad:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def run(self, key: Hashable) -> None:
+    def compute(self, key: Hashable) -> None:
         self.module.backward_dw(key)
 
     def discard(self, keys: list[Hashable]) -> None:
@@ -63,7 +63,7 @@ class FifoWgrad:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def run(self, key: Hashable) -> None:
+    def compute(self, key: Hashable) -> None:
         self.module.backward_dw()
 
     def discard(self, keys: list[Hashable]) -> None:
@@ -95,7 +95,7 @@ def delayed_modules(stage: nn.Module) -> list[nn.Module]:
 class StageWgrad:
     """The W of one stage: an adapter per outermost delayed-wgrad module, and what is pending.
 
-    `run(key)` is W(s, j) with ``key = (s, j)``; the B of a microbatch calls `filed(key, held)` so
+    `compute(key)` is W(s, j) with ``key = (s, j)``; the B of a microbatch calls `filed(key, held)` so
     that `discard` knows what a failed step left pending. `held` is the rest of the stage's autograd
     backward when B split it off (`zbpp.runtime._autograd_split`): W runs it before the modules'.
     """
@@ -131,8 +131,8 @@ class StageWgrad:
                  saved: SavedBoxes | None = None, *, split: bool) -> None:
         """B of microbatch `key` (BW's first half): from `roots` with `grads` into the gradients of
         `inputs`. With `split` only what the inputs' gradient needs, holding the rest for
-        `run(key)` (`saved`: the boxes of its forward, whose input-only tensors go now); else the
-        whole backward (plain modules' weight gradients now, delayed modules' filed for `run`)."""
+        `compute(key)` (`saved`: the boxes of its forward, whose input-only tensors go now); else the
+        whole backward (plain modules' weight gradients now, delayed modules' filed for `compute`)."""
         if split:
             self.filed(key, backward_input(roots, grads, inputs, self.b_hint, saved))
         else:
@@ -145,14 +145,14 @@ class StageWgrad:
         if self.adapters:
             self._pending.append(key)
 
-    def run(self, key: Hashable) -> None:
+    def compute(self, key: Hashable) -> None:
         held = self._held.pop(key, None)
         if held is not None:
             held.run()
         if key in self._pending:
             self._pending.remove(key)
         for a in self.adapters:
-            a.run(key)
+            a.compute(key)
 
     def discard(self) -> None:
         """Drop (or compute and let the caller discard) every wgrad still pending."""
@@ -167,8 +167,8 @@ class StageWgrad:
 
 def check_fifo_wgrad(wgrad: dict[int, StageWgrad], schedule: Any) -> None:
     """Raise, naming the stage and its modules, when a stage's `FifoWgrad` modules cannot follow
-    `schedule` (its W tasks out of B order: `zbpp.schedules.plan.fifo_wgrad_problem`)."""
-    from ..schedules.plan import fifo_wgrad_problem
+    `schedule` (its W tasks out of B order: `zbpp.schedules.program.fifo_wgrad_problem`)."""
+    from ..schedules.program import fifo_wgrad_problem
 
     for s, w in wgrad.items():
         fifo = w.fifo_modules

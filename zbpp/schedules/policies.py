@@ -14,7 +14,7 @@ layers offload ``c_s`` bytes per microbatch over a host link of bandwidth H per 
   link that carries more than the step's length is not modelled).
 
 Measuring the gap on the "none" costs makes each stage's copy cost a fixed number for a
-schedule and split, whatever the other stages choose, so `partition.search` can pick per stage.
+schedule and split, whatever the other stages choose, so `planner.search` can pick per stage.
 
 >>> from zbpp.schedules import build
 >>> from zbpp.schedules.profile import Layer, PolicyCost, Profile

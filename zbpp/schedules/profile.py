@@ -4,7 +4,7 @@ A `Profile` lists a model's layers in order (embedding first, head last for a la
 each a `Layer` with its F, B and W time per microbatch, the activation memory F keeps until B,
 the part of it B keeps until W (`wgrad`), and its static memory: parameter, gradient and
 optimizer-state bytes, held for the whole step. A stage of consecutive layers costs their sums
-(`Profile.stage_costs`), which is what the simulator and `zbpp.schedules.partition` work with.
+(`Profile.stage_costs`), which is what the simulator and `zbpp.schedules.planner` work with.
 
 A profile is given (numbers measured on a device by a runtime helper, or read with
 `Profile.load`), or built from FLOP counts by `transformer_profile` at a stated throughput.

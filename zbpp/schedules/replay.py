@@ -1,7 +1,7 @@
 """Replaying rank orders: each rank runs its next task as soon as that task's input is done.
 
 This is the one loop behind the validator (does every task run?), the simulator (when does each
-run?), the communication plan's timings and the automatic schedules' local search. Tasks are
+run?), the program's timings and the automatic schedules' local search. Tasks are
 integer ids (`zbpp.schedules.tasks.TaskIds`) and everything the loop reads is a table indexed by
 id: each task's one input (-1: none), its duration and the lag from its input's end to its
 arrival (`comm` on a message). A task starts when its rank is free and its input has arrived.

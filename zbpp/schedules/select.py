@@ -5,7 +5,7 @@ each with the given costs and memory model, and returns the fastest (shortest `m
 step time) whose simulated peak memory fits `memory_limit` on every rank.
 
 Costs and memory are given **per rank-stage**: for the one-stage-per-rank split of the model
-(rank r holds the r-th of p equal contiguous parts), as ``Costs.from_profile`` returns them for a
+(rank r holds the r-th of p equal contiguous parts), as ``Costs.from_task_times`` returns them for a
 schedule such as ``zb-h1``. A candidate with more stages than ranks (interleaved, V) cuts the same
 model into n smaller contiguous stages; stage s covers the model's part [s/n, (s+1)/n), so its F,
 B and W times, its activation and its wgrad memory are those of the rank-stages it overlaps, in

@@ -45,7 +45,7 @@ class Costs:
     a message's copies share the GPU with the task that runs beside them (large on NCCL over
     sockets; docs/benchmarks.md). `charged`
     folds it into the F and B (and BW) of the stages that exchange messages; `simulate`,
-    `lower_bound`, the plan and the automatic schedules use the charged costs, so a schedule that
+    `lower_bound`, the program and the automatic schedules use the charged costs, so a schedule that
     sends fewer messages wins where the overhead is large. Every value must be a finite real
     number >= 0 (a `ValueError` names the one that is not); they are stored as floats, per-stage
     values as tuples.
@@ -105,24 +105,24 @@ class Costs:
         )
 
     @classmethod
-    def from_profile(
+    def from_task_times(
         cls, records: Iterable[Mapping[str, Any]], num_stages: int, *, comm: float = 0.0, message_overhead: float = 0.0
     ) -> "Costs":
-        """Mean measured F, B and W time of each stage, from task records of a profiled run.
+        """Mean measured F, B and W time of each stage, from the task records of a run.
 
         `records` are dicts ``{"action": "F0.3", "start": s, "end": e, ...}`` (as
-        ``Pipeline(profile=True)`` returns; times in seconds, so the costs are too). A full
+        ``Pipeline(record_task_times=True)`` returns; times in seconds, so the costs are too). A full
         backward (BW) record is split into B and W by this rule: in the ratio of the same
         stage's mean measured B and W; if that stage has no split records, in the ratio pooled
         over all stages that have them; with no split records at all, half and half (each linear
         layer's dgrad and wgrad are one GEMM of the same size). `comm` and `message_overhead` are
-        passed through: records of a profiled step hold each task's compute, not the link's time
+        passed through: records of a step hold each task's compute, not the link's time
         (measure `comm` apart; fit the overhead with `fit_message_overhead`).
 
         >>> recs = [{"action": "F0.0", "start": 0.0, "end": 1.0}, {"action": "BW0.0", "start": 1.0, "end": 4.0},
         ...         {"action": "F1.0", "start": 1.0, "end": 2.0}, {"action": "B1.0", "start": 2.0, "end": 3.0},
         ...         {"action": "W1.0", "start": 3.0, "end": 3.5}]
-        >>> Costs.from_profile(recs, 2)
+        >>> Costs.from_task_times(recs, 2)
         Costs(f=(1.0, 1.0), b=(2.0, 1.0), w=(1.0, 0.5), comm=0.0, message_overhead=0.0)
         """
         samples = [[[] for _ in KINDS] for _ in range(num_stages)]  # [stage][kind id] -> durations
@@ -131,13 +131,13 @@ class Costs:
                 action = Action.parse(str(rec["action"]))
                 dur = float(rec["end"]) - float(rec["start"])
             except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"profile record {rec!r}: need 'action' (e.g. 'F0.3'), 'start' and 'end': {exc}") from None
+                raise ValueError(f"task record {rec!r}: need 'action' (e.g. 'F0.3'), 'start' and 'end': {exc}") from None
             if not 0 <= action.stage < num_stages:
-                raise ValueError(f"profile record {rec!r}: stage {action.stage} outside 0..{num_stages - 1}")
+                raise ValueError(f"task record {rec!r}: stage {action.stage} outside 0..{num_stages - 1}")
             if not math.isfinite(dur):
-                raise ValueError(f"profile record {rec!r}: 'start' and 'end' must be finite numbers")
+                raise ValueError(f"task record {rec!r}: 'start' and 'end' must be finite numbers")
             if dur < 0:
-                raise ValueError(f"profile record {rec!r}: ends before it starts")
+                raise ValueError(f"task record {rec!r}: ends before it starts")
             samples[action.stage][kind_id(action.kind)].append(dur)
 
         def mean(xs: list[float]) -> float:
@@ -364,7 +364,7 @@ def fit_message_overhead(
 ) -> float:
     """The `Costs.message_overhead` under which `schedule` simulates to a measured `makespan`.
 
-    A calibration: time one schedule, profile its tasks into `costs` (``Costs.from_profile``),
+    A calibration: time one schedule, turn its task times into `costs` (``Costs.from_task_times``),
     and the overhead that closes the gap between its simulated and measured step is what
     the link took from compute per message; `simulate`, the pick and the automatic schedules can
     then predict the other schedules with it. Measuring it directly (GEMMs timed beside one
@@ -372,7 +372,7 @@ def fit_message_overhead(
     task grows, so a bisection finds the smallest overhead that reaches `makespan` (to a
     relative `rel_tol`); 0 when the schedule already simulates at or above it. `costs`'s own
     overhead is ignored. `predict` maps costs to a predicted step (default: `simulate`'s makespan;
-    ``lambda c: plan_makespan(plan, c)`` fits what a runtime plan's message timing leaves over).
+    ``lambda c: program_makespan(program, c)`` fits what a runtime program's message timing leaves over).
     Raises `ValueError` for a `makespan` that is not a finite number > 0, or for a schedule that
     sends no message (nothing to fit).
 

@@ -15,7 +15,7 @@ task                  its input
 where "the backward of (s, j)" is ``B(s, j)`` where the schedule splits that backward and
 ``BW(s, j)`` where it does not. `input_block` states the rule; everything else here derives from
 it: `input_of` and `data_dependencies` / `data_consumers` on `Action`s, `TaskIds.input` and the
-table `TaskIds.inputs` on integers. Validation, the simulator, the communication plan, the lower
+table `TaskIds.inputs` on integers. Validation, the simulator, the program, the lower
 bound, the exact solver, V-Half/V-Min's slot squeezing and the automatic schedules' heuristics
 and searches take the rule from here.
 

@@ -4,7 +4,7 @@ Imports only `zbpp.schedules` (and matplotlib, lazily, when a figure is drawn).
 
 - `render_ascii(result)`: a text timeline (``zbpp show``).
 - `plot(result_or_schedule, costs, path)`: an SVG or PNG figure (``zbpp plot``).
-- `write_trace(path, plan=..., measured=...)`: a Perfetto trace (``zbpp trace``).
+- `write_trace(path, simulated=..., measured=...)`: a Perfetto trace (``zbpp trace``).
 """
 
 from .ascii import render_ascii

@@ -1,25 +1,25 @@
-"""Chrome / Perfetto traces of planned and measured pipeline steps, and measured summaries.
+"""Chrome / Perfetto traces of simulated and measured pipeline steps, and measured summaries.
 
 `write_trace` writes one JSON file (open it at https://ui.perfetto.dev or chrome://tracing) that
-holds the simulated plan, the measured run, or both side by side:
+holds the simulation, the measured run, or both side by side:
 
-- the plan: one process per rank (``plan · rank r``), a ``compute`` track with every task and a
+- the simulation: one process per rank (``simulated · rank r``), a ``compute`` track with every task and a
   ``comm`` track with every message (a send on the producing rank, its receive on the consuming
-  rank, joined by a flow arrow): the messages of `zbpp.schedules.plan` (only cross-rank data
+  rank, joined by a flow arrow): the messages of `zbpp.schedules.program` (only cross-rank data
   edges carry one);
 - the measurement: one process per rank (``measured · rank r``) with every recorded task, and
   flow arrows along the same cross-rank edges.
 
-Measured records are what ``Pipeline(..., profile=True)`` gathers on pipeline rank 0 (see
+Measured records are what ``Pipeline(..., record_task_times=True)`` gathers on pipeline rank 0 (see
 `zbpp.schedules.measured`, which `measured_result` and `measured_summary` come from);
-``Costs.from_profile`` turns them into costs to re-plan with.
+``Costs.from_task_times`` turns them into costs to simulate with.
 
 >>> import json, os, tempfile
 >>> from zbpp.schedules import build, simulate
->>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
->>> write_trace(path, plan=simulate(build("1f1b", num_ranks=2, num_microbatches=2)))
+>>> path = os.path.join(tempfile.mkdtemp(), "simulated.json")
+>>> write_trace(path, simulated=simulate(build("1f1b", num_ranks=2, num_microbatches=2)))
 >>> events = json.load(open(path))["traceEvents"]
->>> sum(e["ph"] == "X" and e["cat"] == "plan" for e in events)  # one per task
+>>> sum(e["ph"] == "X" and e["cat"] == "simulated" for e in events)  # one per task
 8
 """
 
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..schedules.ir import Action, Schedule
 from ..schedules.measured import measured_result, measured_summary
-from ..schedules.plan import make_plan
+from ..schedules.program import make_program
 from ..schedules.simulate import SimResult
 
 __all__ = ["write_trace", "read_trace", "measured_result", "measured_summary"]
@@ -67,8 +67,8 @@ def _task_event(a: Action, rank: int, pid: int, start: float, end: float, unit_u
 
 
 def _messages(schedule: Schedule) -> list[tuple[Action, Action]]:
-    """The messages of one step (producer, consumer): the plan's, as the runtime sends them."""
-    return [(m.src, m.dst) for m in make_plan(schedule).messages]
+    """The messages of one step (producer, consumer): the program's, as the runtime sends them."""
+    return [(m.src, m.dst) for m in make_program(schedule).messages]
 
 
 def _chunks(schedule: Schedule) -> dict[int, int]:
@@ -78,51 +78,51 @@ def _chunks(schedule: Schedule) -> dict[int, int]:
 def write_trace(
     path: str | os.PathLike[str],
     *,
-    plan: SimResult | None = None,
+    simulated: SimResult | None = None,
     measured: Iterable[Record] | None = None,
     schedule: Schedule | None = None,
-    plan_unit_s: float | None = None,
+    simulated_unit_s: float | None = None,
     comm: float = 0.0,
 ) -> None:
-    """Write ONE Chrome/Perfetto trace JSON with the `plan`, the `measured` run, or both.
+    """Write ONE Chrome/Perfetto trace JSON with the `simulated` step, the `measured` run, or both.
 
-    `schedule` defaults to the plan's (or is read off the records); it tells which edges carry
-    messages. Measured times are seconds. `plan_unit_s` is how many seconds one unit of the
-    plan's costs stands for: by default 1 when `measured` is given (a plan from
-    ``Costs.from_profile`` is in seconds) and 1e-3 otherwise (unit costs drawn as milliseconds).
-    `comm` is the plan's message time (its ``Costs.comm``, in plan units): each message is drawn
+    `schedule` defaults to the simulation's (or is read off the records); it tells which edges carry
+    messages. Measured times are seconds. `simulated_unit_s` is how many seconds one unit of the
+    simulation's costs stands for: by default 1 when `measured` is given (a simulation with costs from
+    ``Costs.from_task_times`` is in seconds) and 1e-3 otherwise (unit costs drawn as milliseconds).
+    `comm` is the simulation's message time (its ``Costs.comm``, in its units): each message is drawn
     as a send on the producer's comm track and a receive on the consumer's, from the producer's
     end for `comm`, joined by a flow arrow. Measured tasks are joined along the same edges. The
     file also records the schedule (``otherData.zbpp_schedule``) so `read_trace` can load a
     measurement back for plotting.
 
-    Typical use after a profiled step (on pipeline rank 0)::
+    Typical use after a step that recorded its task times (on pipeline rank 0)::
 
-        records = pipe.profile_records()
-        costs = Costs.from_profile(records, sched.num_stages)
-        write_trace("step.json", plan=simulate(sched, costs), measured=records)
+        records = pipe.task_times()
+        costs = Costs.from_task_times(records, sched.num_stages)
+        write_trace("step.json", simulated=simulate(sched, costs), measured=records)
     """
-    if plan is None and measured is None:
-        raise ValueError("write_trace needs plan= (a SimResult), measured= (profile records) or both")
+    if simulated is None and measured is None:
+        raise ValueError("write_trace needs simulated= (a SimResult), measured= (task records) or both")
     measured_res = None
     if measured is not None:
-        measured_res = measured_result(measured, schedule if schedule is not None else (plan.schedule if plan else None))
-    sched = schedule or (plan.schedule if plan is not None else measured_res.schedule)  # type: ignore[union-attr]
+        measured_res = measured_result(measured, schedule if schedule is not None else (simulated.schedule if simulated else None))
+    sched = schedule or (simulated.schedule if simulated is not None else measured_res.schedule)  # type: ignore[union-attr]
     p = sched.num_ranks
     chunk = _chunks(sched)
     messages = _messages(sched)
     events: list[dict[str, Any]] = []
     flow_id = 0
 
-    if plan is not None:
-        unit_us = 1e6 * (plan_unit_s if plan_unit_s is not None else (1.0 if measured is not None else 1e-3))
+    if simulated is not None:
+        unit_us = 1e6 * (simulated_unit_s if simulated_unit_s is not None else (1.0 if measured is not None else 1e-3))
         for r in range(p):
-            events += _meta(r, f"plan · rank {r}", r, ["compute", "comm"])
-            for a in plan.schedule.orders[r]:
-                events.append(_task_event(a, r, r, plan.start[a], plan.end[a], unit_us, "plan", chunk[a.stage]))
+            events += _meta(r, f"simulated · rank {r}", r, ["compute", "comm"])
+            for a in simulated.schedule.orders[r]:
+                events.append(_task_event(a, r, r, simulated.start[a], simulated.end[a], unit_us, "simulated", chunk[a.stage]))
         for a, c in messages:
             src, dst = sched.rank_of(a.stage), sched.rank_of(c.stage)
-            t = plan.end[a] * unit_us
+            t = simulated.end[a] * unit_us
             name = f"{a} -> {c}"
             common = {"cat": "comm", "ph": "X", "tid": _COMM_TID, "ts": t, "dur": float(comm) * unit_us,
                       "args": {"from": str(a), "to": str(c)}, "bind_id": flow_id}
@@ -133,7 +133,7 @@ def write_trace(
             flow_id += 1
 
     if measured_res is not None:
-        base = p if plan is not None else 0
+        base = p if simulated is not None else 0
         for r in range(p):
             events += _meta(base + r, f"measured · rank {r}", base + r, ["compute"])
             for a in measured_res.schedule.orders[r]:

@@ -1,7 +1,7 @@
-"""The communication plan of a schedule: which messages exist, the channel each takes, and the
-task boundary at which each rank issues each send and receive.
+"""The program of a schedule: each rank's tasks in order, which messages exist, the channel each
+takes, and the task boundary at which each rank issues each send and receive.
 
-Pure Python (no torch): the runtime executes a plan, the trace viewer draws its messages, the tests
+Pure Python (no torch): the runtime executes a program, the trace viewer draws its messages, the tests
 check it against a model of NCCL.
 
 Messages. Every cross-rank data edge of the task DAG carries one message: an activation from
@@ -41,14 +41,14 @@ or, for a receive posted before its data exists, right after the producer, which
 consuming task starts (and no receive is issued after that start); a send waits for its producing
 task, which ends before the boundary; an operation on a channel waits for the earlier ones, whose ends are issued
 no later. All simulated costs are positive, so every chain of waits descends strictly in time
-and ends. This holds for NCCL (per-channel queues) and gloo alike; `tests/schedules/test_plan.py`
+and ends. This holds for NCCL (per-channel queues) and gloo alike; `tests/schedules/test_program.py`
 replays every built-in schedule on a model of NCCL's strictest matching.
 
 >>> from zbpp.schedules import build
->>> plan = make_plan(build("1f1b", num_ranks=2, num_microbatches=2))
->>> [str(a) for a in plan.ranks[1].tasks]
+>>> program = make_program(build("1f1b", num_ranks=2, num_microbatches=2))
+>>> [str(a) for a in program.ranks[1].tasks]
 ['F1.0', 'BW1.0', 'F1.1', 'BW1.1']
->>> [[str(op) for op in ops] for ops in plan.ranks[1].issue]  # before each task, then after the last
+>>> [[str(op) for op in ops] for ops in program.ranks[1].issue]  # before each task, then after the last
 [['recv F0.0->F1.0 from 0'], ['recv F0.1->F1.1 from 0'], ['send BW1.0->BW0.0 to 0'], [], ['send BW1.1->BW0.1 to 0']]
 """
 
@@ -63,11 +63,11 @@ from .simulate import Costs, simulate
 from .replay import replay
 from .tasks import TaskIds, input_of
 
-__all__ = ["Message", "CommOp", "RankPlan", "Plan", "make_plan", "plan_makespan", "fifo_wgrad_problem", "DEFAULT_COSTS"]
+__all__ = ["Message", "CommOp", "RankProgram", "Program", "make_program", "program_makespan", "fifo_wgrad_problem", "DEFAULT_COSTS"]
 
 Channel = tuple[int, int]  # (sending rank, receiving rank)
 
-#: The plan's times when none are given: unit tasks and a fast link (a message takes a hundredth of
+#: The program's times when none are given: unit tasks and a fast link (a message takes a hundredth of
 #: a task), so a receive is posted one task ahead when its rank is busy up to the consumer and just
 #: before it when the rank waits anyway. ``Costs(comm=0)`` posts every receive just before its consumer.
 DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
@@ -77,7 +77,7 @@ DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
 SPIN_SLOWDOWN = 0.27
 #: A receive is posted before its data exists only when waiting for the next boundary would make
 #: the message later than this share of its consumer's time: never on a fast link (where a message
-#: takes a small share of a task), so plans for fast links do not depend on `SPIN_SLOWDOWN`.
+#: takes a small share of a task), so programs for fast links do not depend on `SPIN_SLOWDOWN`.
 LATE_TOLERANCE = 0.05
 
 
@@ -85,7 +85,7 @@ LATE_TOLERANCE = 0.05
 class Message:
     """One cross-rank data edge: `src`'s output is consumed by `dst` on another rank."""
 
-    index: int  #: position in `Plan.messages`
+    index: int  #: position in `Program.messages`
     src: Action
     dst: Action
     src_rank: int
@@ -121,7 +121,7 @@ class CommOp:
 
 
 @dataclass(frozen=True)
-class RankPlan:
+class RankProgram:
     """What one rank runs in a step.
 
     Attributes:
@@ -153,38 +153,38 @@ class RankPlan:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The plan of every rank.
+class Program:
+    """The program of every rank.
 
     Attributes:
         schedule: the schedule it was made for.
         messages: every message, ordered by channel and, within a channel, in the channel's order.
         channels: the ordered rank pairs that carry messages, sorted.
-        ranks: one `RankPlan` per rank.
-        forward_only: a plan of the F tasks alone (evaluation), without B, W or gradients.
+        ranks: one `RankProgram` per rank.
+        forward_only: a program of the F tasks alone (evaluation), without B, W or gradients.
     """
 
     schedule: Schedule
     messages: tuple[Message, ...]
     channels: tuple[Channel, ...]
-    ranks: tuple[RankPlan, ...]
+    ranks: tuple[RankProgram, ...]
     forward_only: bool = False
 
 
-def make_plan(
+def make_program(
     schedule: Schedule,
     *,
     costs: Costs | None = None,
     forward_only: bool = False,
-) -> Plan:
+) -> Program:
     """Validate `schedule` and derive its messages, channels and each rank's issue points.
 
     Args:
         schedule: any valid schedule.
         costs: the times that place sends and receives (default `DEFAULT_COSTS`); pass measured
-            costs (`Costs.from_profile`, with `comm`) when they differ much, or when the link is
+            costs (`Costs.from_task_times`, with `comm`) when they differ much, or when the link is
             slow, so that receives are posted early enough to arrive in time.
-        forward_only: plan the F tasks alone (evaluation: no backward, no gradients).
+        forward_only: the F tasks alone (evaluation: no backward, no gradients).
 
     Raises `zbpp.schedules.ScheduleError` for an invalid or deadlocking schedule.
     """
@@ -272,7 +272,7 @@ def make_plan(
             if a.kind in (Kind.W, Kind.BW):
                 last_w[a.stage] = a
         ranks.append(
-            RankPlan(
+            RankProgram(
                 rank=r,
                 tasks=tuple(order),
                 issue=tuple(tuple(ops) for ops in issue),
@@ -284,33 +284,33 @@ def make_plan(
             )
         )
     channels = tuple(sorted({m.channel for m in messages}))
-    return Plan(schedule, messages, channels, tuple(ranks), forward_only)
+    return Program(schedule, messages, channels, tuple(ranks), forward_only)
 
 
-def plan_makespan(plan: Plan, costs: Costs) -> float:
-    """The step that `plan` takes under `costs` when messages move as NCCL moves them.
+def program_makespan(program: Program, costs: Costs) -> float:
+    """The step that `program` takes under `costs` when messages move as NCCL moves them.
 
     `simulate` lets a message leave when its producer ends. Here it leaves only once its send and
     its receive have both been issued (at their boundaries: a rank reaches boundary i when its
     task i-1 ends) and the channel's previous message has arrived (a channel is one NCCL stream),
     then takes ``costs.comm``; a task starts when its rank is free and its input is there. With
-    receives posted late for the link (a plan made for a faster one), this is what the runtime
-    loses that `simulate` does not see (docs/benchmarks.md, "A slow link"). With a plan made for
-    these costs it equals `simulate`'s makespan (tests/schedules/test_plan.py).
+    receives posted late for the link (a program made for a faster one), this is what the runtime
+    loses that `simulate` does not see (docs/benchmarks.md, "A slow link"). With a program made for
+    these costs it equals `simulate`'s makespan (tests/schedules/test_program.py).
 
     >>> from zbpp.schedules import build, simulate
     >>> sched = build("zb-h1", num_ranks=2, num_microbatches=4)
     >>> slow = Costs(1, 1, 1, comm=0.6)
-    >>> plan_makespan(make_plan(sched, costs=slow), slow) == simulate(sched, slow).makespan
+    >>> program_makespan(make_program(sched, costs=slow), slow) == simulate(sched, slow).makespan
     True
-    >>> plan_makespan(make_plan(sched), slow) > simulate(sched, slow).makespan  # planned for a fast link
+    >>> program_makespan(make_program(sched), slow) > simulate(sched, slow).makespan  # planned for a fast link
     True
     """
-    schedule = plan.schedule
+    schedule = program.schedule
     costs = costs.charged(schedule.placement)
     f, b, w = costs.per_stage(schedule.num_stages)
     ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
-    orders = [[ids.of(a) for a in rp.tasks] for rp in plan.ranks]
+    orders = [[ids.of(a) for a in rp.tasks] for rp in program.ranks]
     present = bytearray(ids.size)
     for order in orders:
         for t in order:
@@ -322,10 +322,10 @@ def plan_makespan(plan: Plan, costs: Costs) -> float:
 
     def reached(rank: int, boundary: int) -> int:
         """The task whose end is the boundary (-1: the start of the step)."""
-        return ids.of(plan.ranks[rank].tasks[boundary - 1]) if boundary else -1
+        return ids.of(program.ranks[rank].tasks[boundary - 1]) if boundary else -1
 
     issued_at: dict[tuple[int, bool], tuple[int, int]] = {}  # (message, send?) -> (rank, boundary)
-    for rp in plan.ranks:
+    for rp in program.ranks:
         for i, ops in enumerate(rp.issue):
             for op in ops:
                 issued_at[(op.message.index, op.send)] = (rp.rank, i)
@@ -333,7 +333,7 @@ def plan_makespan(plan: Plan, costs: Costs) -> float:
     # previous message): waiting for its producer, then for its send and its receive to be issued;
     # the last takes `comm`, and the consumer waits for it.
     channels: dict[tuple[int, int], list[int]] = {}
-    for msg in plan.messages:
+    for msg in program.messages:
         first = len(inputs)
         inputs += [ids.of(msg.src), reached(*issued_at[(msg.index, True)]), reached(*issued_at[(msg.index, False)])]
         durations += [0.0, 0.0, costs.comm]
@@ -342,13 +342,13 @@ def plan_makespan(plan: Plan, costs: Costs) -> float:
         inputs[ids.of(msg.dst)] = first + 2
     end = [-1.0] * len(inputs)
     if not replay(orders + list(channels.values()), inputs, durations, lags, [0.0] * len(inputs), end):
-        # make_plan's plans always finish; a hand-edited one may not
-        raise ValueError("plan_makespan: the plan stalls (a task waits for a message that is never sent)")
+        # make_program's programs always finish; a hand-edited one may not
+        raise ValueError("program_makespan: the program stalls (a task waits for a message that is never sent)")
     return max((end[t] for order in orders for t in order), default=0.0)
 
 
 def _positive(costs: Costs) -> Costs:
-    """`costs` with every task time raised to a small positive floor (the plan's argument needs it)."""
+    """`costs` with every task time raised to a small positive floor (the program's argument needs it)."""
     f, b, w = (v if isinstance(v, tuple) else (v,) for v in (costs.f, costs.b, costs.w))
     floor = 1e-6 * max(1.0, *f, *b, *w)
     if min(*f, *b, *w) >= floor:

@@ -1,4 +1,4 @@
-"""`zbpp.schedules.partition.search`: layers and schedule chosen together within a per-rank
+"""`zbpp.schedules.planner.search`: layers and schedule chosen together within a per-rank
 memory budget that counts static memory (parameters, gradients, optimizer state).
 
 References: per-rank static memory summed by hand from the layers each rank holds, and the
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from zbpp.schedules import simulate
-from zbpp.schedules.partition import evaluate, search, split_balanced, split_evenly
+from zbpp.schedules.planner import evaluate, search, split_balanced, split_evenly
 from zbpp.schedules.profile import Layer, Profile, transformer_profile
 
 # float sums of task times and bytes: equal within rounding
@@ -37,14 +37,14 @@ def test_v_placement_that_fits_by_activations_is_refused_for_embedding_and_head_
         assert not o.fits  # ... but not with the parameters, gradients and optimizer state
     with pytest.raises(ValueError, match="no schedule and split fits memory_budget"):
         search(prof, p, m, budget, schedules=["zb-v", "v-half", "v-min", "dualpipe-v", "zbv-auto"])
-    layout = search(prof, p, m, budget)
-    sched = layout.schedule
+    plan = search(prof, p, m, budget)
+    sched = plan.schedule
     assert sched.rank_of(0) != sched.rank_of(sched.num_stages - 1)  # embedding and head on different ranks
-    static = [sum(prof.layers[i].static for s in layout.schedule.stages_on(r) for i in layout.stages[s]) for r in range(p)]
-    assert list(layout.static) == pytest.approx(static, rel=REL)
-    res = simulate(layout.schedule, *prof.stage_costs(layout.stages)[:2])
-    assert [s + a for s, a in zip(static, res.peak_memory)] == pytest.approx(list(layout.peak), rel=REL)
-    assert max(layout.peak) <= budget
+    static = [sum(prof.layers[i].static for s in plan.schedule.stages_on(r) for i in plan.stages[s]) for r in range(p)]
+    assert list(plan.static) == pytest.approx(static, rel=REL)
+    res = simulate(plan.schedule, *prof.stage_costs(plan.stages)[:2])
+    assert [s + a for s, a in zip(static, res.peak_memory)] == pytest.approx(list(plan.peak), rel=REL)
+    assert max(plan.peak) <= budget
     # without a budget ZB-V is a candidate like any other: its activations fit, its whole peak does not
     v = search(prof, p, m, schedules=["zb-v"])
     assert max(v.result.peak_memory) <= budget < max(v.peak)
@@ -53,19 +53,19 @@ def test_v_placement_that_fits_by_activations_is_refused_for_embedding_and_head_
 def test_pick_is_the_fastest_candidate_that_fits_and_explains_itself():
     prof = transformer_profile(name="small", num_layers=12, hidden=1024, ffn=4096, heads=16, vocab=64000, seq=2048)
     p, m, budget = 4, 8, 12e9
-    layout = search(prof, p, m, budget)
-    fitting = [o for o in layout.options if o.fits]
-    assert layout.step == pytest.approx(min(o.step for o in fitting), rel=REL)
+    plan = search(prof, p, m, budget)
+    fitting = [o for o in plan.options if o.fits]
+    assert plan.step == pytest.approx(min(o.step for o in fitting), rel=REL)
     assert all(max(o.peak) <= budget * (1 + REL) for o in fitting)
-    assert all(max(o.peak) > budget for o in layout.options if not o.fits and o.peak)
+    assert all(max(o.peak) > budget for o in plan.options if not o.fits and o.peak)
     # the split covers the layers in order, one range per stage; names follow the profile
-    assert [r.start for r in layout.stages][0] == 0 and layout.stages[-1].stop == len(prof)
-    assert sum(len(n) for n in layout.names()) == len(prof)
+    assert [r.start for r in plan.stages][0] == 0 and plan.stages[-1].stop == len(prof)
+    assert sum(len(n) for n in plan.names()) == len(prof)
     # no uniform split with a fixed schedule does better (the search tries them all)
     for name in ("1f1b", "zb-h1", "zb-h2"):
         o = evaluate(prof, p, m, split_evenly(len(prof), p, first=1, last=1), name, memory_budget=budget)
-        assert not o.fits or o.step >= layout.step * (1 - REL)
-    text = layout.explain()
+        assert not o.fits or o.step >= plan.step * (1 - REL)
+    text = plan.explain()
     assert text.startswith("pick: ") and "rank 0: static" in text and "candidate" in text
 
 
@@ -111,14 +111,14 @@ def test_cli_plan_prints_the_pick_of_search(tmp_path, capsys):
     prof = _embedding_head_profile()
     path = tmp_path / "prof.json"
     prof.save(path)
-    layout = search(prof, 2, 4, 19.5e9 / 1e9)  # the CLI takes GB; this profile's bytes are tiny numbers
+    plan = search(prof, 2, 4, 19.5e9 / 1e9)  # the CLI takes GB; this profile's bytes are tiny numbers
     assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", "--budget-gb", str(19.5 / 1e9)]) == 0
     out = capsys.readouterr().out
-    assert f"pick: {layout.schedule.name}" in out
-    assert "stages (layer index ranges): " + ", ".join(f"{r.start}-{r.stop - 1}" for r in layout.stages) in out
+    assert f"pick: {plan.schedule.name}" in out
+    assert "stages (layer index ranges): " + ", ".join(f"{r.start}-{r.stop - 1}" for r in plan.stages) in out
     # what it chose and why: the ranking, the coverage, the bound over every split
     assert "why: the fitting candidate with the shortest step" in out and "exact: every split under every schedule" in out
-    assert f"no schedule on any split within the budget beats step {layout.searched.bound_over_splits:.6g}" in out
+    assert f"no schedule on any split within the budget beats step {plan.searched.bound_over_splits:.6g}" in out
     assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", "--max-splits", "0"]) == 0
     assert "not exhaustive (more than" in capsys.readouterr().out
     assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", "--budget-gb", "1e-9"]) == 2
@@ -130,7 +130,7 @@ def test_cli_plan_prints_the_pick_of_search(tmp_path, capsys):
 def test_each_family_alone_gives_its_own_placement():
     prof = transformer_profile(name="small", num_layers=12, hidden=512, ffn=2048, heads=8, vocab=8000, seq=512)
     for name, stages in [("zb-h1", 2), ("zbi-auto", 4), ("zb-interleaved", None), ("zbv-auto", 4), ("dualpipe-v", 4)]:
-        layout = search(prof, 2, 4, schedules=[name])
-        assert layout.schedule.name == name
-        assert stages is None or layout.schedule.num_stages == stages
-        assert len(layout.stages) == layout.schedule.num_stages
+        plan = search(prof, 2, 4, schedules=[name])
+        assert plan.schedule.name == name
+        assert stages is None or plan.schedule.num_stages == stages
+        assert len(plan.stages) == plan.schedule.num_stages

@@ -1,4 +1,4 @@
-"""Layers and schedule chosen together (`zbpp.schedules.partition.search`) against common practice.
+"""Layers and schedule chosen together (`zbpp.schedules.planner.search`) against common practice.
 
 Profiles from public model shapes, per-layer costs from FLOP counts at a stated throughput
 (`zbpp.schedules.profile.transformer_profile`: 400 TFLOP/s per GPU, 50 GB/s per link, 7.5 bytes of
@@ -28,7 +28,7 @@ split and placement, each rank limited to the budget less its static memory.
 A cell is "OOM" when some rank exceeds the budget. The search time of each joint row is printed
 (one process, one core).
 
-    python benchmarks/bench_partition.py --out partition.json --markdown docs/uneven.md
+    python benchmarks/bench_planner.py --out planner.json --markdown docs/uneven.md
 
 With ``--policies``, the activation policies instead (none, full, selective, offload; one per
 rank, chosen by `search` with the split and the schedule): Llama-3 8B and 70B at p = 8, 16,
@@ -36,7 +36,7 @@ m = 2p, 4p, budgets 80 and 40 GB, the planner's pick against full recompute on e
 (``policies=["full"]``, the split and schedule still searched) and against no recompute
 (``["none"]``):
 
-    python benchmarks/bench_partition.py --policies --out policies.json --markdown docs/uneven.md
+    python benchmarks/bench_planner.py --policies --out policies.json --markdown docs/uneven.md
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zbpp.schedules.partition import evaluate, search, split_balanced, split_evenly  # noqa: E402
+from zbpp.schedules.planner import evaluate, search, split_balanced, split_evenly  # noqa: E402
 from zbpp.schedules.profile import Profile, transformer_profile  # noqa: E402
 
 BUDGET = 80e9
@@ -82,17 +82,17 @@ def _cell(o) -> dict:
 def row(prof: Profile, p: int, m: int) -> dict:
     L = len(prof)
     t = time.perf_counter()
-    layout = search(prof, p, m, BUDGET)
+    plan = search(prof, p, m, BUDGET)
     seconds = time.perf_counter() - t
     out = {"model": prof.name, "p": p, "m": m, "search_s": seconds,
-           "joint": {"schedule": layout.options[0].label, "split": layout.split, "step": layout.step,
-                     "peak": list(layout.peak), "fits": True, "stages": [[r.start, r.stop] for r in layout.stages]}}
+           "joint": {"schedule": plan.options[0].label, "split": plan.split, "step": plan.step,
+                     "peak": list(plan.peak), "fits": True, "stages": [[r.start, r.stop] for r in plan.stages]}}
     t = time.perf_counter()
-    lb = layout.bound()
+    lb = plan.bound()
     out["bound_s"] = time.perf_counter() - t
     out["joint"]["bound"] = lb.makespan
-    out["joint"]["bound_over_splits"] = layout.searched.bound_over_splits
-    out["joint"]["exact"] = layout.searched.exact
+    out["joint"]["bound_over_splits"] = plan.searched.bound_over_splits
+    out["joint"]["exact"] = plan.searched.exact
     uniform = [evaluate(prof, p, m, split_evenly(L, k * p, first=1, last=1), name, chunks=k, memory_budget=BUDGET)
                for name, k in FIXED]
     fitting = [o for o in uniform if o.fits]
@@ -129,10 +129,10 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _policy_summary(layout) -> str:
+def _policy_summary(plan) -> str:
     """Each stage's policy in stage order, run-length coded: e.g. "offload x2, none x6"."""
     runs: list[list] = []
-    for q in layout.policies or ("none",) * layout.schedule.num_stages:
+    for q in plan.policies or ("none",) * plan.schedule.num_stages:
         if runs and runs[-1][0] == q:
             runs[-1][1] += 1
         else:
@@ -145,14 +145,14 @@ def policy_row(prof: Profile, p: int, m: int, budget: float) -> dict:
     for key, allowed in (("planner", None), ("full", ["full"]), ("none", ["none"])):
         t = time.perf_counter()
         try:
-            layout = search(prof, p, m, budget, policies=allowed)
+            plan = search(prof, p, m, budget, policies=allowed)
         except ValueError as exc:
             out[key] = {"fits": False, "error": str(exc)}
             continue
-        out[key] = {"fits": True, "schedule": layout.options[0].label, "step": layout.step, "peak": list(layout.peak),
-                    "stages": [[r.start, r.stop] for r in layout.stages], "policies": list(layout.policies),
-                    "per_stage": _policy_summary(layout), "search_s": time.perf_counter() - t}
-        assert max(layout.peak) <= budget * (1 + 1e-9), (prof.name, p, m, key)
+        out[key] = {"fits": True, "schedule": plan.options[0].label, "step": plan.step, "peak": list(plan.peak),
+                    "stages": [[r.start, r.stop] for r in plan.stages], "policies": list(plan.policies),
+                    "per_stage": _policy_summary(plan), "search_s": time.perf_counter() - t}
+        assert max(plan.peak) <= budget * (1 + 1e-9), (prof.name, p, m, key)
     return out
 
 
@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print("\ncells: step time in seconds (vs the joint search) / largest peak over the ranks in GB; OOM: over 80 GB")
     if args.out:
-        Path(args.out).write_text(json.dumps({"benchmark": "partition", "budget": BUDGET, "rows": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"benchmark": "planner", "budget": BUDGET, "rows": rows}, indent=1) + "\n")
     if args.markdown:
-        _write_table(Path(args.markdown), "bench_partition", table)
+        _write_table(Path(args.markdown), "bench_planner", table)
     return 0
 
 

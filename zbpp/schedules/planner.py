@@ -34,10 +34,10 @@ Beyond, heuristic splits, each under every schedule of its placement (same branc
 A candidate fits when static plus simulated activation memory stays within the budget on every
 rank; an automatic schedule gets as each rank's activation limit the budget less that rank's own
 static memory. Candidates rank by the bytes over the budget, then the simulated step (makespan),
-then the peak. `Layout.searched` says how much was covered and what no schedule of these
+then the peak. `Plan.searched` says how much was covered and what no schedule of these
 placements beats on any split (`Searched.bound_over_splits`: the least step bound over every split
 that may fit where all were bounded, else a bound over all splits that ignores memory);
-`Layout.explain` prints it with what was chosen and why.
+`Plan.explain` prints it with what was chosen and why.
 
 Activation policies (none, full, selective, offload; `zbpp.schedules.profile.PolicyCost`), where
 the profile's layers offer them: each candidate gets one policy per stage (the stages a rank holds
@@ -49,8 +49,8 @@ only adds time to B; the bytes bound takes each layer's least-keeping policy).
 
 >>> from zbpp.schedules.profile import transformer_profile
 >>> prof = transformer_profile(name="small", num_layers=8, hidden=1024, ffn=4096, heads=16, vocab=32000, seq=2048)
->>> layout = search(prof, num_ranks=4, num_microbatches=8, memory_budget=20e9)
->>> len(layout.stages) == layout.schedule.num_stages, all(x <= 20e9 for x in layout.peak)
+>>> plan = search(prof, num_ranks=4, num_microbatches=8, memory_budget=20e9)
+>>> len(plan.stages) == plan.schedule.num_stages, all(x <= 20e9 for x in plan.peak)
 (True, True)
 """
 
@@ -70,7 +70,7 @@ from .profile import POLICIES, Profile
 from .registry import build
 from .simulate import Memory, SimResult, simulate
 
-__all__ = ["Option", "Layout", "Searched", "search", "evaluate", "all_splits", "split_evenly", "split_balanced",
+__all__ = ["Option", "Plan", "Searched", "search", "evaluate", "all_splits", "split_evenly", "split_balanced",
            "SCHEDULES", "MAX_SPLITS", "MAX_POLICY_COMBOS"]
 
 #: The schedules `search` tries, and the stages per rank of each (None: 2, 3 and 4, interleaved).
@@ -136,7 +136,7 @@ class Searched:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Plan:
     """What `search` chose: the schedule, each stage's layers, and the memory per rank."""
 
     schedule: Schedule
@@ -730,7 +730,7 @@ def search(
     splits: dict[str, Sequence[Sequence[range]]] | None = None,
     max_splits: int = MAX_SPLITS,
     policies: Sequence[str] | None = None,
-) -> Layout:
+) -> Plan:
     """Choose each stage's layers and the schedule, minimising the simulated step within
     `memory_budget` bytes per rank (static memory included; None: no budget).
 
@@ -803,7 +803,7 @@ def search(
     built: dict[tuple[str, int], Schedule] = {}
     seen: set[tuple[str, int, tuple[range, ...]]] = set()
 
-    def run(name: str, k: int, label: str, stages: tuple[range, ...]) -> Option:
+    def try_candidate(name: str, k: int, label: str, stages: tuple[range, ...]) -> Option:
         o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m, allowed)
         if sched is not None and name not in _AUTO:
             built[(name, k)] = sched
@@ -826,14 +826,14 @@ def search(
             break
         if name in _AUTO and allowed == ("none",) and _full_bound(profile, info.stages, _placement(p, k, name in _V), p, m, budget) > best_fit() * (1 + _REL):
             continue  # the bound of every schedule on this split, memory included, rules it out before a build
-        run(name, k, label, info.stages)
+        try_candidate(name, k, label, info.stages)
     if not any(o.fits for o in options):
         for name, k, label, info in sorted(pending, key=lambda c: c[3].excess_bound):
             closest = min((o.key(budget)[0] for o in options), default=math.inf)
             if info.excess_bound > closest * (1 + _REL) + budget * _REL:
                 break
             if (name, k, info.stages) not in seen:
-                run(name, k, label, info.stages)
+                try_candidate(name, k, label, info.stages)
 
     # beyond `max_splits`: refine the best few under their schedule (the automatic ones under a
     # fixed proxy, then built on the result)
@@ -868,7 +868,7 @@ def search(
             if name in _AUTO and (_PROXY[name], k) in refined:
                 stages = refined[(_PROXY[name], k)].stages
                 if (name, k, stages) not in seen:
-                    run(name, k, "refined", stages)
+                    try_candidate(name, k, "refined", stages)
 
     options.sort(key=lambda o: o.key(budget))
     best = options[0]
@@ -896,7 +896,7 @@ def search(
         candidates=sum(len(split_info[(k, name in _V)]) for name, k in configs),
         bound_over_splits=min(over, default=math.inf),
     )
-    return Layout(sched, best.stages, res, tuple(static), peak, budget, profile, tuple(options), best.split, searched,
+    return Plan(sched, best.stages, res, tuple(static), peak, budget, profile, tuple(options), best.split, searched,
                   best.policies, allowed)
 
 

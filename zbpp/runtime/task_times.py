@@ -1,9 +1,9 @@
-"""Task timing for `Pipeline(profile=True)` (the measured bubble rate of records: `zbpp.schedules.measured`).
+"""Task timing for `Pipeline(record_task_times=True)` (the measured bubble rate of records: `zbpp.schedules.measured`).
 
 A record is ``{"rank": int, "action": "F0.3", "start": float, "end": float}``, times in seconds from
 the start of the step on that rank. On CUDA the times come from CUDA events on the compute stream
 (a task's start is when the stream reaches it, after waiting for its inputs); on the CPU from
-``time.perf_counter`` taken after the task's inputs have arrived. When profiling is off nothing is
+``time.perf_counter`` taken after the task's inputs have arrived. When recording is off nothing is
 recorded and nothing is allocated.
 
 >>> recs = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0},
