@@ -169,7 +169,8 @@ def measure_profile(
     notes = {"measured_on": str(device), "steps": steps_, "warmup": warmup_,
              "optimizer_bytes_per_param": opt, "torch": torch.__version__}
     if link:
-        notes["host_link"] = "given" if host_bytes_per_s is not None else "measured (pinned copies)"
+        how = "pinned copies" if device.type == "cuda" else "a copy in memory: offload's stand-in on CPU"
+        notes["host_link"] = "given" if host_bytes_per_s is not None else f"measured ({how})"
     return Profile(tuple(out), comm=comm, name=name, notes=notes, host_bytes_per_s=link)
 
 

@@ -248,7 +248,7 @@ class Plan:
                     peak = self.static[r] + rank_peak(terms, [act[q][x] for q, x in zip(trial, mine)],
                                                       [wg[q][x] for q, x in zip(trial, mine)])
                     over = "" if peak <= self.budget * (1 + 4 * _REL) else " (over)"
-                    alts.append(f"{o} {peak / 1e9:.2f} GB +{extra[o][st]:.4g} per B{over}")
+                    alts.append(f"{o} {peak / 1e9:.4g} GB +{extra[o][st]:.4g} per B{over}")
                 lines.append(f"    stage {st} (rank {r}): {chosen[st]}  [{'; '.join(alts)}]")
         return lines
 
