@@ -6,7 +6,7 @@ there, plain torch otherwise), trains ``--steps`` Adam steps with a `Pipeline`, 
 model in one process on the same batches; the report prints the loss per step, the bubble rate
 of the schedule with the task times measured on the last step (simulated: on CPU processes that
 share cores, wall-clock idle time says more about the cores than about the schedule; the measured
-one is printed too when every rank has a core of its own) next to the planned one, and the
+one is printed too when every rank has a core of its own) next to its ideal with equal task times, and the
 largest parameter difference from the single process. If ranks fail, every rank's report goes to a file and the command ends with the
 error of the rank that failed first, in a few lines (exit code 1).
 
@@ -215,7 +215,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if p < 1 or m < 1 or steps < 1:
         raise ValueError(f"--ranks, --microbatches and --steps must be >= 1 (got {p}, {m}, {steps})")
     sched = build(name, num_ranks=p, num_microbatches=m)
-    planned = simulate(sched).bubble_rate
+    ideal = simulate(sched).bubble_rate
     layers = "zbpp delayed-wgrad layers"
     print(f"zbpp demo: {name} on {p} CPU ranks (gloo), {sched.num_stages} stages, {m} microbatches "
           f"of {ROWS_PER_MICROBATCH} sequences, {steps} Adam steps; a small causal transformer of {layers}")
@@ -238,7 +238,7 @@ def run_demo(args: argparse.Namespace) -> int:
     costs = Costs.from_task_times(records, sched.num_stages)
     task_ms = ", ".join(f"{k} {1e3 * sum(getattr(costs, k.lower())) / sched.num_stages:.2f} ms" for k in "FBW")
     print(f"bubble rate: {simulate(sched, costs).bubble_rate:.3f} with the task times measured on the last step "
-          f"(simulated; mean {task_ms}), planned {planned:.3f} with equal F, B, W times")
+          f"(simulated; mean {task_ms}); {ideal:.3f} with equal F, B, W times (the schedule's ideal)")
     if (os.cpu_count() or 1) >= p:  # idle time on the wall clock means something only with a core per rank
         print(f"  measured on the wall clock: {measured_bubble_rate(records):.3f} (send/receive waits included)")
     diff = max(r["diff"] for r in results)

@@ -15,7 +15,7 @@ def test_zbpp_demo_runs_and_agrees_with_one_process():
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "zbpp demo: zb-v on 4 CPU ranks" in text or "using 'zb-h1' instead" in text, text
-    assert "with the task times measured on the last step (simulated" in text and "planned" in text, text
+    assert "with the task times measured on the last step (simulated" in text and "with equal F, B, W times (the schedule's ideal)" in text, text
     assert "check against one process" in text and ": OK" in text, text
     losses = [float(line.split()[1]) for line in text.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 3]
     assert len(losses) == 3 and losses[-1] < losses[0], text
