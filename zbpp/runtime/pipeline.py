@@ -109,18 +109,12 @@ class Pipeline:
             rank 0's ``torch.initial_seed()``; an int: that seed; False: the global generators as
             they run. ``rng_step`` counts the steps (training and evaluation) in the derivation.
         split_wgrad: under schedules with W tasks, B computes only the gradient the previous stage
-            needs and W every weight gradient, for any module (`zbpp.runtime._autograd_split`:
-            how, what memory W keeps; a ``torch.compile``d region gets its weights' gradients in B).
-            Data-parallel and tied reductions of a split stage start after its last W. False:
-            plain modules get their weight gradients in B. BW tasks run the whole backward.
-        cuda_graphs: from the second training step of each input signature on, replay every F, B,
-            W and BW task of this rank from a CUDA graph captured in the schedule's order (sends,
-            receives and reductions stay outside): for small layers; bit-identical to eager steps.
-            CUDA only; what is captured and refused: `zbpp.runtime.task_graphs` (tests on CPUs
-            pass its `StandInGraphs` instead of True). ``"auto"``: per input signature, a few
-            eager and replayed steps are timed after its capture, and the faster form (on the
-            slowest rank) sticks: graphs for small layers, eager where they would slow a
-            compute-bound stage; the rule: `zbpp.runtime.task_graphs`.
+            needs and W every weight gradient, for any module (how, what W keeps, compiled regions:
+            `zbpp.runtime._autograd_split`). False: plain modules get their weight gradients in B.
+        cuda_graphs: True: from each input signature's second training step on, replay every task
+            of this rank from a CUDA graph captured in the schedule's order (bit-identical to eager
+            steps; sends, receives, reductions outside). ``"auto"``: time both forms, keep the faster.
+            CUDA only; rules: `zbpp.runtime.task_graphs` (CPU tests pass its `StandInGraphs`).
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
