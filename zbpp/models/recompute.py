@@ -380,6 +380,9 @@ class _OffloadGroup:
     group that ran before it."""
 
     last: "weakref.ref[_OffloadGroup] | None" = None  # the latest group's forward
+    #: per microbatch key whose B has not begun, in forward order: its last offloaded layer (the
+    #: first its B differentiates; nothing before it in that B would prefetch it)
+    heads: "dict[Any, weakref.ref[_OffloadGroup]]" = {}
 
     def __init__(self) -> None:
         self.items: list[weakref.ref] = []
@@ -395,6 +398,26 @@ class _OffloadGroup:
         self.back: dict[int, tuple[torch.Tensor, Any]] = {}
         self.started = False
         _OffloadGroup.last = weakref.ref(self)
+        _OffloadGroup.heads.pop(self.key, None)  # re-inserted last: forward order
+        _OffloadGroup.heads[self.key] = weakref.ref(self)
+
+    def unpacking(self) -> None:
+        """One of its tensors is needed by B: prefetch what that B needs next (the layer before,
+        or, on the microbatch's first layer, the next microbatch's first-needed layer, whose B
+        usually follows: its copy then overlaps the tasks between the two B's)."""
+        heads = _OffloadGroup.heads
+        head = heads.get(self.key)
+        if head is not None and head() is self:
+            del heads[self.key]  # this microbatch's B has begun
+        before = self.prev() if self.prev is not None else None
+        if before is None:
+            while heads and before is None:
+                key = next(iter(heads))
+                before = heads[key]()
+                if before is None:
+                    del heads[key]  # freed (an evaluation forward, a dropped step)
+        if before is not None and before is not self:
+            before.prefetch()
 
     def prefetch(self) -> None:
         if self.started:
@@ -404,7 +427,6 @@ class _OffloadGroup:
             item = ref()
             if item is not None and item.device.type == "cuda":
                 self.fetched[id(item)] = item.fetch()
-
 
     def storage_back(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         """The device copy of `host` (started on the side stream the first time) and its event."""
@@ -460,10 +482,7 @@ def _offload_forward(fn: Callable[..., Any], params: set[int], args: tuple, kwar
         if not isinstance(x, _Offloaded):
             return x
         g = x.group
-        if g.prev is not None:
-            before = g.prev()
-            if before is not None:
-                before.prefetch()  # the layer before this one is differentiated next
+        g.unpacking()
         out = g.fetched.pop(id(x), None)
         if out is None:
             out = x.fetch()
