@@ -98,13 +98,14 @@ def run_case(sched: Schedule, rows: int, kind: str, *, steps: int = 2, pipe_kwar
     return worst
 
 
-def check_schedule(name: str, p: int, kinds: list[str], cases: list[tuple[int, int]]) -> float:
-    """`run_case` for every (m, rows) in `cases` and every model kind; the largest difference."""
+def check_schedule(name: str, p: int, kinds: list[str], cases: list[tuple[int, int]], *, steps: int = 2) -> float:
+    """`run_case` (`steps` steps) for every (m, rows) in `cases` and every model kind; the largest
+    difference."""
     worst = 0.0
     for m, rows in cases:
         sched = make_schedule(name, p, m)
         for kind in kinds:
-            worst = max(worst, run_case(sched, rows, kind))
+            worst = max(worst, run_case(sched, rows, kind, steps=steps))
     return worst
 
 
