@@ -21,6 +21,7 @@ copies); a lost optimizer state moves them by ~1e-2. Same-layout resumes are bit
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -100,8 +101,9 @@ def named_params(pipe: Pipeline) -> dict[str, torch.Tensor]:
     return {n: full(p.detach()) for m in pipe.stage_modules.values() for n, p in m.named_parameters(remove_duplicate=False)}
 
 
+@functools.cache  # every case compares with the same run: computed once per rank process
 def reference(steps: int) -> dict[str, torch.Tensor]:
-    """One process: HF's GPT-2, whole batch, the same AdamW."""
+    """One process: HF's GPT-2, whole batch, the same AdamW (read-only: the cache hands it out again)."""
     import transformers
 
     model = transformers.GPT2LMHeadModel(config()).double()

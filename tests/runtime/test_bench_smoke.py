@@ -1,5 +1,7 @@
 """benchmarks/bench_pipeline.py --quick runs under torchrun on 2 CPU ranks and writes its JSON
-(a smoke run: speed itself is measured on GPUs, never asserted in tests)."""
+(a smoke run: speed itself is measured on GPUs, never asserted in tests); a second run appends to
+it, its `main` called on the 2 gloo ranks of the shared test pool (what torchrun's ranks call after
+starting Python and importing torch, zbpp and the script)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,13 @@ def source_fingerprint() -> str:
     return _load_benchmark("provenance").source_fingerprint()
 
 
+def run_bench_pipeline(argv: list[str]) -> int:
+    """On a pool rank: bench_pipeline.py's `main`, its folder on sys.path as when run as a script."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    return _load_benchmark("bench_pipeline").main(argv)
+
+
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
@@ -39,7 +48,7 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_bench_pipeline_quick_under_torchrun(tmp_path):
+def test_bench_pipeline_quick_under_torchrun(tmp_path, zbpp_workers):
     """The default model (its programs made for the program's default costs), then the MLP stack over two
     microbatch counts appended to the same JSON (its programs made from the measured costs, the
     default, and a message overhead fitted): every row timed, the ideal rows, the prediction on
@@ -47,10 +56,10 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
     out = tmp_path / "bench.json"
     proc = _torchrun("--quick", "--program-comm", "default", "--out", str(out))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    proc = _torchrun("--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto",
-                     "--zbpp-torch-layers", "zb-h1", "--torch", "Schedule1F1B", "--steps", "2", "--ordered", "zb-v",
-                     "--fit-message-overhead", "--append", "--out", str(out))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert zbpp_workers(2).run(run_bench_pipeline, [
+        "--quick", "--model", "mlp-stack", "--microbatches", "2,4", "--zbpp", "zb-h1,zbv-auto", "--zbpp-torch-layers",
+        "zb-h1", "--torch", "Schedule1F1B", "--steps", "2", "--ordered", "zb-v", "--fit-message-overhead", "--append",
+        "--out", str(out)]) == [0, 0]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert all("step_ms" in r for r in rows), [r for r in rows if "error" in r]
@@ -145,11 +154,18 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path):
         assert summary["best_zero_bubble"]["schedule"] != "1f1b"  # 1F1B has no W task
 
 
-def test_bench_pipeline_refuses_fp8_on_cpu():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--quick",
-                           "--layers-kind", "fp8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--layers-kind fp8 needs CUDA GPUs" in proc.stderr, proc.stderr[-2000:]
+def _refusal(monkeypatch, capsys, *argv: str) -> tuple[object, str]:
+    """bench_pipeline's argument check in this process (the script's first act, before torch.distributed):
+    the exit code it leaves with and what it printed on stderr."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling modules, as when run as a script
+    with pytest.raises(SystemExit) as info:
+        _load_benchmark("bench_pipeline").parse_args(list(argv))
+    return info.value.code, capsys.readouterr().err
+
+
+def test_bench_pipeline_refuses_fp8_on_cpu(monkeypatch, capsys):
+    code, err = _refusal(monkeypatch, capsys, "--quick", "--layers-kind", "fp8")
+    assert code == 2 and "--layers-kind fp8 needs CUDA GPUs" in err, err[-2000:]
 
 
 def test_bench_modules_quick(tmp_path):
@@ -199,11 +215,9 @@ def test_gpu_telemetry_window_means_per_gpu(tmp_path):
                    "1": {"sm_mhz": 1600.0, "power_w": 680.0, "temp_c": 55.0, "samples": 1}}
 
 
-def test_bench_pipeline_refuses_telemetry_on_cpu():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--quick", "--telemetry"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--telemetry samples NVIDIA GPUs" in proc.stderr, proc.stderr[-2000:]
+def test_bench_pipeline_refuses_telemetry_on_cpu(monkeypatch, capsys):
+    code, err = _refusal(monkeypatch, capsys, "--quick", "--telemetry")
+    assert code == 2 and "--telemetry samples NVIDIA GPUs" in err, err[-2000:]
 
 
 def test_kernel_timeline_compare_by_kernel_name(tmp_path):

@@ -1,19 +1,21 @@
-"""`zbpp demo` (the README's "run it" command) trains on 4 spawned CPU ranks and passes its check."""
+"""`zbpp demo` (the README's "run it" command) trains on 4 spawned CPU ranks and passes its check.
+
+Through `zbpp.cli.main`, in this process: what ``python -m zbpp`` and the installed ``zbpp`` call
+(`tests/schedules/test_cli.py` runs ``python -m zbpp`` itself, and CI runs ``zbpp demo``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from zbpp.cli import main
 
 
 @pytest.mark.slow
-def test_zbpp_demo_runs_and_agrees_with_one_process():
-    out = subprocess.run([sys.executable, "-m", "zbpp", "demo", "--steps", "3"], capture_output=True, text=True,
-                         timeout=240)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text
+def test_zbpp_demo_runs_and_agrees_with_one_process(capsys):
+    code = main(["demo", "--steps", "3"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 0, text
     assert "zbpp demo: zb-v on 4 CPU ranks" in text or "using 'zb-h1' instead" in text, text
     assert "with the task times measured on the last step (simulated" in text and "with equal F, B, W times (the schedule's ideal)" in text, text
     assert "check against one process" in text and ": OK" in text, text
@@ -21,7 +23,7 @@ def test_zbpp_demo_runs_and_agrees_with_one_process():
     assert len(losses) == 3 and losses[-1] < losses[0], text
 
 
-def test_demo_rejects_an_unknown_schedule():
-    out = subprocess.run([sys.executable, "-m", "zbpp", "demo", "--schedule", "nope"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 2 and "unknown schedule 'nope'" in out.stderr, out.stderr
+def test_demo_rejects_an_unknown_schedule(capsys):
+    code = main(["demo", "--schedule", "nope"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown schedule 'nope'" in err, err

@@ -3,8 +3,11 @@
 The 4-rank suite (`test_pipeline_gloo.py`) covers every model kind and split; this one checks
 that nothing in the plan or the message order depends on having few ranks: m = p and m = 2p+1
 (uneven rows), on the mixed model (a zbpp delayed and a plain Linear in each block: both kinds of
-W in one run, half the work of running each kind alone). Tolerances as in `tests.runtime.cases` (fp32: rtol 1e-5,
-atol 1e-6, checked per tensor inside `run_case`).
+W in one run, half the work of running each kind alone), one step each: the loss, every gradient
+and the parameters after the SGD step. A second step reuses the first one's plan and message
+order; what it adds (the cached input signature, the optimizer's momentum) does not depend on the
+number of ranks and is checked at p = 4 (two steps per case there). Tolerances as in
+`tests.runtime.cases` (fp32: rtol 1e-5, atol 1e-6, checked per tensor inside `run_case`).
 """
 
 from __future__ import annotations
@@ -26,4 +29,4 @@ def test_every_schedule_at_pp8_matches_single_process(zbpp_workers) -> None:
 
 
 def _all_schedules(cases: list[tuple[int, int]]) -> float:
-    return max(check_schedule(name, P, ["mixed"], cases) for name in available())
+    return max(check_schedule(name, P, ["mixed"], cases, steps=1) for name in available())
