@@ -35,6 +35,7 @@ __all__ = [
     "uncompiled",
     "current_saved_tensors_hooks",
     "torch_dispatch_mode",
+    "end_allocate_to_pool",
 ]
 
 
@@ -209,3 +210,12 @@ def torch_dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
+    """Tell the CUDA caching allocator that a capture into `pool` on `device` is over when
+    ``CUDAGraph.capture_end`` raised before doing so (an invalidated capture): else the allocator
+    keeps routing allocations to the pool and asserts at the next pool's release."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        end(device.index if device.index is not None else torch.cuda.current_device(), pool)

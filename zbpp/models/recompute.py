@@ -639,11 +639,26 @@ class _Flops(torch_dispatch_mode()):  # type: ignore[misc]
         out = func(*args, **kwargs)
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
-            self.total += count(*args, **kwargs, out_val=out)
+            self.total += _counted(count, func, args, kwargs, out)
         return out
 
     def get_total_flops(self) -> int:
         return self.total
+
+
+def _counted(count: Callable[..., int], func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """``count``'s FLOPs of one call. Older torch's attention counters refuse grouped-query
+    key/value heads (fewer than the query's): those are counted as the kernel runs them, with the
+    key/value heads repeated up to the query's ([batch, heads, seq, dim] layout of SDPA's ops)."""
+    try:
+        return count(*args, **kwargs, out_val=out)
+    except AssertionError:
+        if "_scaled_dot_product" not in str(func._overloadpacket):
+            raise
+        heads = max(a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4)
+        wide = tuple(torch.empty((a.shape[0], heads, *a.shape[2:]), device="meta", dtype=a.dtype)
+                     if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != heads else a for a in args)
+        return count(*wide, **kwargs, out_val=out)
 
 
 # -- helpers ----------------------------------------------------------------------------------------

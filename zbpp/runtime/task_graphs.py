@@ -66,7 +66,7 @@ from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import torch
 
-from .._compat import foreach_copy_, foreach_zero_
+from .._compat import end_allocate_to_pool, foreach_copy_, foreach_zero_
 from .errors import GraphCaptureError
 
 __all__ = ["Body", "TaskRunner", "EAGER", "GradBuffers", "TaskGraphs", "StandInGraphs", "GraphCache", "AutoGraphs",
@@ -175,7 +175,7 @@ class TaskGraphs:
                 try:
                     graph.capture_end()
                 except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
-                    pass
+                    end_allocate_to_pool(statics[0].device if statics else torch.device("cuda"), self.pool)
                 raise GraphCaptureError(
                     f"task {key} could not be captured into a CUDA graph ({type(exc).__name__}: {exc}). Under "
                     "cuda_graphs=True a stage must not synchronise with the host (.item(), .cpu(), printing a "
