@@ -212,10 +212,10 @@ def torch_dispatch_mode() -> type:
     return TorchDispatchMode
 
 
-def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
-    """Tell the CUDA caching allocator that a capture into `pool` on `device` is over when
+def end_allocate_to_pool(pool: Any) -> None:
+    """Tell the CUDA caching allocator that a capture into `pool` on the current device is over when
     ``CUDAGraph.capture_end`` raised before doing so (an invalidated capture): else the allocator
     keeps routing allocations to the pool and asserts at the next pool's release."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None:
-        end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        end(torch.cuda.current_device(), pool)

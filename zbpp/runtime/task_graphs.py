@@ -37,9 +37,9 @@ of that signature copies each task's inputs into the graph's static buffers and 
   is kept only if it was timed and that pace beat the replays' (`agreement.graphs_win`). Every
   rank takes that decision, for that signature from then on (measured again if the pipeline
   forgets the signature); if eager wins, its graphs are dropped (their memory goes back to the
-  graphs' pool, for later captures; the pool itself, once it holds no graph, to the allocator). Steady steps add nothing: no timing, no collective. The
-  trial's eager steps run beside the graphs' memory: a stage that fits only one of them at a time
-  should pass True or False.
+  graphs' pool, for later captures; the pool itself, once it holds no graph, to the allocator).
+  Steady steps add nothing: no timing, no collective. The trial's eager steps run beside the
+  graphs' memory: a stage that fits only one of them at a time should pass True or False.
 - **Random draws.** Each F is captured and replayed under its microbatch's seed (`zbpp.runtime.rng`):
   a replay draws from the generator's state at its start, so dropout masks are the eager step's.
 
@@ -175,7 +175,7 @@ class TaskGraphs:
                 try:
                     graph.capture_end()
                 except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
-                    end_allocate_to_pool(statics[0].device if statics else torch.device("cuda"), self.pool)
+                    end_allocate_to_pool(self.pool)
                 raise GraphCaptureError(
                     f"task {key} could not be captured into a CUDA graph ({type(exc).__name__}: {exc}). Under "
                     "cuda_graphs=True a stage must not synchronise with the host (.item(), .cpu(), printing a "
