@@ -123,3 +123,32 @@ def test_stages_on_the_gpu(kind):
     assert all(q.is_cuda for s in stages.values() for q in s.parameters())
     h = stages[1](**stages[0](input_ids=ids.cuda(), attention_mask=mask.cuda()))
     torch.testing.assert_close(h.cpu(), ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("given", ["nothing", "attention_mask", "position_ids"])
+def test_layer_masks_do_not_change_under_stream_capture(given, monkeypatch):
+    """A CUDA graph replays the kernels its eager step ran, so what the decoder layers get as mask
+    must not depend on whether a stream is capturing (HF builds masks while capturing where it
+    skips them eagerly). Capture is simulated by HF's own probe answering True; the rule is the
+    module docstring's: a given attention_mask or position_ids gives a built mask, neither gives None."""
+    cfg, _ = configs()["llama"]
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    torch.manual_seed(0)
+    stages, _ = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, attn_implementation="sdpa", device="cpu")
+    stage = stages[0]
+    seen: list[torch.Tensor | None] = []
+    stage.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True)
+    ids = torch.randint(1, 40, (2, 6))
+    inputs = {"input_ids": ids}
+    if given == "attention_mask":
+        inputs["attention_mask"] = torch.ones_like(ids)
+    elif given == "position_ids":
+        inputs["position_ids"] = torch.arange(6).expand(2, 6)
+    eager = stage(**inputs)
+    monkeypatch.setattr(transformers.utils.import_utils, "is_cuda_stream_capturing", lambda: True)
+    captured = stage(**inputs)
+    assert [m is None for m in seen] == [given == "nothing"] * 2
+    if given != "nothing":
+        assert torch.equal(seen[0], seen[1])
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)

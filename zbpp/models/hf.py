@@ -25,6 +25,14 @@ below); the last stage returns the logits. The step's input is ``input_ids`` or 
 ..., "attention_mask": ..., "position_ids": ...}`` (the last two optional, as in HF), the target is
 HF's ``labels`` (-100 ignored). The loss (`CausalLMLoss`) is HF's, weighted by predicted tokens.
 
+Masks are decided from what is given, never from values read on the host: HF's forward looks at an
+``attention_mask`` (all ones?) or ``position_ids`` (packed sequences?) on the host to skip building a
+mask, which waits for the GPU once per microbatch and decides differently while a CUDA graph is
+captured (HF then always builds the mask), so a task graph would replay other kernels than the eager
+step ran. In a stage, a given ``attention_mask`` or ``position_ids`` is always applied as a built
+mask, and with neither the attention is causal by SDPA's ``is_causal`` (flash kernels): pass no
+``attention_mask`` for batches without padding.
+
 Mixture-of-experts (Mixtral, Qwen2-MoE, OLMoE, ...): when the config asks for the router auxiliary
 loss (``output_router_logits=True``), every stage appends its layers' router logits to a
 ``"router_logits"`` tensor ``[layers so far, tokens, experts]`` that travels with the hidden states,
@@ -406,7 +414,7 @@ class _CausalLMStage:
         else:
             kw["inputs_embeds"] = torch.zeros_like(hidden_states)
         call = _Call(None if spec.first else hidden_states, kw.get("inputs_embeds"))
-        with self._zbpp_standins(call):
+        with self._zbpp_standins(call), _masks_from_presence(position_ids is not None):
             if spec.last:
                 out = spec.hf_forward(self, **kw)
             else:
@@ -466,6 +474,32 @@ class _CausalLMStage:
             for h in hooks:
                 h.remove()
             object.__setattr__(self, "_zbpp_call", None)
+
+
+def _tracing_or_a_tensor(tensor: Any = None) -> bool:
+    """HF's ``is_tracing`` for its mask decisions in a stage: a tensor counts as traced (its values
+    are not read on the host), no tensor only under dynamo or jit (not under CUDA stream capture)."""
+    return tensor is not None or torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+@contextlib.contextmanager
+def _masks_from_presence(positions_given: bool) -> Iterator[None]:
+    """During a stage's call, HF's masks are decided from which inputs are given (module docstring).
+    Without the user's ``position_ids`` the forward numbers the tokens itself, so nothing is packed."""
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("is_tracing", "find_packed_sequence_indices")
+    if masking is None or not all(hasattr(masking, n) for n in names):
+        yield
+        return
+    hf = {n: getattr(masking, n) for n in names}
+    masking.is_tracing = _tracing_or_a_tensor
+    if not positions_given:
+        masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for n, fn in hf.items():
+            setattr(masking, n, fn)
 
 
 def _append(carried: torch.Tensor | None, produced: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
