@@ -119,7 +119,8 @@ def _train_gpt() -> Any:
 
 
 class Batches:
-    """The step's batch, the same on every rank: ``(input_ids, attention_mask, labels)``."""
+    """The step's batch, the same on every rank: ``(input_ids, attention_mask, labels)``; the mask
+    is None for full rows (then attention is causal without a built mask: `zbpp.models.hf`)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -130,7 +131,7 @@ class Batches:
         else:
             self.text, self.vocab = None, 64
 
-    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         a = self.args
         seed = a.seed * 1_000_003 + step
         if self.text is not None:
@@ -140,12 +141,12 @@ class Batches:
             start = torch.randint(0, self.vocab, (self.rows, 1), generator=g)
             stride = torch.randint(1, 4, (self.rows, 1), generator=g)
             ids = (start + stride * torch.arange(a.seq_len)) % self.vocab
-        mask = torch.ones_like(ids)
-        if a.ragged:
-            g = torch.Generator().manual_seed(seed + 7)
-            lengths = torch.randint(a.seq_len // 2, a.seq_len + 1, (self.rows, 1), generator=g)
-            mask = (torch.arange(a.seq_len) < lengths).long()
-            ids = ids.masked_fill(mask == 0, 0)
+        if not a.ragged:
+            return ids, None, ids
+        g = torch.Generator().manual_seed(seed + 7)
+        lengths = torch.randint(a.seq_len // 2, a.seq_len + 1, (self.rows, 1), generator=g)
+        mask = (torch.arange(a.seq_len) < lengths).long()
+        ids = ids.masked_fill(mask == 0, 0)
         return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
@@ -255,7 +256,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
         for group in opt.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
-        loss = pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+        loss = pipe.step({"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask},
+                         target=labels)
         norm = clip_grad_norm_(pipe, args.clip if args.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -263,7 +265,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - start
         if reporting:
-            tokens = int(mask.sum())
+            tokens = ids.numel() if mask is None else int(mask.sum())
             history.append({"step": step + 1, "loss": float(loss), "grad_norm": float(norm), "lr": lr, "seconds": dt})
             say(f"step {step + 1:>5}/{args.steps} | loss {float(loss):.4f} | grad norm {float(norm):.3f} | "
                 f"lr {lr:.2e} | {dt * 1e3:7.1f} ms | {tokens / dt:9.0f} tok/s")
