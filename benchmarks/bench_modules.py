@@ -127,6 +127,8 @@ BLOCK_VARIANTS = (
     "zbpp bf16 delayed",
     "zbpp bf16 pipeline",
     "zbpp bf16 task graphs",
+    "zbpp bf16 one graph",
+    "zbpp bf16 auto graphs",
     "torch.nn task graphs",
     "zbpp fp8",
     "zbpp fp8 delayed",
@@ -560,7 +562,7 @@ def make_blocks(args: argparse.Namespace, variant: str) -> list[Residual]:
     if variant.startswith("torch.nn"):
         return [Residual(TorchMLP(args.hidden, args.ffn, dtype=torch.bfloat16, **kw))
                 for _ in range(args.blocks)]
-    delayed = "delayed" in variant or "pipeline" in variant or "task graphs" in variant
+    delayed = any(word in variant for word in ("delayed", "pipeline", "graph"))
     return [Residual(LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16,
                                   delay_wgrad_compute=delayed, **kw))
             for _ in range(args.blocks)]
@@ -571,9 +573,13 @@ def make_block_step(
 ) -> Callable[[], None]:
     """One training step: every microbatch's forward and backward (and W when delayed); the
     ``pipeline`` and ``task graphs`` variants run it as a one-rank zb-h1 `Pipeline` (F, B, W per
-    microbatch; ``task graphs``: with ``cuda_graphs=True``), with the loss ``sum(out * grad)``."""
-    if "pipeline" in variant or "task graphs" in variant:
-        return make_pipeline_step(blocks, xs, grad, cuda_graphs="task graphs" in variant)
+    microbatch; ``task graphs``: with ``cuda_graphs=True``, ``auto graphs``: ``"auto"``), with the
+    loss ``sum(out * grad)``; ``one graph`` captures the whole step as one CUDA graph."""
+    if "pipeline" in variant or "task graphs" in variant or "auto graphs" in variant:
+        graphs = "auto" if "auto graphs" in variant else "task graphs" in variant
+        return make_pipeline_step(blocks, xs, grad, cuda_graphs=graphs)
+    if "one graph" in variant:
+        return make_one_graph_step(make_block_step(blocks, xs, grad, "zbpp bf16 delayed"), blocks, xs)
     fp8 = "fp8" in variant
     delayed = "delayed" in variant
     recipe = DelayedScaling(amax_history_len=16)
@@ -596,8 +602,33 @@ def make_block_step(
     return step
 
 
+def make_one_graph_step(eager: Callable[[], None], blocks: list[Residual], xs: list[torch.Tensor]) -> Callable[[], None]:
+    """The limit of the task graphs: the same F, B, W of every microbatch captured as ONE CUDA graph
+    (no host work per task at all; no pipeline could run it, as nothing else may happen in between)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up as torch.cuda.graph asks: kernels chosen, grads allocated
+        for _ in range(2):
+            eager()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in xs:  # gradients allocated during the capture live in the graph's pool, not freed by a clear
+        x.grad = None
+    for block in blocks:
+        block.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager()
+
+    def step() -> None:
+        graph.replay()
+
+    step.microbatch = lambda j, x: step()  # type: ignore[attr-defined]
+    step.per_call = 1  # type: ignore[attr-defined]  # one call is a whole step
+    return step
+
+
 def make_pipeline_step(blocks: list[Residual], xs: list[torch.Tensor], grad: torch.Tensor,
-                       cuda_graphs: bool) -> Callable[[], None]:
+                       cuda_graphs: bool | str) -> Callable[[], None]:
     from zbpp import Pipeline
     from zbpp.schedules import build
 
@@ -690,7 +721,7 @@ HOST_SLEEP_CYCLES = 200_000_000
 def run_blocks(args: argparse.Namespace) -> dict:
     cuda = args.device.startswith("cuda")
     variants = [v for v in BLOCK_VARIANTS if v in args.variants.split(",")
-                and (cuda or "task graphs" not in v)]
+                and (cuda or "graph" not in v)]
     gen = torch.Generator(device=args.device).manual_seed(1)
     xs = [torch.randn(args.tokens, args.hidden, generator=gen, device=args.device,
                       dtype=torch.bfloat16).requires_grad_(True)
@@ -784,6 +815,7 @@ def run_blocks(args: argparse.Namespace) -> dict:
             "zbpp_bf16_pipeline_over_torch_nn": ratio("zbpp bf16 pipeline", "torch.nn"),
             "torch_nn_over_zbpp_task_graphs": ratio("torch.nn", "zbpp bf16 task graphs"),
             "torch_nn_over_torch_nn_task_graphs": ratio("torch.nn", "torch.nn task graphs"),
+            "task_graphs_over_one_graph": ratio("zbpp bf16 task graphs", "zbpp bf16 one graph"),
         },
         "fp8_gemm_paths": fp8mod.gemm_path_counts(),
         "fp8_cast_paths": fp8mod.cast_path_counts(),
