@@ -155,6 +155,18 @@ class TaskGraphs:
         self._replay(rec)
         return rec.outs, rec.meta
 
+    def _abandon(self, graph: Any) -> None:
+        """End a capture that failed (`graph` None: it failed to begin): the allocator must stop
+        routing allocations to the pool, else it asserts at the next pool's release."""
+        if graph is not None:
+            try:
+                graph.capture_end()
+                return
+            except Exception:  # noqa: BLE001 - the capture is broken anyway: the caller reports its cause
+                pass
+        with contextlib.suppress(Exception):  # a capture that never began may have nothing to end
+            end_allocate_to_pool(self.pool)
+
     def _replay(self, rec: _Recorded) -> None:
         rec.graph.replay()
 
@@ -168,14 +180,13 @@ class TaskGraphs:
         gc.disable()
         try:
             torch.cuda.set_sync_debug_mode("error")
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            began = False
             try:
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                began = True
                 outs, meta = body(list(statics))
             except BaseException as exc:
-                try:
-                    graph.capture_end()
-                except Exception:  # noqa: BLE001 - the capture is broken anyway: report the cause
-                    end_allocate_to_pool(self.pool)
+                self._abandon(graph if began else None)
                 raise GraphCaptureError(
                     f"task {key} could not be captured into a CUDA graph ({type(exc).__name__}: {exc}). Under "
                     "cuda_graphs=True a stage must not synchronise with the host (.item(), .cpu(), printing a "
@@ -203,6 +214,18 @@ class StandInGraphs(TaskGraphs):
     def _record(self, key: Hashable, statics: list[torch.Tensor], body: Body) -> _Recorded:
         outs, meta = body(list(statics))
         return _Recorded(None, statics, [o.detach() for o in outs], meta, body)
+
+    def _abandon(self, graph: Any) -> None:
+        """End a capture that failed (`graph` None: it failed to begin): the allocator must stop
+        routing allocations to the pool, else it asserts at the next pool's release."""
+        if graph is not None:
+            try:
+                graph.capture_end()
+                return
+            except Exception:  # noqa: BLE001 - the capture is broken anyway: the caller reports its cause
+                pass
+        with contextlib.suppress(Exception):  # a capture that never began may have nothing to end
+            end_allocate_to_pool(self.pool)
 
     def _replay(self, rec: _Recorded) -> None:
         assert rec.body is not None
@@ -431,7 +454,10 @@ class GraphCache:
         external = external_addresses(params)
         graphs = self.graphs.get(signature)
         if graphs is None or graphs.external != external:
-            if self._mem_pool is None and self.kind.needs_cuda:  # given back when eager won everywhere
+            self.graphs.pop(signature, None)  # its graphs are freed (an address they bake in moved)
+            if self.kind.needs_cuda and (self._mem_pool is None or not self.graphs):
+                # A pool whose graphs were all freed cannot be captured into again (torch's host
+                # allocator asserts on the pool's use count), and one given back when eager won is gone
                 self._mem_pool = torch.cuda.MemPool()
                 self._pool = self._mem_pool.id
             graphs = self.graphs[signature] = self.kind(self._pool, external)
