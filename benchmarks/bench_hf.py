@@ -1,9 +1,9 @@
 """A Hugging Face Llama on one GPU: HF eager and torch.compile against zbpp's eager and fast forms.
 
 One rank, one stage holding the whole model (``causal_lm_stages`` from a ``LlamaConfig``, random
-weights, bf16 parameters, SDPA attention), trained on ``--microbatches`` microbatches of ``--rows``
-sequences of ``--seq-len`` tokens per step (forward + backward, gradients accumulated, no
-optimizer). Variants:
+weights, the same in every row, bf16 parameters, SDPA attention), trained on ``--microbatches``
+microbatches of ``--rows`` sequences of ``--seq-len`` tokens per step (forward + backward,
+gradients accumulated, no optimizer). Variants:
 
 - ``hf eager``       ``LlamaForCausalLM`` itself, ``model(ids, labels=ids).loss / m`` then
                      ``backward()`` per microbatch
@@ -261,8 +261,10 @@ def build_variant(name: str, config: Any, args: argparse.Namespace, batch: dict[
         return hf_variant(name, hf_model(config, args), args, batch)
     sched = build("zb-h1", num_ranks=1, num_microbatches=m)
     fast = name.startswith("zbpp fast")
+    # the hf rows' weights (a model built and dropped here): every row trains the same model
     stages, kwargs = causal_lm_stages(config, sched, 0, device=device, dtype=dtype, attn_implementation="sdpa",
-                                      fast=fast, fp8=name == "zbpp fast fp8")
+                                      state_dict=hf_model(config, args).state_dict(), fast=fast,
+                                      fp8=name == "zbpp fast fp8")
     if name == "zbpp fp8 eager":
         fast_stage(stages[0], compile=False, fp8=True)
     if name == "zbpp fast nographs":
@@ -306,7 +308,8 @@ def build_pipeline_variant(name: str, config: Any, args: argparse.Namespace, bat
 
         return Variant(name, torch_step, list(modules.values()), ranks=p)
     sched = build(schedule, num_ranks=p, num_microbatches=m)
-    stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=_dtype(args), attn_implementation="sdpa",
+    stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=_dtype(args),
+                                      attn_implementation="sdpa",
                                       module_fqns_per_stage=stage_fqns(config.num_hidden_layers, sched.num_stages),
                                       state_dict=source.state_dict())
     if form != "eager":  # what causal_lm_stages(..., fast=True, fp8=...) does, with this run's --backend
@@ -547,7 +550,8 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
 def print_table(run: dict) -> None:
     c = run["config"]
     print(f"\n{run['preset']}: hidden {c['hidden']}, {c['layers']} layers, ffn {c['ffn']}, seq {c['seq_len']}, "
-          f"{c['microbatches']} microbatches x {c['rows']} rows" + (f", {run['ranks']} ranks" if run["ranks"] > 1 else ""))
+          f"{c['microbatches']} microbatches x {c['rows']} rows"
+          + (f", {run['ranks']} ranks" if run["ranks"] > 1 else ""))
     pipeline = run["ranks"] > 1
     width = 38 if pipeline else 20
     print(f"{'variant':<{width}} {'ms/step':>9} {'min-max':>15} {'tokens/s':>10} {'MFU':>6} "
@@ -566,7 +570,8 @@ def print_table(run: dict) -> None:
             line += f" {torch_vs:>14} {loss:>11}"
         print(line)
     if pipeline and run["best_torch"]:
-        print(f"best torch: {run['best_torch']} (eager: its zero-bubble schedules refuse compiled stages, pytorch#161904)")
+        print(f"best torch: {run['best_torch']} "
+              "(eager: its zero-bubble schedules refuse compiled stages, pytorch#161904)")
     for name, why in run["failed"].items():
         print(f"{name:<{width}} FAILED: {why[:300]}")
     for name, r in run["results"].items():
