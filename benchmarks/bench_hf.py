@@ -53,7 +53,7 @@ its stages from its weights, all schedules at the same decoder-layer boundaries
 (`hf_torch_stages.layer_ranges`). A step takes as long as its slowest rank (each timed step
 starts after a barrier; wall clock after a device synchronisation); MFU counts the GPUs a row
 uses; the peak memory is per rank; ``first_loss`` is each row's loss on the first step (the same
-batch for every row: the rows' losses agree up to rounding). ``vs best torch`` is the fastest
+batch for every row: the rows' losses agree up to rounding, FP8's larger). ``vs best torch`` is the fastest
 torch row's step over the row's. Not yet run on GPUs (two-GPU machines were not lent)::
 
     torchrun --nproc-per-node=2 benchmarks/bench_hf.py --preset h2048 --out $OUT/bench_hf_pp2.json
@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2,
                     help=f"untimed steps per variant and round ({FIRST_WARMUP} more in the first)")
     ap.add_argument("--kernel-profile", default="hf compile,zbpp fast,zbpp fp8 eager,zbpp fast fp8",
-                    help="variants whose one step is profiled by kernel kind ('' for none)")
+                    help="variants whose one step is profiled by kernel kind ('' for none; one-rank mode only)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="seconds from the start after which a preset runs no further round (at least one)")
@@ -561,7 +561,7 @@ def print_table(run: dict) -> None:
         vs = f"{r['speed_vs_hf_compile']:.3f}x" if r["speed_vs_hf_compile"] else "-"
         peaks = r["peak_gib_per_rank"] if pipeline else [r["peak_gib"]]
         peak = "/".join(f"{x:.2f}" for x in peaks) if r["peak_gib"] is not None else "-"
-        label = name + (" (1 GPU)" if pipeline and r["ranks"] == 1 else "")
+        label = name + (" (rank 0 alone)" if pipeline and r["ranks"] == 1 else "")
         line = (f"{label:<{width}} {r['ms']:>9.2f} {r['ms_min']:>7.1f}-{r['ms_max']:<7.1f} {r['tokens_per_s']:>10} "
                 f"{r['mfu']:>6.1%} {peak:>17} {vs:>14}")
         if pipeline:
