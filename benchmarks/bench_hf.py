@@ -38,9 +38,9 @@ same model is trained split over the ranks, one variant per schedule and form (`
 
 - ``zbpp <schedule> eager``  zbpp's `Pipeline` of ``causal_lm_stages`` stages (``zb-h1``: one stage
                      per rank, ``zb-v``: two, V-placed)
-- ``zbpp <schedule> fast``   the same stages in their fast form (``causal_lm_stages(..., fast=True)``,
-                     i.e. `zbpp.models.fast.fast_hf_stages`, called here with ``--backend``);
-                     ``... fast fp8`` adds FP8 (GPUs with FP8 GEMMs)
+- ``zbpp <schedule> fast``   the same stages in their fast form (``causal_lm_stages(..., fast=True)``;
+                     with a ``--backend`` other than inductor, `zbpp.models.fast.fast_hf_stages`
+                     with that backend); ``... fast fp8`` adds FP8 (GPUs with FP8 GEMMs)
 - ``torch <Schedule>``       torch.distributed.pipelining's schedule (``Schedule1F1B``,
                      ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
                      ``ScheduleZBVZeroBubble``) over `hf_torch_stages.LlamaStage` modules, eager:
@@ -308,14 +308,18 @@ def build_pipeline_variant(name: str, config: Any, args: argparse.Namespace, bat
 
         return Variant(name, torch_step, list(modules.values()), ranks=p)
     sched = build(schedule, num_ranks=p, num_microbatches=m)
+    fast, fp8 = form != "eager", form == "fast fp8"
+    # the user's call, causal_lm_stages(..., fast=True), compiles with inductor; another --backend
+    # (aot_eager in the CPU smoke run) goes through what it calls, fast_hf_stages, with that backend
+    native = args.backend == "inductor"
     stages, kwargs = causal_lm_stages(config, sched, rank, device=device, dtype=_dtype(args),
                                       attn_implementation="sdpa",
                                       module_fqns_per_stage=stage_fqns(config.num_hidden_layers, sched.num_stages),
-                                      state_dict=source.state_dict())
-    if form != "eager":  # what causal_lm_stages(..., fast=True, fp8=...) does, with this run's --backend
-        kwargs.update(fast_hf_stages(stages, fp8=form == "fast fp8", loss_fn=kwargs["loss_fn"], backend=args.backend))
-        if "cuda_graphs" not in kwargs and device.type == "cuda":
-            raise RuntimeError("fast_hf_stages on CUDA did not ask for task graphs")
+                                      state_dict=source.state_dict(), fast=fast and native, fp8=fp8 and native)
+    if fast and not native:
+        kwargs.update(fast_hf_stages(stages, fp8=fp8, loss_fn=kwargs["loss_fn"], backend=args.backend))
+    if fast and "cuda_graphs" not in kwargs and device.type == "cuda":
+        raise RuntimeError("the fast form on CUDA did not ask for task graphs")
     pipe = Pipeline(stages, sched, **kwargs)
 
     def zbpp_step() -> torch.Tensor | None:

@@ -56,6 +56,7 @@ def run_bench_hf(argv: list[str]) -> dict:
 PIPELINE_ROWS = ["hf eager", "zbpp zb-h1 eager", "zbpp zb-v eager", "torch Schedule1F1B", "torch ScheduleZBVZeroBubble"]
 
 
+@pytest.mark.slow  # ~10 s on 2 busy cores
 def test_bench_hf_pipeline_rows_on_two_ranks_agree_on_the_loss(tmp_path: Path, zbpp_workers) -> None:
     """The pipeline mode on 2 gloo ranks: zbpp's zb-h1 and zb-v and torch's 1F1B and ZBV over the
     hand-cut stages, beside HF on rank 0 alone."""
