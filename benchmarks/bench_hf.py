@@ -557,22 +557,22 @@ def print_table(run: dict) -> None:
           f"{c['microbatches']} microbatches x {c['rows']} rows"
           + (f", {run['ranks']} ranks" if run["ranks"] > 1 else ""))
     pipeline = run["ranks"] > 1
-    width = 38 if pipeline else 20
+    width, peak_width = (38, 17) if pipeline else (20, 9)
     print(f"{'variant':<{width}} {'ms/step':>9} {'min-max':>15} {'tokens/s':>10} {'MFU':>6} "
-          f"{'peak GiB' + (' per rank' if pipeline else ''):>17} {'vs hf compile':>14}"
-          + (f" {'vs best torch':>14} {'first loss':>11}" if pipeline else ""))
+          f"{'peak GiB' + (' per rank' if pipeline else ''):>{peak_width}} {'vs hf compile':>14}"
+          + (f" {'vs best torch':>14}" if pipeline else "") + f" {'first loss':>11}")
     for name, r in run["results"].items():
         vs = f"{r['speed_vs_hf_compile']:.3f}x" if r["speed_vs_hf_compile"] else "-"
         peaks = r["peak_gib_per_rank"] if pipeline else [r["peak_gib"]]
         peak = "/".join(f"{x:.2f}" for x in peaks) if r["peak_gib"] is not None else "-"
         label = name + (" (rank 0 alone)" if pipeline and r["ranks"] == 1 else "")
         line = (f"{label:<{width}} {r['ms']:>9.2f} {r['ms_min']:>7.1f}-{r['ms_max']:<7.1f} {r['tokens_per_s']:>10} "
-                f"{r['mfu']:>6.1%} {peak:>17} {vs:>14}")
+                f"{r['mfu']:>6.1%} {peak:>{peak_width}} {vs:>14}")
         if pipeline:
             torch_vs = f"{r['speed_vs_best_torch']:.3f}x" if r["speed_vs_best_torch"] else "-"
-            loss = f"{r['first_loss']:.6f}" if r["first_loss"] is not None else "-"
-            line += f" {torch_vs:>14} {loss:>11}"
-        print(line)
+            line += f" {torch_vs:>14}"
+        loss = f"{r['first_loss']:.6f}" if r["first_loss"] is not None else "-"
+        print(f"{line} {loss:>11}")
     if pipeline and run["best_torch"]:
         print(f"best torch: {run['best_torch']} "
               "(eager: its zero-bubble schedules refuse compiled stages, pytorch#161904)")
