@@ -113,14 +113,13 @@ from zbpp.schedules.select import evaluate_candidates, scale_to_stages
 
 from gpu_telemetry import Telemetry  # benchmarks/gpu_telemetry.py (this script's folder is on sys.path)
 from provenance import code_identity
+from torch_pipelining import TorchPipeline, torch_num_stages, torch_stage_ids
 
 ZBPP_DEFAULT = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v",
                 "zb-auto", "zbv-auto"]
 ZBPP_TORCH_LAYERS = ["1f1b", "zb-h1", "zb-v"]
 TORCH_DEFAULT = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
                  "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
-TORCH_MULTI = {"ScheduleInterleaved1F1B": "loop", "ScheduleLoopedBFS": "loop", "ScheduleInterleavedZeroBubble": "loop",
-               "ScheduleZBVZeroBubble": "v", "ScheduleDualPipeV": "v"}
 LAYER_KINDS = ("zbpp", "torch", "fp8")
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 PING_PONGS = 10  # timed round trips of the comm measurement (after 3 untimed)
@@ -457,7 +456,7 @@ class Bench:
         for name in self.zbpp_names + self.zbpp_torch_names + self.ordered_names:
             if name in available():
                 counts.add(build(name, num_ranks=self.p, num_microbatches=1).num_stages)
-        counts |= {self.p * (1 if TORCH_MULTI.get(n) is None else 2) for n in self.torch_names}
+        counts |= {torch_num_stages(n, self.p) for n in self.torch_names}
         for n in sorted(counts):
             self.spec.blocks_per_stage(n)
 
@@ -761,24 +760,18 @@ class Bench:
 
     # -- torch.distributed.pipelining -------------------------------------------------------------
     def run_torch(self, spec: ModelSpec, name: str, m: int) -> dict[str, Any]:
-        import torch.distributed.pipelining as tpp
-
-        p, r = self.p, self.rank
-        kind = TORCH_MULTI.get(name)
-        ids = [r] if kind is None else ([r, r + p] if kind == "loop" else [r, 2 * p - 1 - r])
-        n = p * (1 if kind is None else 2)
-        stages = [tpp.PipelineStage(spec.stage(s, n, self.device, self.dtype), s, n, self.device) for s in ids]
-        schedule = getattr(tpp, name)(stages[0] if kind is None else stages, m, loss_fn=spec.loss_fn)
-        has_first, has_last = 0 in ids, n - 1 in ids
-        params = [q for st in stages for q in st.submod.parameters()]
+        n = torch_num_stages(name, self.p)
+        modules = {s: spec.stage(s, n, self.device, self.dtype) for s in torch_stage_ids(name, self.rank, self.p)}
+        pipe = TorchPipeline(name, modules, self.p, self.device, m, spec.loss_fn)
+        params = pipe.parameters()
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            schedule.step(*((x,) if has_first else ()), **({"target": y, "losses": []} if has_last else {}))
+            pipe.step(x, y)
             for q in params:
                 q.grad = None
 
         out = self.time_steps(spec, m, step)
-        del stages, schedule, params
+        del modules, pipe, params
         return out
 
     # -- one case: (model, layers kind, m) --------------------------------------------------------

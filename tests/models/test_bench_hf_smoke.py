@@ -1,8 +1,12 @@
-"""benchmarks/bench_hf.py --quick runs on the CPU and writes its JSON (a smoke run: speed itself is
-measured on a GPU, never asserted in tests)."""
+"""benchmarks/bench_hf.py --quick runs on the CPU and writes its JSON, on one rank and on 2 gloo
+pipeline ranks (smoke runs: speed itself is measured on a GPU, never asserted in tests). Every row
+trains the same model on the same batch, so the rows' first-step losses are a cross-check: zbpp's
+and torch.distributed.pipelining's stages against HF's own model and loss on the whole batch."""
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import subprocess
 import sys
@@ -11,12 +15,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+# float32 on the CPU; the rows run the same ops on the same numbers in other groupings (microbatches,
+# stages), so their losses differ by rounding only (they came out bit-identical): 1e-5 relative is
+# ~100 float32 ulps, while a decoder layer left out moves the quick model's loss by 1.4e-3 relative
+LOSS_RTOL = 1e-5
+
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py as imported by the script itself (its folder on sys.path)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
 
 
 def test_bench_hf_quick_writes_each_variants_figures(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "bench_hf.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hf.py"), "--quick", "--device", "cpu",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_hf.py"), "--quick", "--device", "cpu",
                            "--variants", "hf eager,zbpp eager", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
@@ -27,3 +43,52 @@ def test_bench_hf_quick_writes_each_variants_figures(tmp_path: Path) -> None:
     assert not run["failed"] and set(run["results"]) == {"hf eager", "zbpp eager"}
     for r in run["results"].values():
         assert r["ms"] > 0 and r["tokens_per_s"] > 0 and len(r["times_ms"]) == 2  # 2 rounds x 1 step
+    losses = {name: r["first_loss"] for name, r in run["results"].items()}
+    assert losses["zbpp eager"] == pytest.approx(losses["hf eager"], rel=LOSS_RTOL)
+
+
+def run_bench_hf(argv: list[str]) -> dict:
+    """On a pool rank: bench_hf.py's `main` (what each of torchrun's ranks runs)."""
+    return _benchmark("bench_hf").main(argv)
+
+
+# eager rows only: the fast form's compilation alone takes ~8 s here (`torchrun ... --quick` runs it)
+PIPELINE_ROWS = ["hf eager", "zbpp zb-h1 eager", "zbpp zb-v eager", "torch Schedule1F1B", "torch ScheduleZBVZeroBubble"]
+
+
+@pytest.mark.slow  # ~10 s on 2 busy cores
+def test_bench_hf_pipeline_rows_on_two_ranks_agree_on_the_loss(tmp_path: Path, zbpp_workers) -> None:
+    """The pipeline mode on 2 gloo ranks: zbpp's zb-h1 and zb-v and torch's 1F1B and ZBV over the
+    hand-cut stages, beside HF on rank 0 alone."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench_hf_pp2.json"
+    reports = zbpp_workers(2).run(run_bench_hf, ["--quick", "--device", "cpu", "--variants", ",".join(PIPELINE_ROWS),
+                                                 "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["ranks"] == 2 and report["variants"] == PIPELINE_ROWS
+    (run,) = report["runs"]
+    assert reports[0]["runs"] == reports[1]["runs"] == [run]  # every rank reports the gathered figures
+    assert not run["failed"] and list(run["results"]) == PIPELINE_ROWS
+    assert run["config"]["layers"] == 4 and run["config"]["microbatches"] == 4  # a layer per stage of zb-v
+    results = run["results"]
+    for name, r in results.items():
+        assert r["ranks"] == (1 if name == "hf eager" else 2)
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and len(r["times_ms"]) == 2  # 2 rounds x 1 step
+        assert r["ms_min"] <= r["ms"] <= r["ms_max"]
+        assert r["peak_gib"] is None  # the CPU has no allocator statistics
+    assert run["best_torch"] in ("torch Schedule1F1B", "torch ScheduleZBVZeroBubble")
+    best = results[run["best_torch"]]["ms"]
+    for r in results.values():
+        assert r["speed_vs_best_torch"] == pytest.approx(best / r["ms"], rel=1e-2)  # both rounded
+    reference = results["hf eager"]["first_loss"]  # HF's own loss on the whole batch, one process
+    for name in PIPELINE_ROWS[1:]:
+        assert results[name]["first_loss"] == pytest.approx(reference, rel=LOSS_RTOL), name
+
+
+def test_hand_cut_llama_stages_and_torch_layouts_doctests() -> None:
+    """benchmarks/hf_torch_stages.py (two stages' logits equal the whole model's) and
+    torch_pipelining.py (which stages a rank holds): their examples hold."""
+    pytest.importorskip("transformers")
+    for name in ("hf_torch_stages", "torch_pipelining"):
+        result = doctest.testmod(_benchmark(name))
+        assert result.attempted and not result.failed, name
