@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -471,6 +472,7 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
             if name in failed:
                 continue
             if name not in variants:
+                gc.collect()  # an earlier preset's variants freed now, not while this one builds
                 before = torch.cuda.memory_allocated() if cuda else 0
                 t0 = time.perf_counter()
                 error = None
