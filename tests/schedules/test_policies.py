@@ -34,13 +34,15 @@ _ONE = Profile([_BLOCK], host_bytes_per_s=4)
 
 
 @pytest.mark.parametrize("policy, step, peak", [
-    # GPipe on one rank, 2 microbatches: F0 F1 BW0 BW1; BW = b + recompute (+ exposed copy) + w
+    # GPipe on one rank, 2 microbatches: F0 F1 BW0 BW1; BW = b + recompute (+ exposed copy) + w.
+    # A BW's B part re-creates (or reloads) W's 4 bytes where F kept fewer: during BW0 the rank
+    # holds both microbatches' kept bytes plus 4 - kept
     ("none", 2 + 2 + 3 + 3, 8 + 8),
-    ("full", 2 + 2 + 5 + 5, 1 + 1),
-    ("selective", 2 + 2 + 3.5 + 3.5, 3 + 3),
+    ("full", 2 + 2 + 5 + 5, 1 + 1 + (4 - 1)),
+    ("selective", 2 + 2 + 3.5 + 3.5, 3 + 3 + (4 - 3)),
     # the shortest F-to-B gap is microbatch 0's, 2 s (F0 ends at 2, BW0 starts at 4): a copy out
     # and back takes 4 s, 2 s of it shows in each BW; nothing stays on the device between F and B
-    ("offload", 2 + 2 + 5 + 5, 0),
+    ("offload", 2 + 2 + 5 + 5, 0 + 4),
 ])
 def test_each_policy_costs_what_the_hand_worked_gpipe_run_says(policy: str, step: float, peak: float) -> None:
     o = evaluate(_ONE, 1, 2, [range(0, 1)], "gpipe", policies=policy)
@@ -68,13 +70,16 @@ def test_transformer_profile_derives_the_policies_from_the_shapes() -> None:
     # not kept once at HBM speed
     prof = transformer_profile(name="t", num_layers=1, hidden=64, ffn=256, heads=4, vocab=100, seq=128,
                                flops_per_s=1e12, hbm_bytes_per_s=1e11, host_bytes_per_s=1e10)
+    # B's transient: what it re-creates (none's bytes less those kept) or reloads (all of them);
+    # the head's B: the loss's two float32 gradients of the logits, 8 T V = 8 * 128 * 100 bytes
     block = prof.layers[1]
     assert block.activation == 425_984
-    assert block.cost("full") == PolicyCost(16_384, block.wgrad, recompute=block.f)
+    assert block.cost("full") == PolicyCost(16_384, block.wgrad, recompute=block.f, transient=425_984 - 16_384)
     sel = block.cost("selective")
-    assert sel.activation == 327_680
+    assert sel.activation == 327_680 and sel.transient == 425_984 - 327_680
     assert sel.recompute == pytest.approx(2 * 128 * 128 * 64 / 1e12 + (425_984 - 327_680) / 1e11, rel=REL)
-    assert block.cost("offload") == PolicyCost(0, block.wgrad, copy=425_984)
+    assert block.cost("offload") == PolicyCost(0, block.wgrad, copy=425_984, transient=425_984)
+    assert block.transient == 0 and prof.layers[-1].transient == 8 * 128 * 100
     assert prof.layers[0].offers() == ("none",) and block.offers() == ("none", "full", "offload", "selective")
     assert Profile.from_dict(prof.to_dict()) == prof
 
