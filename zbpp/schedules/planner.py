@@ -255,12 +255,14 @@ class Plan:
         costs, memory, _ = self.profile.stage_costs(self.stages)
         base = simulate(s, costs, memory)
         plain_b = costs.per_stage(n)[1]
-        extra, act, wg, trans = {}, {}, {}, {}
+        extra, act, wg, trans, held = {}, {}, {}, {}, {}
         for q in self.allowed:
             c, mem, _, _, _ = policy_costs(s, self.profile, self.stages, [q] * n, base, self.ranks_per_node)
             extra[q] = [x - y for x, y in zip(c.per_stage(n)[1], plain_b)]
             act[q], wg[q] = mem.per_stage(n)
             trans[q] = [t[:3] for t in mem.transients(n)]
+            held[q] = self.profile.stage_host_bytes(self.stages, [q] * n)
+        host_budget = self.host_memory / self.ranks_per_node
         lines = [f"  policies (one per stage, for its layers that offer it; chosen from {', '.join(self.allowed)}):"
                  " the least added B time with every rank within the budget (peaks count each task's transient)"]
         for r, (mine, terms) in enumerate(memory_terms(s)):
@@ -272,6 +274,8 @@ class Plan:
                                                       [wg[q][x] for q, x in zip(trial, mine)],
                                                       [trans[q][x] for q, x in zip(trial, mine)])
                     over = "" if peak <= self.budget * (1 + 4 * _REL) else " (over)"
+                    on_host = rank_peak(terms, [held[q][x] for q, x in zip(trial, mine)], [0.0] * len(mine))
+                    over += "" if on_host <= host_budget * (1 + 4 * _REL) else " (over the host memory)"
                     alts.append(f"{o} {peak / 1e9:.4g} GB +{extra[o][st]:.4g} per B{over}")
                 lines.append(f"    stage {st} (rank {r}): {chosen[st]}  [{'; '.join(alts)}]")
         if "offload" in self.allowed:
