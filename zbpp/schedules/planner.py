@@ -492,7 +492,7 @@ def _build_within(name: str, p: int, m: int, chunks: int, costs, memory: Memory,
         return _build(name, p, m, chunks)
     placement = _placement(p, chunks, name in _V)
     act, wgrad = memory.per_stage(len(placement))
-    transient = [max(t) for t in memory.transients(len(placement))]
+    transient = [max(t[:3]) for t in memory.transients(len(placement))]  # F, B, W: they run no BW
     memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)  # what the builder plans on
     limit = None
     if math.isfinite(budget):
@@ -954,8 +954,10 @@ def search(
     if not best.fits:
         where = f"{best.label} on layers per stage {_sizes(best.stages)} ({best.split})" if best.peak else best.label
         closest = f"{max(best.peak) / 1e9:.3f} GB" if best.peak else "none"
+        host_note = (f" and holds {best.host_excess / 1e9:.3f} GB more pinned host memory than a rank's share of "
+                     f"host_memory={host_memory_ / 1e9:.3f} GB" if best.host_excess > 0 else "")
         raise ValueError(f"no schedule and split fits memory_budget={budget / 1e9:.3f} GB per rank; the closest, {where}, "
-                         f"peaks at {closest}")
+                         f"peaks at {closest}{host_note}")
     sched = _build(best.schedule, p, m, best.chunks) if best.schedule not in _AUTO else None
     best, sched, sim, static = _simulate_option(profile, best.schedule, best.chunks, best.split, best.stages, budget, sched,
                                                p, m, allowed, host=host)

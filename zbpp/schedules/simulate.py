@@ -200,9 +200,10 @@ class Memory:
             object.__setattr__(self, name, value)
             if isinstance(value, tuple):
                 lengths[name] = len(value)
-        if len(set(lengths.values())) > 1:
-            got = ", ".join(f"Memory.{k} {v}" for k, v in lengths.items())
-            raise ValueError(f"Memory's per-stage values differ in length: {got}")
+        (first, n), *rest = list(lengths.items()) or [("", 0)]
+        for name, k in rest:
+            if k != n:
+                raise ValueError(f"Memory.{first} has {n} per-stage values but Memory.{name} has {k}")
 
     def __repr__(self) -> str:  # the transients only where a task has one
         shown = [f"{k}={getattr(self, k)!r}" for k in ("activation", "wgrad", "transient_f", "transient_b", "transient_w")
