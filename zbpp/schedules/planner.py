@@ -518,10 +518,12 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
     on its own stages' policies (`zbpp.schedules.policies.memory_terms`: exact, without
     simulating) and the step never falls when a B grows (each task starts at the latest end of
     what it waits for); a stage's added B time (recompute, and offload's exposed copy, a fixed
-    number per stage: see `zbpp.schedules.policies`) depends on its own policy only. Per rank the
-    combinations of its stages' policies that fit are kept unless another fitting one adds no
-    more time to any of its B and less to one (or as much, less intrusively); where none fits,
-    the one with the least peak. Every product of what is kept (at most `MAX_POLICY_COMBOS`) is
+    number per stage: see `zbpp.schedules.policies`) depends on its own policy only, and so do
+    the rank's offload link time (a floor under the step) and its pinned host bytes. Per rank the
+    combinations of its stages' policies that fit (the device budget, transients counted, and
+    the rank's share of the host memory) are kept unless another fitting one adds no more time
+    to any of its B nor to its link time and less to one (or as much, less intrusively); where
+    none fits, the one with the least excess. Every product of what is kept (at most `MAX_POLICY_COMBOS`) is
     simulated: on fixed schedules this is the best of every per-stage assignment. An automatic
     schedule's order follows its costs: it is built under each policy on every stage and under
     the choice of its fixed proxy, the best kept.
