@@ -19,8 +19,10 @@ Table columns:
   (`zbpp.schedules.policies.simulate_policies`) from measured bytes per microbatch: each decoder
   layer's kept F->B bytes under the policy (`measure_activation_policies` on layer 0's real input)
   and the rest of the stage (embedding, final norm, LM head, loss: the whole stage's kept bytes
-  under none minus the layers'). The model counts what tasks keep between them, not what a task
-  allocates while it runs (a re-run forward, the loss's float32 logits, gradients in flight);
+  under none minus the layers'), and what a backward allocates while it runs on top of them
+  (`zbpp.schedules.simulate.Memory`'s transients: each layer's measured ``b_transient`` under the
+  policy, the re-run forward or the reloaded bytes and B's own gradients; the whole stage's under
+  none for the rest: the loss's float32 gradients);
 - ``pred/meas``: predicted over measured.
 
 Offload: the copies of one microbatch go over the host link while the next microbatches' forwards
@@ -34,6 +36,11 @@ the script prints, per microbatch, its copy times beside its F->backward gap.
 On one H200::
 
     PYTHONPATH=$PWD python3 benchmarks/bench_activation_policies.py --out $OUT/policies.json --trace-dir $OUT
+
+The simulator's peaks again from a saved report, without a device (B's transients from the
+formula where the report predates their measurement)::
+
+    python benchmarks/bench_activation_policies.py --rederive docs/results/bench_activation_policies_H200.json
 
 CPU smoke run (tiny float32 model, seconds; no memory figures, offload copies are host clones)::
 
@@ -94,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny float32 smoke run (CPU-sized)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--trace-dir", type=Path, help="write the offload step's traces here (default: a temporary folder)")
+    ap.add_argument("--rederive", type=Path, metavar="REPORT",
+                    help="no run: the simulator's peaks again from a saved report's measured bytes (see rederive)")
     args = ap.parse_args(argv)
     if args.quick:
         args.hidden, args.ffn, args.heads, args.kv_heads, args.layers, args.vocab = 64, 128, 4, 2, 2, 128
@@ -183,9 +192,10 @@ class _WithLoss(nn.Module):
         return self.loss_fn(self.stage(input_ids=ids), ids)
 
 
-def measure_bytes(bench: Bench) -> tuple[dict[str, Any], int]:
-    """Per policy, one decoder layer's `ActivationCost` on one microbatch; and the bytes the rest of
-    the stage keeps F->B (the whole stage's under none minus its layers')."""
+def measure_bytes(bench: Bench) -> tuple[dict[str, Any], int, int]:
+    """Per policy, one decoder layer's `ActivationCost` on one microbatch; the bytes the rest of
+    the stage keeps F->B (the whole stage's under none minus its layers'); and the whole stage's
+    B transient under none (the loss's float32 gradients, mostly), taken as the rest's."""
     from zbpp.models.recompute import measure_activation_policies
 
     ids = bench.ids[:1]
@@ -201,7 +211,7 @@ def measure_bytes(bench: Bench) -> tuple[dict[str, Any], int]:
     if rest < 0:  # storages shared by layers counted once per layer: said, and the rest taken as 0
         log(f"WARNING: the stage keeps {whole.kept_f_to_b} bytes under none, less than its {len(bench.layers)} layers' "
             f"{per_layer['none'].kept_f_to_b} each; the rest of the stage is taken as 0")
-    return per_layer, max(0, rest)
+    return per_layer, max(0, rest), whole.b_transient
 
 
 def host_bandwidth(cuda: bool, nbytes: int = 256 * 2**20) -> float | None:
@@ -215,26 +225,30 @@ def host_bandwidth(cuda: bool, nbytes: int = 256 * 2**20) -> float | None:
     return nbytes / (ms * 1e-3)
 
 
-def predict(bench: Bench, costs: Any, per_layer: dict[str, Any], rest: int, policy: str, offload_layers: int,
-            host_bps: float) -> Any:
+def predict(sched: Any, num_layers: int, costs: Any, per_layer: dict[str, Any], rest: int, rest_transient: float,
+            policy: str, offload_layers: int, host_bps: float) -> Any:
     """`simulate_policies` of the bench's schedule on a one-stage profile of the measured bytes:
-    the rest of the stage, then the decoder layers (each offering `policy`, offload only the first
-    `offload_layers`). Times: the none step's measured F and backward, shared evenly by the layers;
-    recompute at the F's measured FLOP rate. Without W tasks what B keeps for W plays no part."""
+    the decoder layers (each offering `policy`, offload only the first `offload_layers`), then the
+    rest of the stage (embedding, final norm, head, loss: its F runs last, its B first) with B's
+    transient `rest_transient`. Each layer's B transient is the measured ``b_transient`` of its
+    policy. Times: the none step's measured F and backward, shared evenly by the layers; recompute
+    at the F's measured FLOP rate. The one-rank GPipe runs BW tasks: a BW's B part adds what W
+    needs and frees it again."""
     from zbpp.schedules.policies import simulate_policies
     from zbpp.schedules.profile import Layer, PolicyCost, Profile
 
-    n = len(bench.layers)
+    n = num_layers
     f, b, w = (getattr(costs, k)[0] / n for k in ("f", "b", "w"))
     none = per_layer["none"]
     flops_per_s = max(1.0, none.forward_flops / f) if f > 0 else 1.0
-    layers = [Layer("embedding, norm, head, loss", 0, 0, 0, activation=rest)]
+    layers = []
     for i in range(n):
         offer = policy != "none" and (policy != "offload" or i < offload_layers)
         offers = {policy: PolicyCost.from_measured(per_layer[policy], flops_per_s)} if offer else {}
         layers.append(Layer(f"layer {i}", f, b, w, activation=none.kept_f_to_b, wgrad=none.kept_b_to_w,
-                            policies=offers))
-    return simulate_policies(bench.sched, Profile(layers, host_bytes_per_s=host_bps), [range(n + 1)], [policy])
+                            policies=offers, transient=getattr(none, "b_transient", 0)))
+    layers.append(Layer("embedding, norm, head, loss", 0, 0, 0, activation=rest, transient=rest_transient))
+    return simulate_policies(sched, Profile(layers, host_bytes_per_s=host_bps), [range(n + 1)], [policy])
 
 
 def trace_offload(bench: Bench, trace_dir: Path | None) -> dict:
@@ -292,7 +306,7 @@ def run_at(args: argparse.Namespace, seq: int, schedule: str) -> dict:
     costs = Costs.from_task_times(bench.pipe.task_times(), 1)
     static = torch.cuda.memory_allocated() if bench.cuda else None
     param_grad = 2 * sum(t.numel() * t.element_size() for t in bench.stage.parameters())
-    per_layer, rest = measure_bytes(bench)
+    per_layer, rest, rest_transient = measure_bytes(bench)
     log(f"measured bytes per microbatch: layer none {per_layer['none'].kept_f_to_b / GIB:.3f} GiB, "
         f"rest {rest / GIB:.3f} GiB")
     host_bps = host_bandwidth(bench.cuda)
@@ -325,7 +339,7 @@ def run_at(args: argparse.Namespace, seq: int, schedule: str) -> dict:
     ref = statistics.median(times["none"])
     results = {}
     for p in args.policy_list:
-        sim = predict(bench, costs, per_layer, rest, p, k, host_bps or 1e10)
+        sim = predict(bench.sched, len(bench.layers), costs, per_layer, rest, rest_transient, p, k, host_bps or 1e10)
         pred, ms = sim.result.peak_memory[0], statistics.median(times[p])
         results[p] = {"ms": round(ms, 2), "vs_none": round(ms / ref, 3), "times_ms": [round(t, 2) for t in times[p]],
                       "measured_bytes": peaks[p], "predicted_bytes": pred,
@@ -339,6 +353,7 @@ def run_at(args: argparse.Namespace, seq: int, schedule: str) -> dict:
     return {"seq_len": seq, "schedule": schedule, "offload_layers": k, "static_gib": static and round(static / GIB, 3),
             "param_and_grad_gib": round(param_grad / GIB, 3),
             "host_gb_per_s": host_bps and round(host_bps / 1e9, 2), "rest_bytes": rest,
+            "rest_b_transient": rest_transient,
             "layer_costs": {p: dataclasses.asdict(c) for p, c in per_layer.items()},
             "measured_costs_ms": {k_: round(getattr(costs, k_)[0] * 1e3, 3) for k_ in ("f", "b", "w")},
             "results": results, "offload_trace": trace}
@@ -365,8 +380,43 @@ def print_run(run: dict, m: int) -> None:
               + ", ".join(f"{d} {t['copies']} copies, {t['ms']:.1f} ms" for d, t in totals.items()))
 
 
+def rederive(path: Path) -> dict[str, dict[str, float]]:
+    """The simulator's peak per policy from a saved report's measured bytes, beside its measured
+    peak, without a device: the schedule, bytes, times and host link as the report holds them, B's
+    transients measured where it has them (``b_transient``, ``rest_b_transient``), else from the
+    formula: a policy's B holds what it re-creates or reloads, none's bytes less those it keeps;
+    the loss's B two float32 logit-sized gradients, ``8 * seq * vocab`` bytes."""
+    from types import SimpleNamespace
+
+    from zbpp.schedules import Costs, build
+
+    report = json.loads(Path(path).read_text())
+    cfg, run = report["config"], report["run"]
+    none_kept = run["layer_costs"]["none"]["kept_f_to_b"]
+    per_layer = {p: SimpleNamespace(**{"b_transient": max(0, none_kept - c["kept_f_to_b"]), **c})
+                 for p, c in run["layer_costs"].items()}
+    rest_transient = run.get("rest_b_transient", 8 * run["seq_len"] * cfg["vocab"])
+    sched = build(run["schedule"], num_ranks=1, num_microbatches=cfg["microbatches"])
+    costs = Costs(*([run["measured_costs_ms"][k] / 1e3] for k in ("f", "b", "w")))  # one stage
+    how = "measured" if "rest_b_transient" in run else "formula"
+    print(f"{path}: B transients from the {how}; layer: none {per_layer['none'].b_transient / GIB:.3f} GiB, "
+          f"the rest of the stage {rest_transient / GIB:.3f} GiB")
+    print(f"{'policy':<10} {'measured GiB':>13} {'predicted GiB':>14} {'pred/meas':>10}")
+    out = {}
+    for p, r in run["results"].items():
+        sim = predict(sched, cfg["layers"], costs, per_layer, run["rest_bytes"], rest_transient, p,
+                      run["offload_layers"], run["host_gb_per_s"] * 1e9)
+        pred = sim.result.peak_memory[0]
+        out[p] = {"measured_bytes": r["measured_bytes"], "predicted_bytes": pred,
+                  "predicted_over_measured": round(pred / r["measured_bytes"], 3)}
+        print(f"{p:<10} {r['measured_bytes'] / GIB:>13.3f} {pred / GIB:>14.3f} {pred / r['measured_bytes']:>10.3f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.rederive is not None:
+        return rederive(args.rederive)
     cuda = args.device.startswith("cuda")
     schedule, held = most_in_flight(args.microbatches)
     log(f"one-rank schedules, microbatches held at the peak: {held}; using {schedule}")

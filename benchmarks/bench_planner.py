@@ -37,6 +37,11 @@ m = 2p, 4p, budgets 80 and 40 GB, the planner's pick against full recompute on e
 (``["none"]``):
 
     python benchmarks/bench_planner.py --policies --out policies.json --markdown docs/uneven.md
+
+``--ranks-per-node N`` shares each node's host link (the profile's 50 GB/s) among N ranks that
+offload at once (`search`'s ``ranks_per_node``), written to the table marked ``bench_policies_shared``:
+
+    python benchmarks/bench_planner.py --policies --ranks-per-node 8 --markdown docs/uneven.md
 """
 
 from __future__ import annotations
@@ -140,12 +145,12 @@ def _policy_summary(plan) -> str:
     return ", ".join(f"{q} x{k}" if k > 1 else q for q, k in runs)
 
 
-def policy_row(prof: Profile, p: int, m: int, budget: float) -> dict:
-    out: dict = {"model": prof.name, "p": p, "m": m, "budget": budget}
+def policy_row(prof: Profile, p: int, m: int, budget: float, ranks_per_node: int = 1) -> dict:
+    out: dict = {"model": prof.name, "p": p, "m": m, "budget": budget, "ranks_per_node": ranks_per_node}
     for key, allowed in (("planner", None), ("full", ["full"]), ("none", ["none"])):
         t = time.perf_counter()
         try:
-            plan = search(prof, p, m, budget, policies=allowed)
+            plan = search(prof, p, m, budget, policies=allowed, ranks_per_node=ranks_per_node)
         except ValueError as exc:
             out[key] = {"fits": False, "error": str(exc)}
             continue
@@ -190,7 +195,7 @@ def main_policies(args: argparse.Namespace) -> int:
         for p in (8,) if args.quick else (8, 16):
             for m in (2 * p, 4 * p):
                 for budget in (80e9, 40e9):
-                    r = policy_row(profs[name], p, m, budget)
+                    r = policy_row(profs[name], p, m, budget, args.ranks_per_node)
                     rows.append(r)
                     pl = r["planner"]
                     print(f"{name:<11} p={p:<2} m={m:<3} {budget / 1e9:g} GB  planner "
@@ -203,7 +208,7 @@ def main_policies(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "policies", "rows": rows}, indent=1) + "\n")
     if args.markdown:
-        _write_table(Path(args.markdown), "bench_policies", table)
+        _write_table(Path(args.markdown), "bench_policies" if args.ranks_per_node == 1 else "bench_policies_shared", table)
     return 0
 
 
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", default=None, help="write the table into this markdown file (between its markers)")
     ap.add_argument("--quick", action="store_true", help="p = 4 only (with --policies: p = 8 only)")
     ap.add_argument("--policies", action="store_true", help="the activation-policy table instead (see the docstring)")
+    ap.add_argument("--ranks-per-node", type=int, default=1,
+                    help="with --policies: ranks of a node sharing its host link (default 1: a link each)")
     args = ap.parse_args(argv)
     if args.policies:
         return main_policies(args)

@@ -282,8 +282,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     schedules = [x.strip() for x in args.schedules.split(",") if x.strip()] if args.schedules else None
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
     policies = [x.strip() for x in args.policies.split(",") if x.strip()] if args.policies else None
+    host_memory = None if args.host_memory_gb is None else args.host_memory_gb * 1e9
     plan = search(profile, args.ranks, args.microbatches, budget, schedules=schedules, max_splits=args.max_splits,
-                    policies=policies)
+                  policies=policies, ranks_per_node=args.ranks_per_node, host_memory=host_memory)
     print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
           f"microbatches={args.microbatches} budget={'none' if budget is None else f'{args.budget_gb:g} GB'} per rank")
     print(plan.explain(top=args.top))
@@ -378,6 +379,11 @@ def make_parser() -> argparse.ArgumentParser:
     plan.add_argument("--policies", default=None,
                       help="comma-separated activation policies a stage may use (none, full, selective, offload; "
                            "default: every one the profile's layers offer)")
+    plan.add_argument("--ranks-per-node", type=_integer(1), default=1,
+                      help="ranks of a node sharing its host link and host memory, all offloading at once: each gets "
+                           "the profile's host bandwidth / this (default 1: a link of its own)")
+    plan.add_argument("--host-memory-gb", type=_number, default=None,
+                      help="pinned host memory per node for offloaded activations, GB (default: not limited)")
     plan.set_defaults(func=_cmd_plan)
 
     measure = sub.add_parser("measure", help="measure a Hugging Face causal LM's per-layer profile (for zbpp plan)")

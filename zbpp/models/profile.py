@@ -110,6 +110,9 @@ def measure_profile(
       (`zbpp.runtime._autograd_split`) free what only B reads; a delayed-wgrad module keeps what
       its ``backward_dw`` reads; a first layer's B computes nothing, so W keeps all F saved. The
       output gradients B hands to W are not counted.
+    - transient: the most bytes the layer's B holds at once above ``activation`` while it runs
+      (the loss's gradients on the last layer, B's own temporaries): every storage its ops make
+      and every saved one, counted after each op while alive, on one more, untimed, step.
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
       gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
       LM head) counts in each, as on two ranks.
@@ -117,7 +120,9 @@ def measure_profile(
       submodule each layer's name names, as `zbpp.models.recompute.apply_activation_policy` wraps
       it by name), or with `layers=` on every layer but the first (whose input needs no gradient),
       measured by `zbpp.models.recompute.measure_activation_policies` once per policy; the bytes kept F->B and B->W are the layer's own (activation, wgrad) moved
-      by what the policy changes against "none"; the time a recompute policy adds to B is its B
+      by what the policy changes against "none", and so is B's transient (the re-run's or reloaded
+      tensors; on a CPU the reload is the host copy itself, so offload's copied bytes are added);
+      the time a recompute policy adds to B is its B
       timed as above less the layer's own (at least 0; noisy on a busy CPU); offload's copy is the
       bytes it moved, timed by the profile over `host_bytes_per_s` (its B time is not: the
       schedule's gaps hide part of the copy, `zbpp.schedules.policies`).
@@ -255,9 +260,13 @@ def _policy_costs(lname: str, module: Any, x: Any, layer: Layer, asked: tuple[st
                          "activation policies cannot be measured")
     got = measure_activation_policies(target, *seen["a"], policies=("none", *asked), **seen["k"])
     none = got["none"]
+    # on a CPU, offload's "device" copy back is the host copy itself: its bytes come back all the same
+    cpu = all(p.device.type != "cuda" for p in target.parameters())
     return {q: PolicyCost(activation=max(0.0, layer.activation + c.kept_f_to_b - none.kept_f_to_b),
                           wgrad=max(0.0, layer.wgrad + c.kept_b_to_w - none.kept_b_to_w),
-                          recompute=max(0.0, timed_b.get(q, layer.b) - layer.b), copy=float(c.host_bytes))
+                          recompute=max(0.0, timed_b.get(q, layer.b) - layer.b), copy=float(c.host_bytes),
+                          transient=max(0.0, layer.transient + c.b_transient - none.b_transient)
+                          + (float(c.host_bytes) if cpu and q == "offload" else 0.0))
             for q, c in got.items() if q != "none"}
 
 
@@ -466,6 +475,8 @@ def _key(t: torch.Tensor) -> tuple[Any, int]:
 
 def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, Any] | None, steps: int,
              warmup: int, opt: float) -> tuple[Any, Layer]:
+    from .recompute import _PeakBytes
+
     x = _leaves(x, first)
     params = list({id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())
                    if p.requires_grad}.values())
@@ -490,9 +501,10 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
 
     times: dict[str, list[float]] = {"f": [], "b": [], "w": []}
     nxt: Any = None
-    activation = wgrad = 0
+    activation = wgrad = transient = 0
     try:
-        for step in range(warmup + steps):
+        for step in range(warmup + steps + 1):  # the last, untimed: B's transient (a dispatch mode slows it)
+            probe = step == warmup + steps
             key = ("profile", step)
             xs = _received(x)  # a fresh input, as the runtime receives one per microbatch
             inputs = [t for t in _tensors(xs) if t.requires_grad]
@@ -510,7 +522,13 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
                 nxt = _detached(out, copy=True)
             _release(out)  # as the runtime does once an output is sent: only its autograd node stays
             del out, xs
-            _, b = timer(lambda: tasks.backward(key, outs, list(grads), inputs, saved, split=split))
+            if probe:
+                with _PeakBytes(seen, key=lambda t: _key(t)[0]) as peak:
+                    tasks.backward(key, outs, list(grads), inputs, saved, split=split)
+                transient = max(0, peak.top - activation)
+                b = 0.0
+            else:
+                _, b = timer(lambda: tasks.backward(key, outs, list(grads), inputs, saved, split=split))
             if split and not inputs:
                 b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
             _drop_grads(inputs)  # (in a function: a loop variable here would keep an input alive)
@@ -519,7 +537,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
             _, w = timer(lambda: tasks.compute(key))
             if not params:
                 w = 0.0  # no weight: W computes nothing
-            if step >= warmup:
+            if warmup <= step < warmup + steps:
                 for k, v in (("f", f), ("b", b), ("w", w)):
                     times[k].append(v)
     finally:
@@ -528,7 +546,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     static = sum(p.numel() * (2 * p.element_size() + opt) for p in
                  {id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())}.values())
     layer = Layer(lname, *(statistics.median(times[k]) for k in ("f", "b", "w")), activation=float(activation),
-                  wgrad=float(min(wgrad, activation)), static=float(static))
+                  wgrad=float(min(wgrad, activation)), static=float(static), transient=float(transient))
     return nxt, layer
 
 

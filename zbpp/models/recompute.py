@@ -517,7 +517,10 @@ class ActivationCost:
     rotary tables shared by every layer, not counted); ``kept_b_to_w``: of those, and of what a
     re-run in B produced, the bytes still kept after B for W (zbpp's split B: only what W reads);
     ``host_bytes``: bytes copied to host memory (offload); ``forward_flops``: F's FLOPs;
-    ``recompute_flops``: the FLOPs B and W do beyond what they do without a policy (the re-run)."""
+    ``recompute_flops``: the FLOPs B and W do beyond what they do without a policy (the re-run);
+    ``b_transient``: the most bytes B holds at once above ``kept_f_to_b`` while it runs (the
+    re-run's or reloaded saved tensors and every tensor B's ops make, counted by storage after each
+    op while alive; the output gradient handed in not counted)."""
 
     policy: str
     kept_f_to_b: int
@@ -525,6 +528,7 @@ class ActivationCost:
     host_bytes: int
     forward_flops: int
     recompute_flops: int
+    b_transient: int = 0
 
 
 def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence[str] = POLICIES,
@@ -565,14 +569,14 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
             if base is None:
                 base = bw
             if policy in policies:
-                out[policy] = ActivationCost(policy, *cost, bw - base)
+                out[policy] = ActivationCost(policy, *cost[:4], bw - base, cost[4])
     finally:
         _set(layer, before)
     return out
 
 
 def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxes: Any,
-                  backward_input: Any) -> tuple[tuple[int, int, int, int], int]:
+                  backward_input: Any) -> tuple[tuple[int, int, int, int, int], int]:
     template, leaves = _flatten((args, kwargs))
     n_args = len(_flatten(args)[1])  # positional tensors first: the differentiable ones
     grad_leaves = [t.detach().requires_grad_() if i < n_args and t.is_floating_point() else t
@@ -618,12 +622,59 @@ def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxe
             t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
     f_to_b = alive()
     with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), _Flops() as fb:
-        held = backward_input(roots, grads, targets, None, saved)
+        with _PeakBytes(seen) as peak:
+            held = backward_input(roots, grads, targets, None, saved)
         del roots, grads, saved
         b_to_w = alive()
         if held is not None:
             held.run()
-    return (f_to_b, b_to_w, _offloaded_bytes[0] - host0, forward_flops), fb.get_total_flops()
+    return (f_to_b, b_to_w, _offloaded_bytes[0] - host0, forward_flops, max(0, peak.top - f_to_b)), fb.get_total_flops()
+
+
+class _PeakBytes(torch_dispatch_mode()):  # type: ignore[misc]
+    """The most bytes alive at once while ops run under it: the storages in `tracked` (saved
+    tensors, ``{key: (weak ref, bytes)}``, filled as they are saved, `key` naming a tensor's
+    storage as they do) and those the ops return, each storage once, checked after every op (what
+    an op frees inside itself is not seen; a result sharing an argument's storage, a view or an
+    in-place op, is no new storage)."""
+
+    def __init__(self, tracked: dict[Any, tuple[StorageWeakRef, int]],
+                 key: Callable[[torch.Tensor], Any] = lambda t: StorageWeakRef(t.untyped_storage()).cdata) -> None:
+        super().__init__()
+        self.tracked, self.key = tracked, key
+        self.made: dict[Any, tuple[StorageWeakRef, int]] = {}
+        self.top = self._now()
+
+    def _now(self) -> int:
+        total = sum(n for ref, n in self.tracked.values() if not ref.expired())
+        for k, (ref, n) in self.made.items():
+            same = self.tracked.get(k)
+            if not ref.expired() and (same is None or same[0].expired()):  # else counted as tracked
+                total += n
+        return total
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in _tensors_in([args, list((kwargs or {}).values())])}
+        for t in _tensors_in(out):
+            st = t.untyped_storage()
+            if st.data_ptr() in given:  # a view or an in-place result: nothing new (a parameter's view, say)
+                continue
+            k = self.key(t)
+            known = self.made.get(k)
+            if known is None or known[0].expired():  # a freed storage's address may come back
+                self.made[k] = (StorageWeakRef(st), st.nbytes())
+        self.top = max(self.top, self._now())
+        return out
+
+
+def _tensors_in(out: Any) -> Iterator[torch.Tensor]:
+    """The tensors an op returned (one, or a tuple or list of them, nested)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for x in out:
+            yield from _tensors_in(x)
 
 
 class _Flops(torch_dispatch_mode()):  # type: ignore[misc]

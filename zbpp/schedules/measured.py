@@ -93,7 +93,8 @@ def measured_result(records: Iterable[Record], schedule: Schedule | None = None,
     (a `ValueError` names the first task that is missing, extra, repeated or misplaced); without,
     the schedule is read off the records. `busy_per_rank` is the time a rank computes (tasks that
     overlap count once), so `bubble_rate` is docs/DESIGN.md's definition applied to the measurement.
-    Memory follows `memory` (default ``Memory()``) in the measured order of each rank's tasks.
+    Memory follows `memory` (default ``Memory()``) in the measured order of each rank's tasks, its
+    transients counted as `simulate` counts them.
 
     >>> recs = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0},
     ...         {"rank": 1, "action": "F1.0", "start": 1.5, "end": 2.5},
@@ -124,6 +125,7 @@ def measured_result(records: Iterable[Record], schedule: Schedule | None = None,
         )
 
     deltas = (memory or Memory()).deltas(schedule.num_stages)
+    transients = (memory or Memory()).transients(schedule.num_stages)
     kind_index = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.BW: 3}
     spans, busy, peak = [], [], []
     mem_after: dict[Action, float] = {}
@@ -137,6 +139,7 @@ def measured_result(records: Iterable[Record], schedule: Schedule | None = None,
         busy.append(_union_length([(start[a], end[a]) for a in order]))
         mem = top = 0.0
         for a in sorted(order, key=lambda a: (start[a], end[a])):  # memory in measured order
+            top = max(top, mem + transients[a.stage][kind_index[a.kind]])
             mem += deltas[a.stage][kind_index[a.kind]]
             mem_after[a] = mem
             top = max(top, mem)

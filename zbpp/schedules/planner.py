@@ -65,7 +65,7 @@ from typing import Iterator, Sequence
 from .bounds import LowerBound, lower_bound
 from .checks import as_int, as_number
 from .ir import Schedule
-from .policies import memory_terms, policy_costs, rank_peak, simulate_policies
+from .policies import PolicySim, memory_terms, policy_costs, rank_peak, simulate_policies
 from .profile import POLICIES, Profile
 from .registry import build
 from .simulate import Memory, SimResult, simulate
@@ -99,6 +99,18 @@ _INTRUSION = {"none": 0, "selective": 1, "full": 2, "offload": 3}
 
 
 @dataclass(frozen=True)
+class _Host:
+    """The host side of offload: how many ranks of a node share its host link, and the pinned
+    host bytes each rank may hold (a node's host memory split evenly among its ranks)."""
+
+    share: int = 1
+    budget: float = math.inf
+
+
+_NO_HOST = _Host()
+
+
+@dataclass(frozen=True)
 class Option:
     """One candidate `search` considered: a schedule on a split, simulated."""
 
@@ -111,14 +123,16 @@ class Option:
     fits: bool
     note: str = ""  #: why it could not be built, if so
     policies: tuple[str, ...] = ()  #: each stage's activation policy (empty: "none" everywhere)
+    host: tuple[float, ...] = ()  #: per rank: the most pinned host bytes offloaded activations hold
+    host_excess: float = 0.0  #: bytes the busiest rank's host memory goes over its share of the host budget
 
     @property
     def label(self) -> str:
         return f"{self.schedule} x{self.chunks}" if self.schedule in _INTERLEAVED else self.schedule
 
     def key(self, budget: float) -> tuple[float, float, float]:
-        """Lower is better: the bytes over the budget, then the step, then the peak."""
-        excess = max(0.0, max(self.peak, default=math.inf) - budget) if self.peak else math.inf
+        """Lower is better: the bytes over the budget (device and host), then the step, then the peak."""
+        excess = max(0.0, max(self.peak, default=math.inf) - budget) + self.host_excess if self.peak else math.inf
         return (excess, self.step, max(self.peak, default=math.inf))
 
 
@@ -151,10 +165,16 @@ class Plan:
     searched: "Searched | None" = field(repr=False, default=None)  #: how far the search went
     policies: tuple[str, ...] = ()  #: each stage's activation policy (empty: "none" everywhere)
     allowed: tuple[str, ...] = ("none",)  #: the policies the search chose from
+    #: per rank: the time its offload copies take its share of the host link, each way, per step
+    link: tuple[float, ...] = ()
+    host: tuple[float, ...] = ()  #: per rank: the most pinned host bytes its offloaded activations hold
+    ranks_per_node: int = 1  #: ranks of a node sharing its host link and host memory
+    host_memory: float = math.inf  #: pinned host bytes per node for offloaded activations
 
     @property
     def step(self) -> float:
-        return self.result.makespan
+        """The simulated makespan or, where a rank's offload copies take its link longer, that."""
+        return max(self.result.makespan, max(self.link, default=0.0))
 
     def bound(self) -> LowerBound:
         """`zbpp.schedules.bounds.lower_bound` for this split and placement: what no schedule of it
@@ -218,7 +238,9 @@ class Plan:
             seen.add(o.label)
             vs = f"{100 * (o.step / self.step - 1):+.1f}%" if math.isfinite(o.step) and self.step > 0 else "-"
             peak = f"{max(o.peak) / 1e9:9.2f}" if o.peak else f"{'-':>9}"
-            why = "yes" if o.fits else (o.note or f"no: over the budget by {(max(o.peak) - self.budget) / 1e9:.2f} GB")
+            why = "yes" if o.fits else (o.note or (f"no: over the budget by {(max(o.peak) - self.budget) / 1e9:.2f} GB"
+                                                   if max(o.peak) > self.budget * (1 + _REL) else
+                                                   f"no: over the host memory by {o.host_excess / 1e9:.2f} GB"))
             lines.append(f"{o.label:<22} {_sizes(o.stages):<18} {o.step:>12.6g} {vs:>8} {peak}  {why}")
             if len(seen) >= top:
                 break
@@ -233,23 +255,39 @@ class Plan:
         costs, memory, _ = self.profile.stage_costs(self.stages)
         base = simulate(s, costs, memory)
         plain_b = costs.per_stage(n)[1]
-        extra, act, wg = {}, {}, {}
+        extra, act, wg, trans, held = {}, {}, {}, {}, {}
         for q in self.allowed:
-            c, mem, _, _, _ = policy_costs(s, self.profile, self.stages, [q] * n, base)
+            c, mem, _, _, _ = policy_costs(s, self.profile, self.stages, [q] * n, base, self.ranks_per_node)
             extra[q] = [x - y for x, y in zip(c.per_stage(n)[1], plain_b)]
             act[q], wg[q] = mem.per_stage(n)
+            trans[q] = [t[:3] for t in mem.transients(n)]
+            held[q] = self.profile.stage_host_bytes(self.stages, [q] * n)
+        host_budget = self.host_memory / self.ranks_per_node
         lines = [f"  policies (one per stage, for its layers that offer it; chosen from {', '.join(self.allowed)}):"
-                 " the least added B time with every rank within the budget"]
+                 " the least added B time with every rank within the budget (peaks count each task's transient)"]
         for r, (mine, terms) in enumerate(memory_terms(s)):
             for st in mine:
                 alts = []
                 for o in self.allowed:
                     trial = [o if x == st else chosen[x] for x in mine]
                     peak = self.static[r] + rank_peak(terms, [act[q][x] for q, x in zip(trial, mine)],
-                                                      [wg[q][x] for q, x in zip(trial, mine)])
+                                                      [wg[q][x] for q, x in zip(trial, mine)],
+                                                      [trans[q][x] for q, x in zip(trial, mine)])
                     over = "" if peak <= self.budget * (1 + 4 * _REL) else " (over)"
+                    on_host = rank_peak(terms, [held[q][x] for q, x in zip(trial, mine)], [0.0] * len(mine))
+                    over += "" if on_host <= host_budget * (1 + 4 * _REL) else " (over the host memory)"
                     alts.append(f"{o} {peak / 1e9:.4g} GB +{extra[o][st]:.4g} per B{over}")
                 lines.append(f"    stage {st} (rank {r}): {chosen[st]}  [{'; '.join(alts)}]")
+        if "offload" in self.allowed:
+            link = self.profile.host_bytes_per_s
+            host = (f"{self.host_memory / 1e9:.4g} GB per node, {self.host_memory / self.ranks_per_node / 1e9:.4g} GB "
+                    f"per rank" if math.isfinite(self.host_memory) else "not limited (no host budget given: "
+                    "assumed to hold every offloaded byte)")
+            lines.append(f"  offload: host link {link / 1e9:.4g} GB/s each way shared by {self.ranks_per_node} rank(s) "
+                         f"per node ({link / self.ranks_per_node / 1e9:.4g} GB/s each); host memory {host}")
+            if any(self.link):
+                lines.append("    per rank, copy time each way per step / most host GB: " + ", ".join(
+                    f"r{r} {x:.4g} / {h / 1e9:.4g}" for r, (x, h) in enumerate(zip(self.link, self.host))))
         return lines
 
 
@@ -420,50 +458,59 @@ def _per_rank(values: Sequence[float], placement: Sequence[int], p: int) -> list
 
 def _simulate_option(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
                      sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...] = ("none",),
-                     given: Sequence[str] | None = None) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
+                     given: Sequence[str] | None = None, host: _Host = _NO_HOST
+                     ) -> tuple[Option, Schedule | None, PolicySim | None, list[float]]:
     """Build (unless `sched` is given) and simulate one candidate. With `given` per-stage policies,
-    under those; else with only "none" allowed, under none; else the policies `_choose_policies` picks."""
+    under those; else with only "none" allowed, under none; else the policies `_choose_policies` picks.
+    Its step counts the offload copies' link time and its fit their host bytes (`host`)."""
     if given is None and allowed != ("none",):
-        return _choose_policies(profile, name, chunks, split, stages, budget, sched, p, m, allowed)
+        return _choose_policies(profile, name, chunks, split, stages, budget, sched, p, m, allowed, host)
     placement = _placement(p, chunks, name in _V)
     costs, memory, static_stage = profile.stage_costs(stages, given)
     static = _per_rank(static_stage, placement, p)
     try:
         if sched is None:
             sched = _build_within(name, p, m, chunks, costs, memory, static, budget)
-        res = simulate_policies(sched, profile, stages, given).result
+        sim = simulate_policies(sched, profile, stages, given, ranks_per_node=host.share)
     except ValueError as exc:
         return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
-    peak = tuple(x + y for x, y in zip(static, res.peak_memory))
-    fits = max(peak) <= budget * (1 + _REL)
+    peak = tuple(x + y for x, y in zip(static, sim.result.peak_memory))
+    host_excess = max(0.0, max(sim.host, default=0.0) - host.budget)
+    fits = max(peak) <= budget * (1 + _REL) and host_excess <= host.budget * _REL
     policies = tuple(given) if given is not None and any(q != "none" for q in given) else ()
-    return Option(name, chunks, split, stages, res.makespan, peak, fits, policies=policies), sched, res, static
+    return (Option(name, chunks, split, stages, sim.step, peak, fits, policies=policies, host=sim.host,
+                   host_excess=0.0 if fits else host_excess), sched, sim, static)
 
 
 def _build_within(name: str, p: int, m: int, chunks: int, costs, memory: Memory, static: list[float],
                   budget: float) -> Schedule:
     """Build a schedule; an automatic one with each rank's activation limit the budget less its
-    static memory (refused naming the rank where that is below one microbatch's activations)."""
+    static memory and its stages' largest task transient (the builder plans on kept bytes only; a
+    task's transient comes on top of them), refused naming the rank where that is below one
+    microbatch's activations."""
     if name not in _AUTO:
         return _build(name, p, m, chunks)
     placement = _placement(p, chunks, name in _V)
     act, wgrad = memory.per_stage(len(placement))
+    transient = [max(t[:3]) for t in memory.transients(len(placement))]  # F, B, W: they run no BW
     memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)  # what the builder plans on
     limit = None
     if math.isfinite(budget):
-        limit = [budget - x for x in static]
+        top = [max((t for t, r in zip(transient, placement) if r == q), default=0.0) for q in range(p)]
+        limit = [budget - x - y for x, y in zip(static, top)]
         floor = _per_rank(memory.per_stage(len(placement))[0], placement, p)
         short = [r for r in range(p) if limit[r] < floor[r] * (1 - _REL)]
         if short:
             r = short[0]
             raise ValueError(f"rank {r}: static memory {static[r] / 1e9:.2f} GB plus one microbatch's "
-                             f"activations {floor[r] / 1e9:.2f} GB exceed the budget")
+                             f"activations {floor[r] / 1e9:.2f} GB and a task's transient {top[r] / 1e9:.2f} GB "
+                             "exceed the budget")
     return _build(name, p, m, chunks, costs, memory, limit)
 
 
 def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stages: tuple[range, ...], budget: float,
-                     sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...]
-                     ) -> tuple[Option, Schedule | None, SimResult | None, list[float]]:
+                     sched: Schedule | None, p: int, m: int, allowed: tuple[str, ...], host: _Host = _NO_HOST
+                     ) -> tuple[Option, Schedule | None, PolicySim | None, list[float]]:
     """One policy per stage (for every layer of the stage that offers it), chosen for the
     candidate: the best of the per-rank combinations that are not dominated.
 
@@ -471,10 +518,12 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
     on its own stages' policies (`zbpp.schedules.policies.memory_terms`: exact, without
     simulating) and the step never falls when a B grows (each task starts at the latest end of
     what it waits for); a stage's added B time (recompute, and offload's exposed copy, a fixed
-    number per stage: see `zbpp.schedules.policies`) depends on its own policy only. Per rank the
-    combinations of its stages' policies that fit are kept unless another fitting one adds no
-    more time to any of its B and less to one (or as much, less intrusively); where none fits,
-    the one with the least peak. Every product of what is kept (at most `MAX_POLICY_COMBOS`) is
+    number per stage: see `zbpp.schedules.policies`) depends on its own policy only, and so do
+    the rank's offload link time (a floor under the step) and its pinned host bytes. Per rank the
+    combinations of its stages' policies that fit (the device budget, transients counted, and
+    the rank's share of the host memory) are kept unless another fitting one adds no more time
+    to any of its B nor to its link time and less to one (or as much, less intrusively); where
+    none fits, the one with the least excess. Every product of what is kept (at most `MAX_POLICY_COMBOS`) is
     simulated: on fixed schedules this is the best of every per-stage assignment. An automatic
     schedule's order follows its costs: it is built under each policy on every stage and under
     the choice of its fixed proxy, the best kept.
@@ -483,10 +532,11 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
     n = len(stages)
     if name in _AUTO:
         tries = [tuple([q] * n) for q in allowed]
-        proxy = _choose_policies(profile, _PROXY[name], chunks, split, stages, budget, None, p, m, allowed)[0]
+        proxy = _choose_policies(profile, _PROXY[name], chunks, split, stages, budget, None, p, m, allowed, host)[0]
         if proxy.peak:
             tries.append(proxy.policies or tuple(["none"] * n))
-        got = [_simulate_option(profile, name, chunks, split, stages, budget, None, p, m, given=t) for t in dict.fromkeys(tries)]
+        got = [_simulate_option(profile, name, chunks, split, stages, budget, None, p, m, given=t, host=host)
+               for t in dict.fromkeys(tries)]
         return _least(got, budget)
     if sched is None:
         try:
@@ -494,7 +544,7 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
         except ValueError as exc:
             static = _per_rank(profile.stage_costs(stages)[2], placement, p)
             return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
-    kept = _rank_choices(profile, sched, stages, budget, placement, p, allowed)
+    kept = _rank_choices(profile, sched, stages, budget, placement, p, allowed, host)
     combos = list(itertools.islice(itertools.product(*[c for c, _ in kept]), MAX_POLICY_COMBOS + 1))
     if len(combos) > MAX_POLICY_COMBOS:
         combos = [tuple(c[0] for c, _ in kept)]  # each rank's least added B time
@@ -504,12 +554,13 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
         for (_, mine), choice in zip(kept, combo):
             for st, q in zip(mine, choice):
                 given[st] = q
-        out.append(_simulate_option(profile, name, chunks, split, stages, budget, sched, p, m, given=given))
+        out.append(_simulate_option(profile, name, chunks, split, stages, budget, sched, p, m, given=given, host=host))
     return _least(out, budget)
 
 
 def _rank_choices(profile: Profile, sched: Schedule, stages: tuple[range, ...], budget: float, placement: list[int],
-                  p: int, allowed: tuple[str, ...]) -> list[tuple[list[tuple[str, ...]], tuple[int, ...]]]:
+                  p: int, allowed: tuple[str, ...], host: _Host = _NO_HOST
+                  ) -> list[tuple[list[tuple[str, ...]], tuple[int, ...]]]:
     """Per rank: the combinations of its stages' policies worth simulating (see
     `_choose_policies`), the least added B time first, and its stages."""
     n = len(stages)
@@ -517,36 +568,49 @@ def _rank_choices(profile: Profile, sched: Schedule, stages: tuple[range, ...], 
     base = simulate(sched, costs, memory)
     static = _per_rank(static_stage, placement, p)
     base_b = costs.per_stage(n)[1]
-    extra: dict[str, list[float]] = {}
-    act: dict[str, list[float]] = {}
-    wg: dict[str, list[float]] = {}
+    m = sched.num_microbatches
+    # per policy and stage: bytes kept F->B and B->W, the F/B/W transients, the added B time,
+    # the link time of its copies per step and the host bytes per microbatch
+    act, wg, trans, extra, link, held = {}, {}, {}, {}, {}, {}
     for q in allowed:
-        costs, memory, _, _, _ = policy_costs(sched, profile, stages, [q] * n, base)
+        costs, memory, _, _, _ = policy_costs(sched, profile, stages, [q] * n, base, host.share)
         extra[q] = [x - y for x, y in zip(costs.per_stage(n)[1], base_b)]
         act[q], wg[q] = memory.per_stage(n)
+        trans[q] = [t[:3] for t in memory.transients(n)]
+        link[q] = [m * host.share * c for c in profile.stage_copies(stages, [q] * n)]
+        held[q] = profile.stage_host_bytes(stages, [q] * n)
+
+    def row(q: str, st: int) -> tuple[float, ...]:  # lower is better on every entry
+        return (act[q][st], wg[q][st], *trans[q][st], extra[q][st], link[q][st], held[q][st], _INTRUSION[q])
+
     out = []
     for r, (mine, terms) in enumerate(memory_terms(sched)):
-        # per stage, the policies no other one matches or beats on bytes, added time and
-        # intrusion together (a rank's peak never falls with more bytes: its terms' counts are >= 0)
+        k = len(mine)
+        # per stage, the policies no other one matches or beats on bytes, transients, added time,
+        # link time, host bytes and intrusion together (a rank's peak never falls with more bytes)
         options = [[q for q in allowed if not any(
-            act[o][st] <= act[q][st] and wg[o][st] <= wg[q][st] and extra[o][st] <= extra[q][st]
-            and _INTRUSION[o] <= _INTRUSION[q]
-            and (act[o][st], wg[o][st], extra[o][st], _INTRUSION[o]) != (act[q][st], wg[q][st], extra[q][st], _INTRUSION[q])
-            for o in allowed)] for st in mine]
-        # each term's bytes per stage and policy, so a combination's peak is a max of sums
-        vals = {(i, q): [t[2 * i] * act[q][st] + t[2 * i + 1] * wg[q][st] for t in terms]
+            row(o, st) != row(q, st) and all(a <= b for a, b in zip(row(o, st), row(q, st))) for o in allowed)]
+            for st in mine]
+        # each term's bytes per stage and policy (device, then host), so a combination's peak is a max of sums
+        vals = {(i, q): [t[2 * i] * act[q][st] + t[2 * i + 1] * wg[q][st]
+                         + sum(x * y for x, y in zip(t[2 * k + 3 * i:2 * k + 3 * i + 3], trans[q][st])) for t in terms]
                 for i, st in enumerate(mine) for q in options[i]}
+        hvals = {(i, q): [t[2 * i] * held[q][st] for t in terms] for i, st in enumerate(mine) for q in options[i]}
         rows = []
         for combo in itertools.product(*options):
             peak = static[r] + max(0.0, max(map(sum, zip(*[vals[(i, q)] for i, q in enumerate(combo)])), default=0.0))
-            rows.append((combo, peak, [extra[q][st] for q, st in zip(combo, mine)],
-                         sum(_INTRUSION[q] for q in combo)))
+            on_host = max(0.0, max(map(sum, zip(*[hvals[(i, q)] for i, q in enumerate(combo)])), default=0.0))
+            over = max(0.0, peak - budget) + max(0.0, on_host - host.budget)
+            # the time it costs: each stage's added B time, then the rank's link time
+            cost = [extra[q][st] for q, st in zip(combo, mine)] + [sum(link[q][st] for q, st in zip(combo, mine))]
+            rows.append((combo, peak, cost, sum(_INTRUSION[q] for q in combo), over, on_host))
         # a little slack: these peaks are summed in another order than the simulator's
-        fit = [x for x in rows if x[1] <= budget * (1 + 4 * _REL)] or [min(rows, key=lambda x: x[1])]
+        fit = ([x for x in rows if x[1] <= budget * (1 + 4 * _REL) and x[5] <= host.budget * (1 + 4 * _REL)]
+               or [min(rows, key=lambda x: x[4])])
         undominated = [x for x in fit if not any(
             all(a <= b for a, b in zip(o[2], x[2])) and (any(a < b for a, b in zip(o[2], x[2])) or o[3] < x[3])
             for o in fit if o is not x)]
-        undominated.sort(key=lambda x: (sum(x[2]), x[3], x[1]))
+        undominated.sort(key=lambda x: (sum(x[2][:-1]), x[2][-1], x[3], x[1]))
         out.append(([x[0] for x in undominated], tuple(mine)))
     return out
 
@@ -565,13 +629,15 @@ def _least(got: list, budget: float):
 
 def evaluate(profile: Profile, num_ranks: int, num_microbatches: int, stages: Sequence[range], schedule: str, *,
              chunks: int | None = None, memory_budget: float | None = None,
-             policies: str | Sequence[str] | None = None) -> Option:
+             policies: str | Sequence[str] | None = None, ranks_per_node: int = 1,
+             host_memory: float | None = None) -> Option:
     """Simulate `schedule` on the split `stages` of `profile`: its step and per-rank peak bytes.
 
     `chunks` is the stages per rank (interleaved schedules; V schedules have 2). The split must
     have as many stages as the schedule. An automatic schedule gets as each rank's activation
     limit the budget less that rank's static memory. `policies`: each stage's activation policy
-    (one name: every stage's; None: "none"), simulated as `zbpp.schedules.policies` says.
+    (one name: every stage's; None: "none"), simulated as `zbpp.schedules.policies` says, the host
+    link and `host_memory` shared by `ranks_per_node` ranks as in `search`.
 
     >>> from zbpp.schedules.profile import Layer, Profile
     >>> prof = Profile([Layer("x", 1, 1, 1, activation=1, static=10)] * 4)
@@ -591,7 +657,8 @@ def evaluate(profile: Profile, num_ranks: int, num_microbatches: int, stages: Se
     given = None if policies is None else [policies] * len(stages) if isinstance(policies, str) else list(policies)
     if given is not None:
         profile.stage_costs(stages, given)  # checks the names and their count
-    return _simulate_option(profile, schedule, k, "given", stages, budget, None, p, m, given=given)[0]
+    host = _host(ranks_per_node, host_memory)[0]
+    return _simulate_option(profile, schedule, k, "given", stages, budget, None, p, m, given=given, host=host)[0]
 
 
 def all_splits(num_layers: int, num_stages: int) -> Iterator[tuple[range, ...]]:
@@ -678,23 +745,26 @@ def _full_bound(profile: Profile, stages: tuple[range, ...], placement: Sequence
 
 
 def _refine(profile: Profile, name: str, chunks: int, start: Option, sched: Schedule, budget: float, p: int, m: int,
-            allowed: tuple[str, ...] = ("none",)) -> Option:
+            allowed: tuple[str, ...] = ("none",), host: _Host = _NO_HOST) -> Option:
     """Move one layer at a time off the rank over the budget by the most or, within it, the rank
     with the most work (whose work bounds the step), to the stage before or after, while the
     candidate's key (excess bytes, step, peak) falls: the best such move each time."""
     placement = _placement(p, chunks, name in _V)
     best = start
     for _ in range(_REFINE_STEPS):
-        _, _, res, _ = _simulate_option(profile, name, chunks, "refined", best.stages, budget, sched, p, m, allowed)
-        if res is None:
+        _, _, sim, _ = _simulate_option(profile, name, chunks, "refined", best.stages, budget, sched, p, m, allowed,
+                                        host=host)
+        if sim is None:
             break
+        res = sim.result
         if max(best.peak) > budget:
             r = max(range(p), key=lambda q: best.peak[q])
         else:
             r = max(range(p), key=lambda q: res.busy_per_rank[q])
         improved = None
         for sizes in _moves_off([len(x) for x in best.stages], placement, r):
-            o = _simulate_option(profile, name, chunks, "refined", _ranges(sizes), budget, sched, p, m, allowed)[0]
+            o = _simulate_option(profile, name, chunks, "refined", _ranges(sizes), budget, sched, p, m, allowed,
+                                 host=host)[0]
             if o.key(budget) < (improved or best).key(budget) and _clearly_better(o, best, budget):
                 improved = o
         if improved is None:
@@ -730,6 +800,8 @@ def search(
     splits: dict[str, Sequence[Sequence[range]]] | None = None,
     max_splits: int = MAX_SPLITS,
     policies: Sequence[str] | None = None,
+    ranks_per_node: int = 1,
+    host_memory: float | None = None,
 ) -> Plan:
     """Choose each stage's layers and the schedule, minimising the simulated step within
     `memory_budget` bytes per rank (static memory included; None: no budget).
@@ -743,8 +815,15 @@ def search(
     `policies` are the activation policies each stage may run its layers under (one per stage, for
     every layer that offers it; default: every one the profile's layers offer, `Profile.offers`);
     ``["none"]`` leaves every layer as it is, ``["full"]`` recomputes every layer that can.
+
+    Offload's copies share a node's host link and host memory: `ranks_per_node` ranks (each copying
+    at once: the profile's `Profile.host_bytes_per_s` divided among them; default 1, a link of its
+    own) and `host_memory` pinned bytes per node for offloaded activations (None: not limited,
+    assumed enough); a plan fits only if each rank's offloaded bytes in flight stay within
+    ``host_memory / ranks_per_node`` (`zbpp.schedules.policies`).
     """
     p = as_int(num_ranks, "num_ranks")
+    host, host_memory_ = _host(ranks_per_node, host_memory)
     allowed = _allowed(profile, policies)
     m = as_int(num_microbatches, "num_microbatches")
     max_splits = as_int(max_splits, "max_splits", minimum=0)
@@ -804,7 +883,8 @@ def search(
     seen: set[tuple[str, int, tuple[range, ...]]] = set()
 
     def try_candidate(name: str, k: int, label: str, stages: tuple[range, ...]) -> Option:
-        o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m, allowed)
+        o, sched, _, _ = _simulate_option(profile, name, k, label, stages, budget, built.get((name, k)), p, m, allowed,
+                                          host=host)
         if sched is not None and name not in _AUTO:
             built[(name, k)] = sched
         seen.add((name, k, stages))
@@ -848,7 +928,8 @@ def search(
             proxy = _PROXY.get(name)
             if proxy is not None and (proxy, k) not in best_of:
                 for label, info in split_info[(k, name in _V)]:
-                    o = _simulate_option(profile, proxy, k, label, info.stages, budget, built.get((proxy, k)), p, m, allowed)
+                    o = _simulate_option(profile, proxy, k, label, info.stages, budget, built.get((proxy, k)), p, m, allowed,
+                                         host=host)
                     if o[1] is not None:
                         built[(proxy, k)] = o[1]
                     if o[0].peak and ((proxy, k) not in best_of or o[0].key(budget) < best_of[(proxy, k)].key(budget)):
@@ -860,7 +941,7 @@ def search(
             key = (o.schedule, o.chunks)
             if key in refined or key not in built:
                 continue
-            refined[key] = r = _refine(profile, o.schedule, o.chunks, o, built[key], budget, p, m, allowed)
+            refined[key] = r = _refine(profile, o.schedule, o.chunks, o, built[key], budget, p, m, allowed, host)
             if key in large and (o.schedule, o.chunks, r.stages) not in seen:
                 seen.add((o.schedule, o.chunks, r.stages))
                 options.append(r)
@@ -875,12 +956,15 @@ def search(
     if not best.fits:
         where = f"{best.label} on layers per stage {_sizes(best.stages)} ({best.split})" if best.peak else best.label
         closest = f"{max(best.peak) / 1e9:.3f} GB" if best.peak else "none"
+        host_note = (f" and holds {best.host_excess / 1e9:.3f} GB more pinned host memory than a rank's share of "
+                     f"host_memory={host_memory_ / 1e9:.3f} GB" if best.host_excess > 0 else "")
         raise ValueError(f"no schedule and split fits memory_budget={budget / 1e9:.3f} GB per rank; the closest, {where}, "
-                         f"peaks at {closest}")
+                         f"peaks at {closest}{host_note}")
     sched = _build(best.schedule, p, m, best.chunks) if best.schedule not in _AUTO else None
-    best, sched, res, static = _simulate_option(profile, best.schedule, best.chunks, best.split, best.stages, budget, sched,
-                                               p, m, allowed)
-    assert sched is not None and res is not None
+    best, sched, sim, static = _simulate_option(profile, best.schedule, best.chunks, best.split, best.stages, budget, sched,
+                                               p, m, allowed, host=host)
+    assert sched is not None and sim is not None
+    res = sim.result
     peak = tuple(x + y for x, y in zip(static, res.peak_memory))
     # what no schedule of these placements beats on any split that may fit
     over: list[float] = []
@@ -897,7 +981,14 @@ def search(
         bound_over_splits=min(over, default=math.inf),
     )
     return Plan(sched, best.stages, res, tuple(static), peak, budget, profile, tuple(options), best.split, searched,
-                  best.policies, allowed)
+                best.policies, allowed, sim.link, sim.host, host.share, host_memory_)
+
+
+def _host(ranks_per_node: int, host_memory: float | None) -> tuple[_Host, float]:
+    """The checked host-side settings, and the node's host memory (inf: not limited)."""
+    share = as_int(ranks_per_node, "ranks_per_node")
+    total = math.inf if host_memory is None else as_number(host_memory, "host_memory")
+    return _Host(share, total / share), total
 
 
 def _allowed(profile: Profile, policies: Sequence[str] | None) -> tuple[str, ...]:

@@ -45,35 +45,38 @@ class PolicyCost:
     - `recompute`: time added to B (the layer's forward for ``full``, its non-GEMM part for
       ``selective``);
     - `copy`: bytes copied to the host after F and back before B (``offload``), timed over the
-      profile's `Profile.host_bytes_per_s` (see `zbpp.schedules.policies`).
-
-    What runs inside a task (the recomputed forward, the reloaded activations during their B) is
-    a transient the model does not count, as for every task.
+      profile's `Profile.host_bytes_per_s` (see `zbpp.schedules.policies`);
+    - `transient`: bytes the layer's B allocates above what the rank holds when it starts, at
+      its highest (`Layer.transient` under this policy): the re-run forward's tensors under
+      ``full`` and ``selective``, the reloaded ones under ``offload``.
     """
 
     activation: float
     wgrad: float
     recompute: float = 0.0
     copy: float = 0.0
+    transient: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("activation", "wgrad", "recompute", "copy"):
+        for key in ("activation", "wgrad", "recompute", "copy", "transient"):
             object.__setattr__(self, key, as_number(getattr(self, key), f"PolicyCost.{key}"))
 
     @classmethod
     def from_measured(cls, measured: Any, flops_per_s: float) -> "PolicyCost":
         """From what `zbpp.models.recompute.measure_activation_policies` reports for one policy
-        (``kept_f_to_b``, ``kept_b_to_w``, ``host_bytes``, ``recompute_flops``), the re-run timed
-        at `flops_per_s` (matrix products only: an elementwise re-run counts 0).
+        (``kept_f_to_b``, ``kept_b_to_w``, ``host_bytes``, ``recompute_flops``, and ``b_transient``
+        where it has one), the re-run timed at `flops_per_s` (matrix products only: an elementwise
+        re-run counts 0).
 
         >>> from types import SimpleNamespace
-        >>> got = SimpleNamespace(kept_f_to_b=2, kept_b_to_w=5, host_bytes=0, recompute_flops=3e12)
+        >>> got = SimpleNamespace(kept_f_to_b=2, kept_b_to_w=5, host_bytes=0, recompute_flops=3e12, b_transient=7)
         >>> PolicyCost.from_measured(got, flops_per_s=1e12)
-        PolicyCost(activation=2.0, wgrad=5.0, recompute=3.0, copy=0.0)
+        PolicyCost(activation=2.0, wgrad=5.0, recompute=3.0, copy=0.0, transient=7.0)
         """
         speed = as_number(flops_per_s, "flops_per_s", minimum=1.0)
         try:
-            return cls(measured.kept_f_to_b, measured.kept_b_to_w, measured.recompute_flops / speed, measured.host_bytes)
+            return cls(measured.kept_f_to_b, measured.kept_b_to_w, measured.recompute_flops / speed, measured.host_bytes,
+                       getattr(measured, "b_transient", 0))
         except AttributeError as exc:
             raise ValueError(f"PolicyCost.from_measured: {measured!r} is not a measured activation cost: {exc}") from None
 
@@ -98,9 +101,12 @@ class Layer:
     static: float = 0.0  #: parameter + gradient + optimizer-state bytes
     #: the policies other than "none" this layer offers, by name (a mapping is stored as sorted pairs)
     policies: tuple[tuple[str, PolicyCost], ...] = ()
+    #: bytes B allocates above what the rank holds when it starts, at its highest, freed by its
+    #: end (a loss's float32 gradients; see `Profile.stage_costs`)
+    transient: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("f", "b", "w", "activation", "wgrad", "static"):
+        for key in ("f", "b", "w", "activation", "wgrad", "static", "transient"):
             object.__setattr__(self, key, as_number(getattr(self, key), f"Layer {self.name!r}: {key}"))
         if self.wgrad > self.activation:
             raise ValueError(f"Layer {self.name!r}: need wgrad <= activation, got wgrad={self.wgrad!r} "
@@ -123,11 +129,11 @@ class Layer:
 
         >>> block = Layer("block", 2, 2, 1, activation=8, wgrad=4, policies={"full": PolicyCost(1, 4, recompute=2)})
         >>> block.cost("full"), block.cost("offload") == block.cost("none")
-        (PolicyCost(activation=1.0, wgrad=4.0, recompute=2.0, copy=0.0), True)
+        (PolicyCost(activation=1.0, wgrad=4.0, recompute=2.0, copy=0.0, transient=0.0), True)
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; the policies are {', '.join(POLICIES)}")
-        return dict(self.policies).get(policy, PolicyCost(self.activation, self.wgrad))
+        return dict(self.policies).get(policy, PolicyCost(self.activation, self.wgrad, transient=self.transient))
 
 
 @dataclass(frozen=True)
@@ -182,10 +188,18 @@ class Profile:
         memory is their kept bytes. Offload's copy time is not in B here: it depends on the
         schedule's gaps (`zbpp.schedules.policies.simulate_policies` adds what they do not hide).
 
-        >>> block = Layer("block", 2, 2, 1, activation=8, wgrad=4, policies={"full": PolicyCost(1, 4, recompute=2)})
+        A stage's B transient (`Memory.transient_b`) runs its layers' B last to first: layer i's
+        transient comes on top of what the layers after it changed (each ``wgrad - activation``),
+        so it is the largest over i of that sum plus layer i's `PolicyCost.transient`. (A BW,
+        which frees each layer's W bytes as it goes, is charged the same: at most what it holds.)
+
+        >>> block = Layer("block", 2, 2, 1, activation=8, wgrad=4, policies={"full": PolicyCost(1, 4, recompute=2,
+        ...               transient=7)})
         >>> costs, memory, _ = Profile([block, block]).stage_costs([range(0, 1), range(1, 2)], ["full", "none"])
-        >>> costs.b, memory.activation, memory.wgrad
-        ((4.0, 2.0), (1.0, 8.0), (4.0, 4.0))
+        >>> costs.b, memory.activation, memory.wgrad, memory.transient_b
+        ((4.0, 2.0), (1.0, 8.0), (4.0, 4.0), (7.0, 0.0))
+        >>> Profile([block, block]).stage_costs([range(0, 2)], ["full"])[1].transient_b  # 4 - 1 kept by the last, + 7
+        (10.0,)
         """
         self.check_split(stages)
         chosen = self._policies(stages, policies)
@@ -196,7 +210,15 @@ class Profile:
         wgrad = [sum(c.wgrad for c in cs) for cs in cost]
         # equal sums may differ in the last bit: a stage whose W keeps all F kept keeps no more
         wgrad = [a if a < x <= a * (1 + 1e-12) else x for x, a in zip(wgrad, act)]
-        return Costs(f=f, b=b, w=w, comm=self.comm), Memory(activation=act, wgrad=wgrad), static
+        transient = []
+        for cs in cost:
+            top = run = 0.0
+            for c in reversed(cs):  # B runs the stage's layers last to first
+                top = max(top, run + c.transient)
+                run += c.wgrad - c.activation
+            transient.append(top)
+        return (Costs(f=f, b=b, w=w, comm=self.comm), Memory(activation=act, wgrad=wgrad, transient_b=transient),
+                static)
 
     def stage_copies(self, stages: Sequence[range], policies: Sequence[str] | None = None) -> list[float]:
         """Per stage: the time one microbatch's offload copy takes one way (bytes over `host_bytes_per_s`).
@@ -208,6 +230,16 @@ class Profile:
         self.check_split(stages)
         copy = [sum(self.layers[i].cost(q).copy for i in r) for r, q in zip(stages, self._policies(stages, policies))]
         return [c / self.host_bytes_per_s if c else 0.0 for c in copy]
+
+    def stage_host_bytes(self, stages: Sequence[range], policies: Sequence[str] | None = None) -> list[float]:
+        """Per stage: the bytes one microbatch's offload copies to host memory (0 where nothing is offloaded).
+
+        >>> block = Layer("b", 1, 1, 1, activation=8, wgrad=4, policies={"offload": PolicyCost(0, 4, copy=8)})
+        >>> Profile([block, block], host_bytes_per_s=4).stage_host_bytes([range(0, 2)], ["offload"])
+        [16.0]
+        """
+        self.check_split(stages)
+        return [float(sum(self.layers[i].cost(q).copy for i in r)) for r, q in zip(stages, self._policies(stages, policies))]
 
     def _policies(self, stages: Sequence[range], policies: Sequence[str] | None) -> list[str]:
         if policies is None:
@@ -269,6 +301,7 @@ def transformer_profile(
     link_bytes_per_s: float = 50e9,
     bytes_per_param: float = 7.5,
     host_bytes_per_s: float = 50e9,
+    loss_bytes_per_logit: float = 8.0,
 ) -> Profile:
     """A decoder-only transformer's profile from FLOP counts: embedding, `num_layers` blocks, head.
 
@@ -296,10 +329,15 @@ def transformer_profile(
       the elementwise work (writing the bytes not kept once at `hbm_bytes_per_s`); ``offload``
       keeps nothing on the device between F and B and copies the ``none`` bytes to the host and
       back over `host_bytes_per_s` (per direction; 50 GB/s: PCIe 5 x16). Every policy's W keeps
-      the same bytes after B (B re-creates or reloads them);
+      the same bytes after B (B re-creates or reloads them). B's transient (`PolicyCost.transient`)
+      is what it re-creates or reloads, the ``none`` bytes less those kept (a formula, not a
+      measurement: the re-run's or reload's tensors alive at once, as ``none`` keeps them);
     - the embedding: a gather, timed as moving its ``2 T h`` output bytes at `hbm_bytes_per_s`;
     - the head (final norm, output projection, loss): 2 T h V FLOPs each for F, B and W; it keeps
-      the fp32 logits and the bf16 input, ``T (4V + 2h)`` bytes, and for W ``2 T (h + V)``.
+      the fp32 logits and the bf16 input, ``T (4V + 2h)`` bytes, and for W ``2 T (h + V)``; its B
+      allocates ``loss_bytes_per_logit * T V`` bytes above that while it runs (8: the float32
+      gradients of the log-softmax's output and of the logits, alive at once; 0 for a fused or
+      chunked loss).
 
     Times are FLOPs / `flops_per_s` (400 TFLOP/s: an H100's 989 dense bf16 at 40% utilisation);
     a message is the ``2 T h`` activation bytes over `link_bytes_per_s`. Static memory is
@@ -324,9 +362,10 @@ def transformer_profile(
     f_block = (2 * block_params * T + attention) / t / speed
     wgrad = min(act, 2 * T * (5 * h + 2 * kv + k * ffn) / t)
     kept = min(act, 2 * T * (6 * h + 2 * kv + k * ffn) / t)
-    policies = {"full": PolicyCost(2 * T * h / t, wgrad, recompute=f_block),
-                "selective": PolicyCost(kept, wgrad, recompute=attention / t / speed + (act - kept) / hbm),
-                "offload": PolicyCost(0.0, wgrad, copy=act)}
+    policies = {"full": PolicyCost(2 * T * h / t, wgrad, recompute=f_block, transient=act - 2 * T * h / t),
+                "selective": PolicyCost(kept, wgrad, recompute=attention / t / speed + (act - kept) / hbm,
+                                        transient=act - kept),
+                "offload": PolicyCost(0.0, wgrad, copy=act, transient=act)}
     block = Layer("block", f=f_block, b=(2 * block_params * T + 2 * attention) / t / speed,
                   w=2 * block_params * T / t / speed, activation=act, wgrad=wgrad,
                   static=block_params / t * bytes_per_param, policies=policies)
@@ -336,10 +375,12 @@ def transformer_profile(
     layers += [Layer(f"block.{i}", block.f, block.b, block.w, block.activation, block.wgrad, block.static, block.policies)
                for i in range(L)]
     layers.append(Layer("head", f=head_flops, b=head_flops, w=head_flops, activation=T * (4 * V + 2 * h) / t,
-                        wgrad=2 * T * (h + V) / t, static=(V * h + h) / t * bytes_per_param))
+                        wgrad=2 * T * (h + V) / t, static=(V * h + h) / t * bytes_per_param,
+                        transient=as_number(loss_bytes_per_logit, "loss_bytes_per_logit") * T * V / t))
     notes = {"num_layers": L, "hidden": h, "ffn": ffn, "heads": heads, "kv_heads": kv * heads // h, "vocab": V, "seq": s,
              "micro_batch": T // s, "gated": gated, "tensor_parallel": t, "flops_per_s": speed, "hbm_bytes_per_s": hbm,
-             "link_bytes_per_s": link_bytes_per_s, "bytes_per_param": bytes_per_param, "host_bytes_per_s": host_bytes_per_s}
+             "link_bytes_per_s": link_bytes_per_s, "bytes_per_param": bytes_per_param, "host_bytes_per_s": host_bytes_per_s,
+             "loss_bytes_per_logit": loss_bytes_per_logit}
     comm = 2 * T * h / t / as_number(link_bytes_per_s, "link_bytes_per_s", minimum=1.0)
     if not math.isfinite(comm):  # pragma: no cover - as_number refuses what would make it so
         raise ValueError("link_bytes_per_s gives an infinite message time")

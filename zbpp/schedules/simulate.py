@@ -2,7 +2,8 @@
 
 The model is docs/DESIGN.md's: a task starts when its rank is free and all its inputs have arrived;
 `comm` is added on every data edge that crosses ranks; memory per stage follows
-F: +activation, B: -(activation - wgrad), W: -wgrad, BW: -activation.
+F: +activation, B: -(activation - wgrad), W: -wgrad, BW: -activation, and a task's peak is the
+memory before it plus its transient (`Memory`).
 
 >>> from zbpp.schedules import build, simulate, Costs, Memory
 >>> res = simulate(build("1f1b", num_ranks=4, num_microbatches=8), Costs(1, 1, 1))
@@ -171,23 +172,43 @@ class Memory:
     `wgrad` may exceed `activation` where B re-creates what W needs (activation recompute, or
     activations offloaded after F and brought back for B): B then adds ``wgrad - activation``.
 
+    `transient_f`, `transient_b`, `transient_w`: what a task of the stage allocates while it runs
+    above the memory held when it starts (a re-run forward in B, the loss's float32 gradients),
+    freed by its end but for its delta. A rank's peak is the largest, over its tasks, of the
+    memory after the task and the memory before it plus its transient; a BW's transient is its
+    B's or, once B's delta is done, its W's: ``max(transient_b, wgrad - activation + transient_w)``.
+
     >>> from fractions import Fraction
     >>> Memory(activation=[1, 2], wgrad=Fraction(1, 2))
     Memory(activation=(1.0, 2.0), wgrad=0.5)
     >>> Memory(activation=1, wgrad=2).deltas(1)  # F, B, W, BW
     [(1.0, 1.0, -2.0, -1.0)]
+    >>> Memory(activation=4, wgrad=1, transient_b=3, transient_w=5).transients(1)  # F, B, W, BW
+    [(0.0, 3.0, 5.0, 3.0)]
     """
 
     activation: PerStage = 1.0
     wgrad: PerStage = 0.0
+    transient_f: PerStage = 0.0
+    transient_b: PerStage = 0.0
+    transient_w: PerStage = 0.0
 
     def __post_init__(self) -> None:
-        act = as_numbers(self.activation, "Memory.activation")
-        wg = as_numbers(self.wgrad, "Memory.wgrad")
-        object.__setattr__(self, "activation", act)
-        object.__setattr__(self, "wgrad", wg)
-        if isinstance(act, tuple) and isinstance(wg, tuple) and len(act) != len(wg):
-            raise ValueError(f"Memory.activation has {len(act)} per-stage values but Memory.wgrad has {len(wg)}")
+        lengths = {}
+        for name in ("activation", "wgrad", "transient_f", "transient_b", "transient_w"):
+            value = as_numbers(getattr(self, name), f"Memory.{name}")
+            object.__setattr__(self, name, value)
+            if isinstance(value, tuple):
+                lengths[name] = len(value)
+        (first, n), *rest = list(lengths.items()) or [("", 0)]
+        for name, k in rest:
+            if k != n:
+                raise ValueError(f"Memory.{first} has {n} per-stage values but Memory.{name} has {k}")
+
+    def __repr__(self) -> str:  # the transients only where a task has one
+        shown = [f"{k}={getattr(self, k)!r}" for k in ("activation", "wgrad", "transient_f", "transient_b", "transient_w")
+                 if k in ("activation", "wgrad") or getattr(self, k) != 0.0]
+        return f"Memory({', '.join(shown)})"
 
     def per_stage(self, num_stages: int) -> tuple[list[float], list[float]]:
         return (_per_stage(self.activation, num_stages, "Memory.activation"),
@@ -197,6 +218,17 @@ class Memory:
         """Per stage, the memory change of F, B, W and BW."""
         act, wg = self.per_stage(num_stages)
         return [(a, w - a, -w, -a) for a, w in zip(act, wg)]
+
+    def transients(self, num_stages: int) -> list[tuple[float, float, float, float]]:
+        """Per stage, the transient of F, B, W and BW (above the memory held when the task starts)."""
+        act, wg = self.per_stage(num_stages)
+        tf, tb, tw = (_per_stage(getattr(self, k), num_stages, f"Memory.{k}")
+                      for k in ("transient_f", "transient_b", "transient_w"))
+        return [(f, b, w, max(b, g - a + w)) for a, g, f, b, w in zip(act, wg, tf, tb, tw)]
+
+    def without_transients(self) -> "Memory":
+        """The same kept bytes, no transient (what the automatic schedules' builders plan on)."""
+        return Memory(activation=self.activation, wgrad=self.wgrad)
 
 
 @dataclass
@@ -209,7 +241,7 @@ class SimResult:
     spans: list[float]  #: per rank: end of its last task minus start of its first
     busy_per_rank: list[float]  #: per rank: total task time
     makespan: float  #: end of the last task minus start of the first, over all ranks
-    peak_memory: list[float]  #: per rank
+    peak_memory: list[float]  #: per rank: the most held after a task or, during one, before it plus its transient
     memory_after: Mapping[Action, float] = field(repr=False, default_factory=dict)  #: rank memory after each task
 
     @property
@@ -313,8 +345,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
         validate(schedule)  # names the cycle
         raise ScheduleError("simulation stalled although the schedule validates (please report)")
 
-    # memory and work follow each rank's order, whatever the times
+    # memory and work follow each rank's order, whatever the times; a task's transient rises
+    # above what its rank held when it started
     delta = ids.per_task(list(zip(*deltas)))
+    transient = ids.per_task(list(zip(*memory.transients(n))))
     mem_after = [0.0] * ids.size
     peak = []
     busy = []
@@ -322,6 +356,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
         mem = top = work = 0.0
         for t in order:
             work += dur[t]
+            if mem + transient[t] > top:
+                top = mem + transient[t]
             mem += delta[t]
             mem_after[t] = mem
             if mem > top:

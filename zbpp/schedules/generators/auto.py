@@ -171,12 +171,21 @@ def _search(
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
     act, wgrad = memory.per_stage(len(placement))
-    if any(w > a for a, w in zip(act, wgrad)):
-        # B re-creates what W keeps (recompute, offload): plan as if F held it from the start,
-        # never below the true use, so a plan within the limit stays within it
-        memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)
     p = max(placement) + 1
-    prob = Problem.make(placement, m, costs, memory, _limits(name, memory_limit, _rank_floors(placement, memory)))
+    # a task's transient comes on top of the kept bytes the search plans on: each rank plans
+    # within its limit less its stages' largest (a limit, not the default, is a peak to respect)
+    top = [0.0] * p
+    for s, t in enumerate(memory.transients(len(placement))):
+        top[placement[s]] = max(top[placement[s]], *t[:3])  # F, B, W: these schedules run no BW
+    # B re-creates what W keeps (recompute, offload): plan as if F held it from the start,
+    # never below the true use, so a plan within the limit stays within it
+    memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)
+    floors = _rank_floors(placement, memory)
+    if memory_limit is None:
+        limits = _limits(name, None, floors)
+    else:
+        limits = [x - t for x, t in zip(_limits(name, memory_limit, [f + t for f, t in zip(floors, top)]), top)]
+    prob = Problem.make(placement, m, costs, memory, limits)
     shape = TaskShape(prob)
     tasks = 3 * len(placement) * m
     small = tasks <= _SMALL
@@ -259,8 +268,9 @@ def zb_auto(
     """An automatic zero-bubble schedule, one stage per rank, for `costs` within `memory_limit`.
 
     `memory_limit` is per rank, in the units of `memory`: one number, or one per rank (ranks
-    whose other memory differs); default p times a stage's activation, 1F1B's memory. Raises
-    `ValueError` if a rank's limit is below the smallest feasible one.
+    whose other memory differs), a peak that counts each task's transient (`Memory`); default p
+    times a stage's activation, 1F1B's memory. Raises `ValueError` if a rank's limit is below the
+    smallest feasible one.
 
     >>> from zbpp.schedules import build, Costs, Memory
     >>> build("zb-auto", num_ranks=4, num_microbatches=8, memory=Memory(1, 0.5), memory_limit=0.5)
