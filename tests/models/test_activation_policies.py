@@ -289,3 +289,47 @@ def test_transformer_profile_bytes_are_what_a_llama_layer_keeps(hidden, ffn, hea
                                 vocab=61, seq=seq).layers[1]
     assert got["selective"].kept_f_to_b / 2 == block.cost("selective").activation
     assert got["none"].kept_f_to_b / 2 == block.activation + 2 * seq * (heads + 2)
+
+
+@pytest.mark.parametrize("name, offloaded, early", [
+    # one rank, 3 microbatches, the tasks' order worked by hand:
+    ("gpipe", {0, 1, 2}, {(0, 2): (0, 0)}),  # F0 F1 F2 BW0 BW1 BW2: microbatch 0's copy back starts in F2
+    ("1f1b", set(), {}),                     # F0 B0 F1 B1 F2 B2: every backward right after its forward
+])
+def test_offload_follows_the_schedule(name, offloaded, early, monkeypatch):
+    """Offload copies a microbatch's tensors out only when another task runs between its F and its
+    B on the rank, and the forward right before a backward starts that backward's copy back; the
+    gradients stay those of no policy."""
+    from zbpp.models import recompute
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.modules.context import current_microbatch
+
+    groups: list = []
+    prefetched: dict = {}  # the group's microbatch -> the microbatch whose forward started its copy back
+    init, prefetch = recompute._OffloadGroup.__init__, recompute._OffloadGroup.prefetch
+
+    def record_init(self):
+        init(self)
+        groups.append(self.key)
+
+    def record_prefetch(self):
+        if not self.started:
+            prefetched.setdefault(self.key, current_microbatch())
+        prefetch(self)
+
+    monkeypatch.setattr(recompute._OffloadGroup, "__init__", record_init)
+    monkeypatch.setattr(recompute._OffloadGroup, "prefetch", record_prefetch)
+    results = []
+    for policy in (None, "offload"):
+        sched = build(name, num_ranks=1, num_microbatches=3)
+        torch.manual_seed(0)
+        stages, kwargs = causal_lm_stages(_config(), sched, 0, dtype=torch.float64, attn_implementation="eager")
+        if policy:
+            apply_activation_policy(stages[0], {"model.layers.*[0-9]": policy})
+        ids = torch.randint(0, 61, (6, T), generator=torch.Generator().manual_seed(3))
+        loss = Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+        results.append((loss, [p.grad for p in stages[0].parameters()]))
+    assert {j for _, j in groups} == offloaded and len(groups) == 2 * len(offloaded)  # 2 layers per forward
+    assert {by: key for key, by in prefetched.items() if by is not None} == early
+    (loss0, grads0), (loss1, grads1) = results
+    assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))

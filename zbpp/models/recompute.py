@@ -15,6 +15,11 @@ submodule whose name matches a pattern (``fnmatch``) with one of:
   stream, the compute stream waiting on an event: no host synchronisation. A storage that several
   saved tensors share is copied once. When a layer's tensors come back, the copies of the layer
   that ran before it in the same microbatch (the runtime's ``zbpp.modules.microbatch`` key) start.
+  Under `zbpp.Pipeline` the schedule says more (``zbpp.modules.context.next_backward``): in the
+  forward right before a backward, an offloaded layer starts bringing back what that backward
+  needs first (the first backward of a step does not wait for its copy), and a microbatch whose
+  own backward comes right after its forward (the last stage under 1F1B) keeps its tensors on the
+  device, as without a policy: no task could hide a copy out and back.
 
 Composition with zbpp's B/W split (`zbpp.runtime._autograd_split`). torch's non-reentrant
 ``checkpoint`` recomputes once per backward engine call, so the split's B and its W each recompute a
@@ -60,7 +65,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
 from .._compat import current_saved_tensors_hooks, disable_dynamo, torch_dispatch_mode
-from ..modules.context import current_microbatch
+from ..modules.context import current_microbatch, rank_next_backward
 
 __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "ActivationCost",
            "measure_activation_policies"]
@@ -471,7 +476,14 @@ def _host_copy(t: torch.Tensor, group: _OffloadGroup) -> torch.Tensor:
 
 
 def _offload_forward(fn: Callable[..., Any], params: set[int], args: tuple, kwargs: dict) -> Any:
+    upcoming = rank_next_backward()
+    if upcoming is not None and upcoming == current_microbatch():
+        return fn(*args, **kwargs)
     group = _OffloadGroup()
+    head = _OffloadGroup.heads.get(upcoming) if upcoming is not None else None
+    first = head() if head is not None else None
+    if first is not None:
+        first.prefetch()  # its copy back overlaps this forward
 
     def pack(t: torch.Tensor) -> Any:
         if t.untyped_storage().data_ptr() in params:

@@ -30,11 +30,12 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from .._compat import current_autograd_node
 
-__all__ = ["microbatch", "current_microbatch", "forward_key"]
+__all__ = ["microbatch", "current_microbatch", "forward_key", "next_backward", "rank_next_backward"]
 
 T = TypeVar("T")
 
 _key: ContextVar[Hashable | None] = ContextVar("zbpp_microbatch", default=None)
+_next_backward: ContextVar[Hashable | None] = ContextVar("zbpp_next_backward", default=None)
 
 
 @contextmanager
@@ -56,6 +57,19 @@ def microbatch(key: Hashable) -> AbstractContextManager[Hashable]:
 def current_microbatch() -> Hashable | None:
     """The innermost active key, or None outside any `microbatch` block."""
     return _key.get()
+
+
+def next_backward(key: Hashable | None) -> AbstractContextManager[Hashable | None]:
+    """Tell the forwards run inside this block that the rank's very next task is the backward of
+    microbatch `key` (None: it is not a backward; the runtime knows from the schedule). Activation
+    offload then starts bringing that backward's tensors back now, or, when `key` is the forward's
+    own microbatch, keeps them on the device (no task could hide the copies out and back)."""
+    return bound(_next_backward, key)
+
+
+def rank_next_backward() -> Hashable | None:
+    """Inside a forward: the key of the backward that is the rank's next task (`next_backward`), else None."""
+    return _next_backward.get()
 
 
 # the attribute that carries the key on a reentrant checkpoint's autograd node

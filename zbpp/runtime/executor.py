@@ -2,7 +2,8 @@
 
 Tasks (docs/DESIGN.md):
 
-- ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch((s, j))``, with
+- ``F(s, j)``: the stage's forward on microbatch ``j`` inside ``zbpp.modules.microbatch((s, j))``
+  (and ``zbpp.modules.context.next_backward`` when the rank's next task is a backward), with
   the random generators seeded for ``(s, j)`` (`zbpp.runtime.rng`); on the last stage also the loss,
   weighted by the microbatch's share of the batch (its rows / all rows, or ``loss_weight``'s
   w_j / W), so that the summed backward is that of the batch's loss.
@@ -54,6 +55,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from ..modules.context import next_backward
 from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
 from ..schedules.program import RankProgram
@@ -157,7 +159,11 @@ class StepExecutor:
     _handed: dict[Action, tuple[Spec | None, list[torch.Tensor]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._split_keys = {(t.stage, t.microbatch) for t in self.program.tasks if t.kind is Kind.B} if self.split_wgrad else set()
+        tasks = self.program.tasks
+        self._split_keys = {(t.stage, t.microbatch) for t in tasks if t.kind is Kind.B} if self.split_wgrad else set()
+        # F -> the key of the backward that is the rank's next task, where one is (for activation offload)
+        self._next_backward = {(f.stage, f.microbatch): (b.stage, b.microbatch) for f, b in zip(tasks, tasks[1:])
+                               if f.kind is Kind.F and b.kind in (Kind.B, Kind.BW)}
 
     # -- the step -----------------------------------------------------------------------------
     def run(self, data: StepInputs, comm: CommQueue, failure: StepFailure, runner: TaskRunner = EAGER,
@@ -249,7 +255,8 @@ class StepExecutor:
             grad_inputs = [] if wants_grad is None else [x for x in xs if x.requires_grad]
             saved = SavedBoxes() if grad_inputs and (s, j) in self._split_keys else None
             grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
-            with microbatch_key((s, j)), grad_mode, saved if saved is not None else contextlib.nullcontext():
+            with microbatch_key((s, j)), next_backward(self._next_backward.get((s, j))), grad_mode, \
+                    saved if saved is not None else contextlib.nullcontext():
                 out = call(self.modules[s], rebuild(spec, xs))
                 if with_loss:
                     loss = self._loss(out, rebuild(target_spec, ins[n:n + len(target_leaves)]), s)
