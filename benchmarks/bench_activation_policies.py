@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace-dir", type=Path, help="write the offload step's traces here (default: a temporary folder)")
     ap.add_argument("--rederive", type=Path, metavar="REPORT",
                     help="no run: the simulator's peaks again from a saved report's measured bytes (see rederive)")
+    ap.add_argument("--formula-transients", action="store_true",
+                    help="with --rederive: B's transients from the formula even where the report measured them")
     args = ap.parse_args(argv)
     if args.quick:
         args.hidden, args.ffn, args.heads, args.kv_heads, args.layers, args.vocab = 64, 128, 4, 2, 2, 128
@@ -380,18 +382,22 @@ def print_run(run: dict, m: int) -> None:
               + ", ".join(f"{d} {t['copies']} copies, {t['ms']:.1f} ms" for d, t in totals.items()))
 
 
-def rederive(path: Path) -> dict[str, dict[str, float]]:
+def rederive(path: Path, formula: bool = False) -> dict[str, dict[str, float]]:
     """The simulator's peak per policy from a saved report's measured bytes, beside its measured
     peak, without a device: the schedule, bytes, times and host link as the report holds them, B's
     transients measured where it has them (``b_transient``, ``rest_b_transient``), else from the
     formula: a policy's B holds what it re-creates or reloads, none's bytes less those it keeps;
-    the loss's B two float32 logit-sized gradients, ``8 * seq * vocab`` bytes."""
+    the loss's B two float32 logit-sized gradients, ``8 * seq * vocab`` bytes (`formula`: always)."""
     from types import SimpleNamespace
 
     from zbpp.schedules import Costs, build
 
     report = json.loads(Path(path).read_text())
     cfg, run = report["config"], report["run"]
+    if formula:
+        run.pop("rest_b_transient", None)
+        for cost in run["layer_costs"].values():
+            cost.pop("b_transient", None)
     none_kept = run["layer_costs"]["none"]["kept_f_to_b"]
     per_layer = {p: SimpleNamespace(**{"b_transient": max(0, none_kept - c["kept_f_to_b"]), **c})
                  for p, c in run["layer_costs"].items()}
@@ -416,7 +422,7 @@ def rederive(path: Path) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.rederive is not None:
-        return rederive(args.rederive)
+        return rederive(args.rederive, formula=args.formula_transients)
     cuda = args.device.startswith("cuda")
     schedule, held = most_in_flight(args.microbatches)
     log(f"one-rank schedules, microbatches held at the peak: {held}; using {schedule}")
