@@ -149,22 +149,29 @@ class StartDecision:
     graphs: bool | None = None  #: the form of the signature whose trial ended (`graphs_win`; None: no trial ended)
 
 
+#: how much faster the replays must be for task graphs to be kept: a closer result is within what
+#: two timed steps resolve, and graphs hold memory (static inputs, their pool) for it
+GRAPHS_MARGIN = 0.02
+
+
 def graphs_win(reports: Sequence[StartReport]) -> bool | None:
     """The form a trial chose, from the reports of the ranks whose trial ended (None: none did):
-    the slowest rank of each form sets its pace, and eager wins only if it was timed and its
-    slowest rank beat the replays' slowest.
+    the slowest rank of each form sets its pace, and graphs win if eager was not timed or their
+    slowest rank was at least `GRAPHS_MARGIN` faster than eager's slowest.
 
     >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=90, graphs_us=100),
     ...             StartReport(False, 0, 0, -1, -1, trial=True, eager_us=130, graphs_us=95)])
     True
     >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=90, graphs_us=100)])
     False
+    >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=100, graphs_us=99)])
+    False
     """
     ended = [r for r in reports if r.trial]
     if not ended:
         return None
     eager, graphs = max(r.eager_us for r in ended), max(r.graphs_us for r in ended)
-    return not 0 < eager < graphs
+    return eager <= 0 or graphs <= eager * (1 - GRAPHS_MARGIN)
 
 
 def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException | None, topology: Any,
