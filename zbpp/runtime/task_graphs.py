@@ -215,18 +215,6 @@ class StandInGraphs(TaskGraphs):
         outs, meta = body(list(statics))
         return _Recorded(None, statics, [o.detach() for o in outs], meta, body)
 
-    def _abandon(self, graph: Any) -> None:
-        """End a capture that failed (`graph` None: it failed to begin): the allocator must stop
-        routing allocations to the pool, else it asserts at the next pool's release."""
-        if graph is not None:
-            try:
-                graph.capture_end()
-                return
-            except Exception:  # noqa: BLE001 - the capture is broken anyway: the caller reports its cause
-                pass
-        with contextlib.suppress(Exception):  # a capture that never began may have nothing to end
-            end_allocate_to_pool(self.pool)
-
     def _replay(self, rec: _Recorded) -> None:
         assert rec.body is not None
         news, _ = rec.body(list(rec.statics))
