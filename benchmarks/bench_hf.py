@@ -20,8 +20,9 @@ Variants are interleaved over ``--rounds`` rounds (warm-up steps, then ``--steps
 one by one with CUDA events); the table gives the median ms per step, tokens/s, MFU (model FLOPs
 ``6 N T + 6 L s h T`` per step: N the matmul parameters of the layers and the LM head, T tokens,
 causal attention counted half; over ``--peak-tflops``, the H200's dense bf16 989 by default, also
-for FP8), the peak memory (the variant's resident bytes after warm-up, parameters, gradients and
-graph pools, plus the most its step allocates beyond them) and each variant's speed against
+for FP8), the peak memory (what the variant holds between steps, after ``zero_grad()`` as torch's
+optimizers call it: parameters, fixed gradient buffers and graph pools; plus the most its step
+allocates beyond that, gradients included where they are made in the step) and each variant's speed against
 ``hf compile`` (> 1: faster). ``--kernel-profile`` sums one profiled step's GPU kernels by kind (gemm,
 attention, cast, norm, activation, other) for the variants named, and the step's GPU idle time.
 
@@ -174,6 +175,13 @@ def _pipeline_variant(name: str) -> tuple[str, str, str] | None:
     return (impl, schedule, form) if impl == "zbpp" and schedule in available() and form in ZBPP_FORMS else None
 
 
+def graph_pools_free() -> int:
+    """Bytes the CUDA graphs' private memory pools hold but no live tensor uses: what a replay
+    writes into, which ``memory_allocated`` leaves out."""
+    return sum(seg["total_size"] - seg["active_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
 def fp8_available() -> bool:
     """A GPU with FP8 GEMMs (compute capability 8.9 or more) and ``torch._scaled_mm``."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) and hasattr(torch, "_scaled_mm")
@@ -214,7 +222,7 @@ class Variant:
 
     def clear(self) -> None:
         for m in self.modules:
-            m.zero_grad(set_to_none=False)  # kept .grad tensors: task graphs write into them
+            m.zero_grad()  # as torch optimizers do (set_to_none): task graphs re-attach zeroed buffers
 
 
 def _dtype(args: argparse.Namespace) -> torch.dtype:
@@ -473,7 +481,7 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
                 continue
             if name not in variants:
                 gc.collect()  # an earlier preset's variants freed now, not while this one builds
-                before = torch.cuda.memory_allocated() if cuda else 0
+                before = torch.cuda.memory_allocated() + graph_pools_free() if cuda else 0
                 t0 = time.perf_counter()
                 error = None
                 try:
@@ -499,7 +507,8 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
                 variants[name] = v
                 say(f"{name}: built and warmed up in {time.perf_counter() - t0:.1f} s")
                 if cuda:
-                    v.resident = torch.cuda.memory_allocated() - before
+                    v.clear()  # as before each timed step: what the step's peak is measured above
+                    v.resident = torch.cuda.memory_allocated() + graph_pools_free() - before
             v = variants[name]
             for _ in range(args.warmup):
                 v.clear()

@@ -37,6 +37,7 @@ __all__ = [
     "torch_dispatch_mode",
     "end_allocate_to_pool",
     "gpu_head_start",
+    "modules_and_parameters",
 ]
 
 
@@ -227,3 +228,26 @@ def gpu_head_start(cycles: int = 50_000_000) -> None:
     25 ms on a 2 GHz GPU), so that the kernels the host issues next queue up behind it and run back
     to back, as in a running pipeline, instead of each waiting for its launch."""
     torch.cuda._sleep(cycles)
+
+
+def modules_and_parameters(root: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Parameter]]:
+    """``list(root.modules())`` and ``list(root.parameters())``, in the same orders, from one walk
+    through ``_modules`` and ``_parameters``: a step reads both for every stage, and the public
+    iterators build a name string for every module and parameter (~1 ms a step for 32 blocks)."""
+    modules: list[torch.nn.Module] = []
+    params: list[torch.nn.Parameter] = []
+    seen_modules: set[int] = set()
+    seen_params: set[int] = set()
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen_modules:
+            continue
+        seen_modules.add(id(m))
+        modules.append(m)
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                params.append(p)
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return modules, params

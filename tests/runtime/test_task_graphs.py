@@ -129,6 +129,41 @@ def test_fixed_grad_buffers_keep_accumulation() -> None:
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-12, atol=0)
 
 
+def test_failed_steps_restore_the_fixed_grad_buffers(monkeypatch) -> None:
+    """A failed step puts back what the fixed .grad buffers held: the earlier gradient, or zeros
+    where .grad was None before the step (those are zeroed again, never copied: no clone is taken)."""
+    sched, x, y = _one_rank_stand_in(rows=4, outputs=1, seed=3)
+    failing = [False]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if failing[0]:
+            raise RuntimeError("this step fails")
+        return nn.functional.mse_loss(out, target)
+
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1, dtype=torch.float64)
+    pipe = Pipeline({0: m}, sched, loss_fn=loss_fn, cuda_graphs=StandInGraphs)
+    pipe.step(x, y)
+    one_step = m.weight.grad.clone()
+    failing[0] = True
+    with pytest.raises(PipelineError, match="this step fails"):
+        pipe.step(x, y)
+    assert torch.equal(m.weight.grad, one_step)  # the kept gradient, bit for bit
+    m.zero_grad(set_to_none=True)
+    clones = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(t) or real_clone(t, *a, **k))
+    with pytest.raises(PipelineError, match="this step fails"):
+        pipe.step(x, y)
+    monkeypatch.undo()
+    copied = [t.shape for t in clones if any(t is p.grad for p in m.parameters())]
+    assert not copied, f"gradients known to be zero were copied: {copied}"
+    assert not m.weight.grad.any() and not m.bias.grad.any()
+    failing[0] = False
+    pipe.step(x, y)
+    assert torch.equal(m.weight.grad, one_step)  # from zeros: one step's gradient again
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", SCHEDULES)

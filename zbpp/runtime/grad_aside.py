@@ -3,7 +3,8 @@
 `Pipeline(keep_grads_on_failure=True)` (the default): at a step's start ``.grad`` is set aside (the
 tensor itself: no copy) and the step accumulates into fresh ``.grad`` tensors; at its end the kept
 tensors get the step's gradients added and go back. A step that must reduce what ``no_sync``
-steps accumulated together with its own accumulates in place instead, and keeps a copy. A
+steps accumulated together with its own accumulates in place instead, and keeps a copy (none of a
+tensor known to hold zeros, such as a fixed buffer that replaced a None ``.grad``: zeros come back). A
 ``main_grad`` that no data-parallel reducer zeroes at the step's start is copied. After a failure
 every kept tensor goes back as it was and the step's gradients are dropped.
 
@@ -31,6 +32,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .._compat import foreach_zero_
+
 __all__ = ["GradientsAside"]
 
 
@@ -43,19 +46,25 @@ class GradientsAside:
         in_place: leave ``.grad`` in place and keep a copy (the step reduces what ``no_sync``
             steps accumulated together with its own).
         copy_main_grad: copy ``main_grad`` (no reducer zeroes it at the step's start).
+        zeroed: ids of parameters whose ``.grad`` is known to hold zeros (`in_place` keeps no copy
+            of those: a failure zeroes them again).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], *, keep: bool, in_place: bool, copy_main_grad: bool) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, keep: bool, in_place: bool, copy_main_grad: bool,
+                 zeroed: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self._params = list(params)
         self._keep = keep
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept tensor, its values)
+        self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
         if not keep:
             return
         for p in self._params:
             self._aside.append((p, p.grad))
             if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
-                if p.grad is not None:
+                if p.grad is not None and id(p) in zeroed:
+                    self._zeros.append(p.grad)
+                elif p.grad is not None:
                     self._copies.append((p.grad, p.grad.clone()))
             else:
                 p.grad = None
@@ -71,7 +80,7 @@ class GradientsAside:
             if p.grad is not None:
                 g.add_(p.grad)
             p.grad = g
-        self._aside, self._copies = [], []
+        self._aside, self._copies, self._zeros = [], [], []
 
     def discard_step(self) -> None:
         """The step failed: drop its gradients and restore the kept ones (or clear them all)."""
@@ -80,10 +89,12 @@ class GradientsAside:
                 p.grad = g
             for kept, copy in self._copies:
                 kept.copy_(copy)
+            if self._zeros:
+                foreach_zero_(self._zeros)
         else:
             for p in self._params:
                 p.grad = None
                 main = getattr(p, "main_grad", None)
                 if isinstance(main, torch.Tensor):
                     main.zero_()
-        self._aside, self._copies = [], []
+        self._aside, self._copies, self._zeros = [], [], []

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from .._compat import modules_and_parameters
 from ..schedules.ir import Kind, Schedule
 from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
@@ -241,12 +242,7 @@ class Pipeline:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (of all its stages), each once."""
-        seen: set[int] = set()
-        for m in self.stage_modules.values():
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        yield from {id(p): p for m in self.stage_modules.values() for p in modules_and_parameters(m)[1]}.values()
 
     def step(self, inputs: Any = None, target: Any = None, *, losses: list | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward.

@@ -93,10 +93,12 @@ class Reductions:
         `reducing`: False inside ``no_sync()``."""
         self._mode = "sync" if reducing else "no_sync"
         params = list(self._params())
+        zeroed: set[int] = set()
         if self.fixed_grads is not None:  # before the aside: it keeps what the fixed buffers hold
-            self.fixed_grads.attach(params)
+            zeroed = self.fixed_grads.attach(params)
         accumulate = reducing and self._unreduced  # reduce the no_sync steps' gradients with this one's
         self._aside = GradientsAside(params, keep=self._keep, in_place=accumulate or self.fixed_grads is not None,
+                                     zeroed=zeroed,
                                      copy_main_grad=not (reducing and self.reducer is not None and not self._unreduced))
 
     def begin(self, draining: Callable[[], bool]) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from .._compat import modules_and_parameters
 from .loss_weights import checked_weights
 from .tree import batch_rows, flatten, rebuild, split
 
@@ -70,10 +71,11 @@ def _to_device(obj: Any, device: torch.device, what: str) -> Any:
 
 def module_state(stage_modules: Mapping[int, nn.Module]) -> tuple:
     """What, besides the input, decides the shapes and requires_grad of the activations."""
-    return tuple(
-        (s, tuple(mod.training for mod in m.modules()), tuple(p.requires_grad for p in m.parameters()))
-        for s, m in stage_modules.items()
-    )
+    state = []
+    for s, m in stage_modules.items():
+        modules, params = modules_and_parameters(m)
+        state.append((s, tuple(mod.training for mod in modules), tuple(p.requires_grad for p in params)))
+    return tuple(state)
 
 
 def merge(outputs: list[Any]) -> Any:

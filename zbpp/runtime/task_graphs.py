@@ -322,9 +322,11 @@ class GradBuffers:
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
 
-    def attach(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Point every such parameter's ``.grad`` at its buffer, keeping what ``.grad`` held."""
+    def attach(self, params: Sequence[torch.nn.Parameter]) -> set[int]:
+        """Point every such parameter's ``.grad`` at its buffer, keeping what ``.grad`` held.
+        Returns the ids of the parameters whose ``.grad`` was None: their buffers now hold zeros."""
         zero: list[torch.Tensor] = []
+        zeroed: set[int] = set()
         for p in params:
             if not p.requires_grad or isinstance(getattr(p, "main_grad", None), torch.Tensor):
                 continue
@@ -333,13 +335,17 @@ class GradBuffers:
                 buf = self._buffers[id(p)] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 if p.grad is not None:
                     buf.copy_(p.grad)
+                else:
+                    zeroed.add(id(p))
             elif p.grad is None:
                 zero.append(buf)
+                zeroed.add(id(p))
             elif p.grad is not buf:
                 buf.copy_(p.grad)
             p.grad = buf
         if zero:
             foreach_zero_(zero)
+        return zeroed
 
 
 def external_addresses(params: Sequence[torch.nn.Parameter]) -> tuple:
