@@ -15,7 +15,6 @@ module. Autograd's backward thread counts too, hence the lock.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from typing import Iterable
 
 __all__ = ["PathCounts", "FUSED_COUNTS", "fused_path_counts", "reset_fused_path_counts"]
@@ -27,17 +26,19 @@ class PathCounts:
     def __init__(self, keys: Iterable[str]) -> None:
         self._keys = tuple(keys)
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts: dict[str, int] = {}
 
     def add(self, *keys: str) -> None:
         """Count one run of each key."""
-        with self._lock:
-            self._counts.update(keys)
+        with self._lock:  # a plain loop: Counter.update costs ~4 us a call, and casts count twice
+            counts = self._counts
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
 
     def snapshot(self) -> dict[str, int]:
         """``{key: count}`` for every declared key (zeros included)."""
         with self._lock:
-            return {key: self._counts[key] for key in self._keys}
+            return {key: self._counts.get(key, 0) for key in self._keys}
 
     def reset(self) -> None:
         """Set every count to zero."""
