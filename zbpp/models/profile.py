@@ -443,12 +443,11 @@ def _leaves(x: Any, first: bool) -> Any:
 
 
 class _Timer:
-    """A task's time as it runs among others in a pipeline. On CUDA: the GPU's time to run its
-    kernels back to back, queued behind a head start while the host issues them. In a pipeline
-    the host issues a task while the GPU runs the tasks before it, and the runtime's records (CUDA
-    events) show the kernels' time; timed from an idle GPU, or as the host's issue time, a task
-    would also count the launches and this module's own bookkeeping (on an H200, W 2.0-2.6x the
-    runtime's records)."""
+    """A task's time as it runs among others in a pipeline, as the runtime's records (CUDA events)
+    show it. On CUDA: the slower of the GPU's time to run its kernels back to back (queued behind a
+    head start while the host issues them) and the host's time to issue them (a task whose host
+    work outlasts its kernels keeps the GPU waiting). The timed steps run without the memory
+    probe's hooks, which would add to the host's time."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -458,10 +457,12 @@ class _Timer:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             gpu_head_start()
             start.record()
+            t0 = time.perf_counter()
             value = fn()
+            host = time.perf_counter() - t0
             end.record()
             end.synchronize()
-            return value, start.elapsed_time(end) / 1e3
+            return value, max(host, start.elapsed_time(end) / 1e3)
         t0 = time.perf_counter()
         value = fn()
         return value, time.perf_counter() - t0
@@ -500,8 +501,10 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     split = has_own_wgrad(stage, tasks)
     kept = _kept_gradients(stage)
 
-    def forward(xs: Any, key: Any, saved: SavedBoxes | None, seen: dict[Any, Any]) -> tuple[Any, list[torch.Tensor]]:
-        with microbatch(key), saved if saved is not None else contextlib.nullcontext(), _saved_storages(static_ids, seen):
+    def forward(xs: Any, key: Any, saved: SavedBoxes | None, seen: dict[Any, Any] | None) -> tuple[Any, list[torch.Tensor]]:
+        # `seen`: record the saved storages (the untimed probe step only: its hooks cost host time)
+        record = _saved_storages(static_ids, seen) if seen is not None else contextlib.nullcontext()
+        with microbatch(key), saved if saved is not None else contextlib.nullcontext(), record:
             out = _call(module, xs)
             if loss is not None and loss[0] is not None:
                 return out, [loss[0](out, loss[1])]
@@ -511,13 +514,13 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     nxt: Any = None
     activation = wgrad = transient = 0
     try:
-        for step in range(warmup + steps + 1):  # the last, untimed: B's transient (a dispatch mode slows it)
+        for step in range(warmup + steps + 1):  # the last, untimed: the memory (hooks and a dispatch mode slow it)
             probe = step == warmup + steps
             key = ("profile", step)
             xs = _received(x)  # a fresh input, as the runtime receives one per microbatch
             inputs = [t for t in _tensors(xs) if t.requires_grad]
             saved = SavedBoxes() if split and inputs else None  # as the runtime's F of a split B
-            seen: dict[Any, Any] = {}  # the forward's saved storages, held weakly
+            seen: dict[Any, Any] | None = {} if probe else None  # the forward's saved storages, held weakly
             (out, outs), f = timer(lambda: forward(xs, key, saved, seen))
             if not outs:
                 raise ValueError(f"layer {lname!r}: no output needs a gradient (no parameter or input on its path), "
@@ -525,7 +528,8 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
             if grads is None:
                 grads = [torch.ones_like(t) if t.dim() == 0
                          else torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in outs]
-            activation = _alive(seen)
+            if probe:
+                activation = _alive(seen)
             if step == warmup + steps - 1:
                 nxt = _detached(out, copy=True)
             _release(out)  # as the runtime does once an output is sent: only its autograd node stays
@@ -541,7 +545,8 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
                 b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
             _drop_grads(inputs)  # (in a function: a loop variable here would keep an input alive)
             del inputs, outs, saved
-            wgrad = _alive(seen)  # what W keeps: left by the split's marks (or a delayed module's store)
+            if probe:
+                wgrad = _alive(seen)  # what W keeps: left by the split's marks (or a delayed module's store)
             _, w = timer(lambda: tasks.compute(key))
             if not params:
                 w = 0.0  # no weight: W computes nothing
