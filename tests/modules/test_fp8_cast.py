@@ -22,7 +22,6 @@ import torch
 
 from zbpp.modules import DelayedScaling, Linear, fp8_autocast
 from zbpp.modules import _fp8_cast_triton as kernels
-from zbpp.modules._triton_launch import launch_counts
 from zbpp.modules import fp8 as fp8mod
 from zbpp.modules.fp8 import cast as fp8cast
 from zbpp.modules.fp8 import ScalingMeta, cast_path_counts, quantize, reset_cast_path_counts
@@ -349,11 +348,9 @@ def test_gpu_triton_update_is_bit_identical(fresh_paths, length, algo, margin):
 @pytest.mark.gpu
 @pytest.mark.usefixtures("triton_gpu")
 def test_gpu_quantize_through_triton_equals_eager(fresh_paths):
-    """Three steps of one slot: data, data_t, scale_inv, history and scale all equal (the later
-    steps launch the compiled kernel directly, `_triton_launch`)."""
+    """Three steps of one slot: data, data_t, scale_inv, history and scale all equal."""
     recipe = DelayedScaling(amax_history_len=4)
     fast, slow = (ScalingMeta(E5M2, history_len=4, device="cuda") for _ in range(2))
-    direct = launch_counts()["direct"]
     for step in range(3):
         x = _mixed_values((257, 130), torch.bfloat16, seed=10 + step)
         fresh_paths.setenv(ENV, "triton")
@@ -367,7 +364,6 @@ def test_gpu_quantize_through_triton_equals_eager(fresh_paths):
         assert torch.equal(fast.scale, slow.scale)
     assert cast_path_counts()["triton"] == 3 and cast_path_counts()["eager"] == 3
     assert cast_path_counts()["update_triton"] == 3 and not fp8cast._failed
-    assert launch_counts()["direct"] >= direct + 2
 
 
 @pytest.mark.gpu

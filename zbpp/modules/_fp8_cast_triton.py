@@ -44,8 +44,6 @@ import os
 
 import torch
 
-from ._triton_launch import launch
-
 try:
     import triton
     import triton.language as tl
@@ -448,16 +446,31 @@ def _launch(
     history, scale_inv, factor, most_recent = update or (amax_bits, amax_bits, 0.0, False)
     block_h = max(16, triton.next_power_of_2(history.numel())) if update else 16
     with on_device(x.device):
-        launch(
-            _cast_transpose_amax_kernel,
-            (row_tiles * triton.cdiv(n, BLOCK_N),),
-            (x2, scale, data.view(torch.uint8), (data_t if data_t is not None else data).view(torch.uint8),
-             sums if sums is not None else scale, amax_bits, history, scale_inv, m, n, x2.stride(0), x2.stride(1),
-             float(fp8_max), history.numel(), float(factor)),
-            dict(E5M2=dtype == torch.float8_e5m2, TRANSPOSE=transpose, COLUMN_SUMS=column_sums,
-                 UPDATE=update is not None, MOST_RECENT=most_recent, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                 BLOCK_H=block_h),
-            NUM_WARPS,
+        _cast_transpose_amax_kernel[(row_tiles * triton.cdiv(n, BLOCK_N),)](
+            x2,
+            scale,
+            data.view(torch.uint8),
+            (data_t if data_t is not None else data).view(torch.uint8),
+            sums if sums is not None else scale,
+            amax_bits,
+            history,
+            scale_inv,
+            m,
+            n,
+            x2.stride(0),
+            x2.stride(1),
+            float(fp8_max),
+            history.numel(),
+            float(factor),
+            E5M2=dtype == torch.float8_e5m2,
+            TRANSPOSE=transpose,
+            COLUMN_SUMS=column_sums,
+            UPDATE=update is not None,
+            MOST_RECENT=most_recent,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_H=block_h,
+            num_warps=NUM_WARPS,
         )
     return data.view(shape), data_t, sums
 
@@ -532,5 +545,13 @@ def update_scale(
         raise ValueError(f"update_scale: history length {length}; need 1..{MAX_HISTORY}")
     block = max(16, triton.next_power_of_2(length))
     with on_device(history.device):
-        launch(_update_scale_kernel, (1,), (history, amax, scale, length, float(factor)),
-               dict(MOST_RECENT=most_recent, BLOCK=block), 1 if block <= 1024 else 4)
+        _update_scale_kernel[(1,)](
+            history,
+            amax,
+            scale,
+            length,
+            float(factor),
+            MOST_RECENT=most_recent,
+            BLOCK=block,
+            num_warps=1 if block <= 1024 else 4,
+        )
