@@ -1,0 +1,72 @@
+"""`zbpp measure`'s task times against the runtime's records of the same stage, on one GPU: a HF
+Llama (hidden 2048, 4 layers, seq 2048, bf16) profiled layer by layer with `measure_profile`, and
+run as a one-rank zb-v `Pipeline(record_task_times=True)` of 4 microbatches, whose stage 1 holds
+layers 2-3, the norm and the head; F, B and W of those layers summed against the median of stage
+1's F, B and W records, with the generic B/W split and with delayed-wgrad layers (`delay_wgrad`).
+
+    PYTHONPATH=$PWD python3 benchmarks/measure_vs_runtime.py --out measure_vs_runtime.json
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import transformers
+
+from zbpp import Pipeline
+from zbpp.models import measure_profile
+from zbpp.models.hf import causal_lm_stages
+from zbpp.modules import delay_wgrad
+from zbpp.schedules import build
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)
+    SEQ, M = 2048, 4
+    out = {}
+    for delayed in (False, True):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
+        if delayed:
+            delay_wgrad(model)
+        ids = torch.randint(0, 32000, (1, SEQ), device="cuda")
+        prof = measure_profile(model, ids, steps=5, warmup=2)
+        sched = build("zb-v", num_ranks=1, num_microbatches=M)  # two stages on the rank: stage 1's B is real
+        stages, kw = causal_lm_stages(cfg, sched, 0, device="cuda", dtype=torch.bfloat16, attn_implementation="sdpa",
+                                      state_dict=model.state_dict())
+        held = {n.rsplit(".", 1)[0] if n.rsplit(".", 1)[-1] in ("weight", "bias") else n
+                for n, _ in stages[1].named_parameters()}
+        mine = [l for l in prof.layers
+                if any(h == part or h.startswith(part + ".") for part in l.name.split("+") for h in held)]
+        print("stage 1 layers:", [l.name for l in mine])
+        measured = {k: sum(getattr(l, k) for l in mine) for k in ("f", "b", "w")}
+        if delayed:
+            for s in stages.values():
+                delay_wgrad(s)
+        pipe = Pipeline(stages, sched, record_task_times=True, **kw)
+        batch = torch.randint(0, 32000, (M, SEQ), device="cuda")
+        runtime = {"f": [], "b": [], "w": []}
+        for step in range(6):
+            pipe.step({"input_ids": batch}, target=batch)
+            if step >= 2:
+                for r in pipe.task_times():
+                    k = r["action"][0].lower()
+                    if k in runtime and r["action"][1:].startswith("1."):
+                        runtime[k].append(r["end"] - r["start"])
+        rt = {k: statistics.median(v) for k, v in runtime.items() if v}
+        name = "delayed" if delayed else "generic"
+        out[name] = {"measure_ms": {k: v * 1e3 for k, v in measured.items()}, "runtime_ms": {k: v * 1e3 for k, v in rt.items()},
+                     "w_ratio": measured["w"] / rt["w"]}
+        print(name, json.dumps(out[name]))
+        del pipe, stages, model
+        torch.cuda.empty_cache()
+    if args.out:
+        json.dump(out, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
