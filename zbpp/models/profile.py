@@ -446,8 +446,8 @@ class _Timer:
     """A task's time as it runs among others in a pipeline. On CUDA: the GPU's time to run its
     kernels back to back, queued behind a head start while the host issues them (in a pipeline the
     host issues a task while the GPU runs the ones before). Timed from an idle GPU, or as the
-    slower of that and the host's issue time, a task also counts its launches (on an H200, HF
-    Llama layers: W 1.9-2.6x the runtime's records, where the kernel time alone is 0.7-0.8x)."""
+    slower of that and the host's issue time, a task would also count its launches and this
+    module's own work around them, which the runtime's records do not show."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"

@@ -27,7 +27,7 @@ True
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import AbstractSet, Iterable
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ class GradientsAside:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *, keep: bool, in_place: bool, copy_main_grad: bool,
-                 zeroed: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+                 zeroed: AbstractSet[int] = frozenset()) -> None:
         self._params = list(params)
         self._keep = keep
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
