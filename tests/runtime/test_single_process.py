@@ -162,3 +162,22 @@ def test_a_failed_step_restores_a_user_main_grad():
     ref.load_state_dict(lin.state_dict())
     (ref(torch.ones(8, 2)).sum() / 4).backward()
     torch.testing.assert_close(lin.weight.main_grad, ref.weight.grad + 0.5, rtol=0, atol=1e-6)
+
+
+def test_the_stage_walk_lists_what_torch_iterators_list():
+    """`modules_and_parameters` (the step's walk: the start agreement's state hash, the gradients
+    set aside) gives `modules()` and `parameters()` in their order: shared submodules and tied
+    parameters once, None children and parameters skipped."""
+    from torch import nn
+
+    from zbpp._compat import modules_and_parameters
+
+    shared = nn.Linear(2, 2)
+    tied = nn.Linear(2, 2)
+    tied.weight = shared.weight
+    root = nn.Sequential(shared, nn.Sequential(nn.ReLU(), shared, tied), nn.ModuleDict({"a": nn.LayerNorm(2)}))
+    root.register_module("gone", None)
+    root[1][0].register_parameter("nothing", None)
+    modules, params = modules_and_parameters(root)
+    assert [id(m) for m in modules] == [id(m) for m in root.modules()]
+    assert [id(p) for p in params] == [id(p) for p in root.parameters()]
