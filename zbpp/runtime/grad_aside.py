@@ -59,18 +59,17 @@ class GradientsAside:
         self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
         if not keep:
             return
-        for p in self._params:
-            self._aside.append((p, p.grad))
-            if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
-                if p.grad is not None and id(p) in zeroed:
-                    self._zeros.append(p.grad)
-                elif p.grad is not None:
-                    self._copies.append((p.grad, p.grad.clone()))
-            else:
+        # comprehensions over the parameters: this runs before every step's first kernel
+        self._aside = [(p, p.grad) for p in self._params]
+        if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
+            self._zeros = [g for p, g in self._aside if g is not None and id(p) in zeroed]
+            self._copies = [(g, g.clone()) for p, g in self._aside if g is not None and id(p) not in zeroed]
+        else:
+            for p in self._params:
                 p.grad = None
-            main = getattr(p, "main_grad", None)
-            if isinstance(main, torch.Tensor) and copy_main_grad:
-                self._copies.append((main, main.clone()))
+        if copy_main_grad:
+            mains = (getattr(p, "main_grad", None) for p in self._params)
+            self._copies += [(m, m.clone()) for m in mains if isinstance(m, torch.Tensor)]
 
     def take_back(self) -> None:
         """The step succeeded: add its gradients to the kept ones and put those back."""

@@ -25,7 +25,6 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from .._compat import modules_and_parameters
 from ..schedules.ir import Kind, Schedule
 from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
@@ -42,7 +41,7 @@ from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
 from .tied import TiedParameters
 from .topology import Topology
-from .step_input import LocalBatch, local_batch, merge, module_state, stable_hash
+from .step_input import LocalBatch, local_batch, merge, module_state, stable_hash, stage_walks, unique_parameters
 from .wgrad import StageWgrad, check_fifo_wgrad, has_own_wgrad
 
 __all__ = ["Pipeline"]
@@ -61,6 +60,7 @@ class _Step:
     executor: StepExecutor
     comm: CommQueue
     failure: StepFailure
+    params: list[nn.Parameter]  #: this rank's parameters, each once, as the step found them
     runner: TaskRunner = EAGER
     results: StepResults = field(default_factory=StepResults)
 
@@ -209,7 +209,7 @@ class Pipeline:
                              "frees parameters from Python hooks around each task); pass cuda_graphs=False")
         stage_params = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
         self._reductions = Reductions(
-            self.parameters, reducer=reducer, fsdp=fsdp, tied=self._tied,
+            reducer=reducer, fsdp=fsdp, tied=self._tied,
             owed_by_w=lambda s: stage_params[s] if s in self._split_stages else self._wgrad[s].wgrad_param_ids(),
             keep_grads_on_failure=self.keep_grads_on_failure,
             fixed_grads=self._graph_cache.grad_buffers if self._graph_cache is not None else None)
@@ -242,7 +242,7 @@ class Pipeline:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (of all its stages), each once."""
-        yield from {id(p): p for m in self.stage_modules.values() for p in modules_and_parameters(m)[1]}.values()
+        yield from unique_parameters(stage_walks(self.stage_modules))
 
     def step(self, inputs: Any = None, target: Any = None, *, losses: list | None = None) -> torch.Tensor | None:
         """Run one training step's forward and backward.
@@ -260,7 +260,7 @@ class Pipeline:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
         step = self._agree_start(inputs, target, forward_only=False)  # agree on the input
-        self._reductions.set_aside(reducing=self._sync_gradients)
+        self._reductions.set_aside(step.params, reducing=self._sync_gradients)
         with self._compute_stream(step):
             problem = _first_error(lambda: self._reductions.begin(lambda: step.failure.draining),
                                    lambda: self._run_tasks(step),  # with the program's communication
@@ -347,7 +347,8 @@ class Pipeline:
             batch, problem = None, exc
         b = batch if batch is not None else LocalBatch()  # nothing of the input on this rank
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
-        mine = StartReport(problem is not None, stable_hash((module_state(self.stage_modules), forward_only)),
+        walks = stage_walks(self.stage_modules)  # read once per step
+        mine = StartReport(problem is not None, stable_hash((module_state(walks), forward_only)),
                            b.input_hash, b.input_rows, b.target_rows, self._base_seed, *trial)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
@@ -375,7 +376,8 @@ class Pipeline:
                                 recorder=self._recorder if not forward_only else None)
         failure = StepFailure()
         comm = CommQueue(program, self._channels, specs, new_signature, self._in_flight, failure)
-        return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure)
+        return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure,
+                     unique_parameters(walks))
 
     def _compute_stream(self, step: _Step) -> Any:  # with CUDA graphs a side stream (`GraphCache.stream`)
         return self._graph_cache.stream(self._in_flight) if self._graph_cache else contextlib.nullcontext()
@@ -385,7 +387,7 @@ class Pipeline:
         reducer may move ``main_grad``, which graphs bake in)."""
         graphs = self._graph_cache if not step.forward_only else None
         if graphs is not None:
-            step.runner = graphs.runner(step.signature, step.new_signature, list(self.parameters()))
+            step.runner = graphs.runner(step.signature, step.new_signature, step.params)
         boundaries = self._reductions if not step.forward_only else None
         step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
         if graphs is not None:

@@ -18,8 +18,8 @@ FSDP stages (`begin_eval`, `finish_eval`).
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.ones(2)
->>> r = Reductions(lambda: [p], reducer=None, fsdp=None, tied=None, owed_by_w=lambda s: set())
->>> r.set_aside(reducing=True); r.begin(lambda: False)
+>>> r = Reductions(reducer=None, fsdp=None, tied=None, owed_by_w=lambda s: set())
+>>> r.set_aside([p], reducing=True); r.begin(lambda: False)
 >>> p.grad = torch.full((2,), 2.0)  # the step's own gradient
 >>> r.finish(); r.rollback(); p.grad.tolist()  # the step failed on some rank: earlier gradients only
 [1.0, 1.0]
@@ -28,7 +28,7 @@ FSDP stages (`begin_eval`, `finish_eval`).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from torch import nn
 
@@ -63,7 +63,6 @@ class Reductions:
     """The reductions of one rank's gradients (see the module docstring).
 
     Args:
-        params: this rank's parameters, each once (called at each step's start).
         reducer: the data-parallel reducer, or None (one replica); an `FsdpReducer` when `fsdp` is.
         fsdp: the `FsdpReducer` of ``fully_shard`` stages, or None.
         tied: the `TiedParameters` (or None: none).
@@ -73,10 +72,9 @@ class Reductions:
         fixed_grads: the fixed ``.grad`` buffers of CUDA graphs (`GradBuffers`), or None.
     """
 
-    def __init__(self, params: Callable[[], Iterable[nn.Parameter]], *, reducer: GradientReducer | None, fsdp: Any,
+    def __init__(self, *, reducer: GradientReducer | None, fsdp: Any,
                  tied: Any, owed_by_w: Callable[[int], set[int]], keep_grads_on_failure: bool = True,
                  fixed_grads: GradBuffers | None = None) -> None:
-        self._params = params
         self.reducer = reducer
         self.fsdp = fsdp
         self.tied = tied
@@ -88,11 +86,10 @@ class Reductions:
         self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
     # -- a training step ------------------------------------------------------------------------
-    def set_aside(self, *, reducing: bool) -> None:
-        """Before a training step (on the caller's stream): keep earlier gradients apart.
-        `reducing`: False inside ``no_sync()``."""
+    def set_aside(self, params: Sequence[nn.Parameter], *, reducing: bool) -> None:
+        """Before a training step (on the caller's stream): keep the earlier gradients of `params`
+        (this rank's, each once) apart. `reducing`: False inside ``no_sync()``."""
         self._mode = "sync" if reducing else "no_sync"
-        params = list(self._params())
         zeroed: set[int] = set()
         if self.fixed_grads is not None:  # before the aside: it keeps what the fixed buffers hold
             zeroed = self.fixed_grads.attach(params)

@@ -24,7 +24,7 @@ from .._compat import modules_and_parameters
 from .loss_weights import checked_weights
 from .tree import batch_rows, flatten, rebuild, split
 
-__all__ = ["LocalBatch", "local_batch", "merge", "module_state", "stable_hash"]
+__all__ = ["LocalBatch", "local_batch", "merge", "module_state", "stable_hash", "stage_walks", "unique_parameters"]
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,25 @@ def _to_device(obj: Any, device: torch.device, what: str) -> Any:
     return rebuild(spec, [t.to(device) for t in leaves])
 
 
-def module_state(stage_modules: Mapping[int, nn.Module]) -> tuple:
-    """What, besides the input, decides the shapes and requires_grad of the activations."""
-    state = []
-    for s, m in stage_modules.items():
-        modules, params = modules_and_parameters(m)
-        state.append((s, tuple(mod.training for mod in modules), tuple(p.requires_grad for p in params)))
-    return tuple(state)
+Walks = Mapping[int, tuple[list[nn.Module], list[nn.Parameter]]]
+
+
+def stage_walks(stage_modules: Mapping[int, nn.Module]) -> dict[int, tuple[list[nn.Module], list[nn.Parameter]]]:
+    """Each stage's modules and parameters (``_compat.modules_and_parameters``): a step reads
+    them once, for `module_state` and for its parameters."""
+    return {s: modules_and_parameters(m) for s, m in stage_modules.items()}
+
+
+def unique_parameters(walks: Walks) -> list[nn.Parameter]:
+    """The parameters of `walks`, each once, in walk order."""
+    return list({id(p): p for _, params in walks.values() for p in params}.values())
+
+
+def module_state(walks: Walks) -> tuple:
+    """What, besides the input, decides the shapes and requires_grad of the activations, from each
+    stage's modules and parameters (``_compat.modules_and_parameters``)."""
+    return tuple((s, tuple(mod.training for mod in modules), tuple(p.requires_grad for p in params))
+                 for s, (modules, params) in walks.items())
 
 
 def merge(outputs: list[Any]) -> Any:

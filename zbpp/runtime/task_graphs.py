@@ -327,21 +327,28 @@ class GradBuffers:
         Returns the ids of the parameters whose ``.grad`` was None: their buffers now hold zeros."""
         zero: list[torch.Tensor] = []
         zeroed: set[int] = set()
+        buffers = self._buffers
         for p in params:
             if not p.requires_grad or isinstance(getattr(p, "main_grad", None), torch.Tensor):
                 continue
-            buf = self._buffers.get(id(p))
+            grad, buf = p.grad, buffers.get(id(p))
+            if buf is not None and grad is None:  # the usual case, after zero_grad()
+                try:
+                    p.grad = buf  # checks the buffer's shape, dtype and device against p's
+                except RuntimeError:  # p changed: a new buffer below
+                    pass
+                else:
+                    zero.append(buf)
+                    zeroed.add(id(p))
+                    continue
             if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-                buf = self._buffers[id(p)] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if p.grad is not None:
-                    buf.copy_(p.grad)
+                buf = buffers[id(p)] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if grad is not None:
+                    buf.copy_(grad)
                 else:
                     zeroed.add(id(p))
-            elif p.grad is None:
-                zero.append(buf)
-                zeroed.add(id(p))
-            elif p.grad is not buf:
-                buf.copy_(p.grad)
+            elif grad is not buf:
+                buf.copy_(grad)
             p.grad = buf
         if zero:
             foreach_zero_(zero)
