@@ -5,9 +5,10 @@ The stack and the step are bench_modules' (``--suite blocks``: ``x + LayerNormML
 one-rank zb-h1 `Pipeline` of F, B and W per microbatch; ``one graph`` replays F, B and W of every
 microbatch from one graph). Each variant is timed two ways: from an idle GPU (CUDA events around
 one step, the median of 10: what the step's host work before its first kernel costs) and
-sustained (10 steps back to back, nothing waited for in between). ``--trace DIR`` also writes a
-torch.profiler trace (host and GPU, gzipped chrome JSON) of two task-graph steps, where the GPU's
-idle gaps and the host work during them can be read (Perfetto opens it).
+sustained (10 steps back to back, each after ``zero_grad()``, nothing waited for in between).
+``--trace DIR`` also writes a torch.profiler trace (host and GPU, gzipped chrome JSON) of two
+task-graph steps, where the GPU's idle gaps and the host work during them can be read (Perfetto
+opens it).
 
     PYTHONPATH=$PWD python3 benchmarks/task_graph_gaps.py --out task_graph_gaps.json --trace $OUT
 """
@@ -79,6 +80,7 @@ def main() -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(10):
+            clear()  # host work only, as in training: zero_grad(), then the step
             step()
         end.record()
         end.synchronize()
