@@ -129,6 +129,36 @@ def test_fixed_grad_buffers_keep_accumulation() -> None:
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-12, atol=0)
 
 
+def test_grad_buffers_attach_each_case() -> None:
+    """`GradBuffers.attach`, case by case: one fixed buffer per parameter that keeps ``.grad``'s
+    values (zeros where it was None, reported as zeroed), skipped for frozen parameters and those
+    with ``main_grad``, and a new buffer when the parameter's dtype or shape changed."""
+    buffers = task_graphs.GradBuffers()
+    a, frozen, fused = (nn.Parameter(torch.ones(2, dtype=torch.float64)) for _ in range(3))
+    b = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    frozen.requires_grad_(False)
+    fused.main_grad = torch.zeros(2, dtype=torch.float64)
+    b.grad = torch.full((3,), 4.0, dtype=torch.float64)
+    params = [a, frozen, fused, b]
+    assert buffers.attach(params) == {id(a)}  # a had no .grad: a zero buffer
+    buf_a, buf_b = a.grad, b.grad
+    assert buf_a.tolist() == [0.0, 0.0] and buf_b.tolist() == [4.0] * 3
+    assert frozen.grad is None and fused.grad is None
+    buf_a.add_(5.0)  # a step's accumulation stays: no zeroing while .grad is the buffer
+    assert buffers.attach(params) == set() and a.grad is buf_a and a.grad.tolist() == [5.0, 5.0]
+    a.grad, b.grad = None, torch.full((3,), 7.0, dtype=torch.float64)  # zero_grad(); a new tensor
+    assert buffers.attach(params) == {id(a)}
+    assert a.grad is buf_a and a.grad.tolist() == [0.0, 0.0]
+    assert b.grad is buf_b and b.grad.tolist() == [7.0] * 3
+    a.grad = None
+    a.data = torch.ones(2, dtype=torch.float32)  # a new dtype: the old buffer no longer fits
+    b.data = torch.ones(4, dtype=torch.float64)  # a new shape
+    b.grad = None
+    assert buffers.attach(params) == {id(a), id(b)}
+    assert a.grad is not buf_a and a.grad.dtype == torch.float32 and a.grad.tolist() == [0.0, 0.0]
+    assert b.grad is not buf_b and b.grad.tolist() == [0.0] * 4
+
+
 def test_failed_steps_restore_the_fixed_grad_buffers(monkeypatch) -> None:
     """A failed step puts back what the fixed .grad buffers held: the earlier gradient, or zeros
     where .grad was None before the step (those are zeroed again, never copied: no clone is taken)."""
