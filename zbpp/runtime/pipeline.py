@@ -60,7 +60,7 @@ class _Step:
     executor: StepExecutor
     comm: CommQueue
     failure: StepFailure
-    params: list[nn.Parameter]  #: this rank's parameters, each once, as the step found them
+    params: list[nn.Parameter]  #: this rank's parameters, each once, as a training step found them
     runner: TaskRunner = EAGER
     results: StepResults = field(default_factory=StepResults)
 
@@ -377,7 +377,7 @@ class Pipeline:
         failure = StepFailure()
         comm = CommQueue(program, self._channels, specs, new_signature, self._in_flight, failure)
         return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure,
-                     unique_parameters(walks))
+                     [] if forward_only else unique_parameters(walks))  # only training steps use them
 
     def _compute_stream(self, step: _Step) -> Any:  # with CUDA graphs a side stream (`GraphCache.stream`)
         return self._graph_cache.stream(self._in_flight) if self._graph_cache else contextlib.nullcontext()
