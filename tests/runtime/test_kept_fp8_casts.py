@@ -55,6 +55,8 @@ def test_kept_casts_match_casting_every_microbatch(name, delay):
         losses = {k: pipe.step(x) for k, pipe in pipes.items()}
         assert torch.equal(losses["kept"], losses["every"]), step
         for s in kept:
+            # the step released its casts (the next one casts afresh): no weight-sized FP8 copy left
+            assert not kept[s].lin._fp8_weight_casts["weight"].kept, (step, s)
             for (n, a), b in zip(kept[s].named_parameters(), every[s].parameters()):
                 assert torch.equal(a.grad, b.grad), (step, s, n)
             kept[s].zero_grad(set_to_none=True)
@@ -62,3 +64,15 @@ def test_kept_casts_match_casting_every_microbatch(name, delay):
     for s in kept:
         assert weight_casts(every[s]) == 3 * MICROBATCHES
         assert weight_casts(kept[s]) == MICROBATCHES + 2  # warm-up, then one per step
+
+
+def test_eval_step_releases_the_kept_casts():
+    sched = build("1f1b", num_ranks=1, num_microbatches=MICROBATCHES)
+    stage = Fp8Stage(delay=False, keep=True)
+    seen = []
+    stage.lin.register_forward_hook(lambda *_: seen.append(stage.lin._fp8_weight_casts["weight"].kept))
+    pipe = Pipeline({0: stage}, sched, lambda out, _: out.square().mean())
+    pipe.eval_step(torch.randn(ROWS, WIDTH))
+    assert seen == [True] * MICROBATCHES  # kept for the later microbatches while the step ran
+    assert not stage.lin._fp8_weight_casts["weight"].kept
+    assert weight_casts(stage) == 1

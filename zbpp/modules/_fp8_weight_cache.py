@@ -95,6 +95,11 @@ class Fp8WeightCache:
         """Forget the kept cast (and free its memory)."""
         self._kept = None
 
+    @property
+    def kept(self) -> bool:
+        """Whether a cast is kept."""
+        return self._kept is not None
+
     def cast(
         self,
         weight: torch.Tensor,

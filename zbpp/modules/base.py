@@ -245,9 +245,8 @@ class DelayedWgradModule(nn.Module):
         if first is not None and first is not True and first is not False:
             check_first_microbatch(type(self).__name__, first)  # raises: names what is accepted
         recipe = active_recipe()
-        if (recipe is None or first is None) and self._fp8_weight_casts:
-            for cache in self._fp8_weight_casts.values():  # nothing to reuse later: free them
-                cache.clear()
+        if recipe is None or first is None:
+            self.release_step_caches()  # nothing to reuse later: free them
         if self._delay and self._bias_grad_deferred != (recipe is None):
             self._bias_grad_deferred = recipe is None
             self._sync_param_flags()
@@ -324,6 +323,28 @@ class DelayedWgradModule(nn.Module):
     ) -> LayerSpec:
         store = self._wgrad_store if self._delay else None
         return LayerSpec(fc1, fc2, normalization, eps, act, store, call.key, call.recipe)
+
+    def release_step_caches(self) -> None:
+        """Free the FP8 weight casts kept for the step's later microbatches (``is_first_microbatch``).
+
+        `zbpp.Pipeline` calls it after every step: the next step casts afresh anyway (the
+        weights changed), and a step replayed from CUDA graphs reads the casts its graphs made,
+        never these. Call it yourself after a step's last microbatch when you drive the layer
+        by hand, to give the casts' memory (two bytes per weight element) back before the
+        optimizer step.
+
+        >>> import torch
+        >>> from zbpp.modules import DelayedScaling, Linear, fp8_autocast
+        >>> layer = Linear(16, 16)
+        >>> with fp8_autocast(fp8_recipe=DelayedScaling()):
+        ...     _ = layer(torch.ones(16, 16), is_first_microbatch=True)
+        >>> layer._fp8_weight_casts["weight"].kept, layer.release_step_caches()
+        (True, None)
+        >>> layer._fp8_weight_casts["weight"].kept
+        False
+        """
+        for cache in self._fp8_weight_casts.values():
+            cache.clear()
 
     # -- the protocol -------------------------------------------------------------------------
     def backward_dw(self, key: Hashable | None = None) -> None:

@@ -41,7 +41,8 @@ from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
 from .tied import TiedParameters
 from .topology import Topology
-from .step_input import LocalBatch, local_batch, merge, module_state, stable_hash, stage_walks, unique_parameters
+from .step_input import (LocalBatch, Walks, local_batch, merge, module_state, release_step_caches, stable_hash,
+                         stage_walks, unique_parameters)
 from .wgrad import StageWgrad, check_fifo_wgrad, has_own_wgrad
 
 __all__ = ["Pipeline"]
@@ -60,7 +61,8 @@ class _Step:
     executor: StepExecutor
     comm: CommQueue
     failure: StepFailure
-    params: list[nn.Parameter]  #: this rank's parameters, each once, as a training step found them
+    walks: Walks  #: this rank's stages' modules and parameters, as the step found them
+    params: list[nn.Parameter]  #: this rank's parameters, each once (training steps; [] for forward-only)
     runner: TaskRunner = EAGER
     results: StepResults = field(default_factory=StepResults)
 
@@ -266,6 +268,7 @@ class Pipeline:
                                    lambda: self._run_tasks(step),  # with the program's communication
                                    lambda: step.failure.draining or self._reductions.finish())
         failure = self._agree_end(step, problem)  # agree on the outcome
+        release_step_caches(step.walks)  # replays never read them; the next step casts afresh
         if failure is not None:
             raise failure  # the step was rolled back
         if self._graph_cache is not None:
@@ -317,6 +320,7 @@ class Pipeline:
             problem = _first_error(self._reductions.begin_eval, lambda: self._run_tasks(step),
                                    self._reductions.finish_eval)
         failure = self._agree_end(step, problem)
+        release_step_caches(step.walks)
         if failure is not None:
             raise failure
         if not self.holds_last_stage:
@@ -376,7 +380,7 @@ class Pipeline:
                                 recorder=self._recorder if not forward_only else None)
         failure = StepFailure()
         comm = CommQueue(program, self._channels, specs, new_signature, self._in_flight, failure)
-        return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure,
+        return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure, walks,
                      [] if forward_only else unique_parameters(walks))  # only training steps use them
 
     def _compute_stream(self, step: _Step) -> Any:  # with CUDA graphs a side stream (`GraphCache.stream`)

@@ -24,7 +24,8 @@ from .._compat import modules_and_parameters
 from .loss_weights import checked_weights
 from .tree import batch_rows, flatten, rebuild, split
 
-__all__ = ["LocalBatch", "local_batch", "merge", "module_state", "stable_hash", "stage_walks", "unique_parameters"]
+__all__ = ["LocalBatch", "local_batch", "merge", "module_state", "release_step_caches", "stable_hash", "stage_walks",
+           "unique_parameters"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,15 @@ def module_state(walks: Walks) -> tuple:
     stage's modules and parameters (``_compat.modules_and_parameters``)."""
     return tuple((s, tuple(mod.training for mod in modules), tuple(p.requires_grad for p in params))
                  for s, (modules, params) in walks.items())
+
+
+def release_step_caches(walks: Walks) -> None:
+    """Call ``release_step_caches()`` on each module of `walks` whose class has it (zbpp's layers:
+    the FP8 weight casts kept for the step's later microbatches), once the step's tasks ran."""
+    for modules, _ in walks.values():
+        for mod in modules:
+            if getattr(type(mod), "release_step_caches", None) is not None:
+                mod.release_step_caches()
 
 
 def merge(outputs: list[Any]) -> Any:
