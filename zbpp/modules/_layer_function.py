@@ -29,6 +29,7 @@ from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache
 from ._fused import act_quantize, dact_quantize, norm_quantize
 from ._norm import norm_backward, norm_forward
+from ._shared_input import cast_input
 from .fp8 import DelayedScaling, Quantized, ScalingMeta, fp8_gemm_nt, quantize
 from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
@@ -325,7 +326,7 @@ class _LayerFunction(torch.autograd.Function):
                     x, norm, norm_w, norm_b, spec.eps, s1.input, recipe, transpose=need_w1
                 )
             else:
-                ln_q = quantize(x, s1.input, recipe, transpose=need_w1)
+                ln_q = cast_input(x, s1.input, recipe, need_w1, w1)  # q, k and v share theirs
             transposed = spec.fc1.transposed
             w1_q = s1.weight_cache.cast(
                 w1, s1.weight, recipe, transpose=need_dln or transposed,

@@ -28,6 +28,7 @@ from ._init import InitMethod, add_gemm_params, check_params_dtype, default_init
 from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerSpec, _Job, accumulate_grad
 from ._layer_function import add_to_main_grad
 from ._norm import make_norm_params
+from ._shared_input import forget_last_cast
 from .context import current_microbatch, forward_key
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
 from .wgrad_store import AutoKey, WgradStore
@@ -245,8 +246,9 @@ class DelayedWgradModule(nn.Module):
         if first is not None and first is not True and first is not False:
             check_first_microbatch(type(self).__name__, first)  # raises: names what is accepted
         recipe = active_recipe()
-        if recipe is None or first is None:
-            self.release_step_caches()  # nothing to reuse later: free them
+        if (recipe is None or first is None) and self._fp8_weight_casts:
+            for cache in self._fp8_weight_casts.values():  # nothing to reuse later: free them
+                cache.clear()
         if self._delay and self._bias_grad_deferred != (recipe is None):
             self._bias_grad_deferred = recipe is None
             self._sync_param_flags()
@@ -325,7 +327,8 @@ class DelayedWgradModule(nn.Module):
         return LayerSpec(fc1, fc2, normalization, eps, act, store, call.key, call.recipe)
 
     def release_step_caches(self) -> None:
-        """Free the FP8 weight casts kept for the step's later microbatches (``is_first_microbatch``).
+        """Free the FP8 weight casts kept for the step's later microbatches (``is_first_microbatch``)
+        and the last input cast held for `Linear`s that share it.
 
         `zbpp.Pipeline` calls it after every step: the next step casts afresh anyway (the
         weights changed), and a step replayed from CUDA graphs reads the casts its graphs made,
@@ -345,6 +348,7 @@ class DelayedWgradModule(nn.Module):
         """
         for cache in self._fp8_weight_casts.values():
             cache.clear()
+        forget_last_cast()  # an input cast held for Linears that share it (`_shared_input`)
 
     # -- the protocol -------------------------------------------------------------------------
     def backward_dw(self, key: Hashable | None = None) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._layer_function import run_layer, run_linear
+from ._shared_input import adopted_slot
 from .base import DelayedWgradModule, _outside_graph, _tracing
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class Linear(DelayedWgradModule):
         if call.recipe is None:
             gemm = self._plain_call(0, weight, bias)
             return run_linear(x, gemm, self._wgrad_store if self._delay else None, call.key)
+        shared = adopted_slot(self.fp8_meta.get("input"), x, call.recipe, weight.device)
+        if shared is not None:  # x was just cast by a slot in this fresh slot's state: share it
+            self.fp8_meta["input"] = shared
         return run_layer(x, self._layer_spec(call, self._gemm_call(0, call, weight, bias)))
 
     def extra_repr(self) -> str:

@@ -52,6 +52,7 @@ class ScalingMeta:
         self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self._workspace: torch.Tensor | None = None  # the fused Triton cast's, made on first use
+        self.casts = 0  # how many casts stepped it (0: fresh)
 
     def fit(self, recipe: DelayedScaling) -> None:
         """Resize the history to the recipe's length, keeping the newest entries."""
@@ -349,6 +350,7 @@ def _quantize(
     x: torch.Tensor, meta: ScalingMeta, recipe: DelayedScaling, transpose: bool, column_sum: bool
 ) -> tuple[Quantized, torch.Tensor | None]:
     meta.fit(recipe)
+    meta.casts += 1
     fused = _quantize_fused(x, meta, recipe, transpose, column_sum)
     if fused is not None:
         return fused

@@ -1,0 +1,96 @@
+"""One FP8 cast of an input that several `Linear`s read (HF's q, k and v; gate and up).
+
+Each GEMM has its own input slot, so three Linears fed the same tensor cast it three times, every
+slot seeing the same amaxes in the same order: the same bytes three times, and on small
+microbatches three launches of host time. Here a `Linear` whose slot is fresh (no cast yet), on
+finding its input is the tensor whose cast the last forward made with a slot that was fresh too
+(its only cast), under the same recipe, *adopts* that slot: both held the same state, so from then
+on one slot stands for both, as one slot stands for the fused q, k and v GEMM of a model that packs
+them. A `Linear` whose input its shared slot has just cast, for another `Linear`, takes that cast
+instead of casting again; any other call casts, stepping the slot. Where the `Linear`s sharing a
+slot read the same tensors in the same order (q, k and v do, every forward), every output and
+gradient is bit-identical to separate slots'; where one later reads another tensor than the
+others, the slot's history holds the amaxes of both (a valid scale for each, as a packed GEMM's).
+
+"The same tensor": contiguous, with the same address, size, last dimension, dtype, device and
+version counter (an in-place write bumps it), while the last cast holds the tensor (its memory
+cannot serve another tensor meanwhile). Slots are not checkpointed, so a resumed model adopts again
+on its first forward. The last cast is per thread; `forget_last_cast` drops it (`Pipeline` does
+after every step, through ``release_step_caches``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import torch
+
+from .fp8 import DelayedScaling, Quantized, ScalingMeta, quantize
+
+__all__ = ["adopted_slot", "cast_input", "forget_last_cast"]
+
+
+class _LastCast(NamedTuple):
+    source: torch.Tensor  # held, so that its memory cannot serve another tensor meanwhile
+    key: tuple
+    slot: ScalingMeta
+    recipe: DelayedScaling
+    result: Quantized
+    takers: list[torch.Tensor]  # the weights of the GEMMs that read this cast (the caster's first)
+
+
+_last = threading.local()
+
+
+def _key(x: torch.Tensor) -> tuple | None:
+    # What identifies x's values as the held tensor's: None where no cast may be shared.
+    if not x.is_contiguous() or x.dim() == 0 or x.is_inference():
+        return None
+    return (x.data_ptr(), x.numel(), x.shape[-1], x.dtype, x.device, x._version)
+
+
+def _last_cast_of(x: torch.Tensor, recipe: DelayedScaling) -> _LastCast | None:
+    last: _LastCast | None = getattr(_last, "cast", None)
+    if last is None or last.recipe != recipe or last.source.data_ptr() != x.data_ptr():
+        return None
+    return last if last.key == _key(x) else None
+
+
+def adopted_slot(slot: ScalingMeta | None, x: torch.Tensor, recipe: DelayedScaling,
+                 device: torch.device) -> ScalingMeta | None:
+    """The slot that just cast `x` when `slot` (this GEMM's input slot, None before its first
+    FP8 forward) is fresh and may share it (see the module docstring), else None."""
+    if slot is not None and slot.casts:
+        return None
+    last = _last_cast_of(x, recipe)
+    if last is None or last.slot is slot or last.slot.casts != 1:
+        return None
+    shared = last.slot
+    if shared.dtype != recipe.fwd_dtype or shared.amax_history.device != device:
+        return None
+    if shared.amax_history.numel() != recipe.amax_history_len:
+        return None
+    return shared
+
+
+def cast_input(x: torch.Tensor, slot: ScalingMeta, recipe: DelayedScaling, transpose: bool,
+               weight: torch.Tensor) -> Quantized:
+    """``quantize(x, slot, recipe, transpose=transpose)`` for the GEMM of `weight`, or the cast
+    `slot` has just made of `x` for another GEMM."""
+    last = _last_cast_of(x, recipe)
+    if last is not None and last.slot is slot and not any(w is weight for w in last.takers):
+        last.takers.append(weight)
+        q = last.result
+        if transpose and q.data_t is None:  # transposed from the cast: the slot steps once per cast
+            q = Quantized(q.data, q.scale_inv, q.data.t().contiguous())
+        return q
+    q = quantize(x, slot, recipe, transpose=transpose)
+    key = _key(x)
+    _last.cast = _LastCast(x, key, slot, recipe, q, [weight]) if key is not None else None
+    return q
+
+
+def forget_last_cast() -> None:
+    """Drop this thread's last cast (and the tensors it holds)."""
+    _last.cast = None
