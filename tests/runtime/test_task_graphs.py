@@ -314,6 +314,27 @@ def test_auto_trial_step_that_fails_is_run_again_and_not_timed() -> None:
     assert pipe._graph_cache.choices() == [False] and not pipe._graph_cache.graphs
 
 
+def test_auto_paces_eager_by_its_slowest_trial_step() -> None:
+    """Eager steps whose time varies (the host's speed does): 2 forwards of 1 each, 3 more on the
+    trial's second eager step; replays 2 + 4 tasks x 0.25 = 3. The first eager step (2) beats the
+    replays, the second (5) does not: eager's pace is its slowest step, graphs are kept. With the
+    slow step as fast as the first, eager (2) is kept."""
+    for extra, graphs in ((3.0, True), (0.0, False)):
+        sched, x, y = _one_rank_stand_in(rows=4, outputs=1, seed=6)
+        clock, forms = graph_cases.TaskClock(per_forward=1.0, per_replay=0.25), []
+        pipe = Pipeline({0: nn.Linear(3, 1, dtype=torch.float64)}, sched, loss_fn=nn.functional.mse_loss,
+                        cuda_graphs=clock.graphs())
+        clock.install(pipe, forms)
+        slow = [0.0]
+        pipe.stage_modules[0].register_forward_pre_hook(lambda *_: setattr(clock, "now", clock.now + slow[0]))
+        for step in range(7):
+            slow[0] = extra / 2 if step == 4 else 0.0  # the trial's second eager step: its 2 forwards
+            pipe.step(x, y)
+        assert forms[:6] == ["eager", "capture", "eager", "replay", "eager", "replay"]
+        assert pipe._graph_cache.choices() == [graphs], extra
+        assert forms[6] == ("replay" if graphs else "eager")
+
+
 @cuda
 @pytest.mark.gpu
 def test_auto_on_a_gpu_equals_eager_and_gives_the_pool_back_when_eager_wins() -> None:

@@ -10,8 +10,8 @@ CPU can run ahead of the GPU across steps.
   streams of the F tasks derive from pipeline rank 0's: `zbpp.runtime.rng`). A rejected input, or a target whose
   rows differ from the input's, raises on every rank before any compute.
   `decide_start` decides: the step's rows, seed and input signature (`StartDecision`). Under
-  ``cuda_graphs="auto"`` a rank whose trial of a signature just ended also reports the fastest
-  eager and replayed step it timed, and the decision carries the form every rank takes
+  ``cuda_graphs="auto"`` a rank whose trial of a signature just ended also reports the slowest
+  eager and the fastest replayed step it timed, and the decision carries the form every rank takes
   (`graphs_win`); other steps carry zeros: no collective is added.
 - At the end, every rank contributes an `EndReport`: whether it failed (and in which task, and
   when), drained because a peer failed, or saw its communication break. If any rank failed, every
@@ -63,7 +63,7 @@ class StartReport:
     target_rows: int  #: rows of the target (rank holding the last stage, when given; else -1)
     seed: int = 0  #: its base seed of the microbatches' random streams (pipeline rank 0's is used)
     trial: bool = False  #: a signature's trial of task graphs ended on it (``cuda_graphs="auto"``)
-    eager_us: int = 0  #: that trial's fastest eager step, microseconds (0: none timed)
+    eager_us: int = 0  #: that trial's slowest eager step, microseconds (0: none timed)
     graphs_us: int = 0  #: that trial's fastest replayed step, microseconds (0: none timed)
 
 

@@ -32,8 +32,9 @@ of that signature copies each task's inputs into the graph's static buffers and 
   signature: step 1 eager, step 2 captures, then `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed
   steps alternate, their tasks timed on the compute stream (CUDA events; a failed step, or a replay
   that had to capture again, gives no time). At the next step's start agreement every rank whose
-  trial ended reports its fastest step of each form (reading the events is the one host
-  synchronisation of a signature's trial); the slowest rank of each form sets its pace, and eager
+  trial ended reports its slowest eager step (eager's pace follows the host's, which varies) and
+  its fastest replayed step (reading the events is the one host synchronisation of a signature's
+  trial); the slowest rank of each form sets its pace, and eager
   is kept only if it was timed and that pace beat the replays' (`agreement.graphs_win`). Every
   rank takes that decision, for that signature from then on (measured again if the pipeline
   forgets the signature); if eager wins, its graphs are dropped (their memory goes back to the
@@ -504,19 +505,21 @@ class GraphCache:
 
     def trial_report(self) -> tuple[bool, int, int]:
         """For the next start agreement: whether a signature's trial ended on this rank, and its
-        fastest eager and replayed step (microseconds, at least 1; 0: none was timed). Reading the
+        slowest eager and fastest replayed step (microseconds, at least 1; 0: none was timed). Reading the
         marks waits for the last one: the one host synchronisation of a signature's trial."""
         trial = self._trials.get(self._reported) if self._reported is not None else None
         if trial is None:
             return False, 0, 0
         # a device error raised here, before the agreement, would leave the other ranks waiting; it
         # shows again at this rank's next CUDA call, inside the step, where every rank hears of it
+        # eager's pace is its slowest step: its later steps run at the host's speed of the moment,
+        # which varies; a replay's does not, so its fastest step
         try:
-            best = [min((self.timer.seconds(a, b) for a, b in trial.marks[form]), default=0.0)
-                    for form in ("eager", "graphs")]
+            paces = [pick((self.timer.seconds(a, b) for a, b in trial.marks[form]), default=0.0)
+                     for form, pick in (("eager", max), ("graphs", min))]
         except Exception:  # noqa: BLE001
-            best = [0.0, 0.0]
-        eager_us, graphs_us = (max(1, round(t * 1e6)) if t > 0 else 0 for t in best)
+            paces = [0.0, 0.0]
+        eager_us, graphs_us = (max(1, round(t * 1e6)) if t > 0 else 0 for t in paces)
         return True, eager_us, graphs_us
 
     def settle(self, graphs: bool | None) -> None:
