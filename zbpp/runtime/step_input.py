@@ -93,7 +93,7 @@ def module_state(walks: Walks) -> tuple:
 
 def release_step_caches(walks: Walks) -> None:
     """Call ``release_step_caches()`` on each module of `walks` whose class has it (zbpp's layers:
-    the FP8 weight casts kept for the step's later microbatches), once the step's tasks ran."""
+    the FP8 casts they kept for the step's later microbatches), once the step's tasks ran."""
     for modules, _ in walks.values():
         for mod in modules:
             if getattr(type(mod), "release_step_caches", None) is not None:
