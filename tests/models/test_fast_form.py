@@ -162,3 +162,53 @@ def test_swapped_layers_cast_each_weight_once_per_step_with_the_same_result(name
         if step:  # the history has 16 slots: count the casts of this step
             casts = [int((s[0].fp8_meta["weight"].amax_history != 0).sum()) - c for s, c in zip((kept, every), casts_before)]
             assert casts == [1, m], casts
+
+
+@pytest.mark.parametrize("family, left", [("gpt2", None), ("falcon", None),
+                                          ("mixtral", "MixtralExperts x4, MixtralTopKRouter x4")])
+def test_fast_form_converts_conv1d_and_linear_subclasses_and_names_what_it_leaves(family, left) -> None:
+    """GPT-2's ``Conv1D`` ([in, out] weights) and Falcon's ``FalconLinear`` (an nn.Linear subclass
+    computing x W^T + b) become zbpp layers, so W does their weight GEMMs; a mixture of experts'
+    grouped GEMMs and routers stay, and `fast_stage` warns naming them. Against the eager form
+    (generic split), float64: gradients within `GRAD_RTOL` of the largest, the bound above."""
+    from tests.models.families import family_config, padded_batch
+
+    from zbpp.modules import Linear
+
+    torch._dynamo.reset()
+    ids, mask, labels = padded_batch(ROWS)
+    out = {}
+    for fast in (False, True):
+        sched = make_schedule("zb-h1", 1, M)
+        torch.manual_seed(11)
+        stages, kwargs = causal_lm_stages(family_config(family), sched, 0, dtype=torch.float64, device="cpu",
+                                          attn_implementation="eager")
+        if fast:
+            with pytest.warns(UserWarning, match=f"not zbpp layers \\({left}\\)") if left else _no_fast_warning():
+                kwargs.update(fast_hf_stages(stages, loss_fn=kwargs["loss_fn"], backend="aot_eager"))
+            weights = [m for m in stages[0].modules() if getattr(m, "weight", None) is not None
+                       and m.weight.dim() == 2 and not isinstance(m, nn.Embedding)]
+            kept = [m for m in weights if not isinstance(m, Linear)]
+            assert [type(m).__name__ for m in kept] == ([] if left is None else ["MixtralTopKRouter"] * 4)
+        loss = Pipeline(stages, sched, **kwargs).step({"input_ids": ids, "attention_mask": mask}, target=labels)
+        out[fast] = loss, _grads(stages)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-12, atol=0)
+    want, got = out[False][1], out[True][1]
+    assert want.keys() == got.keys()
+    bound = GRAD_RTOL * max(g.abs().max() for g in want.values())
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=0, atol=bound, msg=name)
+
+
+def _no_fast_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def scope():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            yield
+        assert not [w for w in seen if "fast_stage" in str(w.message)], [str(w.message) for w in seen]
+
+    return scope()

@@ -298,3 +298,26 @@ def test_converted_model_deep_copies():
     for p, q in zip(model.parameters(), twin.parameters()):
         assert p is not q and torch.equal(p.grad, q.grad)
     assert all(p.skip_backward_post_hook for m in converted(twin) for p in m.get_backward_dw_params())
+
+
+def test_linear_like_subclasses_are_converted_only_when_named():
+    """An nn.Linear subclass is left alone unless `linear_like` names its class; then it computes
+    what it computed (float64, rtol=1e-12: F.linear against matmul + bias, one rounding apart) and
+    defers its weight gradient. Anything but an nn.Linear subclass there is refused by name."""
+
+    class MatmulLinear(nn.Linear):  # as Hugging Face's FalconLinear
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MatmulLinear(4, 3, dtype=torch.float64), MatmulLinear(3, 2, dtype=torch.float64))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    want = model(x)
+    delay_wgrad(model, lambda module, fqn: fqn == "0")
+    assert type(model[0]) is MatmulLinear
+    delay_wgrad(model, linear_like=[MatmulLinear])
+    assert type(model[0]).__name__ == type(model[1]).__name__ == "Linear"
+    assert model[0].delay_wgrad_compute and model[1].delay_wgrad_compute
+    torch.testing.assert_close(model(x), want, rtol=1e-12, atol=0)
+    with pytest.raises(TypeError, match="linear_like holds <class 'torch.nn.modules.conv.Conv1d'>"):
+        delay_wgrad(model, linear_like=(nn.Conv1d,))

@@ -3,8 +3,11 @@
 `fast_stage(stage, blocks=...)` changes a stage in place, keeping its module objects, parameter
 objects and parameter names (checkpoints and optimizers are unaffected):
 
-- every ``nn.Linear`` becomes a zbpp delayed-wgrad `Linear` (`zbpp.modules.delay_wgrad`): its
-  weight gradient waits for W, computed by zbpp's own GEMM code outside any compiled graph;
+- every ``nn.Linear``, every transposed-weight linear layer (HF's ``Conv1D``) and every class of
+  `linear_like` becomes a zbpp delayed-wgrad `Linear` (`zbpp.modules.delay_wgrad`): its weight
+  gradient waits for W, computed by zbpp's own GEMM code outside any compiled graph. Other
+  weights (a mixture of experts' grouped GEMMs, a router's) stay in the compiled regions, their
+  gradients in B and their GEMMs out of FP8: `fast_stage` warns, naming them;
 - the code between the GEMMs (norms, rotary embeddings, attention, activations, residual adds) is
   compiled by ``torch.compile``, block by block (`blocks`: the repeated blocks, one compilation
   shared by all of them) or, without `blocks`, the stage's forward as a whole. Each zbpp layer is a
@@ -42,6 +45,8 @@ torch.Size([8, 8])
 from __future__ import annotations
 
 import inspect
+import warnings
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -82,6 +87,7 @@ def fast_stage(
     fp8: bool | DelayedScaling = False,
     compile: bool = True,
     backend: str = "inductor",
+    linear_like: Sequence[type] = (),
 ) -> nn.Module:
     """Give `stage` its fast form (see the module docstring), in place, and return it.
 
@@ -93,6 +99,8 @@ def fast_stage(
             `DelayedScaling`) or a `DelayedScaling` recipe.
         compile: False keeps everything eager (the delayed weight gradients and FP8 still apply).
         backend: ``torch.compile``'s backend ("inductor"; "aot_eager" or "eager" to debug).
+        linear_like: ``nn.Linear`` subclasses whose forward computes ``x W^T + b``, converted too
+            (`zbpp.modules.delay_wgrad`; `fast_hf_stages` passes Hugging Face's).
     """
     if not isinstance(stage, nn.Module):
         raise TypeError(f"fast_stage: stage is a {type(stage).__name__}, not a torch.nn.Module")
@@ -103,7 +111,9 @@ def fast_stage(
         if not isinstance(block, nn.Module) or id(block) not in owned:
             raise ValueError(f"fast_stage: every one of blocks must be a module inside the stage; "
                              f"{type(block).__name__} is not")
-    delay_wgrad(stage)
+    delay_wgrad(stage, transposed=True, linear_like=linear_like)
+    if compile or fp8 is not False:
+        _warn_weights_left(stage, ([stage] if blocks is None else list(blocks)) if compile else [], fp8 is not False)
     for layer in stage.modules():
         if isinstance(layer, DelayedWgradModule):
             layer.accumulate_wgrad_in_gemm = True
@@ -117,6 +127,30 @@ def fast_stage(
     if fp8 is not False:
         Fp8Forward(DelayedScaling() if fp8 is True else fp8).attach(stage)
     return stage
+
+
+def _warn_weights_left(stage: nn.Module, compiled: list[nn.Module], fp8: bool) -> None:
+    """Warn, naming them, of the modules whose weights (2-D or more, embeddings aside) are not zbpp
+    layers': inside `compiled` regions their gradients come with B; in FP8 their GEMMs stay in high
+    precision."""
+    inside = {id(m) for region in compiled for m in region.modules()}
+    left = Counter(type(m).__name__ for m in stage.modules()
+                   if not isinstance(m, (DelayedWgradModule, nn.Embedding, nn.EmbeddingBag))
+                   and any(p is not None and p.dim() >= 2 for p in m._parameters.values())
+                   and (fp8 or id(m) in inside))
+    if not left:
+        return
+    names = ", ".join(f"{name} x{n}" for name, n in sorted(left.items()))
+    costs = (["inside a compiled region their weight gradients come with B, not W"] if inside else []) + \
+        (["their GEMMs do not run in FP8"] if fp8 else [])
+    warnings.warn(f"fast_stage: {sum(left.values())} modules hold weights that are not zbpp layers ({names}): "
+                  f"{'; '.join(costs)}. The step is right either way; zbpp.modules.delay_wgrad converts nn.Linear, "
+                  "[in, out] linear layers (transposed=True) and nn.Linear subclasses (linear_like=)", stacklevel=3)
+
+
+#: Hugging Face's nn.Linear subclasses whose forward is x W^T + b (by class name: the model's own
+#: module need not be imported)
+HF_LINEAR_LIKE = ("FalconLinear",)
 
 
 def fast_pipeline_kwargs(device: torch.device | str | None) -> dict[str, Any]:
@@ -158,7 +192,8 @@ def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool
             raise TypeError(f"fast_hf_stages: a {type(stage).__name__} is not a stage of "
                             "zbpp.models.hf.causal_lm_stages; use fast_stage for other stages")
         layers = stage.get_submodule(spec.template.blocks)  # only this stage's (maybe none: embeddings alone)
-        fast_stage(stage, blocks=list(layers), fp8=fp8, backend=backend)
+        like = {type(m) for m in stage.modules() if type(m).__name__ in HF_LINEAR_LIKE and isinstance(m, nn.Linear)}
+        fast_stage(stage, blocks=list(layers), fp8=fp8, backend=backend, linear_like=tuple(like))
         devices.update(p.device for p in stage.parameters())
     if len(devices) > 1:
         raise ValueError(f"the stages' parameters are on several devices {sorted(map(str, devices))}; "

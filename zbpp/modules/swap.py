@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from torch import nn
 
@@ -19,6 +19,7 @@ def delay_wgrad(
     module_filter_fn: ModuleFilter | None = None,
     *,
     transposed: bool = False,
+    linear_like: Sequence[type] = (),
 ) -> nn.Module:
     """Make every ``nn.Linear`` of `model` a zbpp `Linear` with ``delay_wgrad_compute=True``, in
     place, and return `model`.
@@ -40,6 +41,9 @@ def delay_wgrad(
       ``Conv1D`` (GPT-2): recognised by an ``nf`` attribute (out features), a 2-D ``weight`` of
       shape [in, nf], a ``bias`` of shape [nf] or None, and no submodules. Their weight stays
       [in, out] and its gradient has that shape too.
+    - `linear_like`: ``nn.Linear`` subclasses whose forward computes ``x W^T + b`` as
+      ``nn.Linear``'s does (e.g. Hugging Face's ``FalconLinear``), converted as ``nn.Linear`` is;
+      their forward is then zbpp's.
     - Hooks: forward and forward-pre hooks, module backward hooks and state-dict hooks registered
       on a converted module stay registered and keep firing (the module object is the same).
       Hooks on its weight and bias tensors (``Tensor.register_hook``,
@@ -76,9 +80,14 @@ def delay_wgrad(
         )
     if transposed is not True and transposed is not False:
         raise TypeError(f"delay_wgrad: transposed={transposed!r}; pass True or False")
+    linear_like = tuple(linear_like)
+    for cls in linear_like:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Linear)):
+            raise TypeError(f"delay_wgrad: linear_like holds {cls!r}; pass nn.Linear subclasses whose forward "
+                            "computes x W^T + b")
     chosen = []
     for fqn, module in model.named_modules(remove_duplicate=True):
-        layout = _layout(module, transposed)
+        layout = _layout(module, transposed, linear_like)
         if layout is None:
             continue
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
@@ -89,10 +98,10 @@ def delay_wgrad(
     return model
 
 
-def _layout(module: nn.Module, transposed: bool) -> str | None:
-    """"out_in" for an ``nn.Linear``, "in_out" for a transposed-weight linear layer (when
-    `transposed`), None for anything else."""
-    if type(module) is nn.Linear:
+def _layout(module: nn.Module, transposed: bool, linear_like: tuple[type, ...] = ()) -> str | None:
+    """"out_in" for an ``nn.Linear`` (or one of `linear_like`), "in_out" for a transposed-weight
+    linear layer (when `transposed`), None for anything else."""
+    if type(module) is nn.Linear or type(module) in linear_like:
         return "out_in"
     if not transposed or isinstance(module, DelayedWgradModule):
         return None
