@@ -219,6 +219,7 @@ class Variant:
         self.resident = 0  # bytes held after warm-up (parameters, gradients, graph pools)
         self.transient = 0  # the most a step allocated beyond that
         self.first_loss: float | None = None  # the first step's loss, where this rank has it
+        self.pipeline: Any = None  # a zbpp variant's Pipeline: which form cuda_graphs="auto" chose
 
     def clear(self) -> None:
         for m in self.modules:
@@ -285,7 +286,9 @@ def build_variant(name: str, config: Any, args: argparse.Namespace, batch: dict[
     def zbpp_step() -> torch.Tensor | None:
         return pipe.step({"input_ids": ids}, target=labels)
 
-    return Variant(name, zbpp_step, list(stages.values()))
+    variant = Variant(name, zbpp_step, list(stages.values()))
+    variant.pipeline = pipe
+    return variant
 
 
 def build_pipeline_variant(name: str, config: Any, args: argparse.Namespace, batch: dict[str, torch.Tensor],
@@ -334,7 +337,9 @@ def build_pipeline_variant(name: str, config: Any, args: argparse.Namespace, bat
     def zbpp_step() -> torch.Tensor | None:
         return pipe.step({"input_ids": ids}, target=labels)
 
-    return Variant(name, zbpp_step, list(stages.values()), ranks=p)
+    variant = Variant(name, zbpp_step, list(stages.values()), ranks=p)
+    variant.pipeline = pipe
+    return variant
 
 
 class Ranks:
@@ -543,6 +548,7 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
             "peak_gib": round(max(peaks) / 2**30, 2) if cuda else None,
             "peak_gib_per_rank": [round(b / 2**30, 2) for b in peaks] if cuda else None,
             "first_loss": loss, "times_ms": [round(t, 2) for t in times],
+            "graph_forms": v.pipeline.graph_forms if v.pipeline is not None else None,  # this rank's
         }
         if name in profiles:
             results[name]["profile"] = profiles[name]
@@ -568,7 +574,7 @@ def print_table(run: dict) -> None:
           f"{c['microbatches']} microbatches x {c['rows']} rows"
           + (f", {run['ranks']} ranks" if run["ranks"] > 1 else ""))
     pipeline = run["ranks"] > 1
-    width, peak_width = (38, 17) if pipeline else (20, 9)
+    width, peak_width = (46, 17) if pipeline else (28, 9)
     print(f"{'variant':<{width}} {'ms/step':>9} {'min-max':>15} {'tokens/s':>10} {'MFU':>6} "
           f"{'peak GiB' + (' per rank' if pipeline else ''):>{peak_width}} {'vs hf compile':>14}"
           + (f" {'vs best torch':>14}" if pipeline else "") + f" {'first loss':>11}")
@@ -577,6 +583,7 @@ def print_table(run: dict) -> None:
         peaks = r["peak_gib_per_rank"] if pipeline else [r["peak_gib"]]
         peak = "/".join(f"{x:.2f}" for x in peaks) if r["peak_gib"] is not None else "-"
         label = name + (" (rank 0 alone)" if pipeline and r["ranks"] == 1 else "")
+        label += f" [{'/'.join(r['graph_forms'])}]" if r.get("graph_forms") else ""
         line = (f"{label:<{width}} {r['ms']:>9.2f} {r['ms_min']:>7.1f}-{r['ms_max']:<7.1f} {r['tokens_per_s']:>10} "
                 f"{r['mfu']:>6.1%} {peak:>{peak_width}} {vs:>14}")
         if pipeline:

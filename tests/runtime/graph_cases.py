@@ -134,8 +134,8 @@ def train(schedule: str, *, graphs: bool | type[TaskGraphs] | AutoGraphs, rank: 
         opt.step()
     graphed = pipe._graph_cache.graphs.values() if pipe._graph_cache is not None else []
     counts = [(len(g), replays.get(id(g), 0)) for g in graphed]
-    choices = pipe._graph_cache.choices() if pipe._graph_cache is not None else []
-    return {"losses": losses, "grads": grads, "graphs": counts, "choices": choices}
+    forms = pipe.graph_forms
+    return {"losses": losses, "grads": grads, "graphs": counts, "forms": forms}
 
 
 def compare(schedule: str, *, rank: int = 0, world: int = 1, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -222,7 +222,8 @@ def auto_forms(graphs: bool | None) -> list[str]:
 def compare_auto(schedule: str, runs: list[tuple[float, float, bool] | None], *, rank: int = 0, world: int = 1,
                  groups: Any = None, device: str = "cpu") -> list[str]:
     """For each run, `AUTO_STEPS` steps of ``cuda_graphs="auto"`` against eager steps, bit for bit;
-    the forms it ran, its choices and the graphs (and, on CUDA, the memory pool) it kept. A run is
+    the forms it ran, those it chose (`Pipeline.graph_forms`) and the graphs (and, on CUDA, the
+    memory pool) it kept. A run is
     (per_forward, per_replay, graphs expected): timed by a `TaskClock`; or None: timed by CUDA
     events, any choice. CPU: float64 stand-ins; CUDA: bf16 CUDA graphs. What differs, as lines."""
     dev = torch.device(device)
@@ -244,8 +245,9 @@ def compare_auto(schedule: str, runs: list[tuple[float, float, bool] | None], *,
         expected = auto_forms(want)
         if forms[:len(expected)] != expected:
             fails.append(f"{what}: forms {forms}, expected {expected}")
-        if (run and auto["choices"] != [want, want]) or None in auto["choices"] or len(auto["choices"]) != 2:
-            fails.append(f"{what}: choices {auto['choices']} of the two signatures, expected {[want, want]}")
+        chosen = "graphs" if want else "eager"
+        if (run and auto["forms"] != [chosen, chosen]) or "trial" in auto["forms"] or len(auto["forms"]) != 2:
+            fails.append(f"{what}: forms {auto['forms']} of the two signatures, expected {[chosen, chosen]}")
         if run and not want and (auto["graphs"] or pipes[0]._graph_cache._mem_pool is not None):
             fails.append(f"{what}: eager chosen, yet graphs {auto['graphs']} or their pool kept")
         fails += [f"{what}: {f}" for f in differences(eager, auto)]

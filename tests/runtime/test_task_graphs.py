@@ -74,6 +74,7 @@ def test_stand_in_with_evaluation_and_no_sync() -> None:
             out.append(pipe.eval_step(x))
             out += [p.grad.clone() for p in m.parameters()]
         seen[graphs] = out
+        assert pipe.graph_forms == (["graphs"] if graphs else [])  # one input signature
     assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
 
 
@@ -311,7 +312,7 @@ def test_auto_trial_step_that_fails_is_run_again_and_not_timed() -> None:
         else:
             pipe.step(x, y)
     assert forms == ["eager", "capture", "eager", "replay", "replay", "eager", "replay", "eager"]
-    assert pipe._graph_cache.choices() == [False] and not pipe._graph_cache.graphs
+    assert pipe.graph_forms == ["eager"] and not pipe._graph_cache.graphs
 
 
 def test_auto_paces_eager_by_its_slowest_trial_step() -> None:
@@ -331,7 +332,7 @@ def test_auto_paces_eager_by_its_slowest_trial_step() -> None:
             slow[0] = extra / 2 if step == 4 else 0.0  # the trial's second eager step: its 2 forwards
             pipe.step(x, y)
         assert forms[:6] == ["eager", "capture", "eager", "replay", "eager", "replay"]
-        assert pipe._graph_cache.choices() == [graphs], extra
+        assert pipe.graph_forms == ["graphs" if graphs else "eager"], extra
         assert forms[6] == ("replay" if graphs else "eager")
 
 

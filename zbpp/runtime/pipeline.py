@@ -242,6 +242,13 @@ class Pipeline:
         without data parallelism."""
         return self._reductions.reducer
 
+    @property
+    def graph_forms(self) -> list[str]:
+        """How the training steps of each input signature it remembers run (least recently used
+        first): ``"graphs"`` (task graphs), ``"eager"`` (``cuda_graphs="auto"`` measured it faster)
+        or ``"trial"`` (still timing both); [] without task graphs."""
+        return self._graph_cache.forms() if self._graph_cache is not None else []
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (of all its stages), each once."""
         yield from unique_parameters(stage_walks(self.stage_modules))

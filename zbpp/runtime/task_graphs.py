@@ -536,10 +536,12 @@ class GraphCache:
             if not self.graphs:  # no graph left in the pool: give it back, so eager steps can use its memory
                 self._mem_pool = self._pool = None
 
-    def choices(self) -> list[bool | None]:
-        """``cuda_graphs="auto"``: per remembered signature (least recently used first), whether
-        it runs from graphs (True), eagerly (False), or is still on trial (None)."""
-        return [t.graphs for t in self._trials.values()]
+    def forms(self) -> list[str]:
+        """Per remembered input signature (least recently used first), how its training steps run:
+        ``"graphs"``, ``"eager"`` (``cuda_graphs="auto"`` chose it) or ``"trial"`` (still timing both)."""
+        if not self.choose:
+            return ["graphs"] * len(self.graphs)
+        return ["trial" if t.graphs is None else "graphs" if t.graphs else "eager" for t in self._trials.values()]
 
     @contextlib.contextmanager
     def stream(self, in_flight: list[tuple[list[Any], list[torch.Tensor]]]) -> Iterator[None]:
