@@ -76,3 +76,20 @@ def test_eval_step_releases_the_kept_casts():
     assert seen == [True] * MICROBATCHES  # kept for the later microbatches while the step ran
     assert not stage.lin._fp8_weight_casts["weight"].kept
     assert weight_casts(stage) == 1
+
+
+def test_a_failed_step_releases_the_kept_casts_too():
+    from zbpp.runtime import PipelineError
+
+    sched = build("zb-h1", num_ranks=1, num_microbatches=MICROBATCHES)
+    stage = Fp8Stage(delay=True, keep=True)
+
+    def loss_fn(out, _):
+        if current_microbatch()[1] == MICROBATCHES - 1:  # after the first microbatch kept its cast
+            raise RuntimeError("this loss fails")
+        return out.square().mean()
+
+    pipe = Pipeline({0: stage}, sched, loss_fn)
+    with pytest.raises(PipelineError, match="this loss fails"):
+        pipe.step(torch.randn(ROWS, WIDTH))
+    assert not stage.lin._fp8_weight_casts["weight"].kept
