@@ -73,6 +73,26 @@ NUM_WARPS = 4
 MAX_HISTORY = 1 << 16  # the update kernel holds the whole history in one program
 MAX_FUSED_HISTORY = 1 << 12  # ... and so does the cast's last tile, with the cast's few warps
 
+
+# Launch sizes in plain integers: Triton's cdiv and next_power_of_2 are jit functions, whose call
+# from the host costs microseconds per launch (several per cast).
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints.
+
+    >>> cdiv(257, 128), cdiv(256, 128)
+    (3, 2)
+    """
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 at least `n` (0 for 0), as ``triton.next_power_of_2``.
+
+    >>> [next_power_of_2(n) for n in (0, 1, 3, 4, 1025)]
+    [0, 1, 4, 4, 2048]
+    """
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
 def _interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, read when a kernel
     module is imported: that is when ``triton.jit`` picks the interpreter)."""
@@ -439,14 +459,14 @@ def _launch(
     m, n = x2.shape
     data = torch.empty((m, n), dtype=dtype, device=x.device)
     data_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
-    row_tiles = triton.cdiv(m, BLOCK_M)
+    row_tiles = cdiv(m, BLOCK_M)
     sums = None
     if column_sums:
         sums = torch.empty((row_tiles, n), dtype=torch.float32, device=x.device)
     history, scale_inv, factor, most_recent = update or (amax_bits, amax_bits, 0.0, False)
-    block_h = max(16, triton.next_power_of_2(history.numel())) if update else 16
+    block_h = max(16, next_power_of_2(history.numel())) if update else 16
     with on_device(x.device):
-        _cast_transpose_amax_kernel[(row_tiles * triton.cdiv(n, BLOCK_N),)](
+        _cast_transpose_amax_kernel[(row_tiles * cdiv(n, BLOCK_N),)](
             x2,
             scale,
             data.view(torch.uint8),
@@ -543,7 +563,7 @@ def update_scale(
     length = history.numel()
     if not 1 <= length <= MAX_HISTORY:
         raise ValueError(f"update_scale: history length {length}; need 1..{MAX_HISTORY}")
-    block = max(16, triton.next_power_of_2(length))
+    block = max(16, next_power_of_2(length))
     with on_device(history.device):
         _update_scale_kernel[(1,)](
             history,

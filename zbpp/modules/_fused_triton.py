@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from ._fp8_cast_triton import INTERPRETED, MAX_FUSED_HISTORY, on_device, tl, triton
+from ._fp8_cast_triton import INTERPRETED, MAX_FUSED_HISTORY, cdiv, next_power_of_2, on_device, tl, triton
 
 __all__ = [
     "norm_cast_update",
@@ -367,7 +367,7 @@ def _check_slot(history: torch.Tensor) -> int:
         raise ValueError(
             f"fused FP8 cast: history length {history.numel()}; need 1..{MAX_FUSED_HISTORY}"
         )
-    return max(16, triton.next_power_of_2(history.numel()))
+    return max(16, next_power_of_2(history.numel()))
 
 
 def _outputs(m: int, n: int, dtype: torch.dtype, transpose: bool, device: torch.device):
@@ -393,7 +393,7 @@ def tile() -> tuple[int, int, int]:
 
 
 def _grid(m: int, n: int, bm: int, bn: int) -> tuple[int]:
-    return (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    return (cdiv(m, bm) * cdiv(n, bn),)
 
 
 def _u8(data: torch.Tensor, data_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,10 +429,10 @@ def norm_cast_update(
     data, data_t, scale_inv = _outputs(m, n, dtype, transpose, x.device)
     u8, u8_t = _u8(data, data_t)
     bm, bn, warps = tile()
-    block = min(STATS_BLOCK, triton.next_power_of_2(n))
+    block = min(STATS_BLOCK, next_power_of_2(n))
     rows = max(1, STATS_ELEMENTS // block)
     with on_device(x.device):
-        _norm_stats_kernel[(triton.cdiv(m, rows),)](
+        _norm_stats_kernel[(cdiv(m, rows),)](
             x, mean if mean is not None else rstd, rstd, m, n, float(n), x.stride(0),
             x.stride(1), _float32(eps), RMS=rms, ROWS=rows, BLOCK=block, num_warps=4,
         )
@@ -507,7 +507,7 @@ def dact_cast_update(
     bm, bn, warps = tile()
     sums = None
     if column_sums:
-        sums = torch.empty((triton.cdiv(m, bm), width), dtype=torch.float32, device=h.device)
+        sums = torch.empty((cdiv(m, bm), width), dtype=torch.float32, device=h.device)
     u8, u8_t = _u8(data, data_t)
     with on_device(h.device):
         _dact_cast_kernel[_grid(m, f, bm, bn)](

@@ -145,6 +145,8 @@ CAST_ENV = "ZBPP_FP8_CAST"
 # this process (same code, same device, same installation), and each is reported once.
 _failed: dict[str, str] = {}
 _told_unavailable: set[str] = set()
+_problems: dict[torch.device, str | None] = {}  # `_triton_kernels`: why each device cannot run them
+_UNKNOWN = object()
 _counts = PathCounts((*CAST_PATHS, "update_triton", "update_eager"))
 
 
@@ -155,7 +157,12 @@ def on_cuda(x: torch.Tensor) -> bool:
 
 def _requested_paths() -> tuple[str, ...]:
     """The cast paths to try, best first: the one ``ZBPP_FP8_CAST`` names and those after it."""
-    choice = os.environ.get(CAST_ENV, "").strip().lower() or CAST_PATHS[0]
+    return _paths_from(os.environ.get(CAST_ENV, ""))
+
+
+@functools.lru_cache(maxsize=None)  # read on every cast: parsed once per value (errors are not kept)
+def _paths_from(value: str) -> tuple[str, ...]:
+    choice = value.strip().lower() or CAST_PATHS[0]
     if choice not in CAST_PATHS:
         raise ValueError(
             f"zbpp FP8: {CAST_ENV}={choice!r}; use one of {', '.join(CAST_PATHS)} "
@@ -178,7 +185,12 @@ def _triton_kernels(device: torch.device):
     """The Triton kernel module when its kernels can run on `device`, else None."""
     from .. import _fp8_cast_triton as kernels  # imports without Triton too
 
-    problem = kernels.unsupported(device)
+    # asked on every cast: a device's answer never changes within the process
+    problem = _problems.get(device, _UNKNOWN)
+    if problem is _UNKNOWN:
+        problem = kernels.unsupported(device)
+        if device.index is not None:  # else the current device answered
+            _problems[device] = problem
     if problem is None:
         return kernels
     # Not a failure (the next path takes over): tell only whoever asked for triton by name.
