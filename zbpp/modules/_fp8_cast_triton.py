@@ -93,6 +93,7 @@ def next_power_of_2(n: int) -> int:
     """
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
+
 def _interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, read when a kernel
     module is imported: that is when ``triton.jit`` picks the interpreter)."""
