@@ -574,22 +574,28 @@ def make_block_step(
     """One training step: every microbatch's forward and backward (and W when delayed); the
     ``pipeline`` and ``task graphs`` variants run it as a one-rank zb-h1 `Pipeline` (F, B, W per
     microbatch; ``task graphs``: with ``cuda_graphs=True``, ``auto graphs``: ``"auto"``), with the
-    loss ``sum(out * grad)``; ``one graph`` captures the whole step as one CUDA graph."""
+    loss ``sum(out * grad)``; ``one graph`` captures the whole step (the same loss) as one CUDA graph."""
     if "pipeline" in variant or "task graphs" in variant or "auto graphs" in variant:
         graphs = "auto" if "auto graphs" in variant else "task graphs" in variant
         return make_pipeline_step(blocks, xs, grad, cuda_graphs=graphs)
-    if "one graph" in variant:
-        return make_one_graph_step(make_block_step(blocks, xs, grad, "zbpp bf16 delayed"), blocks, xs)
+    if "one graph" in variant:  # the pipeline's step: its loss included
+        return make_one_graph_step(make_block_step(blocks, xs, grad, "zbpp bf16 delayed with loss"), blocks, xs)
     fp8 = "fp8" in variant
     delayed = "delayed" in variant
     recipe = DelayedScaling(amax_history_len=16)
+    losses: list[torch.Tensor] = []
 
     def microbatch_step(j: int, x: torch.Tensor) -> None:
         with microbatch(j), fp8_autocast(enabled=fp8, fp8_recipe=recipe):
             h = x
             for block in blocks:
                 h = block(h, is_first_microbatch=(j == 0) if fp8 else None)
-        h.backward(grad)
+        if "with loss" in variant:  # as the pipeline variants: their loss, kept, weighted by the microbatch's share
+            loss = (h * grad).sum()
+            losses[j:j + 1] = [loss.detach().clone()]
+            (loss * (1 / len(xs))).backward()
+        else:
+            h.backward(grad)
         if delayed:
             for block in reversed(blocks):  # W in the order a pipeline stage runs it
                 block.mlp.backward_dw(j)

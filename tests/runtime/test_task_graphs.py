@@ -149,6 +149,8 @@ def test_grad_buffers_attach_each_case() -> None:
     assert buffers.attach(params) == set() and a.grad is buf_a and a.grad.tolist() == [5.0, 5.0]
     a.grad, b.grad = None, torch.full((3,), 7.0, dtype=torch.float64)  # zero_grad(); a new tensor
     assert buffers.attach(params) == {id(a)}
+    assert a.grad is buf_a and a.grad.tolist() == [5.0, 5.0]  # zeroed once the step's runner is known
+    buffers.prepare(task_graphs.EAGER, {})
     assert a.grad is buf_a and a.grad.tolist() == [0.0, 0.0]
     assert b.grad is buf_b and b.grad.tolist() == [7.0] * 3
     a.grad = None
@@ -156,6 +158,7 @@ def test_grad_buffers_attach_each_case() -> None:
     b.data = torch.ones(4, dtype=torch.float64)  # a new shape
     b.grad = None
     assert buffers.attach(params) == {id(a), id(b)}
+    buffers.prepare(task_graphs.EAGER, {})
     assert a.grad is not buf_a and a.grad.dtype == torch.float32 and a.grad.tolist() == [0.0, 0.0]
     assert b.grad is not buf_b and b.grad.tolist() == [0.0] * 4
 

@@ -30,6 +30,7 @@ from ._fp8_weight_cache import Fp8WeightCache
 from ._fused import act_quantize, dact_quantize, norm_quantize
 from ._norm import norm_backward, norm_forward
 from ._shared_input import cast_input
+from .context import claim_grad_write
 from .fp8 import DelayedScaling, Quantized, ScalingMeta, fp8_gemm_nt, quantize
 from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
@@ -146,10 +147,13 @@ def job_outputs(parts: list[_WgradPart], fp8: bool) -> list[GradOut]:
 
 
 def accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` as autograd accumulates (`grad` itself where there is none yet)."""
+    """``param.grad += grad`` as autograd accumulates (`grad` itself where there is none yet; copied
+    into it where the runtime lets the step's first contribution overwrite it: `claim_grad_write`)."""
     acc = param.grad
     if acc is None:
         param.grad = grad
+    elif claim_grad_write(param):
+        acc.copy_(grad)
     else:
         acc.add_(grad)
 
@@ -176,16 +180,26 @@ class _Job:
         for call, operands, bias_grad_of in self.parts:
             if operands is not None:
                 acc = call.weight.grad
-                if (in_gemm and not fp8 and not call.fuse_wgrad_accumulation and not call.transposed
-                        and acc is not None and acc.dtype == operands[0].dtype):
+                fits = not fp8 and acc is not None and acc.dtype == operands[0].dtype
+                if call.fuse_wgrad_accumulation:
+                    add_to_main_grad(call.weight_name, call.weight, _weight_grad(call, *operands, fp8))
+                elif fits and claim_grad_write(call.weight):  # written by the GEMM: the same values
+                    grad, inp = operands
+                    if call.transposed:
+                        torch.mm(inp.t(), grad, out=acc)
+                    else:
+                        torch.mm(grad.t(), inp, out=acc)
+                elif fits and in_gemm and not call.transposed:
                     # dW = dy^T x added by the GEMM (out=: aten.addmm, the op FLOP counters know)
                     torch.addmm(acc, operands[0].t(), operands[1], out=acc)
-                elif call.fuse_wgrad_accumulation:
-                    add_to_main_grad(call.weight_name, call.weight, _weight_grad(call, *operands, fp8))
                 else:
                     accumulate_grad(call.weight, _weight_grad(call, *operands, fp8))
             if bias_grad_of is not None:
-                accumulate_grad(call.bias, bias_grad_of.sum(0))
+                acc = call.bias.grad
+                if acc is not None and acc.dtype == bias_grad_of.dtype and claim_grad_write(call.bias):
+                    torch.sum(bias_grad_of, 0, out=acc)
+                else:
+                    accumulate_grad(call.bias, bias_grad_of.sum(0))
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool):

@@ -23,19 +23,21 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 import sys
-from typing import Hashable, Iterator, TypeVar
+from typing import Any, Hashable, Iterator, Protocol, TypeVar
 
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
 from .._compat import current_autograd_node
 
-__all__ = ["microbatch", "current_microbatch", "forward_key", "next_backward", "rank_next_backward"]
+__all__ = ["microbatch", "current_microbatch", "forward_key", "next_backward", "rank_next_backward",
+           "writing_first_grads", "claim_grad_write"]
 
 T = TypeVar("T")
 
 _key: ContextVar[Hashable | None] = ContextVar("zbpp_microbatch", default=None)
 _next_backward: ContextVar[Hashable | None] = ContextVar("zbpp_next_backward", default=None)
+_grad_writes: ContextVar[Any] = ContextVar("zbpp_grad_writes", default=None)
 
 
 @contextmanager
@@ -70,6 +72,29 @@ def next_backward(key: Hashable | None) -> AbstractContextManager[Hashable | Non
 def rank_next_backward() -> Hashable | None:
     """Inside a forward: the key of the backward that is the rank's next task (`next_backward`), else None."""
     return _next_backward.get()
+
+
+class FirstGradWrites(Protocol):
+    """Decides, per contribution, whether a weight gradient may overwrite ``.grad`` (`claim_grad_write`)."""
+
+    def claim(self, param: torch.nn.Parameter) -> bool:
+        """True when nothing was added into ``param.grad`` yet this step and it may be overwritten."""
+        ...
+
+
+def writing_first_grads(writes: FirstGradWrites | None) -> AbstractContextManager[Any]:
+    """A block in which `backward_dw` asks `writes` whether each weight gradient may overwrite
+    ``.grad`` rather than be added to it (the runtime's task graphs: a fixed ``.grad`` buffer needs
+    no zeroing when the step's first contribution writes it)."""
+    return bound(_grad_writes, writes)
+
+
+def claim_grad_write(param: torch.nn.Parameter) -> bool:
+    """Whether the gradient about to go into ``param.grad`` (which exists) may overwrite it: only
+    inside `writing_first_grads`, for the step's first contribution to `param`. A True answer is a
+    promise to write: the caller must then set every element of ``param.grad``."""
+    writes = _grad_writes.get()
+    return writes is not None and writes.claim(param)
 
 
 # the attribute that carries the key on a reentrant checkpoint's autograd node

@@ -397,12 +397,19 @@ class Pipeline:
         """This rank's tasks, through the runner of the step's signature (chosen after `begin`: a
         reducer may move ``main_grad``, which graphs bake in)."""
         graphs = self._graph_cache if not step.forward_only else None
-        if graphs is not None:
-            step.runner = graphs.runner(step.signature, step.new_signature, step.params)
         boundaries = self._reductions if not step.forward_only else None
-        step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
-        if graphs is not None:
-            graphs.tasks_done()  # the end of a timed step of cuda_graphs="auto"
+        if graphs is None:
+            step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
+            return
+        step.runner = graphs.runner(step.signature, step.new_signature, step.params)
+        buffers = graphs.grad_buffers
+        buffers.prepare(step.runner, {s: params for s, (_, params) in step.walks.items()})
+        try:
+            with buffers.deciding():  # where W writes a fixed .grad buffer instead of adding to it
+                step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
+        finally:
+            buffers.finish(step.runner)
+        graphs.tasks_done()  # the end of a timed step of cuda_graphs="auto"
 
     def _agree_end(self, step: _Step, problem: BaseException | None) -> PipelineError | None:
         """The end agreement: None when every rank succeeded, else the error this rank raises (its

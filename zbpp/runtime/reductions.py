@@ -119,6 +119,8 @@ class Reductions:
             self.tied.stage_done(stage, self._owed_by_w(stage))
 
     def stage_wgrad_done(self, stage: int) -> None:
+        if self.fixed_grads is not None:  # first: the earlier gradients a W overwrote join this step's
+            self.fixed_grads.add_back(stage)
         if self._mode != "sync":
             return
         if self.reducer is not None:

@@ -16,7 +16,10 @@ of that signature copies each task's inputs into the graph's static buffers and 
   ``get_backward_dw_params``: hooks inside a graph never fire) and the agreements.
 - **Gradients.** A captured accumulation writes to a fixed address, so while graphs are on every
   trainable parameter without ``main_grad`` keeps one ``.grad`` tensor: a step starts by zeroing
-  it when ``.grad`` is None (``zero_grad()``), or by copying a replaced ``.grad`` into it.
+  it when ``.grad`` is None (``zero_grad()``), or by copying a replaced ``.grad`` into it. Where the
+  step's first contribution is a zbpp layer's W (its GEMM weights and biases), that W writes the
+  buffer instead of adding to zeros, and replays skip its zeroing: one pass over the weights' gradients
+  fewer, twice (earlier gradients kept without ``zero_grad()`` are added back after that stage's last W).
   ``main_grad`` buffers must keep their address; a new address (the data-parallel reducer
   rebuilding its buckets), a moved parameter or a new ``.grad`` buffer makes the step capture again.
 - **Signatures.** Graphs are kept for the last `MAX_GRAPHED_SIGNATURES` input signatures (least
@@ -63,11 +66,12 @@ import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
 from .._compat import end_allocate_to_pool, foreach_copy_, foreach_zero_
+from ..modules.context import writing_first_grads
 from .errors import GraphCaptureError
 
 __all__ = ["Body", "TaskRunner", "EAGER", "GradBuffers", "TaskGraphs", "StandInGraphs", "GraphCache", "AutoGraphs",
@@ -130,6 +134,8 @@ class TaskGraphs:
     static_outputs = True
     #: where its stages may be: CUDA graphs need a CUDA device
     needs_cuda = True
+    #: a replay runs the bodies again (the stand-in), instead of their recorded kernels
+    replays_run_bodies = False
 
     def __init__(self, pool: Any, external: tuple = ()) -> None:
         self.pool = pool
@@ -137,6 +143,8 @@ class TaskGraphs:
         self._records: dict[Hashable, _Recorded] = {}
         self._stable: set[int] = set()  # data_ptr of every static output
         self.external = external  # the addresses the graphs bake in, outside their pool
+        #: parameter id -> stage whose W overwrites its fixed ``.grad`` buffer (`GradBuffers`), once captured
+        self.grad_writes: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -211,6 +219,7 @@ class StandInGraphs(TaskGraphs):
     static ones. Tests pick it with ``Pipeline(..., cuda_graphs=StandInGraphs)``."""
 
     needs_cuda = False
+    replays_run_bodies = True
 
     def _record(self, key: Hashable, statics: list[torch.Tensor], body: Body) -> _Recorded:
         outs, meta = body(list(statics))
@@ -318,15 +327,30 @@ def refusal(modules: dict[int, torch.nn.Module], device: torch.device, kind: typ
 
 
 class GradBuffers:
-    """One fixed ``.grad`` tensor per trainable parameter without ``main_grad`` (see the module docstring)."""
+    """One fixed ``.grad`` tensor per trainable parameter without ``main_grad`` (see the module docstring).
+
+    A step's first contribution to a buffer would add to zeros. Where it is a delayed-wgrad
+    module's W (`zbpp.modules.context.claim_grad_write`) it writes the buffer instead, and the graphs
+    remember which buffers their W write (`TaskGraphs.grad_writes`): those are not zeroed before a
+    replay, and where they hold earlier gradients (no ``zero_grad()`` between steps) a copy of those
+    is added back after the writing stage's last W, before its gradients are reduced (`add_back`).
+    A step runs `attach`, `prepare` once its runner is known, `add_back` per stage, then `finish`.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
+        self._fresh: list[tuple[int, torch.Tensor]] = []  # attached for a None .grad: zeros due
+        self._earlier: list[tuple[int, torch.Tensor]] = []  # holding earlier gradients
+        self._writes: _FirstWrites | None = None  # deciding the writes: a capture (or stand-in replay)
+        self._known: dict[int, int] = {}  # this step's writes, as its graphs captured them
+        self._add_backs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, earlier values)
 
     def attach(self, params: Sequence[torch.nn.Parameter]) -> set[int]:
         """Point every such parameter's ``.grad`` at its buffer, keeping what ``.grad`` held.
-        Returns the ids of the parameters whose ``.grad`` was None: their buffers now hold zeros."""
-        zero: list[torch.Tensor] = []
+        Returns the ids of the parameters whose ``.grad`` was None: their buffers hold zeros once
+        `prepare` ran (a W that writes its buffer then leaves no zeros to restore but its own values)."""
+        fresh: list[tuple[int, torch.Tensor]] = []
+        earlier: list[tuple[int, torch.Tensor]] = []
         zeroed: set[int] = set()
         buffers = self._buffers
         for p in params:
@@ -339,21 +363,106 @@ class GradBuffers:
                 except RuntimeError:  # p changed: a new buffer below
                     pass
                 else:
-                    zero.append(buf)
+                    fresh.append((id(p), buf))
                     zeroed.add(id(p))
                     continue
             if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
                 buf = buffers[id(p)] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 if grad is not None:
                     buf.copy_(grad)
+                    earlier.append((id(p), buf))
                 else:
                     zeroed.add(id(p))
             elif grad is not buf:
                 buf.copy_(grad)
+                earlier.append((id(p), buf))
+            else:
+                earlier.append((id(p), buf))
             p.grad = buf
+        self._fresh, self._earlier = fresh, earlier
+        return zeroed
+
+    def prepare(self, runner: TaskRunner, stage_params: Mapping[int, Sequence[torch.nn.Parameter]]) -> None:
+        """Before the step's first task, its runner chosen: zero the fresh buffers no W writes, copy
+        the earlier gradients a W overwrites, and, where the step's W decide the writes (a capture, a
+        stand-in replay), start deciding (`stage_params`: this rank's parameters of each stage)."""
+        graphs = runner if isinstance(runner, TaskGraphs) else None
+        deciding = graphs is not None and (graphs.capturing or graphs.replays_run_bodies)
+        known = graphs.grad_writes if graphs is not None and not graphs.capturing else {}
+        self._known = known
+        zero = [buf for pid, buf in self._fresh if pid not in known]
         if zero:
             foreach_zero_(zero)
-        return zeroed
+        # a capture learns its writes as it goes: every earlier gradient may be overwritten
+        capturing = graphs is not None and graphs.capturing
+        self._add_backs = {pid: (buf, buf.clone()) for pid, buf in self._earlier if capturing or pid in known}
+        self._fresh, self._earlier = [], []
+        self._writes = _FirstWrites(self._buffers, stage_params) if deciding else None
+
+    def deciding(self) -> Any:
+        """The block in which the step's tasks run: W's writes decided there, where `prepare` said."""
+        return writing_first_grads(self._writes) if self._writes is not None else contextlib.nullcontext()
+
+    def add_back(self, stage: int) -> None:
+        """After `stage`'s last W: add the earlier gradients back into the buffers its W wrote."""
+        if not self._add_backs:
+            return
+        writes = self._writes.writes if self._writes is not None else self._known
+        done = [pid for pid, (buf, _) in self._add_backs.items() if writes.get(pid) == stage]
+        for pid in done:
+            buf, earlier = self._add_backs.pop(pid)
+            buf.add_(earlier)
+
+    def finish(self, runner: TaskRunner) -> None:
+        """The step's tasks ended: a capture keeps the writes its W made (a capture that failed is
+        dropped with them)."""
+        writes, self._writes, self._add_backs, self._known = self._writes, None, {}, {}
+        if writes is not None:
+            writes.remove_hooks()
+            if isinstance(runner, TaskGraphs) and runner.capturing:
+                runner.grad_writes = writes.writes
+
+
+class _FirstWrites:
+    """`claim_grad_write` for one step: a contribution may overwrite a fixed buffer when it is the
+    step's first to that parameter (autograd's accumulations count: hooks see them) and the
+    parameter belongs to one stage of this rank (whose last W then adds back earlier gradients).
+    Its hooks live while it decides (a capture, a stand-in replay): a replayed graph runs no Python."""
+
+    def __init__(self, buffers: dict[int, torch.Tensor], stage_params: Mapping[int, Sequence[torch.nn.Parameter]]) -> None:
+        self.buffers = buffers
+        self.touched: set[int] = set()
+        self.writes: dict[int, int] = {}  # parameter id -> stage
+        self.stage_of: dict[int, int] = {}
+        shared: set[int] = set()
+        touched = self.touched
+        self._hooks: list[Any] = []
+        for stage, params in stage_params.items():
+            for p in params:
+                pid = id(p)
+                if pid in self.stage_of and self.stage_of[pid] != stage:
+                    shared.add(pid)
+                elif pid in buffers and pid not in self.stage_of:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(lambda q: touched.add(id(q))))
+                self.stage_of[pid] = stage
+        for pid in shared:  # two stages of this rank: which one's last W comes after the write is not known here
+            del self.stage_of[pid]
+
+    def claim(self, param: torch.nn.Parameter) -> bool:
+        pid = id(param)
+        if pid in self.touched:
+            return False
+        self.touched.add(pid)
+        stage = self.stage_of.get(pid)
+        if stage is None or param.grad is not self.buffers.get(pid):
+            return False
+        self.writes[pid] = stage
+        return True
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
 
 def external_addresses(params: Sequence[torch.nn.Parameter]) -> tuple:
