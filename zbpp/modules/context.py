@@ -92,7 +92,14 @@ def writing_first_grads(writes: FirstGradWrites | None) -> AbstractContextManage
 def claim_grad_write(param: torch.nn.Parameter) -> bool:
     """Whether the gradient about to go into ``param.grad`` (which exists) may overwrite it: only
     inside `writing_first_grads`, for the step's first contribution to `param`. A True answer is a
-    promise to write: the caller must then set every element of ``param.grad``."""
+    promise to write: the caller must then set every element of ``param.grad``.
+
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> p.grad = torch.zeros(2)
+    >>> claim_grad_write(p)  # outside writing_first_grads: add, as autograd does
+    False
+    """
     writes = _grad_writes.get()
     return writes is not None and writes.claim(param)
 
