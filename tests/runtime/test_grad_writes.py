@@ -70,6 +70,18 @@ def _grads(pipe: Pipeline) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in pipe.stage_modules[0].named_parameters()}
 
 
+def _fresh_steps_equal(eager: Pipeline, graphed: Pipeline, steps: range, after_step=None) -> None:
+    """Steps after zero_grad() on both: the graphed gradients equal eager's bit for bit."""
+    for step in steps:
+        for pipe in (eager, graphed):
+            pipe.stage_modules[0].zero_grad(set_to_none=True)
+            pipe.step(*_batch(step))
+        mine, theirs = _grads(graphed), _grads(eager)
+        assert all(torch.equal(mine[n], theirs[n]) for n in theirs), f"step {step}: gradients differ"
+        if after_step is not None:
+            after_step(step)
+
+
 def test_w_writes_the_buffers_of_the_gradients_it_computes(monkeypatch) -> None:
     """After the capture the graphs know W writes the MLP's GEMM weights and biases; a replay zeroes
     only the other buffers (the norm's, the plain Linear's), and every step's gradients equal the
@@ -78,19 +90,16 @@ def test_w_writes_the_buffers_of_the_gradients_it_computes(monkeypatch) -> None:
     zeroed: list[torch.Tensor] = []
     real_zero = task_graphs.foreach_zero_
     monkeypatch.setattr(task_graphs, "foreach_zero_", lambda ts: zeroed.extend(ts) or real_zero(ts))
-    for step in range(4):
-        for pipe in (eager, graphed):
-            pipe.stage_modules[0].zero_grad(set_to_none=True)
-            pipe.step(*_batch(step))
-        mine, theirs = _grads(graphed), _grads(eager)
-        assert all(torch.equal(mine[n], theirs[n]) for n in theirs), f"step {step}: gradients differ"
+    stage = graphed.stage_modules[0]
+    written = {id(getattr(stage.mlp, n)) for n in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")}
+
+    def after(step: int) -> None:
         if step == 1:  # the capture
-            stage = graphed.stage_modules[0]
-            written = {id(getattr(stage.mlp, n)) for n in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")}
             assert _graphs(graphed).grad_writes == {pid: 0 for pid in written}
             zeroed.clear()
+
+    _fresh_steps_equal(eager, graphed, range(4), after)
     buffers = {id(t) for t in zeroed}
-    stage = graphed.stage_modules[0]
     for name, p in stage.named_parameters():
         assert (id(p.grad) in buffers) == (id(p) not in written), f"{name}: zeroed before a replay is wrong"
 
@@ -99,12 +108,7 @@ def test_a_parameter_autograd_accumulates_first_is_added_to() -> None:
     """fc1's weight, also read by plain ops (autograd adds their share in B, before W): W adds its
     share, never overwrites it."""
     eager, graphed = _pipeline(False, tie=True), _pipeline(True, tie=True)
-    for step in range(4):
-        for pipe in (eager, graphed):
-            pipe.stage_modules[0].zero_grad(set_to_none=True)
-            pipe.step(*_batch(step))
-        mine, theirs = _grads(graphed), _grads(eager)
-        assert all(torch.equal(mine[n], theirs[n]) for n in theirs), f"step {step}: gradients differ"
+    _fresh_steps_equal(eager, graphed, range(4))
     assert id(graphed.stage_modules[0].mlp.fc1_weight) not in _graphs(graphed).grad_writes
     assert id(graphed.stage_modules[0].mlp.fc2_weight) in _graphs(graphed).grad_writes
 
