@@ -333,7 +333,8 @@ class GradBuffers:
     module's W (`zbpp.modules.context.claim_grad_write`) it writes the buffer instead, and the graphs
     remember which buffers their W write (`TaskGraphs.grad_writes`): those are not zeroed before a
     replay, and where they hold earlier gradients (no ``zero_grad()`` between steps) a copy of those
-    is added back after the writing stage's last W, before its gradients are reduced (`add_back`).
+    is added back after the writing stage's last W, before its gradients are reduced (`add_back`):
+    such a step holds that copy besides the one `GradientsAside` keeps for a rollback.
     A step runs `attach`, `prepare` once its runner is known, `add_back` per stage, then `finish`.
     """
 
