@@ -18,8 +18,8 @@ of that signature copies each task's inputs into the graph's static buffers and 
   trainable parameter without ``main_grad`` keeps one ``.grad`` tensor: a step starts by zeroing
   it when ``.grad`` is None (``zero_grad()``), or by copying a replaced ``.grad`` into it. Where the
   step's first contribution is a zbpp layer's W (its GEMM weights and biases), that W writes the
-  buffer instead of adding to zeros, and replays skip its zeroing: one pass over the weights' gradients
-  fewer, twice (earlier gradients kept without ``zero_grad()`` are added back after that stage's last W).
+  buffer instead of adding to zeros, and replays skip its zeroing: two passes over the weights'
+  gradients fewer (earlier gradients kept without ``zero_grad()`` are added back after that stage's last W).
   ``main_grad`` buffers must keep their address; a new address (the data-parallel reducer
   rebuilding its buckets), a moved parameter or a new ``.grad`` buffer makes the step capture again.
 - **Signatures.** Graphs are kept for the last `MAX_GRAPHED_SIGNATURES` input signatures (least
