@@ -1,59 +1,151 @@
 """Where an eager FP8 step's time goes against an eager bf16 one, on one GPU: a HF Llama (hidden
 4096, 4 layers, seq 2048) as one zb-h1 stage of 8 microbatches, `fast_stage(compile=False)` with
-and without FP8. Prints, per form, the step's wall time, the host's time to issue it, the GPU's
-kernel time (torch.profiler) and the host's top functions (cProfile of one step); writes JSON.
+and without FP8.
+
+The forms run in one process, alternating in rounds: bf16, FP8, and FP8 with parts of its host work
+taken out, to name what the host spends: ``fp8 -launch`` (the FP8 casts' Triton launch a no-op),
+``fp8 -gemm`` (each FP8 GEMM call replaced by allocating its output), ``fp8 -both``. Those stubbed
+steps compute wrong numbers; only their time means something: the host's, since such a step leaves
+the GPU idle for long stretches. Per form: the step's wall time and the host's time to issue it
+(until `Pipeline.step` returns), medians of the rounds; then, for bf16 and FP8, the GPU's kernel
+time (torch.profiler) and the host's top functions (cProfile of one step). Writes JSON.
 
     PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py --out fp8_eager_host.json
-    ZBPP_FP8_CAST=compile PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py --fp8-only   # another cast path
+    ZBPP_FP8_CAST=compile PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py   # another cast path
+
+``--quick`` runs a tiny model on the CPU (the plumbing only: CPUs cast and multiply FP8 eagerly).
 """
+
+from __future__ import annotations
+
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import pstats
+import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
-import transformers
-from zbpp import Pipeline
-from zbpp.models.fast import fast_stage
-from zbpp.models.hf import causal_lm_stages
-from zbpp.modules.fp8 import cast_path_counts, gemm_path_counts
-from zbpp.schedules import build
 
-ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ap.add_argument("--fp8-only", action="store_true")
-ap.add_argument("--out", default=None)
-args = ap.parse_args()
-cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
-                               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048)
-M = 8
-ids = torch.randint(0, 32000, (M, 2048), device="cuda")
-out = {}
-for fp8 in ((True,) if args.fp8_only else (False, True)):
-    sched = build("zb-h1", num_ranks=1, num_microbatches=M)
-    stages, kw = causal_lm_stages(cfg, sched, 0, device="cuda", dtype=torch.bfloat16, attn_implementation="sdpa")
-    fast_stage(stages[0], compile=False, fp8=fp8)
-    pipe = Pipeline(stages, sched, **kw)
-    for _ in range(3):
+FORMS = ("bf16", "fp8", "fp8 -launch", "fp8 -gemm", "fp8 -both")
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid: Any):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _stubbed(form: str) -> Iterator[None]:
+    """The FP8 host work `form` takes out (see the module docstring), put back on exit."""
+    import zbpp.modules._fp8_cast_triton as kernels
+    import zbpp.modules.fp8.gemm as gemm
+
+    launch, scaled_mm = kernels._cast_transpose_amax_kernel, gemm.scaled_mm
+    if form in ("fp8 -launch", "fp8 -both"):
+        kernels._cast_transpose_amax_kernel = _NoLaunch()
+    if form in ("fp8 -gemm", "fp8 -both"):
+        gemm.scaled_mm = lambda a, b, *, out_dtype, **kw: torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype,
+                                                                       device=a.device)
+    try:
+        yield
+    finally:
+        kernels._cast_transpose_amax_kernel, gemm.scaled_mm = launch, scaled_mm
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.fast import fast_stage
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.modules.fp8 import cast_path_counts, gemm_path_counts
+    from zbpp.schedules import build
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of every form, alternating")
+    ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (a smoke run)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        device, hidden, ffn, layers, heads, vocab, seq = torch.device("cpu"), 64, 128, 2, 4, 128, 16
+    else:
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU (or --quick)")
+        device, hidden, ffn, layers, heads, vocab, seq = torch.device("cuda"), 4096, 11008, 4, 32, 32000, 2048
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                   max_position_embeddings=seq)
+    m = 8
+    ids = torch.randint(0, vocab, (m, seq), device=device)
+    pipes = {}
+    for precision in ("bf16", "fp8"):
+        sched = build("zb-h1", num_ranks=1, num_microbatches=m)
+        torch.manual_seed(0)
+        stages, kw = causal_lm_stages(cfg, sched, 0, device=device, dtype=torch.bfloat16, attn_implementation="sdpa")
+        fast_stage(stages[0], compile=False, fp8=precision == "fp8")
+        pipes[precision] = Pipeline(stages, sched, **kw)
+
+    def step(form: str) -> tuple[float, float]:
+        _sync(device)
+        with _stubbed(form):
+            start = time.perf_counter()
+            pipes[form.split()[0]].step({"input_ids": ids}, target=ids)
+            issued = time.perf_counter() - start
+            _sync(device)  # inside: the stubs stay until the GPU has run what they changed
+        return issued * 1e3, (time.perf_counter() - start) * 1e3
+
+    for form in FORMS:  # warm-up: every form's first step
+        step(form)
+    times: dict[str, list[tuple[float, float]]] = {f: [] for f in FORMS}
+    for _ in range(args.rounds):
+        for form in FORMS:
+            times[form].append(step(form))
+    out: dict[str, Any] = {"forms": {}}
+    print(f"{'form':12s} {'issue ms':>9s} {'wall ms':>9s}  walls")
+    for form in FORMS:
+        issue = statistics.median(t[0] for t in times[form])
+        wall = statistics.median(t[1] for t in times[form])
+        out["forms"][form] = {"issue_ms": issue, "wall_ms": wall, "rounds_ms": [t[1] for t in times[form]]}
+        print(f"{form:12s} {issue:9.1f} {wall:9.1f}  {' '.join(f'{t[1]:.0f}' for t in times[form])}", flush=True)
+    for precision, pipe in pipes.items():
+        activities = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+        if activities:
+            with torch.profiler.profile(activities=activities) as prof:
+                pipe.step({"input_ids": ids}, target=ids)
+                _sync(device)
+            out["forms"][precision]["gpu_ms"] = sum(e.device_time_total for e in prof.key_averages()) / 1e3
+            out["forms"][precision]["kernels"] = sum(e.count for e in prof.key_averages() if e.device_time_total > 0)
+        profiler = cProfile.Profile()
+        profiler.enable()
         pipe.step({"input_ids": ids}, target=ids)
-    torch.cuda.synchronize()
-    walls, issues = [], []
-    for _ in range(3):
-        t = time.perf_counter(); pipe.step({"input_ids": ids}, target=ids); issues.append(time.perf_counter() - t)
-        torch.cuda.synchronize(); walls.append(time.perf_counter() - t)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        pipe.step({"input_ids": ids}, target=ids); torch.cuda.synchronize()
-    gpu = sum(e.device_time_total for e in prof.key_averages()) / 1e3
-    kernels = sum(e.count for e in prof.key_averages() if e.device_time_total > 0)
-    pr = cProfile.Profile(); pr.enable(); pipe.step({"input_ids": ids}, target=ids); torch.cuda.synchronize(); pr.disable()
-    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
-    name = "fp8" if fp8 else "bf16"
-    out[name] = {"wall_ms": min(walls) * 1e3, "issue_ms": min(issues) * 1e3, "gpu_ms": gpu, "kernels": kernels}
-    print(name, json.dumps(out[name]), flush=True)
-    print("\n".join(s.getvalue().splitlines()[:40]), flush=True)
-    del pipe, stages; torch.cuda.empty_cache()
-print("cast paths", cast_path_counts(), "gemm paths", gemm_path_counts())
-if args.out:
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+        _sync(device)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+        print(f"== {precision}: the host's top functions (cProfile of one step)")
+        print("\n".join(text.getvalue().splitlines()[:40]), flush=True)
+    out["cast_paths"], out["gemm_paths"] = cast_path_counts(), gemm_path_counts()
+    print("cast paths", out["cast_paths"], "gemm paths", out["gemm_paths"])
+    if args.out is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from provenance import write_report
+
+        write_report({"benchmark": "fp8_eager_host", "argv": sys.argv[1:] if argv is None else argv, **out}, args.out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

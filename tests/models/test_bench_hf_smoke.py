@@ -92,3 +92,21 @@ def test_hand_cut_llama_stages_and_torch_layouts_doctests() -> None:
     for name in ("hf_torch_stages", "torch_pipelining"):
         result = doctest.testmod(_benchmark(name))
         assert result.attempted and not result.failed, name
+
+
+def test_fp8_eager_host_quick_times_every_form(tmp_path: Path) -> None:
+    """benchmarks/fp8_eager_host.py --quick: every form (bf16, FP8, FP8 with its cast launches and
+    GEMM calls stubbed) timed in each round and written, and the stubs put back afterwards."""
+    pytest.importorskip("transformers")
+    import zbpp.modules._fp8_cast_triton as kernels
+    import zbpp.modules.fp8.gemm as gemm
+
+    launch, scaled_mm = kernels._cast_transpose_amax_kernel, gemm.scaled_mm
+    bench = _benchmark("fp8_eager_host")
+    out = tmp_path / "fp8_eager_host.json"
+    bench.main(["--quick", "--rounds", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert list(report["forms"]) == list(bench.FORMS)
+    for form, figures in report["forms"].items():
+        assert len(figures["rounds_ms"]) == 2 and 0 < figures["issue_ms"] <= figures["wall_ms"], form
+    assert kernels._cast_transpose_amax_kernel is launch and gemm.scaled_mm is scaled_mm
