@@ -118,6 +118,8 @@ class Pipeline:
             of this rank from a CUDA graph captured in the schedule's order (bit-identical to eager
             steps; sends, receives, reductions outside). ``"auto"``: time both forms, keep the faster.
             CUDA only; rules: `zbpp.runtime.task_graphs` (CPU tests pass its `StandInGraphs`).
+            Clear gradients between steps with ``zero_grad()`` (``set_to_none=True``): gradients
+            zeroed in place count as earlier ones, which every replayed step copies.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except

@@ -19,7 +19,9 @@ of that signature copies each task's inputs into the graph's static buffers and 
   it when ``.grad`` is None (``zero_grad()``), or by copying a replaced ``.grad`` into it. Where the
   step's first contribution is a zbpp layer's W (its GEMM weights and biases), that W writes the
   buffer instead of adding to zeros, and replays skip its zeroing: two passes over the weights'
-  gradients fewer (earlier gradients kept without ``zero_grad()`` are added back after that stage's last W).
+  gradients fewer. Earlier gradients kept without ``zero_grad()`` are copied and added back after
+  that stage's last W; so are zeros written in place (``zero_grad(set_to_none=False)``): clear
+  gradients with ``zero_grad()`` (torch's default, ``set_to_none=True``).
   ``main_grad`` buffers must keep their address; a new address (the data-parallel reducer
   rebuilding its buckets), a moved parameter or a new ``.grad`` buffer makes the step capture again.
 - **Signatures.** Graphs are kept for the last `MAX_GRAPHED_SIGNATURES` input signatures (least
