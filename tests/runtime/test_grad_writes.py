@@ -167,3 +167,21 @@ def test_a_step_failing_after_a_write_restores_the_earlier_gradients(keep: bool)
     mine, theirs = _grads(pipe), _grads(eager)
     # the same weights (SGD never ran) and batch: the replay's gradients are eager's, bit for bit
     assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "nokeep"])
+def test_an_accumulating_replay_copies_each_written_gradient_once(monkeypatch, keep: bool) -> None:
+    """A replayed step without zero_grad(): each buffer its W writes is copied once, for the
+    add-back, and that copy is the one keep_grads_on_failure keeps for a rollback where it keeps one."""
+    pipe = _pipeline(True, keep=keep)
+    for step in range(3):  # eager, capture, replay
+        pipe.step(*_batch(step))
+    writes = _graphs(pipe).grad_writes
+    buffers = {id(p.grad): name for name, p in pipe.stage_modules[0].named_parameters() if id(p) in writes}
+    copied: list[str] = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone",
+                        lambda t, *a, **k: copied.append(buffers.get(id(t), "")) or real_clone(t, *a, **k))
+    pipe.step(*_batch(3))
+    monkeypatch.undo()
+    assert sorted(c for c in copied if c) == sorted(buffers.values())

@@ -71,6 +71,11 @@ class GradientsAside:
             mains = (getattr(p, "main_grad", None) for p in self._params)
             self._copies += [(m, m.clone()) for m in mains if isinstance(m, torch.Tensor)]
 
+    def copies(self) -> dict[int, torch.Tensor]:
+        """The copies kept of gradients left in place, by the id of the gradient tensor (read them only:
+        a failed step restores from them)."""
+        return {id(kept): copy for kept, copy in self._copies}
+
     def take_back(self) -> None:
         """The step succeeded: add its gradients to the kept ones and put those back."""
         for p, g in self._aside:

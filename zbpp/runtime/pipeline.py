@@ -119,7 +119,7 @@ class Pipeline:
             steps; sends, receives, reductions outside). ``"auto"``: time both forms, keep the faster.
             CUDA only; rules: `zbpp.runtime.task_graphs` (CPU tests pass its `StandInGraphs`).
             Clear gradients between steps with ``zero_grad()`` (``set_to_none=True``): gradients
-            zeroed in place count as earlier ones, which every replayed step copies.
+            zeroed in place count as earlier ones, which every replayed step adds back.
 
     Microbatches: every tensor of ``inputs`` (and of ``target``) is split along dim 0 with
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
@@ -405,7 +405,7 @@ class Pipeline:
             return
         step.runner = graphs.runner(step.signature, step.new_signature, step.params)
         buffers = graphs.grad_buffers
-        buffers.prepare(step.runner, {s: params for s, (_, params) in step.walks.items()})
+        buffers.prepare(step.runner, {s: params for s, (_, params) in step.walks.items()}, self._reductions.kept_copies())
         try:
             with buffers.deciding():  # where W writes a fixed .grad buffer instead of adding to it
                 step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)

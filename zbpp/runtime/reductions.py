@@ -30,6 +30,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+import torch
 from torch import nn
 
 from .grad_aside import GradientsAside
@@ -97,6 +98,10 @@ class Reductions:
         self._aside = GradientsAside(params, keep=self._keep, in_place=accumulate or self.fixed_grads is not None,
                                      zeroed=zeroed,
                                      copy_main_grad=not (reducing and self.reducer is not None and not self._unreduced))
+
+    def kept_copies(self) -> dict[int, torch.Tensor]:
+        """The step's copies of gradients left in place (`GradientsAside.copies`; empty without them)."""
+        return self._aside.copies() if self._aside is not None else {}
 
     def begin(self, draining: Callable[[], bool]) -> None:
         """Before the step's first task. `draining` tells whether this rank's step failed (FSDP

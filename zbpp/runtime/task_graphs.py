@@ -19,9 +19,10 @@ of that signature copies each task's inputs into the graph's static buffers and 
   it when ``.grad`` is None (``zero_grad()``), or by copying a replaced ``.grad`` into it. Where the
   step's first contribution is a zbpp layer's W (its GEMM weights and biases), that W writes the
   buffer instead of adding to zeros, and replays skip its zeroing: two passes over the weights'
-  gradients fewer. Earlier gradients kept without ``zero_grad()`` are copied and added back after
-  that stage's last W; so are zeros written in place (``zero_grad(set_to_none=False)``): clear
-  gradients with ``zero_grad()`` (torch's default, ``set_to_none=True``).
+  gradients fewer. Earlier gradients kept without ``zero_grad()`` are added back after that
+  stage's last W (from the copy kept for a rollback, else a copy made for it); so are zeros written
+  in place (``zero_grad(set_to_none=False)``): clear gradients with ``zero_grad()`` (torch's
+  default, ``set_to_none=True``).
   ``main_grad`` buffers must keep their address; a new address (the data-parallel reducer
   rebuilding its buckets), a moved parameter or a new ``.grad`` buffer makes the step capture again.
 - **Signatures.** Graphs are kept for the last `MAX_GRAPHED_SIGNATURES` input signatures (least
@@ -335,8 +336,8 @@ class GradBuffers:
     module's W (`zbpp.modules.context.claim_grad_write`) it writes the buffer instead, and the graphs
     remember which buffers their W write (`TaskGraphs.grad_writes`): those are not zeroed before a
     replay, and where they hold earlier gradients (no ``zero_grad()`` between steps) a copy of those
-    is added back after the writing stage's last W, before its gradients are reduced (`add_back`):
-    such a step holds that copy besides the one `GradientsAside` keeps for a rollback.
+    is added back after the writing stage's last W, before its gradients are reduced (`add_back`),
+    from the copy `GradientsAside` keeps for a rollback where it keeps one.
     A step runs `attach`, `prepare` once its runner is known, `add_back` per stage, then `finish`.
     """
 
@@ -385,10 +386,12 @@ class GradBuffers:
         self._fresh, self._earlier = fresh, earlier
         return zeroed
 
-    def prepare(self, runner: TaskRunner, stage_params: Mapping[int, Sequence[torch.nn.Parameter]]) -> None:
+    def prepare(self, runner: TaskRunner, stage_params: Mapping[int, Sequence[torch.nn.Parameter]],
+                kept: Mapping[int, torch.Tensor] | None = None) -> None:
         """Before the step's first task, its runner chosen: zero the fresh buffers no W writes, copy
-        the earlier gradients a W overwrites, and, where the step's W decide the writes (a capture, a
-        stand-in replay), start deciding (`stage_params`: this rank's parameters of each stage)."""
+        the earlier gradients a W overwrites (`kept`: copies already made of them, by the buffer's id,
+        read instead), and, where the step's W decide the writes (a capture, a stand-in replay), start
+        deciding (`stage_params`: this rank's parameters of each stage)."""
         graphs = runner if isinstance(runner, TaskGraphs) else None
         deciding = graphs is not None and (graphs.capturing or graphs.replays_run_bodies)
         known = graphs.grad_writes if graphs is not None and not graphs.capturing else {}
@@ -398,7 +401,8 @@ class GradBuffers:
             foreach_zero_(zero)
         # a capture learns its writes as it goes: every earlier gradient may be overwritten
         capturing = graphs is not None and graphs.capturing
-        self._add_backs = {pid: (buf, buf.clone()) for pid, buf in self._earlier if capturing or pid in known}
+        kept = kept or {}
+        self._add_backs = {pid: (buf, _copy_of(buf, kept)) for pid, buf in self._earlier if capturing or pid in known}
         self._fresh, self._earlier = [], []
         self._writes = _FirstWrites(self._buffers, stage_params) if deciding else None
 
@@ -424,6 +428,11 @@ class GradBuffers:
             writes.remove_hooks()
             if isinstance(runner, TaskGraphs) and runner.capturing:
                 runner.grad_writes = writes.writes
+
+
+def _copy_of(buf: torch.Tensor, kept: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    copy = kept.get(id(buf))
+    return copy if copy is not None else buf.clone()
 
 
 class _FirstWrites:
