@@ -583,7 +583,7 @@ def make_block_step(
     fp8 = "fp8" in variant
     delayed = "delayed" in variant
     recipe = DelayedScaling(amax_history_len=16)
-    losses: list[torch.Tensor] = []
+    losses: dict[int, torch.Tensor] = {}  # each microbatch's loss, kept as the pipeline keeps it
 
     def microbatch_step(j: int, x: torch.Tensor) -> None:
         with microbatch(j), fp8_autocast(enabled=fp8, fp8_recipe=recipe):
@@ -592,7 +592,7 @@ def make_block_step(
                 h = block(h, is_first_microbatch=(j == 0) if fp8 else None)
         if "with loss" in variant:  # as the pipeline variants: their loss, kept, weighted by the microbatch's share
             loss = (h * grad).sum()
-            losses[j:j + 1] = [loss.detach().clone()]
+            losses[j] = loss.detach().clone()
             (loss * (1 / len(xs))).backward()
         else:
             h.backward(grad)

@@ -372,16 +372,13 @@ class GradBuffers:
                     continue
             if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
                 buf = buffers[id(p)] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if grad is not None:
-                    buf.copy_(grad)
-                    earlier.append((id(p), buf))
-                else:
+                if grad is None:
                     zeroed.add(id(p))
-            elif grad is not buf:
+                    p.grad = buf
+                    continue
+            if grad is not buf:  # a replaced .grad: its values into the buffer
                 buf.copy_(grad)
-                earlier.append((id(p), buf))
-            else:
-                earlier.append((id(p), buf))
+            earlier.append((id(p), buf))  # the buffer holds earlier gradients
             p.grad = buf
         self._fresh, self._earlier = fresh, earlier
         return zeroed
