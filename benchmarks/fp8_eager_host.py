@@ -10,6 +10,11 @@ the GPU idle for long stretches. Per form: the step's wall time and the host's t
 (until `Pipeline.step` returns), medians of the rounds; then, for bf16 and FP8, the GPU's kernel
 time (torch.profiler) and the host's top functions (cProfile of one step). Writes JSON.
 
+Before each step a fixed piece of host work (Python and torch's CPU dispatch, as a step's host side
+runs them) is timed: the host probe. On a virtual machine the host's speed can change within
+seconds, and a host-bound step (FP8 eager on small microbatches) follows it where a GPU-bound one
+(bf16 eager) does not; the last line compares FP8 and bf16 in the round whose probe ran fastest.
+
     PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py --out fp8_eager_host.json
     ZBPP_FP8_CAST=compile PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py   # another cast path
 
@@ -60,6 +65,18 @@ def _stubbed(form: str) -> Iterator[None]:
         kernels._cast_transpose_amax_kernel, gemm.scaled_mm = launch, scaled_mm
 
 
+def host_probe_ms() -> float:
+    """Milliseconds a fixed piece of host work takes now: a Python loop and torch CPU dispatches."""
+    table: dict[int, int] = {}
+    one = torch.ones(4)
+    start = time.perf_counter()
+    for i in range(100_000):
+        table[i & 1023] = i
+    for _ in range(1_000):
+        one.add_(1)
+    return (time.perf_counter() - start) * 1e3
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -98,28 +115,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fast_stage(stages[0], compile=False, fp8=precision == "fp8")
         pipes[precision] = Pipeline(stages, sched, **kw)
 
-    def step(form: str) -> tuple[float, float]:
+    def step(form: str) -> tuple[float, float, float]:
         _sync(device)
+        probe = host_probe_ms()
         with _stubbed(form):
             start = time.perf_counter()
             pipes[form.split()[0]].step({"input_ids": ids}, target=ids)
             issued = time.perf_counter() - start
             _sync(device)  # inside: the stubs stay until the GPU has run what they changed
-        return issued * 1e3, (time.perf_counter() - start) * 1e3
+        return issued * 1e3, (time.perf_counter() - start) * 1e3, probe
 
     for form in FORMS:  # warm-up: every form's first step
         step(form)
-    times: dict[str, list[tuple[float, float]]] = {f: [] for f in FORMS}
+    times: dict[str, list[tuple[float, float, float]]] = {f: [] for f in FORMS}
     for _ in range(args.rounds):
         for form in FORMS:
             times[form].append(step(form))
     out: dict[str, Any] = {"forms": {}}
-    print(f"{'form':12s} {'issue ms':>9s} {'wall ms':>9s}  walls")
+    print(f"{'form':12s} {'issue ms':>9s} {'wall ms':>9s}  walls (host probe ms)")
     for form in FORMS:
         issue = statistics.median(t[0] for t in times[form])
         wall = statistics.median(t[1] for t in times[form])
-        out["forms"][form] = {"issue_ms": issue, "wall_ms": wall, "rounds_ms": [t[1] for t in times[form]]}
-        print(f"{form:12s} {issue:9.1f} {wall:9.1f}  {' '.join(f'{t[1]:.0f}' for t in times[form])}", flush=True)
+        out["forms"][form] = {"issue_ms": issue, "wall_ms": wall, "rounds_ms": [t[1] for t in times[form]],
+                              "host_probe_ms": [t[2] for t in times[form]]}
+        print(f"{form:12s} {issue:9.1f} {wall:9.1f}  {' '.join(f'{t[1]:.0f} ({t[2]:.0f})' for t in times[form])}",
+              flush=True)
+    fastest = min(range(args.rounds), key=lambda r: times["fp8"][r][2])
+    fp8_wall, bf16_wall = times["fp8"][fastest][1], times["bf16"][fastest][1]
+    out["fastest_host_round"] = {"round": fastest, "host_probe_ms": times["fp8"][fastest][2],
+                                 "fp8_wall_ms": fp8_wall, "bf16_wall_ms": bf16_wall}
+    print(f"round {fastest} (the fastest host probe before FP8, {times['fp8'][fastest][2]:.1f} ms): "
+          f"fp8 {fp8_wall:.1f} ms, bf16 {bf16_wall:.1f} ms, bf16 / fp8 {bf16_wall / fp8_wall:.3f}")
     for precision, pipe in pipes.items():
         activities = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
         if activities:
@@ -141,9 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("cast paths", out["cast_paths"], "gemm paths", out["gemm_paths"])
     if args.out is not None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_modules import run_env
         from provenance import write_report
 
-        write_report({"benchmark": "fp8_eager_host", "argv": sys.argv[1:] if argv is None else argv, **out}, args.out)
+        write_report({"benchmark": "fp8_eager_host", "env": run_env(device.type == "cuda"),
+                      "argv": sys.argv[1:] if argv is None else argv, **out}, args.out)
     return out
 
 

@@ -106,7 +106,11 @@ def test_fp8_eager_host_quick_times_every_form(tmp_path: Path) -> None:
     out = tmp_path / "fp8_eager_host.json"
     bench.main(["--quick", "--rounds", "2", "--out", str(out)])
     report = json.loads(out.read_text())
-    assert list(report["forms"]) == list(bench.FORMS)
+    assert list(report["forms"]) == list(bench.FORMS) and report["env"]["device"] == "cpu"
     for form, figures in report["forms"].items():
         assert len(figures["rounds_ms"]) == 2 and 0 < figures["issue_ms"] <= figures["wall_ms"], form
+        assert len(figures["host_probe_ms"]) == 2 and min(figures["host_probe_ms"]) > 0, form
+    fastest = report["fastest_host_round"]
+    assert fastest["host_probe_ms"] == min(report["forms"]["fp8"]["host_probe_ms"])
+    assert fastest["fp8_wall_ms"] == report["forms"]["fp8"]["rounds_ms"][fastest["round"]]
     assert kernels._cast_transpose_amax_kernel is launch and gemm.scaled_mm is scaled_mm
