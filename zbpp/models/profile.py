@@ -530,7 +530,8 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
                 activation = _alive(seen)
             if step == warmup + steps - 1:
                 nxt = _detached(out, copy=True)
-            _release(out)  # as the runtime does once an output is sent: only its autograd node stays
+            if loss is None or loss[0] is None:  # a last stage's output is not sent (and its loss may have saved it)
+                _release(out)  # as the runtime does once an output is sent: only its autograd node stays
             del out, xs
             if probe:
                 with _PeakBytes(seen, key=lambda t: _key(t)[0]) as peak:
