@@ -118,7 +118,11 @@ def test_hf_llama_gradient_checkpointing_after_delay_wgrad(reentrant):
     model = transformers.LlamaForCausalLM(cfg).double()
     ref = copy.deepcopy(model)
     delay_wgrad(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25 (the older name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with microbatch((0, 0)):
