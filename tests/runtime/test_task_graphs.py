@@ -163,6 +163,31 @@ def test_grad_buffers_attach_each_case() -> None:
     assert b.grad is not buf_b and b.grad.tolist() == [0.0] * 4
 
 
+def test_grad_buffers_attach_after_zero_grad() -> None:
+    """The usual step (every ``.grad`` None, every buffer there) points each ``.grad`` at its own
+    buffer again; a parameter whose dtype changed meanwhile still gets a new buffer, the others
+    keep theirs."""
+    buffers = task_graphs.GradBuffers()
+    a, b = (nn.Parameter(torch.ones(2, dtype=torch.float64)) for _ in range(2))
+    assert buffers.attach([a, b]) == {id(a), id(b)}
+    buf_a, buf_b = a.grad, b.grad
+    a.grad = b.grad = None
+    assert buffers.attach([a, b]) == {id(a), id(b)} and a.grad is buf_a and b.grad is buf_b
+    a.grad = b.grad = None
+    b.data = torch.ones(2, dtype=torch.float32)  # found after a's .grad was pointed at buf_a
+    assert buffers.attach([a, b]) == {id(a), id(b)}
+    assert a.grad is buf_a and b.grad is not buf_b and b.grad.dtype == torch.float32
+
+
+def test_external_addresses_name_data_grad_and_main_grad() -> None:
+    """Per parameter its data's, ``.grad``'s and ``main_grad``'s addresses (0 where there is none)."""
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    assert task_graphs.external_addresses([a, b]) == ((a.data_ptr(), b.data_ptr()), (0, 0), (0, 0))
+    b.grad, a.main_grad = torch.zeros(3), torch.zeros(2)
+    assert task_graphs.external_addresses([a, b]) == ((a.data_ptr(), b.data_ptr()), (0, b.grad.data_ptr()),
+                                                      (a.main_grad.data_ptr(), 0))
+
+
 def test_failed_steps_restore_the_fixed_grad_buffers(monkeypatch) -> None:
     """A failed step puts back what the fixed .grad buffers held: the earlier gradient, or zeros
     where .grad was None before the step (those are zeroed again, never copied: no clone is taken)."""

@@ -27,6 +27,8 @@ True
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import AbstractSet, Iterable
 
 import torch
@@ -35,6 +37,8 @@ from torch import nn
 from .._compat import foreach_zero_
 
 __all__ = ["GradientsAside"]
+
+_grad = operator.attrgetter("grad")
 
 
 class GradientsAside:
@@ -59,17 +63,21 @@ class GradientsAside:
         self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
         if not keep:
             return
-        # comprehensions over the parameters: this runs before every step's first kernel
-        self._aside = [(p, p.grad) for p in self._params]
+        # loops in C where they can: this runs before every step's first kernel
+        grads = list(map(_grad, self._params))
+        self._aside = list(zip(self._params, grads))
         if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
-            self._zeros = [g for p, g in self._aside if g is not None and id(p) in zeroed]
-            self._copies = [(g, g.clone()) for p, g in self._aside if g is not None and id(p) not in zeroed]
+            held = [(i, g) for i, g in zip(map(id, self._params), grads) if g is not None]
+            self._zeros = [g for i, g in held if i in zeroed]
+            if len(self._zeros) < len(held):
+                self._copies = [(g, g.clone()) for i, g in held if i not in zeroed]
         else:
             for p in self._params:
                 p.grad = None
         if copy_main_grad:
-            mains = (getattr(p, "main_grad", None) for p in self._params)
-            self._copies += [(m, m.clone()) for m in mains if isinstance(m, torch.Tensor)]
+            mains = [getattr(p, "main_grad", None) for p in self._params]
+            if any(map(operator.is_not, mains, itertools.repeat(None))):  # by identity: == on tensors is slow
+                self._copies += [(m, m.clone()) for m in mains if isinstance(m, torch.Tensor)]
 
     def copies(self) -> dict[int, torch.Tensor]:
         """The copies kept of gradients left in place, by the id of the gradient tensor (read them only:

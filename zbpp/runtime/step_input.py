@@ -13,6 +13,7 @@ agreement. `merge` puts an evaluation step's outputs back together.
 from __future__ import annotations
 
 import hashlib
+import operator
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -22,7 +23,7 @@ from torch import nn
 
 from .._compat import modules_and_parameters
 from .loss_weights import checked_weights
-from .tree import batch_rows, flatten, rebuild, split
+from .tree import flatten, rebuild, split_batch
 
 __all__ = ["LocalBatch", "local_batch", "merge", "module_state", "release_step_caches", "stable_hash", "stage_walks",
            "unique_parameters"]
@@ -49,25 +50,15 @@ def local_batch(inputs: Any, target: Any, *, microbatches: int, device: torch.de
     if first:
         if inputs is None:
             raise ValueError(f"pipeline rank {rank} holds stage 0, so the step needs the inputs")
-        inputs = _to_device(inputs, device, "input")
-        mbs = split(inputs, m, what="input")
-        n_in, in_hash = batch_rows(inputs, m, what="input"), stable_hash((m, flatten(inputs)[1]))
+        mbs, n_in, spec = split_batch(inputs, m, what="input", device=device)
+        in_hash = stable_hash((m, spec))
     if last and target is not None:
-        target = _to_device(target, device, "target")
-        tgts = split(target, m, what="target")
-        n_tgt = batch_rows(target, m, what="target")
+        tgts, n_tgt, _ = split_batch(target, m, what="target", device=device)
     elif last:
         tgts = [None] * m
     if last and loss_weight is not None and (target is not None or not forward_only):
         raw = checked_weights(loss_weight, tgts)
     return LocalBatch(mbs, tgts, raw, in_hash, n_in, n_tgt)
-
-
-def _to_device(obj: Any, device: torch.device, what: str) -> Any:
-    leaves, spec = flatten(obj)
-    if not leaves:
-        raise ValueError(f"the {what} holds no tensor ({spec}): the step splits its tensors into microbatches")
-    return rebuild(spec, [t.to(device) for t in leaves])
 
 
 Walks = Mapping[int, tuple[list[nn.Module], list[nn.Parameter]]]
@@ -81,13 +72,20 @@ def stage_walks(stage_modules: Mapping[int, nn.Module]) -> dict[int, tuple[list[
 
 def unique_parameters(walks: Walks) -> list[nn.Parameter]:
     """The parameters of `walks`, each once, in walk order."""
+    if len(walks) == 1:  # one walk lists each parameter once already
+        return list(next(iter(walks.values()))[1])
     return list({id(p): p for _, params in walks.values() for p in params}.values())
+
+
+_training = operator.attrgetter("training")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def module_state(walks: Walks) -> tuple:
     """What, besides the input, decides the shapes and requires_grad of the activations, from each
     stage's modules and parameters (``_compat.modules_and_parameters``)."""
-    return tuple((s, tuple(mod.training for mod in modules), tuple(p.requires_grad for p in params))
+    # map with attrgetter: the loops run in C, before every step's first kernel
+    return tuple((s, tuple(map(_training, modules)), tuple(map(_requires_grad, params)))
                  for s, (modules, params) in walks.items())
 
 

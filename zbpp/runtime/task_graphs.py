@@ -65,6 +65,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
+import operator
 import time
 import warnings
 from collections import OrderedDict
@@ -353,6 +355,9 @@ class GradBuffers:
         """Point every such parameter's ``.grad`` at its buffer, keeping what ``.grad`` held.
         Returns the ids of the parameters whose ``.grad`` was None: their buffers hold zeros once
         `prepare` ran (a W that writes its buffer then leaves no zeros to restore but its own values)."""
+        zeroed = self._attach_cleared(params)
+        if zeroed is not None:
+            return zeroed
         fresh: list[tuple[int, torch.Tensor]] = []
         earlier: list[tuple[int, torch.Tensor]] = []
         zeroed: set[int] = set()
@@ -382,6 +387,25 @@ class GradBuffers:
             p.grad = buf
         self._fresh, self._earlier = fresh, earlier
         return zeroed
+
+    def _attach_cleared(self, params: Sequence[torch.nn.Parameter]) -> set[int] | None:
+        """`attach` of the usual step, after ``zero_grad()``: every parameter trainable, without
+        ``main_grad``, its ``.grad`` None and its buffer there; its loops run in C where they can
+        (it runs before every replayed step's first task). None, changing nothing, where that is not so."""
+        ids = list(map(id, params))
+        bufs = list(map(self._buffers.get, ids))
+        if not (all(map(_requires_grad, params)) and _all_none(list(map(_grad, params)))
+                and _all_none([getattr(p, "main_grad", None) for p in params]) and _no_none(bufs)):
+            return None
+        try:
+            for p, buf in zip(params, bufs):
+                p.grad = buf  # checks the buffer's shape, dtype and device against p's
+        except RuntimeError:  # a parameter changed: `attach` makes it a new buffer
+            for p in params:
+                p.grad = None  # as every one was
+            return None
+        self._fresh, self._earlier = list(zip(ids, bufs)), []
+        return set(ids)
 
     def prepare(self, runner: TaskRunner, stage_params: Mapping[int, Sequence[torch.nn.Parameter]],
                 kept: Mapping[int, torch.Tensor] | None = None) -> None:
@@ -477,12 +501,33 @@ class _FirstWrites:
 def external_addresses(params: Sequence[torch.nn.Parameter]) -> tuple:
     """The addresses outside the pool that captured tasks read or write: each parameter's data,
     ``.grad`` and ``main_grad``."""
-    out = []
-    for p in params:
-        main = getattr(p, "main_grad", None)
-        out.append((p.data_ptr(), p.grad.data_ptr() if p.grad is not None else 0,
-                    main.data_ptr() if isinstance(main, torch.Tensor) else 0))
-    return tuple(out)
+    # loops that run in C where they can: this runs before every replayed step's first task
+    return (_addresses(params), _addresses(list(map(_grad, params))),
+            _addresses([getattr(p, "main_grad", None) for p in params]))
+
+
+def _addresses(tensors: Sequence[Any]) -> tuple[int, ...]:
+    """Each tensor's ``data_ptr()``; 0 for anything that is not a tensor (None)."""
+    if _all_none(tensors):
+        return (0,) * len(tensors)
+    try:
+        return tuple(map(_data_ptr, tensors))  # the usual case: every one a tensor
+    except TypeError:
+        return tuple(t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in tensors)
+
+
+# None checks by identity in a C loop (``==`` on a tensor is slow)
+def _all_none(values: Sequence[Any]) -> bool:
+    return not any(map(operator.is_not, values, itertools.repeat(None)))
+
+
+def _no_none(values: Sequence[Any]) -> bool:
+    return not any(map(operator.is_, values, itertools.repeat(None)))
+
+
+_data_ptr = torch.Tensor.data_ptr
+_grad = operator.attrgetter("grad")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["TensorMeta", "Spec", "Replicated", "flatten", "rebuild", "split", "batch_rows", "call", "describe"]
+__all__ = ["TensorMeta", "Spec", "Replicated", "flatten", "rebuild", "split", "split_batch", "batch_rows", "call", "describe"]
 
 
 class Replicated:
@@ -187,10 +187,20 @@ def split(obj: Any, parts: int, *, what: str = "input") -> list[Any]:
     Raises `ValueError`, naming the leaf, for a 0-d tensor that is not `Replicated`, split leaves
     whose dim 0 differ (other than 1), no leaf to split, or fewer rows than `parts`.
     """
+    return split_batch(obj, parts, what=what)[0]
+
+
+def split_batch(obj: Any, parts: int, *, what: str = "input",
+                device: torch.device | None = None) -> tuple[list[Any], int, Spec]:
+    """`split` of `obj` (its tensors first moved to `device` when given), the batch's rows
+    (`batch_rows`) and `obj`'s `Spec`, from one walk: a step's input is split before its first task."""
     leaves, spec = flatten(obj)
+    if device is not None:
+        leaves = [t.to(device) for t in leaves]
     rows, shared = _rows_and_shared(leaves, spec, parts, what, obj)
     pieces = [None if i in shared else torch.tensor_split(t, parts, dim=0) for i, t in enumerate(leaves)]
-    return [_build(spec.node, [t if p is None else p[j] for t, p in zip(leaves, pieces)], True) for j in range(parts)]
+    microbatches = [_build(spec.node, [t if p is None else p[j] for t, p in zip(leaves, pieces)], True) for j in range(parts)]
+    return microbatches, rows, spec
 
 
 def batch_rows(obj: Any, parts: int = 1, *, what: str = "input") -> int:
