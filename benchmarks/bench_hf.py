@@ -16,8 +16,9 @@ gradients accumulated, no optimizer). Variants:
                      task graphs: FP8's eager cost against ``zbpp eager``
 - ``zbpp fast fp8``  ``causal_lm_stages(..., fast=True, fp8=True)``
 
-Variants are interleaved over ``--rounds`` rounds (warm-up steps, then ``--steps`` steps timed
-one by one with CUDA events); the table gives the median ms per step, tokens/s, MFU (model FLOPs
+Every variant is built (and compiled) first; after `SETTLE_S` seconds (a compile's workers keep the
+host busy a while, which slows the host-bound rows) they are interleaved over ``--rounds`` rounds
+(warm-up steps, then ``--steps`` steps timed one by one with CUDA events); the table gives the median ms per step, tokens/s, MFU (model FLOPs
 ``6 N T + 6 L s h T`` per step: N the matmul parameters of the layers and the LM head, T tokens,
 causal attention counted half; over ``--peak-tflops``, the H200's dense bf16 989 by default, also
 for FP8), the peak memory (what the variant holds between steps, after ``zero_grad()`` as torch's
@@ -99,6 +100,8 @@ ZBPP_FORMS = ("eager", "fast", "fast fp8")
 PRESETS = {"h2048": (2048, 8, 5632, 16), "h4096": (4096, 4, 11008, 32)}
 KINDS = ("gemm", "attention", "cast", "norm", "activation", "other")
 START = time.perf_counter()
+#: seconds between the last build and the first timed step (a compile's workers keep the host busy a while)
+SETTLE_S = 10.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -476,45 +479,44 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
 
     variants: dict[str, Variant] = {}
     failed: dict[str, str] = {}
+    for name in args.variant_list:  # every variant built before any is timed: no compile beside a timed step
+        gc.collect()  # an earlier preset's variants freed now, not while this one builds
+        before = torch.cuda.memory_allocated() + graph_pools_free() if cuda else 0
+        t0 = time.perf_counter()
+        error = None
+        try:
+            v = build(name)
+        except Exception as exc:  # noqa: BLE001 - one broken variant must not cost the others
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+        error = ranks.first_error(error)
+        if error is None:
+            try:
+                for i in range(FIRST_WARMUP):
+                    v.clear()
+                    loss = v.step()
+                    if i == 0 and loss is not None:
+                        v.first_loss = float(loss)
+                timer.sync()
+            except Exception as exc:  # noqa: BLE001
+                error = f"{type(exc).__name__}: {exc}"[:2000]
+            error = ranks.first_error(error)
+        if error is not None:
+            failed[name] = error
+            say(f"{name} FAILED: {error[:500]}")
+            continue
+        variants[name] = v
+        say(f"{name}: built and warmed up in {time.perf_counter() - t0:.1f} s")
+        if cuda:
+            v.clear()  # as before each timed step: what the step's peak is measured above
+            v.resident = torch.cuda.memory_allocated() + graph_pools_free() - before
+    if not args.quick and any("compile" in name or "fast" in name for name in variants):
+        time.sleep(SETTLE_S)  # inductor's compile workers finish: their CPU use slows a host-bound step
     for r in range(args.rounds):
         late = bool(r) and args.deadline_s is not None and time.perf_counter() - START > args.deadline_s
         if ranks.max_each([float(late)])[0]:  # the ranks stop together
             say(f"deadline: {r} rounds")
             break
-        for name in args.variant_list:
-            if name in failed:
-                continue
-            if name not in variants:
-                gc.collect()  # an earlier preset's variants freed now, not while this one builds
-                before = torch.cuda.memory_allocated() + graph_pools_free() if cuda else 0
-                t0 = time.perf_counter()
-                error = None
-                try:
-                    v = build(name)
-                except Exception as exc:  # noqa: BLE001 - one broken variant must not cost the others
-                    error = f"{type(exc).__name__}: {exc}"[:2000]
-                error = ranks.first_error(error)
-                if error is None:
-                    try:
-                        for i in range(FIRST_WARMUP):
-                            v.clear()
-                            loss = v.step()
-                            if i == 0 and loss is not None:
-                                v.first_loss = float(loss)
-                        timer.sync()
-                    except Exception as exc:  # noqa: BLE001
-                        error = f"{type(exc).__name__}: {exc}"[:2000]
-                    error = ranks.first_error(error)
-                if error is not None:
-                    failed[name] = error
-                    say(f"{name} FAILED: {error[:500]}")
-                    continue
-                variants[name] = v
-                say(f"{name}: built and warmed up in {time.perf_counter() - t0:.1f} s")
-                if cuda:
-                    v.clear()  # as before each timed step: what the step's peak is measured above
-                    v.resident = torch.cuda.memory_allocated() + graph_pools_free() - before
-            v = variants[name]
+        for name, v in variants.items():
             for _ in range(args.warmup):
                 v.clear()
                 v.step()
