@@ -16,10 +16,10 @@ gradients accumulated, no optimizer). Variants:
                      task graphs: FP8's eager cost against ``zbpp eager``
 - ``zbpp fast fp8``  ``causal_lm_stages(..., fast=True, fp8=True)``
 
-Every variant is built (and compiled) first; after `SETTLE_S` seconds (a compile's workers keep the
-host busy a while, which slows the host-bound rows) they are interleaved over ``--rounds`` rounds
-(warm-up steps, then ``--steps`` steps timed one by one with CUDA events); the table gives the median ms per step, tokens/s, MFU (model FLOPs
-``6 N T + 6 L s h T`` per step: N the matmul parameters of the layers and the LM head, T tokens,
+Every variant is built (and compiled) first; after `SETTLE_S` seconds (inductor's compile workers
+keep CPUs busy for seconds after a compile) they are interleaved over ``--rounds`` rounds (warm-up
+steps, then ``--steps`` steps timed one by one with CUDA events); the table gives the median ms per
+step, tokens/s, MFU (model FLOPs ``6 N T + 6 L s h T`` per step: N the matmul parameters of the layers and the LM head, T tokens,
 causal attention counted half; over ``--peak-tflops``, the H200's dense bf16 989 by default, also
 for FP8), the peak memory (what the variant holds between steps, after ``zero_grad()`` as torch's
 optimizers call it: parameters, fixed gradient buffers and graph pools; plus the most its step
@@ -100,7 +100,7 @@ ZBPP_FORMS = ("eager", "fast", "fast fp8")
 PRESETS = {"h2048": (2048, 8, 5632, 16), "h4096": (4096, 4, 11008, 32)}
 KINDS = ("gemm", "attention", "cast", "norm", "activation", "other")
 START = time.perf_counter()
-#: seconds between the last build and the first timed step (a compile's workers keep the host busy a while)
+#: seconds between the last build and the first timed step (a compile's workers keep CPUs busy a while)
 SETTLE_S = 10.0
 
 
@@ -510,7 +510,7 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
             v.clear()  # as before each timed step: what the step's peak is measured above
             v.resident = torch.cuda.memory_allocated() + graph_pools_free() - before
     if not args.quick and any("compile" in name or "fast" in name for name in variants):
-        time.sleep(SETTLE_S)  # inductor's compile workers finish: their CPU use slows a host-bound step
+        time.sleep(SETTLE_S)  # no compile worker busy beside a timed step (the eager rows are host-bound)
     for r in range(args.rounds):
         late = bool(r) and args.deadline_s is not None and time.perf_counter() - START > args.deadline_s
         if ranks.max_each([float(late)])[0]:  # the ranks stop together
