@@ -394,8 +394,8 @@ class GradBuffers:
         (it runs before every replayed step's first task). None, changing nothing, where that is not so."""
         ids = list(map(id, params))
         bufs = list(map(self._buffers.get, ids))
-        if not (all(map(_requires_grad, params)) and _all_none(list(map(_grad, params)))
-                and _all_none([getattr(p, "main_grad", None) for p in params]) and _no_none(bufs)):
+        if not (_no_none(bufs) and all(map(_requires_grad, params)) and _all_none(list(map(_grad, params)))
+                and _all_none([getattr(p, "main_grad", None) for p in params])):  # a main_grad has no buffer
             return None
         try:
             for p, buf in zip(params, bufs):
