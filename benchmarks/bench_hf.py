@@ -19,13 +19,14 @@ gradients accumulated, no optimizer). Variants:
 Every variant is built (and compiled) first; after `SETTLE_S` seconds (inductor's compile workers
 keep CPUs busy for seconds after a compile) they are interleaved over ``--rounds`` rounds (warm-up
 steps, then ``--steps`` steps timed one by one with CUDA events); the table gives the median ms per
-step, tokens/s, MFU (model FLOPs ``6 N T + 6 L s h T`` per step: N the matmul parameters of the layers and the LM head, T tokens,
-causal attention counted half; over ``--peak-tflops``, the H200's dense bf16 989 by default, also
-for FP8), the peak memory (what the variant holds between steps, after ``zero_grad()`` as torch's
-optimizers call it: parameters, fixed gradient buffers and graph pools; plus the most its step
-allocates beyond that, gradients included where they are made in the step) and each variant's speed against
-``hf compile`` (> 1: faster). ``--kernel-profile`` sums one profiled step's GPU kernels by kind (gemm,
-attention, cast, norm, activation, other) for the variants named, and the step's GPU idle time.
+step, tokens/s, MFU (model FLOPs ``6 N T + 6 L s h T`` per step: N the matmul parameters of the
+layers and the LM head, T tokens, causal attention counted half; over ``--peak-tflops``, the H200's
+dense bf16 989 by default, also for FP8), the peak memory (what the variant holds between steps,
+after ``zero_grad()`` as torch's optimizers call it: parameters, fixed gradient buffers and graph
+pools; plus the most its step allocates beyond that, gradients included where they are made in the
+step) and each variant's speed against ``hf compile`` (> 1: faster). ``--kernel-profile`` sums one
+profiled step's GPU kernels by kind (gemm, attention, cast, norm, activation, other) for the
+variants named, and the step's GPU idle time.
 
 On one H200 (both of the issue's workloads in one run)::
 

@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["TensorMeta", "Spec", "Replicated", "flatten", "rebuild", "split", "split_batch", "batch_rows", "call", "describe"]
+__all__ = ["TensorMeta", "Spec", "Replicated", "flatten", "rebuild", "split", "split_batch", "batch_rows", "call",
+           "describe"]
 
 
 class Replicated:
@@ -199,7 +200,8 @@ def split_batch(obj: Any, parts: int, *, what: str = "input",
         leaves = [t.to(device) for t in leaves]
     rows, shared = _rows_and_shared(leaves, spec, parts, what, obj)
     pieces = [None if i in shared else torch.tensor_split(t, parts, dim=0) for i, t in enumerate(leaves)]
-    microbatches = [_build(spec.node, [t if p is None else p[j] for t, p in zip(leaves, pieces)], True) for j in range(parts)]
+    microbatches = [_build(spec.node, [t if p is None else p[j] for t, p in zip(leaves, pieces)], True)
+                    for j in range(parts)]
     return microbatches, rows, spec
 
 
