@@ -32,7 +32,7 @@ from torch import nn
 
 from zbpp import Pipeline
 from zbpp.modules import Linear
-from zbpp.runtime import microbatch_seed
+from zbpp.runtime import PipelineError, microbatch_seed
 from zbpp.runtime.task_graphs import StandInGraphs
 
 from .test_task_graphs import _one_rank_stand_in
@@ -225,3 +225,75 @@ def test_moved_parameter_is_captured_again_and_read_from_its_new_place(device: s
         run.ref[2].weight.mul_(0.5)
     assert run.step("step after the weight moved") > 0, "a moved parameter did not make the step capture again"
     assert run.step("replay after the new capture") == 0
+
+
+def test_gradients_are_attached_after_the_first_forward_of_a_step_after_zero_grad() -> None:
+    """Task graphs point ``.grad`` at the fixed buffers after the step's first F (no F reads a
+    gradient; an idle GPU starts on it sooner) when ``zero_grad()`` cleared them, before it when a
+    step accumulates onto earlier gradients. Seen by a forward pre-hook (CPU stand-in graphs run
+    every F's Python at replay too), with every step's gradients equal to one process's."""
+    sched, x, y = _schedule_and_batch("cpu", rows=4, outputs=2, seed=6)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4, dtype=F64), nn.Tanh(), nn.Linear(4, 2, dtype=F64))
+    ref = copy.deepcopy(model)
+    seen: list[torch.Tensor | None] = []  # fc2.weight.grad at each F
+    model.register_forward_pre_hook(lambda mod, args: seen.append(mod[2].weight.grad))
+    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, cuda_graphs=StandInGraphs)
+    for step, zero in enumerate((True, True, True, False, True)):  # eager, capture, replay, accumulate, replay
+        if zero:
+            model.zero_grad()
+            ref.zero_grad()
+        seen.clear()
+        pipe.step(x, y)
+        _one_process_with_seeds(ref, x, y, step=step, m=2)
+        _assert_grads_equal(model, ref, f"step {step}")
+        buffer = model[2].weight.grad
+        if step == 0:  # no buffer yet: made and attached before the first F
+            assert seen == [buffer, buffer]
+        elif zero:
+            assert seen[0] is None and seen[1] is buffer, f"step {step}: .grad at each F: {seen}"
+        else:  # earlier gradients kept: attached (where they are) before any task
+            assert seen == [buffer, buffer]
+
+
+class _MeanScaled(nn.Module):
+    """``x * mean(s)`` for a parameter ``s`` of 6 elements: its shape can change in place (a view
+    of the same storage) without changing what the module computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=F64).reshape(2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s.mean()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameter_reshaped_in_place_fails_one_step_then_is_captured_again(device: str) -> None:
+    """A parameter viewed in another shape over the same storage no longer fits its fixed
+    ``.grad`` buffer, which the step finds only after its first F replayed: that step fails with
+    an error that says so, rolled back (the gradients stay None); the next one makes new buffers,
+    captures again and gives one process's gradients."""
+    sched, x, y = _schedule_and_batch(device, rows=4, outputs=2, seed=7)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4, dtype=F64), _MeanScaled(), nn.Linear(4, 2, dtype=F64)).to(device)
+    ref = copy.deepcopy(model)
+    pipe = Pipeline({0: model}, sched, loss_fn=nn.functional.mse_loss, device=device, cuda_graphs=_graphs(device))
+    for step in range(3):  # eager, capture, replay
+        model.zero_grad()
+        pipe.step(x, y)
+    scale = model[1].s
+    with torch.no_grad():
+        scale.data = scale.data.view(3, 2)
+    model.zero_grad()
+    with pytest.raises(PipelineError, match="shape, dtype or device changed while its storage stayed"):
+        pipe.step(x, y)
+    assert all(p.grad is None for p in model.parameters()), "the failed step left gradients behind"
+    for step in range(2):  # captures again, then replays
+        model.zero_grad()
+        ref.zero_grad()
+        pipe.step(x, y)
+        nn.functional.mse_loss(ref(x), y).backward()
+        assert scale.grad.shape == (3, 2)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.reshape(q.shape), q.grad, msg=lambda s: f"{name}: {s}", **TOL)

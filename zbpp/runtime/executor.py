@@ -167,10 +167,12 @@ class StepExecutor:
 
     # -- the step -----------------------------------------------------------------------------
     def run(self, data: StepInputs, comm: CommQueue, failure: StepFailure, runner: TaskRunner = EAGER,
-            boundaries: StageBoundaries | None = None) -> StepResults:
+            boundaries: StageBoundaries | None = None,
+            before_gradients: Callable[[], None] | None = None) -> StepResults:
         """Run every task of this rank with the program's communication (`comm`), each through
-        `runner`; tell `boundaries` where each stage's last B and W are. A failure is recorded in
-        `failure` (then the results are incomplete), never raised."""
+        `runner`; tell `boundaries` where each stage's last B and W are; call `before_gradients`
+        once, before the first task that is not an F (F reads no gradient; draining too). A failure
+        is recorded in `failure` (then the results are incomplete), never raised."""
         results = StepResults()
         if self.recorder is not None:
             self.recorder.begin_step()
@@ -178,6 +180,9 @@ class StepExecutor:
         for i, task in enumerate(tasks):
             comm.issue(i)
             failure.current = task
+            if before_gradients is not None and task.kind is not Kind.F:
+                self._call(before_gradients, task, failure)
+                before_gradients = None
             if not failure.draining:
                 try:
                     self._run_task(task, data, comm, runner, results)
@@ -193,11 +198,20 @@ class StepExecutor:
             self._signal(task, boundaries, failure)
             comm.reap()
         failure.current = None
+        if before_gradients is not None:  # a program of F tasks only
+            self._call(before_gradients, None, failure)
         comm.issue(len(tasks))
         comm.complete()
         self._slots.clear()
         self._handed.clear()
         return results
+
+    @staticmethod
+    def _call(fn: Callable[[], None], task: Action | None, failure: StepFailure) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the step drains; the agreement reports it
+            failure.fail(exc, task)
 
     def _run_task(self, task: Action, data: StepInputs, comm: CommQueue, runner: TaskRunner,
                   results: StepResults) -> None:

@@ -63,6 +63,9 @@ class _Step:
     failure: StepFailure
     walks: Walks  #: this rank's stages' modules and parameters, as the step found them
     params: list[nn.Parameter]  #: this rank's parameters, each once (training steps; [] for forward-only)
+    #: the fixed ``.grad`` buffers of `params` that the step attaches after its first F tasks (task
+    #: graphs after ``zero_grad()``: `GradBuffers.cleared`), or None: attached before any task
+    cleared: list[torch.Tensor] | None = None
     runner: TaskRunner = EAGER
     results: StepResults = field(default_factory=StepResults)
 
@@ -271,7 +274,9 @@ class Pipeline:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
         step = self._agree_start(inputs, target, forward_only=False)  # agree on the input
-        self._reductions.set_aside(step.params, reducing=self._sync_gradients)
+        if self._graph_cache is not None:  # after zero_grad(): .grad attached after the first F tasks
+            step.cleared = self._graph_cache.grad_buffers.cleared(step.params)
+        self._reductions.set_aside(step.params, reducing=self._sync_gradients, later=step.cleared is not None)
         with self._compute_stream(step):
             problem = _first_error(lambda: self._reductions.begin(lambda: step.failure.draining),
                                    lambda: self._run_tasks(step),  # with the program's communication
@@ -403,12 +408,21 @@ class Pipeline:
         if graphs is None:
             step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
             return
-        step.runner = graphs.runner(step.signature, step.new_signature, step.params)
+        step.runner = graphs.runner(step.signature, step.new_signature, step.params, step.cleared)
         buffers = graphs.grad_buffers
-        buffers.prepare(step.runner, {s: params for s, (_, params) in step.walks.items()}, self._reductions.kept_copies())
+        deciding = contextlib.ExitStack()
+
+        def set_up_gradients() -> None:  # before the first task that may touch a gradient (after the first F)
+            if step.cleared is not None:
+                self._reductions.set_aside_cleared(step.params)
+            buffers.prepare(step.runner, {s: params for s, (_, params) in step.walks.items()},
+                            self._reductions.kept_copies())
+            deciding.enter_context(buffers.deciding())  # where W writes a fixed .grad buffer instead of adding to it
+
         try:
-            with buffers.deciding():  # where W writes a fixed .grad buffer instead of adding to it
-                step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
+            with deciding:
+                step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries,
+                                                 before_gradients=set_up_gradients)
         finally:
             buffers.finish(step.runner)
         graphs.tasks_done()  # the end of a timed step of cuda_graphs="auto"

@@ -87,13 +87,28 @@ class Reductions:
         self._unreduced = False  # gradients hold steps accumulated inside no_sync()
 
     # -- a training step ------------------------------------------------------------------------
-    def set_aside(self, params: Sequence[nn.Parameter], *, reducing: bool) -> None:
+    def set_aside(self, params: Sequence[nn.Parameter], *, reducing: bool, later: bool = False) -> None:
         """Before a training step (on the caller's stream): keep the earlier gradients of `params`
-        (this rank's, each once) apart. `reducing`: False inside ``no_sync()``."""
+        (this rank's, each once) apart. `reducing`: False inside ``no_sync()``. `later`: only
+        take the step's mode now; `set_aside_cleared` sets the gradients aside before the step's first
+        task that may touch one (the fixed buffers' `GradBuffers.cleared` case)."""
         self._mode = "sync" if reducing else "no_sync"
+        self._aside = None
+        if later:
+            return
         zeroed: set[int] = set()
         if self.fixed_grads is not None:  # before the aside: it keeps what the fixed buffers hold
             zeroed = self.fixed_grads.attach(params)
+        self._keep_aside(params, zeroed)
+
+    def set_aside_cleared(self, params: Sequence[nn.Parameter]) -> None:
+        """`set_aside` of a step that said `later`, once its first tasks (no gradient read) ran:
+        ``.grad`` pointed at the fixed buffers that `GradBuffers.cleared` named."""
+        assert self.fixed_grads is not None
+        self._keep_aside(params, self.fixed_grads.attach_cleared(params))
+
+    def _keep_aside(self, params: Sequence[nn.Parameter], zeroed: set[int]) -> None:
+        reducing = self._mode == "sync"
         accumulate = reducing and self._unreduced  # reduce the no_sync steps' gradients with this one's
         self._aside = GradientsAside(params, keep=self._keep, in_place=accumulate or self.fixed_grads is not None,
                                      zeroed=zeroed,

@@ -340,7 +340,10 @@ class GradBuffers:
     replay, and where they hold earlier gradients (no ``zero_grad()`` between steps) a copy of those
     is added back after the writing stage's last W, before its gradients are reduced (`add_back`),
     from the copy `GradientsAside` keeps for a rollback where it keeps one.
-    A step runs `attach`, `prepare` once its runner is known, `add_back` per stage, then `finish`.
+    A step runs `attach`, `prepare` once its runner is known, `add_back` per stage, then `finish`;
+    after ``zero_grad()`` it asks `cleared` before choosing its runner and runs `attach_cleared`
+    and `prepare` just before its first task that is not an F (no F reads a gradient), so that an
+    idle GPU starts on the first F sooner.
     """
 
     def __init__(self) -> None:
@@ -388,15 +391,38 @@ class GradBuffers:
         self._fresh, self._earlier = fresh, earlier
         return zeroed
 
-    def _attach_cleared(self, params: Sequence[torch.nn.Parameter]) -> set[int] | None:
-        """`attach` of the usual step, after ``zero_grad()``: every parameter trainable, without
-        ``main_grad``, its ``.grad`` None and its buffer there; its loops run in C where they can
-        (it runs before every replayed step's first task). None, changing nothing, where that is not so."""
-        ids = list(map(id, params))
-        bufs = list(map(self._buffers.get, ids))
-        if not (_no_none(bufs) and all(map(_requires_grad, params)) and _all_none(list(map(_grad, params)))
+    def cleared(self, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+        """The buffers `attach` points the ``.grad`` of `params` at in the usual step, after
+        ``zero_grad()``: every parameter trainable, without ``main_grad``, its ``.grad`` None and its
+        buffer there (then `attach_cleared` attaches them). None where that is not so. Changes nothing;
+        its loops run in C where they can (it runs before every replayed step's first task)."""
+        bufs = list(map(self._buffers.get, map(id, params)))
+        if (_no_none(bufs) and all(map(_requires_grad, params)) and _all_none(list(map(_grad, params)))
                 and _all_none([getattr(p, "main_grad", None) for p in params])):  # a main_grad has no buffer
+            return bufs
+        return None
+
+    def attach_cleared(self, params: Sequence[torch.nn.Parameter]) -> set[int]:
+        """`attach` of a step whose runner was chosen for the buffers `cleared` named, and whose
+        first tasks may have run (F reads no gradient): raises when a parameter no longer fits its
+        buffer (its shape, dtype or device changed while its storage stayed), forgetting every
+        buffer, so that the next step makes new ones (and captures its graphs again)."""
+        zeroed = self._attach_cleared(params)
+        if zeroed is None:
+            self._buffers.clear()
+            raise RuntimeError(
+                "a parameter's .grad could not be pointed at its fixed buffer for CUDA graphs: its shape, dtype "
+                "or device changed while its storage stayed, after the step's first tasks had replayed with it "
+                "as it was. This step is rolled back; the next one captures its task graphs again"
+            )
+        return zeroed
+
+    def _attach_cleared(self, params: Sequence[torch.nn.Parameter]) -> set[int] | None:
+        """`attach` of the usual step (`cleared`); None, changing nothing, where that is not so."""
+        bufs = self.cleared(params)
+        if bufs is None:
             return None
+        ids = list(map(id, params))
         try:
             for p, buf in zip(params, bufs):
                 p.grad = buf  # checks the buffer's shape, dtype and device against p's
@@ -409,7 +435,7 @@ class GradBuffers:
 
     def prepare(self, runner: TaskRunner, stage_params: Mapping[int, Sequence[torch.nn.Parameter]],
                 kept: Mapping[int, torch.Tensor] | None = None) -> None:
-        """Before the step's first task, its runner chosen: zero the fresh buffers no W writes, copy
+        """Before the step's first task that may touch a gradient, its runner chosen: zero the fresh buffers no W writes, copy
         the earlier gradients a W overwrites (`kept`: copies already made of them, by the buffer's id,
         read instead), and, where the step's W decide the writes (a capture, a stand-in replay), start
         deciding (`stage_params`: this rank's parameters of each stage)."""
@@ -498,12 +524,13 @@ class _FirstWrites:
         self._hooks = []
 
 
-def external_addresses(params: Sequence[torch.nn.Parameter]) -> tuple:
+def external_addresses(params: Sequence[torch.nn.Parameter],
+                       grads: Sequence[torch.Tensor | None] | None = None) -> tuple:
     """The addresses outside the pool that captured tasks read or write: each parameter's data,
-    ``.grad`` and ``main_grad``."""
+    ``.grad`` (or the one of `grads`, by position, that the step will attach) and ``main_grad``."""
     # loops that run in C where they can: this runs before every replayed step's first task
-    return (_addresses(params), _addresses(list(map(_grad, params))),
-            _addresses([getattr(p, "main_grad", None) for p in params]))
+    grads = list(map(_grad, params)) if grads is None else grads
+    return (_addresses(params), _addresses(grads), _addresses([getattr(p, "main_grad", None) for p in params]))
 
 
 def _addresses(tensors: Sequence[Any]) -> tuple[int, ...]:
@@ -593,10 +620,12 @@ class GraphCache:
         self._now: _TrialStep | None = None  # the training step under way (choose only)
         self._reported: Hashable | None = None  # the signature whose trial ended, until the ranks decide
 
-    def runner(self, signature: Hashable, new_signature: bool, params: Sequence[torch.nn.Parameter]) -> TaskRunner:
+    def runner(self, signature: Hashable, new_signature: bool, params: Sequence[torch.nn.Parameter],
+               grads: Sequence[torch.Tensor] | None = None) -> TaskRunner:
         """How a training step of `signature` runs: eagerly on its first step, else its graphs
-        (captured again when an address they bake in moved); with `choose`, the form its trial
-        step or its choice says (a timed step's tasks start now: `tasks_done` ends them)."""
+        (captured again when an address they bake in moved; `grads`: the ``.grad`` tensors of
+        `params` the step will attach, where they are not attached yet); with `choose`, the form its
+        trial step or its choice says (a timed step's tasks start now: `tasks_done` ends them)."""
         if new_signature:
             self.graphs.pop(signature, None)
             if self.choose:
@@ -610,13 +639,14 @@ class GraphCache:
                 if trial.timing:
                     self._now.start = self.timer.mark()
                 return EAGER
-        graphs = self._graphs(signature, params)
+        graphs = self._graphs(signature, params, grads)
         if self._now is not None and trial is not None and trial.timing and not graphs.capturing:
             self._now.start = self.timer.mark()  # a replay (a capture's time is no replay's)
         return graphs
 
-    def _graphs(self, signature: Hashable, params: Sequence[torch.nn.Parameter]) -> TaskGraphs:
-        external = external_addresses(params)
+    def _graphs(self, signature: Hashable, params: Sequence[torch.nn.Parameter],
+                grads: Sequence[torch.Tensor] | None) -> TaskGraphs:
+        external = external_addresses(params, grads)
         graphs = self.graphs.get(signature)
         if graphs is None or graphs.external != external:
             self.graphs.pop(signature, None)  # its graphs are freed (an address they bake in moved)
