@@ -414,7 +414,7 @@ class Pipeline:
 
         def set_up_gradients() -> None:  # before the first task that may touch a gradient (after the first F)
             if step.cleared is not None:
-                self._reductions.set_aside_cleared(step.params)
+                self._reductions.set_aside_cleared(step.params, step.cleared)
             buffers.prepare(step.runner, {s: params for s, (_, params) in step.walks.items()},
                             self._reductions.kept_copies())
             deciding.enter_context(buffers.deciding())  # where W writes a fixed .grad buffer instead of adding to it

@@ -101,11 +101,11 @@ class Reductions:
             zeroed = self.fixed_grads.attach(params)
         self._keep_aside(params, zeroed)
 
-    def set_aside_cleared(self, params: Sequence[nn.Parameter]) -> None:
+    def set_aside_cleared(self, params: Sequence[nn.Parameter], bufs: Sequence[torch.Tensor]) -> None:
         """`set_aside` of a step that said `later`, once its first tasks (no gradient read) ran:
-        ``.grad`` pointed at the fixed buffers that `GradBuffers.cleared` named."""
+        ``.grad`` pointed at `bufs`, the fixed buffers that `GradBuffers.cleared` named."""
         assert self.fixed_grads is not None
-        self._keep_aside(params, self.fixed_grads.attach_cleared(params))
+        self._keep_aside(params, self.fixed_grads.attach_cleared(params, bufs))
 
     def _keep_aside(self, params: Sequence[nn.Parameter], zeroed: set[int]) -> None:
         reducing = self._mode == "sync"

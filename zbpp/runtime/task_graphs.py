@@ -402,12 +402,12 @@ class GradBuffers:
             return bufs
         return None
 
-    def attach_cleared(self, params: Sequence[torch.nn.Parameter]) -> set[int]:
-        """`attach` of a step whose runner was chosen for the buffers `cleared` named, and whose
-        first tasks may have run (F reads no gradient): raises when a parameter no longer fits its
+    def attach_cleared(self, params: Sequence[torch.nn.Parameter], bufs: Sequence[torch.Tensor]) -> set[int]:
+        """`attach` of a step whose runner was chosen for `bufs`, the buffers `cleared` named, and
+        whose first tasks may have run (F reads no gradient): raises when a parameter no longer fits its
         buffer (its shape, dtype or device changed while its storage stayed), forgetting every
         buffer, so that the next step makes new ones (and captures its graphs again)."""
-        zeroed = self._attach_cleared(params)
+        zeroed = self._point_at(params, bufs)
         if zeroed is None:
             self._buffers.clear()
             raise RuntimeError(
@@ -420,8 +420,11 @@ class GradBuffers:
     def _attach_cleared(self, params: Sequence[torch.nn.Parameter]) -> set[int] | None:
         """`attach` of the usual step (`cleared`); None, changing nothing, where that is not so."""
         bufs = self.cleared(params)
-        if bufs is None:
-            return None
+        return self._point_at(params, bufs) if bufs is not None else None
+
+    def _point_at(self, params: Sequence[torch.nn.Parameter], bufs: Sequence[torch.Tensor]) -> set[int] | None:
+        """Each ``.grad`` of `params` (all None) pointed at its buffer of `bufs`; None, changing
+        nothing, where a parameter does not fit its buffer."""
         ids = list(map(id, params))
         try:
             for p, buf in zip(params, bufs):
@@ -435,10 +438,10 @@ class GradBuffers:
 
     def prepare(self, runner: TaskRunner, stage_params: Mapping[int, Sequence[torch.nn.Parameter]],
                 kept: Mapping[int, torch.Tensor] | None = None) -> None:
-        """Before the step's first task that may touch a gradient, its runner chosen: zero the fresh buffers no W writes, copy
-        the earlier gradients a W overwrites (`kept`: copies already made of them, by the buffer's id,
-        read instead), and, where the step's W decide the writes (a capture, a stand-in replay), start
-        deciding (`stage_params`: this rank's parameters of each stage)."""
+        """Before the step's first task that may touch a gradient, its runner chosen: zero the fresh
+        buffers no W writes, copy the earlier gradients a W overwrites (`kept`: copies already made of
+        them, by the buffer's id, read instead), and, where the step's W decide the writes (a capture,
+        a stand-in replay), start deciding (`stage_params`: this rank's parameters of each stage)."""
         graphs = runner if isinstance(runner, TaskGraphs) else None
         deciding = graphs is not None and (graphs.capturing or graphs.replays_run_bodies)
         known = graphs.grad_writes if graphs is not None and not graphs.capturing else {}
