@@ -102,8 +102,9 @@ class Reductions:
         self._keep_aside(params, zeroed)
 
     def set_aside_cleared(self, params: Sequence[nn.Parameter], bufs: Sequence[torch.Tensor]) -> None:
-        """`set_aside` of a step that said `later`, once its first tasks (no gradient read) ran:
-        ``.grad`` pointed at `bufs`, the fixed buffers that `GradBuffers.cleared` named."""
+        """`set_aside` of a step that said `later`, once its first tasks (no gradient read) ran, on
+        the step's compute stream: ``.grad`` pointed at `bufs`, the fixed buffers that
+        `GradBuffers.cleared` named (all zeros to come: nothing is copied)."""
         assert self.fixed_grads is not None
         self._keep_aside(params, self.fixed_grads.attach_cleared(params, bufs))
 
