@@ -73,8 +73,8 @@ class LlamaStage(nn.Module):
 
         hidden = self.embed_tokens(x) if self.first else x
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                  position_ids=positions)
+        # positional: transformers after 5.17 renamed the fourth parameter (past_key_values -> cache)
+        mask = create_causal_mask(self.config, hidden, None, None, positions)
         rotary = self.rotary_emb(hidden, position_ids=positions)
         for layer in self.layers:
             out = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
