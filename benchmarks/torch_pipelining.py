@@ -36,6 +36,26 @@ def torch_stage_ids(name: str, rank: int, p: int) -> list[int]:
     return [rank, rank + p] if kind == "loop" else [rank, 2 * p - 1 - rank]
 
 
+def gloo_blocker(name: str, p: int) -> str | None:
+    """Why torch schedule `name` cannot run on `p` gloo ranks with this torch, or None.
+
+    Before torch 2.13 a schedule's first step opens each stage's links with a send to the next
+    stage's rank and back, even where that is the stage's own rank (a V schedule's two middle
+    stages), which gloo refuses; the rank that raises leaves its peer waiting in its own sends.
+    Every rank answers the same, so all of them refuse before any communication.
+
+    >>> gloo_blocker("Schedule1F1B", 2) is None
+    True
+    """
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        return None
+    ranks = [torch_stage_ids(name, r, p) for r in range(p)]
+    if not any(s + 1 in held for held in ranks for s in held):
+        return None
+    return (f"torch {torch.__version__}'s {name} sends between two stages of one rank as it starts, which "
+            "gloo cannot do (torch 2.13 and later skip it): use NCCL or a newer torch")
+
+
 class TorchPipeline:
     """One rank's side of torch schedule `name` over `modules` (stage index -> module, the stages
     `torch_stage_ids` gives this rank), `m` microbatches, `loss_fn(output, target)` per microbatch
@@ -47,6 +67,8 @@ class TorchPipeline:
 
         if not hasattr(tpp, name):
             raise ValueError(f"torch.distributed.pipelining has no schedule {name!r}")
+        if torch.distributed.get_backend() == "gloo" and (blocker := gloo_blocker(name, p)) is not None:
+            raise RuntimeError(blocker)
         self.num_stages = n = torch_num_stages(name, p)
         rank = torch.distributed.get_rank()
         ids = torch_stage_ids(name, rank, p)

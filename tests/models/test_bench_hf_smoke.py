@@ -68,7 +68,11 @@ def test_bench_hf_pipeline_rows_on_two_ranks_agree_on_the_loss(tmp_path: Path, z
     assert report["ranks"] == 2 and report["variants"] == PIPELINE_ROWS
     (run,) = report["runs"]
     assert reports[0]["runs"] == reports[1]["runs"] == [run]  # every rank reports the gathered figures
-    assert not run["failed"] and list(run["results"]) == PIPELINE_ROWS
+    # torch's V schedule before torch 2.13 cannot start over gloo: refused on both ranks, with the reason
+    blocked = {name for name in PIPELINE_ROWS
+               if name.startswith("torch ") and _benchmark("torch_pipelining").gloo_blocker(name[6:], 2)}
+    assert set(run["failed"]) == blocked and all("gloo" in run["failed"][name] for name in blocked)
+    assert list(run["results"]) == [name for name in PIPELINE_ROWS if name not in blocked]
     assert run["config"]["layers"] == 4 and run["config"]["microbatches"] == 4  # a layer per stage of zb-v
     results = run["results"]
     for name, r in results.items():
@@ -81,7 +85,7 @@ def test_bench_hf_pipeline_rows_on_two_ranks_agree_on_the_loss(tmp_path: Path, z
     for r in results.values():
         assert r["speed_vs_best_torch"] == pytest.approx(best / r["ms"], rel=1e-2)  # both rounded
     reference = results["hf eager"]["first_loss"]  # HF's own loss on the whole batch, one process
-    for name in PIPELINE_ROWS[1:]:
+    for name in list(results)[1:]:
         assert results[name]["first_loss"] == pytest.approx(reference, rel=LOSS_RTOL), name
 
 
