@@ -85,6 +85,8 @@ class TorchPipeline:
     def step(self, inputs: Any, target: Any) -> list[torch.Tensor] | None:
         """One training step; on the rank holding the last stage, each microbatch's loss (else None)."""
         losses: list[torch.Tensor] = []
+        if isinstance(inputs, torch.Tensor):  # torch before 2.13 checks a stage's input strides too
+            inputs = inputs.contiguous()
         self.schedule.step(*((inputs,) if self.has_first else ()),
                            **({"target": target, "losses": losses} if self.has_last else {}))
         return losses if self.has_last else None

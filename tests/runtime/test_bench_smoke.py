@@ -61,7 +61,11 @@ def test_bench_pipeline_quick_under_torchrun(tmp_path, zbpp_workers):
         "zb-h1", "--torch", "Schedule1F1B", "--steps", "2", "--ordered", "zb-v", "--fit-message-overhead", "--append",
         "--out", str(out)]) == [0, 0]
     doc = json.loads(out.read_text())
-    rows = doc["rows"]
+    # torch's V schedule before torch 2.13 cannot start over gloo: refused on both ranks, with the reason
+    blocker = _load_benchmark("torch_pipelining").gloo_blocker
+    refused = [r for r in doc["rows"] if r["impl"] == "torch" and blocker(r["schedule"], 2)]
+    assert all("gloo" in r["error"] for r in refused), refused
+    rows = [r for r in doc["rows"] if r not in refused]
     assert all("step_ms" in r for r in rows), [r for r in rows if "error" in r]
     assert [run["model"] for run in doc["meta"]["runs"]] == ["transformer", "mlp-stack"]
     assert [run["config"]["program_comm"] for run in doc["meta"]["runs"]] == ["default", "measured"]
