@@ -49,8 +49,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .._compat import (CHECKPOINT_SAVE_INPUTS, HAS_CURRENT_AUTOGRAD_NODE, compiled_backward_retained,
-                       current_autograd_node, engine_run_backward, is_compiled_node)
+from .._compat import (HAS_CURRENT_AUTOGRAD_NODE, compiled_backward_retained, current_autograd_node,
+                       engine_run_backward, is_compiled_node, saved_by_checkpoint)
 
 try:  # non-reentrant checkpoint: the W calls of one microbatch share one recomputation
     from torch.utils.checkpoint import GraphExecGroup as _RecomputeOnce  # recent torch
@@ -132,11 +132,8 @@ class SavedBoxes:
 
 
 def _saved_by_checkpoint() -> bool:
-    # called from pack: non-reentrant checkpoint saves its inputs from save_inputs (through a
-    # comprehension's own frame before Python 3.12)
-    f = sys._getframe(2)
-    return f is not None and (f.f_code is CHECKPOINT_SAVE_INPUTS
-                              or (f.f_back is not None and f.f_back.f_code is CHECKPOINT_SAVE_INPUTS))
+    # called from pack: the frame that called pack
+    return saved_by_checkpoint(sys._getframe(2))
 
 
 _ONCE: dict[type, bool] = {}  # node type -> whether its backward reads each saved tensor once
