@@ -52,3 +52,21 @@ def interpreted_kernels(monkeypatch):
     if not bool(cast.INTERPRETED):
         pytest.skip("this Triton does not pick its interpreter from TRITON_INTERPRET")
     return SimpleNamespace(cast=cast, fused=fused)
+
+
+# The fused kernels' interpreter fallbacks agree with the compiled kernels from Triton 3.8 on; Triton
+# 3.6's interpreter raises under numpy 2.4 and differs in signed zeros under older numpy
+FUSED_INTERPRETER_TRITON = (3, 8)
+
+
+@pytest.fixture
+def interpreted_fused_kernels(interpreted_kernels):
+    """`interpreted_kernels`, for the fused kernels: skipped on a Triton whose interpreter runs
+    them unlike its compiler (the GPU tests check them compiled there)."""
+    import triton
+
+    version = tuple(int(v) for v in triton.__version__.split("+")[0].split(".")[:2])
+    if version < FUSED_INTERPRETER_TRITON:
+        pytest.skip(f"Triton {triton.__version__}'s interpreter runs the fused FP8 kernels unlike its compiler "
+                    "(3.6: TypeErrors under numpy 2.4, signed zeros otherwise); -m gpu checks them compiled")
+    return interpreted_kernels

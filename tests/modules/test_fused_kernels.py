@@ -57,7 +57,7 @@ EXACT = {"relu", "reglu", "srelu", "sreglu"}  # no transcendental operation
 def kernels(request):
     """``.fused`` (the kernel module) and ``.device`` (where its inputs live)."""
     if request.param == "interpreter":
-        return SimpleNamespace(fused=request.getfixturevalue("interpreted_kernels").fused,
+        return SimpleNamespace(fused=request.getfixturevalue("interpreted_fused_kernels").fused,
                                device="cpu")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -239,9 +239,9 @@ def test_dact_cast_without_column_sums(kernels):
 
 
 @pytest.mark.interpreter
-def test_another_tile_shape_gives_the_same_bytes(interpreted_kernels, monkeypatch):
+def test_another_tile_shape_gives_the_same_bytes(interpreted_fused_kernels, monkeypatch):
     """ZBPP_FUSED_TILE (rows x columns x warps) changes only the tiling: still bit-exact."""
-    fused = interpreted_kernels.fused
+    fused = interpreted_fused_kernels.fused
     monkeypatch.setenv(fused.TILE_ENV, "32x128x4")
     assert fused.tile() == (32, 128, 4)
     act = ACTIVATIONS["sreglu"]

@@ -43,7 +43,7 @@ def triton_path(request, monkeypatch):
     monkeypatch.delenv(fp8mod.CAST_ENV, raising=False)
     monkeypatch.delenv(_fused.FUSE_ENV, raising=False)
     if request.param == "interpreter":
-        kernels = request.getfixturevalue("interpreted_kernels")
+        kernels = request.getfixturevalue("interpreted_fused_kernels")
         monkeypatch.setattr(fp8cast, "on_cuda", lambda x: True)
         monkeypatch.setattr(fp8cast, "_triton_kernels", lambda device: kernels.cast)
         monkeypatch.setitem(sys.modules, "zbpp.modules._fused_triton", kernels.fused)
