@@ -28,7 +28,6 @@ __all__ = [
     "fsdp2",
     "current_autograd_node",
     "HAS_CURRENT_AUTOGRAD_NODE",
-    "CHECKPOINT_SAVE_INPUTS",
     "saved_by_checkpoint",
     "is_compiled_node",
     "compiled_backward_retained",
@@ -142,13 +141,13 @@ def _checkpoint_save_inputs() -> Any:
 
 #: The code of non-reentrant ``torch.utils.checkpoint``'s ``_CheckpointFrame.save_inputs``, which
 #: saves a region's inputs through the current saved-tensor hooks (None where torch has none).
-CHECKPOINT_SAVE_INPUTS = _checkpoint_save_inputs()
+_CHECKPOINT_SAVE_INPUTS = _checkpoint_save_inputs()
 
 
 def _checkpoint_input_saver() -> tuple[Any, Any]:
     # torch without save_inputs (2.11) saves the region's inputs as ``_NoopSaveInputs``'s, packed
     # while ``Function.apply`` runs: (that code, that class), else (None, None)
-    if CHECKPOINT_SAVE_INPUTS is not None:
+    if _CHECKPOINT_SAVE_INPUTS is not None:
         return None, None
     saver = getattr(__import__("torch.utils.checkpoint").utils.checkpoint, "_NoopSaveInputs", None)
     code = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
@@ -167,7 +166,7 @@ def saved_by_checkpoint(caller: Any) -> bool:
     if code is _APPLY_CODE:
         return caller.f_locals.get("cls") is _INPUT_SAVER
     # save_inputs packs through a comprehension's own frame before Python 3.12
-    return code is CHECKPOINT_SAVE_INPUTS or (caller.f_back is not None and caller.f_back.f_code is CHECKPOINT_SAVE_INPUTS)
+    return code is _CHECKPOINT_SAVE_INPUTS or (caller.f_back is not None and caller.f_back.f_code is _CHECKPOINT_SAVE_INPUTS)
 
 
 def is_compiled_node(node: Any) -> bool:
