@@ -163,13 +163,19 @@ def rank_stages(whole: Net, stages: list[int], num_stages: int) -> dict[int, Net
 
 def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None = None,
                   loss: Callable[[Any, Any], torch.Tensor] = loss_fn, inner: bool = False,
-                  tie: tuple[int, ...] = (), named: bool = True) -> Pipeline:
+                  tie: tuple[int, ...] = (), named: bool = True, noted: bool = True,
+                  stale: bool = False) -> Pipeline:
     """This rank's stages of `whole` (default `whole_model(kind, tie=tie)`), each ``fully_shard``-ed
     over the dp dimension (with `inner`, each block first, as torchtitan does), in a `Pipeline` on the
     (dp, pp) mesh. With `tie` (blocks whose weight is ``layers.0.weight``) and `named`, a rank holding
     a tied block passes its copy as ``tied_parameters={"w": ...}``; a rank without stage 0 zeroes its
-    copy first: construction must make it equal to stage 0's."""
+    copy first: construction must make it equal to stage 0's. `noted`: the stages are passed to
+    `note_parameters` before ``fully_shard`` (else the pipeline finds a tie that two stages
+    of the rank share by FSDP's own record alone, which torch 2.13+ keeps). `stale`: the tie is
+    named by the Parameter as it was before ``fully_shard`` (as `pipeline_stages` returns it)."""
     from torch.distributed.fsdp import fully_shard
+
+    from zbpp.runtime.fsdp import note_parameters
 
     dev = device_type()
     m = mesh(dev, dp, pp)
@@ -182,14 +188,18 @@ def fsdp_pipeline(schedule: str, kind: str, dp: int, pp: int, whole: Net | None 
     if held and 0 not in stages:
         with torch.no_grad():
             next(part for part in stages.values() if held[0] in part.layers).layers[held[0]].weight.zero_()
+    tied = {}
+    if held and named:
+        tied["w"] = next(part for part in stages.values() if held[0] in part.layers).layers[held[0]].weight
+    if noted:
+        note_parameters(stages)
     for s, part in stages.items():
         part.to(device)
         if inner:
             for block in part.layers.values():
                 fully_shard(block, mesh=m["dp"])
         fully_shard(part, mesh=m["dp"])
-    tied = {}
-    if held and named:
+    if held and named and not stale:  # the sharded copy
         tied["w"] = next(part for part in stages.values() if held[0] in part.layers).layers[held[0]].weight
     return Pipeline(stages, sched, loss_fn=loss, groups=m, tied_parameters=tied)
 
@@ -237,13 +247,15 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
     then a synchronised one) with `fsdp_pipeline`; every gradient (gathered) and the parameters
     after the steps equal `reference_run`; one reduce-scatter per stage per step. Options:
     ``accumulate``, ``clip``, ``inner``, ``tied`` / ``tied023`` (`TIES`), ``unnamed`` (the tie
-    not passed as tied_parameters)."""
+    not passed as tied_parameters), ``unnoted`` (nor noted), ``stale`` (named by the Parameter
+    before ``fully_shard``): `fsdp_pipeline`."""
     schedule, kind, *rest = case.split("/")
     accumulate = 2 if "accumulate" in rest else 1
     steps = 1 if accumulate > 1 else 3
     tie = next((TIES[o] for o in rest if o in TIES), ())
     dev = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
-    pipe = fsdp_pipeline(schedule, kind, dp, pp, inner="inner" in rest, tie=tie, named="unnamed" not in rest)
+    pipe = fsdp_pipeline(schedule, kind, dp, pp, inner="inner" in rest, tie=tie, named="unnamed" not in rest,
+                         noted="unnoted" not in rest, stale="stale" in rest)
     dp_rank = pipe.topology.dp_rank
     # one reduce-scatter per stage and step: per FSDP module holding parameters (each block with inner)
     expected = sum(len(m.layers) if "inner" in rest else 1 for m in pipe.stage_modules.values())
@@ -481,11 +493,15 @@ def refusal_case(what: str) -> str:
     """Build a dp=2 x pp=2 pipeline with `what` wrong; return the ValueError's message ('' if none).
     ``inner-only``: a stage not itself fully_shard-ed; ``one-call``: zb-v, the two stages of a rank
     sharded by one ``fully_shard([a, b])``; ``tied-half-sharded``: a tied copy sharded on pipeline
-    rank 0 only."""
+    rank 0 only; ``noted-partly``: zb-v, one stage of each rank noted by `note_parameters`,
+    the other not; ``noted-late``: `note_parameters` after ``fully_shard``."""
     from torch.distributed.fsdp import fully_shard
 
+    from zbpp.runtime.fsdp import note_parameters
+
     m = mesh("cpu", 2, 2)
-    sched = build("zb-v" if what == "one-call" else "1f1b", num_ranks=2, num_microbatches=M)
+    sched = build("zb-v" if what in ("one-call", "noted-partly", "noted-late") else "1f1b", num_ranks=2,
+                  num_microbatches=M)
     pp_rank = m.get_local_rank("pp")
     whole = whole_model("delayed", tie=(2,))
     stages = rank_stages(whole, sched.stages_on(pp_rank), sched.num_stages)
@@ -498,6 +514,16 @@ def refusal_case(what: str) -> str:
         if pp_rank == 0:
             fully_shard(stages[0], mesh=m["dp"])
         kwargs["tied_parameters"] = {"w": stages[pp_rank].layers[str(2 * pp_rank)].weight}
+    elif what in ("noted-partly", "noted-late"):
+        if what == "noted-partly":
+            note_parameters({pp_rank: stages[pp_rank]})
+        for part in stages.values():
+            fully_shard(part, mesh=m["dp"])
+        if what == "noted-late":
+            try:
+                note_parameters(stages)
+            except ValueError as exc:
+                return str(exc)
     try:
         Pipeline(stages, sched, loss_fn=loss_fn, groups=m, **kwargs)
     except ValueError as exc:

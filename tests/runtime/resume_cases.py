@@ -77,7 +77,7 @@ def pipeline(layout: str, state: dict[str, torch.Tensor], dropout: float = 0.0, 
 
         for m in stages.values():
             fully_shard(m, mesh=groups.mesh["dp"])
-        kwargs["tied_parameters"] = {}  # split copies the pipeline finds by itself
+        # kwargs' tied_parameters name the Parameters from before fully_shard: the pipeline finds their copies
         return Pipeline(stages, sched, groups=groups.mesh, seed=seed, **kwargs)
     return Pipeline(stages, sched, groups=groups, seed=seed, **kwargs)
 

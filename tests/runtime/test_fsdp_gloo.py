@@ -8,6 +8,7 @@ counts one reduce-scatter per stage per step. The 4 ranks are spawned once for t
 from __future__ import annotations
 
 import pytest
+import torch
 
 from .fsdp_cases import failure_case, fsdp_worker, refusal_case, timing_case
 
@@ -16,19 +17,26 @@ CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/cli
 # layers.0.weight tied: to layers.3 (1f1b, zb-h1: stages 0 and 1 on two ranks; zb-v, dualpipe-v: stages
 # 0 and 3 on one rank, fully_shard splits the Parameter into one copy per stage) and to layers.2 too
 # (a stage of the other rank as well); clip: the norm counts the tied weight once
+# (the stages noted by note_parameters; unnoted: found by FSDP's own record, torch 2.13+; stale: named
+# by the Parameter before fully_shard)
 CASES += ["1f1b/plain/tied", "zb-h1/plain/tied", "zb-h1/delayed/tied/clip", "zb-h1/delayed/tied/accumulate",
-          "zb-h1/fused/tied", "zb-v/plain/tied/unnamed", "zb-v/delayed/tied/clip", "dualpipe-v/delayed/tied023"]
+          "zb-h1/fused/tied", "zb-h1/delayed/tied/stale", "zb-v/delayed/tied/stale", "zb-v/plain/tied/unnamed", "zb-v/plain/tied/unnamed/unnoted", "zb-v/delayed/tied/clip",
+          "dualpipe-v/delayed/tied023"]
+FSDP_RECORDS_ORIGINALS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+RUN = [c for c in CASES if FSDP_RECORDS_ORIGINALS or "unnoted" not in c]
 
 
 @pytest.fixture(scope="module")
 def results(zbpp_workers) -> dict[str, list[str]]:
-    per_rank = zbpp_workers(4, pg_timeout=60).run(fsdp_worker, CASES)
-    return {c: [f"rank {r}: {f}" for r, res in enumerate(per_rank) for f in res[c]] for c in CASES}
+    per_rank = zbpp_workers(4, pg_timeout=60).run(fsdp_worker, RUN)
+    return {c: [f"rank {r}: {f}" for r, res in enumerate(per_rank) for f in res[c]] for c in RUN}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES)
 def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
+    if case not in results:
+        pytest.skip(f"torch {torch.__version__}'s FSDP does not record the Parameter a shard came from")
     assert not results[case], "\n".join(results[case])
 
 
@@ -57,6 +65,8 @@ def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: 
     ("inner-only", "call fully_shard(stage_module"),
     ("one-call", "were sharded by one fully_shard call"),
     ("tied-half-sharded", "is sharded by fully_shard on global ranks [0, 2] but not on [1, 3]"),
+    ("noted-partly", "were noted by note_parameters but stages"),
+    ("noted-late", "is sharded already; call it before fully_shard"),
 ])
 def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:
     messages = zbpp_workers(4, pg_timeout=60).run(refusal_case, what)

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..runtime.fsdp import note_parameters
 from ..schedules.ir import Schedule
 from .partition import balanced_partition
 
@@ -403,7 +404,10 @@ def pipeline_stages(
     ``forward`` must skip what is None and iterate over its blocks (torchtitan's convention), or
     the stage is wrapped (as `zbpp.models.hf` does). A stage's ``state_dict`` keys are the model's.
     A Parameter registered in modules of two stages comes back in ``tied_parameters`` under its
-    first name, on every rank holding one of those stages. A model that declares tied weights
+    first name, on every rank holding one of those stages. The stages are noted
+    (`zbpp.runtime.fsdp.note_parameters`): after ``fully_shard`` on each, the pipeline still keeps
+    such a Parameter tied, its sharded copies found from these ``tied_parameters`` or, where this
+    rank's stages share it, by themselves. A model that declares tied weights
     (Hugging Face ``_tied_weights_keys`` with ``tie_word_embeddings``) which are separate
     Parameters gets a warning: the pipeline cannot see that tie.
     """
@@ -428,6 +432,7 @@ def pipeline_stages(
     if state_dict is not None:
         _load(model, modules, state_dict)
     _check_initialised(modules, fresh)
+    note_parameters(modules)  # fully_shard replaces each Parameter: keep which one each copy was
     return PipelineStages(modules, _tied(model, fqns, modules))
 
 

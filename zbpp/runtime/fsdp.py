@@ -45,10 +45,12 @@ shards of ``.grad`` are then averaged over the replicas) the shards are summed o
 the same replica, one group per pipeline. Under a V placement a Parameter that two stages of one
 rank share becomes two sharded Parameters, one per ``fully_shard`` call (FSDP keeps no link between
 them; one call over both stages, ``fully_shard([a, b])``, cannot run as two roots and is refused):
-`FsdpReducer.split_copies` finds them by the original Parameter that FSDP records (a torch whose
-FSDP records none, one older than its check for parameters shared across groups, cannot tell: there
-the copies are not tied), and the pipeline keeps them tied, named in ``tied_parameters`` or not: after both stages' reduce-scatters each gets
-their sum (the optimizer then updates both alike), and gradient norms count it once.
+`FsdpReducer.split_copies` finds them by what `note_parameters` noted before ``fully_shard``
+(`zbpp.models.pipeline_stages` and ``causal_lm_stages`` note it for you), else by the original
+Parameter that FSDP records (torch 2.13 and later; an older FSDP records none: there zbpp warns and
+each stage trains its own copy), and the pipeline keeps them tied, named in ``tied_parameters`` or
+not: after both stages' reduce-scatters each gets their sum (the optimizer then updates both alike),
+and gradient norms count it once.
 
 Limits: after a failed step FSDP's per-step state is reset (``reset_iter_state``): the step's gradients and those that
 no_sync steps accumulated unreduced are lost; gradients already reduce-scattered into ``.grad``
@@ -62,6 +64,7 @@ module alone; the torch pipelining runtime uses the same machinery.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -69,7 +72,7 @@ from torch import nn
 
 from .._compat import fsdp2
 
-__all__ = ["FsdpReducer", "holds_fsdp", "is_fsdp_module"]
+__all__ = ["FsdpReducer", "copies_of", "holds_fsdp", "is_fsdp_module", "note_parameters"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -163,6 +166,81 @@ def _original_uids(root: nn.Module) -> list[tuple[Any, nn.Parameter]]:
     return out
 
 
+#: the module attribute `note_parameters` sets: ``{parameter fqn in the module: _Original}``
+_NOTED = "_zbpp_original_parameters"
+
+
+class _Original:
+    """The Parameter that a stage module's parameter was before ``fully_shard`` (`note_parameters`):
+    one object per Parameter, shared by every stage module and name that held it."""
+
+    __slots__ = ("ref", "name")
+
+    def __init__(self, param: nn.Parameter, name: str) -> None:
+        self.ref = weakref.ref(param)  # weak: FSDP frees the unsharded original once nothing holds it
+        self.name = name  # "stage 0: embed.weight", for messages
+
+    def __repr__(self) -> str:
+        return f"_Original({self.name!r})"
+
+
+def note_parameters(stage_modules: Mapping[int, nn.Module]) -> None:
+    """Note, before ``fully_shard``, which Parameter each parameter of this rank's stage modules
+    is, so that the pipeline finds the sharded copies of a shared or tied one on any torch.
+
+    ``fully_shard`` on each stage module turns a Parameter that two of them share (a V placement's
+    embedding and LM head) into one sharded copy per stage, with no link between the copies (FSDP
+    2.13 and later records the original's id, older ones nothing), and a Parameter held before it
+    (``tied_parameters`` from `zbpp.models.pipeline_stages`) is no longer the stage's. Called with
+    all of this rank's stage modules before any is sharded, this records on each module, by
+    parameter name (which ``fully_shard`` keeps), a weak reference to the Parameter: the pipeline
+    then keeps the copies of one Parameter tied (`FsdpReducer.split_copies`) and takes a
+    ``tied_parameters`` entry held from before for its copies. `zbpp.models.pipeline_stages` (and
+    so ``causal_lm_stages``) calls it on the stages it builds.
+
+    >>> from torch import nn
+    >>> a, b = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    >>> b.weight = a.weight  # tied
+    >>> note_parameters({0: a, 3: b})
+    >>> a._zbpp_original_parameters["weight"] is b._zbpp_original_parameters["weight"]
+    True
+    """
+    if not isinstance(stage_modules, Mapping):
+        raise TypeError(f"note_parameters takes {{stage: module}}, got {type(stage_modules).__name__}")
+    originals: dict[int, _Original] = {}
+    notes: dict[int, dict[str, _Original]] = {}
+    for s, m in sorted(stage_modules.items()):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"note_parameters: stage {s} is a {type(m).__name__}, not an nn.Module")
+        if any(is_fsdp_module(sub) for sub in m.modules()):
+            raise ValueError(f"note_parameters: stage {s} is sharded already; call it before fully_shard, "
+                             "while the stages still hold the Parameters they were built with")
+        notes[s] = {fqn: originals.setdefault(id(p), _Original(p, f"stage {s}: {fqn}"))
+                    for fqn, p in m.named_parameters(remove_duplicate=False)}
+    for s, m in stage_modules.items():
+        setattr(m, _NOTED, notes[s])
+
+
+def _noted(root: nn.Module) -> list[tuple[_Original, nn.Parameter]] | None:
+    """``(original, its copy now)`` for what `note_parameters` noted under `root` (the note may
+    sit on a module inside it: a wrapped stage), or None where nothing was noted."""
+    noted = [(sub, getattr(sub, _NOTED)) for sub in root.modules() if isinstance(getattr(sub, _NOTED, None), dict)]
+    if not noted:
+        return None
+    return [(original, sub.get_parameter(fqn)) for sub, names in noted for fqn, original in names.items()]
+
+
+def copies_of(stage_modules: Mapping[int, nn.Module], param: nn.Parameter) -> list[nn.Parameter]:
+    """The parameters of `stage_modules` that `param` became (``fully_shard`` replaced it), as
+    `note_parameters` noted them; empty where it noted none."""
+    out: list[nn.Parameter] = []
+    for m in stage_modules.values():
+        for original, copy in _noted(m) or ():
+            if original.ref() is param and not any(q is copy for q in out):
+                out.append(copy)
+    return out
+
+
 def _set_flags(root: nn.Module, sync: bool) -> None:
     root.set_requires_gradient_sync(sync)
     root.set_is_last_backward(sync)
@@ -221,17 +299,28 @@ class FsdpReducer:
     def split_copies(self) -> list[list[nn.Parameter]]:
         """The sharded parameters that one Parameter shared by several stages of this rank became,
         each list by stage: ``fully_shard`` on each stage module shards it once per stage, with no
-        link between the copies but the original's id that FSDP records (`_original_uids`)."""
+        link between the copies but what `note_parameters` noted before, or else the original's id
+        that FSDP records (`_original_uids`)."""
+        noted = {s: _noted(m) for s, m in sorted(self.stage_modules.items())}
+        missing = [s for s, n in noted.items() if n is None]
+        if len(missing) not in (0, len(noted)):
+            raise ValueError(
+                f"stages {sorted(set(noted) - set(missing))} of this rank were noted by note_parameters but stages "
+                f"{missing} were not: call it once with all of this rank's stage modules, before fully_shard"
+            )
         found: dict[Any, list[tuple[int, nn.Parameter]]] = {}
         for s, m in sorted(self.stage_modules.items()):
-            for uid, p in _original_uids(m):
-                found.setdefault(uid, []).append((s, p))
+            for key, p in noted[s] if not missing else _original_uids(m):
+                copies = found.setdefault(key, [])
+                if not any(q is p for _, q in copies):  # a module may hold it under two names
+                    copies.append((s, p))
         managed = sum(1 for m in self.stage_modules.values() for p in m.parameters() if hasattr(p, "device_mesh"))
-        if len(self.stage_modules) > 1 and managed and not found:
+        if missing and len(self.stage_modules) > 1 and managed and not found:
             warnings.warn(
                 "this torch's FSDP does not record which Parameter a sharded one came from, so a Parameter that "
                 f"stages {sorted(self.stage_modules)} of this rank shared before fully_shard cannot be kept tied "
-                "(each stage trains its own copy); keep such weights in one stage, or use a newer torch",
+                "(each stage trains its own copy): call zbpp.runtime.fsdp.note_parameters(stages) before "
+                "fully_shard (pipeline_stages and causal_lm_stages do), or use torch 2.13 or later",
                 stacklevel=2,
             )
         return [[p for _, p in copies] for copies in found.values() if len({s for s, _ in copies}) > 1]

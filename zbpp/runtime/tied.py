@@ -27,7 +27,9 @@ placement a Parameter that two stages of one rank share becomes one sharded copy
 each stage is sharded (FSDP keeps no link between them); `FsdpReducer.split_copies` finds them, and
 the pipeline keeps them tied, named or not: their gradients are added after both stages'
 reduce-scatter (then all-reduced with the other ranks' copies if there are any), and each copy gets
-the sum.
+the sum. A ``tied_parameters`` entry may give the Parameter as it was before ``fully_shard`` (as
+`zbpp.models.pipeline_stages` returns it) where `zbpp.runtime.fsdp.note_parameters` noted the
+stages (`pipeline_stages` does): the pipeline takes its sharded copy.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from .channels import cached_group
+from .fsdp import copies_of
 from .topology import Topology
 
 __all__ = ["TiedParameters"]
@@ -93,6 +96,8 @@ class TiedParameters:
                 raise TypeError(f"tied_parameters: names must be non-empty strings, got {name!r}")
             if not isinstance(p, nn.Parameter):
                 raise TypeError(f"tied_parameters[{name!r}] must be an nn.Parameter, got {type(p).__name__}")
+            if not any(q is p for m in stage_modules.values() for q in m.parameters()):
+                p = next(iter(copies_of(stage_modules, p)), p)  # held from before fully_shard: its copy now
             copies = next((c for c in unclaimed if any(q is p for q in c)), (p,))
             unclaimed = [c for c in unclaimed if c is not copies]
             stages = stages_of(copies)
