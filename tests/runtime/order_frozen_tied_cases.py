@@ -492,3 +492,20 @@ def check_empty_tensors(name: str, p: int) -> None:
         for s, st in stages.items():
             for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
                 close(f"{name} step {step} stage {s} {n}", a.grad, b.grad)
+
+
+def check_wrong_tie_on_one_rank() -> str:
+    """Rank 1 names, as a tied parameter, a Parameter that none of its stages holds; rank 0 is right.
+    Returns the ValueError each rank raised from `Pipeline` ('' if none), and how long it took."""
+    sched = make_schedule("1f1b", 2, 4)
+    pp_rank = dist.get_rank()
+    n = sched.num_stages
+    wte = make_wte()
+    stages = {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in sched.stages_on(pp_rank)}
+    tied = {"wte": wte if pp_rank == 0 else torch.nn.Parameter(torch.zeros(3))}
+    start = time.monotonic()
+    try:
+        Pipeline(stages, sched, lm_loss, tied_parameters=tied)
+    except ValueError as exc:
+        return f"{time.monotonic() - start:.1f}s {exc}"
+    return ""

@@ -26,7 +26,7 @@ from zbpp.testing import DistributedTestError, Workers
 
 from .cases import make_schedule
 from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
-                        check_first_failure_named,
+                        check_first_failure_named, check_wrong_tie_on_one_rank,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
 from .test_random_schedules import run_schedule_against_one_process
@@ -105,3 +105,12 @@ def test_a_rank_waiting_in_the_agreement_sees_a_broken_job(tmp_path):
             o = json.load(fh)
         assert o["result"] == "PipelineError" and "dead or hung" in o["message"], o
         assert o["seconds"] < 10.0, o
+
+
+def test_a_wrong_tie_on_one_rank_raises_on_every_rank(zbpp_workers):
+    """A tied_parameters entry wrong on one rank: that rank's error, and every other rank's naming it,
+    at construction (not after the others wait out the process-group timeout)."""
+    own, other = zbpp_workers(2).run(check_wrong_tie_on_one_rank)[::-1]
+    assert "tied_parameters['wte'] is not a parameter of this rank's stage modules" in own, own
+    assert "tied_parameters: on global rank 1: tied_parameters['wte'] is not a parameter" in other, other
+    assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (own, other)), (own, other)

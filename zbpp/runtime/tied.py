@@ -91,24 +91,32 @@ class TiedParameters:
             return tuple(s for s, m in sorted(stage_modules.items()) if any(q is p for q in m.parameters() for p in params))
 
         mine: dict[str, tuple[tuple[nn.Parameter, ...], tuple[int, ...]]] = {}
-        for name, p in tied.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"tied_parameters: names must be non-empty strings, got {name!r}")
-            if not isinstance(p, nn.Parameter):
-                raise TypeError(f"tied_parameters[{name!r}] must be an nn.Parameter, got {type(p).__name__}")
-            if not any(q is p for m in stage_modules.values() for q in m.parameters()):
-                p = next(iter(copies_of(stage_modules, p)), p)  # held from before fully_shard: its copy now
-            copies = next((c for c in unclaimed if any(q is p for q in c)), (p,))
-            unclaimed = [c for c in unclaimed if c is not copies]
-            stages = stages_of(copies)
-            if not stages:
-                raise ValueError(
-                    f"tied_parameters[{name!r}] is not a parameter of this rank's stage modules (stages "
-                    f"{sorted(stage_modules)}): pass the very Parameter object the stage uses"
-                )
-            mine[name] = (copies, stages)
+        problem: Exception | None = None
+        try:
+            for name, p in tied.items():
+                if not isinstance(name, str) or not name:
+                    raise TypeError(f"tied_parameters: names must be non-empty strings, got {name!r}")
+                if not isinstance(p, nn.Parameter):
+                    raise TypeError(f"tied_parameters[{name!r}] must be an nn.Parameter, got {type(p).__name__}")
+                if not any(q is p for m in stage_modules.values() for q in m.parameters()):
+                    p = next(iter(copies_of(stage_modules, p)), p)  # held from before fully_shard: its copy now
+                copies = next((c for c in unclaimed if any(q is p for q in c)), (p,))
+                unclaimed = [c for c in unclaimed if c is not copies]
+                stages = stages_of(copies)
+                if not stages:
+                    raise ValueError(
+                        f"tied_parameters[{name!r}] is not a parameter of this rank's stage modules (stages "
+                        f"{sorted(stage_modules)}): pass the very Parameter object the stage uses"
+                    )
+                mine[name] = (copies, stages)
+        except (TypeError, ValueError) as exc:  # told to every rank, which would otherwise wait in the exchange
+            problem = exc
         held = {n: (tuple(ps[0].shape), str(ps[0].dtype), min(stages), _shard_of(ps[0])) for n, (ps, stages) in mine.items()}
-        everyone = self._exchange(agreement, held)
+        everyone, problems = self._exchange(agreement, held, None if problem is None else str(problem))
+        if problem is not None:
+            raise problem
+        if problems:
+            raise ValueError("tied_parameters: " + "; ".join(f"on global rank {g}: {text}" for g, text in sorted(problems.items())))
         self._ties: list[_Tie] = []
         backend = "nccl" if device.type == "cuda" else "gloo"
         for name in sorted({n for h in everyone.values() for n in h}):
@@ -164,14 +172,15 @@ class TiedParameters:
         return cached_group(f"tie:{name}", ranks, backend, timeout) if len(ranks) > 1 else None
 
     @staticmethod
-    def _exchange(agreement: Any, held: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    def _exchange(agreement: Any, held: dict[str, Any], problem: str | None) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
+        """Every rank's `held` ties, and the ranks whose own tied_parameters were wrong (`problem`)."""
         if agreement is None:
-            return {0: held}
+            return {0: held}, {}
         import torch.distributed as dist
 
         out: list[Any] = [None] * dist.get_world_size(agreement)
-        dist.all_gather_object(out, (dist.get_rank(), held), group=agreement)
-        return {g: h for g, h in out}
+        dist.all_gather_object(out, (dist.get_rank(), held, problem), group=agreement)
+        return {g: h for g, h, _ in out}, {g: text for g, _, text in out if text is not None}
 
     @property
     def names(self) -> list[str]:
