@@ -509,3 +509,19 @@ def check_wrong_tie_on_one_rank() -> str:
     except ValueError as exc:
         return f"{time.monotonic() - start:.1f}s {exc}"
     return ""
+
+
+def check_wrong_stages_on_one_rank() -> str:
+    """Rank 1 passes the stage of rank 0 (stage 0 instead of 1); rank 0 is right. Returns the error
+    each rank raised from `Pipeline` ('' if none), its type, and how long it took."""
+    sched = make_schedule("1f1b", 2, 4)
+    n = sched.num_stages
+    wte = make_wte()
+    stages = {0: LMStage(0, n, "plain", wte)} if dist.get_rank() == 1 else \
+        {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in sched.stages_on(0)}
+    start = time.monotonic()
+    try:
+        Pipeline(stages, sched, lm_loss)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+    return ""

@@ -26,7 +26,7 @@ from zbpp.testing import DistributedTestError, Workers
 
 from .cases import make_schedule
 from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
-                        check_first_failure_named, check_wrong_tie_on_one_rank,
+                        check_first_failure_named, check_wrong_stages_on_one_rank, check_wrong_tie_on_one_rank,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
 from .test_random_schedules import run_schedule_against_one_process
@@ -114,3 +114,13 @@ def test_a_wrong_tie_on_one_rank_raises_on_every_rank(zbpp_workers):
     assert "tied_parameters['wte'] is not a parameter of this rank's stage modules" in own, own
     assert "tied_parameters: on global rank 1: tied_parameters['wte'] is not a parameter" in other, other
     assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (own, other)), (own, other)
+
+
+def test_wrong_stages_on_one_rank_raise_on_every_rank(zbpp_workers):
+    """Stage modules wrong on one rank: its own error, and on every other rank a PipelineError naming
+    it, when the pipeline is built (not after waiting out the process-group timeout)."""
+    right, wrong = zbpp_workers(2).run(check_wrong_stages_on_one_rank)
+    assert wrong.split(" ", 1)[1].startswith("ValueError: "), wrong
+    assert "PipelineError: Pipeline could not be built on every rank; global rank 1: ValueError: " in right, right
+    assert wrong.split(": ", 1)[1] in right, (right, wrong)
+    assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (right, wrong)), (right, wrong)

@@ -139,6 +139,18 @@ class Agreement:
             raise BrokenJob(why) from exc
 
 
+def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int]) -> None:
+    """`Pipeline`'s construction: every rank tells whether its own checks failed (`problem`), before
+    any rank waits in a collective for one that will never come. The failed rank raises its own
+    error; every other raises a `PipelineError` naming it (`world`: the group's global ranks)."""
+    texts = agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
+    if problem is not None:
+        raise problem
+    told = [f"global rank {g}: {text}" for g, text in zip(sorted(world), texts) if text is not None]
+    if told:
+        raise PipelineError("Pipeline could not be built on every rank; " + "; ".join(told))
+
+
 @dataclass(frozen=True)
 class StartDecision:
     """What the start agreement decided for one pipeline (every rank of it decides the same)."""

@@ -196,7 +196,9 @@ def note_parameters(stage_modules: Mapping[int, nn.Module]) -> None:
     parameter name (which ``fully_shard`` keeps), a weak reference to the Parameter: the pipeline
     then keeps the copies of one Parameter tied (`FsdpReducer.split_copies`) and takes a
     ``tied_parameters`` entry held from before for its copies. `zbpp.models.pipeline_stages` (and
-    so ``causal_lm_stages``) calls it on the stages it builds.
+    so ``causal_lm_stages``) calls it on the stages it builds. (A Parameter from before
+    ``fully_shard`` keeps its whole unsharded tensor while anything holds it, such as the
+    ``tied_parameters`` of those calls' results: drop them once the `Pipeline` is built.)
 
     >>> from torch import nn
     >>> a, b = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)

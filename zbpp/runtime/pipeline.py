@@ -29,7 +29,7 @@ from ..schedules.ir import Kind, Schedule
 from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
 from .arguments import check_arguments, check_stage_modules
-from .agreement import Agreement, BrokenJob, StartReport, decide_end, decide_start
+from .agreement import Agreement, BrokenJob, StartReport, agree_to_build, decide_end, decide_start
 from .channels import Channels, agreement_group, default_timeout
 from .comm_queue import CommQueue
 from .executor import PipelineError, StepExecutor, StepInputs, StepResults
@@ -177,34 +177,39 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.topology = Topology.resolve(groups, schedule.num_ranks)
         self.pp_rank: int = self.topology.pp_rank
-        check_stage_modules(stage_modules, schedule, self.pp_rank)
-        self.stage_modules: dict[int, nn.Module] = dict(sorted(stage_modules.items()))
-        self._program: Program = make_program(schedule, costs=costs)
-        self._costs = costs
-        self._eval_program: Program | None = None
-        self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
-        check_fifo_wgrad(self._wgrad, schedule)
-        self.split_wgrad = bool(split_wgrad)
-        tasks = self._program.ranks[self.pp_rank].tasks
-        has_b = {t.stage for t in tasks if t.kind is Kind.B}
-        self._split_stages = {s for s in self.stage_modules
-                              if s in has_b and has_own_wgrad(self.stage_modules[s], self._wgrad[s])} if self.split_wgrad else set()
-        self.device = torch.device(device) if device is not None else self.topology.default_device(self.stage_modules)
-        self.record_task_times = bool(record_task_times)
-        self.free_sent_activations = bool(free_sent_activations)
-        self.keep_grads_on_failure = bool(keep_grads_on_failure)
-        self._recorder = TaskRecorder(self.pp_rank, self.device) if self.record_task_times else None
-        self._specs: OrderedDict[tuple[Any, ...], dict[tuple[int, int], Any]] = OrderedDict()
-        self._in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
-        self._broken: str | None = None
         span = timedelta(seconds=timeout) if timeout is not None else (default_timeout() if self.topology.distributed else timedelta(minutes=10))
         self._agreement = Agreement(agreement_group(self.topology, span))
+        problem: Exception | None = None
+        try:  # this rank's checks: a rank that fails them tells the others before any of them waits for it
+            check_stage_modules(stage_modules, schedule, self.pp_rank)
+            self.stage_modules: dict[int, nn.Module] = dict(sorted(stage_modules.items()))
+            self._program: Program = make_program(schedule, costs=costs)
+            self._costs = costs
+            self._eval_program: Program | None = None
+            self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
+            check_fifo_wgrad(self._wgrad, schedule)
+            self.split_wgrad = bool(split_wgrad)
+            tasks = self._program.ranks[self.pp_rank].tasks
+            has_b = {t.stage for t in tasks if t.kind is Kind.B}
+            self._split_stages = {s for s in self.stage_modules
+                                  if s in has_b and has_own_wgrad(self.stage_modules[s], self._wgrad[s])} if self.split_wgrad else set()
+            self.device = torch.device(device) if device is not None else self.topology.default_device(self.stage_modules)
+            self.record_task_times = bool(record_task_times)
+            self.free_sent_activations = bool(free_sent_activations)
+            self.keep_grads_on_failure = bool(keep_grads_on_failure)
+            self._recorder = TaskRecorder(self.pp_rank, self.device) if self.record_task_times else None
+            self._specs: OrderedDict[tuple[Any, ...], dict[tuple[int, int], Any]] = OrderedDict()
+            self._in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
+            self._broken: str | None = None
+            first_forward = list(dict.fromkeys(a.stage for a in tasks if a.kind is Kind.F))
+            fsdp = fsdp_reducer(self.stage_modules, self.topology, first_forward, reducer)
+            split = fsdp.split_copies() if fsdp is not None else []
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            problem = exc
+        agree_to_build(self._agreement, problem, self.topology.world)
         self._channels = Channels(self.topology, self._program.channels, self.device, span) if self.topology.pp_size > 1 else None
-        first_forward = list(dict.fromkeys(a.stage for a in tasks if a.kind is Kind.F))
-        fsdp = fsdp_reducer(self.stage_modules, self.topology, first_forward, reducer)  # before the tied copies' first broadcast
         self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
-                                    self._agreement.group, self.device, span,
-                                    split=fsdp.split_copies() if fsdp is not None else ())
+                                    self._agreement.group, self.device, span, split=split)
         if fsdp is not None or reducer is None:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
         if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
