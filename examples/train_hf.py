@@ -19,6 +19,12 @@ batches are. Launch::
     torchrun --nproc-per-node=2 examples/train_hf.py --hidden 512 --layers 8 --heads 8 --seq-len 256 \\
         --rows-per-microbatch 8 --microbatches 8 --steps 200 --fast
 
+Data parallelism (``--dp``: replicas of the pipeline, each on its share of the batch) and FSDP2
+(``--fsdp``: each stage sharded over the replicas)::
+
+    # 4 ranks: 2 replicas of a 2-rank ZB-V pipeline, each stage fully_shard-ed over the replicas:
+    torchrun --nproc-per-node=4 examples/train_hf.py --schedule zb-v --dp 2 --fsdp --steps 40
+
 Pretrained weights and fault tolerance::
 
     # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors):
@@ -27,8 +33,10 @@ Pretrained weights and fault tolerance::
     # checkpoint every 50 steps; restarted after a rank dies, the job resumes from the newest:
     torchrun --nproc-per-node=2 --max-restarts=3 examples/train_hf.py --checkpoint-dir ckpt --checkpoint-every 50
 
-The rank holding the last stage prints a line per step (loss, learning rate, step time, tokens/s)
-and a summary. Every rank draws the same batch from a generator seeded by (seed, step).
+The rank holding the last stage (of the first replica) prints a line per step (loss averaged over
+the replicas, learning rate, step time, tokens/s of all replicas) and a summary. Every rank draws
+the same batch of ``--dp`` x ``--microbatches`` x ``--rows-per-microbatch`` rows from a generator
+seeded by (seed, step); each replica trains on its consecutive share of the rows.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zbpp import Pipeline
+from zbpp import ParallelGroups, Pipeline
 from zbpp.models.hf import SUPPORTED, small_config
 from zbpp.runtime import clip_grad_norm_, init_distributed, shutdown_and_exit
 from zbpp.schedules import available, build, options_of
@@ -79,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attn", choices=["sdpa", "eager"], default=None,
                     help="HF attention implementation (default: HF's choice for the model, sdpa where it has it)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (the ranks are dp x pipeline ranks)")
+    ap.add_argument("--fsdp", action="store_true", help="with --dp: shard each stage over the replicas (FSDP2)")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     ap.add_argument("--from", dest="pretrained", default=None, metavar="DIR",
@@ -88,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                     help="with --checkpoint-dir: save every N steps (and after the last)")
     args = ap.parse_args(argv)
-    for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "layers", "heads", "steps"):
+    for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "layers", "heads", "steps", "dp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seq_len < 4:
@@ -99,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.fp8 and not args.fast:
         ap.error("--fp8 applies to the fast form: add --fast")
+    if args.fsdp and args.dp < 2:
+        ap.error("--fsdp shards each stage over the data-parallel replicas: add --dp 2 or more")
+    if args.fsdp and args.fast:
+        ap.error("--fsdp does not combine with --fast: task graphs cannot capture FSDP's all-gathers")
     if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint_dir):
         ap.error("--checkpoint-every N needs N >= 0 and --checkpoint-dir")
     if args.schedule not in available():
@@ -124,7 +138,7 @@ class Batches:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.rows = args.rows_per_microbatch * args.microbatches
+        self.rows = args.rows_per_microbatch * args.microbatches * args.dp  # every replica's rows
         if args.data == "stdlib":
             self.text = _train_gpt().load_text(args.data_bytes)
             self.vocab = -(-len(self.text.vocab) // 64) * 64
@@ -218,21 +232,32 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     backend = init_distributed(args.backend, timeout=args.timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    if world % args.dp:
+        raise SystemExit(f"--dp {args.dp} does not divide the {world} ranks")
+    groups = ParallelGroups(pp=world // args.dp)  # replicas of pp ranks each (groups.pp_rank, groups.dp_rank)
+    pp, rank = groups.pp, groups.pp_rank
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     batches = Batches(args)
     source = model_source(args, batches.vocab)
-    sched = build(args.schedule, num_ranks=world, num_microbatches=args.microbatches,
+    sched = build(args.schedule, num_ranks=pp, num_microbatches=args.microbatches,
                   **({"chunks": 2} if "chunks" in options_of(args.schedule) else {}))
     if args.layers < sched.num_stages:
         raise SystemExit(f"--layers {args.layers} is fewer than the {sched.num_stages} stages of {args.schedule} on "
-                         f"{world} ranks: every stage needs a layer")
+                         f"{pp} ranks: every stage needs a layer")
 
     # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     stages, kwargs = causal_lm_stages(source, sched, rank, device=device, dtype=dtype, attn_implementation=args.attn,
                                       seed=args.seed, fast=args.fast, fp8=args.fp8)
-    pipe = Pipeline(stages, sched, **kwargs)
+    tied = sorted(kwargs["tied_parameters"])
+    if args.fsdp:  # each stage one FSDP root over the replicas; the tied Parameters named in kwargs find their shards
+        from torch.distributed.fsdp import fully_shard
+
+        for stage in stages.values():
+            fully_shard(stage, mesh=groups.mesh["dp"])
+    pipe = Pipeline(stages, sched, groups=groups.mesh if args.fsdp else groups, **kwargs)
+    del kwargs  # it holds tied Parameters from before fully_shard, whole
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     first_step, found = latest_checkpoint(args.checkpoint_dir)
     if found is not None:  # resume: weights, optimizer state and random stream; data and lr follow the step
@@ -240,11 +265,12 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
 
         load_checkpoint(pipe, found, opt)
 
-    reporting = pipe.holds_last_stage
+    reporting = pipe.holds_last_stage and groups.dp_rank == 0
     say = (lambda text: print(text, flush=True)) if reporting else (lambda text: None)
     if found is not None:
         say(f"train_hf: resumed from {found} (step {first_step})")
-    say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {world} ranks "
+    layout = f"{pp} ranks" if args.dp == 1 else f"{pp} ranks x {args.dp} replicas{' (FSDP)' if args.fsdp else ''}"
+    say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {layout} "
         f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
         f"{args.seq_len} tokens, data {args.data}{' ragged' if args.ragged else ''}, {dtype}"
         f"{', fast' if args.fast else ''}{' fp8' if args.fp8 else ''}")
@@ -252,12 +278,17 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     for step in range(first_step, args.steps):
         ids, mask, labels = batches(step)
+        share = slice(groups.dp_rank * len(ids) // args.dp, (groups.dp_rank + 1) * len(ids) // args.dp)
         lr = lr_at(step, args)
         for group in opt.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
-        loss = pipe.step({"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask},
-                         target=labels)
+        loss = pipe.step({"input_ids": ids[share]} if mask is None else {"input_ids": ids[share], "attention_mask": mask[share]},
+                         target=labels[share])
+        if loss is not None and args.dp > 1:  # the replicas' mean (each one's loss is its rows' mean)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=groups.dp_group)
+            loss /= args.dp
         norm = clip_grad_norm_(pipe, args.clip if args.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -275,7 +306,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     if history:
         say(f"done: {args.steps - first_step} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
             f"{history[-1]['loss']:.4f}")
-    return {"rank": rank, "stages": sorted(stages), "history": history, "tied": sorted(kwargs["tied_parameters"])}
+    return {"rank": dist.get_rank(), "stages": sorted(stages), "history": history, "tied": tied}
 
 
 def main(argv: list[str] | None = None) -> int:

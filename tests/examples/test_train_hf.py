@@ -25,6 +25,9 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 HF_LOSS_RTOL = 1e-6  # see the module docstring
+# float64 replicas against one replica on the whole batch: the same gradients summed in another order,
+# through 6 AdamW steps (measured: 2e-16 to 4e-16); a gradient not averaged, or a tie kept apart, moves them by 1e-3+
+SAME_TRAINING_RTOL = 1e-9
 TINY = ["--hidden", "32", "--heads", "4", "--layers", "4", "--seq-len", "16", "--rows-per-microbatch", "2",
         "--microbatches", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "2", "--data-bytes", "60000",
         "--dtype", "float64", "--backend", "gloo", "--timeout", "60"]
@@ -92,6 +95,38 @@ def test_gpt2_trains_with_the_tie_across_ranks_and_ragged_rows(zbpp_workers):
 
     if "loss_weight" in inspect.signature(Pipeline).parameters:  # token-weighted microbatches: HF's mean
         assert last["history"][0]["loss"] == pytest.approx(first_loss_of_hf(argv), rel=HF_LOSS_RTOL, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, schedule, fsdp", [("llama", "zb-v", False), ("gpt2", "zb-v", True),
+                                                   ("gpt2", "1f1b", True)])
+def test_replicas_train_on_their_share_and_start_at_hf_loss(zbpp_workers, model: str, schedule: str, fsdp: bool):
+    """--dp 2 on 4 ranks (2 replicas of a 2-rank pipeline), with --fsdp each stage sharded over them:
+    the first step's loss, averaged over the replicas, is HF's on the whole batch (full rows: every
+    replica's mean is over as many tokens), and every step's loss is that of one replica training on
+    the whole batch (its microbatches twice the rows), to SAME_TRAINING_RTOL: the same gradients,
+    summed in another order. GPT-2's tied embedding stays tied within rank 0 (zb-v) or across the
+    ranks (1f1b) when fully_shard replaces it (`causal_lm_stages`' own tied_parameters as they are)."""
+    argv = ["--model", model, "--schedule", schedule, "--dp", "2", *(["--fsdp"] if fsdp else []), *TINY]
+    results = zbpp_workers(4).run(train_on_rank, argv)
+    last = _check(results, argv, 6)
+    assert last["stdout"].startswith(f"train_hf: {model} ") and f"2 ranks x 2 replicas{' (FSDP)' if fsdp else ''}" \
+        in last["stdout"].splitlines()[0], last["stdout"]
+    assert last["history"][0]["loss"] == pytest.approx(first_loss_of_hf(argv), rel=HF_LOSS_RTOL, abs=0)
+    one = ["--model", model, "--schedule", schedule, *TINY]
+    one[one.index("--rows-per-microbatch") + 1] = "4"  # TINY's 2 rows per replica, twice
+    whole = _check(zbpp_workers(2).run(train_on_rank, one), one, 6)
+    assert [h["loss"] for h in last["history"]] == pytest.approx([h["loss"] for h in whole["history"]],
+                                                                  rel=SAME_TRAINING_RTOL, abs=0)
+
+
+@pytest.mark.parametrize("argv, words", [(["--fsdp"], "--fsdp shards each stage over the data-parallel replicas"),
+                                         (["--dp", "2", "--fsdp", "--fast"], "--fsdp does not combine with --fast"),
+                                         (["--dp", "0"], "--dp must be >= 1")])
+def test_dp_and_fsdp_arguments_are_checked(capsys, argv: list[str], words: str):
+    with pytest.raises(SystemExit):
+        _example().parse_args(argv)
+    assert words in capsys.readouterr().err
 
 
 @pytest.mark.slow
