@@ -111,8 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--fp8 applies to the fast form: add --fast")
     if args.fsdp and args.dp < 2:
         ap.error("--fsdp shards each stage over the data-parallel replicas: add --dp 2 or more")
-    if args.fsdp and args.fast:
-        ap.error("--fsdp does not combine with --fast: task graphs cannot capture FSDP's all-gathers")
     if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint_dir):
         ap.error("--checkpoint-every N needs N >= 0 and --checkpoint-dir")
     if args.schedule not in available():

@@ -121,7 +121,6 @@ def test_replicas_train_on_their_share_and_start_at_hf_loss(zbpp_workers, model:
 
 
 @pytest.mark.parametrize("argv, words", [(["--fsdp"], "--fsdp shards each stage over the data-parallel replicas"),
-                                         (["--dp", "2", "--fsdp", "--fast"], "--fsdp does not combine with --fast"),
                                          (["--dp", "0"], "--dp must be >= 1")])
 def test_dp_and_fsdp_arguments_are_checked(capsys, argv: list[str], words: str):
     with pytest.raises(SystemExit):

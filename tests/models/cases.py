@@ -162,3 +162,50 @@ def check_materialised_only_own_stages(kind: str, name: str, p: int, layers: int
     ids, _, labels = batch(2 * sched.num_microbatches, padded=False)
     pipe.step(ids, target=labels)
     return {"gained": gained, "held": sum(held.values()), "whole": whole}
+
+
+def check_fast_form_under_fsdp(kind: str, name: str, steps: int = 2, lr: float = 0.5) -> int:
+    """`steps` SGD steps of the fast form (compiled decoder layers, ``backend="aot_eager"``) with every
+    stage ``fully_shard``-ed over 2 replicas of a 2-rank pipeline (4 ranks), each replica on half of
+    the rows, against HF's model in one process on the whole batch: every gradient (gathered) within
+    `GRAD_RTOL` of the largest, at every step (the second one after FSDP resharded and gathered the
+    parameters again under the compiled layers). `causal_lm_stages`' tied_parameters are passed as
+    they are; ``cuda_graphs="auto"`` runs eager steps. Returns how many gradients were checked."""
+    from torch.distributed.fsdp import fully_shard
+
+    from zbpp import ParallelGroups
+    from zbpp.models.fast import fast_hf_stages
+    from zbpp.models.hf import causal_lm_stages
+
+    groups = ParallelGroups(pp=2)
+    m = 4
+    sched = make_schedule(name, 2, m)
+    ref = reference_model(kind, 4)
+    stages, kwargs = causal_lm_stages(config(kind, 4), sched, groups.pp_rank, dtype=torch.float64,
+                                      attn_implementation="eager", state_dict=ref.state_dict(), device="cpu")
+    kwargs.update(fast_hf_stages(stages, loss_fn=kwargs["loss_fn"], backend="aot_eager"))
+    for stage in stages.values():
+        fully_shard(stage, mesh=groups.mesh["dp"])
+    kwargs["cuda_graphs"] = "auto"  # what fast_pipeline_kwargs gives on a GPU: eager steps for fully_shard stages
+    pipe = Pipeline(stages, sched, groups=groups.mesh, **kwargs)
+    assert pipe.cuda_graphs is False
+    opt = torch.optim.SGD(list(pipe.parameters()), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    checked = 0
+    for step in range(steps):
+        ids, _, labels = batch(2 * 2 * m, padded=False, seed=5 + step)
+        half = slice(groups.dp_rank * 2 * m, (groups.dp_rank + 1) * 2 * m)
+        pipe.step(ids[half], target=labels[half])
+        token_mean_loss(ref(input_ids=ids).logits, labels).backward()
+        scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+        for s, module in stages.items():
+            for n, q in module.named_parameters():
+                assert q.grad is not None, f"{kind} {name} step {step} stage {s}: {n} got no gradient"
+                err = float((q.grad.full_tensor() - ref.get_parameter(n).grad).abs().max())
+                assert err <= GRAD_RTOL * scale, f"{kind} {name} step {step} stage {s}: {n} off by {err:.3g} (scale {scale:.3g})"
+                checked += 1
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    return checked

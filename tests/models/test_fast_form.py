@@ -212,3 +212,14 @@ def _no_fast_warning():
         assert not [w for w in seen if "fast_stage" in str(w.message)], [str(w.message) for w in seen]
 
     return scope()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, name", [("gpt2", "zb-v"), ("llama", "zb-h1")])
+def test_fast_form_under_fsdp_equals_one_process(zbpp_workers, kind: str, name: str) -> None:
+    """The fast form with every stage fully_shard-ed over 2 replicas (4 gloo ranks), two SGD steps,
+    against HF's model on the whole batch: `cases.check_fast_form_under_fsdp`. GPT-2 under zb-v ties
+    its embedding and LM head within rank 0, the Llama under zb-h1 across the ranks."""
+    from .cases import check_fast_form_under_fsdp
+
+    assert all(n > 0 for n in zbpp_workers(4).run(check_fast_form_under_fsdp, kind, name))

@@ -494,7 +494,8 @@ def refusal_case(what: str) -> str:
     ``inner-only``: a stage not itself fully_shard-ed; ``one-call``: zb-v, the two stages of a rank
     sharded by one ``fully_shard([a, b])``; ``tied-half-sharded``: a tied copy sharded on pipeline
     rank 0 only; ``noted-partly``: zb-v, one stage of each rank noted by `note_parameters`,
-    the other not; ``noted-late``: `note_parameters` after ``fully_shard``."""
+    the other not; ``noted-late``: `note_parameters` after ``fully_shard``; ``graphs``:
+    ``cuda_graphs=True`` (its CPU stand-in)."""
     from torch.distributed.fsdp import fully_shard
 
     from zbpp.runtime.fsdp import note_parameters
@@ -514,6 +515,12 @@ def refusal_case(what: str) -> str:
         if pp_rank == 0:
             fully_shard(stages[0], mesh=m["dp"])
         kwargs["tied_parameters"] = {"w": stages[pp_rank].layers[str(2 * pp_rank)].weight}
+    elif what == "graphs":
+        for part in stages.values():
+            fully_shard(part, mesh=m["dp"])
+        from zbpp.runtime.task_graphs import StandInGraphs
+
+        kwargs["cuda_graphs"] = StandInGraphs  # cuda_graphs=True's rules on the CPU
     elif what in ("noted-partly", "noted-late"):
         if what == "noted-partly":
             note_parameters({pp_rank: stages[pp_rank]})

@@ -67,6 +67,7 @@ def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: 
     ("tied-half-sharded", "is sharded by fully_shard on global ranks [0, 2] but not on [1, 3]"),
     ("noted-partly", "were noted by note_parameters but stages"),
     ("noted-late", "is sharded already; call it before fully_shard"),
+    ("graphs", "cannot capture fully_shard stages (FSDP all-gathers"),
 ])
 def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:
     messages = zbpp_workers(4, pg_timeout=60).run(refusal_case, what)

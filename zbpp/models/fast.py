@@ -23,8 +23,10 @@ objects and parameter names (checkpoints and optimizers are unaffected):
 `fast_pipeline_kwargs(device)` gives the `Pipeline` keywords that go with it: ``cuda_graphs="auto"``
 on a CUDA device (each F, B and W task replayed from a CUDA graph where that measured faster: the
 host's work between the many small kernels, and the compiled regions' guards, leave the step; a
-compute-bound stage, where replays can be slower, keeps its eager steps), nothing on the CPU.
-`zbpp.models.hf.causal_lm_stages(..., fast=True)` applies both to a Hugging Face model.
+compute-bound stage, where replays can be slower, keeps its eager steps; so do ``fully_shard``
+stages, which graphs cannot capture), nothing on the CPU.
+`zbpp.models.hf.causal_lm_stages(..., fast=True)` applies both to a Hugging Face model; ``fully_shard``
+the stages after it (compiled layers under FSDP2, as torchtitan runs them).
 
 >>> import torch
 >>> from torch import nn

@@ -119,7 +119,8 @@ class Pipeline:
             `zbpp.runtime._autograd_split`). False: plain modules get their weight gradients in B.
         cuda_graphs: True: from each input signature's second training step on, replay every task
             of this rank from a CUDA graph captured in the schedule's order (bit-identical to eager
-            steps; sends, receives, reductions outside). ``"auto"``: time both forms, keep the faster.
+            steps; sends, receives, reductions outside). ``"auto"``: time both forms, keep the faster
+            (``fully_shard`` stages, which graphs cannot capture: eager steps, as with False).
             CUDA only; rules: `zbpp.runtime.task_graphs` (CPU tests pass its `StandInGraphs`).
             Clear gradients between steps with ``zero_grad()`` (``set_to_none=True``): gradients
             zeroed in place count as earlier ones, which every replayed step adds back.
@@ -214,6 +215,8 @@ class Pipeline:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
         if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
             reducer.owe_all_to_wgrad(self._split_stages)
+        if fsdp is not None and (cuda_graphs == "auto" or isinstance(cuda_graphs, AutoGraphs)):
+            cuda_graphs = False  # "auto" takes graphs only where they run (fast_pipeline_kwargs' choice)
         self._graph_cache: GraphCache | None = graph_cache(cuda_graphs, self.stage_modules, self.device)
         self.cuda_graphs = self._graph_cache is not None
         if self.cuda_graphs and fsdp is not None:
