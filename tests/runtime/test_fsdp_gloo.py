@@ -72,3 +72,26 @@ def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: 
 def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:
     messages = zbpp_workers(4, pg_timeout=60).run(refusal_case, what)
     assert all(words in msg for msg in messages), messages
+
+
+def test_noted_stages_pickle_and_copy_with_their_shared_names() -> None:
+    """`note_parameters` marks modules with weak references to their Parameters: a stage saved whole
+    (``torch.save(module)``) or deep-copied keeps which names were one Parameter (one note object
+    for both), without the link to the original."""
+    import copy
+    import io
+
+    from torch import nn
+
+    from zbpp.runtime.fsdp import note_parameters
+
+    emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight
+    note_parameters({0: emb, 3: head})
+    assert emb._zbpp_original_parameters["weight"].ref() is emb.weight
+    buf = io.BytesIO()
+    torch.save({0: emb, 3: head}, buf)
+    buf.seek(0)
+    for got in (torch.load(buf, weights_only=False), copy.deepcopy({0: emb, 3: head})):
+        a, b = got[0]._zbpp_original_parameters["weight"], got[3]._zbpp_original_parameters["weight"]
+        assert a is b and a.ref() is None and a.name == "stage 0: weight"

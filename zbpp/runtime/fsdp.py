@@ -183,6 +183,21 @@ class _Original:
     def __repr__(self) -> str:
         return f"_Original({self.name!r})"
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # a pickled or copied stage (torch.save(module), deepcopy) keeps which names were one
+        # Parameter, not the link to it: a weak reference neither pickles nor means anything there
+        return _Original._unlinked, (self.name,)
+
+    @staticmethod
+    def _unlinked(name: str) -> "_Original":
+        out = _Original.__new__(_Original)
+        out.ref, out.name = _no_parameter, name
+        return out
+
+
+def _no_parameter() -> None:
+    return None
+
 
 def note_parameters(stage_modules: Mapping[int, nn.Module]) -> None:
     """Note, before ``fully_shard``, which Parameter each parameter of this rank's stage modules
