@@ -494,34 +494,21 @@ def check_empty_tensors(name: str, p: int) -> None:
                 close(f"{name} step {step} stage {s} {n}", a.grad, b.grad)
 
 
-def check_wrong_tie_on_one_rank() -> str:
-    """Rank 1 names, as a tied parameter, a Parameter that none of its stages holds; rank 0 is right.
-    Returns the ValueError each rank raised from `Pipeline` ('' if none), and how long it took."""
-    sched = make_schedule("1f1b", 2, 4)
-    pp_rank = dist.get_rank()
-    n = sched.num_stages
-    wte = make_wte()
-    stages = {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in sched.stages_on(pp_rank)}
-    tied = {"wte": wte if pp_rank == 0 else torch.nn.Parameter(torch.zeros(3))}
-    start = time.monotonic()
-    try:
-        Pipeline(stages, sched, lm_loss, tied_parameters=tied)
-    except ValueError as exc:
-        return f"{time.monotonic() - start:.1f}s {exc}"
-    return ""
 
-
-def check_wrong_stages_on_one_rank() -> str:
-    """Rank 1 passes the stage of rank 0 (stage 0 instead of 1); rank 0 is right. Returns the error
+def check_wrong_on_one_rank(what: str) -> str:
+    """Rank 1 passes wrong stage modules (``"stages"``: rank 0's stage 0 instead of its stage 1) or a
+    wrong tie (``"tie"``: a Parameter none of its stages holds); rank 0 is right. Returns the error
     each rank raised from `Pipeline` ('' if none), its type, and how long it took."""
     sched = make_schedule("1f1b", 2, 4)
     n = sched.num_stages
     wte = make_wte()
-    stages = {0: LMStage(0, n, "plain", wte)} if dist.get_rank() == 1 else \
-        {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in sched.stages_on(0)}
+    wrong = dist.get_rank() == 1
+    mine = sched.stages_on(0) if wrong and what == "stages" else sched.stages_on(dist.get_rank())
+    stages = {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in mine}
+    tied = {"wte": torch.nn.Parameter(torch.zeros(3)) if wrong and what == "tie" else wte}
     start = time.monotonic()
     try:
-        Pipeline(stages, sched, lm_loss)
+        Pipeline(stages, sched, lm_loss, tied_parameters=tied)
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
     return ""

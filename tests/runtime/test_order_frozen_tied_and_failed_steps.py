@@ -9,6 +9,7 @@ running the whole model on the whole batch (order_frozen_tied_cases.py; toleranc
   reduced only after the W that computes it, under every schedule with W tasks;
 - two ranks failing at different times: the error names the first; a rank waiting in the end
   agreement while another rank dies raises within seconds;
+- stage modules or a tie wrong on one rank: every rank raises when the pipeline is built;
 - nested no_sync(); a failed step with data parallelism and main_grad, then the next steps;
 - empty tensors in a stage's output sent across ranks.
 """
@@ -26,7 +27,7 @@ from zbpp.testing import DistributedTestError, Workers
 
 from .cases import make_schedule
 from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
-                        check_first_failure_named, check_wrong_stages_on_one_rank, check_wrong_tie_on_one_rank,
+                        check_first_failure_named, check_wrong_on_one_rank,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
 from .test_random_schedules import run_schedule_against_one_process
@@ -107,20 +108,16 @@ def test_a_rank_waiting_in_the_agreement_sees_a_broken_job(tmp_path):
         assert o["seconds"] < 10.0, o
 
 
-def test_a_wrong_tie_on_one_rank_raises_on_every_rank(zbpp_workers):
-    """A tied_parameters entry wrong on one rank: that rank's error, and every other rank's naming it,
-    at construction (not after the others wait out the process-group timeout)."""
-    own, other = zbpp_workers(2).run(check_wrong_tie_on_one_rank)[::-1]
-    assert "tied_parameters['wte'] is not a parameter of this rank's stage modules" in own, own
-    assert "tied_parameters: on global rank 1: tied_parameters['wte'] is not a parameter" in other, other
-    assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (own, other)), (own, other)
 
-
-def test_wrong_stages_on_one_rank_raise_on_every_rank(zbpp_workers):
-    """Stage modules wrong on one rank: its own error, and on every other rank a PipelineError naming
-    it, when the pipeline is built (not after waiting out the process-group timeout)."""
-    right, wrong = zbpp_workers(2).run(check_wrong_stages_on_one_rank)
-    assert wrong.split(" ", 1)[1].startswith("ValueError: "), wrong
-    assert "PipelineError: Pipeline could not be built on every rank; global rank 1: ValueError: " in right, right
-    assert wrong.split(": ", 1)[1] in right, (right, wrong)
+@pytest.mark.parametrize("what, words", [
+    ("stages", "pipeline rank 1 holds stages [1] of schedule '1f1b' but stage_modules has [0]"),
+    ("tie", "tied_parameters['wte'] is not a parameter of this rank's stage modules (stages [1])"),
+])
+def test_a_rank_built_wrong_raises_on_every_rank(zbpp_workers, what: str, words: str):
+    """Stage modules or a tied_parameters entry wrong on one rank: its own ValueError, and on every
+    other rank a PipelineError naming it, when the pipeline is built (not after the others wait out
+    the process-group timeout)."""
+    right, wrong = zbpp_workers(2).run(check_wrong_on_one_rank, what)
+    assert wrong.split(" ", 1)[1].startswith(f"ValueError: {words}"), wrong
+    assert f"PipelineError: Pipeline could not be built on every rank; global rank 1: ValueError: {words}" in right, right
     assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (right, wrong)), (right, wrong)

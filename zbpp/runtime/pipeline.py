@@ -39,7 +39,7 @@ from .task_times import TaskRecorder, gather_records
 from .reductions import Reductions, default_reducer, fsdp_reducer
 from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
-from .tied import TiedParameters
+from .tied import TiedParameters, local_ties
 from .topology import Topology
 from .step_input import (LocalBatch, Walks, local_batch, merge, module_state, release_step_caches, stable_hash,
                          stage_walks, unique_parameters)
@@ -204,13 +204,12 @@ class Pipeline:
             self._broken: str | None = None
             first_forward = list(dict.fromkeys(a.stage for a in tasks if a.kind is Kind.F))
             fsdp = fsdp_reducer(self.stage_modules, self.topology, first_forward, reducer)
-            split = fsdp.split_copies() if fsdp is not None else []
+            ties = local_ties(tied_parameters or {}, self.stage_modules, fsdp.split_copies() if fsdp is not None else ())
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             problem = exc
         agree_to_build(self._agreement, problem, self.topology.world)
         self._channels = Channels(self.topology, self._program.channels, self.device, span) if self.topology.pp_size > 1 else None
-        self._tied = TiedParameters(tied_parameters or {}, self.stage_modules, self.topology, schedule.placement,
-                                    self._agreement.group, self.device, span, split=split)
+        self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement.group, self.device, span)
         if fsdp is not None or reducer is None:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
         if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):

@@ -35,7 +35,7 @@ stages (`pipeline_stages` does): the pipeline takes its sharded copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from .channels import cached_group
 from .fsdp import copies_of
 from .topology import Topology
 
-__all__ = ["TiedParameters"]
+__all__ = ["LocalTies", "TiedParameters", "local_ties"]
 
 
 @dataclass(eq=False)
@@ -63,60 +63,65 @@ class _Tie:
         return self.params[0]
 
 
+class LocalTies(NamedTuple):
+    """This rank's side of the tied parameters, found without any collective (`local_ties`)."""
+
+    named: dict[str, tuple[tuple[nn.Parameter, ...], tuple[int, ...]]]  # name -> (this rank's copies, their stages)
+    unnamed: list[tuple[tuple[nn.Parameter, ...], tuple[int, ...]]]  # copies FSDP split on this rank alone
+
+
+def local_ties(tied: Mapping[str, nn.Parameter], stage_modules: Mapping[int, nn.Module],
+               split: Sequence[Sequence[nn.Parameter]] = ()) -> LocalTies:
+    """Check `tied` (``{name: parameter}`` as this rank passed it) against this rank's stage modules
+    and group the copies each name stands for; `split`: ``fully_shard`` stages' copies of one
+    Parameter that several stages of this rank shared (`FsdpReducer.split_copies`). Raises on a
+    wrong entry (the `Pipeline` tells the other ranks before any collective)."""
+    if not isinstance(tied, Mapping):
+        raise TypeError(f"tied_parameters must be a mapping {{name: parameter}}, got {type(tied).__name__}")
+    unclaimed = [tuple(c) for c in split]
+
+    def stages_of(params: Sequence[nn.Parameter]) -> tuple[int, ...]:
+        return tuple(s for s, m in sorted(stage_modules.items()) if any(q is p for q in m.parameters() for p in params))
+
+    named: dict[str, tuple[tuple[nn.Parameter, ...], tuple[int, ...]]] = {}
+    for name, p in tied.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"tied_parameters: names must be non-empty strings, got {name!r}")
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"tied_parameters[{name!r}] must be an nn.Parameter, got {type(p).__name__}")
+        if not any(q is p for m in stage_modules.values() for q in m.parameters()):
+            p = next(iter(copies_of(stage_modules, p)), p)  # held from before fully_shard: its copy now
+        copies = next((c for c in unclaimed if any(q is p for q in c)), (p,))
+        unclaimed = [c for c in unclaimed if c is not copies]
+        stages = stages_of(copies)
+        if not stages:
+            raise ValueError(
+                f"tied_parameters[{name!r}] is not a parameter of this rank's stage modules (stages "
+                f"{sorted(stage_modules)}): pass the very Parameter object the stage uses"
+            )
+        named[name] = (copies, stages)
+    return LocalTies(named, [(c, stages_of(c)) for c in unclaimed])
+
+
 class TiedParameters:
     """The tied parameters of one rank (see the module docstring).
 
     Args:
-        tied: ``{name: parameter}`` as this rank passed it (may be empty: every rank must build one).
-        stage_modules: this rank's stage modules.
+        local: this rank's ties (`local_ties`; may be empty: every rank must build one).
         topology: this rank's place in the job.
         stage_rank: stage -> pipeline rank (the schedule's placement).
         agreement: the job's gloo group (to learn who holds what).
         device: where gradients live (CUDA: NCCL groups; CPU: gloo).
         timeout: the groups' timeout.
-        split: ``fully_shard`` stages: the sharded copies that one Parameter shared by several
-            stages of this rank became (`FsdpReducer.split_copies`); each list is kept tied.
     """
 
-    def __init__(self, tied: Mapping[str, nn.Parameter], stage_modules: Mapping[int, nn.Module], topology: Topology,
-                 stage_rank: tuple[int, ...], agreement: Any, device: torch.device, timeout: Any,
-                 split: Sequence[Sequence[nn.Parameter]] = ()) -> None:
-        if not isinstance(tied, Mapping):
-            raise TypeError(f"tied_parameters must be a mapping {{name: parameter}}, got {type(tied).__name__}")
+    def __init__(self, local: LocalTies, topology: Topology, stage_rank: tuple[int, ...], agreement: Any,
+                 device: torch.device, timeout: Any) -> None:
         self.topology = topology
         self.dp = topology.dp_size
-        unclaimed = [tuple(c) for c in split]
-
-        def stages_of(params: Sequence[nn.Parameter]) -> tuple[int, ...]:
-            return tuple(s for s, m in sorted(stage_modules.items()) if any(q is p for q in m.parameters() for p in params))
-
-        mine: dict[str, tuple[tuple[nn.Parameter, ...], tuple[int, ...]]] = {}
-        problem: Exception | None = None
-        try:
-            for name, p in tied.items():
-                if not isinstance(name, str) or not name:
-                    raise TypeError(f"tied_parameters: names must be non-empty strings, got {name!r}")
-                if not isinstance(p, nn.Parameter):
-                    raise TypeError(f"tied_parameters[{name!r}] must be an nn.Parameter, got {type(p).__name__}")
-                if not any(q is p for m in stage_modules.values() for q in m.parameters()):
-                    p = next(iter(copies_of(stage_modules, p)), p)  # held from before fully_shard: its copy now
-                copies = next((c for c in unclaimed if any(q is p for q in c)), (p,))
-                unclaimed = [c for c in unclaimed if c is not copies]
-                stages = stages_of(copies)
-                if not stages:
-                    raise ValueError(
-                        f"tied_parameters[{name!r}] is not a parameter of this rank's stage modules (stages "
-                        f"{sorted(stage_modules)}): pass the very Parameter object the stage uses"
-                    )
-                mine[name] = (copies, stages)
-        except (TypeError, ValueError) as exc:  # told to every rank, which would otherwise wait in the exchange
-            problem = exc
+        mine = local.named
         held = {n: (tuple(ps[0].shape), str(ps[0].dtype), min(stages), _shard_of(ps[0])) for n, (ps, stages) in mine.items()}
-        everyone, problems = self._exchange(agreement, held, None if problem is None else str(problem))
-        if problem is not None:
-            raise problem
-        if problems:
-            raise ValueError("tied_parameters: " + "; ".join(f"on global rank {g}: {text}" for g, text in sorted(problems.items())))
+        everyone = self._exchange(agreement, held)
         self._ties: list[_Tie] = []
         backend = "nccl" if device.type == "cuda" else "gloo"
         for name in sorted({n for h in everyone.values() for n in h}):
@@ -153,8 +158,8 @@ class TiedParameters:
                 with torch.no_grad():
                     dist.broadcast(_local(tie.param.data), src, group=group)
             _equalise(tie)
-        for copies in unclaimed:  # shared by stages of this rank only: no collective
-            tie = _Tie(None, copies, stages_of(copies), None, True, True)
+        for copies, stages in local.unnamed:  # shared by stages of this rank only: no collective
+            tie = _Tie(None, copies, stages, None, True, True)
             self._ties.append(tie)
             _equalise(tie)
 
@@ -172,15 +177,14 @@ class TiedParameters:
         return cached_group(f"tie:{name}", ranks, backend, timeout) if len(ranks) > 1 else None
 
     @staticmethod
-    def _exchange(agreement: Any, held: dict[str, Any], problem: str | None) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
-        """Every rank's `held` ties, and the ranks whose own tied_parameters were wrong (`problem`)."""
+    def _exchange(agreement: Any, held: dict[str, Any]) -> dict[int, dict[str, Any]]:
         if agreement is None:
-            return {0: held}, {}
+            return {0: held}
         import torch.distributed as dist
 
         out: list[Any] = [None] * dist.get_world_size(agreement)
-        dist.all_gather_object(out, (dist.get_rank(), held, problem), group=agreement)
-        return {g: h for g, h, _ in out}, {g: text for g, _, text in out if text is not None}
+        dist.all_gather_object(out, (dist.get_rank(), held), group=agreement)
+        return {g: h for g, h in out}
 
     @property
     def names(self) -> list[str]:
