@@ -27,8 +27,9 @@ Data parallelism (``--dp``: replicas of the pipeline, each on its share of the b
 
 Pretrained weights and fault tolerance::
 
-    # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors):
-    torchrun --nproc-per-node=2 examples/train_hf.py --from path/to/hf_dir --steps 100
+    # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors)
+    # and write the result as one that from_pretrained loads:
+    torchrun --nproc-per-node=2 examples/train_hf.py --from path/to/hf_dir --steps 100 --save-pretrained out_dir
 
     # checkpoint every 50 steps; restarted after a rank dies, the job resumes from the newest:
     torchrun --nproc-per-node=2 --max-restarts=3 examples/train_hf.py --checkpoint-dir ckpt --checkpoint-every 50
@@ -93,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     ap.add_argument("--from", dest="pretrained", default=None, metavar="DIR",
                     help="start from the pretrained weights of this local HF directory (config.json + safetensors)")
+    ap.add_argument("--save-pretrained", default=None, metavar="DIR",
+                    help="after training, write the model as a HF directory (from_pretrained loads it)")
     ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                     help="save checkpoints here; a run finding one here resumes from the latest")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
@@ -301,6 +304,11 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
         every = args.checkpoint_every
         if args.checkpoint_dir and ((every and (step + 1) % every == 0) or step + 1 == args.steps):
             save_step(pipe, opt, args.checkpoint_dir, step + 1)
+    if args.save_pretrained:
+        from zbpp.models.hf import save_pretrained
+
+        save_pretrained(pipe, args.save_pretrained)  # every rank: each writes its own stages' tensors
+        say(f"train_hf: wrote {args.save_pretrained}")
     if history:
         say(f"done: {args.steps - first_step} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
             f"{history[-1]['loss']:.4f}")

@@ -41,20 +41,26 @@ def train_on_rank(argv: list[str]) -> dict[str, Any]:
     return train_example("train_hf", argv)
 
 
-def first_loss_of_hf(argv: list[str]) -> float:
+def initial_model(argv: list[str]) -> Any:
+    """HF's model with the weights the example's ranks start from (see the module docstring)."""
     from zbpp.models.hf import causal_lm_stages
     from zbpp.schedules import build
 
     ex = _example()
     args = ex.parse_args(argv)
-    batches = ex.Batches(args)
-    config = ex.make_config(args, batches.vocab)
+    config = ex.make_config(args, ex.Batches(args).vocab)
     one = build("1f1b", num_ranks=1, num_microbatches=1)
     stages, _ = causal_lm_stages(config, one, 0, dtype=torch.float64, attn_implementation=args.attn, seed=args.seed,
                                  device="cpu")
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float64)
     model.load_state_dict(stages[0].state_dict())
-    ids, mask, labels = batches(0)
+    return model
+
+
+def first_loss_of_hf(argv: list[str]) -> float:
+    ex = _example()
+    model = initial_model(argv)
+    ids, mask, labels = ex.Batches(ex.parse_args(argv))(0)
     with torch.no_grad():
         return float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
@@ -100,24 +106,37 @@ def test_gpt2_trains_with_the_tie_across_ranks_and_ragged_rows(zbpp_workers):
 @pytest.mark.slow
 @pytest.mark.parametrize("model, schedule, fsdp", [("llama", "zb-v", False), ("gpt2", "zb-v", True),
                                                    ("gpt2", "1f1b", True)])
-def test_replicas_train_on_their_share_and_start_at_hf_loss(zbpp_workers, model: str, schedule: str, fsdp: bool):
+def test_replicas_train_on_their_share_and_start_at_hf_loss(tmp_path: Path, zbpp_workers, model: str, schedule: str,
+                                                            fsdp: bool):
     """--dp 2 on 4 ranks (2 replicas of a 2-rank pipeline), with --fsdp each stage sharded over them:
     the first step's loss, averaged over the replicas, is HF's on the whole batch (full rows: every
     replica's mean is over as many tokens), and every step's loss is that of one replica training on
     the whole batch (its microbatches twice the rows), to SAME_TRAINING_RTOL: the same gradients,
     summed in another order. GPT-2's tied embedding stays tied within rank 0 (zb-v) or across the
-    ranks (1f1b) when fully_shard replaces it (`causal_lm_stages`' own tied_parameters as they are)."""
-    argv = ["--model", model, "--schedule", schedule, "--dp", "2", *(["--fsdp"] if fsdp else []), *TINY]
+    ranks (1f1b) when fully_shard replaces it (`causal_lm_stages`' own tied_parameters as they are).
+    Both runs write their trained model (--save-pretrained): HF loads the two as the same model, each
+    tensor to SAME_TRAINING_RTOL of its largest value (measured: 3e-13 at most; a shard or a tied copy
+    written from the wrong rank differs by far more)."""
+    argv = ["--model", model, "--schedule", schedule, "--dp", "2", *(["--fsdp"] if fsdp else []), *TINY,
+            "--save-pretrained", str(tmp_path / "replicas")]
     results = zbpp_workers(4).run(train_on_rank, argv)
     last = _check(results, argv, 6)
     assert last["stdout"].startswith(f"train_hf: {model} ") and f"2 ranks x 2 replicas{' (FSDP)' if fsdp else ''}" \
         in last["stdout"].splitlines()[0], last["stdout"]
     assert last["history"][0]["loss"] == pytest.approx(first_loss_of_hf(argv), rel=HF_LOSS_RTOL, abs=0)
-    one = ["--model", model, "--schedule", schedule, *TINY]
+    one = ["--model", model, "--schedule", schedule, *TINY, "--save-pretrained", str(tmp_path / "one")]
     one[one.index("--rows-per-microbatch") + 1] = "4"  # TINY's 2 rows per replica, twice
     whole = _check(zbpp_workers(2).run(train_on_rank, one), one, 6)
     assert [h["loss"] for h in last["history"]] == pytest.approx([h["loss"] for h in whole["history"]],
                                                                   rel=SAME_TRAINING_RTOL, abs=0)
+    a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float64).state_dict()
+            for d in ("replicas", "one"))
+    assert a.keys() == b.keys()
+    for name, t in b.items():
+        torch.testing.assert_close(a[name], t, rtol=0, atol=SAME_TRAINING_RTOL * float(t.abs().max()), msg=name)
+    start = initial_model(argv).state_dict()  # the trained weights were written, not the initial ones
+    assert all(not torch.allclose(t, start[n], rtol=1e-3, atol=0) for n, t in b.items() if t.dim() == 2), \
+        [n for n, t in b.items() if torch.allclose(t, start[n], rtol=1e-3, atol=0)]
 
 
 @pytest.mark.parametrize("argv, words", [(["--fsdp"], "--fsdp shards each stage over the data-parallel replicas"),
