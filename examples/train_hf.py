@@ -273,7 +273,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     layout = f"{pp} ranks" if args.dp == 1 else f"{pp} ranks x {args.dp} replicas{' (FSDP)' if args.fsdp else ''}"
     say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {layout} "
         f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
-        f"{args.seq_len} tokens, data {args.data}{' ragged' if args.ragged else ''}, {dtype}"
+        f"{args.seq_len} tokens{' per replica' if args.dp > 1 else ''}, data {args.data}{' ragged' if args.ragged else ''}, {dtype}"
         f"{', fast' if args.fast else ''}{' fp8' if args.fp8 else ''}")
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
