@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from ..schedules.ir import Action
     from .failure import StepFailure
 
-__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "decide_start", "decide_end",
-           "failed_step_error", "graphs_win"]
+__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "agree_to_build", "decide_start",
+           "decide_end", "failed_step_error", "graphs_win"]
 
 R = TypeVar("R", "StartReport", "EndReport")
 
