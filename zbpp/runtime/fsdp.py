@@ -211,7 +211,9 @@ def note_parameters(stage_modules: Mapping[int, nn.Module]) -> None:
     parameter name (which ``fully_shard`` keeps), a weak reference to the Parameter: the pipeline
     then keeps the copies of one Parameter tied (`FsdpReducer.split_copies`) and takes a
     ``tied_parameters`` entry held from before for its copies. `zbpp.models.pipeline_stages` (and
-    so ``causal_lm_stages``) calls it on the stages it builds. (A Parameter from before
+    so ``causal_lm_stages``) calls it on the stages it builds; a note stands for the Parameter a name
+    held when noted, so after tying or untying a stage's weights yourself, call it again before
+    ``fully_shard``. (A Parameter from before
     ``fully_shard`` keeps its whole unsharded tensor while anything holds it, such as the
     ``tied_parameters`` of those calls' results: drop them once the `Pipeline` is built.)
 
