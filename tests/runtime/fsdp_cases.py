@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zbpp import Pipeline
+from zbpp.runtime import PipelineError
 from zbpp.modules import Linear as ZLinear
 from zbpp.schedules import build
 
@@ -495,16 +496,17 @@ def refusal_case(what: str) -> str:
     sharded by one ``fully_shard([a, b])``; ``tied-half-sharded``: a tied copy sharded on pipeline
     rank 0 only; ``noted-partly``: zb-v, one stage of each rank noted by `note_parameters`,
     the other not; ``noted-late``: `note_parameters` after ``fully_shard``; ``graphs``:
-    ``cuda_graphs=True`` (its CPU stand-in)."""
+    ``cuda_graphs=True`` (its CPU stand-in); ``noted-then-untied``: zb-v, a weight that two stages
+    of rank 0 shared when noted is its own when sharded (torch 2.13+: FSDP's record tells)."""
     from torch.distributed.fsdp import fully_shard
 
     from zbpp.runtime.fsdp import note_parameters
 
     m = mesh("cpu", 2, 2)
-    sched = build("zb-v" if what in ("one-call", "noted-partly", "noted-late") else "1f1b", num_ranks=2,
-                  num_microbatches=M)
+    sched = build("zb-v" if what in ("one-call", "noted-partly", "noted-late", "noted-then-untied") else "1f1b",
+                  num_ranks=2, num_microbatches=M)
     pp_rank = m.get_local_rank("pp")
-    whole = whole_model("delayed", tie=(2,))
+    whole = whole_model("delayed", tie=(3,) if what == "noted-then-untied" else (2,))
     stages = rank_stages(whole, sched.stages_on(pp_rank), sched.num_stages)
     kwargs: dict[str, Any] = {}
     if what == "inner-only":
@@ -521,6 +523,12 @@ def refusal_case(what: str) -> str:
         from zbpp.runtime.task_graphs import StandInGraphs
 
         kwargs["cuda_graphs"] = StandInGraphs  # cuda_graphs=True's rules on the CPU
+    elif what == "noted-then-untied":  # layers.3 (stage 3, rank 0) given its own weight after the note
+        note_parameters(stages)
+        if 3 in stages:
+            stages[3].layers["3"].weight = nn.Parameter(stages[3].layers["3"].weight.detach().clone())
+        for part in stages.values():
+            fully_shard(part, mesh=m["dp"])
     elif what in ("noted-partly", "noted-late"):
         if what == "noted-partly":
             note_parameters({pp_rank: stages[pp_rank]})
@@ -533,6 +541,6 @@ def refusal_case(what: str) -> str:
                 return str(exc)
     try:
         Pipeline(stages, sched, loss_fn=loss_fn, groups=m, **kwargs)
-    except ValueError as exc:
+    except (ValueError, PipelineError) as exc:  # PipelineError: on the ranks told of another's error
         return str(exc)
     return ""

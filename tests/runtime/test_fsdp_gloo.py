@@ -68,8 +68,11 @@ def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: 
     ("noted-partly", "were noted by note_parameters but stages"),
     ("noted-late", "is sharded already; call it before fully_shard"),
     ("graphs", "cannot capture fully_shard stages (FSDP all-gathers"),
+    ("noted-then-untied", "the stages' Parameters changed between note_parameters and fully_shard"),
 ])
 def test_refused_with_a_clear_error(zbpp_workers, what: str, words: str) -> None:
+    if what == "noted-then-untied" and not FSDP_RECORDS_ORIGINALS:
+        pytest.skip(f"torch {torch.__version__}'s FSDP does not record the Parameter a shard came from")
     messages = zbpp_workers(4, pg_timeout=60).run(refusal_case, what)
     assert all(words in msg for msg in messages), messages
 
