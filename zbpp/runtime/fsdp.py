@@ -63,6 +63,7 @@ module alone; the torch pipelining runtime uses the same machinery.
 
 from __future__ import annotations
 
+import re
 import warnings
 import weakref
 from typing import Any, Callable, Mapping
@@ -304,6 +305,9 @@ class FsdpReducer:
                     "replicas: pass the pipeline's mesh (groups=mesh) and fully_shard(stage, mesh=mesh['dp'])"
                 )
             m.set_reshard_after_forward(False, recurse=True)
+            # the runtime never writes a stage's output in place, which FSDP warns about when it is a view
+            warnings.filterwarnings("ignore", category=UserWarning,
+                                    message=rf"FSDP2-wrapped module \({re.escape(type(m).__name__)}\) returned a view tensor")
         roots = [(s, _fully_shard().state(m)) for s, m in sorted(stage_modules.items())]  # type: ignore[attr-defined]
         shared = [(a, b) for i, (a, sa) in enumerate(roots) for b, sb in roots[i + 1:] if sa is sb]
         if shared:
