@@ -261,6 +261,17 @@ def copies_of(stage_modules: Mapping[int, nn.Module], param: nn.Parameter) -> li
     return out
 
 
+def _shared(keyed: Mapping[int, list[tuple[Any, nn.Parameter]]]) -> dict[Any, list[tuple[int, nn.Parameter]]]:
+    """``{key: [(stage, copy), ...]}`` from each stage's ``(key, copy)`` pairs, a copy once per key."""
+    found: dict[Any, list[tuple[int, nn.Parameter]]] = {}
+    for s, pairs in sorted(keyed.items()):
+        for key, p in pairs:
+            copies = found.setdefault(key, [])
+            if not any(q is p for _, q in copies):  # a module may hold it under two names
+                copies.append((s, p))
+    return found
+
+
 def _groups(found: Mapping[Any, list[tuple[int, nn.Parameter]]]) -> set[frozenset[int]]:
     """The copies that several stages hold, as sets of ids (whatever key found them)."""
     return {frozenset(id(p) for _, p in copies) for copies in found.values() if len({s for s, _ in copies}) > 1}
@@ -336,14 +347,13 @@ class FsdpReducer:
                 f"stages {sorted(set(noted) - set(missing))} of this rank were noted by note_parameters but stages "
                 f"{missing} were not: call it once with all of this rank's stage modules, before fully_shard"
             )
-        found = self._shared({s: noted[s] if not missing else _original_uids(m) for s, m in self.stage_modules.items()})
-        if not missing:  # where FSDP records the originals too, they must agree (a tie made or broken after the note)
-            recorded = self._shared({s: _original_uids(m) for s, m in self.stage_modules.items()})
-            if recorded and _groups(recorded) != _groups(found):
-                raise ValueError(
-                    "the stages' Parameters changed between note_parameters and fully_shard (FSDP records other shared "
-                    "Parameters than were noted): call note_parameters(stages) again after tying or untying weights"
-                )
+        recorded = _shared({s: _original_uids(m) for s, m in self.stage_modules.items()})  # empty before torch 2.13
+        found = recorded if missing else _shared({s: noted[s] for s in self.stage_modules})
+        if not missing and recorded and _groups(recorded) != _groups(found):  # a tie made or broken after the note
+            raise ValueError(
+                "the stages' Parameters changed between note_parameters and fully_shard (FSDP records other shared "
+                "Parameters than were noted): call note_parameters(stages) again after tying or untying weights"
+            )
         managed = sum(1 for m in self.stage_modules.values() for p in m.parameters() if hasattr(p, "device_mesh"))
         if missing and len(self.stage_modules) > 1 and managed and not found:
             warnings.warn(
@@ -354,17 +364,6 @@ class FsdpReducer:
                 stacklevel=2,
             )
         return [[p for _, p in copies] for copies in found.values() if len({s for s, _ in copies}) > 1]
-
-    @staticmethod
-    def _shared(keyed: Mapping[int, list[tuple[Any, nn.Parameter]]]) -> dict[Any, list[tuple[int, nn.Parameter]]]:
-        """``{key: [(stage, copy), ...]}`` from each stage's ``(key, copy)`` pairs, a copy once per key."""
-        found: dict[Any, list[tuple[int, nn.Parameter]]] = {}
-        for s, pairs in sorted(keyed.items()):
-            for key, p in pairs:
-                copies = found.setdefault(key, [])
-                if not any(q is p for _, q in copies):  # a module may hold it under two names
-                    copies.append((s, p))
-        return found
 
     # -- around every step ---------------------------------------------------------------------
     def begin_step(self, draining: Callable[[], bool] | None = None) -> None:
