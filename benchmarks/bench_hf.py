@@ -24,7 +24,8 @@ layers and the LM head, T tokens, causal attention counted half; over ``--peak-t
 dense bf16 989 by default, also for FP8), the peak memory (what the variant holds between steps,
 after ``zero_grad()`` as torch's optimizers call it: parameters, fixed gradient buffers and graph
 pools; plus the most its step allocates beyond that, gradients included where they are made in the
-step) and each variant's speed against ``hf compile`` (> 1: faster). ``--kernel-profile`` sums one
+step), each variant's speed against ``hf compile`` (> 1: faster) and the median `host_probe`
+before its timed steps (how fast the host ran: host-bound rows follow it). ``--kernel-profile`` sums one
 profiled step's GPU kernels by kind (gemm, attention, cast, norm, activation, other) for the
 variants named, and the step's GPU idle time.
 
@@ -82,6 +83,7 @@ import torch  # noqa: E402
 
 from bench_modules import kernel_kind, run_env  # noqa: E402 - benchmarks/, beside this script
 from hf_torch_stages import LlamaStage, stage_fqns  # noqa: E402
+from host_probe import FAST_HOST_MS, host_probe_ms  # noqa: E402
 from provenance import write_report  # noqa: E402
 from torch_pipelining import TorchPipeline, torch_num_stages, torch_stage_ids  # noqa: E402
 
@@ -220,6 +222,7 @@ class Variant:
     def __init__(self, name: str, step: Callable[[], Any], modules: list[torch.nn.Module], ranks: int = 1) -> None:
         self.name, self.step, self.modules, self.ranks = name, step, modules, ranks
         self.times: list[float] = []
+        self.host_probes: list[float] = []  # `host_probe_ms` before each timed step
         self.resident = 0  # bytes held after warm-up (parameters, gradients, graph pools)
         self.transient = 0  # the most a step allocated beyond that
         self.first_loss: float | None = None  # the first step's loss, where this rank has it
@@ -523,6 +526,7 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
                 v.step()
             for _ in range(args.steps):
                 v.clear()
+                v.host_probes.append(host_probe_ms())  # how fast the host runs: host-bound rows follow it
                 ranks.barrier()  # the ranks start each timed step together
                 if cuda:
                     timer.sync()
@@ -541,6 +545,7 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
     for name in [n for n in args.variant_list if n in variants]:  # the same names, in the same order, on every rank
         v = variants[name]
         times = ranks.max_each(v.times)  # a step lasts as long as its slowest rank
+        probes = ranks.max_each(v.host_probes)
         peaks = ranks.gather(v.resident + v.transient)[:v.ranks]
         loss = next((x for x in ranks.gather(v.first_loss) if x is not None), None)
         ms = statistics.median(times)
@@ -551,6 +556,8 @@ def run_preset(args: argparse.Namespace, preset: str, ranks: Ranks) -> dict:
             "peak_gib": round(max(peaks) / 2**30, 2) if cuda else None,
             "peak_gib_per_rank": [round(b / 2**30, 2) for b in peaks] if cuda else None,
             "first_loss": loss, "times_ms": [round(t, 2) for t in times],
+            "host_probe_ms": round(statistics.median(probes), 2),
+            "host_probes_ms": [round(p, 2) for p in probes],
             "graph_forms": v.pipeline.graph_forms if v.pipeline is not None else None,  # this rank's
         }
         if name in profiles:
@@ -580,7 +587,7 @@ def print_table(run: dict) -> None:
     width, peak_width = (46, 17) if pipeline else (28, 9)
     print(f"{'variant':<{width}} {'ms/step':>9} {'min-max':>15} {'tokens/s':>10} {'MFU':>6} "
           f"{'peak GiB' + (' per rank' if pipeline else ''):>{peak_width}} {'vs hf compile':>14}"
-          + (f" {'vs best torch':>14}" if pipeline else "") + f" {'first loss':>11}")
+          + (f" {'vs best torch':>14}" if pipeline else "") + f" {'first loss':>11} {'host probe ms':>13}")
     for name, r in run["results"].items():
         vs = f"{r['speed_vs_hf_compile']:.3f}x" if r["speed_vs_hf_compile"] else "-"
         peaks = r["peak_gib_per_rank"] if pipeline else [r["peak_gib"]]
@@ -593,12 +600,14 @@ def print_table(run: dict) -> None:
             torch_vs = f"{r['speed_vs_best_torch']:.3f}x" if r["speed_vs_best_torch"] else "-"
             line += f" {torch_vs:>14}"
         loss = f"{r['first_loss']:.6f}" if r["first_loss"] is not None else "-"
-        print(f"{line} {loss:>11}")
+        print(f"{line} {loss:>11} {r['host_probe_ms']:>13.1f}")
     if pipeline and run["best_torch"]:
         print(f"best torch: {run['best_torch']} "
               "(eager: its zero-bubble schedules refuse compiled stages, pytorch#161904)")
     for name, why in run["failed"].items():
         print(f"{name:<{width}} FAILED: {why[:300]}")
+    print(f"host probe: a fixed piece of host work timed before each step (median; {FAST_HOST_MS:.0f} ms on a "
+          "fast host): host-bound rows (eager steps of small microbatches, FP8 eager) slow down as it grows")
     for name, r in run["results"].items():
         p = r.get("profile")
         if p and "error" in p:

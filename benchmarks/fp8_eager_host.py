@@ -37,6 +37,9 @@ from typing import Any, Iterator
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_probe import host_probe_ms  # noqa: E402 - benchmarks/, beside this script
+
 FORMS = ("bf16", "fp8", "fp8 -launch", "fp8 -gemm", "fp8 -both")
 
 
@@ -63,18 +66,6 @@ def _stubbed(form: str) -> Iterator[None]:
         yield
     finally:
         kernels._cast_transpose_amax_kernel, gemm.scaled_mm = launch, scaled_mm
-
-
-def host_probe_ms() -> float:
-    """Milliseconds a fixed piece of host work takes now: a Python loop and torch CPU dispatches."""
-    table: dict[int, int] = {}
-    one = torch.ones(4)
-    start = time.perf_counter()
-    for i in range(100_000):
-        table[i & 1023] = i
-    for _ in range(1_000):
-        one.add_(1)
-    return (time.perf_counter() - start) * 1e3
 
 
 def _sync(device: torch.device) -> None:
@@ -166,7 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out["cast_paths"], out["gemm_paths"] = cast_path_counts(), gemm_path_counts()
     print("cast paths", out["cast_paths"], "gemm paths", out["gemm_paths"])
     if args.out is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_modules import run_env
         from provenance import write_report
 

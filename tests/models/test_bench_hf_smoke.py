@@ -43,6 +43,9 @@ def test_bench_hf_quick_writes_each_variants_figures(tmp_path: Path) -> None:
     assert not run["failed"] and set(run["results"]) == {"hf eager", "zbpp eager"}
     for r in run["results"].values():
         assert r["ms"] > 0 and r["tokens_per_s"] > 0 and len(r["times_ms"]) == 2  # 2 rounds x 1 step
+        assert len(r["host_probes_ms"]) == 2 and r["host_probe_ms"] == pytest.approx(
+            sorted(r["host_probes_ms"])[0] / 2 + sorted(r["host_probes_ms"])[1] / 2, abs=0.01)  # the median
+    assert "host probe" in proc.stdout
     losses = {name: r["first_loss"] for name, r in run["results"].items()}
     assert losses["zbpp eager"] == pytest.approx(losses["hf eager"], rel=LOSS_RTOL)
 
