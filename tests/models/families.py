@@ -1,8 +1,9 @@
 """Tiny configs of every decoder-only causal-LM family that the tests of `zbpp.models.hf` run: hidden
-16, 4 layers, vocab 64, dropout off, each family's distinctive options on (sliding windows shorter
-than the sequence, softcaps, logit and embedding scales, alibi, learned positions, a tied or untied
-LM head, mixture-of-experts with the router auxiliary loss). Built from each family's own Config
-class: nothing is downloaded."""
+16, 4 layers, vocab 64, dropout and router noise off, each family's distinctive options on (sliding
+windows shorter than the sequence, softcaps, logit and embedding scales, alibi, learned positions, a
+tied or untied LM head, mixture-of-experts with the router auxiliary loss, linear-attention and
+convolution layers beside attention ones). Built from each family's own Config class: nothing is
+downloaded."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Callable
 VOCAB, LAYERS = 64, 4
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
+_DENSE_MHA = {k: v for k, v in _LLAMA.items() if k != "num_key_value_heads"}  # families without grouped queries
 # float64 on the CPU: the default grouped-matmul experts take float32 and lower only
 _MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1, experts_implementation="eager")
 
@@ -68,12 +70,84 @@ def _families() -> dict[str, Callable[[], Any]]:
                                                   n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=8,
                                                   kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                                   v_head_dim=4, experts_implementation="eager"),
+        # built through AutoConfig by model_type (one spelling for every transformers version)
+        "stablelm": lambda: _auto("stablelm", **_LLAMA, qk_layernorm=True, use_qkv_bias=True, hidden_dropout=0.0),
+        "nemotron": lambda: _auto("nemotron", **_LLAMA, head_dim=4),
+        "persimmon": lambda: _auto("persimmon", **_DENSE_MHA, qk_layernorm=True, hidden_dropout=0.0),
+        "olmo3": lambda: _auto("olmo3", **_LLAMA, sliding_window=3),
+        "ministral": lambda: _auto("ministral", **_LLAMA, head_dim=4, sliding_window=3),
+        "ministral3": lambda: _auto("ministral3", **_LLAMA, head_dim=4, sliding_window=3),
+        "glm4": lambda: _auto("glm4", **_LLAMA, head_dim=4, pad_token_id=0),
+        "arcee": lambda: _auto("arcee", **_LLAMA),
+        "bitnet": lambda: _auto("bitnet", **_LLAMA),
+        "diffllama": lambda: _auto("diffllama", **_LLAMA, head_dim=4),
+        "ernie4_5": lambda: _auto("ernie4_5", **_LLAMA, head_dim=4, use_bias=True),
+        "exaone4": lambda: _auto("exaone4", **_LLAMA, sliding_window=3),
+        "granite_swa": lambda: _auto("granite_swa", **_LLAMA, sliding_window=3, embedding_multiplier=3.0,
+                                     logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.3),
+        "hunyuan_v1_dense": lambda: _auto("hunyuan_v1_dense", **_LLAMA, head_dim=4),
+        "seed_oss": lambda: _auto("seed_oss", **_LLAMA, head_dim=4, attention_bias=True, attention_dropout=0.0,
+                                  residual_dropout=0.0),
+        "cohere2": lambda: _auto("cohere2", **_LLAMA, sliding_window=3, logit_scale=0.5),
+        "vaultgemma": lambda: _auto("vaultgemma", **_LLAMA, head_dim=8, sliding_window=3,
+                                    final_logit_softcapping=3.0, attn_logit_softcapping=5.0),
+        "nanochat": lambda: _auto("nanochat", **_LLAMA, final_logit_softcapping=3.0),
+        "cwm": lambda: _auto("cwm", **_LLAMA, head_dim=4, sliding_window=3),
+        "jais2": lambda: _auto("jais2", **_LLAMA, head_dim=4),
+        "hyperclovax": lambda: _auto("hyperclovax", **_LLAMA, head_dim=4, embedding_multiplier=3.0,
+                                     residual_multiplier=0.5, attention_multiplier=0.3, use_post_norm=True),
+        "lfm2": lambda: _auto("lfm2", **_LLAMA, layer_types=["conv", "full_attention", "conv", "full_attention"]),
+        "qwen3_5_text": lambda: _auto("qwen3_5_text", **_LLAMA, head_dim=4, linear_key_head_dim=4,
+                                      linear_value_head_dim=4),
+        "biogpt": lambda: _auto("biogpt", **_DENSE_MHA, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                activation_dropout=0.0, scale_embedding=True),
+        # mixtures of experts, with the router auxiliary loss where the family has one
+        "qwen3_moe": lambda: _auto("qwen3_moe", **_LLAMA, head_dim=4, num_experts=4, moe_intermediate_size=16, **_MOE),
+        "granitemoe": lambda: _auto("granitemoe", **_LLAMA, num_local_experts=4, embedding_multiplier=3.0,
+                                    residual_multiplier=0.5, attention_multiplier=0.3, **_MOE),
+        "granitemoeshared": lambda: _auto("granitemoeshared", **_LLAMA, num_local_experts=4,
+                                          shared_intermediate_size=16, **_MOE),
+        "phimoe": lambda: _auto("phimoe", **_LLAMA, num_local_experts=4, sliding_window=3, router_jitter_noise=0.0,
+                                input_jitter_noise=0.0, **_MOE),
+        "flex_olmo": lambda: _auto("flex_olmo", **_LLAMA, num_experts=4, pad_token_id=0, **_MOE),
+        "gpt_oss": lambda: _auto("gpt_oss", **_LLAMA, head_dim=4, num_local_experts=4, sliding_window=3, **_MOE),
+        "minimax": lambda: _auto("minimax", **_LLAMA, head_dim=4, num_local_experts=4, router_jitter_noise=0.0, **_MOE),
+        "mellum": lambda: _auto("mellum", **_LLAMA, head_dim=4, num_experts=4, moe_intermediate_size=16, **_MOE),
+        "qwen3_next": lambda: _auto("qwen3_next", **_LLAMA, head_dim=4, linear_key_head_dim=4, linear_value_head_dim=4,
+                                    num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                    **_MOE),
+        "qwen3_5_moe_text": lambda: _auto("qwen3_5_moe_text", **_LLAMA, head_dim=4, linear_key_head_dim=4,
+                                          linear_value_head_dim=4, num_experts=4, moe_intermediate_size=16,
+                                          shared_expert_intermediate_size=16, **_MOE),
+        "cohere2_moe": lambda: _auto("cohere2_moe", **_LLAMA, head_dim=4, sliding_window=3, num_experts=4,
+                                     num_experts_per_tok=2, experts_implementation="eager"),
+        "dots1": lambda: _auto("dots1", **_LLAMA, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16,
+                               num_experts_per_tok=2, first_k_dense_replace=1, experts_implementation="eager"),
+        "exaone_moe": lambda: _auto("exaone_moe", **_LLAMA, sliding_window=3, num_experts=4, moe_intermediate_size=16,
+                                    num_experts_per_tok=2, experts_implementation="eager"),
+        "glm4_moe": lambda: _auto("glm4_moe", **_LLAMA, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16,
+                                  num_experts_per_tok=2, first_k_dense_replace=1, experts_implementation="eager"),
+        "hunyuan_v1_moe": lambda: _auto("hunyuan_v1_moe", **_LLAMA, head_dim=4, num_experts=4, moe_topk=2,
+                                        experts_implementation="eager"),
+        "solar_open": lambda: _auto("solar_open", **_LLAMA, head_dim=4, n_routed_experts=4, n_shared_experts=1,
+                                    moe_intermediate_size=16, num_experts_per_tok=2, experts_implementation="eager"),
     }
+
+
+def _auto(model_type: str, **kwargs: Any) -> Any:
+    import transformers
+
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
             "olmo2", "gpt_neox", "opt", "falcon", "falcon_rotary", "bloom", "starcoder2", "gpt_bigcode", "cohere",
-            "granite", "glm", "smollm3", "helium", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3"]
+            "granite", "glm", "smollm3", "helium", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3",
+            "stablelm", "nemotron", "persimmon", "olmo3", "ministral", "ministral3", "glm4", "arcee", "bitnet",
+            "diffllama", "ernie4_5", "exaone4", "granite_swa", "hunyuan_v1_dense", "seed_oss", "cohere2", "vaultgemma",
+            "nanochat", "cwm", "jais2", "hyperclovax", "lfm2", "qwen3_5_text", "biogpt", "qwen3_moe", "granitemoe",
+            "granitemoeshared", "phimoe", "flex_olmo", "gpt_oss", "minimax", "mellum", "qwen3_next", "qwen3_5_moe_text",
+            "cohere2_moe", "dots1", "exaone_moe", "glm4_moe", "hunyuan_v1_moe", "solar_open"]
 
 
 def family_config(name: str) -> Any:
@@ -83,13 +157,17 @@ def family_config(name: str) -> Any:
 
 # -- what every rank runs ----------------------------------------------------------------------------
 GRAD_RTOL = 1e-10  # of the largest reference gradient: float64, only the summation order differs
-# Families that compute part of the model in float32 even in a float64 model: Gemma 1/2/3 and Helium
-# their RMSNorms (x.float(), weight.float()), Cohere its LayerNorm, DeepSeek-V3 its router. Their
+# Families that compute part of the model in float32 even in a float64 model: Gemma 1/2/3, VaultGemma
+# and Helium their RMSNorms (x.float(), weight.float()), Cohere 1/2 (and its MoE) their LayerNorms,
+# Qwen3.5 its gated RMSNorm, DiffLlama its lambdas, DeepSeek-V3, dots1, EXAONE-MoE, GLM-4-MoE,
+# Hunyuan-MoE and Solar Open their routers (float32 gate weights). Their
 # gradients there are sums over the batch's rows rounded in float32, which the pipeline sums per
 # microbatch: they agree to float32 rounding (epsilon 1.2e-7 of the gradient, itself at most the
 # largest one), the microbatching floor of one process too. Measured: up to 7e-9.
 FLOAT32_RTOL = 1e-7
-FLOAT32_FAMILIES = {"gemma", "gemma2", "gemma3_text", "helium", "cohere", "deepseek_v3"}
+FLOAT32_FAMILIES = {"gemma", "gemma2", "gemma3_text", "helium", "cohere", "deepseek_v3", "vaultgemma", "cohere2",
+                    "cohere2_moe", "qwen3_5_text", "diffllama", "dots1", "exaone_moe", "glm4_moe", "hunyuan_v1_moe",
+                    "solar_open"}
 LOSS_RTOL = 1e-12  # the loss is float64 in the pipeline and in the reference (token_mean_loss)
 ROWS_PER_MICROBATCH, SEQ = 2, 8
 

@@ -7,9 +7,9 @@
   W-kept and static bytes) measured on one device, for `zbpp.schedules.planner.search`
   (`profile.py`); `measure_causal_lm` builds and measures a Hugging Face causal LM from its config.
 - `zbpp.models.hf`: Hugging Face decoder-only causal LMs of every family that fits embed ->
-  decoder layers -> final norm -> LM head (Llama, Mistral, Qwen2/3, GPT-2, Gemma 1/2/3, Phi,
-  Phi-3, OLMo 1/2, GPT-NeoX, OPT, Falcon, Bloom, Starcoder2, GPTBigCode, Cohere, Granite, GLM,
-  SmolLM3, Helium, Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3: ``zbpp.models.hf.SUPPORTED``), each
+  decoder layers -> final norm -> LM head (67 model types tested exact against HF, from Llama,
+  Qwen, Gemma, Mistral and GPT-2 to Qwen3-Next, gpt-oss and DeepSeek-V3:
+  ``zbpp.models.hf.SUPPORTED``), each
   stage running the model's own forward for its layers, with HF's loss and the MoE router
   auxiliary loss (needs ``pip install zbpp[hf]``).
 

@@ -85,7 +85,13 @@ __all__ = ["causal_lm_stages", "save_pretrained", "CausalLMLoss", "RouterAuxLoss
 #: (tests/models/test_hf_families.py); any other model that fits the template works too
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
              "olmo2", "gpt_neox", "opt", "falcon", "bloom", "starcoder2", "gpt_bigcode", "cohere", "granite", "glm",
-             "smollm3", "helium", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
+             "smollm3", "helium", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3",
+             "stablelm", "nemotron", "persimmon", "olmo3", "ministral", "ministral3", "glm4", "arcee", "bitnet",
+             "diffllama", "ernie4_5", "exaone4", "granite_swa", "hunyuan_v1_dense", "seed_oss", "cohere2", "vaultgemma",
+             "nanochat", "cwm", "jais2", "hyperclovax", "lfm2", "qwen3_5_text", "biogpt",
+             "qwen3_moe", "granitemoe", "granitemoeshared", "phimoe", "flex_olmo", "gpt_oss", "minimax", "mellum",
+             "qwen3_next", "qwen3_5_moe_text", "cohere2_moe", "dots1", "exaone_moe", "glm4_moe", "hunyuan_v1_moe",
+             "solar_open")
 
 
 @dataclass(frozen=True)
@@ -407,8 +413,11 @@ class _CausalLMStage:
         if not spec.first and hidden_states is None:
             raise ValueError("a later stage takes the previous stage's hidden_states")
         kw: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        # a stage without decoder layers routes nothing: asking would make a last stage's HF forward
+        # compute its auxiliary loss over no router logits at all (an IndexError in HF)
+        routes = spec.template.router_aux is not None and spec.hi > spec.lo
         if spec.template.router_aux is not None:
-            kw["output_router_logits"] = True
+            kw["output_router_logits"] = routes
         if spec.first:
             kw["input_ids"] = input_ids
         else:
@@ -419,7 +428,7 @@ class _CausalLMStage:
                 out = spec.hf_forward(self, **kw)
             else:
                 out = self.get_submodule(spec.template.base)(**kw)  # type: ignore[attr-defined]
-        if spec.template.router_aux is not None:
+        if routes:
             router_logits = _append(router_logits, out.router_logits)
         if spec.last:
             if spec.template.router_aux is None:
@@ -628,7 +637,7 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
         # mixture of experts (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3, ...)
         "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": hidden_size, "shared_expert_intermediate_size": hidden_size, "n_group": 1,
-        "topk_group": 1, "first_k_dense_replace": min(1, num_layers - 1),
+        "topk_group": 1, "first_k_dense_replace": min(1, num_layers - 1), "n_shared_experts": 1,
         # DeepSeek's low-rank attention
         "q_lora_rank": hidden_size // 2, "kv_lora_rank": hidden_size // 2, "qk_rope_head_dim": head,
         "qk_nope_head_dim": head, "v_head_dim": head,
