@@ -26,7 +26,8 @@ pytest.importorskip("transformers")
 
 # Families whose attention or MLP reads one tensor with several Linears (others pack q, k and v
 # into one GEMM, or have no gate)
-NOT_SHARING = {"gpt2", "gpt_neox", "falcon", "falcon_rotary", "bloom", "gpt_bigcode", "phi3", "persimmon"}
+NOT_SHARING = {"gpt2", "gpt_neox", "falcon", "falcon_rotary", "bloom", "gpt_bigcode", "phi3", "persimmon", "codegen",
+               "mpt"}
 SHARING = set(FAMILIES) - NOT_SHARING
 
 

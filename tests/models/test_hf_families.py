@@ -1,4 +1,4 @@
-"""Every decoder-only causal-LM family of `zbpp.models.hf` (tests/models/families.py: the 67 model
+"""Every decoder-only causal-LM family of `zbpp.models.hf` (tests/models/families.py: the 79 model
 types of ``zbpp.models.hf.SUPPORTED``, Falcon both with alibi and with rotary), one training step on
 2 gloo ranks under zb-h1 and zb-v with a right-padded batch and ignored labels: the loss and every
 parameter's gradient equal HF's model in one process (families.py states the tolerances: float64,
@@ -20,7 +20,7 @@ from zbpp.models.hf import SUPPORTED  # noqa: E402
 from .families import FAMILIES, FLOAT32_FAMILIES, FLOAT32_RTOL, GRAD_RTOL, LOSS_RTOL, every_family_step  # noqa: E402
 
 MOE_WITH_AUX = {"mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe", "granitemoeshared", "phimoe", "flex_olmo",
-                "gpt_oss", "minimax", "mellum", "qwen3_next", "qwen3_5_moe_text"}
+                "gpt_oss", "minimax", "mellum", "qwen3_next", "qwen3_5_moe_text", "ernie4_5_moe"}
 FLOPS_OF = ["llama", "mixtral"]
 
 

@@ -7,7 +7,7 @@
   W-kept and static bytes) measured on one device, for `zbpp.schedules.planner.search`
   (`profile.py`); `measure_causal_lm` builds and measures a Hugging Face causal LM from its config.
 - `zbpp.models.hf`: Hugging Face decoder-only causal LMs of every family that fits embed ->
-  decoder layers -> final norm -> LM head (67 model types tested exact against HF, from Llama,
+  decoder layers -> final norm -> LM head (79 model types tested exact against HF, from Llama,
   Qwen, Gemma, Mistral and GPT-2 to Qwen3-Next, gpt-oss and DeepSeek-V3:
   ``zbpp.models.hf.SUPPORTED``), each
   stage running the model's own forward for its layers, with HF's loss and the MoE router

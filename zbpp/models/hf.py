@@ -91,7 +91,8 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "g
              "nanochat", "cwm", "jais2", "hyperclovax", "lfm2", "qwen3_5_text", "biogpt",
              "qwen3_moe", "granitemoe", "granitemoeshared", "phimoe", "flex_olmo", "gpt_oss", "minimax", "mellum",
              "qwen3_next", "qwen3_5_moe_text", "cohere2_moe", "dots1", "exaone_moe", "glm4_moe", "hunyuan_v1_moe",
-             "solar_open")
+             "solar_open", "ernie4_5_moe", "afmoe", "llama4_text", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu",
+             "gptj", "codegen", "gpt_neo", "mpt", "doge")
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,12 @@ def check_template(model: nn.Module) -> Template:
         raise ValueError(f"{name} does not fit zbpp.models.hf's template: it is not a decoder-only causal LM")
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module) or base is model:
+        # a prefix kept for another checkpoint layout (Llama 4's "language_model", the name inside
+        # its multimodal model) while the class holds its base model as HF's causal LMs do
+        held = getattr(model, "model", None)
+        if isinstance(held, nn.Module) and held is not model and hasattr(held, "config"):
+            prefix, base = "model", held
     if not isinstance(base, nn.Module) or base is model:
         raise ValueError(f"{name} does not fit zbpp.models.hf's template: no base model under base_model_prefix "
                          f"{prefix!r} (the template is *ForCausalLM = base model + LM head)")
@@ -641,6 +648,9 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
         # DeepSeek's low-rank attention
         "q_lora_rank": hidden_size // 2, "kv_lora_rank": hidden_size // 2, "qk_rope_head_dim": head,
         "qk_nope_head_dim": head, "v_head_dim": head,
+        # GPT-J's and CodeGen's rotary share of a head; GPT-Neo's attention kind per layer
+        "rotary_dim": head,
+        "attention_types": [[["global", "local"], num_layers // 2]] if num_layers % 2 == 0 else [[["global"], num_layers]],
     }
     default = transformers.AutoConfig.for_model(model_type)
     settable = {k for k in wanted if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)}
