@@ -168,6 +168,27 @@ def test_a_module_used_on_both_sides_or_never_raises():
     assert fqns_per_stage(model, 2, blocks="layers")[0] == ["norm", "layers.0"]
 
 
+def test_layers_fed_from_outside_them_are_refused_by_name():
+    # Gemma 4 feeds every decoder layer per-layer embeddings computed before the layers: a later
+    # stage cannot compute them; its forward's read of a module it does not hold names the misfit
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .families import _LLAMA
+
+    config = transformers.AutoConfig.for_model("gemma4_text", **_LLAMA, head_dim=4)
+    assert config.hidden_size_per_layer_input  # the per-layer inputs are on by default
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    stages, kwargs = causal_lm_stages(config, sched, 0)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(Exception, match=r"Gemma4ForCausalLM's forward reads \.weight of a module this stage does "
+                                        r"not hold .*model\.embed_tokens_per_layer.*does not fit"):
+        Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+
+
 def test_a_middle_stage_without_a_decoder_layer_is_refused():
     from zbpp.models.hf import causal_lm_stages
     from zbpp.schedules import build

@@ -390,6 +390,21 @@ class _Absent(nn.Module):
         super().__init__()
         object.__setattr__(self, "_stage", stage)
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        stage = self.__dict__["_stage"]
+        model = type(stage).__name__.removesuffix("Stage")
+        held_not = [f"{p}.{n}" if p else n for p, n in stage._zbpp_stage_spec.absent]
+        # a model whose forward reads a weight outside the decoder layers on every stage (Gemma 3n's
+        # and Gemma 4's per-layer embeddings) does not fit: say so instead of HF's bare AttributeError
+        raise AttributeError(
+            f"{model}'s forward reads .{name} of a module this stage does not hold (one of {held_not}): the "
+            "model feeds its decoder layers from outside them, which does not fit zbpp.models.hf's template (a "
+            "stage receives only the hidden states); use zbpp.models.pipeline_stages with your own stage forward")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = self._stage._zbpp_call
         if call.before_layers:
@@ -650,7 +665,8 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
         "qk_nope_head_dim": head, "v_head_dim": head,
         # GPT-J's and CodeGen's rotary share of a head; GPT-Neo's attention kind per layer
         "rotary_dim": head,
-        "attention_types": [[["global", "local"], num_layers // 2]] if num_layers % 2 == 0 else [[["global"], num_layers]],
+        "attention_types": ([[["global", "local"], num_layers // 2]] if num_layers % 2 == 0
+                            else [[["global"], num_layers]]),
     }
     default = transformers.AutoConfig.for_model(model_type)
     settable = {k for k in wanted if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)}
