@@ -238,3 +238,43 @@ def test_embeddings_alone_and_head_alone_as_stages(family):
         torch.testing.assert_close(x["router_logits"], torch.stack(want.router_logits), rtol=1e-12, atol=1e-12)
         x = x["logits"]
     torch.testing.assert_close(x, want.logits, rtol=1e-12, atol=1e-12)
+
+
+def test_a_last_stage_of_dense_layers_adds_the_router_loss_of_the_others():
+    # Qwen2-MoE with its last decoder layer dense (mlp_only_layers) and the router auxiliary loss
+    # on, cut so that the last stage holds that layer, the norm and the head: the stage must not
+    # ask HF for router logits (HF's forward would compute its auxiliary loss over none and raise
+    # IndexError) and pass on the others'. Against HF's model in one process on the whole batch
+    # (float64, the same operations: 1e-12): router logits of the routing layers, logits, and the
+    # loss with its auxiliary term (HF's aux_loss; its cross-entropy in float64, where HF's own is
+    # float32).
+    import transformers
+
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .cases import token_mean_loss
+    from .families import LAYERS, family_config, padded_batch
+
+    cfg = family_config("qwen2_moe")
+    cfg.mlp_only_layers = [LAYERS - 1]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    fqns = [["model.embed_tokens", *layers[:-1]], [layers[-1], "model.norm", "lm_head"]]
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    stages, kw = {}, {}
+    for r in range(2):
+        built, kw = causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="eager",
+                                     state_dict=ref.state_dict(), module_fqns_per_stage=fqns, device="cpu")
+        stages.update(built)
+    ids, mask, labels = padded_batch(3)
+    out = stages[1](**stages[0](input_ids=ids, attention_mask=mask))
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    assert len(want.router_logits) == LAYERS - 1
+    torch.testing.assert_close(out["router_logits"], torch.stack(want.router_logits), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out["logits"], want.logits, rtol=1e-12, atol=1e-12)
+    loss = kw["loss_fn"](out, labels)
+    assert want.aux_loss > 1e-3 * want.loss  # the auxiliary term is there to be checked
+    expected = token_mean_loss(want.logits, labels) + cfg.router_aux_loss_coef * want.aux_loss
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)

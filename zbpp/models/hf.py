@@ -359,6 +359,7 @@ class _StageSpec:
     lo: int  # the stage computes the layers lo..hi-1 (none when lo == hi)
     hi: int
     tuple_out: bool  # the model's decoder layers return a tuple (hidden, ...), not the tensor
+    routes: bool  # some held layer records router logits that the router auxiliary loss takes
     absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name) not held
     skips: list[nn.Module] = field(default_factory=list)  # a stand-in per layer position
 
@@ -435,9 +436,9 @@ class _CausalLMStage:
         if not spec.first and hidden_states is None:
             raise ValueError("a later stage takes the previous stage's hidden_states")
         kw: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
-        # a stage without decoder layers routes nothing: asking would make a last stage's HF forward
-        # compute its auxiliary loss over no router logits at all (an IndexError in HF)
-        routes = spec.template.router_aux is not None and spec.hi > spec.lo
+        # a stage whose layers route nothing does not ask: a last stage's HF forward would compute
+        # its auxiliary loss over no router logits at all (an IndexError in HF)
+        routes = spec.routes
         if spec.template.router_aux is not None:
             kw["output_router_logits"] = routes
         if spec.first:
@@ -593,6 +594,28 @@ def _loop_experts(model: nn.Module) -> Iterator[None]:
 _STAGE_CLASSES: dict[type, type] = {}
 
 
+def _records_router_logits(model: nn.Module, layer: nn.Module) -> bool:
+    """Whether HF records router logits inside `layer`: a submodule matches one of the model's
+    ``_can_record_outputs["router_logits"]`` recorders (by class, or by the name suffix a string
+    gives, as HF matches them). True where the model does not say: asking is then HF's way."""
+    recorders = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if recorders is None:
+        return True
+    classes: list[type] = []
+    suffixes: list[str] = []
+    for rec in recorders if isinstance(recorders, (list, tuple)) else [recorders]:
+        target = rec if isinstance(rec, (type, str)) else getattr(rec, "target_class", None)
+        suffix = rec if isinstance(rec, str) else getattr(rec, "class_name", None)
+        if isinstance(target, type):
+            classes.append(target)
+        elif suffix is None:  # a recorder of a form not known here: keep HF's way
+            return True
+        if isinstance(suffix, str):
+            suffixes.append(suffix)
+    return any(isinstance(m, tuple(classes)) or any(name.endswith(s) for s in suffixes)
+               for name, m in layer.named_modules())
+
+
 def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first: bool, last: bool,
               tuple_out: bool | None = None) -> nn.Module:
     """`pruned` (the model with what the stage does not hold set to None) as a stage: its class
@@ -603,6 +626,8 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
     if parent._modules.get(leaf) is None:  # no layer held: an empty list, filled with stand-ins in a call
         parent._modules[leaf] = type(model.get_submodule(template.blocks))()
     held = sorted(int(n) for n in parent._modules[leaf]._modules)
+    routes = template.router_aux is not None and any(
+        _records_router_logits(model, layer) for layer in parent._modules[leaf]._modules.values())
     n = template.num_layers
     if held:
         lo, hi = held[0], held[-1] + 1
@@ -629,7 +654,7 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
     pruned.__class__ = _STAGE_CLASSES[cls]
     if tuple_out is None:
         tuple_out = _layers_return_tuple(model, template)
-    spec = _StageSpec(template, first, last, cls.forward, lo, hi, tuple_out, absent)
+    spec = _StageSpec(template, first, last, cls.forward, lo, hi, tuple_out, routes, absent)
     spec.skips = [_Skip(pruned, i) for i in range(n)]
     object.__setattr__(pruned, "_zbpp_stage_spec", spec)
     object.__setattr__(pruned, "_zbpp_call", None)
