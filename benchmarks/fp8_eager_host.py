@@ -2,8 +2,9 @@
 4096, 4 layers, seq 2048) as one zb-h1 stage of 8 microbatches, `fast_stage(compile=False)` with
 and without FP8.
 
-The forms run in one process, alternating in rounds: bf16, FP8, and FP8 with parts of its host work
-taken out, to name what the host spends: ``fp8 -launch`` (the FP8 casts' Triton launch a no-op),
+The forms run in one process, alternating in rounds: bf16, FP8, ``fp8 unfused`` (the gated MLPs
+left as three FP8 layers with the model's activation between them: `fuse_gated_mlps` off), and FP8
+with parts of its host work taken out, to name what the host spends: ``fp8 -launch`` (the FP8 casts' Triton launch a no-op),
 ``fp8 -gemm`` (each FP8 GEMM call replaced by allocating its output), ``fp8 -both``. Those stubbed
 steps compute wrong numbers; only their time means something: the host's, since such a step leaves
 the GPU idle for long stretches. Per form: the step's wall time and the host's time to issue it
@@ -40,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_probe import host_probe_ms  # noqa: E402 - benchmarks/, beside this script
 
-FORMS = ("bf16", "fp8", "fp8 -launch", "fp8 -gemm", "fp8 -both")
+FORMS = ("bf16", "fp8", "fp8 unfused", "fp8 -launch", "fp8 -gemm", "fp8 -both")
 
 
 class _NoLaunch:
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
 
     from zbpp import Pipeline
+    from zbpp.models import fast
     from zbpp.models.fast import fast_stage
     from zbpp.models.hf import causal_lm_stages
     from zbpp.modules.fp8 import cast_path_counts, gemm_path_counts
@@ -99,11 +101,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     m = 8
     ids = torch.randint(0, vocab, (m, seq), device=device)
     pipes = {}
-    for precision in ("bf16", "fp8"):
+    for precision in ("bf16", "fp8", "fp8 unfused"):
         sched = build("zb-h1", num_ranks=1, num_microbatches=m)
         torch.manual_seed(0)
         stages, kw = causal_lm_stages(cfg, sched, 0, device=device, dtype=torch.bfloat16, attn_implementation="sdpa")
-        fast_stage(stages[0], compile=False, fp8=precision == "fp8")
+        fuse = fast.fuse_gated_mlps
+        if precision == "fp8 unfused":
+            fast.fuse_gated_mlps = lambda stage: []
+        try:
+            fast_stage(stages[0], compile=False, fp8=precision != "bf16")
+        finally:
+            fast.fuse_gated_mlps = fuse
         pipes[precision] = Pipeline(stages, sched, **kw)
 
     def step(form: str) -> tuple[float, float, float]:
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         probe = host_probe_ms()
         with _stubbed(form):
             start = time.perf_counter()
-            pipes[form.split()[0]].step({"input_ids": ids}, target=ids)
+            pipes[form if form in pipes else "fp8"].step({"input_ids": ids}, target=ids)
             issued = time.perf_counter() - start
             _sync(device)  # inside: the stubs stay until the GPU has run what they changed
         return issued * 1e3, (time.perf_counter() - start) * 1e3, probe

@@ -4,7 +4,7 @@ up) share one input cast, and the step is bit-identical to casting it once per `
 Reference: the same stage with sharing off (``adopted_slot`` patched to adopt nothing). Every
 family's tiny random config in float64, one rank, zb-h1 over 2 microbatches, the FP8 form without
 compilation (`fast_stage(stage, compile=False, fp8=True)`: the eager cast path and dequantised
-GEMMs on CPUs). Sharing changes which slot casts, never a value: loss and gradients must be equal
+GEMMs on CPUs), its gated MLPs left unfused (a fused MLP casts its input once itself). Sharing changes which slot casts, never a value: loss and gradients must be equal
 bit for bit (rtol=atol=0), with fewer casts where a model feeds one tensor to several Linears.
 """
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zbpp import Pipeline
+from zbpp.models import fast as fast_module
 from zbpp.models.fast import fast_stage
 from zbpp.models.hf import causal_lm_stages
 from zbpp.modules import linear as linear_module
@@ -36,7 +37,9 @@ def _step(name: str, shared: bool, monkeypatch) -> tuple[torch.Tensor, dict[str,
     torch.manual_seed(7)
     stages, kwargs = causal_lm_stages(family_config(name), sched, 0, dtype=torch.float64, device="cpu",
                                       attn_implementation="eager")
-    fast_stage(stages[0], compile=False, fp8=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(fast_module, "fuse_gated_mlps", lambda stage: [])
+        fast_stage(stages[0], compile=False, fp8=True)
     ids, mask, labels = padded_batch(4)
     with monkeypatch.context() as patch:
         if not shared:

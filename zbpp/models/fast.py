@@ -16,9 +16,11 @@ objects and parameter names (checkpoints and optimizers are unaffected):
   in B, in the region's one backward node;
 - W adds each weight gradient into ``.grad`` inside its GEMM (``accumulate_wgrad_in_gemm``:
   one pass over the gradient less per microbatch; rounded once, so not bit-identical to eager);
-- ``fp8=True`` (or a `DelayedScaling` recipe) runs the stage's forward inside `fp8_autocast`, and
-  the swapped layers keep their weights' FP8 casts across a step's microbatches
-  (``keep_fp8_weight_casts``: one cast per weight and step instead of one per microbatch).
+- ``fp8=True`` (or a `DelayedScaling` recipe) runs the stage's forward inside `fp8_autocast`, the
+  swapped layers keep their weights' FP8 casts across a step's microbatches
+  (``keep_fp8_weight_casts``: one cast per weight and step instead of one per microbatch), and
+  each gated MLP (``down(act(gate(x)) * up(x))``, HF's Llama-style ones) runs as one FP8 layer:
+  gate and up as one GEMM, the activation fused with the casts (`zbpp.modules.fuse_gated_mlps`).
 
 `fast_pipeline_kwargs(device)` gives the `Pipeline` keywords that go with it: ``cuda_graphs="auto"``
 on a CUDA device (each F, B and W task replayed from a CUDA graph where that measured faster: the
@@ -54,7 +56,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..modules import DelayedScaling, delay_wgrad, fp8_autocast
+from ..modules import DelayedScaling, delay_wgrad, fp8_autocast, fuse_gated_mlps
 from ..modules.base import DelayedWgradModule
 
 __all__ = ["fast_stage", "fast_pipeline_kwargs", "fast_hf_stages", "Fp8Forward"]
@@ -113,6 +115,8 @@ def fast_stage(
         if not isinstance(block, nn.Module) or id(block) not in owned:
             raise ValueError(f"fast_stage: every one of blocks must be a module inside the stage; "
                              f"{type(block).__name__} is not")
+    if fp8 is not False:
+        fuse_gated_mlps(stage)
     delay_wgrad(stage, transposed=True, linear_like=linear_like)
     if compile or fp8 is not False:
         _warn_weights_left(stage, ([stage] if blocks is None else list(blocks)) if compile else [], fp8 is not False)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from .base import is_delayed, supports_keys
 from .context import current_microbatch, microbatch
 from .fp8 import DelayedScaling, Format, fp8_autocast
+from .gated_mlp import fuse_gated_mlps
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
@@ -48,4 +49,5 @@ __all__ = [
     "is_delayed",
     "supports_keys",
     "delay_wgrad",
+    "fuse_gated_mlps",
 ]

@@ -1,0 +1,183 @@
+"""`fuse_gated_mlps`: a Hugging Face gated MLP run as one FP8 layer.
+
+Reference: the layer function every zbpp MLP runs (`_layer_function.run_layer`, tested against
+float64 in test_mlp_fp8), without a norm, with fc1 a Parameter holding ``[gate; up]`` stacked and
+fc2 down's weight, eager. The fused MLP makes the same casts with slots in the same states and the
+same GEMMs, so its output and every gradient are bit-identical to it, step after step while the
+delayed scales move: on the CPU (the eager casts and torch._scaled_mm, 16-row multiples) and on a
+Hopper GPU (the fused Triton kernels and cuBLASLt).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zbpp.modules import DelayedScaling, Linear, delay_wgrad, fp8_autocast, fuse_gated_mlps, microbatch
+from zbpp.modules._activations import ACTIVATIONS
+from zbpp.modules._fp8_weight_cache import Fp8WeightCache
+from zbpp.modules._layer_function import Fp8Slots, GemmCall, LayerSpec, run_layer
+from zbpp.modules.fp8 import ScalingMeta
+
+HIDDEN, FFN, ROWS = 32, 64, 16
+RECIPE = DelayedScaling(amax_history_len=4)
+
+
+class GatedMLP(nn.Module):
+    """Hugging Face's LlamaMLP, as transformers writes it (`act` chooses its activation, `swap`
+    feeds the activation up's output instead of gate's: a different MLP of the same parts)."""
+
+    def __init__(self, act: nn.Module, bias: bool = False, swap: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, FFN, bias=bias)
+        self.up_proj = nn.Linear(HIDDEN, FFN, bias=bias)
+        self.down_proj = nn.Linear(FFN, HIDDEN, bias=bias)
+        self.act_fn, self.swap = act, swap
+
+    def forward(self, x):
+        if self.swap:
+            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _slots(device) -> Fp8Slots:
+    meta = [ScalingMeta(d, history_len=RECIPE.amax_history_len, device=device)
+            for d in (RECIPE.fwd_dtype, RECIPE.fwd_dtype, RECIPE.bwd_dtype)]
+    return Fp8Slots(RECIPE, *meta, Fp8WeightCache(), None)
+
+
+class Reference:
+    """The MLP as `run_layer` computes it: fc1 = [gate; up] in one Parameter, eager wgrad."""
+
+    def __init__(self, mlp: GatedMLP, act: str) -> None:
+        self.w1 = nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone())
+        self.w2 = nn.Parameter(mlp.down_proj.weight.detach().clone())
+        device = mlp.down_proj.weight.device
+        self.slots = (_slots(device), _slots(device))
+        self.act = ACTIVATIONS[act]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        fc1 = GemmCall(self.w1, None, "w1", "b1", False, self.slots[0])
+        fc2 = GemmCall(self.w2, None, "w2", "b2", False, self.slots[1])
+        return run_layer(x, LayerSpec(fc1, fc2, None, 0.0, self.act, None, None, RECIPE))
+
+
+ACTS = [("swiglu", nn.SiLU()), ("geglu", nn.GELU(approximate="tanh"))]
+
+
+@pytest.mark.parametrize("act, act_fn", ACTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_fused_mlp_equals_the_layer_function_on_stacked_weights(act, act_fn, dtype) -> None:
+    _fused_equals_layer_function(act, act_fn, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act, act_fn", ACTS)
+def test_gpu_fused_mlp_equals_the_layer_function_on_stacked_weights(act, act_fn) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from zbpp.modules import _fused
+
+    _fused.reset_fused_path_counts()
+    _fused_equals_layer_function(act, act_fn, torch.bfloat16, "cuda")
+    counts = _fused.fused_path_counts()
+    assert counts["act_triton"] > 0 and counts["dact_triton"] > 0, counts  # the kernels ran
+
+
+def _fused_equals_layer_function(act, act_fn, dtype, device) -> None:
+    torch.manual_seed(0)
+    mlp = GatedMLP(act_fn).to(device, dtype)
+    ref = Reference(mlp, act)
+    assert fuse_gated_mlps(mlp) == [""]
+    delay_wgrad(mlp)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):  # the delayed scales move: each step casts with the last one's amaxes
+        x = torch.randn(2, ROWS // 2, HIDDEN, generator=gen).to(device, dtype).requires_grad_()
+        dy = torch.randn(2, ROWS // 2, HIDDEN, generator=gen).to(device, dtype)
+        x_ref = x.detach().clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPE):
+            with microbatch(step):
+                y = mlp(x)
+            y_ref = ref(x_ref)
+        assert torch.equal(y, y_ref), step
+        y.backward(dy)
+        y_ref.backward(dy)
+        assert torch.equal(x.grad, x_ref.grad), step
+        for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # B filed each layer's own job
+            assert layer.pending_wgrad_keys() == [step]
+            layer.backward_dw(step)
+        assert torch.equal(torch.cat([mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad]), ref.w1.grad), step
+        assert torch.equal(mlp.down_proj.weight.grad, ref.w2.grad), step
+        for p in (*mlp.parameters(), ref.w1, ref.w2):
+            p.grad = None
+    # FP8 ran (not a 16-bit GEMM): close to the MLP in float64, not equal to it
+    x = torch.randn(ROWS, HIDDEN, generator=gen)
+    want = GatedMLP(act_fn).double()
+    want.load_state_dict(mlp.state_dict())
+    want = want(x.double())
+    with fp8_autocast(fp8_recipe=RECIPE):
+        got = mlp(x.to(device, dtype)).double().cpu()
+    err = ((got - want).norm() / want.norm()).item()
+    assert 1e-4 < err < 0.1, err
+
+
+def test_outside_fp8_a_fused_mlp_runs_the_models_own_forward() -> None:
+    torch.manual_seed(0)
+    mlp, plain = GatedMLP(nn.SiLU()), GatedMLP(nn.SiLU())
+    plain.load_state_dict(mlp.state_dict())
+    fuse_gated_mlps(mlp)
+    x = torch.randn(ROWS, HIDDEN)
+    mlp(x).sum().backward()
+    plain(x).sum().backward()
+    for a, b in zip(mlp.parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("why", ["other order", "relu", "bias", "meta"])
+def test_only_mlps_of_the_form_are_fused(why) -> None:
+    mlp = GatedMLP(nn.ReLU() if why == "relu" else nn.SiLU(), bias=why == "bias", swap=why == "other order")
+    if why == "meta":
+        mlp = mlp.to("meta")
+    assert fuse_gated_mlps(mlp) == []
+    assert type(mlp) is GatedMLP
+
+
+def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -> None:
+    # is_first_microbatch read from gate (True on microbatch 0, then False): one cast of [gate; up] a
+    # step, reused while both weights stay the same tensors at the same version
+    torch.manual_seed(0)
+    mlp = GatedMLP(nn.SiLU())
+    fuse_gated_mlps(mlp)
+    delay_wgrad(mlp)
+    for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        layer.keep_fp8_weight_casts = True
+    slot_casts = []
+    with fp8_autocast(fp8_recipe=RECIPE):
+        for j in range(3):
+            with microbatch((0, j)):
+                mlp(torch.randn(ROWS, HIDDEN))
+            slot_casts.append(mlp.gate_proj.fp8_meta["weight"].casts)
+        assert slot_casts == [1, 1, 1]
+        with torch.no_grad():
+            mlp.up_proj.weight.mul_(2)  # an optimizer step: the kept cast is stale
+        with microbatch((0, 1)):
+            mlp(torch.randn(ROWS, HIDDEN))
+        assert mlp.gate_proj.fp8_meta["weight"].casts == 2
+    mlp.gate_proj.release_step_caches()
+    assert not mlp.gate_proj._fp8_weight_casts["gate_up_proj"].kept
+
+
+def test_fast_stage_in_fp8_fuses_a_hugging_face_models_mlps() -> None:
+    transformers = pytest.importorskip("transformers")
+    from zbpp.models.fast import fast_stage
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+                                      num_attention_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    fast_stage(model, compile=False, fp8=True)
+    for layer in model.model.layers:
+        assert type(layer.mlp).__name__ == "LlamaMLPFusedFp8"
+        assert isinstance(layer.mlp.gate_proj, Linear)
+    fast_stage(model := transformers.LlamaForCausalLM(config), compile=False)  # bf16: nothing fused
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
