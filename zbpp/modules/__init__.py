@@ -11,8 +11,9 @@ scaling, on Hopper with the norm, the activation and its gradient fused into the
 outputs (``_fused``); their ``forward(x, is_first_microbatch=...)`` keeps the weights' FP8 casts
 across the microbatches of an optimizer step, as Transformer Engine's does. `delay_wgrad` turns
 the ``nn.Linear`` layers of any model (and, on request, HF's ``Conv1D``) into delayed-wgrad
-`Linear` layers in place, keeping their Parameter objects. This package imports neither the
-runtime nor the schedules.
+`Linear` layers in place, keeping their Parameter objects; `fuse_gated_mlps` makes a model's gated
+MLPs (``down(act(gate(x)) * up(x))``) run in FP8 as one layer each. This package imports neither
+the runtime nor the schedules.
 
 >>> import torch
 >>> from zbpp.modules import Linear, microbatch, is_delayed, supports_keys
