@@ -25,15 +25,15 @@ from .families import FAMILIES, family_config, padded_batch
 
 pytest.importorskip("transformers")
 
-#: families whose gated MLPs (dense layers' and shared experts') are fused; the others' MLPs are not
-#: of the form: packed gate and up (GLM-4, Phi-3), no gate (GPT-2, Arcee), a norm inside (BitNet),
-#: biases (dense ERNIE 4.5's), other names (LFM2's w1, w2, w3); MoE experts never are
+#: families whose gated MLPs (dense layers' and shared experts'; gate and up packed in Phi-3's and
+#: GLM's) are fused; the others' MLPs are not of the form: no gate (GPT-2, Arcee), a norm inside
+#: (BitNet), biases (dense ERNIE 4.5's), other names (LFM2's w1, w2, w3); MoE experts never are
 FUSED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "cohere", "granite",
          "smollm3", "helium", "qwen2_moe", "deepseek_v3", "stablelm", "olmo3", "ministral", "ministral3", "diffllama",
          "exaone4", "granite_swa", "hunyuan_v1_dense", "seed_oss", "cohere2", "vaultgemma", "cwm", "hyperclovax",
          "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "dots1", "exaone_moe", "glm4_moe", "hunyuan_v1_moe",
          "solar_open", "ernie4_5_moe", "afmoe", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "doge",
-         "llama4_text"}
+         "llama4_text", "phi3", "glm", "glm4"}
 
 
 def _stage(name: str, fp8: bool):
@@ -53,7 +53,7 @@ def test_which_families_mlps_are_fused(name):
     assert bool(fused) == (name in FUSED), fused
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["llama", "gemma", "qwen2_moe", "deepseek_v3", "phi3"])
 def test_a_step_with_fused_mlps_is_within_fp8_error_of_float64(name):
     ids, mask, labels = padded_batch(4)
     batch = {"input_ids": ids, "attention_mask": mask}

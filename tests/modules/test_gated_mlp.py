@@ -40,6 +40,44 @@ class GatedMLP(nn.Module):
             return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
+    def fc1_weight(self) -> torch.Tensor:
+        return torch.cat([self.gate_proj.weight, self.up_proj.weight])
+
+    def fc1_grad(self) -> torch.Tensor:
+        return torch.cat([self.gate_proj.weight.grad, self.up_proj.weight.grad])
+
+    def fc1_layers(self) -> list[nn.Module]:
+        return [self.gate_proj, self.up_proj]
+
+
+class PackedMLP(nn.Module):
+    """Hugging Face's Phi3MLP: gate and up packed in one layer (gate's rows first), `swap` taking
+    the halves the other way round."""
+
+    def __init__(self, act: nn.Module, bias: bool = False, swap: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(HIDDEN, 2 * FFN, bias=bias)
+        self.down_proj = nn.Linear(FFN, HIDDEN, bias=bias)
+        self.activation_fn, self.swap = act, swap
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.swap:
+            gate, up = up, gate
+        return self.down_proj(up * self.activation_fn(gate))
+
+    def fc1_weight(self) -> torch.Tensor:
+        return self.gate_up_proj.weight
+
+    def fc1_grad(self) -> torch.Tensor:
+        return self.gate_up_proj.weight.grad
+
+    def fc1_layers(self) -> list[nn.Module]:
+        return [self.gate_up_proj]
+
+
+FORMS = {"stacked": GatedMLP, "packed": PackedMLP}
+
 
 def _slots(device) -> Fp8Slots:
     meta = [ScalingMeta(d, history_len=RECIPE.amax_history_len, device=device)
@@ -50,8 +88,8 @@ def _slots(device) -> Fp8Slots:
 class Reference:
     """The MLP as `run_layer` computes it: fc1 = [gate; up] in one Parameter, eager wgrad."""
 
-    def __init__(self, mlp: GatedMLP, act: str) -> None:
-        self.w1 = nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone())
+    def __init__(self, mlp: GatedMLP | PackedMLP, act: str) -> None:
+        self.w1 = nn.Parameter(mlp.fc1_weight().detach().clone())
         self.w2 = nn.Parameter(mlp.down_proj.weight.detach().clone())
         device = mlp.down_proj.weight.device
         self.slots = (_slots(device), _slots(device))
@@ -66,28 +104,30 @@ class Reference:
 ACTS = [("swiglu", nn.SiLU()), ("geglu", nn.GELU(approximate="tanh"))]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("act, act_fn", ACTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_fused_mlp_equals_the_layer_function_on_stacked_weights(act, act_fn, dtype) -> None:
-    _fused_equals_layer_function(act, act_fn, dtype, "cpu")
+def test_a_fused_mlp_equals_the_layer_function_on_stacked_weights(form, act, act_fn, dtype) -> None:
+    _fused_equals_layer_function(FORMS[form], act, act_fn, dtype, "cpu")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("act, act_fn", ACTS)
-def test_gpu_fused_mlp_equals_the_layer_function_on_stacked_weights(act, act_fn) -> None:
+def test_gpu_fused_mlp_equals_the_layer_function_on_stacked_weights(form, act, act_fn) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from zbpp.modules import _fused
 
     _fused.reset_fused_path_counts()
-    _fused_equals_layer_function(act, act_fn, torch.bfloat16, "cuda")
+    _fused_equals_layer_function(FORMS[form], act, act_fn, torch.bfloat16, "cuda")
     counts = _fused.fused_path_counts()
     assert counts["act_triton"] > 0 and counts["dact_triton"] > 0, counts  # the kernels ran
 
 
-def _fused_equals_layer_function(act, act_fn, dtype, device) -> None:
+def _fused_equals_layer_function(kind, act, act_fn, dtype, device) -> None:
     torch.manual_seed(0)
-    mlp = GatedMLP(act_fn).to(device, dtype)
+    mlp = kind(act_fn).to(device, dtype)
     ref = Reference(mlp, act)
     assert fuse_gated_mlps(mlp) == [""]
     delay_wgrad(mlp)
@@ -104,16 +144,16 @@ def _fused_equals_layer_function(act, act_fn, dtype, device) -> None:
         y.backward(dy)
         y_ref.backward(dy)
         assert torch.equal(x.grad, x_ref.grad), step
-        for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # B filed each layer's own job
+        for layer in (*mlp.fc1_layers(), mlp.down_proj):  # B filed each layer's own job
             assert layer.pending_wgrad_keys() == [step]
             layer.backward_dw(step)
-        assert torch.equal(torch.cat([mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad]), ref.w1.grad), step
+        assert torch.equal(mlp.fc1_grad(), ref.w1.grad), step
         assert torch.equal(mlp.down_proj.weight.grad, ref.w2.grad), step
         for p in (*mlp.parameters(), ref.w1, ref.w2):
             p.grad = None
     # FP8 ran (not a 16-bit GEMM): close to the MLP in float64, not equal to it
     x = torch.randn(ROWS, HIDDEN, generator=gen)
-    want = GatedMLP(act_fn).double()
+    want = kind(act_fn).double()
     want.load_state_dict(mlp.state_dict())
     want = want(x.double())
     with fp8_autocast(fp8_recipe=RECIPE):
@@ -134,13 +174,14 @@ def test_outside_fp8_a_fused_mlp_runs_the_models_own_forward() -> None:
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("why", ["other order", "relu", "bias", "meta"])
-def test_only_mlps_of_the_form_are_fused(why) -> None:
-    mlp = GatedMLP(nn.ReLU() if why == "relu" else nn.SiLU(), bias=why == "bias", swap=why == "other order")
+def test_only_mlps_of_the_form_are_fused(form, why) -> None:
+    mlp = FORMS[form](nn.ReLU() if why == "relu" else nn.SiLU(), bias=why == "bias", swap=why == "other order")
     if why == "meta":
         mlp = mlp.to("meta")
     assert fuse_gated_mlps(mlp) == []
-    assert type(mlp) is GatedMLP
+    assert type(mlp) is FORMS[form]
 
 
 def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -> None:

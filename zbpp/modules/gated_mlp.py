@@ -1,14 +1,15 @@
 """`fuse_gated_mlps`: a model's gated MLPs, ``down(act(gate(x)) * up(x))``, as one FP8 layer each.
 
 Swapped into zbpp `Linear`s (`delay_wgrad`), a Hugging Face gated MLP (Llama's, Qwen's, Mistral's,
-Gemma's ...) runs in FP8 as three GEMM layers with the model's own activation and product between
+Gemma's ...) runs in FP8 as three GEMM layers (two where gate and up are packed in one, Phi-3's) with the model's own activation and product between
 them: three autograd nodes and the activation's, separate casts of gate's and up's outputs'
 gradients, and the activation's output written in 16 bits and read again to be cast. A fused MLP
 runs, inside `fp8_autocast`, as `LayerNormMLP` runs without its norm:
 
 - gate and up are one GEMM over their weights stacked ``[gate; up]``, cast to FP8 with one scaling
   slot (gate's weight slot: one amax over both, as a packed fc1's) and kept for the step's later
-  microbatches as any weight cast (`Linear`'s ``is_first_microbatch`` rules, read from gate);
+  microbatches as any weight cast (`Linear`'s ``is_first_microbatch`` rules, read from gate); a
+  packed ``gate_up_proj`` is that GEMM already, and its own slots and kept cast serve;
 - the activation and the product are fused with the cast of down's input (`_fused.act_quantize`),
   and in the backward the activation's gradient with the cast of the stacked gradient
   (`_fused.dact_quantize`): one autograd node for the whole MLP;
@@ -56,8 +57,7 @@ from .wgrad_store import WgradStore
 
 __all__ = ["fuse_gated_mlps"]
 
-_NAMES = ("gate_proj", "up_proj", "down_proj")
-_ACT_NAMES = ("act_fn", "activation_fn")  # Llama 4 names it the latter
+_ACT_NAMES = ("act_fn", "activation_fn")  # Llama 4 and Phi-3 name it the latter
 _CACHE = "gate_up_proj"  # the stacked weights' cast, among gate's kept casts (freed with them)
 
 
@@ -65,26 +65,27 @@ def fuse_gated_mlps(model: nn.Module) -> list[str]:
     """Make each gated MLP of `model` run as one FP8 layer inside `fp8_autocast` (see the module
     docstring), in place; return the fully qualified names of those it fused.
 
-    A candidate has ``gate_proj``, ``up_proj`` and ``down_proj`` linear layers (``nn.Linear`` or zbpp
-    `Linear`, no biases, gate and up of one shape) and an ``act_fn`` (or ``activation_fn``); it is fused when its forward,
-    run once on its own weights without gradients, equals ``down(act(gate(x)) * up(x))`` bit for bit
-    and its ``act_fn`` is SiLU or tanh-approximated GELU. Modules with weights on the meta device are
-    left alone. Call it before or after `delay_wgrad`; the fused path runs once the three layers are
-    delayed-wgrad zbpp `Linear`s (`zbpp.models.fast.fast_stage` with ``fp8`` does both).
+    A candidate has ``gate_proj`` and ``up_proj`` of one shape, or one ``gate_up_proj`` packing both
+    (gate's rows first: Phi-3, GLM), a ``down_proj`` (``nn.Linear`` or zbpp `Linear`, no biases) and
+    an ``act_fn`` (or ``activation_fn``); it is fused when its forward, run once on its own weights
+    without gradients, equals ``down(act(gate(x)) * up(x))`` bit for bit and the activation is SiLU
+    or tanh-approximated GELU. Modules with weights on the meta device are left alone. Call it
+    before or after `delay_wgrad`; the fused path runs once the layers are delayed-wgrad zbpp
+    `Linear`s (`zbpp.models.fast.fast_stage` with ``fp8`` does both).
     """
     fused = []
     for name, module in model.named_modules():
         if isinstance(module, _FusedGatedMlp):
             fused.append(name)
             continue
-        act = _fusable(module)
-        if act is None:
+        form = _fusable(module)
+        if form is None:
             continue
         cls = type(module)
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"{cls.__name__}FusedFp8", (_FusedGatedMlp, cls), {"__module__": cls.__module__})
         module.__class__ = _CLASSES[cls]
-        object.__setattr__(module, "_zbpp_activation", act)
+        object.__setattr__(module, "_zbpp_mlp_form", form)
         fused.append(name)
     return fused
 
@@ -92,25 +93,32 @@ def fuse_gated_mlps(model: nn.Module) -> list[str]:
 _CLASSES: dict[type, type] = {}
 
 
-def _fusable(module: nn.Module) -> Activation | None:
-    """The activation to fuse `module` with, or None when it is not a gated MLP of the form."""
-    parts = [getattr(module, n, None) for n in _NAMES]
+class _Form(NamedTuple):
+    fc1: tuple[str, ...]  # the attributes whose weights, stacked in this order, are fc1's
+    act: Activation
+
+
+def _fusable(module: nn.Module) -> _Form | None:
+    """How to fuse `module`, or None when it is not a gated MLP of the form."""
     act_fn = next((getattr(module, n) for n in _ACT_NAMES if getattr(module, n, None) is not None), None)
-    if any(p is None for p in parts) or act_fn is None:
+    down = getattr(module, "down_proj", None)
+    packed = getattr(module, "gate_up_proj", None) is not None
+    names = ("gate_up_proj",) if packed else ("gate_proj", "up_proj")
+    fc1 = [getattr(module, n, None) for n in names]
+    layers = [*fc1, down]
+    if act_fn is None or not callable(act_fn) or not all(isinstance(m, nn.Linear) for m in layers):
         return None
-    gate, up, down = parts
-    if not all(isinstance(m, nn.Linear) for m in (gate, up, down)):
+    if any(m.bias is not None for m in layers) or len({m.weight.shape for m in fc1}) != 1:
         return None
-    if any(m.bias is not None for m in (gate, up, down)) or gate.weight.shape != up.weight.shape:
+    rows = sum(m.weight.shape[0] for m in fc1)
+    if rows % 2 or down.weight.shape[1] != rows // 2:
         return None
-    if down.weight.shape[1] != gate.weight.shape[0] or not callable(act_fn):
-        return None
-    weights = [gate.weight, up.weight, down.weight]
+    weights = [m.weight for m in layers]
     if any(w.is_meta for w in weights) or len({(w.dtype, w.device) for w in weights}) != 1:
         return None
-    w = gate.weight
+    w = down.weight
     # the probe: values spread over the activation's curved part, no random numbers drawn
-    x = torch.linspace(-3, 3, 2 * w.shape[1], dtype=w.dtype, device=w.device).reshape(2, -1)
+    x = torch.linspace(-3, 3, 2 * fc1[0].weight.shape[1], dtype=w.dtype, device=w.device).reshape(2, -1)
     with torch.no_grad():
         t = torch.linspace(-6, 6, 257, dtype=torch.float32, device=w.device)
         found = None
@@ -123,10 +131,11 @@ def _fusable(module: nn.Module) -> Activation | None:
             theirs = type(module).forward(module, x)
         except Exception:  # noqa: BLE001 - a forward that takes more than x is not of the form
             return None
-        ours = down(act_fn(gate(x)) * up(x))
+        h = torch.cat([m(x) for m in fc1], dim=-1)
+        ours = down(act_fn(h[:, : rows // 2]) * h[:, rows // 2 :])
     if not isinstance(theirs, torch.Tensor) or not torch.equal(theirs, ours):
         return None
-    return ACTIVATIONS[found]
+    return _Form(names, ACTIVATIONS[found])
 
 
 class _StackedCast:
@@ -162,27 +171,27 @@ class _StackedCast:
 
 class _Plan(NamedTuple):
     # what one fused call needs besides x, read on the forward's thread
-    gate: GemmCall
-    up: GemmCall
+    fc1: tuple[GemmCall, ...]  # gate and up, or gate_up: their weights stacked are fc1's (the first
+    #                            call carries the FP8 slots of fc1's input and output gradient)
     down: GemmCall
-    w1: Quantized  # the cast of [gate; up]
+    w1: Quantized  # the cast of fc1's weight
     act: Activation
     recipe: DelayedScaling
-    stores: tuple[WgradStore, WgradStore, WgradStore]
-    keys: tuple[Hashable, Hashable, Hashable]
+    stores: tuple[WgradStore, ...]  # per layer (fc1's, then down's), where its wgrad job goes
+    keys: tuple[Hashable, ...]  # ... under which key
 
 
 class _GatedMlpFunction(torch.autograd.Function):
-    """`_LayerFunction`'s FP8 path without a norm, fc1 = [gate; up], its weight gradient split."""
+    """`_LayerFunction`'s FP8 path without a norm, fc1 = the stacked weights, its gradient split
+    into one wgrad job per layer."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, plan: _Plan) -> torch.Tensor:  # type: ignore[override]
-        recipe, gate, down = plan.recipe, plan.gate, plan.down
-        need_w1 = gate.weight.requires_grad or plan.up.weight.requires_grad
-        need_w2 = down.weight.requires_grad
-        xq = cast_input(x, gate.fp8.input, recipe, need_w1, gate.weight)
+        recipe, first, down = plan.recipe, plan.fc1[0], plan.down
+        need_w1 = any(c.weight.requires_grad for c in plan.fc1)
+        xq = cast_input(x, first.fp8.input, recipe, need_w1, first.weight)
         h = fp8_gemm_nt(xq, plan.w1, out_dtype=x.dtype, fast_accumulation=recipe.fprop_fast_accumulation)
-        a = act_quantize(h, plan.act, down.fp8.input, recipe, transpose=need_w2)
+        a = act_quantize(h, plan.act, down.fp8.input, recipe, transpose=down.weight.requires_grad)
         w2 = down.fp8.weight_cache.cast(down.weight, down.fp8.weight, recipe, transpose=True,
                                         first_microbatch=down.fp8.first_microbatch)
         y = fp8_gemm_nt(a, w2, out_dtype=x.dtype, fast_accumulation=recipe.fprop_fast_accumulation)
@@ -195,53 +204,59 @@ class _GatedMlpFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         plan: _Plan = ctx.plan
         x_t, x_sinv, w1_t, w1_sinv, h, a_t, a_sinv, w2_t, w2_sinv = ctx.saved_tensors
-        gate, up, down = plan.gate, plan.up, plan.down
+        first, down = plan.fc1[0], plan.down
         if not dy.is_contiguous():
             dy = dy.contiguous()
         need_w2 = down.weight.requires_grad
-        need_w1 = gate.weight.requires_grad or up.weight.requires_grad
         dy_q, _ = _quantize_grad(dy, down.fp8, need_w2, False)
         da = fp8_gemm_nt(dy_q, Quantized(w2_t, w2_sinv), out_dtype=dy.dtype)
-        g1, _ = dact_quantize(da, h, plan.act, gate.fp8.grad_output, plan.recipe, transpose=need_w1,
-                              column_sum=False)
+        g1, _ = dact_quantize(da, h, plan.act, first.fp8.grad_output, plan.recipe,
+                              transpose=any(c.weight.requires_grad for c in plan.fc1), column_sum=False)
         dx = fp8_gemm_nt(g1, Quantized(w1_t, w1_sinv), out_dtype=dy.dtype) if ctx.needs_input_grad[0] else None
         x_q = Quantized(x_t, x_sinv)
-        rows = h.shape[1] // 2  # g1^T's first rows are gate's, the others up's
-        operands = {
-            0: (Quantized(g1.data_t[:rows], g1.scale_inv), x_q) if gate.weight.requires_grad else None,
-            1: (Quantized(g1.data_t[rows:], g1.scale_inv), x_q) if up.weight.requires_grad else None,
-            2: (Quantized(dy_q.data_t, dy_q.scale_inv), Quantized(a_t, a_sinv)) if need_w2 else None,
-        }
-        for i, call in enumerate((gate, up, down)):
-            if operands[i] is not None:
-                plan.stores[i].put(plan.keys[i], _Job([_WgradPart(call, operands[i], None)], True))
+        rows = h.shape[1] // len(plan.fc1)  # g1^T's rows, layer by layer, as fc1's weights stack
+        parts = [_WgradPart(c, (Quantized(g1.data_t[i * rows:(i + 1) * rows], g1.scale_inv), x_q), None)
+                 if c.weight.requires_grad else None for i, c in enumerate(plan.fc1)]
+        parts.append(_WgradPart(down, (Quantized(dy_q.data_t, dy_q.scale_inv), Quantized(a_t, a_sinv)), None)
+                     if need_w2 else None)
+        for part, store, key in zip(parts, plan.stores, plan.keys):
+            if part is not None:
+                store.put(key, _Job([part], True))
         return dx, None
 
 
 class _FusedGatedMlp(nn.Module):
     """Mixed into a gated MLP's own class by `fuse_gated_mlps`."""
 
-    _zbpp_activation: Activation
+    _zbpp_mlp_form: _Form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if _tracing():  # under torch.compile: out of the graph, so that W stays deferred
             return _outside_graph(_FusedGatedMlp.forward, self, x)
         recipe = active_recipe()
-        layers = (self.gate_proj, self.up_proj, self.down_proj)
+        form = self._zbpp_mlp_form
+        fc1 = [getattr(self, n) for n in form.fc1]
+        layers = (*fc1, self.down_proj)
         if recipe is None or not all(type(m) is Linear and m._delay and m.bias is None for m in layers) \
-                or x.dtype != self.gate_proj.weight.dtype:
+                or x.dtype != fc1[0].weight.dtype:
             return super().forward(x)
-        gate, up, down = layers
         calls = [m._begin_forward() for m in layers]
-        g_call = gate._gemm_call(0, calls[0], gate.weight, None)
-        d_call = down._gemm_call(0, calls[2], down.weight, None)
-        u_call = up._plain_call(0, up.weight, None)  # no slots: its casts are gate's
-        cache = gate._fp8_weight_casts.get(_CACHE)
-        if cache is None:
-            cache = gate._fp8_weight_casts[_CACHE] = _StackedCast()  # type: ignore[assignment]
-        w1 = cache.cast(gate.weight, up.weight, g_call.fp8.weight, recipe, g_call.fp8.first_microbatch)
-        plan = _Plan(g_call, u_call, d_call, w1, self._zbpp_activation, recipe,
-                     (gate._wgrad_store, up._wgrad_store, down._wgrad_store), tuple(c.key for c in calls))
+        first = fc1[0]
+        c1 = first._gemm_call(0, calls[0], first.weight, None)
+        # the others' casts are the first's (its slots): no slots of their own
+        gemms = (c1, *(m._plain_call(0, m.weight, None) for m in fc1[1:]))
+        down = self.down_proj._gemm_call(0, calls[-1], self.down_proj.weight, None)
+        slots = c1.fp8
+        if len(fc1) == 1:  # packed: its own weight, kept as any Linear's
+            w1 = slots.weight_cache.cast(first.weight, slots.weight, recipe, transpose=True,
+                                         first_microbatch=slots.first_microbatch)
+        else:
+            cache = first._fp8_weight_casts.get(_CACHE)
+            if cache is None:
+                cache = first._fp8_weight_casts[_CACHE] = _StackedCast()  # type: ignore[assignment]
+            w1 = cache.cast(first.weight, fc1[1].weight, slots.weight, recipe, slots.first_microbatch)
+        plan = _Plan(gemms, down, w1, form.act, recipe, tuple(m._wgrad_store for m in layers),
+                     tuple(c.key for c in calls))
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         y = _GatedMlpFunction.apply(x2, plan)
         return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
