@@ -1,10 +1,11 @@
 """`fuse_gated_mlps`: a model's gated MLPs, ``down(act(gate(x)) * up(x))``, as one FP8 layer each.
 
 Swapped into zbpp `Linear`s (`delay_wgrad`), a Hugging Face gated MLP (Llama's, Qwen's, Mistral's,
-Gemma's ...) runs in FP8 as three GEMM layers (two where gate and up are packed in one, Phi-3's) with the model's own activation and product between
-them: three autograd nodes and the activation's, separate casts of gate's and up's outputs'
-gradients, and the activation's output written in 16 bits and read again to be cast. A fused MLP
-runs, inside `fp8_autocast`, as `LayerNormMLP` runs without its norm:
+Gemma's ...) runs in FP8 as three GEMM layers (two where gate and up are packed in one: Phi-3's)
+with the model's own activation and product between them: an autograd node per layer and the
+activation's, separate casts of gate's and up's output gradients, and the activation's output
+written in 16 bits and read again to be cast. A fused MLP runs, inside `fp8_autocast`, as
+`LayerNormMLP` runs without its norm:
 
 - gate and up are one GEMM over their weights stacked ``[gate; up]``, cast to FP8 with one scaling
   slot (gate's weight slot: one amax over both, as a packed fc1's) and kept for the step's later
@@ -13,10 +14,11 @@ runs, inside `fp8_autocast`, as `LayerNormMLP` runs without its norm:
 - the activation and the product are fused with the cast of down's input (`_fused.act_quantize`),
   and in the backward the activation's gradient with the cast of the stacked gradient
   (`_fused.dact_quantize`): one autograd node for the whole MLP;
-- the weight gradients stay three jobs, each filed in its own `Linear`'s store under that layer's
-  key (``backward_dw`` of each computes its own), from the same FP8 operands as the layers' own.
+- the weight gradients stay one job per layer, each filed in its own `Linear`'s store under that
+  layer's key (``backward_dw`` of each computes its own), from the same FP8 operands as the
+  layers' own.
 
-Outside `fp8_autocast`, and whenever the three layers are not delayed-wgrad zbpp `Linear`s without
+Outside `fp8_autocast`, and whenever the layers are not delayed-wgrad zbpp `Linear`s without
 biases, the model's own forward runs. `fuse_gated_mlps` fuses a module only after checking, on its
 own weights, that its forward computes exactly ``down(act(gate(x)) * up(x))`` with an activation
 zbpp fuses (SiLU: ``swiglu``; GELU, tanh approximation: ``geglu``); the module object, its class's
