@@ -174,10 +174,17 @@ def test_outside_fp8_a_fused_mlp_runs_the_models_own_forward() -> None:
         assert torch.equal(a.grad, b.grad)
 
 
+class _TakesMore(nn.Module):
+    # an activation of another signature: the probe's call raises, which refuses the module
+    def forward(self, x, scale):
+        return torch.nn.functional.silu(x) * scale
+
+
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("why", ["other order", "relu", "bias", "meta"])
+@pytest.mark.parametrize("why", ["other order", "relu", "bias", "meta", "raises"])
 def test_only_mlps_of_the_form_are_fused(form, why) -> None:
-    mlp = FORMS[form](nn.ReLU() if why == "relu" else nn.SiLU(), bias=why == "bias", swap=why == "other order")
+    act = {"relu": nn.ReLU(), "raises": _TakesMore()}.get(why, nn.SiLU())
+    mlp = FORMS[form](act, bias=why == "bias", swap=why == "other order")
     if why == "meta":
         mlp = mlp.to("meta")
     assert fuse_gated_mlps(mlp) == []

@@ -93,6 +93,7 @@ def fuse_gated_mlps(model: nn.Module) -> list[str]:
 
 
 _CLASSES: dict[type, type] = {}
+_ACTIVATIONS = (("swiglu", F.silu), ("geglu", lambda v: F.gelu(v, approximate="tanh")))
 
 
 class _Form(NamedTuple):
@@ -121,21 +122,20 @@ def _fusable(module: nn.Module) -> _Form | None:
     w = down.weight
     # the probe: values spread over the activation's curved part, no random numbers drawn
     x = torch.linspace(-3, 3, 2 * fc1[0].weight.shape[1], dtype=w.dtype, device=w.device).reshape(2, -1)
-    with torch.no_grad():
-        t = torch.linspace(-6, 6, 257, dtype=torch.float32, device=w.device)
-        found = None
-        for name, reference in (("swiglu", F.silu), ("geglu", lambda v: F.gelu(v, approximate="tanh"))):
-            if torch.allclose(act_fn(t), reference(t), rtol=1e-6, atol=1e-6):
-                found = name
-        if found is None:
-            return None
-        try:
+    try:
+        with torch.no_grad():
+            t = torch.linspace(-6, 6, 257, dtype=torch.float32, device=w.device)
+            found = next((name for name, reference in _ACTIVATIONS
+                          if torch.allclose(act_fn(t), reference(t), rtol=1e-6, atol=1e-6)), None)
+            if found is None:
+                return None
             theirs = type(module).forward(module, x)
-        except Exception:  # noqa: BLE001 - a forward that takes more than x is not of the form
-            return None
-        h = torch.cat([m(x) for m in fc1], dim=-1)
-        ours = down(act_fn(h[:, : rows // 2]) * h[:, rows // 2 :])
-    if not isinstance(theirs, torch.Tensor) or not torch.equal(theirs, ours):
+            h = torch.cat([m(x) for m in fc1], dim=-1)
+            ours = down(act_fn(h[:, : rows // 2]) * h[:, rows // 2 :])
+            same = isinstance(theirs, torch.Tensor) and torch.equal(theirs, ours)
+    except Exception:  # noqa: BLE001 - a forward that takes more than x, or sharded weights: not fused
+        return None
+    if not same:
         return None
     return _Form(names, ACTIVATIONS[found])
 
