@@ -99,11 +99,14 @@ _ACTIVATIONS = (("swiglu", F.silu), ("geglu", lambda v: F.gelu(v, approximate="t
 class _Form(NamedTuple):
     fc1: tuple[str, ...]  # the attributes whose weights, stacked in this order, are fc1's
     act: Activation
+    act_name: str  # the attribute holding the model's activation ...
+    act_fn: Any  # ... and the object the probe checked (another one there: the model's forward runs)
 
 
 def _fusable(module: nn.Module) -> _Form | None:
     """How to fuse `module`, or None when it is not a gated MLP of the form."""
-    act_fn = next((getattr(module, n) for n in _ACT_NAMES if getattr(module, n, None) is not None), None)
+    act_name = next((n for n in _ACT_NAMES if getattr(module, n, None) is not None), "")
+    act_fn = getattr(module, act_name, None)
     down = getattr(module, "down_proj", None)
     packed = getattr(module, "gate_up_proj", None) is not None
     names = ("gate_up_proj",) if packed else ("gate_proj", "up_proj")
@@ -137,7 +140,7 @@ def _fusable(module: nn.Module) -> _Form | None:
         return None
     if not same:
         return None
-    return _Form(names, ACTIVATIONS[found])
+    return _Form(names, ACTIVATIONS[found], act_name, act_fn)
 
 
 class _StackedCast:
@@ -240,7 +243,7 @@ class _FusedGatedMlp(nn.Module):
         fc1 = [getattr(self, n) for n in form.fc1]
         layers = (*fc1, self.down_proj)
         if recipe is None or not all(type(m) is Linear and m._delay and m.bias is None for m in layers) \
-                or x.dtype != fc1[0].weight.dtype:
+                or x.dtype != fc1[0].weight.dtype or getattr(self, form.act_name) is not form.act_fn:
             return super().forward(x)
         calls = [m._begin_forward() for m in layers]
         first = fc1[0]
