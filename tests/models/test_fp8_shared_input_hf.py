@@ -34,9 +34,14 @@ SHARING = set(FAMILIES) - NOT_SHARING
 
 def _step(name: str, shared: bool, monkeypatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+    import transformers
+
     torch.manual_seed(7)
-    stages, kwargs = causal_lm_stages(family_config(name), sched, 0, dtype=torch.float64, device="cpu",
-                                      attn_implementation="eager")
+    cfg = family_config(name)
+    # HF's own initialisation (transformers 5.17 initialises ERNIE-4.5-MoE's router only through from_config)
+    weights = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).state_dict()
+    stages, kwargs = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, device="cpu", attn_implementation="eager",
+                                      state_dict=weights)
     with monkeypatch.context() as patch:
         patch.setattr(fast_module, "fuse_gated_mlps", lambda stage: [])
         fast_stage(stages[0], compile=False, fp8=True)
