@@ -205,6 +205,22 @@ LOSS_RTOL = 1e-12  # the loss is float64 in the pipeline and in the reference (t
 ROWS_PER_MICROBATCH, SEQ = 2, 8
 
 
+def one_rank_stages(name: str, schedule: Any, seed: int = 7) -> tuple[Any, Any]:
+    """`causal_lm_stages` of a family's tiny config for rank 0 of `schedule`, float64 on the CPU,
+    with the weights of HF's own model built from the config under `seed` (transformers 5.17
+    initialises ERNIE-4.5-MoE's router only through ``from_config``)."""
+    import torch
+    import transformers
+
+    from zbpp.models.hf import causal_lm_stages
+
+    torch.manual_seed(seed)
+    cfg = family_config(name)
+    weights = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).state_dict()
+    return causal_lm_stages(cfg, schedule, 0, dtype=torch.float64, device="cpu", attn_implementation="eager",
+                            state_dict=weights)
+
+
 def padded_batch(rows: int, seed: int = 5) -> tuple[Any, Any, Any]:
     """Right-padded rows of 6 to 8 tokens (a padded position is then at most 2 past the last real
     one, inside every tiny config's sliding window of 3: HF's own eager sliding mask gives a padded

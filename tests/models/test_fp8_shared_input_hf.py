@@ -16,12 +16,11 @@ import torch
 from zbpp import Pipeline
 from zbpp.models import fast as fast_module
 from zbpp.models.fast import fast_stage
-from zbpp.models.hf import causal_lm_stages
 from zbpp.modules import linear as linear_module
 from zbpp.modules.fp8 import cast_path_counts, reset_cast_path_counts
 from zbpp.schedules import build
 
-from .families import FAMILIES, family_config, padded_batch
+from .families import FAMILIES, one_rank_stages, padded_batch
 
 pytest.importorskip("transformers")
 
@@ -34,14 +33,7 @@ SHARING = set(FAMILIES) - NOT_SHARING
 
 def _step(name: str, shared: bool, monkeypatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     sched = build("zb-h1", num_ranks=1, num_microbatches=2)
-    import transformers
-
-    torch.manual_seed(7)
-    cfg = family_config(name)
-    # HF's own initialisation (transformers 5.17 initialises ERNIE-4.5-MoE's router only through from_config)
-    weights = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).state_dict()
-    stages, kwargs = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, device="cpu", attn_implementation="eager",
-                                      state_dict=weights)
+    stages, kwargs = one_rank_stages(name, sched)
     with monkeypatch.context() as patch:
         patch.setattr(fast_module, "fuse_gated_mlps", lambda stage: [])
         fast_stage(stages[0], compile=False, fp8=True)

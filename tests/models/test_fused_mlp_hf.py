@@ -18,10 +18,9 @@ import torch
 
 from zbpp import Pipeline
 from zbpp.models.fast import fast_stage
-from zbpp.models.hf import causal_lm_stages
 from zbpp.schedules import build
 
-from .families import FAMILIES, family_config, padded_batch
+from .families import FAMILIES, one_rank_stages, padded_batch
 
 pytest.importorskip("transformers")
 
@@ -37,15 +36,8 @@ FUSED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
 
 
 def _stage(name: str, fp8: bool):
-    import transformers
-
     sched = build("zb-h1", num_ranks=1, num_microbatches=2)
-    torch.manual_seed(7)
-    cfg = family_config(name)
-    # HF's own initialisation (some families' init covers their router only through from_config)
-    weights = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).state_dict()
-    stages, kwargs = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, device="cpu", attn_implementation="eager",
-                                      state_dict=weights)
+    stages, kwargs = one_rank_stages(name, sched)
     if fp8:
         fast_stage(stages[0], compile=False, fp8=True)
     return Pipeline(stages, sched, **kwargs), stages[0]
