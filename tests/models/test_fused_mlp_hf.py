@@ -68,3 +68,23 @@ def test_a_step_with_fused_mlps_is_within_fp8_error_of_float64(name):
             g, w = p.grad, grads[n].grad
             err = ((g - w).norm() / w.norm()).item()
             assert 0 < err < 0.2, (n, err)
+
+
+def test_a_residual_dropout_in_the_mlp_is_never_fused_away():
+    # SeedOss's MLP ends in a dropout (residual_dropout, 0.1 by default); from_pretrained hands the
+    # model over in eval mode, where the dropout does nothing: fused there, its training steps
+    # would silently run without it
+    transformers = pytest.importorskip("transformers")
+    from zbpp.modules import fuse_gated_mlps
+
+    cfg = transformers.AutoConfig.for_model("seed_oss", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=8, residual_dropout=0.1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    assert fuse_gated_mlps(model) == []
+    assert not model.training
+    model.config.residual_dropout = 0.0  # the same model without the dropout is of the form
+    for layer in model.model.layers:
+        layer.mlp.residual_dropout = 0.0
+    assert fuse_gated_mlps(model) == ["model.layers.0.mlp", "model.layers.1.mlp"]

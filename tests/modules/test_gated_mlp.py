@@ -28,17 +28,22 @@ class GatedMLP(nn.Module):
     """Hugging Face's LlamaMLP, as transformers writes it (`act` chooses its activation, `swap`
     feeds the activation up's output instead of gate's: a different MLP of the same parts)."""
 
-    def __init__(self, act: nn.Module, bias: bool = False, swap: bool = False) -> None:
+    def __init__(self, act: nn.Module, bias: bool = False, swap: bool = False, clamp: bool = False,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(HIDDEN, FFN, bias=bias)
         self.up_proj = nn.Linear(HIDDEN, FFN, bias=bias)
         self.down_proj = nn.Linear(FFN, HIDDEN, bias=bias)
         self.act_fn, self.swap = act, swap
+        self.clamp, self.dropout = clamp, nn.Dropout(dropout)
 
     def forward(self, x):
+        gate, up = self.gate_proj(x), self.up_proj(x)
         if self.swap:
-            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = up, gate
+        if self.clamp:  # GPT-OSS's limit
+            gate = gate.clamp(max=7.0)
+        return self.dropout(self.down_proj(self.act_fn(gate) * up))  # SeedOss's residual dropout
 
     def fc1_weight(self) -> torch.Tensor:
         return torch.cat([self.gate_proj.weight, self.up_proj.weight])
@@ -54,17 +59,21 @@ class PackedMLP(nn.Module):
     """Hugging Face's Phi3MLP: gate and up packed in one layer (gate's rows first), `swap` taking
     the halves the other way round."""
 
-    def __init__(self, act: nn.Module, bias: bool = False, swap: bool = False) -> None:
+    def __init__(self, act: nn.Module, bias: bool = False, swap: bool = False, clamp: bool = False,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(HIDDEN, 2 * FFN, bias=bias)
         self.down_proj = nn.Linear(FFN, HIDDEN, bias=bias)
         self.activation_fn, self.swap = act, swap
+        self.clamp, self.dropout = clamp, nn.Dropout(dropout)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         if self.swap:
             gate, up = up, gate
-        return self.down_proj(up * self.activation_fn(gate))
+        if self.clamp:
+            gate = gate.clamp(max=7.0)
+        return self.dropout(self.down_proj(up * self.activation_fn(gate)))
 
     def fc1_weight(self) -> torch.Tensor:
         return self.gate_up_proj.weight
@@ -194,15 +203,61 @@ class _TakesMore(nn.Module):
         return torch.nn.functional.silu(x) * scale
 
 
+class _ClampedSilu(nn.Module):
+    # SiLU up to 10, then flat: equal to SiLU where most probes would look
+    def forward(self, x):
+        return torch.nn.functional.silu(x).clamp(max=10.0)
+
+
+WHY_NOT = ["other order", "relu", "bias", "meta", "raises", "clamp", "clamped activation", "dropout",
+           "dropout, eval mode", "zero weights", "dropout, zero down weights"]
+
+
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("why", ["other order", "relu", "bias", "meta", "raises"])
+@pytest.mark.parametrize("why", WHY_NOT)
 def test_only_mlps_of_the_form_are_fused(form, why) -> None:
-    act = {"relu": nn.ReLU(), "raises": _TakesMore()}.get(why, nn.SiLU())
-    mlp = FORMS[form](act, bias=why == "bias", swap=why == "other order")
+    torch.manual_seed(0)
+    act = {"relu": nn.ReLU(), "raises": _TakesMore(), "clamped activation": _ClampedSilu()}.get(why, nn.SiLU())
+    mlp = FORMS[form](act, bias=why == "bias", swap=why == "other order", clamp=why == "clamp",
+                      dropout=0.1 if why.startswith("dropout") else 0.0)
     if why == "meta":
         mlp = mlp.to("meta")
+    if why == "dropout, eval mode":  # as from_pretrained returns a model: the dropout runs once training
+        mlp.eval()
+    # zero weights: nothing tells the forward from the formula (the dropout's zeros stay zeros)
+    for layer in {"zero weights": mlp.fc1_layers(), "dropout, zero down weights": [mlp.down_proj]}.get(why, []):
+        nn.init.zeros_(layer.weight)
+    rng = torch.get_rng_state()
     assert fuse_gated_mlps(mlp) == []
     assert type(mlp) is FORMS[form]
+    # the probe left the random state and the modes as they were
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert mlp.training == mlp.dropout.training == (why != "dropout, eval mode")
+
+
+class _NormedMLP(GatedMLP):
+    # a batch norm before the MLP: not the formula, and in training mode the probe's calls would
+    # move its running statistics
+    def __init__(self) -> None:
+        super().__init__(nn.SiLU())
+        self.norm = nn.BatchNorm1d(HIDDEN)
+
+    def forward(self, x):
+        return super().forward(self.norm(x))
+
+
+@pytest.mark.parametrize("case", ["fused", "dropout", "batch norm"])
+@pytest.mark.parametrize("training", [True, False])
+def test_the_probe_leaves_modes_random_state_and_buffers_as_they_were(case, training) -> None:
+    # the probe runs the forward in both modes: a dropout draws numbers in one (and is refused)
+    torch.manual_seed(0)
+    mlp = _NormedMLP() if case == "batch norm" else GatedMLP(nn.SiLU(), dropout=0.1 if case == "dropout" else 0.0)
+    mlp.train(training)
+    rng, buffers = torch.get_rng_state(), [b.clone() for b in mlp.buffers()]
+    assert fuse_gated_mlps(mlp) == ([""] if case == "fused" else [])
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(mlp.buffers(), buffers))
+    assert all(m.training == training for m in mlp.modules())
 
 
 def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -> None:

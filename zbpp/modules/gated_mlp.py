@@ -21,8 +21,10 @@ written in 16 bits and read again to be cast. A fused MLP runs, inside `fp8_auto
 Outside `fp8_autocast`, and whenever the layers are not delayed-wgrad zbpp `Linear`s without
 biases, the model's own forward runs. `fuse_gated_mlps` fuses a module only after checking, on its
 own weights, that its forward computes exactly ``down(act(gate(x)) * up(x))`` with an activation
-zbpp fuses (SiLU: ``swiglu``; GELU, tanh approximation: ``geglu``); the module object, its class's
-methods and its parameters stay (its class becomes a subclass with this forward).
+zbpp fuses (SiLU: ``swiglu``; GELU, tanh approximation: ``geglu``), in training and in eval mode
+(a dropout shows in one) and with gate's and up's outputs up to +-128 (a clamp shows there); the
+module object, its class's methods and its parameters stay (its class becomes a subclass with this
+forward).
 
 >>> import torch
 >>> from torch import nn
@@ -42,7 +44,8 @@ methods and its parameters stay (its class becomes a subclass with this forward)
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple
+import contextlib
+from typing import Any, Hashable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +72,10 @@ def fuse_gated_mlps(model: nn.Module) -> list[str]:
 
     A candidate has ``gate_proj`` and ``up_proj`` of one shape, or one ``gate_up_proj`` packing both
     (gate's rows first: Phi-3, GLM), a ``down_proj`` (``nn.Linear`` or zbpp `Linear`, no biases) and
-    an ``act_fn`` (or ``activation_fn``); it is fused when its forward, run once on its own weights
-    without gradients, equals ``down(act(gate(x)) * up(x))`` bit for bit and the activation is SiLU
-    or tanh-approximated GELU. Modules with weights on the meta device are left alone. Call it
+    an ``act_fn`` (or ``activation_fn``); it is fused when its forward, run on its own weights
+    without gradients (in both modes, at two scales; random states, modes and buffers restored),
+    equals ``down(act(gate(x)) * up(x))`` bit for bit and the activation is SiLU or
+    tanh-approximated GELU. Modules with weights on the meta device or all zero are left alone. Call it
     before or after `delay_wgrad`; the fused path runs once the layers are delayed-wgrad zbpp
     `Linear`s (`zbpp.models.fast.fast_stage` with ``fp8`` does both).
     """
@@ -123,24 +127,66 @@ def _fusable(module: nn.Module) -> _Form | None:
     if any(w.is_meta for w in weights) or len({(w.dtype, w.device) for w in weights}) != 1:
         return None
     w = down.weight
-    # the probe: values spread over the activation's curved part, no random numbers drawn
+    # the probe: values spread over the activation's curved part (no random numbers drawn)
     x = torch.linspace(-3, 3, 2 * fc1[0].weight.shape[1], dtype=w.dtype, device=w.device).reshape(2, -1)
     try:
-        with torch.no_grad():
-            t = torch.linspace(-6, 6, 257, dtype=torch.float32, device=w.device)
+        with _probing(module):
+            t = torch.linspace(-_PROBE_RANGE, _PROBE_RANGE, 2049, dtype=torch.float32, device=w.device)
             found = next((name for name, reference in _ACTIVATIONS
                           if torch.allclose(act_fn(t), reference(t), rtol=1e-6, atol=1e-6)), None)
             if found is None:
                 return None
-            theirs = type(module).forward(module, x)
-            h = torch.cat([m(x) for m in fc1], dim=-1)
-            ours = down(act_fn(h[:, : rows // 2]) * h[:, rows // 2 :])
-            same = isinstance(theirs, torch.Tensor) and torch.equal(theirs, ours)
+            # ... and again with gate's and up's outputs reaching +-_PROBE_RANGE (a clamp inside the
+            # forward shows there), each in training and in eval mode (a dropout shows in one)
+            reach = torch.cat([m(x) for m in fc1], dim=-1).abs().max()
+            if not 0 < reach < float("inf"):
+                return None  # zero weights: nothing to tell the forward from the formula by
+            probes = (x, x * (_PROBE_RANGE / reach).to(x.dtype))
+            same = all(_computes_formula(module, fc1, down, act_fn, p, training)
+                       for p in probes for training in (True, False))
     except Exception:  # noqa: BLE001 - a forward that takes more than x, or sharded weights: not fused
         return None
     if not same:
         return None
     return _Form(names, ACTIVATIONS[found], act_name, act_fn)
+
+
+_PROBE_RANGE = 128.0  # beyond the clamps gated MLPs use (GPT-OSS's 7); products stay finite in float16
+
+
+@contextlib.contextmanager
+def _probing(module: nn.Module) -> Iterator[None]:
+    """No gradients, and afterwards every random state, training flag and buffer as before (a
+    dropout in the forward draws numbers, the probe sets the modes, a batch norm would count)."""
+    modes = [(m, m.training) for m in module.modules()]
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    devices = {p.device for p in module.parameters() if p.device.type != "cpu"}
+    kinds = {d.type for d in devices}
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator
+            for kind in kinds:
+                stack.enter_context(torch.random.fork_rng(devices=[d for d in devices if d.type == kind],
+                                                          device_type=kind))
+            stack.enter_context(torch.no_grad())
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+
+def _computes_formula(module: nn.Module, fc1: list[nn.Module], down: nn.Module, act_fn: Any,
+                      x: torch.Tensor, training: bool) -> bool:
+    # the module's own forward on x against down(act(gate(x)) * up(x)), bit for bit, in one mode
+    module.train(training)
+    theirs = type(module).forward(module, x)
+    h = torch.cat([m(x) for m in fc1], dim=-1)
+    half = h.shape[-1] // 2
+    ours = down(act_fn(h[:, :half]) * h[:, half:])
+    return isinstance(theirs, torch.Tensor) and torch.equal(theirs, ours) and bool(ours.abs().max() > 0)
 
 
 class _StackedCast:
