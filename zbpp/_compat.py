@@ -38,6 +38,7 @@ __all__ = [
     "end_allocate_to_pool",
     "gpu_head_start",
     "modules_and_parameters",
+    "runs_hooks",
 ]
 
 
@@ -276,3 +277,15 @@ def modules_and_parameters(root: torch.nn.Module) -> tuple[list[torch.nn.Module]
                 params.append(p)
         stack.extend(reversed([c for c in m._modules.values() if c is not None]))
     return modules, params
+
+
+def runs_hooks(*modules: torch.nn.Module) -> bool:
+    """Whether calling any of `modules` runs hooks besides its forward: its own forward (pre-)hooks
+    or backward (pre-)hooks, or global module hooks (``nn.Module`` keeps both in private dicts; there
+    is no public query). Code that computes modules' results without calling them asks this first."""
+    nn_module = torch.nn.modules.module
+    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+            or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in modules)

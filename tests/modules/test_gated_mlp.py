@@ -197,6 +197,35 @@ def test_a_fused_mlp_runs_the_models_own_forward_where_it_does_not_fuse(case) ->
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("hook", ["forward", "forward pre", "full backward", "global forward"])
+def test_a_hook_on_a_layer_turns_the_fused_path_off(hook) -> None:
+    # the fused layer calls neither gate, up nor down: with a hook on one, the model's own forward
+    # runs (the hook fires), bit-identical to the same MLP never fused (the fused one casts gate and
+    # up with one scale: it would differ)
+    torch.manual_seed(0)
+    mlp, unfused = GatedMLP(nn.SiLU()), GatedMLP(nn.SiLU())
+    unfused.load_state_dict(mlp.state_dict())
+    assert fuse_gated_mlps(mlp) == [""]
+    delay_wgrad(mlp)
+    delay_wgrad(unfused)
+    calls = []
+    seen = lambda *args: calls.append(hook)  # noqa: E731
+    handle = {"forward": lambda: mlp.down_proj.register_forward_hook(seen),
+              "forward pre": lambda: mlp.gate_proj.register_forward_pre_hook(seen),
+              "full backward": lambda: mlp.up_proj.register_full_backward_hook(seen),
+              "global forward": lambda: torch.nn.modules.module.register_module_forward_hook(
+                  lambda m, *a: calls.append(hook) if m is mlp.down_proj else None)}[hook]()
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    try:
+        with fp8_autocast(fp8_recipe=RECIPE):
+            y, y_ref = mlp(x), unfused(x)
+        y.sum().backward()
+    finally:
+        handle.remove()
+    assert calls
+    assert torch.equal(y, y_ref)
+
+
 class _TakesMore(nn.Module):
     # an activation of another signature: the probe's call raises, which refuses the module
     def forward(self, x, scale):

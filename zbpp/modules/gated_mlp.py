@@ -18,8 +18,9 @@ written in 16 bits and read again to be cast. A fused MLP runs, inside `fp8_auto
   layer's key (``backward_dw`` of each computes its own), from the same FP8 operands as the
   layers' own.
 
-Outside `fp8_autocast`, and whenever the layers are not delayed-wgrad zbpp `Linear`s without
-biases, the model's own forward runs. `fuse_gated_mlps` fuses a module only after checking, on its
+Outside `fp8_autocast`, whenever the layers are not delayed-wgrad zbpp `Linear`s without biases,
+and while any of them has a hook (its own or a global module hook: the fused layer calls none of
+them), the model's own forward runs. `fuse_gated_mlps` fuses a module only after checking, on its
 own weights, that its forward computes exactly ``down(act(gate(x)) * up(x))`` with an activation
 zbpp fuses (SiLU: ``swiglu``; GELU, tanh approximation: ``geglu``), in training and in eval mode
 (a dropout shows in one) and with gate's and up's outputs up to +-128 (a clamp shows there); the
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat import runs_hooks
 from ._activations import ACTIVATIONS, Activation
 from ._fused import act_quantize, dact_quantize
 from ._layer_function import GemmCall, _Job, _quantize_grad, _WgradPart
@@ -289,7 +291,8 @@ class _FusedGatedMlp(nn.Module):
         fc1 = [getattr(self, n) for n in form.fc1]
         layers = (*fc1, self.down_proj)
         if recipe is None or not all(type(m) is Linear and m._delay and m.bias is None for m in layers) \
-                or x.dtype != fc1[0].weight.dtype or getattr(self, form.act_name) is not form.act_fn:
+                or x.dtype != fc1[0].weight.dtype or getattr(self, form.act_name) is not form.act_fn \
+                or runs_hooks(*layers):  # the fused layer calls none of them
             return super().forward(x)
         calls = [m._begin_forward() for m in layers]
         first = fc1[0]
