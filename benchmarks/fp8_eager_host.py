@@ -1,6 +1,6 @@
-"""Where an eager FP8 step's time goes against an eager bf16 one, on one GPU: a HF Llama (hidden
-4096, 4 layers, seq 2048) as one zb-h1 stage of 8 microbatches, `fast_stage(compile=False)` with
-and without FP8.
+"""Where an eager FP8 step's time goes against an eager bf16 one, on one GPU: a HF Llama (bench_hf's
+presets: hidden 4096, 4 layers by default; ``--preset h2048``: hidden 2048, 8 layers; seq 2048) as
+one zb-h1 stage of 8 microbatches, `fast_stage(compile=False)` with and without FP8.
 
 The forms run in one process, alternating in rounds: bf16, FP8, ``fp8 unfused`` (the gated MLPs
 left as three FP8 layers with the model's activation between them: `fuse_gated_mlps` off), and FP8
@@ -17,6 +17,7 @@ seconds, and a host-bound step (FP8 eager on small microbatches) follows it wher
 (bf16 eager) does not; the last line compares FP8 and bf16 in the round whose probe ran fastest.
 
     PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py --out fp8_eager_host.json
+    PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py --preset h2048   # smaller GEMMs, twice the layers
     ZBPP_FP8_CAST=compile PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py   # another cast path
 
 ``--quick`` runs a tiny model on the CPU (the plumbing only: CPUs cast and multiply FP8 eagerly).
@@ -39,7 +40,8 @@ from typing import Any, Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_probe import host_probe_ms  # noqa: E402 - benchmarks/, beside this script
+from bench_hf import PRESETS  # noqa: E402 - benchmarks/, beside this script
+from host_probe import host_probe_ms  # noqa: E402
 
 FORMS = ("bf16", "fp8", "fp8 unfused", "fp8 -launch", "fp8 -gemm", "fp8 -both")
 
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from zbpp.schedules import build
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="h4096", help="the model's size (bench_hf's)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of every form, alternating")
     ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (a smoke run)")
     ap.add_argument("--out", type=Path, default=None)
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         if not torch.cuda.is_available():
             ap.error("needs a CUDA GPU (or --quick)")
-        device, hidden, ffn, layers, heads, vocab, seq = torch.device("cuda"), 4096, 11008, 4, 32, 32000, 2048
+        hidden, layers, ffn, heads = PRESETS[args.preset]
+        device, vocab, seq = torch.device("cuda"), 32000, 2048
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                    max_position_embeddings=seq)
