@@ -197,7 +197,7 @@ def test_a_fused_mlp_runs_the_models_own_forward_where_it_does_not_fuse(case) ->
         assert torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("hook", ["forward", "forward pre", "full backward", "global forward"])
+@pytest.mark.parametrize("hook", ["forward", "forward pre", "full backward", "global forward", "on the activation"])
 def test_a_hook_on_a_layer_turns_the_fused_path_off(hook) -> None:
     # the fused layer calls neither gate, up nor down: with a hook on one, the model's own forward
     # runs (the hook fires), bit-identical to the same MLP never fused (the fused one casts gate and
@@ -214,7 +214,8 @@ def test_a_hook_on_a_layer_turns_the_fused_path_off(hook) -> None:
               "forward pre": lambda: mlp.gate_proj.register_forward_pre_hook(seen),
               "full backward": lambda: mlp.up_proj.register_full_backward_hook(seen),
               "global forward": lambda: torch.nn.modules.module.register_module_forward_hook(
-                  lambda m, *a: calls.append(hook) if m is mlp.down_proj else None)}[hook]()
+                  lambda m, *a: calls.append(hook) if m is mlp.down_proj else None),
+              "on the activation": lambda: mlp.act_fn.register_forward_hook(seen)}[hook]()
     x = torch.randn(ROWS, HIDDEN, requires_grad=True)
     try:
         with fp8_autocast(fp8_recipe=RECIPE):
@@ -287,6 +288,14 @@ def test_the_probe_leaves_modes_random_state_and_buffers_as_they_were(case, trai
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(a, b) for a, b in zip(mlp.buffers(), buffers))
     assert all(m.training == training for m in mlp.modules())
+
+
+def test_a_module_hooked_when_fusing_is_left_alone_and_its_hook_sees_nothing() -> None:
+    mlp = GatedMLP(nn.SiLU())
+    calls = []
+    mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
+    assert fuse_gated_mlps(mlp) == []
+    assert calls == []  # no probe ran through it
 
 
 def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -> None:

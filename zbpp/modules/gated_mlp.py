@@ -19,8 +19,9 @@ written in 16 bits and read again to be cast. A fused MLP runs, inside `fp8_auto
   layers' own.
 
 Outside `fp8_autocast`, whenever the layers are not delayed-wgrad zbpp `Linear`s without biases,
-and while any of them has a hook (its own or a global module hook: the fused layer calls none of
-them), the model's own forward runs. `fuse_gated_mlps` fuses a module only after checking, on its
+and while any of them or the activation module has a hook (its own or a global module hook: the
+fused layer calls none of them), the model's own forward runs; a module with such hooks when
+`fuse_gated_mlps` looks at it is not fused (its probe would fire them). `fuse_gated_mlps` fuses a module only after checking, on its
 own weights, that its forward computes exactly ``down(act(gate(x)) * up(x))`` with an activation
 zbpp fuses (SiLU: ``swiglu``; GELU, tanh approximation: ``geglu``), in training and in eval mode
 (a dropout shows in one) and with gate's and up's outputs up to +-128 (a clamp shows there); the
@@ -107,6 +108,7 @@ class _Form(NamedTuple):
     act: Activation
     act_name: str  # the attribute holding the model's activation ...
     act_fn: Any  # ... and the object the probe checked (another one there: the model's forward runs)
+    act_modules: tuple[nn.Module, ...]  # act_fn where it is a module: its hooks, as the layers', turn fusion off
 
 
 def _fusable(module: nn.Module) -> _Form | None:
@@ -127,6 +129,9 @@ def _fusable(module: nn.Module) -> _Form | None:
         return None
     weights = [m.weight for m in layers]
     if any(w.is_meta for w in weights) or len({(w.dtype, w.device) for w in weights}) != 1:
+        return None
+    act_modules = (act_fn,) if isinstance(act_fn, nn.Module) else ()
+    if runs_hooks(*layers, *act_modules):  # the probe would fire them, and the fused layer would not
         return None
     w = down.weight
     # the probe: values spread over the activation's curved part (no random numbers drawn)
@@ -150,7 +155,7 @@ def _fusable(module: nn.Module) -> _Form | None:
         return None
     if not same:
         return None
-    return _Form(names, ACTIVATIONS[found], act_name, act_fn)
+    return _Form(names, ACTIVATIONS[found], act_name, act_fn, act_modules)
 
 
 _PROBE_RANGE = 128.0  # beyond the clamps gated MLPs use (GPT-OSS's 7); products stay finite in float16
@@ -292,7 +297,7 @@ class _FusedGatedMlp(nn.Module):
         layers = (*fc1, self.down_proj)
         if recipe is None or not all(type(m) is Linear and m._delay and m.bias is None for m in layers) \
                 or x.dtype != fc1[0].weight.dtype or getattr(self, form.act_name) is not form.act_fn \
-                or runs_hooks(*layers):  # the fused layer calls none of them
+                or runs_hooks(*layers, *form.act_modules):  # the fused layer calls none of them
             return super().forward(x)
         calls = [m._begin_forward() for m in layers]
         first = fc1[0]
