@@ -108,7 +108,15 @@ class _Form(NamedTuple):
     act: Activation
     act_name: str  # the attribute holding the model's activation ...
     act_fn: Any  # ... and the object the probe checked (another one there: the model's forward runs)
-    act_modules: tuple[nn.Module, ...]  # act_fn where it is a module: its hooks, as the layers', turn fusion off
+
+    @property
+    def act_modules(self) -> tuple[nn.Module, ...]:
+        # act_fn where it is a module: its hooks, as the layers', turn the fused path off
+        return _modules_of(self.act_fn)
+
+
+def _modules_of(act_fn: Any) -> tuple[nn.Module, ...]:
+    return (act_fn,) if isinstance(act_fn, nn.Module) else ()
 
 
 def _fusable(module: nn.Module) -> _Form | None:
@@ -130,8 +138,7 @@ def _fusable(module: nn.Module) -> _Form | None:
     weights = [m.weight for m in layers]
     if any(w.is_meta for w in weights) or len({(w.dtype, w.device) for w in weights}) != 1:
         return None
-    act_modules = (act_fn,) if isinstance(act_fn, nn.Module) else ()
-    if runs_hooks(*layers, *act_modules):  # the probe would fire them, and the fused layer would not
+    if runs_hooks(*layers, *_modules_of(act_fn)):  # the probe would fire them, and the fused layer would not
         return None
     w = down.weight
     # the probe: values spread over the activation's curved part (no random numbers drawn)
@@ -155,7 +162,7 @@ def _fusable(module: nn.Module) -> _Form | None:
         return None
     if not same:
         return None
-    return _Form(names, ACTIVATIONS[found], act_name, act_fn, act_modules)
+    return _Form(names, ACTIVATIONS[found], act_name, act_fn)
 
 
 _PROBE_RANGE = 128.0  # beyond the clamps gated MLPs use (GPT-OSS's 7); products stay finite in float16
