@@ -289,3 +289,12 @@ def runs_hooks(*modules: torch.nn.Module) -> bool:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                for m in modules)
+
+
+def held_elsewhere(t: torch.Tensor) -> bool:
+    """Whether anything besides `t`'s own Python object holds its tensor (not just its storage): a
+    view's base, or an autograd node that saved `t` as one of its inputs (``x * x`` saves ``x``
+    itself, so swapping ``x.data`` changes what that node's backward reads). Torch without the
+    private count: assume it is held."""
+    use_count = getattr(t, "_use_count", None)
+    return use_count is None or use_count() > 1

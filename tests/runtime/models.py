@@ -96,7 +96,8 @@ class Block(nn.Module):
         if kind == 0:
             return (h, ids, tag)
         if kind == 1:
-            return {"h": h, "ids": ids, "tag": tag, "res": 0.5 * torch.sigmoid(h)}
+            # h * sigmoid(h) saves h, an output that is also sent: its storage must outlive the send
+            return {"h": h, "ids": ids, "tag": tag, "res": 0.5 * (h * torch.sigmoid(h))}
         return [h, ids, tag]
 
 

@@ -55,6 +55,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from .._compat import held_elsewhere
 from ..modules.context import next_backward
 from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
@@ -346,9 +347,10 @@ class StepExecutor:
         comm.put(msg, spec if comm.new_signature else None, [t.detach().contiguous() for t in leaves])
         if release and self.free_sent_activations and not self.forward_only:
             for t in leaves:
-                # Keep only the autograd node: what backward saved is held by the graph itself; the
-                # storage goes once the send completes. Views and leaves share memory with others.
-                if t.requires_grad and t.grad_fn is not None and t._base is None:
+                # Keep only the autograd node; the storage goes once the send completes. Not for
+                # views and leaves (they share memory with others) nor an output that a node of
+                # this F saved as its input (it reads the tensor itself, whose data this swaps).
+                if t.requires_grad and t.grad_fn is not None and t._base is None and not held_elsewhere(t):
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
     def _backward(self, a: Action, comm: CommQueue, runner: TaskRunner) -> None:
