@@ -23,6 +23,7 @@ from zbpp import Pipeline
 from zbpp.modules import Linear as ZLinear
 from zbpp.modules import current_microbatch
 from zbpp.runtime import ParallelGroups, PipelineError
+from zbpp.runtime.grad_reduce import GradReducer
 from zbpp.schedules import Action, Kind, Schedule, validate
 from zbpp.schedules.dag import data_consumers, data_dependencies
 from zbpp.schedules.ir import from_orders
@@ -173,10 +174,11 @@ def _named(stages: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
 
 
 def check_lm(name: str, pp: int, kind: str, frozen: str = "none", dp: int = 1, m: int | None = None,
-             slow_w: float = 0.0) -> dict[str, int]:
+             slow_w: float = 0.0, user_reducer: bool = False) -> dict[str, int]:
     """Two SGD steps of the tied LM through `Pipeline` (dp replicas of pp ranks; the head's weight
     is the tied embedding, computed by W) against one process per replica, averaged. Frozen
-    parameters must stay without gradient and never be reduced. Returns the reducer's counts."""
+    parameters must stay without gradient and never be reduced. `user_reducer`: the caller's own
+    `GradReducer` (``reducer=``), built leaving the tie out. Returns the reducer's counts."""
     groups = ParallelGroups(pp=pp) if dp > 1 else None
     pp_rank = groups.pp_rank if groups else dist.get_rank()
     replica = groups.dp_rank if groups else 0
@@ -195,7 +197,8 @@ def check_lm(name: str, pp: int, kind: str, frozen: str = "none", dp: int = 1, m
         for s in range(n):
             freeze(r[s], s, frozen)
     tied = {"wte": wte} if wte is not None else None
-    pipe = Pipeline(stages, sched, lm_loss, tied_parameters=tied, groups=groups)
+    reducer = GradReducer(stages, groups, exclude={id(p) for p in (tied or {}).values()}) if user_reducer else None
+    pipe = Pipeline(stages, sched, lm_loss, tied_parameters=tied, groups=groups, reducer=reducer)
     for st in stages.values():  # a frozen parameter is not listed as owed by W
         for mod in st.modules():
             getter = getattr(mod, "get_backward_dw_params", None)
@@ -493,6 +496,24 @@ def check_empty_tensors(name: str, p: int) -> None:
             for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
                 close(f"{name} step {step} stage {s} {n}", a.grad, b.grad)
 
+
+
+def check_reducer_with_the_tie() -> str:
+    """dp=2 x pp=2 (1f1b), the tied LM, and ``reducer=`` a `GradReducer` built over every stage
+    parameter, the tie included: both it and the pipeline's tie would reduce the tied weight, in
+    flight together on one tensor (wrong, even different, copies' gradients). Returns the error
+    `Pipeline` raised on this rank ('' if none)."""
+    groups = ParallelGroups(pp=2)
+    sched = make_schedule("1f1b", 2, 4)
+    n = sched.num_stages
+    wte = make_wte()
+    stages = {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in sched.stages_on(groups.pp_rank)}
+    try:
+        Pipeline(stages, sched, lm_loss, tied_parameters={"wte": wte}, groups=groups,
+                 reducer=GradReducer(stages, groups))
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 def check_wrong_on_one_rank(what: str) -> str:

@@ -27,7 +27,7 @@ from zbpp.testing import DistributedTestError, Workers
 
 from .cases import make_schedule
 from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
-                        check_first_failure_named, check_wrong_on_one_rank,
+                        check_first_failure_named, check_reducer_with_the_tie, check_wrong_on_one_rank,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
 from .test_random_schedules import run_schedule_against_one_process
@@ -69,6 +69,17 @@ def test_frozen_parameters(zbpp_workers, name, frozen):
 def test_frozen_parameters_with_data_parallelism(zbpp_workers, name, frozen):
     counts = zbpp_workers(4).run(check_lm, name, 2, "zbpp", frozen, 2)
     assert all(counts), "no parameter went through the data-parallel reducer: the case tests nothing"
+
+
+def test_a_given_reducer_leaves_the_tie_to_the_pipeline(zbpp_workers):
+    """``reducer=`` a GradReducer with tied_parameters and replicas: built with ``exclude`` (the
+    tie's id) the gradients equal the reference's (check_lm); built over the tie too, both would
+    all-reduce it at once (its gradient came out ~0.3 off, and different on the two copies), so
+    every rank raises when the pipeline is built, naming the tie."""
+    counts = zbpp_workers(4).run(check_lm, "zb-h1", 2, "zbpp", "none", 2, user_reducer=True)
+    assert all(counts) and not any("wte" in k for c in counts for k in c), counts
+    msgs = zbpp_workers(4).run(check_reducer_with_the_tie)
+    assert all(m.startswith("ValueError: reducer= reduces tied_parameters['wte']") for m in msgs), msgs
 
 
 def test_the_first_of_two_failures_is_named(zbpp_workers):

@@ -121,6 +121,8 @@ class GradReducer:
         bucket_size_mb: largest bucket, in MiB of the reduced dtype; a larger parameter gets its own.
         main_grad: give every parameter a ``main_grad`` (see the module docstring for the
             parameters that get one anyway).
+        exclude: ids of parameters to leave out, reduced elsewhere: the tied parameters, which
+            `zbpp.runtime.tied` reduces (``{id(p) for p in tied_parameters.values()}``).
         presence_group: a gloo group of the same replicas as ``dp_group``, over which the
             presence counts of ``.grad`` buckets travel on the host (`Pipeline` builds one); None:
             they travel in the bucket (read back: a host sync for a GPU bucket).

@@ -39,7 +39,7 @@ from .task_times import TaskRecorder, gather_records
 from .reductions import Reductions, default_reducer, fsdp_reducer
 from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
-from .tied import TiedParameters, local_ties
+from .tied import TiedParameters, check_reducer_leaves_ties, local_ties
 from .topology import Topology
 from .step_input import (LocalBatch, Walks, local_batch, merge, module_state, release_step_caches, stable_hash,
                          stage_walks, unique_parameters)
@@ -91,7 +91,8 @@ class Pipeline:
         reducer: the data-parallel reducer to drive (a `zbpp.runtime.reductions.GradientReducer`);
             default: a `zbpp.runtime.grad_reduce.GradReducer` when there are data-parallel
             replicas, a `zbpp.runtime.fsdp.FsdpReducer` when the stages are ``fully_shard`` modules
-            (then no other reducer may be given), else none.
+            (then no other reducer may be given), else none. It must leave `tied_parameters` out
+            (``GradReducer(..., exclude=...)``): the pipeline reduces those itself.
         keep_grads_on_failure: gradients accumulated by earlier steps survive a failed step (only
             its own contribution goes; what it costs: `zbpp.runtime.grad_aside`). False: a failed
             step sets ``.grad`` to None and zeroes ``main_grad``.
@@ -205,6 +206,7 @@ class Pipeline:
             first_forward = list(dict.fromkeys(a.stage for a in tasks if a.kind is Kind.F))
             fsdp = fsdp_reducer(self.stage_modules, self.topology, first_forward, reducer)
             ties = local_ties(tied_parameters or {}, self.stage_modules, fsdp.split_copies() if fsdp is not None else ())
+            check_reducer_leaves_ties(reducer, ties)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             problem = exc
         agree_to_build(self._agreement, problem, self.topology.world)

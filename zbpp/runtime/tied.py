@@ -44,7 +44,7 @@ from .channels import cached_group
 from .fsdp import copies_of
 from .topology import Topology
 
-__all__ = ["LocalTies", "TiedParameters", "local_ties"]
+__all__ = ["LocalTies", "TiedParameters", "check_reducer_leaves_ties", "local_ties"]
 
 
 @dataclass(eq=False)
@@ -101,6 +101,23 @@ def local_ties(tied: Mapping[str, nn.Parameter], stage_modules: Mapping[int, nn.
             )
         named[name] = (copies, stages)
     return LocalTies(named, [(c, stages_of(c)) for c in unclaimed])
+
+
+def check_reducer_leaves_ties(reducer: Any, local: LocalTies) -> None:
+    """Raise if `reducer` (given as ``Pipeline(reducer=...)``) reduces a tied copy: the tie sums it
+    itself, and two reductions in flight on one gradient give wrong, even unequal, copies. Only a
+    reducer that lists its parameters (``params()``, as `GradReducer` does) can be checked."""
+    listed = getattr(reducer, "params", None)
+    if reducer is None or not callable(listed):
+        return
+    reduced = {id(p) for p in listed()}
+    for name, (params, _) in sorted(local.named.items()):
+        if any(id(p) in reduced for p in params):
+            raise ValueError(
+                f"reducer= reduces tied_parameters[{name!r}] (shape {tuple(params[0].shape)}), which the pipeline "
+                "already sums over its copies and averages over the replicas: leave the tied parameters out of it, "
+                "e.g. GradReducer(stages, groups, exclude={id(p) for p in tied_parameters.values()})"
+            )
 
 
 class TiedParameters:
