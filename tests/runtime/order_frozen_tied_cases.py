@@ -517,9 +517,10 @@ def check_reducer_with_the_tie() -> str:
 
 
 def check_wrong_on_one_rank(what: str) -> str:
-    """Rank 1 passes wrong stage modules (``"stages"``: rank 0's stage 0 instead of its stage 1) or a
-    wrong tie (``"tie"``: a Parameter none of its stages holds); rank 0 is right. Returns the error
-    each rank raised from `Pipeline` ('' if none), its type, and how long it took."""
+    """Rank 1 passes wrong stage modules (``"stages"``: rank 0's stage 0 instead of its stage 1), a
+    wrong tie (``"tie"``: a Parameter none of its stages holds), or a tie it froze alone
+    (``"frozen-tie"``: rank 0's copy trains); rank 0 is right. Returns the error each rank raised
+    from `Pipeline` ('' if none), its type, and how long it took."""
     sched = make_schedule("1f1b", 2, 4)
     n = sched.num_stages
     wte = make_wte()
@@ -527,6 +528,8 @@ def check_wrong_on_one_rank(what: str) -> str:
     mine = sched.stages_on(0) if wrong and what == "stages" else sched.stages_on(dist.get_rank())
     stages = {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in mine}
     tied = {"wte": torch.nn.Parameter(torch.zeros(3)) if wrong and what == "tie" else wte}
+    if wrong and what == "frozen-tie":
+        wte.requires_grad_(False)
     start = time.monotonic()
     try:
         Pipeline(stages, sched, lm_loss, tied_parameters=tied)

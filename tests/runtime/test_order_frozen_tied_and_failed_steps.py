@@ -132,3 +132,14 @@ def test_a_rank_built_wrong_raises_on_every_rank(zbpp_workers, what: str, words:
     assert wrong.split(" ", 1)[1].startswith(f"ValueError: {words}"), wrong
     assert f"PipelineError: Pipeline could not be built on every rank; global rank 1: ValueError: {words}" in right, right
     assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (right, wrong)), (right, wrong)
+
+
+def test_a_tie_frozen_on_one_rank_only_raises_on_every_rank(zbpp_workers):
+    """The tied weight frozen on rank 1 and trained on rank 0: rank 0 would all-reduce its copy's
+    gradient and wait for a rank 1 that has none to give (the step hung until the process group's
+    timeout, then called the job dead), and the copies could not stay equal anyway. Every rank
+    raises when the pipeline is built, naming the tie and where it is frozen."""
+    msgs = zbpp_workers(2).run(check_wrong_on_one_rank, "frozen-tie")
+    want = "ValueError: tied parameter 'wte' is frozen (requires_grad=False) on global ranks [1] but trains on [0]"
+    assert all(f"s {want}" in m for m in msgs), msgs
+    assert all(float(m.split("s ", 1)[0]) < 10 for m in msgs), msgs

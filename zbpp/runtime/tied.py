@@ -5,7 +5,8 @@ they sit on different ranks, each with its own copy (Megatron's "embedding group
 holds a copy passes it to `Pipeline(..., tied_parameters={"wte": param})` under the same name; under
 a V placement both uses may sit on one rank, as one Parameter shared by its two stage modules.
 
-- At construction the copies are made equal to the copy of the lowest stage (of replica 0).
+- At construction the copies are made equal to the copy of the lowest stage (of replica 0). They
+  must agree on shape, dtype and ``requires_grad`` (freeze every copy or none), else every rank raises.
 - In each step, a copy's gradient is final once every stage of its rank that holds it is done with
   it: after the stage's last B, or its last W when a delayed-wgrad module of the stage computes it
   (`get_backward_dw_params`, or a module without that method that owns it). Then an asynchronous
@@ -137,16 +138,24 @@ class TiedParameters:
         self.topology = topology
         self.dp = topology.dp_size
         mine = local.named
-        held = {n: (tuple(ps[0].shape), str(ps[0].dtype), min(stages), _shard_of(ps[0])) for n, (ps, stages) in mine.items()}
+        held = {n: (tuple(ps[0].shape), str(ps[0].dtype), min(stages), _shard_of(ps[0]),
+                    tuple(sorted({p.requires_grad for p in ps})))
+                for n, (ps, stages) in mine.items()}
         everyone = self._exchange(agreement, held)
         self._ties: list[_Tie] = []
         backend = "nccl" if device.type == "cuda" else "gloo"
         for name in sorted({n for h in everyone.values() for n in h}):
             holders = {g: h[name] for g, h in everyone.items() if name in h}
-            kinds = {(shape, dtype) for shape, dtype, _, _ in holders.values()}
+            kinds = {h[:2] for h in holders.values()}
             if len(kinds) > 1:
                 raise ValueError(f"tied parameter {name!r} has different shapes or dtypes on its ranks: "
                                  f"{ {g: h[:2] for g, h in sorted(holders.items())} }")
+            frozen, trains = (sorted(g for g, h in holders.items() if flag in h[4]) for flag in (False, True))
+            if frozen and trains:  # a trained copy's all-reduce would wait for the frozen one's gradient
+                raise ValueError(
+                    f"tied parameter {name!r} is frozen (requires_grad=False) on global ranks {frozen} but trains on "
+                    f"{trains}: freeze every copy or none (before building the Pipeline)"
+                )
             sharded = {g for g, h in holders.items() if h[3] is not None}
             if sharded and len(sharded) < len(holders):
                 raise ValueError(
