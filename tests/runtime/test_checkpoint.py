@@ -177,3 +177,15 @@ def test_compiled_pipeline_checkpoint_keys_are_the_model_names(tmp_path: Path) -
     load_checkpoint(fresh, tmp_path / "ckpt")
     for name, p in net.named_parameters():
         assert torch.equal(fresh.get_parameter(name), p), name
+
+
+def test_load_with_an_optimizer_needs_its_saved_state(tmp_path: Path) -> None:
+    """A checkpoint saved without optimizer=, loaded with one: the optimizer would keep its fresh
+    state and its own hyperparameters without a word (a resumed AdamW restarting its moments and
+    step count); it raises, as a missing LR scheduler state does."""
+    from zbpp.runtime import save_checkpoint
+
+    pipe, opt, _ = _trained_pipeline(whole_model(), 1, SAVED_HYPER, scheduler=False)
+    save_checkpoint(pipe, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        load_checkpoint(pipe, tmp_path / "ckpt", opt)

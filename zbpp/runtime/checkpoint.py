@@ -186,7 +186,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
       uninterrupted run draws (the new Pipeline's ``seed`` argument is overridden).
 
     Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks
-    raises (DCP's error names it); the checkpoint may hold more (other ranks' stages).
+    raises (DCP's error names it); the checkpoint may hold more (other ranks' stages). So does an
+    `optimizer` or `lr_scheduler` given for a checkpoint saved without one.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -197,6 +198,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     wanted: list[tuple[str, nn.Parameter, dict]] = []
     if optimizer is not None:
+        if not _saved(meta, "optimizer."):  # else the optimizer would silently keep its fresh state
+            raise ValueError(f"the checkpoint {path!r} holds no optimizer state (saved without optimizer=)")
         opt_state: dict[str, dict[str, Any]] = {}
         groups: dict[str, Any] = {}
         for names, p, group in _optimizer_params(optimizer, _param_names(mods)):
