@@ -179,6 +179,42 @@ def test_compiled_pipeline_checkpoint_keys_are_the_model_names(tmp_path: Path) -
         assert torch.equal(fresh.get_parameter(name), p), name
 
 
+def _grouped_adamw(net: torch.nn.Module, wd_of_biases: float | None, **kw) -> torch.optim.AdamW:
+    """AdamW with the weights decayed (0.1) and the biases in a group of their own with weight decay
+    `wd_of_biases`; None: one group for every parameter."""
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
+    if wd_of_biases is None:
+        return torch.optim.AdamW(weights + biases, weight_decay=0.1, **kw)
+    return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1},
+                              {"params": biases, "weight_decay": wd_of_biases}], **kw)
+
+
+def test_each_parameter_group_gets_its_saved_hyperparameters(tmp_path: Path) -> None:
+    """Saved with the biases in a group without weight decay: a new optimizer grouped alike gets
+    each group's saved values (weights 0.1, biases 0.0); one grouped otherwise, a group whose
+    parameters were saved with different values (here every parameter in one group), would get
+    whichever parameter came last (0.0: no weight decay at all, silently), so it raises, naming
+    the group, the key and two of its parameters."""
+    from zbpp.runtime import save_checkpoint
+
+    net = whole_model()
+    opt = _grouped_adamw(net, 0.0, lr=0.05)
+    loss_fn(net(batch(0)[0]), batch(0)[1]).backward()
+    opt.step()
+    save_checkpoint(net, tmp_path / "ckpt", opt)
+
+    fresh = whole_model(seed=3)
+    alike = _grouped_adamw(fresh, 0.5, lr=1.0)
+    load_checkpoint(fresh, tmp_path / "ckpt", alike)
+    assert [(g["weight_decay"], g["lr"]) for g in alike.param_groups] == [(0.1, 0.05), (0.0, 0.05)]
+
+    fresh = whole_model(seed=3)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] holds 'layers\.0\.weight' and 'layers\.0\.bias', "
+                                         r"saved with different 'weight_decay' \(0\.1 and 0\.0\)"):
+        load_checkpoint(fresh, tmp_path / "ckpt", _grouped_adamw(fresh, None, lr=1.0))
+
+
 def test_load_with_an_optimizer_needs_its_saved_state(tmp_path: Path) -> None:
     """A checkpoint saved without optimizer=, loaded with one: the optimizer would keep its fresh
     state and its own hyperparameters without a word (a resumed AdamW restarting its moments and

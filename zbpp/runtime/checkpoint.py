@@ -179,7 +179,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
       Parameter shared by a V placement's two stages convert into each other;
     - the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``, ... every key of a
       parameter group but ``params``): the checkpoint's win over the new optimizer's, as with
-      ``torch.optim.Optimizer.load_state_dict``. To change one on resume, set it after loading;
+      ``torch.optim.Optimizer.load_state_dict``. To change one on resume, set it after loading. A
+      group whose parameters were saved with different values (grouped otherwise) raises;
     - `lr_scheduler`'s state (``last_epoch``, ``base_lrs``, ...) when given and saved: the next
       ``lr_scheduler.step()`` sets the learning rate the uninterrupted run would have;
     - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
@@ -226,6 +227,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         m.load_state_dict({k: model_state[k] for k in m.state_dict()})
     if optimizer is not None:
         loaded = state["optimizer"]
+        _one_value_per_group(optimizer, wanted, loaded["param_groups"])
         for name, p, group in wanted:
             if name in loaded["state"]:
                 optimizer.state[p] = dict(loaded["state"][name])
@@ -236,6 +238,33 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     if restore_rng:
         model.rng_step = int(state["rng"]["step"])
         model._base_seed = int(state["rng"]["seed"])
+
+
+def _one_value_per_group(optimizer: torch.optim.Optimizer, wanted: list[tuple[str, nn.Parameter, dict]],
+                         saved: Mapping[str, Mapping[str, Any]]) -> None:
+    """Raise where two parameters of one of `optimizer`'s groups were saved with different values of
+    a hyperparameter: the group can take only one, and whichever came last would win unseen (the
+    optimizer is grouped otherwise than the saved one)."""
+    index = {id(g): i for i, g in enumerate(optimizer.param_groups)}
+    first: dict[int, tuple[str, Mapping[str, Any]]] = {}  # id(group) -> its first saved parameter, values
+    for name, _, group in wanted:
+        values = saved.get(name) or {}
+        if not values:
+            continue  # not in the saved optimizer: takes the group's values
+        other, theirs = first.setdefault(id(group), (name, values))
+        for key, value in values.items():
+            if key in theirs and not _same_value(theirs[key], value):
+                raise ValueError(
+                    f"the optimizer's param_groups[{index[id(group)]}] holds {other!r} and {name!r}, saved with "
+                    f"different {key!r} ({theirs[key]!r} and {value!r}): a group takes one value; group the "
+                    "parameters as the saved optimizer did"
+                )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
 
 
 def _saved(meta: Mapping[str, Any], prefix: str) -> bool:
