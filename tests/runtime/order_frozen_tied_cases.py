@@ -516,6 +516,25 @@ def check_reducer_with_the_tie() -> str:
     return ""
 
 
+def check_frozen_on_one_replica() -> str:
+    """2 replicas of a one-rank pipeline: replica 0 freezes the first layer's bias, replica 1 the
+    second's (as many elements), so their reducers' buckets differ by slot and the all-reduce adds
+    one replica's gradient of a layer into the other's of another (off by ~0.2, no error). Returns
+    the error the step raised on this rank ('' if none)."""
+    from zbpp.schedules import build
+
+    groups = ParallelGroups(pp=1)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Linear(4, 4, dtype=torch.float64))
+    net[groups.dp_rank].bias.requires_grad_(False)
+    pipe = Pipeline({0: net}, build("1f1b", num_ranks=1, num_microbatches=2), mse, groups=groups)
+    try:
+        pipe.step(torch.ones(4, 4, dtype=torch.float64), target=torch.zeros(4, 4, dtype=torch.float64))
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def check_wrong_on_one_rank(what: str) -> str:
     """Rank 1 passes wrong stage modules (``"stages"``: rank 0's stage 0 instead of its stage 1), a
     wrong tie (``"tie"``: a Parameter none of its stages holds), or a tie it froze alone

@@ -27,7 +27,8 @@ from zbpp.testing import DistributedTestError, Workers
 
 from .cases import make_schedule
 from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
-                        check_first_failure_named, check_reducer_with_the_tie, check_wrong_on_one_rank,
+                        check_first_failure_named, check_frozen_on_one_replica, check_reducer_with_the_tie,
+                        check_wrong_on_one_rank,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
 from .test_random_schedules import run_schedule_against_one_process
@@ -143,3 +144,13 @@ def test_a_tie_frozen_on_one_rank_only_raises_on_every_rank(zbpp_workers):
     want = "ValueError: tied parameter 'wte' is frozen (requires_grad=False) on global ranks [1] but trains on [0]"
     assert all(f"s {want}" in m for m in msgs), msgs
     assert all(float(m.split("s ", 1)[0]) < 10 for m in msgs), msgs
+
+
+def test_replicas_frozen_differently_raise_before_any_compute(zbpp_workers):
+    """Each replica froze another layer's bias: their gradients would be averaged slot by slot into
+    the wrong parameters; the start agreement sees the replicas' module states differ and every
+    rank raises, naming the pipeline rank and the replicas."""
+    msgs = zbpp_workers(2).run(check_frozen_on_one_replica)
+    want = ("ValueError: the data-parallel replicas of pipeline rank 0 hold their stages differently "
+            "(global ranks [[0], [1]] differ in some parameter's requires_grad")
+    assert all(m.startswith(want) for m in msgs), msgs

@@ -7,8 +7,10 @@ CPU can run ahead of the GPU across steps.
 - At the start, every rank contributes a `StartReport`: whether its part of the input was
   rejected, a hash of its module state, and, from the ranks holding the first and the last stage,
   the input's hash and row count and the target's row count, and its base seed (the random
-  streams of the F tasks derive from pipeline rank 0's: `zbpp.runtime.rng`). A rejected input, or a target whose
-  rows differ from the input's, raises on every rank before any compute.
+  streams of the F tasks derive from pipeline rank 0's: `zbpp.runtime.rng`). A rejected input, a target whose
+  rows differ from the input's, or data-parallel replicas whose module states differ (a parameter
+  frozen on one replica only: the reducers' buckets would pair other parameters' gradients) raise on
+  every rank before any compute.
   `decide_start` decides: the step's rows, seed and input signature (`StartDecision`). Under
   ``cuda_graphs="auto"`` a rank whose trial of a signature just ended also reports the slowest
   eager and the fastest replayed step it timed, and the decision carries the form every rank takes
@@ -201,6 +203,20 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
             f"global rank {bad[0][0]} rejected its part of the step's input ({bad[0][1]}); "
             f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
         )
+    # the reducers pair the replicas' gradients slot by slot; only where every pipeline is a
+    # data-parallel replica (a mesh's other dimensions, tensor parallelism, may hold other modules)
+    positions = range(topology.pp_size) if len(topology.pipelines) == topology.dp_size > 1 else range(0)
+    for position in positions:
+        line = [pipeline[position] for pipeline in topology.pipelines]
+        alike: dict[int, list[int]] = {}
+        for g in line:
+            alike.setdefault(reports[topology.world.index(g)].state_hash, []).append(g)
+        if len(alike) > 1:
+            raise ValueError(
+                f"the data-parallel replicas of pipeline rank {position} hold their stages differently (global ranks "
+                f"{list(alike.values())} differ in some parameter's requires_grad or some module's train/eval mode): "
+                "freeze parameters and set modes alike on every replica. Nothing was computed"
+            )
     first_rank, last_rank = schedule.rank_of(0), schedule.rank_of(schedule.num_stages - 1)
     for pipeline in topology.pipelines:  # every replica's, so that every rank of the job raises
         n_in = reports[topology.world.index(pipeline[first_rank])].input_rows
