@@ -359,6 +359,47 @@ def test_dtype_mismatch_names_both_dtypes():
         Linear(4, 4)(torch.randn(2, 4, dtype=torch.bfloat16))
 
 
+def _weight_normed(layer: nn.Module, how: str) -> nn.Module:
+    if how == "parametrize":
+        torch.nn.utils.parametrizations.weight_norm(layer)
+    else:  # the older hook form: `weight` is recomputed by a forward pre-hook
+        torch.nn.utils.weight_norm(layer)
+    return layer
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.* is deprecated:FutureWarning")
+@pytest.mark.parametrize("how", ["parametrize", "hook"])
+def test_computed_weight_is_refused_by_a_delayed_layer(how):
+    """A weight computed in the forward (weight_norm as a parametrization or as its hook) is no
+    leaf: W would write its gradient into that tensor's ``.grad``, which nothing reads, and the
+    parameters it is computed from would get none. A delayed layer refuses it, naming it; an eager
+    one lets autograd carry dW back to them, as nn.Linear does (float64, rtol 1e-12: the same
+    products, summed by different GEMM calls); with those parameters frozen nothing is owed."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    ref = nn.Linear(4, 3, dtype=torch.float64)
+    layers = {}
+    for delay in (False, True):
+        layer = Linear(4, 3, delay_wgrad_compute=delay, params_dtype=torch.float64)
+        layer.load_state_dict(ref.state_dict())
+        layers[delay] = _weight_normed(layer, how)
+    _weight_normed(ref, how)
+    ref(x).square().sum().backward()
+    layers[False](x).square().sum().backward()
+    for (n, p), q in zip(ref.named_parameters(), layers[False].parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=0, msg=n)
+    with pytest.raises(TypeError, match=r"Linear\.weight is computed in the forward"):
+        with microbatch(0):
+            layers[True](x)
+    assert layers[True].pending_wgrad_keys() == []
+    for n, p in layers[True].named_parameters():
+        p.requires_grad_(n == "bias")
+    with microbatch(1):
+        layers[True](x).square().sum().backward()
+    layers[True].backward_dw(1)
+    torch.testing.assert_close(layers[True].bias.grad, ref.bias.grad, rtol=1e-12, atol=0)
+
+
 def test_megatron_style_dummy_grad_with_fused_accumulation():
     """TE's convention: a weight with `grad_added_to_main_grad` is flagged and its hooks fire."""
     layer = Linear(4, 4, fuse_wgrad_accumulation=True)

@@ -201,8 +201,30 @@ class DelayedWgradModule(nn.Module):
         registered as None), read from ``_parameters`` without ``nn.Module.__getattr__``."""
         try:
             return self._read_forward_params(self._parameters)
-        except KeyError:  # one moved behind a property (torch.nn.utils.parametrize)
-            return tuple(getattr(self, name) for name in self._forward_param_names)
+        except KeyError:  # one moved behind a property (torch.nn.utils.parametrize) or a hook
+            params = tuple(getattr(self, name) for name in self._forward_param_names)
+            if self._delay:
+                self._check_deferred_leaves(params)
+            return params
+
+    def _check_deferred_leaves(self, params: tuple[torch.Tensor | None, ...]) -> None:
+        """Raise when a parameter whose gradient W computes is a tensor computed in the forward.
+
+        W adds into ``.grad`` of the very tensor the forward read: for one computed from other
+        parameters (a parametrization, weight_norm's hook) nothing reads it, and they get nothing.
+        """
+        deferred = {w for _, w, _ in self._gemm_names}
+        if self._bias_grad_deferred:  # in FP8 the biases are autograd inputs: their graph runs
+            deferred.update(b for _, _, b in self._gemm_names)
+        for name, p in zip(self._forward_param_names, params):
+            if name in deferred and p is not None and p.requires_grad and not p.is_leaf:
+                raise TypeError(
+                    f"{type(self).__name__}.{name} is computed in the forward (by "
+                    f"{type(p.grad_fn).__name__}, e.g. torch.nn.utils.parametrize or weight_norm), "
+                    "not a Parameter: with delay_wgrad_compute=True its gradient would never reach "
+                    "the parameters it is computed from. Use delay_wgrad_compute=False for this "
+                    "layer (or leave it out of delay_wgrad with module_filter_fn)"
+                )
 
     def _gemm_weights(self) -> list[nn.Parameter]:
         return [getattr(self, w) for _, w, _ in self._gemm_names]
