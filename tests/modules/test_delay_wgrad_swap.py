@@ -210,6 +210,33 @@ def test_linear_subclasses_are_left_alone():
     assert type(model[0]) is Scaled and isinstance(model[1], Linear)
 
 
+@pytest.mark.filterwarnings("ignore:.*weight_norm.* is deprecated:FutureWarning")
+def test_linears_with_hook_computed_weights_are_left_alone():
+    """torch.nn.utils.weight_norm and spectral_norm (hook forms) keep an nn.Linear whose
+    ``weight`` is recomputed by a forward pre-hook from other parameters (weight_g and weight_v,
+    weight_orig): W could not give those a gradient, so such layers stay as they are, and every
+    gradient equals the same model's before the swap (float64, rtol 1e-12 as above)."""
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+        torch.nn.utils.weight_norm(m[0])
+        torch.nn.utils.spectral_norm(m[2])
+        return m.double().eval()  # eval: spectral_norm's power iteration leaves u as it is
+
+    ref, swapped = model(), model()
+    delay_wgrad(swapped)
+    assert [type(m) for m in swapped[::2]] == [nn.Linear, nn.Linear, Linear]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    ref(x).square().sum().backward()
+    with microbatch(0):
+        swapped(x).square().sum().backward()
+    run_w(swapped, 0)
+    for (n, p), q in zip(ref.named_parameters(), swapped.parameters()):
+        assert q.grad is not None, n
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14, msg=n)
+
+
 def test_bad_input_is_named():
     with pytest.raises(TypeError, match="model is a str, not a torch.nn.Module"):
         delay_wgrad("model")

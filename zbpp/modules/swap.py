@@ -36,7 +36,9 @@ def delay_wgrad(
       each candidate with its fully qualified name in `model` ("" for `model` itself); only those
       for which it returns True are converted.
     - Candidates are the modules whose type is exactly ``nn.Linear`` (a subclass may compute
-      something else in its forward and is left alone) and, with `transposed=True`, the layers
+      something else in its forward and is left alone; so is a layer whose ``weight`` is recomputed
+      from other parameters by a hook, as ``torch.nn.utils.weight_norm`` and ``spectral_norm``
+      do: W could not give those parameters a gradient) and, with `transposed=True`, the layers
       that store their weight as [in, out] and compute ``x W + b``, such as Hugging Face's
       ``Conv1D`` (GPT-2): recognised by an ``nf`` attribute (out features), a 2-D ``weight`` of
       shape [in, nf], a ``bias`` of shape [nf] or None, and no submodules. Their weight stays
@@ -102,7 +104,7 @@ def _layout(module: nn.Module, transposed: bool, linear_like: tuple[type, ...] =
     """"out_in" for an ``nn.Linear`` (or one of `linear_like`), "in_out" for a transposed-weight
     linear layer (when `transposed`), None for anything else."""
     if type(module) is nn.Linear or type(module) in linear_like:
-        return "out_in"
+        return "out_in" if _own_params(module) else None
     if not transposed or isinstance(module, DelayedWgradModule):
         return None
     nf = getattr(module, "nf", None)
@@ -110,7 +112,7 @@ def _layout(module: nn.Module, transposed: bool, linear_like: tuple[type, ...] =
     bias = module._parameters.get("bias")
     if (
         isinstance(nf, int)
-        and weight is not None
+        and _own_params(module)
         and weight.dim() == 2
         and weight.shape[1] == nf
         and (bias is None or tuple(bias.shape) == (nf,))
@@ -119,6 +121,14 @@ def _layout(module: nn.Module, transposed: bool, linear_like: tuple[type, ...] =
     ):
         return "in_out"
     return None
+
+
+def _own_params(module: nn.Module) -> bool:
+    """Whether `module`'s ``weight`` (and ``bias``, if any) are its registered Parameters, not
+    tensors recomputed from others by a hook (``torch.nn.utils.weight_norm``, ``spectral_norm``):
+    W writes into ``.grad`` of what the forward reads, which such a tensor would swallow."""
+    params = module._parameters
+    return params.get("weight") is not None and ("bias" in params or getattr(module, "bias", None) is None)
 
 
 def _convert(module: nn.Module, transposed: bool) -> None:
