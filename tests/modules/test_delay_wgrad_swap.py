@@ -237,6 +237,26 @@ def test_linears_with_hook_computed_weights_are_left_alone():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14, msg=n)
 
 
+def test_errors_name_the_converted_layer_by_its_path():
+    """A converted layer's errors name it by its path in the model (there may be hundreds of
+    Linears), a Conv1D too, not by zbpp's class; under torch.autocast (which zbpp's layers do not
+    follow) the dtype error says so."""
+    model = nn.Sequential()
+    model.add_module("enc", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    delay_wgrad(model)
+    with pytest.raises(TypeError, match=r"^enc\.0\.weight: input dtype torch\.float64"):
+        model(torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^enc\.1\.weight: input has 3 features"):
+        model.enc[1](torch.randn(2, 3))
+    with pytest.raises(TypeError, match=r"^enc\.1\.weight: .*torch\.autocast is on"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 4))
+    conv = gpt2()
+    delay_wgrad(conv, transposed=True)
+    with pytest.raises(ValueError, match=r"^transformer\.h\.0\.attn\.c_attn\.weight: input has 3"):
+        conv.transformer.h[0].attn.c_attn(torch.randn(2, 3, dtype=torch.float64))
+
+
 def test_bad_input_is_named():
     with pytest.raises(TypeError, match="model is a str, not a torch.nn.Module"):
         delay_wgrad("model")

@@ -277,9 +277,13 @@ def _check_input(x: torch.Tensor, fc1: GemmCall) -> None:
     """Raise the error that says how `x` does not fit `fc1`'s weight."""
     weight = fc1.weight
     if x.dtype != weight.dtype:
+        # autocast casts an earlier op's output, but not zbpp's layers' parameters
+        hint = (" (torch.autocast is on, which zbpp's layers do not follow: run them outside it, "
+                "with parameters of the compute dtype)"
+                if torch.is_autocast_enabled(x.device.type) else "")
         raise TypeError(
             f"{fc1.weight_name}: input dtype {x.dtype} differs from the parameters' "
-            f"{weight.dtype}; cast the input or build the module with params_dtype={x.dtype}"
+            f"{weight.dtype}{hint}; cast the input or build the module with params_dtype={x.dtype}"
         )
     features = weight.shape[0 if fc1.transposed else 1]
     if x.shape[-1] != features:

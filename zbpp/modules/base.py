@@ -213,13 +213,13 @@ class DelayedWgradModule(nn.Module):
         W adds into ``.grad`` of the very tensor the forward read: for one computed from other
         parameters (a parametrization, weight_norm's hook) nothing reads it, and they get nothing.
         """
-        deferred = {w for _, w, _ in self._gemm_names}
+        deferred = {w: wl for (_, w, _), (wl, _) in zip(self._gemm_names, self._gemm_labels)}
         if self._bias_grad_deferred:  # in FP8 the biases are autograd inputs: their graph runs
-            deferred.update(b for _, _, b in self._gemm_names)
+            deferred.update((b, bl) for (_, _, b), (_, bl) in zip(self._gemm_names, self._gemm_labels))
         for name, p in zip(self._forward_param_names, params):
             if name in deferred and p is not None and p.requires_grad and not p.is_leaf:
                 raise TypeError(
-                    f"{type(self).__name__}.{name} is computed in the forward (by "
+                    f"{deferred[name]} is computed in the forward (by "
                     f"{type(p.grad_fn).__name__}, e.g. torch.nn.utils.parametrize or weight_norm), "
                     "not a Parameter: with delay_wgrad_compute=True its gradient would never reach "
                     "the parameters it is computed from. Use delay_wgrad_compute=False for this "

@@ -94,9 +94,9 @@ def delay_wgrad(
             continue
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
             continue
-        chosen.append((module, layout))
-    for module, layout in chosen:  # decided first: the filter sees the modules as they were
-        _convert(module, layout == "in_out")
+        chosen.append((module, layout, fqn))
+    for module, layout, fqn in chosen:  # decided first: the filter sees the modules as they were
+        _convert(module, layout == "in_out", fqn)
     return model
 
 
@@ -131,9 +131,10 @@ def _own_params(module: nn.Module) -> bool:
     return params.get("weight") is not None and ("bias" in params or getattr(module, "bias", None) is None)
 
 
-def _convert(module: nn.Module, transposed: bool) -> None:
+def _convert(module: nn.Module, transposed: bool, fqn: str = "") -> None:
     """Give `module` (an nn.Linear or a transposed-weight linear layer) `Linear`'s class and state,
-    keeping its object, parameters, hooks, buffers and flags."""
+    keeping its object, parameters, hooks, buffers and flags; its errors name it by `fqn`, its
+    path in the model (one of many alike), where it has one."""
     weight = module.weight
     bias = module._parameters.get("bias")
     in_features, out_features = weight.shape if transposed else weight.shape[::-1]
@@ -144,6 +145,8 @@ def _convert(module: nn.Module, transposed: bool) -> None:
         module.register_parameter("bias", None)
     module._param_settings = None
     module._init_protocol(delay_wgrad_compute=True, fuse_wgrad_accumulation=False)
+    if fqn:
+        module._gemm_labels = ((f"{fqn}.weight", f"{fqn}.bias"),)
     module._sync_param_flags()
 
 
