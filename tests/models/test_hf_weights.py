@@ -54,13 +54,15 @@ def _family_configs() -> dict[str, object]:
         "mixtral": transformers.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": transformers.Qwen2MoeConfig(**small, moe_intermediate_size=8, shared_expert_intermediate_size=8,
                                                  num_experts=4, num_experts_per_tok=2),
+        # 12 experts: by name "experts.10" sorts before "experts.2"; the fused tensor must stack them by number
+        "olmoe": transformers.OlmoeConfig(**small, num_experts=12, num_experts_per_tok=2),
     }
 
 
-@pytest.mark.parametrize("kind", ["gemma", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["gemma", "mixtral", "qwen2_moe", "olmoe"])
 def test_checkpoint_names_map_to_the_model_both_ways(kind: str, tmp_path: Path) -> None:
-    """HF writes MoE experts one tensor each and the model fuses them (its conversion mapping); a
-    Gemma checkpoint has no LM head (tied). Reading by model name gives the model's own tensors, and
+    """HF writes MoE experts one tensor each and the model fuses them (its conversion mapping), in
+    expert order (OLMoE's 12: more than 10); a Gemma checkpoint has no LM head (tied). Reading by model name gives the model's own tensors, and
     `save_pretrained` of a one-rank Pipeline over the model writes what ``from_pretrained`` loads
     back exactly (no pipeline maths here: the names and conversions only)."""
     from zbpp import Pipeline

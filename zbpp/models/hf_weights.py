@@ -153,7 +153,7 @@ def _model_names(config: Any, keys: list[str]) -> tuple[dict[str, list[tuple[str
     [(checkpoint key, source pattern)]}``, ``{model name: converter}`` for converted weights, and the
     meta model. A tied weight absent from the checkpoint gets its tie's source."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     model = _meta_model(config)
     wanted = {n: True for n in model.state_dict()}
@@ -164,7 +164,9 @@ def _model_names(config: Any, keys: list[str]) -> tuple[dict[str, list[tuple[str
     prefix = getattr(model, "base_model_prefix", None)
     sources: dict[str, list[tuple[str, str]]] = {}
     converted: dict[str, Any] = {}
-    for key in keys:
+    # in HF's order: a converter merges its sources as they come, so experts 0, 1, 2, ..., 10 (not 0, 1, 10, 2 as
+    # the index and safetensors list them)
+    for key in sorted(keys, key=dot_natural_key):
         name, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
         if name not in wanted and key in wanted:
             name, pattern = key, None
