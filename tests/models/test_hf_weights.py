@@ -90,6 +90,34 @@ def test_checkpoint_names_map_to_the_model_both_ways(kind: str, tmp_path: Path) 
         assert torch.equal(back.state_dict()[name], t), name
 
 
+def test_weights_kept_in_float32_load_unrounded(tmp_path: Path) -> None:
+    """GLM-4-MoE keeps its router (``gate.weight``, ``e_score_correction_bias``) in float32 in a
+    bfloat16 model (``_keep_in_fp32_modules_strict``): a bfloat16 checkpoint holds them in float32,
+    and the stages must load them as ``from_pretrained`` does, not rounded through bfloat16. Exact:
+    both only read and cast the same tensors."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    config = transformers.Glm4MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, n_routed_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=8, first_k_dense_replace=1,
+                                        n_group=1, topk_group=1, n_shared_experts=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    with torch.no_grad():
+        bias.normal_()  # zeros at init: bfloat16 would round nothing
+    assert bias.dtype == torch.float32
+    model.save_pretrained(tmp_path)
+
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    stages, _ = causal_lm_stages(tmp_path, build("1f1b", num_ranks=1, num_microbatches=1), 0, device="cpu")
+    got = stages[0].state_dict()
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
 def test_base_model_checkpoint_loads_into_the_lm(tmp_path: Path) -> None:
     """A checkpoint of the base model (GPT-2's original names: ``h.0...``, ``wte.weight``, no
     ``transformer.`` prefix and no head) maps onto the LM's names as ``from_pretrained`` maps it, the

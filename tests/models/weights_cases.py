@@ -69,9 +69,9 @@ def pipeline_step(src: str, out: str, schedule: str) -> dict[str, Any]:
     read: list[str] = []
     original = hf_weights.SafetensorsWeights._read
 
-    def logged(self: Any, key: str) -> torch.Tensor:
+    def logged(self: Any, key: str, *rest: Any) -> torch.Tensor:
         read.append(key)
-        return original(self, key)
+        return original(self, key, *rest)
 
     sched = build(schedule, num_ranks=dist.get_world_size(), num_microbatches=M)
     hf_weights.SafetensorsWeights._read = logged

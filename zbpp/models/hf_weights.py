@@ -78,7 +78,9 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
     """The weights of a HF directory by the model's parameter names, each read from its safetensors
-    file when asked for (``safe_open``, one tensor), onto `device` in `dtype` (floating tensors).
+    file when asked for (``safe_open``, one tensor), onto `device`; a floating tensor in the dtype the
+    model built in `dtype` gives it (`dtype`, or float32 where the family keeps a weight in float32,
+    as a router in ``_keep_in_fp32_modules_strict``); without `dtype`, in the checkpoint's.
 
     Keys are the names of the model built from `config`; a name asked for twice is read twice (the
     mapping keeps nothing). ``len`` and iteration list the names the checkpoint provides.
@@ -90,30 +92,33 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype = dtype
         self._files = _tensor_files(self.root)  # checkpoint key -> file
-        self._sources, self._converters, self._model = _model_names(config, list(self._files))
+        self._sources, self._converters, self._model = _model_names(config, list(self._files), dtype)
+        # each name's dtype in the model built in `dtype`: a weight kept in float32 is not rounded on the way
+        self._dtypes = {n: t.dtype for n, t in self._model.state_dict().items()} if dtype is not None else {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._sources:
             raise KeyError(name)
         sources = self._sources[name]
+        dtype = self._dtypes.get(name)
         pattern = self._converters.get(name)
         if pattern is None:
-            return self._read(sources[0][0])
+            return self._read(sources[0][0], dtype)
         # a converted weight (e.g. one fused tensor of every expert): HF's own converter builds it
         converter = copy.deepcopy(pattern)
         for key, source_pattern in sources:
-            converter.add_tensor(name, key, source_pattern, self._read(key))
+            converter.add_tensor(name, key, source_pattern, self._read(key, dtype))
         out = converter.convert(name, model=self._model, config=self._model.config)
         value = out[name]
         return value[0] if isinstance(value, list) else value
 
-    def _read(self, key: str) -> torch.Tensor:
+    def _read(self, key: str, dtype: torch.dtype | None) -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(self.root / self._files[key], framework="pt", device=str(self.device)) as f:
             t = f.get_tensor(key)
-        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
-            t = t.to(self.dtype)
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
         return t
 
     def __contains__(self, name: object) -> bool:
@@ -140,22 +145,23 @@ def _tensor_files(root: Path) -> dict[str, str]:
                             "reads safetensors checkpoints as save_pretrained writes them")
 
 
-def _meta_model(config: Any) -> nn.Module:
+def _meta_model(config: Any, dtype: torch.dtype | None = None) -> nn.Module:
     import transformers
 
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
 
 
-def _model_names(config: Any, keys: list[str]) -> tuple[dict[str, list[tuple[str, str]]], dict[str, Any], nn.Module]:
+def _model_names(config: Any, keys: list[str], dtype: torch.dtype | None = None
+                 ) -> tuple[dict[str, list[tuple[str, str]]], dict[str, Any], nn.Module]:
     """Map checkpoint keys to the model's names as ``from_pretrained`` does: the family's renames,
     then at most one converter, then the base-model prefix added or removed. Returns ``{model name:
     [(checkpoint key, source pattern)]}``, ``{model name: converter}`` for converted weights, and the
-    meta model. A tied weight absent from the checkpoint gets its tie's source."""
+    meta model (built in `dtype`). A tied weight absent from the checkpoint gets its tie's source."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-    model = _meta_model(config)
+    model = _meta_model(config, dtype)
     wanted = {n: True for n in model.state_dict()}
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
