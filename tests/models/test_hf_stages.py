@@ -80,6 +80,35 @@ def test_explicit_fqns_and_position_ids():
     torch.testing.assert_close(h, ref(input_ids=ids, position_ids=pos).logits, **TOL)
 
 
+_EMBED, _NORM, _HEAD = "model.embed_tokens", "model.norm", "lm_head"
+_L = [f"model.layers.{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("fqns,named", [
+    # the final norm on the first stage: it must run after layer 3, which a later stage holds
+    ([[_EMBED, _L[0], _L[1], _NORM], [_L[2], _L[3], _HEAD]], "model.norm"),
+    # stage 2 holds layer 1, which must run before stage 1's layers 2 and 3
+    ([[_EMBED, _L[0]], [_L[2], _L[3]], [_L[1], _NORM, _HEAD]], "model.layers.1"),
+])
+def test_explicit_fqns_out_of_model_order_are_refused(fqns, named):
+    """Stages given in an order the model's forward cannot run in would compute another model (the
+    norm skipped, the layers reordered: logits off HF's by ~0.05-0.3): refused, naming the module."""
+    cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    sched = build("1f1b", num_ranks=len(fqns), num_microbatches=1)
+    ids = torch.randint(1, 40, (2, 6))
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        stages = {}
+        for r in range(len(fqns)):
+            mine, _ = causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="eager",
+                                       state_dict=ref.state_dict(), module_fqns_per_stage=fqns, device="cpu")
+            stages.update(mine)
+        x = {"input_ids": ids}
+        for s in range(len(fqns)):
+            x = stages[s](**x)
+
+
 def test_loss_and_weight():
     loss = CausalLMLoss()
     logits = torch.randn(2, 4, 5, dtype=torch.float64)

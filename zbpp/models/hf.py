@@ -212,6 +212,7 @@ def causal_lm_stages(
     else:  # modules without parameters (rotary embeddings, dropout) go to every stage, as fqns_per_stage does
         free = [f for f in _parameter_free(model, template.blocks) if not any(f in names for names in fqns)]
         fqns = [list(names) + free for names in fqns]
+    _check_layer_order(fqns, template)
     stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
                                    state_dict=state_dict, seed=seed)
     last = schedule.num_stages - 1
@@ -225,6 +226,21 @@ def causal_lm_stages(
 
         kwargs.update(fast_hf_stages(modules, fast=fast, fp8=fp8, loss_fn=loss))
     return modules, kwargs
+
+
+def _check_layer_order(fqns: Sequence[Sequence[str]], template: Template) -> None:
+    """Stage s's decoder layers all come after stage s-1's: a stage runs its layers where the model's
+    forward reaches them, so layers listed out of order would run reordered, silently."""
+    prefix = template.blocks + "."
+    before: tuple[int, int] | None = None  # (stage, its last layer)
+    for s, names in enumerate(fqns):
+        layers = sorted({int(f[len(prefix):].split(".")[0]) for f in names if f.startswith(prefix)})
+        if not layers:
+            continue
+        if before is not None and layers[0] <= before[1]:
+            raise ValueError(f"module_fqns_per_stage[{s}] holds {prefix}{layers[0]}, which the model runs before "
+                             f"{prefix}{before[1]} of stage {before[0]}: stages hold the decoder layers in model order")
+        before = (s, layers[-1])
 
 
 def _pretrained(path: Any, state_dict: Any, device: Any, dtype: torch.dtype | None) -> tuple[Any, Any, torch.dtype]:
@@ -362,6 +378,7 @@ class _StageSpec:
     routes: bool  # some held layer records router logits that the router auxiliary loss takes
     absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name) not held
     skips: list[nn.Module] = field(default_factory=list)  # a stand-in per layer position
+    standins: list[nn.Module] = field(default_factory=list)  # an `_Absent` per entry of `absent`
 
 
 class _Skip(nn.Module):
@@ -384,12 +401,15 @@ class _Skip(nn.Module):
 
 
 class _Absent(nn.Module):
-    """A module of the model this stage does not hold: before the stage's layers (a later stage's
-    embedding side) it returns the placeholder embeddings, after them (a norm) its input."""
+    """The module `fqn` of the model, which this stage does not hold: before the stage's layers (a
+    later stage's embedding side) it returns the placeholder embeddings, after them (a norm on a stage
+    whose output is its last layer's) its input. Called after the layers on the last stage, whose
+    output it would change, it raises: that stage must hold it."""
 
-    def __init__(self, stage: nn.Module) -> None:
+    def __init__(self, stage: nn.Module, fqn: str) -> None:
         super().__init__()
         object.__setattr__(self, "_stage", stage)
+        self.fqn = fqn
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -410,9 +430,12 @@ class _Absent(nn.Module):
         call = self._stage._zbpp_call
         if call.before_layers:
             if call.placeholder is None:
-                raise RuntimeError("the model's forward called a module that its first stage does not hold before "
-                                   "the decoder layers")
+                raise RuntimeError(f"the model's forward called {self.fqn}, which its first stage does not hold, "
+                                   "before the decoder layers")
             return call.placeholder
+        if self._stage._zbpp_stage_spec.last:  # its output is the logits': skipping it would be silently wrong
+            raise ValueError(f"the last stage does not hold {self.fqn}, which the model's forward calls after the "
+                             "decoder layers: list it in the last stage's module_fqns_per_stage")
         return args[0] if args else next(iter(kwargs.values()))
 
 
@@ -494,9 +517,8 @@ class _CausalLMStage:
             hooks.append(full[str(spec.hi - 1)].register_forward_hook(leave))
         parents = [(self.get_submodule(p) if p else self, n) for p, n in spec.absent]  # type: ignore[attr-defined]
         container._modules = full  # type: ignore[assignment]
-        absent = _Absent(self)  # type: ignore[arg-type]
-        for parent, n in parents:
-            parent._modules[n] = absent
+        for (parent, n), standin in zip(parents, spec.standins):
+            parent._modules[n] = standin
         try:
             yield
         finally:
@@ -656,6 +678,7 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
         tuple_out = _layers_return_tuple(model, template)
     spec = _StageSpec(template, first, last, cls.forward, lo, hi, tuple_out, routes, absent)
     spec.skips = [_Skip(pruned, i) for i in range(n)]
+    spec.standins = [_Absent(pruned, f"{p}.{c}" if p else c) for p, c in absent]
     object.__setattr__(pruned, "_zbpp_stage_spec", spec)
     object.__setattr__(pruned, "_zbpp_call", None)
     return pruned
