@@ -118,6 +118,36 @@ def test_weights_kept_in_float32_load_unrounded(tmp_path: Path) -> None:
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
+def test_a_tied_head_present_with_its_own_values_is_untied_as_hf_does(tmp_path: Path) -> None:
+    """A config that ties the LM head to the embedding, with a checkpoint that holds both tensors with
+    different values: ``from_pretrained`` does not tie them (it warns) and each keeps its own. The
+    stages must compute HF's logits, not put the embedding in the head. Float64, the same operations
+    in the same order: 1e-12."""
+    from safetensors.torch import load_file, save_file
+
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("qwen2"), dtype=torch.float64)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in tensors  # HF writes a tied weight once
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert ref.lm_head.weight is not ref.model.embed_tokens.weight
+    ids = torch.randint(0, 48, (2, 6))
+    sched = build("1f1b", num_ranks=2, num_microbatches=1)
+    stages: dict = {}
+    with pytest.warns(UserWarning, match="lm_head.weight"):
+        for r in range(2):
+            stages.update(causal_lm_stages(tmp_path, sched, r, device="cpu", attn_implementation="eager")[0])
+    torch.testing.assert_close(stages[1](**stages[0](input_ids=ids)), ref(input_ids=ids).logits, rtol=1e-12,
+                               atol=1e-12)
+
+
 def test_base_model_checkpoint_loads_into_the_lm(tmp_path: Path) -> None:
     """A checkpoint of the base model (GPT-2's original names: ``h.0...``, ``wte.weight``, no
     ``transformer.`` prefix and no head) maps onto the LM's names as ``from_pretrained`` maps it, the

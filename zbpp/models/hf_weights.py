@@ -7,8 +7,9 @@ for it, straight to the rank's device and dtype. `zbpp.models.hf.causal_lm_stage
 `pipeline_stages` as ``state_dict``, which asks for the names this rank's stages hold and nothing
 else: no process builds or reads the whole model. The checkpoint's names are mapped to the model's
 as ``from_pretrained`` maps them (HF's conversion mapping of the family: renames, the base-model
-prefix of checkpoints saved without the head, per-expert tensors merged for fused MoE layers), and a
-tied LM head missing from the checkpoint takes the embedding's tensor.
+prefix of checkpoints saved without the head, per-expert tensors merged for fused MoE layers), a
+tied LM head missing from the checkpoint takes the embedding's tensor, and one the checkpoint holds
+with values of its own is untied (`pretrained`).
 
 Host memory: a rank holds its own stages and one tensor in flight. Measured by
 ``benchmarks/bench_pretrained_load.py`` (a 439 MB float32 Llama, hidden 1024, 6 layers, vocabulary
@@ -46,6 +47,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -63,7 +65,9 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
                dtype: torch.dtype | None = None) -> tuple[Any, "SafetensorsWeights", torch.dtype]:
     """The config of the HF directory `path`, its weights as a lazy mapping, and the dtype to build
     the model in: `dtype`, else the checkpoint's (``config.dtype``, as ``from_pretrained`` with
-    ``dtype="auto"``), else float32."""
+    ``dtype="auto"``), else float32. A config that ties the LM head to the embedding while the
+    checkpoint holds both with different values comes back untied (``tie_word_embeddings=False``,
+    with a warning), as ``from_pretrained`` loads it: each keeps its own tensor."""
     import transformers
 
     root = Path(path)
@@ -73,7 +77,18 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
     if dtype is None:
         saved = getattr(config, "dtype", None)
         dtype = saved if isinstance(saved, torch.dtype) else getattr(torch, saved) if isinstance(saved, str) else torch.float32
-    return config, SafetensorsWeights(root, config, device=device, dtype=dtype), dtype
+    weights = SafetensorsWeights(root, config, device=device, dtype=dtype)
+    differ = _ties_the_checkpoint_breaks(weights)
+    if differ:
+        warnings.warn(f"the config ties {differ}, but {os.fspath(path)!r} holds each of them with different values: "
+                      "they are not tied, as from_pretrained loads them (set tie_word_embeddings=False in its "
+                      "config.json to silence this)", stacklevel=2)
+        config.tie_word_embeddings = False
+        weights = SafetensorsWeights(root, config, device=device, dtype=dtype)
+        if _ties_the_checkpoint_breaks(weights):  # tied by something other than the flag: one would be lost
+            raise ValueError(f"{type(weights._model).__name__} ties {differ} whatever tie_word_embeddings says, but "
+                             f"{os.fspath(path)!r} holds them with different values")
+    return config, weights, dtype
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
@@ -129,6 +144,19 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._sources)
+
+
+def _ties_the_checkpoint_breaks(weights: SafetensorsWeights) -> list[str]:
+    """The names of the first tie group whose members the checkpoint holds under keys of their own
+    with different values (``from_pretrained`` leaves such a tie undone); reads those tensors."""
+    for names in _tie_groups(weights._model):
+        own = [n for n in names if n in weights._sources]
+        if len({tuple(weights._sources[n]) for n in own}) < 2:  # one source: filled in for the others
+            continue
+        first = weights[own[0]]
+        if any(not torch.equal(weights[n], first) for n in own[1:]):
+            return own
+    return []
 
 
 def _tensor_files(root: Path) -> dict[str, str]:
