@@ -148,6 +148,33 @@ def test_a_tied_head_present_with_its_own_values_is_untied_as_hf_does(tmp_path: 
                                atol=1e-12)
 
 
+def test_a_directory_saved_again_unsharded_reads_as_hf_reads_it(tmp_path: Path) -> None:
+    """Saving into a directory that holds an earlier sharded save leaves its index and shards beside
+    the new ``model.safetensors`` (HF's save_pretrained leaves the index too). ``from_pretrained``
+    reads ``model.safetensors`` first; so must the stages, or they train the earlier weights."""
+    from zbpp import Pipeline
+    from zbpp.models.hf import save_pretrained
+    from zbpp.models.hf_weights import SafetensorsWeights
+    from zbpp.schedules import build
+
+    cfg = config("llama")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    pipe = Pipeline({0: model}, build("1f1b", num_ranks=1, num_microbatches=1), loss_fn=lambda out, y: out)
+    save_pretrained(pipe, tmp_path, max_shard_size="8KB")  # the earlier save, in shards
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    save_pretrained(pipe, tmp_path)  # the new one, one file
+    assert (tmp_path / "model.safetensors.index.json").is_file() and (tmp_path / "model.safetensors").is_file()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    weights = SafetensorsWeights(tmp_path, cfg)
+    for name, t in model.state_dict().items():
+        assert torch.equal(hf[name], t), name  # what HF reads: the new weights
+        assert torch.equal(weights[name], t), name
+
+
 def test_base_model_checkpoint_loads_into_the_lm(tmp_path: Path) -> None:
     """A checkpoint of the base model (GPT-2's original names: ``h.0...``, ``wte.weight``, no
     ``transformer.`` prefix and no head) maps onto the LM's names as ``from_pretrained`` maps it, the

@@ -160,14 +160,15 @@ def _ties_the_checkpoint_breaks(weights: SafetensorsWeights) -> list[str]:
 
 
 def _tensor_files(root: Path) -> dict[str, str]:
-    """Checkpoint key -> the safetensors file (relative to `root`) that holds it."""
-    if (root / _INDEX).is_file():
-        return dict(json.loads((root / _INDEX).read_text())["weight_map"])
+    """Checkpoint key -> the safetensors file (relative to `root`) that holds it. The single file
+    first, as ``from_pretrained`` looks: beside it an index is one left by an earlier sharded save."""
     if (root / _SINGLE).is_file():
         from safetensors import safe_open
 
         with safe_open(root / _SINGLE, framework="pt") as f:
             return {k: _SINGLE for k in f.keys()}
+    if (root / _INDEX).is_file():
+        return dict(json.loads((root / _INDEX).read_text())["weight_map"])
     found = sorted(p.name for p in root.iterdir())
     raise FileNotFoundError(f"{os.fspath(root)!r} holds neither {_SINGLE} nor {_INDEX} (found {found[:10]}): zbpp "
                             "reads safetensors checkpoints as save_pretrained writes them")
