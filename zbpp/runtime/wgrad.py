@@ -10,7 +10,8 @@ Two adapters:
 - `KeyedWgrad`: ``backward_dw(key)`` names the microbatch. zbpp layers (and any ``backward_dw`` that
   takes an argument) file each pending wgrad under the key recorded at forward time
   (`zbpp.modules.microbatch`); the runtime's key is ``(stage, microbatch)``, so a module shared by two
-  stages of one rank (tied weights under a V placement) keeps their wgrads apart.
+  stages of one rank (tied weights under a V placement) keeps their wgrads apart. A zbpp layer
+  that filed nothing under a key (not called in that microbatch) is left alone.
 - `FifoWgrad`: ``backward_dw()`` computes the *oldest* pending wgrad (Transformer Engine). Accepted
   only under schedules that keep each stage's W in B order (`zbpp.schedules.program.fifo_wgrad_problem`).
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Hashable
 from torch import nn
 
 from ..modules import is_delayed, supports_keys
+from ..modules.wgrad_store import WgradStoreError
 from ._autograd_split import SavedBoxes, StageSplit, backward_input, run_backward
 
 if TYPE_CHECKING:
@@ -46,7 +48,13 @@ class KeyedWgrad:
         self.module = module
 
     def compute(self, key: Hashable) -> None:
-        self.module.backward_dw(key)
+        try:
+            self.module.backward_dw(key)
+        except WgradStoreError:
+            # nothing filed under `key`: the module took no part in that microbatch's backward (not
+            # called, as an MoE expert without tokens, or its output unused), so, as with autograd,
+            # that microbatch adds nothing to its gradients
+            pass
 
     def discard(self, keys: list[Hashable]) -> None:
         drop = getattr(self.module, "discard_wgrad", None)
