@@ -34,8 +34,8 @@ Pretrained weights and fault tolerance::
     # checkpoint every 50 steps; restarted after a rank dies, the job resumes from the newest:
     torchrun --nproc-per-node=2 --max-restarts=3 examples/train_hf.py --checkpoint-dir ckpt --checkpoint-every 50
 
-The rank holding the last stage (of the first replica) prints a line per step (loss averaged over
-the replicas, learning rate, step time, tokens/s of all replicas) and a summary. Every rank draws
+The rank holding the last stage (of the first replica) prints a line per step (the loss: the
+mean over every replica's tokens, learning rate, step time, tokens/s of all replicas) and a summary. Every rank draws
 the same batch of ``--dp`` x ``--microbatches`` x ``--rows-per-microbatch`` rows from a generator
 seeded by (seed, step); each replica trains on its consecutive share of the rows.
 """
@@ -258,6 +258,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
         for stage in stages.values():
             fully_shard(stage, mesh=groups.mesh["dp"])
     pipe = Pipeline(stages, sched, groups=groups.mesh if args.fsdp else groups, **kwargs)
+    tokens_of = kwargs["loss_weight"]  # the tokens a batch's loss averages over (not padding, -100)
     del kwargs  # it holds tied Parameters from before fully_shard, whole
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     first_step, found = latest_checkpoint(args.checkpoint_dir)
@@ -286,10 +287,13 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
         start = time.perf_counter()
         loss = pipe.step({"input_ids": ids[share]} if mask is None else {"input_ids": ids[share], "attention_mask": mask[share]},
                          target=labels[share])
-        if loss is not None and args.dp > 1:  # the replicas' mean (each one's loss is its rows' mean)
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=groups.dp_group)
-            loss /= args.dp
+        if loss is not None and args.dp > 1:
+            # each replica's loss is the mean over its own tokens; the step's (whose gradient the
+            # replicas share) weighs every token alike: with ragged rows, not the replicas' mean
+            n = tokens_of(labels[share]).to(loss.device, torch.float64)
+            both = torch.stack([loss.detach().to(torch.float64) * n, n])
+            dist.all_reduce(both, group=groups.dp_group)
+            loss = both[0] / both[1].clamp(min=1)
         norm = clip_grad_norm_(pipe, args.clip if args.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad(set_to_none=True)
