@@ -5,7 +5,8 @@ submodule whose name matches a pattern (``fnmatch``) with one of:
 
 - ``"none"``: autograd keeps what it saves (removes an earlier policy);
 - ``"full"``: the layer keeps only its inputs; its forward runs again, once, at the first
-  backward that reads a saved tensor, under the forward's random-generator and autocast state;
+  backward that reads a saved tensor, under the forward's random-generator and autocast state,
+  microbatch key and zbpp FP8 recipe and scaling state (so that it casts as F did);
 - ``"selective"``: the layer also keeps the input of every GEMM with a weight (``F.linear``,
   ``torch.addmm``/``mm``/``matmul`` with an ``nn.Parameter`` operand), what the weight gradient
   reads, and its output where the re-run reaches it. The re-run replays those GEMMs from the kept
@@ -31,7 +32,7 @@ keeps what W reads (the GEMM inputs), as without a policy. zbpp's delayed-wgrad 
 W reads the tensors B handed to their store). A policy-wrapped layer runs eagerly inside a
 ``torch.compile``d stage (a graph break around it); inside a CUDA graph capture
 (``Pipeline(cuda_graphs=True)``) a policy layer raises a ``RuntimeError`` that says so. Side effects of a
-forward (FP8 amax histories, running statistics) happen again in the re-run.
+forward (running statistics) happen again in the re-run; zbpp FP8 layers' amax histories do not.
 
 `measure_activation_policies` reports, per policy, the bytes one layer keeps from F to B and from
 B to W, the host bytes offloaded and the re-run's FLOPs (CPU is enough: bytes and FLOPs do not
@@ -65,7 +66,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
 from .._compat import current_saved_tensors_hooks, disable_dynamo, torch_dispatch_mode
-from ..modules.context import current_microbatch, rank_next_backward
+from ..modules.base import DelayedWgradModule
+from ..modules.context import current_microbatch, microbatch, rank_next_backward
+from ..modules.fp8 import DelayedScaling, ScalingMeta, active_recipe, fp8_autocast
 
 __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "ActivationCost",
            "measure_activation_policies"]
@@ -156,7 +159,7 @@ def _wrapped(fn: Callable[..., Any], m: nn.Module, policy: str) -> Callable[...,
         params = {p.untyped_storage().data_ptr() for p in mod.parameters()} if mod is not None else set()
         if policy == "offload":
             return _offload_forward(fn, params, args, kwargs)
-        return _Frame(fn, policy, params, args, kwargs).forward()
+        return _Frame(fn, policy, params, args, kwargs, mod).forward()
 
     return forward
 
@@ -177,7 +180,8 @@ class _Frame:
     selective re-run replays, and the saved tensors the re-run fills (held weakly: what autograd
     released needs no re-run)."""
 
-    def __init__(self, fn: Callable[..., Any], policy: str, params: set[int], args: tuple, kwargs: dict) -> None:
+    def __init__(self, fn: Callable[..., Any], policy: str, params: set[int], args: tuple, kwargs: dict,
+                 module: nn.Module | None = None) -> None:
         self.fn, self.policy = fn, policy
         hooks = current_saved_tensors_hooks()
         self.outer_pack, self.outer_unpack = hooks if hooks is not None else (_identity, _identity)
@@ -191,6 +195,11 @@ class _Frame:
         self.gemm_outputs: list[Any] = []  # selective: packed outputs, in call order
         self.rng = _rng_state(leaves)
         self.autocast = _autocast_state()
+        # zbpp's FP8 layers read their recipe, scales and weight-cast reuse (by microbatch key) at
+        # forward time: the re-run, in B outside the stage's fp8_autocast, must cast as F did
+        self.fp8: DelayedScaling | None = active_recipe()
+        self.fp8_state = _Fp8State(module) if self.fp8 is not None and module is not None else None
+        self.key = current_microbatch()
         self.leaves = leaves  # for the first run only
 
     def forward(self) -> Any:
@@ -254,7 +263,8 @@ class _Frame:
 
         mode = _GemmReplay(self) if self.policy == "selective" else contextlib.nullcontext()
         try:
-            with _restored(self.rng, self.autocast), torch.enable_grad(), \
+            with _restored(self.rng, self.autocast), fp8_autocast(self.fp8 is not None, fp8_recipe=self.fp8), \
+                    self.fp8_state or contextlib.nullcontext(), microbatch(self.key), torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack), mode:
                 self.fn(*args, **kwargs)
         except _StopRecompute:
@@ -265,6 +275,35 @@ class _Frame:
             raise RuntimeError(f"zbpp activation policy ({self.policy}): the re-run of a layer's forward saved {seen} "
                                f"tensors for backward where its first run saved {len(slots)}; its forward must do the "
                                "same operations given the same inputs and random state")
+
+
+class _Fp8State:
+    """The delayed-scaling state (amax histories, scales) of a layer's zbpp FP8 slots as its F
+    found it. The re-run casts with it inside the block, whose exit puts back the slots' state of
+    now: the re-run casts as F did (not with the scales F moved) and moves no slot twice."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+        self.at_f = {id(m): (m, m.amax_history.clone(), m.scale.clone(), m.casts) for m in self._slots(module)}
+        self.now: list[tuple[ScalingMeta, torch.Tensor, torch.Tensor, int]] = []
+
+    @staticmethod
+    def _slots(module: nn.Module) -> list[ScalingMeta]:
+        return [meta for m in module.modules() if isinstance(m, DelayedWgradModule) for meta in m.fp8_meta.values()]
+
+    def __enter__(self) -> None:
+        module = self.module()
+        for meta in self._slots(module) if module is not None else []:
+            self.now.append((meta, meta.amax_history, meta.scale, meta.casts))
+            # a slot that F made (the layer's first FP8 forward) was fresh then
+            _, history, scale, casts = self.at_f.get(id(meta), (meta, torch.zeros_like(meta.amax_history),
+                                                                torch.ones_like(meta.scale), 0))
+            meta.amax_history, meta.scale, meta.casts = history, scale, casts  # the re-run runs once
+
+    def __exit__(self, *exc: Any) -> None:
+        for meta, history, scale, casts in self.now:
+            meta.amax_history, meta.scale, meta.casts = history, scale, casts
+        self.now, self.at_f = [], {}
 
 
 class _StopRecompute(Exception):
