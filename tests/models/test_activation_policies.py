@@ -209,6 +209,37 @@ def test_fp8_fast_stage_reruns_with_the_forwards_casts(policy):
             assert torch.equal(grads[n], g), (step, n)
 
 
+def test_selective_reruns_a_gemm_whose_output_changed_in_place():
+    """OLMo's ``clip_qkv`` clamps q, k and v in place right after their projections. Selective keeps
+    those outputs as F left them (clamped), so its re-run must compute them again rather than replay
+    them: clamp's backward reads the unclamped values (a replay raised 'a leaf Variable that requires
+    grad is being used in an in-place operation'; a replay clamped twice would pass the gradient of
+    every clipped entry). Against no policy on a one-rank zb-h1 pipeline (B and W split), float64:
+    loss and gradients bit for bit (the same operations on the same values)."""
+    from zbpp.models.hf import causal_lm_stages
+
+    config = transformers.OlmoConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=61, max_position_embeddings=32,
+                                     clip_qkv=0.05, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    sched = build("zb-h1", num_ranks=1, num_microbatches=M)
+    ids = torch.randint(0, 61, (ROWS, T), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for policy in (None, "selective"):
+        torch.manual_seed(0)
+        stages, kwargs = causal_lm_stages(config, sched, 0, dtype=torch.float64, attn_implementation="eager")
+        q = stages[0].model.layers[0].self_attn.q_proj
+        seen = []
+        q.register_forward_hook(lambda m, a, y: seen.append(float(y.abs().max())))
+        if policy is not None:
+            apply_activation_policy(stages[0], {"model.layers.[01]": policy})
+        loss = Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+        out[policy] = loss, {n: p.grad for n, p in stages[0].named_parameters()}
+        assert max(seen) > 0.05  # some entries are clipped: their gradient is 0
+    assert torch.equal(out["selective"][0], out[None][0])
+    for n, g in out[None][1].items():
+        assert torch.equal(out["selective"][1][n], g), n
+
+
 def test_bytes_kept_per_policy():
     """One decoder layer: full keeps its input alone from F to B, selective less than none, both after
     B what none keeps, offload nothing on the device and its saved tensors on the host; re-run

@@ -10,7 +10,8 @@ submodule whose name matches a pattern (``fnmatch``) with one of:
 - ``"selective"``: the layer also keeps the input of every GEMM with a weight (``F.linear``,
   ``torch.addmm``/``mm``/``matmul`` with an ``nn.Parameter`` operand), what the weight gradient
   reads, and its output where the re-run reaches it. The re-run replays those GEMMs from the kept
-  outputs and recomputes only the rest (norms, activations, the attention core);
+  outputs and recomputes only the rest (norms, activations, the attention core); a GEMM whose
+  output was changed in place since (OLMo's ``clip_qkv``) runs again;
 - ``"offload"``: every tensor the layer saves, but its parameters, is copied to host memory after
   F (pinned, on a side stream, on CUDA; a copy on CPU) and back before its backward, on the side
   stream, the compute stream waiting on an event: no host synchronisation. A storage that several
@@ -192,7 +193,7 @@ class _Frame:
         # held here, not through the outer hooks: nothing but the re-run reads them, and they go with it
         self.inputs: list[torch.Tensor] | None = [_held(t.detach()) for t in leaves]
         self.slots: list[weakref.ref | None] = []  # per saved tensor outside recorded GEMMs
-        self.gemm_outputs: list[Any] = []  # selective: packed outputs, in call order
+        self.gemm_outputs: list[Any] = []  # selective: (output, its version), in call order
         self.rng = _rng_state(leaves)
         self.autocast = _autocast_state()
         # zbpp's FP8 layers read their recipe, scales and weight-cast reuse (by microbatch key) at
@@ -356,12 +357,14 @@ class _GemmRecorder(TorchFunctionMode):
         finally:
             _GemmRecorder.depth -= 1
         self.frame.keep_ptrs.update((x.untyped_storage().data_ptr(), out.untyped_storage().data_ptr()))
-        self.frame.gemm_outputs.append((len(self.frame.slots), _held(out.detach())))
+        # with its version: a later in-place op (OLMo's clip_qkv clamp_) changes what is kept
+        self.frame.gemm_outputs.append((len(self.frame.slots), (_held(out.detach()), out._version)))
         return out
 
 
 class _GemmReplay(TorchFunctionMode):
-    """Selective re-run: each weight GEMM returns the output its first run kept."""
+    """Selective re-run: each weight GEMM returns the output its first run kept, or runs again
+    where that output was changed in place after it."""
 
     def __init__(self, frame: _Frame) -> None:
         super().__init__()
@@ -372,7 +375,14 @@ class _GemmReplay(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if not self.outputs:  # past the last kept output (the re-run normally stops before)
             return func(*args, **(kwargs or {}))
-        return self.outputs.pop(0).detach().requires_grad_(torch.is_grad_enabled() and any(
+        out, version = self.outputs.pop(0)
+        if out._version != version:  # changed in place after the GEMM: no longer its result
+            _GemmRecorder.depth += 1  # its own saves are F's kept ones, as in F: not the re-run's to fill
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                _GemmRecorder.depth -= 1
+        return out.detach().requires_grad_(torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args))
 
 
