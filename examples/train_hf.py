@@ -59,20 +59,22 @@ from zbpp.runtime import clip_grad_norm_, init_distributed, shutdown_and_exit
 from zbpp.schedules import available, build, options_of
 
 MODELS = SUPPORTED
+SHAPE = {"model": "llama", "hidden": 64, "layers": 4, "heads": 4}  # the model built when not --from
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=MODELS, default="llama")
+    ap.add_argument("--model", choices=MODELS, default=None, help="default: llama (not with --from)")
     ap.add_argument("--schedule", default="zb-h1", help=f"schedule name ({', '.join(available())})")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--rows-per-microbatch", type=int, default=4, help="sequences per microbatch")
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers in the whole model")
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (Llama family; default --heads)")
+    ap.add_argument("--hidden", type=int, default=None, help=f"default: {SHAPE['hidden']}")
+    ap.add_argument("--layers", type=int, default=None, help=f"decoder layers in the whole model (default: {SHAPE['layers']})")
+    ap.add_argument("--heads", type=int, default=None, help=f"default: {SHAPE['heads']}")
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="key/value heads (families with grouped-query attention; default --heads)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     ap.add_argument("--warmup", type=int, default=5, help="linear warm-up steps, then cosine decay to 10%%")
@@ -101,15 +103,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                     help="with --checkpoint-dir: save every N steps (and after the last)")
     args = ap.parse_args(argv)
-    for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "layers", "heads", "steps", "dp"):
+    _check_args(ap, args)
+    given = [f"--{n.replace('_', '-')}" for n in (*SHAPE, "kv_heads") if getattr(args, n) is not None]
+    if args.pretrained is not None:  # the model is the directory's: a shape flag would be ignored
+        if given:
+            ap.error(f"--from {args.pretrained} takes the model from its config.json: drop {' '.join(given)}")
+        return args
+    for name, default in SHAPE.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    _check_shape(ap, args)
+    return args
+
+
+def _check_shape(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The model-shape flags of a model built from a config (not --from)."""
+    for name in ("hidden", "layers", "heads"):
         if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.seq_len < 4:
-        ap.error(f"--seq-len must be >= 4, got {args.seq_len}")
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.hidden % args.heads:
         ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.kv_heads is not None and args.model == "gpt2":
+        ap.error("--kv-heads: gpt2 has no grouped-query attention")
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("microbatches", "rows_per_microbatch", "seq_len", "steps", "dp"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len < 4:
+        ap.error(f"--seq-len must be >= 4, got {args.seq_len}")
     if args.fp8 and not args.fast:
         ap.error("--fp8 applies to the fast form: add --fast")
     if args.fsdp and args.dp < 2:
@@ -118,7 +142,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--checkpoint-every N needs N >= 0 and --checkpoint-dir")
     if args.schedule not in available():
         ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
-    return args
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -174,8 +197,11 @@ def make_config(args: argparse.Namespace, vocab: int) -> Any:
                                        n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        bos_token_id=0, eos_token_id=0)
     if args.model not in ("llama", "mistral", "qwen2"):
-        return small_config(args.model, vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers,
-                            num_heads=args.heads, num_kv_heads=args.kv_heads, max_positions=args.seq_len)
+        config = small_config(args.model, vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers,
+                              num_heads=args.heads, num_kv_heads=args.kv_heads, max_positions=args.seq_len)
+        if args.kv_heads is not None and getattr(config, "num_key_value_heads", None) != args.kv_heads:
+            raise SystemExit(f"--kv-heads: {args.model} has no grouped-query attention")
+        return config
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config}[args.model]
     return cls(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -184,16 +210,18 @@ def make_config(args: argparse.Namespace, vocab: int) -> Any:
                tie_word_embeddings=False)
 
 
-def model_source(args: argparse.Namespace, vocab: int) -> Any:
-    """The pretrained directory of --from (its vocabulary must cover the data's), else a config."""
+def model_source(args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
+    """What `causal_lm_stages` builds from: the pretrained directory of --from (its vocabulary must
+    cover the data's), else a config; and the model's config."""
     if args.pretrained is None:
-        return make_config(args, vocab)
+        config = make_config(args, vocab)
+        return config, config
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(args.pretrained)
     if getattr(config, "vocab_size", 0) < vocab:
         raise SystemExit(f"--from {args.pretrained}: its vocabulary ({config.vocab_size}) is smaller than the data's ({vocab})")
-    return args.pretrained
+    return args.pretrained, config
 
 
 # -- checkpoints: <dir>/step-<n>, written whole or not at all ---------------------------------------
@@ -240,11 +268,13 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     pp, rank = groups.pp, groups.pp_rank
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     batches = Batches(args)
-    source = model_source(args, batches.vocab)
+    source, config = model_source(args, batches.vocab)
+    layers = config.num_hidden_layers
     sched = build(args.schedule, num_ranks=pp, num_microbatches=args.microbatches,
                   **({"chunks": 2} if "chunks" in options_of(args.schedule) else {}))
-    if args.layers < sched.num_stages:
-        raise SystemExit(f"--layers {args.layers} is fewer than the {sched.num_stages} stages of {args.schedule} on "
+    if layers < sched.num_stages:
+        what = f"--from {args.pretrained}: its {layers} layers are" if args.pretrained else f"--layers {layers} is"
+        raise SystemExit(f"{what} fewer than the {sched.num_stages} stages of {args.schedule} on "
                          f"{pp} ranks: every stage needs a layer")
 
     # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
@@ -272,7 +302,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     if found is not None:
         say(f"train_hf: resumed from {found} (step {first_step})")
     layout = f"{pp} ranks" if args.dp == 1 else f"{pp} ranks x {args.dp} replicas{' (FSDP)' if args.fsdp else ''}"
-    say(f"train_hf: {args.model} ({args.layers} layers, hidden {args.hidden}), {args.schedule} on {layout} "
+    model = f"{config.model_type} from {args.pretrained}" if args.pretrained else config.model_type
+    say(f"train_hf: {model} ({layers} layers, hidden {config.hidden_size}), {args.schedule} on {layout} "
         f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
         f"{args.seq_len} tokens{' per replica' if args.dp > 1 else ''}, data {args.data}{' ragged' if args.ragged else ''}, {dtype}"
         f"{', fast' if args.fast else ''}{' fp8' if args.fp8 else ''}")

@@ -164,6 +164,20 @@ def test_dp_and_fsdp_arguments_are_checked(capsys, argv: list[str], words: str):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--from", "some/dir", "--layers", "8", "--hidden", "64"],
+     "--from some/dir takes the model from its config.json: drop --hidden --layers"),
+    (["--model", "gpt2", "--kv-heads", "2"], "--kv-heads: gpt2 has no grouped-query attention"),
+    (["--hidden", "30"], "--hidden 30 must be a multiple of --heads 4"),
+])
+def test_model_flags_are_checked(capsys, argv: list[str], words: str):
+    """A model-shape flag is refused where it would be ignored: with --from (the directory's config
+    decides) or --kv-heads for a family without grouped-query attention."""
+    with pytest.raises(SystemExit):
+        _example().parse_args(argv)
+    assert words in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_from_pretrained_directory_starts_at_its_loss(tmp_path: Path, zbpp_workers) -> None:
     """--from DIR: the stages start from the directory's weights (read per rank). The first step's
