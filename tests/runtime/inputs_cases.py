@@ -221,7 +221,7 @@ def check_dropout(name: str, p: int, *, seed: int | None, ckpt: bool = False,
     """Dropout 0.3 (every stage; `ckpt`: under activation checkpointing): two steps on one input,
     each equal to the seeded per-microbatch reference with no tolerance; returns the loss (on the
     last stage's rank) and this rank's gradients of each step, for comparisons across schedules.
-    `seed` None: every rank seeds torch differently and the base is pipeline rank 0's."""
+    `seed` None: every rank seeds torch differently and the base is global rank 0's."""
     rank = dist.get_rank()
     device = device_for_rank()
     tol = EXACT if device.type == "cpu" else TOL

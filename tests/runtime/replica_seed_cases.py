@@ -51,16 +51,19 @@ def documented_draws(stages: list[Stage], inputs: dict[str, Any], y: torch.Tenso
     return own
 
 
-def check_dropout_across_replicas(name: str, pp: int) -> float:
+def check_dropout_across_replicas(name: str, pp: int, seed: int | None = BASE_SEED) -> float:
     """`dp` replicas of a `pp`-rank pipeline, one training step on the same batch: gradients equal
     the reference over every replica's draws; each replica's loss equals the reference's loss for
-    that replica. Returns this rank's loss (NaN off the last stage) for the test to compare."""
+    that replica. Returns this rank's loss (NaN off the last stage) for the test to compare.
+    `seed` None: every rank seeds torch itself, global rank 0 with `BASE_SEED` (the job's base)."""
     groups = ParallelGroups(pp=pp)
     dp = dist.get_world_size() // pp
     sched = make_schedule(name, pp, 2 * pp)
     m = sched.num_microbatches
     mine = {s: Stage(s, sched.num_stages, pdrop=PDROP) for s in sched.stages_on(groups.pp_rank)}
-    pipe = Pipeline(mine, sched, loss_fn, seed=BASE_SEED, groups=groups)
+    if seed is None:  # as torch.manual_seed(global_rank): the replicas must still draw from one base
+        torch.manual_seed(BASE_SEED + 1000 * dist.get_rank())
+    pipe = Pipeline(mine, sched, loss_fn, seed=seed, groups=groups)
     inputs, y = padded_batch(3 * m + 1, seed=6)
     y = torch.randint(0, V, y.shape, generator=torch.Generator().manual_seed(7))
     loss = pipe.step(inputs, target=y)

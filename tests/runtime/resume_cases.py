@@ -62,7 +62,10 @@ def make_optimizer(params: Any, lr: float = 0.02) -> torch.optim.Optimizer:
 _GROUPS: dict[int, ParallelGroups] = {}
 
 
-def pipeline(layout: str, state: dict[str, torch.Tensor], dropout: float = 0.0, seed: int | None = None) -> Pipeline:
+def pipeline(layout: str, state: dict[str, torch.Tensor], dropout: float = 0.0, seed: int | None = None,
+             torch_seed: int | None = None) -> Pipeline:
+    """`torch_seed`: every rank calls ``torch.manual_seed(torch_seed + global rank)`` just before
+    building the Pipeline (with ``seed=None`` its ``torch.initial_seed()`` is the base seed)."""
     from zbpp.models.hf import causal_lm_stages
 
     name, pp = LAYOUTS[layout]
@@ -72,6 +75,8 @@ def pipeline(layout: str, state: dict[str, torch.Tensor], dropout: float = 0.0, 
     sched = build(name, num_ranks=pp, num_microbatches=M)
     stages, kwargs = causal_lm_stages(config(dropout), sched, groups.pp_rank, dtype=torch.float64, device="cpu",
                                       attn_implementation="eager", state_dict=state)
+    if torch_seed is not None:
+        torch.manual_seed(torch_seed + dist.get_rank())
     if layout.endswith("fsdp"):  # each stage sharded over the replicas: the tie becomes a sharded copy per stage
         from torch.distributed.fsdp import fully_shard
 
@@ -187,20 +192,23 @@ def pipe_param(pipe: Pipeline, name: str) -> torch.nn.Parameter:
     return next(m.get_parameter(name) for m in pipe.stage_modules.values() if name in dict(m.named_parameters(remove_duplicate=False)))
 
 
-def dropout_case(path: str) -> list[str]:
+def dropout_case(path: str, per_rank_seeds: bool = False) -> list[str]:
     """Dropout on, layout V: 2 steps, save, 2 more (the uninterrupted run); a new Pipeline with
     another seed loads the checkpoint and takes the same 2 steps: bit for bit the same parameters
-    (its dropout masks are the uninterrupted run's only if ``rng_step`` and the seed came back)."""
+    (its dropout masks are the uninterrupted run's only if ``rng_step`` and the seed came back).
+    `per_rank_seeds`: ``seed=None`` and every rank seeds torch with its global rank, so the two
+    replicas start from different ``torch.initial_seed()`` (the checkpoint holds one seed)."""
     from zbpp.runtime import load_checkpoint, save_checkpoint
 
-    pipe = pipeline("V", initial_state(0), dropout=0.2, seed=11)
+    seeds = ({"torch_seed": 300}, {"torch_seed": 400}) if per_rank_seeds else ({"seed": 11}, {"seed": 12})
+    pipe = pipeline("V", initial_state(0), dropout=0.2, **seeds[0])
     opt = make_optimizer(list(pipe.parameters()))
     train(pipe, opt, range(SAVED_AFTER))
     save_checkpoint(pipe, path, opt)
     train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED))
     want = {n: p.clone() for n, p in named_params(pipe).items()}
 
-    again = pipeline("V", initial_state(7), dropout=0.2, seed=12)
+    again = pipeline("V", initial_state(7), dropout=0.2, **seeds[1])
     opt = make_optimizer(list(again.parameters()))
     load_checkpoint(again, path, opt)
     train(again, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED))
@@ -214,7 +222,8 @@ def all_cases(root: str) -> dict[str, list[str]]:
                       ("flat->V", lambda: resume_case(f"{root}/flat", "flat", "V")),
                       ("V-fsdp->flat", lambda: resume_case(f"{root}/v-fsdp", "V-fsdp", "flat")),
                       ("flat->V-fsdp", lambda: resume_case(f"{root}/flat2", "flat", "V-fsdp")),
-                      ("dropout", lambda: dropout_case(f"{root}/dropout"))]:
+                      ("dropout", lambda: dropout_case(f"{root}/dropout")),
+                      ("dropout-rank-seeds", lambda: dropout_case(f"{root}/dropout-rank-seeds", per_rank_seeds=True))]:
         try:
             out[case] = run()
         except Exception as exc:  # noqa: BLE001 - reported per case; the pool goes on

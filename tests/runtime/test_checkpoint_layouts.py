@@ -25,6 +25,9 @@ def test_tied_embedding_resumes_across_layouts(results, case: str) -> None:
     assert not fails, "\n".join(fails)
 
 
-def test_dropout_stream_resumes_bit_for_bit(results) -> None:
-    fails = [f"rank {r}: {f}" for r, per in enumerate(results) for f in per["dropout"]]
+@pytest.mark.parametrize("case", ["dropout", "dropout-rank-seeds"])
+def test_dropout_stream_resumes_bit_for_bit(results, case: str) -> None:
+    """"dropout-rank-seeds": the replicas' ranks seeded torch apart (seed=None): every replica
+    resumes its own masks from the checkpoint's one seed."""
+    fails = [f"rank {r}: {f}" for r, per in enumerate(results) for f in per[case]]
     assert not fails, "\n".join(fails)

@@ -20,7 +20,7 @@ from zbpp.testing import gpus_available
 
 from .inputs_cases import (check_dropout, check_rows_mismatch_on_one_replica, check_shared_inputs, check_token_mean,
                            check_token_mean_data_parallel)
-from .replica_seed_cases import check_dropout_across_replicas
+from .replica_seed_cases import BASE_SEED, check_dropout_across_replicas
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v"]
 
@@ -157,14 +157,17 @@ def test_dropout_same_stages_same_result_whatever_the_placement(zbpp_workers):
 
 
 def test_dropout_seed_agreed_from_rank_zero(zbpp_workers):
-    """seed=None with ranks seeded differently: every rank uses pipeline rank 0's initial seed."""
+    """seed=None with ranks seeded differently: every rank uses global rank 0's initial seed."""
     zbpp_workers(2).run(check_dropout, "zb-v", 2, seed=None)
 
 
-def test_replicas_draw_their_own_dropout_masks(zbpp_workers):
+@pytest.mark.parametrize("seed", [BASE_SEED, None], ids=["seed-arg", "ranks-seeded-apart"])
+def test_replicas_draw_their_own_dropout_masks(zbpp_workers, seed):
     """Two replicas of a one-rank zb-v pipeline (two stages) on the same batch: each equals one
-    process drawing under its replica's seeds (`replica_seed_cases`), so their losses differ."""
-    losses = zbpp_workers(2).run(check_dropout_across_replicas, "zb-v", 1)
+    process drawing under its replica's seeds (`replica_seed_cases`), so their losses differ.
+    ``seed=None`` with each rank seeding torch apart: both replicas derive from global rank 0's
+    seed (one base for the job, so a checkpoint's one copy of it resumes every replica)."""
+    losses = zbpp_workers(2).run(check_dropout_across_replicas, "zb-v", 1, seed)
     assert not any(math.isnan(v) for v in losses) and losses[0] != losses[1], losses
 
 

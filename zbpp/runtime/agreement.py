@@ -4,14 +4,16 @@ Both run on a gloo group over CPU tensors (`channels.agreement_group`): agreeing
 GPU, so a step whose input signature was seen before has no host-device synchronisation, and the
 CPU can run ahead of the GPU across steps.
 
-- At the start, every rank contributes a `StartReport`: whether its part of the input was
+- At construction (`agree_to_build`), every rank tells whether its own checks failed, and the job
+  takes one base seed for the random streams of the F tasks: global rank 0's (`zbpp.runtime.rng`;
+  the replicas differ through their ``dp_rank`` only, so a checkpoint's one copy resumes them all).
+- At the start of a step, every rank contributes a `StartReport`: whether its part of the input was
   rejected, a hash of its module state, and, from the ranks holding the first and the last stage,
-  the input's hash and row count and the target's row count, and its base seed (the random
-  streams of the F tasks derive from pipeline rank 0's: `zbpp.runtime.rng`). A rejected input, a target whose
+  the input's hash and row count and the target's row count. A rejected input, a target whose
   rows differ from the input's, or data-parallel replicas whose module states differ (a parameter
   frozen on one replica only: the reducers' buckets would pair other parameters' gradients) raise on
   every rank before any compute.
-  `decide_start` decides: the step's rows, seed and input signature (`StartDecision`). Under
+  `decide_start` decides: the step's rows and input signature (`StartDecision`). Under
   ``cuda_graphs="auto"`` a rank whose trial of a signature just ended also reports the slowest
   eager and the fastest replayed step it timed, and the decision carries the form every rank takes
   (`graphs_win`); other steps carry zeros: no collective is added.
@@ -63,7 +65,6 @@ class StartReport:
     input_hash: int  #: the input's structure and shapes (rank holding stage 0; else 0)
     input_rows: int  #: rows of the input (rank holding stage 0; else -1)
     target_rows: int  #: rows of the target (rank holding the last stage, when given; else -1)
-    seed: int = 0  #: its base seed of the microbatches' random streams (pipeline rank 0's is used)
     trial: bool = False  #: a signature's trial of task graphs ended on it (``cuda_graphs="auto"``)
     eager_us: int = 0  #: that trial's slowest eager step, microseconds (0: none timed)
     graphs_us: int = 0  #: that trial's fastest replayed step, microseconds (0: none timed)
@@ -110,12 +111,16 @@ class Agreement:
 
     def gather_texts(self, text: str | None) -> list[str | None]:
         """Every rank's `text` (only when some rank has one to tell: it pickles)."""
+        return self.gather_objects(text)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in the group's rank order (rare exchanges only: it pickles)."""
         if self.group is None:
-            return [text]
+            return [obj]
         import torch.distributed as dist
 
         out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, text, group=self.group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def check(self) -> None:
@@ -141,16 +146,18 @@ class Agreement:
             raise BrokenJob(why) from exc
 
 
-def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int]) -> None:
+def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int], seed: int) -> int:
     """`Pipeline`'s construction: every rank tells whether its own checks failed (`problem`), before
     any rank waits in a collective for one that will never come. The failed rank raises its own
-    error; every other raises a `PipelineError` naming it (`world`: the group's global ranks)."""
-    texts = agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
+    error; every other raises a `PipelineError` naming it (`world`: the group's global ranks).
+    Returns the job's base seed: the `seed` of the lowest global rank (rank 0 of the default group)."""
+    told = agreement.gather_objects((None if problem is None else f"{type(problem).__name__}: {problem}", seed))
     if problem is not None:
         raise problem
-    told = [f"global rank {g}: {text}" for g, text in zip(sorted(world), texts) if text is not None]
-    if told:
-        raise PipelineError("Pipeline could not be built on every rank; " + "; ".join(told))
+    bad = [f"global rank {g}: {text}" for g, (text, _) in zip(sorted(world), told) if text is not None]
+    if bad:
+        raise PipelineError("Pipeline could not be built on every rank; " + "; ".join(bad))
+    return int(told[0][1])
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,6 @@ class StartDecision:
     """What the start agreement decided for one pipeline (every rank of it decides the same)."""
 
     rows: int  #: rows of the batch (from the rank holding stage 0)
-    seed: int  #: base seed of the microbatches' random streams (pipeline rank 0's)
     signature: tuple  #: the step's input signature: the input's shapes and rows, every rank's module state
     graphs: bool | None = None  #: the form of the signature whose trial ended (`graphs_win`; None: no trial ended)
 
@@ -192,7 +198,7 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
                  schedule: Any, forward_only: bool) -> StartDecision:
     """Gather every rank's `StartReport` and decide: raise on every rank when one rejected its
     input (that rank: its own error) or a target's rows differ from the input's; else the step's
-    rows, seed and signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
+    rows and signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
     reports = agreement.gather(mine)
     if any(r.rejected for r in reports):
         texts = agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
@@ -229,8 +235,7 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
             )
     mine_ = [reports[topology.world.index(g)] for g in topology.pipeline]
     rows = mine_[first_rank].input_rows
-    return StartDecision(rows, mine_[0].seed,
-                         (forward_only, mine_[first_rank].input_hash, rows, *(r.state_hash for r in mine_)),
+    return StartDecision(rows, (forward_only, mine_[first_rank].input_hash, rows, *(r.state_hash for r in mine_)),
                          graphs_win(reports))
 
 

@@ -272,17 +272,11 @@ def _saved(meta: Mapping[str, Any], prefix: str) -> bool:
 
 
 def _rng_state(model: Any) -> dict[str, int] | None:
-    """A Pipeline's random stream: the steps taken and the base seed in effect, which is pipeline
-    rank 0's (every rank of a pipeline draws from that one)."""
+    """A Pipeline's random stream: the steps taken and the base seed, one for the whole job (its
+    ranks agreed on global rank 0's when it was built), so the one copy saved is every rank's."""
     if not hasattr(model, "rng_step") or not hasattr(model, "_base_seed"):
         return None
-    seed = [int(model._base_seed)]
-    topology = getattr(model, "topology", None)
-    if topology is not None and topology.distributed and topology.pp_size > 1:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list(seed, src=topology.pipeline[0], group=topology.pp_group)
-    return {"step": int(model.rng_step), "seed": seed[0]}
+    return {"step": int(model.rng_step), "seed": int(model._base_seed)}
 
 
 @contextlib.contextmanager

@@ -112,9 +112,11 @@ class Pipeline:
             costs: `zbpp.runtime.loss_weights`. Every rank builds its `Pipeline` with the same one.
         seed: the random draws of each F task (dropout...) use generators seeded from
             ``microbatch_seed(seed, step, stage, microbatch, dp_rank)`` (`zbpp.runtime.rng`): a
-            step's result does not depend on the schedule. None (the default) or True: pipeline
-            rank 0's ``torch.initial_seed()``; an int: that seed; False: the global generators as
-            they run. ``rng_step`` counts the steps (training and evaluation) in the derivation.
+            step's result does not depend on the schedule. None (the default) or True: global
+            rank 0's ``torch.initial_seed()``; an int: that seed (global rank 0's, where ranks pass
+            different ones); False: the global generators as they run. One base seed for the whole
+            job: replicas differ only through ``dp_rank``. ``rng_step`` counts the steps (training
+            and evaluation) in the derivation.
         split_wgrad: under schedules with W tasks, B computes only the gradient the previous stage
             needs and W every weight gradient, for any module (how, what W keeps, compiled regions:
             `zbpp.runtime._autograd_split`). False: plain modules get their weight gradients in B.
@@ -171,7 +173,7 @@ class Pipeline:
         self.loss_weight = loss_weight
         #: the F tasks run under seeded generators (`zbpp.runtime.rng`); False: the global ones as they run
         self.seeded = seed is not False
-        self._base_seed = (torch.initial_seed() if seed is None or seed is True else int(seed)) & ((1 << 63) - 1)
+        seed_here = (torch.initial_seed() if seed is None or seed is True else int(seed)) & ((1 << 63) - 1)
         #: the index of the next step (training or evaluation) in the derivation of its seeds; save it
         #: with a checkpoint and set it back to resume the same random streams
         self.rng_step = 0
@@ -209,7 +211,8 @@ class Pipeline:
             check_reducer_leaves_ties(reducer, ties)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             problem = exc
-        agree_to_build(self._agreement, problem, self.topology.world)
+        # one base seed for the whole job (global rank 0's): a checkpoint's single copy resumes every replica
+        self._base_seed = agree_to_build(self._agreement, problem, self.topology.world, seed_here)
         self._channels = Channels(self.topology, self._program.channels, self.device, span) if self.topology.pp_size > 1 else None
         self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement.group, self.device, span)
         if fsdp is not None or reducer is None:
@@ -376,7 +379,7 @@ class Pipeline:
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
         walks = stage_walks(self.stage_modules)  # read once per step
         mine = StartReport(problem is not None, stable_hash((module_state(walks), forward_only)),
-                           b.input_hash, b.input_rows, b.target_rows, self._base_seed, *trial)
+                           b.input_hash, b.input_rows, b.target_rows, *trial)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BrokenJob as exc:
@@ -389,7 +392,7 @@ class Pipeline:
             dp = 1 if forward_only else self.topology.dp_size
             weights, loss_weights = weight_factors(b.raw_weights, self.device, dp, self.topology.dp_group)
         data = StepInputs(b.inputs, b.targets, weights, loss_weights,
-                          self._rng_of(agreed.seed, rng_step) if self.seeded else None)
+                          self._rng_of(self._base_seed, rng_step) if self.seeded else None)
         new_signature = agreed.signature not in self._specs
         specs = self._specs.setdefault(agreed.signature, {})
         self._specs.move_to_end(agreed.signature)
