@@ -544,3 +544,37 @@ def refusal_case(what: str) -> str:
     except (ValueError, PipelineError) as exc:  # PipelineError: on the ranks told of another's error
         return str(exc)
     return ""
+
+
+# -- a checkpoint call wrong on one rank -----------------------------------------------------
+def one_rank_wrong_case(path: str, when: str) -> str:
+    """2 ranks, rank r holding stage r of `Net` (a ``{stage: module}`` mapping, no Pipeline); rank 1
+    alone is wrong: ``"save"``/``"load"``: its optimizer holds a Parameter no stage of it holds
+    (raised before DCP's collective); ``"apply"``: the checkpoint saved ``weight_decay`` 0.1 for
+    weights and 0 for biases, and rank 1 loads into one group holding both (raised after DCP read).
+    Returns ``"<seconds>s <type>: <message>"`` of what `save_checkpoint`/`load_checkpoint` raised on
+    this rank, or ``"<seconds>s ok"``."""
+    import time
+
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    stage = {rank: stage_of(whole_model(), rank, 2)}
+    net = stage[rank]
+    decay = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    grouped = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    stranger = [nn.Parameter(torch.zeros(3))] if rank == 1 and when in ("save", "load") else []
+    if when != "save":  # a right checkpoint to load from
+        save_checkpoint(stage, path, torch.optim.AdamW(grouped))
+        dist.barrier()
+    if rank == 1 and when == "apply":
+        opt = torch.optim.AdamW(list(net.parameters()))
+    else:
+        opt = torch.optim.AdamW([*grouped, *([{"params": stranger}] if stranger else [])])
+    start = time.monotonic()
+    try:
+        (save_checkpoint if when == "save" else load_checkpoint)(stage, path, opt)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+    return f"{time.monotonic() - start:.1f}s ok"

@@ -15,8 +15,8 @@ import torch
 
 from zbpp.runtime import load_checkpoint
 
-from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, compare, loss_fn, make_optimizer, reference_run,
-                         resume_case, save_case, whole_model)
+from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, compare, loss_fn, make_optimizer, one_rank_wrong_case,
+                         reference_run, resume_case, save_case, whole_model)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,24 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         save_checkpoint({0: whole_model(), 1: whole_model()}, tmp_path / "b")
     with pytest.raises(TypeError, match="expected a zbpp Pipeline"):
         save_checkpoint(3, tmp_path / "c")
+
+
+@pytest.mark.parametrize("when, words", [
+    ("save", "ValueError: the optimizer's param_groups[2] holds a parameter (shape (3,)) that no stage module"),
+    ("load", "ValueError: the optimizer's param_groups[2] holds a parameter (shape (3,)) that no stage module"),
+    ("apply", "ValueError: the optimizer's param_groups[0] holds 'layers.2.weight' and 'layers.2.bias', saved with "
+              "different 'weight_decay'"),
+])
+def test_an_error_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers, when: str, words: str) -> None:
+    """save_checkpoint / load_checkpoint wrong on rank 1 only (`one_rank_wrong_case`): rank 1 raises
+    its own error and rank 0 a PipelineError naming it, within seconds (rank 0 used to wait in DCP's
+    collective for the process group's 60 s timeout, or, after the read, return as if all went well)."""
+    wrong_on_0, wrong_on_1 = zbpp_workers(2, pg_timeout=60).run(one_rank_wrong_case, str(tmp_path / "c"), when)
+    assert wrong_on_1.split(" ", 1)[1].startswith(words), wrong_on_1
+    call = f"{'save' if when == 'save' else 'load'}_checkpoint could not {'finish' if when == 'apply' else 'run'}"
+    assert wrong_on_0.split(" ", 1)[1].startswith(f"PipelineError: {call} on every rank ("), wrong_on_0
+    assert f"; global rank 1: {words}" in wrong_on_0, wrong_on_0
+    assert all(float(m.split("s ", 1)[0]) < 10 for m in (wrong_on_0, wrong_on_1)), (wrong_on_0, wrong_on_1)
 
 
 def test_compiled_stage_keeps_the_model_names(tmp_path: Path) -> None:

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from ..schedules.ir import Action
     from .failure import StepFailure
 
-__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "agree_to_build", "decide_start",
-           "decide_end", "failed_step_error", "graphs_win"]
+__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "agree_on_problems", "agree_to_build",
+           "decide_start", "decide_end", "failed_step_error", "graphs_win"]
 
 R = TypeVar("R", "StartReport", "EndReport")
 
@@ -146,18 +146,25 @@ class Agreement:
             raise BrokenJob(why) from exc
 
 
-def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int], seed: int) -> int:
-    """`Pipeline`'s construction: every rank tells whether its own checks failed (`problem`), before
+def agree_on_problems(agreement: Agreement, problem: BaseException | None, world: Sequence[int], failed: str,
+                      payload: Any = None) -> list[Any]:
+    """A collective call's local part done: every rank tells whether it failed (`problem`), before
     any rank waits in a collective for one that will never come. The failed rank raises its own
-    error; every other raises a `PipelineError` naming it (`world`: the group's global ranks).
-    Returns the job's base seed: the `seed` of the lowest global rank (rank 0 of the default group)."""
-    told = agreement.gather_objects((None if problem is None else f"{type(problem).__name__}: {problem}", seed))
+    error; every other raises a `PipelineError` ``"<failed>; global rank <g>: <error>"`` (`world`:
+    the group's global ranks). Returns every rank's `payload`, in the group's rank order."""
+    told = agreement.gather_objects((None if problem is None else f"{type(problem).__name__}: {problem}", payload))
     if problem is not None:
         raise problem
     bad = [f"global rank {g}: {text}" for g, (text, _) in zip(sorted(world), told) if text is not None]
     if bad:
-        raise PipelineError("Pipeline could not be built on every rank; " + "; ".join(bad))
-    return int(told[0][1])
+        raise PipelineError(f"{failed}; " + "; ".join(bad))
+    return [p for _, p in told]
+
+
+def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int], seed: int) -> int:
+    """`Pipeline`'s construction (`agree_on_problems`). Returns the job's base seed: the `seed` of
+    the lowest global rank (rank 0 of the default group)."""
+    return int(agree_on_problems(agreement, problem, world, "Pipeline could not be built on every rank", seed)[0])
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ comes back (the checkpoint's hyperparameters win). One file for ``nn.Module.load
     model.load_state_dict(torch.load("model.pt")["model"])
 
 Every rank of the job calls `save_checkpoint` / `load_checkpoint` together (collective over the
-default process group, or `process_group`), between steps. In one process without
-torch.distributed both work too.
+default process group, or `process_group`), between steps. An error on one rank (an optimizer over
+another rank's parameters, say) raises on every rank at once: that rank's own error, a
+`PipelineError` naming it on the others. In one process without torch.distributed both work too.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ import contextlib
 import os
 import pickle
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
 from .._compat import uncompiled
+from .agreement import Agreement, agree_on_problems
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -146,6 +148,19 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     """
     import torch.distributed.checkpoint as dcp
 
+    agreement, ranks = _agreement(process_group)
+    try:
+        state, problem = _state_to_save(model, optimizer, lr_scheduler), None
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        state, problem = {}, exc
+    # a rank that raised alone would leave the others in DCP's collective until the group's timeout
+    agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing was saved)")
+    with _one_process_quiet():
+        dcp.save(state, checkpoint_id=os.fspath(path), process_group=process_group)
+
+
+def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> dict[str, Any]:
+    """This rank's share of the checkpoint (no collective: `save_checkpoint` agrees on it first)."""
     mods = _stage_modules(model)
     state: dict[str, Any] = {"model": _model_state(mods)}
     if optimizer is not None:
@@ -162,8 +177,7 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     rng = _rng_state(model)
     if rng is not None:
         state["rng"] = rng
-    with _one_process_quiet():
-        dcp.save(state, checkpoint_id=os.fspath(path), process_group=process_group)
+    return state
 
 
 def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
@@ -193,6 +207,41 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     import torch.distributed.checkpoint as dcp
 
     path = os.fspath(path)
+    agreement, ranks = _agreement(process_group)
+    try:
+        loading, problem = _state_to_load(model, path, optimizer, lr_scheduler), None
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        loading, problem = None, exc
+    # a rank that raised alone would leave the others in DCP's collective until the group's timeout
+    agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
+    assert loading is not None  # else agree_on_problems raised
+    with _one_process_quiet():
+        dcp.load(loading.state, checkpoint_id=path, process_group=process_group)
+    try:
+        _apply_loaded(loading, model, optimizer, lr_scheduler)
+        problem = None
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    # else the other ranks would go on training from the checkpoint without the failed one
+    agree_on_problems(agreement, problem, ranks,
+                      "load_checkpoint could not finish on every rank (this rank's state is loaded, the failed rank's partly)")
+
+
+class _Loading(NamedTuple):
+    """What this rank asks of the checkpoint (`_state_to_load`), for `_apply_loaded`."""
+
+    mods: list[nn.Module]
+    model_state: dict[str, Any]
+    state: dict[str, Any]  #: the destinations DCP reads into
+    wanted: list[tuple[str, nn.Parameter, dict]]  #: (saved name, parameter, its group) of the optimizer's parameters
+    restore_rng: bool
+
+
+def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> _Loading:
+    """The destinations of this rank's share of checkpoint `path` (no collective: `load_checkpoint`
+    agrees on them first)."""
+    import torch.distributed.checkpoint as dcp
+
     mods = _stage_modules(model)
     model_state = _model_state(mods)
     state: dict[str, Any] = {"model": model_state}
@@ -221,23 +270,39 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     restore_rng = hasattr(model, "rng_step") and "rng.step" in meta
     if restore_rng:
         state["rng"] = {"step": None, "seed": None}
-    with _one_process_quiet():
-        dcp.load(state, checkpoint_id=path, process_group=process_group)
-    for m in mods:
-        m.load_state_dict({k: model_state[k] for k in m.state_dict()})
+    return _Loading(mods, model_state, state, wanted, restore_rng)
+
+
+def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
+    """Put what DCP read (`loading.state`) into the stages, `optimizer`, `lr_scheduler` and `model`'s
+    random stream."""
+    state = loading.state
+    for m in loading.mods:
+        m.load_state_dict({k: loading.model_state[k] for k in m.state_dict()})
     if optimizer is not None:
         loaded = state["optimizer"]
-        _one_value_per_group(optimizer, wanted, loaded["param_groups"])
-        for name, p, group in wanted:
+        _one_value_per_group(optimizer, loading.wanted, loaded["param_groups"])
+        for name, p, group in loading.wanted:
             if name in loaded["state"]:
                 optimizer.state[p] = dict(loaded["state"][name])
             for key, value in loaded["param_groups"].get(name, {}).items():
                 group[key] = value
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]["state"]))
-    if restore_rng:
+    if loading.restore_rng:
         model.rng_step = int(state["rng"]["step"])
         model._base_seed = int(state["rng"]["seed"])
+
+
+def _agreement(process_group: Any) -> tuple[Agreement, list[int]]:
+    """The ranks that save or load together (DCP's group) and their global ranks, to agree that
+    each one's own part went well; in one process without torch.distributed, this one alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return Agreement(None), [0]
+    group = process_group if process_group is not None else dist.group.WORLD
+    return Agreement(group), dist.get_process_group_ranks(group)
 
 
 def _one_value_per_group(optimizer: torch.optim.Optimizer, wanted: list[tuple[str, nn.Parameter, dict]],

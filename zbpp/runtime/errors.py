@@ -6,7 +6,9 @@ __all__ = ["GraphCaptureError", "PipelineError", "ShapeMismatchError"]
 
 
 class PipelineError(RuntimeError):
-    """A pipeline step failed; the message names the rank and the task, the cause is chained."""
+    """A pipeline step failed; the message names the rank and the task, the cause is chained. Also
+    raised by a collective call (building a `Pipeline`, a checkpoint) on the ranks where another
+    rank's part failed, naming that rank and its error."""
 
 
 class ShapeMismatchError(PipelineError):
