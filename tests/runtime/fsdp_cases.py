@@ -578,3 +578,33 @@ def one_rank_wrong_case(path: str, when: str) -> str:
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
     return f"{time.monotonic() - start:.1f}s ok"
+
+
+def scheduler_case(path: str) -> str:
+    """2 ranks, rank r holding stage r of `Net`; rank 0's AdamW has lr 0.1, rank 1's 0.05 (one group
+    each), each with the same LambdaLR, 3 steps. Save with lr_scheduler=, load into a fresh optimizer
+    and scheduler, step once more: the learning rate must be the uninterrupted run's. Returns what
+    went wrong on this rank ('' if nothing), or ``"<type>: <message>"`` of what a call raised."""
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    stage = {rank: stage_of(whole_model(), rank, 2)}
+
+    def schedule() -> tuple[torch.optim.Optimizer, Any]:
+        opt = torch.optim.AdamW(stage[rank].parameters(), lr=0.1 if rank == 0 else 0.05)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+
+    opt, sched = schedule()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    try:
+        save_checkpoint(stage, path, opt, lr_scheduler=sched)
+        opt2, sched2 = schedule()
+        load_checkpoint(stage, path, opt2, lr_scheduler=sched2)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    sched.step()  # the uninterrupted run
+    sched2.step()
+    return "" if sched2.get_last_lr() == sched.get_last_lr() else \
+        f"resumed lr {sched2.get_last_lr()}, uninterrupted {sched.get_last_lr()}"

@@ -16,7 +16,7 @@ import torch
 from zbpp.runtime import load_checkpoint
 
 from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, compare, loss_fn, make_optimizer, one_rank_wrong_case,
-                         reference_run, resume_case, save_case, whole_model)
+                         reference_run, resume_case, save_case, scheduler_case, whole_model)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,15 @@ def test_an_error_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers,
     assert wrong_on_0.split(" ", 1)[1].startswith(f"PipelineError: {call} on every rank ("), wrong_on_0
     assert f"; global rank 1: {words}" in wrong_on_0, wrong_on_0
     assert all(float(m.split("s ", 1)[0]) < 10 for m in (wrong_on_0, wrong_on_1)), (wrong_on_0, wrong_on_1)
+
+
+def test_lr_schedulers_that_differ_between_ranks_are_refused(tmp_path: Path, zbpp_workers) -> None:
+    """`scheduler_case`: the ranks' schedulers have different base_lrs. The checkpoint keeps one
+    scheduler state (DCP writes one rank's), so one rank resumed with the other's learning rate
+    (0.1 * 0.5**4 instead of 0.05 * 0.5**4); now every rank refuses to save, naming the difference."""
+    msgs = zbpp_workers(2, pg_timeout=60).run(scheduler_case, str(tmp_path / "c"))
+    want = "ValueError: lr_scheduler's state differs between global ranks 0 and 1: 'base_lrs' is [0.1] on 0, [0.05] on 1"
+    assert all(m.startswith(want) for m in msgs), msgs
 
 
 def test_compiled_stage_keeps_the_model_names(tmp_path: Path) -> None:

@@ -132,7 +132,8 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
             A parameter's state and hyperparameters are saved under each of its names (a tied
             Parameter that one rank's stages share: under the embedding's and the LM head's name).
         lr_scheduler: a ``torch.optim.lr_scheduler`` (anything with ``state_dict()``) over
-            `optimizer`; built alike on every rank, so one copy is kept.
+            `optimizer`; built alike on every rank, so one copy is kept (ranks whose states
+            differ, e.g. in ``base_lrs``, raise on every rank, naming the difference).
         process_group: the ranks that save together; default: every rank of the default group.
 
     Example (one process; under torchrun every rank does the same with its stages)::
@@ -154,9 +155,36 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
         state, problem = {}, exc
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
-    agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing was saved)")
+    schedulers = agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing "
+                                   "was saved)", payload=state.get("lr_scheduler", {}).get("state"))
+    _one_scheduler_state(schedulers, ranks)
     with _one_process_quiet():
         dcp.save(state, checkpoint_id=os.fspath(path), process_group=process_group)
+
+
+def _one_scheduler_state(states: list[bytes | None], ranks: list[int]) -> None:
+    """Raise, on every rank, where two ranks' pickled LR scheduler states (`states`, None: not given)
+    differ: the checkpoint keeps one copy (DCP writes one rank's), which could not resume both."""
+    given = [(g, pickle.loads(blob)) for g, blob in zip(sorted(ranks), states) if blob is not None]
+    first, theirs = given[0] if given else (None, {})
+    for g, state in given[1:]:
+        keys = sorted(set(theirs) | set(state), key=lambda k: (str(k).startswith("_"), str(k)))  # public ones first
+        differ = [k for k in keys if not _equal(theirs.get(k), state.get(k))]
+        if differ:
+            key, also = differ[0], f" (also {', '.join(map(repr, differ[1:]))})" if differ[1:] else ""
+            raise ValueError(
+                f"lr_scheduler's state differs between global ranks {first} and {g}: {key!r} is {theirs.get(key)!r} "
+                f"on {first}, {state.get(key)!r} on {g}{also}. A checkpoint keeps one scheduler state for every rank and "
+                "layout: build the scheduler alike on every rank (optimizers with the same param groups and "
+                "learning rates), or leave lr_scheduler= out and save each rank's state_dict() yourself"
+            )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. tensors of several elements: compare them as different
+        return False
 
 
 def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> dict[str, Any]:
