@@ -174,11 +174,12 @@ def _named(stages: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
 
 
 def check_lm(name: str, pp: int, kind: str, frozen: str = "none", dp: int = 1, m: int | None = None,
-             slow_w: float = 0.0, user_reducer: bool = False) -> dict[str, int]:
+             slow_w: float = 0.0, user_reducer: bool = False, alias: bool = False) -> dict[str, int]:
     """Two SGD steps of the tied LM through `Pipeline` (dp replicas of pp ranks; the head's weight
     is the tied embedding, computed by W) against one process per replica, averaged. Frozen
     parameters must stay without gradient and never be reduced. `user_reducer`: the caller's own
-    `GradReducer` (``reducer=``), built leaving the tie out. Returns the reducer's counts."""
+    `GradReducer` (``reducer=``), built leaving the tie out. `alias`: every holder passes its copy
+    under a second name too. Returns the reducer's counts."""
     groups = ParallelGroups(pp=pp) if dp > 1 else None
     pp_rank = groups.pp_rank if groups else dist.get_rank()
     replica = groups.dp_rank if groups else 0
@@ -196,7 +197,7 @@ def check_lm(name: str, pp: int, kind: str, frozen: str = "none", dp: int = 1, m
     for r in refs:
         for s in range(n):
             freeze(r[s], s, frozen)
-    tied = {"wte": wte} if wte is not None else None
+    tied = ({"wte": wte, "alias": wte} if alias else {"wte": wte}) if wte is not None else None
     reducer = GradReducer(stages, groups, exclude={id(p) for p in (tied or {}).values()}) if user_reducer else None
     pipe = Pipeline(stages, sched, lm_loss, tied_parameters=tied, groups=groups, reducer=reducer)
     for st in stages.values():  # a frozen parameter is not listed as owed by W
@@ -511,6 +512,18 @@ def check_reducer_with_the_tie() -> str:
     try:
         Pipeline(stages, sched, lm_loss, tied_parameters={"wte": wte}, groups=groups,
                  reducer=GradReducer(stages, groups))
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def check_tie_named_twice() -> str:
+    """dp=2 replicas of a pp=2 1f1b tied LM (`check_lm`), every holder passing its copy as
+    ``{"wte": w, "alias": w}``: each name is a tie of its own, so the two would all-reduce (and
+    divide by the replicas) the one gradient twice, in flight together. Returns what `check_lm`
+    raised on this rank ('' if its gradients equalled the reference's)."""
+    try:
+        check_lm("1f1b", 2, "plain", dp=2, alias=True)
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{type(exc).__name__}: {exc}"
     return ""

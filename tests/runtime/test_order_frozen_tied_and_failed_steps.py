@@ -28,6 +28,7 @@ from zbpp.testing import DistributedTestError, Workers
 from .cases import make_schedule
 from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_after_no_sync, check_failed_step_with_main_grad,
                         check_first_failure_named, check_frozen_on_one_replica, check_reducer_with_the_tie,
+                        check_tie_named_twice,
                         check_wrong_on_one_rank,
                         check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
@@ -81,6 +82,15 @@ def test_a_given_reducer_leaves_the_tie_to_the_pipeline(zbpp_workers):
     assert all(counts) and not any("wte" in k for c in counts for k in c), counts
     msgs = zbpp_workers(4).run(check_reducer_with_the_tie)
     assert all(m.startswith("ValueError: reducer= reduces tied_parameters['wte']") for m in msgs), msgs
+
+
+def test_one_parameter_under_two_tie_names_raises(zbpp_workers):
+    """tied_parameters={"wte": w, "alias": w} on every holder, dp=2 x pp=2: two ties of one Parameter
+    reduced its gradient twice (0.81 off the one-process reference); every rank raises when the
+    pipeline is built, naming both entries."""
+    msgs = zbpp_workers(4).run(check_tie_named_twice)
+    want = "ValueError: tied_parameters['wte'] and tied_parameters['alias'] are one Parameter"
+    assert all(m.startswith(want) for m in msgs), msgs
 
 
 def test_the_first_of_two_failures_is_named(zbpp_workers):

@@ -85,6 +85,7 @@ def local_ties(tied: Mapping[str, nn.Parameter], stage_modules: Mapping[int, nn.
         return tuple(s for s, m in sorted(stage_modules.items()) if any(q is p for q in m.parameters() for p in params))
 
     named: dict[str, tuple[tuple[nn.Parameter, ...], tuple[int, ...]]] = {}
+    claimed: dict[int, str] = {}  # id(copy) -> the name it was given under
     for name, p in tied.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"tied_parameters: names must be non-empty strings, got {name!r}")
@@ -100,6 +101,14 @@ def local_ties(tied: Mapping[str, nn.Parameter], stage_modules: Mapping[int, nn.
                 f"tied_parameters[{name!r}] is not a parameter of this rank's stage modules (stages "
                 f"{sorted(stage_modules)}): pass the very Parameter object the stage uses"
             )
+        other = next((claimed[id(q)] for q in copies if id(q) in claimed), None)
+        if other is not None:  # each name is reduced on its own: one gradient would be reduced twice at once
+            raise ValueError(
+                f"tied_parameters[{other!r}] and tied_parameters[{name!r}] are one Parameter: each name is reduced "
+                "on its own, so its gradient would be summed (and averaged over the replicas) twice; pass it once, "
+                "under the one name every rank gives its copy"
+            )
+        claimed.update((id(q), name) for q in copies)
         named[name] = (copies, stages)
     return LocalTies(named, [(c, stages_of(c)) for c in unclaimed])
 
