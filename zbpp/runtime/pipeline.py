@@ -92,7 +92,9 @@ class Pipeline:
             default: a `zbpp.runtime.grad_reduce.GradReducer` when there are data-parallel
             replicas, a `zbpp.runtime.fsdp.FsdpReducer` when the stages are ``fully_shard`` modules
             (then no other reducer may be given), else none. It must leave `tied_parameters` out
-            (``GradReducer(..., exclude=...)``): the pipeline reduces those itself.
+            (``GradReducer(..., exclude=...)``): the pipeline reduces those itself. That is checked
+            only for a reducer that lists its parameters with ``params()`` (as `GradReducer`
+            does); any other is trusted to: a tie it reduces too gets a wrong gradient, no error.
         keep_grads_on_failure: gradients accumulated by earlier steps survive a failed step (only
             its own contribution goes; what it costs: `zbpp.runtime.grad_aside`). False: a failed
             step sets ``.grad`` to None and zeroes ``main_grad``.

@@ -42,7 +42,11 @@ __all__ = ["GradientReducer", "Reductions", "fsdp_reducer", "default_reducer"]
 class GradientReducer(Protocol):
     """What a data-parallel reducer offers the pipeline (``Pipeline(reducer=...)``). Per step:
     `start_step`, then for every stage exactly once each `stage_backward_done` and (later)
-    `stage_wgrad_done`, then `finish`; `abandon` instead of `finish` after a failed step."""
+    `stage_wgrad_done`, then `finish`; `abandon` instead of `finish` after a failed step.
+
+    Optionally ``params()``, the parameters it reduces: `Pipeline` then refuses one that reduces a
+    tied parameter (the pipeline sums those itself). Without it that cannot be checked: leave the
+    tied parameters out yourself, or their gradients come out wrong without an error."""
 
     def start_step(self, keep_main_grad: bool = False) -> None:
         """Before any task; `keep_main_grad`: ``main_grad`` holds unreduced no_sync steps."""
