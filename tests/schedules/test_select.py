@@ -133,3 +133,28 @@ def test_bad_input_is_named():
     # fixed ones, 1F1B's rank 0 holds two (its warm-up), and nothing holds less on its fullest rank
     with pytest.raises(ValueError, match=r"memory_limit=0.5 fits no candidate.*smallest simulated peak is 2 "):
         pick_schedule(2, 4, Costs(), memory=Memory(1.0, 0.5), memory_limit=0.5)
+
+
+def test_transients_count_against_the_limit():
+    # p=2, m=4, unit tasks, Memory(1, 0.5, transient_b=10). ZB-H1's rank 0 runs F0.0 F0.1 B0.0:
+    # it holds 2 when B0.0 starts, which then allocates 10 more: 12. Rank 1 runs F1.0 B1.0 F1.1
+    # B1.1: 1 - 0.5 + 1 = 1.5 held when B1.1 starts: 11.5. Every candidate runs a B or BW (its
+    # transient max(10, 0.5 - 1 + 0) = 10) above one activation: none fits a limit of 3.
+    memory = Memory(1.0, 0.5, transient_b=10.0)
+    got = pick_schedule(2, 4, Costs(1.0, 1.0, 1.0), memory=memory, candidates=["zb-h1"])
+    assert got.result.peak_memory == [12.0, 11.5]
+    assert got.result.peak_memory == simulate(got.schedule, Costs(1.0, 1.0, 1.0), memory).peak_memory
+    with pytest.raises(ValueError, match="fits no candidate"):
+        pick_schedule(2, 4, Costs(1.0, 1.0, 1.0), memory=memory, memory_limit=3.0)
+
+
+def test_scale_to_stages_keeps_transients():
+    # a transient is one task's peak, not a sum over layers: a finer stage keeps the largest of
+    # the rank-stages it overlaps (exact for n = p; on the safe side of the limit for n > p)
+    memory = Memory((1.0, 2.0), 0.5, transient_f=(0.0, 3.0), transient_b=(4.0, 0.0), transient_w=1.0)
+    _, same = scale_to_stages(Costs(), memory, 2, 2)
+    assert same.transients(2) == memory.transients(2)
+    _, four = scale_to_stages(Costs(), memory, 2, 4)
+    assert (four.transient_f, four.transient_b, four.transient_w) == ((0.0, 0.0, 3.0, 3.0), (4.0, 4.0, 0.0, 0.0), (1.0,) * 4)
+    _, three = scale_to_stages(Costs(), memory, 2, 3)  # the middle stage overlaps both
+    assert (three.transient_f, three.transient_b) == ((0.0, 3.0, 3.0), (4.0, 4.0, 0.0))

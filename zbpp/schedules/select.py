@@ -89,19 +89,36 @@ def _split(per_rank: list[float], num_stages: int) -> list[float]:
     return out
 
 
+def _largest_overlapped(per_rank: list[float], num_stages: int) -> list[float]:
+    """Each of `num_stages` equal contiguous stages: the largest value of the rank-stages it overlaps."""
+    p, n = len(per_rank), num_stages
+    return [max(v for q, v in enumerate(per_rank) if Fraction(q, p) < Fraction(s + 1, n) and Fraction(s, n) < Fraction(q + 1, p))
+            for s in range(n)]
+
+
 def scale_to_stages(costs: Costs, memory: Memory, num_ranks: int, num_stages: int) -> tuple[Costs, Memory]:
     """Costs and memory per rank-stage, scaled to `num_stages` equal contiguous stages.
 
-    >>> c, mem = scale_to_stages(Costs(f=(2, 4), b=2, w=1, comm=3.0), Memory(1, 0.5), 2, 4)
-    >>> c.f, c.b, c.comm, mem.activation
-    ((1.0, 1.0, 2.0, 2.0), (1.0, 1.0, 1.0, 1.0), 3.0, (0.5, 0.5, 0.5, 0.5))
+    Times, activation and wgrad are split in proportion to the overlap (module docstring). A task's
+    transient (`Memory.transient_f`, ...) is a peak within one task, not a sum over layers: each
+    stage keeps the largest of the rank-stages it overlaps (exact for ``num_stages == num_ranks``).
+
+    >>> c, mem = scale_to_stages(Costs(f=(2, 4), b=2, w=1, comm=3.0), Memory(1, 0.5, transient_b=(3, 0)), 2, 4)
+    >>> c.f, c.b, c.comm, mem.activation, mem.transient_b
+    ((1.0, 1.0, 2.0, 2.0), (1.0, 1.0, 1.0, 1.0), 3.0, (0.5, 0.5, 0.5, 0.5), (3.0, 3.0, 0.0, 0.0))
     """
     def scaled(value: float | Sequence[float], what: str) -> tuple[float, ...]:
         return tuple(_split(_per_rank_stage(value, num_ranks, what), num_stages))
 
+    def peaks(what: str) -> tuple[float, ...]:
+        per_rank = _per_rank_stage(getattr(memory, what), num_ranks, f"memory.{what}")
+        return tuple(_largest_overlapped(per_rank, num_stages))
+
     return (
         replace(costs, f=scaled(costs.f, "costs.f"), b=scaled(costs.b, "costs.b"), w=scaled(costs.w, "costs.w")),
-        Memory(activation=scaled(memory.activation, "memory.activation"), wgrad=scaled(memory.wgrad, "memory.wgrad")),
+        # the transients too: without them every candidate's peak, and so its fit, ignores them
+        Memory(activation=scaled(memory.activation, "memory.activation"), wgrad=scaled(memory.wgrad, "memory.wgrad"),
+               transient_f=peaks("transient_f"), transient_b=peaks("transient_b"), transient_w=peaks("transient_w")),
     )
 
 
@@ -206,7 +223,7 @@ def pick_schedule(
             split) and the message time ``comm``; scaled to each candidate's stages as the
             module docstring says.
         memory: activation and wgrad memory per rank-stage and microbatch (default ``Memory()``:
-            activation 1, wgrad 0); scaled like the costs.
+            activation 1, wgrad 0); scaled like the costs, its transients as `scale_to_stages` says.
         memory_limit: per rank, in the units of `memory`; None: no limit (the automatic
             schedules then use their default, 1F1B's memory).
         candidates: schedule names; default every registered one (`available()`). Options other
