@@ -292,3 +292,22 @@ def test_cli_prints_the_gap_to_the_lower_bound(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "lower bound for zb-auto: longest span >= 27 (this one +0.00%)" in out
     assert "lower bound for zbv-auto: longest span >= " in out
+
+
+def test_default_limit_is_the_one_the_search_keeps_when_wgrad_exceeds_activation() -> None:
+    """B may hold more than F (wgrad > activation: recompute, offload). p=2, m=4, F=B=1, W=2,
+    activation 1, wgrad (0, 2): the search plans stage 1 at max(1, 2) = 2 per microbatch, so its
+    default is p * 2 = 4 per rank, and the schedule it builds peaks above p * activation = 2.
+    `default_memory_limit` must name that limit (the CLI bounds the schedule under it): the
+    simulated peak stays within it, and `lower_bound` at it, which no schedule within the limit
+    beats, stays at or below the schedule's span and makespan."""
+    from zbpp.schedules.bounds import lower_bound
+    from zbpp.schedules.generators.auto import default_memory_limit
+
+    costs, memory = Costs(1, 1, 2), Memory(activation=1, wgrad=[0, 2])
+    res = simulate(_auto("zb-auto", 2, 4, costs, memory, None), costs, memory)
+    limit = default_memory_limit(loop_placement(2), memory)
+    assert limit == 4.0
+    assert max(res.peak_memory) <= limit * (1 + REL)
+    lb = lower_bound(loop_placement(2), 4, costs, memory, limit)
+    assert lb.cost <= res.cost * (1 + REL) and lb.makespan <= res.makespan * (1 + REL)

@@ -66,3 +66,14 @@ def test_compare_applies_options_only_where_they_apply(capsys: pytest.CaptureFix
     for line in out.splitlines():
         if line.startswith("zb-auto"):
             assert max(float(x) for x in line.split()[5:]) <= 6 + 1e-9  # the limit holds
+
+
+def test_show_lower_bound_never_above_the_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    # wgrad above activation on stage 1: zb-auto's default limit counts max(activation, wgrad)
+    # per stage, so the bound must be taken at that limit; a lower bound above the printed span
+    # would claim the schedule beats every schedule within its own limit
+    assert main(["show", "zb-auto", "-p", "2", "-m", "4", "--w", "2", "--wgrad", "0,2", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    span = float(re.search(r"longest rank span (\S+)", out).group(1))
+    bound = float(re.search(r"longest span >= (\S+)", out).group(1))
+    assert bound <= span

@@ -96,11 +96,9 @@ def _rank_floors(placement: Sequence[int], memory: Memory) -> list[float]:
     return out
 
 
-def _limits(name: str, memory_limit: float | Sequence[float] | None, floors: Sequence[float]) -> list[float]:
+def _limits(name: str, memory_limit: float | Sequence[float], floors: Sequence[float]) -> list[float]:
     """Each rank's limit: `memory_limit` (one number, or one per rank) checked against `floors`."""
     p = len(floors)
-    if memory_limit is None:
-        return [p * max(floors)] * p  # 1F1B's (and ZB-V's) activation memory
     what = f"{name}: memory_limit (per rank, in Memory's units)"
     if isinstance(memory_limit, numbers.Real):
         limit = as_number(memory_limit, what)
@@ -122,15 +120,27 @@ def _limits(name: str, memory_limit: float | Sequence[float] | None, floors: Seq
     return limits
 
 
+def _planned(memory: Memory, num_stages: int) -> Memory:
+    """The kept bytes the searches plan on: B re-creates what W keeps (recompute, offload), so
+    each stage counts as if F held ``max(activation, wgrad)`` from the start, never below the
+    true use, and a plan within a limit stays within it. (Transients are handled apart.)"""
+    act, wgrad = memory.per_stage(num_stages)
+    return Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)
+
+
 def default_memory_limit(placement: Sequence[int], memory: Memory) -> float:
-    """The per-rank limit `zb-auto` / `zbv-auto` use when given none: p times the smallest
-    feasible one, 1F1B's (and ZB-V's) activation memory.
+    """The per-rank limit `zb-auto`, `zbv-auto` and `zbi-auto` use when given none: p times the
+    most one microbatch needs on a rank, each stage counted at ``max(activation, wgrad)`` as the
+    search plans it; where wgrad <= activation, 1F1B's (and ZB-V's) activation memory.
 
     >>> from zbpp.schedules.ir import loop_placement
     >>> default_memory_limit(loop_placement(4), Memory(activation=1, wgrad=0.5))
     4.0
+    >>> default_memory_limit(loop_placement(2), Memory(activation=1, wgrad=[0, 2]))  # stage 1 plans at 2
+    4.0
     """
-    return (max(placement) + 1) * smallest_feasible_limit(placement, memory)
+    # the search's own default: a bound or report taken at any smaller limit would not hold for it
+    return (max(placement) + 1) * smallest_feasible_limit(placement, _planned(memory, len(placement)))
 
 
 #: List-scheduler policies (see `Policy`), the most useful first: on a V, the one that most often
@@ -170,20 +180,17 @@ def _search(
 ) -> Schedule:
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
-    act, wgrad = memory.per_stage(len(placement))
     p = max(placement) + 1
     # a task's transient comes on top of the kept bytes the search plans on: each rank plans
     # within its limit less its stages' largest (a limit, not the default, is a peak to respect)
     top = [0.0] * p
     for s, t in enumerate(memory.transients(len(placement))):
         top[placement[s]] = max(top[placement[s]], *t[:3])  # F, B, W: these schedules run no BW
-    # B re-creates what W keeps (recompute, offload): plan as if F held it from the start,
-    # never below the true use, so a plan within the limit stays within it
-    memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)
-    floors = _rank_floors(placement, memory)
-    if memory_limit is None:
-        limits = _limits(name, None, floors)
+    memory = _planned(memory, len(placement))
+    if memory_limit is None:  # one definition, so that reports and bounds use the limit kept here
+        limits = [default_memory_limit(placement, memory)] * p
     else:
+        floors = _rank_floors(placement, memory)
         limits = [x - t for x, t in zip(_limits(name, memory_limit, [f + t for f, t in zip(floors, top)]), top)]
     prob = Problem.make(placement, m, costs, memory, limits)
     shape = TaskShape(prob)
@@ -268,9 +275,9 @@ def zb_auto(
     """An automatic zero-bubble schedule, one stage per rank, for `costs` within `memory_limit`.
 
     `memory_limit` is per rank, in the units of `memory`: one number, or one per rank (ranks
-    whose other memory differs), a peak that counts each task's transient (`Memory`); default p
-    times a stage's activation, 1F1B's memory. Raises `ValueError` if a rank's limit is below the
-    smallest feasible one.
+    whose other memory differs), a peak that counts each task's transient (`Memory`); default
+    `default_memory_limit`: p times a stage's activation, 1F1B's memory, where wgrad <= activation.
+    Raises `ValueError` if a rank's limit is below the smallest feasible one.
 
     >>> from zbpp.schedules import build, Costs, Memory
     >>> build("zb-auto", num_ranks=4, num_microbatches=8, memory=Memory(1, 0.5), memory_limit=0.5)
@@ -290,9 +297,9 @@ def zbv_auto(
 ) -> Schedule:
     """An automatic V-shape schedule (2p stages; rank r holds r and 2p-1-r) within `memory_limit`.
 
-    Costs and memory are per V stage; `memory_limit` is per rank (default: p times a rank's two
-    stages' activations, ZB-V's and 1F1B's memory). Raises `ValueError` below the smallest
-    feasible limit.
+    Costs and memory are per V stage; `memory_limit` is per rank (default `default_memory_limit`:
+    p times a rank's two stages' activations, ZB-V's and 1F1B's memory, where wgrad <= activation).
+    Raises `ValueError` below the smallest feasible limit.
 
     >>> from zbpp.schedules import build, simulate, Costs, Memory
     >>> costs = Costs(f=1, b=1, w=2)  # W twice F: ZB-V's fixed W slots leave bubbles
@@ -315,8 +322,9 @@ def zbi_auto(
     """An automatic interleaved schedule (rank r holds stages r, r+p, ..., `chunks` of them)
     within `memory_limit`, never slower than `zb-interleaved` where that fits the limit.
 
-    Costs and memory are per stage; `memory_limit` is per rank (default: p times a rank's
-    stages' activations). Raises `ValueError` below the smallest feasible limit.
+    Costs and memory are per stage; `memory_limit` is per rank (default `default_memory_limit`:
+    p times a rank's stages' activations, where wgrad <= activation). Raises `ValueError` below the
+    smallest feasible limit.
 
     >>> from zbpp.schedules import build, simulate, Costs, Memory
     >>> costs, memory = Costs(1, 1, 1), Memory(1, 1 / 3)
