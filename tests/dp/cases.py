@@ -62,7 +62,8 @@ SMALL_BUCKETS = "small-buckets/"
 
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
-    return [f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + [SMALL_BUCKETS + c for c in small] + ["presence", "presence-host"]
+    return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + [SMALL_BUCKETS + c for c in small]
+            + ["presence", "presence-host", "clip-inf-nan"])
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -251,6 +252,34 @@ def run_presence(groups: Any, device: str, on_host: bool = False) -> list[str]:
     return fails
 
 
+def _clip_params(groups: Any, grads: list[list[float] | None], device: str) -> list[torch.nn.Parameter]:
+    """One float64 parameter per pipeline rank, with gradient ``grads[pp_rank]`` (None: frozen)."""
+    out = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64, device=device), requires_grad=g is not None)
+        if g is not None:
+            p.grad = torch.tensor(g, dtype=torch.float64, device=device)
+        out.append(p)
+    return out
+
+
+def run_clip_inf_nan(groups: Any, device: str) -> list[str]:
+    """The inf-norm of gradients with a NaN on the last pipeline rank only is NaN on every rank, as
+    torch's clip over all of them in one process says (gloo's MAX drops a NaN that is not the first
+    rank's), and error_if_nonfinite raises on every rank."""
+    grads = [[3.0, -4.0]] * (groups.pp - 1) + [[float("nan"), 1.0]]
+    want = float(torch.nn.utils.clip_grad_norm_(_clip_params(groups, grads, "cpu"), 1.0, norm_type=math.inf))
+    mine = _clip_params(groups, grads, device)[groups.pp_rank]
+    got = float(clip_grad_norm_([mine], 1.0, groups, norm_type=math.inf))
+    fails = [] if math.isnan(got) == math.isnan(want) else [f"inf-norm {got}, torch in one process: {want}"]
+    try:
+        clip_grad_norm_([mine], 1.0, groups, norm_type=math.inf, error_if_nonfinite=True)
+        fails.append("error_if_nonfinite=True did not raise on a NaN inf-norm")
+    except RuntimeError:
+        pass
+    return fails
+
+
 def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
     """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}.
 
@@ -265,6 +294,8 @@ def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
         try:
             if name in ("presence", "presence-host"):
                 out[name] = run_presence(groups, device, on_host=name == "presence-host")
+            elif name == "clip-inf-nan":
+                out[name] = run_clip_inf_nan(groups, device)
             else:
                 small = name.startswith(SMALL_BUCKETS)
                 sched, kind = name.removeprefix(SMALL_BUCKETS).split("/")

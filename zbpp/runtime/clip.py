@@ -127,10 +127,10 @@ def clip_grad_norm_(
             n = torch.linalg.vector_norm(g.to(acc), norm_type)
             part = torch.maximum(part, n) if inf else part + n**norm_type
         for shard_group in key:
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=shard_group)
+            part = _all_reduce(part, inf, shard_group)
         local = torch.maximum(local, part.to(device)) if inf else local + part.to(device)
     if size > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        local = _all_reduce(local, inf, group)
     total = local if inf else local ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -144,6 +144,17 @@ def clip_grad_norm_(
             g = g.to_local()  # shares the DTensor's storage
         g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total
+
+
+def _all_reduce(value: torch.Tensor, inf: bool, group: Any) -> torch.Tensor:
+    """`value` summed (p-norms) or maxed (the inf-norm) over `group`, a NaN kept: gloo's MAX drops
+    a NaN that is not on the group's first rank, which would hide another rank's NaN gradient."""
+    if not inf:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        return value
+    both = torch.stack([value, torch.isnan(value).to(value.dtype)])  # the flag's MAX: any rank's NaN
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
 
 
 def _shard_groups(g: torch.Tensor) -> tuple | None:
