@@ -63,7 +63,7 @@ SMALL_BUCKETS = "small-buckets/"
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
     return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + [SMALL_BUCKETS + c for c in small]
-            + ["presence", "presence-host", "clip-inf-nan"])
+            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank"])
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -280,6 +280,21 @@ def run_clip_inf_nan(groups: Any, device: str) -> list[str]:
     return fails
 
 
+def run_clip_frozen_rank(groups: Any, device: str) -> list[str]:
+    """Pipeline rank 0 holds only a frozen float64 parameter (no gradient), the others trainable
+    float64 ones: the norm and the clipped gradients are torch's over the trainable ones in one
+    process (the ranks' all-reduce once paired a float32 zero with float64 sums: gloo aborted)."""
+    grads = [None] + [[3.0, 4.0 * r] for r in range(1, groups.pp)]
+    ref = _clip_params(groups, grads, "cpu")
+    want = float(torch.nn.utils.clip_grad_norm_(ref, 1.0))
+    mine = _clip_params(groups, grads, device)[groups.pp_rank]
+    got = float(clip_grad_norm_([mine], 1.0, groups))
+    fails = [] if math.isclose(got, want, rel_tol=RTOL) else [f"2-norm {got}, torch in one process: {want}"]
+    if not _close(mine.grad, ref[groups.pp_rank].grad):
+        fails.append(f"clipped gradient {mine.grad}, torch in one process: {ref[groups.pp_rank].grad}")
+    return fails
+
+
 def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
     """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}.
 
@@ -296,6 +311,8 @@ def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
                 out[name] = run_presence(groups, device, on_host=name == "presence-host")
             elif name == "clip-inf-nan":
                 out[name] = run_clip_inf_nan(groups, device)
+            elif name == "clip-frozen-rank":
+                out[name] = run_clip_frozen_rank(groups, device)
             else:
                 small = name.startswith(SMALL_BUCKETS)
                 sched, kind = name.removeprefix(SMALL_BUCKETS).split("/")

@@ -78,8 +78,9 @@ def clip_grad_norm_(
     """Scale this rank's gradients so that the norm over the whole pipeline is at most `max_norm`.
 
     Every rank of every pipeline must call it (it all-reduces over the pipeline group), after the
-    step's gradients are final and averaged. Returns the total norm before clipping (an fp32 or fp64
-    scalar tensor, the same on every rank), like `torch.nn.utils.clip_grad_norm_`.
+    step's gradients are final and averaged. Returns the total norm before clipping (a scalar
+    tensor, fp64 where this rank has an fp64 gradient, else fp32; the same value on every rank),
+    like `torch.nn.utils.clip_grad_norm_`.
 
     Args:
         pipeline_or_params: a `Pipeline` or module (anything with ``parameters()``), a mapping
@@ -128,9 +129,10 @@ def clip_grad_norm_(
             part = torch.maximum(part, n) if inf else part + n**norm_type
         for shard_group in key:
             part = _all_reduce(part, inf, shard_group)
-        local = torch.maximum(local, part.to(device)) if inf else local + part.to(device)
+        part = part.to(device, acc)
+        local = torch.maximum(local, part) if inf else local + part
     if size > 1:
-        local = _all_reduce(local, inf, group)
+        local = _all_reduce(local, inf, group)  # float64 from here on: one coefficient everywhere
     total = local if inf else local ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -143,12 +145,17 @@ def clip_grad_norm_(
         if _shard_groups(g) is not None:
             g = g.to_local()  # shares the DTensor's storage
         g.mul_(coef.to(device=g.device, dtype=g.dtype))
-    return total
+    return total.to(acc)
 
 
 def _all_reduce(value: torch.Tensor, inf: bool, group: Any) -> torch.Tensor:
     """`value` summed (p-norms) or maxed (the inf-norm) over `group`, a NaN kept: gloo's MAX drops
-    a NaN that is not on the group's first rank, which would hide another rank's NaN gradient."""
+    a NaN that is not on the group's first rank, which would hide another rank's NaN gradient.
+
+    In float64 whatever `value`'s dtype: ranks may accumulate in different ones (one without any
+    gradient uses float32 beside float64 gradients), and a collective of mismatched sizes aborts
+    gloo (and is undefined on NCCL)."""
+    value = value.to(torch.float64)
     if not inf:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
         return value
