@@ -222,3 +222,33 @@ def test_a_delayed_layer_not_called_in_a_microbatch_gets_that_microbatchs_nothin
     for s, stage in enumerate(mine):
         for (n, a), (_, b) in zip(stage.named_parameters(), ref[s].named_parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"stage {s} {n}: {m}")
+
+
+def test_no_sync_after_a_synchronised_step_starts_main_grad_afresh():
+    """main_grad given by the data-parallel reducer (zbpp Linears with fuse_wgrad_accumulation; one
+    process, so the reducer is passed): a synchronised step, then an accumulation window (a step
+    inside no_sync(), one outside). main_grad must hold the window's two batches' gradients, as one
+    process running them on the plain model: the first step's (its optimizer step used them) is no
+    more part of the window than a synchronised step's start keeps it.
+    Tolerance: float64, the pipeline sums microbatch gradients where the reference has one GEMM
+    (~1e-15 relative); a leftover step is a whole gradient off."""
+    from zbpp.modules import Linear as ZLinear
+    from zbpp.runtime.grad_reduce import GradReducer
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 3).double()
+    lin = ZLinear(4, 3, delay_wgrad_compute=True, fuse_wgrad_accumulation=True, params_dtype=torch.float64)
+    lin.load_state_dict(plain.state_dict())
+    mse = torch.nn.functional.mse_loss
+    pipe = Pipeline({0: lin}, build("zb-h1", num_ranks=1, num_microbatches=2), mse,
+                    reducer=GradReducer({0: lin}, None))
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)) for _ in range(3)]
+    pipe.step(data[0][0], target=data[0][1])
+    with pipe.no_sync():
+        pipe.step(data[1][0], target=data[1][1])
+    pipe.step(data[2][0], target=data[2][1])
+    for x, y in data[1:]:
+        mse(plain(x), y).backward()
+    for n, p in lin.named_parameters():
+        torch.testing.assert_close(p.main_grad, getattr(plain, n).grad, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"{n}: {m}")

@@ -39,8 +39,9 @@ is a view into a bucket buffer, so those buckets are reduced in place. A post-ac
 moves any ``.grad`` of such a parameter into ``main_grad`` and clears it (Megatron's convention,
 including ``grad_added_to_main_grad`` and ``zero_out_wgrad``): that is also what consumes the eager
 FP8 bias gradient during B, which W then does not recreate. ``start_step`` zeroes the ``main_grad`` buffers (and may
-replace them, see above: read ``p.main_grad`` after the step, do not keep it across steps);
-``.grad`` is left to the usual ``zero_grad``.
+replace them, see above: read ``p.main_grad`` after the step, do not keep it across steps), and
+so does ``zero_main_grad``, which the runtime calls before the first ``no_sync`` step after a
+synchronised one; ``.grad`` is left to the usual ``zero_grad``.
 
 Example, on one process (no data parallelism: nothing is communicated, the bookkeeping still runs):
 
@@ -407,6 +408,15 @@ class GradReducer:
             raise RuntimeError("gradient reduction is incomplete: " + "; ".join(problems))
         for e in self._entries.values():
             e.observed = frozenset(e.seen)
+
+    def zero_main_grad(self) -> None:
+        """Zero the ``main_grad`` buffers between steps: a ``no_sync`` window's first step (which calls
+        no `start_step`) would otherwise add to the gradients of the last synchronised step."""
+        if self._in_step:
+            raise RuntimeError("GradReducer.zero_main_grad() called inside a step; call it between steps")
+        for b in self._buckets:
+            if b.uses_main_grad:
+                b.buffer.zero_()
 
     def abandon(self) -> None:
         """After a failed step: wait for reductions in flight, drop them, zero ``main_grad``."""

@@ -46,7 +46,11 @@ class GradientReducer(Protocol):
 
     Optionally ``params()``, the parameters it reduces: `Pipeline` then refuses one that reduces a
     tied parameter (the pipeline sums those itself). Without it that cannot be checked: leave the
-    tied parameters out yourself, or their gradients come out wrong without an error."""
+    tied parameters out yourself, or their gradients come out wrong without an error.
+
+    Optionally ``zero_main_grad()``, called before the first step inside ``no_sync()`` after a
+    synchronised step, when it zeroes ``main_grad`` at `start_step` (as `GradReducer` does): the
+    window then starts from zeros as a synchronised step does."""
 
     def start_step(self, keep_main_grad: bool = False) -> None:
         """Before any task; `keep_main_grad`: ``main_grad`` holds unreduced no_sync steps."""
@@ -128,6 +132,11 @@ class Reductions:
         then reduces zeros for what got no gradient, as the other replicas expect)."""
         if self.fsdp is not None:
             self.fsdp.begin_step(draining)
+        if self._mode == "no_sync" and not self._unreduced and self.reducer is not None:
+            # a no_sync window begins: main_grad still holds the last synchronised step's gradient
+            zero = getattr(self.reducer, "zero_main_grad", None)
+            if callable(zero):
+                zero()
         if self._mode != "sync":
             return
         if self.reducer is not None:
