@@ -252,3 +252,48 @@ def test_no_sync_after_a_synchronised_step_starts_main_grad_afresh():
     for n, p in lin.named_parameters():
         torch.testing.assert_close(p.main_grad, getattr(plain, n).grad, rtol=1e-10, atol=1e-12,
                                    msg=lambda m: f"{n}: {m}")
+
+
+def test_a_failed_step_that_rebuilt_the_buckets_keeps_the_no_sync_main_grad():
+    """The reducer rebuilds its buckets (new main_grad buffers) at the start of the step after one
+    whose readiness differed from its layout (an FP8 layer's first step; here a layer that starts
+    delaying its wgrad after the reducer was built). When that step follows a no_sync() step and
+    fails, main_grad must hold the no_sync step's gradients again, and the retried step adds its
+    own: as one process running the plain model on those two batches.
+    Tolerance: float64, as in the test above."""
+    from zbpp.modules import Linear as ZLinear
+    from zbpp.runtime import PipelineError
+    from zbpp.runtime.grad_reduce import GradReducer
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 3).double()
+    lin = ZLinear(4, 3, fuse_wgrad_accumulation=True, params_dtype=torch.float64)
+    lin.load_state_dict(plain.state_dict())
+    reducer = GradReducer({0: lin}, None)  # lays the buckets out for gradients final after B
+    lin.delay_wgrad_compute = True  # from now on W makes them: the layout changes after a step
+    armed = {"on": False}
+    mse = torch.nn.functional.mse_loss
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if armed["on"]:
+            raise RuntimeError("injected loss failure")
+        return mse(out, y)
+
+    pipe = Pipeline({0: lin}, build("zb-h1", num_ranks=1, num_microbatches=2), loss, reducer=reducer)
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)) for _ in range(4)]
+    pipe.step(data[0][0], target=data[0][1])  # sees the new readiness
+    with pipe.no_sync():
+        pipe.step(data[1][0], target=data[1][1])
+    armed["on"] = True
+    with pytest.raises(PipelineError, match="injected loss failure"):
+        pipe.step(data[2][0], target=data[2][1])  # rebuilds the buckets, then fails
+    armed["on"] = False
+    mse(plain(data[1][0]), data[1][1]).backward()
+    for n, p in lin.named_parameters():
+        torch.testing.assert_close(p.main_grad, getattr(plain, n).grad, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"after the failed step, {n}: {m}")
+    pipe.step(data[3][0], target=data[3][1])
+    mse(plain(data[3][0]), data[3][1]).backward()
+    for n, p in lin.named_parameters():
+        torch.testing.assert_close(p.main_grad, getattr(plain, n).grad, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"after the retried step, {n}: {m}")

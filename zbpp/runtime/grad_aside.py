@@ -6,7 +6,8 @@ tensors get the step's gradients added and go back. A step that must reduce what
 steps accumulated together with its own accumulates in place instead, and keeps a copy (none of a
 tensor known to hold zeros, such as a fixed buffer that replaced a None ``.grad``: zeros come back). A
 ``main_grad`` that no data-parallel reducer zeroes at the step's start is copied. After a failure
-every kept tensor goes back as it was and the step's gradients are dropped.
+every kept tensor goes back as it was and the step's gradients are dropped; a ``main_grad`` copy
+goes into the parameter's ``main_grad`` of that moment (a reducer may have replaced the buffer).
 
 With ``keep=False`` nothing is kept (no memory, no copies) and a failure sets ``.grad`` to None
 and zeroes ``main_grad``.
@@ -61,6 +62,7 @@ class GradientsAside:
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept tensor, its values)
         self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
+        self._main_copies: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, its main_grad's values)
         if not keep:
             return
         # loops in C where they can: this runs before every step's first kernel
@@ -77,7 +79,8 @@ class GradientsAside:
         if copy_main_grad:
             mains = [getattr(p, "main_grad", None) for p in self._params]
             if any(map(operator.is_not, mains, itertools.repeat(None))):  # by identity: == on tensors is slow
-                self._copies += [(m, m.clone()) for m in mains if isinstance(m, torch.Tensor)]
+                # by parameter: the reducer's start_step may rebuild its buckets, a new main_grad
+                self._main_copies = [(p, m.clone()) for p, m in zip(self._params, mains) if isinstance(m, torch.Tensor)]
 
     def copies(self) -> dict[int, torch.Tensor]:
         """The copies kept of gradients left in place, by the id of the gradient tensor (read them only:
@@ -92,7 +95,7 @@ class GradientsAside:
             if p.grad is not None:
                 g.add_(p.grad)
             p.grad = g
-        self._aside, self._copies, self._zeros = [], [], []
+        self._aside, self._copies, self._zeros, self._main_copies = [], [], [], []
 
     def discard_step(self) -> None:
         """The step failed: drop its gradients and restore the kept ones (or clear them all)."""
@@ -101,6 +104,8 @@ class GradientsAside:
                 p.grad = g
             for kept, copy in self._copies:
                 kept.copy_(copy)
+            for p, copy in self._main_copies:
+                p.main_grad.copy_(copy)
             if self._zeros:
                 foreach_zero_(self._zeros)
         else:
@@ -109,4 +114,4 @@ class GradientsAside:
                 main = getattr(p, "main_grad", None)
                 if isinstance(main, torch.Tensor):
                     main.zero_()
-        self._aside, self._copies, self._zeros = [], [], []
+        self._aside, self._copies, self._zeros, self._main_copies = [], [], [], []
