@@ -146,3 +146,40 @@ def test_is_first_microbatch_must_be_bool_or_none(bad):
     layer = make("Linear", "cpu", delay=False)
     with pytest.raises(TypeError, match=r"Linear: is_first_microbatch=.*True on the first"):
         layer(microbatches(1, "cpu")[0][0], is_first_microbatch=bad)
+
+
+def _hand_cast(t, scale, dtype=torch.float8_e4m3fn):
+    """The cast by its formula, dequantised in float64: fp8(clamp(fl32(t * s))) * fl32(1 / s)."""
+    s = torch.tensor(scale, dtype=torch.float32)
+    fmax = torch.finfo(dtype).max
+    data = (t.detach().float() * s).clamp(-fmax, fmax).to(dtype)
+    return data.double() * s.reciprocal().double()
+
+
+@pytest.mark.parametrize("mode", ["fused", "foreach", "for-loop"])
+def test_an_optimizer_step_makes_the_kept_cast_stale(mode):
+    """torch.optim's fused optimizers update the weight in place without bumping its version
+    counter (torch 2.14, CPU): the kept cast must be dropped after any optimizer step anyway.
+
+    Reference: the forward after the step by hand, in float64, from the slots' scales (the cast
+    formula, `_hand_cast`) and the updated weight. Tolerance: one bfloat16 rounding of the output
+    (2^-8 relative to |x_q| |w_q|^T + |b|, twice the half-ulp) covers the float32 accumulation
+    and the bias; the stale cast is off by the step (lr 1e-2 on weights of std 0.023: ~40%)."""
+    layer = make("Linear", "cpu", delay=False)
+    options = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+               "for-loop": dict(foreach=False)}[mode]
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, **options)
+    recipe = DelayedScaling(amax_history_len=8, margin=1)  # margin: the new weight never clamps
+    (x, dy), (x2, _) = microbatches(2, "cpu")
+    with fp8_autocast(fp8_recipe=recipe):
+        layer(x, is_first_microbatch=True).backward(dy)
+    opt.step()
+    s_x, s_w = (layer.fp8_meta[n].scale.item() for n in ("input", "weight"))
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer(x2, is_first_microbatch=False)  # wrongly False: the kept cast must not be used
+    xq, wq = _hand_cast(x2, s_x), _hand_cast(layer.weight, s_w)
+    bias = layer.bias.detach().double()
+    want = xq @ wq.t() + bias
+    bound = 2.0**-8 * (xq.abs() @ wq.abs().t() + bias.abs())
+    err = (y.detach().double() - want).abs()
+    assert (err <= bound).all(), f"off by up to {err.max().item():.3g} (bound {bound.max().item():.3g})"

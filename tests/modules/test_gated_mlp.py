@@ -323,6 +323,28 @@ def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -
     assert not mlp.gate_proj._fp8_weight_casts["gate_up_proj"].kept
 
 
+def test_a_fused_optimizer_step_makes_the_stacked_cast_stale() -> None:
+    # torch.optim's fused=True steps write the weights without bumping their version counters:
+    # the microbatch after the step (wrongly is_first_microbatch=False) must cast [gate; up] again
+    torch.manual_seed(0)
+    mlp = GatedMLP(nn.SiLU())
+    fuse_gated_mlps(mlp)
+    delay_wgrad(mlp)
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, fused=True)
+    for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        layer.keep_fp8_weight_casts = True
+    with fp8_autocast(fp8_recipe=RECIPE):
+        with microbatch((0, 0)):
+            mlp(torch.randn(ROWS, HIDDEN, requires_grad=True)).sum().backward()
+        for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            layer.backward_dw()
+        opt.step()
+        with microbatch((0, 1)):
+            mlp(torch.randn(ROWS, HIDDEN))
+    assert mlp.gate_proj.fp8_meta["weight"].casts == 2
+    assert mlp.down_proj.fp8_meta["weight"].casts == 2
+
+
 def test_fast_stage_in_fp8_fuses_a_hugging_face_models_mlps() -> None:
     transformers = pytest.importorskip("transformers")
     from zbpp.models.fast import fast_stage

@@ -8,12 +8,16 @@ meaning:
 - ``None`` (default): cast the weight on every call and keep nothing;
 - ``True``: cast it (stepping the weight's amax history as any cast does) and keep the cast;
 - ``False``: reuse the kept cast, without stepping the history, while it still belongs to the
-  weight: the same tensor with the same storage and version counter, the same scaling slot, and a
-  transpose where this call needs one. Otherwise cast afresh and keep that.
+  weight: the same tensor with the same storage and version counter, no optimizer step since, the
+  same scaling slot, and a transpose where this call needs one. Otherwise cast afresh and keep
+  that.
 
-In-place updates (an optimizer step, ``weight.add_``) bump the version counter, so a stale cast is
-never used after them; writes through ``weight.data`` do not, which is why, as with Transformer
-Engine, the first microbatch after every optimizer step must pass ``True``.
+In-place updates (``weight.add_``, ``copy_``, ``load_state_dict``) bump the version counter, so a
+stale cast is never used after them. torch.optim's fused optimizers (``fused=True``) do not bump
+it, so any ``torch.optim`` step also drops every kept cast (a process-wide step count, from
+``register_optimizer_step_post_hook``). Writes through ``weight.data`` and updates by other means
+change neither, which is why, as with Transformer Engine, the first microbatch after every
+optimizer step must pass ``True``.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .fp8 import DelayedScaling, Quantized, ScalingMeta, quantize
 
-__all__ = ["Fp8WeightCache", "check_first_microbatch", "step_first_microbatch"]
+__all__ = ["Fp8WeightCache", "check_first_microbatch", "optimizer_steps", "step_first_microbatch"]
 
 
 def check_first_microbatch(owner: str, value: object) -> bool | None:
@@ -50,11 +55,32 @@ def step_first_microbatch(key: object) -> bool | None:
     return None
 
 
+# torch.optim steps so far, in this process. Fused optimizers write the parameters without
+# bumping their version counters: a kept cast made before a step must not outlive it. Counted
+# after the step, so a cast made while a step runs (another thread) is dropped too.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim`` steps this process has run: a kept weight cast is stale once
+    this changes."""
+    return _optimizer_steps
+
+
 @dataclass(frozen=True)
 class _Kept:
     weight: torch.Tensor
     data_ptr: int
     version: int
+    optimizer_steps: int
     slot: ScalingMeta
     cast: Quantized
 
@@ -63,6 +89,7 @@ class _Kept:
             self.weight is weight
             and self.data_ptr == weight.data_ptr()
             and self.version == weight._version
+            and self.optimizer_steps == _optimizer_steps
             and self.slot is slot
             and self.cast.data.device == weight.device
             and (self.cast.data_t is not None or not transpose)
@@ -117,5 +144,6 @@ class Fp8WeightCache:
         if not first_microbatch and kept is not None and kept.belongs_to(weight, slot, transpose):
             return kept.cast
         cast = quantize(weight, slot, recipe, transpose=transpose)
-        self._kept = _Kept(weight, weight.data_ptr(), weight._version, slot, cast)
+        self._kept = _Kept(weight, weight.data_ptr(), weight._version, _optimizer_steps, slot,
+                           cast)
         return cast

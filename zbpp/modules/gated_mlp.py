@@ -55,6 +55,7 @@ from torch import nn
 
 from .._compat import runs_hooks
 from ._activations import ACTIVATIONS, Activation
+from ._fp8_weight_cache import optimizer_steps
 from ._fused import act_quantize, dact_quantize
 from ._layer_function import GemmCall, _Job, _quantize_grad, _WgradPart
 from ._shared_input import cast_input
@@ -206,7 +207,8 @@ def _computes_formula(module: nn.Module, fc1: list[nn.Module], down: nn.Module, 
 class _StackedCast:
     """The FP8 cast of ``[gate; up]``, kept across a step's microbatches by `Fp8WeightCache`'s
     rules: None casts and keeps nothing, True casts and keeps, False reuses the kept cast while
-    both weights are the very tensors at the same storage and version, and the slot the same."""
+    both weights are the very tensors at the same storage and version, no optimizer step ran
+    since, and the slot is the same."""
 
     __slots__ = ("_kept",)
 
@@ -224,7 +226,8 @@ class _StackedCast:
 
     def cast(self, gate: torch.Tensor, up: torch.Tensor, slot: ScalingMeta, recipe: DelayedScaling,
              first_microbatch: bool | None) -> Quantized:
-        kept, state = self._kept, (gate.data_ptr(), up.data_ptr(), gate._version, up._version)
+        kept, state = self._kept, (gate.data_ptr(), up.data_ptr(), gate._version, up._version,
+                                   optimizer_steps())
         if first_microbatch is False and kept is not None and kept[0] is gate and kept[1] is up \
                 and kept[2] is slot and kept[3] == state:
             return kept[4]
