@@ -323,6 +323,33 @@ def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -
     assert not mlp.gate_proj._fp8_weight_casts["gate_up_proj"].kept
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_a_fused_mlp_fed_an_input_without_grad_still_trains_its_weights(form) -> None:
+    # The first layer of a stage, or one after frozen layers, reads an x that needs no gradient;
+    # the loss still needs one through something else (here a trainable offset). The weights'
+    # gradients must come as from the layer function (bit-identical; see the module docstring),
+    # not be silently left out.
+    torch.manual_seed(0)
+    mlp = FORMS[form](nn.SiLU())
+    reference = Reference(mlp, "swiglu")
+    assert fuse_gated_mlps(mlp) == [""]
+    delay_wgrad(mlp)
+    offset = nn.Parameter(torch.ones(HIDDEN))
+    x, dy = torch.randn(ROWS, HIDDEN), torch.randn(ROWS, HIDDEN)
+    with fp8_autocast(fp8_recipe=RECIPE), microbatch(0):
+        y = mlp(x)
+    (y + offset).backward(dy)
+    for layer in (*mlp.fc1_layers(), mlp.down_proj):
+        layer.backward_dw(0)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        want = reference(x)
+    want.backward(dy)
+    assert torch.equal(y, want)
+    assert mlp.down_proj.weight.grad is not None and mlp.fc1_layers()[0].weight.grad is not None
+    assert torch.equal(mlp.fc1_grad(), reference.w1.grad)
+    assert torch.equal(mlp.down_proj.weight.grad, reference.w2.grad)
+
+
 def test_a_fused_optimizer_step_makes_the_stacked_cast_stale() -> None:
     # torch.optim's fused=True steps write the weights without bumping their version counters:
     # the microbatch after the step (wrongly is_first_microbatch=False) must cast [gate; up] again

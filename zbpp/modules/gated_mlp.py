@@ -254,7 +254,11 @@ class _GatedMlpFunction(torch.autograd.Function):
     into one wgrad job per layer."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, plan: _Plan) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, plan: _Plan,  # type: ignore[override]
+                *anchors: torch.Tensor) -> torch.Tensor:
+        # anchors: trainable weights made inputs only so that the node exists (their gradients
+        # come from W, never from here); see `_FusedGatedMlp.forward`
+        ctx.anchors = len(anchors)
         recipe, first, down = plan.recipe, plan.fc1[0], plan.down
         need_w1 = any(c.weight.requires_grad for c in plan.fc1)
         xq = cast_input(x, first.fp8.input, recipe, need_w1, first.weight)
@@ -290,7 +294,7 @@ class _GatedMlpFunction(torch.autograd.Function):
         for part, store, key in zip(parts, plan.stores, plan.keys):
             if part is not None:
                 store.put(key, _Job([part], True))
-        return dx, None
+        return (dx, None) + (None,) * ctx.anchors
 
 
 class _FusedGatedMlp(nn.Module):
@@ -327,5 +331,9 @@ class _FusedGatedMlp(nn.Module):
         plan = _Plan(gemms, down, w1, form.act, recipe, tuple(m._wgrad_store for m in layers),
                      tuple(c.key for c in calls))
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = _GatedMlpFunction.apply(x2, plan)
+        # An x that needs no gradient (a stage's first layer, one after frozen layers) would leave
+        # the node out of the graph, and B, which files the wgrad jobs, would never run: the
+        # trainable weights are then its inputs, as `_layer_function.run_layer` keeps them.
+        anchors = () if x2.requires_grad else tuple(m.weight for m in layers if m.weight.requires_grad)
+        y = _GatedMlpFunction.apply(x2, plan, *anchors)
         return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
