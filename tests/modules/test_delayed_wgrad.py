@@ -629,3 +629,42 @@ def test_main_grad_accumulates_over_microbatches_like_plain_autograd(name, bias,
             assert not hasattr(p, "main_grad")
             torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-5 * scale, msg=n)
     assert bias == any(n.endswith("bias") and "norm" not in n for n, _ in layer.named_parameters())
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
+@pytest.mark.parametrize("delay", [False, True], ids=["eager", "delayed"])
+def test_bfloat16_weight_gradients_reach_main_grad_unrounded(delay, transposed):
+    """With fuse_wgrad_accumulation the weight gradient goes into the float32 main_grad as the
+    GEMM's float32 result (Transformer Engine's GEMM writes main_grad in float32; zbpp's FP8 path
+    computes dW in float32 there too), not rounded to the bfloat16 parameters first.
+
+    Reference: sum over four microbatches of dy^T x in float64 (the bfloat16 operands are exact
+    there). Bound, elementwise: 2^-16 (|dy|^T |x|) summed, ~100x float32 accumulation over 32 rows
+    plus four float32 additions; one bfloat16 rounding of dW per microbatch (2^-9 relative) is 2^7
+    times over it.
+    """
+    torch.manual_seed(0)
+    layer = Linear(64, 48, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True,
+                   delay_wgrad_compute=delay)
+    if transposed:  # HF's Conv1D layout, [in, out], as `delay_wgrad` converts it
+        layer.weight = nn.Parameter(layer.weight.detach().t().contiguous())
+        layer._weight_transposed = True
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    want = torch.zeros(48, 64, dtype=torch.float64)
+    bound = torch.zeros(48, 64, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    for j in range(4):
+        x = torch.randn(32, 64, generator=gen).bfloat16().requires_grad_(True)
+        dy = torch.randn(32, 48, generator=gen).bfloat16()
+        with microbatch(j):
+            layer(x).backward(dy)
+        want += dy.double().t() @ x.double()
+        bound += 2.0**-16 * (dy.double().abs().t() @ x.double().abs())
+    if delay:
+        for j in range(4):
+            layer.backward_dw(j)
+    got = layer.weight.main_grad.double()
+    if transposed:
+        got = got.t()
+    err = (got - want).abs()
+    assert (err <= bound).all(), f"off by up to {(err / bound).max().item():.3g} times the bound"
