@@ -298,3 +298,15 @@ def held_elsewhere(t: torch.Tensor) -> bool:
     private count: assume it is held."""
     use_count = getattr(t, "_use_count", None)
     return use_count is None or use_count() > 1
+
+
+# torch.mm(..., out_dtype=) (the "dtype" overload of aten::mm) runs on CUDA only, in newer torch
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit operands as a float32 result, not rounded to 16 bits: on CUDA cuBLAS's
+    float32 accumulator written out as is; elsewhere an exact upcast of the operands."""
+    if a.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float().mm(b.float())

@@ -25,6 +25,7 @@ from typing import Any, Hashable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._compat import mm_float32
 from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache
 from ._fused import act_quantize, dact_quantize, norm_quantize
@@ -130,19 +131,11 @@ def _weight_grad(call: GemmCall, grad: Any, inp: Any, fp8: bool) -> torch.Tensor
     if not fp8:
         a, b = (inp.t(), grad) if call.transposed else (grad.t(), inp)
         if call.fuse_wgrad_accumulation and a.dtype in (torch.bfloat16, torch.float16):
-            return _mm_float32(a, b)
+            return mm_float32(a, b)  # added to the float32 main_grad unrounded, as TE's GEMM does
         return a.mm(b)
     dtype = torch.float32 if call.fuse_wgrad_accumulation else call.weight.dtype
     return (fp8_gemm_nt(inp, grad, out_dtype=dtype) if call.transposed
             else fp8_gemm_nt(grad, inp, out_dtype=dtype))
-
-
-def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of 16-bit operands as a float32 result: a gradient bound for the float32
-    ``main_grad`` is added in unrounded, as Transformer Engine's GEMM into it does."""
-    if a.is_cuda:  # cuBLAS accumulates in float32 anyway: only the output is wider
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float().mm(b.float())  # elsewhere mm has no out_dtype; the upcast is exact
 
 
 def job_outputs(parts: list[_WgradPart], fp8: bool) -> list[GradOut]:
