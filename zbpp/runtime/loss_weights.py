@@ -8,7 +8,9 @@ token mean over the whole batch. Weights must be non-negative (not checked). A m
 zero gradient); if every weight is 0 the step's loss and gradients are 0. With data-parallel
 replicas a training step's W is the total over every replica (one all-reduce of a scalar per
 step): the gradient is the token mean over every replica's data, and each replica returns its own
-batch's weighted loss.
+batch's weighted loss. Without ``loss_weight`` each replica weighs its own rows and the replicas'
+gradients are averaged (DDP's convention): replicas given unequal rows weigh alike; pass
+``loss_weight=lambda y: y.shape[0]`` for the mean over every replica's rows.
 
 >>> row_factors(5, 2)
 [0.6, 0.4]
