@@ -297,3 +297,36 @@ def test_parameter_reshaped_in_place_fails_one_step_then_is_captured_again(devic
         assert scale.grad.shape == (3, 2)
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad.reshape(q.shape), q.grad, msg=lambda s: f"{name}: {s}", **TOL)
+
+
+def _scaled_mse(out: torch.Tensor, target: dict[str, Any]) -> torch.Tensor:
+    """The microbatch's MSE times the target's ``scale``, a Python float (a loss's coefficient
+    handed over with the labels)."""
+    return nn.functional.mse_loss(out, target["y"]) * target["scale"]
+
+
+def test_target_non_tensor_value_that_changes_makes_the_step_capture_again() -> None:
+    """The target's non-tensor values are part of the input signature, as the input's are: a
+    ``scale`` that changes after the capture (same shapes) gives the new step one process's loss
+    and gradients on the whole batch (a replay would use the captured value): its first step is eager,
+    the next captures again."""
+    sched, x, y = _schedule_and_batch("cpu", rows=4, outputs=2, seed=8)
+    torch.manual_seed(0)
+    probe = _InputProbe()
+    model = nn.Sequential(probe, nn.Linear(3, 4, dtype=F64), nn.Tanh(), nn.Linear(4, 2, dtype=F64))
+    ref = copy.deepcopy(model)
+    pipe = Pipeline({0: model}, sched, loss_fn=_scaled_mse, cuda_graphs=StandInGraphs)
+    # eager, capture, replay; the new value: eager (a new signature), capture, replay
+    for step, scale in enumerate((1.0, 1.0, 1.0, 3.0, 3.0, 3.0)):
+        model.zero_grad()
+        ref.zero_grad()
+        before = probe.buffers_seen()
+        loss = pipe.step(x, {"y": y, "scale": scale})
+        read_new = probe.buffers_seen() - before
+        want = _scaled_mse(ref(x), {"y": y, "scale": scale})  # the whole batch: equal halves
+        want.backward()
+        what = f"step {step} (scale={scale})"
+        torch.testing.assert_close(loss, want.detach(), msg=lambda s: f"{what} loss: {s}", **TOL)
+        _assert_grads_equal(model, ref, what)
+        # a capture's static inputs are new buffers; an eager step reads views of x (seen on step 0)
+        assert (read_new > 0) == (step in (0, 1, 4)), f"{what}: new input buffers read: {read_new}"

@@ -9,7 +9,7 @@ CPU can run ahead of the GPU across steps.
   the replicas differ through their ``dp_rank`` only, so a checkpoint's one copy resumes them all).
 - At the start of a step, every rank contributes a `StartReport`: whether its part of the input was
   rejected, a hash of its module state, and, from the ranks holding the first and the last stage,
-  the input's hash and row count and the target's row count. A rejected input, a target whose
+  the input's hash and row count and the target's hash and row count. A rejected input, a target whose
   rows differ from the input's, or data-parallel replicas whose module states differ (a parameter
   frozen on one replica only: the reducers' buckets would pair other parameters' gradients) raise on
   every rank before any compute.
@@ -68,6 +68,8 @@ class StartReport:
     trial: bool = False  #: a signature's trial of task graphs ended on it (``cuda_graphs="auto"``)
     eager_us: int = 0  #: that trial's slowest eager step, microseconds (0: none timed)
     graphs_us: int = 0  #: that trial's fastest replayed step, microseconds (0: none timed)
+    #: the target's structure, shapes and non-tensor values (rank holding the last stage, when given; else 0)
+    target_hash: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class StartDecision:
     """What the start agreement decided for one pipeline (every rank of it decides the same)."""
 
     rows: int  #: rows of the batch (from the rank holding stage 0)
-    signature: tuple  #: the step's input signature: the input's shapes and rows, every rank's module state
+    signature: tuple  #: the step's input signature: the input's and target's shapes and rows, every rank's module state
     graphs: bool | None = None  #: the form of the signature whose trial ended (`graphs_win`; None: no trial ended)
 
 
@@ -242,8 +244,10 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
             )
     mine_ = [reports[topology.world.index(g)] for g in topology.pipeline]
     rows = mine_[first_rank].input_rows
-    return StartDecision(rows, (forward_only, mine_[first_rank].input_hash, rows, *(r.state_hash for r in mine_)),
-                         graphs_win(reports))
+    # the target's values that are no tensor (and its shapes) are baked into a captured loss, as the input's are
+    signature = (forward_only, mine_[first_rank].input_hash, mine_[last_rank].target_hash, rows,
+                 *(r.state_hash for r in mine_))
+    return StartDecision(rows, signature, graphs_win(reports))
 
 
 def decide_end(agreement: Agreement, record: StepFailure, tasks: Sequence[Action], *, where: str, schedule: str,

@@ -381,7 +381,7 @@ class Pipeline:
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
         walks = stage_walks(self.stage_modules)  # read once per step
         mine = StartReport(problem is not None, stable_hash((module_state(walks), forward_only)),
-                           b.input_hash, b.input_rows, b.target_rows, *trial)
+                           b.input_hash, b.input_rows, b.target_rows, *trial, target_hash=b.target_hash)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BrokenJob as exc:

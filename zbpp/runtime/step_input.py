@@ -39,6 +39,7 @@ class LocalBatch:
     input_hash: int = 0  #: the input's structure, shapes and microbatch count
     input_rows: int = -1
     target_rows: int = -1
+    target_hash: int = 0  #: the target's structure, shapes and non-tensor values (0: no target)
 
 
 def local_batch(inputs: Any, target: Any, *, microbatches: int, device: torch.device, first: bool, last: bool,
@@ -46,19 +47,20 @@ def local_batch(inputs: Any, target: Any, *, microbatches: int, device: torch.de
     """Check and split this rank's part of the step's input; raises on bad input (naming it)."""
     m = microbatches
     mbs = tgts = raw = None
-    in_hash, n_in, n_tgt = 0, -1, -1
+    in_hash, n_in, n_tgt, tgt_hash = 0, -1, -1, 0
     if first:
         if inputs is None:
             raise ValueError(f"pipeline rank {rank} holds stage 0, so the step needs the inputs")
         mbs, n_in, spec = split_batch(inputs, m, what="input", device=device)
         in_hash = stable_hash((m, spec))
     if last and target is not None:
-        tgts, n_tgt, _ = split_batch(target, m, what="target", device=device)
+        tgts, n_tgt, tgt_spec = split_batch(target, m, what="target", device=device)
+        tgt_hash = stable_hash((m, tgt_spec))
     elif last:
         tgts = [None] * m
     if last and loss_weight is not None and (target is not None or not forward_only):
         raw = checked_weights(loss_weight, tgts)
-    return LocalBatch(mbs, tgts, raw, in_hash, n_in, n_tgt)
+    return LocalBatch(mbs, tgts, raw, in_hash, n_in, n_tgt, tgt_hash)
 
 
 Walks = Mapping[int, tuple[list[nn.Module], list[nn.Parameter]]]
