@@ -264,3 +264,61 @@ def test_stage_split_reuses_a_sort_only_for_the_same_structure():
         forward(x, kind).backward(torch.ones(4, 8, dtype=torch.float64))
         for u, v in zip(got, [x.grad] + [p.grad for p in params]):
             torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-14, msg=lambda m, j=j: f"microbatch {j}: {m}")
+
+
+class _Scale(torch.autograd.Function):
+    """``x * w``: a custom Function, so the split computes w's gradient in B (learnt once per stage)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0) if ctx.needs_input_grad[1] else None
+
+
+class _ScaledLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x):
+        return _Scale.apply(self.lin(x), self.w)
+
+
+def test_parameter_b_computes_can_be_frozen_and_thawed_between_steps():
+    """A parameter that a custom Function on the input side feeds gets its gradient in B, which the
+    stage's split remembers; freezing it between steps (then training it again) leaves every step's
+    loss and gradients those of one process on the whole batch (float64; tolerance of
+    `split_cases.TOL`: the microbatches' gradients are summed in another order)."""
+    import copy
+
+    from zbpp import Pipeline
+    from zbpp.schedules import build
+
+    from .split_cases import TOL
+
+    torch.manual_seed(0)
+    stages = [_ScaledLinear(), _ScaledLinear()]
+    ref = copy.deepcopy(stages)
+    pipe = Pipeline(dict(enumerate(stages)), build("zb-v", num_ranks=1, num_microbatches=2),
+                    loss_fn=torch.nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(4, 3, dtype=torch.float64, generator=g)
+    for step, trained in enumerate((True, False, False, True)):
+        for m in (*stages, *ref):
+            m.w.requires_grad_(trained)
+            m.zero_grad()
+        loss = pipe.step(x, y)
+        want = torch.nn.functional.mse_loss(ref[1](ref[0](x)), y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+        for s, (mine, theirs) in enumerate(zip(stages, ref)):
+            for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
+                assert (p.grad is None) == (q.grad is None), f"step {step} stage {s} {name}: {p.grad} vs {q.grad}"
+                if q.grad is not None:
+                    torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"step {step} stage {s} {name}: {m}")

@@ -294,6 +294,11 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     if any(t.grad_fn is None for t, _ in pairs):  # an input handed on as it is: no graph to split
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
+    if hint is not None and hint.extra:
+        # a parameter frozen since an earlier step learnt it has no gradient to compute (and the engine
+        # refuses it as a target); its graph has no leaf for it, so a later thaw learns it again
+        for k in [k for k, v in hint.extra.items() if not v.requires_grad]:
+            del hint.extra[k]
     extra: dict[int, torch.Tensor] = dict(hint.extra) if hint is not None else {}
     if not inputs and not extra:  # the first stage: B has nothing to compute, W the whole backward
         return HeldWgrad([], [t for t, _ in pairs], [g for _, g in pairs])
