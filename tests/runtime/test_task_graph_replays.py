@@ -330,3 +330,38 @@ def test_target_non_tensor_value_that_changes_makes_the_step_capture_again() -> 
         _assert_grads_equal(model, ref, what)
         # a capture's static inputs are new buffers; an eager step reads views of x (seen on step 0)
         assert (read_new > 0) == (step in (0, 1, 4)), f"{what}: new input buffers read: {read_new}"
+
+
+def test_autocast_turned_off_after_the_capture_gives_eager_float32_steps() -> None:
+    """Two stages on one rank (zb-v), their hand-over a static output of the first one's F: steps
+    under ``torch.autocast`` (bfloat16) capture the tasks, and later steps without it must not
+    replay those (bfloat16 kernels, a bfloat16 hand-over): autocast is part of the signature, so
+    they run as float32 steps of their own, equal to one process's on the whole batch. Float32:
+    ``rtol=1e-5, atol=1e-6`` covers the microbatches' other summation order (~1e-7 relative); a
+    bfloat16 rounding moves values by ~4e-3 relative."""
+    import contextlib
+
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)]
+    ref = copy.deepcopy(stages)
+    pipe = Pipeline(dict(enumerate(stages)), build("zb-v", num_ranks=1, num_microbatches=2),
+                    loss_fn=nn.functional.mse_loss, cuda_graphs=StandInGraphs)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    for step, amp in enumerate((True, True, True, False, False, False)):  # each: eager, capture, replay
+        for m in (*stages, *ref):
+            m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext():
+            loss = pipe.step(x, y)
+        if amp:
+            continue
+        want = nn.functional.mse_loss(ref[1](ref[0](x)), y)
+        want.backward()
+        what = f"step {step} (autocast off)"
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6, msg=lambda s: f"{what} loss: {s}")
+        for s, (mine, theirs) in enumerate(zip(stages, ref)):
+            for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{what} stage {s} {name}: {m}")

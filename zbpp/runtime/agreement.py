@@ -61,7 +61,7 @@ class StartReport:
     """One rank's contribution to a step's start agreement (integers only)."""
 
     rejected: bool  #: its part of the input was refused (its error says why)
-    state_hash: int  #: train/eval modes and requires_grad flags of its modules, and the step kind
+    state_hash: int  #: train/eval modes and requires_grad flags of its modules, the caller's autocast, the step kind
     input_hash: int  #: the input's structure and shapes (rank holding stage 0; else 0)
     input_rows: int  #: rows of the input (rank holding stage 0; else -1)
     target_rows: int  #: rows of the target (rank holding the last stage, when given; else -1)
@@ -229,8 +229,9 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
         if len(alike) > 1:
             raise ValueError(
                 f"the data-parallel replicas of pipeline rank {position} hold their stages differently (global ranks "
-                f"{list(alike.values())} differ in some parameter's requires_grad or some module's train/eval mode): "
-                "freeze parameters and set modes alike on every replica. Nothing was computed"
+                f"{list(alike.values())} differ in some parameter's requires_grad, some module's train/eval mode or "
+                "torch.autocast around the step): freeze parameters and set modes alike on every replica. "
+                "Nothing was computed"
             )
     first_rank, last_rank = schedule.rank_of(0), schedule.rank_of(schedule.num_stages - 1)
     for pipeline in topology.pipelines:  # every replica's, so that every rank of the job raises

@@ -41,8 +41,8 @@ from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
 from .tied import TiedParameters, check_reducer_leaves_ties, local_ties
 from .topology import Topology
-from .step_input import (LocalBatch, Walks, local_batch, merge, module_state, release_step_caches, stable_hash,
-                         stage_walks, unique_parameters)
+from .step_input import (LocalBatch, Walks, autocast_state, local_batch, merge, module_state, release_step_caches,
+                         stable_hash, stage_walks, unique_parameters)
 from .wgrad import StageWgrad, check_fifo_wgrad, has_own_wgrad
 
 __all__ = ["Pipeline"]
@@ -380,7 +380,8 @@ class Pipeline:
         b = batch if batch is not None else LocalBatch()  # nothing of the input on this rank
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
         walks = stage_walks(self.stage_modules)  # read once per step
-        mine = StartReport(problem is not None, stable_hash((module_state(walks), forward_only)),
+        state = (module_state(walks), autocast_state(self.device), forward_only)
+        mine = StartReport(problem is not None, stable_hash(state),
                            b.input_hash, b.input_rows, b.target_rows, *trial, target_hash=b.target_hash)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)

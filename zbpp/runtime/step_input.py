@@ -25,7 +25,7 @@ from .._compat import modules_and_parameters
 from .loss_weights import checked_weights
 from .tree import flatten, rebuild, split_batch
 
-__all__ = ["LocalBatch", "local_batch", "merge", "module_state", "release_step_caches", "stable_hash", "stage_walks",
+__all__ = ["LocalBatch", "autocast_state", "local_batch", "merge", "module_state", "release_step_caches", "stable_hash", "stage_walks",
            "unique_parameters"]
 
 
@@ -89,6 +89,13 @@ def module_state(walks: Walks) -> tuple:
     # map with attrgetter: the loops run in C, before every step's first kernel
     return tuple((s, tuple(map(_training, modules)), tuple(map(_requires_grad, params)))
                  for s, (modules, params) in walks.items())
+
+
+def autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    """Whether the caller runs the step under ``torch.autocast`` for `device`'s type, and its dtype:
+    it decides the activations' dtypes as the modules' state does (and a capture bakes it in)."""
+    kind = device.type
+    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
 
 
 def release_step_caches(walks: Walks) -> None:
