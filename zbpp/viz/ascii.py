@@ -48,20 +48,22 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         return "(empty schedule)"
     t0 = min(result.start.values())
     t1 = max(result.end.values())
+    # each stage's position among its rank's stages: its label's case and ' marks
+    chunk_of = {s: i for r in range(sched.num_ranks) for i, s in enumerate(sched.stages_on(r))}
     if scale is None:
         durations = [e - result.start[a] for a, e in result.end.items() if e > result.start[a]]
         shortest = min(durations) if durations else 1.0
-        longest_label = max(len(_label(a.kind, 0, a.microbatch)) for a in result.start)
+        # measured with the ' marks: a third stage's F'0 needs 3 characters where F0 needs 2
+        longest_label = max(len(_label(a.kind, chunk_of[a.stage], a.microbatch)) for a in result.start)
         scale = max(longest_label, 2) / shortest
     total_cells = max(1, round((t1 - t0) * scale))
     rows: list[list[str]] = []
     for rank in range(sched.num_ranks):
-        chunks = {s: i for i, s in enumerate(sched.stages_on(rank))}
         row = ["."] * total_cells
         for a in sched.orders[rank]:
             c0 = round((result.start[a] - t0) * scale)
             c1 = max(c0 + 1, round((result.end[a] - t0) * scale))
-            text = _label(a.kind, chunks[a.stage], a.microbatch)
+            text = _label(a.kind, chunk_of[a.stage], a.microbatch)
             if len(text) > c1 - c0:  # too narrow: the kind letter alone
                 text = text[0]
             cell = (text + "-" * (c1 - c0))[: c1 - c0]
