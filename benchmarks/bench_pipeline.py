@@ -227,6 +227,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--append", action="store_true", help="add this run's rows to the JSON already at --out")
     args = ap.parse_args(argv)
+    # Refuse options that would be dropped, before the defaults fill them in: the row would
+    # otherwise describe a model other than the one asked for.
+    if args.tokens is not None and args.rows_per_microbatch is not None:
+        ap.error("give --tokens or --rows-per-microbatch, not both")
+    if args.model == "mlp-stack":
+        for flag in ("rows_per_microbatch", "seq_len", "heads"):
+            if getattr(args, flag) is not None:
+                ap.error(f"--{flag.replace('_', '-')} is for --model transformer; the MLP stack's microbatch is "
+                         "--tokens rows")
 
     tiny = args.quick
     defaults = {"hidden": 32 if tiny else 4096, "heads": 4 if tiny else 32, "seq_len": 16 if tiny else 2048,

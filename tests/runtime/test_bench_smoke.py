@@ -224,6 +224,19 @@ def test_bench_pipeline_refuses_telemetry_on_cpu(monkeypatch, capsys):
     assert code == 2 and "--telemetry samples NVIDIA GPUs" in err, err[-2000:]
 
 
+@pytest.mark.parametrize("argv, message", [
+    # the old spelling in rows would have been dropped for --tokens
+    (["--tokens", "64", "--rows-per-microbatch", "2"], "give --tokens or --rows-per-microbatch, not both"),
+    # the MLP stack has no sequences or heads: rows x the default --seq-len 2048 tokens, or nothing
+    (["--model", "mlp-stack", "--rows-per-microbatch", "2"], "--rows-per-microbatch is for --model transformer"),
+    (["--model", "mlp-stack", "--seq-len", "64"], "--seq-len is for --model transformer"),
+    (["--model", "mlp-stack", "--heads", "8"], "--heads is for --model transformer"),
+])
+def test_bench_pipeline_refuses_options_it_would_ignore(monkeypatch, capsys, argv, message):
+    code, err = _refusal(monkeypatch, capsys, *argv)
+    assert code == 2 and message in err, err[-2000:]
+
+
 def test_kernel_timeline_compare_by_kernel_name(tmp_path):
     """benchmarks/kernel_timeline.py --compare, by hand: a GEMM run twice at 100 and 110 us in the
     base and at 105 and 125 in the other trace (medians 105 and 115), an elementwise kernel only in
