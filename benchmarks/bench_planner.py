@@ -55,6 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from provenance import code_identity  # noqa: E402 - benchmarks/provenance.py, beside this script
 from zbpp.schedules.planner import evaluate, search, split_balanced, split_evenly  # noqa: E402
 from zbpp.schedules.profile import Profile, transformer_profile  # noqa: E402
 
@@ -206,7 +207,7 @@ def main_policies(args: argparse.Namespace) -> int:
     print()
     print(table)
     if args.out:
-        Path(args.out).write_text(json.dumps({"benchmark": "policies", "rows": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"benchmark": "policies", **code_identity(), "rows": rows}, indent=1) + "\n")
     if args.markdown:
         _write_table(Path(args.markdown), "bench_policies" if args.ranks_per_node == 1 else "bench_policies_shared", table)
     return 0
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print("\ncells: step time in seconds (vs the joint search) / largest peak over the ranks in GB; OOM: over 80 GB")
     if args.out:
-        Path(args.out).write_text(json.dumps({"benchmark": "planner", "budget": BUDGET, "rows": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"benchmark": "planner", "budget": BUDGET, **code_identity(), "rows": rows}, indent=1) + "\n")
     if args.markdown:
         _write_table(Path(args.markdown), "bench_planner", table)
     return 0

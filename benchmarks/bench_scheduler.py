@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.distributed.pipelining import schedules as S  # noqa: E402
 
+from provenance import code_identity  # noqa: E402 - benchmarks/provenance.py, beside this script
 from tests.interop.torch_orders import compute_only, flatten_overlaps, stage_to_rank, torch_schedule  # noqa: E402
 from zbpp.schedules import Costs, Memory, available, build, simulate, validate  # noqa: E402
 
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "machine": platform.machine(),
+            **code_identity(),  # which zbpp built the schedules (the commit alone can be stale on a copy)
             "repeat": repeat,
             "rows": rows,
             "zbv_auto": auto,

@@ -269,3 +269,28 @@ def test_bench_pipeline_costs_are_the_median_of_the_recorded_steps(monkeypatch):
     finder = doctest.DocTestFinder()
     (test,) = finder.find(bench.median_costs, "median_costs", globs=vars(bench))
     assert doctest.DocTestRunner().run(test).failed == 0
+
+
+def test_bench_scheduler_json_names_the_code(tmp_path, monkeypatch):
+    """benchmarks/bench_scheduler.py --quick --only auto (seconds, CPU): its JSON carries the
+    sources' hash like every benchmark's (its figures go to docs/results/)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    out = tmp_path / "scheduler.json"
+    assert _load_benchmark("bench_scheduler").main(["--quick", "--only", "auto", "--repeat", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["zbpp_sha256"] == source_fingerprint() and "commit" in doc and "dirty" in doc
+    assert doc["auto_vs_papers"]
+
+
+def test_bench_planner_json_names_the_code(tmp_path, monkeypatch):
+    """benchmarks/bench_planner.py --quick on one of its profiles (its JSON is behind docs/uneven.md):
+    the sources' hash is in it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = _load_benchmark("bench_planner")
+    everything = bench.profiles
+    monkeypatch.setattr(bench, "profiles", lambda folder: {"llama3-8b": everything(folder)["llama3-8b"]})
+    out = tmp_path / "planner.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["zbpp_sha256"] == source_fingerprint() and "commit" in doc and "dirty" in doc
+    assert [r["model"] for r in doc["rows"]] == ["llama3-8b", "llama3-8b"]
