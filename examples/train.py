@@ -65,7 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--task-times-out", default=None, help="write the last step's task records (JSON) here")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay the tasks from CUDA graphs after each input signature's first step (NCCL only)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # Refused here, by name: otherwise --dp 0 ends every rank in `world % 0` and --steps 0 passes --check untrained.
+    for name in ("microbatches", "steps", "rows_per_microbatch", "dp", "hidden", "seq_len", "blocks_per_stage"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    heads = ModelConfig.heads
+    if args.hidden % heads:
+        ap.error(f"--hidden {args.hidden} must be a multiple of the {heads} attention heads")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     dp_rank = groups.dp_rank if groups is not None else 0
     opts = {"chunks": 2} if "chunks" in options_of(args.schedule) else {}
     sched = build(args.schedule, num_ranks=pp, num_microbatches=args.microbatches, **opts)
-    cfg = ModelConfig(hidden=args.hidden, heads=4, seq_len=args.seq_len, blocks_per_stage=args.blocks_per_stage)
+    cfg = ModelConfig(hidden=args.hidden, heads=ModelConfig.heads, seq_len=args.seq_len, blocks_per_stage=args.blocks_per_stage)
     S = sched.num_stages
     mine = {s: make_stage(s, S, cfg, seed=args.seed).to(device) for s in sched.stages_on(pp_rank)}
     if args.cuda_graphs and device.type != "cuda":
