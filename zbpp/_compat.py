@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -310,3 +310,9 @@ def mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float().mm(b.float())
+
+
+def module_buffers(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The buffers `modules` hold themselves (not their children's: the caller lists those), read
+    from ``nn.Module``'s private dict without the per-module generator of ``buffers()``."""
+    return [b for m in modules for b in m._buffers.values() if b is not None]

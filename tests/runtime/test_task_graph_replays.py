@@ -136,16 +136,18 @@ def test_losses_handed_out_keep_their_values_after_later_replays(device: str) ->
 
 
 class _InputProbe(nn.Module):
-    """The identity, keeping every tensor it is called with: kept alive, no two of the buffers it
-    saw share an address, so a capture (new static input buffers) shows as new addresses."""
+    """The identity (times a buffer of ones), keeping every tensor it is called with: kept alive,
+    no two of the buffers it saw share an address, so a capture (new static input buffers) shows
+    as new addresses."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[torch.Tensor] = []
+        self.register_buffer("one", torch.ones((), dtype=F64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append(x)
-        return x
+        return x * self.one
 
     def buffers_seen(self) -> int:
         return len({t.untyped_storage().data_ptr() for t in self.seen})
@@ -224,6 +226,19 @@ def test_moved_parameter_is_captured_again_and_read_from_its_new_place(device: s
         run.fc2.weight.data = old * 0.5
         run.ref[2].weight.mul_(0.5)
     assert run.step("step after the weight moved") > 0, "a moved parameter did not make the step capture again"
+    assert run.step("replay after the new capture") == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reassigned_buffer_is_captured_again(device: str) -> None:
+    """After a capture and a replay a module's buffer is reassigned, a new tensor of the same
+    values with the old one kept alive (HF's dynamic RoPE reassigns ``inv_freq`` so): a replay
+    would read the old tensor, so the next step captures again; the step after replays that."""
+    run = _ProbedRun(device)
+    run.capture_and_replay()
+    old = run.probe.one
+    run.probe.one = old.clone()  # a registered buffer's name: nn.Module reassigns the buffer
+    assert run.step("step after the buffer was reassigned") > 0, "a reassigned buffer did not make the step capture again"
     assert run.step("replay after the new capture") == 0
 
 

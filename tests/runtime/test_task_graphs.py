@@ -180,12 +180,13 @@ def test_grad_buffers_attach_after_zero_grad() -> None:
 
 
 def test_external_addresses_name_data_grad_and_main_grad() -> None:
-    """Per parameter its data's, ``.grad``'s and ``main_grad``'s addresses (0 where there is none)."""
+    """Per parameter its data's, ``.grad``'s and ``main_grad``'s addresses (0 where there is none),
+    then each buffer's."""
     a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
-    assert task_graphs.external_addresses([a, b]) == ((a.data_ptr(), b.data_ptr()), (0, 0), (0, 0))
-    b.grad, a.main_grad = torch.zeros(3), torch.zeros(2)
-    assert task_graphs.external_addresses([a, b]) == ((a.data_ptr(), b.data_ptr()), (0, b.grad.data_ptr()),
-                                                      (a.main_grad.data_ptr(), 0))
+    assert task_graphs.external_addresses([a, b]) == ((a.data_ptr(), b.data_ptr()), (0, 0), (0, 0), ())
+    b.grad, a.main_grad, c = torch.zeros(3), torch.zeros(2), torch.ones(4)
+    assert task_graphs.external_addresses([a, b], buffers=[c]) == (
+        (a.data_ptr(), b.data_ptr()), (0, b.grad.data_ptr()), (a.main_grad.data_ptr(), 0), (c.data_ptr(),))
 
 
 def test_failed_steps_restore_the_fixed_grad_buffers(monkeypatch) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from .._compat import module_buffers
 from ..schedules.ir import Kind, Schedule
 from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
@@ -423,7 +424,8 @@ class Pipeline:
         if graphs is None:
             step.results = step.executor.run(step.data, step.comm, step.failure, step.runner, boundaries)
             return
-        step.runner = graphs.runner(step.signature, step.new_signature, step.params, step.cleared)
+        step.runner = graphs.runner(step.signature, step.new_signature, step.params, step.cleared,
+                                    module_buffers(m for modules, _ in step.walks.values() for m in modules))
         buffers = graphs.grad_buffers
         deciding = contextlib.ExitStack()
 

@@ -530,12 +530,16 @@ class _FirstWrites:
 
 
 def external_addresses(params: Sequence[torch.nn.Parameter],
-                       grads: Sequence[torch.Tensor | None] | None = None) -> tuple:
+                       grads: Sequence[torch.Tensor | None] | None = None,
+                       buffers: Sequence[torch.Tensor] = ()) -> tuple:
     """The addresses outside the pool that captured tasks read or write: each parameter's data,
-    ``.grad`` (or the one of `grads`, by position, that the step will attach) and ``main_grad``."""
+    ``.grad`` (or the one of `grads`, by position, that the step will attach) and ``main_grad``,
+    and each of the modules' `buffers` (one reassigned, as HF's dynamic RoPE does with
+    ``inv_freq``, leaves a graph reading the old, maybe freed, tensor)."""
     # loops that run in C where they can: this runs before every replayed step's first task
     grads = list(map(_grad, params)) if grads is None else grads
-    return (_addresses(params), _addresses(grads), _addresses([getattr(p, "main_grad", None) for p in params]))
+    return (_addresses(params), _addresses(grads), _addresses([getattr(p, "main_grad", None) for p in params]),
+            _addresses(buffers))
 
 
 def _addresses(tensors: Sequence[Any]) -> tuple[int, ...]:
@@ -626,7 +630,7 @@ class GraphCache:
         self._reported: Hashable | None = None  # the signature whose trial ended, until the ranks decide
 
     def runner(self, signature: Hashable, new_signature: bool, params: Sequence[torch.nn.Parameter],
-               grads: Sequence[torch.Tensor] | None = None) -> TaskRunner:
+               grads: Sequence[torch.Tensor] | None = None, buffers: Sequence[torch.Tensor] = ()) -> TaskRunner:
         """How a training step of `signature` runs: eagerly on its first step, else its graphs
         (captured again when an address they bake in moved; `grads`: the ``.grad`` tensors of
         `params` the step will attach, where they are not attached yet); with `choose`, the form its
@@ -644,14 +648,14 @@ class GraphCache:
                 if trial.timing:
                     self._now.start = self.timer.mark()
                 return EAGER
-        graphs = self._graphs(signature, params, grads)
+        graphs = self._graphs(signature, params, grads, buffers)
         if self._now is not None and trial is not None and trial.timing and not graphs.capturing:
             self._now.start = self.timer.mark()  # a replay (a capture's time is no replay's)
         return graphs
 
     def _graphs(self, signature: Hashable, params: Sequence[torch.nn.Parameter],
-                grads: Sequence[torch.Tensor] | None) -> TaskGraphs:
-        external = external_addresses(params, grads)
+                grads: Sequence[torch.Tensor] | None, buffers: Sequence[torch.Tensor]) -> TaskGraphs:
+        external = external_addresses(params, grads, buffers)
         graphs = self.graphs.get(signature)
         if graphs is None or graphs.external != external:
             self.graphs.pop(signature, None)  # its graphs are freed (an address they bake in moved)
