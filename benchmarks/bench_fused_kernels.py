@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from provenance import code_identity  # benchmarks/provenance.py, beside this script
+
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
     """Mean microseconds per call over `iters` back-to-back calls, after five warm-up calls."""
@@ -91,7 +93,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": vars(args), "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "unfused_us": base, "fused_us": tiles}, f,
+                       "torch": torch.__version__, **code_identity(), "unfused_us": base, "fused_us": tiles}, f,
                       indent=1)
         print(f"wrote {args.out}")
 

@@ -18,6 +18,8 @@ import statistics
 import torch
 import transformers
 
+from provenance import code_identity  # benchmarks/provenance.py, beside this script
+
 from zbpp import Pipeline
 from zbpp.models import measure_profile
 from zbpp.models.hf import causal_lm_stages
@@ -78,7 +80,8 @@ def main() -> None:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     if args.out:
-        json.dump(out, open(args.out, "w"), indent=1)
+        with open(args.out, "w") as fh:
+            json.dump({**code_identity(), **out}, fh, indent=1)
 
 
 if __name__ == "__main__":
