@@ -105,11 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"{sched.name}: pp={pp} dp={args.dp} backend={backend} stages={S} microbatches={args.microbatches} "
               f"rows/replica={rows}", flush=True)
+    loss_diff = 0.0  # --check: the largest |step loss - one process's| on this rank
     for step in range(args.steps):
         tokens, target = make_batch(cfg, rows=rows * args.dp, step=step, seed=args.seed, device=device)
         part = slice(dp_rank * rows, (dp_rank + 1) * rows)
         t0 = time.perf_counter()
         loss = pipe.step(tokens[part], target=target[part])
+        if loss is not None and groups is not None:  # the step's loss: the replicas' (equal) shares' mean
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=groups.dp_group)
+            loss /= args.dp
         # The norm of the whole model: summed over the pipeline ranks, not again over the replicas
         # (they hold the same averaged gradients).
         norm = clip_grad_norm_(pipe, args.clip, groups) if args.clip is not None else None
@@ -126,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             x = tokens
             for st in ref:
                 x = st(x)
-            lm_loss(x, target).backward()
+            ref_loss = lm_loss(x, target)
+            if loss is not None:  # the step's loss, as printed: the whole batch's
+                loss_diff = max(loss_diff, abs(float(loss) - float(ref_loss)))
+            ref_loss.backward()
             if args.clip is not None:
                 torch.nn.utils.clip_grad_norm_([q for st in ref for q in st.parameters()], args.clip)
             ref_opt.step()
@@ -143,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         for s, st in mine.items():
             for a, b in zip(st.parameters(), ref[s].parameters()):
                 diff = torch.maximum(diff, (a.detach() - b.detach()).abs().max().double())
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        ok = float(diff) <= TOLERANCE
+        both = torch.stack([diff, torch.tensor(loss_diff, dtype=torch.float64, device=device)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        diff, loss_diff = both.tolist()
+        ok = diff <= TOLERANCE and loss_diff <= TOLERANCE
         if rank == 0:
-            print(f"check: max |param difference| vs one process = {float(diff):.2e} (tolerance {TOLERANCE:g}): "
-                  f"{'OK' if ok else 'MISMATCH'}", flush=True)
+            print(f"check: max |param difference| vs one process = {diff:.2e}, max |loss difference| = "
+                  f"{loss_diff:.2e} (tolerance {TOLERANCE:g}): {'OK' if ok else 'MISMATCH'}", flush=True)
         status = 0 if ok else 1
     return status
 

@@ -1,5 +1,6 @@
 """Multi-node launch: two torchrun agents on 127.0.0.1 (c10d rendezvous, 2 processes each) train
-examples/train.py with ZB-H1 on gloo and agree with one process (its ``--check``)."""
+examples/train.py with ZB-H1 on gloo (2 pipeline ranks x 2 replicas) and agree with one process
+(its ``--check``: parameters and printed losses)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_two_agents_on_loopback_train_and_match_one_process():
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zbpp-loopback",
             "--max-restarts=0"]
     script = [str(ROOT / "examples" / "train.py"), "--schedule", "zb-h1", "--microbatches", "6", "--steps", "2",
-              "--backend", "gloo", "--timeout", "60", "--check"]
+              "--backend", "gloo", "--timeout", "60", "--check", "--dp", "2"]
     # Each agent writes to its own file, not a pipe: an unread pipe fills up (the workers' warnings),
     # blocks that agent's workers, and leaves the other agent waiting in torchrun's exit barrier.
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
@@ -58,6 +59,8 @@ def test_two_agents_on_loopback_train_and_match_one_process():
     report = "\n".join(f"--- agent {i} (exit {a.returncode}):\n{o[-4000:]}" for i, (a, o) in enumerate(zip(agents, outputs)))
     assert all(a.returncode == 0 for a in agents), report
     text = "".join(outputs)
-    assert "pp=4 dp=1 backend=gloo" in text, report
-    assert "check: max |param difference| vs one process" in text and ": OK" in text, report
+    assert "pp=2 dp=2 backend=gloo" in text, report
+    # the printed loss is the whole batch's (both replicas' shares), as are the parameters
+    assert "check: max |param difference| vs one process" in text and "max |loss difference|" in text, report
+    assert ": OK" in text, report
     assert text.count("loss") >= 2, report
