@@ -174,3 +174,43 @@ def test_a_declared_tie_the_pipeline_cannot_see_warns():
                                          "are two Parameters"):
         _, tied = pipeline_stages(model, sched, 1)
     assert tied == {}
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+class Seq(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(3, 3), Scale(), nn.Linear(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_stages_must_hold_a_container_in_its_order_each_child_once():
+    # a stage iterates its part of a container in the container's order: blocks listed out of order
+    # across stages, or a parameter-free Sequential child on two stages (run twice), would compute
+    # another function than the model (max error 5.9 and 1.2 before this was refused)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    ref = tiny(layers=4)
+    with torch.device("meta"):
+        meta = Tiny(layers=4).double()
+    x = torch.randint(0, 20, (3, 5))
+    good = [["embed", "layers.1", "layers.0"], ["layers.2", "layers.3", "norm", "head"]]  # order in a stage: free
+    stages = {}
+    for r in range(2):
+        stages.update(pipeline_stages(meta, sched, r, module_fqns_per_stage=good, state_dict=ref.state_dict()).modules)
+    torch.testing.assert_close(stages[1](stages[0](x)), ref(x), **TOL)
+    swapped = [["embed", "layers.2", "layers.3"], ["layers.0", "layers.1", "norm", "head"]]
+    with pytest.raises(ValueError, match="stage 0 holds layers.3 and stage 1 holds layers.0 of ModuleList 'layers'"):
+        pipeline_stages(meta, sched, 0, module_fqns_per_stage=swapped, state_dict=ref.state_dict())
+    with torch.device("meta"):
+        seq = Seq()
+    twice = [["layers.0", "layers.1"], ["layers.1", "layers.2"]]
+    with pytest.raises(ValueError, match=r"both list \['layers.1'\], which would run twice"):
+        pipeline_stages(seq, sched, 0, module_fqns_per_stage=twice)
+    stages, _ = pipeline_stages(seq, sched, 1, module_fqns_per_stage=[["layers.0", "layers.1"], ["layers.2"]])
+    assert [n for n, _ in stages[1].layers.named_children()] == ["2"]

@@ -338,6 +338,7 @@ def _check_fqns(model: nn.Module, fqns: Sequence[Sequence[str]], num_stages: int
             inside = [g for g in others if f.startswith(g + ".") or g.startswith(f + ".")]
             if inside:
                 raise ValueError(f"module {f!r} of stage {s} overlaps {inside} of another stage")
+    _check_container_order(model, fqns)
     held = [f for names in fqns for f in names]
     orphans = [n for n in _state_names(model) if not any(n.startswith(f + ".") for f in held)]
     shared = [n for n in orphans if _on_path(n, held)]
@@ -350,6 +351,46 @@ def _check_fqns(model: nn.Module, fqns: Sequence[Sequence[str]], num_stages: int
         raise ValueError(f"no stage holds {orphans[:8]}{' ...' if len(orphans) > 8 else ''}: every parameter and "
                          "buffer of the model must be in a module some stage lists")
     return fqns
+
+
+def _check_container_order(model: nn.Module, fqns: list[list[str]]) -> None:
+    """The children of a ``ModuleList``/``ModuleDict``/``Sequential`` that several stages hold run
+    in the container's order, one stage after the other, and each once: a stage's forward iterates
+    its part of the container in the container's order, whatever order the lists give. A child that
+    a later stage holds must not come before one an earlier stage holds, and a child listed by two
+    stages would run twice. Children without parameters or buffers count only in a ``Sequential``
+    (elsewhere they are called by name, e.g. a rotary embedding on every stage); a child whose
+    submodules are split between stages may be shared by the two stages that split it."""
+    for cname, c in model.named_modules():
+        if not isinstance(c, _CONTAINERS):
+            continue
+        prefix = cname + "." if cname else ""
+        order = {name: i for i, name in enumerate(k for k, m in c._modules.items() if m is not None)}
+        stateful = {name for name, m in c._modules.items() if m is not None
+                    and (isinstance(c, nn.Sequential) or any(True for _ in [*m.parameters(), *m.buffers()]))}
+        per_stage: list[tuple[int, dict[int, bool]]] = []  # (stage, {child index: listed itself})
+        for s, names in enumerate(fqns):
+            got: dict[int, bool] = {}
+            for f in names:
+                if not f.startswith(prefix) or (not prefix and not f):
+                    continue
+                child = f[len(prefix):].split(".")[0]
+                if child in stateful:
+                    got[order[child]] = got.get(order[child], False) or f == prefix + child
+            if got:
+                per_stage.append((s, got))
+        for a, (s, got_s) in enumerate(per_stage):
+            for t, got_t in per_stage[a + 1:]:
+                late, early = max(got_s), min(got_t)
+                twice = sorted(i for i in set(got_s) & set(got_t) if got_s[i] or got_t[i])
+                if late > early or twice:
+                    keys = list(order)
+                    raise ValueError(
+                        f"module_fqns_per_stage: stage {s} holds {prefix}{keys[late]} and stage {t} holds "
+                        f"{prefix}{keys[early]} of {type(c).__name__} {cname or 'the model'!r}"
+                        + (f" (both list {[prefix + keys[i] for i in twice]}, which would run twice)" if twice else "")
+                        + ": the stages run one after the other and each iterates its children of the container in "
+                        "its order, so a later stage must hold later children, each child once")
 
 
 def _on_path(name: str, held: Sequence[str]) -> bool:
