@@ -214,3 +214,37 @@ def test_stages_must_hold_a_container_in_its_order_each_child_once():
         pipeline_stages(seq, sched, 0, module_fqns_per_stage=twice)
     stages, _ = pipeline_stages(seq, sched, 1, module_fqns_per_stage=[["layers.0", "layers.1"], ["layers.2"]])
     assert [n for n, _ in stages[1].layers.named_children()] == ["2"]
+
+
+class Guarded(nn.Module):
+    """A parameter-free final norm that torchtitan's convention skips where a stage lacks it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
+        self.norm = nn.LayerNorm(3, elementwise_affine=False)
+        self.act = nn.Sequential(Scale())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        x = self.act(x) if self.act is not None else x
+        return self.norm(x) if self.norm is not None else x
+
+
+def test_a_module_without_state_that_no_stage_lists_is_refused():
+    # no stage holds it, so it is None on every stage: the guarded forward skips it and the stages
+    # computed another function than the model, without an error; listed, they are the model
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    torch.manual_seed(0)
+    ref = Guarded().double()
+    with torch.device("meta"):
+        meta = Guarded().double()
+    with pytest.raises(ValueError, match=r"no stage lists \['norm', 'act'\] \(modules without parameters"):
+        pipeline_stages(meta, sched, 1, module_fqns_per_stage=[["layers.0"], ["layers.1"]])
+    fqns = [["layers.0"], ["layers.1", "act", "norm"]]
+    stages = {}
+    for r in range(2):
+        stages.update(pipeline_stages(meta, sched, r, module_fqns_per_stage=fqns, state_dict=ref.state_dict()).modules)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(stages[1](stages[0](x)), ref(x), **TOL)

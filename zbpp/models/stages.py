@@ -350,7 +350,30 @@ def _check_fqns(model: nn.Module, fqns: Sequence[Sequence[str]], num_stages: int
     if orphans:
         raise ValueError(f"no stage holds {orphans[:8]}{' ...' if len(orphans) > 8 else ''}: every parameter and "
                          "buffer of the model must be in a module some stage lists")
+    unlisted = _unlisted(model, held)
+    if unlisted:
+        raise ValueError(f"no stage lists {unlisted[:8]}{' ...' if len(unlisted) > 8 else ''} (modules without "
+                         "parameters or buffers): a module no stage holds is None on every stage (its calls fail, or are "
+                         "skipped where the forward tests for it); list it on the stages whose forward calls it (a "
+                         "parameter-free module may be listed on several)")
     return fqns
+
+
+def _unlisted(model: nn.Module, held: Sequence[str]) -> list[str]:
+    """The outermost modules that no stage holds: neither listed, nor inside a listed module, nor on
+    the way to one (those without state, which the orphan check cannot see)."""
+    listed = set(held)
+    on_path = {f.rsplit(".", i)[0] for f in held for i in range(1, f.count(".") + 1)}
+    out: list[str] = []
+    for name, _ in model.named_modules():
+        if not name or name in on_path:
+            continue
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in listed for i in range(1, len(parts) + 1)):
+            continue  # held by a stage
+        if not any(name.startswith(o + ".") for o in out[-1:]):  # named_modules: a parent comes right before
+            out.append(name)
+    return out
 
 
 def _check_container_order(model: nn.Module, fqns: list[list[str]]) -> None:
@@ -429,9 +452,10 @@ def pipeline_stages(
             weights works too: the held modules are copied, the model is left as it is.
         schedule: the `zbpp.schedules.Schedule`; this rank builds ``schedule.stages_on(pp_rank)``.
         pp_rank: this rank's pipeline rank.
-        module_fqns_per_stage: one list of module FQNs per stage (every parameter must be in one);
-            default `fqns_per_stage` with `blocks`, `balance` and `example`. The buffers a module
-            on the way to the listed ones holds itself are kept by every stage under it.
+        module_fqns_per_stage: one list of module FQNs per stage (every module must be in one, or
+            inside one: a parameter-free module may be in several); a container's children in its
+            order, each once. Default `fqns_per_stage` with `blocks`, `balance` and `example`. The
+            buffers a module on the way to the listed ones holds itself are kept by every stage under it.
         device: where the stages live; default the current CUDA device under NCCL, else the CPU.
         init: ``init(module)`` initialises the parameters and buffers of one held module (and its
             submodules); default: Hugging Face's ``model._init_weights`` on every submodule, else each
