@@ -169,7 +169,7 @@ def _one_scheduler_state(states: list[bytes | None], ranks: list[int]) -> None:
     first, theirs = given[0] if given else (None, {})
     for g, state in given[1:]:
         keys = sorted(set(theirs) | set(state), key=lambda k: (str(k).startswith("_"), str(k)))  # public ones first
-        differ = [k for k in keys if not _equal(theirs.get(k), state.get(k))]
+        differ = [k for k in keys if not _same_value(theirs.get(k), state.get(k))]
         if differ:
             key, also = differ[0], f" (also {', '.join(map(repr, differ[1:]))})" if differ[1:] else ""
             raise ValueError(
@@ -178,13 +178,6 @@ def _one_scheduler_state(states: list[bytes | None], ranks: list[int]) -> None:
                 "layout: build the scheduler alike on every rank (optimizers with the same param groups and "
                 "learning rates), or leave lr_scheduler= out and save each rank's state_dict() yourself"
             )
-
-
-def _equal(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - e.g. tensors of several elements: compare them as different
-        return False
 
 
 def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> dict[str, Any]:
@@ -355,9 +348,14 @@ def _one_value_per_group(optimizer: torch.optim.Optimizer, wanted: list[tuple[st
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    """A saved value equals another: tensors element by element; anything whose ``==`` does not
+    give one truth value (a list of tensors, say) counts as different."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return bool(a == b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. containers of tensors
+        return False
 
 
 def _saved(meta: Mapping[str, Any], prefix: str) -> bool:
