@@ -15,8 +15,8 @@ others, the slot's history holds the amaxes of both (a valid scale for each, as 
 "The same tensor": contiguous, with the same address, size, last dimension, dtype, device and
 version counter (an in-place write bumps it; a write through ``.data`` does not, as for the kept
 weight casts, so do not write a layer's input that way between two Linears that read it), while
-the last cast holds the tensor (its memory cannot serve another tensor meanwhile). Slots are not checkpointed, so a resumed model adopts again
-on its first forward. The last cast is per thread; `forget_last_cast` drops it (`Pipeline` does
+the last cast holds the tensor (its memory cannot serve another tensor meanwhile). A checkpoint
+(`zbpp.runtime.save_checkpoint`) keeps which slots are shared (`_scaling_state`). The last cast is per thread; `forget_last_cast` drops it (`Pipeline` does
 after every step, through ``release_step_caches``).
 """
 

@@ -15,7 +15,9 @@ Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
      "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
                    "param_groups": {name: {"lr": ..., "betas": ..., ...}}},
      "lr_scheduler": {"state": <pickled state_dict>},           # given lr_scheduler=
-     "rng": {"step": ..., "seed": ...}}                         # a Pipeline's random stream
+     "rng": {"step": ..., "seed": ...},                         # a Pipeline's random stream
+     "fp8": {"replica0": {"<layer>.<slot>": {"amax_history": ..., "scale": ..., ...}}}}
+                                                               # zbpp layers' FP8 scaling state
 
 The optimizer's state is keyed by parameter name too, under every name a parameter has on the rank
 (a tied Parameter shared by two stages: the embedding's and the LM head's), so it follows its
@@ -44,6 +46,7 @@ import torch
 from torch import nn
 
 from .._compat import uncompiled
+from ..modules._scaling_state import restore_scaling_states, scaling_states, scaling_layers
 from .agreement import Agreement, agree_on_problems
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -126,7 +129,8 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     Args:
         model: a `zbpp.Pipeline`, a mapping ``{stage: module}``, or an ``nn.Module``: the stages of
             this rank, whose ``state_dict()`` keys are the whole model's names. A Pipeline's random
-            stream (``rng_step`` and its base seed) is saved too.
+            stream (``rng_step`` and its base seed) is saved too, and the FP8 scaling state of its
+            ``zbpp.modules`` layers (a Pipeline's: under its data-parallel replica).
         path: the checkpoint directory (shared by every rank).
         optimizer: an optimizer over this rank's stage parameters (plain or ``fully_shard`` ones).
             A parameter's state and hyperparameters are saved under each of its names (a tied
@@ -198,6 +202,11 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
     rng = _rng_state(model)
     if rng is not None:
         state["rng"] = rng
+    fp8: dict[str, Any] = {}
+    for m in mods:
+        fp8.update(scaling_states(m))
+    if fp8:
+        state["fp8"] = {f"replica{_replica(model)}": fp8}
     return state
 
 
@@ -219,7 +228,11 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     - `lr_scheduler`'s state (``last_epoch``, ``base_lrs``, ...) when given and saved: the next
       ``lr_scheduler.step()`` sets the learning rate the uninterrupted run would have;
     - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
-      uninterrupted run draws (the new Pipeline's ``seed`` argument is overridden).
+      uninterrupted run draws (the new Pipeline's ``seed`` argument is overridden);
+    - the FP8 delayed-scaling state (amax histories, scales) of every ``zbpp.modules`` layer, so
+      the next FP8 step casts with the scales the uninterrupted run would use. Each data-parallel
+      replica of a Pipeline saves its own (their inputs differ); a replica the checkpoint lacks
+      (resumed with more replicas) takes replica 0's. A layer without saved slots starts fresh.
 
     Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks
     raises (DCP's error names it); the checkpoint may hold more (other ranks' stages). So does an
@@ -291,6 +304,9 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     restore_rng = hasattr(model, "rng_step") and "rng.step" in meta
     if restore_rng:
         state["rng"] = {"step": None, "seed": None}
+    replica, fp8 = _fp8_destinations(meta, mods, _replica(model))
+    if fp8:
+        state["fp8"] = {replica: fp8}
     return _Loading(mods, model_state, state, wanted, restore_rng)
 
 
@@ -300,6 +316,9 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
     state = loading.state
     for m in loading.mods:
         m.load_state_dict({k: loading.model_state[k] for k in m.state_dict()})
+    fp8 = next(iter(state.get("fp8", {}).values()), {})
+    for m in loading.mods:  # every zbpp layer gets the saved slots, or none where none were saved
+        restore_scaling_states(m, fp8)
     if optimizer is not None:
         loaded = state["optimizer"]
         _one_value_per_group(optimizer, loading.wanted, loaded["param_groups"])
@@ -360,6 +379,38 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def _saved(meta: Mapping[str, Any], prefix: str) -> bool:
     return any(k.startswith(prefix) for k in meta)
+
+
+def _replica(model: Any) -> int:
+    """The data-parallel replica whose FP8 scaling state this rank saves and loads: each replica's
+    differ (their inputs do); 0 for stages given without a Pipeline (one copy is saved)."""
+    topology = getattr(model, "topology", None)
+    return int(getattr(topology, "dp_rank", 0))
+
+
+def _fp8_destinations(meta: Mapping[str, Any], mods: list[nn.Module], replica: int) -> tuple[str, dict[str, Any]]:
+    """Where DCP reads the FP8 scaling state of this rank's zbpp layers: replica `replica`'s, or
+    replica 0's when the checkpoint has none of that replica (saved with fewer replicas)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    name = f"replica{replica}"
+    if not _saved(meta, f"fp8.{name}."):
+        name = "replica0"
+    prefix = f"fp8.{name}."
+    paths = {path for m in mods for path in scaling_layers(m)}
+    out: dict[str, dict[str, Any]] = {}
+    for fqn, md in meta.items():
+        if not fqn.startswith(prefix):
+            continue
+        key, field = fqn[len(prefix):].rsplit(".", 1)
+        path = key.rsplit(".", 1)[0] if "." in key else ""
+        if path not in paths:  # another rank's layer
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            out.setdefault(key, {})[field] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            out.setdefault(key, {})[field] = None  # a saved Python value: DCP puts it here
+    return name, out
 
 
 def _rng_state(model: Any) -> dict[str, int] | None:

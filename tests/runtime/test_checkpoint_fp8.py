@@ -1,0 +1,151 @@
+"""FP8 delayed-scaling state through `save_checkpoint` / `load_checkpoint`.
+
+Reference: the uninterrupted run in the same process. A model of zbpp layers trains two FP8 steps
+(AdamW), is saved, and a freshly built copy loads the checkpoint; the next step of both must be
+bit-identical (same ops, same inputs, same process: any difference is state that did not come
+back). Without the scaling state the copy's first cast uses scale 1 and a fresh history, which
+changes the quantized GEMMs and so every parameter after the step. A slot shared by two `Linear`s
+that read one input (q and k) is shared again after loading.
+
+The two-rank test: two data-parallel replicas (gloo) see different inputs, so their input slots
+differ; each must get its own back (reference: the rank's own slots before saving).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zbpp.modules import DelayedScaling, LayerNormMLP, Linear, fp8_autocast
+from zbpp.runtime import load_checkpoint, save_checkpoint
+
+RECIPE = DelayedScaling(amax_history_len=4)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = Linear(32, 32)
+        self.k = Linear(32, 32)
+        self.mlp = LayerNormMLP(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.q(x) * self.k(x))
+
+
+def _net(seed: int) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def _step(net: Net, opt: torch.optim.Optimizer, step: int, scale: float = 1.0) -> torch.Tensor:
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 + step)) * (4.0 ** step) * scale
+    opt.zero_grad()
+    with fp8_autocast(enabled=True, fp8_recipe=RECIPE):
+        loss = net(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _slots(net: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {f"{name}.{slot}": (meta.amax_history.clone(), meta.scale.clone())
+            for name, m in net.named_modules() if hasattr(m, "fp8_meta") for slot, meta in m.fp8_meta.items()}
+
+
+def test_resume_casts_with_the_saved_scales(tmp_path: Path) -> None:
+    net = _net(0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in range(2):
+        _step(net, opt, step)
+    assert net.q.fp8_meta["input"] is net.k.fp8_meta["input"]  # the setup shares q and k's input slot
+    save_checkpoint(net, tmp_path / "ckpt", opt)
+    saved = _slots(net)
+
+    copy = _net(1)
+    copy_opt = torch.optim.AdamW(copy.parameters(), lr=1e-2)
+    _step(copy, copy_opt, 5, scale=100.0)  # slots of another run, which loading must replace
+    load_checkpoint(copy, tmp_path / "ckpt", copy_opt)
+    loaded = _slots(copy)
+    assert loaded.keys() == saved.keys()
+    for key, (history, scale) in saved.items():
+        assert torch.equal(loaded[key][0], history) and torch.equal(loaded[key][1], scale), key
+    assert copy.q.fp8_meta["input"] is copy.k.fp8_meta["input"]
+
+    want, got = _step(net, opt, 2), _step(copy, copy_opt, 2)
+    assert torch.equal(got, want)
+    for (name, p), (_, q) in zip(net.named_parameters(), copy.named_parameters()):
+        assert torch.equal(q, p), name
+
+
+def test_a_checkpoint_without_fp8_state_leaves_the_layers_fresh(tmp_path: Path) -> None:
+    """Saved before any FP8 step: the loaded model's next step equals a never-run copy's, even when
+    the model loading it had FP8 state of its own."""
+    net = _net(0)
+    save_checkpoint(net, tmp_path / "ckpt")
+    used = _net(1)
+    _step(used, torch.optim.SGD(used.parameters(), lr=0.0), 0, scale=50.0)
+    load_checkpoint(used, tmp_path / "ckpt")
+    assert _slots(used) == {}
+    fresh = _net(0)
+    want = _step(fresh, torch.optim.SGD(fresh.parameters(), lr=1e-2), 0)
+    assert torch.equal(_step(used, torch.optim.SGD(used.parameters(), lr=1e-2), 0), want)
+
+
+def test_a_saved_format_that_is_not_fp8_is_refused(tmp_path: Path) -> None:
+    from zbpp.modules._scaling_state import restore_scaling_states, scaling_states
+
+    net = _net(0)
+    _step(net, torch.optim.SGD(net.parameters(), lr=0.0), 0)
+    states = scaling_states(net)
+    states["q.weight"] = dict(states["q.weight"], format="float32")
+    with pytest.raises(ValueError, match="FP8 slot 'q.weight': saved format 'float32' is not an FP8 dtype"):
+        restore_scaling_states(_net(0), states)
+
+
+class _Fp8Stage(nn.Module):
+    """A one-stage pipeline's stage: `Net` in FP8."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.net = _net(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fp8_autocast(enabled=True, fp8_recipe=RECIPE):
+            return self.net(x)
+
+
+def _replica_case(path: str) -> dict[str, list]:
+    """dp=2 x pp=1 (gloo): one step on this replica's own inputs, save; a fresh pipeline loads.
+    Returns this rank's slots before saving and after loading (as lists, for the test process)."""
+    import torch.distributed as dist
+
+    from zbpp import ParallelGroups, Pipeline
+    from zbpp.schedules import build
+
+    def pipeline(seed: int) -> Pipeline:
+        return Pipeline({0: _Fp8Stage(seed)}, build("1f1b", num_ranks=1, num_microbatches=2),
+                        lambda out, y: (out - y).square().mean(), groups=ParallelGroups(pp=1))
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    pipe = pipeline(0)
+    pipe.step(torch.randn(8, 32, generator=gen) * 10.0 ** rank, target=torch.zeros(8, 32))
+    save_checkpoint(pipe, path)
+    saved = _slots(pipe.stage_modules[0])
+    fresh = pipeline(1)
+    load_checkpoint(fresh, path)
+    loaded = _slots(fresh.stage_modules[0])
+    as_lists = lambda slots: {k: [h.tolist(), s.item()] for k, (h, s) in slots.items()}  # noqa: E731
+    return {"saved": as_lists(saved), "loaded": as_lists(loaded)}
+
+
+def test_each_replica_resumes_its_own_scaling_state(tmp_path: Path, zbpp_workers) -> None:
+    per_rank = zbpp_workers(2, pg_timeout=60).run(_replica_case, str(tmp_path / "ckpt"))
+    for rank, got in enumerate(per_rank):
+        assert got["loaded"] == got["saved"], f"rank {rank}"
+    # the replicas' inputs differ by 10x, so must their input slots (else the test proves nothing)
+    assert per_rank[0]["saved"]["net.q.input"] != per_rank[1]["saved"]["net.q.input"]

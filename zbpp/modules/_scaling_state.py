@@ -1,0 +1,119 @@
+"""The FP8 delayed-scaling state of a model's zbpp layers, as plain values a checkpoint holds.
+
+Each FP8 slot of a layer (a GEMM's input, weight or output gradient) keeps an amax history and the
+scale its next cast uses. They are not parameters or buffers: ``state_dict()`` leaves them out (an
+``_extra_state`` entry would break ``load_state_dict`` of every checkpoint saved without one, and
+DCP's loading of one whose size changed), so `zbpp.runtime.save_checkpoint` saves them beside the
+model. A run resumed without them would quantize its first step with scale 1 and forget the
+history window: another run than the uninterrupted one.
+
+Keys are ``"<layer name>.<slot>"`` with the layer named as the model's ``state_dict()`` names it.
+A slot several `Linear`s share (q, k and v reading one input, `_shared_input`) is saved under
+each, with ``same_as`` naming the first, so that loading shares it again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .base import DelayedWgradModule
+from .fp8 import ScalingMeta
+
+__all__ = ["scaling_layers", "scaling_states", "restore_scaling_states"]
+
+#: the fields of a saved slot (tensors), besides ``format`` (the FP8 dtype's name) and ``same_as``
+TENSOR_FIELDS = ("amax_history", "scale", "casts")
+
+
+def scaling_layers(module: nn.Module) -> dict[str, DelayedWgradModule]:
+    """`module`'s zbpp layers by the name ``state_dict()`` gives them (wrappers such as torch's
+    activation-checkpoint wrapper drop their part there, so checkpoints at any layout agree)."""
+    names = {id(v): k for k, v in module.state_dict(keep_vars=True).items()}
+    out: dict[str, DelayedWgradModule] = {}
+    for path, layer in module.named_modules():
+        if not isinstance(layer, DelayedWgradModule):
+            continue
+        attr = layer._gemm_names[0][1]
+        key = names.get(id(getattr(layer, attr, None)))
+        out[key[: -len(attr) - 1] if key is not None else path] = layer
+    return out
+
+
+def _key(path: str, slot: str) -> str:
+    return f"{path}.{slot}" if path else slot
+
+
+def scaling_states(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{"<layer>.<slot>": {"amax_history", "scale", "casts", "format"[, "same_as"]}}`` of every
+    FP8 slot of `module`'s zbpp layers (the tensors themselves, not copies).
+
+    >>> import torch
+    >>> from zbpp.modules import DelayedScaling, Linear, fp8_autocast
+    >>> net = torch.nn.Sequential(Linear(16, 16))
+    >>> with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(amax_history_len=4)):
+    ...     _ = net(torch.ones(16, 16))
+    >>> state = scaling_states(net)
+    >>> sorted(state), state["0.input"]["amax_history"].tolist(), state["0.input"]["format"]
+    (['0.grad_output', '0.input', '0.weight'], [1.0, 0.0, 0.0, 0.0], 'float8_e4m3fn')
+    """
+    out: dict[str, dict[str, Any]] = {}
+    first_key: dict[int, str] = {}
+    for path, layer in scaling_layers(module).items():
+        for slot, meta in layer.fp8_meta.items():
+            key = _key(path, slot)
+            entry = {"amax_history": meta.amax_history, "scale": meta.scale,
+                     "casts": torch.tensor(meta.casts, dtype=torch.int64),
+                     "format": str(meta.dtype).removeprefix("torch.")}
+            if id(meta) in first_key:
+                entry["same_as"] = first_key[id(meta)]
+            else:
+                first_key[id(meta)] = key
+            out[key] = entry
+    return out
+
+
+def restore_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, Any]]) -> None:
+    """Give `module`'s zbpp layers exactly the FP8 slots `states` holds for them (as
+    `scaling_states` wrote them): a layer without saved slots starts fresh, as the saved model's
+    did. Kept weight casts are dropped (the next forward casts with the restored scale).
+
+    >>> import torch
+    >>> from zbpp.modules import DelayedScaling, Linear, fp8_autocast
+    >>> a, b = Linear(16, 16), Linear(16, 16)
+    >>> with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(amax_history_len=4)):
+    ...     _ = a(torch.full((16, 16), 3.0))
+    >>> restore_scaling_states(b, scaling_states(a))
+    >>> b.fp8_meta["input"].amax_history.tolist(), round(b.fp8_meta["input"].scale.item(), 2)
+    ([3.0, 0.0, 0.0, 0.0], 149.33)
+    """
+    layers = scaling_layers(module)
+    wanted = []  # (layer, slot, key, entry) of every saved slot of these layers
+    for path, layer in layers.items():
+        prefix = f"{path}." if path else ""
+        wanted += [(layer, key[len(prefix):], key, states[key]) for key in states
+                   if key.startswith(prefix) and "." not in key[len(prefix):]]
+    made: dict[str, ScalingMeta] = {}
+    for layer, _, key, entry in sorted(wanted, key=lambda w: "same_as" in w[3]):  # shared ones last
+        shared = made.get(entry.get("same_as") or "")
+        made[key] = shared if shared is not None else _slot(key, entry, layer._gemm_weights()[0].device)
+    for layer in layers.values():
+        layer.fp8_meta = {}
+        for cache in layer._fp8_weight_casts.values():
+            cache.clear()
+    for layer, slot, key, _ in wanted:
+        layer.fp8_meta[slot] = made[key]
+
+
+def _slot(key: str, entry: Mapping[str, Any], device: torch.device) -> ScalingMeta:
+    dtype = getattr(torch, str(entry["format"]), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize != 1:
+        raise ValueError(f"FP8 slot {key!r}: saved format {entry['format']!r} is not an FP8 dtype")
+    history = entry["amax_history"]
+    meta = ScalingMeta(dtype, history_len=history.numel(), device=device)
+    meta.amax_history.copy_(history)
+    meta.scale.copy_(entry["scale"])
+    meta.casts = int(entry["casts"])
+    return meta
