@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from zbpp.schedules import build, simulate
+from zbpp.schedules import Costs, build, simulate
 from zbpp.viz.ascii import render_ascii
 
 
@@ -30,3 +30,40 @@ def test_every_task_label_whole(name: str, chunks: int) -> None:
         row = re.search(rf"^rank {rank} \|(.*)\|$", text, re.M).group(1)
         labels = re.findall(r"[FBWXfbwx]'*\d+", row)
         assert len(labels) == len(order), (rank, row)
+
+
+def test_zero_length_tasks_drawn_by_hand() -> None:
+    """zb-h1, one rank, two microbatches, Costs(f=1, b=1, w=0): the order is F0 B0 W0 F1 B1 W1 and
+    both W take no time (W0 at t=2, W1 at t=4). Scale 2 chars per unit (labels are 2 wide), so the
+    time axis has 8 characters; each W gets 2 characters inserted at its instant, 4 in all."""
+    res = simulate(build("zb-h1", num_ranks=1, num_microbatches=2), Costs(f=1, b=1, w=0))
+    assert render_ascii(res, width=200) == (
+        "time 0..4 (1 char = 0.5; 4 chars added for tasks shorter than 1 char, e.g. of zero length)\n"
+        "rank 0 |F0B0W0F1B1W1|"
+    )
+
+
+def test_zero_length_tasks_two_ranks_by_hand() -> None:
+    """zb-h1, p=2, m=2, w=0, worked by hand. Rank 0: F0 [0,1) F1 [1,2) B0 [3,4) W0 @4 B1 [5,6) W1 @6;
+    rank 1: F0 [1,2) B0 [2,3) F1 [3,4) B1 [4,5) W0 W1 @5. Inserted: 2 chars at t=4, 4 at t=5, 2 at
+    t=6; a rank with no zero-length task at an instant shows those characters blank."""
+    res = simulate(build("zb-h1", num_ranks=2, num_microbatches=2), Costs(f=1, b=1, w=0))
+    assert render_ascii(res, width=200) == (
+        "time 0..6 (1 char = 0.5; 8 chars added for tasks shorter than 1 char, e.g. of zero length)\n"
+        "rank 0 |F0F1..B0W0..    B1W1|\n"
+        "rank 1 |..F0B0F1  B1W0W1..  |"
+    )
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-v", "zb-interleaved"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_every_task_drawn_when_some_take_no_time(name: str, scale: float | None) -> None:
+    """W costs 0 (and at scale 0.3 every task is under a character wide): each rank's row still
+    shows every task of the rank's order, in that order, the schedule itself being the reference."""
+    opts = {"chunks": 2} if name == "zb-interleaved" else {}
+    sched = build(name, num_ranks=2, num_microbatches=4, **opts)
+    text = render_ascii(simulate(sched, Costs(f=1, b=1, w=0)), width=10_000, scale=scale)
+    for rank, order in enumerate(sched.orders):
+        row = re.search(rf"^rank {rank} \|(.*)\|$", text, re.M).group(1)
+        letters = [x.upper() for x in re.findall(r"[FBWXfbwx]", row)]  # one per drawn task, in time order
+        assert letters == ["X" if a.kind.name == "BW" else a.kind.name for a in order], (rank, row)

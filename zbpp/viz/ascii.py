@@ -5,6 +5,11 @@ Each task is drawn over the cells its simulated time covers, labelled with its k
 first stage in upper case, its second in lower case (``f3``), a third again upper case with a
 ``'`` mark. Idle time is ``.``.
 
+A task too short to cover one character (one of zero length, such as W under ``Costs(w=0)``, or a
+measured record of ~0 s) still runs, so it is drawn too: at its instant, in characters added to the
+time axis for it. Those characters stand for no time; other ranks show them blank (or as the ``-``
+of a task running across that instant), and the block's header says how many were added.
+
 >>> from zbpp.schedules import build, simulate
 >>> print(render_ascii(simulate(build("1f1b", num_ranks=2, num_microbatches=2)), width=80))
 time 0..9 (1 char = 0.5)
@@ -13,6 +18,8 @@ rank 1 |..F0X0--F1X1--....|
 """
 
 from __future__ import annotations
+
+import bisect
 
 from ..schedules.ir import Kind
 from ..schedules.simulate import SimResult
@@ -56,18 +63,68 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         # measured with the ' marks: a third stage's F'0 needs 3 characters where F0 needs 2
         longest_label = max(len(_label(a.kind, chunk_of[a.stage], a.microbatch)) for a in result.start)
         scale = max(longest_label, 2) / shortest
-    total_cells = max(1, round((t1 - t0) * scale))
+
+    def base(t: float) -> int:  # the character at time t on the time axis, before any insertion
+        return round((t - t0) * scale)
+
+    # Tasks that round to no character are drawn at their start instant in columns inserted there
+    # (as wide as the widest such group on one rank), so the picture never drops a task it runs.
+    points: dict[int, dict[float, list]] = {}  # rank -> instant -> its point tasks, in order
+    for rank in range(sched.num_ranks):
+        for a in sched.orders[rank]:
+            if base(result.end[a]) <= base(result.start[a]):
+                points.setdefault(rank, {}).setdefault(result.start[a], []).append(a)
+    width_at: dict[float, int] = {}  # instant -> columns inserted there
+    for groups in points.values():
+        for t, tasks in groups.items():
+            need = sum(len(_label(a.kind, chunk_of[a.stage], a.microbatch)) for a in tasks)
+            width_at[t] = max(width_at.get(t, 0), need)
+    instants = sorted(width_at)
+    # base() is monotone in t, so instants sorted by time are also sorted by column
+    before: dict[float, int] = {}
+    acc = 0
+    for t in instants:
+        before[t] = acc
+        acc += width_at[t]
+
+    def added(t: float, *, inclusive: bool) -> int:  # columns inserted at instants < t (or <= t)
+        i = bisect.bisect_right(instants, t) if inclusive else bisect.bisect_left(instants, t)
+        return before[instants[i]] if i < len(instants) else acc
+
+    base_cells = round((t1 - t0) * scale)
+    total_cells = base_cells + acc if acc else max(1, base_cells)
+    edge_time: list[float] = []  # time at the left edge of each column (and the right end)
+    inserted: list[bool] = []  # whether a column was added for point tasks (stands for no time)
+    i = 0
+    for c in range(base_cells + 1):
+        while i < len(instants) and base(instants[i]) <= c:  # inserted before base column c
+            edge_time += [instants[i]] * width_at[instants[i]]
+            inserted += [True] * width_at[instants[i]]
+            i += 1
+        edge_time.append(t0 + c / scale)
+        inserted.append(False)
+    edge_time[-1] = t1
+    edge_time += [t1] * (total_cells + 1 - len(edge_time))  # the 1 cell of an all-zero, uninserted view
+    inserted = (inserted + [False])[:total_cells]  # the last entry was the right end, not a column
     rows: list[list[str]] = []
     for rank in range(sched.num_ranks):
-        row = ["."] * total_cells
+        row = [" " if ins else "." for ins in inserted]
         for a in sched.orders[rank]:
-            c0 = round((result.start[a] - t0) * scale)
-            c1 = max(c0 + 1, round((result.end[a] - t0) * scale))
+            if base(result.end[a]) <= base(result.start[a]):
+                continue  # drawn below, in the columns inserted at its instant
+            c0 = base(result.start[a]) + added(result.start[a], inclusive=True)
+            c1 = base(result.end[a]) + added(result.end[a], inclusive=False)
             text = _label(a.kind, chunk_of[a.stage], a.microbatch)
             if len(text) > c1 - c0:  # too narrow: the kind letter alone
                 text = text[0]
             cell = (text + "-" * (c1 - c0))[: c1 - c0]
             row[c0:c1] = list(cell)
+        for t, tasks in points.get(rank, {}).items():
+            c = base(t) + added(t, inclusive=False)
+            for a in tasks:
+                text = _label(a.kind, chunk_of[a.stage], a.microbatch)
+                row[c:c + len(text)] = list(text)
+                c += len(text)
         rows.append(row)
     name_w = len(f"rank {sched.num_ranks - 1}")
     block = max(10, width - name_w - 3)
@@ -82,7 +139,9 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         b1 = min(b0 + block, total_cells)
         if b0:
             out.append("")  # a blank line between blocks keeps tall (p = 32) blocks apart
-        out.append(f"time {t0 + b0 * unit:.6g}..{t0 + b1 * unit:.6g} (1 char = {unit:.4g})")
+        extra = sum(inserted[b0:b1])
+        note = f"; {extra} chars added for tasks shorter than 1 char, e.g. of zero length" if extra else ""
+        out.append(f"time {edge_time[b0]:.6g}..{edge_time[b1]:.6g} (1 char = {unit:.4g}{note})")
         for rank, row in enumerate(rows):
             out.append(f"{f'rank {rank}':<{name_w}} |{''.join(row[b0:b1])}|")
     return "\n".join(out)
