@@ -69,6 +69,7 @@ from torch import nn  # noqa: E402
 from bench_hf import Timer  # noqa: E402 - benchmarks/, beside this script
 from bench_modules import run_env  # noqa: E402
 from provenance import write_report  # noqa: E402
+from quick import apply_quick  # noqa: E402
 
 POLICIES = ("none", "selective", "full", "offload")
 SEQ_FALLBACK = (8192, 4096, 2048)
@@ -98,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per policy and round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per policy and round")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="tiny float32 smoke run (CPU-sized)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny float32 smoke run (CPU-sized); options given explicitly keep their values")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--trace-dir", type=Path, help="write the offload step's traces here (default: a temporary folder)")
     ap.add_argument("--rederive", type=Path, metavar="REPORT",
@@ -106,9 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--formula-transients", action="store_true",
                     help="with --rederive: B's transients from the formula even where the report measured them")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.hidden, args.ffn, args.heads, args.kv_heads, args.layers, args.vocab = 64, 128, 4, 2, 2, 128
-        args.seq_len, args.microbatches, args.rounds, args.steps, args.warmup = 64, 4, 1, 1, 1
+    apply_quick(ap, args, argv, hidden=64, ffn=128, heads=4, kv_heads=2, layers=2, vocab=128,
+                seq_len=64, microbatches=4, rounds=1, steps=1, warmup=1)
     args.policy_list = args.policies.split(",")
     unknown = set(args.policy_list) - set(POLICIES)
     if unknown:

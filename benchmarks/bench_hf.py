@@ -85,6 +85,7 @@ from bench_modules import kernel_kind, run_env  # noqa: E402 - benchmarks/, besi
 from hf_torch_stages import LlamaStage, stage_fqns  # noqa: E402
 from host_probe import FAST_HOST_MS, host_probe_ms  # noqa: E402
 from provenance import write_report  # noqa: E402
+from quick import apply_quick  # noqa: E402
 from torch_pipelining import TorchPipeline, torch_num_stages, torch_stage_ids  # noqa: E402
 
 from zbpp.runtime.task_graphs import TRIAL_STEPS  # noqa: E402
@@ -132,19 +133,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds from the start after which a preset runs no further round (at least one)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the MFU's denominator")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="tiny CPU-sized smoke run")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny CPU-sized smoke run; options given explicitly keep their values")
     ap.add_argument("--timeout", type=float, default=600.0, help="pipeline ranks: seconds a rank waits for a peer")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     # under torchrun (or in ranks whose process group is up): the pipeline mode
     args.world = int(os.environ.get("WORLD_SIZE", "1"))
     args.pipeline = args.world > 1
-    if args.quick:
-        # pipeline ranks: a layer per stage of the V schedules (2 per rank), m = 2 per rank
-        args.preset, args.hidden, args.layers, args.ffn, args.heads = "custom", 32, 2 * args.world, 64, 2
-        args.vocab, args.seq_len, args.rounds, args.steps, args.warmup = 64, 16, 2, 1, 1
-        args.microbatches = 2 * args.world
-        args.backend, args.kernel_profile = "aot_eager", ""
+    # pipeline ranks: a layer per stage of the V schedules (2 per rank), m = 2 per rank
+    apply_quick(ap, args, argv, preset="custom", hidden=32, layers=2 * args.world, ffn=64, heads=2, vocab=64,
+                seq_len=16, rounds=2, steps=1, warmup=1, microbatches=2 * args.world, backend="aot_eager",
+                kernel_profile="")
     if args.pipeline:
         args.kernel_profile = ""  # one rank's profile only (the one-rank mode)
     known = PIPELINE_VARIANTS if args.pipeline else VARIANTS

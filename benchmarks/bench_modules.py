@@ -110,6 +110,7 @@ from zbpp.modules import fp8 as fp8mod  # noqa: E402
 from zbpp.modules.fp8 import ScalingMeta, quantize, quantize_and_column_sum  # noqa: E402
 
 from provenance import code_identity, write_report  # noqa: E402 - benchmarks/provenance.py, beside this script
+from quick import apply_quick  # noqa: E402
 
 CASES = (
     "bf16 eager",
@@ -180,7 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the output gradient fed to the last layer (see output_gradient)",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="tiny CPU-sized smoke run")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny CPU-sized smoke run; options given explicitly keep their values")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     blocks = args.suite != "linear"
@@ -189,13 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.quick:
-        args.hidden, args.tokens, args.layers = 64, 64, 2  # torch's CPU FP8 GEMM can be very slow
-        args.iters, args.warmup, args.rounds = 3, 1, 2
-        args.sustain = min(args.sustain, 0.1)
-        if blocks:
-            args.hidden, args.tokens, args.microbatches = 64, 64, 2
-            args.blocks = 4 if args.suite == "pipeline" else 3
+    # small sizes: torch's CPU FP8 GEMM can be very slow
+    apply_quick(ap, args, argv, hidden=64, tokens=64, layers=2, iters=3, warmup=1, rounds=2, sustain=0.1,
+                **(dict(microbatches=2, blocks=4 if args.suite == "pipeline" else 3) if blocks else {}))
     if args.ffn is None:
         args.ffn = 4 * args.hidden
     unknown = set(args.variants.split(",")) - set(BLOCK_VARIANTS)

@@ -20,7 +20,8 @@ seconds, and a host-bound step (FP8 eager on small microbatches) follows it wher
     PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py --preset h2048   # smaller GEMMs, twice the layers
     ZBPP_FP8_CAST=compile PYTHONPATH=$PWD python3 benchmarks/fp8_eager_host.py   # another cast path
 
-``--quick`` runs a tiny model on the CPU (the plumbing only: CPUs cast and multiply FP8 eagerly).
+``--quick`` runs a tiny model on the CPU (the plumbing only: CPUs cast and multiply FP8 eagerly);
+``--quick --preset NAME`` runs that preset's sizes there instead (an option given explicitly wins).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hf import PRESETS  # noqa: E402 - benchmarks/, beside this script
 from host_probe import host_probe_ms  # noqa: E402
+from quick import given  # noqa: E402
 
 FORMS = ("bf16", "fp8", "fp8 unfused", "fp8 -launch", "fp8 -gemm", "fp8 -both")
 
@@ -76,6 +78,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the model's sizes resolved: ``device``, ``hidden``, ``layers``, ``ffn``,
+    ``heads``, ``vocab``, ``seq``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="h4096", help="the model's size (bench_hf's)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of every form, alternating")
+    ap.add_argument("--quick", action="store_true",
+                    help="a tiny model on the CPU (a smoke run); with --preset, that preset's sizes on the CPU")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.device, args.vocab, args.seq = torch.device("cpu"), 128, 16
+        # an explicit --preset wins over --quick's tiny sizes, as every benchmark's options do (quick.py)
+        if "preset" in given(ap, argv):
+            args.hidden, args.layers, args.ffn, args.heads = PRESETS[args.preset]
+        else:
+            args.hidden, args.layers, args.ffn, args.heads = 64, 2, 128, 4
+    else:
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU (or --quick)")
+        args.hidden, args.layers, args.ffn, args.heads = PRESETS[args.preset]
+        args.device, args.vocab, args.seq = torch.device("cuda"), 32000, 2048
+    return args
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
 
@@ -86,19 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from zbpp.modules.fp8 import cast_path_counts, gemm_path_counts
     from zbpp.schedules import build
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="h4096", help="the model's size (bench_hf's)")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds of every form, alternating")
-    ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (a smoke run)")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    if args.quick:
-        device, hidden, ffn, layers, heads, vocab, seq = torch.device("cpu"), 64, 128, 2, 4, 128, 16
-    else:
-        if not torch.cuda.is_available():
-            ap.error("needs a CUDA GPU (or --quick)")
-        hidden, layers, ffn, heads = PRESETS[args.preset]
-        device, vocab, seq = torch.device("cuda"), 32000, 2048
+    args = parse_args(argv)
+    device, hidden, ffn, layers, heads = args.device, args.hidden, args.ffn, args.layers, args.heads
+    vocab, seq = args.vocab, args.seq
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                    max_position_embeddings=seq)
