@@ -228,6 +228,33 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory) -> str:
+    """NAME checked against the schedule of the ``--measured`` trace: it must be the name the trace
+    recorded or, where it recorded none, build the same task order at -p/-m (and the options given)."""
+    if args.name not in available():
+        raise ValueError(f"unknown schedule NAME {args.name!r}; choose from {', '.join(available())}")
+    recorded = "" if sched.name in ("", "measured") else sched.name  # "measured": read off the records
+    if recorded:
+        if args.name != recorded:
+            raise ValueError(f"NAME {args.name!r} contradicts --measured {args.measured}, which recorded schedule "
+                             f"{recorded!r}; give NAME {recorded}")
+        return recorded
+    # An unnamed trace (records only, or a custom schedule): NAME must reproduce what ran, else the
+    # figure's title would name a schedule the trace never ran.
+    try:
+        built = _build_from_args(args.name, args, costs, memory)
+    except ValueError as exc:
+        raise ValueError(f"NAME {args.name!r}: cannot build it to check against --measured {args.measured} "
+                         f"(which records no schedule name): {exc}") from None
+    if (built.placement, built.orders) != (sched.placement, sched.orders):
+        rank = next((r for r in range(sched.num_ranks) if built.orders[r] != sched.orders[r]), 0)
+        raise ValueError(
+            f"NAME {args.name!r} is not the schedule in --measured {args.measured} (which records no schedule "
+            f"name): the task order differs, e.g. rank {rank} ran {' '.join(map(str, sched.orders[rank][:6]))} ... "
+            f"where {args.name} runs {' '.join(map(str, built.orders[rank][:6]))} ...")
+    return args.name
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     """``zbpp plot``: a figure of the simulated schedule, or with ``--measured`` of the run recorded
     in a trace written by `zbpp.viz.trace.write_trace` (NAME, -p and -m must match it)."""
@@ -237,15 +264,24 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     costs, memory = _costs_memory(args)
     if args.measured:
-        records, sched = read_trace(args.measured)
-        res = measured_result(records, sched, memory)
+        try:
+            records, sched = read_trace(args.measured)
+        except OSError as exc:
+            raise OSError(f"--measured {args.measured}: cannot read it ({exc.strerror})") from None
+        except ValueError as exc:  # its message starts with the path
+            raise ValueError(f"--measured {exc}") from None
+        try:
+            res = measured_result(records, sched, memory)
+        except ValueError as exc:
+            raise ValueError(f"--measured {args.measured}: {exc}") from None
         sched = res.schedule
         if (sched.num_ranks, sched.num_microbatches) != (args.ranks, args.microbatches):
             raise ValueError(
                 f"--measured {args.measured} holds p={sched.num_ranks}, m={sched.num_microbatches} "
                 f"but the command line says -p {args.ranks} -m {args.microbatches}"
             )
-        plot(res, path=args.output, title=f"measured {sched.name or args.name}: p={sched.num_ranks}, "
+        name = _measured_name(args, sched, costs, memory)
+        plot(res, path=args.output, title=f"measured {name}: p={sched.num_ranks}, "
              f"m={sched.num_microbatches}, stages={sched.num_stages}", time_unit="s")
     else:
         sched = _build_from_args(args.name, args, costs, memory)
@@ -357,7 +393,9 @@ def make_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw a schedule (or a measured run) to an SVG or PNG file")
     _add_schedule_args(plot)
     plot.add_argument("-o", "--output", required=True, help="FILE.svg or FILE.png")
-    plot.add_argument("--measured", default=None, help="a trace JSON written by Pipeline(record_task_times=True) to draw instead")
+    plot.add_argument("--measured", default=None,
+                      help="a trace JSON written by Pipeline(record_task_times=True) to draw instead; NAME, -p and "
+                           "-m must be the schedule it recorded")
     plot.set_defaults(func=_cmd_plot)
 
     trace = sub.add_parser("trace", help="write a Perfetto/Chrome trace of the simulated schedule")

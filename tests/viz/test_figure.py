@@ -139,3 +139,60 @@ def test_cli_plot_measured_trace(tmp_path, capsys):
     assert f"bubble rate {res.bubble_rate:.4f}" in capsys.readouterr().out
     assert main(["plot", "zb-h1", "-p", "4", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 2
     assert "-p 4" in capsys.readouterr().err
+
+
+def _measured_trace(path, name: str, *, with_schedule: bool = True):
+    """A trace of `name` (p=2, m=3) 'measured' in seconds; without the schedule, the trace holds only
+    the records (the schedule is then read off them, unnamed)."""
+    sched = build(name, num_ranks=2, num_microbatches=3)
+    res = simulate(sched, Costs(0.01, 0.01, 0.005))
+    records = [{"rank": sched.rank_of(a.stage), "action": str(a), "start": res.start[a], "end": res.end[a]}
+               for a in res.start]
+    write_trace(path, measured=records, schedule=sched if with_schedule else None)
+    return path
+
+
+def test_cli_plot_measured_refuses_a_name_the_trace_contradicts(tmp_path, capsys):
+    """The trace recorded 1f1b: NAME zb-h1 is refused, naming both; NAME 1f1b titles the figure 1f1b."""
+    trace, out = _measured_trace(tmp_path / "run.json", "1f1b"), tmp_path / "m.svg"
+    assert main(["plot", "zb-h1", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "zb-h1" in err and "'1f1b'" in err and "--measured" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    assert main(["plot", "1f1b", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 0
+    assert any(t.startswith("measured 1f1b: p=2, m=3") for t in _texts(out))
+
+
+def test_cli_plot_measured_checks_name_against_an_unnamed_trace(tmp_path, capsys):
+    """A trace of records only names no schedule: NAME is checked against the recorded task order
+    (1f1b's and zb-h1's differ: zb-h1 has W tasks), and titles the figure when it matches."""
+    trace, out = _measured_trace(tmp_path / "run.json", "1f1b", with_schedule=False), tmp_path / "m.svg"
+    assert main(["plot", "zb-h1", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "zb-h1" in err and "--measured" in err and "task order" in err, err
+    assert main(["plot", "1f1b", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 0
+    assert any(t.startswith("measured 1f1b: p=2, m=3") for t in _texts(out))
+
+
+def test_cli_plot_measured_refuses_an_unknown_name(tmp_path, capsys):
+    trace = _measured_trace(tmp_path / "run.json", "1f1b")
+    assert main(["plot", "nonsense", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(tmp_path / "m.svg")]) == 2
+    err = capsys.readouterr().err
+    assert "nonsense" in err and "1f1b" in err, err
+
+
+@pytest.mark.parametrize("content, code", [
+    (None, 1),  # no such file
+    ("{", 2),  # not JSON
+    ("3", 2),  # JSON, but no trace
+    ('{"traceEvents": [{"ph": "X", "cat": "measured", "ts": 0}]}', 2),  # a measured event without its fields
+    ('{"traceEvents": []}', 2),  # no measured task
+])
+def test_cli_plot_measured_bad_file_is_one_line_naming_it(tmp_path, capsys, content, code):
+    trace = tmp_path / "run.json"
+    if content is not None:
+        trace.write_text(content)
+    assert main(["plot", "1f1b", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(tmp_path / "m.svg")]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("zbpp plot: error: --measured ") and str(trace) in err, err
+    assert len(err.strip().splitlines()) == 1, err

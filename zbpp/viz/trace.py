@@ -161,17 +161,34 @@ def write_trace(
 def read_trace(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], Schedule | None]:
     """The measured records and the schedule stored in a trace written by `write_trace`.
 
-    Raises `ValueError` if the file holds no measured tasks.
+    Raises `OSError` if the file cannot be read, and `ValueError` (its message starting with the path)
+    if it is not such a trace: not JSON, no event list, a measured event without its fields, no
+    measured tasks, or a stored schedule that does not parse.
     """
+    where = os.fspath(path)
     with open(path) as fh:
-        doc = json.load(fh)
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    records = [
-        {"rank": e["args"]["rank"], "action": e["args"]["action"], "start": e["ts"] / 1e6, "end": (e["ts"] + e["dur"]) / 1e6}
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == "measured"
-    ]
+        try:
+            doc = json.load(fh)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{where}: not a JSON file ({exc})") from None
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        raise ValueError(f"{where}: not a trace (a JSON list of events, or an object with 'traceEvents')")
+    records = []
+    for i, e in enumerate(events):
+        if not (isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") == "measured"):
+            continue
+        try:
+            records.append({"rank": e["args"]["rank"], "action": e["args"]["action"],
+                            "start": e["ts"] / 1e6, "end": (e["ts"] + e["dur"]) / 1e6})
+        except (KeyError, TypeError) as exc:  # a hand-edited or foreign trace: say which event
+            raise ValueError(f"{where}: measured event {i} lacks args.rank, args.action, ts or dur "
+                             f"(or one is not a number): {type(exc).__name__} {exc}") from None
     if not records:
-        raise ValueError(f"{os.fspath(path)}: no measured tasks in this trace (write it with write_trace(measured=...))")
-    text = doc.get("otherData", {}).get("zbpp_schedule") if isinstance(doc, dict) else None
-    return records, (Schedule.from_text(text) if text else None)
+        raise ValueError(f"{where}: no measured tasks in this trace (write it with write_trace(measured=...))")
+    other = doc.get("otherData") if isinstance(doc, dict) else None
+    text = other.get("zbpp_schedule") if isinstance(other, dict) else None
+    try:
+        return records, (Schedule.from_text(text) if text else None)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{where}: its stored schedule (otherData.zbpp_schedule) does not parse: {exc}") from None
