@@ -23,6 +23,8 @@ from zbpp.modules import DelayedScaling, LayerNormMLP, Linear, fp8_autocast
 from zbpp.runtime import load_checkpoint, save_checkpoint
 
 RECIPE = DelayedScaling(amax_history_len=4)
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 class Net(nn.Module):
@@ -36,13 +38,14 @@ class Net(nn.Module):
         return self.mlp(self.q(x) * self.k(x))
 
 
-def _net(seed: int) -> Net:
+def _net(seed: int, device: str = "cpu") -> Net:
     torch.manual_seed(seed)
-    return Net()
+    return Net().to(device)
 
 
 def _step(net: Net, opt: torch.optim.Optimizer, step: int, scale: float = 1.0) -> torch.Tensor:
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 + step)) * (4.0 ** step) * scale
+    device = next(net.parameters()).device
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 + step)).to(device) * (4.0 ** step) * scale
     opt.zero_grad()
     with fp8_autocast(enabled=True, fp8_recipe=RECIPE):
         loss = net(x).square().mean()
@@ -56,8 +59,10 @@ def _slots(net: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             for name, m in net.named_modules() if hasattr(m, "fp8_meta") for slot, meta in m.fp8_meta.items()}
 
 
-def test_resume_casts_with_the_saved_scales(tmp_path: Path) -> None:
-    net = _net(0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_casts_with_the_saved_scales(tmp_path: Path, device: str) -> None:
+    """On CUDA: the scaled_mm GEMMs and Triton casts, slots restored onto the GPU."""
+    net = _net(0, device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     for step in range(2):
         _step(net, opt, step)
@@ -65,13 +70,14 @@ def test_resume_casts_with_the_saved_scales(tmp_path: Path) -> None:
     save_checkpoint(net, tmp_path / "ckpt", opt)
     saved = _slots(net)
 
-    copy = _net(1)
+    copy = _net(1, device)
     copy_opt = torch.optim.AdamW(copy.parameters(), lr=1e-2)
     _step(copy, copy_opt, 5, scale=100.0)  # slots of another run, which loading must replace
     load_checkpoint(copy, tmp_path / "ckpt", copy_opt)
     loaded = _slots(copy)
     assert loaded.keys() == saved.keys()
     for key, (history, scale) in saved.items():
+        assert loaded[key][0].device == history.device
         assert torch.equal(loaded[key][0], history) and torch.equal(loaded[key][1], scale), key
     assert copy.q.fp8_meta["input"] is copy.k.fp8_meta["input"]
 
