@@ -67,3 +67,14 @@ def test_every_task_drawn_when_some_take_no_time(name: str, scale: float | None)
         row = re.search(rf"^rank {rank} \|(.*)\|$", text, re.M).group(1)
         letters = [x.upper() for x in re.findall(r"[FBWXfbwx]", row)]  # one per drawn task, in time order
         assert letters == ["X" if a.kind.name == "BW" else a.kind.name for a in order], (rank, row)
+
+
+def test_a_near_zero_task_does_not_set_the_scale() -> None:
+    """W of 1e-4 beside F and B of 1 (a measured record of microseconds beside milliseconds): the
+    scale comes from F and B (2 chars per unit, as with W = 0), each W is drawn at its instant, and
+    the row stays as wide as the w=0 case's instead of 1e4 times wider."""
+    res = simulate(build("zb-h1", num_ranks=1, num_microbatches=2), Costs(f=1, b=1, w=1e-4))
+    assert render_ascii(res, width=200) == (
+        "time 0..4.0002 (1 char = 0.5; 4 chars added for tasks shorter than 1 char, e.g. of zero length)\n"
+        "rank 0 |F0B0W0F1B1W1|"
+    )

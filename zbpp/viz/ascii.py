@@ -48,7 +48,9 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     """Draw `result` as text, wrapped into blocks at most `width` characters wide.
 
     `scale` is characters per time unit; by default the shortest task gets room for its label
-    (at least 2 characters), so labels stay readable at any size and long runs wrap instead.
+    (at least 2 characters), so labels stay readable at any size and long runs wrap instead. Tasks
+    under 1% of the median task's length (a measured record of microseconds beside milliseconds)
+    do not set the scale: they are drawn as zero-length ones are.
     """
     sched = result.schedule
     if not result.start:
@@ -58,8 +60,10 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     # each stage's position among its rank's stages: its label's case and ' marks
     chunk_of = {s: i for r in range(sched.num_ranks) for i, s in enumerate(sched.stages_on(r))}
     if scale is None:
-        durations = [e - result.start[a] for a, e in result.end.items() if e > result.start[a]]
-        shortest = min(durations) if durations else 1.0
+        durations = sorted(e - result.start[a] for a, e in result.end.items() if e > result.start[a])
+        # one near-zero task would otherwise widen the whole picture by orders of magnitude
+        floor = durations[len(durations) // 2] / 100 if durations else 0.0
+        shortest = min((d for d in durations if d >= floor), default=1.0)
         # measured with the ' marks: a third stage's F'0 needs 3 characters where F0 needs 2
         longest_label = max(len(_label(a.kind, chunk_of[a.stage], a.microbatch)) for a in result.start)
         scale = max(longest_label, 2) / shortest
