@@ -96,9 +96,14 @@ def restore_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, 
         wanted += [(layer, key[len(prefix):], key, states[key]) for key in states
                    if key.startswith(prefix) and "." not in key[len(prefix):]]
     made: dict[str, ScalingMeta] = {}
-    for layer, _, key, entry in sorted(wanted, key=lambda w: "same_as" in w[3]):  # shared ones last
+    reused: set[int] = set()  # existing slots written once each (one shared before may not be now)
+    for layer, slot, key, entry in sorted(wanted, key=lambda w: "same_as" in w[3]):  # shared ones last
         shared = made.get(entry.get("same_as") or "")
-        made[key] = shared if shared is not None else _slot(key, entry, layer._gemm_weights()[0].device)
+        if shared is None:
+            old = layer.fp8_meta.get(slot)
+            shared = _slot(key, entry, layer._gemm_weights()[0].device, None if old is None or id(old) in reused else old)
+            reused.add(id(shared))
+        made[key] = shared
     for layer in layers.values():
         layer.fp8_meta = {}
         for cache in layer._fp8_weight_casts.values():
@@ -107,12 +112,16 @@ def restore_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, 
         layer.fp8_meta[slot] = made[key]
 
 
-def _slot(key: str, entry: Mapping[str, Any], device: torch.device) -> ScalingMeta:
+def _slot(key: str, entry: Mapping[str, Any], device: torch.device, old: ScalingMeta | None) -> ScalingMeta:
+    """The slot `entry` describes: written into `old` where it matches (its tensors keep their
+    addresses, which CUDA graphs captured before the load read), else a new one."""
     dtype = getattr(torch, str(entry["format"]), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize != 1:
         raise ValueError(f"FP8 slot {key!r}: saved format {entry['format']!r} is not an FP8 dtype")
     history = entry["amax_history"]
-    meta = ScalingMeta(dtype, history_len=history.numel(), device=device)
+    fits = (old is not None and old.dtype == dtype and old.amax_history.shape == history.shape
+            and old.amax_history.device == device and old.scale.device == device)
+    meta = old if fits else ScalingMeta(dtype, history_len=history.numel(), device=device)
     meta.amax_history.copy_(history)
     meta.scale.copy_(entry["scale"])
     meta.casts = int(entry["casts"])

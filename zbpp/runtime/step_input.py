@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .._compat import modules_and_parameters
+from ..modules.fp8 import DelayedScaling, active_recipe
 from .loss_weights import checked_weights
 from .tree import flatten, rebuild, split_batch
 
@@ -91,11 +92,12 @@ def module_state(walks: Walks) -> tuple:
                  for s, (modules, params) in walks.items())
 
 
-def autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
-    """Whether the caller runs the step under ``torch.autocast`` for `device`'s type, and its dtype:
-    it decides the activations' dtypes as the modules' state does (and a capture bakes it in)."""
+def autocast_state(device: torch.device) -> tuple[bool, torch.dtype, DelayedScaling | None]:
+    """Whether the caller runs the step under ``torch.autocast`` for `device`'s type, its dtype, and
+    the recipe of a ``zbpp.modules.fp8_autocast`` around the step: they decide the activations'
+    dtypes and the GEMMs' precision as the modules' state does (and a capture bakes them in)."""
     kind = device.type
-    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), active_recipe()
 
 
 def release_step_caches(walks: Walks) -> None:

@@ -27,7 +27,7 @@ of that signature copies each task's inputs into the graph's static buffers and 
   rebuilding its buckets), a moved parameter or a new ``.grad`` buffer makes the step capture again.
 - **Signatures.** A step's input signature: the structure, shapes, dtypes and non-tensor values of
   its input and of its target, and every rank's train/eval modes, requires_grad flags and
-  ``torch.autocast`` around the step (a capture bakes them in). Graphs are kept for the last `MAX_GRAPHED_SIGNATURES` input signatures (least
+  ``torch.autocast`` or ``zbpp.modules.fp8_autocast`` around the step (a capture bakes them in). Graphs are kept for the last `MAX_GRAPHED_SIGNATURES` input signatures (least
   recently used dropped first); evaluation steps (`Pipeline.eval_step`) run eagerly.
 - **Refused or not captured right.** CPU stages (``ValueError`` at construction), stages whose
   module sets ``zbpp_cuda_graphs = False``, fully_shard stages; a task that synchronises with the
