@@ -93,3 +93,61 @@ def test_time_limit_returns_the_best_found_unproven() -> None:
     assert opt.makespan <= simulate(start, costs, memory).makespan * (1 + REL)
     assert opt.lower <= opt.makespan * (1 + REL)
     assert opt.proven or opt.lower < opt.makespan
+
+
+def _every_order(stage: int, m: int):
+    """Every order of one stage's F, B and W tasks with F(j) before B(j) before W(j)."""
+    import itertools
+
+    from zbpp.schedules import Action, Kind
+
+    tasks = [Action(k, stage, j) for j in range(m) for k in (Kind.F, Kind.B, Kind.W)]
+    for perm in itertools.permutations(tasks):
+        pos = {a: i for i, a in enumerate(perm)}
+        if all(pos[Action(Kind.F, stage, j)] < pos[Action(Kind.B, stage, j)] < pos[Action(Kind.W, stage, j)]
+               for j in range(m)):
+            yield perm
+
+
+def _brute_force_optimum(m: int, costs: Costs, memory: Memory, limit: float) -> float | None:
+    """The least makespan over every pair of rank orders of p = 2 (one stage each) whose simulated
+    peak is within `limit` (None: none is)."""
+    from zbpp.schedules import ScheduleError
+    from zbpp.schedules.ir import from_orders
+
+    best = None
+    ranks = [list(_every_order(s, m)) for s in (0, 1)]
+    for a in ranks[0]:
+        for b in ranks[1]:
+            try:
+                res = simulate(from_orders("x", loop_placement(2), m, [a, b]), costs, memory)
+            except ScheduleError:
+                continue
+            if max(res.peak_memory) <= limit * (1 + REL) and (best is None or res.makespan < best):
+                best = res.makespan
+    return best
+
+
+@pytest.mark.parametrize("memory, limit", [
+    (Memory(activation=1, wgrad=2), 3),  # B raises the memory: wgrad re-created (recompute, offload)
+    (Memory(activation=1, wgrad=0.5, transient_b=2), 3),  # B's transient rises above what it starts with
+])
+def test_limit_counts_what_b_adds_and_transients(memory, limit) -> None:
+    """The solver's schedule must be within the limit as `simulate` counts the peak, and as fast
+    as the best of every pair of rank orders (p = 2, m = 2) that is: the model constrained memory
+    only after an F, so it returned (as proven optimal) a schedule over the limit, faster than any
+    that fits."""
+    costs = Costs(1, 1, 1)
+    opt = optimal_schedule(loop_placement(2), 2, costs, memory, memory_limit=limit)
+    res = simulate(validate(opt.schedule), costs, memory)
+    assert max(res.peak_memory) <= limit * (1 + REL), res.peak_memory
+    assert opt.proven and opt.makespan == pytest.approx(_brute_force_optimum(2, costs, memory, limit), rel=REL)
+
+
+def test_limit_no_order_fits_names_it() -> None:
+    """B's transient of 2 on top of F's activation of 1 peaks at 3 in every order: a limit of 2
+    must be refused, not answered with a schedule over it."""
+    memory = Memory(activation=1, wgrad=0.5, transient_b=2)
+    assert _brute_force_optimum(2, Costs(1, 1, 1), memory, 2) is None
+    with pytest.raises(ValueError, match="memory_limit=2"):
+        optimal_schedule(loop_placement(2), 2, Costs(1, 1, 1), memory, memory_limit=2)

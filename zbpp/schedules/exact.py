@@ -14,9 +14,10 @@ The model, for a placement, microbatch count, costs, memory model and per-rank l
   and the memory edges it derives from the limit;
 - for every two tasks x, y of one rank that the graph does not already order, a binary
   z_xy (x runs first) with S_y >= S_x + d_x - M (1 - z_xy) and S_x >= S_y + d_y - M z_xy;
-- after every F of a rank (memory only grows at an F), the activation it allocates plus the
-  change of every task of the rank that runs before it (ordered by the graph, or by z) stays
-  within the limit.
+- for every task of a rank that can raise its memory (an F; a B where wgrad > activation; any
+  task with a transient), the larger of its change and its transient plus the change of every
+  task of the rank that runs before it (ordered by the graph, or by z) stays within the limit:
+  the simulator's peak, so the schedule found is within the limit as `simulate` counts it.
 
 A rank's order is that of its start times; running each order as early as possible (what
 `simulate` does) never ends later, so the optimum of this program is the least makespan of any
@@ -108,6 +109,7 @@ def optimal_schedule(
     nm, num = g.nm, 3 * g.nm
     dur, preds, rank_of = g.dur, g.preds, g.rank
     delta = g.ids.per_task(list(zip(*memory.deltas(n)))[:3])  # F, B, W
+    transient = g.ids.per_task(list(zip(*memory.transients(n)))[:3])
 
     if start is None:
         start = _default_start(placement, m, costs, memory, memory_limit)
@@ -173,9 +175,12 @@ def optimal_schedule(
             if not math.isfinite(limits[rank]):
                 continue
             for x in xs:
-                if x >= nm:
-                    continue  # memory grows only at an F
-                constant = delta[x]
+                # what x adds above the memory before it: not only an F's activation but a B's
+                # wgrad - activation (wgrad > activation) and any task's transient
+                rise = max(delta[x], transient[x])
+                if rise <= 0.0:
+                    continue  # the memory after x is no more than after the task before it
+                constant = rise
                 coefs: list[tuple[int, float]] = []
                 for y in xs:
                     if y == x or delta[y] == 0.0:
@@ -198,13 +203,23 @@ def optimal_schedule(
     objective[c_var] = 1.0
     integrality = np.zeros(nvar)
     integrality[num + 1 :] = 1
-    result = milp(
-        objective,
-        integrality=integrality,
-        bounds=Bounds(lower_b, upper_b),
-        constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-        options={"time_limit": float(time_limit), "mip_rel_gap": 1e-9},
-    )
+    def solve(presolve: bool):
+        return milp(
+            objective,
+            integrality=integrality,
+            bounds=Bounds(lower_b, upper_b),
+            constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+            options={"time_limit": float(time_limit), "mip_rel_gap": 1e-9, "presolve": presolve},
+        )
+
+    result = solve(True)
+    if result.status == 4:  # HiGHS's presolve fails ("Solve error") on some of these models; without it they solve
+        result = solve(False)
+    if result.x is None and result.status == 2:  # nothing within the limit: refuse rather than return `start` over it
+        peaks = simulate(start, costs, memory).peak_memory
+        raise ValueError(f"memory_limit={memory_limit!r}: no schedule within it ends by {ub:g} (the makespan of the start "
+                         f"schedule {start.name!r}, whose peaks are {peaks}); with {memory!r} a rank's peak counts its "
+                         "tasks' transients and what a B adds where wgrad > activation")
     if result.x is None:  # nothing better than `start` found in time (or `start` is optimal)
         lower = max(bound.makespan, float(getattr(result, "mip_dual_bound", None) or bound.makespan))
         return Optimum(start, ub, min(lower, ub), proven=result.status == 0 or lower >= ub * (1 - 1e-9))
