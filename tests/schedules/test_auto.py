@@ -311,3 +311,18 @@ def test_default_limit_is_the_one_the_search_keeps_when_wgrad_exceeds_activation
     assert max(res.peak_memory) <= limit * (1 + REL)
     lb = lower_bound(loop_placement(2), 4, costs, memory, limit)
     assert lb.cost <= res.cost * (1 + REL) and lb.makespan <= res.makespan * (1 + REL)
+
+
+@pytest.mark.parametrize("p, m, limit", [(2, 4, 3), (4, 8, 5)])
+def test_never_slower_than_1f1b_where_b_recreates_wgrad(p, m, limit) -> None:
+    """wgrad = 2 > activation = 1 (B re-creates what W needs: recompute, offload). 1F1B, a seed
+    the search promises never to lose to where it fits, fits the limit (its peak, p + 1 on rank 0:
+    p activations and a BW's wgrad - activation), yet the search, which plans each F as holding
+    max(activation, wgrad) from the start, rejected it and built a slower schedule (p=4, m=8: 49
+    against 1F1B's 33)."""
+    costs, memory = Costs(1, 1, 1), Memory(activation=1, wgrad=2)
+    ref = simulate(build("1f1b", num_ranks=p, num_microbatches=m), costs, memory)
+    assert max(ref.peak_memory) == pytest.approx(limit)
+    res = simulate(_auto("zb-auto", p, m, costs, memory, limit), costs, memory)
+    assert max(res.peak_memory) <= limit * (1 + REL)
+    assert res.cost <= ref.cost * (1 + REL)

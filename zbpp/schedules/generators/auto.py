@@ -48,8 +48,8 @@ import numbers
 from typing import Callable, Sequence
 
 from ..checks import as_int, as_number
-from ..ir import Kind, Schedule, from_orders, loop_placement, v_placement
-from ..simulate import Costs, Memory
+from ..ir import Action, Kind, Schedule, from_orders, loop_placement, v_placement
+from ..simulate import Costs, Memory, simulate
 from .auto_heuristic import Policy, Problem, list_schedule, place_w
 from .classic import interleaved_1f1b, one_f_one_b
 from .interleaved_zb import zb_interleaved
@@ -169,6 +169,14 @@ def _skeleton(prob: Problem, schedule: Schedule) -> list[list[int]]:
     return out
 
 
+def _split_bw(schedule: Schedule) -> Schedule:
+    """`schedule` with each full backward (BW) as its B then its W: the same times (W takes its
+    input from B on the same rank) and the same peak (a BW's transient is B's delta then W's)."""
+    orders = [[x for a in order for x in ((Action(Kind.B, a.stage, a.microbatch), Action(Kind.W, a.stage, a.microbatch))
+                                          if a.kind is Kind.BW else (a,))] for order in schedule.orders]
+    return from_orders(schedule.name, schedule.placement, schedule.num_microbatches, orders)
+
+
 def _search(
     name: str,
     placement: Sequence[int],
@@ -180,6 +188,7 @@ def _search(
 ) -> Schedule:
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
+    true_memory = memory
     p = max(placement) + 1
     # a task's transient comes on top of the kept bytes the search plans on: each rank plans
     # within its limit less its stages' largest (a limit, not the default, is a peak to respect)
@@ -189,9 +198,11 @@ def _search(
     memory = _planned(memory, len(placement))
     if memory_limit is None:  # one definition, so that reports and bounds use the limit kept here
         limits = [default_memory_limit(placement, memory)] * p
+        peaks_within, true_memory = limits, true_memory.without_transients()  # the default ignores transients
     else:
         floors = _rank_floors(placement, memory)
-        limits = [x - t for x, t in zip(_limits(name, memory_limit, [f + t for f, t in zip(floors, top)]), top)]
+        peaks_within = _limits(name, memory_limit, [f + t for f, t in zip(floors, top)])
+        limits = [x - t for x, t in zip(peaks_within, top)]
     prob = Problem.make(placement, m, costs, memory, limits)
     shape = TaskShape(prob)
     tasks = 3 * len(placement) * m
@@ -216,8 +227,12 @@ def _search(
         if score[0] <= busy * (1 + 1e-12):  # no bubble: nothing can do better
             return from_orders(name, placement, m, prob.decode(orders))
     # 2. the first handcrafted schedule that fits, from the most memory down; if none fits, the
-    #    F/B order of the first goes to step 4, which may fit it with earlier W's
+    #    F/B order of the first goes to step 4, which may fit it with earlier W's. Where wgrad >
+    #    activation the planned memory overstates what a B that its W follows at once holds
+    #    (1F1B's BW), so a seed within the limits as `simulate` counts them is kept apart: the
+    #    searches need the planned model, but the result is never slower than that seed
     skeletons = []
+    fallback: tuple[tuple[float, ...], list[list[int]]] | None = None
     for seed in seeds:
         sched = seed(p, m)
         encoded = prob.encode(sched)
@@ -225,6 +240,11 @@ def _search(
             add(encoded)
             skeletons = []
             break
+        if fallback is None and all(x <= y * (1 + 1e-9) for x, y in zip(simulate(sched, costs, true_memory).peak_memory,
+                                                                         peaks_within)):
+            split = prob.encode(_split_bw(sched))
+            if split is not None:
+                fallback = (score_of(shape, split), split)
         if not skeletons and not rounds:  # (step 4 runs only without the round heuristic)
             skeletons.append(_skeleton(prob, sched))
     # 3. the event-driven list scheduler: where the round heuristic cannot meet the limit (one
@@ -235,9 +255,15 @@ def _search(
             add(list_schedule(prob, policy))
     elif v_shape and tasks <= _TINY:
         add(list_schedule(prob, policies[0]))
+
+    def done(orders: list[list[int]]) -> Schedule:
+        if fallback is not None and fallback[0] < score_of(shape, orders):
+            orders = fallback[1]
+        return from_orders(name, placement, m, prob.decode(orders))
+
     best = min(pool, key=lambda x: x[0])[1]
     if rounds and not small:  # on large instances steps 4 and 5 have not beaten steps 1 and 2
-        return from_orders(name, placement, m, prob.decode(best))
+        return done(best)
     # 4. W's placed anew in the F/B order of the best so far, where the round heuristic does not
     #    apply (where it does, its own W placement has always been as good)
     if not rounds:
@@ -257,7 +283,7 @@ def _search(
         best = improve(prob, best, budget=(_SMALL_BUDGET if small else 1) * tasks, shape=shape)
     if not _fits(prob, best):  # pragma: no cover - every step keeps the limits
         raise RuntimeError(f"{name}: the search exceeded memory_limit={prob.limits}; please report")
-    return from_orders(name, placement, m, prob.decode(best))
+    return done(best)
 
 
 _ZB_SEEDS = (zb_h2, zb_h1, one_f_one_b)
