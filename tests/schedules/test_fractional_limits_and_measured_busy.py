@@ -76,3 +76,21 @@ def test_from_torch_csv_v_placement_goes_down_then_up(tmp_path, p):
     assert got.placement == tuple(range(p)) + tuple(reversed(range(p))) == sched.placement
     assert got.orders == sched.orders
     validate(got)
+
+
+@pytest.mark.parametrize("field", ["start", "end"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_measured_record_with_a_non_finite_time_is_refused(field, bad):
+    """Rank 0 computes 1 of a 2-long span (bubble rate 0.5). A record whose time is NaN passed
+    every check (NaN < x is False) and turned the answer into 0.0 (min/max skip a NaN depending on
+    order); an infinite one into nan. A broken timer must be named, as `Costs.from_task_times`
+    names it."""
+    good = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0},
+            {"rank": 1, "action": "F1.0", "start": 1.0, "end": 2.0},
+            {"rank": 0, "action": "BW0.0", "start": 3.0, "end": 4.0}]
+    assert measured_bubble_rate(good) == pytest.approx(0.5)
+    broken = [dict(r) for r in good]
+    broken[0][field] = bad
+    for fn in (measured_bubble_rate, measured_result):
+        with pytest.raises(ValueError, match=f"'{field}': {bad}"):
+            fn(broken)

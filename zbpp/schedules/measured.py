@@ -19,6 +19,7 @@ Pure Python, like the rest of `zbpp.schedules`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from .ir import Action, Kind, Schedule
@@ -39,6 +40,10 @@ def _parse_records(records: Iterable[Record], allow_empty: bool = False) -> list
             raise ValueError(
                 f"measured record {dict(rec)!r}: need 'rank', 'action' (e.g. 'F0.3'), 'start' and 'end': {exc}"
             ) from None
+        # a NaN passes `end < start` and then skews the min/max of spans silently
+        for what, value in (("start", start), ("end", end)):
+            if not math.isfinite(value):
+                raise ValueError(f"measured record {dict(rec)!r}: '{what}': {value} is not a finite time")
         if end < start:
             raise ValueError(f"measured record {dict(rec)!r}: ends before it starts")
         out.append((rank, action, start, end))
