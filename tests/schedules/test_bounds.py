@@ -93,3 +93,20 @@ def test_memory_limit_tightens_the_bound() -> None:
 def test_infeasible_limit_is_refused() -> None:
     with pytest.raises(ValueError, match=r"memory_limit=1.5 is infeasible; the smallest feasible limit is 2\b"):
         lower_bound(v_placement(3), 6, Costs(), Memory(activation=1), memory_limit=1.5)
+
+
+def test_nan_limit_is_refused_not_read_as_no_limit() -> None:
+    """At a limit of 1 (Memory(1, 1), p = 2, m = 2) the bound is 9 (tests/schedules/test_exact.py
+    works it by hand); a NaN limit compared false everywhere and gave the unlimited bound, 7, as
+    if a bound at the limit: a silently wrong figure. It must be named instead, as must a
+    placement with a rank that holds no stage and a microbatch count that is no integer."""
+    costs, memory = Costs(1, 1, 1), Memory(1, 1)
+    assert lower_bound(loop_placement(2), 2, costs, memory, memory_limit=1).makespan == pytest.approx(9.0)
+    assert lower_bound(loop_placement(2), 2, costs, memory, memory_limit=None).makespan == pytest.approx(7.0)
+    for limit, what in ((float("nan"), "memory_limit"), ([1.0, float("nan")], r"memory_limit\[1\]")):
+        with pytest.raises(ValueError, match=f"{what} must be a number"):
+            lower_bound(loop_placement(2), 2, costs, memory, memory_limit=limit)
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] without a stage"):
+        lower_bound([0, 2], 2, costs, memory)
+    with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1, got 1.5"):
+        lower_bound(loop_placement(2), 1.5, costs, memory)

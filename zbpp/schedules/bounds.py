@@ -52,9 +52,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
+from .checks import as_int
 from .simulate import Costs, Memory
 from .tasks import TaskIds
 
@@ -222,15 +224,24 @@ def _released_work(release: list[float], dur: list[float]) -> float:
 
 
 def _per_rank(limit: float | Sequence[float] | None, num_ranks: int) -> list[float]:
-    """A memory limit as one number per rank (inf: none); a sequence must have one per rank."""
+    """A memory limit as one number per rank (inf: none); a sequence must have one per rank.
+
+    A NaN is refused: every comparison with it is false, so it read as no limit at all.
+    """
     if limit is None:
         return [math.inf] * num_ranks
-    if isinstance(limit, (int, float)):
-        return [float(limit)] * num_ranks
-    limits = [float(x) for x in limit]
+    if isinstance(limit, numbers.Real):
+        return [_limit_value(limit, "memory_limit")] * num_ranks
+    limits = [_limit_value(x, f"memory_limit[{r}]") for r, x in enumerate(limit)]
     if len(limits) != num_ranks:
         raise ValueError(f"memory_limit has {len(limits)} values; give one number, or one per rank ({num_ranks})")
     return limits
+
+
+def _limit_value(value: object, what: str) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value):
+        return float(value)
+    raise ValueError(f"{what} must be a number (per rank, in the units of memory; inf: no limit), got {value!r}")
 
 
 def lower_bound(
@@ -256,13 +267,17 @@ def lower_bound(
     >>> round(lb.bubble_rate, 4)  # the paper's ZB-2p reaches it (its Table 4: 0.0433)
     0.0433
     """
+    placement = [as_int(r, f"placement[{s}]", minimum=0) for s, r in enumerate(placement)]
+    m = as_int(num_microbatches, "num_microbatches")
+    n = len(placement)
+    if n < 1:
+        raise ValueError(f"need at least one stage, got placement={placement}")
+    p = max(placement) + 1
+    idle = [r for r in range(p) if r not in placement]
+    if idle:  # every rank's first stage is looked up below
+        raise ValueError(f"placement={placement} leaves rank(s) {idle} without a stage; ranks are 0..{p - 1}")
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
-    m = num_microbatches
-    n = len(placement)
-    if n < 1 or m < 1:
-        raise ValueError(f"need at least one stage and one microbatch, got {n} stages and {m} microbatches")
-    p = max(placement) + 1
     act, _ = memory.per_stage(n)
     per_rank = [0.0] * p
     for s, r in enumerate(placement):
