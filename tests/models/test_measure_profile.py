@@ -40,6 +40,25 @@ def test_activation_wgrad_static_by_hand():
     assert la.f > 0 and la.w > 0 and lb.f > 0 and lb.b > 0 and lb.w > 0
 
 
+def test_static_of_frozen_parameters_is_the_weight_alone():
+    """A frozen parameter (``requires_grad=False``: frozen embeddings, adapters' base weights) gets no
+    gradient and no optimizer state (AdamW keeps none for a parameter that never has a ``.grad``):
+    its static bytes are ``numel * element_size`` only. Hand count, exact (byte counts)."""
+    torch.manual_seed(0)
+    a, frozen, b = nn.Linear(4, 6).double(), nn.Linear(6, 6).double(), nn.Linear(6, 5).double()
+    half = nn.Linear(6, 6).double()  # weight frozen, bias trained
+    frozen.requires_grad_(False)
+    half.weight.requires_grad_(False)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    prof = measure_profile(layers=[("a", a), ("frozen", frozen), ("half", half), ("b", b)], example_input=x,
+                           steps=1, warmup=0, optimizer_bytes_per_param=12)
+    la, lf, lh, lb = prof.layers
+    assert lf.static == (6 * 6 + 6) * F64
+    assert lh.static == 6 * 6 * F64 + 6 * (2 * F64 + 12)
+    assert la.static == (4 * 6 + 6) * (2 * F64 + 12) and lb.static == (6 * 5 + 5) * (2 * F64 + 12)
+    assert lf.w == 0.0  # nothing to compute in W
+
+
 def test_wgrad_through_a_transposed_weight():
     # without a bias the weight reaches the GEMM's backward only through a transpose node, which
     # saves nothing: W still needs the GEMM's saved input (the first layer makes it need a gradient)

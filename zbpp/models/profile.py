@@ -114,8 +114,9 @@ def measure_profile(
       (the loss's gradients on the last layer, B's own temporaries): every storage its ops make
       and every saved one, counted after each op while alive, on one more, untimed, step.
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
-      gradient in its dtype, optimizer state. A parameter two layers share (a tied embedding and
-      LM head) counts in each, as on two ranks.
+      gradient in its dtype, optimizer state; a frozen one (``requires_grad=False``) only its
+      ``numel * element_size``. A parameter two layers share (a tied embedding and LM head) counts
+      in each, as on two ranks.
     - policies (`zbpp.schedules.profile.PolicyCost`, each of `policies`): on a model's blocks (the
       submodule each layer's name names, as `zbpp.models.recompute.apply_activation_policy` wraps
       it by name), or with `layers=` on every layer but the first (whose input needs no gradient),
@@ -555,7 +556,8 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     finally:
         tasks.discard()
         kept()
-    static = sum(p.numel() * (2 * p.element_size() + opt) for p in
+    # a frozen parameter has no gradient and no optimizer state (AdamW keeps none without a .grad)
+    static = sum(p.numel() * ((2 * p.element_size() + opt) if p.requires_grad else p.element_size()) for p in
                  {id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())}.values())
     layer = Layer(lname, *(statistics.median(times[k]) for k in ("f", "b", "w")), activation=float(activation),
                   wgrad=float(min(wgrad, activation)), static=float(static), transient=float(transient))
