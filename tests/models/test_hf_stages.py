@@ -80,6 +80,30 @@ def test_explicit_fqns_and_position_ids():
     torch.testing.assert_close(h, ref(input_ids=ids, position_ids=pos).logits, **TOL)
 
 
+@pytest.mark.parametrize("listed_on", [0, 1])
+def test_a_parameter_free_module_listed_on_one_stage_runs_on_every_stage(listed_on):
+    """Every stage runs HF's whole forward, which calls the rotary embedding before the layers: a
+    stage that did not hold it got the zero placeholder embeddings in place of (cos, sin) (a shape
+    error naming neither the module nor the lists, or wrong logits where the shapes happen to fit).
+    Listing it on one stage must work as leaving it out does. Reference: HF's logits, float64, same
+    operations in the same order (`TOL`, 1e-12)."""
+    cfg, _ = configs()["llama"]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    fqns = [["model.embed_tokens", "model.layers.0"],
+            ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+    fqns[listed_on].append("model.rotary_emb")
+    stages = {}
+    for r in range(2):
+        mine, _ = causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="eager",
+                                   state_dict=ref.state_dict(), module_fqns_per_stage=fqns, device="cpu")
+        stages.update(mine)
+    ids = torch.randint(1, 40, (3, 6))
+    h = stages[1](**stages[0](input_ids=ids))
+    torch.testing.assert_close(h, ref(input_ids=ids).logits, **TOL)
+
+
 _EMBED, _NORM, _HEAD = "model.embed_tokens", "model.norm", "lm_head"
 _L = [f"model.layers.{i}" for i in range(4)]
 

@@ -209,9 +209,10 @@ def causal_lm_stages(
     if fqns is None:
         with _loop_experts(model):
             fqns = fqns_per_stage(model, schedule.num_stages, blocks=template.blocks, balance=balance)
-    else:  # modules without parameters (rotary embeddings, dropout) go to every stage, as fqns_per_stage does
-        free = [f for f in _parameter_free(model, template.blocks) if not any(f in names for names in fqns)]
-        fqns = [list(names) + free for names in fqns]
+    else:  # modules without parameters (rotary embeddings, dropout) go to every stage, as fqns_per_stage does:
+        # every stage runs HF's whole forward, so one listed on some stages only is still called on the others
+        free = _parameter_free(model, template.blocks)
+        fqns = [list(names) + [f for f in free if f not in names] for names in fqns]
     _check_layer_order(fqns, template)
     stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
                                    state_dict=state_dict, seed=seed)
