@@ -429,7 +429,8 @@ def make_parser() -> argparse.ArgumentParser:
     measure.add_argument("--seq", type=_integer(1), required=True, help="tokens per sequence")
     measure.add_argument("--micro-batch", type=_integer(1), default=1, help="sequences per microbatch (default 1)")
     measure.add_argument("--measured-blocks", type=_integer(1), default=None,
-                         help="build only this many blocks and repeat one to the config's count (default: all)")
+                         help="build only this many blocks and repeat each kind (dense, MoE, sliding, ...) to the "
+                              "config's count; every kind must be among the first N (default: all)")
     measure.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
     measure.add_argument("--device", default="cpu", help="where to measure (default cpu; cuda for a GPU)")
     measure.add_argument("--attn", default=None, help="attn_implementation: eager, sdpa, ... (default: the config's)")

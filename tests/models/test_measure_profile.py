@@ -210,6 +210,27 @@ def test_measure_causal_lm_repeats_a_block():
         measure_causal_lm(cfg, seq=8, link_bytes_per_s=0)
 
 
+def test_measure_causal_lm_repeats_each_kind_of_block():
+    """A model whose blocks differ (DeepSeek-V3's first `first_k_dense_replace` blocks dense, the rest
+    mixture-of-experts): with `measured_blocks`, each block of the config is stood for by a measured
+    block of its own kind, and a kind the measured blocks lack is refused, naming the block and the
+    count that covers it. Reference: the profile of the whole model, static bytes (exact: byte counts,
+    independent of timing; a dense block repeated for a MoE one is off by the experts' bytes)."""
+    pytest.importorskip("transformers")
+    from zbpp.models.hf import small_config
+
+    cfg = small_config("deepseek_v3", vocab_size=32, hidden_size=16, num_layers=4, num_heads=2)
+    cfg.first_k_dense_replace = 1
+    args = dict(seq=4, steps=1, warmup=0, dtype=torch.float32)  # float32: the grouped GEMMs' CPU kernel
+    whole = measure_causal_lm(cfg, **args)
+    part = measure_causal_lm(cfg, measured_blocks=2, **args)
+    assert [x.name for x in part.layers] == [x.name for x in whole.layers]
+    assert whole.layers[1].static != whole.layers[2].static  # dense, then MoE
+    assert [x.static for x in part.layers] == [x.static for x in whole.layers]
+    with pytest.raises(ValueError, match=r"model\.layers\.1 .*measured_blocks to at least 2"):
+        measure_causal_lm(cfg, measured_blocks=1, **args)
+
+
 def test_cli_measure_then_plan(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from zbpp.cli import main

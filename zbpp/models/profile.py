@@ -306,7 +306,10 @@ def measure_causal_lm(
     `device`, on one microbatch of ``micro_batch x seq`` random tokens.
 
     With `measured_blocks`, the model is built with that many blocks only (for a model larger than
-    the device) and the profile repeats the measured block of median F+B+W to the config's count.
+    the device) and the profile repeats the measured blocks to the config's count: each block of the
+    config gets the measured block of median F+B+W among those of its kind (class, parameter shapes
+    and ``layer_types`` entry: DeepSeek's dense first blocks apart from its MoE ones, sliding windows
+    apart from full attention). A kind that none of the first `measured_blocks` blocks has is refused.
     A message between ranks is the ``micro_batch x seq x hidden`` hidden states at
     `link_bytes_per_s` (the profile's ``comm``). Other keyword arguments go to `measure_profile`.
 
@@ -321,7 +324,7 @@ def measure_causal_lm(
 
     import transformers
 
-    from .hf import SUPPORTED
+    from .hf import SUPPORTED, check_template
 
     if not isinstance(config, transformers.PretrainedConfig):
         raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
@@ -350,19 +353,47 @@ def measure_causal_lm(
         with dev:
             model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
         ids = torch.randint(0, int(cfg.vocab_size), (mb, T), device=dev)
+    kinds: list[Any] = []  # per block of the config: what a measured block must match to stand for it
+    if n < total:
+        with torch.device("meta"):  # the whole model's blocks, for their kinds only: nothing allocated
+            kinds = _block_kinds(transformers.AutoModelForCausalLM.from_config(config, **kw), config)
+        have = _block_kinds(model, cfg)
+        lacking = [i for i, k in enumerate(kinds) if k not in have]
+        if lacking:
+            i, need = lacking[0], max(kinds.index(k) for k in kinds) + 1
+            what = kinds[i][0] + (f", {kinds[i][2]}" if kinds[i][2] is not None else "")
+            raise ValueError(f"measured_blocks={n}: block {check_template(model).blocks}.{i} of the config's {total} "
+                             f"({what}) is unlike each of the first {n}, so no measured block stands for it; raise "
+                             f"measured_blocks to at least {need}")
     name = kwargs.pop("name", "") or getattr(config, "name_or_path", "") or str(config.model_type)
     prof = measure_profile(model, ids, name=name, **kwargs)
     bytes_per = next(model.parameters()).element_size()
     comm = mb * T * int(cfg.hidden_size) * bytes_per / float(link_bytes_per_s)
     first, blocks, last = prof.layers[:1], prof.layers[1:-1], prof.layers[-1:]
     if n < total:
-        typical = sorted(blocks, key=lambda x: x.f + x.b + x.w)[(len(blocks) - 1) // 2]
-        prefix = typical.name.rpartition(".")[0]
-        blocks = tuple(replace(typical, name=f"{prefix}.{i}") for i in range(total))
+        # per kind of block (dense or MoE, sliding or full attention): its measured block of median F+B+W
+        have = _block_kinds(model, cfg)
+        typical = {}
+        for k in set(have):
+            alike = sorted((x for x, h in zip(blocks, have) if h == k), key=lambda x: x.f + x.b + x.w)
+            typical[k] = alike[(len(alike) - 1) // 2]
+        prefix = blocks[0].name.rpartition(".")[0]
+        blocks = tuple(replace(typical[k], name=f"{prefix}.{i}") for i, k in enumerate(kinds))
     notes = {**prof.notes, "seq": T, "micro_batch": mb, "measured_blocks": n, "num_layers": total,
              "dtype": str(next(model.parameters()).dtype), "link_bytes_per_s": float(link_bytes_per_s)}
     return Profile((*first, *blocks, *last), comm=comm, name=prof.name, notes=notes,
                    host_bytes_per_s=prof.host_bytes_per_s)
+
+
+def _block_kinds(model: nn.Module, config: Any) -> list[tuple[Any, ...]]:
+    """Per decoder block of a HF causal LM, its kind, which a measured block must share to stand for
+    it: (class name, parameter names and shapes, ``config.layer_types`` entry or None)."""
+    from .hf import check_template
+
+    types = getattr(config, "layer_types", None)
+    return [(type(b).__name__, tuple((k, tuple(p.shape)) for k, p in b.named_parameters()),
+             types[i] if isinstance(types, list) and i < len(types) else None)
+            for i, b in enumerate(model.get_submodule(check_template(model).blocks))]
 
 
 # -- layers of a model -----------------------------------------------------------------------------
