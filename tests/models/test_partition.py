@@ -37,6 +37,38 @@ def test_optimal_against_brute_force():
             (costs, s, first, last, sizes)
 
 
+def brute_force_even(costs: list[int], stages: int, first: int, last: int) -> int:
+    """The least sum of squared stage loads among the splits whose largest load is the least."""
+    best = brute_force(costs, stages, first, last)
+    sums = []
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = (0, *cuts, len(costs))
+        loads = partition_loads(costs, [b - a for a, b in zip(bounds, bounds[1:])], first=first, last=last)
+        if max(loads) == best:
+            sums.append(sum(x * x for x in loads))
+    return min(sums)
+
+
+def test_the_stages_below_the_largest_load_are_balanced_too():
+    """Where one stage's load fixes the largest (a heavy embedding on the first stage), many splits
+    share that largest load, and the split took the one that piles the other blocks onto the earliest
+    stages: [1, 5, 1, 1] for 8 unit blocks after an embedding of 100, where [1, 3, 2, 2] runs as fast
+    (the step is bound by the first stage either way) and, under 1F1B, the second stage keeps its
+    activations for 3 microbatches in flight: 15 blocks' worth against 9. Among the splits of least
+    largest load, the loads must be as even as possible: the least sum of squares, against brute
+    force (exact: integer costs)."""
+    assert sorted(balanced_partition([1] * 8, 4, first=100)[1:]) == [2, 2, 3]
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        s = rng.randint(1, n)
+        costs = [rng.randint(0, 20) for _ in range(n)]
+        first, last = rng.choice([0, rng.randint(0, 80)]), rng.choice([0, rng.randint(0, 80)])
+        loads = partition_loads(costs, balanced_partition(costs, s, first=first, last=last), first=first, last=last)
+        assert max(loads) == brute_force(costs, s, first, last), (costs, s, first, last)
+        assert sum(x * x for x in loads) == brute_force_even(costs, s, first, last), (costs, s, first, last, loads)
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="3 blocks cannot fill 4 stages"):
         balanced_partition([1, 1, 1], 4)

@@ -2,8 +2,9 @@
 
 A stage's load is the sum of its blocks' costs, plus a fixed extra on the first stage (what comes
 before the blocks: embeddings) and on the last (what comes after: final norm, LM head). The split
-minimises the largest load, every stage holding at least one block, exactly (dynamic programming
-over the prefix sums, O(stages x blocks^2)).
+minimises the largest load, every stage holding at least one block, exactly, and among the splits
+that do, the sum of the squared loads (the others as even as the largest allows; dynamic
+programming over the prefix sums, O(stages x blocks^2)).
 
 >>> balanced_partition([1, 1, 1, 1, 1, 1], 3)
 [2, 2, 2]
@@ -38,7 +39,8 @@ def partition_loads(costs: Sequence[float], sizes: Sequence[int], *, first: floa
 
 def balanced_partition(costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
     """How many consecutive blocks each of `num_stages` stages holds, minimising the largest stage
-    load (see the module docstring); ties are broken the same way on every rank.
+    load, then the sum of squared loads (see the module docstring); ties are broken the same way on
+    every rank.
 
     Args:
         costs: one non-negative number per block (parameter count, measured time, ...).
@@ -72,6 +74,21 @@ def balanced_partition(costs: Sequence[float], num_stages: int, *, first: float 
                 v = max(best[s - 1][i], load(s, i, j))
                 if v < best[s][j]:
                     best[s][j], cut[s][j] = v, i
+    # Many splits may share that largest load (one heavy stage fixes it); among them, the loads as
+    # even as possible: the least sum of squares with every stage within the largest load. Else the
+    # blocks pile onto the earliest stages, which keep the most microbatches in flight (1F1B).
+    top = best[num_stages - 1][n]
+    even = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        if load(0, 0, j) <= top:
+            even[0][j] = load(0, 0, j) ** 2
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(j - 1, s - 1, -1):
+                x = load(s, i, j)
+                if x <= top and even[s - 1][i] + x * x < even[s][j]:
+                    even[s][j], cut[s][j] = even[s - 1][i] + x * x, i
     sizes, j = [], n
     for s in range(num_stages - 1, 0, -1):
         i = cut[s][j]
