@@ -120,6 +120,17 @@ def test_fast_hf_stages_compile_the_decoder_layers_each_stage_holds(kind: str) -
         assert compiled == {f"{blocks}.{n}" for n in held[s]}, (s, compiled)
 
 
+@pytest.mark.parametrize("fast", [1, 0, "yes", None])
+def test_fast_that_is_not_a_bool_is_named(fast) -> None:
+    """``fast=1`` or ``"yes"`` was refused as ``"fp8=False needs fast=True"``, naming the flag that was
+    right, and a falsy ``0`` or None silently gave the eager form: both name `fast` now."""
+    sched = make_schedule("1f1b", 1, M)
+    with pytest.raises(TypeError, match=f"fast={fast!r}; pass True or False"):
+        causal_lm_stages(config("llama", 2), sched, 0, dtype=torch.float64, device="cpu", fast=fast)
+    with pytest.raises(TypeError, match=f"fast={fast!r}; pass True or False"):
+        fast_hf_stages({0: nn.Linear(2, 2)}, fast=fast)
+
+
 def test_fast_hf_stages_refuses_a_stage_not_from_causal_lm_stages() -> None:
     with pytest.raises(TypeError, match="not a stage of zbpp.models.hf.causal_lm_stages"):
         fast_hf_stages({0: nn.Sequential(nn.Linear(2, 2))})

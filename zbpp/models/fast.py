@@ -189,6 +189,8 @@ def fast_hf_stages(stages: dict[int, nn.Module], *, fast: bool = True, fp8: bool
     >>> type(stages[0].model.layers[0].mlp.up_proj).__name__, kwargs.get("cuda_graphs", False)
     ('Linear', False)
     """
+    if fast is not True and fast is not False:  # else a truthy 1 or "yes" reads as the fp8 error below
+        raise TypeError(f"fast={fast!r}; pass True or False")
     if fast is not True:
         raise ValueError(f"fp8={fp8!r} needs fast=True: FP8 applies to the fast form's zbpp layers")
     devices = set()

@@ -201,6 +201,8 @@ def causal_lm_stages(
     Each stage is the model's own ``*ForCausalLM`` class with the modules it does not hold set to
     None, so its ``state_dict`` keys are HF's.
     """
+    if fast is not True and fast is not False:  # checked before the model is built (a falsy 0 would skip it)
+        raise TypeError(f"causal_lm_stages: fast={fast!r}; pass True or False")
     if isinstance(model_or_config, (str, os.PathLike)):  # a local HF directory: read this rank's tensors only
         model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
     model = _model(model_or_config, dtype, attn_implementation)
