@@ -367,6 +367,9 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                 else ("", f"{'':>9}", f"{'':>9}", f"{'':>10}")
             print(f"{name:<28} {q:<10} {f} {b * 1e3:9.3f} {w} {act / 1e6:9.2f} {wgrad / 1e6:9.2f} "
                   f"{copy / 1e6 if copy else 0:9.2f} {copy_ms} {static}")
+    for x in profile.shared:  # in each of its layers' static MB above, once on a rank holding several
+        print(f"shared: {x.name} ({x.static / 1e6:.2f} MB static) by layers "
+              f"{', '.join(profile.layers[i].name for i in x.layers)}: counted once per rank")
     return 0
 
 

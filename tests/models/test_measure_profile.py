@@ -123,20 +123,49 @@ def test_hf_llama_profile_is_searchable():
     blocks = prof.layers[1:-1]
     block_params = sum(p.numel() for p in model.model.layers[0].parameters())
     assert all(x.static == block_params * (2 * F64 + 12) for x in blocks)
-    # the tied embedding counts in the first and the last layer, as on two ranks
+    # the tied embedding counts in the first and the last layer, as on two ranks, and is listed as shared
     assert prof.layers[0].static == 48 * 16 * (2 * F64 + 12)
     assert prof.layers[-1].static == (48 * 16 + 16) * (2 * F64 + 12)
+    assert [(x.name, x.layers, x.static) for x in prof.shared] == [("model.embed_tokens.weight", (0, 5),
+                                                                     48 * 16 * (2 * F64 + 12))]
     assert all(x.f > 0 and x.b > 0 and x.w > 0 and 0 < x.wgrad < x.activation for x in blocks)
     assert prof.layers[0].b == 0 and prof.layers[-1].activation > 0
     plan = search(prof, num_ranks=2, num_microbatches=4)
     assert [r for st in plan.stages for r in st] == list(range(len(prof)))
 
 
-def _tiny_llama(layers: int = 4):
+@pytest.mark.parametrize("tied", [True, False])
+def test_planned_static_bytes_are_the_parameters_each_rank_holds(tied):
+    """What the planner counts as each rank's static bytes under a V placement (rank 0: embedding and
+    head) and one stage per rank, against the unique Parameters `pipeline_stages` gives each rank's
+    stages (a tied weight one Parameter on the rank holding both its layers, a copy on each of two)."""
+    from zbpp.models import pipeline_stages
+    from zbpp.schedules import build
+    from zbpp.schedules.planner import evaluate
+
+    model = _tiny_llama(2, tied=tied)
+    prof = measure_profile(model, torch.randint(0, 48, (2, 8)), steps=1, warmup=0, optimizer_bytes_per_param=12)
+    assert len(prof.shared) == tied
+    layers = [["model.embed_tokens", "model.rotary_emb"], ["model.layers.0"], ["model.layers.1"], ["model.norm", "lm_head"]]
+    for name, fqns in (("zb-v", layers), ("1f1b", [layers[0] + layers[1], layers[2] + layers[3]])):
+        sched = build(name, num_ranks=2, num_microbatches=4)
+        stages = (range(0, 1), range(1, 2), range(2, 3), range(3, 4)) if name == "zb-v" else (range(0, 2), range(2, 4))
+        planned = evaluate(prof, 2, 4, stages, name).peak
+        activations = evaluate(prof.__class__(prof.layers), 2, 4, stages, name).peak  # static counted in full
+        for r in range(2):
+            held = {id(p): p for m in pipeline_stages(model, sched, pp_rank=r, module_fqns_per_stage=fqns)[0].values()
+                    for p in m.parameters()}
+            actual = sum(p.numel() * (2 * p.element_size() + 12) for p in held.values())
+            full = sum(prof.layers[i].static for s in sched.stages_on(r) for i in stages[s])
+            # the peak is static + the simulated activations, which sharing does not change
+            assert planned[r] - (activations[r] - full) == pytest.approx(actual, rel=1e-12), (name, r)
+
+
+def _tiny_llama(layers: int = 4, tied: bool = True):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True, attn_implementation="eager")
+                                   tie_word_embeddings=tied, attn_implementation="eager")
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).double()
 
@@ -160,6 +189,9 @@ def test_saved_profile_round_trips(tmp_path):
     prof = measure_profile(layers=[("l", nn.Linear(3, 3).double())], example_input=x, steps=1, warmup=0)
     prof.save(tmp_path / "p.json")
     assert type(prof).load(tmp_path / "p.json") == prof
+    tied = measure_profile(_tiny_llama(1), torch.randint(0, 48, (2, 8)), steps=1, warmup=0)
+    tied.save(tmp_path / "tied.json")
+    assert type(tied).load(tmp_path / "tied.json").shared == tied.shared and len(tied.shared) == 1
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -202,6 +234,9 @@ def test_measure_causal_lm_repeats_a_block():
     assert [x.name for x in prof.layers] == ["transformer.wte+transformer.wpe", *(f"transformer.h.{i}" for i in range(5)),
                                              "transformer.ln_f+lm_head"]
     assert len({(x.f, x.activation) for x in prof.layers[1:-1]}) == 1  # one measured block, repeated
+    # GPT-2 ties wte and lm_head: shared by the first and the last layer of the repeated profile
+    assert [(x.name, x.layers) for x in prof.shared] == [("transformer.wte.weight", (0, 6))]
+    assert prof.shared[0].static == 40 * 16 * (2 * F64 + 12)
     assert prof.comm == 2 * 8 * 16 * F64 / 1e9  # the hidden states of a microbatch over 1 GB/s
     assert prof.notes["measured_blocks"] == 2 and cfg.n_layer == 5  # the caller's config is left as it was
     with pytest.raises(ValueError, match="measured_blocks=6 exceeds"):

@@ -10,7 +10,7 @@ import pytest
 
 from zbpp.schedules import simulate
 from zbpp.schedules.planner import evaluate, search, split_balanced, split_evenly
-from zbpp.schedules.profile import Layer, Profile, transformer_profile
+from zbpp.schedules.profile import Layer, Profile, Shared, transformer_profile
 
 # float sums of task times and bytes: equal within rounding
 REL = 1e-9
@@ -48,6 +48,47 @@ def test_v_placement_that_fits_by_activations_is_refused_for_embedding_and_head_
     # without a budget ZB-V is a candidate like any other: its activations fit, its whole peak does not
     v = search(prof, p, m, schedules=["zb-v"])
     assert max(v.result.peak_memory) <= budget < max(v.peak)
+
+
+def _tied_profile() -> Profile:
+    """`_embedding_head_profile` with the embedding tied to the head: 9 of each one's 10 static bytes
+    are one weight (the head's other byte: its norm)."""
+    return Profile(_embedding_head_profile().layers, shared=[Shared("embed.weight", (0, 5), 9)])
+
+
+def test_tied_weight_counts_once_on_the_rank_holding_both_its_layers():
+    """A V placement puts the embedding and the head on rank 0, where a tied weight is one Parameter:
+    its static bytes count once there. Reference: hand sums of the unique bytes each rank holds."""
+    tied, untied = _tied_profile(), _embedding_head_profile()
+    p, m, budget = 2, 4, 19.5
+    split = split_evenly(6, 4)  # layers 0-1 | 2-3 | 4 | 5; V: stages 0 and 3 on rank 0
+    # rank 0: embed 10 + block 1 + head 10, less the 9 counted twice; rank 1: three blocks
+    assert tied.static_per_rank(split, [0, 1, 1, 0]) == [12.0, 3.0]
+    assert untied.static_per_rank(split, [0, 1, 1, 0]) == [21.0, 3.0]
+    o = evaluate(tied, p, m, split, "zb-v", memory_budget=budget)
+    activations = simulate(_schedule("zb-v", p, m), *tied.stage_costs(split)[:2]).peak_memory
+    assert o.peak == pytest.approx((12 + activations[0], 3 + activations[1]), rel=REL)
+    assert o.fits and not evaluate(untied, p, m, split, "zb-v", memory_budget=budget).fits
+    plan = search(tied, p, m, budget, schedules=["zb-v"])  # refused when counted twice (the test above)
+    held = [{i for s in plan.schedule.stages_on(r) for i in plan.stages[s]} for r in range(p)]
+    assert list(plan.static) == pytest.approx([sum(tied.layers[i].static for i in h) - 9 * ({0, 5} <= h) for h in held])
+    # one stage per rank: a copy on each of two ranks, as before
+    for split in (split_evenly(6, 2), split_evenly(6, 2, first=1, last=1)):
+        a, b = (evaluate(x, p, m, split, "1f1b", memory_budget=budget) for x in (tied, untied))
+        assert a.peak == b.peak and a.step == b.step
+    # one rank, one stage holding both: counted once in the stage's static bytes too
+    assert tied.stage_costs([range(0, 6)])[2] == [10 + 4 + 10 - 9]
+    assert tied.static_per_rank([range(0, 6)], [0]) == [15.0]
+
+
+def test_shared_static_is_checked():
+    layers = _embedding_head_profile().layers
+    with pytest.raises(ValueError, match="names layer 6 of 6"):
+        Profile(layers, shared=[Shared("w", (0, 6), 1)])
+    with pytest.raises(ValueError, match="more than layer 1's own static=1.0"):
+        Profile(layers, shared=[Shared("w", (0, 1), 2)])
+    with pytest.raises(ValueError, match="two or more distinct layer indices"):
+        Shared("w", (3, 3), 1)
 
 
 def test_pick_is_the_fastest_candidate_that_fits_and_explains_itself():
@@ -97,6 +138,22 @@ def test_profile_round_trips_through_json(tmp_path):
     path = tmp_path / "p.json"
     prof.save(path)
     assert Profile.load(path) == prof
+
+
+def test_tied_profile_round_trips_and_old_files_share_nothing(tmp_path):
+    import json
+
+    tied, path = _tied_profile(), tmp_path / "tied.json"
+    tied.save(path)
+    data = json.loads(path.read_text())
+    assert data["shared"] == [{"name": "embed.weight", "layers": [0, 5], "static": 9.0}]
+    assert Profile.load(path) == tied and Profile.load(path).shared == tied.shared
+    # a file written before "shared" existed: every layer counts its static bytes in full, as then
+    del data["shared"]
+    path.write_text(json.dumps(data))
+    old = Profile.load(path)
+    assert old.shared == () and old.static_per_rank(split_evenly(6, 4), [0, 1, 1, 0]) == [21.0, 3.0]
+    assert "shared" not in _embedding_head_profile().to_dict()  # nothing shared: the file as before
 
 
 def _schedule(name, p, m):

@@ -46,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .._compat import current_saved_tensors_hooks, gpu_head_start
 from ..modules.context import microbatch
 from ..runtime.wgrad import SavedBoxes, StageWgrad, has_own_wgrad
-from ..schedules.profile import Layer, PolicyCost, Profile
+from ..schedules.profile import Layer, PolicyCost, Profile, Shared
 
 __all__ = ["measure_profile", "measure_causal_lm", "measure_host_link", "ADAMW_BYTES_PER_PARAM"]
 
@@ -116,7 +116,9 @@ def measure_profile(
     - static: per parameter ``numel * (2 * element_size + optimizer_bytes_per_param)``: weight,
       gradient in its dtype, optimizer state; a frozen one (``requires_grad=False``) only its
       ``numel * element_size``. A parameter two layers share (a tied embedding and LM head) counts
-      in each, as on two ranks.
+      in each, as on two ranks, and is listed in the profile's ``shared``
+      (`zbpp.schedules.profile.Shared`: its name, the layers holding it and its static bytes), so
+      that a rank holding several of those layers (a V placement's rank 0) counts it once.
     - policies (`zbpp.schedules.profile.PolicyCost`, each of `policies`): on a model's blocks (the
       submodule each layer's name names, as `zbpp.models.recompute.apply_activation_policy` wraps
       it by name), or with `layers=` on every layer but the first (whose input needs no gradient),
@@ -177,7 +179,23 @@ def measure_profile(
     if link:
         how = "pinned copies" if device.type == "cuda" else "a copy in memory: offload's stand-in on CPU"
         notes["host_link"] = "given" if host_bytes_per_s is not None else f"measured ({how})"
-    return Profile(tuple(out), comm=comm, name=name, notes=notes, host_bytes_per_s=link)
+    return Profile(tuple(out), comm=comm, name=name, notes=notes, host_bytes_per_s=link,
+                   shared=_shared_parameters(named, opt, prefix=layers is not None))
+
+
+def _shared_parameters(named: Sequence[tuple[str, Any]], opt: float, prefix: bool) -> list[Shared]:
+    """Each Parameter registered in several layers, with its static bytes as `_measure` counts them:
+    one Parameter where one rank holds those layers (`zbpp.models.pipeline_stages` keeps it so).
+    Named as the first layer holding it names it (with `prefix`, after that layer's name)."""
+    where: dict[int, tuple[str, nn.Parameter, list[int]]] = {}
+    for i, (lname, module) in enumerate(named):
+        if isinstance(module, nn.Module):
+            for pname, p in module.named_parameters():
+                got = where.setdefault(id(p), (f"{lname}.{pname}" if prefix else pname, p, []))
+                if i not in got[2]:
+                    got[2].append(i)
+    return [Shared(n, tuple(at), p.numel() * ((2 * p.element_size() + opt) if p.requires_grad else p.element_size()))
+            for n, p, at in where.values() if len(at) > 1]
 
 
 def measure_host_link(device: torch.device | str, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
@@ -312,6 +330,9 @@ def measure_causal_lm(
     apart from full attention). A kind that none of the first `measured_blocks` blocks has is refused.
     A message between ranks is the ``micro_batch x seq x hidden`` hidden states at
     `link_bytes_per_s` (the profile's ``comm``). Other keyword arguments go to `measure_profile`.
+    What the layers share (`Profile.shared`: a tied embedding and LM head) carries over where only
+    the first and the last layer share it; one the measured blocks share is left out when they are
+    repeated (they stand for other blocks), so each layer counts it in full.
 
     >>> import transformers
     >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=6,
@@ -379,10 +400,12 @@ def measure_causal_lm(
             typical[k] = alike[(len(alike) - 1) // 2]
         prefix = blocks[0].name.rpartition(".")[0]
         blocks = tuple(replace(typical[k], name=f"{prefix}.{i}") for i, k in enumerate(kinds))
+    shared = [Shared(x.name, [total + 1 if i == n + 1 else i for i in x.layers], x.static) for x in prof.shared
+              if n == total or all(i in (0, n + 1) for i in x.layers)]
     notes = {**prof.notes, "seq": T, "micro_batch": mb, "measured_blocks": n, "num_layers": total,
              "dtype": str(next(model.parameters()).dtype), "link_bytes_per_s": float(link_bytes_per_s)}
     return Profile((*first, *blocks, *last), comm=comm, name=prof.name, notes=notes,
-                   host_bytes_per_s=prof.host_bytes_per_s)
+                   host_bytes_per_s=prof.host_bytes_per_s, shared=shared)
 
 
 def _block_kinds(model: nn.Module, config: Any) -> list[tuple[Any, ...]]:

@@ -2,7 +2,8 @@
 
 `search` takes a per-layer `Profile`, p ranks, m microbatches and a memory budget in bytes per
 rank that covers everything a rank holds: the static memory of its layers (parameters, gradients,
-optimizer state) plus the activations the schedule keeps in flight, as simulated. It tries every
+optimizer state; what its layers share, such as a tied embedding and head on a V's rank 0, once:
+`Profile.static_per_rank`) plus the activations the schedule keeps in flight, as simulated. It tries every
 registered schedule (`SCHEDULES`; GPipe too) on its placement: one stage per rank; interleaved
 with 2, 3 or 4 stages per rank; V.
 
@@ -466,8 +467,8 @@ def _simulate_option(profile: Profile, name: str, chunks: int, split: str, stage
     if given is None and allowed != ("none",):
         return _choose_policies(profile, name, chunks, split, stages, budget, sched, p, m, allowed, host)
     placement = _placement(p, chunks, name in _V)
-    costs, memory, static_stage = profile.stage_costs(stages, given)
-    static = _per_rank(static_stage, placement, p)
+    costs, memory, _ = profile.stage_costs(stages, given)
+    static = profile.static_per_rank(stages, placement)
     try:
         if sched is None:
             sched = _build_within(name, p, m, chunks, costs, memory, static, budget)
@@ -542,7 +543,7 @@ def _choose_policies(profile: Profile, name: str, chunks: int, split: str, stage
         try:
             sched = _build_fixed(name, p, m, chunks)
         except ValueError as exc:
-            static = _per_rank(profile.stage_costs(stages)[2], placement, p)
+            static = profile.static_per_rank(stages, placement)
             return Option(name, chunks, split, stages, math.inf, (), False, f"no: {exc}"), None, None, static
     kept = _rank_choices(profile, sched, stages, budget, placement, p, allowed, host)
     combos = list(itertools.islice(itertools.product(*[c for c, _ in kept]), MAX_POLICY_COMBOS + 1))
@@ -564,9 +565,9 @@ def _rank_choices(profile: Profile, sched: Schedule, stages: tuple[range, ...], 
     """Per rank: the combinations of its stages' policies worth simulating (see
     `_choose_policies`), the least added B time first, and its stages."""
     n = len(stages)
-    costs, memory, static_stage = profile.stage_costs(stages)
+    costs, memory, _ = profile.stage_costs(stages)
     base = simulate(sched, costs, memory)
-    static = _per_rank(static_stage, placement, p)
+    static = profile.static_per_rank(stages, placement)
     base_b = costs.per_stage(n)[1]
     m = sched.num_microbatches
     # per policy and stage: bytes kept F->B and B->W, the F/B/W transients, the added B time,
@@ -683,12 +684,12 @@ class _Split:
 
 def _split_bounds(profile: Profile, stages: tuple[range, ...], placement: Sequence[int], p: int, m: int,
                   budget: float, allowed: tuple[str, ...] = ("none",)) -> _Split:
-    costs, memory, static_stage = profile.stage_costs(stages)
+    costs, memory, _ = profile.stage_costs(stages)
     f, b, w = costs.per_stage(len(stages))  # every policy adds time to B, never takes any away
     # the least a microbatch can keep: each layer under its policy that keeps the least
     act = [sum(min(profile.layers[i].cost(q).activation for q in allowed) for i in r) for r in stages]
     work = _per_rank([x + y + z for x, y, z in zip(f, b, w)], placement, p)
-    need = [x + y for x, y in zip(_per_rank(static_stage, placement, p), _per_rank(act, placement, p))]
+    need = [x + y for x, y in zip(profile.static_per_rank(stages, placement), _per_rank(act, placement, p))]
     first = [placement.index(r) for r in range(p)]  # no task of rank r starts before F of the stages above its first
     bound = max(sum(f[:first[r]]) + m * work[r] for r in range(p))
     return _Split(stages, bound, max(need) - budget)
@@ -739,8 +740,8 @@ def _bound_over_splits(profile: Profile, placement: Sequence[int], p: int, m: in
 def _full_bound(profile: Profile, stages: tuple[range, ...], placement: Sequence[int], p: int, m: int,
                 budget: float) -> float:
     """`bounds.lower_bound` of the split, each rank limited to the budget less its static memory."""
-    costs, memory, static_stage = profile.stage_costs(stages)
-    limits = None if not math.isfinite(budget) else [budget - x for x in _per_rank(static_stage, placement, p)]
+    costs, memory, _ = profile.stage_costs(stages)
+    limits = None if not math.isfinite(budget) else [budget - x for x in profile.static_per_rank(stages, placement)]
     return lower_bound(placement, m, costs, memory, limits).makespan
 
 

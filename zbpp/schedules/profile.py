@@ -9,6 +9,12 @@ optimizer-state bytes, held for the whole step. A stage of consecutive layers co
 A profile is given (numbers measured on a device by a runtime helper, or read with
 `Profile.load`), or built from FLOP counts by `transformer_profile` at a stated throughput.
 
+A layer's static bytes are all it holds, on a rank of its own. What several layers hold as one
+(a tied embedding and LM head: one Parameter) is listed in `Profile.shared` (`Shared`: its
+layers and the static bytes each counts for it), so that a stage or a rank holding several of
+those layers (rank 0 of a V placement holds the first and the last) counts it once
+(`Profile.stage_costs`, `Profile.static_per_rank`).
+
 >>> prof = Profile([Layer("embed", 0, 0, 0, static=8), Layer("block", 2, 2, 1, activation=3, wgrad=1, static=4),
 ...                 Layer("head", 1, 1, 1, activation=5, wgrad=2, static=8)], comm=0.5)
 >>> costs, memory, static = prof.stage_costs([range(0, 2), range(2, 3)])
@@ -27,7 +33,7 @@ from typing import Any, Sequence
 from .checks import as_int, as_number
 from .simulate import Costs, Memory
 
-__all__ = ["POLICIES", "PolicyCost", "Layer", "Profile", "transformer_profile"]
+__all__ = ["POLICIES", "PolicyCost", "Layer", "Shared", "Profile", "transformer_profile"]
 
 #: Per-layer activation policies, by the names the torch side (zbpp.models.recompute) uses.
 POLICIES = ("none", "full", "selective", "offload")
@@ -137,14 +143,48 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Shared:
+    """Static bytes that several layers each count in their `Layer.static` but that one rank holds
+    once (a tied embedding and LM head: one Parameter where one rank holds both, as a V placement's
+    rank 0 does; on two ranks, a copy each).
+
+    `layers`: the indices of the layers that share it (at least two); `static`: the bytes each of
+    them counts for it (its weight, gradient and optimizer state).
+
+    >>> Shared("embed.weight", [3, 0], 96)
+    Shared(name='embed.weight', layers=(0, 3), static=96.0)
+    """
+
+    name: str
+    layers: tuple[int, ...]
+    static: float
+
+    def __post_init__(self) -> None:
+        layers = tuple(sorted(as_int(i, f"Shared {self.name!r}: layer index", minimum=0) for i in self.layers))
+        if len(set(layers)) != len(layers) or len(layers) < 2:
+            raise ValueError(f"Shared {self.name!r}: needs two or more distinct layer indices, got {list(self.layers)!r}")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "static", as_number(self.static, f"Shared {self.name!r}: static"))
+
+    def extra(self, held: Sequence[int] | range) -> float:
+        """The bytes that summing the `Layer.static` of the layers `held` counts more than once for it."""
+        k = sum(1 for i in self.layers if i in held)
+        return (k - 1) * self.static if k > 1 else 0.0
+
+
+@dataclass(frozen=True)
 class Profile:
-    """A model's layers in order, and the time one message between ranks takes (`comm`)."""
+    """A model's layers in order, and the time one message between ranks takes (`comm`).
+
+    `shared`: the static bytes layers share (`Shared`; a mapping per entry is read as its fields).
+    """
 
     layers: tuple[Layer, ...]
     comm: float = 0.0
     name: str = ""
     notes: dict[str, Any] = field(default_factory=dict, compare=False)  #: how it was made (shapes, throughput)
     host_bytes_per_s: float = 0.0  #: host link bandwidth per direction, for "offload" copies (0: none)
+    shared: tuple[Shared, ...] = ()  #: static bytes several layers count that a rank holds once
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -154,6 +194,16 @@ class Profile:
             if not isinstance(layer, Layer):
                 raise ValueError(f"Profile: layers must be Layer objects, got {layer!r}")
         object.__setattr__(self, "comm", as_number(self.comm, "Profile.comm"))
+        shared = tuple(x if isinstance(x, Shared) else Shared(**x) for x in self.shared)
+        for x in shared:
+            if x.layers[-1] >= len(self.layers):
+                raise ValueError(f"Profile: shared {x.name!r} names layer {x.layers[-1]} of {len(self.layers)}")
+            low = min(self.layers[i].static for i in x.layers)
+            # each of its layers counts it in its own static bytes: more would make a rank's bytes negative
+            if x.static > low * (1 + 1e-12):
+                raise ValueError(f"Profile: shared {x.name!r} has static={x.static!r} bytes, more than layer "
+                                 f"{min(x.layers, key=lambda i: self.layers[i].static)}'s own static={low!r}")
+        object.__setattr__(self, "shared", shared)
         object.__setattr__(self, "host_bytes_per_s", as_number(self.host_bytes_per_s, "Profile.host_bytes_per_s"))
         copying = [x.name for x in self.layers if x.cost("offload").copy > 0 and "offload" in x.offers()]
         if copying and self.host_bytes_per_s <= 0:
@@ -181,7 +231,8 @@ class Profile:
 
     def stage_costs(self, stages: Sequence[range], policies: Sequence[str] | None = None
                     ) -> tuple[Costs, Memory, list[float]]:
-        """Per stage of the split: `Costs` (with `comm`), `Memory`, and the static bytes.
+        """Per stage of the split: `Costs` (with `comm`), `Memory`, and the static bytes (what
+        the stage's layers share, `shared`, counted once).
 
         `policies` gives each stage's activation policy (None: "none" everywhere), applied to
         every layer of the stage that offers it: B gains the layers' `PolicyCost.recompute`,
@@ -204,6 +255,7 @@ class Profile:
         self.check_split(stages)
         chosen = self._policies(stages, policies)
         f, b, w, static = ([sum(getattr(self.layers[i], k) for i in r) for r in stages] for k in ("f", "b", "w", "static"))
+        static = [x - sum(sh.extra(r) for sh in self.shared) for x, r in zip(static, stages)]
         cost = [[self.layers[i].cost(q) for i in r] for r, q in zip(stages, chosen)]
         b = [x + sum(c.recompute for c in cs) for x, cs in zip(b, cost)]
         act = [sum(c.activation for c in cs) for cs in cost]
@@ -219,6 +271,27 @@ class Profile:
             transient.append(top)
         return (Costs(f=f, b=b, w=w, comm=self.comm), Memory(activation=act, wgrad=wgrad, transient_b=transient),
                 static)
+
+    def static_per_rank(self, stages: Sequence[range], placement: Sequence[int]) -> list[float]:
+        """Per rank: the static bytes of the layers its stages hold (stage s on rank ``placement[s]``),
+        what they share (`shared`) counted once per rank, however many of its stages hold it.
+
+        >>> tied = Profile([Layer("embed", 0, 0, 0, static=8), Layer("block", 1, 1, 1, static=4),
+        ...                 Layer("block", 1, 1, 1, static=4), Layer("head", 1, 1, 1, static=9)],
+        ...                shared=[Shared("embed.weight", (0, 3), 8)])
+        >>> tied.static_per_rank([range(0, 1), range(1, 2), range(2, 3), range(3, 4)], [0, 1, 1, 0])  # V
+        [9.0, 8.0]
+        >>> tied.static_per_rank([range(0, 2), range(2, 4)], [0, 1])  # a copy on each rank
+        [12.0, 13.0]
+        """
+        self.check_split(stages)
+        if len(placement) != len(stages):
+            raise ValueError(f"a placement of {len(placement)} stages for a split of {len(stages)}; give a rank per stage")
+        held: list[set[int]] = [set() for _ in range(max(placement) + 1)]
+        for r, q in zip(stages, placement):
+            held[q].update(r)
+        return [float(sum(self.layers[i].static for i in mine)) - sum(sh.extra(mine) for sh in self.shared)
+                for mine in held]
 
     def stage_copies(self, stages: Sequence[range], policies: Sequence[str] | None = None) -> list[float]:
         """Per stage: the time one microbatch's offload copy takes one way (bytes over `host_bytes_per_s`).
@@ -255,17 +328,27 @@ class Profile:
     # -- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         layers = [{**asdict(x), "policies": {q: asdict(c) for q, c in x.policies}} for x in self.layers]
-        return {"name": self.name, "comm": self.comm, "host_bytes_per_s": self.host_bytes_per_s, "notes": self.notes,
-                "layers": layers}
+        out = {"name": self.name, "comm": self.comm, "host_bytes_per_s": self.host_bytes_per_s, "notes": self.notes,
+               "layers": layers}
+        if self.shared:  # left out where nothing is shared: such a file reads as before
+            out["shared"] = [{"name": x.name, "layers": list(x.layers), "static": x.static} for x in self.shared]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
+        """A profile from `to_dict`'s form. A file without ``"shared"`` (written before profiles
+        listed what layers share) reads as sharing nothing: every layer's static bytes count in
+        full wherever it is, so a tied weight counts twice on a rank holding both its layers."""
         try:
             layers = [Layer(**x) for x in data["layers"]]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a profile needs 'layers': a list of {{name, f, b, w, activation, wgrad, static}}: {exc}") from None
+        try:
+            shared = [Shared(**x) for x in data.get("shared", [])]
+        except TypeError as exc:
+            raise ValueError(f"a profile's 'shared' is a list of {{name, layers, static}}: {exc}") from None
         return cls(layers, comm=data.get("comm", 0.0), name=data.get("name", ""), notes=data.get("notes", {}),
-                   host_bytes_per_s=data.get("host_bytes_per_s", 0.0))
+                   host_bytes_per_s=data.get("host_bytes_per_s", 0.0), shared=shared)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as fh:
