@@ -147,6 +147,15 @@ def test_bad_memory_limit_is_refused_naming_it(name: str, limit: object, shown: 
         build(name, num_ranks=2, num_microbatches=4, memory_limit=limit)
 
 
+@pytest.mark.parametrize("name", ["zb-auto", "zbv-auto", "zbi-auto"])
+@pytest.mark.parametrize("key, value, shown", [("costs", "x", r"'x' \(str\)"), ("memory", 3, r"3 \(int\)"),
+                                               ("costs", Memory(), r"Memory\(.*\) \(Memory\)")])
+def test_costs_or_memory_of_another_type_is_refused_naming_it(name: str, key: str, value: object, shown: str) -> None:
+    kind = "Costs" if key == "costs" else "Memory"
+    with pytest.raises(TypeError, match=rf"{name}: {key} must be a zbpp.schedules.{kind} \(or None.*got {shown}"):
+        build(name, num_ranks=2, num_microbatches=4, **{key: value})
+
+
 def test_memory_limit_of_any_real_type_holds() -> None:
     memory = Memory(activation=1, wgrad=Fraction(1, 3))
     for limit in (np.float32(3), Fraction(7, 2), np.int64(3)):

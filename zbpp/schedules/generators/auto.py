@@ -186,6 +186,11 @@ def _search(
     memory_limit: float | Sequence[float] | None,
     seeds: Sequence[Callable[[int, int], Schedule]],
 ) -> Schedule:
+    # checked here: a wrong type would otherwise fail deep inside as an AttributeError
+    for key, value, kind in (("costs", costs, Costs), ("memory", memory, Memory)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name}: {key} must be a zbpp.schedules.{kind.__name__} (or None: the default), "
+                            f"got {value!r:.60} ({type(value).__name__})")
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
     true_memory = memory
