@@ -35,6 +35,14 @@ def test_from_text_names_the_bad_line() -> None:
         Schedule.from_text(text)
 
 
+@pytest.mark.parametrize("drop", ["ranks=1", "stages=1", "microbatches=1"])
+def test_from_text_names_what_the_header_lacks(drop: str) -> None:
+    header = " ".join(x for x in ("ranks=1", "stages=1", "microbatches=1") if x != drop)
+    text = f"# zbpp schedule custom\n{header}\nplacement=0\nrank0: F0.0 BW0.0\n"
+    with pytest.raises(ScheduleError, match=rf"line 2: '{header}': lacks {drop[:-1]}; the header line is 'ranks=P"):
+        Schedule.from_text(text)
+
+
 def test_placements() -> None:
     assert build("1f1b", num_ranks=4, num_microbatches=4).stages_on(2) == [2]
     inter = build("interleaved-1f1b", num_ranks=4, num_microbatches=4, chunks=3)

@@ -171,8 +171,9 @@ class Schedule:
             if line.startswith("#"):
                 continue
             try:
-                if line.startswith("ranks="):
+                if line.split("=", 1)[0] in ("ranks", "stages", "microbatches"):  # the header, in any order
                     header = {k: int(v) for k, v in (kv.split("=") for kv in line.split())}
+                    header_at = f"line {lineno}: {raw!r}"
                 elif line.startswith("placement="):
                     placement = [int(x) for x in line.split("=", 1)[1].split(",")]
                 elif line.startswith("overlap:"):
@@ -187,6 +188,11 @@ class Schedule:
                 raise ScheduleError(f"line {lineno}: {raw!r}: {exc}") from None
         if not header:
             raise ScheduleError("missing 'ranks=... stages=... microbatches=...' line")
+        # a header line without one of the three would otherwise end in a bare KeyError
+        missing = [k for k in ("ranks", "stages", "microbatches") if k not in header]
+        if missing:
+            raise ScheduleError(f"{header_at}: lacks {', '.join(k + '=' for k in missing)}; the header line is "
+                                "'ranks=P stages=S microbatches=M'")
         p = header["ranks"]
         return cls(
             num_ranks=p,
