@@ -95,6 +95,13 @@ def test_time_limit_returns_the_best_found_unproven() -> None:
     assert opt.proven or opt.lower < opt.makespan
 
 
+@pytest.mark.parametrize("limit, shown", [(-1, "-1"), (0, "0"), (float("nan"), "nan"), (True, "True"), ("60", "'60'")])
+def test_bad_time_limit_is_refused_naming_it(limit, shown) -> None:
+    # HiGHS only warns of a negative limit and runs without one: refused before anything runs
+    with pytest.raises(ValueError, match=rf"optimal_schedule: time_limit must be a number of seconds > 0 .*got {shown}$"):
+        optimal_schedule(v_placement(2), 2, time_limit=limit)
+
+
 def _every_order(stage: int, m: int):
     """Every order of one stage's F, B and W tasks with F(j) before B(j) before W(j)."""
     import itertools

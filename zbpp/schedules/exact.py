@@ -36,7 +36,8 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from numbers import Real
+from typing import Any, Sequence
 
 from .bounds import _Graph, _per_rank, lower_bound
 from .ir import Action, Kind, Schedule, from_orders
@@ -73,6 +74,15 @@ def _closure(num: int, preds: list[list[tuple[int, float]]], order: list[int]) -
     return anc
 
 
+def _seconds(time_limit: Any) -> float:
+    """`time_limit` checked: HiGHS only warns of a negative one ("Invalid option value") and runs
+    unbounded, which is not what was asked."""
+    if isinstance(time_limit, Real) and not isinstance(time_limit, bool) and float(time_limit) > 0:
+        return float(time_limit)
+    raise ValueError(f"optimal_schedule: time_limit must be a number of seconds > 0 (math.inf: no limit), "
+                     f"got {time_limit!r}")
+
+
 def optimal_schedule(
     placement: Sequence[int],
     num_microbatches: int,
@@ -92,6 +102,7 @@ def optimal_schedule(
     `memory_limit` may be one number per rank (see `zbpp.schedules.bounds.lower_bound`). Raises
     `ImportError` without scipy.
     """
+    limit_s = _seconds(time_limit)
     try:
         import numpy as np
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -209,7 +220,7 @@ def optimal_schedule(
             integrality=integrality,
             bounds=Bounds(lower_b, upper_b),
             constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-            options={"time_limit": float(time_limit), "mip_rel_gap": 1e-9, "presolve": presolve},
+            options={"time_limit": limit_s, "mip_rel_gap": 1e-9, "presolve": presolve},
         )
 
     result = solve(True)
