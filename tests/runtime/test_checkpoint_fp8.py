@@ -155,3 +155,23 @@ def test_each_replica_resumes_its_own_scaling_state(tmp_path: Path, zbpp_workers
         assert got["loaded"] == got["saved"], f"rank {rank}"
     # the replicas' inputs differ by 10x, so must their input slots (else the test proves nothing)
     assert per_rank[0]["saved"]["net.q.input"] != per_rank[1]["saved"]["net.q.input"]
+
+
+@pytest.mark.parametrize("head_first", [False, True], ids=["embed-first", "head-first"])
+def test_a_layer_whose_weight_is_tied_is_named_by_its_own_path(head_first: bool) -> None:
+    """An LM head tied to the embedding: its weight has two state_dict names; its slots are the
+    head's, not filed under the embedding's name (where another layout, a copy per rank, would not
+    look for them), whichever module comes first."""
+    from zbpp.modules._scaling_state import scaling_layers
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if head_first:
+                self.head = Linear(32, 16)
+            self.embed = nn.Embedding(16, 32)
+            if not head_first:
+                self.head = Linear(32, 16)
+            self.head.weight = self.embed.weight
+
+    assert list(scaling_layers(Tied())) == ["head"]

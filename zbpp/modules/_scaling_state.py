@@ -31,15 +31,29 @@ TENSOR_FIELDS = ("amax_history", "scale", "casts")
 def scaling_layers(module: nn.Module) -> dict[str, DelayedWgradModule]:
     """`module`'s zbpp layers by the name ``state_dict()`` gives them (wrappers such as torch's
     activation-checkpoint wrapper drop their part there, so checkpoints at any layout agree)."""
-    names = {id(v): k for k, v in module.state_dict(keep_vars=True).items()}
+    names: dict[int, list[str]] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(value), []).append(key)
     out: dict[str, DelayedWgradModule] = {}
     for path, layer in module.named_modules():
         if not isinstance(layer, DelayedWgradModule):
             continue
         attr = layer._gemm_names[0][1]
-        key = names.get(id(getattr(layer, attr, None)))
-        out[key[: -len(attr) - 1] if key is not None else path] = layer
+        owners = [k[: -len(attr) - 1] for k in names.get(id(getattr(layer, attr, None)), []) if k.endswith("." + attr)]
+        # a tied weight has several names (the embedding's, the LM head's): the layer's is the one
+        # closest to its own module path
+        out[max(owners, key=lambda o: _common_tail(o, path)) if owners else path] = layer
     return out
+
+
+def _common_tail(a: str, b: str) -> int:
+    """How many trailing dotted components `a` and `b` share."""
+    n = 0
+    for x, y in zip(reversed(a.split(".")), reversed(b.split("."))):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _key(path: str, slot: str) -> str:
