@@ -195,3 +195,51 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
     outcome["next_seconds"] = time.monotonic() - t0 - outcome["seconds"]
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(outcome, fh)
+
+
+def interrupted_once(name: str, p: int, m: int, fail_rank: int, which: str) -> dict[str, Any]:
+    """After a good step, `which` (KeyboardInterrupt or SystemExit: no Exception) is raised in
+    `fail_rank`'s forward of microbatch 1, and that rank's loop catches it and goes on (as a loop
+    that saves a checkpoint on Ctrl-C does). That rank gets its own exception back, every other a
+    `PipelineError` naming it; the next step is right on every rank."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    exc_type = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[which]
+    armed = {"on": False}
+
+    class Interrupted(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if armed["on"] and current_microbatch()[1] == 1:
+                raise exc_type("injected interrupt")
+            return self.inner(*args, **kwargs)
+
+    mine = {s: Interrupted(make_stage(s, S, "zbpp")) for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    armed["on"] = rank == fail_rank
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except (PipelineError, KeyboardInterrupt, SystemExit) as exc:
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    finally:
+        armed["on"] = False
+    outcome["seconds"] = time.monotonic() - t0
+    for st in mine.values():
+        st.zero_grad(set_to_none=True)
+    pipe.step(x, target=y)  # the pipeline is usable
+    reference_step(ref, x, y)
+    for s, st in mine.items():
+        for (n, a), (_, b) in zip(st.inner.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
+                                       **tolerance(torch.device("cpu")))
+    return outcome

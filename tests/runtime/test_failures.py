@@ -16,7 +16,7 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import die_mid_step, fail_once
+from .failure_cases import die_mid_step, fail_once, interrupted_once
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -82,3 +82,20 @@ def test_a_dead_rank_ends_the_others_at_once(tmp_path):
         assert o["result"] == "PipelineError" and "dead or hung" in o["message"], o
         assert o["seconds"] < FAST, o
         assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["KeyboardInterrupt", "SystemExit"])
+def test_an_interrupt_in_one_rank_stage_raises_everywhere_fast(which):
+    """No Exception but a KeyboardInterrupt or SystemExit in a stage: it left the step at once on that
+    rank, its peers waited in a receive until the group's timeout. The run's own timeout (60 s) is
+    below the group's (120 s): a hang fails the test rather than passing late."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(interrupted_once, "zb-h1", 4, 8, 2, which)
+    for o in outcomes:
+        want = which if o["rank"] == 2 else "PipelineError"
+        assert o["result"] == want, o
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise"
+        if o["rank"] != 2:
+            assert "pipeline rank 2" in o["message"] and f"{which}: injected interrupt" in o["message"], o
+            assert re.search(r"task F2\.1\b", o["message"]), o["message"]

@@ -39,7 +39,8 @@ still signals the stages' last B and W so that data-parallel reductions are issu
 replicas. Every peer therefore completes the step's communication, the communicators stay
 consistent, and the agreement at the end of the step (`zbpp.runtime.pipeline`) tells every rank
 that the step failed and where. The step's `StepFailure` holds the first exception; nothing is
-raised here.
+raised here. A KeyboardInterrupt or SystemExit in a task drains too (`Pipeline` re-raises it on its
+rank after the agreement), so a peer never waits for the group's timeout.
 
 Memory: an activation is released as soon as it is handed to its send (the output tensor keeps
 only its autograd node, so B can still start from it: Megatron's trick); a sent buffer is dropped
@@ -190,6 +191,10 @@ class StepExecutor:
                 except Drained:
                     pass  # a peer failed upstream: nothing to report here
                 except Exception as exc:  # noqa: BLE001 - the step drains; the agreement reports it
+                    failure.fail(exc, task)
+                except (KeyboardInterrupt, SystemExit) as exc:
+                    # leaving now would strand the peers in their receives until the group's timeout:
+                    # drain like any failure; `Pipeline` re-raises it on this rank after the agreement
                     failure.fail(exc, task)
             else:
                 self._drain_task(task, comm)

@@ -444,11 +444,12 @@ class Pipeline:
             buffers.finish(step.runner)
         graphs.tasks_done()  # the end of a timed step of cuda_graphs="auto"
 
-    def _agree_end(self, step: _Step, problem: BaseException | None) -> PipelineError | None:
+    def _agree_end(self, step: _Step, problem: BaseException | None) -> BaseException | None:
         """The end agreement: None when every rank succeeded, else the error this rank raises (its
-        step then rolled back)."""
+        step then rolled back): a `PipelineError`, or this rank's own KeyboardInterrupt/SystemExit."""
         if problem is not None:
             step.failure.fail(problem, None)
+        own = step.failure.error
         try:
             error, self._broken = decide_end(
                 self._agreement, step.failure, step.executor.program.tasks, where=self.topology.describe(),
@@ -456,6 +457,8 @@ class Pipeline:
                 broken=self._broken, roll_back=lambda: self._roll_back(step))
         except BrokenJob as exc:
             return self._broken_error(exc, "end")
+        if error is not None and own is not None and not isinstance(own, Exception):
+            return own  # an interrupt or exit on this rank: the others were told, it goes on as asked
         return error
 
     def _roll_back(self, step: _Step) -> None:
