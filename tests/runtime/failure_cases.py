@@ -243,3 +243,38 @@ def interrupted_once(name: str, p: int, m: int, fail_rank: int, which: str) -> d
             torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
                                        **tolerance(torch.device("cpu")))
     return outcome
+
+
+def reduction_fails_once(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
+    """dp=2: after a good step, global rank `fail_rank`'s data-parallel reducer raises instead of
+    launching its first bucket's all-reduce; its replica's peer has launched that all-reduce and
+    waits for it. Every rank must raise within seconds, naming the failing rank and the cause (the
+    replicas' collectives are out of step: the pipeline is unusable, its next step raises at once)."""
+    rank = dist.get_rank()
+    groups = ParallelGroups(pp=p)
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(groups.pp_rank)}
+    pipe = Pipeline(mine, sched, loss_fn, groups=groups)
+    x, y = make_batch(groups.dp_rank, 2 * m)
+    pipe.step(x, target=y)
+    if rank == fail_rank:
+        def launch(bucket: Any) -> None:
+            raise RuntimeError("injected reduction failure")
+        pipe.reducer._launch = launch
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except PipelineError as exc:
+        outcome.update(result="PipelineError", message=str(exc))
+    outcome["seconds"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+        outcome["next"] = "success"
+    except PipelineError as exc:
+        outcome["next"] = str(exc)
+    outcome["next_seconds"] = time.monotonic() - t1
+    return outcome

@@ -16,7 +16,7 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import die_mid_step, fail_once, interrupted_once
+from .failure_cases import die_mid_step, fail_once, interrupted_once, reduction_fails_once
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -99,3 +99,17 @@ def test_an_interrupt_in_one_rank_stage_raises_everywhere_fast(which):
         if o["rank"] != 2:
             assert "pipeline rank 2" in o["message"] and f"{which}: injected interrupt" in o["message"], o
             assert re.search(r"task F2\.1\b", o["message"]), o["message"]
+
+
+@pytest.mark.slow
+def test_a_failed_reduction_on_one_replica_raises_everywhere_fast():
+    """A data-parallel reducer raising on one replica before its all-reduce: the other replica
+    waited for that all-reduce until the group's timeout, and its pipeline peers in the end agreement
+    with it. Run timeout (60 s) below the group's (120 s): a hang fails the test."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(reduction_fails_once, "zb-h1", 2, 4, 1)
+    for o in outcomes:
+        assert o["result"] == "PipelineError", o
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise"
+        assert "global rank 1" in o["message"] and "injected reduction failure" in o["message"], o["message"]
+        assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o

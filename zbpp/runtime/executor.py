@@ -414,6 +414,11 @@ class StepExecutor:
                 boundaries.stage_wgrad_done(a.stage)
         except Exception as exc:  # noqa: BLE001
             failure.fail(exc, a)
+            # a reduction this rank did not launch leaves its replicas' (or tie's) collectives out of
+            # step: the end agreement marks the job broken, so no peer waits for it to the timeout
+            failure.comm_error = failure.comm_error or RuntimeError(
+                f"the gradient reductions of stage {a.stage} failed after task {a}, so the collectives of its "
+                f"replicas or tied copies are out of step: {type(exc).__name__}: {exc}")
             self._slots.clear()
             self._handed.clear()
 

@@ -61,12 +61,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .polling import wait_for
 from .wgrad import is_delayed
 
 __all__ = ["GradReducer"]
@@ -168,6 +169,10 @@ class GradReducer:
         self._called: set[tuple[int, str]] = set()
         self._launched: list[_Bucket] = []
         self._split: set[int] = set()  # stages whose W computes every weight gradient
+        #: called while waiting on the host for a reduction (it may raise): `Pipeline` passes its
+        #: agreement's broken-job check, so a replica that never launches its part cannot hold this
+        #: one until the group's timeout
+        self.wait_check: Callable[[], None] | None = None
         self._classify(stage_modules, main_grad)
         self._buckets = self._make_buckets()
         self._install_hooks()
@@ -501,10 +506,10 @@ class GradReducer:
         for b in self._launched:
             if b.work is None:
                 continue
-            b.work.wait()
+            wait_for(b.work, self.wait_check, b.device)
             b.work = None
             if b.present_work is not None:
-                b.present_work.wait()
+                wait_for(b.present_work, self.wait_check, torch.device("cpu"))
                 b.present_work = None
             if not apply or b.uses_main_grad:
                 continue  # main_grad buckets are reduced in place

@@ -220,6 +220,9 @@ class Pipeline:
         self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement.group, self.device, span)
         if fsdp is not None or reducer is None:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
+        for waiting in (reducer, self._tied):  # their waits end when another rank marks the job broken
+            if hasattr(waiting, "wait_check"):
+                waiting.wait_check = self._agreement.check
         if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
             reducer.owe_all_to_wgrad(self._split_stages)
         if fsdp is not None and (cuda_graphs == "auto" or isinstance(cuda_graphs, AutoGraphs)):
@@ -474,7 +477,7 @@ class Pipeline:
 
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
         self._broken = (f"this Pipeline is unusable: the {which}-of-step agreement among its ranks cannot complete "
-                        f"({exc}), so a rank is dead or hung. End the processes and restart")
+                        f"({exc}), so a rank is dead or hung, or collectives broke. End the processes and restart")
         if self._channels is not None:
             self._channels.abort()  # NCCL: free the GPU from operations waiting for the dead peer
         error = PipelineError(self._broken)

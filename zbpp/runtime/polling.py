@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-__all__ = ["poll"]
+__all__ = ["poll", "wait_for"]
 
 _FIRST_PAUSE_S = 1e-4
 _LONGEST_PAUSE_S = 0.005
@@ -31,3 +31,11 @@ def poll(work: Any, check: Callable[[], None], check_every_s: float = 0.0) -> No
         if time.monotonic() - last_check >= check_every_s:
             last_check = time.monotonic()
             check()
+
+
+def wait_for(work: Any, check: Callable[[], None] | None, device: Any, check_every_s: float = 0.02) -> None:
+    """``work.wait()``; first, for a collective on the host (`device` not CUDA, where ``wait`` only
+    orders streams), `poll` with `check` (None: wait plainly)."""
+    if check is not None and getattr(device, "type", "cpu") != "cuda":
+        poll(work, check, check_every_s)
+    work.wait()

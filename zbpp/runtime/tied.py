@@ -43,6 +43,7 @@ from torch import nn
 
 from .channels import cached_group
 from .fsdp import copies_of
+from .polling import wait_for
 from .topology import Topology
 
 __all__ = ["LocalTies", "TiedParameters", "check_reducer_leaves_ties", "local_ties"]
@@ -146,6 +147,8 @@ class TiedParameters:
                  device: torch.device, timeout: Any) -> None:
         self.topology = topology
         self.dp = topology.dp_size
+        #: called while waiting on the host for a reduction (it may raise; `GradReducer.wait_check`)
+        self.wait_check: Any = None
         mine = local.named
         held = {n: (tuple(ps[0].shape), str(ps[0].dtype), min(stages), _shard_of(ps[0]),
                     tuple(sorted({p.requires_grad for p in ps})))
@@ -279,14 +282,14 @@ class TiedParameters:
                 what = repr(t.name) if t.name is not None else "shared by stages " + str(list(t.stages))
                 raise RuntimeError(f"tied parameter {what}: stages {sorted(t.pending)} never finished with it this step")
             if t.work is not None:
-                t.work.wait()
+                wait_for(t.work, self.wait_check, t.param.device)
                 t.work = None
                 self._copy_out(t)
 
     def abandon(self) -> None:
         for t in self._ties:
             if t.work is not None:
-                t.work.wait()
+                wait_for(t.work, self.wait_check, t.param.device)
                 t.work = None
 
 
