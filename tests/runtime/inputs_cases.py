@@ -274,3 +274,28 @@ def check_rows_mismatch_on_one_replica(name: str, pp: int) -> str:
     assert all(q.grad is None for q in pipe.parameters()), "grads were touched by a rejected step"
     pipe.step(inputs, target=y)
     return caught
+
+
+def check_bad_losses_on_one_rank(name: str, p: int) -> dict[str, Any]:
+    """Only the last rank passes ``losses=`` (it alone appends to it), and passes a tuple: that rank
+    raises its TypeError, every other a PipelineError naming it, fast, and a good step follows."""
+    import time
+
+    import torch.distributed as dist
+
+    from zbpp.runtime import PipelineError
+
+    sched = make_schedule(name, p, 2 * p)
+    rank = dist.get_rank()
+    pipe, _ = build(sched, rank)
+    inputs, y = padded_batch(4 * p, seed=5)
+    t0 = time.monotonic()
+    try:
+        pipe.step(inputs, target=y, losses=() if pipe.holds_last_stage else None)
+    except (TypeError, PipelineError) as exc:
+        out = {"rank": rank, "result": type(exc).__name__, "message": str(exc)}
+    else:
+        raise AssertionError(f"rank {rank}: a step with losses=() returned")
+    out["seconds"] = time.monotonic() - t0
+    pipe.step(inputs, target=y, losses=[] if pipe.holds_last_stage else None)
+    return out

@@ -18,7 +18,7 @@ from zbpp.runtime.tree import batch_rows, split
 from zbpp.schedules import build
 from zbpp.testing import gpus_available
 
-from .inputs_cases import (check_dropout, check_rows_mismatch_on_one_replica, check_shared_inputs, check_token_mean,
+from .inputs_cases import (check_bad_losses_on_one_rank, check_dropout, check_rows_mismatch_on_one_replica, check_shared_inputs, check_token_mean,
                            check_token_mean_data_parallel)
 from .replica_seed_cases import BASE_SEED, check_dropout_across_replicas
 
@@ -185,3 +185,14 @@ def test_dropout_on_nccl_follows_the_seeds(zbpp_workers, name, ckpt):
 @pytest.mark.skipif(not gpus_available(2), reason="needs 2 CUDA GPUs with NCCL")
 def test_token_mean_on_nccl(zbpp_workers, name):
     zbpp_workers(2, backend="nccl").run(check_token_mean, name, 2, 3)
+
+
+def test_bad_losses_on_one_rank_raises_everywhere_fast(zbpp_workers):
+    """``losses`` of the wrong type on the last rank only: it raised before the start agreement and
+    its peers waited in that agreement until the group's timeout. The run's timeout (60 s) is below
+    the group's (the fixture's, 300 s by default): a hang fails the test."""
+    outcomes = zbpp_workers(2).run(check_bad_losses_on_one_rank, "zb-h1", 2, timeout=60)
+    assert outcomes[1]["result"] == "TypeError", outcomes[1]
+    assert outcomes[0]["result"] == "PipelineError", outcomes[0]
+    assert "global rank 1" in outcomes[0]["message"] and "losses must be a list" in outcomes[0]["message"], outcomes[0]
+    assert all(o["seconds"] < 10 for o in outcomes), outcomes

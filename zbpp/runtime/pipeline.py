@@ -289,9 +289,11 @@ class Pipeline:
 
         Raises `PipelineError` on every rank when any rank fails (see the module docstring).
         """
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
-        step = self._agree_start(inputs, target, forward_only=False)  # agree on the input
+        # told in the start agreement, not raised here: often only the last rank passes `losses`,
+        # and its peers would wait for it there (or pair with its next step)
+        bad = (TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
+               if losses is not None and not isinstance(losses, list) else None)
+        step = self._agree_start(inputs, target, forward_only=False, problem=bad)  # agree on the input
         if self._graph_cache is not None:  # after zero_grad(): .grad attached after the first F tasks
             step.cleared = self._graph_cache.grad_buffers.cleared(step.params)
         self._reductions.set_aside(step.params, reducing=self._sync_gradients, later=step.cleared is not None)
@@ -370,12 +372,15 @@ class Pipeline:
         return gather_records(self._recorder, self.topology)
 
     # -- a step -------------------------------------------------------------------------------
-    def _agree_start(self, inputs: Any, target: Any, *, forward_only: bool) -> _Step:
-        """Check the input everywhere (the start agreement) and set the step up."""
+    def _agree_start(self, inputs: Any, target: Any, *, forward_only: bool, problem: Exception | None = None) -> _Step:
+        """Check the input everywhere (the start agreement) and set the step up; `problem`: this
+        rank's arguments are wrong (it raises it, every other rank an error naming it)."""
         if self._broken is not None:
             raise PipelineError(self._broken)
         m = self.schedule.num_microbatches
         try:
+            if problem is not None:
+                raise problem
             batch, problem = local_batch(inputs, target, microbatches=m, device=self.device, first=self.holds_first_stage,
                                          last=self.holds_last_stage, loss_weight=self.loss_weight,
                                          forward_only=forward_only, rank=self.pp_rank), None
