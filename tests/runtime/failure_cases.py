@@ -51,6 +51,13 @@ class _Bomb(torch.autograd.Function):
         return g, None
 
 
+class Unprintable(RuntimeError):
+    """An exception whose ``str()`` itself raises (a message formatted with the wrong arguments)."""
+
+    def __str__(self) -> str:
+        raise ValueError("not enough arguments for format string")
+
+
 class Faulty(torch.nn.Module):
     """Wraps a stage and fails when `ARMED` names it: in its forward ("F"), in the backward of its
     output ("B"), in its delayed modules' W ("W"), with a shrunk output ("shape": a data-dependent
@@ -76,6 +83,8 @@ class Faulty(torch.nn.Module):
             raise RuntimeError(f"injected F failure at {key}")
         if ARMED["site"] == ("none", key):
             return None
+        if ARMED["site"] == ("unprintable", key):
+            raise Unprintable()
         out = self.inner(*args, **kwargs)
         leaves, spec = flatten(out)
         if ARMED["site"] == ("shape", key):

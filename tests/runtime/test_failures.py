@@ -113,3 +113,13 @@ def test_a_failed_reduction_on_one_replica_raises_everywhere_fast():
         assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise"
         assert "global rank 1" in o["message"] and "injected reduction failure" in o["message"], o["message"]
         assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
+
+
+@pytest.mark.slow
+def test_an_exception_that_cannot_be_printed_is_reported(four):
+    """str() of the failing rank's exception raises: that rank raised that error out of the end
+    agreement, skipping the exchange of messages its peers were in; its next step's collective then
+    met theirs (gloo aborted the process on the size mismatch)."""
+    outcomes = four.run(fail_once, "zb-h1", 4, 8, "unprintable", 1, 2)
+    _check(outcomes, "unprintable", 1)
+    assert all("Unprintable" in o["message"] and "F1.2" in o["message"] for o in outcomes), outcomes[0]["message"]

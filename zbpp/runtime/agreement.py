@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 import torch
 
 from .._compat import default_store, process_group_name
-from .errors import PipelineError
+from .errors import PipelineError, describe_error
 from .polling import poll
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def agree_on_problems(agreement: Agreement, problem: BaseException | None, world
     any rank waits in a collective for one that will never come. The failed rank raises its own
     error; every other raises a `PipelineError` ``"<failed>; global rank <g>: <error>"`` (`world`:
     the group's global ranks). Returns every rank's `payload`, in the group's rank order."""
-    told = agreement.gather_objects((None if problem is None else f"{type(problem).__name__}: {problem}", payload))
+    told = agreement.gather_objects((None if problem is None else describe_error(problem), payload))
     if problem is not None:
         raise problem
     bad = [f"global rank {g}: {text}" for g, (text, _) in zip(sorted(world), told) if text is not None]
@@ -210,7 +210,7 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
     rows and signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
     reports = agreement.gather(mine)
     if any(r.rejected for r in reports):
-        texts = agreement.gather_texts(None if problem is None else f"{type(problem).__name__}: {problem}")
+        texts = agreement.gather_texts(None if problem is None else describe_error(problem))
         if problem is not None:
             raise problem
         bad = [(rank, t) for rank, t in zip(topology.world, texts) if t is not None]
@@ -262,7 +262,7 @@ def decide_end(agreement: Agreement, record: StepFailure, tasks: Sequence[Action
                      task=tasks.index(record.task) if record.task in tasks else -1, failed_at_us=int(record.at * 1e6))
     try:
         if record.comm_error is not None:  # a dead peer: no agreement can complete; tell the others
-            why = f"{where} could not communicate: {type(record.comm_error).__name__}: {record.comm_error}"
+            why = f"{where} could not communicate: {describe_error(record.comm_error)}"
             agreement.mark_broken(why)
             raise BrokenJob(why)
         reports = agreement.gather(mine)

@@ -18,3 +18,19 @@ class ShapeMismatchError(PipelineError):
 class GraphCaptureError(RuntimeError):
     """A task could not be captured into a CUDA graph (``Pipeline(cuda_graphs=True)``, see
     `zbpp.runtime.task_graphs`); the step's `PipelineError` chains it as its cause."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message"`` for the other ranks, even when ``str(exc)`` itself raises: a rank that
+    raised here would leave the exchange its peers wait in.
+
+    >>> class Bad(Exception):
+    ...     def __str__(self): raise ValueError("oops")
+    >>> describe_error(Bad())
+    'Bad: (its str() raised ValueError)'
+    """
+    try:
+        text = str(exc)
+    except Exception as inner:  # noqa: BLE001
+        text = f"(its str() raised {type(inner).__name__})"
+    return f"{type(exc).__name__}: {text}"

@@ -63,7 +63,7 @@ from ..schedules.ir import Action, Kind
 from ..schedules.program import RankProgram
 from ._autograd_split import SavedBoxes
 from .comm_queue import POISON, CommQueue, Drained
-from .errors import PipelineError, ShapeMismatchError
+from .errors import PipelineError, ShapeMismatchError, describe_error
 from .failure import StepFailure
 from .task_times import TaskRecorder
 from .task_graphs import EAGER, TaskRunner
@@ -418,7 +418,7 @@ class StepExecutor:
             # step: the end agreement marks the job broken, so no peer waits for it to the timeout
             failure.comm_error = failure.comm_error or RuntimeError(
                 f"the gradient reductions of stage {a.stage} failed after task {a}, so the collectives of its "
-                f"replicas or tied copies are out of step: {type(exc).__name__}: {exc}")
+                f"replicas or tied copies are out of step: {describe_error(exc)}")
             self._slots.clear()
             self._handed.clear()
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..schedules.ir import Action
+from .errors import describe_error
 
 __all__ = ["StepFailure", "tasks_around"]
 
@@ -49,7 +50,7 @@ class StepFailure:
         if self.error is None:
             return None
         task = f"task {self.task}" if self.task is not None else "outside any task"
-        text = f"{where}, {task} of schedule {schedule!r}: {type(self.error).__name__}: {self.error}"
+        text = f"{where}, {task} of schedule {schedule!r}: {describe_error(self.error)}"
         if self.task in tasks:
             text += "\n" + tasks_around(tasks, tasks.index(self.task), rank)
         return text
