@@ -287,3 +287,41 @@ def reduction_fails_once(name: str, p: int, m: int, fail_rank: int) -> dict[str,
         outcome["next"] = str(exc)
     outcome["next_seconds"] = time.monotonic() - t1
     return outcome
+
+
+def prepare_fails_once(name: str, p: int, m: int, fail_rank: int, what: str) -> dict[str, Any]:
+    """After a good step, `fail_rank`'s `Reductions.<what>` (``set_aside``: the copy of the earlier
+    gradients, where a GPU runs out of memory; ``begin``) raises once, before its first task. Every
+    rank raises a PipelineError naming it, fast; the gradients of the good step stay; the next step
+    is right."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    real = getattr(pipe._reductions, what)
+    if rank == fail_rank:
+        def failing(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(f"injected {what} failure")
+        setattr(pipe._reductions, what, failing)
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except Exception as exc:  # noqa: BLE001 - the test asks for a PipelineError
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    finally:
+        setattr(pipe._reductions, what, real)
+    outcome["seconds"] = time.monotonic() - t0
+    pipe.step(x, target=y)  # the pipeline is usable, the first step's gradients kept
+    reference_step(ref, x, y)
+    for s, st in mine.items():
+        for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
+                                       **tolerance(torch.device("cpu")))
+    return outcome

@@ -16,7 +16,7 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import die_mid_step, fail_once, interrupted_once, reduction_fails_once
+from .failure_cases import die_mid_step, fail_once, interrupted_once, prepare_fails_once, reduction_fails_once
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -123,3 +123,17 @@ def test_an_exception_that_cannot_be_printed_is_reported(four):
     outcomes = four.run(fail_once, "zb-h1", 4, 8, "unprintable", 1, 2)
     _check(outcomes, "unprintable", 1)
     assert all("Unprintable" in o["message"] and "F1.2" in o["message"] for o in outcomes), outcomes[0]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["set_aside", "begin"])
+def test_a_failure_before_the_first_task_raises_everywhere_fast(what):
+    """Setting the earlier gradients aside (a copy: out of memory on a GPU) or beginning the
+    reductions raised on one rank out of Pipeline.step, before its tasks: its peers waited in their
+    receives until the group's timeout. Run timeout 60 s, below the group's 120 s."""
+    with Workers(2, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(prepare_fails_once, "1f1b", 2, 4, 1, what)
+    for o in outcomes:
+        assert o["result"] == "PipelineError", o
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise"
+        assert "pipeline rank 1" in o["message"] and f"injected {what} failure" in o["message"], o["message"]

@@ -294,12 +294,20 @@ class Pipeline:
         bad = (TypeError(f"losses must be a list to append the microbatch losses to, got {type(losses).__name__}")
                if losses is not None and not isinstance(losses, list) else None)
         step = self._agree_start(inputs, target, forward_only=False, problem=bad)  # agree on the input
-        if self._graph_cache is not None:  # after zero_grad(): .grad attached after the first F tasks
-            step.cleared = self._graph_cache.grad_buffers.cleared(step.params)
-        self._reductions.set_aside(step.params, reducing=self._sync_gradients, later=step.cleared is not None)
+
+        def set_aside() -> None:
+            if self._graph_cache is not None:  # after zero_grad(): .grad attached after the first F tasks
+                step.cleared = self._graph_cache.grad_buffers.cleared(step.params)
+            self._reductions.set_aside(step.params, reducing=self._sync_gradients, later=step.cleared is not None)
+
+        early = _first_error(set_aside)
         with self._compute_stream(step):
-            problem = _first_error(lambda: self._reductions.begin(lambda: step.failure.draining),
-                                   lambda: self._run_tasks(step),  # with the program's communication
+            # a failure before the first task drains this rank like a task's would: raising here
+            # would leave its peers waiting for its messages until the group's timeout
+            for exc in (early, _first_error(lambda: self._reductions.begin(lambda: step.failure.draining))):
+                if exc is not None:
+                    step.failure.fail(exc, None)
+            problem = _first_error(lambda: self._run_tasks(step),  # with the program's communication
                                    lambda: step.failure.draining or self._reductions.finish())
         failure = self._agree_end(step, problem)  # agree on the outcome
         release_step_caches(step.walks)  # replays never read them; the next step casts afresh
@@ -351,8 +359,10 @@ class Pipeline:
         """
         step = self._agree_start(inputs, target, forward_only=True)
         with torch.no_grad():
-            problem = _first_error(self._reductions.begin_eval, lambda: self._run_tasks(step),
-                                   self._reductions.finish_eval)
+            began = _first_error(self._reductions.begin_eval)  # drains this rank, as in `step`
+            if began is not None:
+                step.failure.fail(began, None)
+            problem = _first_error(lambda: self._run_tasks(step), self._reductions.finish_eval)
         failure = self._agree_end(step, problem)
         release_step_caches(step.walks)
         if failure is not None:
