@@ -325,3 +325,30 @@ def prepare_fails_once(name: str, p: int, m: int, fail_rank: int, what: str) -> 
             torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
                                        **tolerance(torch.device("cpu")))
     return outcome
+
+
+def no_sync_on_one_replica(name: str, p: int, m: int) -> dict[str, Any]:
+    """dp=2: replica 0 steps inside ``no_sync()``, replica 1 outside (a loop that counts its
+    accumulation steps per replica, wrongly). Replica 1 would launch all-reduces that replica 0
+    skips: every rank must raise before computing, naming the ranks, and a good step follow."""
+    import contextlib
+
+    rank = dist.get_rank()
+    groups = ParallelGroups(pp=p)
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(groups.pp_rank)}
+    pipe = Pipeline(mine, sched, loss_fn, groups=groups)
+    x, y = make_batch(groups.dp_rank, 2 * m)
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    with pipe.no_sync() if groups.dp_rank == 0 else contextlib.nullcontext():
+        try:
+            pipe.step(x, target=y)
+            outcome["result"] = "success"
+        except ValueError as exc:
+            outcome.update(result=type(exc).__name__, message=str(exc))
+    outcome["seconds"] = time.monotonic() - t0
+    assert all(q.grad is None for q in pipe.parameters()), f"rank {rank}: a refused step touched a gradient"
+    pipe.step(x, target=y)
+    return outcome

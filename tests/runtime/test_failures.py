@@ -16,7 +16,8 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import die_mid_step, fail_once, interrupted_once, prepare_fails_once, reduction_fails_once
+from .failure_cases import (die_mid_step, fail_once, interrupted_once, no_sync_on_one_replica, prepare_fails_once,
+                            reduction_fails_once)
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -137,3 +138,15 @@ def test_a_failure_before_the_first_task_raises_everywhere_fast(what):
         assert o["result"] == "PipelineError", o
         assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise"
         assert "pipeline rank 1" in o["message"] and f"injected {what} failure" in o["message"], o["message"]
+
+
+@pytest.mark.slow
+def test_no_sync_on_one_replica_only_raises_before_computing():
+    """The replica outside no_sync() waited for all-reduces the other skipped, until the group's
+    timeout. Run timeout 60 s, below the group's 120 s."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(no_sync_on_one_replica, "1f1b", 2, 4)
+    for o in outcomes:
+        assert o["result"] == "ValueError", o
+        assert o["seconds"] < FAST, o
+        assert "no_sync()" in o["message"] and "global ranks [0, 1]" in o["message"], o["message"]

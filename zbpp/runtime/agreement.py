@@ -70,6 +70,8 @@ class StartReport:
     graphs_us: int = 0  #: that trial's fastest replayed step, microseconds (0: none timed)
     #: the target's structure, shapes and non-tensor values (rank holding the last stage, when given; else 0)
     target_hash: int = 0
+    #: a training step's reductions: 0 none on this rank (or evaluation), 1 synchronised, 2 inside ``no_sync()``
+    reducing: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,15 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
         raise PipelineError(
             f"global rank {bad[0][0]} rejected its part of the step's input ({bad[0][1]}); "
             f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
+        )
+    modes = {r.reducing for r in reports} - {0}
+    if len(modes) > 1:  # the synchronised ranks would wait for all-reduces the others skip
+        inside = [g for g, r in zip(topology.world, reports) if r.reducing == 2]
+        outside = [g for g, r in zip(topology.world, reports) if r.reducing == 1]
+        raise ValueError(
+            f"global ranks {inside} step inside Pipeline.no_sync() and global ranks {outside} outside it: the "
+            "data-parallel and tied-parameter reductions of the ones outside would wait for the others. Enter "
+            "no_sync() alike on every rank. Nothing was computed"
         )
     # the reducers pair the replicas' gradients slot by slot; only where every pipeline is a
     # data-parallel replica (a mesh's other dimensions, tensor parallelism, may hold other modules)

@@ -400,8 +400,10 @@ class Pipeline:
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
         walks = stage_walks(self.stage_modules)  # read once per step
         state = (module_state(walks), autocast_state(self.device), forward_only)
+        reduces = self._reductions.reducer is not None or bool(self._tied.names)
         mine = StartReport(problem is not None, stable_hash(state),
-                           b.input_hash, b.input_rows, b.target_rows, *trial, target_hash=b.target_hash)
+                           b.input_hash, b.input_rows, b.target_rows, *trial, target_hash=b.target_hash,
+                           reducing=0 if forward_only or not reduces else 1 if self._sync_gradients else 2)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BrokenJob as exc:
