@@ -400,3 +400,51 @@ def test_offload_follows_the_schedule(name, offloaded, early, monkeypatch):
     assert {by: key for key, by in prefetched.items() if by is not None} == early
     (loss0, grads0), (loss1, grads1) = results
     assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+
+
+class _ScalesInPlace(nn.Module):
+    """Scales a non-differentiable input (a mask, a table) in place before reading it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, scale):
+        scale.mul_(2)
+        return torch.tanh(self.proj(x) * scale)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_an_input_changed_in_place_is_refused_not_rerun(policy):
+    """A re-run reads the layer's inputs as they are at B: one that its forward scaled in place was
+    scaled twice, other saved tensors, silently wrong gradients (measured: every gradient differed).
+    The layer and the input are named instead. Offload keeps what F saved: it equals no policy bit
+    for bit (float64, the same operations on the same values)."""
+    def run(policy):
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"pre": nn.Linear(4, 4), "blk": _ScalesInPlace()}).double()
+        if policy is not None:
+            apply_activation_policy(net, {"blk": policy})
+        x, scale = torch.randn(3, 4, dtype=torch.float64), torch.full((4,), 1.5, dtype=torch.float64)
+        net["blk"](net["pre"](x), scale=scale).square().sum().backward()
+        return [p.grad for p in net.parameters()]
+
+    ref = run(None)
+    for a, b in zip(run("offload"), ref):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match=rf"{policy}.*'blk'.*keyword 'scale'.*changed in place during its forward"):
+        run(policy)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_an_input_changed_after_the_forward_is_refused_at_the_rerun(policy):
+    """The frame holds the inputs outside autograd, so its version check (which no policy gets for
+    the tensors a layer saves) must be the frame's: a re-run on a changed input is refused."""
+    torch.manual_seed(0)
+    blk = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    apply_activation_policy(blk, {"": policy})
+    x = torch.randn(3, 4, dtype=torch.float64)  # no gradient: no autograd check on it
+    y = blk(x)
+    x.mul_(3)
+    with pytest.raises(RuntimeError, match=rf"{policy}.*Sequential.*argument 0.*changed in place after its forward"):
+        y.sum().backward()

@@ -6,7 +6,9 @@ submodule whose name matches a pattern (``fnmatch``) with one of:
 - ``"none"``: autograd keeps what it saves (removes an earlier policy);
 - ``"full"``: the layer keeps only its inputs; its forward runs again, once, at the first
   backward that reads a saved tensor, under the forward's random-generator and autocast state,
-  microbatch key and zbpp FP8 recipe and scaling state (so that it casts as F did);
+  microbatch key and zbpp FP8 recipe and scaling state (so that it casts as F did). An input changed
+  in place (by the forward itself or after it) would feed the re-run other values: a ``RuntimeError``
+  names the layer and the input;
 - ``"selective"``: the layer also keeps the input of every GEMM with a weight (``F.linear``,
   ``torch.addmm``/``mm``/``matmul`` with an ``nn.Parameter`` operand), what the weight gradient
   reads, and its output where the re-run reaches it. The re-run replays those GEMMs from the kept
@@ -121,7 +123,7 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
             if b != a and (a == "" or b.startswith(a + ".")):
                 raise ValueError(f"activation policies may not nest: {b!r} ({final[b]}) is inside {a!r} ({final[a]})")
     for n, policy in chosen.items():
-        _set(named[n], policy)
+        _set(named[n], policy, n)
     return chosen
 
 
@@ -134,17 +136,18 @@ def _current(named: Mapping[str, nn.Module]) -> dict[str, str]:
     return {n: m.__dict__[_ATTR] for n, m in named.items() if _ATTR in m.__dict__}
 
 
-def _set(m: nn.Module, policy: str) -> None:
+def _set(m: nn.Module, policy: str, name: str | None = None) -> None:
     m.__dict__.pop("forward", None)  # the class's forward again
     m.__dict__.pop(_ATTR, None)
     if policy == "none":
         return
     inner = m.forward  # bound to the class's forward (or a hook-free instance override)
-    m.forward = _wrapped(inner, m, policy)  # type: ignore[method-assign]
+    label = f"{name!r} ({type(m).__name__})" if name else type(m).__name__
+    m.forward = _wrapped(inner, m, policy, label)  # type: ignore[method-assign]
     m.__dict__[_ATTR] = policy
 
 
-def _wrapped(fn: Callable[..., Any], m: nn.Module, policy: str) -> Callable[..., Any]:
+def _wrapped(fn: Callable[..., Any], m: nn.Module, policy: str, label: str) -> Callable[..., Any]:
     mref = weakref.ref(m)
 
     @functools.wraps(fn)
@@ -153,14 +156,14 @@ def _wrapped(fn: Callable[..., Any], m: nn.Module, policy: str) -> Callable[...,
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"activation policy {policy!r} of {type(mref()).__name__}: not supported inside a CUDA "
+            raise RuntimeError(f"activation policy {policy!r} of {label}: not supported inside a CUDA "
                                "graph capture (Pipeline(cuda_graphs=True)): its re-run or copies would not be captured; "
                                "give the layer the policy 'none' or run the pipeline without cuda_graphs")
         mod = mref()
         params = {p.untyped_storage().data_ptr() for p in mod.parameters()} if mod is not None else set()
         if policy == "offload":
             return _offload_forward(fn, params, args, kwargs)
-        return _Frame(fn, policy, params, args, kwargs, mod).forward()
+        return _Frame(fn, policy, params, args, kwargs, mod, label).forward()
 
     return forward
 
@@ -182,14 +185,16 @@ class _Frame:
     released needs no re-run)."""
 
     def __init__(self, fn: Callable[..., Any], policy: str, params: set[int], args: tuple, kwargs: dict,
-                 module: nn.Module | None = None) -> None:
-        self.fn, self.policy = fn, policy
+                 module: nn.Module | None = None, label: str = "a layer") -> None:
+        self.fn, self.policy, self.label = fn, policy, label
         hooks = current_saved_tensors_hooks()
         self.outer_pack, self.outer_unpack = hooks if hooks is not None else (_identity, _identity)
         self.template, leaves = _flatten((args, kwargs))
         self.keep_ptrs = set(params)  # storages alive anyway, or kept (selective GEMM operands)
         self.keep_ptrs.update(t.untyped_storage().data_ptr() for t in leaves)
         self.requires_grad = [t.requires_grad for t in leaves]
+        # the re-run reads the inputs as they are then: one changed in place would feed it other values
+        self.versions = [t._version for t in leaves]
         # held here, not through the outer hooks: nothing but the re-run reads them, and they go with it
         self.inputs: list[torch.Tensor] | None = [_held(t.detach()) for t in leaves]
         self.slots: list[weakref.ref | None] = []  # per saved tensor outside recorded GEMMs
@@ -214,8 +219,10 @@ class _Frame:
             assert frame is not None
             return frame._pack(t)
 
+        leaves = _flatten((args, kwargs))[1]
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), mode:
             out = self.fn(*args, **kwargs)
+        self._check_inputs(leaves, "during its forward")
         # the re-run stops at the last tensor it must produce: GEMMs after it are never replayed
         last = max((i for i, r in enumerate(self.slots) if r is not None), default=-1)
         self.gemm_outputs = [o for at, o in self.gemm_outputs if at <= last]
@@ -238,6 +245,7 @@ class _Frame:
         packed, self.inputs = self.inputs, None
         if packed is None:
             raise RuntimeError("zbpp activation policy: a layer's forward was re-run twice (a bug)")
+        self._check_inputs(packed, "after its forward")
         leaves = [t.detach().requires_grad_(g) for t, g in zip(packed, self.requires_grad)]
         del packed
         args, kwargs = _fill(self.template, leaves)
@@ -276,6 +284,15 @@ class _Frame:
             raise RuntimeError(f"zbpp activation policy ({self.policy}): the re-run of a layer's forward saved {seen} "
                                f"tensors for backward where its first run saved {len(slots)}; its forward must do the "
                                "same operations given the same inputs and random state")
+
+
+    def _check_inputs(self, leaves: Sequence[torch.Tensor], when: str) -> None:
+        for i, (t, v) in enumerate(zip(leaves, self.versions)):
+            if t._version != v:
+                raise RuntimeError(
+                    f"activation policy {self.policy!r} of {self.label}: its input {_leaf_name(self.template, i)} was "
+                    f"changed in place {when}; the re-run would read the changed values (wrong gradients). "
+                    "Pass the layer a copy, or give it the policy 'offload' or 'none'")
 
 
 class _Fp8State:
@@ -799,6 +816,30 @@ def _flatten_into(o: Any, leaves: list[torch.Tensor]) -> Any:
     if isinstance(o, dict):
         return {k: _flatten_into(v, leaves) for k, v in o.items()}
     return o
+
+
+def _leaf_name(template: Any, i: int) -> str:
+    """Where leaf `i` lies in a ``(args, kwargs)`` template: ``argument 0``, ``keyword 'mask'[1]``."""
+    def find(o: Any, path: str) -> str | None:
+        if isinstance(o, _Leaf):
+            return path if o.i == i else None
+        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, (tuple, list)) else ()
+        for k, v in items:
+            hit = find(v, f"{path}[{k!r}]")
+            if hit is not None:
+                return hit
+        return None
+
+    args, kwargs = template
+    for n, a in enumerate(args):
+        hit = find(a, f"argument {n}")
+        if hit is not None:
+            return hit
+    for k, v in kwargs.items():
+        hit = find(v, f"keyword {k!r}")
+        if hit is not None:
+            return hit
+    return f"tensor {i}"
 
 
 def _fill(template: Any, leaves: Sequence[torch.Tensor]) -> Any:
