@@ -8,7 +8,9 @@ submodule whose name matches a pattern (``fnmatch``) with one of:
   backward that reads a saved tensor, under the forward's random-generator and autocast state,
   microbatch key and zbpp FP8 recipe and scaling state (so that it casts as F did). An input changed
   in place (by the forward itself or after it) would feed the re-run other values: a ``RuntimeError``
-  names the layer and the input;
+  names the layer and the input. Buffers its forward changed (a counter, running statistics) are
+  copied at F and read by the re-run as F found them, then put back: they move once per forward
+  (which buffers change is learnt at the layer's first forward, by value: one host synchronisation);
 - ``"selective"``: the layer also keeps the input of every GEMM with a weight (``F.linear``,
   ``torch.addmm``/``mm``/``matmul`` with an ``nn.Parameter`` operand), what the weight gradient
   reads, and its output where the re-run reaches it. The re-run replays those GEMMs from the kept
@@ -35,7 +37,7 @@ keeps what W reads (the GEMM inputs), as without a policy. zbpp's delayed-wgrad 
 W reads the tensors B handed to their store). A policy-wrapped layer runs eagerly inside a
 ``torch.compile``d stage (a graph break around it); inside a CUDA graph capture
 (``Pipeline(cuda_graphs=True)``) a policy layer raises a ``RuntimeError`` that says so. Side effects of a
-forward (running statistics) happen again in the re-run; zbpp FP8 layers' amax histories do not.
+forward on buffers do not happen again in the re-run, nor do zbpp FP8 layers' amax histories' moves.
 
 `measure_activation_policies` reports, per policy, the bytes one layer keeps from F to B and from
 B to W, the host bytes offloaded and the re-run's FLOPs (CPU is enough: bytes and FLOPs do not
@@ -80,6 +82,7 @@ __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "Activa
 POLICIES = ("none", "full", "selective", "offload")
 
 _ATTR = "_zbpp_activation_policy"  # the policy a wrapped module runs under
+_CHANGES = "_zbpp_changed_buffers"  # {(id(submodule), name)} of the buffers a wrapped module's forward changes
 
 
 # -- applying ------------------------------------------------------------------------------------
@@ -139,6 +142,7 @@ def _current(named: Mapping[str, nn.Module]) -> dict[str, str]:
 def _set(m: nn.Module, policy: str, name: str | None = None) -> None:
     m.__dict__.pop("forward", None)  # the class's forward again
     m.__dict__.pop(_ATTR, None)
+    m.__dict__.pop(_CHANGES, None)
     if policy == "none":
         return
     inner = m.forward  # bound to the class's forward (or a hook-free instance override)
@@ -207,6 +211,13 @@ class _Frame:
         self.fp8_state = _Fp8State(module) if self.fp8 is not None and module is not None else None
         self.key = current_microbatch()
         self.leaves = leaves  # for the first run only
+        # the layer's buffers as F found them: copies of those its forward changes (known after its
+        # first forward, which copies all), for the re-run
+        self.module = weakref.ref(module) if module is not None else None
+        changes = module.__dict__.get(_CHANGES) if module is not None else None
+        self.buffers = [(m, n, b, b._version, _held(b.clone()) if changes is None or (id(m), n) in changes else None)
+                        for m in (module.modules() if module is not None else ())
+                        for n, b in m._buffers.items() if b is not None]
 
     def forward(self) -> Any:
         args, kwargs = _fill(self.template, self.leaves)
@@ -223,11 +234,19 @@ class _Frame:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), mode:
             out = self.fn(*args, **kwargs)
         self._check_inputs(leaves, "during its forward")
+        module = self.module() if self.module is not None else None
+        if module is not None and _CHANGES not in module.__dict__:
+            # changed during F (a counter, running statistics): the re-run reads them as F did; the
+            # rest must not change before the re-run (checked there). By value too (a host sync, once
+            # per layer): batch_norm's kernel moves its running statistics without a version bump
+            self.buffers = [(m, n, b, v, None if m._buffers.get(n) is b and b._version == v and _same(b, copy) else copy)
+                            for m, n, b, v, copy in self.buffers]
+            module.__dict__[_CHANGES] = {(id(m), n) for m, n, _, _, copy in self.buffers if copy is not None}
         # the re-run stops at the last tensor it must produce: GEMMs after it are never replayed
         last = max((i for i, r in enumerate(self.slots) if r is not None), default=-1)
         self.gemm_outputs = [o for at, o in self.gemm_outputs if at <= last]
         if last < 0:
-            self.inputs = None  # nothing to re-run
+            self.inputs, self.buffers = None, []  # nothing to re-run
         return out
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -246,6 +265,12 @@ class _Frame:
         if packed is None:
             raise RuntimeError("zbpp activation policy: a layer's forward was re-run twice (a bug)")
         self._check_inputs(packed, "after its forward")
+        buffers, self.buffers = self.buffers, []
+        for m, n, b, v, copy in buffers:
+            if copy is None and (m._buffers.get(n) is not b or b._version != v):
+                raise RuntimeError(f"activation policy {self.policy!r} of {self.label}: its buffer {n!r} "
+                                   f"({type(m).__name__}) changed after its forward; the re-run would read the "
+                                   "changed values (wrong gradients). Give the layer the policy 'offload' or 'none'")
         leaves = [t.detach().requires_grad_(g) for t, g in zip(packed, self.requires_grad)]
         del packed
         args, kwargs = _fill(self.template, leaves)
@@ -273,7 +298,8 @@ class _Frame:
         mode = _GemmReplay(self) if self.policy == "selective" else contextlib.nullcontext()
         try:
             with _restored(self.rng, self.autocast), fp8_autocast(self.fp8 is not None, fp8_recipe=self.fp8), \
-                    self.fp8_state or contextlib.nullcontext(), microbatch(self.key), torch.enable_grad(), \
+                    self.fp8_state or contextlib.nullcontext(), microbatch(self.key), _buffers_at_f(buffers), \
+                    torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack), mode:
                 self.fn(*args, **kwargs)
         except _StopRecompute:
@@ -322,6 +348,25 @@ class _Fp8State:
         for meta, history, scale, casts in self.now:
             meta.amax_history, meta.scale, meta.casts = history, scale, casts
         self.now, self.at_f = [], {}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+@contextlib.contextmanager
+def _buffers_at_f(buffers: Sequence[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]]) -> Iterator[None]:
+    """The buffers F changed, as F found them, for the re-run; the buffers of now after it (running
+    statistics move once per forward, not again in the re-run)."""
+    now = [(m, n, m._buffers.get(n)) for m, n, _, _, copy in buffers if copy is not None]
+    for m, n, _, _, copy in buffers:
+        if copy is not None:
+            m._buffers[n] = copy
+    try:
+        yield
+    finally:
+        for m, n, b in now:
+            m._buffers[n] = b
 
 
 class _StopRecompute(Exception):
