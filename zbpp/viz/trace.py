@@ -3,9 +3,10 @@
 `write_trace` writes one JSON file (open it at https://ui.perfetto.dev or chrome://tracing) that
 holds the simulation, the measured run, or both side by side:
 
-- the simulation: one process per rank (``simulated · rank r``), a ``compute`` track with every task and a
-  ``comm`` track with every message (a send on the producing rank, its receive on the consuming
-  rank, joined by a flow arrow): the messages of `zbpp.schedules.program` (only cross-rank data
+- the simulation: one process per rank (``simulated · rank r``), a ``compute`` track with every task and
+  ``comm`` tracks with every message (a send on the producing rank, its receive on the consuming
+  rank, joined by a flow arrow; messages in flight at once go on tracks ``comm 2``, ``comm 3``, ...
+  so that no two slices of a track overlap): the messages of `zbpp.schedules.program` (only cross-rank data
   edges carry one);
 - the measurement: one process per rank (``measured · rank r``) with every recorded task, and
   flow arrows along the same cross-rank edges.
@@ -66,6 +67,20 @@ def _task_event(a: Action, rank: int, pid: int, start: float, end: float, unit_u
     }
 
 
+def _comm_lanes(slices: list[dict[str, Any]]) -> int:
+    """Put each message slice of one rank on a comm track (``tid``) where it overlaps no other:
+    slices on one track must nest, and two messages in flight at once (comm longer than the gap
+    between them) only partly overlap. Returns how many tracks were used."""
+    ends: list[float] = []  # per track, the end of its last slice
+    for e in sorted(slices, key=lambda e: (e["ts"], e["dur"])):
+        lane = next((i for i, end in enumerate(ends) if end <= e["ts"]), len(ends))
+        if lane == len(ends):
+            ends.append(0.0)
+        ends[lane] = e["ts"] + e["dur"]
+        e["tid"] = _COMM_TID + lane
+    return len(ends)
+
+
 def _messages(schedule: Schedule) -> list[tuple[Action, Action]]:
     """The messages of one step (producer, consumer): the program's, as the runtime sends them."""
     return [(m.src, m.dst) for m in make_program(schedule).messages]
@@ -116,21 +131,25 @@ def write_trace(
 
     if simulated is not None:
         unit_us = 1e6 * (simulated_unit_s if simulated_unit_s is not None else (1.0 if measured is not None else 1e-3))
-        for r in range(p):
-            events += _meta(r, f"simulated · rank {r}", r, ["compute", "comm"])
-            for a in simulated.schedule.orders[r]:
-                events.append(_task_event(a, r, r, simulated.start[a], simulated.end[a], unit_us, "simulated", chunk[a.stage]))
+        comm_events: dict[int, list[dict[str, Any]]] = {r: [] for r in range(p)}
         for a, c in messages:
             src, dst = sched.rank_of(a.stage), sched.rank_of(c.stage)
             t = simulated.end[a] * unit_us
             name = f"{a} -> {c}"
-            common = {"cat": "comm", "ph": "X", "tid": _COMM_TID, "ts": t, "dur": float(comm) * unit_us,
+            common = {"cat": "comm", "ph": "X", "ts": t, "dur": float(comm) * unit_us,
                       "args": {"from": str(a), "to": str(c)}, "bind_id": flow_id}
             # Flow v2: the arrow is bound to these two slices themselves, not looked up by
             # timestamp, so it holds even when comm = 0 makes them zero-length.
-            events.append({"name": f"send {name}", "pid": src, "flow_out": True, **common})
-            events.append({"name": f"recv {name}", "pid": dst, "flow_in": True, **common})
+            comm_events[src].append({"name": f"send {name}", "pid": src, "flow_out": True, **common})
+            comm_events[dst].append({"name": f"recv {name}", "pid": dst, "flow_in": True, **common})
             flow_id += 1
+        for r in range(p):
+            lanes = _comm_lanes(comm_events[r])  # messages in flight at once on this rank: one track each
+            events += _meta(r, f"simulated · rank {r}", r,
+                            ["compute"] + ["comm" if i == 0 else f"comm {i + 1}" for i in range(max(lanes, 1))])
+            for a in simulated.schedule.orders[r]:
+                events.append(_task_event(a, r, r, simulated.start[a], simulated.end[a], unit_us, "simulated", chunk[a.stage]))
+            events += comm_events[r]
 
     if measured_res is not None:
         base = p if simulated is not None else 0
