@@ -176,8 +176,6 @@ class StepExecutor:
         once, before the first task that is not an F (F reads no gradient; draining too). A failure
         is recorded in `failure` (then the results are incomplete), never raised."""
         results = StepResults()
-        if self.recorder is not None:
-            self.recorder.begin_step()
         tasks = self.program.tasks
         for i, task in enumerate(tasks):
             comm.issue(i)

@@ -375,7 +375,8 @@ class Pipeline:
 
     def task_times(self) -> list[dict[str, Any]] | None:
         """The last step's task records of every rank, on pipeline rank 0 (None on the others):
-        ``{"rank", "action", "start", "end"}`` (seconds from the step's start on that rank).
+        ``{"rank", "action", "start", "end"}``: seconds from the step's start, one instant for every
+        rank (the end of the start agreement), so that the ranks' records share one timeline.
         Collective over the pipeline group: every rank of it must call it. Needs ``record_task_times=True``."""
         if self._recorder is None:
             raise RuntimeError("task_times() needs Pipeline(..., record_task_times=True)")
@@ -408,6 +409,10 @@ class Pipeline:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BrokenJob as exc:
             raise self._broken_error(exc, "start") from exc
+        if self._recorder is not None and not forward_only:
+            # the agreement is a collective that every rank leaves at (nearly) one instant: the
+            # step's time 0 on every rank, whatever each does before its first task
+            self._recorder.begin_step()
         if self._graph_cache is not None:
             self._graph_cache.settle(agreed.graphs)  # the same decision on every rank
         rng_step, self.rng_step = self.rng_step, self.rng_step + 1

@@ -1,7 +1,7 @@
 """Task timing for `Pipeline(record_task_times=True)` (the measured bubble rate of records: `zbpp.schedules.measured`).
 
 A record is ``{"rank": int, "action": "F0.3", "start": float, "end": float}``, times in seconds from
-the start of the step on that rank. On CUDA the times come from CUDA events on the compute stream
+the start of the step, one instant shared by every rank of the pipeline (`TaskRecorder`). On CUDA the times come from CUDA events on the compute stream
 (a task's start is when the stream reaches it, after waiting for its inputs); on the CPU from
 ``time.perf_counter`` taken after the task's inputs have arrived. When recording is off nothing is
 recorded and nothing is allocated.
@@ -26,16 +26,24 @@ __all__ = ["TaskRecorder", "gather_records", "measured_bubble_rate"]
 
 
 class TaskRecorder:
-    """Collect (action, start, end) of the tasks of one rank in one step."""
+    """Collect (action, start, end) of the tasks of one rank in one step.
+
+    `begin_step` marks the step's time 0. `Pipeline` calls it as the start agreement (a collective)
+    returns, an instant that every rank of the pipeline shares: a rank that then takes longer to
+    reach its first task (an FSDP all-gather, a device stream still busy) shows its tasks later,
+    not shifted back onto its peers'. On CUDA a task's events run on the device; `records` maps
+    them onto the host clock that time 0 was read on."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.cuda = device.type == "cuda"
         self._origin: Any = None
+        self._host0 = 0.0  # time.perf_counter() at the step's time 0
         self._open: list[tuple[str, Any, Any]] = []
 
     def begin_step(self) -> None:
-        self._open.clear()
+        self._open = []
+        self._host0 = time.perf_counter()
         self._origin = self._now()
 
     def _now(self) -> Any:
@@ -57,15 +65,21 @@ class TaskRecorder:
             return []
         out = []
         if self.cuda:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.synchronize()
+            # where the origin event ran on the host clock: an event recorded on an idle device
+            # runs at once, so `now` ran when the host saw it done
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+            now.synchronize()
+            shift = max(0.0, time.perf_counter() - self._origin.elapsed_time(now) / 1e3 - self._host0)
             for action, s, e in self._open:
                 out.append(
                     {"rank": self.rank, "action": action,
-                     "start": self._origin.elapsed_time(s) / 1e3, "end": self._origin.elapsed_time(e) / 1e3}
+                     "start": shift + self._origin.elapsed_time(s) / 1e3, "end": shift + self._origin.elapsed_time(e) / 1e3}
                 )
         else:
             for action, s, e in self._open:
-                out.append({"rank": self.rank, "action": action, "start": s - self._origin, "end": e - self._origin})
+                out.append({"rank": self.rank, "action": action, "start": s - self._host0, "end": e - self._host0})
         return out
 
 

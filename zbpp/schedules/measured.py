@@ -1,7 +1,7 @@
 """Measured pipeline steps: task records of a real run read like a simulated plan.
 
 A record is ``{"rank": int, "action": "F0.3", "start": float, "end": float}`` (seconds from the
-start of the step on that rank), as ``Pipeline(..., record_task_times=True)`` gathers them on pipeline rank 0.
+start of the step, one instant for all ranks), as ``Pipeline(..., record_task_times=True)`` gathers them on pipeline rank 0.
 `measured_result` turns a step's records into a `SimResult` (so they print, plot and trace like a
 plan), `measured_summary` reports their bubble rate and mean task times, and
 `measured_bubble_rate` is the bubble rate alone. This is the one definition of the measured bubble
