@@ -72,3 +72,46 @@ def test_a_late_rank_keeps_every_message_after_its_producer(zbpp_workers, name, 
     # the late rank's first task starts DELAY after time 0
     first = min(r["start"] for r in records if r["rank"] == late)
     assert first >= DELAY - 0.005
+
+
+class _Failing(_Stage):
+    fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("injected failure")
+        return super().forward(x)
+
+
+def records_around_a_failed_step(name: str) -> tuple | None:
+    """A good step, then a step that fails on rank 1's first forward: task_times() after each."""
+    from zbpp.runtime import PipelineError
+
+    rank = dist.get_rank()
+    sched = build(name, num_ranks=P, num_microbatches=M)
+    torch.manual_seed(0)
+    stages = {s: _Failing() for s in sched.stages_on(rank)}
+    pipe = Pipeline(stages, sched, _loss, record_task_times=True)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    before = pipe.task_times()
+    pipe.step(x, target=y)
+    good = pipe.task_times()
+    for st in stages.values():
+        st.fail = rank == 1
+    try:
+        pipe.step(x, target=y)
+    except PipelineError:
+        pass
+    else:
+        raise AssertionError(f"rank {rank}: the failing step returned")
+    after = pipe.task_times()  # collective: every rank calls it
+    return None if rank else (before, good, after)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_a_failed_step_leaves_the_last_good_steps_records(zbpp_workers, name):
+    before, good, after = zbpp_workers(P).run(records_around_a_failed_step, name)[0]
+    sched = build(name, num_ranks=P, num_microbatches=M)
+    assert before == []
+    assert sorted(r["action"] for r in good) == sorted(str(a) for _, a in sched.actions())
+    assert after == good  # not the failed step's partial records

@@ -312,7 +312,9 @@ class Pipeline:
         failure = self._agree_end(step, problem)  # agree on the outcome
         release_step_caches(step.walks)  # replays never read them; the next step casts afresh
         if failure is not None:
-            raise failure  # the step was rolled back
+            raise failure  # the step was rolled back (its task records too: `task_times` keeps the last good step's)
+        if self._recorder is not None:
+            self._recorder.commit()
         if self._graph_cache is not None:
             self._graph_cache.captured(step.runner)
         self._reductions.commit()
@@ -374,7 +376,8 @@ class Pipeline:
         return merge([step.results.outputs[j] for j in range(self.num_microbatches)])
 
     def task_times(self) -> list[dict[str, Any]] | None:
-        """The last step's task records of every rank, on pipeline rank 0 (None on the others):
+        """The task records of every rank of the last training step that succeeded (a step that
+        raised `PipelineError` records nothing; [] before any), on pipeline rank 0 (None on the others):
         ``{"rank", "action", "start", "end"}``: seconds from the step's start, one instant for every
         rank (the end of the start agreement), so that the ranks' records share one timeline.
         Collective over the pipeline group: every rank of it must call it. Needs ``record_task_times=True``."""

@@ -32,7 +32,8 @@ class TaskRecorder:
     returns, an instant that every rank of the pipeline shares: a rank that then takes longer to
     reach its first task (an FSDP all-gather, a device stream still busy) shows its tasks later,
     not shifted back onto its peers'. On CUDA a task's events run on the device; `records` maps
-    them onto the host clock that time 0 was read on."""
+    them onto the host clock that time 0 was read on. `records` are those of the last step that
+    `commit` kept (a step that succeeded): a failed step's partial records are never reported."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank = rank
@@ -40,6 +41,8 @@ class TaskRecorder:
         self._origin: Any = None
         self._host0 = 0.0  # time.perf_counter() at the step's time 0
         self._open: list[tuple[str, Any, Any]] = []
+        self._kept: tuple[Any, float, list[tuple[str, Any, Any]]] | None = None  # the last committed step
+
 
     def begin_step(self) -> None:
         self._open = []
@@ -53,6 +56,11 @@ class TaskRecorder:
             return ev
         return time.perf_counter()
 
+    def commit(self) -> None:
+        """The step that `begin_step` began succeeded: its records are the ones to report."""
+        if self._origin is not None:
+            self._kept = (self._origin, self._host0, self._open)
+
     def start(self) -> Any:
         return self._now()
 
@@ -60,9 +68,10 @@ class TaskRecorder:
         self._open.append((action, started, self._now()))
 
     def records(self) -> list[dict[str, Any]]:
-        """The step's records (synchronises the device on CUDA)."""
-        if self._origin is None:
+        """The records of the last committed step, [] before one (synchronises the device on CUDA)."""
+        if self._kept is None:
             return []
+        origin, host0, tasks = self._kept
         out = []
         if self.cuda:
             torch.cuda.synchronize()
@@ -71,20 +80,20 @@ class TaskRecorder:
             now = torch.cuda.Event(enable_timing=True)
             now.record()
             now.synchronize()
-            shift = max(0.0, time.perf_counter() - self._origin.elapsed_time(now) / 1e3 - self._host0)
-            for action, s, e in self._open:
+            shift = max(0.0, time.perf_counter() - origin.elapsed_time(now) / 1e3 - host0)
+            for action, s, e in tasks:
                 out.append(
                     {"rank": self.rank, "action": action,
-                     "start": shift + self._origin.elapsed_time(s) / 1e3, "end": shift + self._origin.elapsed_time(e) / 1e3}
+                     "start": shift + origin.elapsed_time(s) / 1e3, "end": shift + origin.elapsed_time(e) / 1e3}
                 )
         else:
-            for action, s, e in self._open:
-                out.append({"rank": self.rank, "action": action, "start": s - self._host0, "end": e - self._host0})
+            for action, s, e in tasks:
+                out.append({"rank": self.rank, "action": action, "start": s - host0, "end": e - host0})
         return out
 
 
 def gather_records(recorder: TaskRecorder, topology: Any) -> list[dict[str, Any]] | None:
-    """The last step's records of every rank of the pipeline, on its rank 0 (None on the others).
+    """The last successful step's records of every rank of the pipeline, on its rank 0 (None on the others).
     Collective over the pipeline group."""
     mine = recorder.records()  # resolved now, so that a step never waits for the device
     if topology.pp_size == 1:
