@@ -132,6 +132,10 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("microbatches", "rows_per_microbatch", "seq_len", "steps", "dp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.clip < 0:  # `clip if clip > 0 else inf` would quietly turn clipping off
+        ap.error(f"--clip must be >= 0 (0 turns clipping off), got {args.clip}")
+    if args.warmup < 0:  # lr_at would start the cosine decay part-way through
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.seq_len < 4:
         ap.error(f"--seq-len must be >= 4, got {args.seq_len}")
     if args.fp8 and not args.fast:

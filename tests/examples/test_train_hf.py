@@ -157,7 +157,11 @@ def test_replicas_with_ragged_rows_log_the_token_mean_of_the_whole_batch(zbpp_wo
 
 
 @pytest.mark.parametrize("argv, words", [(["--fsdp"], "--fsdp shards each stage over the data-parallel replicas"),
-                                         (["--dp", "0"], "--dp must be >= 1")])
+                                         (["--dp", "0"], "--dp must be >= 1"),
+                                         # else clipping is quietly off (0 is the documented "off")
+                                         (["--clip", "-1"], "--clip must be >= 0"),
+                                         # else the cosine decay starts part-way (lr_at)
+                                         (["--warmup", "-5"], "--warmup must be >= 0")])
 def test_dp_and_fsdp_arguments_are_checked(capsys, argv: list[str], words: str):
     with pytest.raises(SystemExit):
         _example().parse_args(argv)
