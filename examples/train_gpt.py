@@ -330,6 +330,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--data-bytes must be >= 1, got {args.data_bytes}")
     if args.clip < 0:
         ap.error(f"--clip must be >= 0 (0 turns clipping off), got {args.clip}")
+    if args.warmup < 0:  # lr_at would start the cosine decay part-way through
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
+    if not 0 <= args.min_lr_ratio <= 1:  # below 0 the last steps' learning rate is negative: training backwards
+        ap.error(f"--min-lr-ratio must be in [0, 1] (the decay's floor, a fraction of --lr), got {args.min_lr_ratio}")
     if args.hidden % args.heads:
         ap.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.schedule not in available():

@@ -123,3 +123,14 @@ def test_fp8_is_refused_on_cpu_ranks(capsys):
         _example().parse_args(["--fp8", "--backend", "gloo"])
     assert exc.value.code == 2
     assert "--fp8 needs CUDA GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--warmup", "-5"], "--warmup must be >= 0"),  # else lr_at starts the cosine decay part-way
+    (["--min-lr-ratio", "-0.5"], "--min-lr-ratio must be in [0, 1]"),  # else the last steps' lr is negative
+    (["--min-lr-ratio", "2"], "--min-lr-ratio must be in [0, 1]"),  # else the decay climbs above --lr
+])
+def test_learning_rate_flags_are_checked(capsys, argv, words):
+    with pytest.raises(SystemExit):
+        _example().parse_args([*argv, "--backend", "gloo"])
+    assert words in capsys.readouterr().err
