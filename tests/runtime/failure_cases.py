@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,18 @@ class Unprintable(RuntimeError):
 
     def __str__(self) -> str:
         raise ValueError("not enough arguments for format string")
+
+
+class BeforeForward(torch.nn.Module):
+    """Wraps a stage: `hook(current_microbatch())` runs before each forward (it may exit or raise)."""
+
+    def __init__(self, inner: torch.nn.Module, hook: Callable[[Any], None]) -> None:
+        super().__init__()
+        self.inner, self.hook = inner, hook
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.hook(current_microbatch())
+        return self.inner(*args, **kwargs)
 
 
 class Faulty(torch.nn.Module):
@@ -165,6 +177,27 @@ def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) 
     )
 
 
+def failing_then_next(pipe: Pipeline, x: Any, y: Any) -> dict[str, Any]:
+    """Two steps on (x, y): the outcome of the first ("result": "success" or "PipelineError", with its
+    "message") and of the next ("next": "success" or its error), each timed ("seconds", "next_seconds")."""
+    outcome: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except PipelineError as exc:
+        outcome.update(result="PipelineError", message=str(exc))
+    outcome["seconds"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+        outcome["next"] = "success"
+    except PipelineError as exc:
+        outcome["next"] = str(exc)
+    outcome["next_seconds"] = time.monotonic() - t1
+    return outcome
+
+
 def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
     """After a good step, rank 1 exits (os._exit) in the forward of its second microbatch; the others
     must raise, and their next step must raise at once saying the pipeline is unusable."""
@@ -173,35 +206,16 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
     S = sched.num_stages
     dying = {"on": False}
 
-    class Dying(torch.nn.Module):
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
+    def die(key: Any) -> None:
+        if dying["on"] and rank == 1 and key == (sched.stages_on(1)[0], 1):
+            os._exit(3)
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            if dying["on"] and rank == 1 and current_microbatch() == (sched.stages_on(1)[0], 1):
-                os._exit(3)
-            return self.inner(*args, **kwargs)
-
-    mine = {s: Dying(make_stage(s, S, "zbpp", device_for_rank())) for s in sched.stages_on(rank)}
+    mine = {s: BeforeForward(make_stage(s, S, "zbpp", device_for_rank()), die) for s in sched.stages_on(rank)}
     pipe = Pipeline(mine, sched, loss_fn)
     inputs, target = make_batch(0, 2 * m, device_for_rank())
     pipe.step(inputs, target=target)
     dying["on"] = True
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(inputs, target=target)
-        outcome["result"] = "success"
-    except PipelineError as exc:
-        outcome.update(result="PipelineError", message=str(exc))
-    outcome["seconds"] = time.monotonic() - t0
-    try:
-        pipe.step(inputs, target=target)
-        outcome["next"] = "success"
-    except PipelineError as exc:
-        outcome["next"] = str(exc)
-    outcome["next_seconds"] = time.monotonic() - t0 - outcome["seconds"]
+    outcome = {"rank": rank, **failing_then_next(pipe, inputs, target)}
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(outcome, fh)
 
@@ -217,17 +231,11 @@ def interrupted_once(name: str, p: int, m: int, fail_rank: int, which: str) -> d
     exc_type = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[which]
     armed = {"on": False}
 
-    class Interrupted(torch.nn.Module):
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
+    def interrupt(key: Any) -> None:
+        if armed["on"] and key[1] == 1:
+            raise exc_type("injected interrupt")
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            if armed["on"] and current_microbatch()[1] == 1:
-                raise exc_type("injected interrupt")
-            return self.inner(*args, **kwargs)
-
-    mine = {s: Interrupted(make_stage(s, S, "zbpp")) for s in sched.stages_on(rank)}
+    mine = {s: BeforeForward(make_stage(s, S, "zbpp"), interrupt) for s in sched.stages_on(rank)}
     ref = [make_stage(s, S, "plain") for s in range(S)]
     pipe = Pipeline(mine, sched, loss_fn)
     x, y = make_batch(0, 2 * m)
@@ -254,39 +262,28 @@ def interrupted_once(name: str, p: int, m: int, fail_rank: int, which: str) -> d
     return outcome
 
 
+def replica_pipeline(name: str, p: int, m: int) -> tuple[Pipeline, ParallelGroups, Any, Any]:
+    """A `p`-rank pipeline of zbpp stages per data-parallel replica, and this replica's batch."""
+    groups = ParallelGroups(pp=p)
+    sched = make_schedule(name, p, m)
+    mine = {s: make_stage(s, sched.num_stages, "zbpp") for s in sched.stages_on(groups.pp_rank)}
+    x, y = make_batch(groups.dp_rank, 2 * m)
+    return Pipeline(mine, sched, loss_fn, groups=groups), groups, x, y
+
+
 def reduction_fails_once(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
     """dp=2: after a good step, global rank `fail_rank`'s data-parallel reducer raises instead of
     launching its first bucket's all-reduce; its replica's peer has launched that all-reduce and
     waits for it. Every rank must raise within seconds, naming the failing rank and the cause (the
     replicas' collectives are out of step: the pipeline is unusable, its next step raises at once)."""
     rank = dist.get_rank()
-    groups = ParallelGroups(pp=p)
-    sched = make_schedule(name, p, m)
-    S = sched.num_stages
-    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(groups.pp_rank)}
-    pipe = Pipeline(mine, sched, loss_fn, groups=groups)
-    x, y = make_batch(groups.dp_rank, 2 * m)
+    pipe, groups, x, y = replica_pipeline(name, p, m)
     pipe.step(x, target=y)
     if rank == fail_rank:
         def launch(bucket: Any) -> None:
             raise RuntimeError("injected reduction failure")
         pipe.reducer._launch = launch
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except PipelineError as exc:
-        outcome.update(result="PipelineError", message=str(exc))
-    outcome["seconds"] = time.monotonic() - t0
-    t1 = time.monotonic()
-    try:
-        pipe.step(x, target=y)
-        outcome["next"] = "success"
-    except PipelineError as exc:
-        outcome["next"] = str(exc)
-    outcome["next_seconds"] = time.monotonic() - t1
-    return outcome
+    return {"rank": rank, **failing_then_next(pipe, x, y)}
 
 
 def prepare_fails_once(name: str, p: int, m: int, fail_rank: int, what: str) -> dict[str, Any]:
@@ -334,12 +331,7 @@ def no_sync_on_one_replica(name: str, p: int, m: int) -> dict[str, Any]:
     import contextlib
 
     rank = dist.get_rank()
-    groups = ParallelGroups(pp=p)
-    sched = make_schedule(name, p, m)
-    S = sched.num_stages
-    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(groups.pp_rank)}
-    pipe = Pipeline(mine, sched, loss_fn, groups=groups)
-    x, y = make_batch(groups.dp_rank, 2 * m)
+    pipe, groups, x, y = replica_pipeline(name, p, m)
     t0 = time.monotonic()
     outcome: dict[str, Any] = {"rank": rank}
     with pipe.no_sync() if groups.dp_rank == 0 else contextlib.nullcontext():
