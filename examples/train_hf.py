@@ -146,6 +146,10 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--checkpoint-every N needs N >= 0 and --checkpoint-dir")
     if args.schedule not in available():
         ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
+    done, found = latest_checkpoint(args.checkpoint_dir)
+    if done > args.steps:  # else it would train nothing, and --save-pretrained write the longer run's model
+        ap.error(f"--checkpoint-dir {args.checkpoint_dir} holds {found.name}, past --steps {args.steps} (the run's "
+                 f"total, counted from step 0): give --steps {done} or more, or another --checkpoint-dir")
 
 
 # -- data ------------------------------------------------------------------------------------------

@@ -168,6 +168,16 @@ def test_dp_and_fsdp_arguments_are_checked(capsys, argv: list[str], words: str):
     assert words in capsys.readouterr().err
 
 
+def test_a_checkpoint_past_steps_is_refused(tmp_path: Path, capsys) -> None:
+    """--checkpoint-dir holding step-5 with --steps 3: resuming would train nothing and exit 0
+    (and --save-pretrained write the 5-step model); step-3 itself resumes as the finished run."""
+    (tmp_path / "step-5").mkdir()
+    with pytest.raises(SystemExit):
+        _example().parse_args(["--checkpoint-dir", str(tmp_path), "--steps", "3"])
+    assert f"--checkpoint-dir {tmp_path} holds step-5, past --steps 3" in capsys.readouterr().err
+    assert _example().parse_args(["--checkpoint-dir", str(tmp_path), "--steps", "5"]).steps == 5
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--from", "some/dir", "--layers", "8", "--hidden", "64"],
      "--from some/dir takes the model from its config.json: drop --hidden --layers"),
