@@ -24,10 +24,6 @@ from .fp8 import ScalingMeta
 
 __all__ = ["scaling_layers", "scaling_states", "restore_scaling_states"]
 
-#: the fields of a saved slot (tensors), besides ``format`` (the FP8 dtype's name) and ``same_as``
-TENSOR_FIELDS = ("amax_history", "scale", "casts")
-
-
 def scaling_layers(module: nn.Module) -> dict[str, DelayedWgradModule]:
     """`module`'s zbpp layers by the name ``state_dict()`` gives them (wrappers such as torch's
     activation-checkpoint wrapper drop their part there, so checkpoints at any layout agree)."""

@@ -391,8 +391,6 @@ def _replica(model: Any) -> int:
 def _fp8_destinations(meta: Mapping[str, Any], mods: list[nn.Module], replica: int) -> tuple[str, dict[str, Any]]:
     """Where DCP reads the FP8 scaling state of this rank's zbpp layers: replica `replica`'s, or
     replica 0's when the checkpoint has none of that replica (saved with fewer replicas)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     name = f"replica{replica}"
     if not _saved(meta, f"fp8.{name}."):
         name = "replica0"
@@ -406,11 +404,18 @@ def _fp8_destinations(meta: Mapping[str, Any], mods: list[nn.Module], replica: i
         path = key.rsplit(".", 1)[0] if "." in key else ""
         if path not in paths:  # another rank's layer
             continue
-        if isinstance(md, TensorStorageMetadata):
-            out.setdefault(key, {})[field] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-        else:
-            out.setdefault(key, {})[field] = None  # a saved Python value: DCP puts it here
+        out.setdefault(key, {})[field] = _placeholder(md)
     return name, out
+
+
+def _placeholder(md: Any, device: torch.device | None = None) -> torch.Tensor | None:
+    """What DCP reads a saved entry into: a tensor of its size and dtype (on `device`), or None for
+    a saved Python value (DCP puts it there)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    return torch.zeros(tuple(md.size), dtype=md.properties.dtype, device=device)
 
 
 def _rng_state(model: Any) -> dict[str, int] | None:
@@ -444,14 +449,8 @@ def _optimizer_destination(meta: Mapping[str, Any], name: str, param: nn.Paramet
         if not key.startswith(prefix) or "." in key[len(prefix):]:
             continue
         field = key[len(prefix):]
-        if isinstance(md, TensorStorageMetadata):
-            dtype = md.properties.dtype
-            if tuple(md.size) == tuple(param.shape):
-                out[field] = torch.zeros_like(param.detach(), dtype=dtype)
-            elif len(md.size) == 0:
-                out[field] = torch.zeros((), dtype=dtype)
-            else:
-                out[field] = torch.zeros(tuple(md.size), dtype=dtype, device=param.device)
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(param.shape):
+            out[field] = torch.zeros_like(param.detach(), dtype=md.properties.dtype)
         else:
-            out[field] = None  # a saved Python value: DCP puts it here
+            out[field] = _placeholder(md, None if len(getattr(md, "size", ())) == 0 else param.device)
     return out
