@@ -61,6 +61,7 @@ from zbpp.schedules import available, build, options_of
 MODELS = SUPPORTED
 SHAPE = {"model": "llama", "hidden": 64, "layers": 4, "heads": 4}  # the model built when not --from
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+STDLIB_BYTES = 2_000_000  # --data stdlib reads this much text unless --data-bytes says otherwise
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5, help="linear warm-up steps, then cosine decay to 10%%")
     ap.add_argument("--clip", type=float, default=1.0, help="clip the gradient to this global norm (0: off)")
     ap.add_argument("--data", choices=["stdlib", "synthetic"], default="stdlib")
-    ap.add_argument("--data-bytes", type=int, default=2_000_000, help="--data stdlib: bytes of text to read")
+    ap.add_argument("--data-bytes", type=int, default=None,
+                    help=f"--data stdlib: bytes of text to read (default: {STDLIB_BYTES:,})")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths, right-padded (attention_mask, -100)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPUs, else float32")
     ap.add_argument("--fast", action="store_true",
@@ -138,6 +140,12 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.seq_len < 4:
         ap.error(f"--seq-len must be >= 4, got {args.seq_len}")
+    if args.data_bytes is not None and args.data != "stdlib":  # the counting rows read no text: it would be ignored
+        ap.error(f"--data-bytes bounds the text of --data stdlib; --data {args.data} reads none: drop --data-bytes")
+    if args.data_bytes is not None and args.data_bytes < 1:  # load_text would cut bytes off the end (a negative slice)
+        ap.error(f"--data-bytes must be >= 1, got {args.data_bytes}")
+    if args.data == "stdlib" and args.data_bytes is None:
+        args.data_bytes = STDLIB_BYTES
     if args.fp8 and not args.fast:
         ap.error("--fp8 applies to the fast form: add --fast")
     if args.fsdp and args.dp < 2:

@@ -29,8 +29,9 @@ HF_LOSS_RTOL = 1e-6  # see the module docstring
 # through 6 AdamW steps (measured: 2e-16 to 4e-16); a gradient not averaged, or a tie kept apart, moves them by 1e-3+
 SAME_TRAINING_RTOL = 1e-9
 TINY = ["--hidden", "32", "--heads", "4", "--layers", "4", "--seq-len", "16", "--rows-per-microbatch", "2",
-        "--microbatches", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "2", "--data-bytes", "60000",
+        "--microbatches", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "2",
         "--dtype", "float64", "--backend", "gloo", "--timeout", "60"]
+TEXT = ["--data", "stdlib", "--data-bytes", "60000"]  # a little of the standard library's text (not with synthetic)
 
 
 def _example() -> Any:
@@ -80,7 +81,7 @@ def _check(results: list[dict[str, Any]], argv: list[str], steps: int) -> dict[s
 
 @pytest.mark.slow
 def test_llama_trains_from_config_and_starts_at_hf_loss(zbpp_workers):
-    argv = ["--model", "llama", "--schedule", "zb-v", *TINY]
+    argv = ["--model", "llama", "--schedule", "zb-v", *TINY, *TEXT]
     results = zbpp_workers(2).run(train_on_rank, argv)
     last = _check(results, argv, 6)
     assert [r["stages"] for r in results] == [[0, 3], [1, 2]]
@@ -117,14 +118,14 @@ def test_replicas_train_on_their_share_and_start_at_hf_loss(tmp_path: Path, zbpp
     Both runs write their trained model (--save-pretrained): HF loads the two as the same model, each
     tensor to SAME_TRAINING_RTOL of its largest value (measured: 3e-13 at most; a shard or a tied copy
     written from the wrong rank differs by far more)."""
-    argv = ["--model", model, "--schedule", schedule, "--dp", "2", *(["--fsdp"] if fsdp else []), *TINY,
+    argv = ["--model", model, "--schedule", schedule, "--dp", "2", *(["--fsdp"] if fsdp else []), *TINY, *TEXT,
             "--save-pretrained", str(tmp_path / "replicas")]
     results = zbpp_workers(4).run(train_on_rank, argv)
     last = _check(results, argv, 6)
     assert last["stdout"].startswith(f"train_hf: {model} ") and f"2 ranks x 2 replicas{' (FSDP)' if fsdp else ''}" \
         in last["stdout"].splitlines()[0], last["stdout"]
     assert last["history"][0]["loss"] == pytest.approx(first_loss_of_hf(argv), rel=HF_LOSS_RTOL, abs=0)
-    one = ["--model", model, "--schedule", schedule, *TINY, "--save-pretrained", str(tmp_path / "one")]
+    one = ["--model", model, "--schedule", schedule, *TINY, *TEXT, "--save-pretrained", str(tmp_path / "one")]
     one[one.index("--rows-per-microbatch") + 1] = "4"  # TINY's 2 rows per replica, twice
     whole = _check(zbpp_workers(2).run(train_on_rank, one), one, 6)
     assert [h["loss"] for h in last["history"]] == pytest.approx([h["loss"] for h in whole["history"]],
@@ -161,7 +162,12 @@ def test_replicas_with_ragged_rows_log_the_token_mean_of_the_whole_batch(zbpp_wo
                                          # else clipping is quietly off (0 is the documented "off")
                                          (["--clip", "-1"], "--clip must be >= 0"),
                                          # else the cosine decay starts part-way (lr_at)
-                                         (["--warmup", "-5"], "--warmup must be >= 0")])
+                                         (["--warmup", "-5"], "--warmup must be >= 0"),
+                                         # synthetic rows read no text: the bound would be silently ignored
+                                         (["--data", "synthetic", "--data-bytes", "1000"],
+                                          "--data-bytes bounds the text of --data stdlib; --data synthetic reads none"),
+                                         # else load_text's buf[:-5] quietly drops the text's last 5 bytes
+                                         (["--data-bytes", "-5"], "--data-bytes must be >= 1, got -5")])
 def test_dp_and_fsdp_arguments_are_checked(capsys, argv: list[str], words: str):
     with pytest.raises(SystemExit):
         _example().parse_args(argv)
