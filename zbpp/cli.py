@@ -439,8 +439,10 @@ def make_parser() -> argparse.ArgumentParser:
     measure.add_argument("--attn", default=None, help="attn_implementation: eager, sdpa, ... (default: the config's)")
     measure.add_argument("--steps", type=_integer(1), default=3, help="timed steps per layer, median kept (default 3)")
     measure.add_argument("--warmup", type=_integer(0), default=1, help="untimed steps first (default 1)")
-    measure.add_argument("--optimizer-bytes", type=_number, default=12.0,
-                         help="optimizer state per parameter (default 12: AdamW fp32 master weight and moments)")
+    measure.add_argument("--optimizer-bytes", type=_number, default=None,
+                         help="optimizer state per parameter in bytes (default: AdamW's for --dtype: 8 for float32 "
+                              "and 16 for float64, its two moments; 12 for bfloat16/float16, an fp32 master weight "
+                              "and two fp32 moments)")
     measure.add_argument("--link-gb-per-s", type=_number, default=50.0,
                          help="bandwidth between ranks in GB/s, for the message time (default 50)")
     measure.add_argument("--policies", default="none,full,selective,offload",

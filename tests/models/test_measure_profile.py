@@ -59,6 +59,36 @@ def test_static_of_frozen_parameters_is_the_weight_alone():
     assert lf.w == 0.0  # nothing to compute in W
 
 
+def _adamw_static_bytes(params: list[nn.Parameter], master: bool) -> int:
+    """The reference for the default static bytes: weight + gradient + the state torch.optim.AdamW
+    holds after one step, by tensor nbytes (with `master`, AdamW steps fp32 copies, as mixed precision
+    does: the copies count too). Its per-tensor ``step`` counter (one scalar, not per element) is left
+    out, as the profile's per-parameter bytes leave it out."""
+    for p in params:
+        p.grad = torch.ones_like(p)
+    stepped = [nn.Parameter(p.detach().float().clone()) for p in params] if master else params
+    for m, p in zip(stepped, params):
+        m.grad = p.grad.to(m.dtype)
+    opt = torch.optim.AdamW(stepped)
+    opt.step()
+    state = sum(t.nbytes for st in opt.state.values() for k, t in st.items() if k != "step")
+    copies = sum(m.nbytes for m in stepped) if master else 0
+    return sum(p.nbytes + p.grad.nbytes for p in params) + state + copies
+
+
+@pytest.mark.parametrize("dtype, master", [(torch.float32, False), (torch.float64, False), (torch.bfloat16, True)])
+def test_default_optimizer_bytes_are_adamw_state_for_the_dtype(dtype, master):
+    """Without optimizer_bytes_per_param, static bytes are AdamW's real state for the parameters'
+    dtype: float32/float64 weights stepped in place keep two moments of their dtype (8, 16 bytes);
+    bfloat16 ones an fp32 master and two fp32 moments (12). A flat 12 charged float32 4 bytes per
+    parameter that do not exist. Exact: byte counts against `_adamw_static_bytes`."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 6).to(dtype), nn.Linear(6, 5).to(dtype)
+    prof = measure_profile(layers=[("a", a), ("b", b)], example_input=torch.randn(3, 4, dtype=dtype), steps=1,
+                           warmup=0)
+    assert [x.static for x in prof.layers] == [_adamw_static_bytes(list(m.parameters()), master) for m in (a, b)]
+
+
 def test_wgrad_through_a_transposed_weight():
     # without a bias the weight reaches the GEMM's backward only through a transpose node, which
     # saves nothing: W still needs the GEMM's saved input (the first layer makes it need a gradient)
@@ -122,12 +152,12 @@ def test_hf_llama_profile_is_searchable():
     assert names == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm+lm_head"]
     blocks = prof.layers[1:-1]
     block_params = sum(p.numel() for p in model.model.layers[0].parameters())
-    assert all(x.static == block_params * (2 * F64 + 12) for x in blocks)
+    per = 2 * F64 + 2 * F64  # weight and gradient; AdamW's two float64 moments (float64: no master copy)
+    assert all(x.static == block_params * per for x in blocks)
     # the tied embedding counts in the first and the last layer, as on two ranks, and is listed as shared
-    assert prof.layers[0].static == 48 * 16 * (2 * F64 + 12)
-    assert prof.layers[-1].static == (48 * 16 + 16) * (2 * F64 + 12)
-    assert [(x.name, x.layers, x.static) for x in prof.shared] == [("model.embed_tokens.weight", (0, 5),
-                                                                     48 * 16 * (2 * F64 + 12))]
+    assert prof.layers[0].static == 48 * 16 * per
+    assert prof.layers[-1].static == (48 * 16 + 16) * per
+    assert [(x.name, x.layers, x.static) for x in prof.shared] == [("model.embed_tokens.weight", (0, 5), 48 * 16 * per)]
     assert all(x.f > 0 and x.b > 0 and x.w > 0 and 0 < x.wgrad < x.activation for x in blocks)
     assert prof.layers[0].b == 0 and prof.layers[-1].activation > 0
     plan = search(prof, num_ranks=2, num_microbatches=4)
@@ -236,7 +266,7 @@ def test_measure_causal_lm_repeats_a_block():
     assert len({(x.f, x.activation) for x in prof.layers[1:-1]}) == 1  # one measured block, repeated
     # GPT-2 ties wte and lm_head: shared by the first and the last layer of the repeated profile
     assert [(x.name, x.layers) for x in prof.shared] == [("transformer.wte.weight", (0, 6))]
-    assert prof.shared[0].static == 40 * 16 * (2 * F64 + 12)
+    assert prof.shared[0].static == 40 * 16 * (2 * F64 + 2 * F64)  # AdamW's float64 moments by default
     assert prof.comm == 2 * 8 * 16 * F64 / 1e9  # the hidden states of a microbatch over 1 GB/s
     assert prof.notes["measured_blocks"] == 2 and cfg.n_layer == 5  # the caller's config is left as it was
     with pytest.raises(ValueError, match="measured_blocks=6 exceeds"):
@@ -292,6 +322,28 @@ def test_cli_measure_then_plan(tmp_path, capsys):
     assert "policies (one per stage" in capsys.readouterr().out
     assert main(["measure", "--hf-config", str(tmp_path), "--seq", "8", "--dtype", "nope", "-o", str(out)]) == 2
     assert "--dtype 'nope'" in capsys.readouterr().err
+
+
+def test_cli_measure_charges_adamw_state_for_the_dtype(tmp_path, capsys):
+    """``zbpp measure --dtype float32`` without --optimizer-bytes: a block's static bytes are its
+    float32 weights and gradients and AdamW's two float32 moments (`_adamw_static_bytes`), not a
+    master copy that float32 training does not keep; --optimizer-bytes still overrides. Exact."""
+    transformers = pytest.importorskip("transformers")
+    from zbpp.cli import main
+
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.save_pretrained(tmp_path)
+    out = tmp_path / "prof.json"
+    run = ["measure", "--hf-config", str(tmp_path), "--seq", "4", "--steps", "1", "--warmup", "0", "--policies",
+           "none", "--dtype", "float32", "-o", str(out)]
+    assert main(run) == 0
+    load = type(measure_profile(layers=[("l", nn.Linear(2, 2))], example_input=torch.randn(1, 2), steps=1)).load
+    block = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).model.layers[0]
+    assert load(out).layers[1].static == _adamw_static_bytes(list(block.parameters()), master=False)
+    assert main([*run, "--optimizer-bytes", "12"]) == 0
+    assert load(out).layers[1].static == sum(p.numel() for p in block.parameters()) * (2 * 4 + 12)
+    capsys.readouterr()
 
 
 def test_policy_costs_by_hand():

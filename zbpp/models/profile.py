@@ -48,10 +48,26 @@ from ..modules.context import microbatch
 from ..runtime.wgrad import SavedBoxes, StageWgrad, has_own_wgrad
 from ..schedules.profile import Layer, PolicyCost, Profile, Shared
 
-__all__ = ["measure_profile", "measure_causal_lm", "measure_host_link", "ADAMW_BYTES_PER_PARAM"]
+__all__ = ["measure_profile", "measure_causal_lm", "measure_host_link", "ADAMW_BYTES_PER_PARAM", "adamw_bytes_per_param"]
 
 #: AdamW optimizer state per parameter in mixed precision: fp32 master weight and two fp32 moments.
 ADAMW_BYTES_PER_PARAM = 12.0
+
+
+def adamw_bytes_per_param(dtype: torch.dtype) -> float:
+    """AdamW's optimizer state per parameter of `dtype`: its two moments in that dtype for float32
+    and wider (stepped in place, no master copy), else `ADAMW_BYTES_PER_PARAM` (an fp32 master
+    weight and two fp32 moments: low-precision weights would lose the small updates)."""
+    size = dtype.itemsize
+    return 2.0 * size if size >= 4 else ADAMW_BYTES_PER_PARAM
+
+
+def _static_bytes(p: torch.Tensor, opt: float | None) -> float:
+    """A parameter's weight, gradient and optimizer state (`opt` per element; None: AdamW's for its
+    dtype); a frozen one only its weight (no gradient, and AdamW keeps no state without one)."""
+    if not p.requires_grad:
+        return float(p.numel() * p.element_size())
+    return p.numel() * (2 * p.element_size() + (adamw_bytes_per_param(p.dtype) if opt is None else opt))
 
 
 def measure_profile(
@@ -64,7 +80,7 @@ def measure_profile(
     target: Any = None,
     steps: int = 3,
     warmup: int = 1,
-    optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM,
+    optimizer_bytes_per_param: float | None = None,
     comm: float = 0.0,
     name: str = "",
     policies: Sequence[str] = (),
@@ -84,8 +100,9 @@ def measure_profile(
             default: `zbpp.models.hf.CausalLMLoss` with the input ids as labels); without them its
             backward starts from a random gradient of the output's shape.
         steps, warmup: timed steps (the median is kept) after `warmup` untimed ones.
-        optimizer_bytes_per_param: optimizer state per parameter (default 12: AdamW's fp32 master
-            weight and moments; 8 when the weights are fp32 themselves and need no master copy).
+        optimizer_bytes_per_param: optimizer state per parameter (default None: AdamW's for each
+            parameter's dtype, `adamw_bytes_per_param`: 8 for float32 and 16 for float64, the two
+            moments; 12 for bfloat16 and float16, an fp32 master weight and two fp32 moments).
         comm, name: the profile's message time (seconds) and name.
         policies: activation policies to measure besides ``"none"`` (``"full"``, ``"selective"``,
             ``"offload"``; see below). Empty: none (the layers offer no policy).
@@ -133,8 +150,8 @@ def measure_profile(
     The device's timings vary from run to run: take a few steps and compare plans, not digits.
     """
     steps_, warmup_ = _count(steps, "steps", 1), _count(warmup, "warmup", 0)
-    opt = float(optimizer_bytes_per_param)
-    if not opt >= 0:
+    opt = None if optimizer_bytes_per_param is None else float(optimizer_bytes_per_param)
+    if opt is not None and not opt >= 0:
         raise ValueError(f"optimizer_bytes_per_param must be >= 0, got {optimizer_bytes_per_param!r}")
     if example_input is None:
         raise ValueError("measure_profile needs example_input: one microbatch as the first layer takes it")
@@ -175,7 +192,8 @@ def measure_profile(
             layer = replace(layer, policies=_policy_costs(lname, module, given, layer, asked, timed))
         out.append(layer)
     notes = {"measured_on": str(device), "steps": steps_, "warmup": warmup_,
-             "optimizer_bytes_per_param": opt, "torch": torch.__version__}
+             "optimizer_bytes_per_param": "AdamW's for each parameter's dtype" if opt is None else opt,
+             "torch": torch.__version__}
     if link:
         how = "pinned copies" if device.type == "cuda" else "a copy in memory: offload's stand-in on CPU"
         notes["host_link"] = "given" if host_bytes_per_s is not None else f"measured ({how})"
@@ -183,7 +201,7 @@ def measure_profile(
                    shared=_shared_parameters(named, opt, prefix=layers is not None))
 
 
-def _shared_parameters(named: Sequence[tuple[str, Any]], opt: float, prefix: bool) -> list[Shared]:
+def _shared_parameters(named: Sequence[tuple[str, Any]], opt: float | None, prefix: bool) -> list[Shared]:
     """Each Parameter registered in several layers, with its static bytes as `_measure` counts them:
     one Parameter where one rank holds those layers (`zbpp.models.pipeline_stages` keeps it so).
     Named as the first layer holding it names it (with `prefix`, after that layer's name)."""
@@ -194,8 +212,7 @@ def _shared_parameters(named: Sequence[tuple[str, Any]], opt: float, prefix: boo
                 got = where.setdefault(id(p), (f"{lname}.{pname}" if prefix else pname, p, []))
                 if i not in got[2]:
                     got[2].append(i)
-    return [Shared(n, tuple(at), p.numel() * ((2 * p.element_size() + opt) if p.requires_grad else p.element_size()))
-            for n, p, at in where.values() if len(at) > 1]
+    return [Shared(n, tuple(at), _static_bytes(p, opt)) for n, p, at in where.values() if len(at) > 1]
 
 
 def measure_host_link(device: torch.device | str, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
@@ -536,7 +553,7 @@ def _key(t: torch.Tensor) -> tuple[Any, int]:
 
 
 def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, Any] | None, steps: int,
-             warmup: int, opt: float) -> tuple[Any, Layer]:
+             warmup: int, opt: float | None) -> tuple[Any, Layer]:
     from .recompute import _PeakBytes
 
     x = _leaves(x, first)
@@ -610,8 +627,7 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
     finally:
         tasks.discard()
         kept()
-    # a frozen parameter has no gradient and no optimizer state (AdamW keeps none without a .grad)
-    static = sum(p.numel() * ((2 * p.element_size() + opt) if p.requires_grad else p.element_size()) for p in
+    static = sum(_static_bytes(p, opt) for p in
                  {id(p): p for p in (module.parameters() if isinstance(module, nn.Module) else ())}.values())
     layer = Layer(lname, *(statistics.median(times[k]) for k in ("f", "b", "w")), activation=float(activation),
                   wgrad=float(min(wgrad, activation)), static=float(static), transient=float(transient))
