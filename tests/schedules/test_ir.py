@@ -43,6 +43,19 @@ def test_from_text_names_what_the_header_lacks(drop: str) -> None:
         Schedule.from_text(text)
 
 
+@pytest.mark.parametrize("header, words", [
+    # a typo'd key was dropped: the file's microbatches=4 stood, the intended 8 was never read
+    ("ranks=1 stages=1 microbatches=4 microbatchs=8", "unknown header key 'microbatchs'"),
+    ("ranks=1 stage=2 stages=1 microbatches=4", "unknown header key 'stage'"),
+    # the second value silently won
+    ("ranks=1 stages=1 microbatches=4 ranks=2", "header key 'ranks' given twice"),
+])
+def test_from_text_refuses_unknown_or_repeated_header_keys(header: str, words: str) -> None:
+    text = f"{header}\nplacement=0\nrank0: F0.0 BW0.0 F0.1 BW0.1 F0.2 BW0.2 F0.3 BW0.3\n"
+    with pytest.raises(ScheduleError, match=rf"line 1: .*{words}"):
+        Schedule.from_text(text)
+
+
 def test_placements() -> None:
     assert build("1f1b", num_ranks=4, num_microbatches=4).stages_on(2) == [2]
     inter = build("interleaved-1f1b", num_ranks=4, num_microbatches=4, chunks=3)

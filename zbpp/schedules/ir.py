@@ -171,8 +171,8 @@ class Schedule:
             if line.startswith("#"):
                 continue
             try:
-                if line.split("=", 1)[0] in ("ranks", "stages", "microbatches"):  # the header, in any order
-                    header = {k: int(v) for k, v in (kv.split("=") for kv in line.split())}
+                if line.split("=", 1)[0] in _HEADER_KEYS:  # the header, in any order
+                    header = _parse_header(line)
                     header_at = f"line {lineno}: {raw!r}"
                 elif line.startswith("placement="):
                     placement = [int(x) for x in line.split("=", 1)[1].split(",")]
@@ -203,6 +203,23 @@ class Schedule:
             name="" if name == "custom" else name,
             overlap_pairs=tuple(overlaps),
         )
+
+
+_HEADER_KEYS = ("ranks", "stages", "microbatches")
+
+
+def _parse_header(line: str) -> dict[str, int]:
+    """``ranks=P stages=S microbatches=M`` as a dict. A key outside those three (a typo such as
+    ``microbatchs=8``) or one given twice is refused: either would be silently ignored."""
+    header: dict[str, int] = {}
+    for item in line.split():
+        key, sep, value = item.partition("=")
+        if not sep or key not in _HEADER_KEYS:
+            raise ValueError(f"unknown header key {key!r}; the header line is 'ranks=P stages=S microbatches=M'")
+        if key in header:
+            raise ValueError(f"header key {key!r} given twice")
+        header[key] = int(value)
+    return header
 
 
 def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
