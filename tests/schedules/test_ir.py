@@ -56,6 +56,23 @@ def test_from_text_refuses_unknown_or_repeated_header_keys(header: str, words: s
         Schedule.from_text(text)
 
 
+ONE = "ranks=1 stages=1 microbatches=2\nplacement=0\nrank0: F0.0 BW0.0 F0.1 BW0.1\n"
+
+
+@pytest.mark.parametrize("extra, words", [
+    # each second line replaced the first: the schedule was the last line's, the first one's lost
+    ("ranks=1 stages=1 microbatches=4", r"line 4: .*a second header line \(the first: line 1"),
+    ("placement=0", r"line 4: .*a second placement line \(the first: line 2\)"),
+    ("rank0: F0.0 B0.0 W0.0 F0.1 B0.1 W0.1", r"line 4: .*a second line for rank 0 \(the first: line 3\)"),
+    # a rank the header does not have: its line was dropped
+    ("rank1: F0.0 BW0.0", r"line 4: rank1 is outside the header's ranks=1 \(rank0..rank0\)"),
+])
+def test_from_text_refuses_a_line_given_twice_or_a_rank_beyond_the_header(extra: str, words: str) -> None:
+    Schedule.from_text(ONE)  # the file alone reads
+    with pytest.raises(ScheduleError, match=words):
+        Schedule.from_text(ONE + extra + "\n")
+
+
 def test_placements() -> None:
     assert build("1f1b", num_ranks=4, num_microbatches=4).stages_on(2) == [2]
     inter = build("interleaved-1f1b", num_ranks=4, num_microbatches=4, chunks=3)

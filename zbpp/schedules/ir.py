@@ -161,6 +161,8 @@ class Schedule:
         placement: list[int] = []
         orders: dict[int, list[Action]] = {}
         overlaps: list[tuple[Action, Action]] = []
+        placement_at = ""
+        orders_at: dict[int, int] = {}  # rank -> the line of its order
         for lineno, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()
             if not line:
@@ -171,17 +173,26 @@ class Schedule:
             if line.startswith("#"):
                 continue
             try:
+                # a line given twice would silently replace the first: refused, naming where that was
                 if line.split("=", 1)[0] in _HEADER_KEYS:  # the header, in any order
+                    if header:
+                        raise ValueError(f"a second header line (the first: {header_at})")
                     header = _parse_header(line)
                     header_at = f"line {lineno}: {raw!r}"
                 elif line.startswith("placement="):
+                    if placement_at:
+                        raise ValueError(f"a second placement line (the first: {placement_at})")
                     placement = [int(x) for x in line.split("=", 1)[1].split(",")]
+                    placement_at = f"line {lineno}"
                 elif line.startswith("overlap:"):
                     a, b = line.split(":", 1)[1].split()
                     overlaps.append((Action.parse(a), Action.parse(b)))
                 elif line.startswith("rank"):
                     head, _, body = line.partition(":")
-                    orders[int(head[4:])] = [Action.parse(t) for t in body.split()]
+                    rank = int(head[4:])
+                    if rank in orders:
+                        raise ValueError(f"a second line for rank {rank} (the first: line {orders_at[rank]})")
+                    orders[rank], orders_at[rank] = [Action.parse(t) for t in body.split()], lineno
                 else:
                     raise ValueError("unknown line")
             except ValueError as exc:
@@ -194,6 +205,10 @@ class Schedule:
             raise ScheduleError(f"{header_at}: lacks {', '.join(k + '=' for k in missing)}; the header line is "
                                 "'ranks=P stages=S microbatches=M'")
         p = header["ranks"]
+        beyond = sorted(r for r in orders if not 0 <= r < p)
+        if beyond:  # its tasks would be dropped with it
+            raise ScheduleError(f"line {orders_at[beyond[0]]}: rank{beyond[0]} is outside the header's ranks={p} "
+                                f"(rank0..rank{p - 1})")
         return cls(
             num_ranks=p,
             num_stages=header["stages"],
