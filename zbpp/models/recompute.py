@@ -8,7 +8,9 @@ submodule whose name matches a pattern (``fnmatch``) with one of:
   backward that reads a saved tensor, under the forward's random-generator and autocast state,
   microbatch key and zbpp FP8 recipe and scaling state (so that it casts as F did). An input changed
   in place (by the forward itself or after it) would feed the re-run other values: a ``RuntimeError``
-  names the layer and the input. Buffers its forward changed (a counter, running statistics) are
+  names the layer and the input. So does a tensor inside an input (containers and namedtuples as
+  `zbpp.runtime.tree` walks them; dataclasses and other objects through their attributes) changed
+  in place, or replaced on its object. Buffers its forward changed (a counter, running statistics) are
   copied at F and read by the re-run as F found them, then put back: they move once per forward
   (which buffers change is learnt at the layer's first forward, by value: one host synchronisation);
 - ``"selective"``: the layer also keeps the input of every GEMM with a weight (``F.linear``,
@@ -60,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -74,6 +77,7 @@ from .._compat import current_saved_tensors_hooks, disable_dynamo, torch_dispatc
 from ..modules.base import DelayedWgradModule
 from ..modules.context import current_microbatch, microbatch, rank_next_backward
 from ..modules.fp8 import DelayedScaling, ScalingMeta, active_recipe, fp8_autocast
+from ..runtime.tree import Spec, flatten, rebuild
 
 __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "ActivationCost",
            "measure_activation_policies"]
@@ -193,12 +197,14 @@ class _Frame:
         self.fn, self.policy, self.label = fn, policy, label
         hooks = current_saved_tensors_hooks()
         self.outer_pack, self.outer_unpack = hooks if hooks is not None else (_identity, _identity)
-        self.template, leaves = _flatten((args, kwargs))
+        leaves, self.template = flatten((args, kwargs))
         self.keep_ptrs = set(params)  # storages alive anyway, or kept (selective GEMM operands)
         self.keep_ptrs.update(t.untyped_storage().data_ptr() for t in leaves)
         self.requires_grad = [t.requires_grad for t in leaves]
         # the re-run reads the inputs as they are then: one changed in place would feed it other values
         self.versions = [t._version for t in leaves]
+        # tensors inside other values (dataclasses, objects): re-run as they are, so checked as they are
+        self.opaque = _opaque_tensors(self.template)
         # held here, not through the outer hooks: nothing but the re-run reads them, and they go with it
         self.inputs: list[torch.Tensor] | None = [_held(t.detach()) for t in leaves]
         self.slots: list[weakref.ref | None] = []  # per saved tensor outside recorded GEMMs
@@ -220,7 +226,7 @@ class _Frame:
                         for n, b in m._buffers.items() if b is not None]
 
     def forward(self) -> Any:
-        args, kwargs = _fill(self.template, self.leaves)
+        args, kwargs = rebuild(self.template, self.leaves)
         self.leaves = []
         mode = _GemmRecorder(self) if self.policy == "selective" else contextlib.nullcontext()
         me = weakref.ref(self)  # autograd keeps a pack hook as long as the graph: not the frame
@@ -230,7 +236,7 @@ class _Frame:
             assert frame is not None
             return frame._pack(t)
 
-        leaves = _flatten((args, kwargs))[1]
+        leaves = flatten((args, kwargs))[0]
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), mode:
             out = self.fn(*args, **kwargs)
         self._check_inputs(leaves, "during its forward")
@@ -246,7 +252,7 @@ class _Frame:
         last = max((i for i, r in enumerate(self.slots) if r is not None), default=-1)
         self.gemm_outputs = [o for at, o in self.gemm_outputs if at <= last]
         if last < 0:
-            self.inputs, self.buffers = None, []  # nothing to re-run
+            self.inputs, self.buffers, self.opaque = None, [], []  # nothing to re-run
         return out
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -265,6 +271,7 @@ class _Frame:
         if packed is None:
             raise RuntimeError("zbpp activation policy: a layer's forward was re-run twice (a bug)")
         self._check_inputs(packed, "after its forward")
+        self.opaque = []
         buffers, self.buffers = self.buffers, []
         for m, n, b, v, copy in buffers:
             if copy is None and (m._buffers.get(n) is not b or b._version != v):
@@ -273,7 +280,7 @@ class _Frame:
                                    "changed values (wrong gradients). Give the layer the policy 'offload' or 'none'")
         leaves = [t.detach().requires_grad_(g) for t, g in zip(packed, self.requires_grad)]
         del packed
-        args, kwargs = _fill(self.template, leaves)
+        args, kwargs = rebuild(self.template, leaves)
         slots, self.slots = self.slots, []
         live = sum(1 for r in slots if r is not None and r() is not None)
         if not live:  # autograd released every tensor the re-run would make
@@ -313,12 +320,18 @@ class _Frame:
 
 
     def _check_inputs(self, leaves: Sequence[torch.Tensor], when: str) -> None:
-        for i, (t, v) in enumerate(zip(leaves, self.versions)):
-            if t._version != v:
-                raise RuntimeError(
-                    f"activation policy {self.policy!r} of {self.label}: its input {_leaf_name(self.template, i)} was "
-                    f"changed in place {when}; the re-run would read the changed values (wrong gradients). "
-                    "Pass the layer a copy, or give it the policy 'offload' or 'none'")
+        changed = next((_leaf_name(self.template, i) for i, (t, v) in enumerate(zip(leaves, self.versions))
+                        if t._version != v), None)
+        how = "changed in place"
+        if changed is None and self.opaque:  # the same tensors, at the same versions, where they were
+            now = {path: t for path, t, _ in _opaque_tensors(self.template)}
+            changed = next((path for path, t, v in self.opaque if now.get(path) is not t or t._version != v), None)
+            how = "changed in place or replaced"
+        if changed is not None:
+            raise RuntimeError(
+                f"activation policy {self.policy!r} of {self.label}: its input {changed} was {how} {when}; the "
+                "re-run would read the changed values (wrong gradients). Pass the layer a copy, or give it the "
+                "policy 'offload' or 'none'")
 
 
 class _Fp8State:
@@ -700,8 +713,8 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
 
 def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxes: Any,
                   backward_input: Any) -> tuple[tuple[int, int, int, int, int], int]:
-    template, leaves = _flatten((args, kwargs))
-    n_args = len(_flatten(args)[1])  # positional tensors first: the differentiable ones
+    leaves, template = flatten((args, kwargs))
+    n_args = len(flatten(args)[0])  # positional tensors first: the differentiable ones
     grad_leaves = [t.detach().requires_grad_() if i < n_args and t.is_floating_point() else t
                    for i, t in enumerate(leaves)]
     targets = [t for t in grad_leaves if t.requires_grad]
@@ -727,7 +740,7 @@ def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxe
             return outer_pack(t)
 
         # each differentiable input enters through a copy, so that only autograd keeps it
-        a, k = _fill(template, [t.clone() if t.requires_grad else t for t in grad_leaves])
+        a, k = rebuild(template, [t.clone() if t.requires_grad else t for t in grad_leaves])
         _observers.append(record)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), _Flops() as fc:
@@ -736,7 +749,7 @@ def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxe
             _observers.remove(record)
         del a, k
         forward_flops = fc.get_total_flops()
-    _, ys = _flatten(y)
+    ys = flatten(y)[0]
     roots = [t for t in ys if t.requires_grad]
     del y, ys
     grads = [torch.ones_like(t) for t in roots]
@@ -836,67 +849,76 @@ def _counted(count: Callable[..., int], func: Any, args: tuple, kwargs: dict, ou
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-class _Leaf:
-    __slots__ = ("i",)
+def _input_nodes(template: Spec) -> Iterator[tuple[str, Any]]:
+    """Where each value of a layer's ``(args, kwargs)`` lies (``argument 0[1].mask``, ``keyword
+    'cache'``) and its `zbpp.runtime.tree` node: a tensor's ("T", i), any other value's ("V", value)."""
+    def walk(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+        tag, body = node
+        if tag in ("T", "V"):
+            yield path, node
+        elif tag == "dict":
+            for k, child in body:
+                yield from walk(child, f"{path}[{k!r}]")
+        elif tag == "namedtuple":
+            for field, child in zip(body[0]._fields, body[1]):
+                yield from walk(child, f"{path}.{field}")
+        elif tag == "rep":
+            yield from walk(body, path)
+        else:
+            for n, child in enumerate(body):
+                yield from walk(child, f"{path}[{n}]")
 
-    def __init__(self, i: int) -> None:
-        self.i = i
+    args, kwargs = template.node[1]
+    for n, child in enumerate(args[1]):
+        yield from walk(child, f"argument {n}")
+    for k, child in kwargs[1]:
+        yield from walk(child, f"keyword {k!r}")
 
 
-def _flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """`obj` with each tensor (in tuples, lists, dicts) replaced by its index, and the tensors."""
-    leaves: list[torch.Tensor] = []
-    return _flatten_into(obj, leaves), leaves
+def _leaf_name(template: Spec, i: int) -> str:
+    """Where tensor leaf `i` of a layer's ``(args, kwargs)`` lies: ``argument 0``, ``keyword 'mask'[1]``."""
+    return next((path for path, node in _input_nodes(template) if node == ("T", i)), f"tensor {i}")
 
 
-def _flatten_into(o: Any, leaves: list[torch.Tensor]) -> Any:
-    # a module-level function: a recursive closure would hold `leaves` in a reference cycle
+_NO_TENSORS = (str, bytes, int, float, complex, bool, type, nn.Module, types.ModuleType, types.FunctionType,
+               types.BuiltinFunctionType, types.MethodType, torch.dtype, torch.device)
+
+
+def _opaque_tensors(template: Spec) -> list[tuple[str, torch.Tensor, int]]:
+    """The tensors held inside a layer's non-container inputs (dataclasses, objects: their
+    attributes, and the containers those hold), with where and at which version: the re-run gets
+    those values as they are then, so they must be as F found them. Modules are skipped (their
+    parameters and buffers are the layer's own business)."""
+    out: list[tuple[str, torch.Tensor, int]] = []
+    seen: set[int] = set()
+    for path, (tag, value) in _input_nodes(template):
+        if tag == "V":
+            _tensors_within(value, path, out, seen)
+    return out
+
+
+def _tensors_within(o: Any, path: str, out: list[tuple[str, torch.Tensor, int]], seen: set[int]) -> None:
+    # a module-level function: a recursive closure would hold `out` in a reference cycle
     if isinstance(o, torch.Tensor):
-        leaves.append(o)
-        return _Leaf(len(leaves) - 1)
-    if isinstance(o, tuple) and not hasattr(o, "_fields"):
-        return tuple(_flatten_into(x, leaves) for x in o)
-    if isinstance(o, list):
-        return [_flatten_into(x, leaves) for x in o]
+        out.append((path, o, o._version))
+        return
+    if o is None or isinstance(o, _NO_TENSORS) or id(o) in seen:
+        return
+    seen.add(id(o))
     if isinstance(o, dict):
-        return {k: _flatten_into(v, leaves) for k, v in o.items()}
-    return o
-
-
-def _leaf_name(template: Any, i: int) -> str:
-    """Where leaf `i` lies in a ``(args, kwargs)`` template: ``argument 0``, ``keyword 'mask'[1]``."""
-    def find(o: Any, path: str) -> str | None:
-        if isinstance(o, _Leaf):
-            return path if o.i == i else None
-        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, (tuple, list)) else ()
-        for k, v in items:
-            hit = find(v, f"{path}[{k!r}]")
-            if hit is not None:
-                return hit
-        return None
-
-    args, kwargs = template
-    for n, a in enumerate(args):
-        hit = find(a, f"argument {n}")
-        if hit is not None:
-            return hit
-    for k, v in kwargs.items():
-        hit = find(v, f"keyword {k!r}")
-        if hit is not None:
-            return hit
-    return f"tensor {i}"
-
-
-def _fill(template: Any, leaves: Sequence[torch.Tensor]) -> Any:
-    if isinstance(template, _Leaf):
-        return leaves[template.i]
-    if isinstance(template, tuple):
-        return tuple(_fill(x, leaves) for x in template)
-    if isinstance(template, list):
-        return [_fill(x, leaves) for x in template]
-    if isinstance(template, dict):
-        return {k: _fill(v, leaves) for k, v in template.items()}
-    return template
+        items: Any = ((f"[{k!r}]", v) for k, v in o.items())
+    elif isinstance(o, (list, tuple, set, frozenset)):
+        items = ((f"[{n}]", v) for n, v in enumerate(o))
+    else:
+        attrs = dict(getattr(o, "__dict__", {}))
+        for cls in type(o).__mro__:  # __slots__ attributes live outside __dict__
+            for name in [cls.__dict__["__slots__"]] if isinstance(cls.__dict__.get("__slots__"), str) \
+                    else cls.__dict__.get("__slots__", ()):
+                if name not in ("__dict__", "__weakref__") and hasattr(o, name):
+                    attrs.setdefault(name, getattr(o, name))
+        items = ((f".{k}", v) for k, v in attrs.items())
+    for sub, v in items:
+        _tensors_within(v, path + sub, out, seen)
 
 
 def _rng_state(leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
