@@ -133,6 +133,21 @@ def test_bad_input_is_named():
         Layer("x", 1, 1, 1, activation=1, wgrad=2)
 
 
+@pytest.mark.parametrize("policies", [["full"], ["none", "offload"]])
+def test_a_policy_no_layer_offers_is_refused(policies):
+    """A profile measured without policies offers "none" only. Asked for "full", the search costed
+    every stage as "none" (a layer that does not offer a policy runs as none) and then named "full"
+    as each stage's policy: its step and peak were not those of the recompute it told the user to
+    apply. Refused instead, naming the policy and what the profile offers (beside "none" too:
+    nothing was measured to choose it by)."""
+    prof = _embedding_head_profile()
+    assert prof.offers() == ("none",)
+    missing = next(q for q in policies if q != "none")
+    with pytest.raises(ValueError, match=rf"policy '{missing}' is offered by no layer of the profile \(it offers none\)"):
+        search(prof, 2, 4, policies=policies)
+    assert search(prof, 2, 4, policies=["none"]).policies == ()  # what it does offer is searched
+
+
 def test_profile_round_trips_through_json(tmp_path):
     prof = transformer_profile(name="t", num_layers=3, hidden=256, ffn=1024, heads=4, vocab=5000, seq=512)
     path = tmp_path / "p.json"

@@ -815,7 +815,8 @@ def search(
 
     `policies` are the activation policies each stage may run its layers under (one per stage, for
     every layer that offers it; default: every one the profile's layers offer, `Profile.offers`);
-    ``["none"]`` leaves every layer as it is, ``["full"]`` recomputes every layer that can.
+    ``["none"]`` leaves every layer as it is, ``["full"]`` recomputes every layer that can. One
+    that no layer offers (not measured) raises `ValueError`.
 
     Offload's copies share a node's host link and host memory: `ranks_per_node` ranks (each copying
     at once: the profile's `Profile.host_bytes_per_s` divided among them; default 1, a link of its
@@ -1003,6 +1004,12 @@ def _allowed(profile: Profile, policies: Sequence[str] | None) -> tuple[str, ...
             raise ValueError(f"unknown policy {q!r}; the policies are {', '.join(POLICIES)}")
     if not policies:
         raise ValueError("policies: give at least one (e.g. ['none'])")
+    # a policy no layer offers runs as "none" everywhere: the plan would name it, costed as "none"
+    offered = profile.offers()
+    unmeasured = [q for q in policies if q not in offered]
+    if unmeasured:
+        raise ValueError(f"policy {unmeasured[0]!r} is offered by no layer of the profile (it offers "
+                         f"{', '.join(offered)}): measure it first (zbpp measure --policies, measure_profile(policies=))")
     return tuple(q for q in POLICIES if q in policies)
 
 
