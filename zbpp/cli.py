@@ -346,6 +346,9 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16, ...)")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if args.host_gb_per_s is not None and "offload" not in policies:  # checked before the model is built
+        raise ValueError(f"--host-gb-per-s is the host link of offload's copies, and --policies {args.policies} "
+                         "does not measure offload: add offload to --policies or drop --host-gb-per-s")
     host = None if args.host_gb_per_s is None else args.host_gb_per_s * 1e9
     profile = measure_causal_lm(config, seq=args.seq, micro_batch=args.micro_batch, measured_blocks=args.measured_blocks,
                                 dtype=dtype, device=args.device, attn_implementation=args.attn,
@@ -449,7 +452,8 @@ def make_parser() -> argparse.ArgumentParser:
                          help="activation policies to measure per block (B time, bytes kept F->B and B->W, bytes "
                               "copied; default all: none,full,selective,offload; 'none' for none)")
     measure.add_argument("--host-gb-per-s", type=_number, default=None,
-                         help="host link bandwidth per direction for offload (default: measured once, pinned copies)")
+                         help="host link bandwidth per direction for offload (default: measured once, pinned copies); "
+                              "only with offload among --policies")
     measure.add_argument("-o", "--output", required=True, help="the profile, FILE.json")
     measure.set_defaults(func=_cmd_measure)
 

@@ -346,6 +346,28 @@ def test_cli_measure_charges_adamw_state_for_the_dtype(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_a_host_link_without_offload_is_refused(tmp_path, capsys):
+    """The host link is what offload's copies are timed over; without offload among the policies
+    the given bandwidth was dropped without a word (the profile's host_bytes_per_s 0, not 5e9).
+    Refused, naming both arguments; with offload it is the profile's."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    layers = [("pre", nn.Linear(4, 4).double()), ("blk", nn.Linear(4, 4).double())]
+    with pytest.raises(ValueError, match=r"host_bytes_per_s=5000000000.0 is the host link of offload's copies; policies "
+                                         r"\['full'\] do not measure offload"):
+        measure_profile(layers=layers, example_input=x, steps=1, warmup=0, policies=["full"], host_bytes_per_s=5e9)
+    prof = measure_profile(layers=layers, example_input=x, steps=1, warmup=0, policies=["offload"], host_bytes_per_s=5e9)
+    assert prof.host_bytes_per_s == 5e9
+    transformers = pytest.importorskip("transformers")
+    from zbpp.cli import main
+
+    transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    assert main(["measure", "--hf-config", str(tmp_path), "--seq", "4", "--policies", "none,full", "--host-gb-per-s",
+                 "5", "-o", str(tmp_path / "p.json")]) == 2
+    assert "--host-gb-per-s is the host link of offload's copies, and --policies none,full does not measure offload" \
+        in capsys.readouterr().err
+
+
 def test_policy_costs_by_hand():
     """An MLP layer (Linear, GELU, Linear) after a first layer, float64, R rows of width W: none
     keeps its input (R W), GELU's input (3 R W) and output (3 R W), W of them the Linears' inputs

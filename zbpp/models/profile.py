@@ -107,7 +107,8 @@ def measure_profile(
         policies: activation policies to measure besides ``"none"`` (``"full"``, ``"selective"``,
             ``"offload"``; see below). Empty: none (the layers offer no policy).
         host_bytes_per_s: the host link's bandwidth per direction for offload's copies (None:
-            measured once, `measure_host_link`, when ``"offload"`` is asked for).
+            measured once, `measure_host_link`, when ``"offload"`` is asked for); given without
+            ``"offload"`` in `policies`, a `ValueError` (nothing would use it).
 
     Per layer (times in seconds, on CUDA with CUDA events, else with ``time.perf_counter``):
 
@@ -174,6 +175,9 @@ def measure_profile(
                              "so build the model with real weights on the device to measure")
     asked = _check_policies(policies)
     device = _device_of(named, example_input)
+    if host_bytes_per_s is not None and "offload" not in asked:  # only offload's copies use it: else ignored
+        raise ValueError(f"host_bytes_per_s={host_bytes_per_s!r} is the host link of offload's copies; "
+                         f"policies {list(asked)} do not measure offload: add \"offload\" or drop host_bytes_per_s")
     link = 0.0
     if "offload" in asked:
         link = measure_host_link(device) if host_bytes_per_s is None else float(host_bytes_per_s)
