@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -200,3 +201,39 @@ def test_a_directory_without_weights_is_named(tmp_path: Path) -> None:
     config("llama").save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
         causal_lm_stages(tmp_path, sched, 0)
+
+
+def _llama_checkpoint_edited(path: Path, edit: Any) -> None:
+    """HF's save of the tiny Llama with its tensors changed by ``edit(tensors)`` (in place)."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config("llama")).save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_checkpoint_tensor_the_model_has_no_place_for_is_refused(tmp_path: Path) -> None:
+    """A tensor of the checkpoint that no parameter takes (a bias the config does not have, a layer
+    past num_hidden_layers) was dropped without a word: the model trained without it. Refused on
+    every rank, naming the keys ``from_pretrained`` reports unexpected (the reference); a key HF
+    ignores on purpose (an old per-layer ``rotary_emb.inv_freq`` buffer) still loads."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    extra = {"model.layers.0.self_attn.q_proj.bias": torch.randn(16),
+             "model.layers.9.mlp.up_proj.weight": torch.randn(32, 16)}
+    ignored = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.randn(2)}
+    _llama_checkpoint_edited(tmp_path / "bad", lambda t: t.update({**extra, **ignored}))
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bad", output_loading_info=True)
+    assert info["unexpected_keys"] == set(extra)  # HF's own verdict: these two, not the ignored one
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    for rank in range(2):  # every rank refuses, whichever stages it holds: none waits for the other
+        with pytest.raises(ValueError, match="no place for") as err:
+            causal_lm_stages(tmp_path / "bad", sched, rank, device="cpu")
+        assert all(k in str(err.value) for k in extra) and "inv_freq" not in str(err.value), err.value
+
+    _llama_checkpoint_edited(tmp_path / "ok", lambda t: t.update(ignored))
+    causal_lm_stages(tmp_path / "ok", sched, 0, device="cpu")
+

@@ -9,7 +9,8 @@ else: no process builds or reads the whole model. The checkpoint's names are map
 as ``from_pretrained`` maps them (HF's conversion mapping of the family: renames, the base-model
 prefix of checkpoints saved without the head, per-expert tensors merged for fused MoE layers), a
 tied LM head missing from the checkpoint takes the embedding's tensor, and one the checkpoint holds
-with values of its own is untied (`pretrained`).
+with values of its own is untied (`pretrained`). A checkpoint tensor that no name takes (and the
+family's HF model does not ignore on purpose) is refused, on every rank alike.
 
 Host memory: a rank holds its own stages and one tensor in flight. Measured by
 ``benchmarks/bench_pretrained_load.py`` (a 439 MB float32 Llama, hidden 1024, 6 layers, vocabulary
@@ -88,6 +89,11 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
         if _ties_the_checkpoint_breaks(weights):  # tied by something other than the flag: one would be lost
             raise ValueError(f"{type(weights._model).__name__} ties {differ} whatever tie_word_embeddings says, but "
                              f"{os.fspath(path)!r} holds them with different values")
+    if weights.unexpected:  # from_pretrained drops them with a warning: the model would train without them
+        raise ValueError(f"{os.fspath(path)!r} holds {len(weights.unexpected)} tensors that "
+                         f"{type(weights._model).__name__} built from its config.json has no place for: "
+                         f"{weights.unexpected[:8]}; the config does not describe these weights (fix config.json, or "
+                         "remove the tensors from the checkpoint)")
     return config, weights, dtype
 
 
@@ -99,6 +105,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
     Keys are the names of the model built from `config`; a name asked for twice is read twice (the
     mapping keeps nothing). ``len`` and iteration list the names the checkpoint provides.
+    ``unexpected``: the checkpoint keys that no name takes, less those the family's HF model
+    ignores on purpose (``_keys_to_ignore_on_load_unexpected``, old ``inv_freq`` buffers).
     """
 
     def __init__(self, root: str | os.PathLike, config: Any, *, device: torch.device | str | None = None,
@@ -107,7 +115,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype = dtype
         self._files = _tensor_files(self.root)  # checkpoint key -> file
-        self._sources, self._converters, self._model = _model_names(config, list(self._files), dtype)
+        self._sources, self._converters, self._model, unmatched = _model_names(config, list(self._files), dtype)
+        self.unexpected = _not_ignored(self._model, unmatched)
         # each name's dtype in the model built in `dtype`: a weight kept in float32 is not rounded on the way
         self._dtypes = {n: t.dtype for n, t in self._model.state_dict().items()} if dtype is not None else {}
 
@@ -182,11 +191,12 @@ def _meta_model(config: Any, dtype: torch.dtype | None = None) -> nn.Module:
 
 
 def _model_names(config: Any, keys: list[str], dtype: torch.dtype | None = None
-                 ) -> tuple[dict[str, list[tuple[str, str]]], dict[str, Any], nn.Module]:
+                 ) -> tuple[dict[str, list[tuple[str, str]]], dict[str, Any], nn.Module, dict[str, str]]:
     """Map checkpoint keys to the model's names as ``from_pretrained`` does: the family's renames,
     then at most one converter, then the base-model prefix added or removed. Returns ``{model name:
-    [(checkpoint key, source pattern)]}``, ``{model name: converter}`` for converted weights, and the
-    meta model (built in `dtype`). A tied weight absent from the checkpoint gets its tie's source."""
+    [(checkpoint key, source pattern)]}``, ``{model name: converter}`` for converted weights, the
+    meta model (built in `dtype`) and ``{checkpoint key: its renamed key}`` of the keys no name
+    takes. A tied weight absent from the checkpoint gets its tie's source."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
@@ -199,14 +209,16 @@ def _model_names(config: Any, keys: list[str], dtype: torch.dtype | None = None
     prefix = getattr(model, "base_model_prefix", None)
     sources: dict[str, list[tuple[str, str]]] = {}
     converted: dict[str, Any] = {}
+    unmatched: dict[str, str] = {}
     # in HF's order: a converter merges its sources as they come, so experts 0, 1, 2, ..., 10 (not 0, 1, 10, 2 as
     # the index and safetensors list them)
     for key in sorted(keys, key=dot_natural_key):
         name, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
         if name not in wanted and key in wanted:
             name, pattern = key, None
-        if name not in wanted:
-            continue  # a tensor the model has no place for (HF drops it too, with a warning)
+        if name not in wanted:  # a tensor the model has no place for: `SafetensorsWeights.unexpected`
+            unmatched[key] = name
+            continue
         sources.setdefault(name, []).append((key, pattern if pattern is not None else key))
         if pattern is not None:
             converted[name] = by_pattern[pattern]
@@ -217,7 +229,21 @@ def _model_names(config: Any, keys: list[str], dtype: torch.dtype | None = None
                 sources[n] = sources[present[0]]
                 if present[0] in converted:
                     converted[n] = converted[present[0]]
-    return sources, converted, model
+    return sources, converted, model, unmatched
+
+
+def _not_ignored(model: nn.Module, unmatched: Mapping[str, str]) -> list[str]:
+    """The checkpoint keys of `unmatched` (``{key: renamed key}``) that ``from_pretrained`` reports
+    unexpected: not those whose renamed key the model's class ignores on purpose (HF's own rules,
+    applied as HF applies them, where this transformers has them)."""
+    import types
+
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if not unmatched or not callable(adjust):
+        return sorted(unmatched)
+    info = types.SimpleNamespace(missing_keys=set(), unexpected_keys=set(unmatched.values()))
+    adjust(info)
+    return sorted(k for k, renamed in unmatched.items() if renamed in info.unexpected_keys)
 
 
 def _tie_groups(model: nn.Module) -> list[list[str]]:
