@@ -237,3 +237,16 @@ def test_a_checkpoint_tensor_the_model_has_no_place_for_is_refused(tmp_path: Pat
     _llama_checkpoint_edited(tmp_path / "ok", lambda t: t.update(ignored))
     causal_lm_stages(tmp_path / "ok", sched, 0, device="cpu")
 
+
+def test_a_tensor_missing_from_the_checkpoint_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """The final norm missing from the checkpoint: only the last rank, which holds it, raised; the
+    others went on into the Pipeline and waited for it until the process group's timeout. Every
+    rank now refuses the checkpoint, naming the tensor."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    _llama_checkpoint_edited(tmp_path, lambda t: t.pop("model.norm.weight"))
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    for rank in range(2):
+        with pytest.raises(ValueError, match=r"lacks .*model\.norm\.weight"):
+            causal_lm_stages(tmp_path, sched, rank, device="cpu")

@@ -10,7 +10,8 @@ as ``from_pretrained`` maps them (HF's conversion mapping of the family: renames
 prefix of checkpoints saved without the head, per-expert tensors merged for fused MoE layers), a
 tied LM head missing from the checkpoint takes the embedding's tensor, and one the checkpoint holds
 with values of its own is untied (`pretrained`). A checkpoint tensor that no name takes (and the
-family's HF model does not ignore on purpose) is refused, on every rank alike.
+family's HF model does not ignore on purpose) is refused, on every rank alike, as is a checkpoint
+that lacks a tensor of the model (not only on the rank whose stages hold it).
 
 Host memory: a rank holds its own stages and one tensor in flight. Measured by
 ``benchmarks/bench_pretrained_load.py`` (a 439 MB float32 Llama, hidden 1024, 6 layers, vocabulary
@@ -89,6 +90,9 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
         if _ties_the_checkpoint_breaks(weights):  # tied by something other than the flag: one would be lost
             raise ValueError(f"{type(weights._model).__name__} ties {differ} whatever tie_word_embeddings says, but "
                              f"{os.fspath(path)!r} holds them with different values")
+    if weights.missing:  # checked on every rank: else only the rank holding one raises, the others wait for it
+        raise ValueError(f"{os.fspath(path)!r} lacks {len(weights.missing)} tensors of "
+                         f"{type(weights._model).__name__} built from its config.json: {weights.missing[:8]}")
     if weights.unexpected:  # from_pretrained drops them with a warning: the model would train without them
         raise ValueError(f"{os.fspath(path)!r} holds {len(weights.unexpected)} tensors that "
                          f"{type(weights._model).__name__} built from its config.json has no place for: "
@@ -106,7 +110,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     Keys are the names of the model built from `config`; a name asked for twice is read twice (the
     mapping keeps nothing). ``len`` and iteration list the names the checkpoint provides.
     ``unexpected``: the checkpoint keys that no name takes, less those the family's HF model
-    ignores on purpose (``_keys_to_ignore_on_load_unexpected``, old ``inv_freq`` buffers).
+    ignores on purpose (``_keys_to_ignore_on_load_unexpected``, old ``inv_freq`` buffers);
+    ``missing``: the model's names (parameters and persistent buffers) the checkpoint lacks.
     """
 
     def __init__(self, root: str | os.PathLike, config: Any, *, device: torch.device | str | None = None,
@@ -117,6 +122,7 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         self._files = _tensor_files(self.root)  # checkpoint key -> file
         self._sources, self._converters, self._model, unmatched = _model_names(config, list(self._files), dtype)
         self.unexpected = _not_ignored(self._model, unmatched)
+        self.missing = [n for n in self._model.state_dict() if n not in self._sources]
         # each name's dtype in the model built in `dtype`: a weight kept in float32 is not rounded on the way
         self._dtypes = {n: t.dtype for n, t in self._model.state_dict().items()} if dtype is not None else {}
 
