@@ -150,23 +150,19 @@ def test_a_tied_head_present_with_its_own_values_is_untied_as_hf_does(tmp_path: 
 
 
 def test_a_directory_saved_again_unsharded_reads_as_hf_reads_it(tmp_path: Path) -> None:
-    """Saving into a directory that holds an earlier sharded save leaves its index and shards beside
-    the new ``model.safetensors`` (HF's save_pretrained leaves the index too). ``from_pretrained``
-    reads ``model.safetensors`` first; so must the stages, or they train the earlier weights."""
-    from zbpp import Pipeline
-    from zbpp.models.hf import save_pretrained
+    """HF's save_pretrained into a directory that holds an earlier sharded save leaves its index
+    beside the new ``model.safetensors``. ``from_pretrained`` reads ``model.safetensors`` first; so
+    must the stages, or they train the earlier weights."""
     from zbpp.models.hf_weights import SafetensorsWeights
-    from zbpp.schedules import build
 
     cfg = config("llama")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    pipe = Pipeline({0: model}, build("1f1b", num_ranks=1, num_microbatches=1), loss_fn=lambda out, y: out)
-    save_pretrained(pipe, tmp_path, max_shard_size="8KB")  # the earlier save, in shards
+    model.save_pretrained(tmp_path, max_shard_size="8KB")  # the earlier save, in shards
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    save_pretrained(pipe, tmp_path)  # the new one, one file
+    model.save_pretrained(tmp_path)  # the new one, one file
     assert (tmp_path / "model.safetensors.index.json").is_file() and (tmp_path / "model.safetensors").is_file()
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
@@ -250,3 +246,40 @@ def test_a_tensor_missing_from_the_checkpoint_is_refused_on_every_rank(tmp_path:
     for rank in range(2):
         with pytest.raises(ValueError, match=r"lacks .*model\.norm\.weight"):
             causal_lm_stages(tmp_path, sched, rank, device="cpu")
+
+
+@pytest.mark.parametrize("first,then", [("2GB", "8KB"), ("8KB", "2GB"), ("4KB", "8KB")])
+def test_saving_again_into_a_directory_leaves_only_the_new_weights(first: str, then: str, tmp_path: Path) -> None:
+    """`save_pretrained` into a directory that holds an earlier save, now in another number of files
+    (the job resumed at another pipeline degree): one earlier ``model.safetensors`` beside new
+    shards was what ``from_pretrained`` read (it looks for the single file first), the earlier
+    weights, silently. The directory holds the new save only; what HF and the stages read is the
+    model's state now (the reference), exactly."""
+    from zbpp import Pipeline
+    from zbpp.models.hf import save_pretrained
+    from zbpp.models.hf_weights import SafetensorsWeights
+    from zbpp.schedules import build
+
+    cfg = config("llama")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    pipe = Pipeline({0: model}, build("1f1b", num_ranks=1, num_microbatches=1), loss_fn=lambda out, y: out)
+    save_pretrained(pipe, tmp_path, max_shard_size=first)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    save_pretrained(pipe, tmp_path, max_shard_size=then)
+    files = sorted(p.name for p in tmp_path.glob("model*"))
+    assert files != sorted(p for p in before if p.startswith("model")), files  # another number of files
+    if then == "2GB":
+        assert files == ["model.safetensors"], files
+    else:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert files == sorted({*index["weight_map"].values(), "model.safetensors.index.json"}), files
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    weights = SafetensorsWeights(tmp_path, cfg)
+    for name, t in model.state_dict().items():
+        assert torch.equal(hf[name], t), name
+        assert torch.equal(weights[name], t), name

@@ -268,7 +268,8 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
     Args:
         pipe: a `zbpp.Pipeline` of stages from `zbpp.models.hf.causal_lm_stages` (they carry the
             model's config as ``.config``; ``state_dict()`` keys are the whole model's names).
-        path: the directory to write (created; shared by the writing ranks).
+        path: the directory to write (created; shared by the writing ranks). The weight files
+            of an earlier save there that this one does not rewrite are deleted.
         max_shard_size: the largest safetensors file, in bytes or as ``"500MB"``: each pipeline
             rank writes its stages in files of at most this size (a tensor larger goes alone).
     """
@@ -310,6 +311,7 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
         dist.all_gather_object(maps, mine, group=topology.pp_group)
     if writes and topology.pp_rank == 0:
         weight_map = {k: v for m, _ in maps for k, v in m.items()}
+        _remove_earlier_save(out, set(weight_map.values()) | ({_INDEX} if total_files > 1 else set()))
         if total_files > 1:
             meta = {"metadata": {"total_size": sum(n for _, n in maps)}, "weight_map": dict(sorted(weight_map.items()))}
             (out / _INDEX).write_text(json.dumps(meta, indent=2) + "\n")
@@ -320,6 +322,18 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
         saved.save_pretrained(out)
     if topology.distributed:
         dist.barrier()
+
+
+def _remove_earlier_save(out: Path, kept: set[str]) -> None:
+    """Delete the weight files of an earlier save in `out` that this one (`kept`) did not write: a
+    ``model.safetensors`` beside new shards is what ``from_pretrained`` reads first, an index or
+    shards beside a new single file describe weights no longer there."""
+    import re
+
+    for f in out.iterdir():
+        ours = f.name in (_SINGLE, _INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f.name)
+        if ours and f.name not in kept and f.is_file():
+            f.unlink()
 
 
 def _rank_state(mods: list[nn.Module], config: Any) -> dict[str, torch.Tensor]:
