@@ -272,3 +272,33 @@ def test_no_track_holds_partly_overlapping_slices(tmp_path, name):
         path = tmp_path / f"{comm}.json"
         write_trace(path, simulated=res, measured=_records(res), comm=comm, simulated_unit_s=1.0)
         assert _partial_overlaps(_load(path)) == [], comm
+
+
+def test_overlapping_measured_tasks_get_a_compute_track_each(tmp_path):
+    """Measured records of an overlapped F&B pair (DualPipe): on rank 0 F0.1 [1, 2] s and BW0.0
+    [1.5, 3] s overlap without nesting, so Perfetto cannot draw them on one track. By hand: F0.0 and
+    F0.1 and BW0.1 fit one track, BW0.0 needs a second; each flow end sits on its task's track."""
+    recs = [
+        {"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0},
+        {"rank": 0, "action": "F0.1", "start": 1.0, "end": 2.0},
+        {"rank": 0, "action": "BW0.0", "start": 1.5, "end": 3.0},
+        {"rank": 0, "action": "BW0.1", "start": 4.0, "end": 5.0},
+        {"rank": 1, "action": "F1.0", "start": 1.0, "end": 1.5},
+        {"rank": 1, "action": "BW1.0", "start": 1.5, "end": 1.5},
+        {"rank": 1, "action": "F1.1", "start": 2.0, "end": 2.5},
+        {"rank": 1, "action": "BW1.1", "start": 2.5, "end": 4.0},
+    ]
+    path = tmp_path / "overlap.json"
+    write_trace(path, measured=recs)
+    ev = _load(path)
+    assert _partial_overlaps(ev) == []
+    tid = {e["name"]: (e["pid"], e["tid"]) for e in ev if e.get("cat") == "measured"}
+    assert tid["F0.1"] != tid["BW0.0"] and tid["F0.0"] == tid["F0.1"] == tid["BW0.1"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[tid["F0.0"]] == "compute" and names[tid["BW0.0"]] == "compute 2"
+    assert {names[tid[a]] for a in ("F1.0", "BW1.0", "F1.1", "BW1.1")} == {"compute"}
+    slices = {(e["pid"], e["tid"], e["name"]): (e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "measured"}
+    for e in (e for e in ev if e["ph"] in ("s", "f")):  # each flow end inside a slice of its own track
+        assert any(lo <= e["ts"] <= hi for (pid, t, _), (lo, hi) in slices.items() if (pid, t) == (e["pid"], e["tid"])), e
+    records, _ = read_trace(path)
+    assert sorted(r["action"] for r in records) == sorted(r["action"] for r in recs)

@@ -8,7 +8,8 @@ holds the simulation, the measured run, or both side by side:
   rank, joined by a flow arrow; messages in flight at once go on tracks ``comm 2``, ``comm 3``, ...
   so that no two slices of a track overlap): the messages of `zbpp.schedules.program` (only cross-rank data
   edges carry one);
-- the measurement: one process per rank (``measured · rank r``) with every recorded task, and
+- the measurement: one process per rank (``measured · rank r``) with every recorded task (tasks
+  that ran at once, such as DualPipe's overlapped F&B pairs, on tracks ``compute 2``, ...), and
   flow arrows along the same cross-rank edges.
 
 Measured records are what ``Pipeline(..., record_task_times=True)`` gathers on pipeline rank 0 (see
@@ -67,18 +68,24 @@ def _task_event(a: Action, rank: int, pid: int, start: float, end: float, unit_u
     }
 
 
-def _comm_lanes(slices: list[dict[str, Any]]) -> int:
-    """Put each message slice of one rank on a comm track (``tid``) where it overlaps no other:
-    slices on one track must nest, and two messages in flight at once (comm longer than the gap
-    between them) only partly overlap. Returns how many tracks were used."""
+def _lanes(slices: list[dict[str, Any]], first_tid: int) -> int:
+    """Put each slice of one rank on a track (``tid`` from `first_tid` on) where it overlaps no
+    other: slices on one track must nest, and two messages in flight at once (comm longer than the
+    gap between them) or two measured tasks run at once only partly overlap. Returns how many
+    tracks were used."""
     ends: list[float] = []  # per track, the end of its last slice
     for e in sorted(slices, key=lambda e: (e["ts"], e["dur"])):
         lane = next((i for i, end in enumerate(ends) if end <= e["ts"]), len(ends))
         if lane == len(ends):
             ends.append(0.0)
         ends[lane] = e["ts"] + e["dur"]
-        e["tid"] = _COMM_TID + lane
+        e["tid"] = first_tid + lane
     return len(ends)
+
+
+def _track_names(kind: str, lanes: int) -> list[str]:
+    """``kind``, ``kind 2``, ``kind 3``, ... for `lanes` tracks (at least one)."""
+    return [kind if i == 0 else f"{kind} {i + 1}" for i in range(max(lanes, 1))]
 
 
 def _messages(schedule: Schedule) -> list[tuple[Action, Action]]:
@@ -144,27 +151,30 @@ def write_trace(
             comm_events[dst].append({"name": f"recv {name}", "pid": dst, "flow_in": True, **common})
             flow_id += 1
         for r in range(p):
-            lanes = _comm_lanes(comm_events[r])  # messages in flight at once on this rank: one track each
-            events += _meta(r, f"simulated · rank {r}", r,
-                            ["compute"] + ["comm" if i == 0 else f"comm {i + 1}" for i in range(max(lanes, 1))])
+            lanes = _lanes(comm_events[r], _COMM_TID)  # messages in flight at once on this rank: one track each
+            events += _meta(r, f"simulated · rank {r}", r, ["compute"] + _track_names("comm", lanes))
             for a in simulated.schedule.orders[r]:
                 events.append(_task_event(a, r, r, simulated.start[a], simulated.end[a], unit_us, "simulated", chunk[a.stage]))
             events += comm_events[r]
 
     if measured_res is not None:
         base = p if simulated is not None else 0
+        tid: dict[Action, int] = {}  # each measured task's track
         for r in range(p):
-            events += _meta(base + r, f"measured · rank {r}", base + r, ["compute"])
-            for a in measured_res.schedule.orders[r]:
-                events.append(_task_event(a, r, base + r, measured_res.start[a], measured_res.end[a], 1e6, "measured",
-                                          chunk[a.stage]))
+            tasks = [_task_event(a, r, base + r, measured_res.start[a], measured_res.end[a], 1e6, "measured",
+                                 chunk[a.stage]) for a in measured_res.schedule.orders[r]]
+            # tasks run at once (DualPipe's overlapped pairs) would partly overlap on one track
+            lanes = _lanes(tasks, _COMPUTE_TID)
+            events += _meta(base + r, f"measured · rank {r}", base + r, _track_names("compute", lanes))
+            events += tasks
+            tid.update((a, e["tid"]) for a, e in zip(measured_res.schedule.orders[r], tasks))
         for a, c in messages:
             src, dst = sched.rank_of(a.stage), sched.rank_of(c.stage)
             # Flow v1 (a task can send one message and receive another, and a slice binds one v2
             # flow): each end binds to the slice enclosing its timestamp, so put it mid-task.
             for ph, task, pid in (("s", a, base + src), ("f", c, base + dst)):
                 mid = (measured_res.start[task] + measured_res.end[task]) / 2 * 1e6
-                events.append({"name": "message", "cat": "flow", "ph": ph, "id": flow_id, "pid": pid, "tid": _COMPUTE_TID,
+                events.append({"name": "message", "cat": "flow", "ph": ph, "id": flow_id, "pid": pid, "tid": tid[task],
                                "ts": mid, **({"bp": "e"} if ph == "f" else {})})
             flow_id += 1
 
