@@ -78,3 +78,12 @@ def test_placements() -> None:
     inter = build("interleaved-1f1b", num_ranks=4, num_microbatches=4, chunks=3)
     assert inter.stages_on(1) == [1, 5, 9]
     assert v_placement(4) == (0, 1, 2, 3, 3, 2, 1, 0)
+
+
+@pytest.mark.parametrize("name", ["my schedule", "zb-h1 (p=4, tuned)"])
+def test_schedule_text_keeps_a_name_with_spaces(name: str) -> None:
+    """A schedule named by its user (from_orders, from_torch_csv(name=...)) keeps its whole name
+    through the text form (and so through a trace's stored schedule), not its last word."""
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    named = Schedule(sched.num_ranks, sched.num_stages, sched.num_microbatches, sched.placement, sched.orders, name=name)
+    assert Schedule.from_text(named.to_text()) == named

@@ -168,7 +168,7 @@ class Schedule:
             if not line:
                 continue
             if line.startswith("# zbpp schedule"):
-                name = line.split()[-1]
+                name = line[len("# zbpp schedule"):].strip()  # the rest of the line: a name may hold spaces
                 continue
             if line.startswith("#"):
                 continue
