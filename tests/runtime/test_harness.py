@@ -27,6 +27,17 @@ def sleep_forever_in_here() -> None:
     time.sleep(600)
 
 
+def _refuse_to_unpickle() -> None:
+    raise RuntimeError("cannot rebuild this argument on a rank")
+
+
+class UnpicklableOnRanks:
+    """Pickles in the parent; unpickling it (on a rank) raises."""
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
 def die_on_rank_one() -> int:
     if dist.get_rank() == 1:
         os._exit(3)
@@ -70,3 +81,15 @@ def test_a_hung_run_is_stopped_with_stacks(zbpp_workers):
 def test_a_dead_rank_is_reported_with_its_exit_code(zbpp_workers):
     with pytest.raises(DistributedTestError, match="exited with code 3"):
         zbpp_workers(2, grace=1.0).run(die_on_rank_one)
+
+
+def test_an_argument_a_rank_cannot_unpickle_is_reported_with_its_traceback(zbpp_workers):
+    """The job reaches the ranks but cannot be rebuilt there: each rank reports why (it used to die
+    as it read the job, reported only as 'exited with code 1', its traceback lost)."""
+    workers = zbpp_workers(2, grace=1.0)
+    with pytest.raises(DistributedTestError) as info:
+        workers.run(rank_and_world, UnpicklableOnRanks())
+    assert set(info.value.failures) == {0, 1}
+    for report in info.value.failures.values():
+        assert "RuntimeError: cannot rebuild this argument on a rank" in report and "_refuse_to_unpickle" in report
+    assert "cannot rebuild this argument" in info.value.first_error

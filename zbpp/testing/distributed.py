@@ -172,6 +172,11 @@ def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump
             job = conn.recv()
         except EOFError:
             break
+        except BaseException:  # noqa: BLE001 - the job's bytes were read whole; report and wait for the next
+            # a function or argument that pickled in the parent but cannot be rebuilt here (a module
+            # the rank cannot import, a failing __reduce__): escaping, it would kill the rank silently
+            conn.send(("error", "the job could not be unpickled on this rank:\n" + traceback.format_exc(), time.time()))
+            continue
         if job is None:
             break
         try:
