@@ -23,6 +23,10 @@ def raise_on_rank_one_else_wait() -> None:
     dist.recv(t, 1)  # waits for a message rank 1 will never send
 
 
+def env_var(name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def sleep_forever_in_here() -> None:
     time.sleep(600)
 
@@ -93,3 +97,11 @@ def test_an_argument_a_rank_cannot_unpickle_is_reported_with_its_traceback(zbpp_
     for report in info.value.failures.values():
         assert "RuntimeError: cannot rebuild this argument on a rank" in report and "_refuse_to_unpickle" in report
     assert "cannot rebuild this argument" in info.value.first_error
+
+
+def test_fixture_pools_with_env_are_told_apart_by_it(zbpp_workers):
+    """`env` (a dict) is one of Workers' options: the fixture keys its pools by it (a dict in the key
+    used to raise TypeError: unhashable type), and pools with different env values are different."""
+    assert zbpp_workers(2, env={"ZBPP_TEST_VALUE": "a"}).run(env_var, "ZBPP_TEST_VALUE") == ["a", "a"]
+    assert zbpp_workers(2, env={"ZBPP_TEST_VALUE": "b"}).run(env_var, "ZBPP_TEST_VALUE") == ["b", "b"]
+    assert zbpp_workers(2, env={"ZBPP_TEST_VALUE": "a"}).run(env_var, "ZBPP_TEST_VALUE") == ["a", "a"]

@@ -39,6 +39,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="ranks of idle zbpp_workers pools kept alive for later tests (default 8)")
 
 
+def _frozen(value: Any) -> Any:
+    """`value` made hashable (a pool's key): dicts (``env``) as sorted item tuples, lists as tuples."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 @pytest.fixture(scope="session")
 def zbpp_workers(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     from .distributed import Workers, gpus_available
@@ -49,7 +58,7 @@ def zbpp_workers(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]
 
     def get(world_size: int = 2, backend: str = "gloo", **options: Any) -> Workers:
         parent_side = {k: options.pop(k) for k in _PARENT_SIDE if k in options}
-        key = (world_size, backend, tuple(sorted(options.items())))
+        key = (world_size, backend, _frozen(options))
         if key not in pools:
             if backend == "nccl" and not gpus_available(world_size):
                 pytest.skip(f"needs {world_size} CUDA GPUs for NCCL (this machine has fewer or no CUDA)")
