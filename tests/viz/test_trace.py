@@ -302,3 +302,30 @@ def test_overlapping_measured_tasks_get_a_compute_track_each(tmp_path):
         assert any(lo <= e["ts"] <= hi for (pid, t, _), (lo, hi) in slices.items() if (pid, t) == (e["pid"], e["tid"])), e
     records, _ = read_trace(path)
     assert sorted(r["action"] for r in records) == sorted(r["action"] for r in recs)
+
+
+def test_back_to_back_tasks_do_not_overlap_by_rounding(tmp_path):
+    """1F1B, p=2, m=2, F=1.3, B=2, W=1 (BW=3), 1 unit = 1 ms, worked by hand: rank 1 runs F1.0
+    [1300, 2600], BW1.0 [2600, 5600], F1.1 [5600, 6900], BW1.1 [6900, 9900] us, back to back. In
+    floating point, F1.1's ts + dur came out above BW1.1's ts (by 1e-12 us): two slices partly
+    overlapping on one track, which Perfetto cannot draw. On each track a slice must end no later
+    than the next one starts, exactly; times match the hand-worked ones to half a step of the 1/1024 us
+    grid they are written on."""
+    res = simulate(build("1f1b", num_ranks=2, num_microbatches=2), Costs(1.3, 2, 1))
+    path = tmp_path / "t.json"
+    # the simulation in ms (1 unit = 1e-3 s), the same times "measured" in seconds
+    write_trace(path, simulated=res, measured=_records(res, scale=1e-3), simulated_unit_s=1e-3)
+    ev = _load(path)
+    hand = {"F1.0": (1300, 2600), "BW1.0": (2600, 5600), "F1.1": (5600, 6900), "BW1.1": (6900, 9900)}
+    for cat, pid in (("simulated", 1), ("measured", 3)):
+        got = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == cat and e["pid"] == pid}
+        assert got == {k: (pytest.approx(lo, abs=1 / 2048), pytest.approx(hi, abs=1 / 2048))
+                       for k, (lo, hi) in hand.items()}, cat
+    tracks: dict = {}
+    for e in ev:
+        if e["ph"] == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for key, slices in tracks.items():
+        slices.sort()
+        for (_, end, a), (start, _, b) in zip(slices, slices[1:]):
+            assert end <= start, (key, a, b, end - start)

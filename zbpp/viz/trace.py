@@ -40,6 +40,13 @@ __all__ = ["write_trace", "read_trace", "measured_result", "measured_summary"]
 
 Record = Mapping[str, Any]
 _COMPUTE_TID, _COMM_TID = 0, 1
+_GRID = 1024.0  # steps per microsecond of the times written: a power of 2, so they add up exactly
+
+
+def _us(t: float) -> float:
+    """Time `t` (already in microseconds) on a grid of 1/1024 us (under 1 ns). On it ts + dur is exact,
+    so a task ending as the next one starts never overlaps it by a rounding error of the sum."""
+    return round(t * _GRID) / _GRID
 
 
 # -- traces ------------------------------------------------------------------------------------
@@ -61,8 +68,8 @@ def _task_event(a: Action, rank: int, pid: int, start: float, end: float, unit_u
         "ph": "X",
         "pid": pid,
         "tid": _COMPUTE_TID,
-        "ts": start * unit_us,
-        "dur": (end - start) * unit_us,
+        "ts": _us(start * unit_us),
+        "dur": _us(end * unit_us) - _us(start * unit_us),
         "args": {"rank": rank, "action": str(a), "kind": a.kind.value, "stage": a.stage, "microbatch": a.microbatch,
                  "chunk": chunk},
     }
@@ -114,7 +121,8 @@ def write_trace(
     ``Costs.from_task_times`` is in seconds) and 1e-3 otherwise (unit costs drawn as milliseconds).
     `comm` is the simulation's message time (its ``Costs.comm``, in its units): each message is drawn
     as a send on the producer's comm track and a receive on the consumer's, from the producer's
-    end for `comm`, joined by a flow arrow. Measured tasks are joined along the same edges. The
+    end for `comm`, joined by a flow arrow. Measured tasks are joined along the same edges. Times
+    are written in microseconds rounded to 1/1024 us, so back-to-back tasks meet exactly. The
     file also records the schedule (``otherData.zbpp_schedule``) so `read_trace` can load a
     measurement back for plotting.
 
@@ -141,9 +149,9 @@ def write_trace(
         comm_events: dict[int, list[dict[str, Any]]] = {r: [] for r in range(p)}
         for a, c in messages:
             src, dst = sched.rank_of(a.stage), sched.rank_of(c.stage)
-            t = simulated.end[a] * unit_us
+            t = _us(simulated.end[a] * unit_us)
             name = f"{a} -> {c}"
-            common = {"cat": "comm", "ph": "X", "ts": t, "dur": float(comm) * unit_us,
+            common = {"cat": "comm", "ph": "X", "ts": t, "dur": _us(float(comm) * unit_us),
                       "args": {"from": str(a), "to": str(c)}, "bind_id": flow_id}
             # Flow v2: the arrow is bound to these two slices themselves, not looked up by
             # timestamp, so it holds even when comm = 0 makes them zero-length.
@@ -173,7 +181,7 @@ def write_trace(
             # Flow v1 (a task can send one message and receive another, and a slice binds one v2
             # flow): each end binds to the slice enclosing its timestamp, so put it mid-task.
             for ph, task, pid in (("s", a, base + src), ("f", c, base + dst)):
-                mid = (measured_res.start[task] + measured_res.end[task]) / 2 * 1e6
+                mid = _us((measured_res.start[task] + measured_res.end[task]) / 2 * 1e6)
                 events.append({"name": "message", "cat": "flow", "ph": ph, "id": flow_id, "pid": pid, "tid": tid[task],
                                "ts": mid, **({"bp": "e"} if ph == "f" else {})})
             flow_id += 1
