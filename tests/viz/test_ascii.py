@@ -78,3 +78,19 @@ def test_a_near_zero_task_does_not_set_the_scale() -> None:
         "time 0..4.0002 (1 char = 0.5; 4 chars added for tasks shorter than 1 char, e.g. of zero length)\n"
         "rank 0 |F0B0W0F1B1W1|"
     )
+
+
+@pytest.mark.parametrize("scale", [0, -1, float("nan"), float("inf"), "2"])
+def test_a_bad_scale_is_refused_naming_it(scale) -> None:
+    """A scale (characters per time unit) must be a finite number > 0: 0 used to end in a
+    ZeroDivisionError, -1 in an IndexError, nan and inf in conversion errors, none naming it."""
+    res = simulate(build("1f1b", num_ranks=2, num_microbatches=2))
+    with pytest.raises(ValueError, match=r"render_ascii scale must be a finite number > 0"):
+        render_ascii(res, scale=scale)
+
+
+@pytest.mark.parametrize("width", [0, -5, 2.5])
+def test_a_bad_width_is_refused_naming_it(width) -> None:
+    res = simulate(build("1f1b", num_ranks=2, num_microbatches=2))
+    with pytest.raises(ValueError, match=r"render_ascii width must be an integer >= 1"):
+        render_ascii(res, width=width)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 
+from ..schedules.checks import as_int, as_number
 from ..schedules.ir import Kind
 from ..schedules.simulate import SimResult
 
@@ -52,6 +53,16 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     under 1% of the median task's length (a measured record of microseconds beside milliseconds)
     do not set the scale: they are drawn as zero-length ones are.
     """
+    width = as_int(width, "render_ascii width")
+    if scale is not None:  # 0 would divide by zero, a negative one index rows backwards
+        try:
+            ok = as_number(scale, "render_ascii scale") > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"render_ascii scale must be a finite number > 0 (characters per time unit), "
+                             f"got {scale!r}")
+        scale = float(scale)
     sched = result.schedule
     if not result.start:
         return "(empty schedule)"
