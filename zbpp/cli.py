@@ -231,9 +231,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory) -> str:
     """NAME checked against the schedule of the ``--measured`` trace: it must be the name the trace
     recorded or, where it recorded none, build the same task order at -p/-m (and the options given)."""
-    if args.name not in available():
-        raise ValueError(f"unknown schedule NAME {args.name!r}; choose from {', '.join(available())}")
     recorded = "" if sched.name in ("", "measured") else sched.name  # "measured": read off the records
+    # the recorded name is checked first: it may be no registered schedule's (e.g. from_torch_csv's)
+    if args.name not in available() and args.name != recorded:
+        raise ValueError(f"unknown schedule NAME {args.name!r}; choose from {', '.join(available())}")
     if recorded:
         if args.name != recorded:
             raise ValueError(f"NAME {args.name!r} contradicts --measured {args.measured}, which recorded schedule "

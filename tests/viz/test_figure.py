@@ -196,3 +196,22 @@ def test_cli_plot_measured_bad_file_is_one_line_naming_it(tmp_path, capsys, cont
     err = capsys.readouterr().err
     assert err.startswith("zbpp plot: error: --measured ") and str(trace) in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_plot_measured_accepts_the_unregistered_name_the_trace_recorded(tmp_path, capsys):
+    """A run of a schedule read from torch's CSV records the name 'torch-csv', which no registered
+    schedule has. NAME zb-h1 is refused with 'give NAME torch-csv'; that NAME must then be taken (it
+    used to be refused as an unknown schedule: no NAME could plot the trace)."""
+    from zbpp.schedules import from_torch_csv, to_torch_csv
+
+    to_torch_csv(build("zb-h1", num_ranks=2, num_microbatches=3), tmp_path / "s.csv")
+    sched = from_torch_csv(tmp_path / "s.csv")
+    res = simulate(sched, Costs(0.01, 0.01, 0.005))
+    records = [{"rank": sched.rank_of(a.stage), "action": str(a), "start": res.start[a], "end": res.end[a]}
+               for a in res.start]
+    trace, out = tmp_path / "run.json", tmp_path / "m.svg"
+    write_trace(trace, measured=records, schedule=sched)
+    assert main(["plot", "zb-h1", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 2
+    assert "give NAME torch-csv" in capsys.readouterr().err
+    assert main(["plot", "torch-csv", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 0
+    assert any(t.startswith("measured torch-csv: p=2, m=3") for t in _texts(out))
