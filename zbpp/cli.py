@@ -260,8 +260,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     """``zbpp plot``: a figure of the simulated schedule, or with ``--measured`` of the run recorded
     in a trace written by `zbpp.viz.trace.write_trace` (NAME, -p and -m must match it)."""
     _check_output(args.output)
-    from .viz.figure import plot
+    from .viz.figure import _require_matplotlib, plot
     from .viz.trace import measured_result, read_trace
+
+    try:
+        _require_matplotlib()
+    except ImportError as exc:  # before any work, in one line as every other error
+        print(f"zbpp plot: error: {exc}", file=sys.stderr)
+        return 1
 
     costs, memory = _costs_memory(args)
     if args.measured:

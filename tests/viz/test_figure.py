@@ -215,3 +215,15 @@ def test_cli_plot_measured_accepts_the_unregistered_name_the_trace_recorded(tmp_
     assert "give NAME torch-csv" in capsys.readouterr().err
     assert main(["plot", "torch-csv", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 0
     assert any(t.startswith("measured torch-csv: p=2, m=3") for t in _texts(out))
+
+
+def test_cli_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+    """Without matplotlib `zbpp plot` ends with one line saying how to install it and exit code 1,
+    as the CLI's other errors (it used to end in an ImportError traceback)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "f.svg"
+    assert main(["plot", "1f1b", "-p", "2", "-m", "2", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zbpp plot: error: ") and "pip install zbpp[viz]" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
