@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -40,6 +41,13 @@ class UnpicklableOnRanks:
 
     def __reduce__(self):
         return (_refuse_to_unpickle, ())
+
+
+def return_then_die_on_rank_one() -> int:
+    """Returns on every rank; rank 1 then dies (exit code 7) while idle, 0.1 s later."""
+    if dist.get_rank() == 1:
+        threading.Thread(target=lambda: (time.sleep(0.1), os._exit(7)), daemon=True).start()
+    return 0
 
 
 def die_on_rank_one() -> int:
@@ -105,3 +113,17 @@ def test_fixture_pools_with_env_are_told_apart_by_it(zbpp_workers):
     assert zbpp_workers(2, env={"ZBPP_TEST_VALUE": "a"}).run(env_var, "ZBPP_TEST_VALUE") == ["a", "a"]
     assert zbpp_workers(2, env={"ZBPP_TEST_VALUE": "b"}).run(env_var, "ZBPP_TEST_VALUE") == ["b", "b"]
     assert zbpp_workers(2, env={"ZBPP_TEST_VALUE": "a"}).run(env_var, "ZBPP_TEST_VALUE") == ["a", "a"]
+
+
+def test_a_rank_that_died_between_runs_is_reported_and_the_pool_restarts(zbpp_workers):
+    """Rank 1 dies after its run returned (a thread it left behind exits): the next run reports rank
+    1's exit code as a DistributedTestError, instead of a bare BrokenPipeError from sending it the job
+    (raised by every later run too, the pool never restarting), and the run after that succeeds."""
+    workers = zbpp_workers(2, grace=1.0)
+    assert workers.run(return_then_die_on_rank_one) == [0, 0]
+    time.sleep(2.0)  # rank 1 exits 0.1 s after returning; 2 s leaves it ample time on a busy machine
+    with pytest.raises(DistributedTestError) as info:
+        workers.run(rank_and_world)
+    assert list(info.value.failures) == [1]
+    assert "exited with code 7" in info.value.failures[1] and "before this run" in info.value.failures[1]
+    assert [r[:2] for r in workers.run(rank_and_world)] == [(0, 2), (1, 2)]  # restarted

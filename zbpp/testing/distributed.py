@@ -296,11 +296,22 @@ class Workers:
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         self.start()
+        what = f"running {getattr(fn, '__qualname__', fn)!r}"
+        # A rank that died while idle (a thread or handler a function left behind) would make the
+        # send below raise a bare BrokenPipeError, on this run and every later one.
+        dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+        if dead:
+            self._fail(what, {r: ("died", f"process exited with code {code} after its previous run returned, "
+                                          "before this run (something a function left behind ended it)", time.time())
+                              for r, code in dead.items()})
         for c in self._conns:
-            c.send((fn, args, kwargs))
+            try:
+                c.send((fn, args, kwargs))
+            except (BrokenPipeError, ConnectionResetError):  # it died just now: `_collect` reports its exit
+                pass
         replies = self._collect(getattr(fn, "__name__", repr(fn)), timeout if timeout is not None else self.timeout)
         if any(kind != "ok" for kind, _, _ in replies.values()):
-            self._fail(f"running {getattr(fn, '__qualname__', fn)!r}", replies)
+            self._fail(what, replies)
         return [replies[r][1] for r in range(self.world_size)]
 
     def _collect(self, what: str, timeout: float) -> dict[int, tuple[str, Any, float]]:
