@@ -329,3 +329,19 @@ def test_back_to_back_tasks_do_not_overlap_by_rounding(tmp_path):
         slices.sort()
         for (_, end, a), (start, _, b) in zip(slices, slices[1:]):
             assert end <= start, (key, a, b, end - start)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"comm": -0.5}, "comm must be a finite number >= 0"),
+    ({"comm": float("nan")}, "comm must be a finite number >= 0"),
+    ({"simulated_unit_s": 0}, "simulated_unit_s must be a finite number > 0"),
+    ({"simulated_unit_s": -1e-3}, "simulated_unit_s must be a finite number > 0"),
+    ({"simulated_unit_s": float("inf")}, "simulated_unit_s must be a finite number > 0"),
+])
+def test_write_trace_refuses_a_bad_comm_or_unit(tmp_path, kwargs, says):
+    """A negative comm used to write slices of negative duration, a unit of 0 every task at time 0
+    (and inf NaN times), silently; each is refused, naming the argument, and nothing is written."""
+    path = tmp_path / "t.json"
+    with pytest.raises(ValueError, match=f"write_trace {says}"):
+        write_trace(path, simulated=simulate(build("1f1b", num_ranks=2, num_microbatches=2)), **kwargs)
+    assert not path.exists()

@@ -23,7 +23,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["as_int", "as_number", "as_numbers"]
+__all__ = ["as_int", "as_number", "as_positive", "as_numbers"]
 
 
 def as_int(value: Any, what: str, *, minimum: int = 1) -> int:
@@ -55,6 +55,22 @@ def as_number(value: Any, what: str, *, minimum: float = 0.0) -> float:
         if math.isfinite(number) and number >= minimum:
             return number
     raise ValueError(f"{what} must be a finite number >= {minimum:g}, got {_show(value)}")
+
+
+def as_positive(value: Any, what: str) -> float:
+    """`value` as a float, if it is a finite real number (not a bool) > 0; else `ValueError`.
+
+    >>> as_positive(0, "scale")
+    Traceback (most recent call last):
+    ValueError: scale must be a finite number > 0, got 0
+    """
+    try:
+        number = as_number(value, what)
+    except ValueError:
+        number = 0.0
+    if number > 0:
+        return number
+    raise ValueError(f"{what} must be a finite number > 0, got {_show(value)}")
 
 
 def as_numbers(value: Any, what: str, *, minimum: float = 0.0) -> float | tuple[float, ...]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 
-from ..schedules.checks import as_int, as_number
+from ..schedules.checks import as_int, as_positive
 from ..schedules.ir import Kind
 from ..schedules.simulate import SimResult
 
@@ -55,14 +55,7 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     """
     width = as_int(width, "render_ascii width")
     if scale is not None:  # 0 would divide by zero, a negative one index rows backwards
-        try:
-            ok = as_number(scale, "render_ascii scale") > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"render_ascii scale must be a finite number > 0 (characters per time unit), "
-                             f"got {scale!r}")
-        scale = float(scale)
+        scale = as_positive(scale, "render_ascii scale")
     sched = result.schedule
     if not result.start:
         return "(empty schedule)"

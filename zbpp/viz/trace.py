@@ -31,6 +31,7 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..schedules.checks import as_number, as_positive
 from ..schedules.ir import Action, Schedule
 from ..schedules.measured import measured_result, measured_summary
 from ..schedules.program import make_program
@@ -134,6 +135,10 @@ def write_trace(
     """
     if simulated is None and measured is None:
         raise ValueError("write_trace needs simulated= (a SimResult), measured= (task records) or both")
+    # a negative comm would draw slices of negative length, a unit of 0 put every task at time 0
+    comm = as_number(comm, "write_trace comm")
+    if simulated_unit_s is not None:
+        simulated_unit_s = as_positive(simulated_unit_s, "write_trace simulated_unit_s")
     measured_res = None
     if measured is not None:
         measured_res = measured_result(measured, schedule if schedule is not None else (simulated.schedule if simulated else None))
