@@ -255,3 +255,12 @@ def test_zbpp_csv_trains_under_torch_runtime_on_gloo(tmp_path):
         losses = torch.load(tmp_path / f"rank1-{k}.pt")["losses"]
         assert len(losses) == m
         torch.testing.assert_close(torch.stack(losses).mean(), ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_import_of_a_file_that_is_not_utf8_text_names_it(tmp_path):
+    """A spreadsheet's 'Unicode text' export is UTF-16 (starting with the bytes FF FE): reading it
+    used to end in a bare UnicodeDecodeError that named neither the file nor what to do."""
+    path = tmp_path / "utf16.csv"
+    path.write_bytes("0F0,0B0\n".encode("utf-16"))
+    with pytest.raises(ScheduleError, match=rf"{path}: not UTF-8 text .*save it as UTF-8 CSV"):
+        from_torch_csv(path)

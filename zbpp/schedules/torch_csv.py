@@ -144,25 +144,29 @@ def from_torch_csv(
     ``"v"`` or an explicit list. Call `validate` on the result to check it is complete and
     deadlock-free.
     """
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh))
+    except UnicodeDecodeError as exc:  # e.g. a spreadsheet's UTF-16 "Unicode text": say which file
+        raise ScheduleError(f"{os.fspath(path)}: not UTF-8 text ({exc}); save it as UTF-8 CSV") from None
     orders: list[list[Action]] = []
     overlaps: list[tuple[Action, Action]] = []
     inferred: dict[int, int] = {}
-    with open(path, newline="") as fh:
-        for rank, row in enumerate(csv.reader(fh)):
-            order: list[Action] = []
-            for col, cell in enumerate(row):
-                where = f"{os.fspath(path)}: rank {rank}, column {col}"
-                tasks = _parse_cell(cell, where)
-                for a in tasks:
-                    seen = inferred.setdefault(a.stage, rank)
-                    if seen != rank and placement is None:
-                        raise ScheduleError(f"{where}: task {a} of stage {a.stage} is on rank {rank} but also on rank {seen}")
-                if len(tasks) == 2:
-                    overlaps.append((tasks[0], tasks[1]))
-                elif len(tasks) > 2:
-                    raise ScheduleError(f"{where}: an OVERLAP_F_B cell holds {len(tasks)} tasks; zbpp pairs two")
-                order += tasks
-            orders.append(order)
+    for rank, row in enumerate(rows):
+        order: list[Action] = []
+        for col, cell in enumerate(row):
+            where = f"{os.fspath(path)}: rank {rank}, column {col}"
+            tasks = _parse_cell(cell, where)
+            for a in tasks:
+                seen = inferred.setdefault(a.stage, rank)
+                if seen != rank and placement is None:
+                    raise ScheduleError(f"{where}: task {a} of stage {a.stage} is on rank {rank} but also on rank {seen}")
+            if len(tasks) == 2:
+                overlaps.append((tasks[0], tasks[1]))
+            elif len(tasks) > 2:
+                raise ScheduleError(f"{where}: an OVERLAP_F_B cell holds {len(tasks)} tasks; zbpp pairs two")
+            order += tasks
+        orders.append(order)
     if not orders or not any(orders):
         raise ScheduleError(f"{os.fspath(path)}: no compute actions found")
     num_stages = 1 + max(a.stage for o in orders for a in o)
