@@ -178,7 +178,7 @@ def test_import_drops_idle_cells_and_lowering_actions(tmp_path):
 def test_import_errors_name_the_cell(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("0F0,0X0\n")
-    with pytest.raises(ScheduleError, match=r"rank 0, column 1.*'0X0'"):
+    with pytest.raises(ScheduleError, match=r"line 1 \(rank 0\), column 1.*'0X0'"):
         from_torch_csv(bad)
     split = tmp_path / "split.csv"
     split.write_text("0F0,0B0\n0F1,0B1\n")
@@ -263,4 +263,13 @@ def test_import_of_a_file_that_is_not_utf8_text_names_it(tmp_path):
     path = tmp_path / "utf16.csv"
     path.write_bytes("0F0,0B0\n".encode("utf-16"))
     with pytest.raises(ScheduleError, match=rf"{path}: not UTF-8 text .*save it as UTF-8 CSV"):
+        from_torch_csv(path)
+
+
+def test_import_errors_name_the_line_of_the_file(tmp_path):
+    """A cell's error names its line in the file, not only its row as a rank: with a quoted cell
+    spanning two lines (csv allows it), rank 1 is on line 3, not 2."""
+    path = tmp_path / "bad.csv"
+    path.write_text('0F0,"0B0\n"\n1F0,1X0\n')
+    with pytest.raises(ScheduleError, match=r"bad.csv: line 3 \(rank 1\), column 1: cannot read action '1X0'"):
         from_torch_csv(path)

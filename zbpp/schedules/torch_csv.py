@@ -146,16 +146,17 @@ def from_torch_csv(
     """
     try:
         with open(path, newline="", encoding="utf-8") as fh:
-            rows = list(csv.reader(fh))
+            reader = csv.reader(fh)
+            rows = [(row, reader.line_num) for row in reader]  # the line a row ends on, for errors
     except UnicodeDecodeError as exc:  # e.g. a spreadsheet's UTF-16 "Unicode text": say which file
         raise ScheduleError(f"{os.fspath(path)}: not UTF-8 text ({exc}); save it as UTF-8 CSV") from None
     orders: list[list[Action]] = []
     overlaps: list[tuple[Action, Action]] = []
     inferred: dict[int, int] = {}
-    for rank, row in enumerate(rows):
+    for rank, (row, line) in enumerate(rows):
         order: list[Action] = []
         for col, cell in enumerate(row):
-            where = f"{os.fspath(path)}: rank {rank}, column {col}"
+            where = f"{os.fspath(path)}: line {line} (rank {rank}), column {col}"
             tasks = _parse_cell(cell, where)
             for a in tasks:
                 seen = inferred.setdefault(a.stage, rank)
