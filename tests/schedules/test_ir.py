@@ -87,3 +87,26 @@ def test_schedule_text_keeps_a_name_with_spaces(name: str) -> None:
     sched = build("1f1b", num_ranks=2, num_microbatches=2)
     named = Schedule(sched.num_ranks, sched.num_stages, sched.num_microbatches, sched.placement, sched.orders, name=name)
     assert Schedule.from_text(named.to_text()) == named
+
+
+@pytest.mark.parametrize("name", ["custom", "", "two\nlines", "cr\rname", " edges ", '"quoted"', "para\u2029sep",
+                                  "plain name", "measured"])
+def test_schedule_name_round_trips_through_the_text_form(name: str) -> None:
+    """The name comes back as it was: "custom" (the text form's word for no name) used to come back
+    as "", and a name with a line break split the first line, its tail read as an unknown line."""
+    sched = Schedule(1, 1, 2, (0,), ((Action(Kind.F, 0, 0), Action(Kind.BW, 0, 0),
+                                      Action(Kind.F, 0, 1), Action(Kind.BW, 0, 1)),), name=name)
+    text = sched.to_text()
+    assert Schedule.from_text(text) == sched
+    assert Schedule.from_text(text).name == name
+
+
+def test_text_form_still_reads_custom_as_no_name() -> None:
+    """Files written before names were quoted say "custom" for a schedule without a name."""
+    assert Schedule.from_text("# zbpp schedule custom\n" + ONE).name == ""
+    assert Schedule.from_text("# zbpp schedule zb-h1\n" + ONE).name == "zb-h1"
+
+
+def test_a_schedule_name_must_be_a_string() -> None:
+    with pytest.raises(ScheduleError, match="Schedule.name must be a string, got int 3"):
+        Schedule(1, 1, 1, (0,), ((Action(Kind.F, 0, 0), Action(Kind.BW, 0, 0)),), name=3)

@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import enum
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
@@ -86,7 +87,9 @@ class Schedule:
         num_microbatches: microbatches per step.
         placement: stage -> rank.
         orders: for each rank, the tasks it runs, in order.
-        name: the generator that made it (informational).
+        name: the generator that made it (informational; "" for none). The text form writes a name
+            that would not read back as itself (``custom``, its word for none; one holding a line
+            break or edge spaces) as a JSON string.
         overlap_pairs: pairs of tasks, adjacent on one rank, that a runtime may run concurrently
             (DualPipe's overlapped forward/backward). Running them one after the other is correct.
 
@@ -111,6 +114,8 @@ class Schedule:
             as_int(r, f"Schedule.placement[{s}]", minimum=0) for s, r in enumerate(self.placement)))
         object.__setattr__(self, "orders", tuple(tuple(o) for o in self.orders))
         object.__setattr__(self, "overlap_pairs", tuple(tuple(p) for p in self.overlap_pairs))
+        if not isinstance(self.name, str):  # the text form and every message print it
+            raise ScheduleError(f"Schedule.name must be a string, got {type(self.name).__name__} {self.name!r}")
         if len(self.placement) != self.num_stages:
             raise ScheduleError(f"placement has {len(self.placement)} entries for {self.num_stages} stages")
         if len(self.orders) != self.num_ranks:
@@ -143,7 +148,7 @@ class Schedule:
     def to_text(self) -> str:
         """A plain-text form, one line per rank, that `Schedule.from_text` reads back."""
         lines = [
-            f"# zbpp schedule {self.name or 'custom'}",
+            f"# zbpp schedule {_name_text(self.name)}",
             f"ranks={self.num_ranks} stages={self.num_stages} microbatches={self.num_microbatches}",
             "placement=" + ",".join(map(str, self.placement)),
         ]
@@ -168,7 +173,10 @@ class Schedule:
             if not line:
                 continue
             if line.startswith("# zbpp schedule"):
-                name = line[len("# zbpp schedule"):].strip()  # the rest of the line: a name may hold spaces
+                try:
+                    name = _name_from_text(line[len("# zbpp schedule"):].strip())
+                except ValueError as exc:
+                    raise ScheduleError(f"line {lineno}: {raw!r}: {exc}") from None
                 continue
             if line.startswith("#"):
                 continue
@@ -215,12 +223,38 @@ class Schedule:
             num_microbatches=header["microbatches"],
             placement=tuple(placement),
             orders=tuple(tuple(orders.get(r, [])) for r in range(p)),
-            name="" if name == "custom" else name,
+            name=name,
             overlap_pairs=tuple(overlaps),
         )
 
 
 _HEADER_KEYS = ("ranks", "stages", "microbatches")
+_NO_NAME = "custom"  # the text form's word for a schedule without a name
+
+
+def _name_text(name: str) -> str:
+    """`name` as the text form's first line writes it: as it is where it reads back as itself (the
+    rest of that line, stripped); else (``custom``, a line break, edge spaces, a leading quote) as
+    a JSON string, which holds no line break."""
+    if not name:
+        return _NO_NAME
+    plain = name != _NO_NAME and name == name.strip() and not name.startswith('"') and name.splitlines() == [name]
+    return name if plain else json.dumps(name)
+
+
+def _name_from_text(text: str) -> str:
+    """Inverse of `_name_text`."""
+    if text == _NO_NAME:
+        return ""
+    if text.startswith('"'):
+        try:
+            name = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the schedule name starts with a quote but is no JSON string ({exc})") from None
+        if not isinstance(name, str):
+            raise ValueError("the schedule name starts with a quote but is no JSON string")
+        return name
+    return text
 
 
 def _parse_header(line: str) -> dict[str, int]:
