@@ -12,7 +12,7 @@ import json
 import pytest
 
 from zbpp.cli import main
-from zbpp.schedules import Costs, Memory, available, build, simulate
+from zbpp.schedules import Costs, Memory, available, build, simulate, validate
 from zbpp.schedules.ir import Action
 from zbpp.viz.trace import measured_result, measured_summary, read_trace, write_trace
 
@@ -345,3 +345,26 @@ def test_write_trace_refuses_a_bad_comm_or_unit(tmp_path, kwargs, says):
     with pytest.raises(ValueError, match=f"write_trace {says}"):
         write_trace(path, simulated=simulate(build("1f1b", num_ranks=2, num_microbatches=2)), **kwargs)
     assert not path.exists()
+
+
+def test_tasks_at_one_instant_are_read_in_dependency_order():
+    """Zero-length records at one instant (a coarse clock), written in reverse: the schedule read off
+    them keeps each task after its inputs (worked by hand: F down the stages, B back up, then W),
+    so it validates, and memory follows that order. Record order used to decide such ties."""
+    # one rank holding stages 0 and 1, one microbatch, every task at t = 0
+    order = ["F0.0", "F1.0", "B1.0", "B0.0", "W1.0", "W0.0"]
+    recs = [{"rank": 0, "action": a, "start": 0.0, "end": 0.0} for a in reversed(order)]
+    res = measured_result(recs, memory=Memory(activation=1, wgrad=0.5))
+    assert [str(a) for a in res.schedule.orders[0]] == order
+    validate(res.schedule)
+    assert res.peak_memory == [2.0]  # both F's activations held before any B frees one
+    # two ranks: rank 1's B1.0 and W1.0 at one instant, W recorded first
+    recs = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0},
+            {"rank": 1, "action": "F1.0", "start": 1.0, "end": 2.0},
+            {"rank": 1, "action": "W1.0", "start": 2.0, "end": 2.0},
+            {"rank": 1, "action": "B1.0", "start": 2.0, "end": 2.0},
+            {"rank": 0, "action": "B0.0", "start": 2.0, "end": 3.0},
+            {"rank": 0, "action": "W0.0", "start": 3.0, "end": 4.0}]
+    sched = measured_result(recs).schedule
+    assert [str(a) for a in sched.orders[1]] == ["F1.0", "B1.0", "W1.0"]
+    validate(sched)

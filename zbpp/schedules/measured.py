@@ -52,8 +52,17 @@ def _parse_records(records: Iterable[Record], allow_empty: bool = False) -> list
     return out
 
 
+def _dependency_key(a: Action) -> tuple[int, int]:
+    """A task's place in the dependencies of its microbatch: F down the stages, then B (or BW) back
+    up, then W. Tasks of one rank with the same start and end (zero-length ones at one instant, by
+    the clock's resolution) are ordered by it: a task's inputs then always come first, where the
+    records' order (W written before its B, say) may not."""
+    return (0, a.stage) if a.kind is Kind.F else (1 if a.kind is not Kind.W else 2, -a.stage)
+
+
 def _schedule_from_records(parsed: Sequence[tuple[int, Action, float, float]]) -> Schedule:
-    """The schedule the records ran: each rank's tasks in start order; placement from the ranks."""
+    """The schedule the records ran: each rank's tasks in start order (then end; ties of both by
+    `_dependency_key`); placement from the ranks."""
     num_ranks = 1 + max(r for r, *_ in parsed)
     num_stages = 1 + max(a.stage for _, a, *_ in parsed)
     placement: dict[int, int] = {}
@@ -64,7 +73,9 @@ def _schedule_from_records(parsed: Sequence[tuple[int, Action, float, float]]) -
     if missing:
         raise ValueError(f"no measured records for stage(s) {missing}; pass the schedule")
     orders: list[list[Action]] = [[] for _ in range(num_ranks)]
-    for rank, a, _s, _e in sorted(parsed, key=lambda x: (x[2], x[3])):
+    # a task starts no earlier than its inputs end, so on one rank it sorts after them by
+    # (start, end) unless both are one instant: there the dependency order decides
+    for rank, a, _s, _e in sorted(parsed, key=lambda x: (x[2], x[3], _dependency_key(x[1]))):
         orders[rank].append(a)
     return Schedule(
         num_ranks=num_ranks,
