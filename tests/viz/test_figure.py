@@ -227,3 +227,38 @@ def test_cli_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     assert err.startswith("zbpp plot: error: ") and "pip install zbpp[viz]" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def _fills(svg_path) -> dict[str, str]:
+    """Group id -> the fill colour of its first task shape (a path, or a use of one in <defs>)."""
+    root = ET.parse(svg_path).getroot()
+    out = {}
+    for g in root.iter(f"{SVG}g"):
+        gid = g.get("id", "")
+        if gid.startswith("tasks-"):
+            style = next(e.get("style", "") for e in g.iter()
+                         if e.tag in (f"{SVG}path", f"{SVG}use") and "fill:" in e.get("style", ""))
+            out[gid] = next(x.split(":")[1].strip() for x in style.split(";") if x.strip().startswith("fill:"))
+    return out
+
+
+def test_each_chunk_of_a_rank_has_its_own_shade(tmp_path):
+    """zb-interleaved, one rank, 8 chunks: the F, B and W boxes of chunks 0..7 are drawn in 8
+    distinct colours per kind (chunks 2 and 4, 4 and 6 had one lighter shade), each at least 8/255
+    apart in some channel (two shades closer than that are hard to tell apart on a screen)."""
+    path = tmp_path / "s.svg"
+    viz.plot(build("zb-interleaved", num_ranks=1, num_microbatches=2, chunks=8), Costs(1, 1, 1), path)
+    fills = _fills(path)
+    for kind in "FBW":
+        rgb = [tuple(int(fills[f"tasks-{kind}-chunk{c}"][i:i + 2], 16) for i in (1, 3, 5)) for c in range(8)]
+        for i in range(8):
+            for j in range(i):
+                assert max(abs(x - y) for x, y in zip(rgb[i], rgb[j])) >= 8, (kind, j, i, rgb[j], rgb[i])
+
+
+def test_many_chunks_draw(tmp_path):
+    """16 chunks a rank: chunk 15's darker shade used to go below 0 (k = 0.62 - 0.1 * 7), which
+    matplotlib refuses."""
+    path = tmp_path / "s.svg"
+    viz.plot(build("interleaved-1f1b", num_ranks=1, num_microbatches=1, chunks=16), Costs(1, 1, 1), path)
+    assert len(set(_fills(path).values())) == 32  # F and BW of 16 chunks, each its own colour

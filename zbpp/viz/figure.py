@@ -1,9 +1,10 @@
 """Figures of schedules in the style of the zero-bubble papers (SVG or PNG, with matplotlib).
 
 One row per rank, time on the x axis; F, B, W and BW tasks in distinct colours, a rank's second
-stage (V-shape / interleaved chunk) in a darker shade of the same colour, the microbatch id inside
-each box that is wide enough, idle time (the bubbles) in grey, and a title with the bubble rate
-and the peak memory. In the SVG each task is one shape inside a group ``tasks-{kind}-chunk{c}``.
+stage (V-shape / interleaved chunk) in a darker shade of the same colour (each further one in a
+shade of its own), the microbatch id inside each box that is wide enough, idle time (the bubbles)
+in grey, and a title with the bubble rate and the peak memory. In the SVG each task is one shape
+inside a group ``tasks-{kind}-chunk{c}``.
 
 matplotlib is imported only when drawing (``pip install zbpp[viz]``).
 
@@ -43,14 +44,15 @@ def _require_matplotlib() -> Any:
 
 
 def _shade(color: str, chunk: int) -> tuple[float, float, float]:
-    """Chunk 0: the base colour; odd chunks darker, further even chunks lighter."""
+    """Chunk 0: the base colour; odd chunks darker, further even chunks lighter, each chunk its own
+    shade: a geometric step towards black or white, so no two chunks meet and none leaves 0..1."""
     r, g, b = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
     if chunk == 0:
         return r, g, b
-    if chunk % 2 == 1:
-        k = 0.62 - 0.1 * (chunk // 2)
+    if chunk % 2 == 1:  # 1, 3, 5, ...: 0.62, 0.50, 0.40, ... of the base
+        k = 0.62 * 0.8 ** (chunk // 2)
         return r * k, g * k, b * k
-    k = 0.45
+    k = 1 - 0.55 * 0.75 ** (chunk // 2 - 1)  # 2, 4, 6, ...: 45%, 59%, 69%, ... of the way to white
     return r + (1 - r) * k, g + (1 - g) * k, b + (1 - b) * k
 
 
