@@ -262,3 +262,22 @@ def test_many_chunks_draw(tmp_path):
     path = tmp_path / "s.svg"
     viz.plot(build("interleaved-1f1b", num_ranks=1, num_microbatches=1, chunks=16), Costs(1, 1, 1), path)
     assert len(set(_fills(path).values())) == 32  # F and BW of 16 chunks, each its own colour
+
+
+def test_plot_refuses_costs_and_memory_it_would_ignore(tmp_path):
+    """A SimResult is drawn as it is, so costs= and memory= given with it changed nothing drawn (the
+    title's peak memory stayed the result's); records are drawn at their measured times, so costs=
+    changed nothing. Each is now an error naming what was given; memory= with records still applies."""
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    res = simulate(sched)
+    path = tmp_path / "s.svg"
+    for kw, words in (({"costs": Costs(2, 2, 2)}, "costs given"), ({"memory": Memory(activation=3)}, "memory given"),
+                      ({"costs": Costs(2, 2, 2), "memory": Memory(activation=3)}, "costs and memory given")):
+        with pytest.raises(ValueError, match=f"plot: {words} with a SimResult"):
+            viz.plot(res, path=path, **kw)
+    recs = [{"rank": r, "action": str(a), "start": res.start[a], "end": res.end[a]} for r, a in sched.actions()]
+    with pytest.raises(ValueError, match="plot: costs given with measured records"):
+        viz.plot(recs, Costs(2, 2, 2), path)
+    # memory applies to records: 1F1B on 2 ranks keeps at most 2 microbatches' activations on rank 0
+    viz.plot(recs, path=path, memory=Memory(activation=3))
+    assert any("peak memory 6 " in t for t in _texts(path))

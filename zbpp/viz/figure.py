@@ -57,11 +57,19 @@ def _shade(color: str, chunk: int) -> tuple[float, float, float]:
 
 
 def _as_result(source: Source, costs: Costs | None, memory: Memory | None) -> tuple[SimResult, bool]:
-    """(result, measured?) for any accepted source."""
+    """(result, measured?) for any accepted source. `costs` and `memory` are refused where they
+    would change nothing drawn: a result holds its times and memory, records their times."""
     if isinstance(source, SimResult):
+        given = [n for n, v in (("costs", costs), ("memory", memory)) if v is not None]
+        if given:
+            raise ValueError(f"plot: {' and '.join(given)} given with a SimResult, which already holds its times "
+                             "and memory; pass its Schedule to simulate with them, or simulate it yourself")
         return source, False
     if isinstance(source, Schedule):
         return simulate(source, costs, memory), False
+    if costs is not None:
+        raise ValueError("plot: costs given with measured records, whose times are measured; costs apply to a "
+                         "Schedule (memory= applies to records too)")
     from .trace import measured_result
 
     return measured_result(list(source), memory=memory), True
@@ -92,9 +100,10 @@ def plot(
 ) -> Any:
     """Draw a schedule and save it to `path` (``.svg`` or ``.png``); returns the matplotlib Figure.
 
-    `source` is a `SimResult`, a `Schedule` (simulated with `costs` and `memory`), or measured
-    records (``{"rank", "action", "start", "end"}`` dicts, see `zbpp.viz.trace`). `time_unit`
-    names the time axis; ``"s"`` (the default for records) draws seconds as milliseconds.
+    `source` is a `SimResult` (drawn as it is: `costs` and `memory` are refused), a `Schedule`
+    (simulated with `costs` and `memory`), or measured records (``{"rank", "action", "start",
+    "end"}`` dicts, see `zbpp.viz.trace`; their memory counted with `memory`, `costs` refused).
+    `time_unit` names the time axis; ``"s"`` (the default for records) draws seconds as milliseconds.
     `labels` puts microbatch ids in the boxes wide enough to hold them.
     """
     Figure = _require_matplotlib()
