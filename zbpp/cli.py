@@ -90,24 +90,45 @@ def _check_output(path: str) -> None:
         raise ValueError(f"-o {path}: the folder {folder} does not exist")
 
 
+class _Given(argparse.Action):
+    """Store the value, and note the option as given (in ``args.given``): flags that some
+    combinations ignore are refused there, while their defaults, never typed, pass."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {max(self.option_strings, key=len)}
+
+
+def _given(args: argparse.Namespace, *flags: str) -> list[str]:
+    """Those of `flags` the command line gave, in the order listed."""
+    given = getattr(args, "given", frozenset())
+    return [f for f in flags if f in given]
+
+
+_COST_FLAGS = ("--f", "--b", "--w", "--comm", "--message-overhead")
+
+
 def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = True) -> None:
     if with_name:
         parser.add_argument("name", help=f"schedule name ({', '.join(available())})")
     parser.add_argument("-p", "--ranks", type=_integer(1), required=True, help="pipeline ranks")
     parser.add_argument("-m", "--microbatches", type=_integer(1), required=True, help="microbatches per step")
-    parser.add_argument("--chunks", type=_integer(1), default=None, help="stages per rank (interleaved-1f1b, zb-interleaved, zbi-auto)")
+    parser.add_argument("--chunks", action=_Given, type=_integer(1), default=None,
+                        help="stages per rank (interleaved-1f1b, zb-interleaved, zbi-auto)")
     costs = parser.add_argument_group("costs (a number, or one per stage separated by commas)")
-    costs.add_argument("--f", type=_float_list, default=1.0, help="forward time (default 1)")
-    costs.add_argument("--b", type=_float_list, default=1.0, help="input-gradient time (default 1)")
-    costs.add_argument("--w", type=_float_list, default=1.0, help="weight-gradient time (default 1)")
-    costs.add_argument("--comm", type=_number, default=0.0, help="time of one message between ranks (default 0)")
-    costs.add_argument("--message-overhead", type=_number, default=0.0,
+    costs.add_argument("--f", action=_Given, type=_float_list, default=1.0, help="forward time (default 1)")
+    costs.add_argument("--b", action=_Given, type=_float_list, default=1.0, help="input-gradient time (default 1)")
+    costs.add_argument("--w", action=_Given, type=_float_list, default=1.0, help="weight-gradient time (default 1)")
+    costs.add_argument("--comm", action=_Given, type=_number, default=0.0,
+                       help="time of one message between ranks (default 0)")
+    costs.add_argument("--message-overhead", action=_Given, type=_number, default=0.0,
                        help="compute time a rank loses per message it sends or receives (default 0)")
     mem = parser.add_argument_group("memory (per stage and microbatch)")
     mem.add_argument("--activation", type=_float_list, default=1.0, help="memory F allocates (default 1)")
-    mem.add_argument("--wgrad", type=_float_list, default=None,
+    mem.add_argument("--wgrad", action=_Given, type=_float_list, default=None,
                      help="memory B keeps until W (default: 1/3 of --activation for split schedules)")
-    mem.add_argument("--memory-limit", type=_number, default=None,
+    mem.add_argument("--memory-limit", action=_Given, type=_number, default=None,
                      help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto, zbi-auto)")
 
 
@@ -230,7 +251,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory) -> str:
     """NAME checked against the schedule of the ``--measured`` trace: it must be the name the trace
-    recorded or, where it recorded none, build the same task order at -p/-m (and the options given)."""
+    recorded or, where it recorded none, build the same task order at -p/-m (and the options given).
+    The times drawn are the trace's: cost flags given are refused unless they build that order (an
+    automatic NAME, checked against a trace that records no name)."""
     recorded = "" if sched.name in ("", "measured") else sched.name  # "measured": read off the records
     # the recorded name is checked first: it may be no registered schedule's (e.g. from_torch_csv's)
     if args.name not in available() and args.name != recorded:
@@ -239,7 +262,18 @@ def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory
         if args.name != recorded:
             raise ValueError(f"NAME {args.name!r} contradicts --measured {args.measured}, which recorded schedule "
                              f"{recorded!r}; give NAME {recorded}")
+        unused = _given(args, *_COST_FLAGS, "--memory-limit")
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: --measured {args.measured} records its times and its schedule "
+                             f"({recorded}), so there is nothing for them to set; drop them")
+        if args.chunks is not None and args.chunks * sched.num_ranks != sched.num_stages:
+            raise ValueError(f"--chunks {args.chunks} contradicts --measured {args.measured}, whose {recorded} has "
+                             f"{sched.num_stages} stages on {sched.num_ranks} ranks")
         return recorded
+    unused = _given(args, *_COST_FLAGS)
+    if unused and "costs" not in options_of(args.name):
+        raise ValueError(f"{', '.join(unused)}: the times drawn are those of --measured {args.measured}, and "
+                         f"{args.name} does not take costs to build its order; drop them")
     # An unnamed trace (records only, or a custom schedule): NAME must reproduce what ran, else the
     # figure's title would name a schedule the trace never ran.
     try:
@@ -408,7 +442,8 @@ def make_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", required=True, help="FILE.svg or FILE.png")
     plot.add_argument("--measured", default=None,
                       help="a trace JSON written by Pipeline(record_task_times=True) to draw instead; NAME, -p and "
-                           "-m must be the schedule it recorded")
+                           "-m must be the schedule it recorded; its times are drawn, so the cost flags are refused "
+                           "but to build an automatic NAME to check a trace that records no name")
     plot.set_defaults(func=_cmd_plot)
 
     trace = sub.add_parser("trace", help="write a Perfetto/Chrome trace of the simulated schedule")

@@ -281,3 +281,49 @@ def test_plot_refuses_costs_and_memory_it_would_ignore(tmp_path):
     # memory applies to records: 1F1B on 2 ranks keeps at most 2 microbatches' activations on rank 0
     viz.plot(recs, path=path, memory=Memory(activation=3))
     assert any("peak memory 6 " in t for t in _texts(path))
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--f", "2"], ["--f"]),
+    (["--comm", "1", "--message-overhead", "0.5"], ["--comm", "--message-overhead"]),
+    (["--b", "1", "--w", "1"], ["--b", "--w"]),  # the defaults, typed: still nothing to set
+    (["--memory-limit", "4"], ["--memory-limit"]),
+    (["--message", "0.5"], ["--message-overhead"]),  # an abbreviation is named in full
+])
+def test_cli_plot_measured_refuses_costs_a_named_trace_ignores(tmp_path, capsys, flags, named):
+    """The trace records 1f1b and its times: cost flags (and --memory-limit) had nothing to set and
+    were silently ignored; the error names each flag given."""
+    trace, out = _measured_trace(tmp_path / "run.json", "1f1b"), tmp_path / "m.svg"
+    assert main(["plot", "1f1b", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zbpp plot: error: {', '.join(named)}: --measured ") and "drop them" in err, err
+    assert not out.exists()
+
+
+def test_cli_plot_measured_checks_chunks_against_a_named_trace(tmp_path, capsys):
+    trace, out = _measured_trace(tmp_path / "run.json", "1f1b"), tmp_path / "m.svg"
+    args = ["plot", "1f1b", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]
+    assert main(args + ["--chunks", "2"]) == 2
+    assert "--chunks 2 contradicts --measured" in capsys.readouterr().err
+    assert main(args + ["--chunks", "1"]) == 0  # 2 stages on 2 ranks: what the trace holds
+
+
+def test_cli_plot_measured_costs_build_an_automatic_name_for_an_unnamed_trace(tmp_path, capsys):
+    """A trace of records only: NAME is built to check it is what ran. zb-auto's order depends on the
+    costs, so --comm applies there (without it, the order differs and NAME is refused); 1f1b's does
+    not, so --comm with it is refused as having nothing to set."""
+    costs, memory = Costs(1, 1, 1, comm=2), Memory(activation=1, wgrad=1 / 3)  # the CLI's default wgrad
+    sched = build("zb-auto", num_ranks=2, num_microbatches=3, costs=costs, memory=memory)
+    assert sched.orders != build("zb-auto", num_ranks=2, num_microbatches=3, memory=memory).orders
+    res = simulate(sched, costs, memory)
+    trace, out = tmp_path / "run.json", tmp_path / "m.svg"
+    write_trace(trace, measured=[{"rank": r, "action": str(a), "start": res.start[a], "end": res.end[a]}
+                                 for r, a in sched.actions()])
+    args = ["plot", "zb-auto", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]
+    assert main(args) == 2
+    assert "task order differs" in capsys.readouterr().err
+    assert main(args + ["--comm", "2"]) == 0
+    one = _measured_trace(tmp_path / "one.json", "1f1b", with_schedule=False)
+    assert main(["plot", "1f1b", "-p", "2", "-m", "3", "--measured", str(one), "-o", str(out), "--comm", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zbpp plot: error: --comm: the times drawn are those of --measured") and "1f1b" in err, err
