@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any, Callable, NoReturn, Sequence
 
 from . import __version__
-from .schedules import Costs, Memory, available, build, options_of, simulate, validate
+from .schedules import Costs, Kind, Memory, available, build, options_of, simulate, validate
 from .schedules.planner import MAX_SPLITS
 
 __all__ = ["main"]
@@ -127,7 +127,7 @@ def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = Tru
     mem = parser.add_argument_group("memory (per stage and microbatch)")
     mem.add_argument("--activation", type=_float_list, default=1.0, help="memory F allocates (default 1)")
     mem.add_argument("--wgrad", action=_Given, type=_float_list, default=None,
-                     help="memory B keeps until W (default: 1/3 of --activation for split schedules)")
+                     help="memory B keeps until W (default: 1/3 of --activation); only for schedules with a separate W")
     mem.add_argument("--memory-limit", action=_Given, type=_number, default=None,
                      help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto, zbi-auto)")
 
@@ -164,6 +164,14 @@ def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: 
     return validate(build(name, num_ranks=args.ranks, num_microbatches=args.microbatches, **opts))
 
 
+def _check_wgrad(args: argparse.Namespace, sched) -> None:
+    """--wgrad is memory B keeps until its W: refused for a schedule that has no separate W (its
+    full backward BW frees all at once), where it would be silently ignored."""
+    if _given(args, "--wgrad") and not any(a.kind is Kind.W for _, a in sched.actions()):
+        raise ValueError(f"--wgrad is memory B keeps until W, and {sched.name or 'this schedule'} has no separate W "
+                         "(its full backward frees the activation at once); drop --wgrad")
+
+
 def _gap_to_bound(res, costs: Costs, memory: Memory, memory_limit: float | None) -> str:
     """How far an automatic schedule is from `zbpp.schedules.bounds.lower_bound` at its limit."""
     from .schedules.bounds import lower_bound
@@ -184,6 +192,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     costs, memory = _costs_memory(args)
     sched = _build_from_args(args.name, args, costs, memory)
+    _check_wgrad(args, sched)
     res = simulate(sched, costs, memory)
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print(render_ascii(res, width=width))
@@ -322,10 +331,12 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                 f"but the command line says -p {args.ranks} -m {args.microbatches}"
             )
         name = _measured_name(args, sched, costs, memory)
+        _check_wgrad(args, sched)
         plot(res, path=args.output, title=f"measured {name}: p={sched.num_ranks}, "
              f"m={sched.num_microbatches}, stages={sched.num_stages}", time_unit="s")
     else:
         sched = _build_from_args(args.name, args, costs, memory)
+        _check_wgrad(args, sched)
         res = simulate(sched, costs, memory)
         plot(res, path=args.output)
     print(f"wrote {args.output}: {sched.num_tasks} tasks on {sched.num_ranks} ranks, "
@@ -340,6 +351,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
     costs, memory = _costs_memory(args)
     sched = _build_from_args(args.name, args, costs, memory)
+    _check_wgrad(args, sched)
     res = simulate(sched, costs, memory)
     write_trace(args.output, simulated=res, comm=costs.comm)
     print(f"wrote {args.output}: {sched.num_tasks} tasks on {sched.num_ranks} ranks "

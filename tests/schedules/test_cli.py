@@ -77,3 +77,20 @@ def test_show_lower_bound_never_above_the_schedule(capsys: pytest.CaptureFixture
     span = float(re.search(r"longest rank span (\S+)", out).group(1))
     bound = float(re.search(r"longest span >= (\S+)", out).group(1))
     assert bound <= span
+
+
+@pytest.mark.parametrize("cmd", [["show"], ["trace", "-o", "TRACE"]])
+def test_wgrad_is_refused_for_a_schedule_without_a_separate_w(cmd: list[str], tmp_path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--wgrad is memory B keeps until W: 1F1B runs BW (no W), so its peak memory was the same with
+    or without it, the flag silently ignored; now refused, naming it. Where W is separate it applies."""
+    cmd = [str(tmp_path / "t.json") if c == "TRACE" else c for c in cmd]
+    assert main([*cmd, "1f1b", "-p", "2", "-m", "2", "--wgrad", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--wgrad" in err and "1f1b has no separate W" in err and len(err.strip().splitlines()) == 1, err
+    assert main([*cmd, "1f1b", "-p", "2", "-m", "2"]) == 0  # without it, as before
+    capsys.readouterr()
+    # where W is separate it applies: zb-h1 on one rank, F0 B0 W0 F1 B1 W1 with activation 1, wgrad 2
+    # kept from B to W: peak 2 (after B), where the default (1/3) peaks at 1 (after F)
+    assert main(["show", "zb-h1", "-p", "1", "-m", "2", "--wgrad", "2"]) == 0
+    assert "r0=2" in capsys.readouterr().out
