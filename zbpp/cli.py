@@ -372,6 +372,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
     policies = [x.strip() for x in args.policies.split(",") if x.strip()] if args.policies else None
     host_memory = None if args.host_memory_gb is None else args.host_memory_gb * 1e9
+    host_flags = _given(args, "--ranks-per-node", "--host-memory-gb")
+    if host_flags:  # they size offload's host link and memory: refused where offload is never chosen
+        if "offload" not in (policies if policies is not None else profile.offers()):
+            raise ValueError(f"{', '.join(host_flags)} set the host side of offload, which "
+                             f"{'--policies ' + args.policies if policies is not None else 'the profile'} "
+                             "does not offer: add offload to --policies or drop them")
+        if budget is None and "none" in (policies if policies is not None else profile.offers()):
+            raise ValueError(f"{', '.join(host_flags)} set the host side of offload, but without --budget-gb no "
+                             "stage needs a policy (the plan keeps every activation): give --budget-gb or drop them")
     plan = search(profile, args.ranks, args.microbatches, budget, schedules=schedules, max_splits=args.max_splits,
                   policies=policies, ranks_per_node=args.ranks_per_node, host_memory=host_memory)
     print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
@@ -477,11 +486,13 @@ def make_parser() -> argparse.ArgumentParser:
     plan.add_argument("--policies", default=None,
                       help="comma-separated activation policies a stage may use (none, full, selective, offload; "
                            "default: every one the profile's layers offer)")
-    plan.add_argument("--ranks-per-node", type=_integer(1), default=1,
+    plan.add_argument("--ranks-per-node", action=_Given, type=_integer(1), default=1,
                       help="ranks of a node sharing its host link and host memory, all offloading at once: each gets "
-                           "the profile's host bandwidth / this (default 1: a link of its own)")
-    plan.add_argument("--host-memory-gb", type=_number, default=None,
-                      help="pinned host memory per node for offloaded activations, GB (default: not limited)")
+                           "the profile's host bandwidth / this (default 1: a link of its own); only where offload "
+                           "may be chosen (--budget-gb given, offload among the policies)")
+    plan.add_argument("--host-memory-gb", action=_Given, type=_number, default=None,
+                      help="pinned host memory per node for offloaded activations, GB (default: not limited); only "
+                           "where offload may be chosen")
     plan.set_defaults(func=_cmd_plan)
 
     measure = sub.add_parser("measure", help="measure a Hugging Face causal LM's per-layer profile (for zbpp plan)")

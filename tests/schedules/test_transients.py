@@ -242,3 +242,29 @@ def test_automatic_schedules_keep_their_limit_with_transients(name: str, p: int,
     floor = 1.0 if name == "zb-auto" else 2.0
     with pytest.raises(ValueError, match=f"is infeasible; the smallest feasible limit is {floor + 0.75:g}"):
         build(name, num_ranks=p, num_microbatches=2 * p, costs=costs, memory=memory, memory_limit=floor + 0.6, **opts)
+
+
+def test_cli_plan_refuses_host_settings_offload_never_uses(tmp_path, capsys) -> None:
+    """--ranks-per-node and --host-memory-gb size offload's host link and memory. Where offload is not
+    allowed (--policies without it, a profile without it) or never needed (no --budget-gb: every
+    activation kept), they changed nothing and were silently ignored; now an error naming them."""
+    from zbpp.cli import main
+
+    path, plain = tmp_path / "prof.json", tmp_path / "plain.json"
+    _offload_profile(1000.0).save(path)
+    Profile([Layer("block", 2, 2, 1, activation=8, wgrad=4)]).save(plain)
+    base = ["plan", "-p", "1", "-m", "8", "--schedules", "gpipe"]
+    for extra, words in (
+        (["--profile", str(path), "--budget-gb", "3e-8", "--policies", "none,selective", "--ranks-per-node", "2"],
+         "--ranks-per-node set the host side of offload, which --policies none,selective does not offer"),
+        (["--profile", str(plain), "--budget-gb", "1", "--host-memory-gb", "1", "--ranks-per-node", "1"],
+         "--ranks-per-node, --host-memory-gb set the host side of offload, which the profile does not offer"),
+        (["--profile", str(path), "--host-memory-gb", "1e-7"], "without --budget-gb no stage needs a policy"),
+    ):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    # where offload may be chosen they apply (test_cli_plan_takes_the_node_sharing_and_host_memory)
+    assert main(base + ["--profile", str(path), "--budget-gb", "3e-8", "--policies", "selective,offload",
+                        "--ranks-per-node", "2", "--host-memory-gb", "1e-7"]) == 0
+    assert "policies (per stage): selective" in capsys.readouterr().out
