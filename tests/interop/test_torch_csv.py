@@ -273,3 +273,42 @@ def test_import_errors_name_the_line_of_the_file(tmp_path):
     path.write_text('0F0,"0B0\n"\n1F0,1X0\n')
     with pytest.raises(ScheduleError, match=r"bad.csv: line 3 \(rank 1\), column 1: cannot read action '1X0'"):
         from_torch_csv(path)
+
+
+def test_a_stray_newline_at_the_end_adds_no_rank(tmp_path):
+    """zb-h1 on 2 ranks written out, then one more newline: torch's reader (csv.reader, as
+    `_load_csv`) sees a third, empty row, which torch's own validator refuses for a 2-rank group;
+    zbpp made it a third rank holding nothing (p=3, validating). It now reads back the 2 ranks."""
+    sched = _build("zb-h1", 2, 2)
+    path = tmp_path / "s.csv"
+    to_torch_csv(sched, path)
+    with open(path, "a", newline="") as fh:
+        fh.write("\r\n")
+    rows = _read_torch(path)
+    assert len(rows) == 3 and rows[2] == []
+    with pytest.raises(AssertionError, match="expected 2, actual 3"):
+        S._validate_schedule(rows, 2, 2, 2)
+    again = validate(from_torch_csv(path))
+    assert again.num_ranks == 2 and again.orders == sched.orders and again.placement == sched.placement
+    # an explicit placement that puts a stage on the blank row keeps it as that stage's (empty) rank,
+    # as torch's reading does: validate then names the stage's missing tasks
+    one = tmp_path / "one.csv"
+    one.write_text("0F0,0B0,1F0,1B0\n\n")
+    assert from_torch_csv(one).num_ranks == 1
+    assert from_torch_csv(one, placement=[0, 1]).num_ranks == 2
+
+
+def test_a_blank_row_written_by_torch_is_an_empty_rank(tmp_path):
+    """torch's writer (`_dump_csv`: csv.writer, one writerow per rank) writes a rank with no actions as
+    a blank row; read back, it is that rank, empty, wherever a stage is placed on it: in the middle
+    of the file always, at its end with placement "loop" (test above) or a list."""
+    path = tmp_path / "t.csv"
+    with open(path, "w", newline="") as fh:  # what _dump_csv writes for {0: [...], 1: [], 2: [...]}
+        writer = csv.writer(fh)
+        for row in (["0F0", "0B0"], [], ["2F0", "2B0"]):
+            writer.writerow(row)
+    assert list(_read_torch(path)) == [0, 1, 2]
+    sched = from_torch_csv(path, placement="loop")
+    assert sched.num_ranks == 3 and sched.orders[1] == ()
+    with pytest.raises(ScheduleError, match=r"task F1.0 is missing \(rank 1\)"):
+        validate(sched)

@@ -139,10 +139,12 @@ def from_torch_csv(
 
     Empty cells (torch's idle steps) and lowering actions (SEND/RECV, UNSHARD/RESHARD,
     REDUCE_GRAD) are dropped; ``(a;b)OVERLAP_F_B`` cells become two adjacent tasks and an
-    `overlap_pairs` entry. `num_microbatches` defaults to the largest microbatch index + 1;
-    `placement` (stage -> rank) defaults to where each stage's tasks are, or is ``"loop"``,
-    ``"v"`` or an explicit list. Call `validate` on the result to check it is complete and
-    deadlock-free.
+    `overlap_pairs` entry. A blank row is a rank without tasks, as torch writes and reads one;
+    blank rows at the end count only up to the last rank holding a stage, unless `placement` is
+    ``"loop"`` or ``"v"`` (which take the rank count from the rows). `num_microbatches` defaults
+    to the largest microbatch index + 1; `placement` (stage -> rank) defaults to where each
+    stage's tasks are, or is ``"loop"``, ``"v"`` or an explicit list. Call `validate` on the
+    result to check it is complete and deadlock-free.
     """
     try:
         with open(path, newline="", encoding="utf-8") as fh:
@@ -176,11 +178,20 @@ def from_torch_csv(
         if num_microbatches < m:
             raise ScheduleError(f"{os.fspath(path)}: has microbatch {m - 1} but num_microbatches={num_microbatches}")
         m = num_microbatches
+    placed = _resolve_placement(placement, inferred, len(orders), num_stages)
+    if not isinstance(placement, str):
+        # torch writes a rank without actions as a blank row and reads each blank row as a rank; a
+        # blank last row is also what a stray newline looks like. Without a placement that needs
+        # the row count ("loop", "v"), trailing blank rows count only up to the last rank holding
+        # a stage: a stray newline adds no rank that holds nothing.
+        last = max([r for r, o in enumerate(orders) if o] + list(placed))
+        if last < len(orders):  # (a rank placed beyond the rows is refused by Schedule, naming it)
+            orders = orders[:last + 1]
     return Schedule(
         num_ranks=len(orders),
         num_stages=num_stages,
         num_microbatches=m,
-        placement=_resolve_placement(placement, inferred, len(orders), num_stages),
+        placement=placed,
         orders=tuple(tuple(o) for o in orders),
         name=name,
         overlap_pairs=tuple(overlaps),
