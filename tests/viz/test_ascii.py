@@ -7,6 +7,7 @@ import re
 import pytest
 
 from zbpp.schedules import Costs, build, simulate
+from zbpp.schedules.measured import measured_result
 from zbpp.viz.ascii import render_ascii
 
 
@@ -94,3 +95,35 @@ def test_a_bad_width_is_refused_naming_it(width) -> None:
     res = simulate(build("1f1b", num_ranks=2, num_microbatches=2))
     with pytest.raises(ValueError, match=r"render_ascii width must be an integer >= 1"):
         render_ascii(res, width=width)
+
+
+def test_tasks_a_rank_ran_at_once_get_a_row_of_their_own_by_hand() -> None:
+    """Measured, one rank: F0 [0,1), F1 [1,3), X0 [2,4) run beside F1 (an overlapped pair), X1
+    [4,5). Worked by hand: the shortest task (1) gets 2 characters, so 10 in all; F0, F1 and X1 on
+    the rank's row, X0 (it starts before F1 ends) on a "+" row under it. Where the rank runs X0 alone
+    ([3,4)) its first row is blank, not idle; nothing is idle. X0 used to overwrite F1's tail on one
+    row, and with less room a label shrank to its letter (F0FX0-)."""
+    recs = [{"rank": 0, "action": a, "start": s, "end": e}
+            for a, s, e in (("F0.0", 0, 1), ("F0.1", 1, 3), ("BW0.0", 2, 4), ("BW0.1", 4, 5))]
+    assert render_ascii(measured_result(recs), width=200) == (
+        "time 0..5 (1 char = 0.5)\n"
+        "rank 0 |F0F1--  X1|\n"
+        "     + |    X0--  |"
+    )
+
+
+def test_overlapped_rows_on_two_ranks_and_idle_by_hand() -> None:
+    """Measured, worked by hand at 2 chars per unit (shortest task 1), 16 columns. Rank 0: F0 [0,2)
+    with F1 [1,2) beside it (its "+" row), then idle until X0 [6,7), X1 [7,8). Rank 1: F0 [2,3)
+    with F1 [2,4) beside it, X0 [4,5), X1 [5,6). '.' only where the rank runs nothing, in each of
+    its rows; blank where another of its rows runs a task."""
+    recs = [{"rank": r, "action": a, "start": s, "end": e} for r, a, s, e in (
+        (0, "F0.0", 0, 2), (0, "F0.1", 1, 2), (1, "F1.0", 2, 3), (1, "F1.1", 2, 4),
+        (1, "BW1.0", 4, 5), (1, "BW1.1", 5, 6), (0, "BW0.0", 6, 7), (0, "BW0.1", 7, 8))]
+    assert render_ascii(measured_result(recs), width=200) == (
+        "time 0..8 (1 char = 0.5)\n"
+        "rank 0 |F0--........X0X1|\n"
+        "     + |  F1........    |\n"
+        "rank 1 |....F0  X0X1....|\n"
+        "     + |....F1--    ....|"
+    )

@@ -10,6 +10,11 @@ measured record of ~0 s) still runs, so it is drawn too: at its instant, in char
 time axis for it. Those characters stand for no time; other ranks show them blank (or as the ``-``
 of a task running across that instant), and the block's header says how many were added.
 
+Tasks of one rank that run at once (measured records of DualPipe's overlapped pairs) are drawn on
+rows of their own under the rank's, marked ``+`` (as a trace puts them on ``compute 2``): each row
+holds tasks that do not overlap, each task is drawn whole, and ``.`` marks only time in which the
+rank runs nothing.
+
 >>> from zbpp.schedules import build, simulate
 >>> print(render_ascii(simulate(build("1f1b", num_ranks=2, num_microbatches=2)), width=80))
 time 0..9 (1 char = 0.5)
@@ -24,6 +29,7 @@ import bisect
 from ..schedules.checks import as_int, as_positive
 from ..schedules.ir import Kind
 from ..schedules.simulate import SimResult
+from ._lanes import lanes
 
 __all__ = ["render_ascii", "legend"]
 
@@ -77,11 +83,18 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
 
     # Tasks that round to no character are drawn at their start instant in columns inserted there
     # (as wide as the widest such group on one rank), so the picture never drops a task it runs.
-    points: dict[int, dict[float, list]] = {}  # rank -> instant -> its point tasks, in order
+    # Each rank's tasks on rows ("lanes") where none overlaps another; one row unless tasks ran at once.
+    rows_of: list[tuple[int, list]] = []  # (rank, the row's tasks in the rank's order)
     for rank in range(sched.num_ranks):
-        for a in sched.orders[rank]:
+        order = sched.orders[rank]
+        lane_of = lanes([(result.start[a], result.end[a]) for a in order])
+        for lane in range(max(lane_of, default=0) + 1):
+            rows_of.append((rank, [a for a, k in zip(order, lane_of) if k == lane]))
+    points: dict[int, dict[float, list]] = {}  # row -> instant -> its point tasks, in order
+    for i, (_, tasks) in enumerate(rows_of):
+        for a in tasks:
             if base(result.end[a]) <= base(result.start[a]):
-                points.setdefault(rank, {}).setdefault(result.start[a], []).append(a)
+                points.setdefault(i, {}).setdefault(result.start[a], []).append(a)
     width_at: dict[float, int] = {}  # instant -> columns inserted there
     for groups in points.values():
         for t, tasks in groups.items():
@@ -114,10 +127,10 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     edge_time[-1] = t1
     edge_time += [t1] * (total_cells + 1 - len(edge_time))  # the 1 cell of an all-zero, uninserted view
     inserted = (inserted + [False])[:total_cells]  # the last entry was the right end, not a column
-    rows: list[list[str]] = []
-    for rank in range(sched.num_ranks):
-        row = [" " if ins else "." for ins in inserted]
-        for a in sched.orders[rank]:
+    drawn: list[list[str | None]] = []  # per row: each column's character, None where no task of the row
+    for i, (rank, tasks) in enumerate(rows_of):
+        row: list[str | None] = [None] * total_cells
+        for a in tasks:
             if base(result.end[a]) <= base(result.start[a]):
                 continue  # drawn below, in the columns inserted at its instant
             c0 = base(result.start[a]) + added(result.start[a], inclusive=True)
@@ -127,14 +140,25 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
                 text = text[0]
             cell = (text + "-" * (c1 - c0))[: c1 - c0]
             row[c0:c1] = list(cell)
-        for t, tasks in points.get(rank, {}).items():
+        for t, at_t in points.get(i, {}).items():
             c = base(t) + added(t, inclusive=False)
-            for a in tasks:
+            for a in at_t:
                 text = _label(a.kind, chunk_of[a.stage], a.microbatch)
                 row[c:c + len(text)] = list(text)
                 c += len(text)
-        rows.append(row)
+        drawn.append(row)
+    # idle ("."): a column none of the rank's rows covers, and not one added for point tasks
+    busy: dict[int, list[bool]] = {}
+    for (rank, _), row in zip(rows_of, drawn):
+        cover = busy.setdefault(rank, [False] * total_cells)
+        busy[rank] = [b or ch is not None for b, ch in zip(cover, row)]
+    rows: list[list[str]] = []
+    for (rank, _), row in zip(rows_of, drawn):
+        rows.append([ch if ch is not None else (" " if ins or busy[rank][c] else ".")
+                     for c, (ch, ins) in enumerate(zip(row, inserted))])
     name_w = len(f"rank {sched.num_ranks - 1}")
+    names = [f"{f'rank {rank}':<{name_w}}" if i == 0 or rows_of[i - 1][0] != rank else f"{'+':>{name_w}}"
+             for i, (rank, _) in enumerate(rows_of)]  # a rank's further rows: "+" under its name
     block = max(10, width - name_w - 3)
     # Break blocks on multiples of the shortest task's width: with uniform costs tasks start on
     # that grid, so no label is cut in two across blocks.
@@ -150,8 +174,8 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         extra = sum(inserted[b0:b1])
         note = f"; {extra} chars added for tasks shorter than 1 char, e.g. of zero length" if extra else ""
         out.append(f"time {edge_time[b0]:.6g}..{edge_time[b1]:.6g} (1 char = {unit:.4g}{note})")
-        for rank, row in enumerate(rows):
-            out.append(f"{f'rank {rank}':<{name_w}} |{''.join(row[b0:b1])}|")
+        for name, row in zip(names, rows):
+            out.append(f"{name} |{''.join(row[b0:b1])}|")
     return "\n".join(out)
 
 

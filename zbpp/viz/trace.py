@@ -36,6 +36,7 @@ from ..schedules.ir import Action, Schedule
 from ..schedules.measured import measured_result, measured_summary
 from ..schedules.program import make_program
 from ..schedules.simulate import SimResult
+from ._lanes import lanes
 
 __all__ = ["write_trace", "read_trace", "measured_result", "measured_summary"]
 
@@ -81,14 +82,10 @@ def _lanes(slices: list[dict[str, Any]], first_tid: int) -> int:
     other: slices on one track must nest, and two messages in flight at once (comm longer than the
     gap between them) or two measured tasks run at once only partly overlap. Returns how many
     tracks were used."""
-    ends: list[float] = []  # per track, the end of its last slice
-    for e in sorted(slices, key=lambda e: (e["ts"], e["dur"])):
-        lane = next((i for i, end in enumerate(ends) if end <= e["ts"]), len(ends))
-        if lane == len(ends):
-            ends.append(0.0)
-        ends[lane] = e["ts"] + e["dur"]
+    lane_of = lanes([(e["ts"], e["ts"] + e["dur"]) for e in slices])
+    for e, lane in zip(slices, lane_of):
         e["tid"] = first_tid + lane
-    return len(ends)
+    return max(lane_of, default=-1) + 1
 
 
 def _track_names(kind: str, lanes: int) -> list[str]:
