@@ -321,6 +321,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.replot is not None:
         if args.loss_curve is None:
             ap.error("--replot JSON draws the loss curve: give --loss-curve PNG too")
+        training = [f"--{name.replace('_', '-')}" for name in _given(ap, argv, args)
+                    if name not in ("replot", "loss_curve")]
+        if training:  # each would be silently ignored: --replot trains nothing
+            ap.error(f"--replot JSON only draws --loss-curve from an earlier run and trains nothing: "
+                     f"{', '.join(training)} apply to training; drop them")
         return args
     for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "heads", "layers", "steps",
                  "eval_every", "eval_batches", "pad_vocab"):
@@ -353,6 +358,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "bfloat16" if backend == "nccl" and not args.check else "float32"
     args.task_times = args.task_times or args.trace is not None
     return args
+
+
+def _given(ap: argparse.ArgumentParser, argv: list[str] | None, args: argparse.Namespace) -> list[str]:
+    """The options the command line gave (typed, whatever their value): parsed again into a
+    namespace holding a marker for each, which argparse then leaves where no option replaced it."""
+    unset = object()
+    probe = argparse.Namespace(**{name: unset for name in vars(args)})
+    ap.parse_args(argv, namespace=probe)
+    return [name for name, value in vars(probe).items() if value is not unset]
 
 
 def _default_backend() -> str:

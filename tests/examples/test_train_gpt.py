@@ -134,3 +134,20 @@ def test_learning_rate_flags_are_checked(capsys, argv, words):
     with pytest.raises(SystemExit):
         _example().parse_args([*argv, "--backend", "gloo"])
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--json", "out.json"], "--json"),
+    (["--check", "--steps", "300"], "--steps, --check"),  # --steps typed at its default: still given
+    (["--trace", "t.json", "--schedule", "zb-v"], "--schedule, --trace"),
+])
+def test_replot_refuses_training_flags(tmp_path, capsys, extra, named):
+    """--replot draws the loss curve of an earlier run and trains nothing: training flags given with
+    it were silently ignored (no JSON written, nothing checked); now an error naming them."""
+    with pytest.raises(SystemExit) as exc:
+        _example().parse_args(["--replot", "steps.json", "--loss-curve", str(tmp_path / "l.png"), *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{named} apply to training" in err, err
+    args = _example().parse_args(["--replot", "steps.json", "--loss-curve", str(tmp_path / "l.png")])
+    assert args.replot == "steps.json"  # alone, as before
