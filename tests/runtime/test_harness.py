@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zbpp.testing import DistributedTestError, distributed, run_distributed
+from zbpp.testing import DistributedTestError, Workers, distributed, run_distributed
 
 
 def rank_and_world() -> tuple[int, int, str]:
@@ -127,3 +127,38 @@ def test_a_rank_that_died_between_runs_is_reported_and_the_pool_restarts(zbpp_wo
     assert list(info.value.failures) == [1]
     assert "exited with code 7" in info.value.failures[1] and "before this run" in info.value.failures[1]
     assert [r[:2] for r in workers.run(rank_and_world)] == [(0, 2), (1, 2)]  # restarted
+
+
+class _StoreNobodyReaches:
+    """The parent's rendezvous store, advertising a port where nothing listens: the ranks retry
+    connecting until their process-group timeout, so the pool's start hangs that long."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        import socket
+
+        self._store = _REAL_STORE(*args, **kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+
+
+_REAL_STORE = dist.TCPStore
+
+
+def test_a_run_timeout_bounds_the_pool_restart(monkeypatch):
+    """`run(timeout=3)` on a pool that must (re)start, whose start hangs: the run ends within its
+    timeout (plus the stacks' second and the kill), reporting the start, where it used to wait for
+    start's own limit (180 s; here the ranks give up connecting after their 60 s pg_timeout and a
+    retry)."""
+    workers = Workers(2, pg_timeout=60, timeout=300, grace=1.0)
+    monkeypatch.setattr(dist, "TCPStore", _StoreNobodyReaches)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DistributedTestError) as info:
+            workers.run(rank_and_world, timeout=3)
+    finally:
+        workers.close()
+    # 3 s, then 1 s for the stacks and a few for the kill on a loaded machine; well under the 60 s
+    assert time.monotonic() - t0 < 30
+    assert "starting the process group" in str(info.value)
+    assert all("no result within the timeout of 3 s" in f for f in info.value.failures.values())

@@ -294,8 +294,11 @@ class Workers:
 
     # -- running ------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
-        self.start()
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order. `timeout`
+        (default the pool's) bounds the whole call, a restart of the pool included."""
+        limit = timeout if timeout is not None else self.timeout
+        deadline = time.monotonic() + limit
+        self.start(timeout=limit)  # a pool stopped by a failure restarts here, within this run's time
         what = f"running {getattr(fn, '__qualname__', fn)!r}"
         # A rank that died while idle (a thread or handler a function left behind) would make the
         # send below raise a bare BrokenPipeError, on this run and every later one.
@@ -309,16 +312,18 @@ class Workers:
                 c.send((fn, args, kwargs))
             except (BrokenPipeError, ConnectionResetError):  # it died just now: `_collect` reports its exit
                 pass
-        replies = self._collect(getattr(fn, "__name__", repr(fn)), timeout if timeout is not None else self.timeout)
+        replies = self._collect(getattr(fn, "__name__", repr(fn)), limit, deadline=deadline)
         if any(kind != "ok" for kind, _, _ in replies.values()):
             self._fail(what, replies)
         return [replies[r][1] for r in range(self.world_size)]
 
-    def _collect(self, what: str, timeout: float) -> dict[int, tuple[str, Any, float]]:
+    def _collect(self, what: str, timeout: float, *,
+                 deadline: float | None = None) -> dict[int, tuple[str, Any, float]]:
         """Every rank's reply and when it failed (time.time()): ("ok", value, t) or ("error", text, t)
-        / ("died", text, t) / ("stuck", text, t)."""
+        / ("died", text, t) / ("stuck", text, t). They are waited for until `deadline` (monotonic;
+        default `timeout` from now), `timeout` being what a stuck rank's report names."""
         replies: dict[int, tuple[str, Any, float]] = {}
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout if deadline is None else deadline
         first_failure: float | None = None
         while len(replies) < self.world_size:
             now = time.monotonic()
