@@ -268,7 +268,9 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
     Args:
         pipe: a `zbpp.Pipeline` of stages from `zbpp.models.hf.causal_lm_stages` (they carry the
             model's config as ``.config``; ``state_dict()`` keys are the whole model's names).
-        path: the directory to write (created; shared by the writing ranks). The weight files
+        path: the directory to write (created; shared by the writing ranks). Tied copies are
+            compared first (`Pipeline.check_ties`): copies that differ raise on every rank and
+            nothing is written. The weight files
             of an earlier save there that this one does not rewrite are deleted.
         max_shard_size: the largest safetensors file, in bytes or as ``"500MB"``: each pipeline
             rank writes its stages in files of at most this size (a tensor larger goes alone).
@@ -277,6 +279,7 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
 
     from .._compat import uncompiled
 
+    pipe.check_ties()  # tied copies that drifted apart raise on every rank: HF's format keeps only one of them
     mods = [uncompiled(m) for m in pipe.stage_modules.values()]
     config = next((getattr(m, "config", None) for m in mods if getattr(m, "config", None) is not None), None)
     if config is None:

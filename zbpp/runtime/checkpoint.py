@@ -130,7 +130,9 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         model: a `zbpp.Pipeline`, a mapping ``{stage: module}``, or an ``nn.Module``: the stages of
             this rank, whose ``state_dict()`` keys are the whole model's names. A Pipeline's random
             stream (``rng_step`` and its base seed) is saved too, and the FP8 scaling state of its
-            ``zbpp.modules`` layers (a Pipeline's: under its data-parallel replica).
+            ``zbpp.modules`` layers (a Pipeline's: under its data-parallel replica). A Pipeline's
+            tied copies are compared first (`Pipeline.check_ties`): copies that differ raise on
+            every rank and nothing is written.
         path: the checkpoint directory (shared by every rank).
         optimizer: an optimizer over this rank's stage parameters (plain or ``fully_shard`` ones).
             A parameter's state and hyperparameters are saved under each of its names (a tied
@@ -153,6 +155,9 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     """
     import torch.distributed.checkpoint as dcp
 
+    check_ties = getattr(model, "check_ties", None)
+    if callable(check_ties):  # a Pipeline: copies of a tie that drifted apart raise on every rank, before any write
+        check_ties()
     agreement, ranks = _agreement(process_group)
     try:
         state, problem = _state_to_save(model, optimizer, lr_scheduler), None

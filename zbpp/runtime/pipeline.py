@@ -30,7 +30,7 @@ from ..schedules.ir import Kind, Schedule
 from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
 from .arguments import check_arguments, check_stage_modules
-from .agreement import Agreement, BrokenJob, StartReport, agree_to_build, decide_end, decide_start
+from .agreement import Agreement, BrokenJob, StartReport, agree_on_problems, agree_to_build, decide_end, decide_start
 from .channels import Channels, agreement_group, default_timeout
 from .comm_queue import CommQueue
 from .executor import PipelineError, StepExecutor, StepInputs, StepResults
@@ -40,7 +40,7 @@ from .task_times import TaskRecorder, gather_records
 from .reductions import Reductions, default_reducer, fsdp_reducer
 from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
-from .tied import TiedParameters, check_reducer_leaves_ties, local_ties
+from .tied import TiedParameters, check_reducer_leaves_ties, drifted_ties_error, local_ties
 from .topology import Topology
 from .step_input import (LocalBatch, Walks, autocast_state, local_batch, merge, module_state, release_step_caches,
                          stable_hash, stage_walks, unique_parameters)
@@ -384,6 +384,48 @@ class Pipeline:
         if self._recorder is None:
             raise RuntimeError("task_times() needs Pipeline(..., record_task_times=True)")
         return gather_records(self._recorder, self.topology)
+
+    def check_ties(self) -> None:
+        """Raise, on every rank alike, if the copies of some tied parameter differ (collective over every
+        rank of the job, between steps).
+
+        Each copy gets the same summed gradient, so the copies stay equal only while every copy's
+        optimizer treats it alike. Parameter groups chosen by name break that silently: a weight decay
+        that excludes names containing "embed" decays the LM head's copy and not the embedding's, so
+        the copies drift apart while each rank's model looks fine. Call it after the first optimizer
+        step when grouping parameters by name; `save_checkpoint` and `zbpp.models.hf.save_pretrained`
+        call it before writing anything. The comparison is exact (bit patterns; a ``RuntimeError``
+        names the tie, the ranks and stages holding its copies and the largest difference) and costs
+        two all-reduces of each copy over the ranks holding it; a V placement's Parameter that one
+        rank's two stages share has nothing to compare, ``fully_shard`` copies are compared shard by
+        shard.
+
+        >>> import torch
+        >>> from zbpp.schedules import build
+        >>> pipe = Pipeline({0: torch.nn.Linear(2, 1)}, build("1f1b", num_ranks=1, num_microbatches=1),
+        ...                 loss_fn=torch.nn.functional.mse_loss)
+        >>> pipe.check_ties()  # no tie here: nothing to compare
+        """
+        if self._broken is not None:
+            raise PipelineError(self._broken)
+        try:
+            snapshot, problem = self._tied.snapshot(), None
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            snapshot, problem = [], exc
+        # every rank has its copies ready before any of them enters a tie's collective
+        agree_on_problems(self._agreement, problem, self.topology.world, "check_ties could not run on every rank")
+        try:
+            mine, problem = (self.topology.global_rank, self._tied.compare(snapshot),
+                             self._tied.copy_names(self.stage_modules)), None
+        except BrokenJob:  # a rank is gone (marked in the store): no agreement could complete
+            raise
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            mine, problem = None, exc
+        reports = agree_on_problems(self._agreement, problem, self.topology.world,
+                                    "check_ties could not compare on every rank", payload=mine)
+        error = drifted_ties_error(reports)
+        if error is not None:
+            raise error
 
     # -- a step -------------------------------------------------------------------------------
     def _agree_start(self, inputs: Any, target: Any, *, forward_only: bool, problem: Exception | None = None) -> _Step:

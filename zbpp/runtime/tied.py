@@ -46,7 +46,7 @@ from .fsdp import copies_of
 from .polling import wait_for
 from .topology import Topology
 
-__all__ = ["LocalTies", "TiedParameters", "check_reducer_leaves_ties", "local_ties"]
+__all__ = ["LocalTies", "TiedParameters", "check_reducer_leaves_ties", "drifted_ties_error", "local_ties"]
 
 
 @dataclass(eq=False)
@@ -292,6 +292,83 @@ class TiedParameters:
                 wait_for(t.work, self.wait_check, t.param.device)
                 t.work = None
 
+    # -- between steps: are the copies still equal? ----------------------------------------------
+    def snapshot(self) -> list[tuple[_Tie, list[torch.Tensor]]]:
+        """Each tie's copies on this rank as integer bit patterns (`_bits`): what `compare` sends.
+        No collective: `Pipeline.check_ties` agrees that every rank got this far first."""
+        return [(t, [_bits(_local(q.data)) for q in t.params]) for t in self._ties]
+
+    def compare(self, snapshot: list[tuple[_Tie, list[torch.Tensor]]]) -> dict[str, float]:
+        """The largest difference between the copies of every tie this rank holds (0.0: equal bit for
+        bit; NaN: they differ where some copy is NaN), keyed by the tie's name (``"shared by stages
+        [s, t]"`` for copies FSDP split on this rank alone). Collective over each tie's group, in the
+        order every holder builds its ties (sorted by name), so holders of several ties never cross.
+
+        Exact: the elementwise MAX of the copies' bit patterns and of their complements (whose MAX is
+        the complement of the MIN) are equal only where every copy has the same bits. Only a tie
+        whose copies differ pays two more all-reduces, of the values, for the largest difference."""
+        out: dict[str, float] = {}
+        for t, bits in snapshot:
+            own = [_local(q.data) for q in t.params]
+            diff = max((_largest_difference(own[0], q) for q, b in zip(own[1:], bits[1:]) if not torch.equal(b, bits[0])),
+                       default=0.0)  # copies of this rank (FSDP split them)
+            if t.group is not None:
+                high, low = bits[0].clone(), torch.bitwise_not(bits[0])
+                self._all_reduce_max(t, high, low)
+                if not torch.equal(high, torch.bitwise_not(low)):  # every holder sees the same, and goes on alike
+                    values = own[0].detach().reshape(-1).to(torch.float64)
+                    high_v, low_v = values.clone(), values.neg()
+                    self._all_reduce_max(t, high_v, low_v)
+                    spread = _largest(high_v + low_v)  # max(copies) - min(copies), elementwise
+                    diff = spread if diff != diff else diff if spread != spread else max(diff, spread)
+            out[t.name if t.name is not None else f"shared by stages {list(t.stages)}"] = diff
+        return out
+
+    def _all_reduce_max(self, t: _Tie, *tensors: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        works = [dist.all_reduce(x, op=dist.ReduceOp.MAX, group=t.group, async_op=True) for x in tensors]
+        for work in works:
+            wait_for(work, self.wait_check, t.param.device)
+
+    def copy_names(self, stage_modules: Mapping[int, nn.Module]) -> dict[str, dict[int, list[str]]]:
+        """Tie name -> {stage: the copy's names in that stage module} on this rank (for messages)."""
+        out: dict[str, dict[int, list[str]]] = {}
+        for t in self._ties:
+            key = t.name if t.name is not None else f"shared by stages {list(t.stages)}"
+            out[key] = {s: [n for n, p in stage_modules[s].named_parameters(remove_duplicate=False)
+                            if any(p is q for q in t.params)] for s in t.stages if s in stage_modules}
+        return out
+
+
+#: what one rank tells in `Pipeline.check_ties`: its global rank, {tie: largest difference of its
+#: copies}, {tie: {stage: the copy's names}}
+TieReport = tuple[int, dict[str, float], dict[str, dict[int, list[str]]]]
+
+
+def drifted_ties_error(reports: Sequence[TieReport]) -> RuntimeError | None:
+    """The error every rank raises when some tie's copies differ (None: all equal), built from every
+    rank's report, so it reads the same on every rank."""
+    drifted = sorted({name for _, diffs, _ in reports for name, d in diffs.items() if d != 0.0})
+    if not drifted:
+        return None
+    lines = []
+    for name in drifted:
+        diffs = [d for _, ds, _ in reports for n, d in ds.items() if n == name]
+        largest = max((d for d in diffs if d == d), default=float("nan"))
+        amount = (f"by up to {largest:.3g}" if largest == largest else "only where some copy is NaN or a zero's sign differs")
+        holders = ", ".join(f"global rank {g} stage {s} ({' / '.join(map(repr, names))})"
+                            for g, _, where in sorted(reports) for s, names in sorted(where.get(name, {}).items()))
+        lines.append(f"tied parameter {name!r} differs between its copies {amount}: held by {holders}")
+    return RuntimeError(
+        "; ".join(lines) + ". The copies of a tied parameter get the same gradient, so they stay equal only if every "
+        "copy's optimizer treats it alike; most likely the copies are in parameter groups with different settings, e.g. "
+        "weight decay chosen by name (a rule that excludes names containing 'embed' decays the LM head's copy, "
+        "'lm_head.weight', and not the embedding's). Give every copy the same settings: choose its group by whether it is "
+        "in tied_parameters (id(p) in {id(q) for q in tied_parameters.values()}) on every rank, then resume from a "
+        "checkpoint saved before they drifted"
+    )
+
 
 def _grad_of(p: nn.Parameter) -> torch.Tensor:
     main = getattr(p, "main_grad", None)
@@ -317,6 +394,32 @@ def _shard_of(p: nn.Parameter) -> tuple | None:
     if mesh is None or not hasattr(p, "to_local"):
         return None
     return (tuple(mesh.get_coordinate() or ()), tuple(_local(p.data).shape))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t`'s bit patterns as a flat integer tensor (a new tensor, to all-reduce in place):
+    equal bits are equal values, NaN and the sign of zero included. int32 or int64: the types every
+    backend reduces (NCCL has no int16)."""
+    flat = t.detach().reshape(-1)
+    size = flat.element_size()
+    if size % 8 == 0:
+        return flat.view(torch.int64).clone()
+    if size % 4 == 0:
+        return flat.view(torch.int32).clone()
+    return flat.view(torch.int16 if size == 2 else torch.uint8).to(torch.int32)
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest elementwise difference of two copies whose bits differ (`_largest`)."""
+    return _largest((a.detach().to(torch.float64) - b.detach().to(torch.float64)).abs())
+
+
+def _largest(diff: torch.Tensor) -> float:
+    """The largest of differences between copies whose bits differ; NaN where none is a number > 0
+    (the copies differ only in NaNs or in the sign of a zero)."""
+    numbers = diff[~diff.isnan()]
+    largest = numbers.max().item() if numbers.numel() else 0.0
+    return largest if largest > 0 else float("nan")
 
 
 def _equalise(t: _Tie) -> None:
