@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from .weights_cases import config, hf_model, pipeline_step, reference_step
+from .weights_cases import config, failing_save_case, hf_model, pipeline_step, reference_step
 
 transformers = pytest.importorskip("transformers")
 ATOL = 1e-12  # see the module docstring
@@ -283,3 +283,26 @@ def test_saving_again_into_a_directory_leaves_only_the_new_weights(first: str, t
     for name, t in model.state_dict().items():
         assert torch.equal(hf[name], t), name
         assert torch.equal(weights[name], t), name
+
+
+@pytest.mark.parametrize("where, failing, words", [
+    ("weights", 1, "OSError: could not write '{out}/model-0000"),
+    ("config", 0, "PermissionError: [Errno 13] Permission denied: '{out}/config.json'"),
+])
+def test_a_write_failing_on_one_rank_raises_on_every_rank(where: str, failing: int, words: str, tmp_path: Path,
+                                                          zbpp_workers) -> None:
+    """One rank cannot write its part (`failing_save_case`: rank 1's weight file on a full disk, or
+    rank 0's config.json): it raised alone and the other rank waited in save_pretrained's gather of
+    the files, or its barrier, for the process group's 60 s timeout. Now the failing rank raises its
+    own error (naming the file) and the other a PipelineError naming the rank and the cause, within
+    seconds."""
+    out = tmp_path / "out"
+    outcomes = zbpp_workers(2, pg_timeout=60).run(failing_save_case, str(out), where)
+    assert all(float(o.split("s ", 1)[0]) < 10 for o in outcomes), outcomes  # not the 60 s timeout
+    own, other = outcomes[failing], outcomes[1 - failing]
+    words = words.format(out=out)
+    assert own.split(" ", 1)[1].startswith(words), own
+    assert other.split(" ", 1)[1].startswith("PipelineError: save_pretrained could not "), other
+    assert f"; global rank {failing}: {words}" in other, other
+    cause = "No space left on device" if where == "weights" else "Permission denied"
+    assert all(cause in o for o in outcomes), outcomes

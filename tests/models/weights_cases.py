@@ -88,3 +88,45 @@ def pipeline_step(src: str, out: str, schedule: str) -> dict[str, Any]:
     save_pretrained(pipe, out, max_shard_size="8KB")
     held = sorted({n for m in stages.values() for n in m.state_dict()})
     return {"read": sorted(read), "held": held, "dtypes": sorted(str(d) for d in dtypes)}
+
+
+def failing_save_case(out: str, where: str) -> str:
+    """On every rank: a llama pipeline (1f1b, 2 ranks) saved with `save_pretrained` in several
+    files, one rank's part failing: ``"weights"``: rank 1's safetensors write (a full disk);
+    ``"config"``: rank 0's config.json (the index and config writer; permission denied). Returns
+    ``"<seconds>s <type>: <message>"`` of what it raised on this rank, or ``"<seconds>s ok"``."""
+    import errno
+    import time
+
+    import safetensors.torch
+    import torch.distributed as dist
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages, save_pretrained
+    from zbpp.schedules import build
+
+    rank = dist.get_rank()
+    sched = build("1f1b", num_ranks=2, num_microbatches=M)
+    stages, kwargs = causal_lm_stages(config("llama"), sched, rank, device="cpu")
+    pipe = Pipeline(stages, sched, **kwargs)
+
+    def full_disk(*args: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def denied(*args: Any, **kw: Any) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", f"{out}/config.json")
+
+    owner, name, broken = ((safetensors.torch, "save_file", full_disk) if where == "weights"
+                           else (transformers.PretrainedConfig, "save_pretrained", denied))
+    original = getattr(owner, name)
+    if rank == (1 if where == "weights" else 0):
+        setattr(owner, name, broken)
+    start = time.monotonic()
+    try:
+        save_pretrained(pipe, out, max_shard_size="8KB")
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+    finally:
+        setattr(owner, name, original)
+    return f"{time.monotonic() - start:.1f}s ok"

@@ -263,7 +263,9 @@ def _tie_groups(model: nn.Module) -> list[list[str]]:
 # -- out -----------------------------------------------------------------------------------------
 def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int | str = "2GB") -> None:
     """Write the pipeline's model as a HF directory that ``from_pretrained`` loads (see the module
-    docstring). Every rank of the job calls it together, between steps.
+    docstring). Every rank of the job calls it together, between steps. A rank whose part fails
+    (a full disk, a file it may not write) raises its own error and every other rank a
+    `PipelineError` naming it, at once (`zbpp.runtime.agreement.agree_on_problems`).
 
     Args:
         pipe: a `zbpp.Pipeline` of stages from `zbpp.models.hf.causal_lm_stages` (they carry the
@@ -275,56 +277,86 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
         max_shard_size: the largest safetensors file, in bytes or as ``"500MB"``: each pipeline
             rank writes its stages in files of at most this size (a tensor larger goes alone).
     """
-    import torch.distributed as dist
-
     from .._compat import uncompiled
+    from ..runtime.agreement import Agreement, agree_on_problems
+    from ..runtime.channels import agreement_group, default_timeout
 
     pipe.check_ties()  # tied copies that drifted apart raise on every rank: HF's format keeps only one of them
-    mods = [uncompiled(m) for m in pipe.stage_modules.values()]
-    config = next((getattr(m, "config", None) for m in mods if getattr(m, "config", None) is not None), None)
-    if config is None:
-        raise ValueError("save_pretrained needs stages that carry the model's config (.config), as "
-                         "zbpp.models.hf.causal_lm_stages builds them")
-    limit = _bytes(max_shard_size)
     topology = pipe.topology
-    state = _rank_state(mods, config)  # every replica gathers its fully_shard tensors together
+    # each phase ends in an agreement: a rank that failed alone (a full disk, a file it may not write) raises its
+    # error, every other rank an error naming it, at once (not at the process group's timeout in a collective)
+    agreement, world = Agreement(agreement_group(topology, default_timeout())), sorted(topology.world)
+
+    def agree(problem: BaseException | None, failed: str, payload: Any = None) -> list[Any]:
+        """Every rank of this pipeline's payload, in pipeline order (`agree_on_problems`)."""
+        told = dict(zip(world, agree_on_problems(agreement, problem, world, f"save_pretrained {failed}", payload)))
+        return [told[g] for g in topology.pipeline]
+
+    try:
+        problem = None
+        mods = [uncompiled(m) for m in pipe.stage_modules.values()]
+        config = next((getattr(m, "config", None) for m in mods if getattr(m, "config", None) is not None), None)
+        if config is None:
+            raise ValueError("save_pretrained needs stages that carry the model's config (.config), as "
+                             "zbpp.models.hf.causal_lm_stages builds them")
+        limit = _bytes(max_shard_size)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    agree(problem, "could not start on every rank (nothing was written)")
     writes = topology.dp_rank == 0
-    plan = _shards(state, limit) if writes else []
-    counts = [len(plan)]
-    if topology.distributed and topology.pp_size > 1:
-        every: list[Any] = [None] * topology.pp_size
-        dist.all_gather_object(every, counts[0], group=topology.pp_group)
-        counts = [int(c) for c in every]
+    try:
+        problem, plan = None, []
+        state = _rank_state(mods, config)  # every replica gathers its fully_shard tensors together
+        plan = _shards(state, limit) if writes else []
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    counts = [int(c) for c in agree(problem, "could not gather its tensors on every rank (nothing was written)",
+                                    len(plan))]
     out = Path(path)
     total_files = sum(counts)
     first = sum(counts[:topology.pp_rank])
     index: dict[str, str] = {}
-    if writes:
-        from safetensors.torch import save_file
+    try:
+        problem = None
+        if writes:
+            out.mkdir(parents=True, exist_ok=True)
+            single = total_files == 1
+            for i, names in enumerate(plan):
+                fname = _SINGLE if single else f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
+                _write(out / fname, {n: state[n] for n in names})
+                index.update({n: fname for n in names})
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    maps = agree(problem, f"could not write its weights on every rank ({os.fspath(path)!r} holds a partial save)",
+                 (index, sum(state[n].numel() * state[n].element_size() for n in index)))
+    try:
+        problem = None
+        if writes and topology.pp_rank == 0:
+            weight_map = {k: v for m, _ in maps for k, v in m.items()}
+            _remove_earlier_save(out, set(weight_map.values()) | ({_INDEX} if total_files > 1 else set()))
+            if total_files > 1:
+                meta = {"metadata": {"total_size": sum(n for _, n in maps)}, "weight_map": dict(sorted(weight_map.items()))}
+                (out / _INDEX).write_text(json.dumps(meta, indent=2) + "\n")
+            saved = copy.deepcopy(config)
+            floating = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+            if floating is not None:
+                saved.dtype = floating
+            saved.save_pretrained(out)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    # also every rank's wait for the others: none returns before the directory is complete
+    agree(problem, f"could not finish on every rank (the weights are written; {os.fspath(path)!r} may lack its "
+                   "index or config.json)")
 
-        out.mkdir(parents=True, exist_ok=True)
-        single = total_files == 1
-        for i, names in enumerate(plan):
-            fname = _SINGLE if single else f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
-            save_file({n: state[n] for n in names}, out / fname, metadata={"format": "pt"})
-            index.update({n: fname for n in names})
-    maps: list[Any] = [(index, sum(state[n].numel() * state[n].element_size() for n in index))]
-    if topology.distributed and topology.pp_size > 1:
-        mine, maps = maps[0], [None] * topology.pp_size
-        dist.all_gather_object(maps, mine, group=topology.pp_group)
-    if writes and topology.pp_rank == 0:
-        weight_map = {k: v for m, _ in maps for k, v in m.items()}
-        _remove_earlier_save(out, set(weight_map.values()) | ({_INDEX} if total_files > 1 else set()))
-        if total_files > 1:
-            meta = {"metadata": {"total_size": sum(n for _, n in maps)}, "weight_map": dict(sorted(weight_map.items()))}
-            (out / _INDEX).write_text(json.dumps(meta, indent=2) + "\n")
-        saved = copy.deepcopy(config)
-        floating = next((t.dtype for t in state.values() if t.is_floating_point()), None)
-        if floating is not None:
-            saved.dtype = floating
-        saved.save_pretrained(out)
-    if topology.distributed:
-        dist.barrier()
+
+def _write(file: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """One safetensors file; an error names the file (safetensors' names a temporary file, or none)."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(dict(tensors), file, metadata={"format": "pt"})
+    except Exception as exc:
+        raise OSError(f"could not write {os.fspath(file)!r}: {type(exc).__name__}: {exc}") from exc
 
 
 def _remove_earlier_save(out: Path, kept: set[str]) -> None:
