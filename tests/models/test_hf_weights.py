@@ -306,3 +306,28 @@ def test_a_write_failing_on_one_rank_raises_on_every_rank(where: str, failing: i
     assert f"; global rank {failing}: {words}" in other, other
     cause = "No space left on device" if where == "weights" else "Permission denied"
     assert all(cause in o for o in outcomes), outcomes
+
+
+def test_a_float64_moe_builds_from_a_directory_with_eager_experts(tmp_path: Path) -> None:
+    """HF's default experts (grouped matmul) take no float64, and ``config.json`` does not keep
+    ``experts_implementation``: a float64 Mixtral built from a directory failed in its first forward
+    ("Expected mat_a to be Float32, BFloat16 or Float16"), with no way to ask for other experts.
+    `causal_lm_stages(dir, experts_implementation="eager")` builds it; its logits are HF's model
+    loaded from the directory the same way, to 1e-12 (float64; the same HF forward on the same batch,
+    only the stage's bookkeeping around it)."""
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_family_configs()["mixtral"], dtype=torch.float64)
+    model.save_pretrained(tmp_path)
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    stages, kwargs = causal_lm_stages(tmp_path, sched, 0, dtype=torch.float64, attn_implementation="eager",
+                                      experts_implementation="eager")
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    got = Pipeline(stages, sched, **kwargs).eval_step(ids)
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, attn_implementation="eager",
+                                                             experts_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(got, want(input_ids=ids).logits, rtol=0, atol=1e-12)

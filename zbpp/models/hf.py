@@ -165,6 +165,7 @@ def causal_lm_stages(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
+    experts_implementation: str | None = None,
     module_fqns_per_stage: Sequence[Sequence[str]] | None = None,
     balance: Balance = "params",
     state_dict: Mapping[str, torch.Tensor] | None = None,
@@ -186,7 +187,11 @@ def causal_lm_stages(
         schedule, pp_rank: the schedule and this rank's pipeline rank.
         device: where the stages live (default as `pipeline_stages`).
         dtype: parameter dtype when building from a config (default: the config's, else float32).
-        attn_implementation: "eager", "sdpa", ... when building from a config.
+        attn_implementation: "eager", "sdpa", ... when building from a config or a directory.
+        experts_implementation: a mixture of experts' expert layers, "eager" (a loop over the
+            experts: any dtype, float64 included), "grouped_mm" (HF's default: 16- and 32-bit
+            floats), ... when building from a config or a directory (HF does not save it in
+            ``config.json``).
         module_fqns_per_stage, balance, state_dict, seed: as `pipeline_stages`; the blocks are the
             model's decoder layers. A stage holds a contiguous run of them; only the first stage
             may hold none (the embeddings alone) and the last (the final norm and LM head alone).
@@ -205,7 +210,7 @@ def causal_lm_stages(
         raise TypeError(f"causal_lm_stages: fast={fast!r}; pass True or False")
     if isinstance(model_or_config, (str, os.PathLike)):  # a local HF directory: read this rank's tensors only
         model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
-    model = _model(model_or_config, dtype, attn_implementation)
+    model = _model(model_or_config, dtype, attn_implementation, experts_implementation)
     template = check_template(model)
     fqns = module_fqns_per_stage
     if fqns is None:
@@ -255,7 +260,8 @@ def _pretrained(path: Any, state_dict: Any, device: Any, dtype: torch.dtype | No
     return pretrained(path, device=_device(device), dtype=dtype)
 
 
-def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation: str | None) -> nn.Module:
+def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation: str | None,
+           experts_implementation: str | None = None) -> nn.Module:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - the [hf] extra
@@ -264,6 +270,8 @@ def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation:
         kw: dict[str, Any] = {}
         if attn_implementation is not None:
             kw["attn_implementation"] = attn_implementation
+        if experts_implementation is not None:
+            kw["experts_implementation"] = experts_implementation
         if dtype is not None:
             kw["dtype"] = dtype
         kind = getattr(model_or_config, "model_type", None)
@@ -276,9 +284,9 @@ def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation:
             raise ValueError(f"model_type {kind!r} has no *ForCausalLM in transformers: zbpp.models.hf builds "
                              "decoder-only causal LMs") from None
     if isinstance(model_or_config, nn.Module) and hasattr(model_or_config, "config"):
-        if dtype is not None or attn_implementation is not None:
-            raise ValueError("dtype and attn_implementation apply when building from a config; a model you built "
-                             "keeps its own")
+        if dtype is not None or attn_implementation is not None or experts_implementation is not None:
+            raise ValueError("dtype, attn_implementation and experts_implementation apply when building from a config "
+                             "or a directory; a model you built keeps its own")
         return model_or_config
     raise TypeError(f"expected a transformers PretrainedConfig or *ForCausalLM model, got {type(model_or_config).__name__}")
 
