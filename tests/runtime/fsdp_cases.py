@@ -608,3 +608,27 @@ def scheduler_case(path: str) -> str:
     sched2.step()
     return "" if sched2.get_last_lr() == sched.get_last_lr() else \
         f"resumed lr {sched2.get_last_lr()}, uninterrupted {sched.get_last_lr()}"
+
+
+def tie_drift_case(schedule: str) -> list[str]:
+    """dp=2 x pp=2, ``layers.0.weight`` tied to ``layers.3``, every stage ``fully_shard``-ed: under
+    zb-h1 the copies sit on two ranks of each pipeline (their shards compared within the pipeline),
+    under zb-v on one rank, split into a copy per stage by FSDP (compared on that rank). After a
+    step `Pipeline.check_ties` passes; then global rank 3 (zb-h1: stage 1 of replica 1) or 2 (zb-v:
+    stage 3 of replica 1) adds 1e-3 to one element of its shard of the layers.3 copy, and it raises.
+    Returns what each call did: ``"ok"`` or ``"<type>: <message>"``."""
+    pipe = fsdp_pipeline(schedule, "plain", 2, 2, tie=(3,))
+    x, y = batch(0)
+    pipe.step(my_rows(pipe.topology.dp_rank, 2, x), target=my_rows(pipe.topology.dp_rank, 2, y))
+    out = []
+    for changed in (False, True):
+        if changed and dist.get_rank() == (3 if schedule == "zb-h1" else 2):
+            copy = next(m.layers["3"].weight for m in pipe.stage_modules.values() if "3" in m.layers)
+            with torch.no_grad():
+                copy.to_local().view(-1)[0] += 1e-3
+        try:
+            pipe.check_ties()
+            out.append("ok")
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out

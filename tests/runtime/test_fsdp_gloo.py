@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .fsdp_cases import failure_case, fsdp_worker, refusal_case, timing_case
+from .fsdp_cases import failure_case, fsdp_worker, refusal_case, tie_drift_case, timing_case
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
@@ -98,3 +98,21 @@ def test_noted_stages_pickle_and_copy_with_their_shared_names() -> None:
     for got in (torch.load(buf, weights_only=False), copy.deepcopy({0: emb, 3: head})):
         a, b = got[0]._zbpp_original_parameters["weight"], got[3]._zbpp_original_parameters["weight"]
         assert a is b and a.ref() is None and a.name == "stage 0: weight"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule, holders", [
+    ("zb-h1", "global rank 0 stage 0 ('layers.0.weight'), global rank 1 stage 1 ('layers.3.weight'), global rank 2 "
+              "stage 0 ('layers.0.weight'), global rank 3 stage 1 ('layers.3.weight')"),
+    ("zb-v", "global rank 0 stage 0 ('layers.0.weight'), global rank 0 stage 3 ('layers.3.weight'), global rank 2 "
+             "stage 0 ('layers.0.weight'), global rank 2 stage 3 ('layers.3.weight')"),
+])
+def test_check_ties_compares_sharded_copies(zbpp_workers, schedule: str, holders: str) -> None:
+    """`tie_drift_case`: equal shards pass; one element of one replica's shard of one copy moved by
+    1e-3 (by hand, the largest difference) raises on all 4 ranks the same error, naming every
+    holder: shards across ranks (zb-h1) and FSDP's per-stage copies on one rank (zb-v)."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(tie_drift_case, schedule)
+    assert all(r[0] == "ok" for r in per_rank), per_rank
+    want = f"RuntimeError: tied parameter 'w' differs between its copies by up to 0.001: held by {holders}. "
+    assert all(r[1].startswith(want) for r in per_rank), per_rank
+    assert len({r[1] for r in per_rank}) == 1, per_rank  # the same error on every rank
