@@ -131,8 +131,8 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
             this rank, whose ``state_dict()`` keys are the whole model's names. A Pipeline's random
             stream (``rng_step`` and its base seed) is saved too, and the FP8 scaling state of its
             ``zbpp.modules`` layers (a Pipeline's: under its data-parallel replica). A Pipeline's
-            tied copies are compared first (`Pipeline.check_ties`): copies that differ raise on
-            every rank and nothing is written.
+            tied copies are compared first (`Pipeline.check_ties`, where `process_group` is every
+            rank of the job): copies that differ raise on every rank and nothing is written.
         path: the checkpoint directory (shared by every rank).
         optimizer: an optimizer over this rank's stage parameters (plain or ``fully_shard`` ones).
             A parameter's state and hyperparameters are saved under each of its names (a tied
@@ -153,10 +153,13 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         >>> torch.equal(copy.weight, model.weight)
         True
     """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     check_ties = getattr(model, "check_ties", None)
-    if callable(check_ties):  # a Pipeline: copies of a tie that drifted apart raise on every rank, before any write
+    # a Pipeline: copies of a tie that drifted apart raise on every rank, before any write; a collective of
+    # every rank of the job, so not where only some of them save (it would wait for the others)
+    if callable(check_ties) and (process_group is None or dist.get_world_size(process_group) == dist.get_world_size()):
         check_ties()
     agreement, ranks = _agreement(process_group)
     try:
