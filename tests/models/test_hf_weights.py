@@ -295,9 +295,13 @@ def test_a_write_failing_on_one_rank_raises_on_every_rank(where: str, failing: i
     rank 0's config.json): it raised alone and the other rank waited in save_pretrained's gather of
     the files, or its barrier, for the process group's 60 s timeout. Now the failing rank raises its
     own error (naming the file) and the other a PipelineError naming the rank and the cause, within
-    seconds."""
+    seconds. An earlier save's file there is kept (deleted only once the save is complete): a failed
+    save leaves what could still be read, not weights without their index or config."""
     out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier save")  # this save writes shards
     outcomes = zbpp_workers(2, pg_timeout=60).run(failing_save_case, str(out), where)
+    assert (out / "model.safetensors").read_bytes() == b"an earlier save"
     assert all(float(o.split("s ", 1)[0]) < 10 for o in outcomes), outcomes  # not the 60 s timeout
     own, other = outcomes[failing], outcomes[1 - failing]
     words = words.format(out=out)

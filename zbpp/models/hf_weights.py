@@ -333,7 +333,6 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
         problem = None
         if writes and topology.pp_rank == 0:
             weight_map = {k: v for m, _ in maps for k, v in m.items()}
-            _remove_earlier_save(out, set(weight_map.values()) | ({_INDEX} if total_files > 1 else set()))
             if total_files > 1:
                 meta = {"metadata": {"total_size": sum(n for _, n in maps)}, "weight_map": dict(sorted(weight_map.items()))}
                 (out / _INDEX).write_text(json.dumps(meta, indent=2) + "\n")
@@ -342,11 +341,13 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
             if floating is not None:
                 saved.dtype = floating
             saved.save_pretrained(out)
+            # last: a save failing before it leaves the earlier save's files, not a directory lacking both
+            _remove_earlier_save(out, set(weight_map.values()) | ({_INDEX} if total_files > 1 else set()))
     except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
     # also every rank's wait for the others: none returns before the directory is complete
     agree(problem, f"could not finish on every rank (the weights are written; {os.fspath(path)!r} may lack its "
-                   "index or config.json)")
+                   "index or config.json, or still hold weight files of an earlier save)")
 
 
 def _write(file: Path, tensors: Mapping[str, torch.Tensor]) -> None:
