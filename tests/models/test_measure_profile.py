@@ -296,6 +296,23 @@ def test_measure_causal_lm_repeats_each_kind_of_block():
         measure_causal_lm(cfg, measured_blocks=1, **args)
 
 
+def test_measure_causal_lm_takes_experts_implementation():
+    """HF's default experts (grouped matmul) take no float64, and measure_causal_lm had no way to ask
+    for others (its keywords went to measure_profile: a TypeError). With ``experts_implementation=
+    "eager"`` a float64 mixture of experts is measured; its static bytes are each layer's parameter
+    count x (weight + gradient + AdamW's two float64 moments) = 32 bytes (exact: byte counts)."""
+    pytest.importorskip("transformers")
+    from zbpp.models.hf import small_config
+
+    cfg = small_config("mixtral", vocab_size=32, hidden_size=16, num_layers=2, num_heads=2)
+    prof = measure_causal_lm(cfg, seq=4, steps=1, warmup=0, dtype=torch.float64, experts_implementation="eager")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert [x.static for x in prof.layers[1:3]] == [block * 32.0] * 2
+
+
 def test_cli_measure_then_plan(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from zbpp.cli import main

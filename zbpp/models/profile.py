@@ -337,12 +337,15 @@ def measure_causal_lm(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     attn_implementation: str | None = None,
+    experts_implementation: str | None = None,
     link_bytes_per_s: float = 50e9,
     seed: int = 0,
     **kwargs: Any,
 ) -> Profile:
     """`measure_profile` of a Hugging Face causal LM built from `config` with random weights on
-    `device`, on one microbatch of ``micro_batch x seq`` random tokens.
+    `device`, on one microbatch of ``micro_batch x seq`` random tokens. `attn_implementation` and
+    `experts_implementation` as `zbpp.models.hf.causal_lm_stages` takes them (a float64 mixture of
+    experts needs ``experts_implementation="eager"``).
 
     With `measured_blocks`, the model is built with that many blocks only (for a model larger than
     the device) and the profile repeats the measured blocks to the config's count: each block of the
@@ -388,6 +391,8 @@ def measure_causal_lm(
         kw["dtype"] = dtype
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
+    if experts_implementation is not None:
+        kw["experts_implementation"] = experts_implementation
     dev = torch.device(device)
     cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
