@@ -344,3 +344,104 @@ def no_sync_on_one_replica(name: str, p: int, m: int) -> dict[str, Any]:
     assert all(q.grad is None for q in pipe.parameters()), f"rank {rank}: a refused step touched a gradient"
     pipe.step(x, target=y)
     return outcome
+
+
+class _InterruptingWork:
+    """A send's work whose first ``wait`` waits, then raises `exc` (an interrupt that lands while
+    the rank waits for its sends at the end of a step, outside any task)."""
+
+    def __init__(self, work: Any, exc: BaseException | None) -> None:
+        self.work, self.exc = work, exc
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc
+
+
+def _arm_outside_task(pipe: Pipeline, where: str, exc: BaseException) -> Callable[[], None]:
+    """Make `pipe`'s next step raise `exc` once at `where`, outside any task; returns the disarm."""
+    import zbpp.runtime.agreement as agreement
+
+    if where in ("set_aside", "begin", "finish", "stage_backward_done"):
+        real = getattr(pipe._reductions, where)
+
+        def failing(*args: Any, **kwargs: Any) -> None:
+            setattr(pipe._reductions, where, real)
+            raise exc
+        setattr(pipe._reductions, where, failing)
+        return lambda: setattr(pipe._reductions, where, real)
+    if where == "send_wait":  # the sends waited for in CommQueue.complete
+        channels = pipe._channels
+        real_isend = channels.isend
+        left = [exc]
+
+        def isend(tensors: Any, channel: Any) -> list[Any]:
+            return [_InterruptingWork(w, left.pop() if left else None) for w in real_isend(tensors, channel)]
+        channels.isend = isend
+        return lambda: setattr(channels, "isend", real_isend)
+    # "start" / "end": the wait for the start / end agreement (its first poll after posting)
+    real_poll, calls = agreement.poll, {"n": 0}
+    nth = {"start": 1, "end": 2}[where]
+
+    def poll(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise exc
+        real_poll(*args, **kwargs)
+    agreement.poll = poll
+    return lambda: setattr(agreement, "poll", real_poll)
+
+
+def interrupted_outside_task(name: str, p: int, m: int, fail_rank: int, where: str, which: str) -> dict[str, Any]:
+    """After a good step, `fail_rank` gets `which` (KeyboardInterrupt, SystemExit or RuntimeError) once
+    outside any task, at `where` (`_arm_outside_task`); its loop catches it and goes on. Returns how
+    that step ended on this rank (its type, message, seconds) and how the next one did; checks the
+    gradients after a next step that ran against the single-process reference of the steps that
+    count."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    exc = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit,
+           "RuntimeError": RuntimeError}[which](f"injected {where} {which}")
+    disarm = _arm_outside_task(pipe, where, exc) if rank == fail_rank else (lambda: None)
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except BaseException as exc_:  # noqa: BLE001 - the test says which each rank must raise
+        outcome.update(result=type(exc_).__name__, message=str(exc_))
+    finally:
+        disarm()
+    outcome["seconds"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+        outcome["next"] = "success"
+    except PipelineError as exc_:
+        outcome["next"] = str(exc_)
+        return outcome
+    finally:
+        outcome["next_seconds"] = time.monotonic() - t1
+    # the steps the gradients hold: the good one, the next one, and the interrupted one only where
+    # the interrupt came after the end agreement had decided that it succeeded
+    counted = 3 if where == "end" else 2
+    for _ in range(counted - 1):
+        reference_step(ref, x, y)
+    for s, st in mine.items():
+        for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
+                                       **tolerance(torch.device("cpu")))
+    outcome["checked"] = True
+    return outcome

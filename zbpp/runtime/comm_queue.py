@@ -90,6 +90,8 @@ class CommQueue:
                         self._send(op.message)
                     except Exception as exc:  # noqa: BLE001
                         self._comm_failed(exc, op.message.channel)
+                    except (KeyboardInterrupt, SystemExit) as exc:  # the rank drains; the other sends still go
+                        self.failure.fail(exc, self.failure.current)
             else:
                 self._queues.setdefault(op.message.channel, []).append(Posted(op.message))
         self._post_known_receives()
@@ -196,6 +198,9 @@ class CommQueue:
         except Exception as exc:  # noqa: BLE001
             self._comm_failed(exc, msg.channel)
             raise Drained() from exc
+        except (KeyboardInterrupt, SystemExit):
+            self._received[msg.index] = item  # posted: `complete` still waits for it
+            raise
         if item.poisoned:
             raise Drained()
         assert item.bufs is not None
@@ -210,28 +215,40 @@ class CommQueue:
     def complete(self) -> None:
         """End of the step: every receive consumed (draining: waited for and dropped), every send
         handed over (gloo: waited for; CUDA: kept in `in_flight` until it completes, so the compute
-        stream never waits for a peer)."""
+        stream never waits for a peer). Called again after an interrupt, it goes on where it stopped."""
         for queue in self._queues.values():  # draining: receives never consumed
             while queue:
                 try:
                     self.receive(queue[0].message)
                 except Drained:
                     pass
+        cuda = self.channels is not None and self.channels.device.type == "cuda"
         for item in self._received.values():
             try:
-                for w in item.works:
-                    w.wait()
+                if cuda:  # the compute stream waits for it
+                    for w in item.works:
+                        w.wait()
+                else:
+                    _wait_once(item.works)
             except Exception as exc:  # noqa: BLE001
                 self._comm_failed(exc, item.message.channel)
         self._received.clear()
-        if self.channels is not None and self.channels.device.type == "cuda":
+        if cuda:
             self.in_flight.extend((w, k) for w, k, _ in self._sending)
         else:
             for works, _, channel in self._sending:
                 try:
-                    for w in works:
-                        w.wait()
+                    _wait_once(works)
                 except Exception as exc:  # noqa: BLE001 - a send to a dead peer
                     self._comm_failed(exc, channel)
         self._sending.clear()
         self._outbox.clear()
+
+
+def _wait_once(works: list[Any]) -> None:
+    """Wait for each of the gloo `works` that was not waited for yet: a gloo work says it completed
+    only once waited for, and waiting for it again blocks for good (`CommQueue.complete` may run
+    twice). Not for NCCL works: one that completed on the GPU would not order the streams."""
+    for w in works:
+        if not w.is_completed():
+            w.wait()

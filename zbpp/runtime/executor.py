@@ -39,8 +39,9 @@ still signals the stages' last B and W so that data-parallel reductions are issu
 replicas. Every peer therefore completes the step's communication, the communicators stay
 consistent, and the agreement at the end of the step (`zbpp.runtime.pipeline`) tells every rank
 that the step failed and where. The step's `StepFailure` holds the first exception; nothing is
-raised here. A KeyboardInterrupt or SystemExit in a task drains too (`Pipeline` re-raises it on its
-rank after the agreement), so a peer never waits for the group's timeout.
+raised here. A KeyboardInterrupt or SystemExit drains too, in a task or outside one (issuing or
+waiting for communication, a stage's boundary signal), and `Pipeline` re-raises it on its rank after
+the agreement, so a peer never waits for the group's timeout.
 
 Memory: an activation is released as soon as it is handed to its send (the output tensor keeps
 only its autograd node, so B can still start from it: Megatron's trick); a sent buffer is dropped
@@ -178,7 +179,7 @@ class StepExecutor:
         results = StepResults()
         tasks = self.program.tasks
         for i, task in enumerate(tasks):
-            comm.issue(i)
+            _interruptible(failure, None, comm.issue, i)
             failure.current = task
             if before_gradients is not None and task.kind is not Kind.F:
                 self._call(before_gradients, task, failure)
@@ -195,17 +196,18 @@ class StepExecutor:
                     # drain like any failure; `Pipeline` re-raises it on this rank after the agreement
                     failure.fail(exc, task)
             else:
-                self._drain_task(task, comm)
+                _interruptible(failure, task, self._drain_task, task, comm)
             if failure.draining:  # nothing of the step will be computed: free its activations now
                 self._slots.clear()
                 self._handed.clear()
             self._signal(task, boundaries, failure)
-            comm.reap()
+            _interruptible(failure, None, comm.reap)
         failure.current = None
         if before_gradients is not None:  # a program of F tasks only
             self._call(before_gradients, None, failure)
-        comm.issue(len(tasks))
-        comm.complete()
+        _interruptible(failure, None, comm.issue, len(tasks))
+        while not _interruptible(failure, None, comm.complete):
+            pass  # each call goes on where the interrupted one stopped
         self._slots.clear()
         self._handed.clear()
         return results
@@ -214,7 +216,7 @@ class StepExecutor:
     def _call(fn: Callable[[], None], task: Action | None, failure: StepFailure) -> None:
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001 - the step drains; the agreement reports it
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - the step drains (see `run`)
             failure.fail(exc, task)
 
     def _run_task(self, task: Action, data: StepInputs, comm: CommQueue, runner: TaskRunner,
@@ -410,7 +412,7 @@ class StepExecutor:
                 boundaries.stage_backward_done(a.stage)
             if a.kind in (Kind.W, Kind.BW) and self.program.last_wgrad.get(a.stage) == a:
                 boundaries.stage_wgrad_done(a.stage)
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - an interrupt too: see `run`
             failure.fail(exc, a)
             # a reduction this rank did not launch leaves its replicas' (or tie's) collectives out of
             # step: the end agreement marks the job broken, so no peer waits for it to the timeout
@@ -419,6 +421,19 @@ class StepExecutor:
                 f"replicas or tied copies are out of step: {describe_error(exc)}")
             self._slots.clear()
             self._handed.clear()
+
+
+def _interruptible(failure: StepFailure, task: Action | None, fn: Callable[..., Any], *args: Any) -> bool:
+    """``fn(*args)`` (communication, which records its own errors); a KeyboardInterrupt or SystemExit
+    in it is recorded in `failure` instead of leaving the step, whose remaining sends and receives
+    the peers wait for (the rank drains; `Pipeline` re-raises it after the end agreement). True
+    when `fn` returned."""
+    try:
+        fn(*args)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        failure.fail(exc, task)
+        return False
+    return True
 
 
 def _weigh(loss: torch.Tensor, factor: Any) -> torch.Tensor:

@@ -526,7 +526,7 @@ class Pipeline:
                 schedule=self.schedule.name or "custom", rank=self.pp_rank, kept_grads=self.keep_grads_on_failure,
                 broken=self._broken, roll_back=lambda: self._roll_back(step))
         except BrokenJob as exc:
-            return self._broken_error(exc, "end")
+            error = self._broken_error(exc, "end")
         if error is not None and own is not None and not isinstance(own, Exception):
             return own  # an interrupt or exit on this rank: the others were told, it goes on as asked
         return error
@@ -563,10 +563,12 @@ class Pipeline:
 
 
 def _first_error(*calls: Callable[[], Any]) -> BaseException | None:
-    """Run `calls` in order until one raises; what it raised (the end agreement reports it)."""
+    """Run `calls` in order until one raises; what it raised (the end agreement reports it). A
+    KeyboardInterrupt or SystemExit too: leaving the step here would strand the peers in their
+    receives or the end agreement until the group's timeout; `_agree_end` hands it back."""
     try:
         for call in calls:
             call()
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001
         return exc
     return None

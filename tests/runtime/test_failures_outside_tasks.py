@@ -1,0 +1,63 @@
+"""An interrupt (KeyboardInterrupt, SystemExit) on one rank outside any task: while it sets
+gradients aside, begins or finishes the reductions, signals a stage's last backward, or waits for
+its sends. Every rank raises within seconds, whatever the process-group timeout (120 s; each
+run's own timeout, 60 s, is below it: a hang fails the test instead of passing late); the interrupted rank gets its own interrupt back, its peers a
+`PipelineError` naming it; the next step is right on every rank (or, where the pipeline cannot
+know what a half-done reduction left, raises at once saying it is unusable)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zbpp.testing import Workers
+
+from .failure_cases import interrupted_outside_task
+
+PG_TIMEOUT = 120.0
+FAST = 10.0  # seconds every rank may take to raise
+FAIL_RANK = 1
+
+
+@pytest.fixture(scope="module")
+def two():
+    with Workers(2, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        yield workers
+
+
+def _run(two, where: str, which: str) -> list[dict]:
+    outcomes = two.run(interrupted_outside_task, "1f1b", 2, 4, FAIL_RANK, where, which)
+    for o in outcomes:
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+    return outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,which", [
+    ("set_aside", "KeyboardInterrupt"), ("begin", "KeyboardInterrupt"), ("begin", "SystemExit"),
+    ("finish", "KeyboardInterrupt"), ("finish", "SystemExit"), ("send_wait", "KeyboardInterrupt"),
+])
+def test_the_step_drains_and_every_rank_raises(two, where, which):
+    for o in _run(two, where, which):
+        if o["rank"] == FAIL_RANK and which != "RuntimeError":
+            assert o["result"] == which, o
+        else:
+            assert o["result"] == "PipelineError", o
+            assert f"pipeline rank {FAIL_RANK}" in o["message"], o["message"]
+            assert f"{which}: injected {where} {which}" in o["message"], o["message"]
+            assert "usable" in o["message"] and "unusable" not in o["message"], o["message"]
+        assert o["next"] == "success" and o.get("checked"), o  # gradients: the good step's and the next's
+
+
+@pytest.mark.slow
+def test_an_interrupt_in_a_stage_boundary_signal_leaves_the_pipeline_unusable():
+    """The reductions' signal was cut short: whether its collectives were launched is unknown, so the
+    pipeline says it is unusable (on every rank, at once) rather than pair collectives wrongly. Its
+    own ranks: the job stays marked broken."""
+    with Workers(2, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = _run(workers, "stage_backward_done", "KeyboardInterrupt")
+    for o in outcomes:
+        want = "KeyboardInterrupt" if o["rank"] == FAIL_RANK else "PipelineError"
+        assert o["result"] == want, o
+        if o["rank"] != FAIL_RANK:
+            assert "KeyboardInterrupt: injected stage_backward_done" in o["message"], o["message"]
+        assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
