@@ -1,9 +1,11 @@
 """An interrupt (KeyboardInterrupt, SystemExit) on one rank outside any task: while it sets
-gradients aside, begins or finishes the reductions, signals a stage's last backward, or waits for
-its sends. Every rank raises within seconds, whatever the process-group timeout (120 s; each
-run's own timeout, 60 s, is below it: a hang fails the test instead of passing late); the interrupted rank gets its own interrupt back, its peers a
-`PipelineError` naming it; the next step is right on every rank (or, where the pipeline cannot
-know what a half-done reduction left, raises at once saying it is unusable)."""
+gradients aside, begins or finishes the reductions, signals a stage's last backward, waits for its
+sends, or waits for the start or end agreement (there also an error of the store). Every rank
+raises within seconds, whatever the process-group timeout (120 s; each run's own timeout, 60 s, is
+below it: a hang fails the test instead of passing late); the interrupted rank gets its own
+interrupt back, its peers a `PipelineError` naming it; the next step is right on every rank (or,
+where the pipeline cannot know what a half-done reduction left, raises at once saying it is
+unusable)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def _run(two, where: str, which: str) -> list[dict]:
 @pytest.mark.parametrize("where,which", [
     ("set_aside", "KeyboardInterrupt"), ("begin", "KeyboardInterrupt"), ("begin", "SystemExit"),
     ("finish", "KeyboardInterrupt"), ("finish", "SystemExit"), ("send_wait", "KeyboardInterrupt"),
+    ("start", "KeyboardInterrupt"), ("start", "SystemExit"), ("start", "RuntimeError"),
 ])
 def test_the_step_drains_and_every_rank_raises(two, where, which):
     for o in _run(two, where, which):
@@ -61,3 +64,14 @@ def test_an_interrupt_in_a_stage_boundary_signal_leaves_the_pipeline_unusable():
         if o["rank"] != FAIL_RANK:
             assert "KeyboardInterrupt: injected stage_backward_done" in o["message"], o["message"]
         assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["KeyboardInterrupt", "RuntimeError"])
+def test_after_the_end_agreement_the_step_counts(two, which):
+    """The interrupt (or a store error) came while the rank waited for the end agreement: the
+    outcome was being decided with the others, who succeed; the rank finishes the agreement, commits
+    the step like them, then raises what it got."""
+    for o in _run(two, "end", which):
+        assert o["result"] == (which if o["rank"] == FAIL_RANK else "success"), o
+        assert o["next"] == "success" and o.get("checked"), o

@@ -23,6 +23,10 @@ CPU can run ahead of the GPU across steps.
   failure (by wall-clock time: a rank computing on a drained peer's placeholders may fail after it;
   `failed_step_error`).
 
+A KeyboardInterrupt, a SystemExit or a store error that comes while a rank takes part in either
+agreement does not make it leave the collective (the others would wait for it): the agreement
+completes and the caller gets it with `Agreement.take_held`.
+
 A rank that died makes the agreement fail. gloo tells only the ranks that exchange data with it
 directly (a closed connection, at once); the others would wait for the group's timeout. So a rank
 that sees the agreement fail, or a send or receive fail during the step, marks the job *broken*
@@ -96,6 +100,7 @@ class Agreement:
         self.group = group
         self._store: Any = None
         self._key = ""
+        self._held: BaseException | None = None  # see `take_held`
         if group is not None:
             self._store = default_store()
             self._key = f"zbpp/{process_group_name(group)}/broken"
@@ -106,7 +111,7 @@ class Agreement:
             return [mine]
         import torch.distributed as dist
 
-        self.check()  # a collective some ranks already left would fail, or mismatch gloo's buffers
+        self._holding(self.check)  # a collective some ranks already left would fail, or mismatch gloo's buffers
         t = torch.tensor([int(v) for v in astuple(mine)], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
         self._wait(dist.all_gather(out, t, group=self.group, async_op=True))
@@ -140,8 +145,33 @@ class Agreement:
             except Exception:  # noqa: BLE001 - the store's host may be the dead one
                 pass
 
+    def take_held(self) -> BaseException | None:
+        """What interrupted this rank while it took part in the last `gather` (a KeyboardInterrupt,
+        a SystemExit, an error of the store other than the broken mark), and forget it; None: nothing.
+
+        Leaving the collective then would strand the peers: they would wait for this rank's part
+        until the group's timeout (it came before posting it) or, the agreement complete, go into a
+        step this rank never runs. So `gather` holds it and completes; the caller decides what to
+        do with it (`Pipeline` drains the step, or raises it once the step's outcome is settled)."""
+        held, self._held = self._held, None
+        return held
+
+    def _holding(self, fn: Callable[[], None]) -> bool:
+        """``fn()``; an interrupt or error in it other than `BrokenJob` is held (`take_held`).
+        True when it returned."""
+        try:
+            fn()
+        except BrokenJob:
+            raise
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - held, see take_held
+            self._held = self._held or exc
+            return False
+        return True
+
     def _wait(self, work: Any) -> None:
-        poll(work, self.check, _POLL_STORE_S)
+        """Wait for the collective `work` to the end, looking for the broken mark meanwhile."""
+        while not self._holding(lambda: poll(work, self.check, _POLL_STORE_S)):
+            pass  # held; the peers are in the collective with this rank: wait on
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - gloo: a closed connection or a timeout

@@ -69,6 +69,9 @@ class _Step:
     cleared: list[torch.Tensor] | None = None
     runner: TaskRunner = EAGER
     results: StepResults = field(default_factory=StepResults)
+    #: raised once the step is committed: what interrupted this rank while it waited for the end
+    #: agreement of a step that succeeded everywhere (`Agreement.take_held`)
+    after: BaseException | None = None
 
 
 class Pipeline:
@@ -320,6 +323,8 @@ class Pipeline:
         self._reductions.commit()
         if losses is not None and self.holds_last_stage:
             losses.extend(step.results.losses)
+        if step.after is not None:
+            raise step.after
         return step.results.loss()
 
     @contextlib.contextmanager
@@ -369,6 +374,8 @@ class Pipeline:
         release_step_caches(step.walks)
         if failure is not None:
             raise failure
+        if step.after is not None:
+            raise step.after
         if not self.holds_last_stage:
             return None
         if target is not None:
@@ -452,8 +459,15 @@ class Pipeline:
                            reducing=0 if forward_only or not reduces else 1 if self._sync_gradients else 2)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
-        except BrokenJob as exc:
-            raise self._broken_error(exc, "start") from exc
+        except BaseException as exc:  # every rank raises: nothing is computed
+            held = self._agreement.take_held()
+            error = self._broken_error(exc, "start") if isinstance(exc, BrokenJob) else exc
+            if held is not None and not isinstance(held, Exception):
+                raise held from error  # this rank's interrupt goes on
+            raise error
+        # an interrupt while this rank agreed: its peers go into the step, so it drains it (and
+        # raises the interrupt after the end agreement, as for one in a task)
+        held = self._agreement.take_held()
         if self._recorder is not None and not forward_only:
             # the agreement is a collective that every rank leaves at (nearly) one instant: the
             # step's time 0 on every rank, whatever each does before its first task
@@ -479,6 +493,8 @@ class Pipeline:
                                 free_sent_activations=self.free_sent_activations,
                                 recorder=self._recorder if not forward_only else None)
         failure = StepFailure()
+        if held is not None:
+            failure.fail(held, None)
         comm = CommQueue(program, self._channels, specs, new_signature, self._in_flight, failure)
         return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure, walks,
                      [] if forward_only else unique_parameters(walks))  # only training steps use them
@@ -527,6 +543,12 @@ class Pipeline:
                 broken=self._broken, roll_back=lambda: self._roll_back(step))
         except BrokenJob as exc:
             error = self._broken_error(exc, "end")
+        # an interrupt while this rank agreed: the outcome is shared, so it comes after it (`_Step.after`)
+        held = self._agreement.take_held()
+        if error is None:
+            step.after = held
+        elif held is not None and not isinstance(held, Exception):
+            return held
         if error is not None and own is not None and not isinstance(own, Exception):
             return own  # an interrupt or exit on this rank: the others were told, it goes on as asked
         return error
