@@ -445,3 +445,58 @@ def interrupted_outside_task(name: str, p: int, m: int, fail_rank: int, where: s
                                        **tolerance(torch.device("cpu")))
     outcome["checked"] = True
     return outcome
+
+
+def fifo_layers_fail_once(name: str, m: int, site: str, fail_rank: int) -> dict[str, Any]:
+    """dp=2 x pp=2 of Transformer-Engine-like stages (FIFO ``backward_dw()``, wgrad reduce hooks:
+    tests/dp/doubles.py), under the default data-parallel reducer. After a good step, global rank
+    `fail_rank` fails once: ``"F"``, in the forward of microbatch 2 (zb-h2 then holds two wgrads of
+    the step queued); ``"W"``, its first layer's first ``backward_dw`` raises before taking its wgrad.
+    Then, gradients zeroed, a good step: its gradients must be one process's on the whole batch (a
+    wgrad the failed step left queued would be computed by the next step's W in place of its own).
+    Returns how the failed step ended and how many wgrads each layer still queued after it."""
+    from tests.dp.harness import batch, grad_of, make_stage as dp_stage, reference_grads
+    from tests.dp.harness import loss_fn as dp_loss
+
+    rank = dist.get_rank()
+    groups = ParallelGroups(pp=2)
+    sched = make_schedule(name, 2, m)
+    armed = {"on": False}
+
+    def forward_fails(key: Any) -> None:
+        if armed["on"] and key[1] == 2:
+            raise RuntimeError("injected F failure")
+
+    mine = {s: BeforeForward(dp_stage(s, "te")[0], forward_fails) for s in sched.stages_on(groups.pp_rank)}
+    fifo = [mod for st in mine.values() for mod in st.modules() if hasattr(mod, "_fifo")]
+    pipe = Pipeline(mine, sched, dp_loss, groups=groups)
+    x, y = batch(0, 4 * m)
+    mine_x, mine_y = x.chunk(2)[groups.dp_rank], y.chunk(2)[groups.dp_rank]
+    pipe.step(mine_x, target=mine_y)
+    if rank == fail_rank and site == "W":
+        def w_fails() -> None:
+            del fifo[0].backward_dw  # once: the class's again
+            raise RuntimeError("injected W failure")
+        fifo[0].backward_dw = w_fails
+    armed["on"] = rank == fail_rank and site == "F"
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(mine_x, target=mine_y)
+        outcome["result"] = "success"
+    except PipelineError as exc:
+        outcome.update(result="PipelineError", message=str(exc))
+    finally:
+        armed["on"] = False
+        fifo[0].__dict__.pop("backward_dw", None)
+    outcome["queued"] = [len(mod._fifo) for mod in fifo]
+    for st in mine.values():
+        st.zero_grad(set_to_none=True)
+    pipe.step(mine_x, target=mine_y)
+    # the replicas' average of their halves' mean is the whole batch's mean (equal halves)
+    ref, _ = reference_grads(sched.num_stages, x, y)
+    for s, st in mine.items():
+        for n, p in st.inner.named_parameters():
+            # float64 throughout: only the summation order differs (tests/dp/cases.py's tolerance)
+            torch.testing.assert_close(grad_of(p), ref[s][n], rtol=1e-10, atol=1e-12,
+                                       msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}")
+    return outcome

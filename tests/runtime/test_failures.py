@@ -16,8 +16,8 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import (die_mid_step, fail_once, interrupted_once, no_sync_on_one_replica, prepare_fails_once,
-                            reduction_fails_once)
+from .failure_cases import (die_mid_step, fail_once, fifo_layers_fail_once, interrupted_once, no_sync_on_one_replica,
+                            prepare_fails_once, reduction_fails_once)
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -150,3 +150,17 @@ def test_no_sync_on_one_replica_only_raises_before_computing():
         assert o["result"] == "ValueError", o
         assert o["seconds"] < FAST, o
         assert "no_sync()" in o["message"] and "global ranks [0, 1]" in o["message"], o["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("site,name,rank", [("F", "zb-h2", 1), ("W", "zb-h1", 1), ("W", "zb-h1", 0)])
+def test_a_failed_step_leaves_no_wgrad_queued_in_fifo_layers(four, site, name, rank):
+    """Transformer-Engine-like layers under data parallelism (`fifo_layers_fail_once`). The failed
+    step's rollback computes their queued wgrads to drop them; the reducer's hook raised at the
+    first (its parameter was already reduced), which skipped the others, and a W that raised before
+    taking its wgrad was no longer counted as queued: the next step's W computed those stale wgrads
+    in place of its own, and its gradients were wrong on both replicas, with no error."""
+    outcomes = four.run(fifo_layers_fail_once, name, 4, site, rank)
+    for o in outcomes:
+        assert o["result"] == "PipelineError" and f"injected {site} failure" in o["message"], o
+        assert o["queued"] == [0, 0], o

@@ -61,8 +61,7 @@ class KeyedWgrad:
         if callable(drop):
             drop()
             return
-        for key in keys:
-            self.module.backward_dw(key)
+        _each(keys, self.module.backward_dw)
 
 
 class FifoWgrad:
@@ -75,8 +74,19 @@ class FifoWgrad:
         self.module.backward_dw()
 
     def discard(self, keys: list[Hashable]) -> None:
-        for _ in keys:
-            self.module.backward_dw()
+        _each(keys, lambda _: self.module.backward_dw())
+
+
+def _each(keys: list[Hashable], dw: Any) -> None:
+    """``dw(key)`` for every key of a failed step, whatever one of them raises: a wgrad left queued
+    would be computed by a later step's W in place of its own (FIFO). A call may raise after it took
+    its wgrad (a data-parallel reducer's hook refuses a wgrad of a parameter it already reduced), or
+    find none (the module failed mid-B, or in the W that raised)."""
+    for key in keys:
+        try:
+            dw(key)
+        except Exception:  # noqa: BLE001 - best effort: the step's gradients are dropped anyway
+            pass
 
 
 def delayed_modules(stage: nn.Module) -> list[nn.Module]:
@@ -157,10 +167,11 @@ class StageWgrad:
         held = self._held.pop(key, None)
         if held is not None:
             held.run()
-        if key in self._pending:
-            self._pending.remove(key)
         for a in self.adapters:
             a.compute(key)
+        # only now: a W that raised may have left its wgrad queued, which `discard` must take
+        if key in self._pending:
+            self._pending.remove(key)
 
     def discard(self) -> None:
         """Drop (or compute and let the caller discard) every wgrad still pending."""
