@@ -500,3 +500,39 @@ def fifo_layers_fail_once(name: str, m: int, site: str, fail_rank: int) -> dict[
             torch.testing.assert_close(grad_of(p), ref[s][n], rtol=1e-10, atol=1e-12,
                                        msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}")
     return outcome
+
+
+def reducer_wait_interrupted(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
+    """dp=2: after a good step, `fail_rank`'s data-parallel reducer is interrupted (KeyboardInterrupt)
+    as it starts waiting for its first bucket's all-reduce, at the step's end (`GradReducer.finish`).
+    Returns how that step ended on this rank; then, gradients zeroed, a step on the same batch must
+    leave the gradients of the uninterrupted first step (no optimizer: the same parameters)."""
+    import zbpp.runtime.grad_reduce as grad_reduce
+
+    rank = dist.get_rank()
+    pipe, groups, x, y = replica_pipeline(name, p, m)
+    pipe.step(x, target=y)
+    first = {n: q.grad.clone() for n, q in enumerate(pipe.parameters())}
+    real = grad_reduce.wait_for
+    if rank == fail_rank:
+        def interrupted(*args: Any, **kwargs: Any) -> None:
+            grad_reduce.wait_for = real
+            raise KeyboardInterrupt("injected reducer wait interrupt")
+        grad_reduce.wait_for = interrupted
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except (PipelineError, KeyboardInterrupt) as exc:
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    finally:
+        grad_reduce.wait_for = real
+    outcome["seconds"] = time.monotonic() - t0
+    for q in pipe.parameters():
+        q.grad = None
+    pipe.step(x, target=y)
+    for n, q in enumerate(pipe.parameters()):
+        # the same computation as the first step's, in the same order: equal bits
+        torch.testing.assert_close(q.grad, first[n], rtol=0, atol=0, msg=lambda msg: f"rank {rank} parameter {n}: {msg}")
+    return outcome

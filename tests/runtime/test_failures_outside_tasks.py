@@ -13,7 +13,7 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import interrupted_outside_task
+from .failure_cases import interrupted_outside_task, reducer_wait_interrupted
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -64,6 +64,21 @@ def test_an_interrupt_in_a_stage_boundary_signal_leaves_the_pipeline_unusable():
         if o["rank"] != FAIL_RANK:
             assert "KeyboardInterrupt: injected stage_backward_done" in o["message"], o["message"]
         assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
+
+
+@pytest.mark.slow
+def test_an_interrupt_in_the_reducers_wait_drains_every_replica():
+    """dp=2 x pp=2: the data-parallel reducer's wait for an all-reduce (GradReducer.finish) is
+    interrupted on global rank 1; the other replica's rank, whose all-reduce completed, and the
+    pipeline peers raise within seconds; the next step's gradients are the uninterrupted step's."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(reducer_wait_interrupted, "zb-h1", 2, 4, 1)
+    for o in outcomes:
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+        assert o["result"] == ("KeyboardInterrupt" if o["rank"] == 1 else "PipelineError"), o
+        if o["rank"] != 1:
+            assert "global rank 1" in o["message"] and "injected reducer wait interrupt" in o["message"], o
+            assert "unusable" not in o["message"], o
 
 
 @pytest.mark.slow
