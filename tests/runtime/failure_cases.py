@@ -536,3 +536,47 @@ def reducer_wait_interrupted(name: str, p: int, m: int, fail_rank: int) -> dict[
         # the same computation as the first step's, in the same order: equal bits
         torch.testing.assert_close(q.grad, first[n], rtol=0, atol=0, msg=lambda msg: f"rank {rank} parameter {n}: {msg}")
     return outcome
+
+
+def loss_weight_interrupted(name: str, p: int, m: int, which: str) -> dict[str, Any]:
+    """After a good step, ``loss_weight`` (user code, called on the rank holding the last stage
+    before the start agreement) raises `which` (KeyboardInterrupt or SystemExit) once; that rank's
+    loop catches it and goes on. Returns how that step ended on this rank; then a step whose
+    gradients must be one process's on the good step's and its batch (nothing of the interrupted
+    step counted). ``loss_weight`` gives each microbatch its rows: the default weighting."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    exc_type = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[which]
+    armed = {"on": False}
+
+    def rows(target: torch.Tensor) -> int:
+        if armed["on"]:
+            armed["on"] = False
+            raise exc_type("injected loss_weight interrupt")
+        return target.shape[0]
+
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn, loss_weight=rows)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    armed["on"] = pipe.holds_last_stage
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except (PipelineError, KeyboardInterrupt, SystemExit) as exc:
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    finally:
+        armed["on"] = False
+    outcome["seconds"] = time.monotonic() - t0
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    for s, st in mine.items():
+        for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
+                                       **tolerance(torch.device("cpu")))
+    return outcome

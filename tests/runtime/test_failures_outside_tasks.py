@@ -13,7 +13,7 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import interrupted_outside_task, reducer_wait_interrupted
+from .failure_cases import interrupted_outside_task, loss_weight_interrupted, reducer_wait_interrupted
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -90,3 +90,18 @@ def test_after_the_end_agreement_the_step_counts(two, which):
     for o in _run(two, "end", which):
         assert o["result"] == (which if o["rank"] == FAIL_RANK else "success"), o
         assert o["next"] == "success" and o.get("checked"), o
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["KeyboardInterrupt", "SystemExit"])
+def test_an_interrupt_in_loss_weight_raises_before_any_compute(two, which):
+    """``loss_weight`` runs on the last stage's rank before the start agreement: an interrupt there
+    left that rank's step at once and its peer waited in the agreement (then paired it with the
+    interrupted rank's next step). It is told in the agreement like a rejected input."""
+    for o in two.run(loss_weight_interrupted, "1f1b", 2, 4, which):
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+        if o["rank"] == 1:
+            assert o["result"] == which, o
+        else:
+            assert o["result"] == "PipelineError", o
+            assert "global rank 1" in o["message"] and f"{which}: injected loss_weight interrupt" in o["message"], o

@@ -435,7 +435,8 @@ class Pipeline:
             raise error
 
     # -- a step -------------------------------------------------------------------------------
-    def _agree_start(self, inputs: Any, target: Any, *, forward_only: bool, problem: Exception | None = None) -> _Step:
+    def _agree_start(self, inputs: Any, target: Any, *, forward_only: bool,
+                     problem: BaseException | None = None) -> _Step:
         """Check the input everywhere (the start agreement) and set the step up; `problem`: this
         rank's arguments are wrong (it raises it, every other rank an error naming it)."""
         if self._broken is not None:
@@ -447,7 +448,8 @@ class Pipeline:
             batch, problem = local_batch(inputs, target, microbatches=m, device=self.device, first=self.holds_first_stage,
                                          last=self.holds_last_stage, loss_weight=self.loss_weight,
                                          forward_only=forward_only, rank=self.pp_rank), None
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001
+            # reported to every rank by the agreement; an interrupt too (in loss_weight, say): the peers wait in it
             batch, problem = None, exc
         b = batch if batch is not None else LocalBatch()  # nothing of the input on this rank
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
