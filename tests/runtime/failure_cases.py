@@ -580,3 +580,35 @@ def loss_weight_interrupted(name: str, p: int, m: int, which: str) -> dict[str, 
             torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
                                        **tolerance(torch.device("cpu")))
     return outcome
+
+
+def eval_and_train_at_once(name: str, p: int, m: int, evaluating_rank: int) -> dict[str, Any]:
+    """`evaluating_rank` calls ``eval_step`` while every other rank calls ``step`` (a loop whose
+    evaluation interval is counted per rank, wrongly). Returns how that call ended on this rank;
+    then every rank trains a step, whose gradients must be one process's on its batch."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    x, y = make_batch(0, 2 * m)
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        if rank == evaluating_rank:
+            pipe.eval_step(x, target=y)
+        else:
+            pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except Exception as exc:  # noqa: BLE001 - the test says which
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    outcome["seconds"] = time.monotonic() - t0
+    assert all(q.grad is None for q in pipe.parameters()), f"rank {rank}: a refused step touched a gradient"
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    for s, st in mine.items():
+        for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
+                                       **tolerance(torch.device("cpu")))
+    return outcome

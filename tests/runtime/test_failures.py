@@ -16,8 +16,8 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import (die_mid_step, fail_once, fifo_layers_fail_once, interrupted_once, no_sync_on_one_replica,
-                            prepare_fails_once, reduction_fails_once)
+from .failure_cases import (die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
+                            no_sync_on_one_replica, prepare_fails_once, reduction_fails_once)
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -164,3 +164,17 @@ def test_a_failed_step_leaves_no_wgrad_queued_in_fifo_layers(four, site, name, r
     for o in outcomes:
         assert o["result"] == "PipelineError" and f"injected {site} failure" in o["message"], o
         assert o["queued"] == [0, 0], o
+
+
+@pytest.mark.slow
+def test_eval_step_on_one_rank_and_step_on_the_others_raises_before_computing():
+    """Their programs differ (forward only, or forward and backward): the training ranks waited
+    for gradients the evaluating rank never sends, until the group's timeout, and the pipeline was
+    unusable after. Run timeout 60 s, below the group's 120 s."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(eval_and_train_at_once, "zb-h1", 4, 8, 2)
+    for o in outcomes:
+        assert o["result"] == "ValueError", o
+        assert o["seconds"] < FAST, o
+        assert "global ranks [2] call Pipeline.eval_step()" in o["message"], o["message"]
+        assert "global ranks [0, 1, 3] Pipeline.step()" in o["message"], o["message"]

@@ -9,8 +9,9 @@ CPU can run ahead of the GPU across steps.
   the replicas differ through their ``dp_rank`` only, so a checkpoint's one copy resumes them all).
 - At the start of a step, every rank contributes a `StartReport`: whether its part of the input was
   rejected, a hash of its module state, and, from the ranks holding the first and the last stage,
-  the input's hash and row count and the target's hash and row count. A rejected input, a target whose
-  rows differ from the input's, or data-parallel replicas whose module states differ (a parameter
+  the input's hash and row count and the target's hash and row count. A rejected input, ranks of
+  which some evaluate (``eval_step``) while others train, a target whose rows differ from the
+  input's, or data-parallel replicas whose module states differ (a parameter
   frozen on one replica only: the reducers' buckets would pair other parameters' gradients) raise on
   every rank before any compute.
   `decide_start` decides: the step's rows and input signature (`StartDecision`). Under
@@ -76,6 +77,7 @@ class StartReport:
     target_hash: int = 0
     #: a training step's reductions: 0 none on this rank (or evaluation), 1 synchronised, 2 inside ``no_sync()``
     reducing: int = 0
+    evaluating: bool = False  #: an ``eval_step`` (its program has no backward), not a ``step``
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,14 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
         raise PipelineError(
             f"global rank {bad[0][0]} rejected its part of the step's input ({bad[0][1]}); "
             f"ranks {[r for r, _ in bad]} rejected theirs. Nothing was computed"
+        )
+    if len({r.evaluating for r in reports}) > 1:  # the training ranks would wait for gradients never sent
+        evaluating = [g for g, r in zip(topology.world, reports) if r.evaluating]
+        training = [g for g, r in zip(topology.world, reports) if not r.evaluating]
+        raise ValueError(
+            f"global ranks {evaluating} call Pipeline.eval_step() and global ranks {training} Pipeline.step() "
+            "together: their programs differ (forward only, forward and backward), so each would wait for the "
+            "other's messages. Every rank takes the same kind of step at once. Nothing was computed"
         )
     modes = {r.reducing for r in reports} - {0}
     if len(modes) > 1:  # the synchronised ranks would wait for all-reduces the others skip

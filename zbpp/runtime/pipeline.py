@@ -458,7 +458,8 @@ class Pipeline:
         reduces = self._reductions.reducer is not None or bool(self._tied.names)
         mine = StartReport(problem is not None, stable_hash(state),
                            b.input_hash, b.input_rows, b.target_rows, *trial, target_hash=b.target_hash,
-                           reducing=0 if forward_only or not reduces else 1 if self._sync_gradients else 2)
+                           reducing=0 if forward_only or not reduces else 1 if self._sync_gradients else 2,
+                           evaluating=forward_only)
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BaseException as exc:  # every rank raises: nothing is computed
