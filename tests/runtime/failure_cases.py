@@ -451,8 +451,9 @@ def fifo_layers_fail_once(name: str, m: int, site: str, fail_rank: int) -> dict[
     """dp=2 x pp=2 of Transformer-Engine-like stages (FIFO ``backward_dw()``, wgrad reduce hooks:
     tests/dp/doubles.py), under the default data-parallel reducer. After a good step, global rank
     `fail_rank` fails once: ``"F"``, in the forward of microbatch 2 (zb-h2 then holds two wgrads of
-    the step queued); ``"W"``, its first layer's first ``backward_dw`` raises before taking its wgrad.
-    Then, gradients zeroed, a good step: its gradients must be one process's on the whole batch (a
+    the step queued); ``"W"``, its first layer's first ``backward_dw`` raises before taking its wgrad;
+    ``"F+interrupt"``: as ``"F"``, and that first ``backward_dw`` (the failed step's rollback's)
+    raises KeyboardInterrupt before taking its wgrad. Then, gradients zeroed, a good step: its gradients must be one process's on the whole batch (a
     wgrad the failed step left queued would be computed by the next step's W in place of its own).
     Returns how the failed step ended and how many wgrads each layer still queued after it."""
     from tests.dp.harness import batch, grad_of, make_stage as dp_stage, reference_grads
@@ -473,18 +474,20 @@ def fifo_layers_fail_once(name: str, m: int, site: str, fail_rank: int) -> dict[
     x, y = batch(0, 4 * m)
     mine_x, mine_y = x.chunk(2)[groups.dp_rank], y.chunk(2)[groups.dp_rank]
     pipe.step(mine_x, target=mine_y)
-    if rank == fail_rank and site == "W":
+    if rank == fail_rank and site in ("W", "F+interrupt"):
         def w_fails() -> None:
             del fifo[0].backward_dw  # once: the class's again
-            raise RuntimeError("injected W failure")
+            if site == "W":
+                raise RuntimeError("injected W failure")
+            raise KeyboardInterrupt("injected rollback interrupt")
         fifo[0].backward_dw = w_fails
-    armed["on"] = rank == fail_rank and site == "F"
+    armed["on"] = rank == fail_rank and site.startswith("F")
     outcome: dict[str, Any] = {"rank": rank}
     try:
         pipe.step(mine_x, target=mine_y)
         outcome["result"] = "success"
-    except PipelineError as exc:
-        outcome.update(result="PipelineError", message=str(exc))
+    except (PipelineError, KeyboardInterrupt) as exc:
+        outcome.update(result=type(exc).__name__, message=str(exc))
     finally:
         armed["on"] = False
         fifo[0].__dict__.pop("backward_dw", None)
@@ -609,6 +612,57 @@ def eval_and_train_at_once(name: str, p: int, m: int, evaluating_rank: int) -> d
     reference_step(ref, x, y)
     for s, st in mine.items():
         for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
+                                       **tolerance(torch.device("cpu")))
+    return outcome
+
+
+def rollback_interrupted(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
+    """After a good step, `fail_rank` fails in the forward of microbatch ``m - 2`` (wgrads of its
+    stage are then pending), and, as it rolls the failed step back, its first delayed layer's
+    ``discard_wgrad`` is interrupted (KeyboardInterrupt, a second Ctrl-C) before dropping anything.
+    Returns how that step ended on this rank; then a step whose gradients must be one process's on
+    the good step's batch and its own (nothing of the failed step, no stale wgrad)."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    armed = {"on": False}
+
+    def forward_fails(key: Any) -> None:
+        if armed["on"] and key[1] == m - 2:
+            raise RuntimeError("injected F failure")
+
+    mine = {s: BeforeForward(make_stage(s, S, "zbpp"), forward_fails) for s in sched.stages_on(rank)}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    layer = next(a.module for w in pipe._wgrad.values() for a in w.adapters)
+    if rank == fail_rank:
+        armed["on"] = True
+
+        def interrupted() -> None:
+            del layer.discard_wgrad  # once: the class's again
+            raise KeyboardInterrupt("injected rollback interrupt")
+        layer.discard_wgrad = interrupted
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        pipe.step(x, target=y)
+        outcome["result"] = "success"
+    except (PipelineError, KeyboardInterrupt) as exc:
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    finally:
+        armed["on"] = False
+        layer.__dict__.pop("discard_wgrad", None)
+    outcome["seconds"] = time.monotonic() - t0
+    outcome["pending"] = [k for st in mine.values() for mod in st.modules() if hasattr(mod, "pending_wgrad_keys")
+                          for k in mod.pending_wgrad_keys()]
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    for s, st in mine.items():
+        for (n, a), (_, b) in zip(st.inner.named_parameters(), ref[s].named_parameters()):
             torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
                                        **tolerance(torch.device("cpu")))
     return outcome

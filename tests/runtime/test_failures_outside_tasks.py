@@ -13,7 +13,8 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import interrupted_outside_task, loss_weight_interrupted, reducer_wait_interrupted
+from .failure_cases import (fifo_layers_fail_once, interrupted_outside_task, loss_weight_interrupted,
+                            reducer_wait_interrupted, rollback_interrupted)
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -105,3 +106,32 @@ def test_an_interrupt_in_loss_weight_raises_before_any_compute(two, which):
         else:
             assert o["result"] == "PipelineError", o
             assert "global rank 1" in o["message"] and f"{which}: injected loss_weight interrupt" in o["message"], o
+
+
+@pytest.mark.slow
+def test_an_interrupt_while_rolling_back_a_failed_step():
+    """Rolling a failed step back runs inside the end agreement (between its two exchanges): an
+    interrupt there left it, the peer waited for this rank's message until gloo aborted it on the
+    next step's mismatched collective. Now the rollback ends (its interrupted part again), the
+    agreement too, and the rank raises the interrupt; nothing of the step or its wgrads remains.
+    Own ranks: before the fix a peer process dies."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(rollback_interrupted, "zb-h1", 4, 8, 1)
+    for o in outcomes:
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+        assert o["result"] == ("KeyboardInterrupt" if o["rank"] == 1 else "PipelineError"), o
+        if o["rank"] != 1:
+            assert "pipeline rank 1" in o["message"] and "injected F failure" in o["message"], o
+        assert o["pending"] == [], o
+
+
+@pytest.mark.slow
+def test_an_interrupt_while_rolling_back_transformer_engine_like_layers():
+    """The rollback drops a FIFO layer's queued wgrads by computing them (`fifo_layers_fail_once`,
+    dp=2 x pp=2): an interrupt in the first left the others queued, and the next step's W computed
+    them in place of its own (wrong gradients, no error). Now that part of the rollback runs again."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(fifo_layers_fail_once, "zb-h2", 4, "F+interrupt", 1)
+    for o in outcomes:
+        assert o["result"] == ("KeyboardInterrupt" if o["rank"] == 1 else "PipelineError"), o
+        assert o["queued"] == [0, 0], o

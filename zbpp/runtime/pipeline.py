@@ -69,8 +69,9 @@ class _Step:
     cleared: list[torch.Tensor] | None = None
     runner: TaskRunner = EAGER
     results: StepResults = field(default_factory=StepResults)
-    #: raised once the step is committed: what interrupted this rank while it waited for the end
-    #: agreement of a step that succeeded everywhere (`Agreement.take_held`)
+    #: what interrupted this rank while it waited for the end agreement of a step that succeeded
+    #: everywhere (`Agreement.take_held`: raised once the step is committed), or while it rolled a
+    #: failed step back (`Pipeline._roll_back`: raised in place of the step's error)
     after: BaseException | None = None
 
 
@@ -546,26 +547,36 @@ class Pipeline:
                 broken=self._broken, roll_back=lambda: self._roll_back(step))
         except BrokenJob as exc:
             error = self._broken_error(exc, "end")
-        # an interrupt while this rank agreed: the outcome is shared, so it comes after it (`_Step.after`)
+        # an interrupt while this rank agreed: the outcome is shared, so it comes after it (`_Step.after`);
+        # one while it rolled the step back (`_roll_back`) comes now
         held = self._agreement.take_held()
         if error is None:
             step.after = held
-        elif held is not None and not isinstance(held, Exception):
-            return held
+        elif step.after is not None or (held is not None and not isinstance(held, Exception)):
+            return step.after or held
         if error is not None and own is not None and not isinstance(own, Exception):
             return own  # an interrupt or exit on this rank: the others were told, it goes on as asked
         return error
 
     def _roll_back(self, step: _Step) -> None:
         """A failed step: its wgrads pending, its reductions and gradients (`Reductions.rollback`),
-        the shapes of a signature it was learning, a capture it cut short."""
-        for w in self._wgrad.values():
-            w.discard()
-        self._reductions.rollback()
-        if step.new_signature:  # some shapes of this signature may never have been learnt
-            self._specs.pop(step.signature, None)
-        if self._graph_cache is not None:
-            self._graph_cache.forget(step.signature, step.runner)
+        the shapes of a signature it was learning, a capture it cut short. A KeyboardInterrupt or
+        SystemExit in a part (discarding wgrads may compute them, which takes time) neither cuts it
+        short (the part runs again) nor leaves the end agreement, whose message exchange the other
+        ranks are in: it is kept in `_Step.after` for `_agree_end`."""
+        def forget() -> None:
+            if step.new_signature:  # some shapes of this signature may never have been learnt
+                self._specs.pop(step.signature, None)
+            if self._graph_cache is not None:
+                self._graph_cache.forget(step.signature, step.runner)
+
+        for undo in [*(w.discard for w in self._wgrad.values()), self._reductions.rollback, forget]:
+            while True:  # each part again until it ends: a half-undone step would spoil the next ones
+                try:
+                    undo()
+                    break
+                except (KeyboardInterrupt, SystemExit) as exc:
+                    step.after = step.after or exc
 
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
         self._broken = (f"this Pipeline is unusable: the {which}-of-step agreement among its ranks cannot complete "

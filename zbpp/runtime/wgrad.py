@@ -174,14 +174,15 @@ class StageWgrad:
             self._pending.remove(key)
 
     def discard(self) -> None:
-        """Drop (or compute and let the caller discard) every wgrad still pending."""
-        keys, self._pending = self._pending, []
+        """Drop (or compute and let the caller discard) every wgrad still pending. The keys go only
+        at the end: run again after an interrupt, it drops what is left."""
         self._held.clear()  # the graphs and gradients kept for W go with it
         for a in self.adapters:
             try:
-                a.discard(keys)
+                a.discard(list(self._pending))
             except Exception:  # noqa: BLE001 - a module that failed mid-B may hold fewer: best effort
                 pass
+        self._pending = []
 
 
 def check_fifo_wgrad(wgrad: dict[int, StageWgrad], schedule: Any) -> None:
