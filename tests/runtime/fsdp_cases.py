@@ -632,3 +632,30 @@ def tie_drift_case(schedule: str) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
             out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def interrupted_checkpoint_case(path: str, when: str) -> str:
+    """2 ranks, rank r holding stage r of `Net`; on rank 1 a KeyboardInterrupt comes while
+    `save_checkpoint` (``"save"``) or `load_checkpoint` (``"load"``) reads its stage's state_dict.
+    Returns ``"<seconds>s <type>: <message>"`` of what the call raised on this rank, or ``"<seconds>s ok"``."""
+    import time
+
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    stage = {rank: stage_of(whole_model(), rank, 2)}
+    opt = torch.optim.AdamW(list(stage[rank].parameters()))
+    if when == "load":  # a right checkpoint to load from
+        save_checkpoint(stage, path, opt)
+        dist.barrier()
+    if rank == 1:
+        def interrupted(*args: Any, **kwargs: Any) -> Any:
+            raise KeyboardInterrupt("Ctrl-C on rank 1")
+
+        stage[rank].state_dict = interrupted  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        (save_checkpoint if when == "save" else load_checkpoint)(stage, path, opt)
+    except BaseException as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+    return f"{time.monotonic() - start:.1f}s ok"

@@ -94,6 +94,20 @@ def test_an_error_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers,
     assert all(float(m.split("s ", 1)[0]) < 10 for m in (wrong_on_0, wrong_on_1)), (wrong_on_0, wrong_on_1)
 
 
+@pytest.mark.parametrize("when", ["save", "load"])
+def test_an_interrupt_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers, when: str) -> None:
+    """A KeyboardInterrupt on rank 1 while it gathers its part (`interrupted_checkpoint_case`): it
+    left at once and rank 0 waited in the agreement for the process group's 60 s timeout. Now rank 1
+    gets its interrupt back and rank 0 a PipelineError naming it, within seconds."""
+    from .fsdp_cases import interrupted_checkpoint_case
+
+    on_0, on_1 = zbpp_workers(2, pg_timeout=60).run(interrupted_checkpoint_case, str(tmp_path / "c"), when)
+    assert on_1.split(" ", 1)[1] == "KeyboardInterrupt: Ctrl-C on rank 1", on_1
+    assert on_0.split(" ", 1)[1].startswith(f"PipelineError: {when}_checkpoint could not run on every rank ("), on_0
+    assert "global rank 1: KeyboardInterrupt" in on_0, on_0
+    assert all(float(m.split("s ", 1)[0]) < 10 for m in (on_0, on_1)), (on_0, on_1)
+
+
 def test_lr_schedulers_that_differ_between_ranks_are_refused(tmp_path: Path, zbpp_workers) -> None:
     """`scheduler_case`: the ranks' schedulers have different base_lrs. The checkpoint keeps one
     scheduler state (DCP writes one rank's), so one rank resumed with the other's learning rate

@@ -300,7 +300,7 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
             raise ValueError("save_pretrained needs stages that carry the model's config (.config), as "
                              "zbpp.models.hf.causal_lm_stages builds them")
         limit = _bytes(max_shard_size)
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
     agree(problem, "could not start on every rank (nothing was written)")
     writes = topology.dp_rank == 0
@@ -308,7 +308,7 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
         problem, plan = None, []
         state = _rank_state(mods, config)  # every replica gathers its fully_shard tensors together
         plan = _shards(state, limit) if writes else []
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
     counts = [int(c) for c in agree(problem, "could not gather its tensors on every rank (nothing was written)",
                                     len(plan))]
@@ -325,7 +325,7 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
                 fname = _SINGLE if single else f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
                 _write(out / fname, {n: state[n] for n in names})
                 index.update({n: fname for n in names})
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
     maps = agree(problem, f"could not write its weights on every rank ({os.fspath(path)!r} holds a partial save)",
                  (index, sum(state[n].numel() * state[n].element_size() for n in index)))
@@ -343,7 +343,7 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
             saved.save_pretrained(out)
             # last: a save failing before it leaves the earlier save's files, not a directory lacking both
             _remove_earlier_save(out, set(weight_map.values()) | ({_INDEX} if total_files > 1 else set()))
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
     # also every rank's wait for the others: none returns before the directory is complete
     agree(problem, f"could not finish on every rank (the weights are written; {os.fspath(path)!r} may lack its "

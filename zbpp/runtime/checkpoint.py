@@ -164,7 +164,7 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     agreement, ranks = _agreement(process_group)
     try:
         state, problem = _state_to_save(model, optimizer, lr_scheduler), None
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         state, problem = {}, exc
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
     schedulers = agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing "
@@ -252,7 +252,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     agreement, ranks = _agreement(process_group)
     try:
         loading, problem = _state_to_load(model, path, optimizer, lr_scheduler), None
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         loading, problem = None, exc
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
@@ -262,7 +262,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     try:
         _apply_loaded(loading, model, optimizer, lr_scheduler)
         problem = None
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
     # else the other ranks would go on training from the checkpoint without the failed one
     agree_on_problems(agreement, problem, ranks,

@@ -216,7 +216,7 @@ class Pipeline:
             fsdp = fsdp_reducer(self.stage_modules, self.topology, first_forward, reducer)
             ties = local_ties(tied_parameters or {}, self.stage_modules, fsdp.split_copies() if fsdp is not None else ())
             check_reducer_leaves_ties(reducer, ties)
-        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised below, on every rank
             problem = exc
         # one base seed for the whole job (global rank 0's): a checkpoint's single copy resumes every replica
         self._base_seed = agree_to_build(self._agreement, problem, self.topology.world, seed_here)
@@ -418,7 +418,7 @@ class Pipeline:
             raise PipelineError(self._broken)
         try:
             snapshot, problem = self._tied.snapshot(), None
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
             snapshot, problem = [], exc
         # every rank has its copies ready before any of them enters a tie's collective
         agree_on_problems(self._agreement, problem, self.topology.world, "check_ties could not run on every rank")
@@ -427,7 +427,7 @@ class Pipeline:
                              self._tied.copy_names(self.stage_modules)), None
         except BrokenJob:  # a rank is gone (marked in the store): no agreement could complete
             raise
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
             mine, problem = None, exc
         reports = agree_on_problems(self._agreement, problem, self.topology.world,
                                     "check_ties could not compare on every rank", payload=mine)
