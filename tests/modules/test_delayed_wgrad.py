@@ -400,6 +400,53 @@ def test_computed_weight_is_refused_by_a_delayed_layer(how):
     torch.testing.assert_close(layers[True].bias.grad, ref.bias.grad, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_functional_call_with_computed_weights_is_refused_by_a_delayed_layer(name):
+    """``torch.func.functional_call`` with tensors computed from others (here ``2 * base``) puts
+    them in the layer's ``_parameters`` for the call: W would write their gradients into those
+    non-leaf tensors' ``.grad``, which nothing reads, and ``base`` would silently get none. A
+    delayed layer refuses them, naming the first; an eager one lets autograd carry them to
+    ``base``, as a torch reference does (float64, rtol 1e-12: the same products summed by other
+    GEMM calls). Leaf tensors given the same way get W's gradients, as autograd gives them."""
+    torch.manual_seed(0)
+    x = torch.randn(5, HIDDEN, dtype=torch.float64)
+    make = {"Linear": lambda **kw: Linear(HIDDEN, OUT, **kw),
+            "LayerNormLinear": lambda **kw: LayerNormLinear(HIDDEN, OUT, **kw),
+            "LayerNormMLP": lambda **kw: LayerNormMLP(HIDDEN, 24, **kw)}[name]
+    delayed = make(delay_wgrad_compute=True, params_dtype=torch.float64)
+    eager = make(delay_wgrad_compute=False, params_dtype=torch.float64)
+    base = {n: p.detach().clone().requires_grad_() for n, p in delayed.named_parameters()}
+    with pytest.raises(TypeError, match=rf"{name}\.\w*weight is computed in the forward"):
+        with microbatch(0):
+            torch.func.functional_call(delayed, {n: 2 * b for n, b in base.items()}, (x,))
+    assert delayed.pending_wgrad_keys() == []
+    torch.func.functional_call(eager, {n: 2 * b for n, b in base.items()}, (x,)).square().sum().backward()
+    ref_base = {n: b.detach().clone().requires_grad_() for n, b in base.items()}
+    ref = make(delay_wgrad_compute=False, params_dtype=torch.float64)
+    _functional_reference(ref, {n: 2 * b for n, b in ref_base.items()}, x).square().sum().backward()
+    for n, b in base.items():
+        torch.testing.assert_close(b.grad, ref_base[n].grad, rtol=1e-12, atol=0, msg=n)
+    leaves = {n: (2 * b).detach().requires_grad_() for n, b in base.items()}
+    with microbatch(1):
+        torch.func.functional_call(delayed, leaves, (x,)).square().sum().backward()
+    delayed.backward_dw(1)
+    ref_leaves = {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
+    _functional_reference(ref, ref_leaves, x).square().sum().backward()
+    for n, t in leaves.items():
+        torch.testing.assert_close(t.grad, ref_leaves[n].grad, rtol=1e-12, atol=0, msg=n)
+
+
+def _functional_reference(layer: nn.Module, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    # `layer`'s formula in torch ops on the tensors `p` (layer norm, tanh-GELU)
+    if isinstance(layer, Linear):
+        return F.linear(x, p["weight"], p["bias"])
+    n = F.layer_norm(x, x.shape[-1:], p["layer_norm_weight"], p["layer_norm_bias"], layer.eps)
+    if isinstance(layer, LayerNormLinear):
+        return F.linear(n, p["weight"], p["bias"])
+    h = F.gelu(F.linear(n, p["fc1_weight"], p["fc1_bias"]), approximate="tanh")
+    return F.linear(h, p["fc2_weight"], p["fc2_bias"])
+
+
 def test_megatron_style_dummy_grad_with_fused_accumulation():
     """TE's convention: a weight with `grad_added_to_main_grad` is flagged and its hooks fire."""
     layer = Linear(4, 4, fuse_wgrad_accumulation=True)

@@ -202,28 +202,28 @@ class DelayedWgradModule(nn.Module):
         try:
             return self._read_forward_params(self._parameters)
         except KeyError:  # one moved behind a property (torch.nn.utils.parametrize) or a hook
-            params = tuple(getattr(self, name) for name in self._forward_param_names)
-            if self._delay:
-                self._check_deferred_leaves(params)
-            return params
+            return tuple(getattr(self, name) for name in self._forward_param_names)
 
-    def _check_deferred_leaves(self, params: tuple[torch.Tensor | None, ...]) -> None:
-        """Raise when a parameter whose gradient W computes is a tensor computed in the forward.
+    def _check_deferred_leaves(
+        self, index: int, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        """Raise when GEMM `index`'s `weight` or `bias` (None: not deferred), whose gradient W
+        computes, is a tensor computed in the forward.
 
         W adds into ``.grad`` of the very tensor the forward read: for one computed from other
-        parameters (a parametrization, weight_norm's hook) nothing reads it, and they get nothing.
+        tensors (a parametrization, weight_norm's hook, ``torch.func.functional_call`` given
+        computed tensors) nothing reads it, and they get nothing. Checked where a `GemmCall` is
+        built, i.e. whenever the tensors differ from the last forward's.
         """
-        deferred = {w: wl for (_, w, _), (wl, _) in zip(self._gemm_names, self._gemm_labels)}
-        if self._bias_grad_deferred:  # in FP8 the biases are autograd inputs: their graph runs
-            deferred.update((b, bl) for (_, _, b), (_, bl) in zip(self._gemm_names, self._gemm_labels))
-        for name, p in zip(self._forward_param_names, params):
-            if name in deferred and p is not None and p.requires_grad and not p.is_leaf:
+        for p, label in zip((weight, bias), self._gemm_labels[index]):
+            if p is not None and p.requires_grad and not p.is_leaf:
                 raise TypeError(
-                    f"{deferred[name]} is computed in the forward (by "
-                    f"{type(p.grad_fn).__name__}, e.g. torch.nn.utils.parametrize or weight_norm), "
-                    "not a Parameter: with delay_wgrad_compute=True its gradient would never reach "
-                    "the parameters it is computed from. Use delay_wgrad_compute=False for this "
-                    "layer (or leave it out of delay_wgrad with module_filter_fn)"
+                    f"{label} is computed in the forward (by {type(p.grad_fn).__name__}, e.g. "
+                    "torch.nn.utils.parametrize, weight_norm or torch.func.functional_call given "
+                    "computed tensors), not a Parameter: with delay_wgrad_compute=True its "
+                    "gradient would never reach the tensors it is computed from. Use "
+                    "delay_wgrad_compute=False for this layer (or leave it out of delay_wgrad "
+                    "with module_filter_fn)"
                 )
 
     def _gemm_weights(self) -> list[nn.Parameter]:
@@ -257,6 +257,7 @@ class DelayedWgradModule(nn.Module):
                 f"for keys {self._wgrad_store.keys()!r}; run backward_dw() for them first"
             )
         self._delay = bool(value)
+        self._plain_calls = [None] * len(self._gemm_names)  # rebuilt, so checked for W
         self._sync_param_flags()
 
     # -- forward side -------------------------------------------------------------------------
@@ -304,6 +305,8 @@ class DelayedWgradModule(nn.Module):
         recipe = call.recipe
         if recipe is None:
             return self._plain_call(index, weight, bias)
+        if self._delay:  # in FP8 the biases are autograd inputs: their graph runs
+            self._check_deferred_leaves(index, weight, None)
         fp8 = None
         if recipe is not None:
             prefix, weight_name, _ = self._gemm_names[index]
@@ -330,6 +333,8 @@ class DelayedWgradModule(nn.Module):
         fuse = self.fuse_wgrad_accumulation
         if (call is None or call.weight is not weight or call.bias is not bias
                 or call.fuse_wgrad_accumulation != fuse):
+            if self._delay:
+                self._check_deferred_leaves(index, weight, bias)
             weight_label, bias_label = self._gemm_labels[index]
             call = GemmCall(weight, bias, weight_label, bias_label, fuse, None,
                             index == 0 and self._weight_transposed)
