@@ -447,6 +447,40 @@ def _functional_reference(layer: nn.Module, p: dict[str, torch.Tensor], x: torch
     return F.linear(h, p["fc2_weight"], p["fc2_bias"])
 
 
+@pytest.mark.parametrize("name", list(MAKERS))
+@pytest.mark.parametrize("written", ["input", "output gradient"])
+def test_a_tensor_written_between_b_and_w_is_refused(name, written):
+    """W computes dW from the layer's input and the output gradient that B was handed (outside
+    FP8, where they are the very tensors): one written in place between B and W (each
+    microbatch copied into one reused input buffer, one output-gradient tensor reused) would
+    silently give the gradient of the new values; autograd's own check of saved tensors ends
+    with B. W refuses it, naming the weight. Left unchanged, W gives a torch reference's
+    gradients: the same layer eager, forward and full backward in one go (float64, rtol 1e-12:
+    the same products, summed by other GEMM calls)."""
+    torch.manual_seed(0)
+    eager, delayed, _ = make_pair(name, params_dtype=torch.float64)
+    data = [torch.randn(5, HIDDEN, dtype=torch.float64) for _ in range(2)]
+    grads = [torch.randn(5, out_features(delayed), dtype=torch.float64) for _ in range(2)]
+    buf, gbuf = data[0].clone(), grads[0].clone()
+    with microbatch(0):
+        delayed(buf).backward(gbuf)
+    (buf if written == "input" else gbuf).copy_(data[1] if written == "input" else grads[1])
+    if written == "input" and not isinstance(delayed, Linear):  # W reads the norm's output, not x
+        delayed.backward_dw(0)
+        eager(data[0]).backward(grads[0])
+    else:
+        with pytest.raises(RuntimeError, match=r"\w*weight: a tensor its weight gradient is computed from"):
+            delayed.backward_dw(0)
+        for p in delayed.parameters():
+            p.grad = None
+        with microbatch(1):
+            delayed(data[1]).backward(grads[1])
+        delayed.backward_dw(1)
+        eager(data[1]).backward(grads[1])
+    for (n, p), q in zip(eager.named_parameters(), delayed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=0, msg=n)
+
+
 def test_megatron_style_dummy_grad_with_fused_accumulation():
     """TE's convention: a weight with `grad_added_to_main_grad` is flagged and its hooks fire."""
     layer = Linear(4, 4, fuse_wgrad_accumulation=True)

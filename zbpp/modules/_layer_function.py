@@ -164,15 +164,32 @@ def accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
 
 class _Job:
     """A wgrad job: calling it computes ``job_outputs(parts, fp8)``; `parts` exposes the tensors
-    it holds (per GEMM: the (gradient, input) operands of dW and the gradient of db)."""
+    it holds (per GEMM: the (gradient, input) operands of dW and the gradient of db).
+    `versions`: (tensor, version counter at B) of operands the job does not own (the layer's
+    input, the output gradient autograd handed over), checked when it runs: autograd's own check
+    of saved tensors ends with B, and one written in place since would silently change dW."""
 
-    __slots__ = ("parts", "fp8")
+    __slots__ = ("parts", "fp8", "versions")
 
-    def __init__(self, parts: list[_WgradPart], fp8: bool) -> None:
-        self.parts, self.fp8 = parts, fp8
+    def __init__(self, parts: list[_WgradPart], fp8: bool,
+                 versions: tuple[tuple[torch.Tensor, int], ...] = ()) -> None:
+        self.parts, self.fp8, self.versions = parts, fp8, versions
 
     def __call__(self) -> list[GradOut]:
+        self._check_versions()
         return job_outputs(self.parts, self.fp8)
+
+    def _check_versions(self) -> None:
+        for t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"{self.parts[0].call.weight_name}: a tensor its weight gradient is computed "
+                    "from (the layer's input or its output gradient) was modified in place after "
+                    f"the backward (B) and before backward_dw() (W) (version {version} at B, "
+                    f"{t._version} now), so W would compute the gradient of other values; keep "
+                    "both unchanged until W (e.g. give each microbatch its own input tensor "
+                    "rather than copying it into one reused buffer)"
+                )
 
     def accumulate(self, in_gemm: bool = False) -> None:
         """Add the job's gradients where `backward_dw` puts them: ``.grad``, or ``main_grad``
@@ -180,6 +197,7 @@ class _Job:
         `in_gemm`: outside FP8, add into an existing ``.grad`` of the GEMM's dtype inside the GEMM
         (``addmm`` into it: one pass over ``.grad`` instead of writing dW and adding it; the sum is
         rounded once, so it may differ from autograd's in the last bit)."""
+        self._check_versions()
         fp8 = self.fp8
         for call, operands, bias_grad_of in self.parts:
             if operands is not None:
@@ -248,7 +266,8 @@ class _LinearFunction(torch.autograd.Function):
         if store is not None:
             if need_w or need_b:
                 part = _WgradPart(call, (dy, x) if need_w else None, dy if need_b else None)
-                store.put(key, _Job([part], False))
+                versions = ((dy, dy._version), (x, x._version)) if need_w else ((dy, dy._version),)
+                store.put(key, _Job([part], False, versions))
             return dx, None, None, None, None, None
         if need_w or need_b:
             dw, db = _eager_wgrad(_WgradPart(call, (dy, x) if need_w else None,
@@ -438,7 +457,14 @@ class _LayerFunction(torch.autograd.Function):
         if not parts:
             return dx, d_nw, d_nb, None, db1, None, db2, None
         if spec.store is not None:
-            spec.store.put(spec.key, _Job(parts, fp8))
+            # outside FP8 the jobs read dy itself (fc2's, fc1's without an activation) and,
+            # without a norm, the layer's input; their other operands are this call's own
+            versions: tuple[tuple[torch.Tensor, int], ...] = ()
+            if not fp8:
+                versions = ((dy, dy._version),)
+                if spec.normalization is None and in1 is not None:
+                    versions += ((in1, in1._version),)
+            spec.store.put(spec.key, _Job(parts, fp8, versions))
             return dx, d_nw, d_nb, None, db1, None, db2, None
         # eager: the job's arithmetic, in its order (fc2's part first)
         dw1 = dw2 = None
