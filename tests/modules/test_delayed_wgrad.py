@@ -344,6 +344,28 @@ def test_without_delay_backward_dw_is_a_noop():
     assert layer.get_backward_dw_params() == [] and layer.pending_wgrad_keys() == []
 
 
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_delay_turned_off_between_f_and_b_still_computes_w(name):
+    """A forward run while the layer delays files its wgrad job at B, whatever the flag says
+    then: turned off between F and B, ``backward_dw`` must still compute that job (it returned
+    at once, and the weight gradients were silently lost). Reference: the same layer eager
+    (float64, rtol 1e-12: the same products, summed by other GEMM calls)."""
+    torch.manual_seed(0)
+    eager, delayed, _ = make_pair(name, params_dtype=torch.float64)
+    x = torch.randn(5, HIDDEN, dtype=torch.float64)
+    with microbatch(0):
+        y = delayed(x)
+    delayed.delay_wgrad_compute = False
+    y.square().sum().backward()
+    assert delayed.pending_wgrad_keys() == [0]
+    delayed.backward_dw(0)
+    assert delayed.pending_wgrad_keys() == []
+    eager(x).square().sum().backward()
+    for (n, p), q in zip(eager.named_parameters(), delayed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=0, msg=n)
+    delayed.backward_dw(0)  # nothing pending, not delayed: a no-op as before
+
+
 def test_fused_accumulation_without_main_grad_is_a_clear_error():
     eager = Linear(4, 4, fuse_wgrad_accumulation=True)
     with pytest.raises(RuntimeError, match=r"Linear.weight has no `main_grad`"):

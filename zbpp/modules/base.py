@@ -386,9 +386,11 @@ class DelayedWgradModule(nn.Module):
         ``fuse_wgrad_accumulation``, into ``main_grad``; adds a bias gradient only where the job
         produced one (in FP8 the bias gradient was already computed during B); then calls each
         hook registered with `register_wgrad_accumulation_and_reduce_hooks` once, without
-        arguments. A no-op when the module does not delay, or when every parameter it defers is
-        frozen (``requires_grad=False``: B filed nothing); raises `WgradStoreError` when nothing
-        (or nothing for `key`) is pending.
+        arguments. A no-op when the module does not delay and nothing is pending (a forward that
+        ran while it delayed files its job at B even if ``delay_wgrad_compute`` was turned off
+        since: that job is computed), or when every parameter it defers is frozen
+        (``requires_grad=False``: B filed nothing); raises `WgradStoreError` when nothing (or
+        nothing for `key`) is pending.
 
         >>> import torch
         >>> from zbpp.modules import Linear, microbatch
@@ -401,7 +403,7 @@ class DelayedWgradModule(nn.Module):
         >>> layer.weight.grad.tolist()
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
         """
-        if not self._delay:
+        if not self._delay and not len(self._wgrad_store):
             return
         jobs = self._wgrad_store.take(key)
         if jobs is None:
