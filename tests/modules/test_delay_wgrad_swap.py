@@ -237,6 +237,33 @@ def test_linears_with_hook_computed_weights_are_left_alone():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14, msg=n)
 
 
+def test_linears_with_an_instance_forward_are_left_alone():
+    """A layer whose ``forward`` was replaced on the instance (accelerate's hooks keep the bound
+    ``nn.Linear.forward`` and call it from a wrapper set as ``module.forward``) never runs
+    zbpp's forward: converted, its B computed the weight gradient through autograd and W found
+    nothing filed. Such layers stay as they are; every gradient equals the model's before the
+    swap (float64, rtol 1e-12 as above), and the other layers defer theirs."""
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        old = m[0].forward
+        m[0].forward = lambda x: old(x)  # as accelerate.hooks.add_hook_to_module wraps it
+        return m
+
+    ref, swapped = model(), model()
+    delay_wgrad(swapped)
+    assert type(swapped[0]) is nn.Linear and isinstance(swapped[2], Linear)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    ref(x).square().sum().backward()
+    with microbatch(0):
+        swapped(x).square().sum().backward()
+    assert swapped[2].weight.grad is None  # deferred to W
+    run_w(swapped, 0)
+    for (n, p), q in zip(ref.named_parameters(), swapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=0, msg=n)
+
+
 def test_errors_name_the_converted_layer_by_its_path():
     """A converted layer's errors name it by its path in the model (there may be hundreds of
     Linears), a Conv1D too, not by zbpp's class; under torch.autocast (which zbpp's layers do not

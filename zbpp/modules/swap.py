@@ -38,7 +38,9 @@ def delay_wgrad(
     - Candidates are the modules whose type is exactly ``nn.Linear`` (a subclass may compute
       something else in its forward and is left alone; so is a layer whose ``weight`` is recomputed
       from other parameters by a hook, as ``torch.nn.utils.weight_norm`` and ``spectral_norm``
-      do: W could not give those parameters a gradient) and, with `transposed=True`, the layers
+      do: W could not give those parameters a gradient; nor is one whose ``forward`` was replaced
+      on the instance, as accelerate's hooks do: zbpp's would never run) and, with
+      `transposed=True`, the layers
       that store their weight as [in, out] and compute ``x W + b``, such as Hugging Face's
       ``Conv1D`` (GPT-2): recognised by an ``nf`` attribute (out features), a 2-D ``weight`` of
       shape [in, nf], a ``bias`` of shape [nf] or None, and no submodules. Their weight stays
@@ -103,6 +105,8 @@ def delay_wgrad(
 def _layout(module: nn.Module, transposed: bool, linear_like: tuple[type, ...] = ()) -> str | None:
     """"out_in" for an ``nn.Linear`` (or one of `linear_like`), "in_out" for a transposed-weight
     linear layer (when `transposed`), None for anything else."""
+    if "forward" in module.__dict__:  # replaced on the instance (accelerate's hooks): never ours
+        return None
     if type(module) is nn.Linear or type(module) in linear_like:
         return "out_in" if _own_params(module) else None
     if not transposed or isinstance(module, DelayedWgradModule):
