@@ -88,3 +88,22 @@ def test_every_layer_takes_the_shared_keywords(name):
     assert weights and all(bool((w == 0.5).all()) for w in weights)
     assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in layer.parameters())
     assert layer.delay_wgrad_compute and layer.fuse_wgrad_accumulation
+
+
+@pytest.mark.parametrize("keyword", ["init_method", "output_layer_init_method"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_an_init_method_that_returns_a_new_tensor_is_a_type_error(name, keyword):
+    """An init method fills its argument in place (``torch.nn.init``'s convention, which the
+    layers follow); one returning a new tensor left the weight as ``torch.empty`` made it:
+    uninitialised memory (a std of 4e8 on a 64 x 64 Linear), silently. It is named instead;
+    in-place ones, returning their argument, a view of it or nothing, still work."""
+    if keyword == "output_layer_init_method" and name != "LayerNormMLP":
+        pytest.skip("only LayerNormMLP has an output layer")
+    message = _type_error(name, **{keyword: lambda w: torch.full_like(w, 0.5)})
+    assert message.startswith(f"{name}.") and "weight" in message and "in place" in message
+    for init in (lambda w: torch.nn.init.constant_(w, 0.5), lambda w: w.view(-1).fill_(0.5),
+                 lambda w: None if w.fill_(0.5) is None else None):
+        layer = LAYERS[name](**{keyword: init})
+        weight = layer.fc2_weight if keyword == "output_layer_init_method" else next(
+            p for n, p in layer.named_parameters() if n.endswith("weight") and not n.startswith("layer_norm"))
+        assert bool((weight == 0.5).all())

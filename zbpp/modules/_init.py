@@ -44,12 +44,22 @@ def new_param(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
     init: InitMethod | float,
+    name: str = "parameter",
 ) -> nn.Parameter:
-    """A parameter of `shape` filled by `init` (a function of the tensor, or a constant)."""
+    """A parameter of `shape` filled by `init` (a function that fills the tensor in place, as
+    ``torch.nn.init``'s do, or a constant); `name` is what errors call it."""
     data = torch.empty(shape, dtype=dtype or torch.get_default_dtype(), device=device)
     with torch.no_grad():
         if callable(init):
-            init(data)
+            out = init(data)
+            # a new tensor returned (not data, nor a view of it) means data was left as
+            # torch.empty made it: uninitialised memory
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                raise TypeError(
+                    f"{name}: its init method {init!r} returned a new tensor instead of filling "
+                    "the one it is given in place, which would stay uninitialised; fill it in "
+                    "place (e.g. torch.nn.init.normal_(w, std=0.02), or w.copy_(...))"
+                )
         else:
             data.fill_(init)
     return nn.Parameter(data)
@@ -68,7 +78,8 @@ def add_gemm_params(
 ) -> None:
     """Register one GEMM's ``weight_name`` [out, in] (filled by `init`) and ``bias_name`` [out]
     (zeros; registered as None without `bias`) on `module`."""
-    setattr(module, weight_name, new_param(shape, init=init, dtype=dtype, device=device))
+    setattr(module, weight_name, new_param(shape, init=init, dtype=dtype, device=device,
+                                           name=f"{type(module).__name__}.{weight_name}"))
     if bias:
         setattr(module, bias_name, new_param(shape[:1], init=0.0, dtype=dtype, device=device))
     else:
