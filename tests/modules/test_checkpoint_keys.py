@@ -135,3 +135,34 @@ def test_hf_llama_gradient_checkpointing_after_delay_wgrad(reentrant):
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         # see test_delay_wgrad_swap: dW^T against autograd's (X^T dY)^T, float64 last bits
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_reentrant_rerun_files_under_its_forward_key_inside_another_block():
+    """A microbatch's B run by hand inside the next microbatch's ``microbatch()`` block (1F1B
+    written out: F(1), then B(0)): the reentrant re-run of microbatch 0's forward must file its
+    W under key 0, as it does on GPUs (where autograd's thread sees no block), not under the
+    block's key 1 (where W(0) found nothing and W(1) took both). Reference: the same model
+    without checkpointing, eager weight gradients (float64, bit for bit as above)."""
+    torch.manual_seed(0)
+    model = Stack(True)
+    ref = copy.deepcopy(model)
+    ref.reentrant = None
+    for m in _delayed(ref):
+        m.delay_wgrad_compute = False
+    xs = [torch.randn(4, 16, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    with microbatch(0):
+        y0 = model(xs[0])
+    with microbatch(1):
+        y1 = model(xs[1])
+        y0.square().sum().backward()
+        for m in _delayed(model):
+            assert m.pending_wgrad_keys() == [0]
+    y1.square().sum().backward()
+    w_params = {id(p) for m in _delayed(model) for p in m.get_backward_dw_params()}
+    for key in (0, 1):
+        for m in _delayed(model):
+            m.backward_dw(key)
+        ref(xs[key].detach()).square().sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if id(p) in w_params or key == 1:  # the norms' B-time gradients hold both keys'
+                assert torch.equal(p.grad, q.grad)

@@ -119,7 +119,8 @@ def forward_key() -> Hashable | None:
     own thread). So the first run records its key on the checkpoint's node (the autograd context
     of ``CheckpointFunction``, found on the call stack), and the re-run reads it back from the
     node autograd is running. Non-reentrant checkpointing needs nothing: the layers' nodes of
-    the first run, which recorded their key, are the ones differentiated.
+    the first run, which recorded their key, are the ones differentiated. A re-run takes its
+    node's key even inside another ``microbatch()`` block (B run by hand inside the next F's).
 
     >>> import torch
     >>> from torch.utils.checkpoint import checkpoint
@@ -134,11 +135,12 @@ def forward_key() -> Hashable | None:
     >>> seen
     [(False, 7), (True, 7)]
     """
-    key = _key.get()
+    # a re-run's key first: on CPUs autograd runs it on the caller's thread, which may be inside
+    # another microbatch's block (B(0) run by hand inside F(1)'s)
+    node = current_autograd_node()
+    key = None if node is None else getattr(node, _CKPT_KEY_ATTR, None)
     if key is None:
-        node = current_autograd_node()
-        if node is not None:
-            key = getattr(node, _CKPT_KEY_ATTR, None)
+        key = _key.get()
     if key is not None and not torch.is_grad_enabled():
         _tag_checkpoint(key)
     return key
