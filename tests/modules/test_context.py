@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from zbpp.modules import DelayedScaling, Linear, current_microbatch, fp8_autocast, microbatch
@@ -95,3 +96,15 @@ def test_the_key_is_recorded_at_forward_time_not_read_in_backward():
     worker.join(TIMEOUT)
     out["y"].sum().backward()
     assert layer.pending_wgrad_keys() == [5]
+
+
+def test_an_unhashable_key_is_named_where_the_block_starts():
+    """Keys file wgrad jobs in a dict: an unhashable one (a list) used to pass the block and the
+    forward and fail inside the backward as a bare ``unhashable type: 'list'``. The block refuses
+    it, naming it and what it takes; nothing was run."""
+    with pytest.raises(TypeError, match=r"microbatch\(\[0, 1\]\): the key must be hashable"):
+        with microbatch([0, 1]):
+            pass
+    assert current_microbatch() is None
+    with microbatch((0, 1)):
+        assert current_microbatch() == (0, 1)

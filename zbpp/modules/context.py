@@ -53,6 +53,13 @@ def bound(var: ContextVar[T], value: T) -> Iterator[T]:
 
 def microbatch(key: Hashable) -> AbstractContextManager[Hashable]:
     """Tag the forwards run inside this block with `key` (any hashable, e.g. an int)."""
+    try:
+        hash(key)
+    except TypeError:  # else it fails only in the backward, filing the wgrad job under it
+        raise TypeError(
+            f"microbatch({key!r}): the key must be hashable (an int, a str, a tuple of those), "
+            f"not a {type(key).__name__}"
+        ) from None
     return bound(_key, key)
 
 
