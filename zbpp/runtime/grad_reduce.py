@@ -27,7 +27,9 @@ that buckets again hold parameters that become final together.
 
 Averaging is a pre-division by the number of replicas followed by a sum (gloo has no AVG). A
 parameter whose ``.grad`` is None on a replica contributes zeros there, so every replica issues the
-same collectives; it stays None only when it is None on every replica. Which replicas had a
+same collectives; it stays None only when it is None on every replica. Frozen parameters
+(``requires_grad=False``) are left out; one unfrozen later joins at the next ``start_step``
+(which rebuilds the buckets), and one frozen later stays in, reducing nothing. Which replicas had a
 ``.grad`` is host knowledge, so those presence counts travel on the host, over a gloo group
 (`presence_group`), beside each bucket's reduction: applying a reduction never reads the device.
 Without that group they travel in the bucket, which is read back (for a GPU bucket, a host sync).
@@ -60,6 +62,7 @@ Example, on one process (no data parallelism: nothing is communicated, the bookk
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -75,6 +78,7 @@ __all__ = ["GradReducer"]
 _B = "B"  # signal: the stage's last B (or BW) ran
 _W = "W"  # signal: the stage's last W (or BW) ran
 _MiB = 1024 * 1024
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 @dataclass(eq=False)
@@ -173,13 +177,23 @@ class GradReducer:
         #: agreement's broken-job check, so a replica that never launches its part cannot hold this
         #: one until the group's timeout
         self.wait_check: Callable[[], None] | None = None
+        self._modules = dict(stage_modules)
+        self._all_main_grad = main_grad
+        # every parameter it may have to reduce, and whether each trained at the last look: one
+        # frozen when the reducer was built may train later (fine-tuning that unfreezes layers)
+        self._candidates = [p for s in self._stages for p in stage_modules[s].parameters() if id(p) not in self._exclude]
+        self._trainable = tuple(map(_requires_grad, self._candidates))
         self._classify(stage_modules, main_grad)
         self._buckets = self._make_buckets()
         self._install_hooks()
         self._active = True
 
     # -- construction -------------------------------------------------------------------------
-    def _classify(self, stage_modules: Mapping[int, nn.Module], all_main_grad: bool) -> None:
+    def _classify(self, stage_modules: Mapping[int, nn.Module], all_main_grad: bool,
+                  keep: frozenset[int] | set[int] = frozenset()) -> None:
+        """The entries of the trainable parameters (and of those in `keep`, ids of earlier
+        entries: a parameter frozen since stays, its reductions of None change nothing)."""
+        self._stage_entries, self._entries = {}, {}
         owners: dict[int, list[int]] = {}
         names: dict[int, str] = {}
         params: dict[int, nn.Parameter] = {}
@@ -198,7 +212,8 @@ class GradReducer:
                 if te_style or getattr(m, "fuse_wgrad_accumulation", False):
                     main.update(id(p) for p in m.parameters(recurse=False))
             # Reverse registration order: roughly the order in which backward finishes them.
-            for n, p in reversed([(n, p) for n, p in root.named_parameters() if p.requires_grad and id(p) not in self._exclude]):
+            for n, p in reversed([(n, p) for n, p in root.named_parameters()
+                                  if (p.requires_grad or id(p) in keep) and id(p) not in self._exclude]):
                 params[id(p)] = p
                 names.setdefault(id(p), f"stage {s} '{n}'")
                 owners.setdefault(id(p), []).append(s)
@@ -283,6 +298,29 @@ class GradReducer:
                     e.param.main_grad = b.buffer[e.offset : e.offset + e.param.numel()].view_as(e.param)
         return buckets
 
+    def _admit_unfrozen(self, keep_main_grad: bool) -> None:
+        """Parameters that train now but did not when the entries were made (``requires_grad_(True)``
+        after the reducer was built) join them: otherwise their gradients would stay each replica's
+        own, silently. The layout and buffers are rebuilt; ``main_grad`` values are kept."""
+        trainable = tuple(map(_requires_grad, self._candidates))
+        if trainable == self._trainable:
+            return
+        self._trainable = trainable
+        if all(id(p) in self._entries for p, t in zip(self._candidates, trainable) if t):
+            return  # only freezing: a frozen entry stays (nothing to reduce, nothing wrong)
+        old = self._entries
+        kept = {key: e.param.main_grad.clone() for key, e in old.items() if keep_main_grad and e.uses_main_grad}
+        self._classify(self._modules, self._all_main_grad, keep=frozenset(old))
+        for key, e in self._entries.items():  # new ones: _classify's guess (split stages' included)
+            if key in old:  # what earlier steps learnt about when it becomes final
+                e.layout, e.observed = old[key].layout, old[key].observed
+        self._buckets = self._make_buckets()
+        for key, value in kept.items():
+            self._entries[key].param.main_grad.copy_(value)
+        for key, e in self._entries.items():
+            if key not in old:
+                self._hook_handles.append(e.param.register_post_accumulate_grad_hook(self._after_accumulate))
+
     def _install_hooks(self) -> None:
         for e in self._entries.values():
             self._hook_handles.append(e.param.register_post_accumulate_grad_hook(self._after_accumulate))
@@ -346,6 +384,7 @@ class GradReducer:
         """Reset for a new step: zero ``main_grad`` buffers (unless `keep_main_grad`: they hold
         gradients accumulated without reduction, `Pipeline.no_sync`) and the counters."""
         self._drain()  # a failed step may have left reductions in flight: never apply them
+        self._admit_unfrozen(keep_main_grad)
         if any(e.observed and e.observed != e.layout for e in self._entries.values()):
             kept = {id(e.param): e.param.main_grad.clone() for e in self._entries.values()
                     if keep_main_grad and e.uses_main_grad}
