@@ -10,6 +10,7 @@ contribution, a wrong weight) is orders of magnitude above the bound.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from zbpp import Pipeline
 from zbpp.modules import Linear as ZLinear
-from zbpp.runtime import ParallelGroups
+from zbpp.runtime import ParallelGroups, PipelineError
 
 from .cases import make_schedule
 
@@ -112,3 +113,54 @@ def check_unfrozen_later(name: str, pp: int, kind: str) -> None:
         for q in [*pipe.parameters(), *(q for r in refs for b in r for q in b.parameters())]:
             q.grad = None
 
+
+class _FailOnce:
+    """A loss that raises once, when armed (a failed step on the last stage's rank)."""
+
+    def __init__(self, loss: Any) -> None:
+        self.loss, self.armed = loss, False
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected failure")
+        return self.loss(out, y)
+
+
+def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False) -> None:
+    """Without zeroing between steps: a synchronised step, a step inside ``no_sync()``, a
+    synchronised step. The gradients are the sum of the three steps' (replica-averaged) gradients,
+    the tied weight's too: the first step's sum, already in every copy, must not be counted again
+    by the third step's reduction of what no_sync accumulated. `fail`: the window's first step
+    fails once first (its loss raises on the last stage's rank): every gradient is as before it."""
+    from . import feature_cases as fc
+
+    world = dist.get_world_size()
+    groups = ParallelGroups(pp=pp)
+    dp = world // pp
+    sched = make_schedule(name, pp, 2 * pp)
+    pipe, stages = fc.build(sched, groups.pp_rank, kind, groups=groups)
+    failing = pipe.loss_fn = _FailOnce(pipe.loss_fn)
+    refs = [fc.reference(sched.num_stages)[0] for _ in range(dp)]
+    rows = 2 * sched.num_microbatches + 1
+    for step in range(3):
+        if step == 1 and fail:
+            before = {k: p.grad.clone() for k, p in _named(stages).items()}
+            failing.armed = True
+            try:
+                with pipe.no_sync():
+                    pipe.step(*fc.batch(step, rows, groups.dp_rank))
+            except PipelineError:
+                pass
+            else:
+                raise AssertionError("the injected failure did not fail the step")
+            for k, p in _named(stages).items():
+                check_close(f"{name} rank {dist.get_rank()} {k} after a failed step", p.grad, before[k])
+        with pipe.no_sync() if step == 1 else contextlib.nullcontext():
+            pipe.step(*fc.batch(step, rows, groups.dp_rank))
+        for d, r in enumerate(refs):
+            fc.run_reference(r, *fc.batch(step, rows, d))
+    avg = fc.avg_params(refs[0])
+    for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
+        q.grad = (q.grad + sum(o.grad for o in others)) / dp
+    fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} sync, no_sync, sync")

@@ -13,7 +13,11 @@ a V placement both uses may sit on one rank, as one Parameter shared by its two 
   all-reduce over the group of every copy (all holders of all replicas) sums it, divided by the
   number of replicas: every copy ends up with the sum over its uses and the average over the
   replicas, exactly once (the data-parallel reducer leaves tied parameters out).
-- ``Pipeline.no_sync()`` skips it; the next step outside reduces everything accumulated.
+- ``Pipeline.no_sync()`` skips it; the next step outside reduces everything accumulated. A copy
+  whose norm another copy counts (`counted_here`) lays down the sum it holds when a window begins
+  (`lay_down_reduced`, a copy kept for a failed step): every copy holds that sum, so the group's
+  sum of what the window accumulated on top would count it once per copy; the counted copy
+  brings it back.
 
 The reduced tensor is ``main_grad`` when the parameter has one, else ``.grad`` (zeros when a copy
 got no gradient this step, so every copy takes part).
@@ -155,6 +159,7 @@ class TiedParameters:
                 for n, (ps, stages) in mine.items()}
         everyone = self._exchange(agreement, held)
         self._ties: list[_Tie] = []
+        self._laid: list[tuple[nn.Parameter, torch.Tensor]] = []  # `lay_down_reduced`'s copies
         backend = "nccl" if device.type == "cuda" else "gloo"
         for name in sorted({n for h in everyone.values() for n in h}):
             holders = {g: h[name] for g, h in everyone.items() if name in h}
@@ -236,6 +241,35 @@ class TiedParameters:
     def param_ids(self) -> set[int]:
         """ids of this rank's tied parameters (the data-parallel reducer leaves them out)."""
         return {id(p) for t in self._ties for p in t.params}
+
+    # -- a no_sync window ------------------------------------------------------------------------
+    def lay_down_reduced(self) -> None:
+        """Before the first step of a ``no_sync()`` window: zero the gradient (``main_grad`` or
+        ``.grad``) of every copy that another copy counts, keeping a copy of it. Each holds the sum
+        of earlier steps, as the counted copy does; the synchronised step after the window sums the
+        copies, which would count it once per copy."""
+        self._laid = []
+        for t in self._ties:
+            if t.group is None or t.sharded or t.counted_here:
+                continue
+            main = getattr(t.param, "main_grad", None)
+            g = main if isinstance(main, torch.Tensor) else t.param.grad
+            if g is not None:
+                self._laid.append((t.param, g.clone()))
+                g.zero_()  # in place: a fixed .grad buffer (task graphs) stays the parameter's
+
+    def take_up_reduced(self, restore: bool) -> None:
+        """After the step that laid them down: drop the copies (it succeeded) or, with `restore`
+        (it failed, its earlier gradients kept), put them back."""
+        for p, value in self._laid if restore else ():
+            main = getattr(p, "main_grad", None)
+            if isinstance(main, torch.Tensor):
+                main.copy_(value)
+            elif p.grad is not None:
+                p.grad.copy_(value)
+            else:
+                p.grad = value
+        self._laid = []
 
     # -- per step -------------------------------------------------------------------------------
     def start_step(self) -> None:
