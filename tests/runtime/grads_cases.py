@@ -164,3 +164,20 @@ def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False) -
     for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
         q.grad = (q.grad + sum(o.grad for o in others)) / dp
     fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} sync, no_sync, sync")
+
+
+def check_fsdp_sync_no_sync_sync(schedule: str, *tie: int) -> list[str]:
+    """`check_sync_no_sync_sync` with ``fully_shard`` stages (fsdp_cases' model, dp=2 x pp=2) and a
+    weight tied to ``layers.0.weight``: the sum of the three steps' gradients."""
+    from . import fsdp_cases as fs
+
+    pipe = fs.fsdp_pipeline(schedule, "plain", 2, 2, tie=tie)
+    dp_rank = pipe.topology.dp_rank
+    _, ref_grads = fs.reference_run("plain", 1, "cpu", 3, None, tie)
+    named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
+    for step in range(3):
+        x, y = fs.batch(step, "cpu")
+        with pipe.no_sync() if step == 1 else contextlib.nullcontext():
+            pipe.step(fs.my_rows(dp_rank, 2, x), target=fs.my_rows(dp_rank, 2, y))
+    got = {n: fs.full(p.grad) for n, p in named.items() if p.grad is not None}
+    return fs.compare(f"{schedule} tie={tie}", got, ref_grads[0])

@@ -14,10 +14,10 @@ a V placement both uses may sit on one rank, as one Parameter shared by its two 
   number of replicas: every copy ends up with the sum over its uses and the average over the
   replicas, exactly once (the data-parallel reducer leaves tied parameters out).
 - ``Pipeline.no_sync()`` skips it; the next step outside reduces everything accumulated. A copy
-  whose norm another copy counts (`counted_here`) lays down the sum it holds when a window begins
-  (`lay_down_reduced`, a copy kept for a failed step): every copy holds that sum, so the group's
-  sum of what the window accumulated on top would count it once per copy; the counted copy
-  brings it back.
+  whose norm another copy counts (`counted_here`), ``fully_shard`` copies and FSDP's split copies
+  of one rank included, lays down the sum it holds when a window begins (`lay_down_reduced`, a
+  copy kept for a failed step): every copy holds that sum, so the sum of the copies after the
+  window would count it once per copy; the counted copy brings it back.
 
 The reduced tensor is ``main_grad`` when the parameter has one, else ``.grad`` (zeros when a copy
 got no gradient this step, so every copy takes part).
@@ -250,24 +250,22 @@ class TiedParameters:
         copies, which would count it once per copy."""
         self._laid = []
         for t in self._ties:
-            if t.group is None or t.sharded or t.counted_here:
-                continue
-            main = getattr(t.param, "main_grad", None)
-            g = main if isinstance(main, torch.Tensor) else t.param.grad
-            if g is not None:
-                self._laid.append((t.param, g.clone()))
-                g.zero_()  # in place: a fixed .grad buffer (task graphs) stays the parameter's
+            for q in t.params[1:] if t.counted_here else t.params:  # FSDP's split copies of this rank too
+                main = getattr(q, "main_grad", None)
+                g = main if isinstance(main, torch.Tensor) else q.grad
+                if g is not None:
+                    self._laid.append((q, _local(g).clone()))
+                    _local(g).zero_()  # in place: a fixed .grad buffer (task graphs) stays the parameter's
 
     def take_up_reduced(self, restore: bool) -> None:
         """After the step that laid them down: drop the copies (it succeeded) or, with `restore`
         (it failed, its earlier gradients kept), put them back."""
         for p, value in self._laid if restore else ():
             main = getattr(p, "main_grad", None)
-            if isinstance(main, torch.Tensor):
-                main.copy_(value)
-            elif p.grad is not None:
-                p.grad.copy_(value)
-            else:
+            g = main if isinstance(main, torch.Tensor) else p.grad
+            if g is not None:
+                _local(g).copy_(value)
+            else:  # cleared meanwhile: the kept tensor itself
                 p.grad = value
         self._laid = []
 
