@@ -114,6 +114,41 @@ def check_unfrozen_later(name: str, pp: int, kind: str) -> None:
             q.grad = None
 
 
+def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float, given: str = "none") -> float:
+    """dp replicas of the tied LM of feature_cases (the embedding tied to the head): the norm that
+    `clip_grad_norm_` returns and the clipped gradients against one process's model holding the
+    replicas' averaged gradients (the tied weight once), clipped by torch. `given`: the groups
+    passed to `clip_grad_norm_`: ``"none"`` (the pipeline's), ``"groups"`` (the `ParallelGroups`
+    the pipeline got), ``"mesh"`` (the pipeline got a DeviceMesh, and so does the clip)."""
+    import math
+
+    from zbpp.runtime import clip_grad_norm_
+
+    from . import feature_cases as fc
+
+    groups: Any = ParallelGroups(pp=pp)
+    dp, pp_rank, dp_rank = groups.dp, groups.pp_rank, groups.dp_rank
+    if given == "mesh":
+        groups = groups.mesh
+    sched = make_schedule(name, pp, 2 * pp)
+    pipe, stages = fc.build(sched, pp_rank, kind, groups=groups)
+    refs = [fc.reference(sched.num_stages)[0] for _ in range(dp)]
+    rows = 2 * sched.num_microbatches + 1
+    pipe.step(*fc.batch(0, rows, dp_rank))
+    for d, r in enumerate(refs):
+        fc.run_reference(r, *fc.batch(0, rows, d))
+    avg = fc.avg_params(refs[0])
+    for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
+        q.grad = (q.grad + sum(o.grad for o in others)) / dp
+    norm_type = math.inf if norm_type < 0 else norm_type
+    want = torch.nn.utils.clip_grad_norm_(avg, max_norm, norm_type=norm_type)
+    got = clip_grad_norm_(pipe, max_norm, None if given == "none" else groups, norm_type=norm_type)
+    what = f"{name} pp={pp} dp={dp} {kind} norm_type={norm_type} rank {dist.get_rank()}"
+    check_close(f"{what}: norm", got, want)
+    fc.check_grads(stages, refs[0], what=what)
+    return float(want)
+
+
 class _FailOnce:
     """A loss that raises once, when armed (a failed step on the last stage's rank)."""
 

@@ -3,14 +3,19 @@ the whole batch per replica (grads_cases.py; tolerance there), on 4 gloo ranks (
 
 - a parameter frozen when the Pipeline is built and unfrozen later is averaged over the replicas;
 - a synchronised step, a no_sync step, a synchronised step without zeroing: a tied weight's earlier
-  sum counts once (also after the window's first step failed), ``fully_shard`` copies too.
+  sum counts once (also after the window's first step failed), ``fully_shard`` copies too;
+- ``clip_grad_norm_(pipe, max_norm, groups)`` with the DeviceMesh the Pipeline got: the pipeline's
+  norm, not the replicas' summed; groups it cannot read raise.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from .grads_cases import check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync, check_unfrozen_later
+from zbpp.runtime import clip_grad_norm_
+
+from .grads_cases import check_clip, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync, check_unfrozen_later
 
 
 @pytest.mark.parametrize("kind", ["plain", "zbpp"])
@@ -29,3 +34,16 @@ def test_tied_sum_of_earlier_steps_counts_once_after_no_sync(zbpp_workers, world
 def test_sharded_tied_sum_of_earlier_steps_counts_once_after_no_sync(zbpp_workers, schedule, tie):
     # 1f1b: copies on two ranks; zb-v: also copies FSDP split on one rank (stages 0 and 3)
     assert zbpp_workers(4).run(check_fsdp_sync_no_sync_sync, schedule, *tie) == [[]] * 4
+
+
+@pytest.mark.parametrize("name,kind,norm_type", [("zb-v", "plain", 2.0), ("1f1b", "zbpp", 1.0)])
+def test_clip_with_the_device_mesh_the_pipeline_got(zbpp_workers, name, kind, norm_type):
+    zbpp_workers(4).run(check_clip, name, 2, kind, norm_type, 0.1, "mesh")
+
+
+def test_clip_refuses_groups_it_cannot_read():
+    lin = torch.nn.Linear(2, 1)
+    lin.weight.grad = torch.ones(1, 2)
+    with pytest.raises(TypeError, match=r"groups must be a ParallelGroups.*got object"):
+        clip_grad_norm_(lin, 1.0, object())
+    assert torch.equal(lin.weight.grad, torch.ones(1, 2))  # untouched

@@ -58,10 +58,18 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
 
 def _pp_group(source: Any, groups: Any) -> tuple[Any, int]:
     """The group to sum over, and its size. Without groups: the source's, else the whole world."""
+    given = groups is not None
     if groups is None:
         groups = getattr(source, "topology", None) or getattr(source, "groups", None)  # a Pipeline's, or any
     if groups is not None and hasattr(groups, "pp_group"):
         return groups.pp_group, int(getattr(groups, "pp_size", None) or groups.pp)  # a Topology or ParallelGroups
+    names = tuple(getattr(groups, "mesh_dim_names", None) or ())
+    if "pp" in names and callable(getattr(groups, "get_group", None)):  # a DeviceMesh, as Pipeline takes one
+        return groups.get_group("pp"), int(groups.size(names.index("pp")))
+    if given:  # the whole world would also sum over the replicas: each parameter counted dp times
+        raise TypeError("clip_grad_norm_: groups must be a ParallelGroups, a Pipeline's topology or a DeviceMesh "
+                        f"with a 'pp' dimension, got {type(groups).__name__}"
+                        + (f" with dimensions {names}" if names else ""))
     if dist.is_available() and dist.is_initialized():
         return None, dist.get_world_size()
     return None, 1
@@ -86,8 +94,9 @@ def clip_grad_norm_(
         pipeline_or_params: a `Pipeline` or module (anything with ``parameters()``), a mapping
             ``{stage: module}``, or an iterable of parameters: this rank's share of the model.
         max_norm: the largest allowed norm.
-        groups: a `ParallelGroups`; defaults to the pipeline's own (``Pipeline.topology``), else
-            the whole world is one pipeline (no data parallelism).
+        groups: a `ParallelGroups` or a ``DeviceMesh`` with a ``"pp"`` dimension (what the
+            `Pipeline` got); defaults to the pipeline's own (``Pipeline.topology``), else the whole
+            world is one pipeline (no data parallelism).
         norm_type: p of the p-norm, ``math.inf`` for the max norm.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
 
