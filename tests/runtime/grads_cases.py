@@ -149,6 +149,119 @@ def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float,
     return float(want)
 
 
+def token_batch(step: int, rows: int, replica: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels of the tied LM of feature_cases, with ignored (-100) labels: replica 1's
+    first microbatch has none to count at step 0, and its whole batch none at step 1."""
+    from . import feature_cases as fc
+
+    x, y = fc.batch(step, rows, replica)
+    g = torch.Generator().manual_seed(77 + 10 * replica + step)
+    y = torch.where(torch.rand(rows, generator=g) < 0.3, torch.full_like(y, -100), y)
+    if replica == 1 and step == 0:
+        y[: torch.tensor_split(torch.arange(rows), m)[0].numel()] = -100
+    if replica == 1 and step == 1:
+        y[:] = -100
+    return x, y
+
+
+def check_token_weights(name: str, pp: int, kind: str, no_sync: bool, m: int = 0) -> list[float] | None:
+    """``loss_weight`` = the count of labels that are not -100, dp replicas of the tied LM, a batch
+    not divisible by the microbatches: each step's gradient is the token mean over every replica's
+    tokens (one process on the replicas' concatenated batch), the tied weight included; with
+    `no_sync`, two steps inside ``no_sync()`` then one outside sum those three token means."""
+    from . import feature_cases as fc
+
+    groups = ParallelGroups(pp=pp)
+    dp = groups.dp
+    sched = make_schedule(name, pp, m or 2 * pp)
+    m = sched.num_microbatches
+    n = sched.num_stages
+    mine = sched.stages_on(groups.pp_rank)
+    wte = fc.make_wte() if (0 in mine or n - 1 in mine) else None
+    stages = {s: fc.Stage(s, n, kind, wte if s in (0, n - 1) else None) for s in mine}
+    pipe = Pipeline(stages, sched, fc.loss_fn, groups=groups, tied_parameters={"wte": wte} if wte is not None else None,
+                    loss_weight=lambda y: (y != -100).sum())
+    ref, _ = fc.reference(n)
+    rows = 2 * m + 1
+    losses = []
+    for step in range(3):
+        x, y = token_batch(step, rows, groups.dp_rank, m)
+        if no_sync and step < 2:
+            with pipe.no_sync():
+                loss = pipe.step(x, target=y)
+        else:
+            loss = pipe.step(x, target=y)
+        everyone = [token_batch(step, rows, d, m) for d in range(dp)]
+        fc.run_reference(ref, torch.cat([b[0] for b in everyone]), torch.cat([b[1] for b in everyone]))
+        what = f"{name} pp={pp} dp={dp} {kind} no_sync={no_sync} step {step} rank {dist.get_rank()}"
+        if pipe.holds_last_stage:  # each replica's own token mean (0 without any token)
+            with torch.no_grad():
+                own = fc.run_reference(ref, x, y, backward=False) if (y != -100).any() else torch.zeros((), dtype=torch.float64)
+            check_close(f"{what}: loss", loss, own)
+            losses.append(float(loss))
+        if no_sync and step < 2:
+            continue
+        fc.check_grads(stages, ref, what=what)
+        for q in [*pipe.parameters(), *fc.avg_params(ref)]:
+            q.grad = None
+    return losses or None
+
+
+def check_eval_between(name: str, pp: int, kind: str, no_sync: bool = False, main_grad: bool = False) -> None:
+    """Three training steps without zeroing, two evaluation steps after the first, dp replicas of
+    the tied LM: the evaluations give the reference's outputs and loss and leave nothing behind (a
+    pending W, a gradient), the training steps accumulate the replicas' averaged batch-mean
+    gradients as if the evaluations never ran. `no_sync`: the first two training steps inside
+    ``no_sync()``; `main_grad`: a ``GradReducer(main_grad=True)``, whose synchronised steps start
+    ``main_grad`` from zeros, so only with `no_sync` do all three steps accumulate there."""
+    from . import feature_cases as fc
+
+    assert no_sync or not main_grad, "main_grad accumulates over a no_sync window only"
+
+    groups = ParallelGroups(pp=pp)
+    dp = groups.dp
+    sched = make_schedule(name, pp, 2 * pp)
+    m = sched.num_microbatches
+    if main_grad:
+        from zbpp.runtime.grad_reduce import GradReducer
+
+        mine = sched.stages_on(groups.pp_rank)
+        wte = fc.make_wte() if (0 in mine or sched.num_stages - 1 in mine) else None
+        stages = {s: fc.Stage(s, sched.num_stages, kind, wte if s in (0, sched.num_stages - 1) else None) for s in mine}
+        reducer = GradReducer(stages, groups, main_grad=True, exclude={id(wte)} if wte is not None else set())
+        pipe = Pipeline(stages, sched, fc.loss_fn, groups=groups, reducer=reducer,
+                        tied_parameters={"wte": wte} if wte is not None else None)
+    else:
+        pipe, stages = fc.build(sched, groups.pp_rank, kind, groups=groups)
+    refs = [fc.reference(sched.num_stages)[0] for _ in range(dp)]
+    rows = 2 * m + 1
+    for step in range(4):
+        x, y = fc.batch(step, rows, groups.dp_rank)
+        if step == 1:
+            out = pipe.eval_step(x)
+            loss = pipe.eval_step(x, target=y)
+            with torch.no_grad():
+                h: Any = x
+                for st in refs[groups.dp_rank]:
+                    h = st(h)
+            if pipe.holds_last_stage:
+                check_close("eval output", out, h)
+                check_close("eval loss", loss, fc.loss_fn(h, y))
+            continue
+        with pipe.no_sync() if no_sync and step < 3 else contextlib.nullcontext():
+            pipe.step(x, target=y)
+        for d, r in enumerate(refs):
+            fc.run_reference(r, *fc.batch(step, rows, d))
+    avg = fc.avg_params(refs[0])
+    for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
+        q.grad = (q.grad + sum(o.grad for o in others)) / dp
+    if main_grad:
+        for q in pipe.parameters():
+            if getattr(q, "main_grad", None) is not None:
+                q.grad = q.main_grad
+    fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} eval between")
+
+
 class _FailOnce:
     """A loss that raises once, when armed (a failed step on the last stage's rank)."""
 
@@ -162,7 +275,7 @@ class _FailOnce:
         return self.loss(out, y)
 
 
-def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False) -> None:
+def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False, graphs: bool = False) -> None:
     """Without zeroing between steps: a synchronised step, a step inside ``no_sync()``, a
     synchronised step. The gradients are the sum of the three steps' (replica-averaged) gradients,
     the tied weight's too: the first step's sum, already in every copy, must not be counted again
@@ -174,7 +287,17 @@ def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False) -
     groups = ParallelGroups(pp=pp)
     dp = world // pp
     sched = make_schedule(name, pp, 2 * pp)
-    pipe, stages = fc.build(sched, groups.pp_rank, kind, groups=groups)
+    if graphs:  # task graphs' fixed .grad buffers (their CPU stand-in), from the second step on
+        from zbpp.runtime.task_graphs import StandInGraphs
+
+        mine = sched.stages_on(groups.pp_rank)
+        n = sched.num_stages
+        wte = fc.make_wte() if (0 in mine or n - 1 in mine) else None
+        stages = {s: fc.Stage(s, n, kind, wte if s in (0, n - 1) else None) for s in mine}
+        pipe = Pipeline(stages, sched, fc.loss_fn, tied_parameters={"wte": wte} if wte is not None else None,
+                        groups=groups, cuda_graphs=StandInGraphs)
+    else:
+        pipe, stages = fc.build(sched, groups.pp_rank, kind, groups=groups)
     failing = pipe.loss_fn = _FailOnce(pipe.loss_fn)
     refs = [fc.reference(sched.num_stages)[0] for _ in range(dp)]
     rows = 2 * sched.num_microbatches + 1
@@ -216,3 +339,49 @@ def check_fsdp_sync_no_sync_sync(schedule: str, *tie: int) -> list[str]:
             pipe.step(fs.my_rows(dp_rank, 2, x), target=fs.my_rows(dp_rank, 2, y))
     got = {n: fs.full(p.grad) for n, p in named.items() if p.grad is not None}
     return fs.compare(f"{schedule} tie={tie}", got, ref_grads[0])
+
+
+class SometimesBlock(Block):
+    """`Block` whose ``extra`` branch runs only on rows marked by a first column above 50 (replica
+    1's data): on replica 0 it gets no gradient at all."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + torch.tanh(self.lin(x))
+        if bool(x[:, 0].max() > 50):
+            out = out + 0.5 * torch.tanh(self.extra(x)) * 1e-2
+        return out
+
+
+def check_unused_on_one_replica(name: str, pp: int, kind: str, no_sync: bool) -> None:
+    """A branch that only replica 1's data takes: its parameters' gradients are replica 1's over
+    the replicas (the mean with replica 0's nothing), None nowhere; with `no_sync` two steps inside
+    then one outside."""
+    groups = ParallelGroups(pp=pp)
+    dp = groups.dp
+    sched = make_schedule(name, pp, 2 * pp)
+    n = sched.num_stages
+    stages = {s: SometimesBlock(s, kind) for s in sched.stages_on(groups.pp_rank)}
+    refs = [[SometimesBlock(s) for s in range(n)] for _ in range(dp)]
+    pipe = Pipeline(stages, sched, mse, groups=groups)
+    rows = 2 * sched.num_microbatches + 1
+
+    def batch(step: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data(step, rows, d)
+        x[:, 0] += 100.0 * d  # replica 1: every microbatch takes the branch, at every stage
+        return x, y
+
+    for step in range(3):
+        with pipe.no_sync() if no_sync and step < 2 else contextlib.nullcontext():
+            pipe.step(*batch(step, groups.dp_rank))
+        for d, r in enumerate(refs):
+            h, y = batch(step, d)
+            for b in r:
+                h = b(h)
+            mse(h, y).backward()
+        if no_sync and step < 2:
+            continue
+        want = averaged_reference(refs, stages)
+        for key, p in _named(stages).items():
+            check_close(f"{name} {kind} step {step} rank {dist.get_rank()} {key}", p.grad, want[key])
+        for q in [*pipe.parameters(), *(q for r in refs for b in r for q in b.parameters())]:
+            q.grad = None

@@ -5,7 +5,12 @@ the whole batch per replica (grads_cases.py; tolerance there), on 4 gloo ranks (
 - a synchronised step, a no_sync step, a synchronised step without zeroing: a tied weight's earlier
   sum counts once (also after the window's first step failed), ``fully_shard`` copies too;
 - ``clip_grad_norm_(pipe, max_norm, groups)`` with the DeviceMesh the Pipeline got: the pipeline's
-  norm, not the replicas' summed; groups it cannot read raise.
+  norm, not the replicas' summed; groups it cannot read raise;
+
+and combinations that no other test file runs, all on dp=2 x pp=2 with V and interleaved
+placements: clipping with every norm type and a tie, token-weighted losses with ties, no_sync,
+uneven microbatches, a microbatch and a replica without tokens; evaluation steps between training
+steps (no_sync and main_grad too); a branch that only one replica's data takes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import torch
 
 from zbpp.runtime import clip_grad_norm_
 
-from .grads_cases import check_clip, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync, check_unfrozen_later
+from .grads_cases import (check_clip, check_eval_between, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync,
+                          check_token_weights, check_unfrozen_later, check_unused_on_one_replica)
 
 
 @pytest.mark.parametrize("kind", ["plain", "zbpp"])
@@ -24,10 +30,12 @@ def test_parameter_unfrozen_after_build_is_averaged(zbpp_workers, name, kind):
     zbpp_workers(4).run(check_unfrozen_later, name, 2, kind)
 
 
-@pytest.mark.parametrize("world,pp,kind,fail", [(2, 2, "plain", False), (4, 2, "zbpp", True), (4, 4, "plain", False)])
-def test_tied_sum_of_earlier_steps_counts_once_after_no_sync(zbpp_workers, world, pp, kind, fail):
-    # 1f1b: the embedding and the head on different ranks (two copies of the tie)
-    zbpp_workers(world).run(check_sync_no_sync_sync, "1f1b", pp, kind, fail)
+@pytest.mark.parametrize("world,pp,kind,fail,graphs", [(2, 2, "plain", False, False), (4, 2, "zbpp", True, False),
+                                                       (4, 4, "plain", False, False), (4, 2, "plain", True, True)])
+def test_tied_sum_of_earlier_steps_counts_once_after_no_sync(zbpp_workers, world, pp, kind, fail, graphs):
+    # 1f1b: the embedding and the head on different ranks (two copies of the tie); graphs: task
+    # graphs' fixed .grad buffers (their CPU stand-in)
+    zbpp_workers(world).run(check_sync_no_sync_sync, "1f1b", pp, kind, fail, graphs)
 
 
 @pytest.mark.parametrize("schedule,tie", [("1f1b", (3,)), ("zb-v", (2, 3))])
@@ -47,3 +55,27 @@ def test_clip_refuses_groups_it_cannot_read():
     with pytest.raises(TypeError, match=r"groups must be a ParallelGroups.*got object"):
         clip_grad_norm_(lin, 1.0, object())
     assert torch.equal(lin.weight.grad, torch.ones(1, 2))  # untouched
+
+
+@pytest.mark.parametrize("name,kind,norm_type,given", [("zb-v", "plain", 2.0, "none"), ("zb-interleaved", "zbpp", 1.0, "groups"),
+                                                       ("dualpipe-v", "plain", -1, "none"), ("interleaved-1f1b", "zbpp", 3.0, "none")])
+def test_clip_norm_types_with_replicas_and_a_tie(zbpp_workers, name, kind, norm_type, given):
+    # norm_type -1: math.inf
+    zbpp_workers(4).run(check_clip, name, 2, kind, norm_type, 0.1, given)
+
+
+@pytest.mark.parametrize("name,kind,no_sync,m", [("zb-v", "zbpp", True, 3), ("interleaved-1f1b", "plain", False, 5),
+                                                 ("zb-interleaved", "zbpp", True, 4)])
+def test_token_weights_with_replicas_a_tie_and_no_sync(zbpp_workers, name, kind, no_sync, m):
+    zbpp_workers(4).run(check_token_weights, name, 2, kind, no_sync, m)
+
+
+@pytest.mark.parametrize("name,kind,no_sync,main_grad", [("zb-v", "zbpp", True, False), ("zb-interleaved", "plain", False, False),
+                                                         ("1f1b", "plain", True, True)])
+def test_evaluation_steps_between_training_steps(zbpp_workers, name, kind, no_sync, main_grad):
+    zbpp_workers(4).run(check_eval_between, name, 2, kind, no_sync, main_grad)
+
+
+@pytest.mark.parametrize("name,kind,no_sync", [("zb-v", "plain", False), ("zb-v", "zbpp", True), ("interleaved-1f1b", "zbpp", False)])
+def test_branch_taken_by_one_replica_only(zbpp_workers, name, kind, no_sync):
+    zbpp_workers(4).run(check_unused_on_one_replica, name, 2, kind, no_sync)
