@@ -64,6 +64,7 @@ class _Step:
     failure: StepFailure
     walks: Walks  #: this rank's stages' modules and parameters, as the step found them
     params: list[nn.Parameter]  #: this rank's parameters, each once (training steps; [] for forward-only)
+    rng_step: int  #: the step's index in the derivation of its seeds (`Pipeline.rng_step` before it)
     #: the fixed ``.grad`` buffers of `params` that the step attaches after its first F tasks (task
     #: graphs after ``zero_grad()``: `GradBuffers.cleared`), or None: attached before any task
     cleared: list[torch.Tensor] | None = None
@@ -123,7 +124,8 @@ class Pipeline:
             rank 0's ``torch.initial_seed()``; an int: that seed (global rank 0's, where ranks pass
             different ones); False: the global generators as they run. One base seed for the whole
             job: replicas differ only through ``dp_rank``. ``rng_step`` counts the steps (training
-            and evaluation) in the derivation.
+            and evaluation) in the derivation; a step that raised `PipelineError` does not count
+            (every rank alike): retrying its batch draws what the uninterrupted run's step drew.
         split_wgrad: under schedules with W tasks, B computes only the gradient the previous stage
             needs and W every weight gradient, for any module (how, what W keeps, compiled regions:
             `zbpp.runtime._autograd_split`). False: plain modules get their weight gradients in B.
@@ -181,8 +183,8 @@ class Pipeline:
         #: the F tasks run under seeded generators (`zbpp.runtime.rng`); False: the global ones as they run
         self.seeded = seed is not False
         seed_here = (torch.initial_seed() if seed is None or seed is True else int(seed)) & ((1 << 63) - 1)
-        #: the index of the next step (training or evaluation) in the derivation of its seeds; save it
-        #: with a checkpoint and set it back to resume the same random streams
+        #: the index of the next step (training or evaluation) in the derivation of its seeds (a failed
+        #: step gives its index back); save it with a checkpoint and set it back to resume the same streams
         self.rng_step = 0
         self.schedule = schedule
         self.loss_fn = loss_fn
@@ -507,7 +509,7 @@ class Pipeline:
             failure.fail(held, None)
         comm = CommQueue(program, self._channels, specs, new_signature, self._in_flight, failure)
         return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure, walks,
-                     [] if forward_only else unique_parameters(walks))  # only training steps use them
+                     [] if forward_only else unique_parameters(walks), rng_step)  # only training steps use params
 
     def _compute_stream(self, step: _Step) -> Any:  # with CUDA graphs a side stream (`GraphCache.stream`)
         return self._graph_cache.stream(self._in_flight) if self._graph_cache else contextlib.nullcontext()
@@ -578,6 +580,10 @@ class Pipeline:
 
         def tied() -> None:
             self._tied.take_up_reduced(restore=self.keep_grads_on_failure)
+
+        # every rank rolls back alike (the end agreement decided): the retry of the batch draws the
+        # uninterrupted run's dropout masks, and no stage runs a microbatch under another's seeds
+        self.rng_step = step.rng_step
 
         for undo in [*(w.discard for w in self._wgrad.values()), self._reductions.rollback, tied, forget]:
             while True:  # each part again until it ends: a half-undone step would spoil the next ones

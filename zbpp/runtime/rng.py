@@ -37,7 +37,8 @@ def _mix(x: int) -> int:
 
 def microbatch_seed(base: int, step: int, stage: int, microbatch: int, replica: int = 0) -> int:
     """The seed of stage `stage`'s forward on `microbatch` in the `step`-th step (counted from 0 by
-    each `Pipeline`: training and evaluation steps) of data-parallel `replica`, from the base seed."""
+    each `Pipeline`: training and evaluation steps, not those that raised `PipelineError`) of
+    data-parallel `replica`, from the base seed."""
     h = _mix(int(base) & _MASK)
     for v in (step, replica, stage, microbatch):
         h = _mix(h ^ (int(v) & _MASK))
