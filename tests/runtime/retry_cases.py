@@ -23,7 +23,7 @@ from zbpp import Pipeline
 from zbpp.runtime import PipelineError
 
 from .cases import make_schedule
-from .inputs_cases import TOL, V, Stage, check_grads, loss_fn, padded_batch, seeded_reference
+from .inputs_cases import TOL, V, Stage, check_grads, loss_fn, padded_batch, run_stages, seeded_reference
 
 BASE = 2468
 
@@ -96,4 +96,45 @@ def retry_with_dropout(name: str, p: int, fail_rank: int, evaluate: bool) -> dic
             torch.testing.assert_close(loss, want, msg=lambda s: f"rank {rank} step after eval: {s}", **TOL)
         check_grads(mine, ref, TOL, f"rank {rank} step after a retried eval_step")
     outcome["rng_steps"].append(_all_equal(pipe.rng_step))
+    return outcome
+
+
+def weight_fails_on_last_rank(name: str, p: int) -> dict[str, Any]:
+    """``loss_weight`` returns, once, a one-element tensor that cannot be brought to the device (a
+    meta tensor: it passes the type check, its copy raises). The rank holding the last stage raised
+    it after the start agreement, out of the step, while its peers ran the step and waited for its
+    messages until the pipeline's timeout (20 s here). Every rank must raise within seconds, count
+    the random stream alike, and the retry must be the uninterrupted run's step (tokens weigh)."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, 2 * p)
+    m, S = sched.num_microbatches, sched.num_stages
+    mine = {s: Stage(s, S) for s in sched.stages_on(rank)}
+    armed = {"on": False}
+
+    def tokens(y: torch.Tensor) -> torch.Tensor:
+        n = (y != -100).sum()
+        return torch.empty((), device="meta") if armed["on"] else n
+
+    pipe = Pipeline(mine, sched, loss_fn, seed=BASE, loss_weight=tokens, timeout=20.0)
+    ref = [Stage(s, S) for s in range(S)]
+    inputs, y = _batch(m, 5)
+    outcome: dict[str, Any] = {"rank": rank}
+    armed["on"] = pipe.holds_last_stage
+    t0 = time.monotonic()
+    try:
+        pipe.step(inputs, target=y)
+        outcome["result"] = "success"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    finally:
+        armed["on"] = False
+    outcome["seconds"] = time.monotonic() - t0
+    outcome["rng_steps"] = _all_equal(pipe.rng_step)
+    loss = pipe.step(inputs, target=y)
+    # the reference: the token mean over the whole batch (one process, no dropout)
+    want = loss_fn(run_stages(ref, inputs), y)
+    want.backward()
+    if pipe.holds_last_stage:
+        torch.testing.assert_close(loss, want.detach(), msg=lambda s: f"rank {rank} retried loss: {s}", **TOL)
+    check_grads(mine, ref, TOL, f"rank {rank} retry after a bad loss_weight")
     return outcome

@@ -52,8 +52,10 @@ def row_factors(rows: int, m: int) -> list[float]:
     return [(rows // m + (1 if j < rows % m else 0)) / rows for j in range(m)]
 
 
-def checked_weights(loss_weight: Callable[[Any], Any], targets: list[Any]) -> list[Any]:
-    """``loss_weight`` of each microbatch's target, checked: a number or a one-element tensor."""
+def checked_weights(loss_weight: Callable[[Any], Any], targets: list[Any], device: torch.device) -> torch.Tensor:
+    """``loss_weight`` of each microbatch's target, checked (a number or a one-element tensor) and
+    stacked on `device`: called before the start agreement, so that a value that cannot be brought
+    there raises on every rank rather than on this one alone after its peers went into the step."""
     out = []
     for j, t in enumerate(targets):
         w = loss_weight(t)
@@ -62,18 +64,20 @@ def checked_weights(loss_weight: Callable[[Any], Any], targets: list[Any]) -> li
             got = f"a tensor of shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
             raise TypeError(f"loss_weight must return a number or a one-element tensor, got {got} for microbatch {j}")
         out.append(w)
-    return out
-
-
-def weight_factors(raw: list[Any], device: torch.device, dp_size: int = 1,
-                   dp_group: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """The factors w_j / W of the microbatches' losses (0 where w_j is 0), as device tensors (no
-    host synchronisation), and None; with ``dp_size > 1`` W is the total over every replica (an
-    all-reduce over `dp_group`) and the factors are scaled by `dp_size`, which the gradient
-    averaging divides out; then also this replica's own factors, for the returned loss."""
     dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
-    ws = torch.stack([w.detach().reshape(()).to(device, dtype) if isinstance(w, torch.Tensor)
-                      else torch.full((), float(w), dtype=dtype, device=device) for w in raw])
+    try:
+        return torch.stack([w.detach().reshape(()).to(device, dtype) if isinstance(w, torch.Tensor)
+                            else torch.full((), float(w), dtype=dtype, device=device) for w in out])
+    except Exception as exc:  # noqa: BLE001 - the user's value, named
+        raise ValueError(f"loss_weight returned weights that cannot be put on {device} as {dtype}: {exc}") from exc
+
+
+def weight_factors(ws: torch.Tensor, dp_size: int = 1,
+                   dp_group: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The factors w_j / W of the microbatches' losses (0 where w_j is 0) from `checked_weights`'
+    device tensor (no host synchronisation), and None; with ``dp_size > 1`` W is the total over
+    every replica (an all-reduce over `dp_group`) and the factors are scaled by `dp_size`, which
+    the gradient averaging divides out; then also this replica's own factors, for the returned loss."""
     nonzero = ws != 0
 
     def factors(total: torch.Tensor, scale: float = 1.0) -> list[torch.Tensor]:

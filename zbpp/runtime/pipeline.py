@@ -490,7 +490,7 @@ class Pipeline:
         weights, loss_weights = row_factors(agreed.rows, m), None
         if b.raw_weights is not None:
             dp = 1 if forward_only else self.topology.dp_size
-            weights, loss_weights = weight_factors(b.raw_weights, self.device, dp, self.topology.dp_group)
+            weights, loss_weights = weight_factors(b.raw_weights, dp, self.topology.dp_group)
         data = StepInputs(b.inputs, b.targets, weights, loss_weights,
                           self._rng_of(self._base_seed, rng_step) if self.seeded else None)
         new_signature = agreed.signature not in self._specs

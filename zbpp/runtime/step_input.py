@@ -36,7 +36,7 @@ class LocalBatch:
 
     inputs: list[Any] | None = None  #: the microbatches of the input (rank holding stage 0)
     targets: list[Any] | None = None  #: the microbatches of the target (rank holding the last stage; Nones without)
-    raw_weights: list[Any] | None = None  #: ``loss_weight`` of each microbatch's target
+    raw_weights: torch.Tensor | None = None  #: ``loss_weight`` of each microbatch's target, on the device
     input_hash: int = 0  #: the input's structure, shapes and microbatch count
     input_rows: int = -1
     target_rows: int = -1
@@ -60,7 +60,7 @@ def local_batch(inputs: Any, target: Any, *, microbatches: int, device: torch.de
     elif last:
         tgts = [None] * m
     if last and loss_weight is not None and (target is not None or not forward_only):
-        raw = checked_weights(loss_weight, tgts)
+        raw = checked_weights(loss_weight, tgts, device)
     return LocalBatch(mbs, tgts, raw, in_hash, n_in, n_tgt, tgt_hash)
 
 
