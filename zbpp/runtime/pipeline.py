@@ -144,6 +144,14 @@ class Pipeline:
     tuple/list, ``module(**x)`` for a dict, else ``module(x)``; its outputs may be tensors, tuples,
     lists or dicts of them, with non-tensor values passed along.
 
+    A step that raised `PipelineError` is rolled back on every rank alike: its gradients
+    (``keep_grads_on_failure``) and its index in the random stream (``rng_step``), so that retrying
+    its batch repeats the uninterrupted run's step. What its tasks changed in the modules is not
+    undone (copying it aside would cost every step): buffers such as BatchNorm's running statistics
+    keep the updates of the forwards it ran, and the FP8 delayed-scaling state of zbpp layers (amax
+    histories, scales) the amaxes of its casts. Where those must be exact, resume from a checkpoint
+    (`zbpp.runtime.checkpoint` restores both) or save and restore the buffers around the step.
+
     Example (one process; with torchrun every rank does the same with its own stages)::
 
         >>> import torch
