@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fp8", action="store_true", help="with --fast: FP8 GEMMs (Hopper or later)")
     ap.add_argument("--attn", choices=["sdpa", "eager"], default=None,
                     help="HF attention implementation (default: HF's choice for the model, sdpa where it has it)")
+    ap.add_argument("--experts", choices=["eager", "grouped_mm"], default=None,
+                    help="a mixture of experts' expert layers (default: eager with --dtype float64, which HF's "
+                         "grouped matmul does not take; else HF's choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (the ranks are dp x pipeline ranks)")
     ap.add_argument("--fsdp", action="store_true", help="with --dp: shard each stage over the replicas (FSDP2)")
@@ -146,6 +149,8 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--data-bytes must be >= 1, got {args.data_bytes}")
     if args.data == "stdlib" and args.data_bytes is None:
         args.data_bytes = STDLIB_BYTES
+    if args.experts == "grouped_mm" and args.dtype == "float64":  # else the first step fails deep in HF's experts
+        ap.error("--experts grouped_mm takes 16- and 32-bit floats, not --dtype float64: use --experts eager")
     if args.fp8 and not args.fast:
         ap.error("--fp8 applies to the fast form: add --fast")
     if args.fsdp and args.dp < 2:
@@ -295,8 +300,9 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
 
     # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    experts = args.experts or ("eager" if dtype == torch.float64 else None)  # grouped_mm: no float64 kernel
     stages, kwargs = causal_lm_stages(source, sched, rank, device=device, dtype=dtype, attn_implementation=args.attn,
-                                      seed=args.seed, fast=args.fast, fp8=args.fp8)
+                                      experts_implementation=experts, seed=args.seed, fast=args.fast, fp8=args.fp8)
     tied = sorted(kwargs["tied_parameters"])
     if args.fsdp:  # each stage one FSDP root over the replicas; the tied Parameters named in kwargs find their shards
         from torch.distributed.fsdp import fully_shard
