@@ -304,6 +304,9 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     stages, kwargs = causal_lm_stages(source, sched, rank, device=device, dtype=dtype, attn_implementation=args.attn,
                                       experts_implementation=experts, seed=args.seed, fast=args.fast, fp8=args.fp8)
     tied = sorted(kwargs["tied_parameters"])
+    # the fast form's task graphs are CUDA graphs: elsewhere it is compiled layers alone, and says so
+    fast = "" if not args.fast else f", fast{' fp8' if args.fp8 else ''}" + \
+        ("" if "cuda_graphs" in kwargs else f" (no task graphs on {device.type})")
     if args.fsdp:  # each stage one FSDP root over the replicas; the tied Parameters named in kwargs find their shards
         from torch.distributed.fsdp import fully_shard
 
@@ -328,7 +331,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     say(f"train_hf: {model} ({layers} layers, hidden {config.hidden_size}), {args.schedule} on {layout} "
         f"({backend}), {sched.num_stages} stages; {args.microbatches} microbatches x {args.rows_per_microbatch} rows x "
         f"{args.seq_len} tokens{' per replica' if args.dp > 1 else ''}, data {args.data}{' ragged' if args.ragged else ''}, {dtype}"
-        f"{', fast' if args.fast else ''}{' fp8' if args.fp8 else ''}")
+        f"{fast}")
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for step in range(first_step, args.steps):
