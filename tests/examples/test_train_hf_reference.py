@@ -72,25 +72,12 @@ def _compare(results: list[dict[str, Any]], want: list[dict[str, float]]) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, ranks, layout", [
-    ("llama", 1, ["--schedule", "1f1b"]),
+    # three of the layouts this matched when written (also 1 rank, GPT-2's tie across ranks, dp x pp with
+    # FSDP, --fast on CPU): few, for CI's time; test_train_hf.py checks the others' first steps
     ("llama", 2, ["--schedule", "zb-v", "--ragged"]),
-    ("gpt2", 2, ["--schedule", "zb-h1", "--ragged"]),  # the tied embedding across the ranks
-    ("gpt2", 4, ["--schedule", "zb-v", "--dp", "2", "--fsdp", "--ragged", "--rows-per-microbatch", "1"]),
     ("mixtral", 2, ["--schedule", "zb-h1", "--ragged"]),  # float64 experts: the eager loop
     ("qwen2_moe", 4, ["--schedule", "zb-v", "--dp", "2", "--rows-per-microbatch", "1"]),
 ])
 def test_every_step_is_hf_on_the_whole_batch(zbpp_workers, model: str, ranks: int, layout: list[str]) -> None:
     argv = ["--model", model, *TINY, *layout]
     _compare(zbpp_workers(ranks).run(train_example, "train_hf", argv), reference(argv))
-
-
-@pytest.mark.slow
-def test_the_fast_form_on_cpu_says_what_it_leaves_out_and_trains_as_hf(zbpp_workers) -> None:
-    """--fast without CUDA: compiled layers and delayed weight gradients, but no task graphs (they
-    are CUDA graphs); the first line says so, and every step is still HF's on the whole batch
-    (GPT-2: no float32 casts inside its layers, which compiled code skips, so RTOL holds)."""
-    argv = ["--model", "gpt2", *TINY, "--schedule", "zb-v", "--ragged", "--fast"]
-    results = zbpp_workers(2).run(train_example, "train_hf", argv)
-    first = next(r for r in results if r["history"])["stdout"].splitlines()[0]
-    assert first.endswith(", fast (no task graphs on cpu)"), first
-    _compare(results, reference(argv))
