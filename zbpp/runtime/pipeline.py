@@ -253,7 +253,6 @@ class Pipeline:
             keep_grads_on_failure=self.keep_grads_on_failure,
             fixed_grads=self._graph_cache.grad_buffers if self._graph_cache is not None else None)
         self._sync_gradients = True  # False inside no_sync()
-        self._in_window = False  # the last training step that succeeded was inside no_sync()
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -311,8 +310,6 @@ class Pipeline:
         step = self._agree_start(inputs, target, forward_only=False, problem=bad)  # agree on the input
 
         def set_aside() -> None:
-            if not self._sync_gradients and not self._in_window:  # a no_sync window begins
-                self._tied.lay_down_reduced()
             if self._graph_cache is not None:  # after zero_grad(): .grad attached after the first F tasks
                 step.cleared = self._graph_cache.grad_buffers.cleared(step.params)
             self._reductions.set_aside(step.params, reducing=self._sync_gradients, later=step.cleared is not None)
@@ -335,8 +332,6 @@ class Pipeline:
         if self._graph_cache is not None:
             self._graph_cache.captured(step.runner)
         self._reductions.commit()
-        self._tied.take_up_reduced(restore=False)
-        self._in_window = not self._sync_gradients
         if losses is not None and self.holds_last_stage:
             losses.extend(step.results.losses)
         if step.after is not None:
@@ -575,8 +570,8 @@ class Pipeline:
         return error
 
     def _roll_back(self, step: _Step) -> None:
-        """A failed step: its wgrads pending, its reductions and gradients (`Reductions.rollback`,
-        the sums tied copies laid down: `TiedParameters.take_up_reduced`), the shapes of a signature it was learning, a capture it cut short. A KeyboardInterrupt or
+        """A failed step: its wgrads pending, its reductions and gradients (`Reductions.rollback`),
+        the shapes of a signature it was learning, a capture it cut short. A KeyboardInterrupt or
         SystemExit in a part (discarding wgrads may compute them, which takes time) neither cuts it
         short (the part runs again) nor leaves the end agreement, whose message exchange the other
         ranks are in: it is kept in `_Step.after` for `_agree_end`."""
@@ -586,14 +581,11 @@ class Pipeline:
             if self._graph_cache is not None:
                 self._graph_cache.forget(step.signature, step.runner)
 
-        def tied() -> None:
-            self._tied.take_up_reduced(restore=self.keep_grads_on_failure)
-
         # every rank rolls back alike (the end agreement decided): the retry of the batch draws the
         # uninterrupted run's dropout masks, and no stage runs a microbatch under another's seeds
         self.rng_step = step.rng_step
 
-        for undo in [*(w.discard for w in self._wgrad.values()), self._reductions.rollback, tied, forget]:
+        for undo in [*(w.discard for w in self._wgrad.values()), self._reductions.rollback, forget]:
             while True:  # each part again until it ends: a half-undone step would spoil the next ones
                 try:
                     undo()

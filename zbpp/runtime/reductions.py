@@ -102,6 +102,10 @@ class Reductions:
         task that may touch one (the fixed buffers' `GradBuffers.cleared` case)."""
         self._mode = "sync" if reducing else "no_sync"
         self._aside = None
+        if self._mode == "no_sync" and not self._unreduced and self.tied is not None:
+            # a no_sync window begins: each tied copy holds the earlier steps' sum, which the next
+            # synchronised step's sum over the copies would count once per copy (before the aside keeps it)
+            self.tied.lay_down_reduced()
         if later:
             return
         zeroed: set[int] = set()
@@ -178,6 +182,8 @@ class Reductions:
         """Every rank succeeded: the step's gradients join the kept ones."""
         if self._aside is not None:
             self._aside.take_back()
+        if self.tied is not None:
+            self.tied.take_up_reduced(restore=False)
         self._unreduced = self._mode == "no_sync"
         self._aside = None
 
@@ -191,6 +197,8 @@ class Reductions:
                 pass
         if self._aside is not None:
             self._aside.discard_step()
+        if self.tied is not None:  # after the aside's: the sums laid down come back over it
+            self.tied.take_up_reduced(restore=self._keep)
         self._aside = None
 
     def _undos(self) -> list[Callable[[], None]]:
