@@ -105,6 +105,24 @@ class Faulty(torch.nn.Module):
         return rebuild(spec, leaves)
 
 
+def timed_outcome(rank: int, call: Callable[[], Any], catch: tuple[type[BaseException], ...],
+                  disarm: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """How `call()` (a step) ended on this rank, timed: ``{"rank", "result": "success" or the type
+    name of what it raised among `catch`, "message", "seconds"}``; `disarm()` after it, whatever
+    happened (an injected failure must not outlive its step in the pool's process)."""
+    outcome: dict[str, Any] = {"rank": rank}
+    t0 = time.monotonic()
+    try:
+        call()
+        outcome["result"] = "success"
+    except catch as exc:
+        outcome.update(result=type(exc).__name__, message=str(exc))
+    finally:
+        disarm()
+    outcome["seconds"] = time.monotonic() - t0
+    return outcome
+
+
 def _grads(stages: dict[int, torch.nn.Module]) -> dict[str, torch.Tensor | None]:
     return {f"{s}.{n}": (None if p.grad is None else p.grad.detach().clone())
             for s, st in stages.items() for n, p in st.named_parameters()}
@@ -241,16 +259,8 @@ def interrupted_once(name: str, p: int, m: int, fail_rank: int, which: str) -> d
     x, y = make_batch(0, 2 * m)
     pipe.step(x, target=y)
     armed["on"] = rank == fail_rank
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except (PipelineError, KeyboardInterrupt, SystemExit) as exc:
-        outcome.update(result=type(exc).__name__, message=str(exc))
-    finally:
-        armed["on"] = False
-    outcome["seconds"] = time.monotonic() - t0
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt, SystemExit),
+                            disarm=lambda: armed.update(on=False))
     for st in mine.values():
         st.zero_grad(set_to_none=True)
     pipe.step(x, target=y)  # the pipeline is usable
@@ -305,16 +315,8 @@ def prepare_fails_once(name: str, p: int, m: int, fail_rank: int, what: str) -> 
         def failing(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError(f"injected {what} failure")
         setattr(pipe._reductions, what, failing)
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except Exception as exc:  # noqa: BLE001 - the test asks for a PipelineError
-        outcome.update(result=type(exc).__name__, message=str(exc))
-    finally:
-        setattr(pipe._reductions, what, real)
-    outcome["seconds"] = time.monotonic() - t0
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (Exception,),  # the test asks for a PipelineError
+                            disarm=lambda: setattr(pipe._reductions, what, real))
     pipe.step(x, target=y)  # the pipeline is usable, the first step's gradients kept
     reference_step(ref, x, y)
     for s, st in mine.items():
@@ -415,16 +417,8 @@ def interrupted_outside_task(name: str, p: int, m: int, fail_rank: int, where: s
     exc = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit,
            "RuntimeError": RuntimeError}[which](f"injected {where} {which}")
     disarm = _arm_outside_task(pipe, where, exc) if rank == fail_rank else (lambda: None)
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except BaseException as exc_:  # noqa: BLE001 - the test says which each rank must raise
-        outcome.update(result=type(exc_).__name__, message=str(exc_))
-    finally:
-        disarm()
-    outcome["seconds"] = time.monotonic() - t0
+    # the test says which each rank must raise
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (BaseException,), disarm=disarm)
     t1 = time.monotonic()
     try:
         pipe.step(x, target=y)
@@ -522,16 +516,8 @@ def reducer_wait_interrupted(name: str, p: int, m: int, fail_rank: int) -> dict[
             grad_reduce.wait_for = real
             raise KeyboardInterrupt("injected reducer wait interrupt")
         grad_reduce.wait_for = interrupted
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except (PipelineError, KeyboardInterrupt) as exc:
-        outcome.update(result=type(exc).__name__, message=str(exc))
-    finally:
-        grad_reduce.wait_for = real
-    outcome["seconds"] = time.monotonic() - t0
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt),
+                            disarm=lambda: setattr(grad_reduce, "wait_for", real))
     for q in pipe.parameters():
         q.grad = None
     pipe.step(x, target=y)
@@ -566,16 +552,8 @@ def loss_weight_interrupted(name: str, p: int, m: int, which: str) -> dict[str, 
     pipe.step(x, target=y)
     reference_step(ref, x, y)
     armed["on"] = pipe.holds_last_stage
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except (PipelineError, KeyboardInterrupt, SystemExit) as exc:
-        outcome.update(result=type(exc).__name__, message=str(exc))
-    finally:
-        armed["on"] = False
-    outcome["seconds"] = time.monotonic() - t0
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt, SystemExit),
+                            disarm=lambda: armed.update(on=False))
     pipe.step(x, target=y)
     reference_step(ref, x, y)
     for s, st in mine.items():
@@ -646,17 +624,8 @@ def rollback_interrupted(name: str, p: int, m: int, fail_rank: int) -> dict[str,
             del layer.discard_wgrad  # once: the class's again
             raise KeyboardInterrupt("injected rollback interrupt")
         layer.discard_wgrad = interrupted
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except (PipelineError, KeyboardInterrupt) as exc:
-        outcome.update(result=type(exc).__name__, message=str(exc))
-    finally:
-        armed["on"] = False
-        layer.__dict__.pop("discard_wgrad", None)
-    outcome["seconds"] = time.monotonic() - t0
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt),
+                            disarm=lambda: (armed.update(on=False), layer.__dict__.pop("discard_wgrad", None)))
     outcome["pending"] = [k for st in mine.values() for mod in st.modules() if hasattr(mod, "pending_wgrad_keys")
                           for k in mod.pending_wgrad_keys()]
     pipe.step(x, target=y)
