@@ -123,6 +123,35 @@ def timed_outcome(rank: int, call: Callable[[], Any], catch: tuple[type[BaseExce
     return outcome
 
 
+def after_a_good_step(name: str, p: int, m: int) -> tuple[Pipeline, dict[int, torch.nn.Module],
+                                                              list[torch.nn.Module], Any, Any]:
+    """This rank's pipeline of the test models ("zbpp" kind) under schedule `name`, after one good
+    step on (x, y), and the one-process reference `ref` after the same: ``(pipe, mine, ref, x, y)``."""
+    sched = make_schedule(name, p, m)
+    S = sched.num_stages
+    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(dist.get_rank())}
+    ref = [make_stage(s, S, "plain") for s in range(S)]
+    pipe = Pipeline(mine, sched, loss_fn)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    return pipe, mine, ref, x, y
+
+
+def next_step_matches_reference(pipe: Pipeline, mine: dict[int, torch.nn.Module], ref: list[torch.nn.Module],
+                                x: Any, y: Any) -> None:
+    """One more step on (x, y), and the same on the one-process reference `ref`: every gradient of
+    this rank's stages `mine` must be the reference's (the pipeline is usable and kept nothing of a
+    failed step)."""
+    rank = dist.get_rank()
+    pipe.step(x, target=y)
+    reference_step(ref, x, y)
+    for s, st in mine.items():
+        for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
+                                       **tolerance(torch.device("cpu")))
+
+
 def _grads(stages: dict[int, torch.nn.Module]) -> dict[str, torch.Tensor | None]:
     return {f"{s}.{n}": (None if p.grad is None else p.grad.detach().clone())
             for s, st in stages.items() for n, p in st.named_parameters()}
@@ -302,14 +331,7 @@ def prepare_fails_once(name: str, p: int, m: int, fail_rank: int, what: str) -> 
     rank raises a PipelineError naming it, fast; the gradients of the good step stay; the next step
     is right."""
     rank = dist.get_rank()
-    sched = make_schedule(name, p, m)
-    S = sched.num_stages
-    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(rank)}
-    ref = [make_stage(s, S, "plain") for s in range(S)]
-    pipe = Pipeline(mine, sched, loss_fn)
-    x, y = make_batch(0, 2 * m)
-    pipe.step(x, target=y)
-    reference_step(ref, x, y)
+    pipe, mine, ref, x, y = after_a_good_step(name, p, m)
     real = getattr(pipe._reductions, what)
     if rank == fail_rank:
         def failing(*args: Any, **kwargs: Any) -> None:
@@ -406,14 +428,7 @@ def interrupted_outside_task(name: str, p: int, m: int, fail_rank: int, where: s
     gradients after a next step that ran against the single-process reference of the steps that
     count."""
     rank = dist.get_rank()
-    sched = make_schedule(name, p, m)
-    S = sched.num_stages
-    mine = {s: make_stage(s, S, "zbpp") for s in sched.stages_on(rank)}
-    ref = [make_stage(s, S, "plain") for s in range(S)]
-    pipe = Pipeline(mine, sched, loss_fn)
-    x, y = make_batch(0, 2 * m)
-    pipe.step(x, target=y)
-    reference_step(ref, x, y)
+    pipe, mine, ref, x, y = after_a_good_step(name, p, m)
     exc = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit,
            "RuntimeError": RuntimeError}[which](f"injected {where} {which}")
     disarm = _arm_outside_task(pipe, where, exc) if rank == fail_rank else (lambda: None)
@@ -554,12 +569,7 @@ def loss_weight_interrupted(name: str, p: int, m: int, which: str) -> dict[str, 
     armed["on"] = pipe.holds_last_stage
     outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt, SystemExit),
                             disarm=lambda: armed.update(on=False))
-    pipe.step(x, target=y)
-    reference_step(ref, x, y)
-    for s, st in mine.items():
-        for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
-            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
-                                       **tolerance(torch.device("cpu")))
+    next_step_matches_reference(pipe, mine, ref, x, y)
     return outcome
 
 
@@ -574,24 +584,10 @@ def eval_and_train_at_once(name: str, p: int, m: int, evaluating_rank: int) -> d
     ref = [make_stage(s, S, "plain") for s in range(S)]
     pipe = Pipeline(mine, sched, loss_fn)
     x, y = make_batch(0, 2 * m)
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank}
-    try:
-        if rank == evaluating_rank:
-            pipe.eval_step(x, target=y)
-        else:
-            pipe.step(x, target=y)
-        outcome["result"] = "success"
-    except Exception as exc:  # noqa: BLE001 - the test says which
-        outcome.update(result=type(exc).__name__, message=str(exc))
-    outcome["seconds"] = time.monotonic() - t0
+    call = pipe.eval_step if rank == evaluating_rank else pipe.step
+    outcome = timed_outcome(rank, lambda: call(x, target=y), (Exception,))  # the test says which
     assert all(q.grad is None for q in pipe.parameters()), f"rank {rank}: a refused step touched a gradient"
-    pipe.step(x, target=y)
-    reference_step(ref, x, y)
-    for s, st in mine.items():
-        for (n, a), (_, b) in zip(st.named_parameters(), ref[s].named_parameters()):
-            torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
-                                       **tolerance(torch.device("cpu")))
+    next_step_matches_reference(pipe, mine, ref, x, y)
     return outcome
 
 
