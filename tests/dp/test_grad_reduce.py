@@ -201,6 +201,19 @@ def test_clip_uses_main_grad_and_the_inf_norm() -> None:
         clip_grad_norm_([a], 1.0, error_if_nonfinite=True)
 
 
+def test_clip_sums_norms_past_float32s_range() -> None:
+    """Two float32 gradients of norm 1e20 each: their squares (1e40) overflow float32, so the total
+    came out inf and the clip coefficient 0 zeroed every gradient, silently. The total is
+    sqrt(2) * 1e20 by hand (relative 1e-6: the float32 per-tensor norms), and the gradients are
+    scaled to it (max_norm 1: 1e20 / (sqrt(2) * 1e20) = 0.7071 each)."""
+    a, b = (nn.Parameter(torch.zeros(1)) for _ in range(2))
+    a.grad, b.grad = torch.full((1,), 1e20), torch.full((1,), -1e20)
+    total = clip_grad_norm_([a, b], 1.0)
+    assert float(total) == pytest.approx(math.sqrt(2) * 1e20, rel=1e-6)
+    assert a.grad.item() == pytest.approx(1 / math.sqrt(2), rel=1e-6)
+    assert b.grad.item() == pytest.approx(-1 / math.sqrt(2), rel=1e-6)
+
+
 def test_switching_delay_between_steps_is_followed() -> None:
     # built while not delaying; then the module defers its weight gradient to W
     torch.manual_seed(0)

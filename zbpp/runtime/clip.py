@@ -122,23 +122,26 @@ def clip_grad_norm_(
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         acc = torch.float32
     inf = math.isinf(norm_type)
-    local = torch.zeros((), dtype=acc, device=device)
+    # the sum of p-th powers in float64: float32 overflows once a norm passes ~1e19 (its square), and
+    # an inf total would make the coefficient 0, zeroing every gradient
+    wide = torch.float64 if device.type in ("cpu", "cuda") else acc
+    local = torch.zeros((), dtype=wide, device=device)
     shards: dict[tuple, list[torch.Tensor]] = {}  # fully_shard gradients, by the groups they are sharded over
     for g in norm_of:
         key = _shard_groups(g)
         if key is not None:
             shards.setdefault(key, []).append(g.to_local())
             continue
-        n = torch.linalg.vector_norm(g.to(acc), norm_type).to(device)
+        n = torch.linalg.vector_norm(g.to(acc), norm_type).to(device, wide)
         local = torch.maximum(local, n) if inf else local + n**norm_type
     for key, parts in shards.items():  # the same keys in the same order on every replica
-        part = torch.zeros((), dtype=acc, device=parts[0].device)
+        part = torch.zeros((), dtype=wide, device=parts[0].device)
         for g in parts:
-            n = torch.linalg.vector_norm(g.to(acc), norm_type)
+            n = torch.linalg.vector_norm(g.to(acc), norm_type).to(wide)
             part = torch.maximum(part, n) if inf else part + n**norm_type
         for shard_group in key:
             part = _all_reduce(part, inf, shard_group)
-        part = part.to(device, acc)
+        part = part.to(device, wide)
         local = torch.maximum(local, part) if inf else local + part
     if size > 1:
         local = _all_reduce(local, inf, group)  # float64 from here on: one coefficient everywhere
