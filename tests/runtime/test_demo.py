@@ -27,3 +27,20 @@ def test_demo_rejects_an_unknown_schedule(capsys):
     code = main(["demo", "--schedule", "nope"])
     err = capsys.readouterr().err
     assert code == 2 and "unknown schedule 'nope'" in err, err
+
+
+@pytest.mark.parametrize("losses, diff, ok", [([2.0, 1.5], 0.0, True), ([2.0, 1.6], 0.0, False),
+                                             ([2.0, float("nan")], 0.0, False), ([2.0, 1.5], float("nan"), False)])
+def test_the_check_compares_the_reported_losses_too(losses: list[float], diff: float, ok: bool) -> None:
+    """The check said OK from the parameters alone, so a wrongly reported loss passed it, and a NaN
+    parameter difference on a rank after the first was dropped by ``max``. Hand-made results: rank
+    0's parameters equal, one-process losses 2.0 and 1.5; a reported 1.6 (0.1 off, over the 1e-4
+    tolerance), a NaN loss or rank 1's NaN difference is a MISMATCH."""
+    from zbpp.demo import _check
+
+    results = [{"diff": 0.0, "losses": [None, None], "ref_losses": []},
+               {"diff": diff, "losses": losses, "ref_losses": [2.0, 1.5]}]
+    got, line = _check(results)
+    assert got is ok and line.endswith(": OK" if ok else ": MISMATCH"), line
+    assert "max |loss difference|" in line, line
+
