@@ -271,12 +271,19 @@ class AdamWMaster:
             m.grad = None
 
 
+def warmup_cosine(step: int, peak: float, warmup: int, steps: int, floor: float) -> float:
+    """The learning rate of step `step` (from 0) of `steps`: a linear warm-up whose last step (the
+    `warmup`-th) is at `peak`, then a cosine decay that reaches `floor` x `peak` on the last step."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    top = max(warmup - 1, 0)  # the step at the peak; the last step, steps - 1, at the floor
+    frac = (step - top) / max(1, steps - 1 - top)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` of ``--lr``."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return warmup_cosine(step, args.lr, args.warmup, args.steps, args.min_lr_ratio)
 
 
 # -- command line ----------------------------------------------------------------------------------

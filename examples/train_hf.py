@@ -61,6 +61,7 @@ from zbpp.schedules import available, build, options_of
 MODELS = SUPPORTED
 SHAPE = {"model": "llama", "hidden": 64, "layers": 4, "heads": 4}  # the model built when not --from
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+LR_FLOOR = 0.1  # the cosine decay's end, a fraction of --lr
 STDLIB_BYTES = 2_000_000  # --data stdlib reads this much text unless --data-bytes says otherwise
 
 
@@ -78,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="key/value heads (families with grouped-query attention; default --heads)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    ap.add_argument("--warmup", type=int, default=5, help="linear warm-up steps, then cosine decay to 10%%")
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="linear warm-up steps, then cosine decay to 10%% of --lr on the last step")
     ap.add_argument("--clip", type=float, default=1.0, help="clip the gradient to this global norm (0: off)")
     ap.add_argument("--data", choices=["stdlib", "synthetic"], default="stdlib")
     ap.add_argument("--data-bytes", type=int, default=None,
@@ -269,10 +271,8 @@ def save_step(pipe: Any, opt: Any, directory: str, step: int) -> None:
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    """Linear warm-up over ``--warmup`` steps to ``--lr``, then cosine decay to 10% of it on the last step."""
+    return _train_gpt().warmup_cosine(step, args.lr, args.warmup, args.steps, LR_FLOOR)
 
 
 def train(argv: list[str] | None = None) -> dict[str, Any]:

@@ -136,6 +136,19 @@ def test_learning_rate_flags_are_checked(capsys, argv, words):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["--warmup", "0", "--min-lr-ratio", "0"], [1e-2, 5e-3, 0.0]),  # cos 0, cos pi/2, cos pi: 0 on the last step
+    (["--warmup", "2", "--min-lr-ratio", "0.2"], [5e-3, 1e-2, 2e-3]),  # half, the peak, then the floor at once
+])
+def test_learning_rate_reaches_its_floor_on_the_last_step(argv: list[str], want: list[float]):
+    """Three steps at --lr 1e-2, hand-worked: the decay used to aim at step --steps, which never
+    runs, so the last step's rate was 2.5e-3 (cos 2pi/3), not the --min-lr-ratio floor."""
+    ex = _example()
+    args = ex.parse_args([*argv, "--steps", "3", "--lr", "1e-2", "--backend", "gloo"])
+    got = [ex.lr_at(step, args) for step in range(3)]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-18)  # float rounding only (0 is cos pi's 1e-16 off)
+
+
 @pytest.mark.parametrize("extra, named", [
     (["--json", "out.json"], "--json"),
     (["--check", "--steps", "300"], "--steps, --check"),  # --steps typed at its default: still given

@@ -179,6 +179,19 @@ def test_dp_and_fsdp_arguments_are_checked(capsys, argv: list[str], words: str):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("steps, step, want", [
+    (40, 0, 6e-4),     # the defaults (--lr 3e-3, --warmup 5): the first warm-up step is 1/5 of the peak
+    (40, 4, 3e-3),     # the warm-up's last step is at the peak
+    (40, 39, 3e-4),    # the last step is at the floor, 10% of the peak (it stopped at 3.05e-4)
+    (41, 22, 1.65e-3),  # halfway from the peak (step 4) to the last step (40): 0.1 + 0.9 / 2 of the peak
+])
+def test_learning_rate_runs_from_the_peak_to_its_floor_on_the_last_step(steps: int, step: int, want: float):
+    """The help's schedule, hand-worked: linear warm-up to --lr, then cosine decay to 10% of it by
+    the last step (step --steps - 1: the decay used to aim at step --steps, which never runs)."""
+    args = _example().parse_args(["--steps", str(steps), "--data", "synthetic"])
+    assert _example().lr_at(step, args) == pytest.approx(want, rel=1e-12)  # float rounding only
+
+
 def test_a_checkpoint_past_steps_is_refused(tmp_path: Path, capsys) -> None:
     """--checkpoint-dir holding step-5 with --steps 3: resuming would train nothing and exit 0
     (and --save-pretrained write the 5-step model); step-3 itself resumes as the finished run."""

@@ -5,7 +5,7 @@ on the step's whole batch (every replica's rows), the loss the mean cross-entrop
 predicted tokens (computed here in float64: HF's own loss casts the logits to float32), then
 ``torch.nn.utils.clip_grad_norm_`` over all parameters at ``--clip``, AdamW (betas 0.9, 0.95, no
 weight decay) at the learning rate of a hand-written schedule (linear warm-up over ``--warmup``
-steps, then cosine from the peak to 10% of it over the remaining steps). Each logged step's loss,
+steps, then cosine from the peak to 10% of it on the last step). Each logged step's loss,
 gradient norm (before clipping) and learning rate must agree with it.
 """
 
@@ -33,10 +33,12 @@ TINY = ["--hidden", "32", "--heads", "4", "--layers", "4", "--seq-len", "16", "-
 
 
 def _lr(step: int, peak: float, warmup: int, steps: int) -> float:
-    """The documented schedule, written out: linear warm-up to `peak`, then cosine decay to 10%."""
+    """The documented schedule, written out: linear warm-up to `peak` (on step `warmup` - 1), then
+    cosine decay to 10% of it on the last step, `steps` - 1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, steps - warmup)
+    start = max(warmup - 1, 0)
+    frac = (step - start) / (steps - 1 - start) if steps - 1 > start else 0.0
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
