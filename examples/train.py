@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"{sched.name}: pp={pp} dp={args.dp} backend={backend} stages={S} microbatches={args.microbatches} "
               f"rows/replica={rows}", flush=True)
-    loss_diff = 0.0  # --check: the largest |step loss - one process's| on this rank
+    loss_diffs: list[float] = []  # --check: |step loss - one process's| on this rank
     for step in range(args.steps):
         tokens, target = make_batch(cfg, rows=rows * args.dp, step=step, seed=args.seed, device=device)
         part = slice(dp_rank * rows, (dp_rank + 1) * rows)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 x = st(x)
             ref_loss = lm_loss(x, target)
             if loss is not None:  # the step's loss, as printed: the whole batch's
-                loss_diff = max(loss_diff, abs(float(loss) - float(ref_loss)))
+                loss_diffs.append(abs(float(loss) - float(ref_loss)))
             ref_loss.backward()
             if args.clip is not None:
                 torch.nn.utils.clip_grad_norm_([q for st in ref for q in st.parameters()], args.clip)
@@ -151,15 +152,24 @@ def main(argv: list[str] | None = None) -> int:
         for s, st in mine.items():
             for a, b in zip(st.parameters(), ref[s].parameters()):
                 diff = torch.maximum(diff, (a.detach() - b.detach()).abs().max().double())
-        both = torch.stack([diff, torch.tensor(loss_diff, dtype=torch.float64, device=device)])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        diff, loss_diff = both.tolist()
-        ok = diff <= TOLERANCE and loss_diff <= TOLERANCE
+        # a tensor's max, not Python's: max(0.0, nan) is 0.0, which would drop a NaN loss
+        loss_diff = torch.tensor([0.0, *loss_diffs], dtype=torch.float64, device=device).max()
+        diff, loss_diff = _all_max_keeping_nan(torch.stack([diff, loss_diff])).tolist()
+        ok = diff <= TOLERANCE and loss_diff <= TOLERANCE  # False for a NaN
         if rank == 0:
             print(f"check: max |param difference| vs one process = {diff:.2e}, max |loss difference| = "
                   f"{loss_diff:.2e} (tolerance {TOLERANCE:g}): {'OK' if ok else 'MISMATCH'}", flush=True)
         status = 0 if ok else 1
     return status
+
+
+def _all_max_keeping_nan(values: torch.Tensor) -> torch.Tensor:
+    """`values`' elementwise maximum over the ranks, NaN where any rank's is NaN: gloo's MAX drops a
+    NaN met as its second operand (from a rank other than 0, for a small tensor), which would pass the check."""
+    n = len(values)
+    both = torch.cat([values, values.isnan().to(values.dtype)])  # a flag's MAX: any rank's NaN
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return torch.where(both[n:] > 0, torch.full_like(values, math.nan), both[:n])
 
 
 if __name__ == "__main__":

@@ -1,9 +1,16 @@
 """examples/train.py's argument check: bad numbers are refused by name, before torch.distributed
-starts (training itself runs under torchrun in tests/runtime/test_torchrun.py)."""
+starts (training itself runs under torchrun in tests/runtime/test_torchrun.py); and its --check
+fails on every rank when any rank's figures are NaN."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
+import torch.distributed as dist
+
+from zbpp import Pipeline
 
 from .loader import load_example
 
@@ -23,3 +30,36 @@ def test_hidden_must_split_over_the_heads(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         load_example("train").parse_args(["--hidden", "30"])  # 4 heads
     assert "--hidden 30 must be a multiple of the 4 attention heads" in capsys.readouterr().err
+
+
+class _NaNOnRankOne(Pipeline):
+    """The example's pipeline, but rank 1 (the last stage's) turns its step's loss or, after the
+    step, its first parameter's gradient NaN (Adam then makes the parameter NaN)."""
+
+    where = ""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        loss = super().step(*args, **kwargs)
+        if dist.get_rank() == 1 and self.where == "loss":
+            loss = loss * math.nan
+        if dist.get_rank() == 1 and self.where == "parameter":
+            next(iter(self.parameters())).grad.fill_(math.nan)
+        return loss
+
+
+def _check_with_nan_on_rank_one(where: str) -> int:
+    ex = load_example("train")
+    _NaNOnRankOne.where = where
+    ex.Pipeline = _NaNOnRankOne
+    try:
+        return ex.main(["--steps", "1", "--microbatches", "2", "--backend", "gloo", "--timeout", "60", "--check"])
+    finally:
+        ex.Pipeline = Pipeline
+
+
+@pytest.mark.parametrize("where, status", [("", 0), ("loss", 1), ("parameter", 1)])
+def test_check_fails_on_every_rank_for_a_nan_on_rank_one(zbpp_workers, where: str, status: int) -> None:
+    """Two ranks, one step, --check. A NaN loss on rank 1 (the only rank with a loss) was dropped by
+    Python's max(0.0, nan), and rank 1's NaN parameter by gloo's MAX (which keeps rank 0's 0.0): the
+    check said OK (exit code 0). Both must be a mismatch (1) on both ranks; without a NaN, OK."""
+    assert zbpp_workers(2).run(_check_with_nan_on_rank_one, where) == [status, status]
