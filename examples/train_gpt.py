@@ -434,9 +434,12 @@ class Run:
                              "with the same Python, or on one machine")
 
     def _all_max(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the ranks, NaN where any rank's is NaN: gloo's MAX drops a NaN
+        met as its second operand (from a rank other than 0, for a small tensor), which would pass --check."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
+        both = torch.cat([t, t.isnan().to(t.dtype)])  # a flag's MAX: any rank's NaN
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return torch.where(both[len(t):] > 0, math.nan, both[:len(t)]).tolist()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -525,12 +528,13 @@ class Run:
         ref_value = float(ref_loss.detach())
         ref_loss.backward()
         scale = max(float(q.grad.abs().max()) for m in ref.values() for q in m.parameters()) or 1.0
-        grad_err = 0.0
+        errs = [0.0]
         for s, st in self.mine.items():
             for (name, p), (_, q) in zip(st.named_parameters(), ref[s].named_parameters()):
                 if p.grad is None:
                     raise AssertionError(f"--check: stage {s} parameter {name} has no gradient after the step")
-                grad_err = max(grad_err, float((p.grad.double() - q.grad.double()).abs().max()) / scale)
+                errs.append(float((p.grad.double() - q.grad.double()).abs().max()) / scale)
+        grad_err = float(torch.tensor(errs, dtype=torch.float64).max())  # not Python's max: max(0.0, nan) is 0.0
         loss_err = abs(float(loss) - ref_value) / abs(ref_value) if loss is not None else 0.0
         grad_err, loss_err = self._all_max([grad_err, loss_err])
         tol = CHECK_TOLERANCE[self.dtype]
@@ -549,7 +553,9 @@ class Run:
         lo = w.clone() if have else torch.full(shape, math.inf, dtype=torch.float64, device=self.device)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        spread = float((hi - lo).max())
+        # gloo's MAX and MIN may drop a NaN (see _all_max): each rank says whether its copy has one
+        (nan,) = self._all_max([math.nan if have and bool(w.isnan().any()) else 0.0])
+        spread = float((hi - lo).max()) + nan
         ok = spread == 0.0
         self.check.update(tied_spread=spread, ok=self.check.get("ok", True) and ok)
         self.say(f"check, tied embedding after {self.args.steps} steps: largest difference between its copies "

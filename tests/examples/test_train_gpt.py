@@ -118,6 +118,50 @@ def test_v_schedule_shares_one_parameter_on_rank_zero(zbpp_workers, reference):
     assert not torch.equal(r0["wte"], reference["wte0"])
 
 
+def _check_with_a_nan_on_rank(where: str, rank: int) -> dict[str, Any]:
+    """One --check step of TINY under zb-h1 with a NaN put on `rank`: its step's loss ("loss"), its
+    first parameter's gradient after the step ("grad"), or an element of its tied embedding copy
+    before the copies are compared ("wte"). Returns this rank's ``check``."""
+    ex = _example()
+
+    class Poisoned(ex.Run):
+        def __init__(self, args: Any) -> None:
+            super().__init__(args)
+            step = self.pipe.step
+
+            def poisoned_step(*args: Any, **kwargs: Any) -> Any:
+                loss = step(*args, **kwargs)
+                if where == "grad":  # not the tied embedding's: the tied copies' check would see it
+                    next(p for p in self.pipe.parameters() if p is not self.wte).grad.fill_(math.nan)
+                return loss * math.nan if where == "loss" else loss
+
+            if self.rank == rank:
+                self.pipe.step = poisoned_step
+
+        def check_tied_copies(self) -> None:
+            if where == "wte" and self.rank == rank:
+                with torch.no_grad():
+                    self.wte[0, 0] = math.nan
+            super().check_tied_copies()
+
+    ex.Run = Poisoned
+    try:
+        # one step, one validation batch (argparse keeps an option's last value)
+        return train_on_rank(["--schedule", "zb-h1", *TINY, "--steps", "1", "--eval-batches", "1"])["check"]
+    finally:
+        ex.Run = Poisoned.__mro__[1]
+
+
+@pytest.mark.parametrize("where, rank", [("", 1), ("loss", 1), ("grad", 0), ("wte", 1)])
+def test_check_fails_on_every_rank_for_a_nan_on_any_rank(zbpp_workers, where: str, rank: int):
+    """A NaN loss (rank 1 holds the last stage), gradient or tied copy made --check say OK: the
+    gradient error was kept with Python's max (max(0.0, nan) is 0.0), and the ranks' figures were
+    combined with gloo's MAX/MIN, which drop a NaN met as their second operand. Each must be a MISMATCH on
+    both ranks; with no NaN (""), OK."""
+    checks = zbpp_workers(2).run(_check_with_a_nan_on_rank, where, rank)
+    assert [c["ok"] for c in checks] == [where == ""] * 2, checks
+
+
 def test_fp8_is_refused_on_cpu_ranks(capsys):
     with pytest.raises(SystemExit) as exc:
         _example().parse_args(["--fp8", "--backend", "gloo"])
