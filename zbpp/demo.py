@@ -178,10 +178,8 @@ def _rank_main(name: str, m: int, steps: int, seed: int) -> dict[str, Any]:
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(float(ref_loss.detach()))
-    diff = 0.0
-    for s, st in mine.items():
-        for a, b in zip(st.parameters(), ref[s].parameters()):
-            diff = max(diff, float((a.detach() - b.detach()).abs().max()))
+    diff = _worst([0.0] + [float((a.detach() - b.detach()).abs().max())  # a NaN kept: max(0.0, nan) is 0.0
+                           for s, st in mine.items() for a, b in zip(st.parameters(), ref[s].parameters())])
     records = pipe.task_times()
     params = sum(q.numel() for q in pipe.parameters())
     return {"rank": rank, "losses": losses, "ref_losses": ref_losses, "diff": diff, "records": records,

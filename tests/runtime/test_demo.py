@@ -5,7 +5,11 @@ Through `zbpp.cli.main`, in this process: what ``python -m zbpp`` and the instal
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
+import torch
 
 from zbpp.cli import main
 
@@ -44,3 +48,34 @@ def test_the_check_compares_the_reported_losses_too(losses: list[float], diff: f
     assert got is ok and line.endswith(": OK" if ok else ": MISMATCH"), line
     assert "max |loss difference|" in line, line
 
+
+def _demo_rank_with_a_nan_parameter_on_rank_one() -> dict[str, Any]:
+    """The demo's rank on 2 ranks, one 1F1B step, after which rank 1's first parameter's gradient is
+    NaN: the optimizer step that follows makes the parameter NaN while the step's loss stays finite."""
+    from zbpp import Pipeline
+    from zbpp.demo import _rank_main
+
+    step = Pipeline.step
+
+    def poisoned(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = step(pipe, *args, **kwargs)
+        if torch.distributed.get_rank() == 1:
+            next(iter(pipe.parameters())).grad.fill_(math.nan)
+        return loss
+
+    Pipeline.step = poisoned
+    try:
+        return _rank_main("1f1b", 2, 1, 0)
+    finally:
+        Pipeline.step = step
+
+
+def test_a_nan_parameter_on_a_rank_fails_the_check(zbpp_workers) -> None:
+    """Two ranks, one 1F1B step, rank 1's parameter NaN after it (its loss finite): the rank kept
+    its largest parameter difference with max(0.0, nan), which is 0.0, and the check said OK."""
+    from zbpp.demo import _check
+
+    results = zbpp_workers(2).run(_demo_rank_with_a_nan_parameter_on_rank_one)
+    assert math.isnan(results[1]["diff"]) and not math.isnan(results[0]["diff"]), [r["diff"] for r in results]
+    ok, line = _check(results)
+    assert not ok and line.endswith(": MISMATCH"), line
