@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--blocks-per-stage", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm (whole pipeline)")
+    ap.add_argument("--clip", type=float, default=None,
+                    help="clip gradients to this global norm (whole pipeline); default: no clipping")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("microbatches", "steps", "rows_per_microbatch", "dp", "hidden", "seq_len", "blocks_per_stage"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.clip is not None and not args.clip > 0:  # clip_grad_norm_ to 0 zeroes every gradient: no training
+        ap.error(f"--clip must be > 0 (leave it out for no clipping), got {args.clip}")
     heads = ModelConfig.heads
     if args.hidden % heads:
         ap.error(f"--hidden {args.hidden} must be a multiple of the {heads} attention heads")

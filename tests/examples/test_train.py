@@ -26,6 +26,15 @@ def test_refuses_counts_below_one_by_name(flag: str, value: str, capsys: pytest.
     assert f"{flag} must be >= 1, got {value}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_clip_must_be_positive(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # --clip 0 clipped every gradient to norm 0: the model never moved, and --check (whose one
+    # process clips alike) said OK; the other examples read 0 as "off"
+    with pytest.raises(SystemExit):
+        load_example("train").parse_args(["--clip", value])
+    assert f"--clip must be > 0 (leave it out for no clipping), got {float(value)}" in capsys.readouterr().err
+
+
 def test_hidden_must_split_over_the_heads(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         load_example("train").parse_args(["--hidden", "30"])  # 4 heads
