@@ -32,7 +32,8 @@ steps.json --loss-curve loss.png`` draws the curve from it later, elsewhere (no 
 
 ``--check`` compares the first step's loss and gradients (after the tied gradients are summed)
 with one process running the whole model on the whole batch, and after the last step that every
-copy of the tied embedding is still equal; the exit code is 1 on a mismatch.
+copy of the tied embedding is still equal; the exit code is 1 on a mismatch, as it is when a step's
+loss is not finite.
 """
 
 from __future__ import annotations
@@ -637,7 +638,8 @@ def plot_loss(path: str, history: list[dict[str, Any]], val: list[tuple[int, flo
 
 def train(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse `argv`, train, report; return this rank's `Run.result` (``check["ok"]`` False on a
-    ``--check`` mismatch). torch.distributed is initialised here unless it already is."""
+    ``--check`` mismatch) and ``"finite"``: whether every step's loss was. torch.distributed is
+    initialised here unless it already is."""
     args = parse_args(argv)
     run = Run(args)
     t0 = time.perf_counter()
@@ -651,7 +653,11 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
         run.check_tied_copies()
     run.summary(time.perf_counter() - t0)
     run.write_outputs()
-    return run.result()
+    # the reporting rank holds the losses: every rank learns whether one was NaN or infinite
+    (bad,) = run._all_max([float(not all(math.isfinite(r["loss"]) for r in run.history))])
+    if bad:
+        run.say("train_gpt: a step's loss is not finite (exit code 1)")
+    return {**run.result(), "finite": not bad}
 
 
 def replot(json_path: str, png_path: str) -> None:
@@ -668,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         replot(args.replot, args.loss_curve)
         return 0
     res = train(argv)
-    return 0 if res["check"].get("ok", True) else 1
+    return 0 if res["check"].get("ok", True) and res["finite"] else 1
 
 
 if __name__ == "__main__":

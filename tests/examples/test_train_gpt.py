@@ -118,10 +118,10 @@ def test_v_schedule_shares_one_parameter_on_rank_zero(zbpp_workers, reference):
     assert not torch.equal(r0["wte"], reference["wte0"])
 
 
-def _check_with_a_nan_on_rank(where: str, rank: int) -> dict[str, Any]:
-    """One --check step of TINY under zb-h1 with a NaN put on `rank`: its step's loss ("loss"), its
-    first parameter's gradient after the step ("grad"), or an element of its tied embedding copy
-    before the copies are compared ("wte"). Returns this rank's ``check``."""
+def _poisoned_run(where: str, rank: int) -> Any:
+    """The example's `Run` with a NaN put on `rank`: its step's loss ("loss"), its first parameter's
+    gradient after the step ("grad"), or an element of its tied embedding copy before the copies
+    are compared ("wte")."""
     ex = _example()
 
     class Poisoned(ex.Run):
@@ -144,12 +144,31 @@ def _check_with_a_nan_on_rank(where: str, rank: int) -> dict[str, Any]:
                     self.wte[0, 0] = math.nan
             super().check_tied_copies()
 
-    ex.Run = Poisoned
+    return Poisoned
+
+
+# one step, one validation batch (argparse keeps an option's last value)
+ONE_STEP = ["--schedule", "zb-h1", *TINY, "--steps", "1", "--eval-batches", "1"]
+
+
+def _check_with_a_nan_on_rank(where: str, rank: int) -> dict[str, Any]:
+    """This rank's ``check`` after one --check step with `_poisoned_run`'s NaN."""
+    ex = _example()
+    run, ex.Run = ex.Run, _poisoned_run(where, rank)
     try:
-        # one step, one validation batch (argparse keeps an option's last value)
-        return train_on_rank(["--schedule", "zb-h1", *TINY, "--steps", "1", "--eval-batches", "1"])["check"]
+        return train_on_rank(ONE_STEP)["check"]
     finally:
-        ex.Run = Poisoned.__mro__[1]
+        ex.Run = run
+
+
+def _exit_code_with_a_nan_on_rank(where: str, rank: int) -> int:
+    """The exit code of one step without --check, with `_poisoned_run`'s NaN."""
+    ex = _example()
+    run, ex.Run = ex.Run, _poisoned_run(where, rank)
+    try:
+        return ex.main([a for a in ONE_STEP if a != "--check"])
+    finally:
+        ex.Run = run
 
 
 @pytest.mark.parametrize("where, rank", [("", 1), ("loss", 1), ("grad", 0), ("wte", 1)])
@@ -160,6 +179,13 @@ def test_check_fails_on_every_rank_for_a_nan_on_any_rank(zbpp_workers, where: st
     both ranks; with no NaN (""), OK."""
     checks = zbpp_workers(2).run(_check_with_a_nan_on_rank, where, rank)
     assert [c["ok"] for c in checks] == [where == ""] * 2, checks
+
+
+@pytest.mark.parametrize("where, status", [("", 0), ("loss", 1)])
+def test_a_loss_that_is_not_finite_fails_the_run_on_every_rank(zbpp_workers, where: str, status: int):
+    """Without --check, a NaN loss (on rank 1, the last stage's) printed "loss nan" and exited 0 on
+    both ranks; train_hf.py exits 1 there. Now 1 on both ranks; 0 without the NaN."""
+    assert zbpp_workers(2).run(_exit_code_with_a_nan_on_rank, where, 1) == [status, status]
 
 
 def test_fp8_is_refused_on_cpu_ranks(capsys):
