@@ -372,13 +372,18 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     if history:
         say(f"done: {args.steps - first_step} steps in {time.perf_counter() - t0:.1f} s, loss {history[0]['loss']:.4f} -> "
             f"{history[-1]['loss']:.4f}")
-    return {"rank": dist.get_rank(), "stages": sorted(stages), "history": history, "tied": tied}
+    # the reporting rank holds the losses: every rank learns whether one was NaN or infinite
+    bad = torch.tensor([float(not all(math.isfinite(h["loss"]) for h in history))], device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        say("train_hf: a step's loss is not finite (exit code 1)")
+    return {"rank": dist.get_rank(), "stages": sorted(stages), "history": history, "tied": tied,
+            "finite": not bad.item()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    res = train(argv)
-    hist = res["history"]
-    return 0 if not hist or all(math.isfinite(h["loss"]) for h in hist) else 1
+    """Train; the exit code is 1 on every rank when a step's loss is not finite."""
+    return 0 if train(argv)["finite"] else 1
 
 
 if __name__ == "__main__":

@@ -192,6 +192,29 @@ def test_learning_rate_runs_from_the_peak_to_its_floor_on_the_last_step(steps: i
     assert _example().lr_at(step, args) == pytest.approx(want, rel=1e-12)  # float rounding only
 
 
+def _exit_code_with_a_nan_loss_on_rank_one(nan: bool) -> int:
+    """`main` for one step of TINY under zb-h1, the loss of rank 1 (the last stage's) NaN if `nan`."""
+    from zbpp import Pipeline
+
+    class NaNLoss(Pipeline):
+        def step(self, *args: Any, **kwargs: Any) -> Any:
+            loss = super().step(*args, **kwargs)
+            return loss * math.nan if nan and loss is not None else loss
+
+    ex = _example()
+    ex.Pipeline = NaNLoss
+    try:
+        return ex.main([*TINY, "--data", "synthetic", "--steps", "1"])  # argparse keeps the last --steps
+    finally:
+        ex.Pipeline = Pipeline
+
+
+@pytest.mark.parametrize("nan, status", [(False, 0), (True, 1)])
+def test_a_loss_that_is_not_finite_fails_the_run_on_every_rank(zbpp_workers, nan: bool, status: int) -> None:
+    """A NaN loss exited 1 on the rank that prints the losses only, 0 on the others."""
+    assert zbpp_workers(2).run(_exit_code_with_a_nan_loss_on_rank_one, nan) == [status, status]
+
+
 def test_a_checkpoint_past_steps_is_refused(tmp_path: Path, capsys) -> None:
     """--checkpoint-dir holding step-5 with --steps 3: resuming would train nothing and exit 0
     (and --save-pretrained write the 5-step model); step-3 itself resumes as the finished run."""
