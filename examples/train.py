@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.clip is not None and not args.clip > 0:  # clip_grad_norm_ to 0 zeroes every gradient: no training
         ap.error(f"--clip must be > 0 (leave it out for no clipping), got {args.clip}")
+    if args.schedule not in available():  # else every rank fails with a traceback, after torch.distributed starts
+        ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
     heads = ModelConfig.heads
     if args.hidden % heads:
         ap.error(f"--hidden {args.hidden} must be a multiple of the {heads} attention heads")

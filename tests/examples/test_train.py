@@ -35,6 +35,14 @@ def test_clip_must_be_positive(value: str, capsys: pytest.CaptureFixture[str]) -
     assert f"--clip must be > 0 (leave it out for no clipping), got {float(value)}" in capsys.readouterr().err
 
 
+def test_an_unknown_schedule_is_refused_before_training(capsys: pytest.CaptureFixture[str]) -> None:
+    # it was taken as given, and every rank failed in build() with a traceback once torch.distributed ran
+    with pytest.raises(SystemExit) as info:
+        load_example("train").parse_args(["--schedule", "zb-x"])
+    assert info.value.code == 2
+    assert "unknown --schedule 'zb-x'; available: gpipe, 1f1b" in capsys.readouterr().err
+
+
 def test_hidden_must_split_over_the_heads(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         load_example("train").parse_args(["--hidden", "30"])  # 4 heads
