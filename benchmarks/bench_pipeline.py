@@ -229,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     # Refuse options that would be dropped, before the defaults fill them in: the row would
     # otherwise describe a model other than the one asked for.
+    for flag in ("hidden", "ffn", "layers", "tokens", "heads", "seq_len", "blocks_per_stage", "rows_per_microbatch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:  # else every rank fails deep in the model
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: need >= 1")
     if args.tokens is not None and args.rows_per_microbatch is not None:
         ap.error("give --tokens or --rows-per-microbatch, not both")
     if args.model == "mlp-stack":
@@ -254,6 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.layers is not None and args.blocks_per_stage is not None:
         ap.error("give --layers or --blocks-per-stage, not both")
     if args.model == "transformer":
+        if args.hidden % args.heads:  # else every rank fails splitting the attention heads
+            ap.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
         if args.ffn != 4 * args.hidden:
             ap.error(f"--ffn {args.ffn}: the transformer's MLP is 4 x hidden ({4 * args.hidden}); "
                      "--ffn is for --model mlp-stack")

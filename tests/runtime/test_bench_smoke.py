@@ -225,6 +225,19 @@ def test_bench_pipeline_refuses_telemetry_on_cpu(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
+    # each was taken, and every row then failed inside the model, naming no flag
+    # (--hidden 30: "shape '[2, 16, 3, 4, 7]' is invalid for input of size 2880")
+    (["--quick", "--hidden", "0"], "--hidden 0: need >= 1"),
+    (["--quick", "--tokens", "-8"], "--tokens -8: need >= 1"),
+    (["--quick", "--blocks-per-stage", "0"], "--blocks-per-stage 0: need >= 1"),
+    (["--quick", "--hidden", "30"], "--hidden 30 is not a multiple of --heads 4"),  # --quick's 4 heads
+])
+def test_bench_pipeline_refuses_bad_sizes_by_name(monkeypatch, capsys, argv, message):
+    code, err = _refusal(monkeypatch, capsys, *argv)
+    assert code == 2 and message in err, err[-2000:]
+
+
+@pytest.mark.parametrize("argv, message", [
     # the old spelling in rows would have been dropped for --tokens
     (["--tokens", "64", "--rows-per-microbatch", "2"], "give --tokens or --rows-per-microbatch, not both"),
     # the MLP stack has no sequences or heads: rows x the default --seq-len 2048 tokens, or nothing
