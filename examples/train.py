@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 x = st(x)
             ref_loss = lm_loss(x, target)
             if loss is not None:  # the step's loss, as printed: the whole batch's
-                loss_diffs.append(abs(float(loss) - float(ref_loss)))
+                loss_diffs.append(abs(float(loss) - float(ref_loss.detach())))
             ref_loss.backward()
             if args.clip is not None:
                 torch.nn.utils.clip_grad_norm_([q for st in ref for q in st.parameters()], args.clip)
