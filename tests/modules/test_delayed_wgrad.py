@@ -771,3 +771,35 @@ def test_bfloat16_weight_gradients_reach_main_grad_unrounded(delay, transposed):
         got = got.t()
     err = (got - want).abs()
     assert (err <= bound).all(), f"off by up to {(err / bound).max().item():.3g} times the bound"
+
+
+def _penalised(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A gradient penalty (WGAN-GP style): the output's square plus the square of its input gradient."""
+    y = layer(x)
+    (dx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    return y.pow(2).sum() + dx.pow(2).sum()
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+@pytest.mark.parametrize("delay", [True, False])
+def test_double_backward_is_refused_where_it_would_be_wrong(name, delay) -> None:
+    """A gradient penalty through a delayed layer filed its first-order weight gradient for W (which
+    added it into .grad, where torch.autograd.grad writes nothing) and could not differentiate W: a
+    Linear(3, 2)'s weight gradient came out 0.98 where torch gives 1.06 (first entry). The fused backwards (norm
+    statistics, activation derivative) are not differentiable either. Both now raise, filing
+    nothing; only an eager Linear (plain GEMMs) takes a double backward."""
+    layer = MAKERS[name](delay_wgrad_compute=delay, params_dtype=torch.float64)
+    x = torch.randn(5, HIDDEN, dtype=torch.float64, requires_grad=True)
+    if name == "Linear" and not delay:
+        ref = nn.Linear(HIDDEN, OUT).double()
+        ref.load_state_dict(layer.state_dict())
+        _penalised(layer, x).backward()
+        _penalised(ref, x).backward()
+        for p, q in zip(layer.parameters(), ref.parameters()):
+            # the same float64 ops in the same order: only summation order may differ
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        return
+    with microbatch(0), pytest.raises(RuntimeError, match=rf"{type(layer).__name__} .*create_graph=True"):
+        _penalised(layer, x)
+    assert layer.pending_wgrad_keys() == []
+    assert all(p.grad is None for p in layer.parameters())

@@ -37,7 +37,7 @@ from .fp8 import quantize_and_column_sum
 from .wgrad_store import WgradStore
 
 __all__ = ["GradOut", "Fp8Slots", "GemmCall", "LayerSpec", "run_layer", "run_linear",
-           "add_to_main_grad", "accumulate_grad"]
+           "add_to_main_grad", "accumulate_grad", "refuse_double_backward"]
 
 
 class GradOut(NamedTuple):
@@ -224,6 +224,30 @@ class _Job:
                     accumulate_grad(call.bias, bias_grad_of.sum(0))
 
 
+def refuse_double_backward(weight_name: str, delayed: bool) -> None:
+    """Raise when a backward runs with ``create_graph=True`` (grad mode is on inside it only then).
+
+    A delayed layer's B files its weight gradient for W, outside autograd: nothing could
+    differentiate it, and W would add the first-order weight gradient into ``.grad``, which
+    ``torch.autograd.grad`` must not touch. An eager fused backward (norm statistics, activation
+    derivative, FP8 casts) is not built from differentiable ops: its second order would be wrong.
+    """
+    layer = weight_name.split(".")[0]
+    if delayed:
+        why = ("with delay_wgrad_compute=True its weight gradient is computed later by backward_dw() (W), "
+               "outside autograd, so it cannot be differentiated, and W would add the first-order weight "
+               "gradient into .grad. Build this layer with delay_wgrad_compute=False (or leave it out of "
+               "delay_wgrad with module_filter_fn), or compute the penalty with torch.nn layers")
+    else:
+        why = ("its fused backward (norm statistics, activation derivative, FP8 casts) is not differentiable, "
+               "so the second-order gradient would be wrong. Compute the penalty with torch.nn layers "
+               "(zbpp's Linear outside FP8 with delay_wgrad_compute=False supports it)")
+    raise RuntimeError(
+        f"{layer} ({weight_name}): a backward with create_graph=True (double backward, e.g. "
+        f"torch.autograd.grad(..., create_graph=True) for a gradient penalty) runs through this layer: {why}"
+    )
+
+
 def _matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool):
     # y = x W^T + b, or x W + b for the transposed layout (the op HF's Conv1D runs)
     if not transposed:
@@ -258,6 +282,8 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
         call, store, key, need_w, need_b = ctx.call_store_key
+        if store is not None and torch.is_grad_enabled():  # create_graph=True: see the function
+            refuse_double_backward(call.weight_name, delayed=True)
         if not dy.is_contiguous():
             dy = dy.contiguous()
         dx = dw = db = None
@@ -406,6 +432,8 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         spec: LayerSpec = ctx.spec
+        if torch.is_grad_enabled():  # create_graph=True: see the function
+            refuse_double_backward(spec.fc1.weight_name, delayed=spec.store is not None)
         (x, mean, rstd, norm_w, norm_b, in1, in1_sinv, w1, w1_sinv, h, in2, in2_sinv, w2,
          w2_sinv) = ctx.saved_tensors
         need_x, need_nw, need_nb, need_w1, need_b1, need_w2, need_b2 = ctx.needs

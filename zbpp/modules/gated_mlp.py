@@ -57,7 +57,7 @@ from .._compat import runs_hooks
 from ._activations import ACTIVATIONS, Activation
 from ._fp8_weight_cache import optimizer_steps
 from ._fused import act_quantize, dact_quantize
-from ._layer_function import GemmCall, _Job, _quantize_grad, _WgradPart
+from ._layer_function import GemmCall, _Job, _quantize_grad, _WgradPart, refuse_double_backward
 from ._shared_input import cast_input
 from .base import _outside_graph, _tracing
 from .fp8 import DelayedScaling, Quantized, ScalingMeta, active_recipe, fp8_gemm_nt, quantize
@@ -275,6 +275,8 @@ class _GatedMlpFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         plan: _Plan = ctx.plan
+        if torch.is_grad_enabled():  # create_graph=True: W computes the weight gradients
+            refuse_double_backward(plan.fc1[0].weight_name, delayed=True)
         x_t, x_sinv, w1_t, w1_sinv, h, a_t, a_sinv, w2_t, w2_sinv = ctx.saved_tensors
         first, down = plan.fc1[0], plan.down
         if not dy.is_contiguous():
