@@ -48,7 +48,11 @@ from .harness import (
 PP = 2
 M = 4  # microbatches per replica and step
 SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto", "zbv-auto"]
-MODEL_KINDS = list(KINDS)
+MODEL_KINDS = [k for k in KINDS if k != "zbpp-fp8-last"]
+# FP8 in the last microbatch only: an earlier microbatch's W (after the stage's last B) still owes
+# the bias gradient that the last forward computed in B (driven by the executor: Pipeline's split
+# stages owe every gradient to W anyway)
+MIXED_FP8 = ["small-buckets/zb-h1/zbpp-fp8-last", "small-buckets/zb-v/zbpp-fp8-last"]
 RTOL, ATOL = 1e-10, 1e-12
 # FP8 (float32 model): against the replica-by-replica reference, which runs the same FP8 GEMMs on
 # the same tensors in the same order (bit-identical on CPU today); the margin allows a few float32
@@ -62,7 +66,7 @@ SMALL_BUCKETS = "small-buckets/"
 
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
-    return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + [SMALL_BUCKETS + c for c in small]
+    return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + MIXED_FP8 + [SMALL_BUCKETS + c for c in small]
             + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank"])
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zbpp.modules import DelayedScaling, LayerNormMLP, Linear, fp8_autocast, microbatch
+from zbpp.modules import DelayedScaling, LayerNormMLP, Linear, current_microbatch, fp8_autocast, microbatch
 from zbpp.runtime import ParallelGroups
 from zbpp.schedules import Schedule
 from zbpp.schedules.ir import Kind
@@ -83,6 +83,20 @@ class Fp8Block(PlainBlock):
             return super().forward(x)
 
 
+class Fp8LastBlock(PlainBlock):
+    """PlainBlock whose zbpp layers run in FP8 only in the step's last microbatch (`FP8_MICROBATCH`):
+    their bias gradients come from W in the others, from B in that one."""
+
+    FP8_MICROBATCH = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = current_microbatch()  # (stage, j) under Pipeline, j in the references
+        j = key[1] if isinstance(key, tuple) else key
+        recipe = DelayedScaling(margin=0, amax_history_len=16, amax_compute_algo="max")
+        with fp8_autocast(enabled=j == self.FP8_MICROBATCH, fp8_recipe=recipe):
+            return super().forward(x)
+
+
 def _zbpp_linear(**kw: Any) -> Callable[[], nn.Module]:
     return lambda: Linear(H, H, delay_wgrad_compute=True, params_dtype=torch.float64, **kw)
 
@@ -94,11 +108,13 @@ KINDS: dict[str, Any] = {
     "zbpp-fused": _zbpp_linear(fuse_wgrad_accumulation=True),
     "zbpp-mlp": "mlp",
     "zbpp-fp8": _zbpp_linear(fuse_wgrad_accumulation=True),  # in Fp8Block, float32
+    "zbpp-fp8-last": _zbpp_linear(),  # in Fp8LastBlock, float32
     "eager-bias": lambda: KeyedLinear(H, H, fp8=True, fuse_wgrad_accumulation=True),
     "graph-replay": lambda: KeyedLinear(H, H, fire_hooks=False),
     "te": lambda: TELikeLinear(H, H),
 }
-FP8_KINDS = {"zbpp-fp8"}
+FP8_KINDS = {"zbpp-fp8", "zbpp-fp8-last"}
+FP8_BLOCKS = {"zbpp-fp8": "Fp8Block", "zbpp-fp8-last": "Fp8LastBlock"}
 
 
 def dtype_of(kind: str) -> torch.dtype:
@@ -116,7 +132,7 @@ def make_stage(stage: int, kind: str, device: str = "cpu") -> tuple[nn.Module, d
         return mod.to(device), dict(MLPBlock.NAMES)
     if factory is not None:
         if kind in FP8_KINDS:
-            fp8_block = Fp8Block().double()
+            fp8_block = globals()[FP8_BLOCKS[kind]]().double()
             fp8_block.load_state_dict(block.state_dict())
             block = fp8_block
         for name in ("fc1", "fc2"):

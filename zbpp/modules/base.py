@@ -156,8 +156,10 @@ class DelayedWgradModule(nn.Module):
         self._wgrad_store: WgradStore = WgradStore(owner=cls)
         self._wgrad_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._auto_keys = 0  # how many forwards ran outside any microbatch() block
-        # False after an FP8 forward: there the bias gradients are computed during B.
+        # False once every forward of the step ran in FP8: there the bias gradients are computed
+        # during B. One forward outside FP8 in a step leaves its bias gradient to its W.
         self._bias_grad_deferred = True
+        self._forwards_in_step = False  # a forward ran since the last release_step_caches()
         self.fp8_meta: dict[str, ScalingMeta] = {}
         self._fp8_weight_casts: dict[str, Fp8WeightCache] = {}  # per GEMM weight attribute
         # per GEMM: the parameter names errors and gradients carry (built once, not per call)
@@ -242,6 +244,7 @@ class DelayedWgradModule(nn.Module):
     def __setstate__(self, state: dict) -> None:
         # copy.deepcopy and torch.load rebuild parameters without their Python attributes
         super().__setstate__(state)
+        self.__dict__.setdefault("_forwards_in_step", False)  # pickled by an older zbpp
         self._sync_param_flags()
 
     @property
@@ -272,9 +275,14 @@ class DelayedWgradModule(nn.Module):
         if (recipe is None or first is None) and self._fp8_weight_casts:
             for cache in self._fp8_weight_casts.values():  # nothing to reuse later: free them
                 cache.clear()
-        if self._delay and self._bias_grad_deferred != (recipe is None):
-            self._bias_grad_deferred = recipe is None
-            self._sync_param_flags()
+        if self._delay:
+            # get_backward_dw_params() describes the whole step: the runtime reads it after the
+            # stage's last B, when an earlier forward outside FP8 may still owe W its bias gradient
+            deferred = recipe is None or (self._forwards_in_step and self._bias_grad_deferred)
+            self._forwards_in_step = True
+            if deferred != self._bias_grad_deferred:
+                self._bias_grad_deferred = deferred
+                self._sync_param_flags()
         if not self._delay:  # nothing is filed: the key only names the call
             return ForwardCall(current_microbatch(), recipe, first)
         key = forward_key()
@@ -359,7 +367,7 @@ class DelayedWgradModule(nn.Module):
 
         `zbpp.Pipeline` calls it after every step: the next step casts afresh anyway (the
         weights changed), and a step replayed from CUDA graphs reads the casts its graphs made,
-        never these. Call it yourself after a step's last microbatch when you drive the layer
+        never these. It also ends the step that `get_backward_dw_params` describes. Call it yourself after a step's last microbatch when you drive the layer
         by hand, to give the casts' memory (two bytes per weight element) back before the
         optimizer step.
 
@@ -375,6 +383,7 @@ class DelayedWgradModule(nn.Module):
         """
         for cache in self._fp8_weight_casts.values():
             cache.clear()
+        self._forwards_in_step = False  # the next forward starts a step (`get_backward_dw_params`)
         forget_last_cast()  # an input cast held for Linears that share it (`_shared_input`)
 
     # -- the protocol -------------------------------------------------------------------------
@@ -438,8 +447,9 @@ class DelayedWgradModule(nn.Module):
     def get_backward_dw_params(self) -> list[nn.Parameter]:
         """The parameters whose gradient `backward_dw` produces (the very objects).
 
-        The GEMM weights, plus the GEMM biases unless the last forward ran in FP8 (whose bias
-        gradients are computed during B); empty when the module does not delay. LayerNorm
+        The GEMM weights, plus the GEMM biases unless every forward since the last
+        `release_step_caches` (the step's, under `zbpp.Pipeline`) ran in FP8, which computes bias
+        gradients during B; empty when the module does not delay. LayerNorm
         parameters are never listed: their small gradients are always computed during B; nor are
         frozen ones (``requires_grad=False``), which get no gradient at all.
         """

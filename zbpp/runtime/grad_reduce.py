@@ -15,8 +15,8 @@ gradients are final:
   ``get_backward_dw_params`` (Transformer Engine today, which offers
   ``register_wgrad_accumulation_and_reduce_hooks``) owe all their own parameters.
 
-The answer is read every step, so a module whose list changes (zbpp modules drop their biases after
-an FP8 forward) is handled; it must not change between a stage's last B and its last W. A
+The answer is read every step, so a module whose list changes (zbpp modules drop their biases in
+a step whose forwards all run in FP8) is handled; it must not change between a stage's last B and its last W. A
 parameter owned by several stages of this rank (tied weights in a V placement) is final once every
 owner has signalled. Final parameters fill buckets of a fixed layout (identical on all replicas,
 which run the same schedule and signal in the same order); each full bucket is all-reduced
