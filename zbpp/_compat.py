@@ -316,3 +316,10 @@ def module_buffers(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
     """The buffers `modules` hold themselves (not their children's: the caller lists those), read
     from ``nn.Module``'s private dict without the per-module generator of ``buffers()``."""
     return [b for m in modules for b in m._buffers.values() if b is not None]
+
+
+def persistent_buffers(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The buffers `modules` hold themselves that a ``state_dict`` saves (not those registered with
+    ``persistent=False``), read from ``nn.Module``'s private dicts as `module_buffers` does."""
+    return [b for m in modules for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set]

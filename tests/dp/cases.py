@@ -31,6 +31,7 @@ from zbpp.schedules import available, build
 from .doubles import KeyedLinear
 from .harness import (
     FP8_KINDS,
+    H,
     KINDS,
     MB,
     Fp8Block,
@@ -67,7 +68,7 @@ SMALL_BUCKETS = "small-buckets/"
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
     return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + MIXED_FP8 + [SMALL_BUCKETS + c for c in small]
-            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank"])
+            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank", "batchnorm-buffers"])
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -299,6 +300,43 @@ def run_clip_frozen_rank(groups: Any, device: str) -> list[str]:
     return fails
 
 
+def _bn_stage(stage: int, device: str) -> torch.nn.Module:
+    torch.manual_seed(77 + stage)
+    mod = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.BatchNorm1d(H)).double().to(device)
+    mod.register_buffer("constant", torch.zeros(2, dtype=torch.float64, device=device), persistent=False)
+    return mod
+
+
+def run_batchnorm_buffers(groups: Any, device: str) -> list[str]:
+    """BatchNorm's running statistics (persistent buffers, moved by every training forward) end each
+    step as replica 0's on every replica, as under DDP (broadcast_buffers): reference, replica 0's
+    microbatches run in order through one process's model (the same float64 ops on the same data:
+    1e-12 leaves room for nothing but rounding). A non-persistent buffer stays each replica's own.
+    Replica 1's statistics were its own data's, and drifted from replica 0's step by step."""
+    sched = build("zb-h1", num_ranks=groups.pp, num_microbatches=M)
+    mine = {s: _bn_stage(s, device) for s in sched.stages_on(groups.pp_rank)}
+    for mod in mine.values():
+        mod.constant.fill_(groups.dp_rank)
+    pipe = Pipeline(mine, sched, loss_fn, groups=groups, device=device)
+    ref = [_bn_stage(s, device) for s in range(sched.num_stages)]
+    fails = []
+    for step in range(2):
+        x, y = batch(step, groups.dp * M * MB, device)
+        half = x.shape[0] // groups.dp
+        pipe.step(x[groups.dp_rank * half:(groups.dp_rank + 1) * half], target=y[groups.dp_rank * half:(groups.dp_rank + 1) * half])
+        with torch.no_grad():
+            for xb in x[:half].chunk(M):  # replica 0's rows, microbatch by microbatch
+                for st in ref:
+                    xb = st(xb)
+        for s, mod in mine.items():
+            for (n, b), want in zip(mod[1].named_buffers(), ref[s][1].buffers()):
+                if not _close(b, want, rtol=1e-12, atol=1e-12):
+                    fails.append(f"step {step}: stage {s} {n} {b.tolist()}, replica 0's in one process: {want.tolist()}")
+            if mod.constant.tolist() != [float(groups.dp_rank)] * 2:
+                fails.append(f"step {step}: stage {s}: the non-persistent buffer was overwritten: {mod.constant.tolist()}")
+    return fails
+
+
 def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
     """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}.
 
@@ -317,6 +355,8 @@ def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
                 out[name] = run_clip_inf_nan(groups, device)
             elif name == "clip-frozen-rank":
                 out[name] = run_clip_frozen_rank(groups, device)
+            elif name == "batchnorm-buffers":
+                out[name] = run_batchnorm_buffers(groups, device)
             else:
                 small = name.startswith(SMALL_BUCKETS)
                 sched, kind = name.removeprefix(SMALL_BUCKETS).split("/")

@@ -38,6 +38,7 @@ from .failure import StepFailure
 from .loss_weights import row_factors, weight_factors
 from .task_times import TaskRecorder, gather_records
 from .reductions import Reductions, default_reducer, fsdp_reducer
+from .replica_buffers import ReplicaBuffers
 from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
 from .tied import TiedParameters, check_reducer_leaves_ties, drifted_ties_error, local_ties
@@ -87,7 +88,9 @@ class Pipeline:
             the rank holding the last stage.
         groups: None (the default process group is the pipeline), a `ParallelGroups`, or a
             ``DeviceMesh`` with a ``"pp"`` dimension (and optionally ``"dp"``); with data
-            parallelism gradients are averaged over the replicas (`zbpp.runtime.topology`).
+            parallelism gradients are averaged over the replicas (`zbpp.runtime.topology`) and,
+            after every step, persistent module buffers (BatchNorm's running statistics) are
+            broadcast from replica 0 (`zbpp.runtime.replica_buffers`).
         device: where activations live; default: the current CUDA device under NCCL, else the
             device of the stage modules' first parameter, else the CPU.
         record_task_times: record each task's start and end (see `task_times`).
@@ -234,7 +237,8 @@ class Pipeline:
         self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement.group, self.device, span)
         if fsdp is not None or reducer is None:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
-        for waiting in (reducer, self._tied):  # their waits end when another rank marks the job broken
+        self._replica_buffers = ReplicaBuffers.of(self.stage_modules, self.topology, span)
+        for waiting in (reducer, self._tied, self._replica_buffers):  # their waits end when another rank marks the job broken
             if hasattr(waiting, "wait_check"):
                 waiting.wait_check = self._agreement.check
         if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
@@ -332,6 +336,7 @@ class Pipeline:
         if self._graph_cache is not None:
             self._graph_cache.captured(step.runner)
         self._reductions.commit()
+        self._sync_buffers()
         if losses is not None and self.holds_last_stage:
             losses.extend(step.results.losses)
         if step.after is not None:
@@ -386,6 +391,7 @@ class Pipeline:
         release_step_caches(step.walks)
         if failure is not None:
             raise failure
+        self._sync_buffers()  # a BatchNorm in training mode moved its running statistics
         if step.after is not None:
             raise step.after
         if not self.holds_last_stage:
@@ -592,6 +598,20 @@ class Pipeline:
                     break
                 except (KeyboardInterrupt, SystemExit) as exc:
                     step.after = step.after or exc
+
+    def _sync_buffers(self) -> None:
+        """After a step that succeeded everywhere: the replicas take replica 0's buffers
+        (`zbpp.runtime.replica_buffers`). A failure leaves them out of step: the job is broken."""
+        if self._replica_buffers is None:
+            return
+        try:
+            self._replica_buffers.sync()
+        except Exception as exc:  # noqa: BLE001 - every rank is told through the store, then raises
+            self._broken = (f"this Pipeline is unusable: broadcasting the module buffers from replica 0 failed "
+                            f"on {self.topology.describe()} ({exc}), so the replicas' buffers differ or a rank "
+                            "is dead or hung. End the processes and restart")
+            self._agreement.mark_broken(self._broken)
+            raise PipelineError(self._broken) from exc
 
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
         self._broken = (f"this Pipeline is unusable: the {which}-of-step agreement among its ranks cannot complete "
