@@ -381,10 +381,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if budget is None and "none" in (policies if policies is not None else profile.offers()):
             raise ValueError(f"{', '.join(host_flags)} set the host side of offload, but without --budget-gb no "
                              "stage needs a policy (the plan keeps every activation): give --budget-gb or drop them")
+    # said before the search, which takes seconds on a large profile: the user sees what runs
+    print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
+          f"microbatches={args.microbatches} budget={'none' if budget is None else f'{args.budget_gb:g} GB'} per rank",
+          flush=True)
     plan = search(profile, args.ranks, args.microbatches, budget, schedules=schedules, max_splits=args.max_splits,
                   policies=policies, ranks_per_node=args.ranks_per_node, host_memory=host_memory)
-    print(f"profile {profile.name or args.profile}: {len(profile)} layers; ranks={args.ranks} "
-          f"microbatches={args.microbatches} budget={'none' if budget is None else f'{args.budget_gb:g} GB'} per rank")
     print(plan.explain(top=args.top))
     print("stages (layer index ranges):", ", ".join(f"{r.start}-{r.stop - 1}" for r in plan.stages))
     if plan.policies:
