@@ -142,6 +142,82 @@ def test_linear_steps_its_three_slots():
     layer.backward_dw()
 
 
+def _built_afresh(layer, index, call, weight, bias):
+    """`_gemm_call`'s answer with nothing reused: the reference for the reused one."""
+    kept = dict(layer._fp8_calls)
+    layer._fp8_calls.clear()
+    try:
+        return layer._gemm_call(index, call, weight, bias)
+    finally:
+        layer._fp8_calls.update(kept)
+
+
+def _same_call(a, b):
+    # every field; the objects by identity (the parameters, the slots a forward steps, the cache)
+    objects = lambda c: (c.weight, c.bias, c.fp8.recipe, c.fp8.input, c.fp8.weight,  # noqa: E731
+                         c.fp8.grad_output, c.fp8.weight_cache)
+    assert all(x is y for x, y in zip(objects(a), objects(b)))
+    values = lambda c: (c.weight_name, c.bias_name, c.fuse_wgrad_accumulation, c.transposed,  # noqa: E731
+                        c.fp8.first_microbatch)
+    assert values(a) == values(b)
+
+
+def test_reused_fp8_gemm_call_follows_every_change():
+    """A forward's FP8 GemmCall is reused across calls, and is what building it afresh gives
+    after each change it depends on: recipe, is_first_microbatch, fuse_wgrad_accumulation, a
+    replaced weight, slots replaced (a restore, an adopted input slot) and a move of the module."""
+    from zbpp.modules._scaling_state import restore_scaling_states, scaling_states
+    from zbpp.modules.base import ForwardCall
+
+    layer = Linear(16, 16, delay_wgrad_compute=True)
+    hybrid, e4m3 = DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, fp8_format=Format.E4M3)
+
+    def gemm(recipe, first=None):
+        call = ForwardCall("k", recipe, first)
+        got = layer._gemm_call(0, call, layer.weight, layer.bias)
+        _same_call(got, _built_afresh(layer, 0, call, layer.weight, layer.bias))
+        return got
+
+    first = gemm(hybrid)
+    assert gemm(hybrid) is first  # nothing changed: reused
+    assert gemm(hybrid, True).fp8.first_microbatch is True and gemm(hybrid, False).fp8.first_microbatch is False
+    assert gemm(hybrid) is first
+    assert gemm(e4m3).fp8.grad_output.dtype == E4M3  # another recipe: another grad slot
+    layer.fuse_wgrad_accumulation = True
+    assert gemm(e4m3).fuse_wgrad_accumulation
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    assert gemm(e4m3).weight is layer.weight
+    with fp8_autocast(fp8_recipe=e4m3):
+        layer(torch.randn(16, 16))
+    restore_scaling_states(layer, scaling_states(layer))  # new slot objects for the same state
+    assert gemm(e4m3).fp8.input is layer.fp8_meta["input"]
+    for name in ("input", "weight", "grad_output"):  # one replaced (an adopted shared input slot)
+        layer.fp8_meta[name] = ScalingMeta(E4M3, history_len=4)
+        assert getattr(gemm(e4m3).fp8, name) is layer.fp8_meta[name]
+    layer.to("meta")  # the slots follow the weight there (`_slot` moves them) ...
+    assert gemm(e4m3).fp8.weight.scale.device.type == "meta"
+    for name in ("input", "weight", "grad_output"):  # ... and after one is left behind
+        slot = layer.fp8_meta[name]
+        slot.scale = torch.ones(())
+        layer._gemm_call(0, ForwardCall("k", e4m3, None), layer.weight, layer.bias)
+        assert slot.scale.device.type == "meta"
+
+
+def test_layer_pickled_without_reused_fp8_calls_runs_fp8():
+    """A layer pickled by a zbpp without `_fp8_calls` (its state lacks it) loads and runs in FP8
+    as a fresh one does: the same output on the same input."""
+    import pickle
+
+    layer = Linear(16, 16)
+    state = layer.__dict__.copy()
+    del state["_fp8_calls"]
+    old = Linear.__new__(Linear)
+    old.__setstate__(pickle.loads(pickle.dumps(state)))
+    x = torch.randn(16, 16)
+    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+        assert torch.equal(old(x), layer(x))
+
+
 # -- GEMM paths ---------------------------------------------------------------------------------
 
 

@@ -54,6 +54,10 @@ def _outside_graph(forward: Callable[..., torch.Tensor], module: nn.Module, *arg
     return forward(module, *args)
 
 
+def _slot_names_of(gemm_names: tuple[tuple[str, str, str], ...]) -> tuple[tuple[str, str, str], ...]:
+    return tuple((p + "input", p + "weight", p + "grad_output") for p, _, _ in gemm_names)
+
+
 class LayerOptions(TypedDict, total=False):
     """The constructor keywords every zbpp layer takes (`DelayedWgradModule` owns them)."""
 
@@ -111,6 +115,8 @@ class DelayedWgradModule(nn.Module):
 
     #: per GEMM: (FP8 slot prefix, weight attribute, bias attribute)
     _gemm_names: tuple[tuple[str, str, str], ...] = (("", "weight", "bias"),)
+    #: per GEMM: the names of its input, weight and output-gradient FP8 slots (from `_gemm_names`)
+    _slot_names: tuple[tuple[str, str, str], ...] = _slot_names_of(_gemm_names)
     #: the first GEMM's weight is stored [in, out] (HF's Conv1D; see `delay_wgrad`)
     _weight_transposed: bool = False
     #: the parameters a forward reads, in the order `_forward_params` returns them
@@ -166,6 +172,9 @@ class DelayedWgradModule(nn.Module):
         self._gemm_labels = tuple((f"{cls}.{w}", f"{cls}.{b}") for _, w, b in self._gemm_names)
         # per GEMM: its last GemmCall outside FP8, reused while its parameters stay the same
         self._plain_calls: list[GemmCall | None] = [None] * len(self._gemm_names)
+        # per (GEMM, is_first_microbatch): its last FP8 GemmCall, reused while it still holds
+        # (`_fp8_call_holds`)
+        self._fp8_calls: dict[tuple[int, bool | None], GemmCall] = {}
 
     # -- parameters -------------------------------------------------------------------------
     def _add_gemm_params(
@@ -197,6 +206,7 @@ class DelayedWgradModule(nn.Module):
         super().__init_subclass__(**kwargs)
         # one C-level lookup of all of them (two or more names: itemgetter then returns a tuple)
         cls._read_forward_params = operator.itemgetter(*cls._forward_param_names)
+        cls._slot_names = _slot_names_of(cls._gemm_names)
 
     def _forward_params(self) -> tuple[nn.Parameter | None, ...]:
         """The parameters `_forward_param_names` names (the very objects, None where one is
@@ -245,6 +255,7 @@ class DelayedWgradModule(nn.Module):
         # copy.deepcopy and torch.load rebuild parameters without their Python attributes
         super().__setstate__(state)
         self.__dict__.setdefault("_forwards_in_step", False)  # pickled by an older zbpp
+        self.__dict__.setdefault("_fp8_calls", {})  # likewise
         self._sync_param_flags()
 
     @property
@@ -261,6 +272,7 @@ class DelayedWgradModule(nn.Module):
             )
         self._delay = bool(value)
         self._plain_calls = [None] * len(self._gemm_names)  # rebuilt, so checked for W
+        self._fp8_calls = {}
         self._sync_param_flags()
 
     # -- forward side -------------------------------------------------------------------------
@@ -313,25 +325,51 @@ class DelayedWgradModule(nn.Module):
         recipe = call.recipe
         if recipe is None:
             return self._plain_call(index, weight, bias)
+        key = (index, call.first_microbatch)
+        cached = self._fp8_calls.get(key)
+        if cached is not None and self._fp8_call_holds(cached, index, weight, bias, recipe):
+            return cached
         if self._delay:  # in FP8 the biases are autograd inputs: their graph runs
             self._check_deferred_leaves(index, weight, None)
-        fp8 = None
-        if recipe is not None:
-            prefix, weight_name, _ = self._gemm_names[index]
-            cache = self._fp8_weight_casts.get(weight_name)
-            if cache is None:
-                cache = self._fp8_weight_casts[weight_name] = Fp8WeightCache()
-            fp8 = Fp8Slots(
-                recipe,
-                self._slot(prefix + "input", recipe.fwd_dtype, recipe),
-                self._slot(prefix + "weight", recipe.fwd_dtype, recipe),
-                self._slot(prefix + "grad_output", recipe.bwd_dtype, recipe),
-                cache,
-                call.first_microbatch,
-            )
+        _, weight_name, _ = self._gemm_names[index]
+        cache = self._fp8_weight_casts.get(weight_name)
+        if cache is None:
+            cache = self._fp8_weight_casts[weight_name] = Fp8WeightCache()
+        input_name, weight_slot_name, grad_name = self._slot_names[index]
+        fp8 = Fp8Slots(
+            recipe,
+            self._slot(input_name, recipe.fwd_dtype, recipe),
+            self._slot(weight_slot_name, recipe.fwd_dtype, recipe),
+            self._slot(grad_name, recipe.bwd_dtype, recipe),
+            cache,
+            call.first_microbatch,
+        )
         weight_label, bias_label = self._gemm_labels[index]
-        return GemmCall(weight, bias, weight_label, bias_label, self.fuse_wgrad_accumulation, fp8,
+        gemm = GemmCall(weight, bias, weight_label, bias_label, self.fuse_wgrad_accumulation, fp8,
                         index == 0 and self._weight_transposed)
+        self._fp8_calls[key] = gemm
+        return gemm
+
+    def _fp8_call_holds(
+        self, gemm: GemmCall, index: int, weight: torch.nn.Parameter,
+        bias: torch.nn.Parameter | None, recipe: DelayedScaling,
+    ) -> bool:
+        """Whether `_gemm_call` would build `gemm` again: the same parameters (so, as outside FP8,
+        the same `_check_deferred_leaves` answer), recipe object, settings and slots, each slot
+        still where `_slot` leaves it (not a freshly made one, not to be moved). (The weight
+        caches are made once per weight and never replaced.)"""
+        fp8 = gemm.fp8
+        if (gemm.weight is not weight or gemm.bias is not bias or fp8.recipe is not recipe
+                or gemm.fuse_wgrad_accumulation != self.fuse_wgrad_accumulation):
+            return False
+        meta = self.fp8_meta
+        input_name, weight_slot_name, grad_name = self._slot_names[index]
+        if (meta.get(input_name) is not fp8.input or meta.get(weight_slot_name) is not fp8.weight
+                or meta.get(grad_name) is not fp8.grad_output):
+            return False
+        device = weight.device if index == 0 else self._gemm_weights()[0].device
+        return (fp8.input.scale.device == device and fp8.weight.scale.device == device
+                and fp8.grad_output.scale.device == device)
 
     def _plain_call(
         self, index: int, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None
