@@ -147,6 +147,7 @@ _failed: dict[str, str] = {}
 _told_unavailable: set[str] = set()
 _problems: dict[torch.device, str | None] = {}  # `_triton_kernels`: why each device cannot run them
 _UNKNOWN = object()
+_kernel_module = None  # `_fp8_cast_triton`, once `_triton_kernels` imported it
 _counts = PathCounts((*CAST_PATHS, "update_triton", "update_eager"))
 
 
@@ -183,8 +184,12 @@ def mark_failed(path: str, err: Exception) -> None:
 
 def _triton_kernels(device: torch.device):
     """The Triton kernel module when its kernels can run on `device`, else None."""
-    from .. import _fp8_cast_triton as kernels  # imports without Triton too
+    global _kernel_module
+    kernels = _kernel_module
+    if kernels is None:  # imported on the first CUDA cast (it imports without Triton too)
+        from .. import _fp8_cast_triton as kernels
 
+        _kernel_module = kernels
     # asked on every cast: a device's answer never changes within the process
     problem = _problems.get(device, _UNKNOWN)
     if problem is _UNKNOWN:
@@ -205,7 +210,7 @@ def one_launch_kernels(x: torch.Tensor, also: str | None = None):
     """The Triton kernel module when `x` may be cast, and its slot updated, in one launch: `x` on
     CUDA, the triton path chosen first, neither its cast, its update nor `also` failed before,
     and the kernels can run on x's device. Else None."""
-    if not on_cuda(x) or "triton" in _failed or "update" in _failed or also in _failed:
+    if not on_cuda(x) or (_failed and ("triton" in _failed or "update" in _failed or also in _failed)):
         return None
     if _requested_paths()[0] != "triton":
         return None
