@@ -433,10 +433,13 @@ def unsupported(device: torch.device) -> str | None:
     return _capability_problem(index)
 
 
+_HERE = contextlib.nullcontext()  # reusable: one for every launch on the current device
+
+
 def on_device(device: torch.device):
     # Triton launches on the current device; switch only when x lives elsewhere.
     if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+        return _HERE
     return torch.cuda.device(device)
 
 
@@ -451,12 +454,12 @@ def _launch(
     update: tuple[torch.Tensor, torch.Tensor, float, bool] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     # One cast kernel; `update` = (history, scale_inv out, factor, most_recent) or None.
-    shape = x.shape
-    if (transpose or column_sums) and x.dim() != 2:
+    shape, dim = x.shape, x.dim()
+    if (transpose or column_sums) and dim != 2:
         raise ValueError(
             f"FP8 cast: transpose and column sums need a 2-D tensor, got shape {tuple(shape)}"
         )
-    x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1]) if x.dim() else x.reshape(1, 1)
+    x2 = x if dim == 2 else x.reshape(-1, shape[-1]) if dim else x.reshape(1, 1)
     m, n = x2.shape
     data = torch.empty((m, n), dtype=dtype, device=x.device)
     data_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None

@@ -53,7 +53,8 @@ def _key(x: torch.Tensor) -> tuple | None:
 
 def _last_cast_of(x: torch.Tensor, recipe: DelayedScaling) -> _LastCast | None:
     last: _LastCast | None = getattr(_last, "cast", None)
-    if last is None or last.recipe != recipe or last.source.data_ptr() != x.data_ptr():
+    if last is None or (last.recipe is not recipe and last.recipe != recipe) \
+            or last.source.data_ptr() != x.data_ptr():
         return None
     return last if last.key == _key(x) else None
 

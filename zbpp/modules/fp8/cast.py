@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -147,7 +148,7 @@ _failed: dict[str, str] = {}
 _told_unavailable: set[str] = set()
 _problems: dict[torch.device, str | None] = {}  # `_triton_kernels`: why each device cannot run them
 _UNKNOWN = object()
-_kernel_module = None  # `_fp8_cast_triton`, once `_triton_kernels` imported it
+_PACKAGE = sys.modules[__package__.rpartition(".")[0]]  # zbpp.modules, which holds the kernels
 _counts = PathCounts((*CAST_PATHS, "update_triton", "update_eager"))
 
 
@@ -184,12 +185,11 @@ def mark_failed(path: str, err: Exception) -> None:
 
 def _triton_kernels(device: torch.device):
     """The Triton kernel module when its kernels can run on `device`, else None."""
-    global _kernel_module
-    kernels = _kernel_module
+    # what `from .. import _fp8_cast_triton` finds, without the import machinery once imported
+    kernels = getattr(_PACKAGE, "_fp8_cast_triton", None)
     if kernels is None:  # imported on the first CUDA cast (it imports without Triton too)
         from .. import _fp8_cast_triton as kernels
 
-        _kernel_module = kernels
     # asked on every cast: a device's answer never changes within the process
     problem = _problems.get(device, _UNKNOWN)
     if problem is _UNKNOWN:

@@ -49,18 +49,18 @@ def fp8_gemm_nt(
     >>> fp8_gemm_nt(one, one, out_dtype=torch.float32).tolist()
     [[0.75, 0.75], [0.75, 0.75]]
     """
-    (m, k), (n, k2) = a.shape, b.shape
+    a_data, b_data = a.data, b.data
+    (m, k), (n, k2) = a_data.shape, b_data.shape
     if k != k2:
         raise ValueError(f"fp8_gemm_nt: inner dimensions differ: a is {m}x{k}, b is {n}x{k2}")
-    device = a.data.device.type
     aligned = m % 16 == 0 and k % 16 == 0 and n % 16 == 0
-    if use_scaled_mm and aligned and device not in _refused:
+    if use_scaled_mm and aligned and (not _refused or a_data.device.type not in _refused):
         # _scaled_mm fuses the bias only for 16-bit outputs of the same dtype; add it after else.
         fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
         try:
             out = scaled_mm(
-                a.data,
-                b.data.t(),  # column-major [K, N], as cuBLASLt wants the second operand
+                a_data,
+                b_data.t(),  # column-major [K, N], as cuBLASLt wants the second operand
                 scale_a=a.scale_inv,
                 scale_b=b.scale_inv,
                 bias=bias if fuse_bias else None,
@@ -68,6 +68,7 @@ def fp8_gemm_nt(
                 use_fast_accum=fast_accumulation,
             )
         except (RuntimeError, NotImplementedError) as err:
+            device = a_data.device.type
             _refused.add(device)
             warnings.warn(
                 f"zbpp FP8: torch._scaled_mm refused on {device} ({err}); "
