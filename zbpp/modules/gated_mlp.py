@@ -299,6 +299,13 @@ class _GatedMlpFunction(torch.autograd.Function):
         return (dx, None) + (None,) * ctx.anchors
 
 
+def _child(module: nn.Module, name: str) -> Any:
+    """``getattr(module, name)``, a submodule read from ``_modules`` without nn.Module's
+    ``__getattr__`` (where nn.Module's own attribute assignment keeps it)."""
+    found = module._modules.get(name)
+    return found if found is not None else getattr(module, name)
+
+
 class _FusedGatedMlp(nn.Module):
     """Mixed into a gated MLP's own class by `fuse_gated_mlps`."""
 
@@ -309,33 +316,35 @@ class _FusedGatedMlp(nn.Module):
             return _outside_graph(_FusedGatedMlp.forward, self, x)
         recipe = active_recipe()
         form = self._zbpp_mlp_form
-        fc1 = [getattr(self, n) for n in form.fc1]
-        layers = (*fc1, self.down_proj)
+        fc1 = [_child(self, n) for n in form.fc1]
+        layers = (*fc1, _child(self, "down_proj"))
         if recipe is None or not all(type(m) is Linear and m._delay and m.bias is None for m in layers) \
-                or x.dtype != fc1[0].weight.dtype or getattr(self, form.act_name) is not form.act_fn \
+                or x.dtype != fc1[0].weight.dtype or _child(self, form.act_name) is not form.act_fn \
                 or runs_hooks(*layers, *form.act_modules):  # the fused layer calls none of them
             return super().forward(x)
+        # each a zbpp Linear (checked above): its weight is the registered parameter
+        weights = [m._parameters["weight"] for m in layers]
         calls = [m._begin_forward() for m in layers]
         first = fc1[0]
-        c1 = first._gemm_call(0, calls[0], first.weight, None)
+        c1 = first._gemm_call(0, calls[0], weights[0], None)
         # the others' casts are the first's (its slots): no slots of their own
-        gemms = (c1, *(m._plain_call(0, m.weight, None) for m in fc1[1:]))
-        down = self.down_proj._gemm_call(0, calls[-1], self.down_proj.weight, None)
+        gemms = (c1, *(m._plain_call(0, w, None) for m, w in zip(fc1[1:], weights[1:])))
+        down = layers[-1]._gemm_call(0, calls[-1], weights[-1], None)
         slots = c1.fp8
         if len(fc1) == 1:  # packed: its own weight, kept as any Linear's
-            w1 = slots.weight_cache.cast(first.weight, slots.weight, recipe, transpose=True,
+            w1 = slots.weight_cache.cast(weights[0], slots.weight, recipe, transpose=True,
                                          first_microbatch=slots.first_microbatch)
         else:
             cache = first._fp8_weight_casts.get(_CACHE)
             if cache is None:
                 cache = first._fp8_weight_casts[_CACHE] = _StackedCast()  # type: ignore[assignment]
-            w1 = cache.cast(first.weight, fc1[1].weight, slots.weight, recipe, slots.first_microbatch)
+            w1 = cache.cast(weights[0], weights[1], slots.weight, recipe, slots.first_microbatch)
         plan = _Plan(gemms, down, w1, form.act, recipe, tuple(m._wgrad_store for m in layers),
                      tuple(c.key for c in calls))
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         # An x that needs no gradient (a stage's first layer, one after frozen layers) would leave
         # the node out of the graph, and B, which files the wgrad jobs, would never run: the
         # trainable weights are then its inputs, as `_layer_function.run_layer` keeps them.
-        anchors = () if x2.requires_grad else tuple(m.weight for m in layers if m.weight.requires_grad)
+        anchors = () if x2.requires_grad else tuple(w for w in weights if w.requires_grad)
         y = _GatedMlpFunction.apply(x2, plan, *anchors)
         return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
