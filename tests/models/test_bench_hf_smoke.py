@@ -121,3 +121,25 @@ def test_fp8_eager_host_quick_times_every_form(tmp_path: Path) -> None:
     assert fastest["host_probe_ms"] == min(report["forms"]["fp8"]["host_probe_ms"])
     assert fastest["fp8_wall_ms"] == report["forms"]["fp8"]["rounds_ms"][fastest["round"]]
     assert kernels._cast_transpose_amax_kernel is launch and gemm.scaled_mm is scaled_mm
+
+
+def test_fp8_layer_host_times_the_triton_path_and_puts_the_stubs_back(tmp_path: Path) -> None:
+    """benchmarks/fp8_layer_host.py on the CPU: every (phase, layer) of both forms timed and
+    written, the FP8 casts taking the Triton path (the GPU's: what it means to time) with nothing
+    launched, and the stubs and gates put back afterwards (numbers: never asserted)."""
+    import zbpp.modules._fp8_cast_triton as kernels
+    import zbpp.modules.fp8.cast as cast
+    import zbpp.modules.fp8.gemm as gemm
+    from zbpp.modules.fp8 import cast_path_counts, reset_cast_path_counts
+
+    before = (kernels._cast_transpose_amax_kernel, gemm.scaled_mm, cast.on_cuda, dict(cast._problems))
+    bench = _benchmark("fp8_layer_host")
+    out = tmp_path / "fp8_layer_host.json"
+    reset_cast_path_counts()
+    medians = bench.main(["--steps", "1", "--microbatches", "2", "--blocks", "1", "--out", str(out)])
+    counts = cast_path_counts()
+    assert counts["triton"] > 0 and counts["eager"] == counts["update_eager"] == 0
+    keys = {f"{p} {n}" for p in bench.PHASES for n in bench.LAYERS}
+    assert json.loads(out.read_text())["us_per_call"] == medians and set(medians) == {"fp8", "bf16"}
+    assert all(set(row) == keys and min(row.values()) > 0 for row in medians.values())
+    assert (kernels._cast_transpose_amax_kernel, gemm.scaled_mm, cast.on_cuda, cast._problems) == before
