@@ -246,8 +246,13 @@ def failing_then_next(pipe: Pipeline, x: Any, y: Any) -> dict[str, Any]:
 
 
 def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
-    """After a good step, rank 1 exits (os._exit) in the forward of its second microbatch; the others
-    must raise, and their next step must raise at once saying the pipeline is unusable."""
+    """After a good step (and a checkpoint of it), rank 1 exits (os._exit) in the forward of its
+    second microbatch; the others must raise, and their next step must raise at once saying the
+    pipeline is unusable, as must every later collective call given the Pipeline ("later": what
+    each raised and how long it took): ``clip_grad_norm_``, ``task_times``, loading and saving a
+    checkpoint (they waited for the dead rank until the group's timeout, or raised gloo's error)."""
+    from zbpp.runtime import clip_grad_norm_, load_checkpoint, save_checkpoint
+
     rank = dist.get_rank()
     sched = make_schedule(name, p, m)
     S = sched.num_stages
@@ -258,11 +263,22 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
             os._exit(3)
 
     mine = {s: BeforeForward(make_stage(s, S, "zbpp", device_for_rank()), die) for s in sched.stages_on(rank)}
-    pipe = Pipeline(mine, sched, loss_fn)
+    pipe = Pipeline(mine, sched, loss_fn, record_task_times=True)
     inputs, target = make_batch(0, 2 * m, device_for_rank())
     pipe.step(inputs, target=target)
+    checkpoint = os.path.join(report_dir, "good-step")
+    save_checkpoint(pipe, checkpoint)
     dying["on"] = True
     outcome = {"rank": rank, **failing_then_next(pipe, inputs, target)}
+    later = {"clip_grad_norm_": lambda: clip_grad_norm_(pipe, 1.0), "task_times": pipe.task_times,
+             "load_checkpoint": lambda: load_checkpoint(pipe, checkpoint),
+             "save_checkpoint": lambda: save_checkpoint(pipe, checkpoint + "-after")}
+    outcome["later"] = {}
+    for what, call in later.items():
+        done = timed_outcome(rank, call, (Exception,))
+        outcome["later"][what] = [done.get("message", done["result"]), done["seconds"]]
+        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:  # what came so far, should one hang
+            json.dump(outcome, fh)
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(outcome, fh)
 

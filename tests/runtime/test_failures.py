@@ -73,6 +73,9 @@ def test_the_other_replica_raises_too(four):
 
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_others_at_once(tmp_path):
+    """The next step and every later collective call given the Pipeline (clip_grad_norm_, task_times,
+    checkpoints) raise at once that it is unusable: clip_grad_norm_ waited for the dead rank until the
+    group's timeout (rank 3), the others raised gloo's error instead."""
     with Workers(4, pg_timeout=PG_TIMEOUT, timeout=120, grace=30) as workers:
         with pytest.raises(DistributedTestError) as info:
             workers.run(die_mid_step, "zb-h1", 4, 8, str(tmp_path))
@@ -83,6 +86,8 @@ def test_a_dead_rank_ends_the_others_at_once(tmp_path):
         assert o["result"] == "PipelineError" and "dead or hung" in o["message"], o
         assert o["seconds"] < FAST, o
         assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
+        for what, (message, seconds) in o["later"].items():  # collectives that would wait for the dead rank
+            assert "unusable" in message and seconds < 1.0, (r, what, message, seconds)
 
 
 @pytest.mark.slow

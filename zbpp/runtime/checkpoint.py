@@ -156,6 +156,7 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    _raise_if_unusable(model)
     check_ties = getattr(model, "check_ties", None)
     # a Pipeline: copies of a tie that drifted apart raise on every rank, before any write; a collective of
     # every rank of the job, so not where only some of them save (it would wait for the others)
@@ -248,6 +249,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     """
     import torch.distributed.checkpoint as dcp
 
+    _raise_if_unusable(model)
     path = os.fspath(path)
     agreement, ranks = _agreement(process_group)
     try:
@@ -340,6 +342,14 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
     if loading.restore_rng:
         model.rng_step = int(state["rng"]["step"])
         model._base_seed = int(state["rng"]["seed"])
+
+
+def _raise_if_unusable(model: Any) -> None:
+    """A `Pipeline` that found its job broken (a dead rank) raises at once, on every rank alike: the
+    checkpoint's collectives would wait for the dead rank until the group's timeout."""
+    unusable = getattr(model, "_raise_if_unusable", None)
+    if callable(unusable):
+        unusable()
 
 
 def _agreement(process_group: Any) -> tuple[Agreement, list[int]]:

@@ -104,6 +104,9 @@ def clip_grad_norm_(
     stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages).
     Parameters passed otherwise count on every rank that passes them.
     """
+    unusable = getattr(pipeline_or_params, "_raise_if_unusable", None)
+    if callable(unusable):  # a Pipeline that found its job broken: the all-reduce would wait for a dead rank
+        unusable()
     if max_norm < 0 or math.isnan(max_norm):
         raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
     if norm_type <= 0:

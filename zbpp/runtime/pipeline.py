@@ -406,6 +406,7 @@ class Pipeline:
         ``{"rank", "action", "start", "end"}``: seconds from the step's start, one instant for every
         rank (the end of the start agreement), so that the ranks' records share one timeline.
         Collective over the pipeline group: every rank of it must call it. Needs ``record_task_times=True``."""
+        self._raise_if_unusable()
         if self._recorder is None:
             raise RuntimeError("task_times() needs Pipeline(..., record_task_times=True)")
         return gather_records(self._recorder, self.topology)
@@ -431,8 +432,7 @@ class Pipeline:
         ...                 loss_fn=torch.nn.functional.mse_loss)
         >>> pipe.check_ties()  # no tie here: nothing to compare
         """
-        if self._broken is not None:
-            raise PipelineError(self._broken)
+        self._raise_if_unusable()
         try:
             snapshot, problem = self._tied.snapshot(), None
         except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
@@ -457,8 +457,7 @@ class Pipeline:
                      problem: BaseException | None = None) -> _Step:
         """Check the input everywhere (the start agreement) and set the step up; `problem`: this
         rank's arguments are wrong (it raises it, every other rank an error naming it)."""
-        if self._broken is not None:
-            raise PipelineError(self._broken)
+        self._raise_if_unusable()
         m = self.schedule.num_microbatches
         try:
             if problem is not None:
@@ -612,6 +611,13 @@ class Pipeline:
                             "is dead or hung. End the processes and restart")
             self._agreement.mark_broken(self._broken)
             raise PipelineError(self._broken) from exc
+
+    def _raise_if_unusable(self) -> None:
+        """Raise the `PipelineError` that says why, once a step found the job broken: a collective
+        over its ranks (a step, `check_ties`, `task_times`, `clip_grad_norm_`, a checkpoint) would
+        wait for a dead rank until the group's timeout, or pair with a collective some rank left."""
+        if self._broken is not None:
+            raise PipelineError(self._broken)
 
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
         self._broken = (f"this Pipeline is unusable: the {which}-of-step agreement among its ranks cannot complete "
