@@ -647,3 +647,50 @@ def rollback_interrupted(name: str, p: int, m: int, fail_rank: int) -> dict[str,
             torch.testing.assert_close(a.grad, b.grad, msg=lambda msg: f"rank {rank} stage {s} {n}: {msg}",
                                        **tolerance(torch.device("cpu")))
     return outcome
+
+
+def ctrl_c_while_told_the_failure(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
+    """After a good step, pipeline rank 0 fails in the forward of microbatch 1 and takes a second to
+    roll the step back; meanwhile `fail_rank`, in the exchange of the failure's messages that follows
+    the end agreement (`Agreement.gather_texts`), gets a real SIGINT (Ctrl-C), and its loop catches
+    the KeyboardInterrupt and goes on. Returns how that step ended on this rank and how the next one
+    did; checks the gradients after the next step against the single-process reference of the good
+    step and the next one (the failed step counts nowhere)."""
+    import signal
+    import threading
+
+    rank = dist.get_rank()
+    pipe, mine, ref, x, y = after_a_good_step(name, p, m)
+    agreement, real_texts, real_roll_back = pipe._agreement, pipe._agreement.gather_texts, pipe._roll_back
+    patched: list[tuple[Any, str]] = []
+    if rank == 0:
+        stage = next(iter(mine.values()))
+        real_forward = stage.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if current_microbatch()[1] == 1:
+                raise RuntimeError("injected F failure")
+            return real_forward(*args, **kwargs)
+
+        def slow_roll_back(step: Any) -> None:
+            time.sleep(1.0)  # the other rank waits in the exchange meanwhile
+            real_roll_back(step)
+        stage.forward, pipe._roll_back = forward, slow_roll_back
+        patched += [(stage, "forward"), (pipe, "_roll_back")]
+    if rank == fail_rank:
+        def texts(text: str | None) -> list[str | None]:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # while it waits for rank 0
+            return real_texts(text)
+        agreement.gather_texts = texts
+        patched.append((agreement, "gather_texts"))
+
+    def disarm() -> None:
+        time.sleep(0.5)  # no SIGINT still on its way into the next step
+        for obj, attr in patched:
+            obj.__dict__.pop(attr, None)
+
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt), disarm=disarm)
+    next_step_matches_reference(pipe, mine, ref, x, y)
+    outcome["next"] = "success"
+    return outcome
+

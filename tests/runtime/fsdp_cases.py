@@ -659,3 +659,39 @@ def interrupted_checkpoint_case(path: str, when: str) -> str:
     except BaseException as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
     return f"{time.monotonic() - start:.1f}s ok"
+
+
+def ctrl_c_while_saving_case(path: str) -> str:
+    """2 ranks, rank r holding stage r of `Net`; rank 0 comes to `save_checkpoint` a second late, and
+    rank 1, waiting for it in the save's exchange, gets a real SIGINT (Ctrl-C). Returns
+    ``"<type>: <message>"`` of what the save raised on this rank (or ``"ok"``); then every rank
+    changes its parameters and loads the checkpoint back, which must give the values saved."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch.distributed.checkpoint  # noqa: F401 - imported now: the SIGINT must come in the exchange
+
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    stage = {rank: stage_of(whole_model(), rank, 2)}
+    saved = {k: v.clone() for k, v in stage[rank].state_dict().items()}
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 waits for it in the save's exchange
+    else:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        save_checkpoint(stage, path)
+        got = "ok"
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the test reads the type and the message
+        got = f"{type(exc).__name__}: {exc}"
+    time.sleep(0.5)  # no SIGINT still on its way into the load
+    with torch.no_grad():
+        for q in stage[rank].parameters():
+            q.add_(1.0)
+    load_checkpoint(stage, path)
+    for k, v in stage[rank].state_dict().items():
+        assert torch.equal(v, saved[k]), f"rank {rank}: {k} differs from the saved value after loading"
+    return got

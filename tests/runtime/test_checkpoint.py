@@ -94,6 +94,17 @@ def test_an_error_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers,
     assert all(float(m.split("s ", 1)[0]) < 10 for m in (wrong_on_0, wrong_on_1)), (wrong_on_0, wrong_on_1)
 
 
+def test_ctrl_c_while_waiting_in_the_save(tmp_path: Path, zbpp_workers) -> None:
+    """A real Ctrl-C on rank 1 while it waits for rank 0 in save_checkpoint's exchange: it left
+    all_gather_object between its two collectives and rank 0 waited in the second, which then paired
+    with DCP's (or the load's) collectives. Now the save completes on both ranks, then rank 1 gets its
+    interrupt, and the checkpoint loads back the saved values (`ctrl_c_while_saving_case`)."""
+    from .fsdp_cases import ctrl_c_while_saving_case
+
+    on_0, on_1 = zbpp_workers(2, pg_timeout=60).run(ctrl_c_while_saving_case, str(tmp_path / "c"))
+    assert (on_0, on_1) == ("ok", "KeyboardInterrupt: "), (on_0, on_1)
+
+
 @pytest.mark.parametrize("when", ["save", "load"])
 def test_an_interrupt_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers, when: str) -> None:
     """A KeyboardInterrupt on rank 1 while it gathers its part (`interrupted_checkpoint_case`): it

@@ -13,8 +13,8 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import (fifo_layers_fail_once, interrupted_outside_task, loss_weight_interrupted,
-                            reducer_wait_interrupted, rollback_interrupted)
+from .failure_cases import (ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
+                            loss_weight_interrupted, reducer_wait_interrupted, rollback_interrupted)
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -135,3 +135,21 @@ def test_an_interrupt_while_rolling_back_transformer_engine_like_layers():
     for o in outcomes:
         assert o["result"] == ("KeyboardInterrupt" if o["rank"] == 1 else "PipelineError"), o
         assert o["queued"] == [0, 0], o
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_failure_is_told(two):
+    """A real Ctrl-C on rank 1 while it waits for the failed rank's message after the end agreement:
+    all_gather_object raised the KeyboardInterrupt between its two collectives, leaving rank 0 in the
+    second, which then paired with rank 1's next start agreement (rank 0 got an UnpicklingError, gloo
+    aborted rank 1's process). Now the exchange completes; rank 1 gets its interrupt, rank 0 the
+    failure, and the next step is right on both."""
+    for o in two.run(ctrl_c_while_told_the_failure, "1f1b", 2, 4, FAIL_RANK):
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+        if o["rank"] == FAIL_RANK:
+            assert o["result"] == "KeyboardInterrupt", o
+        else:
+            assert o["result"] == "PipelineError" and "pipeline rank 0" in o["message"], o
+            assert "injected F failure" in o["message"], o["message"]
+        assert o["next"] == "success", o
+

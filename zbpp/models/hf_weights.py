@@ -56,6 +56,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from ..runtime.agreement import collective_call
+
 __all__ = ["SafetensorsWeights", "pretrained", "save_pretrained"]
 
 _INDEX = "model.safetensors.index.json"
@@ -261,6 +263,7 @@ def _tie_groups(model: nn.Module) -> list[list[str]]:
 
 
 # -- out -----------------------------------------------------------------------------------------
+@collective_call()  # an interrupt while this rank agreed comes once every rank is done
 def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int | str = "2GB") -> None:
     """Write the pipeline's model as a HF directory that ``from_pretrained`` loads (see the module
     docstring). Every rank of the job calls it together, between steps. A rank whose part fails

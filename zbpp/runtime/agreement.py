@@ -26,7 +26,10 @@ CPU can run ahead of the GPU across steps.
 
 A KeyboardInterrupt, a SystemExit or a store error that comes while a rank takes part in either
 agreement does not make it leave the collective (the others would wait for it): the agreement
-completes and the caller gets it with `Agreement.take_held`.
+completes and the caller gets it with `Agreement.take_held`. So with the exchanges of messages
+(`Agreement.gather_objects`) and those of a collective call (building a `Pipeline`, `check_ties`,
+a checkpoint: `agree_on_problems`), where it is raised once the outermost call ends
+(`collective_call`): the peers complete the call too.
 
 A rank that died makes the agreement fail. gloo tells only the ranks that exchange data with it
 directly (a closed connection, at once); the others would wait for the group's timeout. So a rank
@@ -40,8 +43,10 @@ False
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 from dataclasses import astuple, dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
     from .failure import StepFailure
 
 __all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "agree_on_problems", "agree_to_build",
-           "decide_start", "decide_end", "failed_step_error", "graphs_win"]
+           "collective_call", "decide_start", "decide_end", "failed_step_error", "graphs_win"]
 
 R = TypeVar("R", "StartReport", "EndReport")
 
@@ -125,14 +130,31 @@ class Agreement:
         return self.gather_objects(text)
 
     def gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's picklable `obj`, in the group's rank order (rare exchanges only: it pickles)."""
+        """Every rank's picklable `obj`, in the group's rank order (rare exchanges only: it pickles).
+
+        Two collectives, the lengths then the bytes, each waited for as `gather` waits (an interrupt
+        is held, the broken mark looked for): ``all_gather_object`` blocks in each, and an interrupt
+        that came meanwhile was raised between them, leaving the peers in the second one (which
+        then paired with this rank's next collective: gloo aborted the process)."""
         if self.group is None:
             return [obj]
         import torch.distributed as dist
 
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        self._holding(self.check)
+        backend = str(dist.get_backend(self.group))
+        on_cuda = "nccl" in backend and "gloo" not in backend  # an NCCL-only group (a checkpoint's) moves CUDA tensors
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        n = dist.get_world_size(self.group)
+        lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(n)]
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self._wait(dist.all_gather(lengths, mine, group=self.group, async_op=True))
+        sizes = [int(t.item()) for t in lengths]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        out = [torch.empty_like(padded) for _ in range(n)]
+        self._wait(dist.all_gather(out, padded, group=self.group, async_op=True))
+        return [pickle.loads(o[:k].cpu().numpy().tobytes()) for o, k in zip(out, sizes)]
 
     def check(self) -> None:
         """Raise `BrokenJob` if some rank marked the job broken."""
@@ -182,13 +204,55 @@ class Agreement:
             raise BrokenJob(why) from exc
 
 
+#: interrupts held by the exchanges of the collective call in progress (`collective_call`), and its depth
+_DEFERRED: list[BaseException] = []
+_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def collective_call() -> Iterator[None]:
+    """A collective call made of several exchanges (building a `Pipeline`, `check_ties`, a
+    checkpoint, which may call `check_ties`): an interrupt that an exchange of `agree_on_problems`
+    held is raised when the outermost call ends (from the call's own error, if it raised one), so
+    the peers complete the call with this rank rather than wait in its next exchange."""
+    _DEPTH[0] += 1
+    try:
+        yield
+    except BaseException as exc:
+        _DEPTH[0] -= 1
+        held = _take_deferred()
+        if held is not None and not isinstance(held, Exception):
+            raise held from exc
+        raise
+    _DEPTH[0] -= 1
+    held = _take_deferred()
+    if held is not None:
+        raise held
+
+
+def _take_deferred() -> BaseException | None:
+    """The first interrupt held during the outermost `collective_call`, once it ends (else None)."""
+    if _DEPTH[0] > 0 or not _DEFERRED:
+        return None
+    held = _DEFERRED[0]
+    _DEFERRED.clear()
+    return held
+
+
 def agree_on_problems(agreement: Agreement, problem: BaseException | None, world: Sequence[int], failed: str,
                       payload: Any = None) -> list[Any]:
     """A collective call's local part done: every rank tells whether it failed (`problem`), before
     any rank waits in a collective for one that will never come. The failed rank raises its own
     error; every other raises a `PipelineError` ``"<failed>; global rank <g>: <error>"`` (`world`:
-    the group's global ranks). Returns every rank's `payload`, in the group's rank order."""
+    the group's global ranks). Returns every rank's `payload`, in the group's rank order. An
+    interrupt while this rank exchanged is raised after the exchange, or at the end of the
+    `collective_call` it is part of."""
     told = agreement.gather_objects((None if problem is None else describe_error(problem), payload))
+    held = agreement.take_held()
+    if held is not None:
+        if _DEPTH[0] == 0:
+            raise held
+        _DEFERRED.append(held)
     if problem is not None:
         raise problem
     bad = [f"global rank {g}: {text}" for g, (text, _) in zip(sorted(world), told) if text is not None]

@@ -47,7 +47,7 @@ from torch import nn
 
 from .._compat import uncompiled
 from ..modules._scaling_state import restore_scaling_states, scaling_states, scaling_layers
-from .agreement import Agreement, agree_on_problems
+from .agreement import Agreement, agree_on_problems, collective_call
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -122,6 +122,7 @@ def _hyper(group: dict) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+@collective_call()  # an interrupt while this rank agreed comes once every rank is done
 def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                     *, lr_scheduler: Any = None, process_group: Any = None) -> None:
     """Save this rank's share of the model (and optimizer) state into the DCP checkpoint `path`.
@@ -219,6 +220,7 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
     return state
 
 
+@collective_call()  # an interrupt while this rank agreed comes once every rank is done
 def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                     *, lr_scheduler: Any = None, process_group: Any = None) -> None:
     """Load the DCP checkpoint `path` (written by `save_checkpoint` at any layout) into this rank's

@@ -30,7 +30,8 @@ from ..schedules.ir import Kind, Schedule
 from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
 from .arguments import check_arguments, check_stage_modules
-from .agreement import Agreement, BrokenJob, StartReport, agree_on_problems, agree_to_build, decide_end, decide_start
+from .agreement import (Agreement, BrokenJob, StartReport, agree_on_problems, agree_to_build, collective_call,
+                        decide_end, decide_start)
 from .channels import Channels, agreement_group, default_timeout
 from .comm_queue import CommQueue
 from .executor import PipelineError, StepExecutor, StepInputs, StepResults
@@ -169,6 +170,7 @@ class Pipeline:
         True
     """
 
+    @collective_call()  # an interrupt while this rank agreed comes once every rank built its part
     def __init__(
         self,
         stage_modules: Mapping[int, nn.Module],
@@ -411,6 +413,7 @@ class Pipeline:
             raise RuntimeError("task_times() needs Pipeline(..., record_task_times=True)")
         return gather_records(self._recorder, self.topology)
 
+    @collective_call()  # an interrupt while this rank agreed comes once every rank compared
     def check_ties(self) -> None:
         """Raise, on every rank alike, if the copies of some tied parameter differ (collective over every
         rank of the job, between steps).
