@@ -548,11 +548,44 @@ def check_frozen_on_one_replica() -> str:
     return ""
 
 
+class WrongWgradParams(nn.Module):
+    """A delayed-wgrad layer whose ``get_backward_dw_params`` lists a copy of its weight, not the
+    Parameter (the data-parallel reducer refuses it when it is built)."""
+
+    delay_wgrad_compute = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, H, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def backward_dw(self, key: Any = None) -> None:
+        pass
+
+    def get_backward_dw_params(self) -> list[torch.Tensor]:
+        return [self.weight.detach().clone()]
+
+
 def check_wrong_on_one_rank(what: str) -> str:
     """Rank 1 passes wrong stage modules (``"stages"``: rank 0's stage 0 instead of its stage 1), a
     wrong tie (``"tie"``: a Parameter none of its stages holds), or a tie it froze alone
-    (``"frozen-tie"``: rank 0's copy trains); rank 0 is right. Returns the error each rank raised
-    from `Pipeline` ('' if none), its type, and how long it took."""
+    (``"frozen-tie"``: rank 0's copy trains); rank 0 is right. ``"wgrad-params"``: two data-parallel
+    replicas of a one-rank pipeline, rank 1's stage holding a `WrongWgradParams` (refused when the
+    data-parallel reducer is built, after the checks of the stage modules). Returns the error each
+    rank raised from `Pipeline` ('' if none), its type, and how long it took."""
+    if what == "wgrad-params":
+        sched = make_schedule("1f1b", 1, 2)
+        stage = nn.Sequential(LMStage(0, 1, "plain", make_wte()))
+        if dist.get_rank() == 1:
+            stage.append(WrongWgradParams())
+        start = time.monotonic()
+        try:
+            Pipeline({0: stage}, sched, lm_loss, groups=ParallelGroups(pp=1))
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+            return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+        return ""
     sched = make_schedule("1f1b", 2, 4)
     n = sched.num_stages
     wte = make_wte()

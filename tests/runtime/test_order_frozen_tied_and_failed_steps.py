@@ -134,11 +134,15 @@ def test_a_rank_waiting_in_the_agreement_sees_a_broken_job(tmp_path):
 @pytest.mark.parametrize("what, words", [
     ("stages", "pipeline rank 1 holds stages [1] of schedule '1f1b' but stage_modules has [0]"),
     ("tie", "tied_parameters['wte'] is not a parameter of this rank's stage modules (stages [1])"),
+    ("wgrad-params", "stage 0: WrongWgradParams.get_backward_dw_params() returned a tensor of shape (2, 6) that is "
+                     "not a trainable parameter of the stage module"),
 ])
 def test_a_rank_built_wrong_raises_on_every_rank(zbpp_workers, what: str, words: str):
     """Stage modules or a tied_parameters entry wrong on one rank: its own ValueError, and on every
     other rank a PipelineError naming it, when the pipeline is built (not after the others wait out
-    the process-group timeout)."""
+    the process-group timeout). "wgrad-params": refused by the data-parallel reducer, built after the
+    first agreement: the other rank built its Pipeline and waited in its first step until the
+    timeout, then called the job dead without naming the cause."""
     right, wrong = zbpp_workers(2).run(check_wrong_on_one_rank, what)
     assert wrong.split(" ", 1)[1].startswith(f"ValueError: {words}"), wrong
     assert f"PipelineError: Pipeline could not be built on every rank; global rank 1: ValueError: {words}" in right, right

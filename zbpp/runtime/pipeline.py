@@ -227,6 +227,7 @@ class Pipeline:
             self._specs: OrderedDict[tuple[Any, ...], dict[tuple[int, int], Any]] = OrderedDict()
             self._in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
             self._broken: str | None = None
+            self._graph_cache: GraphCache | None = None
             first_forward = list(dict.fromkeys(a.stage for a in tasks if a.kind is Kind.F))
             fsdp = fsdp_reducer(self.stage_modules, self.topology, first_forward, reducer)
             ties = local_ties(tied_parameters or {}, self.stage_modules, fsdp.split_copies() if fsdp is not None else ())
@@ -237,27 +238,14 @@ class Pipeline:
         self._base_seed = agree_to_build(self._agreement, problem, self.topology.world, seed_here)
         self._channels = Channels(self.topology, self._program.channels, self.device, span) if self.topology.pp_size > 1 else None
         self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement.group, self.device, span)
-        if fsdp is not None or reducer is None:
-            reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
-        self._replica_buffers = ReplicaBuffers.of(self.stage_modules, self.topology, span)
-        for waiting in (reducer, self._tied, self._replica_buffers):  # their waits end when another rank marks the job broken
-            if hasattr(waiting, "wait_check"):
-                waiting.wait_check = self._agreement.check
-        if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
-            reducer.owe_all_to_wgrad(self._split_stages)
-        if fsdp is not None and (cuda_graphs == "auto" or isinstance(cuda_graphs, AutoGraphs)):
-            cuda_graphs = False  # "auto" takes graphs only where they run (fast_pipeline_kwargs' choice)
-        self._graph_cache: GraphCache | None = graph_cache(cuda_graphs, self.stage_modules, self.device)
-        self.cuda_graphs = self._graph_cache is not None
-        if self.cuda_graphs and fsdp is not None:
-            raise ValueError(f"cuda_graphs={cuda_graphs!r} cannot capture fully_shard stages (FSDP all-gathers and "
-                             "frees parameters from Python hooks around each task); pass cuda_graphs=False")
-        stage_params = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
-        self._reductions = Reductions(
-            reducer=reducer, fsdp=fsdp, tied=self._tied,
-            owed_by_w=lambda s: stage_params[s] if s in self._split_stages else self._wgrad[s].wgrad_param_ids(),
-            keep_grads_on_failure=self.keep_grads_on_failure,
-            fixed_grads=self._graph_cache.grad_buffers if self._graph_cache is not None else None)
+        self._replica_buffers = ReplicaBuffers.of(self.stage_modules, self.topology, span)  # a collective: before the try
+        problem = None
+        try:  # this rank's own parts: an error (a stage's get_backward_dw_params, a module CUDA graphs cannot capture)
+            # is told here as the checks above are, not found by the peers waiting in the first step until the timeout
+            self._set_up_reductions(reducer, fsdp, cuda_graphs, span)  # its one collective comes first
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised below, on every rank
+            problem = exc
+        agree_on_problems(self._agreement, problem, self.topology.world, "Pipeline could not be built on every rank")
         self._sync_gradients = True  # False inside no_sync()
 
     # -- public -------------------------------------------------------------------------------
@@ -632,6 +620,29 @@ class Pipeline:
         return error
 
     # -- construction and internals -----------------------------------------------------------
+    def _set_up_reductions(self, reducer: Any, fsdp: Any, cuda_graphs: Any, span: timedelta) -> None:
+        """The reducer (the default one's group first: a collective), the task graphs and `Reductions`."""
+        if fsdp is not None or reducer is None:
+            reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
+        for waiting in (reducer, self._tied, self._replica_buffers):  # their waits end when another rank marks the job broken
+            if hasattr(waiting, "wait_check"):
+                waiting.wait_check = self._agreement.check
+        if self._split_stages and callable(getattr(reducer, "owe_all_to_wgrad", None)):
+            reducer.owe_all_to_wgrad(self._split_stages)
+        if fsdp is not None and (cuda_graphs == "auto" or isinstance(cuda_graphs, AutoGraphs)):
+            cuda_graphs = False  # "auto" takes graphs only where they run (fast_pipeline_kwargs' choice)
+        self._graph_cache = graph_cache(cuda_graphs, self.stage_modules, self.device)
+        self.cuda_graphs = self._graph_cache is not None
+        if self.cuda_graphs and fsdp is not None:
+            raise ValueError(f"cuda_graphs={cuda_graphs!r} cannot capture fully_shard stages (FSDP all-gathers and "
+                             "frees parameters from Python hooks around each task); pass cuda_graphs=False")
+        stage_params = {s: {id(p) for p in m.parameters()} for s, m in self.stage_modules.items()}
+        self._reductions = Reductions(
+            reducer=reducer, fsdp=fsdp, tied=self._tied,
+            owed_by_w=lambda s: stage_params[s] if s in self._split_stages else self._wgrad[s].wgrad_param_ids(),
+            keep_grads_on_failure=self.keep_grads_on_failure,
+            fixed_grads=self._graph_cache.grad_buffers if self._graph_cache is not None else None)
+
     def _rng_of(self, base: int, step: int) -> Callable[[int, int], Any]:
         replica, device = self.topology.dp_rank, self.device
         return lambda stage, microbatch: seeded(microbatch_seed(base, step, stage, microbatch, replica), device)
