@@ -694,3 +694,27 @@ def ctrl_c_while_told_the_failure(name: str, p: int, m: int, fail_rank: int) -> 
     outcome["next"] = "success"
     return outcome
 
+
+
+def ctrl_c_while_gathering_task_times(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
+    """After a good step with ``record_task_times=True``, every rank calls ``task_times()``; rank 0
+    comes a second late, and `fail_rank`, waiting for it, gets a real SIGINT (Ctrl-C). Returns how
+    the call ended on this rank ("result") and how many records rank 0 got ("records")."""
+    import signal
+    import threading
+
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    mine = {s: make_stage(s, sched.num_stages, "zbpp") for s in sched.stages_on(rank)}
+    pipe = Pipeline(mine, sched, loss_fn, record_task_times=True)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    got: dict[str, Any] = {}
+    if rank == 0:
+        time.sleep(1.0)  # the others wait for it in the exchange
+    if rank == fail_rank:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    outcome = timed_outcome(rank, lambda: got.update(records=pipe.task_times()), (Exception, KeyboardInterrupt),
+                            disarm=lambda: time.sleep(0.5))  # no SIGINT still on its way
+    outcome["records"] = len(got["records"]) if got.get("records") is not None else None
+    return outcome

@@ -13,7 +13,7 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import (ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
+from .failure_cases import (ctrl_c_while_gathering_task_times, ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
                             loss_weight_interrupted, reducer_wait_interrupted, rollback_interrupted)
 
 PG_TIMEOUT = 120.0
@@ -153,3 +153,17 @@ def test_ctrl_c_while_the_failure_is_told(two):
             assert "injected F failure" in o["message"], o["message"]
         assert o["next"] == "success", o
 
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_gathering_task_times(two):
+    """A real Ctrl-C on rank 1 while it waits for rank 0 in task_times(): gather_object raised it
+    between its two collectives and rank 0 waited for rank 1's records until the group's timeout.
+    Now the exchange completes: rank 0 gets every task's record, rank 1 its interrupt."""
+    from zbpp.schedules import build
+
+    tasks = sum(len(order) for order in build("1f1b", num_ranks=2, num_microbatches=4).orders)
+    for o in two.run(ctrl_c_while_gathering_task_times, "1f1b", 2, 4, FAIL_RANK):
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s: {o}"
+        assert o["result"] == ("KeyboardInterrupt" if o["rank"] == FAIL_RANK else "success"), o
+        assert o["records"] == (tasks if o["rank"] == 0 else None), o

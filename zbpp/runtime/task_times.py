@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .agreement import Agreement, agree_on_problems, collective_call
+
 from ..schedules.measured import measured_bubble_rate  # re-exported: its one definition lives there
 
 __all__ = ["TaskRecorder", "gather_records", "measured_bubble_rate"]
@@ -92,17 +94,20 @@ class TaskRecorder:
         return out
 
 
+@collective_call()  # an interrupt while this rank waited comes once every rank took part
 def gather_records(recorder: TaskRecorder, topology: Any) -> list[dict[str, Any]] | None:
     """The last successful step's records of every rank of the pipeline, on its rank 0 (None on the others).
-    Collective over the pipeline group."""
-    mine = recorder.records()  # resolved now, so that a step never waits for the device
+    Collective over the pipeline group: exchanged as `agree_on_problems` does (``gather_object`` left its
+    second collective to the peers when a Ctrl-C came in the first; a rank whose records raised left them
+    all waiting)."""
     if topology.pp_size == 1:
-        return mine
-    import torch.distributed as dist
-
-    root = topology.pipeline[0]
-    gathered: list[Any] | None = [None] * topology.pp_size if topology.pp_rank == 0 else None
-    dist.gather_object(mine, gathered, dst=root, group=topology.pp_group)
-    if gathered is None:
+        return recorder.records()
+    try:
+        mine, problem = recorder.records(), None  # resolved now, so that a step never waits for the device
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        mine, problem = [], exc
+    told = agree_on_problems(Agreement(topology.pp_group), problem, topology.pipeline,
+                             "task_times could not run on every rank", payload=mine)
+    if topology.pp_rank != 0:
         return None
-    return [rec for recs in gathered for rec in recs]
+    return [rec for recs in told for rec in recs]
