@@ -601,3 +601,50 @@ def check_wrong_on_one_rank(what: str) -> str:
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
     return ""
+
+
+def check_ctrl_c_while_building() -> str:
+    """2 ranks build the tied LM's pipeline; rank 0 comes a second late to the exchange of who holds
+    which tie (`TiedParameters._exchange`), and rank 1, waiting there, gets a real SIGINT (Ctrl-C).
+    Returns what building raised on this rank ("ok": nothing); then both ranks build it again and
+    take a step, whose loss (on rank 1) must be one process's (equal up to `TOL`: float64)."""
+    import signal
+    import threading
+
+    from zbpp.runtime.tied import TiedParameters
+
+    rank = dist.get_rank()
+    sched = make_schedule("1f1b", 2, 4)
+    n = sched.num_stages
+
+    def build() -> Pipeline:
+        wte = make_wte()
+        stages = {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in sched.stages_on(rank)}
+        return Pipeline(stages, sched, lm_loss, tied_parameters={"wte": wte})
+
+    real = TiedParameters.__dict__["_exchange"]
+
+    def exchange(agreement: Any, held: Any) -> Any:
+        if rank == 0:
+            time.sleep(1.0)  # rank 1 waits for it in the exchange
+        else:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return real.__func__(agreement, held)
+
+    TiedParameters._exchange = staticmethod(exchange)  # type: ignore[method-assign]
+    try:
+        build()
+        got = "ok"
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the test reads the type and the message
+        got = f"{type(exc).__name__}: {exc}"
+    finally:
+        TiedParameters._exchange = real  # type: ignore[method-assign]
+    time.sleep(0.5)  # no SIGINT still on its way
+    x, y = lm_batch(0, 8)
+    loss = build().step(x, target=y)
+    if loss is not None:
+        h: Any = x
+        for st in [LMStage(s, n, "plain", w) for w in [make_wte()] for s in range(n)]:
+            h = st(h)
+        torch.testing.assert_close(loss, lm_loss(h, y), **TOL)
+    return got

@@ -30,7 +30,7 @@ from .order_frozen_tied_cases import (check_empty_tensors, check_failed_step_aft
                         check_first_failure_named, check_frozen_on_one_replica, check_reducer_with_the_tie,
                         check_tie_named_twice,
                         check_wrong_on_one_rank,
-                        check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
+                        check_ctrl_c_while_building, check_lm, check_nested_no_sync, check_waiting_rank_sees_broken_job,
                         hand_built_v_schedule, reordered_schedule)
 from .test_random_schedules import run_schedule_against_one_process
 
@@ -147,6 +147,15 @@ def test_a_rank_built_wrong_raises_on_every_rank(zbpp_workers, what: str, words:
     assert wrong.split(" ", 1)[1].startswith(f"ValueError: {words}"), wrong
     assert f"PipelineError: Pipeline could not be built on every rank; global rank 1: ValueError: {words}" in right, right
     assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (right, wrong)), (right, wrong)
+
+
+def test_ctrl_c_while_building_is_raised_once_built(zbpp_workers):
+    """A real Ctrl-C on rank 1 while it waited for rank 0 in the exchange of the ties' holders:
+    all_gather_object raised it between its two collectives, and rank 0 waited in the second until the
+    process group's timeout (the run's 60 s here). Now both ranks complete the construction, rank 1
+    raises its interrupt after it, and the next Pipeline built on them steps right."""
+    got = zbpp_workers(2).run(check_ctrl_c_while_building, timeout=60)
+    assert got == ["ok", "KeyboardInterrupt: "], got
 
 
 def test_a_tie_frozen_on_one_rank_only_raises_on_every_rank(zbpp_workers):

@@ -237,7 +237,7 @@ class Pipeline:
         # one base seed for the whole job (global rank 0's): a checkpoint's single copy resumes every replica
         self._base_seed = agree_to_build(self._agreement, problem, self.topology.world, seed_here)
         self._channels = Channels(self.topology, self._program.channels, self.device, span) if self.topology.pp_size > 1 else None
-        self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement.group, self.device, span)
+        self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement, self.device, span)
         self._replica_buffers = ReplicaBuffers.of(self.stage_modules, self.topology, span)  # a collective: before the try
         problem = None
         try:  # this rank's own parts: an error (a stage's get_backward_dw_params, a module CUDA graphs cannot capture)

@@ -142,7 +142,8 @@ class TiedParameters:
         local: this rank's ties (`local_ties`; may be empty: every rank must build one).
         topology: this rank's place in the job.
         stage_rank: stage -> pipeline rank (the schedule's placement).
-        agreement: the job's gloo group (to learn who holds what).
+        agreement: the job's `Agreement` (to learn who holds what; None: one process). An interrupt
+            while this rank exchanges is held there, for the caller's next agreement.
         device: where gradients live (CUDA: NCCL groups; CPU: gloo).
         timeout: the groups' timeout.
     """
@@ -221,13 +222,11 @@ class TiedParameters:
 
     @staticmethod
     def _exchange(agreement: Any, held: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        if agreement is None:
+        if agreement is None or agreement.group is None:
             return {0: held}
         import torch.distributed as dist
 
-        out: list[Any] = [None] * dist.get_world_size(agreement)
-        dist.all_gather_object(out, (dist.get_rank(), held), group=agreement)
-        return {g: h for g, h in out}
+        return dict(agreement.gather_objects((dist.get_rank(), held)))  # see Agreement.gather_objects
 
     @property
     def names(self) -> list[str]:
