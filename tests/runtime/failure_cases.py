@@ -718,3 +718,37 @@ def ctrl_c_while_gathering_task_times(name: str, p: int, m: int, fail_rank: int)
                             disarm=lambda: time.sleep(0.5))  # no SIGINT still on its way
     outcome["records"] = len(got["records"]) if got.get("records") is not None else None
     return outcome
+
+
+def ctrl_c_while_a_new_shape_arrives(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
+    """After a good step, a step on a batch of another size (a new input signature: each activation's
+    spec travels before its tensors, `Channels.recv_object`), where pipeline rank 0 takes a second over
+    its first forward and `fail_rank`, waiting for that spec, gets a real SIGINT (Ctrl-C); its loop
+    catches the KeyboardInterrupt and goes on. Returns how that step ended on this rank; then a step
+    on the new batch, whose gradients must be one process's on the good step's batch and its own."""
+    import signal
+    import threading
+
+    rank = dist.get_rank()
+    pipe, mine, ref, _, _ = after_a_good_step(name, p, m)
+    x, y = make_batch(1, 2 * m + 2)
+    stage = next(iter(mine.values()))
+    if rank == 0:
+        real = stage.forward
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            if current_microbatch()[1] == 0:
+                time.sleep(1.0)  # the next rank waits for its output's spec meanwhile
+            return real(*args, **kwargs)
+        stage.forward = slow
+    if rank == fail_rank:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    def disarm() -> None:
+        time.sleep(0.5)  # no SIGINT still on its way into the next step
+        stage.__dict__.pop("forward", None)
+
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt), disarm=disarm)
+    next_step_matches_reference(pipe, mine, ref, x, y)
+    outcome["next"] = "success"
+    return outcome

@@ -13,7 +13,8 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import (ctrl_c_while_gathering_task_times, ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
+from .failure_cases import (ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
+                            ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
                             loss_weight_interrupted, reducer_wait_interrupted, rollback_interrupted)
 
 PG_TIMEOUT = 120.0
@@ -167,3 +168,20 @@ def test_ctrl_c_while_gathering_task_times(two):
         assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s: {o}"
         assert o["result"] == ("KeyboardInterrupt" if o["rank"] == FAIL_RANK else "success"), o
         assert o["records"] == (tasks if o["rank"] == 0 else None), o
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_new_shape_arrives(two):
+    """A real Ctrl-C on rank 1 while it waits for the spec of a new input signature's activation:
+    raised between the spec's length and its bytes, it left the bytes to the channel's next receive
+    and gloo aborted rank 1's process (rank 0: "this Pipeline is unusable"). Now the spec and its
+    tensors are received; rank 1 gets its interrupt, rank 0 a PipelineError naming it, and the next
+    step is right on both."""
+    for o in two.run(ctrl_c_while_a_new_shape_arrives, "1f1b", 2, 4, FAIL_RANK):
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s: {o}"
+        if o["rank"] == FAIL_RANK:
+            assert o["result"] == "KeyboardInterrupt", o
+        else:
+            assert o["result"] == "PipelineError" and "pipeline rank 1" in o["message"], o
+            assert "KeyboardInterrupt" in o["message"] and "unusable" not in o["message"], o["message"]
+        assert o["next"] == "success", o

@@ -119,16 +119,29 @@ class Channels:
         bufs = [size, data]
         return self.isend(bufs, channel), bufs
 
-    def recv_object(self, channel: Channel) -> Any:
+    def recv_object(self, channel: Channel) -> tuple[Any, BaseException | None]:
         """Receive an object sent by `send_object` (blocks until it has arrived, or raises
         `TimeoutError` after the channels' timeout: on NCCL a dead peer would otherwise block the
-        host until the watchdog ends the process)."""
+        host until the watchdog ends the process). Returns it and a KeyboardInterrupt or SystemExit
+        that came while it waited, held until both its parts arrived: raised between them, it left
+        the bytes to the channel's next receive (gloo aborted the process on the size mismatch)."""
         group, peer = self._peer(channel, False)
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(size, peer, group=group), channel)
+        held = self._wait_holding(dist.irecv(size, peer, group=group), channel)
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(data, peer, group=group), channel)
-        return pickle.loads(bytes(data.cpu().tolist()))
+        held = self._wait_holding(dist.irecv(data, peer, group=group), channel) or held
+        return pickle.loads(bytes(data.cpu().tolist())), held
+
+    def _wait_holding(self, work: Any, channel: Channel) -> BaseException | None:
+        """`_wait` for `work` to the end; a KeyboardInterrupt or SystemExit meanwhile is returned."""
+        held: BaseException | None = None
+        while True:
+            try:
+                if self.backend == "nccl" or not work.is_completed():  # a gloo work waited for twice blocks for good
+                    self._wait(work, channel)
+                return held
+            except (KeyboardInterrupt, SystemExit) as exc:
+                held = held or exc
 
     def _wait(self, work: Any, channel: Channel) -> None:
         if self.backend != "nccl":

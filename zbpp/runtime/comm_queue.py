@@ -181,7 +181,7 @@ class CommQueue:
             if not self.new_signature or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
                 raise PipelineError(f"rank {self.program.rank}: the receive of {msg} was never posted (a bug)")
             try:
-                spec = self.channels.recv_object(msg.channel)
+                spec, interrupted = self.channels.recv_object(msg.channel)
             except Exception as exc:  # noqa: BLE001
                 self._comm_failed(exc, msg.channel)
                 raise Drained() from exc
@@ -192,6 +192,10 @@ class CommQueue:
             else:
                 self._post(item, list(spec.tensors))
                 self._received.pop(msg.index)
+            if interrupted is not None:  # the spec is known and its tensors posted: `complete` receives them
+                if not item.poisoned:
+                    self._received[msg.index] = item
+                raise interrupted
         try:
             for w in item.works:
                 w.wait()
