@@ -571,7 +571,8 @@ class WrongWgradParams(nn.Module):
 def check_wrong_on_one_rank(what: str) -> str:
     """Rank 1 passes wrong stage modules (``"stages"``: rank 0's stage 0 instead of its stage 1), a
     wrong tie (``"tie"``: a Parameter none of its stages holds), or a tie it froze alone
-    (``"frozen-tie"``: rank 0's copy trains); rank 0 is right. ``"wgrad-params"``: two data-parallel
+    (``"frozen-tie"``: rank 0's copy trains), or another schedule (``"schedule"``: 2 microbatches
+    instead of 4); rank 0 is right. ``"wgrad-params"``: two data-parallel
     replicas of a one-rank pipeline, rank 1's stage holding a `WrongWgradParams` (refused when the
     data-parallel reducer is built, after the checks of the stage modules). Returns the error each
     rank raised from `Pipeline` ('' if none), its type, and how long it took."""
@@ -586,10 +587,10 @@ def check_wrong_on_one_rank(what: str) -> str:
         except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
             return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
         return ""
-    sched = make_schedule("1f1b", 2, 4)
+    wrong = dist.get_rank() == 1
+    sched = make_schedule("1f1b", 2, 2 if wrong and what == "schedule" else 4)
     n = sched.num_stages
     wte = make_wte()
-    wrong = dist.get_rank() == 1
     mine = sched.stages_on(0) if wrong and what == "stages" else sched.stages_on(dist.get_rank())
     stages = {s: LMStage(s, n, "plain", wte if s in (0, n - 1) else None) for s in mine}
     tied = {"wte": torch.nn.Parameter(torch.zeros(3)) if wrong and what == "tie" else wte}

@@ -149,6 +149,17 @@ def test_a_rank_built_wrong_raises_on_every_rank(zbpp_workers, what: str, words:
     assert all(float(msg.split("s ", 1)[0]) < 10 for msg in (right, wrong)), (right, wrong)
 
 
+def test_ranks_with_different_schedules_raise_when_built(zbpp_workers):
+    """Rank 1 builds its Pipeline with 2 microbatches, rank 0 with 4: each waited for messages the
+    other never sends until the process group's timeout, then called the job dead. Now every rank
+    raises when it is built, naming both schedules and their ranks."""
+    msgs = zbpp_workers(2).run(check_wrong_on_one_rank, "schedule", timeout=60)
+    want = ("ValueError: the ranks build their Pipeline with different schedules: global ranks [0]: '1f1b' (2 ranks, "
+            "2 stages, 4 microbatches); global ranks [1]: '1f1b' (2 ranks, 2 stages, 2 microbatches)")
+    assert all(f"s {want}" in m for m in msgs), msgs
+    assert all(float(m.split("s ", 1)[0]) < 10 for m in msgs), msgs
+
+
 def test_ctrl_c_while_building_is_raised_once_built(zbpp_workers):
     """A real Ctrl-C on rank 1 while it waited for rank 0 in the exchange of the ties' holders:
     all_gather_object raised it between its two collectives, and rank 0 waited in the second until the

@@ -261,10 +261,23 @@ def agree_on_problems(agreement: Agreement, problem: BaseException | None, world
     return [p for _, p in told]
 
 
-def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int], seed: int) -> int:
+def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int], seed: int,
+                   schedule: tuple[int, str] | None = None) -> int:
     """`Pipeline`'s construction (`agree_on_problems`). Returns the job's base seed: the `seed` of
-    the lowest global rank (rank 0 of the default group)."""
-    return int(agree_on_problems(agreement, problem, world, "Pipeline could not be built on every rank", seed)[0])
+    the lowest global rank (rank 0 of the default group). `schedule`: this rank's schedule, as a
+    hash of its tasks and a description; ranks whose schedules differ raise a ValueError on every rank
+    (their programs would wait for each other's messages until the group's timeout)."""
+    told = agree_on_problems(agreement, problem, world, "Pipeline could not be built on every rank", (seed, schedule))
+    holders: dict[tuple[int, str] | None, list[int]] = {}
+    for g, (_, theirs) in zip(sorted(world), told):
+        holders.setdefault(theirs, []).append(g)
+    if len(holders) > 1:
+        raise ValueError(
+            "the ranks build their Pipeline with different schedules: "
+            + "; ".join(f"global ranks {ranks}: {key[1] if key else 'none'}" for key, ranks in holders.items())
+            + ". Every rank of the job builds it with the same schedule (the same tasks in the same order)"
+        )
+    return int(told[0][0])
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,7 @@ class Pipeline:
         span = timedelta(seconds=timeout) if timeout is not None else (default_timeout() if self.topology.distributed else timedelta(minutes=10))
         self._agreement = Agreement(agreement_group(self.topology, span))
         problem: Exception | None = None
+        plan: tuple[int, str] | None = None
         try:  # this rank's checks: a rank that fails them tells the others before any of them waits for it
             check_stage_modules(stage_modules, schedule, self.pp_rank)
             self.stage_modules: dict[int, nn.Module] = dict(sorted(stage_modules.items()))
@@ -214,6 +215,7 @@ class Pipeline:
             self._eval_program: Program | None = None
             self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
             check_fifo_wgrad(self._wgrad, schedule)
+            plan = _schedule_key(schedule)  # every rank's must be the same: agreed below
             self.split_wgrad = bool(split_wgrad)
             tasks = self._program.ranks[self.pp_rank].tasks
             has_b = {t.stage for t in tasks if t.kind is Kind.B}
@@ -235,7 +237,7 @@ class Pipeline:
         except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised below, on every rank
             problem = exc
         # one base seed for the whole job (global rank 0's): a checkpoint's single copy resumes every replica
-        self._base_seed = agree_to_build(self._agreement, problem, self.topology.world, seed_here)
+        self._base_seed = agree_to_build(self._agreement, problem, self.topology.world, seed_here, plan)
         self._channels = Channels(self.topology, self._program.channels, self.device, span) if self.topology.pp_size > 1 else None
         self._tied = TiedParameters(ties, self.topology, schedule.placement, self._agreement, self.device, span)
         self._replica_buffers = ReplicaBuffers.of(self.stage_modules, self.topology, span)  # a collective: before the try
@@ -651,6 +653,14 @@ class Pipeline:
         if self._eval_program is None:
             self._eval_program = make_program(self.schedule, costs=self._costs, forward_only=True)
         return self._eval_program
+
+
+def _schedule_key(schedule: Schedule) -> tuple[int, str]:
+    """A hash of `schedule`'s tasks (its placement and every rank's order) and a description of it."""
+    tasks = (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches, tuple(schedule.placement),
+             tuple(tuple(map(str, order)) for order in schedule.orders))
+    return stable_hash(tasks), (f"{schedule.name or 'custom'!r} ({schedule.num_ranks} ranks, {schedule.num_stages} "
+                                f"stages, {schedule.num_microbatches} microbatches)")
 
 
 def _first_error(*calls: Callable[[], Any]) -> BaseException | None:
