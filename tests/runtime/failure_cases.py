@@ -283,6 +283,26 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
         json.dump(outcome, fh)
 
 
+def die_between_steps(name: str, p: int, m: int, report_dir: str) -> None:
+    """After a good step, rank 1 exits (os._exit) before the next call; the others call
+    ``check_ties`` (``save_checkpoint`` does), which must raise at once on every rank that the
+    pipeline is unusable, and so must their next step ("check_ties", "next": message and seconds)."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, p, m)
+    mine = {s: make_stage(s, sched.num_stages, "zbpp") for s in sched.stages_on(rank)}
+    pipe = Pipeline(mine, sched, loss_fn)
+    x, y = make_batch(0, 2 * m)
+    pipe.step(x, target=y)
+    if rank == 1:
+        os._exit(3)
+    outcome: dict[str, Any] = {"rank": rank}
+    for what, call in {"check_ties": pipe.check_ties, "next": lambda: pipe.step(x, target=y)}.items():
+        done = timed_outcome(rank, call, (Exception,))
+        outcome[what] = [f"{done['result']}: {done.get('message', '')}", done["seconds"]]
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(outcome, fh)
+
+
 def interrupted_once(name: str, p: int, m: int, fail_rank: int, which: str) -> dict[str, Any]:
     """After a good step, `which` (KeyboardInterrupt or SystemExit: no Exception) is raised in
     `fail_rank`'s forward of microbatch 1, and that rank's loop catches it and goes on (as a loop

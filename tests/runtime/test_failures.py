@@ -16,7 +16,7 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import (die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
+from .failure_cases import (die_between_steps, die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
                             no_sync_on_one_replica, prepare_fails_once, reduction_fails_once)
 
 PG_TIMEOUT = 120.0
@@ -88,6 +88,24 @@ def test_a_dead_rank_ends_the_others_at_once(tmp_path):
         assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
         for what, (message, seconds) in o["later"].items():  # collectives that would wait for the dead rank
             assert "unusable" in message and seconds < 1.0, (r, what, message, seconds)
+
+
+@pytest.mark.slow
+def test_a_rank_dead_between_steps_ends_check_ties_at_once(tmp_path):
+    """Rank 1 dies between steps and the others call check_ties: its exchange (all_gather_object)
+    looked for no broken mark, so the ranks gloo did not pair with the dead one in it (rank 3) waited
+    until the group's timeout. Now every rank raises at once that the pipeline is unusable."""
+    with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60, grace=30) as workers:
+        with pytest.raises(DistributedTestError) as info:
+            workers.run(die_between_steps, "zb-h1", 4, 8, str(tmp_path))
+    assert set(info.value.failures) == {1}, info.value.failures.keys()
+    for r in (0, 2, 3):
+        with open(os.path.join(tmp_path, f"rank{r}.json")) as fh:
+            o = json.load(fh)
+        for what in ("check_ties", "next"):
+            message, seconds = o[what]
+            assert message.startswith("PipelineError: this Pipeline is unusable") and seconds < FAST, (r, what, o)
+        assert "agreement of check_ties" in o["check_ties"][0], o
 
 
 @pytest.mark.slow

@@ -427,6 +427,12 @@ class Pipeline:
         """
         self._raise_if_unusable()
         try:
+            self._compare_ties()
+        except BrokenJob as exc:  # a rank died since the last step: unusable, as a step would find it
+            raise self._broken_error(exc, "agreement of check_ties") from exc
+
+    def _compare_ties(self) -> None:
+        try:
             snapshot, problem = self._tied.snapshot(), None
         except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
             snapshot, problem = [], exc
@@ -474,7 +480,7 @@ class Pipeline:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
         except BaseException as exc:  # every rank raises: nothing is computed
             held = self._agreement.take_held()
-            error = self._broken_error(exc, "start") if isinstance(exc, BrokenJob) else exc
+            error = self._broken_error(exc, "start-of-step agreement") if isinstance(exc, BrokenJob) else exc
             if held is not None and not isinstance(held, Exception):
                 raise held from error  # this rank's interrupt goes on
             raise error
@@ -555,7 +561,7 @@ class Pipeline:
                 schedule=self.schedule.name or "custom", rank=self.pp_rank, kept_grads=self.keep_grads_on_failure,
                 broken=self._broken, roll_back=lambda: self._roll_back(step))
         except BrokenJob as exc:
-            error = self._broken_error(exc, "end")
+            error = self._broken_error(exc, "end-of-step agreement")
         # an interrupt while this rank agreed: the outcome is shared, so it comes after it (`_Step.after`);
         # one while it rolled the step back (`_roll_back`) comes now
         held = self._agreement.take_held()
@@ -613,7 +619,7 @@ class Pipeline:
             raise PipelineError(self._broken)
 
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
-        self._broken = (f"this Pipeline is unusable: the {which}-of-step agreement among its ranks cannot complete "
+        self._broken = (f"this Pipeline is unusable: the {which} among its ranks cannot complete "
                         f"({exc}), so a rank is dead or hung, or collectives broke. End the processes and restart")
         if self._channels is not None:
             self._channels.abort()  # NCCL: free the GPU from operations waiting for the dead peer
