@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 from zbpp.models.hf import CausalLMLoss, causal_lm_stages  # noqa: E402
 from zbpp.schedules import build  # noqa: E402
 
+from .cases import token_mean_loss  # noqa: E402
+
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 COMMON = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -29,11 +31,17 @@ def configs():
         "qwen3": (transformers.Qwen3Config(**COMMON, head_dim=8), True),
         "gpt2": (transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=4, n_head=2, n_positions=32, resid_pdrop=0.0,
                                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), True),
+        # Phi-3's longrope: the rotary module caches its long frequencies on itself in its first
+        # forward (the 10 tokens exceed the original 4 positions: the long factors apply)
+        "phi3_longrope": (transformers.Phi3Config(**COMMON, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                                  rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                                   "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0],
+                                                                   "original_max_position_embeddings": 4}), True),
     }
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3_longrope"])
 def test_stages_in_a_row_are_hf_model(kind, attn):
     cfg, padded = configs()[kind]
     torch.manual_seed(0)
@@ -55,7 +63,16 @@ def test_stages_in_a_row_are_hf_model(kind, attn):
     for s in range(4):
         x = stages[s](**x)
     torch.testing.assert_close(x, want.logits, **TOL)
-    torch.testing.assert_close(kwargs["loss_fn"](x, labels), want.loss.double(), rtol=1e-6, atol=0)
+    loss = kwargs["loss_fn"](x, labels)
+    torch.testing.assert_close(loss, want.loss.double(), rtol=1e-6, atol=0)
+    # gradients: float64, the same operations but for the tied copies' sum: 1e-10 of the largest
+    loss.backward()
+    token_mean_loss(want.logits, labels).backward()
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    for s, stage in stages.items():
+        for n, q in stage.named_parameters():
+            err = float((q.grad - ref.get_parameter(n).grad).abs().max())
+            assert err <= 1e-10 * scale, f"{kind} {attn} stage {s}: {n} off by {err:.3g} (scale {scale:.3g})"
     if kind == "gpt2" or cfg.tie_word_embeddings:
         assert stages[0].model.embed_tokens.weight is stages[3].lm_head.weight if kind != "gpt2" else \
             stages[0].transformer.wte.weight is stages[3].lm_head.weight

@@ -584,7 +584,7 @@ class _Stop(Exception):
 def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
     """Whether the model's decoder layers return a tuple: seen in a forward on the ``meta`` device
     up to its first layer."""
-    from .stages import _meta_values
+    from .stages import _meta_values, _state_kept
 
     first = next(iter(model.get_submodule(template.blocks)._modules.values()))
     seen: list[bool] = []
@@ -596,7 +596,7 @@ def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
     ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
     handle = first.register_forward_hook(stop)
     try:
-        with torch.no_grad(), _meta_values(), _loop_experts(model):
+        with torch.no_grad(), _meta_values(), _loop_experts(model), _state_kept(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except _Stop:
         pass

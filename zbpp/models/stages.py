@@ -166,6 +166,30 @@ class _meta_values(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Every module's attributes and tensor tables as they were, after a trace forward: a forward
+    may keep tensors on its module (HF's longrope rotary caches ``long_inv_freq``), which on the
+    ``meta`` device the stages would copy and could never compute with."""
+    saved = [(m, dict(m.__dict__), {t: dict(getattr(m, t)) for t in _TABLES}, set(m._non_persistent_buffers_set))
+             for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, attrs, tables, non_persistent in saved:
+            for k in [k for k in m.__dict__ if k not in attrs]:
+                del m.__dict__[k]
+            m.__dict__.update(attrs)
+            for t, entries in tables.items():
+                getattr(m, t).clear()
+                getattr(m, t).update(entries)
+            m._non_persistent_buffers_set.clear()
+            m._non_persistent_buffers_set.update(non_persistent)
+
+
+_TABLES = ("_parameters", "_buffers", "_modules")
+
+
 def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], example: Any) -> tuple[list[str], list[str]]:
     """Run `model` once on `example` and split the `watched` modules into those used only before
     the blocks and those used only after them; anything else raises."""
@@ -214,7 +238,7 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
         for m in model.get_submodule(f).modules():
             handles += [m.register_forward_pre_hook(enter(f)), m.register_forward_hook(leave(f))]
     try:
-        with torch.no_grad(), Tensors():
+        with torch.no_grad(), Tensors(), _state_kept(model):
             if isinstance(example, Mapping):
                 model(**example)
             elif isinstance(example, tuple):
