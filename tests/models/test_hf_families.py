@@ -141,6 +141,24 @@ def test_fqns_per_stage_answer_is_accepted_back():
         assert torch.equal(stages[rank].transformer.bias, tril)  # kept by every stage, by HF's init
 
 
+def test_a_tied_head_whose_device_the_forward_reads_first_is_placed_last():
+    # Llama 4 embeds input_ids.to(self.embed_tokens.weight.device): with the LM head tied to the
+    # embedding, the head's weight is read before the layers, but only its device, not its values
+    import transformers
+
+    from zbpp.models import fqns_per_stage
+
+    from .families import family_config
+
+    cfg = family_config("llama4_text")
+    cfg.tie_word_embeddings = True
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    fqns = fqns_per_stage(model, 2, blocks="model.layers")
+    assert "model.embed_tokens" in fqns[0] and "lm_head" in fqns[1] and "lm_head" not in fqns[0]
+
+
 class _SharedNorm(nn.Module):
     """A module with parameters used both before and after the blocks: no one stage can hold it."""
 

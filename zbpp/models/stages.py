@@ -156,6 +156,19 @@ _DATA_DEPENDENT: dict[Any, Callable[[torch.Tensor], Any]] = {
 }
 
 
+#: what reads a tensor's metadata, not its values: no use of the module that holds it (Llama 4
+#: embeds ``input_ids.to(self.embed_tokens.weight.device)``, a tied LM head's weight)
+_METADATA = frozenset({"device", "dtype", "shape", "ndim", "layout", "requires_grad", "is_meta", "is_cuda", "size",
+                       "dim"})
+
+
+def _reads_metadata(func: Any) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":  # a property's getter: its descriptor names it
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name in _METADATA
+
+
 class _meta_values(TorchFunctionMode):
     """Answers what a meta tensor's value would decide (``.item()``, ``bool``, ``nonzero``) with a
     fixed value, so that a forward on the ``meta`` device runs through its branches."""
@@ -224,7 +237,7 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
         """A watched module's tensor used by code outside its module (``F.linear(h, embed.weight)``)."""
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            for a in [*args, *(kwargs or {}).values()]:
+            for a in [] if _reads_metadata(func) else [*args, *(kwargs or {}).values()]:
                 for t in (a if isinstance(a, (list, tuple)) else (a,)):
                     fs = owners.get(id(t)) if isinstance(t, torch.Tensor) else None
                     if fs and not any(f in use.active for f in fs):
