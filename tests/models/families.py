@@ -191,7 +191,7 @@ def family_config(name: str) -> Any:
 GRAD_RTOL = 1e-10  # of the largest reference gradient: float64, only the summation order differs
 # Families that compute part of the model in float32 even in a float64 model: Gemma 1/2/3, VaultGemma
 # and Helium their RMSNorms (x.float(), weight.float()), Cohere 1/2 (and its MoE) their LayerNorms,
-# Qwen3.5 its gated RMSNorm, DiffLlama its lambdas, GPT-J, CodeGen and GPT-Neo their attention
+# Qwen3.5 and Qwen3-Next their (gated) RMSNorms, DiffLlama its lambdas, GPT-J, CodeGen and GPT-Neo their attention
 # scores, DeepSeek-V2/V3, dots1, EXAONE-MoE, GLM-4-MoE (and Lite), ERNIE-4.5-MoE, Hunyuan-MoE and
 # Solar Open their routers (float32 gate weights). Their
 # gradients there are sums over the batch's rows rounded in float32, which the pipeline sums per
@@ -199,7 +199,7 @@ GRAD_RTOL = 1e-10  # of the largest reference gradient: float64, only the summat
 # largest one), the microbatching floor of one process too. Measured: up to 7e-9.
 FLOAT32_RTOL = 1e-7
 FLOAT32_FAMILIES = {"gemma", "gemma2", "gemma3_text", "helium", "cohere", "deepseek_v3", "vaultgemma", "cohere2",
-                    "cohere2_moe", "qwen3_5_text", "diffllama", "dots1", "exaone_moe", "glm4_moe", "hunyuan_v1_moe",
+                    "cohere2_moe", "qwen3_5_text", "qwen3_next", "diffllama", "dots1", "exaone_moe", "glm4_moe", "hunyuan_v1_moe",
                     "solar_open", "gptj", "codegen", "gpt_neo", "deepseek_v2", "glm4_moe_lite", "ernie4_5_moe"}
 LOSS_RTOL = 1e-12  # the loss is float64 in the pipeline and in the reference (token_mean_loss)
 ROWS_PER_MICROBATCH, SEQ = 2, 8
