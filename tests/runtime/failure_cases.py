@@ -772,3 +772,48 @@ def ctrl_c_while_a_new_shape_arrives(name: str, p: int, m: int, fail_rank: int) 
     next_step_matches_reference(pipe, mine, ref, x, y)
     outcome["next"] = "success"
     return outcome
+
+
+def ctrl_c_in_the_loss_weights_all_reduce(name: str, m: int, fail_rank: int) -> dict[str, Any]:
+    """dp=2 of one-rank pipelines with ``loss_weight``: after a good step, the replica other than
+    `fail_rank` comes a second late to the data-parallel all-reduce of the loss weights
+    (`weight_factors`, right after the start agreement), and `fail_rank`, waiting in it, gets a real
+    SIGINT (Ctrl-C); its loop catches the KeyboardInterrupt and goes on. Returns how that step ended
+    on this rank; then, gradients cleared, a step on the same batch must leave the gradients of the
+    uninterrupted first step (no optimizer: the same parameters)."""
+    import signal
+    import threading
+
+    import zbpp.runtime.pipeline as pipeline_module
+
+    rank = dist.get_rank()
+    groups = ParallelGroups(pp=1)
+    sched = make_schedule(name, 1, m)
+    mine = {s: make_stage(s, sched.num_stages, "zbpp") for s in sched.stages_on(0)}
+    x, y = make_batch(groups.dp_rank, 2 * m)
+    pipe = Pipeline(mine, sched, loss_fn, groups=groups, loss_weight=lambda t: t.shape[0])
+    pipe.step(x, target=y)
+    first = [q.grad.clone() for q in pipe.parameters()]
+    real = pipeline_module.weight_factors
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        if rank == fail_rank:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # while it waits for the peer
+        else:
+            time.sleep(1.0)
+        return real(*args, **kwargs)
+    pipeline_module.weight_factors = late
+
+    def disarm() -> None:
+        time.sleep(0.5)  # no SIGINT still on its way into the next step
+        pipeline_module.weight_factors = real
+
+    outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError, KeyboardInterrupt), disarm=disarm)
+    for q in pipe.parameters():
+        q.grad = None
+    pipe.step(x, target=y)
+    for n, q in enumerate(pipe.parameters()):
+        # the same computation as the first step's, in the same order: equal bits
+        torch.testing.assert_close(q.grad, first[n], rtol=0, atol=0, msg=lambda msg: f"rank {rank} parameter {n}: {msg}")
+    outcome["next"] = "success"
+    return outcome

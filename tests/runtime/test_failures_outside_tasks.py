@@ -13,7 +13,7 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import (ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
+from .failure_cases import (ctrl_c_in_the_loss_weights_all_reduce, ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
                             ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
                             loss_weight_interrupted, reducer_wait_interrupted, rollback_interrupted)
 
@@ -183,5 +183,22 @@ def test_ctrl_c_while_a_new_shape_arrives(two):
             assert o["result"] == "KeyboardInterrupt", o
         else:
             assert o["result"] == "PipelineError" and "pipeline rank 1" in o["message"], o
+            assert "KeyboardInterrupt" in o["message"] and "unusable" not in o["message"], o["message"]
+        assert o["next"] == "success", o
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_loss_weights_all_reduce(two):
+    """dp=2 with loss_weight: a real Ctrl-C on rank 1 while it waits in the all-reduce of the loss
+    weights, after the start agreement. It left the step once the all-reduce returned, and the other
+    replica, gone into the step, waited for its gradients until the group's timeout. Now rank 1
+    drains the step: it gets its interrupt, rank 0 a PipelineError naming it, and the next step is
+    the uninterrupted one on both."""
+    for o in two.run(ctrl_c_in_the_loss_weights_all_reduce, "1f1b", 4, FAIL_RANK):
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s: {o}"
+        if o["rank"] == FAIL_RANK:
+            assert o["result"] == "KeyboardInterrupt", o
+        else:
+            assert o["result"] == "PipelineError" and "global rank 1" in o["message"], o
             assert "KeyboardInterrupt" in o["message"] and "unusable" not in o["message"], o["message"]
         assert o["next"] == "success", o

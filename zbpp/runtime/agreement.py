@@ -180,6 +180,16 @@ class Agreement:
         held, self._held = self._held, None
         return held
 
+    def wait_collective(self, work: Any, device: torch.device) -> None:
+        """Wait for `work`, a collective of another group that every rank posts outside the
+        agreements (a step's all-reduce of the loss weights, ``clip_grad_norm_``'s), as `gather` waits
+        for its own: an interrupt is held (`take_held`), the broken mark looked for, a failure marks
+        the job broken (`BrokenJob`). On CUDA ``wait`` only orders streams: waited for plainly."""
+        if device.type == "cuda":
+            work.wait()
+            return
+        self._wait(work)
+
     def _holding(self, fn: Callable[[], None]) -> bool:
         """``fn()``; an interrupt or error in it other than `BrokenJob` is held (`take_held`).
         True when it returned."""

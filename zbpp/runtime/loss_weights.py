@@ -72,12 +72,13 @@ def checked_weights(loss_weight: Callable[[Any], Any], targets: list[Any], devic
         raise ValueError(f"loss_weight returned weights that cannot be put on {device} as {dtype}: {exc}") from exc
 
 
-def weight_factors(ws: torch.Tensor, dp_size: int = 1,
-                   dp_group: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+def weight_factors(ws: torch.Tensor, dp_size: int = 1, dp_group: Any = None,
+                   wait: Callable[[Any], None] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The factors w_j / W of the microbatches' losses (0 where w_j is 0) from `checked_weights`'
     device tensor (no host synchronisation), and None; with ``dp_size > 1`` W is the total over
-    every replica (an all-reduce over `dp_group`) and the factors are scaled by `dp_size`, which
-    the gradient averaging divides out; then also this replica's own factors, for the returned loss."""
+    every replica (an all-reduce over `dp_group`, waited for by `wait`, else plainly) and the
+    factors are scaled by `dp_size`, which the gradient averaging divides out; then also this
+    replica's own factors, for the returned loss."""
     nonzero = ws != 0
 
     def factors(total: torch.Tensor, scale: float = 1.0) -> list[torch.Tensor]:
@@ -89,5 +90,6 @@ def weight_factors(ws: torch.Tensor, dp_size: int = 1,
     import torch.distributed as dist
 
     total = ws.sum()
-    dist.all_reduce(total, group=dp_group)
+    work = dist.all_reduce(total, group=dp_group, async_op=True)
+    (wait or (lambda w: w.wait()))(work)
     return factors(total, float(dp_size)), local

@@ -497,7 +497,13 @@ class Pipeline:
         weights, loss_weights = row_factors(agreed.rows, m), None
         if b.raw_weights is not None:
             dp = 1 if forward_only else self.topology.dp_size
-            weights, loss_weights = weight_factors(b.raw_weights, dp, self.topology.dp_group)
+            try:  # the other replicas are in its all-reduce: an interrupt is held until it completed
+                weights, loss_weights = weight_factors(
+                    b.raw_weights, dp, self.topology.dp_group,
+                    wait=lambda work: self._agreement.wait_collective(work, self.device))
+            except Exception as exc:  # noqa: BLE001 - a replica is gone (marked broken): this rank drains
+                held = held or exc
+            held = held or self._agreement.take_held()  # drains the step, raised after the end agreement
         data = StepInputs(b.inputs, b.targets, weights, loss_weights,
                           self._rng_of(self._base_seed, rng_step) if self.seeded else None)
         new_signature = agreed.signature not in self._specs
