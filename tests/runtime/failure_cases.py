@@ -435,6 +435,24 @@ def _arm_outside_task(pipe: Pipeline, where: str, exc: BaseException) -> Callabl
             raise exc
         setattr(pipe._reductions, where, failing)
         return lambda: setattr(pipe._reductions, where, real)
+    if where == "commit":  # as a Ctrl-C during the first addition of a kept gradient: raised once it returns
+        from torch.overrides import TorchFunctionMode
+
+        reductions, real_commit = pipe._reductions, pipe._reductions.commit
+
+        class AfterFirstAdd(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                if getattr(func, "__name__", "") == "add_":
+                    reductions.__dict__.pop("commit", None)
+                    raise exc
+                return out
+
+        def commit() -> None:
+            with AfterFirstAdd():
+                real_commit()
+        reductions.commit = commit
+        return lambda: reductions.__dict__.pop("commit", None)
     if where == "send_wait":  # the sends waited for in CommQueue.complete
         channels = pipe._channels
         real_isend = channels.isend
@@ -481,7 +499,7 @@ def interrupted_outside_task(name: str, p: int, m: int, fail_rank: int, where: s
         outcome["next_seconds"] = time.monotonic() - t1
     # the steps the gradients hold: the good one, the next one, and the interrupted one only where
     # the interrupt came after the end agreement had decided that it succeeded
-    counted = 3 if where == "end" else 2
+    counted = 3 if where in ("end", "commit") else 2
     for _ in range(counted - 1):
         reference_step(ref, x, y)
     for s, st in mine.items():

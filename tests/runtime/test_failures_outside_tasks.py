@@ -84,12 +84,15 @@ def test_an_interrupt_in_the_reducers_wait_drains_every_replica():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["KeyboardInterrupt", "RuntimeError"])
-def test_after_the_end_agreement_the_step_counts(two, which):
+@pytest.mark.parametrize("where,which", [("end", "KeyboardInterrupt"), ("end", "RuntimeError"),
+                                         ("commit", "KeyboardInterrupt")])
+def test_after_the_end_agreement_the_step_counts(two, where, which):
     """The interrupt (or a store error) came while the rank waited for the end agreement: the
     outcome was being decided with the others, who succeed; the rank finishes the agreement, commits
-    the step like them, then raises what it got."""
-    for o in _run(two, "end", which):
+    the step like them, then raises what it got. Or it came while the rank committed (after the
+    first kept gradient took the step's): the commit left the other gradients with the step's only,
+    the earlier ones lost. Now the commit completes, then the interrupt is raised."""
+    for o in _run(two, where, which):
         assert o["result"] == (which if o["rank"] == FAIL_RANK else "success"), o
         assert o["next"] == "success" and o.get("checked"), o
 

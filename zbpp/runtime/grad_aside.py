@@ -88,14 +88,18 @@ class GradientsAside:
         return {id(kept): copy for kept, copy in self._copies}
 
     def take_back(self) -> None:
-        """The step succeeded: add its gradients to the kept ones and put those back."""
-        for p, g in self._aside:
-            if g is None or g is p.grad:  # nothing set aside, or accumulated in place
-                continue
-            if p.grad is not None:
-                g.add_(p.grad)
-            p.grad = g
-        self._aside, self._copies, self._zeros, self._main_copies = [], [], [], []
+        """The step succeeded: add its gradients to the kept ones and put those back. Called again
+        after an interrupt, it goes on where it stopped (each parameter's gradient taken once)."""
+        while self._aside:
+            p, g = self._aside[-1]
+            if g is not None and g is not p.grad:  # else nothing set aside, or accumulated in place
+                # the kept tensor goes back first: a Ctrl-C in the addition is raised once it
+                # returned (CPython looks for signals after a call), and the call run again skips it
+                own, p.grad = p.grad, g
+                if own is not None:
+                    g.add_(own)
+            self._aside.pop()
+        self._copies, self._zeros, self._main_copies = [], [], []
 
     def discard_step(self) -> None:
         """The step failed: drop its gradients and restore the kept ones (or clear them all)."""

@@ -327,7 +327,9 @@ class Pipeline:
             self._recorder.commit()
         if self._graph_cache is not None:
             self._graph_cache.captured(step.runner)
-        self._reductions.commit()
+        # a half-committed step would lose earlier gradients: an interrupt comes once it is done
+        held = _to_the_end(self._reductions.commit)
+        step.after = step.after or held
         self._sync_buffers()
         if losses is not None and self.holds_last_stage:
             losses.extend(step.results.losses)
@@ -596,12 +598,8 @@ class Pipeline:
         self.rng_step = step.rng_step
 
         for undo in [*(w.discard for w in self._wgrad.values()), self._reductions.rollback, forget]:
-            while True:  # each part again until it ends: a half-undone step would spoil the next ones
-                try:
-                    undo()
-                    break
-                except (KeyboardInterrupt, SystemExit) as exc:
-                    step.after = step.after or exc
+            held = _to_the_end(undo)  # a half-undone step would spoil the next ones
+            step.after = step.after or held
 
     def _sync_buffers(self) -> None:
         """After a step that succeeded everywhere: the replicas take replica 0's buffers
@@ -673,6 +671,18 @@ def _schedule_key(schedule: Schedule) -> tuple[int, str]:
              tuple(tuple(map(str, order)) for order in schedule.orders))
     return stable_hash(tasks), (f"{schedule.name or 'custom'!r} ({schedule.num_ranks} ranks, {schedule.num_stages} "
                                 f"stages, {schedule.num_microbatches} microbatches)")
+
+
+def _to_the_end(call: Callable[[], Any]) -> BaseException | None:
+    """`call()`, again after each KeyboardInterrupt or SystemExit until it ends (it must go on
+    where it stopped); the first of them, else None."""
+    held: BaseException | None = None
+    while True:
+        try:
+            call()
+            return held
+        except (KeyboardInterrupt, SystemExit) as exc:
+            held = held or exc
 
 
 def _first_error(*calls: Callable[[], Any]) -> BaseException | None:

@@ -179,7 +179,8 @@ class Reductions:
             self.tied.finish()
 
     def commit(self) -> None:
-        """Every rank succeeded: the step's gradients join the kept ones."""
+        """Every rank succeeded: the step's gradients join the kept ones. Called again after an
+        interrupt, it goes on where it stopped."""
         if self._aside is not None:
             self._aside.take_back()
         if self.tied is not None:
