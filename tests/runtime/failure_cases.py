@@ -283,10 +283,13 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
         json.dump(outcome, fh)
 
 
-def die_between_steps(name: str, p: int, m: int, report_dir: str) -> None:
-    """After a good step, rank 1 exits (os._exit) before the next call; the others call
-    ``check_ties`` (``save_checkpoint`` does), which must raise at once on every rank that the
-    pipeline is unusable, and so must their next step ("check_ties", "next": message and seconds)."""
+def die_between_steps(name: str, p: int, m: int, report_dir: str, first: str = "check_ties") -> None:
+    """After a good step, rank 1 exits (os._exit) before the next call; the others call `first`,
+    ``check_ties`` (``save_checkpoint`` does) or ``clip_grad_norm_``, which must raise at once on
+    every rank that the pipeline is unusable, and so must their next step (`first`, "next": message
+    and seconds)."""
+    from zbpp.runtime import clip_grad_norm_
+
     rank = dist.get_rank()
     sched = make_schedule(name, p, m)
     mine = {s: make_stage(s, sched.num_stages, "zbpp") for s in sched.stages_on(rank)}
@@ -296,7 +299,8 @@ def die_between_steps(name: str, p: int, m: int, report_dir: str) -> None:
     if rank == 1:
         os._exit(3)
     outcome: dict[str, Any] = {"rank": rank}
-    for what, call in {"check_ties": pipe.check_ties, "next": lambda: pipe.step(x, target=y)}.items():
+    calls = {"check_ties": pipe.check_ties, "clip_grad_norm_": lambda: clip_grad_norm_(pipe, 1.0)}
+    for what, call in {first: calls[first], "next": lambda: pipe.step(x, target=y)}.items():
         done = timed_outcome(rank, call, (Exception,))
         outcome[what] = [f"{done['result']}: {done.get('message', '')}", done["seconds"]]
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as fh:

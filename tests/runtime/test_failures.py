@@ -91,21 +91,24 @@ def test_a_dead_rank_ends_the_others_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_dead_between_steps_ends_check_ties_at_once(tmp_path):
-    """Rank 1 dies between steps and the others call check_ties: its exchange (all_gather_object)
-    looked for no broken mark, so the ranks gloo did not pair with the dead one in it (rank 3) waited
-    until the group's timeout. Now every rank raises at once that the pipeline is unusable."""
+@pytest.mark.parametrize("first,which", [("check_ties", "agreement of check_ties"),
+                                         ("clip_grad_norm_", "all-reduce of clip_grad_norm_")])
+def test_a_rank_dead_between_steps_ends_the_next_call_at_once(tmp_path, first, which):
+    """Rank 1 dies between steps and the others call check_ties, or clip_grad_norm_: their
+    collectives looked for no broken mark, so the ranks gloo did not pair with the dead one (rank 3)
+    waited until the group's timeout, the others raised gloo's error. Now every rank raises at once
+    that the pipeline is unusable, naming the call."""
     with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60, grace=30) as workers:
         with pytest.raises(DistributedTestError) as info:
-            workers.run(die_between_steps, "zb-h1", 4, 8, str(tmp_path))
+            workers.run(die_between_steps, "zb-h1", 4, 8, str(tmp_path), first)
     assert set(info.value.failures) == {1}, info.value.failures.keys()
     for r in (0, 2, 3):
         with open(os.path.join(tmp_path, f"rank{r}.json")) as fh:
             o = json.load(fh)
-        for what in ("check_ties", "next"):
+        for what in (first, "next"):
             message, seconds = o[what]
             assert message.startswith("PipelineError: this Pipeline is unusable") and seconds < FAST, (r, what, o)
-        assert "agreement of check_ties" in o["check_ties"][0], o
+        assert which in o[first][0], o
 
 
 @pytest.mark.slow

@@ -146,8 +146,13 @@ def clip_grad_norm_(
             part = _all_reduce(part, inf, shard_group)
         part = part.to(device, wide)
         local = torch.maximum(local, part) if inf else local + part
+    held: list[BaseException | None] = [None]
+    wait = None
+    if callable(getattr(pipeline_or_params, "_wait_collective", None)):  # a Pipeline
+        def wait(work: Any) -> None:  # a rank dead since the last step: every rank raises at once
+            held[0] = pipeline_or_params._wait_collective(work, device, "all-reduce of clip_grad_norm_")
     if size > 1:
-        local = _all_reduce(local, inf, group)  # float64 from here on: one coefficient everywhere
+        local = _all_reduce(local, inf, group, wait)  # float64 from here on: one coefficient everywhere
     total = local if inf else local ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -160,22 +165,25 @@ def clip_grad_norm_(
         if _shard_groups(g) is not None:
             g = g.to_local()  # shares the DTensor's storage
         g.mul_(coef.to(device=g.device, dtype=g.dtype))
+    if held[0] is not None:  # a Ctrl-C in the all-reduce: the peers completed it, every gradient is clipped
+        raise held[0]
     return total.to(acc)
 
 
-def _all_reduce(value: torch.Tensor, inf: bool, group: Any) -> torch.Tensor:
+def _all_reduce(value: torch.Tensor, inf: bool, group: Any, wait: Any = None) -> torch.Tensor:
     """`value` summed (p-norms) or maxed (the inf-norm) over `group`, a NaN kept: gloo's MAX drops
     a NaN that is not on the group's first rank, which would hide another rank's NaN gradient.
 
     In float64 whatever `value`'s dtype: ranks may accumulate in different ones (one without any
     gradient uses float32 beside float64 gradients), and a collective of mismatched sizes aborts
-    gloo (and is undefined on NCCL)."""
+    gloo (and is undefined on NCCL). `wait`: waits for the all-reduce's work (default: plainly)."""
+    wait = wait or (lambda work: work.wait())
     value = value.to(torch.float64)
     if not inf:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        wait(dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return value
     both = torch.stack([value, torch.isnan(value).to(value.dtype)])  # the flag's MAX: any rank's NaN
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
     return torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
 
 

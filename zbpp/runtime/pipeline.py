@@ -622,6 +622,16 @@ class Pipeline:
         if self._broken is not None:
             raise PipelineError(self._broken)
 
+    def _wait_collective(self, work: Any, device: torch.device, which: str) -> BaseException | None:
+        """Wait for `work`, a collective among this Pipeline's ranks between steps (`which`, for the
+        error; `Agreement.wait_collective`): a rank dead meanwhile makes it unusable, on every rank at
+        once. Returns an interrupt that came meanwhile, held: the caller raises it once its call is done."""
+        try:
+            self._agreement.wait_collective(work, device)
+        except BrokenJob as exc:
+            raise self._broken_error(exc, which) from exc
+        return self._agreement.take_held()
+
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
         self._broken = (f"this Pipeline is unusable: the {which} among its ranks cannot complete "
                         f"({exc}), so a rank is dead or hung, or collectives broke. End the processes and restart")
