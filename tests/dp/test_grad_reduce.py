@@ -192,13 +192,34 @@ def test_clip_uses_main_grad_and_the_inf_norm() -> None:
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     a.grad = torch.tensor([3.0, -12.0])
     b.main_grad = torch.tensor([4.0, 0.0])
-    b.grad = torch.tensor([100.0, 100.0])  # ignored: main_grad is the gradient
+    b.grad = torch.tensor([100.0, 100.0])  # Megatron's placeholder of a fused layer: main_grad is the gradient
+    b.grad_added_to_main_grad = True
     assert float(clip_grad_norm_([a, b], 1e9)) == pytest.approx(13.0)
     assert float(clip_grad_norm_([a, b], 6.0, norm_type=math.inf)) == pytest.approx(12.0)
     assert a.grad.tolist() == pytest.approx([1.5, -6.0], rel=1e-6)
     a.grad[0] = float("nan")
     with pytest.raises(RuntimeError, match="nan"):
         clip_grad_norm_([a], 1.0, error_if_nonfinite=True)
+
+
+def test_clip_refuses_a_main_grad_beside_the_steps_grad() -> None:
+    """dp=1, a main_grad attached (Megatron's fp32 accumulation) to a plain Linear's weight: the step
+    leaves its gradient in .grad and main_grad zeros. clip_grad_norm_ took the zero main_grad for the
+    gradient: the norm missed the weight's (torch's clip_grad_norm_ of the same .grad differs) and
+    that .grad went unclipped. Now it names the parameter instead."""
+    from zbpp import Pipeline
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    lin.weight.main_grad = torch.zeros_like(lin.weight, dtype=torch.float32)
+    pipe = Pipeline({0: lin}, build("1f1b", num_ranks=1, num_microbatches=2), loss_fn=nn.functional.mse_loss)
+    pipe.step(torch.randn(4, 3), target=torch.randn(4, 2))
+    assert lin.weight.grad is not None and not lin.weight.main_grad.any()  # the setup the test is about
+    want = float(torch.nn.utils.clip_grad_norm_([lin.weight, lin.bias], 1e9))  # .grad's norm; scales by 1
+    assert want > 0 and float(lin.bias.grad.norm()) < want  # the weight's share is missing from a main_grad norm
+    with pytest.raises(ValueError, match=r"parameter weight of stage 0 has both a main_grad and a \.grad"):
+        clip_grad_norm_(pipe, 1.0)
 
 
 def test_clip_sums_norms_past_float32s_range() -> None:

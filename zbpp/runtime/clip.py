@@ -5,7 +5,8 @@ sum of squares (for the 2-norm), all-reduced over the *pipeline* group. Data-par
 the same, already averaged gradients after `Pipeline.step`, so they are not summed again: that would
 count every parameter `dp` times.
 
-The gradient of a parameter is its ``main_grad`` when it has one (see `GradReducer`), else ``.grad``.
+The gradient of a parameter is its ``main_grad`` when it has one (see `GradReducer`), else ``.grad``;
+one with both (``main_grad`` attached to a parameter whose gradient went to ``.grad``) is refused.
 A ``fully_shard`` parameter's gradient is a DTensor shard: its share of the norm is summed over the
 mesh dimensions it is sharded over, and each rank scales its own shard.
 
@@ -54,6 +55,34 @@ def _parameters(source: Any) -> list[torch.Tensor]:
 def _grad(p: torch.Tensor) -> torch.Tensor | None:
     main = getattr(p, "main_grad", None)
     return main if main is not None else p.grad
+
+
+def _refuse_two_grads(params: list[torch.Tensor], source: Any) -> None:
+    """A parameter with both ``main_grad`` and a real ``.grad`` (not Megatron's placeholder of a
+    fused layer, ``grad_added_to_main_grad``): without replicas nothing moves ``.grad`` into
+    ``main_grad``, so the norm of ``main_grad`` alone misses it, and which one the optimizer reads
+    is unknown. A ValueError names it."""
+    for i, p in enumerate(params):
+        if getattr(p, "main_grad", None) is None or p.grad is None:
+            continue
+        if getattr(p, "grad_added_to_main_grad", False) and not getattr(p, "zero_out_wgrad", False):
+            continue
+        names = {id(q): n for n, q in _named(source)}
+        raise ValueError(
+            f"clip_grad_norm_: parameter {names.get(id(p), f'{i} of shape {tuple(p.shape)}')} has both a main_grad "
+            "and a .grad (its gradient went to .grad, which nothing adds to main_grad without data-parallel "
+            "replicas), so which one the optimizer reads is unknown. Add it yourself before clipping "
+            "(p.main_grad.add_(p.grad); p.grad = None), or drop the main_grad")
+
+
+def _named(source: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) pairs of a Pipeline's stages or a module, for errors ([] for a list)."""
+    stages = getattr(source, "stage_modules", None)
+    if isinstance(source, Mapping) or isinstance(stages, Mapping):
+        return [(f"{n} of stage {s}", q) for s, m in (stages or source).items() for n, q in m.named_parameters()]
+    if callable(getattr(source, "named_parameters", None)):
+        return list(source.named_parameters())
+    return []
 
 
 def _pp_group(source: Any, groups: Any) -> tuple[Any, int]:
@@ -112,6 +141,7 @@ def clip_grad_norm_(
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 (or math.inf), got {norm_type!r}")
     params = _parameters(pipeline_or_params)
+    _refuse_two_grads(params, pipeline_or_params)
     tied = getattr(pipeline_or_params, "_tied", None)
     counted = [p for p in params if tied is None or tied.counted_here(p)]
     grads = [g for g in map(_grad, params) if g is not None]
