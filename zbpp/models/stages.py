@@ -181,18 +181,24 @@ class _meta_values(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """Every module's attributes and tensor tables as they were, after a trace forward: a forward
-    may keep tensors on its module (HF's longrope rotary caches ``long_inv_freq``), which on the
-    ``meta`` device the stages would copy and could never compute with."""
+    """Every module's tensors as they were, after a trace forward: a forward may keep tensors on its
+    module (HF's longrope rotary caches ``long_inv_freq``), which on the ``meta`` device the stages
+    would copy and could never compute with. Other attributes stay as the forward left them: HF
+    marks its output-recording hooks installed (``_output_capturing_hooks_installed``), and a
+    forward without the mark would install them again, recording every router's logits twice."""
     saved = [(m, dict(m.__dict__), {t: dict(getattr(m, t)) for t in _TABLES}, set(m._non_persistent_buffers_set))
              for m in model.modules()]
     try:
         yield
     finally:
         for m, attrs, tables, non_persistent in saved:
-            for k in [k for k in m.__dict__ if k not in attrs]:
-                del m.__dict__[k]
-            m.__dict__.update(attrs)
+            for k, v in list(m.__dict__.items()):
+                if isinstance(v, torch.Tensor) or isinstance(attrs.get(k), torch.Tensor):
+                    if k in attrs:
+                        m.__dict__[k] = attrs[k]
+                    else:
+                        del m.__dict__[k]
+            m.__dict__.update((k, v) for k, v in attrs.items() if isinstance(v, torch.Tensor) and k not in m.__dict__)
             for t, entries in tables.items():
                 getattr(m, t).clear()
                 getattr(m, t).update(entries)
