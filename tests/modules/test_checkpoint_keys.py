@@ -45,14 +45,20 @@ def _delayed(model):
     return [m for m in model.modules() if hasattr(m, "backward_dw") and m.delay_wgrad_compute]
 
 
-@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_checkpointed_zbpp_layers_file_w_under_the_forward_key(reentrant):
-    torch.manual_seed(0)
-    model = Stack(reentrant)
+def _eager_reference(model):
+    """A copy of `model` without checkpointing whose layers compute their weight gradients eagerly."""
     ref = copy.deepcopy(model)
     ref.reentrant = None
     for m in _delayed(ref):
         m.delay_wgrad_compute = False
+    return ref
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_zbpp_layers_file_w_under_the_forward_key(reentrant):
+    torch.manual_seed(0)
+    model = Stack(reentrant)
+    ref = _eager_reference(model)
     xs = {k: torch.randn(4, 16, dtype=torch.float64, requires_grad=True) for k in [(0, 0), (0, 1)]}
     outs = {}
     for key, x in xs.items():  # two forwards, as a pipeline stage runs F(0), F(1) ...
@@ -145,10 +151,7 @@ def test_reentrant_rerun_files_under_its_forward_key_inside_another_block():
     without checkpointing, eager weight gradients (float64, bit for bit as above)."""
     torch.manual_seed(0)
     model = Stack(True)
-    ref = copy.deepcopy(model)
-    ref.reentrant = None
-    for m in _delayed(ref):
-        m.delay_wgrad_compute = False
+    ref = _eager_reference(model)
     xs = [torch.randn(4, 16, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     with microbatch(0):
         y0 = model(xs[0])

@@ -316,11 +316,7 @@ def interrupted_once(name: str, p: int, m: int, fail_rank: int, which: str) -> d
     sched = make_schedule(name, p, m)
     S = sched.num_stages
     exc_type = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[which]
-    armed = {"on": False}
-
-    def interrupt(key: Any) -> None:
-        if armed["on"] and key[1] == 1:
-            raise exc_type("injected interrupt")
+    armed, interrupt = _failing_forward(1, lambda: exc_type("injected interrupt"))
 
     mine = {s: BeforeForward(make_stage(s, S, "zbpp"), interrupt) for s in sched.stages_on(rank)}
     ref = [make_stage(s, S, "plain") for s in range(S)]
@@ -529,12 +525,7 @@ def fifo_layers_fail_once(name: str, m: int, site: str, fail_rank: int) -> dict[
     rank = dist.get_rank()
     groups = ParallelGroups(pp=2)
     sched = make_schedule(name, 2, m)
-    armed = {"on": False}
-
-    def forward_fails(key: Any) -> None:
-        if armed["on"] and key[1] == 2:
-            raise RuntimeError("injected F failure")
-
+    armed, forward_fails = _failing_forward(2, lambda: RuntimeError("injected F failure"))
     mine = {s: BeforeForward(dp_stage(s, "te")[0], forward_fails) for s in sched.stages_on(groups.pp_rank)}
     fifo = [mod for st in mine.values() for mod in st.modules() if hasattr(mod, "_fifo")]
     pipe = Pipeline(mine, sched, dp_loss, groups=groups)
@@ -658,11 +649,7 @@ def rollback_interrupted(name: str, p: int, m: int, fail_rank: int) -> dict[str,
     rank = dist.get_rank()
     sched = make_schedule(name, p, m)
     S = sched.num_stages
-    armed = {"on": False}
-
-    def forward_fails(key: Any) -> None:
-        if armed["on"] and key[1] == m - 2:
-            raise RuntimeError("injected F failure")
+    armed, forward_fails = _failing_forward(m - 2, lambda: RuntimeError("injected F failure"))
 
     mine = {s: BeforeForward(make_stage(s, S, "zbpp"), forward_fails) for s in sched.stages_on(rank)}
     ref = [make_stage(s, S, "plain") for s in range(S)]
@@ -839,3 +826,15 @@ def ctrl_c_in_the_loss_weights_all_reduce(name: str, m: int, fail_rank: int) -> 
         torch.testing.assert_close(q.grad, first[n], rtol=0, atol=0, msg=lambda msg: f"rank {rank} parameter {n}: {msg}")
     outcome["next"] = "success"
     return outcome
+
+
+def _failing_forward(microbatch: int, error: Callable[[], BaseException]) -> tuple[dict[str, bool], Callable[[Any], None]]:
+    """A `BeforeForward` hook that raises `error()` in the forward of `microbatch` while
+    ``armed["on"]``, and that switch (off)."""
+    armed = {"on": False}
+
+    def hook(key: Any) -> None:
+        if armed["on"] and key[1] == microbatch:
+            raise error()
+
+    return armed, hook

@@ -554,9 +554,7 @@ def one_rank_wrong_case(path: str, when: str) -> str:
     weights and 0 for biases, and rank 1 loads into one group holding both (raised after DCP read).
     Returns ``"<seconds>s <type>: <message>"`` of what `save_checkpoint`/`load_checkpoint` raised on
     this rank, or ``"<seconds>s ok"``."""
-    import time
-
-    from zbpp.runtime import load_checkpoint, save_checkpoint
+    from zbpp.runtime import save_checkpoint
 
     rank = dist.get_rank()
     stage = {rank: stage_of(whole_model(), rank, 2)}
@@ -572,12 +570,7 @@ def one_rank_wrong_case(path: str, when: str) -> str:
         opt = torch.optim.AdamW(list(net.parameters()))
     else:
         opt = torch.optim.AdamW([*grouped, *([{"params": stranger}] if stranger else [])])
-    start = time.monotonic()
-    try:
-        (save_checkpoint if when == "save" else load_checkpoint)(stage, path, opt)
-    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
-        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
-    return f"{time.monotonic() - start:.1f}s ok"
+    return _timed_checkpoint_call(when, stage, path, opt, Exception)
 
 
 def scheduler_case(path: str) -> str:
@@ -638,9 +631,7 @@ def interrupted_checkpoint_case(path: str, when: str) -> str:
     """2 ranks, rank r holding stage r of `Net`; on rank 1 a KeyboardInterrupt comes while
     `save_checkpoint` (``"save"``) or `load_checkpoint` (``"load"``) reads its stage's state_dict.
     Returns ``"<seconds>s <type>: <message>"`` of what the call raised on this rank, or ``"<seconds>s ok"``."""
-    import time
-
-    from zbpp.runtime import load_checkpoint, save_checkpoint
+    from zbpp.runtime import save_checkpoint
 
     rank = dist.get_rank()
     stage = {rank: stage_of(whole_model(), rank, 2)}
@@ -653,12 +644,7 @@ def interrupted_checkpoint_case(path: str, when: str) -> str:
             raise KeyboardInterrupt("Ctrl-C on rank 1")
 
         stage[rank].state_dict = interrupted  # type: ignore[method-assign]
-    start = time.monotonic()
-    try:
-        (save_checkpoint if when == "save" else load_checkpoint)(stage, path, opt)
-    except BaseException as exc:  # noqa: BLE001 - the test reads the type and the message
-        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
-    return f"{time.monotonic() - start:.1f}s ok"
+    return _timed_checkpoint_call(when, stage, path, opt, BaseException)
 
 
 def ctrl_c_while_saving_case(path: str) -> str:
@@ -695,3 +681,18 @@ def ctrl_c_while_saving_case(path: str) -> str:
     for k, v in stage[rank].state_dict().items():
         assert torch.equal(v, saved[k]), f"rank {rank}: {k} differs from the saved value after loading"
     return got
+
+
+def _timed_checkpoint_call(when: str, stage: Any, path: str, opt: Any, caught: type[BaseException]) -> str:
+    """``save_checkpoint`` (`when` "save") or ``load_checkpoint`` of `stage`, timed: ``"<s>s ok"``,
+    or ``"<s>s <type>: <message>"`` of what it raised (`caught` and its subclasses)."""
+    import time
+
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    start = time.monotonic()
+    try:
+        (save_checkpoint if when == "save" else load_checkpoint)(stage, path, opt)
+    except caught as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+    return f"{time.monotonic() - start:.1f}s ok"

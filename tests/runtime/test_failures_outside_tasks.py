@@ -75,12 +75,8 @@ def test_an_interrupt_in_the_reducers_wait_drains_every_replica():
     pipeline peers raise within seconds; the next step's gradients are the uninterrupted step's."""
     with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
         outcomes = workers.run(reducer_wait_interrupted, "zb-h1", 2, 4, 1)
-    for o in outcomes:
-        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
-        assert o["result"] == ("KeyboardInterrupt" if o["rank"] == 1 else "PipelineError"), o
-        if o["rank"] != 1:
-            assert "global rank 1" in o["message"] and "injected reducer wait interrupt" in o["message"], o
-            assert "unusable" not in o["message"], o
+    for o in _interrupted_on_rank_one(outcomes, "global rank 1", "injected reducer wait interrupt"):
+        assert "unusable" not in o["message"], o
 
 
 @pytest.mark.slow
@@ -121,12 +117,8 @@ def test_an_interrupt_while_rolling_back_a_failed_step():
     Own ranks: before the fix a peer process dies."""
     with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
         outcomes = workers.run(rollback_interrupted, "zb-h1", 4, 8, 1)
-    for o in outcomes:
-        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
-        assert o["result"] == ("KeyboardInterrupt" if o["rank"] == 1 else "PipelineError"), o
-        if o["rank"] != 1:
-            assert "pipeline rank 1" in o["message"] and "injected F failure" in o["message"], o
-        assert o["pending"] == [], o
+    _interrupted_on_rank_one(outcomes, "pipeline rank 1", "injected F failure")
+    assert all(o["pending"] == [] for o in outcomes), outcomes
 
 
 @pytest.mark.slow
@@ -204,3 +196,14 @@ def _assert_drained(outcomes: list[dict], named: str) -> None:
             assert o["result"] == "PipelineError" and named in o["message"], o
             assert "KeyboardInterrupt" in o["message"] and "unusable" not in o["message"], o["message"]
         assert o["next"] == "success", o
+
+
+def _interrupted_on_rank_one(outcomes: list[dict], *named: str) -> list[dict]:
+    """Every rank raised fast: rank 1 its KeyboardInterrupt, the others a PipelineError whose message
+    holds each of `named`. Returns the others' outcomes."""
+    for o in outcomes:
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+        assert o["result"] == ("KeyboardInterrupt" if o["rank"] == 1 else "PipelineError"), o
+        if o["rank"] != 1:
+            assert all(words in o["message"] for words in named), o
+    return [o for o in outcomes if o["rank"] != 1]
