@@ -407,3 +407,23 @@ def test_policy_costs_by_hand():
     assert full.recompute >= 0 and selective.recompute >= 0
     with pytest.raises(ValueError, match="activation policy 'ful'"):
         measure_profile(layers=[("mlp", mlp)], example_input=torch.randn(R, W, dtype=torch.float64), policies=["ful"])
+
+
+def test_a_frozen_embedding_is_profiled_and_its_output_is_the_next_layers_activation():
+    """A frozen first layer (an embedding fine-tuning leaves alone) has no output that needs a
+    gradient: the pipeline runs its F only (its B and W compute nothing) while the next stages
+    train. measure_profile refused such a model ("no output needs a gradient"); and the next layer
+    saves the embedding's output for its weight gradient, a per-microbatch activation the pipeline
+    holds until W, which the profile left out as if the caller held it. Hand count, exact (bytes)."""
+    torch.manual_seed(0)
+    emb, up, down = nn.Embedding(10, 8).double(), nn.Linear(8, 8).double(), nn.Linear(8, 4).double()
+    emb.requires_grad_(False)
+    ids = torch.randint(0, 10, (4, 5))
+    prof = measure_profile(layers=[("emb", emb), ("up", up), ("act", nn.Tanh()), ("down", down)],
+                           example_input=ids, steps=1, warmup=0)
+    le, lu, la, ld = prof.layers
+    assert (le.b, le.w, le.activation, le.wgrad) == (0.0, 0.0, 0.0, 0.0)
+    hidden = 4 * 5 * 8 * F64  # the embedding's output: up's saved input, read by its W only
+    assert lu.activation == lu.wgrad == hidden and lu.b == 0.0 and lu.w > 0
+    # the layers after it as without the frozen one: tanh keeps its output, down its input
+    assert la.activation == hidden and la.wgrad == 0.0 and ld.activation == ld.wgrad == hidden

@@ -119,9 +119,12 @@ def measure_profile(
       the split backward, then the delayed-wgrad modules' ``backward_dw``). The layer's ``.grad``
       (and ``main_grad``) are restored after measuring.
     - activation: bytes of the tensors autograd saves in F (`torch.autograd.graph.saved_tensors_hooks`),
-      one count per storage; parameters, buffers, the inputs that need no gradient (token ids,
-      masks) and the target left out (the caller holds them anyway). A layer's saved input is also
+      one count per storage; parameters, buffers, the example input's tensors that need no gradient
+      (token ids, masks) and the target left out (the caller holds them anyway); a later layer's
+      input that needs none (a frozen embedding's output) counts. A layer's saved input is also
       the layer before's saved output, so summing layers counts such a tensor at each stage boundary.
+      A layer none of whose outputs needs a gradient (frozen, its input needing none) has B and W 0,
+      as in the pipeline; the last layer must have one.
     - wgrad: the part of them W keeps: the saved storages still alive once the runtime's B is done
       (each microbatch's input a fresh tensor, each output's storage dropped as the pipeline drops
       a sent one). Where the runtime splits the layer's backward, its marks
@@ -185,14 +188,16 @@ def measure_profile(
             raise ValueError(f"host_bytes_per_s must be > 0, got {host_bytes_per_s!r}")
     out: list[Layer] = []
     x = example_input
+    held = {_key(t)[0] for t in [*_tensors(example_input), *_tensors(target),
+                                 *(t for _, m in named if isinstance(m, nn.Module) for t in [*m.parameters(), *m.buffers()])]}
     for i, (lname, module) in enumerate(named):
         last = i == len(named) - 1
         given = x
         x, layer = _measure(lname, module, x, first=i == 0, loss=(loss_fn, target) if last else None,
-                            steps=steps_, warmup=warmup_, opt=opt)
+                            steps=steps_, warmup=warmup_, opt=opt, last=last, held=held)
         if asked and i > 0 and (layers is not None or _names_a_block(lname, module)):
             timed = {q: _timed_b(lname, module, given, q, loss=(loss_fn, target) if last else None,
-                                 steps=steps_, warmup=warmup_) for q in asked if q != "offload"}
+                                 steps=steps_, warmup=warmup_, last=last, held=held) for q in asked if q != "offload"}
             layer = replace(layer, policies=_policy_costs(lname, module, given, layer, asked, timed))
         out.append(layer)
     notes = {"measured_on": str(device), "steps": steps_, "warmup": warmup_,
@@ -562,7 +567,11 @@ def _key(t: torch.Tensor) -> tuple[Any, int]:
 
 
 def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, Any] | None, steps: int,
-             warmup: int, opt: float | None) -> tuple[Any, Layer]:
+             warmup: int, opt: float | None, last: bool = True, held: set[Any] | None = None) -> tuple[Any, Layer]:
+    """One layer's `Layer` and its output for the next. A layer none of whose outputs needs a
+    gradient (frozen, its input needing none: a frozen embedding) has nothing in B or W, as in the
+    pipeline, whose later stages still train; the `last` layer must have one (else nothing trains).
+    `held`: the storages the caller holds anyway (the example input, every layer's tensors)."""
     from .recompute import _PeakBytes
 
     x = _leaves(x, first)
@@ -570,8 +579,11 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
                    if p.requires_grad}.values())
     static_ids = {_key(t)[0] for t in (module.parameters() if isinstance(module, nn.Module) else ())}
     static_ids |= {_key(t)[0] for t in (module.buffers() if isinstance(module, nn.Module) else ())}
-    # what the caller holds anyway (token ids, masks, rotary tables) is no layer's activation
-    static_ids |= {_key(t)[0] for t in [*_tensors(x), *_tensors(loss[1] if loss else None)] if not t.requires_grad}
+    # what the caller holds anyway (token ids, masks, rotary tables) is no layer's activation; a later
+    # layer's input that needs no gradient and is none of those (a frozen embedding's output) is one:
+    # the pipeline receives it per microbatch and holds it while the graph saves it
+    static_ids |= {_key(t)[0] for t in [*_tensors(x), *_tensors(loss[1] if loss else None)]
+                   if not t.requires_grad and (first or held is None or _key(t)[0] in held)}
     timer = _Timer(_device_of([("", module)] if isinstance(module, nn.Module) else [], x))
     gen = torch.Generator().manual_seed(0)
     grads: list[torch.Tensor] | None = None
@@ -601,7 +613,8 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
             saved = SavedBoxes() if split and inputs else None  # as the runtime's F of a split B
             seen: dict[Any, Any] | None = {} if probe else None  # the forward's saved storages, held weakly
             (out, outs), f = timer(lambda: forward(xs, key, saved, seen))
-            if not outs:
+            graph = bool(outs)  # a frozen layer's outputs (its input needing no gradient) have none
+            if not graph and last:
                 raise ValueError(f"layer {lname!r}: no output needs a gradient (no parameter or input on its path), "
                                  "so it cannot be profiled for backward")
             if grads is None:
@@ -621,15 +634,15 @@ def _measure(lname: str, module: Any, x: Any, *, first: bool, loss: tuple[Any, A
                 b = 0.0
             else:
                 _, b = timer(lambda: tasks.backward(key, outs, list(grads), inputs, saved, split=split))
-            if split and not inputs:
+            if (split and not inputs) or not graph:
                 b = 0.0  # a first layer's split B computes nothing (it only hands the graph to W)
             _drop_grads(inputs)  # (in a function: a loop variable here would keep an input alive)
             del inputs, outs, saved
             if probe:
                 wgrad = _alive(seen)  # what W keeps: left by the split's marks (or a delayed module's store)
             _, w = timer(lambda: tasks.compute(key))
-            if not params:
-                w = 0.0  # no weight: W computes nothing
+            if not params or not graph:
+                w = 0.0  # no weight, or no graph (a frozen embedding): W computes nothing
             if warmup <= step < warmup + steps:
                 for k, v in (("f", f), ("b", b), ("w", w)):
                     times[k].append(v)
