@@ -196,3 +196,36 @@ def test_bad_losses_on_one_rank_raises_everywhere_fast(zbpp_workers):
     assert outcomes[0]["result"] == "PipelineError", outcomes[0]
     assert "global rank 1" in outcomes[0]["message"] and "losses must be a list" in outcomes[0]["message"], outcomes[0]
     assert all(o["seconds"] < 10 for o in outcomes), outcomes
+
+
+def test_batch_statistics_are_each_microbatchs_as_under_gradient_accumulation():
+    """A module that mixes the rows of a batch (BatchNorm in training) sees one microbatch at a time:
+    loss, gradients and running statistics (moved once per microbatch, ``num_batches_tracked`` m
+    times a step) equal one process running the microbatches in turn, each loss weighted 1/m
+    (README), not one process on the whole batch. float64; rtol 1e-12: the same ops per
+    microbatch, summed in the same order."""
+    import copy
+
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).double()  # noqa: E731
+    stages, m = [make(), make()], 4
+    turns, whole = copy.deepcopy(stages), copy.deepcopy(stages)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, dtype=torch.float64, generator=g), torch.randn(8, 3, dtype=torch.float64, generator=g)
+    pipe = Pipeline(dict(enumerate(stages)), build("zb-v", num_ranks=1, num_microbatches=m),
+                    loss_fn=torch.nn.functional.mse_loss)
+    loss = pipe.step(x, target=y)
+    want = sum(torch.nn.functional.mse_loss(turns[1](turns[0](xj)), yj) / m
+               for xj, yj in zip(x.chunk(m), y.chunk(m)))
+    want.backward()
+    tol = {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(loss, want.detach(), **tol)
+    for a, b in zip(stages, turns):
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda msg, n=n: f"{n}: {msg}")
+        for (n, t), u in zip(a.named_buffers(), b.buffers()):
+            torch.testing.assert_close(t, u, **tol, msg=lambda msg, n=n: f"{n}: {msg}")
+        assert int(a[1].num_batches_tracked) == m
+    # and that is not the whole batch's
+    torch.nn.functional.mse_loss(whole[1](whole[0](x)), y).backward()
+    assert not torch.allclose(stages[0][0].weight.grad, whole[0][0].weight.grad, rtol=1e-3)
