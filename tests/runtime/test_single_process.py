@@ -297,3 +297,49 @@ def test_a_failed_step_that_rebuilt_the_buckets_keeps_the_no_sync_main_grad():
     for n, p in lin.named_parameters():
         torch.testing.assert_close(p.main_grad, getattr(plain, n).grad, rtol=1e-10, atol=1e-12,
                                    msg=lambda m: f"after the retried step, {n}: {m}")
+
+
+class _TwoOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.used(x), self.unused(x)
+
+
+class _TakesFirst(torch.nn.Module):
+    def __init__(self, in_place: bool = False):
+        super().__init__()
+        self.lin, self.in_place = torch.nn.Linear(3, 1).double(), in_place
+
+    def forward(self, a, unused):  # a stage's tuple input comes as arguments
+        if self.in_place:
+            a += 1
+        return self.lin(a)
+
+
+def test_an_unused_stage_input_gets_zeros_back_with_a_warning():
+    # stage 1 ignores stage 0's second output: the pipeline sends zeros back, so `unused` gets zero
+    # .grad where one process leaves None (weight decay would move it): said, not silent
+    torch.manual_seed(0)
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    stages = {0: _TwoOut(), 1: _TakesFirst()}
+    pipe = Pipeline(stages, sched, lambda out, y: ((out - y) ** 2).mean())
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="stage 1's input tensor 1 .*got no gradient.*zero .grad instead of None"):
+        pipe.step(x, target=y)
+    assert torch.count_nonzero(stages[0].unused.weight.grad) == 0
+    ref = [_TwoOut(), _TakesFirst()]
+    for a, b in zip(ref, stages.values()):
+        a.load_state_dict(b.state_dict())
+    sum(((ref[1](*ref[0](xs)) - ys) ** 2).mean() / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))).backward()
+    assert ref[0].unused.weight.grad is None  # the one-process reference (what the warning tells)
+    torch.testing.assert_close(stages[0].used.weight.grad, ref[0].used.weight.grad, rtol=1e-12, atol=0)  # float64
+
+
+def test_an_in_place_change_of_a_received_input_says_to_clone_it():
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    pipe = Pipeline({0: _TwoOut(), 1: _TakesFirst(in_place=True)}, sched, lambda out, y: ((out - y) ** 2).mean())
+    with pytest.raises(RuntimeError, match=r"stage 1 changed one of its inputs in place.*h = h.clone\(\)"):
+        pipe.step(torch.randn(4, 3, dtype=torch.float64), target=torch.randn(4, 1, dtype=torch.float64))

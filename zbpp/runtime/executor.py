@@ -51,6 +51,7 @@ when its send has completed; every per-microbatch object is dropped after its la
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -128,6 +129,36 @@ class _Slot:
     inputs: list[torch.Tensor]  # the stage's input leaves that require grad (their .grad goes back)
     roots: list[torch.Tensor]  # where B starts: the outputs that require grad, or the weighted loss
     saved: SavedBoxes | None = None  # split B: what the forward saved, boxed (input-only ones go after B)
+
+
+_LEAF_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _call_stage(module: nn.Module, args: Any, stage: int) -> Any:
+    """The stage's forward; torch's refusal of an in-place change to a received input says why."""
+    try:
+        return call(module, args)
+    except RuntimeError as exc:
+        if stage == 0 or _LEAF_IN_PLACE not in str(exc):
+            raise
+        raise RuntimeError(
+            f"{exc}\nstage {stage} changed one of its inputs in place; a stage's inputs are the tensors "
+            "received from the stage before, leaves whose gradient B sends back, and autograd refuses to "
+            "change those in place: clone the input first (h = h.clone())") from exc
+
+
+def _input_grad(x: torch.Tensor, stage: int, index: int) -> torch.Tensor:
+    """The gradient B sends back for the stage's input leaf `x`: zeros where the stage did not use
+    it (no gradient reached it), with a warning: the stage before then gives the parameters that
+    feed only this input zero gradients, not None, which weight decay and momentum still move."""
+    if x.grad is not None:
+        return x.grad
+    warnings.warn(
+        f"stage {stage}'s input tensor {index} (of those needing a gradient) got no gradient: the stage "
+        "does not use it. Its gradient goes back as zeros, so the parameters of the stage before that "
+        "feed only it get zero .grad instead of None (an optimizer's weight decay and momentum still "
+        "move them); return from the stage before only what the next stage uses", stacklevel=2)
+    return torch.zeros_like(x)
 
 
 @dataclass
@@ -277,7 +308,7 @@ class StepExecutor:
             grad_mode = torch.no_grad() if self.forward_only else torch.enable_grad()
             with microbatch_key((s, j)), next_backward(self._next_backward.get((s, j))), grad_mode, \
                     saved if saved is not None else contextlib.nullcontext():
-                out = call(self.modules[s], rebuild(spec, xs))
+                out = _call_stage(self.modules[s], rebuild(spec, xs), s)
                 if with_loss:
                     loss = self._loss(out, rebuild(target_spec, ins[n:n + len(target_leaves)]), s)
                     f = ins[-1] if isinstance(factor, torch.Tensor) else factor
@@ -376,7 +407,7 @@ class StepExecutor:
             slot.saved = None
             del gs
             slot.roots.clear()
-            in_grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in slot.inputs]
+            in_grads = [_input_grad(x, s, i) for i, x in enumerate(slot.inputs)]
             for x in slot.inputs:
                 x.grad = None
             slot.inputs.clear()
