@@ -134,6 +134,24 @@ def test_uninitialised_values_are_reported():
     assert torch.equal(stages[1].scale.gain, torch.ones(2))
 
 
+class Rotary(nn.Module):
+    # torchtitan's form: a non-persistent table its model's init_weights computes (no reset_parameters)
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+        self.register_buffer("freqs", torch.empty(2), persistent=False)
+
+
+def test_an_unfilled_non_persistent_buffer_asks_for_init_not_a_state_dict():
+    # a state_dict can never hold it: the error must not send the user there
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"\['freqs \(stage 0\)'\] .*non-persistent buffers, which no state_dict"):
+        pipeline_stages(Rotary, sched, 0, blocks="layers", state_dict=Rotary().state_dict())
+    fill = lambda m: m.freqs.fill_(2.0) if isinstance(m, Rotary) else m.reset_parameters()  # noqa: E731
+    stages, _ = pipeline_stages(Rotary, sched, 0, blocks="layers", init=fill)
+    assert torch.equal(stages[0].freqs, torch.full((2,), 2.0))
+
+
 def test_bad_input_is_named():
     with torch.device("meta"):
         meta = Tiny(layers=3)

@@ -728,11 +728,18 @@ def _load(model: nn.Module, modules: dict[int, nn.Module], state_dict: Mapping[s
 
 
 def _check_initialised(modules: dict[int, nn.Module], fresh: dict[int, str]) -> None:
-    bad = []
+    bad, unsaved = [], []
     for s, m in modules.items():
+        # a non-persistent buffer (torchtitan's freqs_cis) is in no state_dict: only init= can fill it
+        transient = {f"{prefix}.{b}" if prefix else b for prefix, sub in m.named_modules()
+                     for b in sub._non_persistent_buffers_set}
         for name, t in [*m.named_parameters(), *m.named_buffers()]:
             if id(t) in fresh and (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any()):
-                bad.append(f"{name} (stage {s})")
+                (unsaved if name in transient else bad).append(f"{name} (stage {s})")
+    if unsaved:
+        raise ValueError(f"{unsaved[:8]} hold no values after initialisation: non-persistent buffers, which no "
+                         "state_dict holds and the model's init does not fill; pass init= (a function that "
+                         "initialises one module, e.g. calling the model's own init_weights where it computes them)")
     if bad:
         raise ValueError(f"{bad[:8]} hold no values after initialisation: the model's init does not cover them; pass "
                          "init= (a function that initialises one module) or state_dict=")
