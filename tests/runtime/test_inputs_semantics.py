@@ -229,3 +229,27 @@ def test_batch_statistics_are_each_microbatchs_as_under_gradient_accumulation():
     # and that is not the whole batch's
     torch.nn.functional.mse_loss(whole[1](whole[0](x)), y).backward()
     assert not torch.allclose(stages[0][0].weight.grad, whole[0][0].weight.grad, rtol=1e-3)
+
+
+def test_microbatch_losses_come_in_microbatch_order_whatever_the_schedule_runs():
+    """A valid schedule may run the last stage's forwards out of microbatch order (here 2, 0, 1):
+    ``losses=`` still lists microbatch 0's loss first (they came in the order the forwards ran),
+    and the step's loss is the whole batch's. float64, one Linear: rtol=1e-12 covers summation order."""
+    from zbpp.schedules.dag import validate
+    from zbpp.schedules.ir import Action, Schedule
+
+    order = tuple(map(Action.parse, ["F0.2", "BW0.2", "F0.0", "F0.1", "BW0.1", "BW0.0"]))
+    sched = validate(Schedule(1, 1, 3, (0,), (order,)))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 1, dtype=torch.float64)
+    pipe = Pipeline({0: lin}, sched, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 1, dtype=torch.float64)
+    losses: list[torch.Tensor] = []
+    loss = pipe.step(x, target=y, losses=losses)
+    with torch.no_grad():
+        want = [torch.nn.functional.mse_loss(lin(a), b) for a, b in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3))]
+        whole = torch.nn.functional.mse_loss(lin(x), y)
+    assert len(losses) == 3
+    for j, (got, exp) in enumerate(zip(losses, want)):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=0, msg=lambda s: f"microbatch {j}: {s}")
+    torch.testing.assert_close(loss, whole, rtol=1e-12, atol=0)

@@ -103,13 +103,18 @@ class StepInputs:
 class StepResults:
     """What one rank's step produced."""
 
-    losses: list[torch.Tensor] = field(default_factory=list)  #: per microbatch, as loss_fn returned it
+    # keyed by microbatch: a schedule may run the last stage's forwards out of microbatch order
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  #: per microbatch, as loss_fn returned it
     outputs: dict[int, Any] = field(default_factory=dict)  #: forward only, without loss: the last stage's outputs
-    weighted: list[torch.Tensor] = field(default_factory=list)  #: per microbatch, its weighted share of the step's loss
+    weighted: dict[int, torch.Tensor] = field(default_factory=dict)  #: per microbatch, its weighted share of the step's loss
 
     def loss(self) -> torch.Tensor | None:
-        """The step's loss (the weighted sum), on the last stage's rank; None elsewhere."""
-        return torch.stack(self.weighted).sum() if self.weighted else None
+        """The step's loss (the weighted sum, in microbatch order), on the last stage's rank; None elsewhere."""
+        return torch.stack([self.weighted[j] for j in sorted(self.weighted)]).sum() if self.weighted else None
+
+    def microbatch_losses(self) -> list[torch.Tensor]:
+        """Each microbatch's loss, in microbatch order (whatever order the schedule ran them in)."""
+        return [self.losses[j] for j in sorted(self.losses)]
 
 
 class StageBoundaries(Protocol):
@@ -330,9 +335,9 @@ class StepExecutor:
         self._stop(a, started)  # the task's compute only; handing the output on is communication
         if with_loss:
             loss = outs[0]
-            results.losses.append(loss.detach().clone())  # a copy: a replayed graph rewrites its output
+            results.losses[j] = loss.detach().clone()  # a copy: a replayed graph rewrites its output
             factor = data.weights[j] if data.loss_weights is None else data.loss_weights[j]
-            results.weighted.append(_weigh(loss, factor).detach())
+            results.weighted[j] = _weigh(loss, factor).detach()
         elif last:
             results.outputs[j] = rebuild(out_spec, outs)
         else:

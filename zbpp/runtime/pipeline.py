@@ -294,7 +294,7 @@ class Pipeline:
         over rows, or weighted by ``loss_weight``; a detached scalar tensor, never synchronised with
         the device) on the rank holding the last stage, None elsewhere. Gradients are accumulated
         into ``.grad`` (zero them between steps as usual) or ``main_grad``. With `losses` (a list), the rank holding the last stage appends
-        each microbatch's loss as `loss_fn` returned it (unweighted, detached; NaN for a microbatch
+        each microbatch's loss, in microbatch order, as `loss_fn` returned it (unweighted, detached; NaN for a microbatch
         that ``loss_weight`` gives 0 if `loss_fn` averages over nothing).
 
         Raises `PipelineError` on every rank when any rank fails (see the module docstring).
@@ -332,7 +332,7 @@ class Pipeline:
         step.after = step.after or held
         self._sync_buffers()
         if losses is not None and self.holds_last_stage:
-            losses.extend(step.results.losses)
+            losses.extend(step.results.microbatch_losses())
         if step.after is not None:
             raise step.after
         return step.results.loss()
