@@ -253,3 +253,30 @@ def test_microbatch_losses_come_in_microbatch_order_whatever_the_schedule_runs()
     for j, (got, exp) in enumerate(zip(losses, want)):
         torch.testing.assert_close(got, exp, rtol=1e-12, atol=0, msg=lambda s: f"microbatch {j}: {s}")
     torch.testing.assert_close(loss, whole, rtol=1e-12, atol=0)
+
+
+def test_eval_step_stacks_zero_dim_outputs_one_per_microbatch():
+    """The last stage returns its rows, a 0-dim per-microbatch statistic and a non-tensor value.
+    The rows equal one process's forward of the whole batch; the statistic has no rows to
+    concatenate, so it comes back stacked, one per microbatch (it was the first microbatch's alone,
+    which is neither the batch's value nor the others'). float64: rtol=1e-12 covers GEMM order."""
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor, flag: bool) -> dict:
+            h = self.lin(x) * (2 if flag else 1)
+            return {"h": h, "aux": h.square().mean(), "n": 7}
+
+    torch.manual_seed(0)
+    head = Head()
+    pipe = Pipeline({0: head}, build("1f1b", num_ranks=1, num_microbatches=3), loss_fn=lambda o, y: o["h"].mean())
+    x = torch.randn(7, 3, dtype=torch.float64)
+    out = pipe.eval_step({"x": x, "flag": True})
+    with torch.no_grad():
+        whole = head(x, True)
+        per_mb = torch.stack([head(part, True)["aux"] for part in torch.tensor_split(x, 3)])
+    torch.testing.assert_close(out["h"], whole["h"], rtol=1e-12, atol=0)
+    assert out["aux"].shape == (3,) and out["n"] == 7
+    torch.testing.assert_close(out["aux"], per_mb, rtol=1e-12, atol=0)

@@ -363,8 +363,9 @@ class Pipeline:
         """Run the forward pass only (F tasks in the schedule's order, under ``torch.no_grad``).
 
         On the rank holding the last stage returns, without `target`, the last stage's outputs of
-        all microbatches merged along dim 0 (the batch's output, tensors concatenated, other values
-        from the first microbatch); with `target`, the batch's loss (weighted as in `step`). None
+        all microbatches merged along dim 0 (the batch's output, tensors concatenated; a 0-dim
+        tensor, which has no rows, stacked into one value per microbatch; other values from the first
+        microbatch); with `target`, the batch's loss (weighted as in `step`). None
         elsewhere. No gradient is touched; activations are freed as they go. Modules keep their train/eval mode: call
         ``module.eval()`` yourself for dropout or batch norm.
 

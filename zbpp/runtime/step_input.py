@@ -110,12 +110,19 @@ def release_step_caches(walks: Walks) -> None:
 
 
 def merge(outputs: list[Any]) -> Any:
-    """The microbatches' outputs as one batch: tensor leaves concatenated along dim 0."""
+    """The microbatches' outputs as one batch: tensor leaves concatenated along dim 0, 0-dim ones
+    stacked (one value per microbatch: a microbatch's mean or sum is not the batch's, nor is the
+    first microbatch's), non-tensor values from the first microbatch.
+
+    >>> merge([(torch.ones(2, 3), torch.tensor(1.0)), (torch.zeros(1, 3), torch.tensor(2.0))])[1]
+    tensor([1., 2.])
+    """
     leaves = [flatten(o) for o in outputs]
     spec = leaves[0][1]
     merged = []
     for i, t in enumerate(leaves[0][0]):
-        merged.append(torch.cat([ls[i] for ls, _ in leaves], dim=0) if t.dim() > 0 else t)
+        parts = [ls[i] for ls, _ in leaves]
+        merged.append(torch.cat(parts, dim=0) if t.dim() > 0 else torch.stack(parts))
     return rebuild(spec, merged)
 
 
