@@ -253,10 +253,38 @@ def test_embeddings_alone_and_head_alone_as_stages(family):
         x = stages[s](**x)
     want = ref(input_ids=ids, attention_mask=mask, output_router_logits=family == "mixtral")
     if family == "mixtral":
-        torch.testing.assert_close(x["router_logits"], torch.stack(want.router_logits), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x["router_logits"], torch.stack(want.router_logits, 1), rtol=1e-12, atol=1e-12)
         x = x["logits"]
     torch.testing.assert_close(x, want.logits, rtol=1e-12, atol=1e-12)
 
+
+
+def test_eval_step_of_a_mixture_of_experts_gives_the_whole_batchs_router_logits():
+    # Mixtral with its router auxiliary loss on, two stages on one rank (zb-v), 3 rows in 2
+    # microbatches of 2 and 1: eval_step's merged output equals HF's model on the whole batch
+    # (float64, the same operations: 1e-12). The router logits were layer-major, so the merge
+    # stacked each microbatch's layers (2 x 4 layers) and raised for microbatches of unequal rows.
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .families import family_config, padded_batch
+
+    cfg = family_config("mixtral")
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    stages, kw = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, attn_implementation="eager",
+                                  state_dict=ref.state_dict(), device="cpu")
+    ids, mask, _ = padded_batch(3)
+    out = Pipeline(stages, sched, **kw).eval_step({"input_ids": ids, "attention_mask": mask})
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    torch.testing.assert_close(out["logits"], want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out["router_logits"], torch.stack(want.router_logits, 1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out["attention_mask"], mask)
 
 def test_a_last_stage_of_dense_layers_adds_the_router_loss_of_the_others():
     # Qwen2-MoE with its last decoder layer dense (mlp_only_layers) and the router auxiliary loss
@@ -290,7 +318,7 @@ def test_a_last_stage_of_dense_layers_adds_the_router_loss_of_the_others():
     out = stages[1](**stages[0](input_ids=ids, attention_mask=mask))
     want = ref(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
     assert len(want.router_logits) == LAYERS - 1
-    torch.testing.assert_close(out["router_logits"], torch.stack(want.router_logits), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out["router_logits"], torch.stack(want.router_logits, 1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out["logits"], want.logits, rtol=1e-12, atol=1e-12)
     loss = kw["loss_fn"](out, labels)
     assert want.aux_loss > 1e-3 * want.loss  # the auxiliary term is there to be checked

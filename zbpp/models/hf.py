@@ -35,14 +35,16 @@ mask, and with neither the attention is causal by SDPA's ``is_causal`` (flash ke
 
 Mixture-of-experts (Mixtral, Qwen2-MoE, OLMoE, ...): when the config asks for the router auxiliary
 loss (``output_router_logits=True``), every stage appends its layers' router logits to a
-``"router_logits"`` tensor ``[layers so far, tokens, experts]`` that travels with the hidden states,
-and the last stage returns ``{"logits", "router_logits", "attention_mask"}`` (carried, not summed
-per stage: the balancing loss multiplies means over all layers, so it does not split by stage; the
-tensor is small, layers x tokens x experts). Microbatch j's loss is
-then HF's: ``CE_j + router_aux_loss_coef * load_balancing_loss_func(router logits of all layers for
-microbatch j, num_experts, num_experts_per_tok, attention_mask_j)`` (the model's own function), and
-the step's loss and gradient are those of ``sum_j w_j * loss_j / sum_j w_j`` with w_j the predicted
-tokens of microbatch j. The balancing loss is not linear in the batch, so this equals HF on the
+``"router_logits"`` tensor ``[layers so far, tokens, experts]`` that travels with the hidden states
+(carried, not summed per stage: the balancing loss multiplies means over all layers, so it does not
+split by stage; the tensor is small, layers x tokens x experts), and the last stage returns
+``{"logits", "router_logits", "attention_mask"}`` with it token-major, ``[tokens, layers, experts]``
+(HF's per-layer tensors stacked along dim 1), so that `Pipeline.eval_step` concatenates the
+microbatches' along dim 0 into the whole batch's. Microbatch j's loss is then HF's: ``CE_j +
+router_aux_loss_coef * load_balancing_loss_func(router logits of all layers for microbatch j,
+num_experts, num_experts_per_tok, attention_mask_j)`` (the model's own function), and the step's
+loss and gradient are those of ``sum_j w_j * loss_j / sum_j w_j`` with w_j the predicted tokens of
+microbatch j. The balancing loss is not linear in the batch, so this equals HF on the
 whole batch only for one microbatch; it is HF's loss applied per microbatch, as gradient
 accumulation with HF gives it. DeepSeek-V3 has no auxiliary loss in HF (bias-based balancing).
 
@@ -108,7 +110,8 @@ class RouterAuxLoss:
     def __call__(self, router_logits: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | float:
         if router_logits is None:  # no layer routed
             return 0.0
-        return self.coef * self.fn(tuple(router_logits.unbind(0)), self.num_experts, self.top_k, attention_mask)
+        # the last stage's router logits are token-major, [tokens, layers, experts]: one tensor per layer
+        return self.coef * self.fn(tuple(router_logits.unbind(1)), self.num_experts, self.top_k, attention_mask)
 
 
 class CausalLMLoss:
@@ -490,7 +493,10 @@ class _CausalLMStage:
         if spec.last:
             if spec.template.router_aux is None:
                 return out.logits
-            return {"logits": out.logits, "router_logits": router_logits, "attention_mask": attention_mask}
+            # token-major: eval_step concatenates the microbatches' outputs along dim 0 (layer-major, it
+            # stacked the layers of each microbatch and failed on microbatches of unequal rows)
+            token_major = router_logits.transpose(0, 1) if router_logits is not None else None
+            return {"logits": out.logits, "router_logits": token_major, "attention_mask": attention_mask}
         result = {"hidden_states": call.produced, "attention_mask": attention_mask, "position_ids": position_ids}
         if spec.template.router_aux is not None:
             result["router_logits"] = router_logits
