@@ -280,3 +280,19 @@ def test_eval_step_stacks_zero_dim_outputs_one_per_microbatch():
     torch.testing.assert_close(out["h"], whole["h"], rtol=1e-12, atol=0)
     assert out["aux"].shape == (3,) and out["n"] == 7
     torch.testing.assert_close(out["aux"], per_mb, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("bad,shown", [(-1, "-1.0"), (float("nan"), "nan"), (torch.tensor(-2), "-2.0")])
+def test_loss_weight_must_be_non_negative_and_finite(bad, shown):
+    """Microbatch 1 weighs `bad`, microbatch 0 weighs 3: the factors were 3/(3+w) and w/(3+w), a
+    plausible but wrong loss for w=-1 (1.5 and -0.5). A CPU value is refused by name; on an
+    accelerator (not read: the device would be waited for) the factors become NaN."""
+    from zbpp.runtime.loss_weights import weight_factors
+
+    pipe = Pipeline({0: torch.nn.Linear(2, 1)}, build("1f1b", num_ranks=1, num_microbatches=2),
+                    loss_fn=torch.nn.functional.mse_loss, loss_weight=lambda y: 3 if y[0, 0] == 0 else bad)
+    with pytest.raises(ValueError, match=f"non-negative finite weight, got {shown} for microbatch 1"):
+        pipe.step(torch.ones(4, 2), target=torch.tensor([[0.0], [0.0], [1.0], [1.0]]))
+    assert all(q.grad is None for q in pipe.parameters()), "a rejected step touched a gradient"
+    factors, _ = weight_factors(torch.tensor([3.0, float(bad)], dtype=torch.float64))
+    assert all(torch.isnan(f) for f in factors), factors

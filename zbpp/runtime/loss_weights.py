@@ -3,7 +3,10 @@
 By default microbatch j weighs rows_j / rows (`row_factors`). With ``loss_weight`` it weighs
 w_j / W, W the sum of the w_j (`weight_factors`), kept on the device (no host synchronisation). For
 a loss averaged over tokens, w_j is the count of tokens it averages over: the step then gives the
-token mean over the whole batch. Weights must be non-negative (not checked). A microbatch of weight
+token mean over the whole batch. Weights must be non-negative and finite: a number or a CPU tensor
+that is not raises `ValueError` naming its microbatch; one on an accelerator (reading it would wait
+for the device) makes the step's loss and gradients NaN rather than plausibly wrong (weights of mixed
+signs would reweigh the microbatches silently). A microbatch of weight
 0 adds nothing (its loss may be NaN, a mean over no token: it is left out, and its backward gets a
 zero gradient); if every weight is 0 the step's loss and gradients are 0. With data-parallel
 replicas a training step's W is the total over every replica (one all-reduce of a scalar per
@@ -40,6 +43,7 @@ True
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -63,6 +67,10 @@ def checked_weights(loss_weight: Callable[[Any], Any], targets: list[Any], devic
         if not ok:
             got = f"a tensor of shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
             raise TypeError(f"loss_weight must return a number or a one-element tensor, got {got} for microbatch {j}")
+        if not isinstance(w, torch.Tensor) or w.device.type == "cpu":  # read for free: no device to wait for
+            v = float(w)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"loss_weight must return a non-negative finite weight, got {v!r} for microbatch {j}")
         out.append(w)
     dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
     try:
@@ -78,11 +86,14 @@ def weight_factors(ws: torch.Tensor, dp_size: int = 1, dp_group: Any = None,
     device tensor (no host synchronisation), and None; with ``dp_size > 1`` W is the total over
     every replica (an all-reduce over `dp_group`, waited for by `wait`, else plainly) and the
     factors are scaled by `dp_size`, which the gradient averaging divides out; then also this
-    replica's own factors, for the returned loss."""
+    replica's own factors, for the returned loss. A negative or non-finite weight (one on an
+    accelerator: `checked_weights` refused the others) makes every factor NaN, on the device."""
     nonzero = ws != 0
+    bad = ((ws < 0) | ~torch.isfinite(ws)).any()
 
     def factors(total: torch.Tensor, scale: float = 1.0) -> list[torch.Tensor]:
-        return list(torch.where(nonzero, ws * scale / total, torch.zeros_like(ws)).unbind())
+        good = torch.where(nonzero, ws * scale / total, torch.zeros_like(ws))
+        return list(torch.where(bad, torch.full_like(ws, math.nan), good).unbind())
 
     local = factors(ws.sum())
     if dp_size == 1:
