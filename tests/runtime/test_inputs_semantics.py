@@ -296,3 +296,42 @@ def test_loss_weight_must_be_non_negative_and_finite(bad, shown):
     assert all(q.grad is None for q in pipe.parameters()), "a rejected step touched a gradient"
     factors, _ = weight_factors(torch.tensor([3.0, float(bad)], dtype=torch.float64))
     assert all(torch.isnan(f) for f in factors), factors
+
+
+def test_eval_step_returns_a_shared_one_row_output_once():
+    """zb-v's two stages pass a shared ``[1, T]`` ``pos`` along (as HF's position_ids) and the last
+    returns it beside its rows and a one-row statistic of each microbatch. The rows equal one
+    process's forward of the whole batch, ``pos`` comes back ``[1, T]`` as there (it came back once
+    per microbatch, ``[3, T]``), and the statistic, which differs between microbatches, one row per
+    microbatch. float64: rtol=1e-12 covers GEMM order."""
+    T = 4
+
+    class First(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pemb = torch.nn.Embedding(T, T, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple:
+            return x + self.pemb(pos).sum(1), pos
+
+    class Last(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(T, 2, dtype=torch.float64)
+
+        def forward(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
+            y = self.lin(h)
+            return {"y": y, "pos": pos, "stat": y.mean(0, keepdim=True)}
+
+    torch.manual_seed(0)
+    first, last = First(), Last()
+    sched = build("zb-v", num_ranks=1, num_microbatches=3)
+    pipe = Pipeline({0: first, 1: last}, sched, loss_fn=lambda o, y: o["y"].mean())
+    x, pos = torch.randn(7, T, dtype=torch.float64), torch.arange(T)[None]
+    out = pipe.eval_step((x, pos))
+    with torch.no_grad():
+        whole = last(*first(x, pos))
+        stats = torch.cat([last(*first(part, pos))["stat"] for part in torch.tensor_split(x, 3)])
+    torch.testing.assert_close(out["y"], whole["y"], rtol=1e-12, atol=0)
+    assert torch.equal(out["pos"], whole["pos"]), out["pos"].shape
+    torch.testing.assert_close(out["stat"], stats, rtol=1e-12, atol=0)

@@ -67,6 +67,7 @@ class _Step:
     walks: Walks  #: this rank's stages' modules and parameters, as the step found them
     params: list[nn.Parameter]  #: this rank's parameters, each once (training steps; [] for forward-only)
     rng_step: int  #: the step's index in the derivation of its seeds (`Pipeline.rng_step` before it)
+    rows: int  #: the batch's rows (the start agreement's)
     #: the fixed ``.grad`` buffers of `params` that the step attaches after its first F tasks (task
     #: graphs after ``zero_grad()``: `GradBuffers.cleared`), or None: attached before any task
     cleared: list[torch.Tensor] | None = None
@@ -364,10 +365,11 @@ class Pipeline:
 
         On the rank holding the last stage returns, without `target`, the last stage's outputs of
         all microbatches merged along dim 0 (the batch's output, tensors concatenated; a 0-dim
-        tensor, which has no rows, stacked into one value per microbatch; other values from the first
-        microbatch); with `target`, the batch's loss (weighted as in `step`). None
-        elsewhere. No gradient is touched; activations are freed as they go. Modules keep their train/eval mode: call
-        ``module.eval()`` yourself for dropout or batch norm.
+        tensor, which has no rows, stacked into one value per microbatch; a shared one-row tensor,
+        as ``step`` shares an input's, once; other values from the first microbatch:
+        `zbpp.runtime.step_input.merge`); with `target`, the batch's loss (weighted as in `step`).
+        None elsewhere. No gradient is touched; activations are freed as they go. Modules keep their
+        train/eval mode: call ``module.eval()`` yourself for dropout or batch norm.
 
         >>> import torch
         >>> from zbpp.schedules import build
@@ -393,7 +395,7 @@ class Pipeline:
             return None
         if target is not None:
             return step.results.loss()
-        return merge([step.results.outputs[j] for j in range(self.num_microbatches)])
+        return merge([step.results.outputs[j] for j in range(self.num_microbatches)], step.rows)
 
     def task_times(self) -> list[dict[str, Any]] | None:
         """The task records of every rank of the last training step that succeeded (a step that
@@ -525,7 +527,7 @@ class Pipeline:
             failure.fail(held, None)
         comm = CommQueue(program, self._channels, specs, new_signature, self._in_flight, failure)
         return _Step(forward_only, agreed.signature, new_signature, data, executor, comm, failure, walks,
-                     [] if forward_only else unique_parameters(walks), rng_step)  # only training steps use params
+                     [] if forward_only else unique_parameters(walks), rng_step, agreed.rows)  # only training steps use params
 
     def _compute_stream(self, step: _Step) -> Any:  # with CUDA graphs a side stream (`GraphCache.stream`)
         return self._graph_cache.stream(self._in_flight) if self._graph_cache else contextlib.nullcontext()

@@ -109,20 +109,30 @@ def release_step_caches(walks: Walks) -> None:
                 mod.release_step_caches()
 
 
-def merge(outputs: list[Any]) -> Any:
-    """The microbatches' outputs as one batch: tensor leaves concatenated along dim 0, 0-dim ones
-    stacked (one value per microbatch: a microbatch's mean or sum is not the batch's, nor is the
-    first microbatch's), non-tensor values from the first microbatch.
+def merge(outputs: list[Any], rows: int) -> Any:
+    """The microbatches' outputs as one batch of `rows` rows: tensor leaves concatenated along dim 0,
+    0-dim ones stacked (one value per microbatch: a microbatch's mean or sum is not the batch's, nor
+    is the first microbatch's), non-tensor values from the first microbatch. A leaf of one row in
+    every microbatch, equal in all, while some microbatch has more rows is shared (a ``[1, T]``
+    ``position_ids`` passed along, as `zbpp.runtime.tree.split` shares it): it comes back once.
 
-    >>> merge([(torch.ones(2, 3), torch.tensor(1.0)), (torch.zeros(1, 3), torch.tensor(2.0))])[1]
-    tensor([1., 2.])
+    >>> pos = torch.arange(3)[None]
+    >>> out = merge([(torch.ones(2, 3), torch.tensor(1.0), pos), (torch.zeros(1, 3), torch.tensor(2.0), pos)], 3)
+    >>> tuple(out[0].shape), out[1], tuple(out[2].shape)
+    ((3, 3), tensor([1., 2.]), (1, 3))
     """
     leaves = [flatten(o) for o in outputs]
     spec = leaves[0][1]
+    several = rows > len(outputs)  # some microbatch has more than one row
     merged = []
     for i, t in enumerate(leaves[0][0]):
         parts = [ls[i] for ls, _ in leaves]
-        merged.append(torch.cat(parts, dim=0) if t.dim() > 0 else torch.stack(parts))
+        if t.dim() == 0:
+            merged.append(torch.stack(parts))
+        elif several and all(p.shape[0] == 1 for p in parts) and all(torch.equal(t, p) for p in parts[1:]):
+            merged.append(t)
+        else:
+            merged.append(torch.cat(parts, dim=0))
     return rebuild(spec, merged)
 
 
