@@ -335,3 +335,31 @@ def test_eval_step_returns_a_shared_one_row_output_once():
     torch.testing.assert_close(out["y"], whole["y"], rtol=1e-12, atol=0)
     assert torch.equal(out["pos"], whole["pos"]), out["pos"].shape
     torch.testing.assert_close(out["stat"], stats, rtol=1e-12, atol=0)
+
+
+def test_a_mapping_that_is_no_dict_is_split_as_a_dict():
+    """A tokenizer's ``BatchEncoding`` is a ``UserDict``, not a dict: it was taken for one opaque
+    value and refused as holding no tensor. Split as a dict (the stage gets keywords), loss and
+    gradients equal one process on the whole batch (float64: rtol=1e-12 covers summation order)."""
+    from collections import UserDict
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 3, dtype=torch.float64)
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.emb(input_ids) * attention_mask[..., None]
+
+    ids = torch.randint(0, 5, (5, 4), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(4)[None] < torch.tensor([4, 3, 4, 2, 1])[:, None]).long()
+    pipe = Pipeline({0: Stage()}, build("zb-h1", num_ranks=1, num_microbatches=2), loss_fn=lambda o, y: o.square().mean())
+    loss = pipe.step(UserDict({"input_ids": ids, "attention_mask": mask}))
+    got, emb.weight.grad = emb.weight.grad, None
+    want = (emb(ids) * mask[..., None]).square().mean()
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got, emb.weight.grad, rtol=1e-12, atol=0)

@@ -146,8 +146,9 @@ class Pipeline:
     ``torch.tensor_split`` into ``schedule.num_microbatches`` parts (sizes may differ by one), except
     shared values (one row, or wrapped in `Replicated`: `zbpp.runtime.tree`); a target whose rows
     differ from the input's raises on every rank. A stage is called as ``module(*x)`` for a
-    tuple/list, ``module(**x)`` for a dict, else ``module(x)``; its outputs may be tensors, tuples,
-    lists or dicts of them, with non-tensor values passed along.
+    tuple/list, ``module(**x)`` for a dict (or other mapping: a tokenizer's ``BatchEncoding``), else
+    ``module(x)``; its outputs may be tensors, tuples, lists or dicts of them, with non-tensor values
+    passed along.
 
     A step that raised `PipelineError` is rolled back on every rank alike: its gradients
     (``keep_grads_on_failure``) and its index in the random stream (``rng_step``), so that retrying

@@ -1,7 +1,7 @@
 """Stage inputs and outputs as trees: flatten, rebuild, split into microbatches, describe.
 
-A stage's input or output is a tensor, a tuple/list, a dict (nested freely), or any other value
-(passed along as is). `flatten` turns it into its tensor leaves plus a `Spec` that holds the
+A stage's input or output is a tensor, a tuple/list, a dict or other mapping (Hugging Face's
+``BatchEncoding``; it comes out a dict), nested freely, or any other value (passed along as is). `flatten` turns it into its tensor leaves plus a `Spec` that holds the
 structure and every non-tensor value; `Spec` is small, picklable and comparable, so it is what
 travels as a message's metadata and what is compared to detect a change of shape.
 
@@ -27,6 +27,7 @@ microbatch whole; the batch's rows are those of the leaves that are split.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -121,6 +122,8 @@ def _walk(o: Any, leaves: list[torch.Tensor]) -> Node:
         return ("dict", tuple((k, _walk(v, leaves)) for k, v in o.items()))
     if isinstance(o, Replicated):
         return ("rep", _walk(o.value, leaves))
+    if isinstance(o, Mapping):  # a tokenizer's BatchEncoding (a UserDict): its tensors are the batch's
+        return ("dict", tuple((k, _walk(v, leaves)) for k, v in o.items()))
     return ("V", o)
 
 
