@@ -363,3 +363,24 @@ def test_a_mapping_that_is_no_dict_is_split_as_a_dict():
     want.backward()
     torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
     torch.testing.assert_close(got, emb.weight.grad, rtol=1e-12, atol=0)
+
+
+def test_tensors_hidden_in_another_value_are_refused_unless_replicated():
+    """A dataclass (or any object) holding the batch's tensors was taken for one opaque value: every
+    microbatch got it whole, all the batch's rows, silently. It is refused, naming its type; wrapped
+    in `Replicated` it is shared on purpose and goes whole, as before."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Extra:
+        rows: torch.Tensor
+
+    class Holder:
+        def __init__(self) -> None:
+            self.table = [torch.zeros(4, 2)]
+
+    for hidden, name in ((Extra(torch.zeros(4, 7)), "Extra"), (Holder(), "Holder")):
+        with pytest.raises(ValueError, match=f"the input holds tensors inside a value of type {name}, which would go whole"):
+            split({"x": torch.zeros(4, 3), "extra": hidden}, 2)
+    shared = Extra(torch.zeros(3))
+    assert all(p["extra"] is shared for p in split({"x": torch.zeros(4, 3), "extra": Replicated(shared), "flag": True}, 2))

@@ -26,8 +26,9 @@ microbatch whole; the batch's rows are those of the leaves that are split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -175,6 +176,39 @@ def _replicated_leaves(node: Node, out: set[int], inside: bool = False) -> set[i
     return out
 
 
+def _holds_tensor(value: Any, depth: int = 3) -> bool:
+    """Whether `value`, taken whole as a non-tensor value, holds a tensor within `depth` levels of
+    containers, dataclass fields or instance attributes (a batch object the split cannot see into)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(value, (str, bytes, int, float, complex, type, torch.dtype, torch.device)) or value is None:
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items: Any = value
+    elif dataclasses.is_dataclass(value):
+        items = (getattr(value, f.name) for f in dataclasses.fields(value))
+    elif callable(value):  # a function or module passed along: not a batch
+        return False
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    return any(_holds_tensor(v, depth - 1) for v in items)
+
+
+def _tensors_in_values(node: Node) -> Any:
+    """The first non-tensor value outside `Replicated` that holds tensors (see `_holds_tensor`), else None."""
+    tag, body = node
+    if tag == "V":
+        return body if _holds_tensor(body) else None
+    if tag in ("T", "rep"):  # a Replicated value is meant to go whole to every microbatch
+        return None
+    kids = [c for _, c in body] if tag == "dict" else body[1] if tag == "namedtuple" else body
+    for c in kids:
+        found = _tensors_in_values(c)
+        if found is not None:
+            return found
+    return None
+
+
 def rebuild(spec: Spec, leaves: list[torch.Tensor]) -> Any:
     """Inverse of `flatten`: the tree of `spec` with `leaves` in place of its tensors."""
     return _build(spec.node, leaves)
@@ -189,7 +223,9 @@ def split(obj: Any, parts: int, *, what: str = "input") -> list[Any]:
     have more (a ``[1, T]`` ``position_ids``). Non-tensor values go to every microbatch.
 
     Raises `ValueError`, naming the leaf, for a 0-d tensor that is not `Replicated`, split leaves
-    whose dim 0 differ (other than 1), no leaf to split, or fewer rows than `parts`.
+    whose dim 0 differ (other than 1), no leaf to split, fewer rows than `parts`, or tensors held
+    inside another value (a dataclass, an object's attributes) that is not `Replicated`: it would
+    go whole to every microbatch.
     """
     return split_batch(obj, parts, what=what)[0]
 
@@ -215,6 +251,13 @@ def batch_rows(obj: Any, parts: int = 1, *, what: str = "input") -> int:
 
 
 def _rows_and_shared(leaves: list[torch.Tensor], spec: Spec, parts: int, what: str, obj: Any) -> tuple[int, set[int]]:
+    hidden = _tensors_in_values(spec.node)
+    if hidden is not None:
+        raise ValueError(
+            f"the {what} holds tensors inside a value of type {type(hidden).__name__}, which would go whole to every "
+            "microbatch (only tensors in tuples, lists and dicts are split into microbatches): pass them in a dict or tuple, "
+            "or wrap the value in zbpp.runtime.Replicated if every microbatch shares it"
+        )
     if not leaves:
         raise ValueError(f"the {what} has no tensor to split into {parts} microbatches: {describe(obj)}")
     shared = _replicated_leaves(spec.node, set())
