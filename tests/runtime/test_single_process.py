@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zbpp import Pipeline
-from zbpp.runtime import ShapeMismatchError
+from zbpp.runtime import PipelineError, ShapeMismatchError
 from zbpp.runtime.tree import call, describe, flatten, rebuild, split
 from zbpp.schedules import Schedule, available, build
 from zbpp.schedules.ir import Action
@@ -342,4 +342,36 @@ def test_an_in_place_change_of_a_received_input_says_to_clone_it():
     sched = build("zb-v", num_ranks=1, num_microbatches=2)
     pipe = Pipeline({0: _TwoOut(), 1: _TakesFirst(in_place=True)}, sched, lambda out, y: ((out - y) ** 2).mean())
     with pytest.raises(RuntimeError, match=r"stage 1 changed one of its inputs in place.*h = h.clone\(\)"):
+        pipe.step(torch.randn(4, 3, dtype=torch.float64), target=torch.randn(4, 1, dtype=torch.float64))
+
+
+class _Box:
+    def __init__(self, t):
+        self.t = t
+
+
+class _BoxesOne(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.a(x), _Box(self.b(x))
+
+
+class _OpensBox(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1).double()
+
+    def forward(self, h, box):
+        return self.lin(h + box.t)
+
+
+def test_a_stage_output_with_tensors_inside_another_value_is_refused():
+    # the tensor in the box is no message tensor: across ranks it would go pickled with no gradient back
+    # (`b` silently untrained); on one rank stage 1's B would run into stage 0's graph
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    pipe = Pipeline({0: _BoxesOne(), 1: _OpensBox()}, sched, lambda out, y: ((out - y) ** 2).mean())
+    with pytest.raises(PipelineError, match=r"stage 0 returned tensors inside a value of type _Box .*dict or tuple"):
         pipe.step(torch.randn(4, 3, dtype=torch.float64), target=torch.randn(4, 1, dtype=torch.float64))

@@ -69,7 +69,7 @@ from .errors import PipelineError, ShapeMismatchError, describe_error
 from .failure import StepFailure
 from .task_times import TaskRecorder
 from .task_graphs import EAGER, TaskRunner
-from .tree import Spec, call, flatten, rebuild
+from .tree import Spec, call, flatten, hidden_tensor_value, rebuild
 from .wgrad import StageWgrad
 
 __all__ = ["PipelineError", "ShapeMismatchError", "StepExecutor", "StepInputs", "StepResults", "StageBoundaries",
@@ -370,6 +370,13 @@ class StepExecutor:
         """F's output to the next stage: in memory on this rank, else to its send (checked against
         the signature's spec). `release`: free the storage of the outputs once sent."""
         s, j = a.stage, a.microbatch
+        if comm.new_signature:  # checked once per input signature (a stage's output structure follows it)
+            hidden = hidden_tensor_value(spec)
+            if hidden is not None:
+                raise TypeError(
+                    f"stage {s} returned tensors inside a value of type {type(hidden).__name__} for microbatch {j}: "
+                    "only tensors in tuples, lists and dicts go to the next stage as tensors (with their gradient "
+                    "back); return them in a dict or tuple")
         msg = self.program.send_of.get(a)
         if msg is None:  # the next stage is on this rank: its inputs are fresh leaves
             self._handed[a] = (spec, [t.detach().requires_grad_(t.requires_grad and not self.forward_only)

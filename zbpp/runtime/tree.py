@@ -194,6 +194,18 @@ def _holds_tensor(value: Any, depth: int = 3) -> bool:
     return any(_holds_tensor(v, depth - 1) for v in items)
 
 
+def hidden_tensor_value(spec: Spec) -> Any:
+    """The first non-tensor value of `spec` outside `Replicated` that holds tensors (a dataclass with a
+    tensor field: split whole, sent pickled, no gradient through it), else None.
+
+    >>> class Box:
+    ...     def __init__(self, t): self.t = t
+    >>> type(hidden_tensor_value(flatten((torch.ones(1), Box(torch.ones(1))))[1])).__name__
+    'Box'
+    """
+    return _tensors_in_values(spec.node)
+
+
 def _tensors_in_values(node: Node) -> Any:
     """The first non-tensor value outside `Replicated` that holds tensors (see `_holds_tensor`), else None."""
     tag, body = node
