@@ -73,3 +73,53 @@ def test_every_link_in_the_docs_exists() -> None:
         targets |= set(re.findall(r"`((?:docs|benchmarks|examples|tests|zbpp)/[\w./-]+\.\w+)`", text))
         gone = [t for t in sorted(targets) if not (path.parent / t).exists() and not (ROOT / t).exists()]
         assert not gone, f"{doc} cites files that do not exist: {gone}"
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def _close(got: object, shown: object) -> bool:
+    """`got` printed to the precision the README shows it: `shown` 0.111 or 3.33 matches 0.1111..., 3.333...."""
+    if isinstance(shown, (list, tuple)):
+        return isinstance(got, (list, tuple)) and len(got) == len(shown) and all(map(_close, got, shown))
+    if isinstance(shown, (int, float)) and isinstance(got, (int, float)):
+        decimals = len(repr(shown).partition(".")[2]) if isinstance(shown, float) else 0
+        return abs(got - shown) <= 0.5 * 10.0 ** -decimals + 1e-12  # the README rounds to what it prints
+    return got == shown
+
+
+def test_readme_schedules_example_prints_what_its_comments_say() -> None:
+    """The Schedules section's example runs as pasted, and every `expr  # value` line's value is what
+    `expr` gives (to the digits shown): the README's figures for p=4, m=8 come from the code."""
+    import ast
+
+    (block,) = [b for b in _blocks("python") if b.startswith("from zbpp.schedules import build")]
+    env: dict = {}
+    checked = 0
+    for node in ast.parse(block).body:
+        segment = ast.get_source_segment(block, node) or ""
+        line = block.splitlines()[node.end_lineno - 1]
+        if isinstance(node, ast.Expr) and "#" in line:
+            shown = ast.literal_eval(line.partition("#")[2].strip())
+            got = eval(compile(ast.Expression(node.value), "README", "eval"), env)
+            assert _close(got, shown), f"README says {segment} is {shown!r}; it is {got!r}"
+            checked += 1
+        else:
+            exec(compile(ast.Module([node], []), "README", "exec"), env)
+    assert checked == 2  # sched.stages_on(2) and the simulated figures
+    assert env["auto"].name == "zb-auto"
+
+
+def test_readme_show_output_is_the_cli_s(capsys) -> None:
+    """The console block is what `zbpp show zb-h1 -p 4 -m 8` prints (its "..." lines elided)."""
+    from zbpp.cli import main
+
+    (block,) = [b for b in _blocks("console") if b.startswith("$ zbpp show")]
+    command, *shown = block.splitlines()
+    assert main(command.split()[2:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    expected = [line for line in shown if line.strip() != "..."]
+    missing = [line for line in expected if line not in printed]
+    assert not missing, f"README shows lines `zbpp show` does not print: {missing}"
+    assert [printed.index(line) for line in expected] == sorted(printed.index(line) for line in expected)
