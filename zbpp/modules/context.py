@@ -52,7 +52,23 @@ def bound(var: ContextVar[T], value: T) -> Iterator[T]:
 
 
 def microbatch(key: Hashable) -> AbstractContextManager[Hashable]:
-    """Tag the forwards run inside this block with `key` (any hashable, e.g. an int)."""
+    """Tag the forwards run inside this block with `key` (any hashable, e.g. an int).
+
+    A delayed-wgrad layer files each backward's weight gradient under its forward's key, and
+    ``backward_dw(key)`` computes that one:
+
+    >>> import torch
+    >>> from zbpp.modules import Linear
+    >>> lin = Linear(4, 2, delay_wgrad_compute=True)
+    >>> for key in (0, 1):
+    ...     with microbatch(key):
+    ...         y = lin(torch.ones(3, 4))
+    ...     y.sum().backward()  # B: the input gradient; the weight's waits under `key`
+    >>> lin.weight.grad is None
+    True
+    >>> lin.backward_dw(1); lin.weight.grad[0, 0].item()  # W of microbatch 1: 3 rows of ones
+    3.0
+    """
     try:
         hash(key)
     except TypeError:  # else it fails only in the backward, filing the wgrad job under it
@@ -64,7 +80,14 @@ def microbatch(key: Hashable) -> AbstractContextManager[Hashable]:
 
 
 def current_microbatch() -> Hashable | None:
-    """The innermost active key, or None outside any `microbatch` block."""
+    """The innermost active key, or None outside any `microbatch` block.
+
+    >>> with microbatch(0), microbatch((1, 5)):
+    ...     current_microbatch()
+    (1, 5)
+    >>> current_microbatch() is None
+    True
+    """
     return _key.get()
 
 

@@ -248,6 +248,22 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks
     raises (DCP's error names it); the checkpoint may hold more (other ranks' stages). So does an
     `optimizer` or `lr_scheduler` given for a checkpoint saved without one.
+
+    In one process, a resumed optimizer keeps the saved ``lr`` and step count:
+
+    >>> import tempfile, torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     save_checkpoint(model, d, opt)
+    ...     copy = torch.nn.Linear(2, 1)
+    ...     copy_opt = torch.optim.AdamW(copy.parameters(), lr=1.0)
+    ...     load_checkpoint(copy, d, copy_opt)
+    >>> torch.equal(copy.weight, model.weight), copy_opt.param_groups[0]["lr"]
+    (True, 0.1)
+    >>> int(copy_opt.state[copy.weight]["step"])
+    1
     """
     import torch.distributed.checkpoint as dcp
 

@@ -132,6 +132,15 @@ def clip_grad_norm_(
     A `Pipeline`'s tied parameters (`tied_parameters=`) count once: on the rank of their lowest
     stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages).
     Parameters passed otherwise count on every rank that passes them.
+
+    In one process (no process group) the norm is this process's, as torch's:
+
+    >>> a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    >>> a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    >>> float(clip_grad_norm_([a, b], max_norm=1.0))  # the norm before clipping
+    5.0
+    >>> [round(g, 4) for g in a.grad.tolist() + b.grad.tolist()]
+    [0.6, 0.0, 0.8]
     """
     unusable = getattr(pipeline_or_params, "_raise_if_unusable", None)
     if callable(unusable):  # a Pipeline that found its job broken: the all-reduce would wait for a dead rank

@@ -43,6 +43,13 @@ def task_graph(schedule: Schedule, *, rank_chains: bool = True) -> nx.DiGraph:
     Nodes are `Action`s with attribute ``rank``. Data edges carry ``kind="data"`` and
     ``cross_rank`` (True when they carry a message between ranks); with `rank_chains`, consecutive
     tasks of a rank are joined by ``kind="order"`` edges.
+
+    >>> from zbpp.schedules import build
+    >>> g = task_graph(build("zb-h1", num_ranks=2, num_microbatches=1), rank_chains=False)
+    >>> sorted(f"{a}->{b}" for a, b, d in g.edges(data=True) if d["cross_rank"])  # messages
+    ['B1.0->B0.0', 'F0.0->F1.0']
+    >>> g.number_of_edges()  # and F->B on the last stage, B->W on each
+    5
     """
     g = nx.DiGraph()
     for rank, a in schedule.actions():

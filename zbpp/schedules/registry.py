@@ -76,12 +76,20 @@ def register(name: str, *, tasks: TaskCount | None = None) -> Callable[[Generato
 
 
 def available() -> list[str]:
-    """Names `build` accepts, in registration order."""
+    """Names `build` accepts, in registration order.
+
+    >>> available()[:4]
+    ['gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1']
+    """
     return list(_REGISTRY)
 
 
 def options_of(name: str) -> dict[str, Any]:
-    """The options schedule `name` takes, with their defaults."""
+    """The options schedule `name` takes, with their defaults.
+
+    >>> options_of("interleaved-1f1b"), options_of("zb-auto")
+    ({'chunks': 2}, {'costs': None, 'memory': None, 'memory_limit': None})
+    """
     fn = _lookup(name)
     return {
         p.name: p.default

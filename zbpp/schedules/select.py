@@ -234,6 +234,12 @@ def pick_schedule(
     own stages. Ties (equal makespan within rounding) go to the lower peak memory, then to the
     earlier candidate. Raises `ValueError` when no candidate fits, naming the smallest peak.
     `evaluate_candidates` returns every candidate's outcome.
+
+    >>> from zbpp.schedules import Costs, Memory
+    >>> pick = pick_schedule(4, 8, Costs(f=1, b=1, w=1), memory=Memory(activation=1, wgrad=1/3),
+    ...                      memory_limit=4, candidates=["1f1b", "zb-h1", "zb-h2"])  # zb-h2 peaks above 4
+    >>> pick.name, round(pick.result.bubble_rate, 4), max(pick.result.peak_memory)
+    ('zb-h1', 0.1111, 4.0)
     """
     ranked = evaluate_candidates(
         num_ranks, num_microbatches, costs, memory=memory, memory_limit=memory_limit, candidates=candidates

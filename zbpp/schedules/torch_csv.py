@@ -58,6 +58,15 @@ def to_torch_csv(schedule: Schedule, path: str | os.PathLike[str], *, overlap: b
 
     With `overlap`, each `overlap_pairs` entry whose two tasks are adjacent on their rank is
     written as one ``(a;b)OVERLAP_F_B`` cell, as torch's DualPipeV does; otherwise as two cells.
+    torch names B ``I`` (the input gradient):
+
+    >>> import os, tempfile
+    >>> from zbpp.schedules import build
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     to_torch_csv(build("zb-h1", num_ranks=2, num_microbatches=2), os.path.join(d, "zbh1.csv"))
+    ...     print(open(os.path.join(d, "zbh1.csv")).read(), end="")
+    0F0,0F1,0I0,0W0,0I1,0W1
+    1F0,1I0,1F1,1I1,1W0,1W1
     """
     pairs = {(a, b) for a, b in schedule.overlap_pairs} if overlap else set()
     with open(path, "w", newline="") as fh:
@@ -145,6 +154,15 @@ def from_torch_csv(
     to the largest microbatch index + 1; `placement` (stage -> rank) defaults to where each
     stage's tasks are, or is ``"loop"``, ``"v"`` or an explicit list. Call `validate` on the
     result to check it is complete and deadlock-free.
+
+    >>> import os, tempfile
+    >>> from zbpp.schedules import build, validate
+    >>> zbv = build("zb-v", num_ranks=2, num_microbatches=4)
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     to_torch_csv(zbv, os.path.join(d, "zbv.csv"))
+    ...     back = from_torch_csv(os.path.join(d, "zbv.csv"), placement="v")
+    >>> validate(back).placement, back.orders == zbv.orders  # validate returns the schedule
+    ((0, 1, 1, 0), True)
     """
     try:
         with open(path, newline="", encoding="utf-8") as fh:

@@ -425,6 +425,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, args: tuple = ()
     """Spawn `world_size` ranks, run ``fn(*args, **kwargs)`` on each, stop them; results in rank order.
 
     `options` go to `Workers` (``pg_timeout``, ``grace``, ``threads``, ``env``, ``eager_init``).
+
+    >>> import torch.distributed as dist
+    >>> run_distributed(dist.get_rank, 2)  # any function importable by name
+    [0, 1]
     """
     with Workers(world_size, backend=backend, timeout=timeout, **options) as workers:
         return workers.run(fn, *args, **(kwargs or {}))

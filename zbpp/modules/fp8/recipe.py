@@ -22,7 +22,11 @@ __all__ = ["Format", "DelayedScaling", "fp8_autocast", "active_recipe"]
 
 
 class Format(enum.Enum):
-    """Which float8 formats the forward tensors and the gradients use."""
+    """Which float8 formats the forward tensors and the gradients use.
+
+    >>> DelayedScaling(fp8_format=Format.HYBRID).bwd_dtype, DelayedScaling(fp8_format=Format.E4M3).bwd_dtype
+    (torch.float8_e5m2, torch.float8_e4m3fn)
+    """
 
     E4M3 = "E4M3"  # everything e4m3
     HYBRID = "HYBRID"  # forward e4m3, gradients e5m2 (more range, less precision)
