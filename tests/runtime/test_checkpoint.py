@@ -277,3 +277,44 @@ def test_load_with_an_optimizer_needs_its_saved_state(tmp_path: Path) -> None:
     save_checkpoint(pipe, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="holds no optimizer state"):
         load_checkpoint(pipe, tmp_path / "ckpt", opt)
+
+
+def test_a_live_optimizer_keeps_no_state_the_checkpoint_lacks(tmp_path: Path) -> None:
+    """Rolling a live AdamW back to a checkpoint saved when only ``layers.3`` had had gradients (the
+    other parameters had no state yet): the state they got after the save stayed, so their next
+    steps used moments of rolled-back work instead of starting fresh. Reference: the uninterrupted
+    run from the save, in the same process with the same operations, so bit for bit."""
+    from zbpp.runtime import save_checkpoint
+
+    def first_step(net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        for name, p in net.named_parameters():  # no gradient, so no AdamW state, but for layers.3
+            p.requires_grad_(name.startswith("layers.3."))
+        x, y = batch(0)
+        loss_fn(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        for p in net.parameters():
+            p.requires_grad_(True)
+
+    def train(net: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step)
+            loss_fn(net(x), y).backward()
+            opt.step()
+
+    ref = whole_model()
+    ref_opt = make_optimizer(ref.parameters())
+    first_step(ref, ref_opt)
+    train(ref, ref_opt, range(1, 3))
+
+    net = whole_model()
+    opt = make_optimizer(net.parameters())
+    first_step(net, opt)
+    save_checkpoint(net, tmp_path / "ckpt", opt)
+    train(net, opt, range(10, 12))  # rolled back by the load
+    load_checkpoint(net, tmp_path / "ckpt", opt)
+    assert sorted(n for n, p in net.named_parameters() if opt.state.get(p)) == ["layers.3.bias", "layers.3.weight"]
+    train(net, opt, range(1, 3))
+    for name, p in ref.named_parameters():
+        assert torch.equal(net.get_parameter(name), p), name

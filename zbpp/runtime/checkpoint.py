@@ -231,7 +231,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     - every parameter and buffer of this rank's stages, by name;
     - the optimizer's per-parameter state (``exp_avg``, ``step``, ...), by parameter name: a tied
       Parameter gets the state saved under any of its names, so copies on several ranks and one
-      Parameter shared by a V placement's two stages convert into each other;
+      Parameter shared by a V placement's two stages convert into each other. A parameter saved
+      without state (it had no gradient yet) has none after loading, as the saved optimizer had;
     - the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``, ... every key of a
       parameter group but ``params``): the checkpoint's win over the new optimizer's, as with
       ``torch.optim.Optimizer.load_state_dict``. To change one on resume, set it after loading. A
@@ -353,6 +354,8 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
         for name, p, group in loading.wanted:
             if name in loaded["state"]:
                 optimizer.state[p] = dict(loaded["state"][name])
+            else:  # saved without state (no gradient yet): a live optimizer's own would go on unseen
+                optimizer.state.pop(p, None)
             for key, value in loaded["param_groups"].get(name, {}).items():
                 group[key] = value
     if lr_scheduler is not None:
