@@ -318,3 +318,43 @@ def test_a_live_optimizer_keeps_no_state_the_checkpoint_lacks(tmp_path: Path) ->
     train(net, opt, range(1, 3))
     for name, p in ref.named_parameters():
         assert torch.equal(net.get_parameter(name), p), name
+
+
+def test_optimizer_state_follows_its_parameter_into_another_dtype(tmp_path: Path) -> None:
+    """Saved in float64, resumed in float32: DCP casts the parameters, but AdamW's moments came back
+    float64 and the next ``opt.step()`` raised (lerp of a float64 moment by a float32 gradient).
+    Reference: torch's own resume, ``Optimizer.load_state_dict`` into a float32 copy (it casts a
+    parameter's floating state but ``step`` to the parameter's dtype), 2 more steps on float32
+    batches: bit for bit (same casts, same operations). A state kept in another dtype than its
+    parameter's (a float16 shadow in a float64 model, say: an optimizer's own choice) keeps it."""
+    from zbpp.runtime import save_checkpoint
+
+    def train(net: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, dtype: torch.dtype) -> None:
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step)
+            loss_fn(net(x.to(dtype)), y.to(dtype)).backward()
+            opt.step()
+
+    net = whole_model()
+    opt = make_optimizer(net.parameters())
+    train(net, opt, range(2), torch.float64)
+    opt.state[net.layers["0"].weight]["shadow"] = torch.ones(3, dtype=torch.float16)  # not its parameter's dtype
+    save_checkpoint(net, tmp_path / "ckpt", opt)
+    del opt.state[net.layers["0"].weight]["shadow"]  # torch's AdamW would cast it
+    ref = whole_model().float()
+    ref.load_state_dict(net.state_dict())
+    ref_opt = make_optimizer(ref.parameters())
+    ref_opt.load_state_dict(opt.state_dict())
+
+    got = whole_model(seed=3).float()
+    got_opt = make_optimizer(got.parameters())
+    load_checkpoint(got, tmp_path / "ckpt", got_opt)
+    state = got_opt.state[got.layers["0"].weight]
+    assert {k: v.dtype for k, v in state.items()} == {"step": torch.float32, "exp_avg": torch.float32,
+                                                      "exp_avg_sq": torch.float32, "shadow": torch.float16}
+    del state["shadow"]
+    train(ref, ref_opt, range(2, 4), torch.float32)
+    train(got, got_opt, range(2, 4), torch.float32)
+    for name, p in ref.named_parameters():
+        assert torch.equal(got.get_parameter(name), p), name

@@ -447,14 +447,14 @@ def _fp8_destinations(meta: Mapping[str, Any], mods: list[nn.Module], replica: i
     return name, out
 
 
-def _placeholder(md: Any, device: torch.device | None = None) -> torch.Tensor | None:
-    """What DCP reads a saved entry into: a tensor of its size and dtype (on `device`), or None for
-    a saved Python value (DCP puts it there)."""
+def _placeholder(md: Any, device: torch.device | None = None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """What DCP reads a saved entry into: a tensor of its size and dtype (on `device`, in `dtype`
+    if given: DCP casts), or None for a saved Python value (DCP puts it there)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not isinstance(md, TensorStorageMetadata):
         return None
-    return torch.zeros(tuple(md.size), dtype=md.properties.dtype, device=device)
+    return torch.zeros(tuple(md.size), dtype=dtype or md.properties.dtype, device=device)
 
 
 def _rng_state(model: Any) -> dict[str, int] | None:
@@ -479,17 +479,26 @@ def _one_process_quiet() -> Iterator[None]:
 def _optimizer_destination(meta: Mapping[str, Any], name: str, param: nn.Parameter) -> dict[str, Any]:
     """Tensors to load the optimizer state of `param` into, shaped as the checkpoint says: like the
     parameter (sharded like it) when the saved tensor has its shape, else a plain tensor (on the
-    CPU when 0-dim, as torch optimizers keep ``step``)."""
+    CPU when 0-dim, as torch optimizers keep ``step``).
+
+    A floating state saved in its parameter's dtype takes the parameter's dtype now (resumed in
+    another one: what ``Optimizer.load_state_dict`` does; else the step mixes dtypes and fails);
+    ``step`` and a state kept in another dtype than its parameter's keep the saved one."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    saved_param = meta.get(f"model.{name}")
+    saved_dtype = saved_param.properties.dtype if isinstance(saved_param, TensorStorageMetadata) else None
     prefix = f"optimizer.state.{name}."
     out: dict[str, Any] = {}
     for key, md in meta.items():
         if not key.startswith(prefix) or "." in key[len(prefix):]:
             continue
         field = key[len(prefix):]
+        dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
+        if dtype is not None and dtype == saved_dtype and field != "step" and param.is_floating_point():
+            dtype = param.dtype
         if isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(param.shape):
-            out[field] = torch.zeros_like(param.detach(), dtype=md.properties.dtype)
+            out[field] = torch.zeros_like(param.detach(), dtype=dtype)
         else:
-            out[field] = _placeholder(md, None if len(getattr(md, "size", ())) == 0 else param.device)
+            out[field] = _placeholder(md, None if len(getattr(md, "size", ())) == 0 else param.device, dtype)
     return out
