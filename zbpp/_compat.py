@@ -39,6 +39,7 @@ __all__ = [
     "gpu_head_start",
     "modules_and_parameters",
     "runs_hooks",
+    "dcp_file_extents",
 ]
 
 
@@ -323,3 +324,19 @@ def persistent_buffers(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]
     ``persistent=False``), read from ``nn.Module``'s private dicts as `module_buffers` does."""
     return [b for m in modules for name, b in m._buffers.items()
             if b is not None and name not in m._non_persistent_buffers_set]
+
+
+def dcp_file_extents(metadata: Any) -> dict[str, tuple[int, list[str]]]:
+    """The files of a ``torch.distributed.checkpoint`` directory that its `metadata` (``FileSystemReader
+    .read_metadata()``) points into: ``{relative path: (bytes its entries need, their names)}``, from
+    ``metadata.storage_data``, whose values are the filesystem storage's private ``_StorageInfo``
+    (relative_path, offset, length); {} where a storage keeps other records."""
+    ends: dict[str, int] = {}
+    names: dict[str, dict[str, None]] = {}  # in the metadata's order, each name once (a sharded entry has several chunks)
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        path, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if not isinstance(path, str) or not isinstance(offset, int) or not isinstance(length, int):
+            return {}
+        ends[path] = max(ends.get(path, 0), offset + length)
+        names.setdefault(path, {})[getattr(index, "fqn", str(index))] = None
+    return {path: (end, list(names[path])) for path, end in ends.items()}

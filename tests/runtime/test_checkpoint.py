@@ -8,6 +8,7 @@ steps and 3 more steps equal its 5 steps (the optimizer state came back). Cases 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,33 @@ def test_optimizer_state_follows_its_parameter_into_another_dtype(tmp_path: Path
     train(got, got_opt, range(2, 4), torch.float32)
     for name, p in ref.named_parameters():
         assert torch.equal(got.get_parameter(name), p), name
+
+
+@pytest.mark.parametrize("damage", ["cut short", "missing", "no .metadata"])
+def test_an_incomplete_checkpoint_is_refused_before_anything_loads(saved: Path, tmp_path: Path, damage: str) -> None:
+    """The 2-rank checkpoint with rank 1's data file cut in half (a copy interrupted) or missing (a
+    directory not shared by the ranks that saved), or without ``.metadata`` (a save that did not
+    finish: DCP writes it last). DCP read what the intact files held into the model, then raised an
+    ``EOFError`` or ``FileNotFoundError`` that named no entry, the model half overwritten; now the
+    error names the file and an entry of it, and neither the model nor the optimizer changed."""
+    import shutil
+
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(saved, damaged)
+    last = sorted(damaged.glob("*.distcp"))[-1]  # rank 1's: read after rank 0's
+    if damage == "cut short":
+        os.truncate(last, last.stat().st_size // 2)
+        words = rf"{last.name} holds \d+ bytes, its entries need \d+ \(it holds 'model\.layers\.\d\.\w+' and \d+ more"
+    elif damage == "missing":
+        last.unlink()
+        words = rf"{last.name} is missing \(it holds 'model\.layers\.\d\.\w+' and \d+ more entries\)"
+    else:
+        (damaged / ".metadata").unlink()
+        words = "it holds no .metadata"
+    net = whole_model(seed=123)
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    opt = make_optimizer(net.parameters())
+    with pytest.raises((ValueError, FileNotFoundError), match=words):
+        load_checkpoint(net, damaged, opt)
+    assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []
+    assert not opt.state

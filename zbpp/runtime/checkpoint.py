@@ -248,7 +248,9 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
 
     Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks
     raises (DCP's error names it); the checkpoint may hold more (other ranks' stages). So does an
-    `optimizer` or `lr_scheduler` given for a checkpoint saved without one.
+    `optimizer` or `lr_scheduler` given for a checkpoint saved without one. A checkpoint without
+    ``.metadata`` (a save that did not finish) or with a data file missing or cut short raises,
+    naming the file and an entry of it, before anything is loaded.
 
     In one process, a resumed optimizer keeps the saved ``lr`` and step count:
 
@@ -308,7 +310,7 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     mods = _stage_modules(model)
     model_state = _model_state(mods)
     state: dict[str, Any] = {"model": model_state}
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = _complete_metadata(path).state_dict_metadata
     wanted: list[tuple[str, nn.Parameter, dict]] = []
     if optimizer is not None:
         if not _saved(meta, "optimizer."):  # else the optimizer would silently keep its fresh state
@@ -337,6 +339,31 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     if fp8:
         state["fp8"] = {replica: fp8}
     return _Loading(mods, model_state, state, wanted, restore_rng)
+
+
+def _complete_metadata(path: str) -> Any:
+    """The metadata of checkpoint `path`, once every file it points into is there whole: else DCP
+    fails part-way through reading, with this rank's tensors half overwritten and an error (an
+    ``EOFError``) that names no entry. DCP writes ``.metadata`` last, so a save that did not finish
+    has none; a file missing or short is a copy cut short, or a directory not shared by the ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    from .._compat import dcp_file_extents
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: it holds no .metadata (written last: a save that did "
+                                "not finish, or not a checkpoint directory); nothing was loaded")
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    for file, (need, names) in dcp_file_extents(metadata).items():
+        full = os.path.join(path, file)
+        size = os.path.getsize(full) if os.path.isfile(full) else None
+        if size is None or size < need:
+            first = next((n for n in names if n.startswith("model.")), names[0])  # a weight says most
+            holds = f"{first!r}" + (f" and {len(names) - 1} more entries" if len(names) > 1 else "")
+            what = "is missing" if size is None else f"holds {size} bytes, its entries need {need}"
+            raise ValueError(f"the checkpoint {path!r} is incomplete: {file} {what} (it holds {holds}): a copy cut "
+                             "short, or a directory not shared by every rank that saved; nothing was loaded")
+    return metadata
 
 
 def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
