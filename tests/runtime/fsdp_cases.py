@@ -573,6 +573,45 @@ def one_rank_wrong_case(path: str, when: str) -> str:
     return _timed_checkpoint_call(when, stage, path, opt, Exception)
 
 
+def failed_overwrite_case(path: str) -> str:
+    """2 ranks, rank r holding stage r of `Net`: save the initial values into `path`, then save
+    other values into the same `path` while rank 1's write fails (a full disk: DCP raises on both
+    ranks, after rank 0 wrote its file), then load `path` into fresh stages. Returns
+    ``"<type>: <message>"`` of what the load raised on this rank, or what it loaded: ``"loaded the
+    first save"``, ``"loaded the second save"`` or ``"loaded a mix"`` (of the ranks' stages)."""
+    import torch.distributed.checkpoint as dcp
+
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    first, second = whole_model(seed=1), whole_model(seed=2)
+    save_checkpoint({rank: stage_of(first, rank, 2)}, path)
+    dist.barrier()
+    write = dcp.FileSystemWriter.write_data
+
+    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    dcp.FileSystemWriter.write_data = full_disk if rank == 1 else write  # type: ignore[method-assign]
+    try:
+        save_checkpoint({rank: stage_of(second, rank, 2)}, path)
+    except BaseException:  # noqa: BLE001 - DCP's CheckpointException, expected on both ranks
+        pass
+    finally:
+        dcp.FileSystemWriter.write_data = write  # type: ignore[method-assign]
+    dist.barrier()
+    fresh = stage_of(whole_model(seed=3), rank, 2)
+    try:
+        load_checkpoint({rank: fresh}, path)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    got = torch.tensor([float(torch.equal(fresh.state_dict()[n], t)) for n, t in stage_of(second, rank, 2).state_dict().items()]).all()
+    both = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(both, got.float().reshape(1))
+    return {(1.0, 1.0): "loaded the second save", (0.0, 0.0): "loaded the first save"}.get(
+        (float(both[0]), float(both[1])), "loaded a mix")
+
+
 def scheduler_case(path: str) -> str:
     """2 ranks, rank r holding stage r of `Net`; rank 0's AdamW has lr 0.1, rank 1's 0.05 (one group
     each), each with the same LambdaLR, 3 steps. Save with lr_scheduler=, load into a fresh optimizer

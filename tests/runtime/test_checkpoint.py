@@ -389,3 +389,16 @@ def test_an_incomplete_checkpoint_is_refused_before_anything_loads(saved: Path, 
         load_checkpoint(net, damaged, opt)
     assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []
     assert not opt.state
+
+
+def test_a_failed_save_over_a_checkpoint_leaves_none(tmp_path: Path, zbpp_workers) -> None:
+    """A save into a directory holding a checkpoint that fails part-way (`failed_overwrite_case`:
+    rank 1's disk full after rank 0 wrote its file) left the first save's ``.metadata`` (DCP writes
+    it last) over rank 0's new file and rank 1's old one: the load took rank 0's stage from the
+    second save and rank 1's from the first, without a word. Now the earlier ``.metadata`` goes
+    before any rank writes, so the load refuses on both ranks."""
+    from .fsdp_cases import failed_overwrite_case
+
+    msgs = zbpp_workers(2, pg_timeout=60).run(failed_overwrite_case, str(tmp_path / "c"))
+    assert all(m.startswith(f"FileNotFoundError: no checkpoint at {str(tmp_path / 'c')!r}: it holds no .metadata")
+               for m in msgs), msgs

@@ -134,7 +134,10 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
             ``zbpp.modules`` layers (a Pipeline's: under its data-parallel replica). A Pipeline's
             tied copies are compared first (`Pipeline.check_ties`, where `process_group` is every
             rank of the job): copies that differ raise on every rank and nothing is written.
-        path: the checkpoint directory (shared by every rank).
+        path: the checkpoint directory (shared by every rank). A checkpoint there is replaced: its
+            ``.metadata`` goes before any rank writes, so a save that fails part-way leaves no
+            checkpoint rather than a mix of both (to keep the old one until the new is complete,
+            save to a new directory and rename it, as ``examples/train_hf.py`` does).
         optimizer: an optimizer over this rank's stage parameters (plain or ``fully_shard`` ones).
             A parameter's state and hyperparameters are saved under each of its names (a tied
             Parameter that one rank's stages share: under the embedding's and the LM head's name).
@@ -173,7 +176,23 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
                                    "was saved)", payload=state.get("lr_scheduler", {}).get("state"))
     _one_scheduler_state(schedulers, ranks)
     with _one_process_quiet():
-        dcp.save(state, checkpoint_id=os.fspath(path), process_group=process_group)
+        dcp.save(state, storage_writer=_writer(os.fspath(path)), process_group=process_group)
+
+
+def _writer(path: str) -> Any:
+    """DCP's file writer for `path`, which first deletes the ``.metadata`` of an earlier save there
+    (on the coordinator, once every rank planned, before any writes): DCP overwrites the data files
+    in place and writes ``.metadata`` last, so a save failing part-way would leave the old metadata
+    over a mix of new and old files, which loads without a word."""
+    import torch.distributed.checkpoint as dcp
+
+    class _Writer(dcp.FileSystemWriter):
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, ".metadata"))
+            return super().prepare_global_plan(plans)
+
+    return _Writer(path)
 
 
 def _one_scheduler_state(states: list[bytes | None], ranks: list[int]) -> None:
