@@ -402,3 +402,36 @@ def test_a_failed_save_over_a_checkpoint_leaves_none(tmp_path: Path, zbpp_worker
     msgs = zbpp_workers(2, pg_timeout=60).run(failed_overwrite_case, str(tmp_path / "c"))
     assert all(m.startswith(f"FileNotFoundError: no checkpoint at {str(tmp_path / 'c')!r}: it holds no .metadata")
                for m in msgs), msgs
+
+
+def test_a_tensor_learning_rate_resumes(tmp_path: Path) -> None:
+    """``Adam(lr=torch.tensor(...))`` (torch takes a tensor lr, for capturable and fused steps): the
+    checkpoint keeps it as a tensor entry, which the load asked for as a Python value, and DCP
+    refused ("expected BytesStorageMetadata"). Now it loads, into the group's own lr tensor (an LR
+    scheduler updates that one in place), and the resumed run with StepLR is the uninterrupted
+    run bit for bit (same process, same operations)."""
+    from zbpp.runtime import save_checkpoint
+
+    def run(seed: int, lr: float, steps: range, save: Path | None = None, load: Path | None = None) -> torch.nn.Module:
+        net = whole_model(seed=seed)
+        opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(lr))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        lr_tensor = opt.param_groups[0]["lr"]
+        if load is not None:
+            load_checkpoint(net, load, opt, lr_scheduler=sched)
+            # halved twice; rel 1e-6: the lr tensor is float32
+            assert opt.param_groups[0]["lr"] is lr_tensor and float(lr_tensor) == pytest.approx(0.05 * 0.5 ** 2, rel=1e-6)
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step)
+            loss_fn(net(x), y).backward()
+            opt.step()
+            sched.step()
+            if save is not None and step == 1:
+                save_checkpoint(net, save, opt, lr_scheduler=sched)
+        return net
+
+    ref = run(0, 0.05, range(4), save=tmp_path / "ckpt")
+    got = run(7, 1.0, range(2, 4), load=tmp_path / "ckpt")
+    for name, p in ref.named_parameters():
+        assert torch.equal(got.get_parameter(name), p), name

@@ -343,7 +343,8 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
             if entry:
                 opt_state[name] = entry
             prefix = f"optimizer.param_groups.{name}."
-            hyper = {k[len(prefix):]: None for k in meta if k.startswith(prefix) and "." not in k[len(prefix):]}
+            hyper = {k[len(prefix):]: _placeholder(md) for k, md in meta.items()  # a tensor lr is a tensor
+                     if k.startswith(prefix) and "." not in k[len(prefix):]}
             if hyper:
                 groups[name] = hyper
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
@@ -403,12 +404,20 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
             else:  # saved without state (no gradient yet): a live optimizer's own would go on unseen
                 optimizer.state.pop(p, None)
             for key, value in loaded["param_groups"].get(name, {}).items():
-                group[key] = value
+                if _fits(group.get(key), value):
+                    group[key].copy_(value)  # in place: an LR scheduler or a captured step holds this tensor
+                else:
+                    group[key] = value
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]["state"]))
     if loading.restore_rng:
         model.rng_step = int(state["rng"]["step"])
         model._base_seed = int(state["rng"]["seed"])
+
+
+def _fits(current: Any, value: Any) -> bool:
+    """`value` can be copied into `current`: both tensors of one shape."""
+    return isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape
 
 
 def _raise_if_unusable(model: Any) -> None:
