@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 from zbpp.runtime import load_checkpoint
 
 from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, compare, loss_fn, make_optimizer, one_rank_wrong_case,
-                         reference_run, resume_case, save_case, scheduler_case, whole_model)
+                         reference_run, resume_case, save_case, scheduler_case, stage_of, whole_model)
 
 
 @pytest.fixture(scope="module")
@@ -435,3 +436,42 @@ def test_a_tensor_learning_rate_resumes(tmp_path: Path) -> None:
     got = run(7, 1.0, range(2, 4), load=tmp_path / "ckpt")
     for name, p in ref.named_parameters():
         assert torch.equal(got.get_parameter(name), p), name
+
+
+def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: Path) -> None:
+    """``AdamW(stage.named_parameters())`` keeps the group's ``param_names``, which the checkpoint
+    saved as a hyperparameter of each parameter: saved as two stages with a group each (two ranks'
+    optimizers) and loaded as one module with one group, the load refused ("saved with different
+    'param_names'"); loaded as one stage, the group got the other layout's list. Now
+    ``param_names`` stays the new optimizer's, and 2 more steps equal the uninterrupted run of
+    the whole model (the same operations in one process: bit for bit)."""
+    from zbpp.runtime import save_checkpoint
+
+    def train(forward: Any, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step)
+            loss_fn(forward(x), y).backward()
+            opt.step()
+
+    stages = {s: stage_of(whole_model(), s, 2) for s in (0, 1)}
+    opt = make_optimizer([{"params": list(m.named_parameters())} for m in stages.values()])
+    train(lambda x: stages[1](stages[0](x)), opt, range(2))
+    save_checkpoint(stages, tmp_path / "ckpt", opt)
+
+    ref = whole_model()
+    ref_opt = make_optimizer(ref.named_parameters())
+    train(ref, ref_opt, range(4))
+    net = whole_model(seed=4)
+    net_opt = make_optimizer(net.named_parameters())
+    load_checkpoint(net, tmp_path / "ckpt", net_opt)
+    assert net_opt.param_groups[0]["param_names"] == [n for n, _ in net.named_parameters()]
+    train(net, net_opt, range(2, 4))
+    for name, p in ref.named_parameters():
+        assert torch.equal(net.get_parameter(name), p), name
+
+    save_checkpoint(ref, tmp_path / "whole", ref_opt)  # one group of every parameter
+    half = stage_of(whole_model(seed=4), 1, 2)
+    half_opt = make_optimizer(half.named_parameters())
+    load_checkpoint(half, tmp_path / "whole", half_opt)
+    assert half_opt.param_groups[0]["param_names"] == [n for n, _ in half.named_parameters()]

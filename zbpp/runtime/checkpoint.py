@@ -118,8 +118,11 @@ def _optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, list[st
     return out
 
 
+_NOT_HYPER = ("params", "param_names")  # the group's parameters and their names: this layout's, not the saved one's
+
+
 def _hyper(group: dict) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
 @collective_call()  # an interrupt while this rank agreed comes once every rank is done
@@ -253,9 +256,10 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
       Parameter shared by a V placement's two stages convert into each other. A parameter saved
       without state (it had no gradient yet) has none after loading, as the saved optimizer had;
     - the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``, ... every key of a
-      parameter group but ``params``): the checkpoint's win over the new optimizer's, as with
-      ``torch.optim.Optimizer.load_state_dict``. To change one on resume, set it after loading. A
-      group whose parameters were saved with different values (grouped otherwise) raises;
+      parameter group but ``params`` and ``param_names``): the checkpoint's win over the new
+      optimizer's, as with ``torch.optim.Optimizer.load_state_dict``. To change one on resume, set
+      it after loading. A group whose parameters were saved with different values (grouped
+      otherwise) raises;
     - `lr_scheduler`'s state (``last_epoch``, ``base_lrs``, ...) when given and saved: the next
       ``lr_scheduler.step()`` sets the learning rate the uninterrupted run would have;
     - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
@@ -344,7 +348,7 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
                 opt_state[name] = entry
             prefix = f"optimizer.param_groups.{name}."
             hyper = {k[len(prefix):]: _placeholder(md) for k, md in meta.items()  # a tensor lr is a tensor
-                     if k.startswith(prefix) and "." not in k[len(prefix):]}
+                     if k.startswith(prefix) and "." not in k[len(prefix):] and k[len(prefix):] not in _NOT_HYPER}
             if hyper:
                 groups[name] = hyper
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
