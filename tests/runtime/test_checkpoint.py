@@ -475,3 +475,35 @@ def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: 
     half_opt = make_optimizer(half.named_parameters())
     load_checkpoint(half, tmp_path / "whole", half_opt)
     assert half_opt.param_groups[0]["param_names"] == [n for n, _ in half.named_parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["fused", "capturable"])
+def test_a_fused_or_capturable_adamw_resumes_on_the_gpu(tmp_path: Path, kind: str) -> None:
+    """AdamW(fused=True) or (capturable=True) keeps ``step`` on the parameter's device; the load read
+    it to the CPU, and the next step raised ("state_steps is on cpu, different from other tensors
+    on cuda:0"; "If capturable=True, params and state_steps must be on supported devices"). Now it
+    is on the parameter's device, float32 (as ``Optimizer.load_state_dict`` puts it), and 2 more
+    steps equal the uninterrupted run's bit for bit (same GPU, same kernels)."""
+    from zbpp.runtime import save_checkpoint
+
+    def run(seed: int, steps: range, save: Path | None = None, load: Path | None = None) -> torch.nn.Module:
+        net = whole_model(seed=seed).cuda()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.05, **{kind: True})
+        if load is not None:
+            load_checkpoint(net, load, opt)
+            assert {(s["step"].device.type, s["step"].dtype) for s in opt.state.values()} == {("cuda", torch.float32)}
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step, "cuda")
+            loss_fn(net(x), y).backward()
+            opt.step()
+            if save is not None and step == 1:
+                save_checkpoint(net, save, opt)
+        return net
+
+    ref = run(0, range(4), save=tmp_path / "ckpt")
+    got = run(7, range(2, 4), load=tmp_path / "ckpt")
+    for name, p in ref.named_parameters():
+        assert torch.equal(got.get_parameter(name), p), name

@@ -412,6 +412,10 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
                     group[key].copy_(value)  # in place: an LR scheduler or a captured step holds this tensor
                 else:
                     group[key] = value
+            step = optimizer.state[p].get("step") if p in optimizer.state else None
+            if isinstance(step, torch.Tensor) and (group.get("fused") or group.get("capturable")):
+                # their step lives on the parameter's device (DCP read it to the CPU), as load_state_dict puts it
+                optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]["state"]))
     if loading.restore_rng:
