@@ -507,3 +507,28 @@ def test_a_fused_or_capturable_adamw_resumes_on_the_gpu(tmp_path: Path, kind: st
     got = run(7, range(2, 4), load=tmp_path / "ckpt")
     for name, p in ref.named_parameters():
         assert torch.equal(got.get_parameter(name), p), name
+
+
+@pytest.mark.parametrize("other", ["more blocks", "wider"])
+def test_a_checkpoint_of_another_model_is_refused_naming_the_entry(tmp_path: Path, other: str) -> None:
+    """`Net` (4 blocks of width 4) saved, loaded into one of 5 blocks or of width 5: DCP's error was a
+    ``CheckpointException``, no ``Exception`` (``except Exception`` let it by), around a traceback.
+    Now a ValueError names the entry (and both shapes), and nothing was loaded."""
+    from torch import nn
+
+    from zbpp.runtime import save_checkpoint
+
+    from . import fsdp_cases
+
+    save_checkpoint(whole_model(), tmp_path / "ckpt")
+    if other == "more blocks":
+        net = Net(blocks=5)
+        words = r"holds no 'layers\.4\.weight' \(nor 1 more entry of this rank's stages\)"
+    else:
+        net = whole_model()
+        net.layers["2"] = nn.Linear(fsdp_cases.H, 5, dtype=torch.float64)
+        words = r"holds 'layers\.2\.weight' of shape \(4, 4\), this rank's of shape \(5, 4\)"
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    with pytest.raises(ValueError, match=words):
+        load_checkpoint(net, tmp_path / "ckpt")
+    assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []

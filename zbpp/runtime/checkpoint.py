@@ -269,9 +269,10 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
       replica of a Pipeline saves its own (their inputs differ); a replica the checkpoint lacks
       (resumed with more replicas) takes replica 0's. A layer without saved slots starts fresh.
 
-    Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks
-    raises (DCP's error names it); the checkpoint may hold more (other ranks' stages). So does an
-    `optimizer` or `lr_scheduler` given for a checkpoint saved without one. A checkpoint without
+    Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks,
+    or holds in another shape, raises a ValueError naming it before anything is loaded (the
+    checkpoint may hold more: other ranks' stages). So does an `optimizer` or `lr_scheduler`
+    given for a checkpoint saved without one. A checkpoint without
     ``.metadata`` (a save that did not finish) or with a data file missing or cut short raises,
     naming the file and an entry of it, before anything is loaded.
 
@@ -334,6 +335,7 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     model_state = _model_state(mods)
     state: dict[str, Any] = {"model": model_state}
     meta = _complete_metadata(path).state_dict_metadata
+    _check_model_entries(model_state, meta, path)
     wanted: list[tuple[str, nn.Parameter, dict]] = []
     if optimizer is not None:
         if not _saved(meta, "optimizer."):  # else the optimizer would silently keep its fresh state
@@ -388,6 +390,22 @@ def _complete_metadata(path: str) -> Any:
             raise ValueError(f"the checkpoint {path!r} is incomplete: {file} {what} (it holds {holds}): a copy cut "
                              "short, or a directory not shared by every rank that saved; nothing was loaded")
     return metadata
+
+
+def _check_model_entries(model_state: Mapping[str, Any], meta: Mapping[str, Any], path: str) -> None:
+    """Raise, naming it, for an entry of this rank's stages that checkpoint `path` lacks or holds in
+    another shape (saved from another model): DCP's own error is a ``CheckpointException``, which
+    ``except Exception`` lets by, around a traceback."""
+    missing = [name for name in model_state if f"model.{name}" not in meta]
+    if missing:
+        more = f" (nor {len(missing) - 1} more entr{'y' if len(missing) == 2 else 'ies'} of this rank's stages)" \
+            if len(missing) > 1 else ""
+        raise ValueError(f"the checkpoint {path!r} holds no {missing[0]!r}{more}: saved from another model?")
+    for name, value in model_state.items():
+        saved = getattr(meta[f"model.{name}"], "size", None)
+        if saved is not None and isinstance(value, torch.Tensor) and tuple(saved) != tuple(value.shape):
+            raise ValueError(f"the checkpoint {path!r} holds {name!r} of shape {tuple(saved)}, this rank's of shape "
+                             f"{tuple(value.shape)}: saved from another model?")
 
 
 def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
