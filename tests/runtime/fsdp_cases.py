@@ -551,7 +551,8 @@ def one_rank_wrong_case(path: str, when: str) -> str:
     """2 ranks, rank r holding stage r of `Net` (a ``{stage: module}`` mapping, no Pipeline); rank 1
     alone is wrong: ``"save"``/``"load"``: its optimizer holds a Parameter no stage of it holds
     (raised before DCP's collective); ``"apply"``: the checkpoint saved ``weight_decay`` 0.1 for
-    weights and 0 for biases, and rank 1 loads into one group holding both (raised after DCP read).
+    weights and 0 for biases, and rank 1 loads into one group holding both (raised after reading the
+    hyperparameters, before the tensors).
     Returns ``"<seconds>s <type>: <message>"`` of what `save_checkpoint`/`load_checkpoint` raised on
     this rank, or ``"<seconds>s ok"``."""
     from zbpp.runtime import save_checkpoint

@@ -90,7 +90,7 @@ def test_an_error_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers,
     collective for the process group's 60 s timeout, or, after the read, return as if all went well)."""
     wrong_on_0, wrong_on_1 = zbpp_workers(2, pg_timeout=60).run(one_rank_wrong_case, str(tmp_path / "c"), when)
     assert wrong_on_1.split(" ", 1)[1].startswith(words), wrong_on_1
-    call = f"{'save' if when == 'save' else 'load'}_checkpoint could not {'finish' if when == 'apply' else 'run'}"
+    call = f"{'save' if when == 'save' else 'load'}_checkpoint could not run"  # "apply": before reading the tensors
     assert wrong_on_0.split(" ", 1)[1].startswith(f"PipelineError: {call} on every rank ("), wrong_on_0
     assert f"; global rank 1: {words}" in wrong_on_0, wrong_on_0
     assert all(float(m.split("s ", 1)[0]) < 10 for m in (wrong_on_0, wrong_on_1)), (wrong_on_0, wrong_on_1)
@@ -249,7 +249,7 @@ def test_each_parameter_group_gets_its_saved_hyperparameters(tmp_path: Path) -> 
     each group's saved values (weights 0.1, biases 0.0); one grouped otherwise, a group whose
     parameters were saved with different values (here every parameter in one group), would get
     whichever parameter came last (0.0: no weight decay at all, silently), so it raises, naming
-    the group, the key and two of its parameters."""
+    the group, the key and two of its parameters, before the model or the optimizer changed."""
     from zbpp.runtime import save_checkpoint
 
     net = whole_model()
@@ -264,9 +264,13 @@ def test_each_parameter_group_gets_its_saved_hyperparameters(tmp_path: Path) -> 
     assert [(g["weight_decay"], g["lr"]) for g in alike.param_groups] == [(0.1, 0.05), (0.0, 0.05)]
 
     fresh = whole_model(seed=3)
+    before = {n: t.clone() for n, t in fresh.state_dict().items()}
+    otherwise = _grouped_adamw(fresh, None, lr=1.0)
     with pytest.raises(ValueError, match=r"param_groups\[0\] holds 'layers\.0\.weight' and 'layers\.0\.bias', "
                                          r"saved with different 'weight_decay' \(0\.1 and 0\.0\)"):
-        load_checkpoint(fresh, tmp_path / "ckpt", _grouped_adamw(fresh, None, lr=1.0))
+        load_checkpoint(fresh, tmp_path / "ckpt", otherwise)
+    # raised before the tensors were read: the model is as it was (it used to hold the checkpoint's)
+    assert [n for n, t in fresh.state_dict().items() if not torch.equal(t, before[n])] == [] and not otherwise.state
 
 
 def test_load_with_an_optimizer_needs_its_saved_state(tmp_path: Path) -> None:

@@ -304,8 +304,18 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     assert loading is not None  # else agree_on_problems raised
+    first, rest = _split(loading.state)
+    with _one_process_quiet():  # every rank reads both parts (DCP's collectives), whatever it asks of each
+        dcp.load(first, checkpoint_id=path, process_group=process_group)
+    try:
+        if optimizer is not None:
+            _one_value_per_group(optimizer, loading.wanted, loading.state["optimizer"]["param_groups"])
+        problem = None
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     with _one_process_quiet():
-        dcp.load(loading.state, checkpoint_id=path, process_group=process_group)
+        dcp.load(rest, checkpoint_id=path, process_group=process_group)
     try:
         _apply_loaded(loading, model, optimizer, lr_scheduler)
         problem = None
@@ -408,6 +418,19 @@ def _check_model_entries(model_state: Mapping[str, Any], meta: Mapping[str, Any]
                              f"{tuple(value.shape)}: saved from another model?")
 
 
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`state` as two reads: first the small entries (the optimizer's hyperparameters, the LR
+    scheduler's and the random stream's state), checked before the second overwrites anything in
+    place (the model's and the optimizer's tensors, the FP8 state). Both share `state`'s dicts, so
+    DCP's reads fill it."""
+    first = {k: state[k] for k in ("lr_scheduler", "rng") if k in state}
+    rest = {k: v for k, v in state.items() if k not in first and k != "optimizer"}
+    if "optimizer" in state:
+        first["optimizer"] = {"param_groups": state["optimizer"]["param_groups"]}
+        rest["optimizer"] = {"state": state["optimizer"]["state"]}
+    return first, rest
+
+
 def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
     """Put what DCP read (`loading.state`) into the stages, `optimizer`, `lr_scheduler` and `model`'s
     random stream."""
@@ -419,7 +442,6 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
         restore_scaling_states(m, fp8)
     if optimizer is not None:
         loaded = state["optimizer"]
-        _one_value_per_group(optimizer, loading.wanted, loaded["param_groups"])
         for name, p, group in loading.wanted:
             if name in loaded["state"]:
                 optimizer.state[p] = dict(loaded["state"][name])
