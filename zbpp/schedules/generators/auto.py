@@ -20,8 +20,11 @@ rank span; then makespan, sum of spans, sum of task ends):
 
 The memory limit (one number, or one per rank) holds by construction (admission in the
 heuristics, checks on every move) and is checked again on the result. A limit below the smallest
-feasible one (a rank must hold all its stages' activations of one microbatch at once) raises a
-`ValueError` that names it.
+feasible one (`smallest_feasible_limit`: a rank must hold all its stages' activations of one
+microbatch at once, and what its B's and transients add) raises a `ValueError` that names it. A
+limit at or above it but below what the searches plan on (each stage at ``max(activation,
+wgrad)`` from its F on, the rank's largest transient throughout) gets the best of the
+handcrafted schedules and one microbatch at a time that fit it.
 
 The search's work is counted in simulated tasks, not seconds, so the result is deterministic,
 and it builds no slower than the authors' implementation of the paper's heuristic alone (step 1
@@ -76,24 +79,55 @@ _ILS_BUDGET = 300
 def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     """The smallest per-rank memory limit that any schedule of `placement` can meet.
 
-    Every rank holds the activations of all its stages for a microbatch at once (the F of its last
-    stage runs before the B of its first); one microbatch at a time, each W right after its B,
-    needs exactly that.
+    A rank holds the activations of all its stages for a microbatch at once (the F of its last
+    stage runs before the B of its first), and while a stage's B or W of that microbatch runs the
+    rank still holds the activations of its stages below it: B's delta where wgrad > activation
+    and each task's transient (`Memory`) come on top. One microbatch at a time, each W right after
+    its B, needs exactly that (a W's transient aside, on a rank of several stages: there the one
+    at a time order may need more, and the search says so).
 
     >>> from zbpp.schedules.ir import v_placement
     >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=0.5))
     2.0
+    >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=2))  # B of the upper stage: 1 + 2
+    3.0
     """
-    return max(_rank_floors(placement, memory))
+    return max(_least_peaks(placement, memory)[0])
 
 
-def _rank_floors(placement: Sequence[int], memory: Memory) -> list[float]:
-    """Per rank, the activations of all its stages for one microbatch."""
-    act, _ = memory.per_stage(len(placement))
-    out = [0.0] * (max(placement) + 1)
-    for s, r in enumerate(placement):
-        out[r] += act[s]
-    return out
+def _least_peaks(placement: Sequence[int], memory: Memory) -> tuple[list[float], list[float]]:
+    """Per rank: the least peak of any schedule (a lower bound), and the peak of one microbatch at a
+    time with each W right after its B (which meets it unless a W has a transient).
+
+    Before a task of stage s of microbatch j, the rank holds at least the activations of its
+    stages below s for j (their B's wait for B(s, j)); a W's only its own wgrad, as the B's below
+    it may have run."""
+    n = len(placement)
+    act, wgrad = memory.per_stage(n)
+    p = max(placement) + 1
+    held, lower, one = [0.0] * p, [0.0] * p, [0.0] * p
+    for s, (r, (tf, tb, tw, _)) in enumerate(zip(placement, memory.transients(n))):  # stages in ascending order
+        h = held[r]
+        lower[r] = max(lower[r], h + tf, h + act[s] + tb, h + wgrad[s], wgrad[s] + tw)
+        one[r] = max(one[r], h + max(tf, act[s] + tb, wgrad[s] + tw))
+        held[r] = h + act[s]
+    return lower, one
+
+
+def _one_at_a_time(placement: Sequence[int], m: int) -> Schedule:
+    """One microbatch at a time, each W right after its B: the least memory (`_least_peaks`)."""
+    p = max(placement) + 1
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    for j in range(m):
+        for s in range(len(placement)):
+            orders[placement[s]].append(Action(Kind.F, s, j))
+        for s in reversed(range(len(placement))):
+            orders[placement[s]] += [Action(Kind.B, s, j), Action(Kind.W, s, j)]
+    return from_orders("one-at-a-time", placement, m, orders)
+
+
+_WHY_FLOOR = ("a rank holds all its stages' activations of one microbatch at once, with what a B adds where "
+              "wgrad > activation and each task's transient")
 
 
 def _limits(name: str, memory_limit: float | Sequence[float], floors: Sequence[float]) -> list[float]:
@@ -105,7 +139,7 @@ def _limits(name: str, memory_limit: float | Sequence[float], floors: Sequence[f
         if limit < max(floors) * (1 - 1e-9):
             raise ValueError(
                 f"{name}: memory_limit={limit:g} is infeasible; the smallest feasible limit is {max(floors):g} "
-                f"(a rank holds all its stages' activations of one microbatch at once)"
+                f"({_WHY_FLOOR})"
             )
         return [limit] * p
     limits = [as_number(x, f"{what}[{r}]") for r, x in enumerate(memory_limit)]
@@ -115,7 +149,7 @@ def _limits(name: str, memory_limit: float | Sequence[float], floors: Sequence[f
         if limit < floor * (1 - 1e-9):
             raise ValueError(
                 f"{name}: memory_limit[{r}]={limit:g} is infeasible; rank {r} needs at least {floor:g} "
-                f"(it holds all its stages' activations of one microbatch at once)"
+                f"({_WHY_FLOOR})"
             )
     return limits
 
@@ -205,11 +239,15 @@ def _search(
         limits = [default_memory_limit(placement, memory)] * p
         peaks_within, true_memory = limits, true_memory.without_transients()  # the default ignores transients
     else:
-        floors = _rank_floors(placement, memory)
-        peaks_within = _limits(name, memory_limit, [f + t for f, t in zip(floors, top)])
+        peaks_within = _limits(name, memory_limit, _least_peaks(placement, true_memory)[0])
         limits = [x - t for x, t in zip(peaks_within, top)]
     prob = Problem.make(placement, m, costs, memory, limits)
     shape = TaskShape(prob)
+    planned_floors = _least_peaks(placement, memory)[1]
+    if any(x < f * (1 - 1e-9) for x, f in zip(limits, planned_floors)):
+        # feasible, but below what the searches plan on (each stage at max(activation, wgrad) and
+        # the rank's largest transient throughout): the seeds and one at a time, as `simulate` counts
+        return _tightest(name, prob, shape, seeds, costs, true_memory, peaks_within)
     tasks = 3 * len(placement) * m
     small = tasks <= _SMALL
     pool: list[tuple[tuple[float, ...], list[list[int]]]] = []
@@ -291,6 +329,27 @@ def _search(
     return done(best)
 
 
+def _tightest(name: str, prob: Problem, shape: TaskShape, seeds: Sequence[Callable[[int, int], Schedule]],
+              costs: Costs, memory: Memory, peaks_within: Sequence[float]) -> Schedule:
+    """The best of the seeds and one microbatch at a time (each backward split) whose peaks, as
+    `simulate` counts them, stay within `peaks_within`; a `ValueError` if none does."""
+    p, m, placement = prob.num_ranks, prob.num_microbatches, prob.placement
+    best: tuple[tuple[float, ...], list[list[int]]] | None = None
+    one = _one_at_a_time(placement, m)
+    for sched in [_split_bw(seed(p, m)) for seed in seeds] + [one]:
+        orders = prob.encode(sched)
+        if orders is None or not all(x <= y * (1 + 1e-9) for x, y in zip(simulate(sched, costs, memory).peak_memory,
+                                                                          peaks_within)):
+            continue
+        score = score_of(shape, orders)
+        if best is None or score < best[0]:
+            best = (score, orders)
+    if best is None:  # only where a W's transient lifts one at a time above `smallest_feasible_limit`
+        raise ValueError(f"{name}: no schedule found within memory_limit={list(peaks_within)}; one microbatch at a "
+                         f"time peaks at {simulate(one, costs, memory).peak_memory}")
+    return from_orders(name, placement, m, prob.decode(best[1]))
+
+
 _ZB_SEEDS = (zb_h2, zb_h1, one_f_one_b)
 _ZBV_SEEDS = (zb_v, dualpipe_v, v_half, v_min)
 
@@ -313,7 +372,7 @@ def zb_auto(
     >>> from zbpp.schedules import build, Costs, Memory
     >>> build("zb-auto", num_ranks=4, num_microbatches=8, memory=Memory(1, 0.5), memory_limit=0.5)
     Traceback (most recent call last):
-    ValueError: zb-auto: memory_limit=0.5 is infeasible; the smallest feasible limit is 1 (a rank holds all its stages' activations of one microbatch at once)
+    ValueError: zb-auto: memory_limit=0.5 is infeasible; the smallest feasible limit is 1 (a rank holds all its stages' activations of one microbatch at once, with what a B adds where wgrad > activation and each task's transient)
     """
     return _search("zb-auto", loop_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZB_SEEDS)
 
