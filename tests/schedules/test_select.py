@@ -7,6 +7,9 @@ limit checked on the simulation, and DESIGN.md's zero-bubble claim for ZB-V.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import pytest
 
 from zbpp.schedules import Costs, Memory, available, build, options_of, pick_schedule, simulate
@@ -125,7 +128,7 @@ def test_bad_input_is_named():
         pick_schedule(2, 4, (1, 1, 1))
     with pytest.raises(ValueError, match=r"costs.f has 3 values.*num_ranks=2"):
         pick_schedule(2, 4, Costs(f=(1, 1, 1)))
-    with pytest.raises(ValueError, match="memory_limit must be a number > 0"):
+    with pytest.raises(ValueError, match="memory_limit must be a finite number > 0"):
         pick_schedule(2, 4, Costs(), memory_limit=0)
     with pytest.raises(ValueError, match="unknown schedule.*'nope'"):
         pick_schedule(2, 4, Costs(), candidates=["1f1b", "nope"])
@@ -158,3 +161,17 @@ def test_scale_to_stages_keeps_transients():
     assert (four.transient_f, four.transient_b, four.transient_w) == ((0.0, 0.0, 3.0, 3.0), (4.0, 4.0, 0.0, 0.0), (1.0,) * 4)
     _, three = scale_to_stages(Costs(), memory, 2, 3)  # the middle stage overlaps both
     assert (three.transient_f, three.transient_b) == ((0.0, 3.0, 3.0), (4.0, 4.0, 0.0))
+
+
+def test_an_infinite_limit_is_refused_and_any_real_number_is_taken():
+    """memory_limit=inf passed the check, but every automatic candidate refuses a limit that is not
+    finite, so they dropped out unsaid: p=3, m=5 and these costs picked zb-interleaved (37.5)
+    where a limit of 1e6 picks zbi-auto (37.15). A Fraction was refused though the automatic
+    schedules take any real number. Reference: the pick at a finite limit no schedule reaches."""
+    costs = Costs(f=(0.6, 2.9, 1.7), b=(2.8, 2.6, 2.9), w=(1.1, 2.7, 0.7))
+    with pytest.raises(ValueError, match=r"memory_limit must be a finite number > 0 .*got inf"):
+        pick_schedule(3, 5, costs, memory=Memory(1, 0.5), memory_limit=math.inf)
+    huge = pick_schedule(3, 5, costs, memory=Memory(1, 0.5), memory_limit=1e6)
+    assert huge.name == "zbi-auto"  # the automatic schedules are among the candidates
+    exact = pick_schedule(3, 5, costs, memory=Memory(1, 0.5), memory_limit=Fraction(9, 2))
+    assert exact.name == pick_schedule(3, 5, costs, memory=Memory(1, 0.5), memory_limit=4.5).name

@@ -35,6 +35,7 @@ from dataclasses import replace
 from fractions import Fraction
 from typing import Iterable, NamedTuple, Sequence
 
+from .checks import as_positive
 from .ir import Schedule
 from .registry import available, build, options_of
 from .simulate import Costs, Memory, SimResult, simulate
@@ -148,10 +149,12 @@ def evaluate_candidates(
     if not isinstance(memory, Memory):
         raise TypeError(f"memory must be a zbpp.schedules.Memory (per rank-stage) or None, got {type(memory).__name__}")
     if memory_limit is not None:
-        if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) or not memory_limit > 0:
-            raise ValueError(
-                f"memory_limit must be a number > 0 (per rank, in the units of memory) or None, got {memory_limit!r}"
-            )
+        # finite: the automatic candidates refuse inf, so they dropped out of the pick unsaid
+        try:
+            memory_limit = as_positive(memory_limit, "memory_limit")
+        except ValueError:
+            raise ValueError(f"memory_limit must be a finite number > 0 (per rank, in the units of memory) or None "
+                             f"(no limit), got {memory_limit!r}") from None
     if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
         raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
     names = available() if candidates is None else list(candidates)
