@@ -359,6 +359,17 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(flag: str, text: str | None) -> list[str] | None:
+    """A comma-separated list of names; None where the flag was not given. One naming nothing
+    ('' or ',') is refused: it read as not given (every name) or ended in a message about layers."""
+    if text is None:
+        return None
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise ValueError(f"{flag} {text!r} names nothing: give comma-separated names, or drop {flag} for all")
+    return names
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """``zbpp plan``: each stage's layers and the schedule, chosen together within a memory budget."""
     from .schedules.planner import search
@@ -368,9 +379,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         profile = Profile.load(args.profile)
     except OSError as exc:
         raise ValueError(f"--profile {args.profile}: cannot read it ({exc.strerror})") from None
-    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()] if args.schedules else None
+    schedules = _names("--schedules", args.schedules)
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()] if args.policies else None
+    policies = _names("--policies", args.policies)
     host_memory = None if args.host_memory_gb is None else args.host_memory_gb * 1e9
     host_flags = _given(args, "--ranks-per-node", "--host-memory-gb")
     if host_flags:  # they size offload's host link and memory: refused where offload is never chosen

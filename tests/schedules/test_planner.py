@@ -206,3 +206,19 @@ def test_each_family_alone_gives_its_own_placement():
         assert plan.schedule.name == name
         assert stages is None or plan.schedule.num_stages == stages
         assert len(plan.stages) == plan.schedule.num_stages
+
+
+@pytest.mark.parametrize("flag, value", [("--schedules", ","), ("--schedules", ""), ("--policies", ""),
+                                         ("--policies", " , ")])
+def test_cli_plan_refuses_a_list_that_names_nothing(tmp_path, capsys, flag, value):
+    """`--schedules ,` ended in "6 layers are too few for 2 ranks with the schedules " (none named);
+    `--schedules ''` and `--policies ''` read as not given and searched every family (policy)."""
+    from zbpp.cli import main
+
+    path = tmp_path / "prof.json"
+    _embedding_head_profile().save(path)
+    assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert f"{flag} {value!r} names nothing" in captured.err and captured.out == ""
+    with pytest.raises(ValueError, match="schedules is empty"):
+        search(_embedding_head_profile(), 2, 4, schedules=[])

@@ -833,6 +833,8 @@ def search(
     if not math.isfinite(budget) and "none" in allowed:
         allowed = ("none",)  # a policy only adds time: without a budget nothing needs one
     names = list(schedules) if schedules is not None else list(SCHEDULES)
+    if not names:  # else "too few layers for ... the schedules " (none named)
+        raise ValueError(f"schedules is empty: give at least one of {', '.join(SCHEDULES)} (None: all)")
     for name in names:
         if name not in SCHEDULES:
             raise ValueError(f"schedule {name!r} is not one `search` knows; it knows: {', '.join(SCHEDULES)}")
