@@ -18,7 +18,7 @@ import pytest
 
 from zbpp.schedules import build, simulate
 from zbpp.schedules.planner import SCHEDULES, _refine, evaluate, search
-from zbpp.schedules.profile import Layer, Profile, transformer_profile
+from zbpp.schedules.profile import Layer, PolicyCost, Profile, transformer_profile
 from zbpp.schedules.registry import available
 
 REL = 1e-9  # float sums of a few task times and byte counts: rounding only
@@ -224,3 +224,16 @@ def test_tensor_parallel_divides_block_time_memory_and_messages() -> None:
     assert block.activation == pytest.approx(212_992, rel=REL) and block.static == pytest.approx(245_760, rel=REL)
     assert head.f == pytest.approx(8_192_000e-12, rel=REL)
     assert prof.comm == pytest.approx(8_192 / 50e9, rel=REL)
+
+
+def test_an_automatic_schedule_meets_a_budget_below_what_its_search_plans_on() -> None:
+    """Full recompute keeps 1 per layer after F and re-creates 2 in B (wgrad > activation). On a V
+    of 4 one-layer stages, rank 0 runs F0 F3 then B3 on top of both activations: one microbatch at a
+    time peaks at 1 + 1 + 1 = 3, so a budget of 3 is feasible. The planner handed the builder each
+    stage at max(1, 2) = 2 from F on and refused it ("no schedule and split fits ... 3")."""
+    full = {"full": PolicyCost(1, 2, recompute=1)}
+    prof = Profile([Layer(f"l{i}", 1, 1, 1, activation=4, wgrad=1, policies=full) for i in range(4)])
+    plan = search(prof, 2, 4, 3.0, schedules=["zbv-auto"], policies=["full"])
+    costs, memory, _ = prof.stage_costs(plan.stages, list(plan.policies))
+    assert plan.policies == ("full",) * 4
+    assert max(simulate(plan.schedule, costs, memory).peak_memory) <= 3.0 * (1 + REL)  # no static memory here

@@ -485,27 +485,15 @@ def _simulate_option(profile: Profile, name: str, chunks: int, split: str, stage
 
 def _build_within(name: str, p: int, m: int, chunks: int, costs, memory: Memory, static: list[float],
                   budget: float) -> Schedule:
-    """Build a schedule; an automatic one with each rank's activation limit the budget less its
-    static memory and its stages' largest task transient (the builder plans on kept bytes only; a
-    task's transient comes on top of them), refused naming the rank where that is below one
-    microbatch's activations."""
+    """Build a schedule; an automatic one with each rank's limit the budget less its static memory
+    (the builder counts each task's transient and what a B adds where wgrad > activation, and
+    refuses, naming the rank, a limit below what one microbatch at a time needs)."""
     if name not in _AUTO:
         return _build(name, p, m, chunks)
-    placement = _placement(p, chunks, name in _V)
-    act, wgrad = memory.per_stage(len(placement))
-    transient = [max(t[:3]) for t in memory.transients(len(placement))]  # F, B, W: they run no BW
-    memory = Memory(activation=[max(a, w) for a, w in zip(act, wgrad)], wgrad=wgrad)  # what the builder plans on
-    limit = None
-    if math.isfinite(budget):
-        top = [max((t for t, r in zip(transient, placement) if r == q), default=0.0) for q in range(p)]
-        limit = [budget - x - y for x, y in zip(static, top)]
-        floor = _per_rank(memory.per_stage(len(placement))[0], placement, p)
-        short = [r for r in range(p) if limit[r] < floor[r] * (1 - _REL)]
-        if short:
-            r = short[0]
-            raise ValueError(f"rank {r}: static memory {static[r] / 1e9:.2f} GB plus one microbatch's "
-                             f"activations {floor[r] / 1e9:.2f} GB and a task's transient {top[r] / 1e9:.2f} GB "
-                             "exceed the budget")
+    limit = [budget - x for x in static] if math.isfinite(budget) else None
+    if limit is not None and min(limit) < 0:
+        r = limit.index(min(limit))
+        raise ValueError(f"rank {r}: static memory {static[r] / 1e9:.2f} GB exceeds the budget")
     return _build(name, p, m, chunks, costs, memory, limit)
 
 
