@@ -110,3 +110,13 @@ def test_nan_limit_is_refused_not_read_as_no_limit() -> None:
         lower_bound([0, 2], 2, costs, memory)
     with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1, got 1.5"):
         lower_bound(loop_placement(2), 1.5, costs, memory)
+
+
+def test_a_limit_below_what_a_b_adds_is_refused_with_the_true_floor():
+    # wgrad 2 > activation 1: B of a rank's upper V stage holds 1 (the stage below) + 2, so a limit
+    # of 2.5 is infeasible (zbv-auto refuses it too) though it holds both activations (2)
+    from zbpp.schedules.ir import v_placement
+
+    with pytest.raises(ValueError, match="smallest feasible limit is 3 "):
+        lower_bound(v_placement(2), 4, memory=Memory(activation=1, wgrad=2), memory_limit=2.5)
+    assert lower_bound(v_placement(2), 4, memory=Memory(activation=1, wgrad=2), memory_limit=3).makespan > 0

@@ -60,7 +60,7 @@ from .checks import as_int
 from .simulate import Costs, Memory
 from .tasks import TaskIds
 
-__all__ = ["LowerBound", "lower_bound"]
+__all__ = ["LowerBound", "least_peaks", "lower_bound"]
 
 _EPS = 1e-9
 
@@ -244,6 +244,30 @@ def _limit_value(value: object, what: str) -> float:
     raise ValueError(f"{what} must be a number (per rank, in the units of memory; inf: no limit), got {value!r}")
 
 
+def least_peaks(placement: Sequence[int], memory: Memory) -> tuple[list[float], list[float]]:
+    """Per rank: the least peak of any schedule (a lower bound), and the peak of one microbatch at a
+    time with each W right after its B (which meets it unless a W has a transient).
+
+    Before a task of stage s of microbatch j, the rank holds at least the activations of its
+    stages below s for j (their B's wait for B(s, j)); a W's only its own wgrad, as the B's below
+    it may have run.
+
+    >>> from zbpp.schedules.ir import v_placement
+    >>> least_peaks(v_placement(2), Memory(activation=1, wgrad=2))  # a rank's upper stage's B: 1 below + 2
+    ([3.0, 3.0], [3.0, 3.0])
+    """
+    n = len(placement)
+    act, wgrad = memory.per_stage(n)
+    p = max(placement) + 1
+    held, lower, one = [0.0] * p, [0.0] * p, [0.0] * p
+    for s, (r, (tf, tb, tw, _)) in enumerate(zip(placement, memory.transients(n))):  # stages in ascending order
+        h = held[r]
+        lower[r] = max(lower[r], h + tf, h + act[s] + tb, h + wgrad[s], wgrad[s] + tw)
+        one[r] = max(one[r], h + max(tf, act[s] + tb, wgrad[s] + tw))
+        held[r] = h + act[s]
+    return lower, one
+
+
 def lower_bound(
     placement: Sequence[int],
     num_microbatches: int,
@@ -278,10 +302,7 @@ def lower_bound(
         raise ValueError(f"placement={placement} leaves rank(s) {idle} without a stage; ranks are 0..{p - 1}")
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
-    act, _ = memory.per_stage(n)
-    per_rank = [0.0] * p
-    for s, r in enumerate(placement):
-        per_rank[r] += act[s]
+    per_rank = least_peaks(placement, memory)[0]
     limits = _per_rank(memory_limit, p)
     for r in range(p):
         if limits[r] < per_rank[r] * (1 - _EPS):
@@ -289,7 +310,8 @@ def lower_bound(
             smallest = max(per_rank) if isinstance(memory_limit, (int, float)) else per_rank[r]
             raise ValueError(
                 f"memory_limit{where}={limits[r]:g} is infeasible; the smallest feasible limit is {smallest:g} "
-                f"(a rank holds all its stages' activations of one microbatch at once)"
+                f"(a rank holds all its stages' activations of one microbatch at once, with what a B adds where "
+                f"wgrad > activation and each task's transient)"
             )
     g = _Graph(placement, m, costs, memory, limits)
     tasks_of: list[list[int]] = [[] for _ in range(p)]

@@ -50,6 +50,7 @@ import functools
 import numbers
 from typing import Callable, Sequence
 
+from ..bounds import least_peaks
 from ..checks import as_int, as_number
 from ..ir import Action, Kind, Schedule, from_orders, loop_placement, v_placement
 from ..simulate import Costs, Memory, simulate
@@ -92,30 +93,11 @@ def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=2))  # B of the upper stage: 1 + 2
     3.0
     """
-    return max(_least_peaks(placement, memory)[0])
-
-
-def _least_peaks(placement: Sequence[int], memory: Memory) -> tuple[list[float], list[float]]:
-    """Per rank: the least peak of any schedule (a lower bound), and the peak of one microbatch at a
-    time with each W right after its B (which meets it unless a W has a transient).
-
-    Before a task of stage s of microbatch j, the rank holds at least the activations of its
-    stages below s for j (their B's wait for B(s, j)); a W's only its own wgrad, as the B's below
-    it may have run."""
-    n = len(placement)
-    act, wgrad = memory.per_stage(n)
-    p = max(placement) + 1
-    held, lower, one = [0.0] * p, [0.0] * p, [0.0] * p
-    for s, (r, (tf, tb, tw, _)) in enumerate(zip(placement, memory.transients(n))):  # stages in ascending order
-        h = held[r]
-        lower[r] = max(lower[r], h + tf, h + act[s] + tb, h + wgrad[s], wgrad[s] + tw)
-        one[r] = max(one[r], h + max(tf, act[s] + tb, wgrad[s] + tw))
-        held[r] = h + act[s]
-    return lower, one
+    return max(least_peaks(placement, memory)[0])
 
 
 def _one_at_a_time(placement: Sequence[int], m: int) -> Schedule:
-    """One microbatch at a time, each W right after its B: the least memory (`_least_peaks`)."""
+    """One microbatch at a time, each W right after its B: the least memory (`zbpp.schedules.bounds.least_peaks`)."""
     p = max(placement) + 1
     orders: list[list[Action]] = [[] for _ in range(p)]
     for j in range(m):
@@ -239,11 +221,11 @@ def _search(
         limits = [default_memory_limit(placement, memory)] * p
         peaks_within, true_memory = limits, true_memory.without_transients()  # the default ignores transients
     else:
-        peaks_within = _limits(name, memory_limit, _least_peaks(placement, true_memory)[0])
+        peaks_within = _limits(name, memory_limit, least_peaks(placement, true_memory)[0])
         limits = [x - t for x, t in zip(peaks_within, top)]
     prob = Problem.make(placement, m, costs, memory, limits)
     shape = TaskShape(prob)
-    planned_floors = _least_peaks(placement, memory)[1]
+    planned_floors = least_peaks(placement, memory)[1]
     if any(x < f * (1 - 1e-9) for x, f in zip(limits, planned_floors)):
         # feasible, but below what the searches plan on (each stage at max(activation, wgrad) and
         # the rank's largest transient throughout): the seeds and one at a time, as `simulate` counts
