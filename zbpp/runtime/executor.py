@@ -144,10 +144,10 @@ def _call_stage(module: nn.Module, args: Any, stage: int) -> Any:
     try:
         return call(module, args)
     except RuntimeError as exc:
-        if stage == 0 or _LEAF_IN_PLACE not in str(exc):
+        if stage == 0 or _LEAF_IN_PLACE not in describe_error(exc):  # (whose str() may raise: its own error goes)
             raise
         raise RuntimeError(
-            f"{exc}\nstage {stage} changed one of its inputs in place; a stage's inputs are the tensors "
+            f"{describe_error(exc)}\nstage {stage} changed one of its inputs in place; a stage's inputs are the tensors "
             "received from the stage before, leaves whose gradient B sends back, and autograd refuses to "
             "change those in place: clone the input first (h = h.clone())") from exc
 
