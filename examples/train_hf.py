@@ -256,6 +256,19 @@ def latest_checkpoint(directory: str | None) -> tuple[int, Path | None]:
     return max(done) if done else (0, None)
 
 
+def agreed_checkpoint(directory: str | None, device: torch.device) -> tuple[int, Path | None]:
+    """`latest_checkpoint`, the same on every rank: each rank looks in its own view of `directory`,
+    and one that is not shared (a node-local disk) would resume the ranks from different steps."""
+    done, found = latest_checkpoint(directory)
+    seen = torch.tensor([done, -done], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    newest, oldest = int(seen[0]), -int(seen[1])
+    if newest != oldest:
+        raise SystemExit(f"--checkpoint-dir {directory}: the ranks see different newest checkpoints (from step {oldest} "
+                         f"to step {newest}; this rank step {done}): give a directory every rank shares")
+    return done, found
+
+
 def save_step(pipe: Any, opt: Any, directory: str, step: int) -> None:
     """Checkpoint after `step` steps: written under a temporary name, renamed once every rank is
     done, so a job killed while saving resumes from the previous one."""
@@ -316,7 +329,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     tokens_of = kwargs["loss_weight"]  # the tokens a batch's loss averages over (not padding, -100)
     del kwargs  # it holds tied Parameters from before fully_shard, whole
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    first_step, found = latest_checkpoint(args.checkpoint_dir)
+    first_step, found = agreed_checkpoint(args.checkpoint_dir, device)
     if found is not None:  # resume: weights, optimizer state and random stream; data and lr follow the step
         from zbpp.runtime import load_checkpoint
 

@@ -217,6 +217,32 @@ def test_a_loss_that_is_not_finite_fails_the_run_on_every_rank(zbpp_workers, nan
     assert zbpp_workers(2).run(_exit_code_with_a_nan_loss_on_rank_one, nan) == [status, status]
 
 
+def _newest_checkpoint_seen(root: str) -> str:
+    """`agreed_checkpoint` on a rank whose view of --checkpoint-dir holds step-(rank + 1) (as on
+    node-local disks): what it raised."""
+    import torch.distributed as dist
+
+    directory = Path(root) / "same-name"
+    ex = _example()
+    latest = ex.latest_checkpoint
+    ex.latest_checkpoint = lambda d: latest(Path(root) / f"rank{dist.get_rank()}")  # this rank's own view
+    (Path(root) / f"rank{dist.get_rank()}" / f"step-{dist.get_rank() + 1}").mkdir(parents=True)
+    try:
+        ex.agreed_checkpoint(str(directory), torch.device("cpu"))
+    except SystemExit as exc:
+        return str(exc)
+    finally:
+        ex.latest_checkpoint = latest
+    return "resumed"
+
+
+def test_ranks_that_see_different_checkpoints_refuse_to_resume(tmp_path: Path, zbpp_workers) -> None:
+    """A --checkpoint-dir that is not shared: each rank found its own newest checkpoint and loaded
+    it, a mix of steps; now every rank stops, naming both steps."""
+    said = zbpp_workers(2).run(_newest_checkpoint_seen, str(tmp_path))
+    assert all("the ranks see different newest checkpoints (from step 1 to step 2" in s for s in said), said
+
+
 def test_a_checkpoint_past_steps_is_refused(tmp_path: Path, capsys) -> None:
     """--checkpoint-dir holding step-5 with --steps 3: resuming would train nothing and exit 0
     (and --save-pretrained write the 5-step model); step-3 itself resumes as the finished run."""
