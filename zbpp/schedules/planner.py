@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .bounds import LowerBound, lower_bound
+from .bounds import LowerBound, least_peaks, lower_bound
 from .checks import as_int, as_number
 from .ir import Schedule
 from .policies import PolicySim, memory_terms, policy_costs, rank_peak, simulate_policies
@@ -727,9 +727,12 @@ def _bound_over_splits(profile: Profile, placement: Sequence[int], p: int, m: in
 
 def _full_bound(profile: Profile, stages: tuple[range, ...], placement: Sequence[int], p: int, m: int,
                 budget: float) -> float:
-    """`bounds.lower_bound` of the split, each rank limited to the budget less its static memory."""
+    """`bounds.lower_bound` of the split, each rank limited to the budget less its static memory;
+    inf where a rank's limit is below what any schedule of the split holds (`least_peaks`)."""
     costs, memory, _ = profile.stage_costs(stages)
     limits = None if not math.isfinite(budget) else [budget - x for x in profile.static_per_rank(stages, placement)]
+    if limits is not None and any(x < f * (1 - _REL) for x, f in zip(limits, least_peaks(placement, memory)[0])):
+        return math.inf  # no schedule of this split fits: lower_bound would refuse the limit
     return lower_bound(placement, m, costs, memory, limits).makespan
 
 
