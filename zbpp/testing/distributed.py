@@ -147,6 +147,9 @@ def _process_context() -> Any:
 def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump_path: str,
                  pg_timeout: float, threads: int, env: dict[str, str], eager_init: bool) -> None:
     os.environ.clear()  # the parent's environment as of `start`, not the fork server's
+    # Ctrl-C raises KeyboardInterrupt, as in a torchrun rank: a parent started in the background
+    # (`cmd &`) ignores SIGINT, and the fork server and ranks would inherit that
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
