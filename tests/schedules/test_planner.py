@@ -108,6 +108,9 @@ def test_pick_is_the_fastest_candidate_that_fits_and_explains_itself():
         assert not o.fits or o.step >= plan.step * (1 - REL)
     text = plan.explain()
     assert text.startswith("pick: ") and "rank 0: static" in text and "candidate" in text
+    assert f"GB of {budget / 1e9:.2f} GB" in text.splitlines()[0]
+    # without a budget the pick's line says so (it printed "of inf GB")
+    assert search(prof, p, m).explain().splitlines()[0].endswith("GB (no budget)")
 
 
 def test_splits_are_consecutive_and_balanced():

@@ -201,7 +201,8 @@ class Plan:
         chunks = s.num_stages // s.num_ranks
         lines = [f"pick: {s.name}{' x' + str(chunks) if s.name in _INTERLEAVED else ''} with layers per stage "
                  f"{_sizes(self.stages)} ({self.split}): step {self.step:.6g}, bubble rate {self.result.bubble_rate:.4f}, "
-                 f"peak {max(self.peak) / 1e9:.2f} GB of {self.budget / 1e9:.2f} GB",
+                 f"peak {max(self.peak) / 1e9:.2f} GB"
+                 + (f" of {self.budget / 1e9:.2f} GB" if math.isfinite(self.budget) else " (no budget)"),
                  "  why: the fitting candidate with the shortest step (ranked by bytes over the budget, then step, then peak)"]
         fitting = [o for o in self.options if o.fits]
         runner = next((o for o in fitting if (o.schedule, o.chunks, o.stages) != (s.name, chunks, self.stages)), None)
