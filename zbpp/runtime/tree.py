@@ -263,7 +263,7 @@ def batch_rows(obj: Any, parts: int = 1, *, what: str = "input") -> int:
 
 
 def _rows_and_shared(leaves: list[torch.Tensor], spec: Spec, parts: int, what: str, obj: Any) -> tuple[int, set[int]]:
-    hidden = _tensors_in_values(spec.node)
+    hidden = hidden_tensor_value(spec)
     if hidden is not None:
         raise ValueError(
             f"the {what} holds tensors inside a value of type {type(hidden).__name__}, which would go whole to every "
