@@ -384,3 +384,39 @@ def test_tensors_hidden_in_another_value_are_refused_unless_replicated():
             split({"x": torch.zeros(4, 3), "extra": hidden}, 2)
     shared = Extra(torch.zeros(3))
     assert all(p["extra"] is shared for p in split({"x": torch.zeros(4, 3), "extra": Replicated(shared), "flag": True}, 2))
+
+
+def test_eval_step_refuses_an_output_whose_rows_are_not_first():
+    """The last stage returns its rows beside a per-layer stack ``[L, rows, H]`` (rows second). Put
+    together along dim 0 this was ``[3 L, ...]`` with each microbatch's rows split across it: a
+    tensor of plausible shape matching nothing of one process's ``[L, 7, H]``. The microbatches'
+    rows (3, 2, 2) do not divide L = 4, so it is refused, naming the leaf; token-major leaves
+    (``[rows * T, ...]``) still merge, equal to one process's (float64: rtol=1e-12, GEMM order)."""
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> tuple:
+            h = self.lin(x)
+            return h, h.repeat_interleave(2, dim=0), torch.stack([h] * 4)
+
+    torch.manual_seed(0)
+    head = Head()
+    pipe = Pipeline({0: head}, build("1f1b", num_ranks=1, num_microbatches=3), loss_fn=lambda o, y: o[0].mean())
+    x = torch.randn(7, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"output tensor 2 .*dim 0 per microbatch: \[4, 4, 4\]; rows per microbatch: \[3, 2, 2\]"):
+        pipe.eval_step(x)
+
+    class TokenMajor(Head):
+        def forward(self, x: torch.Tensor) -> tuple:
+            return super().forward(x)[:2]
+
+    token_major = TokenMajor()
+    token_major.load_state_dict(head.state_dict())
+    pipe = Pipeline({0: token_major}, build("1f1b", num_ranks=1, num_microbatches=3), loss_fn=lambda o, y: o[0].mean())
+    out = pipe.eval_step(x)
+    with torch.no_grad():
+        h = head.lin(x)
+    torch.testing.assert_close(out[0], h, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out[1], h.repeat_interleave(2, dim=0), rtol=1e-12, atol=0)

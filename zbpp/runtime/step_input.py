@@ -115,6 +115,10 @@ def merge(outputs: list[Any], rows: int) -> Any:
     is the first microbatch's), non-tensor values from the first microbatch. A leaf of one row in
     every microbatch, equal in all, while some microbatch has more rows is shared (a ``[1, T]``
     ``position_ids`` passed along, as `zbpp.runtime.tree.split` shares it): it comes back once.
+    A leaf is put together along dim 0, so dim 0 must hold the microbatch's rows, a whole number of
+    entries per row (token-major, ``[rows * T, ...]``) or one entry per microbatch; any other leaf
+    (``[L, rows, ...]``: rows not first) raises, naming it, where the microbatches' sizes show it
+    (move rows to dim 0 in the last stage's output).
 
     >>> pos = torch.arange(3)[None]
     >>> out = merge([(torch.ones(2, 3), torch.tensor(1.0), pos), (torch.zeros(1, 3), torch.tensor(2.0), pos)], 3)
@@ -123,7 +127,9 @@ def merge(outputs: list[Any], rows: int) -> Any:
     """
     leaves = [flatten(o) for o in outputs]
     spec = leaves[0][1]
-    several = rows > len(outputs)  # some microbatch has more than one row
+    m = len(outputs)
+    sizes = [rows // m + (j < rows % m) for j in range(m)]  # torch.tensor_split's, as the input's split
+    several = rows > m  # some microbatch has more than one row
     merged = []
     for i, t in enumerate(leaves[0][0]):
         parts = [ls[i] for ls, _ in leaves]
@@ -132,8 +138,24 @@ def merge(outputs: list[Any], rows: int) -> Any:
         elif several and all(p.shape[0] == 1 for p in parts) and all(torch.equal(t, p) for p in parts[1:]):
             merged.append(t)
         else:
+            _check_rows_first(i, [p.shape for p in parts], sizes)
             merged.append(torch.cat(parts, dim=0))
     return rebuild(spec, merged)
+
+
+def _check_rows_first(leaf: int, shapes: list[torch.Size], sizes: list[int]) -> None:
+    """Raise unless dim 0 of every microbatch's part holds one entry per microbatch or the same whole
+    number of entries per row of that microbatch."""
+    firsts = [s[0] for s in shapes]
+    if all(f == 1 for f in firsts):
+        return
+    per_row = {f // n if n and f % n == 0 else -1 for f, n in zip(firsts, sizes)}
+    if len(per_row) == 1 and -1 not in per_row:
+        return
+    raise ValueError(
+        f"eval_step: output tensor {leaf} of the last stage does not hold the microbatch's rows along dim 0 "
+        f"(dim 0 per microbatch: {firsts}; rows per microbatch: {sizes}), so its microbatches cannot be "
+        "put back together as one batch; return it with the rows first (e.g. .movedim(1, 0) for [L, rows, ...])")
 
 
 def stable_hash(obj: Any) -> int:
