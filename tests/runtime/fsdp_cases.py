@@ -613,6 +613,49 @@ def failed_overwrite_case(path: str) -> str:
         (float(both[0]), float(both[1])), "loaded a mix")
 
 
+def failed_load_case(path: str, how: str) -> str:
+    """2 ranks, rank r holding stage r of `Net` and an AdamW over it: a step, a save, another step,
+    then a load of the checkpoint that fails: ``"future"``: saved as format version 2 (a later
+    zbpp's). Returns ``"<type>: <message>"`` of what the load raised on this rank (``"ok"`` if
+    nothing), then ``"; changed: <what>"`` for each model entry or optimizer state that is not as
+    before the load."""
+    import copy
+
+    from zbpp.runtime import checkpoint, load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    stage = {rank: stage_of(whole_model(), rank, 2)}
+    opt = torch.optim.AdamW(stage[rank].parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        opt.zero_grad()
+        stage[rank](batch(i)[0]).square().mean().backward()
+        opt.step()
+
+    step(0)
+    version = getattr(checkpoint, "_FORMAT_VERSION", 1)
+    checkpoint._FORMAT_VERSION = 2 if how == "future" else version  # type: ignore[attr-defined]
+    try:
+        save_checkpoint(stage, path, opt)
+    finally:
+        checkpoint._FORMAT_VERSION = version  # type: ignore[attr-defined]
+    dist.barrier()
+    step(1)
+    model_before = {k: v.clone() for k, v in stage[rank].state_dict().items()}
+    opt_before = copy.deepcopy(opt.state_dict())
+    try:
+        load_checkpoint(stage, path, opt)
+        got = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        got = f"{type(exc).__name__}: {exc}"
+    changed = [k for k, v in stage[rank].state_dict().items() if not torch.equal(v, model_before[k])]
+    opt_after = opt.state_dict()
+    changed += [f"optimizer state[{i}][{k!r}]" for i, s in opt_before["state"].items() for k, v in s.items()
+                if not torch.equal(opt_after["state"][i][k], v)]
+    changed += ["optimizer param_groups"] if opt_after["param_groups"] != opt_before["param_groups"] else []
+    return got + (f"; changed: {', '.join(changed)}" if changed else "")
+
+
 def scheduler_case(path: str) -> str:
     """2 ranks, rank r holding stage r of `Net`; rank 0's AdamW has lr 0.1, rank 1's 0.05 (one group
     each), each with the same LambdaLR, 3 steps. Save with lr_scheduler=, load into a fresh optimizer

@@ -121,6 +121,44 @@ def test_an_interrupt_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_work
     assert all(float(m.split("s ", 1)[0]) < 10 for m in (on_0, on_1)), (on_0, on_1)
 
 
+@pytest.mark.parametrize("how", ["future"])
+def test_a_failed_load_changes_nothing_on_every_rank(tmp_path: Path, zbpp_workers, how: str) -> None:
+    """`failed_load_case` on 2 ranks: a live stage and AdamW, a load that fails. ``"future"``: a
+    checkpoint of format version 2 (a later zbpp's layout) loaded without a word (had its entries
+    been renamed, it would have said "saved from another model?"); now every rank refuses, naming
+    the version and the path, before reading any tensor. Reference: the model's and the optimizer's
+    state dicts from just before the load (``torch.equal``)."""
+    from .fsdp_cases import failed_load_case
+
+    path = str(tmp_path / "c")
+    msgs = zbpp_workers(2, pg_timeout=60).run(failed_load_case, path, how)
+    want = f"ValueError: the checkpoint {path!r} is of format version 2, this zbpp reads version 1 only"
+    assert all(m.startswith(want) and m.endswith("nothing was loaded") for m in msgs), msgs
+
+
+def test_a_checkpoint_without_a_format_version_loads(tmp_path: Path) -> None:
+    """Checkpoints saved before ``format.version`` was written have none: they are of the first
+    layout and load (the reference: the saved model and optimizer, ``torch.equal``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from zbpp.runtime import checkpoint
+
+    net = whole_model()
+    opt = make_optimizer(net.parameters())
+    loss_fn(net(batch(0)[0]), batch(0)[1]).backward()
+    opt.step()
+    state = checkpoint._state_to_save(net, opt, None)
+    state.pop("format", None)  # as the code before versions wrote it
+    with checkpoint._one_process_quiet(alone=True):
+        dcp.save(state, checkpoint_id=tmp_path / "old", no_dist=True)
+    fresh = whole_model(seed=3)
+    fresh_opt = make_optimizer(fresh.parameters())
+    load_checkpoint(fresh, tmp_path / "old", fresh_opt)
+    for name, p in net.named_parameters():
+        assert torch.equal(fresh.get_parameter(name), p), name
+        assert all(torch.equal(v, opt.state[p][k]) for k, v in fresh_opt.state[fresh.get_parameter(name)].items()), name
+
+
 def test_lr_schedulers_that_differ_between_ranks_are_refused(tmp_path: Path, zbpp_workers) -> None:
     """`scheduler_case`: the ranks' schedulers have different base_lrs. The checkpoint keeps one
     scheduler state (DCP writes one rank's), so one rank resumed with the other's learning rate

@@ -11,7 +11,8 @@ process.
 
 Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
 
-    {"model": {name: tensor},                                  # every stage's state_dict()
+    {"format": {"version": 1},                                 # the layout of these entries
+     "model": {name: tensor},                                  # every stage's state_dict()
      "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
                    "param_groups": {name: {"lr": ..., "betas": ..., ...}}},
      "lr_scheduler": {"state": <pickled state_dict>},           # given lr_scheduler=
@@ -50,6 +51,11 @@ from ..modules._scaling_state import restore_scaling_states, scaling_states, sca
 from .agreement import Agreement, agree_on_problems, collective_call
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
+
+#: The layout of a checkpoint's entries, saved as ``format.version``: a load refuses any other, so a
+#: later change of layout says so instead of misreading. Checkpoints saved before it was written have
+#: none and are of this first layout.
+_FORMAT_VERSION = 1
 
 
 def _stage_modules(model: Any) -> list[nn.Module]:
@@ -219,7 +225,7 @@ def _one_scheduler_state(states: list[bytes | None], ranks: list[int]) -> None:
 def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> dict[str, Any]:
     """This rank's share of the checkpoint (no collective: `save_checkpoint` agrees on it first)."""
     mods = _stage_modules(model)
-    state: dict[str, Any] = {"model": _model_state(mods)}
+    state: dict[str, Any] = {"format": {"version": _FORMAT_VERSION}, "model": _model_state(mods)}
     if optimizer is not None:
         opt_state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
@@ -272,7 +278,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks,
     or holds in another shape, raises a ValueError naming it before anything is loaded (the
     checkpoint may hold more: other ranks' stages). So does an `optimizer` or `lr_scheduler`
-    given for a checkpoint saved without one. A checkpoint without
+    given for a checkpoint saved without one, and a checkpoint of another format version than this
+    zbpp writes (one without a version, saved before it was written, loads). A checkpoint without
     ``.metadata`` (a save that did not finish) or with a data file missing or cut short raises,
     naming the file and an entry of it, before anything is loaded.
 
@@ -345,6 +352,7 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     model_state = _model_state(mods)
     state: dict[str, Any] = {"model": model_state}
     meta = _complete_metadata(path).state_dict_metadata
+    _check_format(path, meta)
     _check_model_entries(model_state, meta, path)
     wanted: list[tuple[str, nn.Parameter, dict]] = []
     if optimizer is not None:
@@ -400,6 +408,23 @@ def _complete_metadata(path: str) -> Any:
             raise ValueError(f"the checkpoint {path!r} is incomplete: {file} {what} (it holds {holds}): a copy cut "
                              "short, or a directory not shared by every rank that saved; nothing was loaded")
     return metadata
+
+
+def _check_format(path: str, meta: Mapping[str, Any]) -> None:
+    """Raise, naming both, where checkpoint `path` is of another format version than this code
+    reads, before any other check (a later layout may name its entries otherwise). This rank reads
+    the one small entry alone (``no_dist``: no collective, as each rank may fail here)."""
+    import torch.distributed.checkpoint as dcp
+
+    if "format.version" not in meta:
+        return  # saved before versions were written: the first layout
+    state: dict[str, Any] = {"format": {"version": None}}
+    with _one_process_quiet(alone=True):
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    version = state["format"]["version"]
+    if version != _FORMAT_VERSION:
+        raise ValueError(f"the checkpoint {path!r} is of format version {version!r}, this zbpp reads version "
+                         f"{_FORMAT_VERSION} only (saved by another zbpp release?); nothing was loaded")
 
 
 def _check_model_entries(model_state: Mapping[str, Any], meta: Mapping[str, Any], path: str) -> None:
@@ -569,12 +594,13 @@ def _rng_state(model: Any) -> dict[str, int] | None:
 
 
 @contextlib.contextmanager
-def _one_process_quiet() -> Iterator[None]:
-    """Without torch.distributed DCP works in this process and warns that it assumes so: it is meant."""
+def _one_process_quiet(alone: bool = False) -> Iterator[None]:
+    """Without torch.distributed (or asked to read `alone`: ``no_dist``) DCP works in this process
+    and warns that it assumes so: it is meant."""
     import torch.distributed as dist
 
     with warnings.catch_warnings():
-        if not (dist.is_available() and dist.is_initialized()):
+        if alone or not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
