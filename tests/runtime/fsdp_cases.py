@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from typing import Any, Callable
 
 import torch
@@ -616,7 +617,9 @@ def failed_overwrite_case(path: str) -> str:
 def failed_load_case(path: str, how: str) -> str:
     """2 ranks, rank r holding stage r of `Net` and an AdamW over it: a step, a save, another step,
     then a load of the checkpoint that fails: ``"future"``: saved as format version 2 (a later
-    zbpp's). Returns ``"<type>: <message>"`` of what the load raised on this rank (``"ok"`` if
+    zbpp's); ``"unreadable"``: an AdamW moment in rank 1's data file overwritten with zeros after
+    the save (the file's size stays: the read fails part-way, after rank 1 read its weights and
+    rank 0 all of its own). Returns ``"<type>: <message>"`` of what the load raised on this rank (``"ok"`` if
     nothing), then ``"; changed: <what>"`` for each model entry or optimizer state that is not as
     before the load."""
     import copy
@@ -639,6 +642,15 @@ def failed_load_case(path: str, how: str) -> str:
         save_checkpoint(stage, path, opt)
     finally:
         checkpoint._FORMAT_VERSION = version  # type: ignore[attr-defined]
+    if how == "unreadable" and rank == 1:  # zeros over rank 1's last AdamW moment: read after its weights
+        import torch.distributed.checkpoint as dcp
+
+        where = dcp.FileSystemReader(path).read_metadata().storage_data
+        index = max((i for i in where if i.fqn.startswith("optimizer.state.") and i.fqn.endswith(".exp_avg_sq")
+                     and where[i].relative_path.startswith("__1_")), key=lambda i: where[i].offset)
+        with open(os.path.join(path, where[index].relative_path), "r+b") as f:
+            f.seek(where[index].offset)
+            f.write(bytes(where[index].length))
     dist.barrier()
     step(1)
     model_before = {k: v.clone() for k, v in stage[rank].state_dict().items()}
@@ -646,7 +658,7 @@ def failed_load_case(path: str, how: str) -> str:
     try:
         load_checkpoint(stage, path, opt)
         got = "ok"
-    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+    except BaseException as exc:  # noqa: BLE001 - the test reads the type and the message (DCP's is no Exception)
         got = f"{type(exc).__name__}: {exc}"
     changed = [k for k, v in stage[rank].state_dict().items() if not torch.equal(v, model_before[k])]
     opt_after = opt.state_dict()

@@ -121,19 +121,29 @@ def test_an_interrupt_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_work
     assert all(float(m.split("s ", 1)[0]) < 10 for m in (on_0, on_1)), (on_0, on_1)
 
 
-@pytest.mark.parametrize("how", ["future"])
+@pytest.mark.parametrize("how", ["future", "unreadable"])
 def test_a_failed_load_changes_nothing_on_every_rank(tmp_path: Path, zbpp_workers, how: str) -> None:
     """`failed_load_case` on 2 ranks: a live stage and AdamW, a load that fails. ``"future"``: a
     checkpoint of format version 2 (a later zbpp's layout) loaded without a word (had its entries
     been renamed, it would have said "saved from another model?"); now every rank refuses, naming
-    the version and the path, before reading any tensor. Reference: the model's and the optimizer's
-    state dicts from just before the load (``torch.equal``)."""
+    the version and the path, before reading any tensor. ``"unreadable"``: a data file damaged
+    after the save (same size), so DCP's read fails part-way: DCP read in place, so rank 0's stage
+    was loaded and rank 1's weights too (not its optimizer state), and every rank raised a
+    ``CheckpointException`` (no ``Exception``) around tracebacks; now the model is read into new
+    tensors first, nothing changes, and every rank raises a RuntimeError naming the failed rank and
+    its cause. Reference: the model's and the optimizer's state dicts from just before the load
+    (``torch.equal``)."""
     from .fsdp_cases import failed_load_case
 
     path = str(tmp_path / "c")
     msgs = zbpp_workers(2, pg_timeout=60).run(failed_load_case, path, how)
-    want = f"ValueError: the checkpoint {path!r} is of format version 2, this zbpp reads version 1 only"
-    assert all(m.startswith(want) and m.endswith("nothing was loaded") for m in msgs), msgs
+    if how == "future":
+        want = f"ValueError: the checkpoint {path!r} is of format version 2, this zbpp reads version 1 only"
+        assert all(m.startswith(want) and m.endswith("nothing was loaded") for m in msgs), msgs
+    else:
+        want = f"RuntimeError: reading the checkpoint {path!r} failed on global rank 1: UnpicklingError: "
+        assert all(m.startswith(want) and m.endswith("nothing was loaded (the model and optimizer are as before)")
+                   for m in msgs), msgs
 
 
 def test_a_checkpoint_without_a_format_version_loads(tmp_path: Path) -> None:
