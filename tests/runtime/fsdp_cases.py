@@ -394,6 +394,71 @@ def resume_case(path: str, layout: str) -> list[str]:
     return fails
 
 
+class StatefulSGD(torch.optim.Optimizer):
+    """SGD whose per-parameter state is nothing like AdamW's: a Python int, a string, None (as SGD's
+    ``momentum_buffer`` without momentum), a nested dict and a list of tensors, a 0-dim one among
+    them; and a nested hyperparameter, ``scale``. Each of them changes the step, so a lost or
+    restarted one shows."""
+
+    def __init__(self, params: Any, lr: float = 0.05, factor: float = 1.0) -> None:
+        super().__init__(params, {"lr": lr, "scale": {"factor": factor}})  # a nested hyperparameter
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(count=0, tag="sgd", unused=None, ema={"v": torch.zeros_like(p)},
+                              sums=[torch.zeros_like(p), torch.zeros((), dtype=p.dtype)])
+                if st["tag"] != "sgd" or st["unused"] is not None:
+                    raise ValueError(f"state came back as {st['tag']!r}, {st['unused']!r}")
+                st["count"] += 1
+                st["ema"]["v"].mul_(0.5).add_(p.grad)
+                st["sums"][0].add_(p.grad.square())
+                st["sums"][1] += 2
+                lr = group["lr"] * group["scale"]["factor"]
+                p.add_(st["ema"]["v"] / (st["sums"][0].sqrt() + 1), alpha=-lr / (st["count"] + float(st["sums"][1])))
+
+
+def optimizer_state_case(path: str, saved_at: str, resumed_at: str, kind: str = "stateful") -> list[str]:
+    """4 ranks, `kind` ``"stateful"`` (`StatefulSGD`) or ``"adafactor"`` (torch's: factored state of
+    shapes other than its parameter's): train `SAVED_AFTER` steps at layout `saved_at`, save, load
+    at `resumed_at` into a model initialised otherwise with a fresh optimizer, `RESUMED` more steps.
+    Layouts: ``"fsdp-zb-v"`` / ``"fsdp-zb-h1"`` (dp=2 x pp=2, stages ``fully_shard``-ed), ``"pp4-1f1b"``
+    (dp=1, plain stages). Returns what differs from the one-process run of all the steps (rtol 1e-9,
+    atol 1e-11: summation order only, see the module docstring), or ``"<type>: <message>"`` of what
+    a checkpoint call or a step raised."""
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    def build_at(layout: str, whole: Net, **hyper: float) -> tuple[Pipeline, torch.optim.Optimizer, int]:
+        pipe, dp = (plain_pipeline("1f1b", 4, whole), 1) if layout == "pp4-1f1b" else \
+            (fsdp_pipeline(layout.split("-", 1)[1], "plain", 2, 2, whole=whole), 2)
+        params = list(pipe.parameters())
+        return pipe, StatefulSGD(params, **hyper) if kind == "stateful" else torch.optim.Adafactor(params), dp
+
+    try:
+        pipe, opt, dp = build_at(saved_at, whole_model())
+        train(pipe, opt, range(SAVED_AFTER), dp)
+        save_checkpoint(pipe, path, opt)
+        other = {"lr": 1.0, "factor": 3.0} if kind == "stateful" else {}  # the checkpoint's must win
+        pipe, opt, dp = build_at(resumed_at, whole_model(seed=123), **other)
+        load_checkpoint(pipe, path, opt)
+        train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED), dp)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return [f"{type(exc).__name__}: {exc}"]
+    ref = whole_model()
+    ref_opt = StatefulSGD(ref.parameters())
+    for step in range(SAVED_AFTER + RESUMED):
+        ref_opt.zero_grad()
+        x, y = batch(step)
+        loss_fn(ref(x), y).backward()
+        ref_opt.step()
+    return compare("resumed param", params_of(pipe), dict(ref.named_parameters()))
+
+
 # -- when the reduce-scatters run -----------------------------------------------------------------
 def timing_case(schedule: str) -> list[str]:
     """zbpp delayed-wgrad stages under `schedule`: a log of every W of each stage (the modules'

@@ -375,7 +375,9 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
 
     mods = _stage_modules(model)
     live = _model_state(mods)
-    meta = _complete_metadata(path).state_dict_metadata
+    metadata = _complete_metadata(path)
+    meta = metadata.state_dict_metadata
+    paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
     _check_format(path, meta)
     _check_model_entries(live, meta, path)
     # not into the stages' own tensors: a read failing part-way would leave the model half loaded
@@ -390,12 +392,12 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
         for names, p, group in _optimizer_params(optimizer, _param_names(mods)):
             name = next((n for n in names if _saved(meta, f"optimizer.param_groups.{n}.")), names[0])
             wanted.append((name, p, group))
-            entry = _optimizer_destination(meta, name, p)
+            entry = _optimizer_destination(meta, paths, name, p)
             if entry:
                 opt_state[name] = entry
-            prefix = f"optimizer.param_groups.{name}."
-            hyper = {k[len(prefix):]: _placeholder(md) for k, md in meta.items()  # a tensor lr is a tensor
-                     if k.startswith(prefix) and "." not in k[len(prefix):] and k[len(prefix):] not in _NOT_HYPER}
+            hyper = _saved_under(meta, paths, ("optimizer", "param_groups", name),  # a tensor lr is a tensor
+                                 lambda key, md: _placeholder(md))
+            hyper = {k: v for k, v in hyper.items() if k not in _NOT_HYPER}
             if hyper:
                 groups[name] = hyper
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
@@ -632,10 +634,48 @@ def _one_process_quiet(alone: bool = False) -> Iterator[None]:
         yield
 
 
-def _optimizer_destination(meta: Mapping[str, Any], name: str, param: nn.Parameter) -> dict[str, Any]:
+def _saved_under(meta: Mapping[str, Any], paths: Mapping[str, Any], prefix: tuple[str, ...],
+                 leaf: Any) -> dict[str, Any]:
+    """Where DCP reads every saved entry under `prefix` (a path into the saved state: one
+    parameter's optimizer state or hyperparameters), nested as saved: DCP names the entries of a
+    nested dict or list of tensors by dotted paths, which cannot tell a name's dots from nesting, so
+    the save's own paths (`paths`: the metadata's ``planner_data``) say; without them, only the
+    entries directly under `prefix`. ``leaf(key, md)``: the placeholder of an entry (`key`: its
+    first key under `prefix`)."""
+    dotted = ".".join(prefix) + "."
+    out: dict[Any, Any] = {}
+    for fqn, md in meta.items():
+        if not fqn.startswith(dotted):
+            continue
+        path = tuple(paths.get(fqn, ()))
+        if path[:len(prefix)] == prefix and len(path) > len(prefix):
+            keys = path[len(prefix):]
+        elif "." not in fqn[len(dotted):]:
+            keys = (fqn[len(dotted):],)
+        else:
+            continue
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = leaf(keys[0], md)
+    return _as_saved(out)
+
+
+def _as_saved(node: Any) -> Any:
+    """`_saved_under`'s dicts back into what was saved: one keyed 0, 1, ... (a list's items) a list."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _as_saved(v) for k, v in node.items()}
+    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+        return [node[i] for i in range(len(node))]
+    return node
+
+
+def _optimizer_destination(meta: Mapping[str, Any], paths: Mapping[str, Any], name: str,
+                           param: nn.Parameter) -> dict[str, Any]:
     """Tensors to load the optimizer state of `param` into, shaped as the checkpoint says: like the
     parameter (sharded like it) when the saved tensor has its shape, else a plain tensor (on the
-    CPU when 0-dim, as torch optimizers keep ``step``).
+    CPU when 0-dim, as torch optimizers keep ``step``); nested in dicts and lists as saved.
 
     A floating state saved in its parameter's dtype takes the parameter's dtype now (resumed in
     another one: what ``Optimizer.load_state_dict`` does; else the step mixes dtypes and fails);
@@ -644,17 +684,13 @@ def _optimizer_destination(meta: Mapping[str, Any], name: str, param: nn.Paramet
 
     saved_param = meta.get(f"model.{name}")
     saved_dtype = saved_param.properties.dtype if isinstance(saved_param, TensorStorageMetadata) else None
-    prefix = f"optimizer.state.{name}."
-    out: dict[str, Any] = {}
-    for key, md in meta.items():
-        if not key.startswith(prefix) or "." in key[len(prefix):]:
-            continue
-        field = key[len(prefix):]
+
+    def destination(field: str, md: Any) -> Any:
         dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
         if dtype is not None and dtype == saved_dtype and field != "step" and param.is_floating_point():
             dtype = param.dtype
         if isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(param.shape):
-            out[field] = torch.zeros_like(param.detach(), dtype=dtype)
-        else:
-            out[field] = _placeholder(md, None if len(getattr(md, "size", ())) == 0 else param.device, dtype)
-    return out
+            return torch.zeros_like(param.detach(), dtype=dtype)
+        return _placeholder(md, None if len(getattr(md, "size", ())) == 0 else param.device, dtype)
+
+    return _saved_under(meta, paths, ("optimizer", "state", name), destination)
