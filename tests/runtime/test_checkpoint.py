@@ -9,6 +9,7 @@ steps and 3 more steps equal its 5 steps (the optimizer state came back). Cases 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,22 @@ def test_an_optimizer_unlike_adamw_resumes_at_another_layout(tmp_path: Path, zbp
     per_rank = zbpp_workers(4, pg_timeout=60).run(optimizer_state_case, str(tmp_path / "c"), saved_at, resumed_at)
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
+
+
+def test_factored_optimizer_state_into_fully_shard_stages_is_refused(tmp_path: Path, zbpp_workers) -> None:
+    """torch's Adafactor keeps ``row_var`` / ``col_var`` of other shapes than the parameter's.
+    Saved at pp=4 with plain stages and loaded into dp=2 x pp=2 fully_shard stages: the load made
+    them plain tensors beside DTensor parameters, and the next step raised a RuntimeError of DTensor
+    ("got mixed torch.Tensor and DTensor") that named no state (the checkpoint does not say how the
+    optimizer would split them). Now the load refuses on every rank, naming the state, the
+    parameter and both shapes, before reading any tensor (`optimizer_state_case`)."""
+    from .fsdp_cases import optimizer_state_case
+
+    path = str(tmp_path / "c")
+    per_rank = zbpp_workers(4, pg_timeout=60).run(optimizer_state_case, path, "pp4-1f1b", "fsdp-zb-h1", "adafactor")
+    words = (rf"ValueError: the checkpoint {re.escape(repr(path))} holds optimizer state '(row|col)_var' of "
+             r"'layers\.\d\.weight' of shape \((4, 1|1, 4)\), not its parameter's \(4, 4\): such state \(factored")
+    assert all(len(fs) == 1 and re.match(words, fs[0]) for fs in per_rank), per_rank
 
 
 def test_resume_in_one_process(saved: Path) -> None:

@@ -260,7 +260,10 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     - the optimizer's per-parameter state (``exp_avg``, ``step``, ...), by parameter name: a tied
       Parameter gets the state saved under any of its names, so copies on several ranks and one
       Parameter shared by a V placement's two stages convert into each other. A parameter saved
-      without state (it had no gradient yet) has none after loading, as the saved optimizer had;
+      without state (it had no gradient yet) has none after loading, as the saved optimizer had.
+      Any state comes back (Python values, nested dicts and lists of tensors); a tensor of another
+      shape than its parameter's (Adafactor's factored ones) comes back whole, and for a
+      ``fully_shard`` parameter raises (the checkpoint does not say how it was split);
     - the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``, ... every key of a
       parameter group but ``params`` and ``param_names``): the checkpoint's win over the new
       optimizer's, as with ``torch.optim.Optimizer.load_state_dict``. To change one on resume, set
@@ -392,7 +395,7 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
         for names, p, group in _optimizer_params(optimizer, _param_names(mods)):
             name = next((n for n in names if _saved(meta, f"optimizer.param_groups.{n}.")), names[0])
             wanted.append((name, p, group))
-            entry = _optimizer_destination(meta, paths, name, p)
+            entry = _optimizer_destination(meta, paths, name, p, path)
             if entry:
                 opt_state[name] = entry
             hyper = _saved_under(meta, paths, ("optimizer", "param_groups", name),  # a tensor lr is a tensor
@@ -672,10 +675,11 @@ def _as_saved(node: Any) -> Any:
 
 
 def _optimizer_destination(meta: Mapping[str, Any], paths: Mapping[str, Any], name: str,
-                           param: nn.Parameter) -> dict[str, Any]:
-    """Tensors to load the optimizer state of `param` into, shaped as the checkpoint says: like the
-    parameter (sharded like it) when the saved tensor has its shape, else a plain tensor (on the
-    CPU when 0-dim, as torch optimizers keep ``step``); nested in dicts and lists as saved.
+                           param: nn.Parameter, path: str) -> dict[str, Any]:
+    """Tensors to load the optimizer state of `param` into, shaped as the checkpoint `path` says:
+    like the parameter (sharded like it) when the saved tensor has its shape, else a plain tensor
+    (on the CPU when 0-dim, as torch optimizers keep ``step``); nested in dicts and lists as saved.
+    A tensor of another shape, not 0-dim, for a ``fully_shard`` parameter raises.
 
     A floating state saved in its parameter's dtype takes the parameter's dtype now (resumed in
     another one: what ``Optimizer.load_state_dict`` does; else the step mixes dtypes and fails);
@@ -691,6 +695,12 @@ def _optimizer_destination(meta: Mapping[str, Any], paths: Mapping[str, Any], na
             dtype = param.dtype
         if isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(param.shape):
             return torch.zeros_like(param.detach(), dtype=dtype)
+        if isinstance(md, TensorStorageMetadata) and len(md.size) > 0 and hasattr(param, "placements"):
+            # a plain tensor would fail the next step (mixed with the DTensor parameter) and a guess of its
+            # sharding could be wrong: the checkpoint keeps the whole tensor, not how the optimizer split it
+            raise ValueError(f"the checkpoint {path!r} holds optimizer state {field!r} of {name!r} of shape "
+                             f"{tuple(md.size)}, not its parameter's {tuple(param.shape)}: such state (factored, as "
+                             "Adafactor's) cannot be loaded into a fully_shard parameter; load it into plain stages")
         return _placeholder(md, None if len(getattr(md, "size", ())) == 0 else param.device, dtype)
 
     return _saved_under(meta, paths, ("optimizer", "state", name), destination)
