@@ -204,6 +204,29 @@ def test_a_checkpoint_without_a_format_version_loads(tmp_path: Path) -> None:
         assert all(torch.equal(v, opt.state[p][k]) for k, v in fresh_opt.state[fresh.get_parameter(name)].items()), name
 
 
+def test_an_unreadable_format_version_is_refused(tmp_path: Path) -> None:
+    """The bytes of ``format.version`` damaged (the file's size kept): reading it raised DCP's
+    ``CheckpointException``, which is no ``Exception``: on several ranks one that raised it would
+    have left the agreement that follows, the others waiting there for the process group's timeout.
+    Now it is a ValueError naming the path, and nothing was loaded (``torch.equal``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from zbpp.runtime import save_checkpoint
+
+    save_checkpoint(whole_model(), tmp_path / "ckpt")
+    where = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().storage_data
+    index = next(i for i in where if i.fqn == "format.version")
+    with open(tmp_path / "ckpt" / where[index].relative_path, "r+b") as f:
+        f.seek(where[index].offset)
+        f.write(bytes(where[index].length))
+    net = whole_model(seed=3)
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"the checkpoint {re.escape(repr(str(tmp_path / 'ckpt')))}: its format "
+                                         r"version could not be read \(UnpicklingError: .*\); nothing was loaded"):
+        load_checkpoint(net, tmp_path / "ckpt")
+    assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []
+
+
 def test_lr_schedulers_that_differ_between_ranks_are_refused(tmp_path: Path, zbpp_workers) -> None:
     """`scheduler_case`: the ranks' schedulers have different base_lrs. The checkpoint keeps one
     scheduler state (DCP writes one rank's), so one rank resumed with the other's learning rate

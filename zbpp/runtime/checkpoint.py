@@ -447,12 +447,18 @@ def _check_format(path: str, meta: Mapping[str, Any]) -> None:
     reads, before any other check (a later layout may name its entries otherwise). This rank reads
     the one small entry alone (``no_dist``: no collective, as each rank may fail here)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if "format.version" not in meta:
         return  # saved before versions were written: the first layout
     state: dict[str, Any] = {"format": {"version": None}}
-    with _one_process_quiet(alone=True):
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+    try:
+        with _one_process_quiet(alone=True):
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+    except CheckpointException as exc:  # no Exception: load_checkpoint's agreement would let it by
+        cause = next(iter(exc.failures.values()))[0] if exc.failures else exc
+        raise ValueError(f"the checkpoint {path!r}: its format version could not be read ({type(cause).__name__}: "
+                         f"{cause}); nothing was loaded") from exc
     version = state["format"]["version"]
     if version != _FORMAT_VERSION:
         raise ValueError(f"the checkpoint {path!r} is of format version {version!r}, this zbpp reads version "
