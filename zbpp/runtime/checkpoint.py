@@ -374,8 +374,6 @@ class _Loading(NamedTuple):
 def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> _Loading:
     """The destinations of this rank's share of checkpoint `path` (no collective: `load_checkpoint`
     agrees on them first)."""
-    import torch.distributed.checkpoint as dcp
-
     mods = _stage_modules(model)
     live = _model_state(mods)
     metadata = _complete_metadata(path)
