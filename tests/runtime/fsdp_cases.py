@@ -763,6 +763,54 @@ def scheduler_case(path: str) -> str:
         f"resumed lr {sched2.get_last_lr()}, uninterrupted {sched.get_last_lr()}"
 
 
+class _Scaled(nn.Module):
+    """Stage `s` of `clip_one_row_case`: a Linear, tanh, times a one-element Parameter, which
+    ``fully_shard`` over 2 replicas leaves empty on replica 1."""
+
+    def __init__(self, s: int) -> None:
+        super().__init__()
+        torch.manual_seed(200 + s)
+        self.lin = nn.Linear(H, H, dtype=torch.float64)
+        self.scale = nn.Parameter(torch.full((1,), 1.0 + 0.5 * s, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+def clip_one_row_case() -> list[str]:
+    """dp=2 x pp=2 (1f1b), ``fully_shard`` stages holding a one-element Parameter (replica 1's
+    shard of it is empty): `clip_grad_norm_` with the inf-norm, then the 2-norm, gives torch's norm
+    and clipped gradients of one process on the whole model and batch. (The inf-norm of the empty
+    shard once raised on replica 1 alone, leaving replica 0 in the all-reduce.)"""
+    import math
+
+    from torch.distributed.fsdp import fully_shard
+
+    from zbpp.runtime import clip_grad_norm_
+
+    m = mesh(device_type(), 2, 2)
+    sched = build("1f1b", num_ranks=2, num_microbatches=M)
+    ref = [_Scaled(s) for s in range(2)]
+    stages = {s: copy.deepcopy(ref[s]) for s in sched.stages_on(m.get_local_rank("pp"))}
+    for st in stages.values():
+        fully_shard(st, mesh=m["dp"])
+    pipe = Pipeline(stages, sched, loss_fn=loss_fn, groups=m)
+    dp_rank = pipe.topology.dp_rank
+    x, y = batch(0)
+    pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+    loss_fn(ref[1](ref[0](x)), y).backward()
+    fails = []
+    for norm_type in (math.inf, 2.0):  # the second clips what the first left
+        want = torch.nn.utils.clip_grad_norm_([p for r in ref for p in r.parameters()], 0.01, norm_type=norm_type)
+        got = clip_grad_norm_(pipe, 0.01, norm_type=norm_type)
+        if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+            fails.append(f"{norm_type}-norm {float(got)}, torch in one process: {float(want)}")
+        fails += compare(f"after clipping by the {norm_type}-norm",
+                         {n: full(p.grad) for s, st in stages.items() for n, p in st.named_parameters()},
+                         {n: p.grad for s in stages for n, p in ref[s].named_parameters()})
+    return fails
+
+
 def tie_drift_case(schedule: str) -> list[str]:
     """dp=2 x pp=2, ``layers.0.weight`` tied to ``layers.3``, every stage ``fully_shard``-ed: under
     zb-h1 the copies sit on two ranks of each pipeline (their shards compared within the pipeline),

@@ -174,11 +174,15 @@ def clip_grad_norm_(
         if key is not None:
             shards.setdefault(key, []).append(g.to_local())
             continue
+        if g.numel() == 0:  # adds nothing; vector_norm refuses the inf-norm of an empty tensor
+            continue
         n = torch.linalg.vector_norm(g.to(acc), norm_type).to(device, wide)
         local = torch.maximum(local, n) if inf else local + n**norm_type
     for key, parts in shards.items():  # the same keys in the same order on every replica
         part = torch.zeros((), dtype=wide, device=parts[0].device)
         for g in parts:
+            if g.numel() == 0:  # a replica's empty shard (a parameter of fewer rows than replicas)
+                continue
             n = torch.linalg.vector_norm(g.to(acc), norm_type).to(wide)
             part = torch.maximum(part, n) if inf else part + n**norm_type
         for shard_group in key:
