@@ -57,6 +57,28 @@ def test_clip_refuses_groups_it_cannot_read():
     assert torch.equal(lin.weight.grad, torch.ones(1, 2))  # untouched
 
 
+@pytest.mark.parametrize("norm_type", ["inf", "2", 1.0])
+def test_clip_takes_what_torch_clip_takes(norm_type):
+    # torch.nn.utils.clip_grad_norm_ takes norm_type="inf" (float() of it) and foreach=: the same
+    # norm and clipped gradients, in one process (exact: the same float64 operations on 3 numbers)
+    mine, theirs = torch.nn.Linear(2, 1, dtype=torch.float64), torch.nn.Linear(2, 1, dtype=torch.float64)
+    for lin in (mine, theirs):
+        lin.weight.grad, lin.bias.grad = torch.tensor([[3.0, -4.0]], dtype=torch.float64), torch.tensor([12.0], dtype=torch.float64)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0, norm_type=norm_type, foreach=True)
+    got = clip_grad_norm_(mine, 1.0, norm_type=norm_type, foreach=True)
+    assert float(got) == float(want)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine.parameters(), theirs.parameters()))
+
+
+@pytest.mark.parametrize("norm_type", ["fro", 0.0, -2.0, float("nan"), None])
+def test_clip_refuses_a_norm_type_that_is_no_p_norm(norm_type):
+    lin = torch.nn.Linear(2, 1)
+    lin.weight.grad = torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"norm_type must be > 0 \(or math.inf, 'inf'\), got"):
+        clip_grad_norm_(lin, 1.0, norm_type=norm_type)
+    assert torch.equal(lin.weight.grad, torch.ones(1, 2))  # untouched
+
+
 @pytest.mark.parametrize("name,kind,norm_type,given", [("zb-v", "plain", 2.0, "none"), ("zb-interleaved", "zbpp", 1.0, "groups"),
                                                        ("dualpipe-v", "plain", -1, "none"), ("interleaved-1f1b", "zbpp", 3.0, "none")])
 def test_clip_norm_types_with_replicas_and_a_tie(zbpp_workers, name, kind, norm_type, given):

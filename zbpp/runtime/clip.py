@@ -109,8 +109,9 @@ def clip_grad_norm_(
     max_norm: float,
     groups: Any = None,
     *,
-    norm_type: float = 2.0,
+    norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Scale this rank's gradients so that the norm over the whole pipeline is at most `max_norm`.
 
@@ -126,8 +127,9 @@ def clip_grad_norm_(
         groups: a `ParallelGroups` or a ``DeviceMesh`` with a ``"pp"`` dimension (what the
             `Pipeline` got); defaults to the pipeline's own (``Pipeline.topology``), else the whole
             world is one pipeline (no data parallelism).
-        norm_type: p of the p-norm, ``math.inf`` for the max norm.
+        norm_type: p of the p-norm, ``math.inf`` (or ``"inf"``, as torch takes it) for the max norm.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
+        foreach: taken for torch's signature and ignored: the result is the same either way.
 
     A `Pipeline`'s tied parameters (`tied_parameters=`) count once: on the rank of their lowest
     stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages).
@@ -147,8 +149,13 @@ def clip_grad_norm_(
         unusable()
     if max_norm < 0 or math.isnan(max_norm):
         raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
-    if norm_type <= 0:
-        raise ValueError(f"norm_type must be > 0 (or math.inf), got {norm_type!r}")
+    try:
+        p_norm = float(norm_type)  # torch's clip takes "inf" (any float() string) too
+    except (TypeError, ValueError):
+        p_norm = math.nan
+    if not p_norm > 0:
+        raise ValueError(f"norm_type must be > 0 (or math.inf, 'inf'), got {norm_type!r}")
+    norm_type = p_norm
     params = _parameters(pipeline_or_params)
     _refuse_two_grads(params, pipeline_or_params)
     tied = getattr(pipeline_or_params, "_tied", None)
