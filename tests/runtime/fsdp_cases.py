@@ -53,8 +53,12 @@ class Net(nn.Module):
         return x
 
 
-def whole_model(kind: str = "plain", seed: int = 0, tie: tuple[int, ...] = ()) -> Net:
-    """`Net` with seeded values; the blocks in `tie` use ``layers.0.weight`` as their weight."""
+FROZEN = ("layers.1.bias", "layers.2.weight")  # `whole_model(frozen=True)`'s: one per stage of zb-h1
+
+
+def whole_model(kind: str = "plain", seed: int = 0, tie: tuple[int, ...] = (), frozen: bool = False) -> Net:
+    """`Net` with seeded values; the blocks in `tie` use ``layers.0.weight`` as their weight; with
+    `frozen`, the parameters `FROZEN` do not train (``requires_grad=False``)."""
     torch.manual_seed(seed)
     net = Net(kind)
     for i in tie:
@@ -63,6 +67,8 @@ def whole_model(kind: str = "plain", seed: int = 0, tie: tuple[int, ...] = ()) -
         g = torch.Generator().manual_seed(seed)
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+    for name in FROZEN if frozen else ():
+        net.get_parameter(name).requires_grad_(False)
     return net
 
 
@@ -98,12 +104,13 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 1,
-                  clip: float | None = None, tie: tuple[int, ...] = ()) -> tuple[Net, list[dict[str, torch.Tensor]]]:
+                  clip: float | None = None, tie: tuple[int, ...] = (),
+                  frozen: bool = False) -> tuple[Net, list[dict[str, torch.Tensor]]]:
     """One process, whole model, whole batch: the model after `steps` AdamW steps and each step's
     gradients by every name, a tied weight's under each (with `accumulate`, each optimizer step sums
     the gradients of that many batches; with `clip`, torch's clip_grad_norm_ runs before each
-    optimizer step, after the record)."""
-    net = whole_model(kind, tie=tie).to(device)
+    optimizer step, after the record; `frozen`: `whole_model`'s, whose gradients stay None)."""
+    net = whole_model(kind, tie=tie, frozen=frozen).to(device)
     opt = make_optimizer(net.parameters())
     grads = []
     for step in range(steps):
@@ -111,7 +118,7 @@ def reference_run(kind: str, steps: int, device: Any = "cpu", accumulate: int = 
         for k in range(accumulate):
             x, y = batch(step * accumulate + k, device)
             loss_fn(net(x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False)})
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False) if p.grad is not None})
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
@@ -250,18 +257,21 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
     after the steps equal `reference_run`; one reduce-scatter per stage per step. Options:
     ``accumulate``, ``clip``, ``inner``, ``tied`` / ``tied023`` (`TIES`), ``unnamed`` (the tie
     not passed as tied_parameters), ``unnoted`` (nor noted), ``stale`` (named by the Parameter
-    before ``fully_shard``): `fsdp_pipeline`."""
+    before ``fully_shard``): `fsdp_pipeline`; ``frozen``: `FROZEN` do not train (no gradient, and
+    AdamW's weight decay leaves them as they were)."""
     schedule, kind, *rest = case.split("/")
     accumulate = 2 if "accumulate" in rest else 1
     steps = 1 if accumulate > 1 else 3
     tie = next((TIES[o] for o in rest if o in TIES), ())
+    frozen = "frozen" in rest
     dev = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
-    pipe = fsdp_pipeline(schedule, kind, dp, pp, inner="inner" in rest, tie=tie, named="unnamed" not in rest,
-                         noted="unnoted" not in rest, stale="stale" in rest)
+    pipe = fsdp_pipeline(schedule, kind, dp, pp, whole_model(kind, tie=tie, frozen=frozen), inner="inner" in rest,
+                         tie=tie, named="unnamed" not in rest, noted="unnoted" not in rest, stale="stale" in rest)
     dp_rank = pipe.topology.dp_rank
     # one reduce-scatter per stage and step: per FSDP module holding parameters (each block with inner)
     expected = sum(len(m.layers) if "inner" in rest else 1 for m in pipe.stage_modules.values())
-    ref, ref_grads = reference_run("plain", steps, dev, accumulate, 0.05 if "clip" in rest else None, tie)  # same values, eager layers
+    ref, ref_grads = reference_run("plain", steps, dev, accumulate, 0.05 if "clip" in rest else None, tie,
+                                   frozen)  # same values, eager layers
     once = {n for n, _ in ref.named_parameters()}  # a tied weight's name once: the norm counts it once
     opt = make_optimizer(list(pipe.parameters()))
     named = {n: p for m in pipe.stage_modules.values() for n, p in m.named_parameters()}
@@ -280,9 +290,12 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
         if dp > 1 and rs.count != expected:  # (a one-rank mesh may skip the collective)
             fails.append(f"step {step}: {rs.count} reduce-scatters, {expected} expected")
         got = {n: full(p.grad) for n, p in named.items() if p.grad is not None}
-        missing = sorted(set(named) - set(got))
+        missing = sorted(set(named) - set(got) - set(FROZEN if frozen else ()))
         if missing:
             fails.append(f"step {step}: no gradient for {missing}")
+        if set(got) & set(FROZEN if frozen else ()):
+            fails.append(f"step {step}: frozen {sorted(set(got) & set(FROZEN))} got a gradient")
+            got = {n: g for n, g in got.items() if n not in FROZEN}
         fails += compare(f"step {step} grad", got, ref_grads[step])
         if "clip" in rest:  # the norm over every stage and shard, as torch's on the whole model
             from zbpp.runtime import clip_grad_norm_
@@ -292,7 +305,7 @@ def fsdp_case(case: str, dp: int = 2, pp: int = 2) -> list[str]:
             if not torch.allclose(norm.to(want.device), want, rtol=RTOL, atol=ATOL):
                 fails.append(f"step {step}: clip norm {float(norm)} != {float(want)}")
             coef = min(1.0, 0.05 / (float(want) + 1e-6))
-            clipped = {n: full(p.grad) for n, p in named.items()}
+            clipped = {n: full(p.grad) for n, p in named.items() if p.grad is not None}
             fails += compare(f"step {step} clipped grad", clipped, {n: g * coef for n, g in ref_grads[step].items()})
         opt.step()
     fails += compare("param", {n: full(p.detach()) for n, p in named.items()}, all_params(ref))

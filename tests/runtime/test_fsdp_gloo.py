@@ -14,6 +14,8 @@ from .fsdp_cases import clip_one_row_case, failure_case, fsdp_worker, refusal_ca
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
+# frozen: a weight and a bias do not train (fused: no main_grad buffer, no zero gradient for AdamW to decay)
+CASES += ["zb-h1/fused/frozen/accumulate", "zb-v/delayed/frozen/clip"]
 # layers.0.weight tied: to layers.3 (1f1b, zb-h1: stages 0 and 1 on two ranks; zb-v, dualpipe-v: stages
 # 0 and 3 on one rank, fully_shard splits the Parameter into one copy per stage) and to layers.2 too
 # (a stage of the other rank as well); clip: the norm counts the tied weight once

@@ -383,7 +383,8 @@ class FsdpReducer:
                     sub.unshard()
             for mod in self.fused[s]:
                 for p in mod.parameters(recurse=False):
-                    if getattr(p, "main_grad", None) is None:  # kept across no_sync steps
+                    # a frozen one gets none: folded into .grad, its zeros would be reduced, and decayed by AdamW
+                    if p.requires_grad and getattr(p, "main_grad", None) is None:  # kept across no_sync steps
                         p.main_grad = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
                                                   device=p.device)
 
