@@ -776,6 +776,47 @@ def scheduler_case(path: str) -> str:
         f"resumed lr {sched2.get_last_lr()}, uninterrupted {sched.get_last_lr()}"
 
 
+def mixed_precision_case(schedule: str, kind: str) -> list[str]:
+    """dp=2 x pp=2, float64 stages ``fully_shard``-ed with ``MixedPrecisionPolicy(param_dtype=float32,
+    reduce_dtype=float64)``: two steps' gathered float64 gradients equal one process running a float32
+    copy of the whole model on the whole batch (gradients summed in float64). Tolerance rtol 1e-5,
+    atol 1e-6: float32 forwards and backwards summed in another order (microbatches, replicas) agree
+    to a few float32 ulps (~1e-7); a lost or doubled microbatch is 1/4 of a gradient. (``fused``:
+    gradients folded from ``main_grad`` beside FSDP's float64 accumulation once broke its
+    reduce-scatter: "expects uniform gradient dtype".)"""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = mesh(device_type(), 2, 2)
+    sched = build(schedule, num_ranks=2, num_microbatches=M)
+    stages = rank_stages(whole_model(kind), sched.stages_on(m.get_local_rank("pp")), sched.num_stages)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    for st in stages.values():
+        fully_shard(st, mesh=m["dp"], mp_policy=policy)
+
+    def loss64(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(out.double(), y)
+
+    pipe = Pipeline(stages, sched, loss_fn=loss64, groups=m)
+    ref = whole_model("plain").float()
+    grads: dict[str, torch.Tensor] = {}
+    for step in range(2):  # without zeroing: the second step adds to the first
+        x, y = batch(step)
+        pipe.step(my_rows(pipe.topology.dp_rank, 2, x), target=my_rows(pipe.topology.dp_rank, 2, y))
+        ref.zero_grad()
+        loss64(ref(x.float()), y).backward()
+        for n, p in ref.named_parameters():
+            grads[n] = grads.get(n, 0) + p.grad.double()
+    fails = []
+    for st in stages.values():
+        for n, p in st.named_parameters():
+            got = full(p.grad)
+            if got.dtype != torch.float64:
+                fails.append(f"{n}: a {got.dtype} gradient for a float64 parameter")
+            elif not torch.allclose(got, grads[n], rtol=1e-5, atol=1e-6):
+                fails.append(f"{schedule}/{kind} {n}: max |diff| {float((got - grads[n]).abs().max()):.3g}")
+    return fails
+
+
 class _Scaled(nn.Module):
     """Stage `s` of `clip_one_row_case`: a Linear, tanh, times a one-element Parameter, which
     ``fully_shard`` over 2 replicas leaves empty on replica 1."""

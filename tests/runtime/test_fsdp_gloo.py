@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .fsdp_cases import clip_one_row_case, failure_case, fsdp_worker, refusal_case, tie_drift_case, timing_case
+from .fsdp_cases import (clip_one_row_case, failure_case, fsdp_worker, mixed_precision_case, refusal_case, tie_drift_case,
+                         timing_case)
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
@@ -40,6 +41,15 @@ def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
     if case not in results:
         pytest.skip(f"torch {torch.__version__}'s FSDP does not record the Parameter a shard came from")
     assert not results[case], "\n".join(results[case])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule, kind", [("zb-h1", "fused"), ("zb-v", "delayed")])
+def test_mixed_precision(zbpp_workers, schedule: str, kind: str) -> None:
+    """float32 compute of float64 shards, float64 reduce-scatters (`mixed_precision_case`)."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(mixed_precision_case, schedule, kind)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
 
 
 @pytest.mark.timeout(600)

@@ -118,8 +118,20 @@ def _post_backward(root: nn.Module) -> None:
     state = _fully_shard().state(root)  # type: ignore[attr-defined]
     for sub in state._state_ctx.all_states:
         for group in _param_groups(sub):
+            _to_reduce_dtype(group)
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def _to_reduce_dtype(group: Any) -> None:
+    """Every gradient of `group` into FSDP's accumulation in its ``reduce_dtype``, as FSDP's hook after
+    a backward that does not reduce leaves it. A gradient written after the last such hook (a W, a
+    folded ``main_grad``) of a parameter that has no accumulation yet would otherwise be reduced in
+    the parameter's dtype beside others in ``reduce_dtype``, which FSDP's reduce-scatter refuses."""
+    for fp in group.fsdp_params:
+        if hasattr(fp, "_unsharded_param"):
+            fp.accumulate_unsharded_grad_if_needed()
+            fp.to_accumulated_grad_if_needed()
 
 
 def _reset(root: nn.Module) -> None:
