@@ -817,6 +817,68 @@ def mixed_precision_case(schedule: str, kind: str) -> list[str]:
     return fails
 
 
+class _Branches(nn.Module):
+    """Stage `s` of `unused_on_one_replica_case`: a Linear and tanh, plus ``some`` on rows whose
+    first column is above 50 (only replica 1's data) and ``never`` on rows above 1e6 (none)."""
+
+    def __init__(self, s: int) -> None:
+        super().__init__()
+        torch.manual_seed(300 + s)
+        self.lin = nn.Linear(H, H, dtype=torch.float64)
+        self.some = nn.Linear(H, H, dtype=torch.float64)
+        self.never = nn.Linear(H, H, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.lin(x))
+        if bool(x[:, 0].max() > 50):
+            out = out + 0.1 * torch.tanh(self.some(x))
+        if bool(x[:, 0].max() > 1e6):
+            out = out + self.never(x)
+        return out
+
+
+def unused_on_one_replica_case(schedule: str) -> list[str]:
+    """dp=2 x pp=2, ``fully_shard`` stages with a branch that only replica 1's data takes (as an
+    expert that only some replicas route tokens to) and one that none takes: after a synchronised
+    step, and after a no_sync step and a synchronised one, each gathered gradient is the replicas'
+    average of one process's per-replica gradients (replica 0 adding nothing to the branch's),
+    None where no replica has one. (FSDP reduce-scatters only the parameters with a gradient, so
+    the replicas' reduce-scatters once differed in size: gloo aborted the processes.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    m = mesh(device_type(), 2, 2)
+    sched = build(schedule, num_ranks=2, num_microbatches=M)
+    ref = [_Branches(s) for s in range(sched.num_stages)]
+    stages = {s: copy.deepcopy(ref[s]) for s in sched.stages_on(m.get_local_rank("pp"))}
+    for st in stages.values():
+        fully_shard(st, mesh=m["dp"])
+    pipe = Pipeline(stages, sched, loss_fn=loss_fn, groups=m)
+    fails = []
+    for step in range(3):
+        x, y = batch(step)
+        x[ROWS // 2:, 0] += 100.0  # replica 1's rows take the branch, at every stage
+        with pipe.no_sync() if step == 1 else contextlib.nullcontext():
+            pipe.step(my_rows(pipe.topology.dp_rank, 2, x), target=my_rows(pipe.topology.dp_rank, 2, y))
+        for d in range(2):  # the replicas' average
+            h = my_rows(d, 2, x)
+            for st in ref:
+                h = st(h)
+            (loss_fn(h, my_rows(d, 2, y)) / 2).backward()
+        if step == 1:
+            continue
+        for s, st in stages.items():
+            for n, p in st.named_parameters():
+                want = ref[s].get_parameter(n).grad
+                got = None if p.grad is None else full(p.grad)
+                if got is None or want is None:
+                    if got is not want:
+                        fails.append(f"step {step} stage {s} {n}: got {'None' if got is None else 'a gradient'}, "
+                                     f"one process {'None' if want is None else 'a gradient'}")
+                elif not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+                    fails.append(f"step {step} stage {s} {n}: max |diff| {float((got - want).abs().max()):.3g}")
+    return fails
+
+
 class _Scaled(nn.Module):
     """Stage `s` of `clip_one_row_case`: a Linear, tanh, times a one-element Parameter, which
     ``fully_shard`` over 2 replicas leaves empty on replica 1."""

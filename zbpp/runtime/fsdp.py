@@ -23,7 +23,9 @@ Every rank (torchrun, 4 ranks: dp=2 x pp=2)::
 - *Reduce*: during the step FSDP only accumulates the unsharded gradients
   (``set_requires_gradient_sync(False)``); right after a stage's last W (its last BW under classic
   schedules) the reducer reduce-scatters that stage's gradients once (one collective per
-  ``fully_shard`` module of the stage), through FSDP's own post-backward, and reshards it. The sharded ``.grad`` is then a DTensor averaged over the ``dp``
+  ``fully_shard`` module of the stage), through FSDP's own post-backward, and reshards it. Before
+  it the replicas agree, on the host, which parameters have a gradient: one that only some replicas'
+  data reached (a branch, an expert) gets zeros on the others, so that their reduce-scatters match. The sharded ``.grad`` is then a DTensor averaged over the ``dp``
   mesh (HSDP meshes: reduce-scattered over the shard dimension, all-reduced over the replicate one).
 - ``Pipeline.no_sync()``: steps inside keep accumulating the unsharded gradients and reshard only
   the parameters at the step's end; the next synchronised step reduce-scatters everything once.
@@ -151,6 +153,28 @@ def _reset(root: nn.Module) -> None:
                     unsharded.__dict__.pop("main_grad", None)
                 if getattr(fp, "unsharded_accumulated_grad", None) is not None:
                     fp.unsharded_accumulated_grad = None
+
+
+def _zero_where_a_replica_has_one(root: nn.Module, group: Any, check: Callable[[], None] | None) -> None:
+    """Give a zero gradient to every unsharded parameter that requires one and has none here but has
+    one on another replica of `group`: FSDP reduce-scatters only the parameters with a gradient, so
+    replicas whose data took different branches (an expert that only some route tokens to) would
+    reduce-scatter tensors of different sizes. One that no replica has stays None, as in one process.
+    The flags travel over `group` (gloo, on the host), waited for with `check` (`wait_for`)."""
+    import torch.distributed as dist
+
+    from .polling import wait_for
+
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
+    params = [fp for sub in state._state_ctx.all_states for group_ in _param_groups(sub) for fp in group_.fsdp_params
+              if getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.requires_grad]
+    here = [fp._unsharded_param.grad is not None or getattr(fp, "unsharded_accumulated_grad", None) is not None
+            for fp in params]
+    anywhere = torch.tensor(here, dtype=torch.int32)
+    wait_for(dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=group, async_op=True), check, torch.device("cpu"))
+    for fp, mine, theirs in zip(params, here, anywhere.tolist()):
+        if theirs and not mine:
+            fp._unsharded_param.grad = torch.zeros_like(fp._unsharded_param)
 
 
 def _zero_missing_grads(root: nn.Module) -> None:
@@ -346,6 +370,11 @@ class FsdpReducer:
         self.order = [s for s in first_forward if s in self.stage_modules]
         self.reduced: dict[int, int] = {s: 0 for s in self.stage_modules}  #: reduce-scatters per stage, this step
         self._draining: Callable[[], bool] | None = None
+        #: a gloo group of this rank's replicas (`zbpp.runtime.reductions.presence_group`; `Pipeline` sets it
+        #: with replicas): over it they agree which parameters have a gradient before each reduce-scatter
+        self.presence_group: Any = None
+        #: called while waiting for that agreement (it may raise: the job is broken); `Pipeline` sets it
+        self.wait_check: Callable[[], None] | None = None
 
     def split_copies(self) -> list[list[nn.Parameter]]:
         """The sharded parameters that one Parameter shared by several stages of this rank became,
@@ -424,6 +453,8 @@ class FsdpReducer:
             self._fold_main_grads(stage)
             if drain:
                 _zero_missing_grads(m)
+            if self.presence_group is not None:
+                _zero_where_a_replica_has_one(m, self.presence_group, self.wait_check)
             _post_backward(m)
         finally:
             _set_flags(m, False)

@@ -38,7 +38,7 @@ from .executor import PipelineError, StepExecutor, StepInputs, StepResults
 from .failure import StepFailure
 from .loss_weights import row_factors, weight_factors
 from .task_times import TaskRecorder, gather_records
-from .reductions import Reductions, default_reducer, fsdp_reducer
+from .reductions import Reductions, default_reducer, fsdp_reducer, presence_group
 from .replica_buffers import ReplicaBuffers
 from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
@@ -650,6 +650,8 @@ class Pipeline:
         """The reducer (the default one's group first: a collective), the task graphs and `Reductions`."""
         if fsdp is not None or reducer is None:
             reducer = fsdp if fsdp is not None else default_reducer(self.stage_modules, self.topology, self._tied, span)
+        if fsdp is not None and self.topology.dp_size > 1:
+            fsdp.presence_group = presence_group(self.topology, span)
         for waiting in (reducer, self._tied, self._replica_buffers):  # their waits end when another rank marks the job broken
             if hasattr(waiting, "wait_check"):
                 waiting.wait_check = self._agreement.check

@@ -36,7 +36,7 @@ from torch import nn
 from .grad_aside import GradientsAside
 from .task_graphs import GradBuffers
 
-__all__ = ["GradientReducer", "Reductions", "fsdp_reducer", "default_reducer"]
+__all__ = ["GradientReducer", "Reductions", "fsdp_reducer", "default_reducer", "presence_group"]
 
 
 class GradientReducer(Protocol):
@@ -237,10 +237,15 @@ def default_reducer(stage_modules: Mapping[int, nn.Module], topology: Any, tied:
     """A `GradReducer` when there are data-parallel replicas (tied parameters left to `tied`), else None."""
     if topology.dp_size == 1:
         return None
-    from .channels import cached_group
     from .grad_reduce import GradReducer
 
-    # a gloo group of this rank's replicas: the presence of .grad travels on the host
-    presence = [cached_group("dp-presence", [line[r] for line in topology.pipelines], "gloo", timeout)
-                for r in range(topology.pp_size)][topology.pp_rank]
-    return GradReducer(stage_modules, topology, exclude=tied.param_ids(), presence_group=presence)
+    return GradReducer(stage_modules, topology, exclude=tied.param_ids(), presence_group=presence_group(topology, timeout))
+
+
+def presence_group(topology: Any, timeout: timedelta) -> Any:
+    """A gloo group of this rank's replicas, over which which parameters have a gradient travels on
+    the host (a collective: every rank calls it, in the same order)."""
+    from .channels import cached_group
+
+    return [cached_group("dp-presence", [line[r] for line in topology.pipelines], "gloo", timeout)
+            for r in range(topology.pp_size)][topology.pp_rank]
