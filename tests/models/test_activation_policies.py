@@ -8,6 +8,7 @@ change."""
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 
@@ -551,23 +552,37 @@ class _CountsCalls(nn.Module):
         return torch.tanh(self.proj(x) * calls)
 
 
+@pytest.mark.parametrize("copied", [False, True])
 @pytest.mark.parametrize("policy", ["full", "selective", "offload"])
-def test_rerun_reads_buffers_as_its_forward_found_them(policy):
+def test_rerun_reads_buffers_as_its_forward_found_them(policy, copied):
     """Two microbatches' forwards, then their backwards (as 1F1B's warm-up): a re-run that read the
     counter as B finds it (3, not 1 and 2) gave silently wrong gradients (measured: a weight
     gradient entry of 18.7 came out 7.7), and BatchNorm's running statistics moved once more per re-run. The re-run reads the
     buffers its forward changed as they were before it, and leaves them as it found them: float64,
-    the same operations on the same values, so gradients and statistics equal no policy's bit for bit."""
+    the same operations on the same values, so gradients and statistics equal no policy's bit for bit.
+    `copied`: the net, its policies set and one forward run (which learns the buffers it changes),
+    is copied with ``copy.deepcopy`` (as `pipeline_stages` copies a real model's layers): the copy
+    runs its own layers under the policies (a copy's forward ran the original's layers: no gradient
+    of its own) and the original is left as it was."""
     def run(policy):
         torch.manual_seed(0)
         net = nn.ModuleDict({"pre": nn.Linear(4, 4), "cnt": _CountsCalls(),
                              "bn": nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Tanh())}).double()
         if policy is not None:
             apply_activation_policy(net, {"cnt": policy, "bn": policy})
+        if copied:
+            original = net
+            net["bn"](net["cnt"](net["pre"](torch.ones(3, 4, dtype=torch.float64)))).sum().backward()
+            net = copy.deepcopy(net)
+            before = copy.deepcopy(original.state_dict())
+            original.zero_grad(set_to_none=True)
         xs = torch.randn(2, 3, 4, dtype=torch.float64)
         ys = [net["bn"](net["cnt"](net["pre"](x))) for x in xs]
         for y in ys:
             y.square().sum().backward()
+        if copied:
+            assert all(p.grad is None for p in original.parameters())
+            assert all(torch.equal(v, before[k]) for k, v in original.state_dict().items())
         return [p.grad for p in net.parameters()] + list(net.buffers())
 
     ref = run(None)

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import types
 import weakref
 from dataclasses import dataclass
@@ -86,7 +85,7 @@ __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "Activa
 POLICIES = ("none", "full", "selective", "offload")
 
 _ATTR = "_zbpp_activation_policy"  # the policy a wrapped module runs under
-_CHANGES = "_zbpp_changed_buffers"  # {(id(submodule), name)} of the buffers a wrapped module's forward changes
+_CHANGES = "_zbpp_changed_buffers"  # {(submodule, name)} of the buffers a wrapped module's forward changes
 
 
 # -- applying ------------------------------------------------------------------------------------
@@ -98,7 +97,9 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
     a module (``strict=False``: or none, as a pipeline stage without decoder layers), a module may
     match patterns of one policy only, and a wrapped module may not contain another (a clear
     ``ValueError`` otherwise). Returns ``{name: policy}`` of the modules set now.
-    Parameters and ``state_dict`` keys do not change; ``"none"`` restores the plain forward.
+    Parameters and ``state_dict`` keys do not change; ``"none"`` restores the plain forward. A copy
+    (``copy.deepcopy``, pickling, `zbpp.models.pipeline_stages` of a model with real weights) runs
+    its own layers under the same policies.
 
     >>> from torch import nn
     >>> stack = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
@@ -149,31 +150,37 @@ def _set(m: nn.Module, policy: str, name: str | None = None) -> None:
     m.__dict__.pop(_CHANGES, None)
     if policy == "none":
         return
-    inner = m.forward  # bound to the class's forward (or a hook-free instance override)
     label = f"{name!r} ({type(m).__name__})" if name else type(m).__name__
-    m.forward = _wrapped(inner, m, policy, label)  # type: ignore[method-assign]
+    m.forward = _PolicyForward(m, policy, label)  # type: ignore[method-assign]
     m.__dict__[_ATTR] = policy
 
 
-def _wrapped(fn: Callable[..., Any], m: nn.Module, policy: str, label: str) -> Callable[..., Any]:
-    mref = weakref.ref(m)
+class _PolicyForward:
+    """A module's ``forward`` under a policy. An object holding its module as an attribute, not a
+    closure: ``copy.deepcopy`` and pickling (`pipeline_stages` copies a real model's layers) give
+    the copy one that runs the copy's own forward, not the original's."""
 
-    @functools.wraps(fn)
+    def __init__(self, module: nn.Module, policy: str, label: str) -> None:
+        self.module, self.policy, self.label = module, policy, label
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature: the class's forward's
+        return type(self.module).forward.__get__(self.module, type(self.module))
+
     @disable_dynamo  # a graph break in a compiled stage: the hooks need eager autograd
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mod, policy, label = self.module, self.policy, self.label
+        fn = self.__wrapped__
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"activation policy {policy!r} of {label}: not supported inside a CUDA "
                                "graph capture (Pipeline(cuda_graphs=True)): its re-run or copies would not be captured; "
                                "give the layer the policy 'none' or run the pipeline without cuda_graphs")
-        mod = mref()
-        params = {p.untyped_storage().data_ptr() for p in mod.parameters()} if mod is not None else set()
+        params = {p.untyped_storage().data_ptr() for p in mod.parameters()}
         if policy == "offload":
             return _offload_forward(fn, params, args, kwargs)
         return _Frame(fn, policy, params, args, kwargs, mod, label).forward()
-
-    return forward
 
 
 # -- recompute (full, selective) ------------------------------------------------------------------
@@ -221,7 +228,7 @@ class _Frame:
         # first forward, which copies all), for the re-run
         self.module = weakref.ref(module) if module is not None else None
         changes = module.__dict__.get(_CHANGES) if module is not None else None
-        self.buffers = [(m, n, b, b._version, _held(b.clone()) if changes is None or (id(m), n) in changes else None)
+        self.buffers = [(m, n, b, b._version, _held(b.clone()) if changes is None or (m, n) in changes else None)
                         for m in (module.modules() if module is not None else ())
                         for n, b in m._buffers.items() if b is not None]
 
@@ -247,7 +254,7 @@ class _Frame:
             # per layer): batch_norm's kernel moves its running statistics without a version bump
             self.buffers = [(m, n, b, v, None if m._buffers.get(n) is b and b._version == v and _same(b, copy) else copy)
                             for m, n, b, v, copy in self.buffers]
-            module.__dict__[_CHANGES] = {(id(m), n) for m, n, _, _, copy in self.buffers if copy is not None}
+            module.__dict__[_CHANGES] = {(m, n) for m, n, _, _, copy in self.buffers if copy is not None}
         # the re-run stops at the last tensor it must produce: GEMMs after it are never replayed
         last = max((i for i, r in enumerate(self.slots) if r is not None), default=-1)
         self.gemm_outputs = [o for at, o in self.gemm_outputs if at <= last]
