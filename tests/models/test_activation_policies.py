@@ -294,6 +294,27 @@ def test_bad_policies_are_named():
     assert activation_policies(net) == {} and "forward" not in net[1].__dict__
 
 
+def test_a_module_under_two_names_is_one_module():
+    """A module registered under two names (weight sharing) is one module: one policy, and what it
+    is inside counts under each name. Conflicting policies came back as asked while the module ran
+    under the last one; nested through the second name, the re-runs failed at backward (or with a
+    shape error) and a later, unrelated call raised the nesting error. Both are refused, up front."""
+    blk = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    net = nn.Module()
+    net.a, net.b = blk, blk
+    with pytest.raises(ValueError, match="'b' \\(also named 'a'\\) matches 'a' \\(full\\) and 'b' \\(offload\\)"):
+        apply_activation_policy(net, {"a": "full", "b": "offload"})
+    assert activation_policies(net) == {}
+    assert apply_activation_policy(net, {"a": "full", "b": "full"}) == {"a": "full", "b": "full"}
+    assert activation_policies(net) == {"a": "full", "b": "full"}
+    net = nn.Module()
+    net.a, net.b = blk, nn.Sequential(blk, nn.Linear(2, 2))
+    apply_activation_policy(net, {"a": "none"})
+    with pytest.raises(ValueError, match="may not nest: 'b.0' \\(full\\) is inside 'b' \\(selective\\)"):
+        apply_activation_policy(net, {"a": "full", "b": "selective"})
+    assert activation_policies(net) == {}
+
+
 @pytest.mark.gpu
 def test_offload_on_cuda_copies_on_a_side_stream_without_host_sync():
     """One GPU: the saved tensors go to pinned host memory and come back on a side stream; the

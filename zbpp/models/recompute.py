@@ -96,7 +96,7 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
     ``"model.layers.1"``, ``""`` for `module` itself) to one of `POLICIES`. Every pattern must match
     a module (``strict=False``: or none, as a pipeline stage without decoder layers), a module may
     match patterns of one policy only, and a wrapped module may not contain another (a clear
-    ``ValueError`` otherwise). Returns ``{name: policy}`` of the modules set now.
+    ``ValueError`` otherwise), a module shared under several names counting under each. Returns ``{name: policy}`` of the modules set now.
     Parameters and ``state_dict`` keys do not change; ``"none"`` restores the plain forward. A copy
     (``copy.deepcopy``, pickling, `zbpp.models.pipeline_stages` of a model with real weights) runs
     its own layers under the same policies.
@@ -109,7 +109,8 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
     {}
     """
     chosen: dict[str, str] = {}
-    where: dict[str, str] = {}
+    # per module, not per name: a module registered under several names (shared) is one module
+    where: dict[int, tuple[str, str, str]] = {}  # id(module) -> (first name, pattern, policy)
     named = dict(module.named_modules(remove_duplicate=False))
     for pattern, policy in policies.items():
         if policy not in POLICIES:
@@ -120,12 +121,16 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
             raise ValueError(f"activation policy pattern {pattern!r} matches no module of "
                              f"{type(module).__name__} (names such as {some})")
         for n in hits:
-            if chosen.get(n, policy) != policy:
-                raise ValueError(f"module {n!r} matches {where[n]!r} ({chosen[n]}) and {pattern!r} ({policy}): "
+            first, by, other = where.setdefault(id(named[n]), (n, pattern, policy))
+            if other != policy:
+                also = f" (also named {first!r})" if first != n else ""
+                raise ValueError(f"module {n!r}{also} matches {by!r} ({other}) and {pattern!r} ({policy}): "
                                  "give each module one policy")
-            chosen[n], where[n] = policy, pattern
-    final = {n: p for n, p in _current(named).items() if n not in chosen} | chosen
-    wrapped = sorted(n for n, p in final.items() if p != "none")
+            chosen[n] = policy
+    now = {id(m): p for m in named.values() if (p := m.__dict__.get(_ATTR)) is not None}
+    now.update((id(named[n]), p) for n, p in chosen.items())
+    final = {n: now[id(m)] for n, m in named.items() if now.get(id(m), "none") != "none"}
+    wrapped = sorted(final)
     for a in wrapped:
         for b in wrapped:
             if b != a and (a == "" or b.startswith(a + ".")):
