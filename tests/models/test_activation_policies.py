@@ -277,6 +277,24 @@ def test_plain_stack_keeps_for_w_what_no_policy_keeps():
     assert c["full"].recompute_flops == 2 * 12 * 16 * 48  # up to the last saved tensor: the first GEMM
 
 
+def test_measuring_a_layer_that_holds_policy_layers():
+    """A layer holding a layer with a policy: measured under another policy, the two nested (an
+    AssertionError deep in the backward). That is refused, naming the inner layer; ``none``
+    measures the layer as it runs, the inner policy included (full keeps the inner layer's input
+    only: its tanh's output, 3 x 8 float64, which its tanh and its second Linear save, is not kept)."""
+    torch.manual_seed(0)
+    blk = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)),
+                        nn.Linear(8, 4)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    plain = measure_activation_policies(blk, x, policies=["none"])["none"]
+    apply_activation_policy(blk, {"1": "full"})
+    with pytest.raises(ValueError, match=r"'1' \(full\).*may not nest"):
+        measure_activation_policies(blk, x, policies=["none", "selective"])
+    inner = measure_activation_policies(blk, x, policies=["none"])["none"]
+    assert inner.kept_f_to_b == plain.kept_f_to_b - 3 * 8 * 8
+    assert activation_policies(blk) == {"1": "full"}
+
+
 def test_bad_policies_are_named():
     net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="'fast'.*choose one of none, full, selective, offload"):

@@ -687,7 +687,8 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     gradient); `kwargs` (masks, rotary tables) are passed as they are. Bytes are counted with saved-tensor hooks
     (storages held by autograd, each once) and FLOPs with ``torch.utils.flop_counter`` (matrix
     products only: an elementwise re-run counts 0), so a CPU run gives the figures of any device. The
-    layer's own policy is restored afterwards. The planner needs, per layer and policy, these bytes
+    layer's own policy is restored afterwards. ``none`` measures the layer as it runs, with the
+    policies of layers inside it; other policies refuse such a layer (policies may not nest). The planner needs, per layer and policy, these bytes
     (F->B, B->W) for its memory model and ``recompute_flops`` (or the host copy time of
     ``host_bytes`` beyond the gap the schedule leaves) added to B's time.
 
@@ -707,6 +708,11 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"activation policy {p!r}: choose one of {', '.join(POLICIES)}")
+    inside = {n: p for n, p in activation_policies(layer).items() if n}
+    if inside and any(p != "none" for p in policies):
+        held = ", ".join(f"{n!r} ({p})" for n, p in inside.items())
+        raise ValueError(f"measure_activation_policies: {type(layer).__name__} holds {held}, and policies may not "
+                         "nest: measure the inner layers, or give them the policy 'none' first")
     before = layer.__dict__.get(_ATTR, "none")
     out: dict[str, ActivationCost] = {}
     base: int | None = None
