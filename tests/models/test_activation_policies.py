@@ -295,6 +295,48 @@ def test_measuring_a_layer_that_holds_policy_layers():
     assert activation_policies(blk) == {"1": "full"}
 
 
+def _scaled_forward(layer: nn.Module, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return type(layer).forward(layer, x) * scale
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "offload"])
+def test_a_forward_set_on_the_instance_is_kept(policy):
+    """A forward set on the module itself (``functools.partial``, as accelerate's hooks set one) was
+    dropped for the class's: the layer silently computed something else under a policy, after
+    ``"none"``, and after `measure_activation_policies`. The policy wraps it, ``"none"`` and the
+    measurement give it back, and the measurement keeps the policy's layer name for its errors.
+    Float64, the same operations on the same values: gradients equal no policy's bit for bit."""
+    def run(policy, measure=False):
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"pre": nn.Linear(4, 4), "blk": nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))})
+        net = net.double()
+        own = functools.partial(_scaled_forward, net["blk"], scale=3.0)
+        net["blk"].forward = own
+        if policy is not None:
+            apply_activation_policy(net, {"blk": policy})
+        x = torch.randn(3, 4, dtype=torch.float64)
+        if measure:
+            measure_activation_policies(net["blk"], x)
+            net.zero_grad(set_to_none=True)  # (measure's own gradients: another test's business)
+        net["blk"](net["pre"](x)).square().sum().backward()
+        return net, [p.grad for p in net.parameters()], own
+
+    _, ref, _ = run(None)
+    for measure in (False, True):
+        net, got, own = run(policy, measure)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert activation_policies(net) == {"blk": policy}
+        apply_activation_policy(net, {"blk": "none"})
+        assert net["blk"].forward is own
+    if policy != "offload":  # the measured layer's errors still name it
+        net, _, _ = run(policy, measure=True)
+        x = torch.randn(3, 4, dtype=torch.float64)
+        y = net["blk"](x)
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match=rf"{policy}.*'blk' \(Sequential\).*changed in place after"):
+            y.sum().backward()
+
+
 def test_bad_policies_are_named():
     net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="'fast'.*choose one of none, full, selective, offload"):

@@ -96,8 +96,9 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
     ``"model.layers.1"``, ``""`` for `module` itself) to one of `POLICIES`. Every pattern must match
     a module (``strict=False``: or none, as a pipeline stage without decoder layers), a module may
     match patterns of one policy only, and a wrapped module may not contain another (a clear
-    ``ValueError`` otherwise), a module shared under several names counting under each. Returns ``{name: policy}`` of the modules set now.
-    Parameters and ``state_dict`` keys do not change; ``"none"`` restores the plain forward. A copy
+    ``ValueError`` otherwise), a module shared under several names counting under each. Returns
+    ``{name: policy}`` of the modules set now. Parameters and ``state_dict`` keys do not change; a policy wraps the module's forward (one set
+    on the instance, as accelerate's hooks set, included) and ``"none"`` gives it back. A copy
     (``copy.deepcopy``, pickling, `zbpp.models.pipeline_stages` of a model with real weights) runs
     its own layers under the same policies.
 
@@ -150,13 +151,17 @@ def _current(named: Mapping[str, nn.Module]) -> dict[str, str]:
 
 
 def _set(m: nn.Module, policy: str, name: str | None = None) -> None:
-    m.__dict__.pop("forward", None)  # the class's forward again
+    now = m.__dict__.pop("forward", None)
+    # a forward set on the instance (accelerate's hooks, a partial) is the layer's: wrapped, and kept
+    own = now.inner if isinstance(now, _PolicyForward) else now
     m.__dict__.pop(_ATTR, None)
     m.__dict__.pop(_CHANGES, None)
     if policy == "none":
+        if own is not None:
+            m.forward = own  # type: ignore[method-assign]
         return
     label = f"{name!r} ({type(m).__name__})" if name else type(m).__name__
-    m.forward = _PolicyForward(m, policy, label)  # type: ignore[method-assign]
+    m.forward = _PolicyForward(m, policy, label, own)  # type: ignore[method-assign]
     m.__dict__[_ATTR] = policy
 
 
@@ -165,11 +170,13 @@ class _PolicyForward:
     closure: ``copy.deepcopy`` and pickling (`pipeline_stages` copies a real model's layers) give
     the copy one that runs the copy's own forward, not the original's."""
 
-    def __init__(self, module: nn.Module, policy: str, label: str) -> None:
-        self.module, self.policy, self.label = module, policy, label
+    def __init__(self, module: nn.Module, policy: str, label: str, inner: Callable[..., Any] | None = None) -> None:
+        self.module, self.policy, self.label, self.inner = module, policy, label, inner
 
     @property
-    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature: the class's forward's
+    def __wrapped__(self) -> Callable[..., Any]:  # the forward it runs (and inspect.signature's)
+        if self.inner is not None:
+            return self.inner
         return type(self.module).forward.__get__(self.module, type(self.module))
 
     @disable_dynamo  # a graph break in a compiled stage: the hooks need eager autograd
@@ -713,7 +720,7 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
         held = ", ".join(f"{n!r} ({p})" for n, p in inside.items())
         raise ValueError(f"measure_activation_policies: {type(layer).__name__} holds {held}, and policies may not "
                          "nest: measure the inner layers, or give them the policy 'none' first")
-    before = layer.__dict__.get(_ATTR, "none")
+    before = {k: layer.__dict__[k] for k in ("forward", _ATTR, _CHANGES) if k in layer.__dict__}
     out: dict[str, ActivationCost] = {}
     base: int | None = None
     try:
@@ -725,7 +732,9 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
             if policy in policies:
                 out[policy] = ActivationCost(policy, *cost[:4], bw - base, cost[4])
     finally:
-        _set(layer, before)
+        _set(layer, "none")
+        layer.__dict__.pop("forward", None)
+        layer.__dict__.update(before)  # as found: its own forward, its policy under its name
     return out
 
 
