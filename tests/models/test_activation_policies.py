@@ -337,6 +337,31 @@ def test_a_forward_set_on_the_instance_is_kept(policy):
             y.sum().backward()
 
 
+def test_measuring_leaves_gradients_and_buffers_as_found():
+    """The measurement runs the layer's forward and backward once per policy: it added its four
+    backwards' weight gradients to what the layer's parameters held (a training step after it began
+    with them), moved BatchNorm's running statistics four times, and left four weight-gradient jobs
+    (and the tensors they hold) queued in a delayed-wgrad Linear for ever. All are left as found."""
+    from zbpp.modules import Linear as ZLinear
+
+    torch.manual_seed(0)
+    blk = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 8), nn.Tanh(),
+                        ZLinear(8, 4, delay_wgrad_compute=True, params_dtype=torch.float64)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    blk(x).square().sum().backward()  # a step's gradients so far (the delayed Linear's W pending)
+    pending = blk[3].pending_wgrad_keys()
+    grads = {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}
+    state = {k: v.clone() for k, v in blk.state_dict().items()}
+    blk[1].bias.grad = None  # one without any yet
+    measure_activation_policies(blk, x)
+    assert blk[1].bias.grad is None and len(grads) == 4
+    for n, p in blk.named_parameters():
+        assert torch.equal(p.grad, grads[n]) if n in grads and n != "1.bias" else p.grad is None, n
+    for k, v in blk.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert blk[3].pending_wgrad_keys() == pending and len(pending) == 1
+
+
 def test_bad_policies_are_named():
     net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="'fast'.*choose one of none, full, selective, offload"):

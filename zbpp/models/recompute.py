@@ -694,7 +694,7 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     gradient); `kwargs` (masks, rotary tables) are passed as they are. Bytes are counted with saved-tensor hooks
     (storages held by autograd, each once) and FLOPs with ``torch.utils.flop_counter`` (matrix
     products only: an elementwise re-run counts 0), so a CPU run gives the figures of any device. The
-    layer's own policy is restored afterwards. ``none`` measures the layer as it runs, with the
+    layer's own policy, gradients and buffers are as found afterwards. ``none`` measures the layer as it runs, with the
     policies of layers inside it; other policies refuse such a layer (policies may not nest). The planner needs, per layer and policy, these bytes
     (F->B, B->W) for its memory model and ``recompute_flops`` (or the host copy time of
     ``host_bytes`` beyond the gap the schedule leaves) added to B's time.
@@ -724,18 +724,53 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     out: dict[str, ActivationCost] = {}
     base: int | None = None
     try:
-        for policy in ("none", *[p for p in policies if p != "none"]):
-            _set(layer, policy)
-            cost, bw = _measure_once(layer, policy, args, kwargs, SavedBoxes, backward_input)
-            if base is None:
-                base = bw
-            if policy in policies:
-                out[policy] = ActivationCost(policy, *cost[:4], bw - base, cost[4])
+        with _left_as_found(layer):
+            for policy in ("none", *[p for p in policies if p != "none"]):
+                _set(layer, policy)
+                cost, bw = _measure_once(layer, policy, args, kwargs, SavedBoxes, backward_input)
+                if base is None:
+                    base = bw
+                if policy in policies:
+                    out[policy] = ActivationCost(policy, *cost[:4], bw - base, cost[4])
     finally:
         _set(layer, "none")
         layer.__dict__.pop("forward", None)
         layer.__dict__.update(before)  # as found: its own forward, its policy under its name
     return out
+
+
+@contextlib.contextmanager
+def _left_as_found(layer: nn.Module) -> Iterator[None]:
+    """The layer's gradients (``.grad``; a fused layer's ``main_grad``), buffers and pending
+    delayed-wgrad jobs as they are now, after the block: the measurement's forwards and backwards
+    are no training step's (the W jobs they file, holding their tensors, are dropped)."""
+    params = list(layer.parameters())
+    delayed = [(m, set(m.pending_wgrad_keys())) for m in layer.modules() if isinstance(m, DelayedWgradModule)]
+    grads = [(p, p.grad, getattr(p, "main_grad", None), getattr(p, "grad_added_to_main_grad", None)) for p in params]
+    buffers = [(m, n, b, b.clone()) for m in layer.modules() for n, b in m._buffers.items() if b is not None]
+    for p, _, main, _ in grads:
+        p.grad = None
+        if main is not None:
+            p.main_grad = torch.zeros_like(main)
+    try:
+        yield
+    finally:
+        for p, grad, main, added in grads:
+            p.grad = grad
+            if main is not None:
+                p.main_grad = main
+            if added is not None:
+                p.grad_added_to_main_grad = added
+            elif hasattr(p, "grad_added_to_main_grad"):
+                del p.grad_added_to_main_grad
+        with torch.no_grad():
+            for m, n, b, copy in buffers:
+                m._buffers[n] = b
+                b.copy_(copy)
+        for m, keys in delayed:
+            for key in m.pending_wgrad_keys():
+                if key not in keys:
+                    m._wgrad_store.take(key)
 
 
 def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxes: Any,
