@@ -195,6 +195,15 @@ class _PolicyForward:
         return _Frame(fn, policy, params, args, kwargs, mod, label).forward()
 
 
+def _shallow_copied(m: nn.Module) -> None:
+    """`m`, a shallow copy of a module under a policy (its ``__dict__`` copied: `pipeline_stages`'s
+    stage containers), runs its own forward under that policy, not the original's."""
+    f = m.__dict__.get("forward")
+    if isinstance(f, _PolicyForward) and f.module is not m:
+        m.__dict__["forward"] = _PolicyForward(m, f.policy, f.label, f.inner)
+        m.__dict__.pop(_CHANGES, None)  # the original's submodules: learnt again
+
+
 # -- recompute (full, selective) ------------------------------------------------------------------
 class _Saved:
     """One saved tensor of a recomputed layer: the outer hooks' packed value (filled at F when kept,

@@ -575,6 +575,9 @@ def _prune(module: nn.Module, prefix: str, held: set[str], memo: dict[int, Any])
     shell = module.__class__.__new__(module.__class__)
     state = {k: (copy.copy(v) if isinstance(v, (dict, set)) else v) for k, v in module.__dict__.items()}
     shell.__dict__.update(state)
+    from .recompute import _shallow_copied  # (imported here: zbpp.models need not load it)
+
+    _shallow_copied(shell)  # an activation policy's forward: the shell's own, not the model's
     # its own buffers go with it (the stages below need them); its own parameters cannot (_check_fqns)
     shell._parameters = {}
     shell._buffers = {k: copy.deepcopy(v, memo) for k, v in module._buffers.items()}
