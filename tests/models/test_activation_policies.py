@@ -377,6 +377,19 @@ def test_bad_policies_are_named():
     apply_activation_policy(net, {"1": "full"})
     apply_activation_policy(net, {"1": "none"})
     assert activation_policies(net) == {} and "forward" not in net[1].__dict__
+    # wrong types: named, not an AttributeError deep inside (a string of policies read letter by letter)
+    with pytest.raises(TypeError, match="policies must map.*got str 'full'"):
+        apply_activation_policy(net, "full")
+    with pytest.raises(TypeError, match="policies must map.*got list"):
+        apply_activation_policy(net, [("0", "full")])
+    with pytest.raises(TypeError, match="pattern 0 for 'full'.*a str"):
+        apply_activation_policy(net, {0: "full"})
+    with pytest.raises(TypeError, match="must be an nn.Module.*got function"):
+        apply_activation_policy(lambda x: x, {"": "full"})
+    with pytest.raises(TypeError, match=r"policies must be a sequence of policy names \(\['full'\]\), got the str"):
+        measure_activation_policies(net, torch.randn(3, 2), policies="full")
+    with pytest.raises(TypeError, match="must be an nn.Module.*got function"):
+        measure_activation_policies(lambda x: x, torch.randn(3, 2))
 
 
 def test_a_module_under_two_names_is_one_module():

@@ -109,11 +109,17 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
     >>> apply_activation_policy(stack, {"model.layers.*": "full"}, strict=False)
     {}
     """
+    _check_module(module, "apply_activation_policy")
+    if not isinstance(policies, Mapping):
+        raise TypeError("apply_activation_policy: policies must map module name patterns to policies "
+                        f"({{'model.layers.*': 'selective'}}), got {type(policies).__name__} {policies!r}")
     chosen: dict[str, str] = {}
     # per module, not per name: a module registered under several names (shared) is one module
     where: dict[int, tuple[str, str, str]] = {}  # id(module) -> (first name, pattern, policy)
     named = dict(module.named_modules(remove_duplicate=False))
     for pattern, policy in policies.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"activation policy pattern {pattern!r} for {policy!r}: a module name pattern must be a str")
         if policy not in POLICIES:
             raise ValueError(f"activation policy {policy!r} for {pattern!r}: choose one of {', '.join(POLICIES)}")
         hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
@@ -144,6 +150,11 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
 def activation_policies(module: nn.Module) -> dict[str, str]:
     """``{name: policy}`` of the submodules of `module` that run under a policy other than none."""
     return _current(dict(module.named_modules(remove_duplicate=False)))
+
+
+def _check_module(m: Any, who: str) -> None:
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"{who}: the module must be an nn.Module, got {type(m).__name__}")
 
 
 def _current(named: Mapping[str, nn.Module]) -> dict[str, str]:
@@ -721,6 +732,10 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     """
     from ..runtime._autograd_split import SavedBoxes, backward_input  # the runtime's own B/W split
 
+    _check_module(layer, "measure_activation_policies")
+    if isinstance(policies, str):
+        raise TypeError(f"measure_activation_policies: policies must be a sequence of policy names ([{policies!r}]), "
+                        f"got the str {policies!r}")
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"activation policy {p!r}: choose one of {', '.join(POLICIES)}")
