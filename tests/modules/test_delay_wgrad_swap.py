@@ -275,9 +275,12 @@ def test_errors_name_the_converted_layer_by_its_path():
         model(torch.randn(2, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"^enc\.1\.weight: input has 3 features"):
         model.enc[1](torch.randn(2, 3))
-    with pytest.raises(TypeError, match=r"^enc\.1\.weight: .*torch\.autocast is on"):
+    with pytest.raises(TypeError, match=r"^enc\.0\.weight: torch\.autocast ran this layer in torch\.bfloat16"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"^enc\.1\.weight: .*torch\.autocast is on"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.enc[1](torch.randn(2, 4, dtype=torch.bfloat16))
     conv = gpt2()
     delay_wgrad(conv, transposed=True)
     with pytest.raises(ValueError, match=r"^transformer\.h\.0\.attn\.c_attn\.weight: input has 3"):

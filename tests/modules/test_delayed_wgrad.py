@@ -381,6 +381,33 @@ def test_dtype_mismatch_names_both_dtypes():
         Linear(4, 4)(torch.randn(2, 4, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_autocast_is_refused_where_it_would_change_the_layers_dtype(name):
+    """Under ``torch.autocast`` a layer reading an input of its parameters' dtype (a norm's
+    output, the model's input) had its GEMM run in bfloat16: its B failed on mixed dtypes, or its W
+    wrote a bfloat16 gradient into a float32 ``.grad``. Refused in the forward, naming the layer.
+    Parameters autocast leaves alone (float64, or already bfloat16) run as outside it: there the
+    delayed layer's gradients equal the eager one's under the same autocast, bit for bit."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    for delay in (True, False):
+        torch.manual_seed(0)
+        layer = MAKERS[name](delay_wgrad_compute=delay)
+        with autocast, pytest.raises(TypeError, match=r"\.(fc1_)?weight: torch\.autocast ran this layer in "
+                                                      r"torch\.bfloat16, its parameters are torch\.float32"):
+            layer(torch.randn(3, HIDDEN, requires_grad=True))
+    for dtype in (torch.float64, torch.bfloat16):
+        eager, delayed, _ = make_pair(name, params_dtype=dtype)
+        x = torch.randn(3, HIDDEN, dtype=dtype)
+        for layer in (eager, delayed):
+            with autocast, microbatch(0):
+                y = layer(x.clone().requires_grad_())
+            assert y.dtype == dtype
+            y.float().square().sum().backward()
+        delayed.backward_dw(0)
+        for (n, a), b in zip(eager.named_parameters(), delayed.parameters()):
+            assert torch.equal(a.grad, b.grad), f"{dtype} {n}"
+
+
 def _weight_normed(layer: nn.Module, how: str) -> nn.Module:
     if how == "parametrize":
         torch.nn.utils.parametrizations.weight_norm(layer)

@@ -375,3 +375,49 @@ def test_a_stage_output_with_tensors_inside_another_value_is_refused():
     pipe = Pipeline({0: _BoxesOne(), 1: _OpensBox()}, sched, lambda out, y: ((out - y) ** 2).mean())
     with pytest.raises(PipelineError, match=r"stage 0 returned tensors inside a value of type _Box .*dict or tuple"):
         pipe.step(torch.randn(4, 3, dtype=torch.float64), target=torch.randn(4, 1, dtype=torch.float64))
+
+
+class _ToFloat32(torch.nn.Module):
+    """Keeps the residual stream in float32 under autocast (as models that upcast theirs do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+def _autocast_stages() -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), _ToFloat32()) for _ in range(2)]
+
+
+def test_torch_autocast_around_a_step_with_delayed_linears():
+    """``torch.autocast`` (CPU, bfloat16) around `Pipeline.step` (zb-v on one rank: W after B,
+    one microbatch late). After `delay_wgrad` a Linear reading a float32 input (the batch, a stream
+    kept in float32) ran in bfloat16 and the step failed in W with torch's error about a bfloat16
+    gradient for a float32 tensor: now its F refuses it, naming the layer. Left as nn.Linear, the generic split runs
+    under autocast and matches one process on the whole batch under the same autocast. Tolerance:
+    each microbatch's weight gradient is rounded to bfloat16 (2^-8 relative) before the four are
+    summed in float32, the reference's once: a few 4e-3 relative, so 2e-2 of each gradient's norm;
+    a lost or doubled microbatch is 1/4 of it."""
+    from zbpp.modules import delay_wgrad
+
+    sched = build("zb-v", num_ranks=1, num_microbatches=4)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    delayed = _autocast_stages()
+    delay_wgrad(torch.nn.ModuleList(delayed))
+    pipe = Pipeline(dict(enumerate(delayed)), sched, torch.nn.functional.mse_loss)
+    with autocast, pytest.raises(PipelineError, match=r"task F0\.0.*0\.weight: torch\.autocast ran this layer in "
+                                                      r"torch\.bfloat16, its parameters are torch\.float32"):
+        pipe.step(x, target=y)
+    mine, ref = _autocast_stages(), _autocast_stages()
+    pipe = Pipeline(dict(enumerate(mine)), sched, torch.nn.functional.mse_loss)
+    with autocast:
+        pipe.step(x, target=y)
+        loss = torch.nn.functional.mse_loss(ref[1](ref[0](x)), y)
+    loss.backward()
+    for s in range(2):
+        for (n, a), b in zip(mine[s].named_parameters(), ref[s].parameters()):
+            assert a.grad.dtype == torch.float32
+            err = ((a.grad - b.grad).norm() / b.grad.norm()).item()
+            assert err < 2e-2, f"stage {s} {n}: {err}"

@@ -319,7 +319,26 @@ def run_linear(
         y = _LinearFunction.apply(x2, None, None, call, store, key)
     else:
         y = _LinearFunction.apply(x2, weight, call.bias, call, store, key)
+    if y.dtype != x.dtype:
+        _refuse_autocast(y, call)
     return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _refuse_autocast(y: torch.Tensor, fc1: GemmCall) -> None:
+    """Raise for an output `y` whose dtype is not the parameters': ``torch.autocast`` ran the GEMM.
+
+    The input's dtype was the parameters' (`_check_input`), so this happens where the layer reads
+    an input that autocast left alone (a norm's, the model's own): its B and W would then mix the
+    autocast dtype with the parameters' (a dtype error in B or W, or a .grad of the wrong dtype).
+    """
+    raise TypeError(
+        f"{fc1.weight_name}: torch.autocast ran this layer in {y.dtype}, its parameters are "
+        f"{fc1.weight.dtype}: zbpp's layers do not follow torch.autocast (their backward and W "
+        "would mix the two dtypes). Run them outside it, with parameters of the compute dtype "
+        "(params_dtype=, or the model cast with .to()), or leave these layers nn.Linear "
+        "(delay_wgrad's module_filter_fn): a Pipeline's split_wgrad still computes their weight "
+        "gradients in W"
+    )
 
 
 def _check_input(x: torch.Tensor, fc1: GemmCall) -> None:
@@ -560,4 +579,6 @@ def run_layer(
         y = _LayerFunction.apply(
             x2, norm_weight, norm_bias, weight, fc1.bias, fc2.weight, fc2.bias, spec
         )
+    if y.dtype != x.dtype:
+        _refuse_autocast(y, fc1)
     return y if x2 is x else y.reshape(*x.shape[:-1], y.shape[-1])
