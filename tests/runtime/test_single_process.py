@@ -421,3 +421,59 @@ def test_torch_autocast_around_a_step_with_delayed_linears():
             assert a.grad.dtype == torch.float32
             err = ((a.grad - b.grad).norm() / b.grad.norm()).item()
             assert err < 2e-2, f"stage {s} {n}: {err}"
+
+
+def _two_linears() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)).double()
+
+
+@pytest.mark.parametrize("change", ["delay_wgrad", "swapped_in", "switched_on"])
+def test_layers_made_delayed_after_the_pipeline_was_built_are_refused(change):
+    """The Pipeline finds a stage's delayed-wgrad layers when it is built. One made delayed after
+    (`delay_wgrad` after ``Pipeline(...)``, after a first step, a zbpp Linear swapped in, or one's
+    ``delay_wgrad_compute`` turned on) filed its W jobs under the step's keys and nothing ran them:
+    its weights silently missed the step's gradients (None, or the earlier steps' alone). Now the
+    step refuses it, naming the layer, before computing anything; a layer left as it was still
+    matches one process on the whole batch (float64: rtol 1e-12 covers the microbatches' other
+    summation order)."""
+    from zbpp.modules import Linear as ZLinear
+    from zbpp.modules import delay_wgrad
+
+    sched = build("zb-v", num_ranks=1, num_microbatches=4)
+    stages = [_two_linears(), _two_linears()]
+    ref = [_two_linears(), _two_linears()]
+    if change == "switched_on":
+        delay_wgrad(stages[1], lambda m, name: name == "0")
+        stages[1][0].delay_wgrad_compute = False
+    pipe = Pipeline(dict(enumerate(stages)), sched, torch.nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
+    pipe.step(x, target=y)
+    torch.nn.functional.mse_loss(ref[1](ref[0](x)), y).backward()
+    if change == "delay_wgrad":
+        delay_wgrad(stages[1])
+        late = "0, 2"
+    elif change == "swapped_in":
+        swapped = ZLinear(4, 4, delay_wgrad_compute=True, params_dtype=torch.float64)
+        swapped.load_state_dict(stages[1][2].state_dict())
+        swapped.weight.grad, swapped.bias.grad = stages[1][2].weight.grad, stages[1][2].bias.grad
+        stages[1][2] = swapped
+        late = "2"
+    else:
+        stages[1][0].delay_wgrad_compute = True
+        late = "0"
+    before = [p.grad.clone() for p in stages[1].parameters()]
+    with pytest.raises(ValueError, match=rf"^stage 1: delayed-wgrad layers {late} \(weight gradients left to W\) "
+                                         r"were not so when the Pipeline was built"):
+        pipe.step(x, target=y)
+    assert all(torch.equal(p.grad, b) for p, b in zip(stages[1].parameters(), before))
+    for s in range(2):
+        for (n, a), b in zip(stages[s].named_parameters(), ref[s].parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0, msg=lambda m: f"stage {s} {n}: {m}")
+    pipe = Pipeline(dict(enumerate(stages)), sched, torch.nn.functional.mse_loss)  # built after: W runs them
+    pipe.step(x, target=y)
+    torch.nn.functional.mse_loss(ref[1](ref[0](x)), y).backward()
+    for s in range(2):
+        for (n, a), b in zip(stages[s].named_parameters(), ref[s].parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0, msg=lambda m: f"stage {s} {n}: {m}")

@@ -464,9 +464,13 @@ class Pipeline:
         rank's arguments are wrong (it raises it, every other rank an error naming it)."""
         self._raise_if_unusable()
         m = self.schedule.num_microbatches
+        walks = stage_walks(self.stage_modules)  # read once per step
         try:
             if problem is not None:
                 raise problem
+            if not forward_only:  # a delayed module the step's W would not know of
+                for s, w in self._wgrad.items():
+                    w.check_delayed(s, self.stage_modules[s], walks[s][0])
             batch, problem = local_batch(inputs, target, microbatches=m, device=self.device, first=self.holds_first_stage,
                                          last=self.holds_last_stage, loss_weight=self.loss_weight,
                                          forward_only=forward_only, rank=self.pp_rank), None
@@ -475,7 +479,6 @@ class Pipeline:
             batch, problem = None, exc
         b = batch if batch is not None else LocalBatch()  # nothing of the input on this rank
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
-        walks = stage_walks(self.stage_modules)  # read once per step
         state = (module_state(walks), autocast_state(self.device), forward_only)
         reduces = self._reductions.reducer is not None or bool(self._tied.names)
         mine = StartReport(problem is not None, stable_hash(state),

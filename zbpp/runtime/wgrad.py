@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Hashable
 
 from torch import nn
 
+from .._compat import modules_and_parameters
 from ..modules import is_delayed, supports_keys
 from ..modules.wgrad_store import WgradStoreError
 from ._autograd_split import SavedBoxes, StageSplit, backward_input, run_backward
@@ -120,10 +121,39 @@ class StageWgrad:
 
     def __init__(self, stage: nn.Module) -> None:
         self.modules = delayed_modules(stage)
+        self._walked: list[nn.Module] = []  # the stage's modules (``modules()``) when last checked
+        self._types: list[type] = []  # ... their classes (`delay_wgrad` changes a layer's)
+        self._switchable: list[nn.Module] = []  # ... those with a backward_dw that did not delay then
+        self._remember(modules_and_parameters(stage)[0])
         self.adapters = [KeyedWgrad(m) if supports_keys(m) else FifoWgrad(m) for m in self.modules]
         self._pending: list[Hashable] = []
         self._held: dict[Hashable, HeldWgrad] = {}
         self.b_hint = StageSplit()  # what the stage's split B learnt (`_autograd_split.backward_input`)
+
+    def check_delayed(self, index: int, stage: nn.Module, walked: list[nn.Module]) -> None:
+        """Raise when a module of stage `index` (`walked`: its ``modules()``) defers its weight gradients
+        but is not one of `modules`: made so after the `Pipeline` was built (`delay_wgrad`, a layer
+        swapped in, ``delay_wgrad_compute`` turned on), its W would never run and its weights would
+        silently miss the step's gradients. Cheap while nothing changed (list comparisons)."""
+        types = list(map(type, walked))
+        if walked == self._walked and types == self._types and not any(map(is_delayed, self._switchable)):
+            return
+        known = {id(m) for m in self.modules}
+        names = {id(m): n for n, m in stage.named_modules()}
+        late = [names.get(id(m), type(m).__name__) or "the stage itself"
+                for m in delayed_modules(stage) if id(m) not in known]
+        if late:
+            raise ValueError(
+                f"stage {index}: delayed-wgrad layers {', '.join(late)} (weight gradients left to W) were not "
+                "so when the Pipeline was built (zbpp.modules.delay_wgrad, a layer swapped in or "
+                "delay_wgrad_compute turned on afterwards): the Pipeline would never run their W. Convert "
+                "the model first, then build the Pipeline (or build a new one after changing its layers)"
+            )
+        self._remember(walked, types)
+
+    def _remember(self, walked: list[nn.Module], types: list[type] | None = None) -> None:
+        self._walked, self._types = walked, types if types is not None else list(map(type, walked))
+        self._switchable = [m for m in walked if callable(getattr(m, "backward_dw", None)) and not is_delayed(m)]
 
     @property
     def held(self) -> list[Hashable]:
