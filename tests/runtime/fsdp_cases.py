@@ -331,6 +331,29 @@ def fsdp_worker(cases: list[str], dp: int = 2, pp: int = 2) -> dict[str, list[st
     return out
 
 
+def unrecorded_tie_case() -> tuple[list[str], bool | None]:
+    """zb-v, dp=2 x pp=2, ``layers.3.weight`` the Parameter of ``layers.0.weight`` (stages 0 and 3, both
+    on pipeline rank 0), neither noted by `note_parameters` nor named in ``tied_parameters``: the
+    warnings about FSDP's record that building the pipeline raised on this rank, and whether the two
+    copies still agree after one AdamW step (None on pipeline rank 1, which holds neither)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = fsdp_pipeline("zb-v", "plain", 2, 2, tie=(3,), named=False, noted=False)
+    said = [str(w.message) for w in caught if "does not record which Parameter" in str(w.message)]
+    opt = make_optimizer(list(pipe.parameters()))
+    x, y = batch(0)
+    dp = pipe.topology.dp_rank
+    pipe.step(my_rows(dp, 2, x), target=my_rows(dp, 2, y))
+    opt.step()
+    mods = pipe.stage_modules
+    if not {0, 3} <= set(mods):
+        return said, None
+    a, b = full(mods[0].layers["0"].weight.detach()), full(mods[3].layers["3"].weight.detach())
+    return said, torch.equal(a, b)
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 SAVED_AFTER = 2  # steps trained before the checkpoint
 RESUMED = 3  # steps after loading it
