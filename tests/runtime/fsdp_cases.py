@@ -974,6 +974,32 @@ def tie_drift_case(schedule: str) -> list[str]:
     return out
 
 
+def changed_after_build_case() -> list[str]:
+    """dp=2 x pp=2 zb-h1, delayed layers, every stage ``fully_shard``-ed. A forward of every stage
+    outside the steps leaves FSDP's unsharded parameters in the modules: the next step still trains
+    (its gradients those of `reference_run`). Then ``layers.2.bias`` (stage 1) is replaced by a new
+    Parameter, which FSDP neither shards nor reduces: every rank refuses the step. Returns the
+    gradient mismatches, then the refusal's message ('' if none)."""
+    pipe = fsdp_pipeline("zb-h1", "delayed", 2, 2)
+    dp_rank = pipe.topology.dp_rank
+    x, y = batch(0)
+    with torch.no_grad():  # a look at the stages' outputs between steps
+        for m in pipe.stage_modules.values():
+            m(x[:, :H])
+    pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+    _, grads = reference_run("plain", 1)
+    fails = compare("after a forward outside", {n: full(p.grad) for m in pipe.stage_modules.values()
+                                                for n, p in m.named_parameters()}, grads[0])
+    for m in pipe.stage_modules.values():
+        if "2" in m.layers:
+            m.layers["2"].bias = nn.Parameter(torch.zeros(H, dtype=torch.float64))
+    try:
+        pipe.step(my_rows(dp_rank, 2, x), target=my_rows(dp_rank, 2, y))
+    except (ValueError, PipelineError) as exc:  # PipelineError: the ranks told of another rank's error
+        return [*fails, str(exc)]
+    return [*fails, ""]
+
+
 def interrupted_checkpoint_case(path: str, when: str) -> str:
     """2 ranks, rank r holding stage r of `Net`; on rank 1 a KeyboardInterrupt comes while
     `save_checkpoint` (``"save"``) or `load_checkpoint` (``"load"``) reads its stage's state_dict.

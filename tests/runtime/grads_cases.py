@@ -114,6 +114,104 @@ def check_unfrozen_later(name: str, pp: int, kind: str) -> None:
             q.grad = None
 
 
+class _Lora(nn.Module):
+    """`base` plus a rank-2 adapter (LoRA): new trainable Linears inside a stage."""
+
+    def __init__(self, base: nn.Module, seed: int) -> None:
+        super().__init__()
+        self.base = base
+        torch.manual_seed(seed)
+        self.a = nn.Linear(H, 2, bias=False, dtype=torch.float64)
+        self.b = nn.Linear(2, H, bias=False, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x))
+
+
+def _refused(step: Any) -> str:
+    """The message of the error `step()` raises ('' if none): every rank must raise."""
+    try:
+        step()
+    except (ValueError, PipelineError) as exc:  # PipelineError: the ranks told of another rank's error
+        return str(exc)
+    return ""
+
+
+def check_changed_after_build(name: str, kind: str) -> list[str]:
+    """dp=2 x pp=2: the model changed after the Pipeline was built. A module removed (``extra``
+    of every stage: its parameters get no gradient, as in one process) trains on; an adapter
+    injected (`_Lora` around every ``lin``) and a parameter replaced (stage 1's ``lin.bias``) would
+    keep each replica's own gradient: every rank refuses the step, naming the stage and the
+    parameters; a new Pipeline over the changed stages then averages them. The messages, per rank."""
+    groups = ParallelGroups(pp=2)
+    dp = groups.dp
+    sched = make_schedule(name, 2, 4)
+    n = sched.num_stages
+    stages = {s: Block(s, kind) for s in sched.stages_on(groups.pp_rank)}
+    refs = [[Block(s) for s in range(n)] for _ in range(dp)]
+    pipe = Pipeline(stages, sched, mse, groups=groups)
+
+    def run(pipe: Pipeline, step: int) -> None:
+        x, y = data(step, 9, groups.dp_rank)
+        pipe.step(x, target=y)
+        for d, r in enumerate(refs):
+            h, yd = data(step, 9, d)
+            for b in r:
+                h = b(h)
+            mse(h, yd).backward()
+        want = averaged_reference(refs, stages)
+        for key, p in _named(stages).items():
+            check_close(f"{name} {kind} step {step} rank {dist.get_rank()} {key}", p.grad, want[key])
+        for q in [*pipe.parameters(), *(q for r in refs for b in r for q in b.parameters())]:
+            q.grad = None
+
+    for st in [*stages.values(), *(b for r in refs for b in r)]:
+        st.extra = nn.Identity()
+    run(pipe, 0)
+    for st in [*stages.values(), *(b for r in refs for b in r)]:
+        st.lin = _Lora(st.lin, 7)
+    said = [_refused(lambda: run(pipe, 1))]
+    pipe = Pipeline(stages, sched, mse, groups=groups)  # as the error says: the adapters are averaged too
+    run(pipe, 1)
+    if 1 in stages:  # the same values: the reference stays as it is
+        stages[1].lin.base.bias = nn.Parameter(stages[1].lin.base.bias.detach().clone())
+    said.append(_refused(lambda: run(pipe, 2)))
+    return said
+
+
+def check_tie_replaced_after_build(name: str) -> str:
+    """dp=2 x pp=2, feature_cases' LM whose embedding is tied to its head: both ends get a new
+    Parameter after the Pipeline was built (as ``resize_token_embeddings`` does; the values halved,
+    alike on every copy). The pipeline's tie holds the old copies: every rank refuses the step,
+    naming the stage and ``'wte'``. A new Pipeline with the new copies as ``tied_parameters`` sums
+    and averages their gradients as one process with one embedding does. The refusal's message."""
+    from .feature_cases import avg_params, batch as lm_batch, build as lm_build, check_grads, loss_fn as lm_loss
+    from .feature_cases import reference, run_reference
+
+    groups = ParallelGroups(pp=2)
+    sched = make_schedule(name, 2, 4)
+    pipe, stages = lm_build(sched, groups.pp_rank, "plain", groups=groups)
+    refs = [reference(sched.num_stages)[0] for _ in range(groups.dp)]
+    held = [st for st in stages.values() if hasattr(st, "wte")]
+    wte = nn.Parameter(held[0].wte.detach() * 0.5) if held else None
+    for st in held:  # one Parameter for this rank's stages that hold the tie (a V placement: both ends)
+        st.wte = wte
+    for r in refs:
+        r[0].wte = r[-1].wte = nn.Parameter(r[0].wte.detach() * 0.5)
+    said = _refused(lambda: pipe.step(*lm_batch(0, 8, groups.dp_rank)))
+    pipe = Pipeline(stages, sched, lm_loss, tied_parameters={"wte": wte} if wte is not None else None, groups=groups)
+    pipe.step(*lm_batch(0, 8, groups.dp_rank))
+    for d, r in enumerate(refs):
+        run_reference(r, *lm_batch(0, 8, d))
+    for d in range(1, groups.dp):  # the replicas' average
+        for q, other in zip(avg_params(refs[0]), avg_params(refs[d])):
+            q.grad = q.grad + other.grad
+    for q in avg_params(refs[0]):
+        q.grad = q.grad / groups.dp
+    check_grads(stages, refs[0], what=f"{name} after the tie was replaced")
+    return said
+
+
 def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float, given: str = "none") -> float:
     """dp replicas of the tied LM of feature_cases (the embedding tied to the head): the norm that
     `clip_grad_norm_` returns and the clipped gradients against one process's model holding the

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .fsdp_cases import (clip_one_row_case, failure_case, fsdp_worker, mixed_precision_case, refusal_case, tie_drift_case,
-                         timing_case, unrecorded_tie_case, unused_on_one_replica_case)
+from .fsdp_cases import (changed_after_build_case, clip_one_row_case, failure_case, fsdp_worker, mixed_precision_case,
+                         refusal_case, tie_drift_case, timing_case, unrecorded_tie_case, unused_on_one_replica_case)
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
@@ -120,6 +120,15 @@ def test_unnoted_tie_is_found_or_warned_of(zbpp_workers) -> None:
             assert not said and equal is not False, (rank, said, equal)
         else:  # the copies' gradients differ (layer 0's use and layer 3's), so do their updates
             assert len(said) == 1 and "note_parameters(stages)" in said[0] and equal is not True, (rank, said, equal)
+
+
+def test_parameter_replaced_after_build_is_refused(zbpp_workers) -> None:
+    """`changed_after_build_case`: FSDP's unsharded parameters, left in the modules by a forward
+    outside the steps, train as the sharded ones; a Parameter replaced after the Pipeline was
+    built (FSDP would neither shard nor reduce it) is refused on every rank, naming it."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(changed_after_build_case)
+    assert all(r[-1] and not r[:-1] for r in per_rank), per_rank
+    assert all("stage 1: parameter 'layers.2.bias' is new since the Pipeline was built" in r[-1] for r in per_rank), per_rank
 
 
 def test_noted_stages_pickle_and_copy_with_their_shared_names() -> None:

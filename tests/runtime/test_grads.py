@@ -2,6 +2,8 @@
 the whole batch per replica (grads_cases.py; tolerance there), on 4 gloo ranks (dp=2 x pp=2):
 
 - a parameter frozen when the Pipeline is built and unfrozen later is averaged over the replicas;
+- a module removed after the Pipeline was built trains on; an adapter injected or a parameter
+  replaced is refused on every rank, and a new Pipeline averages it;
 - a synchronised step, a no_sync step, a synchronised step without zeroing: a tied weight's earlier
   sum counts once (also after the window's first step failed), ``fully_shard`` copies too;
 - ``clip_grad_norm_(pipe, max_norm, groups)`` with the DeviceMesh the Pipeline got: the pipeline's
@@ -20,7 +22,7 @@ import torch
 
 from zbpp.runtime import clip_grad_norm_
 
-from .grads_cases import (check_clip, check_eval_between, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync,
+from .grads_cases import (check_changed_after_build, check_clip, check_tie_replaced_after_build, check_eval_between, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync,
                           check_token_weights, check_unfrozen_later, check_unused_on_one_replica)
 
 
@@ -28,6 +30,28 @@ from .grads_cases import (check_clip, check_eval_between, check_fsdp_sync_no_syn
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_parameter_unfrozen_after_build_is_averaged(zbpp_workers, name, kind):
     zbpp_workers(4).run(check_unfrozen_later, name, 2, kind)
+
+
+@pytest.mark.parametrize("name,kind", [("1f1b", "plain"), ("zb-h1", "zbpp")])
+def test_parameters_added_or_replaced_after_build_are_refused(zbpp_workers, name, kind):
+    # a module removed trains on; an adapter injected, then a parameter replaced on stage 1's ranks:
+    # every rank refuses, naming the stage and the parameters (the others are told); a new
+    # Pipeline averages the adapters over the replicas
+    said = zbpp_workers(4).run(check_changed_after_build, name, kind)
+    for r, (lora, replaced) in enumerate(said):
+        assert f"stage {r % 2}: parameters 'lin.a.weight', 'lin.b.weight' are new since the Pipeline was built" in lora, lora
+        assert "stage 1: parameter 'lin.base.bias' is new since the Pipeline was built" in replaced, replaced
+        assert "build a new Pipeline" in lora and "averaged over the replicas" in lora, lora
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_tied_parameter_replaced_after_build_is_refused(zbpp_workers, name):
+    # 1f1b: the embedding and the head on two ranks; zb-v: both on rank 0 (one Parameter)
+    said = zbpp_workers(4).run(check_tie_replaced_after_build, name)
+    holds = {0: [0], 1: [1]} if name == "1f1b" else {0: [0, 3], 1: []}
+    for r, msg in enumerate(said):
+        stage = holds[r % 2][0] if holds[r % 2] else 0  # a rank without the tie is told of rank 0's
+        assert f"stage {stage}: parameter 'wte' is new since the Pipeline was built" in msg, msg
 
 
 @pytest.mark.parametrize("world,pp,kind,fail,graphs", [(2, 2, "plain", False, False), (4, 2, "zbpp", True, False),

@@ -75,7 +75,7 @@ from torch import nn
 
 from .._compat import fsdp2
 
-__all__ = ["FsdpReducer", "copies_of", "holds_fsdp", "is_fsdp_module", "note_parameters"]
+__all__ = ["FsdpReducer", "copies_of", "holds_fsdp", "is_fsdp_module", "note_parameters", "sharded_forms"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -200,6 +200,23 @@ def _original_uids(root: nn.Module) -> list[tuple[Any, nn.Parameter]]:
                 uid = getattr(fp, "_orig_param_uid", None)
                 if uid is not None:
                     out.append((uid, fp.sharded_param))
+    return out
+
+
+def sharded_forms(root: nn.Module) -> dict[int, nn.Parameter]:
+    """``{id of an unsharded parameter: its sharded parameter}`` for every parameter that fully_shard
+    calls under `root` manage and have unsharded once: FSDP registers the unsharded one in the module
+    while it is unsharded (between steps too, after a forward outside them)."""
+    if _fsdp_module_class() is None:
+        return {}
+    out: dict[int, nn.Parameter] = {}
+    states = {id(st): st for st in (_fully_shard().state(sub) for sub in root.modules() if is_fsdp_module(sub))}  # type: ignore[attr-defined]
+    for state in states.values():
+        for group in _param_groups(state):
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    out[id(unsharded)] = fp.sharded_param
     return out
 
 

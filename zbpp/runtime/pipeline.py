@@ -44,7 +44,7 @@ from .rng import microbatch_seed, seeded
 from .task_graphs import EAGER, AutoGraphs, GraphCache, TaskGraphs, TaskRunner, graph_cache
 from .tied import TiedParameters, check_reducer_leaves_ties, drifted_ties_error, local_ties
 from .topology import Topology
-from .step_input import (LocalBatch, Walks, autocast_state, local_batch, merge, module_state, release_step_caches,
+from .step_input import (BuiltParameters, LocalBatch, Walks, autocast_state, local_batch, merge, module_state, release_step_caches,
                          stable_hash, stage_walks, unique_parameters)
 from .wgrad import StageWgrad, check_fifo_wgrad, has_own_wgrad
 
@@ -216,6 +216,7 @@ class Pipeline:
             self._costs = costs
             self._eval_program: Program | None = None
             self._wgrad = {s: StageWgrad(m) for s, m in self.stage_modules.items()}
+            self._built_params = BuiltParameters(stage_walks(self.stage_modules))
             check_fifo_wgrad(self._wgrad, schedule)
             plan = _schedule_key(schedule)  # every rank's must be the same: agreed below
             self.split_wgrad = bool(split_wgrad)
@@ -468,9 +469,10 @@ class Pipeline:
         try:
             if problem is not None:
                 raise problem
-            if not forward_only:  # a delayed module the step's W would not know of
+            if not forward_only:  # a delayed module the step's W, or a parameter the reductions, would not know of
                 for s, w in self._wgrad.items():
                     w.check_delayed(s, self.stage_modules[s], walks[s][0])
+                self._built_params.check(self.stage_modules, walks)
             batch, problem = local_batch(inputs, target, microbatches=m, device=self.device, first=self.holds_first_stage,
                                          last=self.holds_last_stage, loss_weight=self.loss_weight,
                                          forward_only=forward_only, rank=self.pp_rank), None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import pickle
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -23,10 +24,11 @@ from torch import nn
 
 from .._compat import modules_and_parameters
 from ..modules.fp8 import DelayedScaling, active_recipe
+from .fsdp import sharded_forms
 from .loss_weights import checked_weights
 from .tree import flatten, rebuild, split_batch
 
-__all__ = ["LocalBatch", "autocast_state", "local_batch", "merge", "module_state", "release_step_caches", "stable_hash", "stage_walks",
+__all__ = ["BuiltParameters", "LocalBatch", "autocast_state", "local_batch", "merge", "module_state", "release_step_caches", "stable_hash", "stage_walks",
            "unique_parameters"]
 
 
@@ -78,6 +80,56 @@ def unique_parameters(walks: Walks) -> list[nn.Parameter]:
     if len(walks) == 1:  # one walk lists each parameter once already
         return list(next(iter(walks.values()))[1])
     return list({id(p): p for _, params in walks.values() for p in params}.values())
+
+
+class BuiltParameters:
+    """The parameters each stage held when the `Pipeline` was built: the data-parallel reducer's
+    buckets, FSDP's shards, the tied copies and the split's lists were made for those objects, so a
+    parameter added or replaced since (an adapter injected, ``module.weight = nn.Parameter(...)``,
+    ``resize_token_embeddings``) would keep each replica's own gradient, or miss its tie's sum.
+    `check` refuses one; a parameter removed since is fine (it gets no gradient, as in one process).
+
+    >>> lin = nn.Linear(2, 2)
+    >>> built = BuiltParameters(stage_walks({0: lin}))
+    >>> lin.weight = nn.Parameter(torch.zeros(2, 2))
+    >>> built.check({0: lin}, stage_walks({0: lin}))
+    Traceback (most recent call last):
+    ...
+    ValueError: stage 0: parameter 'weight' is new since the Pipeline was built ...
+    """
+
+    def __init__(self, walks: Walks) -> None:
+        self._now = {s: params for s, (_, params) in walks.items()}  # as last checked (compared by identity)
+        # weak: a parameter removed since is freed with its module; its id may then be another's
+        self._built = {s: {id(p): weakref.ref(p) for p in params} for s, (_, params) in walks.items()}
+
+    def check(self, stage_modules: Mapping[int, nn.Module], walks: Walks) -> None:
+        """Raise, naming the stage and the parameters, when a stage holds a parameter it did not hold
+        at build. Microseconds while nothing changed (one identity comparison per parameter)."""
+        for s, (_, params) in walks.items():
+            now = self._now[s]
+            if len(params) == len(now) and all(map(operator.is_, params, now)):
+                continue
+            built = self._built[s]
+
+            def known(p: nn.Parameter | None) -> bool:
+                return p is not None and (ref := built.get(id(p))) is not None and ref() is p
+
+            new = {id(p) for p in params if not known(p)}
+            if new:  # a fully_shard stage left unsharded (a forward outside the steps) holds its unsharded forms
+                forms = sharded_forms(stage_modules[s])
+                new = {i for i in new if not known(forms.get(i))}
+            if new:
+                names = [n for n, p in stage_modules[s].named_parameters() if id(p) in new]
+                raise ValueError(
+                    f"stage {s}: parameter{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))} "
+                    f"{'are' if len(names) > 1 else 'is'} new since the Pipeline was built (added or replaced: an "
+                    "adapter such as LoRA injected, module.weight = nn.Parameter(...), resize_token_embeddings). Its "
+                    "data-parallel reduction, tied copies and FSDP shards were set up for the parameters the stage held "
+                    "then, so a new one's gradient would not be averaged over the replicas nor summed with its tied "
+                    "copies. Change the model first, then build the Pipeline (or build a new Pipeline now)"
+                )
+            self._now[s] = params  # only removed or reordered: nothing to reduce is missed
 
 
 _training = operator.attrgetter("training")
