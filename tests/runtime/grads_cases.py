@@ -212,6 +212,38 @@ def check_tie_replaced_after_build(name: str) -> str:
     return said
 
 
+def check_tie_unfrozen_unalike(name: str) -> tuple[str, float]:
+    """dp=2 x pp=2, feature_cases' LM with the embedding tied to the head, every copy frozen when the
+    Pipeline is built; then only the head's copy (the last stage's) is unfrozen, as fine-tuning the
+    "LM head" alone would. The copies are one parameter: every rank must refuse the step at its
+    start, naming the tie and the ranks, within seconds (the trained copy's all-reduce would wait
+    for the frozen ones until the group's timeout). Then unfrozen alike: the step trains. The
+    refusal's message and the seconds it took."""
+    import time
+
+    from .feature_cases import Stage, batch as lm_batch, loss_fn as lm_loss, make_wte
+
+    groups = ParallelGroups(pp=2)
+    sched = make_schedule(name, 2, 4)
+    n = sched.num_stages
+    mine = sched.stages_on(groups.pp_rank)
+    wte = make_wte() if 0 in mine or n - 1 in mine else None
+    if wte is not None:
+        wte.requires_grad_(False)
+    stages = {s: Stage(s, n, "plain", wte if s in (0, n - 1) else None) for s in mine}
+    pipe = Pipeline(stages, sched, lm_loss, tied_parameters={"wte": wte} if wte is not None else None, groups=groups,
+                    timeout=20)  # a hang in the tie's all-reduce ends in 20 s
+    if wte is not None and n - 1 in mine and 0 not in mine:
+        wte.requires_grad_(True)
+    start = time.monotonic()
+    said = _refused(lambda: pipe.step(*lm_batch(0, 8, groups.dp_rank)))
+    took = time.monotonic() - start
+    if wte is not None:
+        wte.requires_grad_(True)
+    pipe.step(*lm_batch(0, 8, groups.dp_rank))
+    return said, took
+
+
 def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float, given: str = "none") -> float:
     """dp replicas of the tied LM of feature_cases (the embedding tied to the head): the norm that
     `clip_grad_norm_` returns and the clipped gradients against one process's model holding the

@@ -4,6 +4,7 @@ the whole batch per replica (grads_cases.py; tolerance there), on 4 gloo ranks (
 - a parameter frozen when the Pipeline is built and unfrozen later is averaged over the replicas;
 - a module removed after the Pipeline was built trains on; an adapter injected or a parameter
   replaced is refused on every rank, and a new Pipeline averages it;
+- a tie whose copies were unfrozen unalike after the build is refused at the step's start;
 - a synchronised step, a no_sync step, a synchronised step without zeroing: a tied weight's earlier
   sum counts once (also after the window's first step failed), ``fully_shard`` copies too;
 - ``clip_grad_norm_(pipe, max_norm, groups)`` with the DeviceMesh the Pipeline got: the pipeline's
@@ -22,7 +23,7 @@ import torch
 
 from zbpp.runtime import clip_grad_norm_
 
-from .grads_cases import (check_changed_after_build, check_clip, check_tie_replaced_after_build, check_eval_between, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync,
+from .grads_cases import (check_changed_after_build, check_clip, check_tie_replaced_after_build, check_tie_unfrozen_unalike, check_eval_between, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync,
                           check_token_weights, check_unfrozen_later, check_unused_on_one_replica)
 
 
@@ -52,6 +53,16 @@ def test_tied_parameter_replaced_after_build_is_refused(zbpp_workers, name):
     for r, msg in enumerate(said):
         stage = holds[r % 2][0] if holds[r % 2] else 0  # a rank without the tie is told of rank 0's
         assert f"stage {stage}: parameter 'wte' is new since the Pipeline was built" in msg, msg
+
+
+def test_tied_copies_unfrozen_unalike_after_build_are_refused(zbpp_workers):
+    # 1f1b: the embedding's copy on pipeline rank 0, the head's on 1; only the head's unfrozen.
+    # Refused at the step's start on every rank (the trained copies' all-reduce would otherwise
+    # wait for the frozen ones until the group's timeout: 20 s here, minutes by default)
+    said = zbpp_workers(4).run(check_tie_unfrozen_unalike, "1f1b")
+    for msg, took in said:
+        assert "tied parameter 'wte' is frozen (requires_grad=False) on global ranks [0, 2] but trains on [1, 3]" in msg, msg
+        assert took < 10, took
 
 
 @pytest.mark.parametrize("world,pp,kind,fail,graphs", [(2, 2, "plain", False, False), (4, 2, "zbpp", True, False),

@@ -83,6 +83,9 @@ class StartReport:
     #: a training step's reductions: 0 none on this rank (or evaluation), 1 synchronised, 2 inside ``no_sync()``
     reducing: int = 0
     evaluating: bool = False  #: an ``eval_step`` (its program has no backward), not a ``step``
+    #: bit i: this rank holds a copy of tied parameter i (of every rank's, sorted) that trains / is frozen
+    ties_training: int = 0
+    ties_frozen: int = 0
 
 
 @dataclass(frozen=True)
@@ -325,10 +328,11 @@ def graphs_win(reports: Sequence[StartReport]) -> bool | None:
 
 
 def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException | None, topology: Any,
-                 schedule: Any, forward_only: bool) -> StartDecision:
+                 schedule: Any, forward_only: bool, tie_names: Sequence[str] = ()) -> StartDecision:
     """Gather every rank's `StartReport` and decide: raise on every rank when one rejected its
-    input (that rank: its own error) or a target's rows differ from the input's; else the step's
-    rows and signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
+    input (that rank: its own error), a target's rows differ from the input's or a tie's copies
+    (`tie_names`: the bits of ``ties_training``) are frozen unalike; else the step's rows and
+    signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
     reports = agreement.gather(mine)
     if any(r.rejected for r in reports):
         texts = agreement.gather_texts(None if problem is None else describe_error(problem))
@@ -355,6 +359,19 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
             f"global ranks {inside} step inside Pipeline.no_sync() and global ranks {outside} outside it: the "
             "data-parallel and tied-parameter reductions of the ones outside would wait for the others. Enter "
             "no_sync() alike on every rank. Nothing was computed"
+        )
+    trains = frozen = 0
+    for r in reports:
+        trains, frozen = trains | r.ties_training, frozen | r.ties_frozen
+    if trains & frozen:  # a trained copy's all-reduce would wait for the frozen ones until the timeout
+        i = (trains & frozen).bit_length() - 1
+        name = tie_names[i] if i < len(tie_names) else f"number {i}"
+        frozen_on, trains_on = ([g for g, r in zip(topology.world, reports) if getattr(r, flag) >> i & 1]
+                                for flag in ("ties_frozen", "ties_training"))
+        raise ValueError(
+            f"tied parameter {name!r} is frozen (requires_grad=False) on global ranks {frozen_on} but trains on "
+            f"{trains_on}: its copies are one parameter, whose gradient is summed over all of them. Freeze or "
+            "unfreeze every copy alike (each rank holding one). Nothing was computed"
         )
     # the reducers pair the replicas' gradients slot by slot; only where every pipeline is a
     # data-parallel replica (a mesh's other dimensions, tensor parallelism, may hold other modules)

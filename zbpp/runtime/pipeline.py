@@ -483,12 +483,15 @@ class Pipeline:
         trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
         state = (module_state(walks), autocast_state(self.device), forward_only)
         reduces = self._reductions.reducer is not None or bool(self._tied.names)
+        trains, frozen = self._tied.training_flags() if not forward_only else (0, 0)
+        ties = {"ties_training": trains, "ties_frozen": frozen}
         mine = StartReport(problem is not None, stable_hash(state),
                            b.input_hash, b.input_rows, b.target_rows, *trial, target_hash=b.target_hash,
                            reducing=0 if forward_only or not reduces else 1 if self._sync_gradients else 2,
-                           evaluating=forward_only)
+                           evaluating=forward_only, **ties)
         try:
-            agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only)
+            agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only,
+                                  self._tied.all_names)
         except BaseException as exc:  # every rank raises: nothing is computed
             held = self._agreement.take_held()
             error = self._broken_error(exc, "start-of-step agreement") if isinstance(exc, BrokenJob) else exc

@@ -6,7 +6,9 @@ holds a copy passes it to `Pipeline(..., tied_parameters={"wte": param})` under 
 a V placement both uses may sit on one rank, as one Parameter shared by its two stage modules.
 
 - At construction the copies are made equal to the copy of the lowest stage (of replica 0). They
-  must agree on shape, dtype and ``requires_grad`` (freeze every copy or none), else every rank raises.
+  must agree on shape, dtype and ``requires_grad`` (freeze every copy or none), else every rank raises;
+  ``requires_grad`` again at every training step's start (`training_flags`), where a copy frozen or
+  unfrozen unalike since would leave the others waiting in the sum's all-reduce until the timeout.
 - In each step, a copy's gradient is final once every stage of its rank that holds it is done with
   it: after the stage's last B, or its last W when a delayed-wgrad module of the stage computes it
   (`get_backward_dw_params`, or a module without that method that owns it). Then an asynchronous
@@ -50,7 +52,10 @@ from .fsdp import copies_of
 from .polling import wait_for
 from .topology import Topology
 
-__all__ = ["LocalTies", "TiedParameters", "check_reducer_leaves_ties", "drifted_ties_error", "local_ties"]
+#: ties whose copies the start agreement compares each step (bits of an int64; the build compares all)
+FLAGGED_TIES = 62
+
+__all__ = ["FLAGGED_TIES", "LocalTies", "TiedParameters", "check_reducer_leaves_ties", "drifted_ties_error", "local_ties"]
 
 
 @dataclass(eq=False)
@@ -161,6 +166,8 @@ class TiedParameters:
         everyone = self._exchange(agreement, held)
         self._ties: list[_Tie] = []
         self._laid: list[tuple[nn.Parameter, torch.Tensor]] = []  # `lay_down_reduced`'s copies
+        #: every rank's tie names, sorted: the same on every rank (`training_flags`' bits)
+        self.all_names: list[str] = sorted({n for h in everyone.values() for n in h})
         backend = "nccl" if device.type == "cuda" else "gloo"
         for name in sorted({n for h in everyone.values() for n in h}):
             holders = {g: h[name] for g, h in everyone.items() if name in h}
@@ -231,6 +238,20 @@ class TiedParameters:
     @property
     def names(self) -> list[str]:
         return [t.name for t in self._ties if t.name is not None]
+
+    def training_flags(self) -> tuple[int, int]:
+        """Bit i for ``all_names[i]`` (the first `FLAGGED_TIES`): the ties of which this rank holds a
+        copy that trains now, and those of which it holds a frozen one. The start agreement refuses a
+        tie whose copies differ (``requires_grad_`` after the build): a frozen copy takes no part in
+        the sum, whose all-reduce the trained ones would wait in until the group's timeout."""
+        trains = frozen = 0
+        for t in self._ties:
+            i = self.all_names.index(t.name) if t.name is not None else FLAGGED_TIES
+            if i < FLAGGED_TIES:
+                for q in t.params:
+                    trains |= q.requires_grad << i
+                    frozen |= (not q.requires_grad) << i
+        return trains, frozen
 
     def counted_here(self, p: nn.Parameter) -> bool:
         """False for a tied copy whose norm another rank of the pipeline, or another copy of this
