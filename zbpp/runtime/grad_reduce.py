@@ -249,18 +249,23 @@ class GradReducer:
             out.update((id(e.param), e) for e in self._owed_by_module(stage, m))
         return list(out.values())
 
-    def _owed_by_module(self, stage: int, module: nn.Module) -> list[_Entry]:
+    def _owed_by_module(self, stage: int, module: nn.Module, strict: bool = True) -> list[_Entry]:
+        """The entries of what `module`'s W produces; not `strict`: those it lists that are not
+        the stage's entries are left out instead of refused."""
         getter = getattr(module, "get_backward_dw_params", None)
         if not callable(getter):  # Transformer Engine style: all its own trainable parameters
             if not is_delayed(module):
                 return []
-            return [self._entries[id(p)] for p in module.parameters(recurse=False) if p.requires_grad]
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            return [self._entries[id(p)] for p in own if strict or id(p) in self._entries]
         out = []
         for t in getter():
             if id(t) in self._exclude:  # reduced elsewhere (a tied parameter)
                 continue
             e = self._entries.get(id(t))
-            if e is None or stage not in e.stages:
+            if (e is None or stage not in e.stages) and not strict:
+                continue
+            if e is None or stage not in e.stages:  # a wrong get_backward_dw_params: told at the stage's signals
                 raise ValueError(
                     f"stage {stage}: {type(module).__name__}.get_backward_dw_params() returned a tensor of "
                     f"shape {tuple(t.shape)} that is not a trainable parameter of the stage module; "
@@ -374,7 +379,9 @@ class GradReducer:
     def _after_module_wgrad(self, stage: int, module: nn.Module, *unused: Any) -> None:
         if not self._active:
             return
-        for e in self._owed_by_module(stage, module):
+        # not strict: a reducer of a Pipeline built earlier over these layers, whose parameters were
+        # replaced since, still hears their W; the new ones are not its own (its steps check the list)
+        for e in self._owed_by_module(stage, module, strict=False):
             self._check_not_final(e, "backward_dw() ran")
             if e.uses_main_grad:
                 self._grad_into_main_grad(e)  # Transformer Engine overwrites .grad at the next W: keep this one
