@@ -840,6 +840,46 @@ def mixed_precision_case(schedule: str, kind: str) -> list[str]:
     return fails
 
 
+def fused_bf16_case(schedule: str) -> list[str]:
+    """dp=2 x pp=2, each stage one fused delayed zbpp Linear (identity weight, float32 shards)
+    ``fully_shard``-ed with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
+    each replica's microbatches are one row each: c, c * 2**-8, 0, 0 (c = replica + 1, times the
+    column + 1). A weight's gradient is 1/4 of the sum of its rows: in float32 the second row adds
+    c * 2**-8, which bfloat16 (8 significant bits) rounds away or up. The gathered float32 gradient
+    must equal one process's float32 accumulation of the 8 rows (every value here is exact in
+    float32: rtol 1e-6 for the order of the sums; the bfloat16 rounding is ~2**-9 relative). (The
+    float32 main_grad was cast to bfloat16 before FSDP's float32 reduce-scatter.)"""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = mesh(device_type(), 2, 2)
+    sched = build(schedule, num_ranks=2, num_microbatches=M)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    stages = {}
+    for s in sched.stages_on(m.get_local_rank("pp")):
+        stages[s] = ZLinear(H, H, bias=False, delay_wgrad_compute=True, params_dtype=torch.float32,
+                            fuse_wgrad_accumulation=True)
+        with torch.no_grad():
+            stages[s].weight.copy_(torch.eye(H))
+        fully_shard(stages[s], mesh=m["dp"], mp_policy=policy)
+    pipe = Pipeline(stages, sched, loss_fn=lambda out, y: out.float().sum(), groups=m)
+    cols = torch.arange(1, H + 1, dtype=torch.float32)
+    x = torch.stack([c * cols for d in range(2) for c in (d + 1.0, (d + 1.0) * 2**-8, 0.0, 0.0)])
+    pipe.step(my_rows(pipe.topology.dp_rank, 2, x), target=my_rows(pipe.topology.dp_rank, 2, x))
+    ref = nn.Sequential(*(nn.Linear(H, H, bias=False) for _ in range(sched.num_stages)))
+    with torch.no_grad():
+        for lin in ref:
+            lin.weight.copy_(torch.eye(H))
+    for row in x:  # one process: every microbatch of both replicas, the mean of the 8, float32 .grad
+        (ref(row[None]).sum() / (M * 2)).backward()
+    fails = []
+    for s, st in stages.items():
+        got, want = full(st.weight.grad), ref[s].weight.grad
+        if got.dtype != torch.float32 or not torch.allclose(got, want, rtol=1e-6, atol=0.0):
+            fails.append(f"{schedule} stage {s}: {got.dtype} gradient, max |diff| "
+                         f"{float((got.float() - want).abs().max()):.3g} (one process: {want[0].tolist()})")
+    return fails
+
+
 class _Branches(nn.Module):
     """Stage `s` of `unused_on_one_replica_case`: a Linear and tanh, plus ``some`` on rows whose
     first column is above 50 (only replica 1's data) and ``never`` on rows above 1e6 (none)."""

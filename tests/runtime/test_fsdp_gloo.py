@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .fsdp_cases import (changed_after_build_case, clip_one_row_case, failure_case, fsdp_worker, mixed_precision_case,
-                         refusal_case, tie_drift_case, timing_case, unrecorded_tie_case, unused_on_one_replica_case)
+from .fsdp_cases import (changed_after_build_case, clip_one_row_case, failure_case, fsdp_worker, fused_bf16_case,
+                         mixed_precision_case, refusal_case, tie_drift_case, timing_case, unrecorded_tie_case,
+                         unused_on_one_replica_case)
 
 CASES = [f"{s}/{k}" for s in ("1f1b", "zb-h1", "zb-v", "dualpipe-v") for k in ("plain", "delayed")]
 CASES += ["zb-h1/delayed/accumulate", "zb-v/plain/accumulate", "zb-v/delayed/clip", "zb-h1/delayed/inner", "zb-h1/fused", "zb-v/fused/accumulate"]
@@ -48,6 +49,15 @@ def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
 def test_mixed_precision(zbpp_workers, schedule: str, kind: str) -> None:
     """float32 compute of float64 shards, float64 reduce-scatters (`mixed_precision_case`)."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(mixed_precision_case, schedule, kind)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.timeout(600)
+def test_fused_main_grad_reduced_unrounded(zbpp_workers) -> None:
+    """bfloat16 compute, float32 reduce: a fused Linear's float32 main_grad joins FSDP's float32
+    reduction unrounded (`fused_bf16_case`)."""
+    per_rank = zbpp_workers(4, pg_timeout=60).run(fused_bf16_case, "zb-h1")
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
 

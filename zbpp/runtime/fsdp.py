@@ -38,8 +38,9 @@ full buffer per such parameter too), and the usual activations of the schedule.
 
 ``main_grad``: the unsharded parameters of modules with ``fuse_wgrad_accumulation=True`` get a
 ``main_grad`` buffer (float32, or the parameter's dtype when wider) at the step's start; after the
-stage's last W it is added into ``.grad`` and dropped, and FSDP reduce-scatters that: the result is
-the shard's ``.grad``, as for every other parameter.
+stage's last W it is added into ``.grad`` (under a ``MixedPrecisionPolicy`` whose ``reduce_dtype``
+differs from ``param_dtype``: into FSDP's accumulation in ``reduce_dtype``, unrounded) and dropped,
+and FSDP reduce-scatters that: the result is the shard's ``.grad``, as for every other parameter.
 
 Tied parameters (``tied_parameters=``, `zbpp.runtime.tied`): every copy is sharded like the rest of
 its stage, so replica k holds shard k of each copy. After a holding stage's reduce-scatter (the
@@ -132,8 +133,19 @@ def _to_reduce_dtype(group: Any) -> None:
     the parameter's dtype beside others in ``reduce_dtype``, which FSDP's reduce-scatter refuses."""
     for fp in group.fsdp_params:
         if hasattr(fp, "_unsharded_param"):
-            fp.accumulate_unsharded_grad_if_needed()
-            fp.to_accumulated_grad_if_needed()
+            _to_reduce_dtype_one(fp)
+
+
+def _to_reduce_dtype_one(fp: Any) -> None:
+    """One FSDP parameter's ``.grad`` into its ``reduce_dtype`` accumulation (`_to_reduce_dtype`)."""
+    fp.accumulate_unsharded_grad_if_needed()
+    fp.to_accumulated_grad_if_needed()
+
+
+def _fsdp_params(root: nn.Module) -> list[Any]:
+    """FSDP's records of the parameters that the ``fully_shard`` calls under `root` manage."""
+    state = _fully_shard().state(root)  # type: ignore[attr-defined]
+    return [fp for sub in state._state_ctx.all_states for group in _param_groups(sub) for fp in group.fsdp_params]
 
 
 def _reset(root: nn.Module) -> None:
@@ -478,11 +490,21 @@ class FsdpReducer:
         self.reduced[stage] += 1
 
     def _fold_main_grads(self, stage: int) -> None:
-        """Move the unsharded parameters' ``main_grad`` into their ``.grad``, which FSDP reduces."""
+        """Move the unsharded parameters' ``main_grad`` into what FSDP reduces: its accumulation in
+        ``reduce_dtype`` under mixed precision (cast to a bf16 parameter's dtype first, the float32
+        sum of the microbatches would lose its low bits before a float32 reduce), else ``.grad``."""
+        owners = {id(fp._unsharded_param): fp for fp in _fsdp_params(self.stage_modules[stage])
+                  if hasattr(fp, "_unsharded_param")}
         for mod in self.fused[stage]:
             for p in mod.parameters(recurse=False):
                 main = p.__dict__.pop("main_grad", None)
                 if main is None:
+                    continue
+                fp = owners.get(id(p))
+                if fp is not None and fp.reduce_dtype not in (None, p.dtype):
+                    _to_reduce_dtype_one(fp)  # a .grad of this step joins the accumulation first
+                    acc = fp.unsharded_accumulated_grad
+                    fp.unsharded_accumulated_grad = main.to(fp.reduce_dtype) if acc is None else acc.add_(main)
                     continue
                 g = main.to(p.dtype)
                 p.grad = g if p.grad is None else p.grad.add_(g)
