@@ -287,17 +287,27 @@ def die_between_steps(name: str, p: int, m: int, report_dir: str, first: str = "
     """After a good step, rank 1 exits (os._exit) before the next call; the others call `first`,
     ``check_ties`` (``save_checkpoint`` does) or ``clip_grad_norm_``, which must raise at once on
     every rank that the pipeline is unusable, and so must their next step (`first`, "next": message
-    and seconds)."""
+    and seconds). For ``clip_grad_norm_`` the stages are ``fully_shard``-ed, dp=2 x pp=2, and rank 1
+    calls it too and dies at its first all-reduce, its replicas' over the shard: rank 3, its
+    replica, waited there plainly and raised gloo's error, leaving the pipeline usable to it."""
     from zbpp.runtime import clip_grad_norm_
 
     rank = dist.get_rank()
-    sched = make_schedule(name, p, m)
-    mine = {s: make_stage(s, sched.num_stages, "zbpp") for s in sched.stages_on(rank)}
-    pipe = Pipeline(mine, sched, loss_fn)
-    x, y = make_batch(0, 2 * m)
+    if first == "clip_grad_norm_":
+        from .fsdp_cases import batch, fsdp_pipeline, my_rows
+
+        pipe = fsdp_pipeline(name, "plain", 2, 2)
+        x, y = (my_rows(pipe.topology.dp_rank, 2, t) for t in batch(0))
+    else:
+        sched = make_schedule(name, p, m)
+        mine = {s: make_stage(s, sched.num_stages, "zbpp") for s in sched.stages_on(rank)}
+        pipe = Pipeline(mine, sched, loss_fn)
+        x, y = make_batch(0, 2 * m)
     pipe.step(x, target=y)
     if rank == 1:
-        os._exit(3)
+        if first != "clip_grad_norm_":
+            os._exit(3)
+        dist.all_reduce = lambda *args, **kwargs: os._exit(3)  # the shard's, after the call's local part
     outcome: dict[str, Any] = {"rank": rank}
     calls = {"check_ties": pipe.check_ties, "clip_grad_norm_": lambda: clip_grad_norm_(pipe, 1.0)}
     for what, call in {first: calls[first], "next": lambda: pipe.step(x, target=y)}.items():

@@ -94,10 +94,11 @@ def test_a_dead_rank_ends_the_others_at_once(tmp_path):
 @pytest.mark.parametrize("first,which", [("check_ties", "agreement of check_ties"),
                                          ("clip_grad_norm_", "all-reduce of clip_grad_norm_")])
 def test_a_rank_dead_between_steps_ends_the_next_call_at_once(tmp_path, first, which):
-    """Rank 1 dies between steps and the others call check_ties, or clip_grad_norm_: their
-    collectives looked for no broken mark, so the ranks gloo did not pair with the dead one (rank 3)
-    waited until the group's timeout, the others raised gloo's error. Now every rank raises at once
-    that the pipeline is unusable, naming the call."""
+    """Rank 1 dies between steps and the others call check_ties, or (fully_shard stages, dp=2 x pp=2)
+    it dies inside clip_grad_norm_, at its shard's all-reduce: their collectives looked for no broken
+    mark, so the ranks gloo did not pair with the dead one (rank 3) waited until the group's timeout,
+    the others raised gloo's error. Now every rank raises at once that the pipeline is unusable,
+    naming the call."""
     with Workers(4, pg_timeout=PG_TIMEOUT, timeout=60, grace=30) as workers:
         with pytest.raises(DistributedTestError) as info:
             workers.run(die_between_steps, "zb-h1", 4, 8, str(tmp_path), first)

@@ -175,6 +175,11 @@ def clip_grad_norm_(
     # an inf total would make the coefficient 0, zeroing every gradient
     wide = torch.float64 if device.type in ("cpu", "cuda") else acc
     local = torch.zeros((), dtype=wide, device=device)
+    held: list[BaseException | None] = [None]
+    wait = None
+    if callable(getattr(pipeline_or_params, "_wait_collective", None)):  # a Pipeline
+        def wait(work: Any) -> None:  # a rank dead since the last step: every rank raises at once
+            held[0] = held[0] or pipeline_or_params._wait_collective(work, device, "all-reduce of clip_grad_norm_")
     shards: dict[tuple, list[torch.Tensor]] = {}  # fully_shard gradients, by the groups they are sharded over
     for g in norm_of:
         key = _shard_groups(g)
@@ -192,15 +197,10 @@ def clip_grad_norm_(
                 continue
             n = torch.linalg.vector_norm(g.to(acc), norm_type).to(wide)
             part = torch.maximum(part, n) if inf else part + n**norm_type
-        for shard_group in key:
-            part = _all_reduce(part, inf, shard_group)
+        for shard_group in key:  # a dead replica: the broken mark ends the wait, as the pipeline group's
+            part = _all_reduce(part, inf, shard_group, wait)
         part = part.to(device, wide)
         local = torch.maximum(local, part) if inf else local + part
-    held: list[BaseException | None] = [None]
-    wait = None
-    if callable(getattr(pipeline_or_params, "_wait_collective", None)):  # a Pipeline
-        def wait(work: Any) -> None:  # a rank dead since the last step: every rank raises at once
-            held[0] = pipeline_or_params._wait_collective(work, device, "all-reduce of clip_grad_norm_")
     if size > 1:
         local = _all_reduce(local, inf, group, wait)  # float64 from here on: one coefficient everywhere
     total = local if inf else local ** (1.0 / norm_type)
