@@ -294,7 +294,7 @@ def die_between_steps(name: str, p: int, m: int, report_dir: str, first: str = "
 
     rank = dist.get_rank()
     if first == "clip_grad_norm_":
-        from .fsdp_cases import batch, fsdp_pipeline, my_rows
+        from .fsdp_cases import batch, device_type, fsdp_pipeline, mesh, my_rows
 
         pipe = fsdp_pipeline(name, "plain", 2, 2)
         x, y = (my_rows(pipe.topology.dp_rank, 2, t) for t in batch(0))
@@ -307,7 +307,12 @@ def die_between_steps(name: str, p: int, m: int, report_dir: str, first: str = "
     if rank == 1:
         if first != "clip_grad_norm_":
             os._exit(3)
-        dist.all_reduce = lambda *args, **kwargs: os._exit(3)  # the shard's, after the call's local part
+        shard_group, all_reduce = mesh(device_type(), 2, 2).get_group("dp"), dist.all_reduce
+
+        def dying(*args: Any, **kwargs: Any) -> Any:  # at the shard's all-reduce, after the call's agreement
+            return os._exit(3) if kwargs.get("group") is shard_group else all_reduce(*args, **kwargs)
+
+        dist.all_reduce = dying
     outcome: dict[str, Any] = {"rank": rank}
     calls = {"check_ties": pipe.check_ties, "clip_grad_norm_": lambda: clip_grad_norm_(pipe, 1.0)}
     for what, call in {first: calls[first], "next": lambda: pipe.step(x, target=y)}.items():

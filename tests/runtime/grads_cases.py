@@ -282,6 +282,37 @@ def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float,
     return float(want)
 
 
+def check_clip_refused_on_one_rank(name: str, pp: int) -> tuple[str, str, float, bool, float]:
+    """pp ranks, no replicas; after a step, rank 1 attaches a main_grad (Megatron's float32
+    accumulation) to its stage's ``lin.weight``, whose gradient the step left in .grad, so
+    `clip_grad_norm_` refuses it there. The other ranks waited in the norm's all-reduce until the
+    group's timeout. Returns what the call raised here and how long it took, whether every gradient
+    is as before (nothing clipped), and the norm of a second call once the main_grad is dropped
+    (every rank takes part again: the same norm everywhere)."""
+    import time
+
+    from zbpp.runtime import clip_grad_norm_
+
+    sched = make_schedule(name, pp, 2 * pp)
+    stages = {s: Block(s) for s in sched.stages_on(dist.get_rank())}
+    pipe = Pipeline(stages, sched, mse)
+    pipe.step(*data(0, 2 * sched.num_microbatches, 0))
+    before = [p.grad.clone() for p in pipe.parameters()]
+    if dist.get_rank() == 1:
+        stages[1].lin.weight.main_grad = torch.zeros_like(stages[1].lin.weight)
+    t0 = time.monotonic()
+    try:
+        clip_grad_norm_(pipe, 1e-3)
+        raised = "nothing"
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        raised = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    untouched = all(torch.equal(b, p.grad) for b, p in zip(before, pipe.parameters()))
+    for p in pipe.parameters():
+        p.__dict__.pop("main_grad", None)
+    return raised.split(":")[0], raised, seconds, untouched, float(clip_grad_norm_(pipe, 1e-3))
+
+
 def token_batch(step: int, rows: int, replica: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and labels of the tied LM of feature_cases, with ignored (-100) labels: replica 1's
     first microbatch has none to count at step 0, and its whole batch none at step 1."""

@@ -23,8 +23,10 @@ import torch
 
 from zbpp.runtime import clip_grad_norm_
 
-from .grads_cases import (check_changed_after_build, check_clip, check_tie_replaced_after_build, check_tie_unfrozen_unalike, check_eval_between, check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync,
-                          check_token_weights, check_unfrozen_later, check_unused_on_one_replica)
+from .grads_cases import (check_changed_after_build, check_clip, check_clip_refused_on_one_rank, check_eval_between,
+                          check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync, check_tie_replaced_after_build,
+                          check_tie_unfrozen_unalike, check_token_weights, check_unfrozen_later,
+                          check_unused_on_one_replica)
 
 
 @pytest.mark.parametrize("kind", ["plain", "zbpp"])
@@ -82,6 +84,19 @@ def test_sharded_tied_sum_of_earlier_steps_counts_once_after_no_sync(zbpp_worker
 @pytest.mark.parametrize("name,kind,norm_type", [("zb-v", "plain", 2.0), ("1f1b", "zbpp", 1.0)])
 def test_clip_with_the_device_mesh_the_pipeline_got(zbpp_workers, name, kind, norm_type):
     zbpp_workers(4).run(check_clip, name, 2, kind, norm_type, 0.1, "mesh")
+
+
+def test_clip_refused_on_one_rank_raises_on_every_rank(zbpp_workers):
+    """A main_grad beside .grad on rank 1 only (`check_clip_refused_on_one_rank`): rank 1 raises its
+    ValueError, every other rank a PipelineError naming global rank 1 and the parameter, within
+    seconds (the run's 60 s are far below the group's timeout), before any gradient is clipped."""
+    out = zbpp_workers(4).run(check_clip_refused_on_one_rank, "1f1b", 4, timeout=60)
+    refusal = "clip_grad_norm_: parameter lin.weight of stage 1 has both a main_grad and a .grad"
+    for rank, (kind, message, seconds, untouched, _) in enumerate(out):
+        assert kind == ("ValueError" if rank == 1 else "PipelineError"), (rank, message)
+        assert refusal in message and (rank == 1 or "global rank 1: ValueError" in message), (rank, message)
+        assert seconds < 5.0 and untouched, (rank, seconds, untouched)
+    assert len({norm for *_, norm in out}) == 1, out  # the next call, on every rank alike
 
 
 def test_clip_refuses_groups_it_cannot_read():

@@ -28,8 +28,8 @@ A KeyboardInterrupt, a SystemExit or a store error that comes while a rank takes
 agreement does not make it leave the collective (the others would wait for it): the agreement
 completes and the caller gets it with `Agreement.take_held`. So with the exchanges of messages
 (`Agreement.gather_objects`) and those of a collective call (building a `Pipeline`, `check_ties`,
-a checkpoint: `agree_on_problems`), where it is raised once the outermost call ends
-(`collective_call`): the peers complete the call too.
+a checkpoint: `agree_on_problems`; ``clip_grad_norm_``: `agree_nothing_failed`), where it is raised
+once the outermost call ends (`collective_call`): the peers complete the call too.
 
 A rank that died makes the agreement fail. gloo tells only the ranks that exchange data with it
 directly (a closed connection, at once); the others would wait for the group's timeout. So a rank
@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     from ..schedules.ir import Action
     from .failure import StepFailure
 
-__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "agree_on_problems", "agree_to_build",
-           "collective_call", "decide_start", "decide_end", "failed_step_error", "graphs_win"]
+__all__ = ["StartReport", "EndReport", "Agreement", "BrokenJob", "StartDecision", "agree_nothing_failed", "agree_on_problems",
+           "agree_to_build", "collective_call", "decide_start", "decide_end", "failed_step_error", "graphs_win"]
 
 R = TypeVar("R", "StartReport", "EndReport")
 
@@ -127,6 +127,18 @@ class Agreement:
         self._wait(dist.all_gather(out, t, group=self.group, async_op=True))
         kinds = [f.type for f in fields(type(mine))]
         return [type(mine)(*(bool(v) if k in ("bool", bool) else int(v) for v, k in zip(o.tolist(), kinds))) for o in out]
+
+    def any(self, flag: bool) -> bool:
+        """Whether some rank's `flag` is set: one all-reduce of an int, cheaper than `gather` (for
+        calls made every step), waited for as `gather` waits; `BrokenJob` when a rank is gone."""
+        if self.group is None:
+            return flag
+        import torch.distributed as dist
+
+        self._holding(self.check)
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        return bool(t.item())
 
     def gather_texts(self, text: str | None) -> list[str | None]:
         """Every rank's `text` (only when some rank has one to tell: it pickles)."""
@@ -261,17 +273,31 @@ def agree_on_problems(agreement: Agreement, problem: BaseException | None, world
     interrupt while this rank exchanged is raised after the exchange, or at the end of the
     `collective_call` it is part of."""
     told = agreement.gather_objects((None if problem is None else describe_error(problem), payload))
-    held = agreement.take_held()
-    if held is not None:
-        if _DEPTH[0] == 0:
-            raise held
-        _DEFERRED.append(held)
+    _raise_or_defer(agreement.take_held())
     if problem is not None:
         raise problem
     bad = [f"global rank {g}: {text}" for g, (text, _) in zip(sorted(world), told) if text is not None]
     if bad:
         raise PipelineError(f"{failed}; " + "; ".join(bad))
     return [p for _, p in told]
+
+
+def agree_nothing_failed(agreement: Agreement, problem: BaseException | None, world: Sequence[int],
+                         failed: str) -> None:
+    """`agree_on_problems` without a payload, for a call made every step (``clip_grad_norm_``): one
+    all-reduce of a flag where no rank failed (`Agreement.any`); the messages travel only when one did."""
+    if agreement.any(problem is not None):
+        agree_on_problems(agreement, problem, world, failed)  # takes the held interrupt too
+    _raise_or_defer(agreement.take_held())
+
+
+def _raise_or_defer(held: BaseException | None) -> None:
+    """An interrupt held while this rank exchanged: raised now, or at the end of the outermost
+    `collective_call` in progress."""
+    if held is not None:
+        if _DEPTH[0] == 0:
+            raise held
+        _DEFERRED.append(held)
 
 
 def agree_to_build(agreement: Agreement, problem: BaseException | None, world: Sequence[int], seed: int,

@@ -27,6 +27,8 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from .agreement import collective_call
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -131,6 +133,12 @@ def clip_grad_norm_(
         error_if_nonfinite: raise if the total norm is NaN or infinite.
         foreach: taken for torch's signature and ignored: the result is the same either way.
 
+    Given a `Pipeline`, its ranks first agree, on the host (one gloo all-gather of a flag), that
+    none refused the call: a rank's error (a ``main_grad`` beside the step's ``.grad``, say) raises
+    there, and a `PipelineError` naming that rank and its error on every other, before any
+    collective or clipping. Given anything else, a rank that refuses leaves the others in the
+    all-reduce until the group's timeout.
+
     A `Pipeline`'s tied parameters (`tied_parameters=`) count once: on the rank of their lowest
     stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages).
     Parameters passed otherwise count on every rank that passes them.
@@ -147,22 +155,39 @@ def clip_grad_norm_(
     unusable = getattr(pipeline_or_params, "_raise_if_unusable", None)
     if callable(unusable):  # a Pipeline that found its job broken: the all-reduce would wait for a dead rank
         unusable()
-    if max_norm < 0 or math.isnan(max_norm):
-        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+    # an interrupt while the ranks agree comes once the call is done: the peers would wait for this rank
+    with collective_call():
+        return _clip(pipeline_or_params, max_norm, groups, norm_type, error_if_nonfinite)
+
+
+def _clip(pipeline_or_params: Any, max_norm: float, groups: Any, norm_type: float | str,
+          error_if_nonfinite: bool) -> torch.Tensor:
+    """`clip_grad_norm_`'s work, inside its `collective_call`."""
     try:
-        p_norm = float(norm_type)  # torch's clip takes "inf" (any float() string) too
-    except (TypeError, ValueError):
-        p_norm = math.nan
-    if not p_norm > 0:
-        raise ValueError(f"norm_type must be > 0 (or math.inf, 'inf'), got {norm_type!r}")
-    norm_type = p_norm
-    params = _parameters(pipeline_or_params)
-    _refuse_two_grads(params, pipeline_or_params)
+        if max_norm < 0 or math.isnan(max_norm):
+            raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+        try:
+            p_norm = float(norm_type)  # torch's clip takes "inf" (any float() string) too
+        except (TypeError, ValueError):
+            p_norm = math.nan
+        if not p_norm > 0:
+            raise ValueError(f"norm_type must be > 0 (or math.inf, 'inf'), got {norm_type!r}")
+        norm_type = p_norm
+        params = _parameters(pipeline_or_params)
+        _refuse_two_grads(params, pipeline_or_params)
+        group, size = _pp_group(pipeline_or_params, groups)
+        problem = None
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    agree = getattr(pipeline_or_params, "_agree_before_collectives", None)
+    if callable(agree):  # a Pipeline: a rank that refused here would leave the others waiting in the all-reduces
+        agree(problem, "clip_grad_norm_")
+    elif problem is not None:
+        raise problem
     tied = getattr(pipeline_or_params, "_tied", None)
     counted = [p for p in params if tied is None or tied.counted_here(p)]
     grads = [g for g in map(_grad, params) if g is not None]
     norm_of = [g for g in map(_grad, counted) if g is not None]
-    group, size = _pp_group(pipeline_or_params, groups)
     if grads:
         device = grads[0].device
         acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32

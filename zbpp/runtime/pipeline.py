@@ -30,8 +30,8 @@ from ..schedules.ir import Kind, Schedule
 from ..schedules.program import Program, make_program
 from ..schedules.simulate import Costs
 from .arguments import check_arguments, check_stage_modules
-from .agreement import (Agreement, BrokenJob, StartReport, agree_on_problems, agree_to_build, collective_call,
-                        decide_end, decide_start)
+from .agreement import (Agreement, BrokenJob, StartReport, agree_nothing_failed, agree_on_problems, agree_to_build,
+                        collective_call, decide_end, decide_start)
 from .channels import Channels, agreement_group, default_timeout
 from .comm_queue import CommQueue
 from .executor import PipelineError, StepExecutor, StepInputs, StepResults
@@ -643,6 +643,16 @@ class Pipeline:
         except BrokenJob as exc:
             raise self._broken_error(exc, which) from exc
         return self._agreement.take_held()
+
+    def _agree_before_collectives(self, problem: BaseException | None, which: str) -> None:
+        """Before the first collective of `which`, a call between steps: every rank tells whether its
+        local part failed (`problem`; `agree_on_problems`), so that none waits in a collective for a rank
+        that raised. Call it inside a `collective_call`; a rank dead meanwhile makes this unusable."""
+        try:
+            agree_nothing_failed(self._agreement, problem, self.topology.world,
+                                 f"{which} could not run on every rank (nothing was changed)")
+        except BrokenJob as exc:
+            raise self._broken_error(exc, f"agreement of {which}") from exc
 
     def _broken_error(self, exc: BrokenJob, which: str) -> PipelineError:
         self._broken = (f"this Pipeline is unusable: the {which} among its ranks cannot complete "
