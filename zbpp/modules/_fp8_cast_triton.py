@@ -44,8 +44,6 @@ import os
 
 import torch
 
-from ._triton_launch import direct
-
 try:
     import triton
     import triton.language as tl
@@ -339,7 +337,6 @@ if triton is not None:
                     BLOCK=BLOCK_H,
                 )
 
-    @direct
     @triton.jit
     def _cast_transpose_amax_kernel(
         x_ptr,
@@ -387,7 +384,6 @@ if triton is not None:
             UPDATE=UPDATE, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
 
-    @direct
     @triton.jit
     def _update_scale_kernel(
         history_ptr,
