@@ -81,6 +81,24 @@ def check_close(what: str, got: torch.Tensor | None, want: torch.Tensor | None) 
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **TOL)
 
 
+def _step_against_replicas(pipe: Pipeline, refs: list[list[nn.Module]], stages: dict[int, nn.Module], step: int,
+                           rows: int, dp_rank: int, label: str) -> None:
+    """One step of `pipe` on this replica's rows, checked against the replicas' whole-model
+    references (`refs`, one per replica: their gradients averaged); every gradient reset after."""
+    x, y = data(step, rows, dp_rank)
+    pipe.step(x, target=y)
+    for d, r in enumerate(refs):
+        h, yd = data(step, rows, d)
+        for b in r:
+            h = b(h)
+        mse(h, yd).backward()
+    want = averaged_reference(refs, stages)
+    for key, p in _named(stages).items():
+        check_close(f"{label} rank {dist.get_rank()} {key}", p.grad, want[key])
+    for q in [*pipe.parameters(), *(q for r in refs for b in r for q in b.parameters())]:
+        q.grad = None
+
+
 def check_unfrozen_later(name: str, pp: int, kind: str) -> None:
     """A parameter frozen when the Pipeline is built and trained later (fine-tuning that unfreezes
     layers): with data parallelism its gradient must be averaged over the replicas."""
@@ -98,20 +116,8 @@ def check_unfrozen_later(name: str, pp: int, kind: str) -> None:
         if step == 1:
             for st in [*stages.values(), *(b for r in refs for b in r)]:
                 st.extra.weight.requires_grad_(True)
-        rows = 2 * sched.num_microbatches + 1
-        x, y = data(step, rows, groups.dp_rank)
-        pipe.step(x, target=y)
-        for d, r in enumerate(refs):
-            xd, yd = data(step, rows, d)
-            h = xd
-            for b in r:
-                h = b(h)
-            mse(h, yd).backward()
-        want = averaged_reference(refs, stages)
-        for key, p in _named(stages).items():
-            check_close(f"{name} step {step} rank {dist.get_rank()} {key}", p.grad, want[key])
-        for q in [*pipe.parameters(), *(q for r in refs for b in r for q in b.parameters())]:
-            q.grad = None
+        _step_against_replicas(pipe, refs, stages, step, 2 * sched.num_microbatches + 1, groups.dp_rank,
+                               f"{name} step {step}")
 
 
 class _Lora(nn.Module):
@@ -153,18 +159,7 @@ def check_changed_after_build(name: str, kind: str) -> list[str]:
     pipe = Pipeline(stages, sched, mse, groups=groups)
 
     def run(pipe: Pipeline, step: int) -> None:
-        x, y = data(step, 9, groups.dp_rank)
-        pipe.step(x, target=y)
-        for d, r in enumerate(refs):
-            h, yd = data(step, 9, d)
-            for b in r:
-                h = b(h)
-            mse(h, yd).backward()
-        want = averaged_reference(refs, stages)
-        for key, p in _named(stages).items():
-            check_close(f"{name} {kind} step {step} rank {dist.get_rank()} {key}", p.grad, want[key])
-        for q in [*pipe.parameters(), *(q for r in refs for b in r for q in b.parameters())]:
-            q.grad = None
+        _step_against_replicas(pipe, refs, stages, step, 9, groups.dp_rank, f"{name} {kind} step {step}")
 
     for st in [*stages.values(), *(b for r in refs for b in r)]:
         st.extra = nn.Identity()

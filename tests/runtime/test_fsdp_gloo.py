@@ -49,8 +49,7 @@ def test_fsdp_pipeline(results: dict[str, list[str]], case: str) -> None:
 def test_mixed_precision(zbpp_workers, schedule: str, kind: str) -> None:
     """float32 compute of float64 shards, float64 reduce-scatters (`mixed_precision_case`)."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(mixed_precision_case, schedule, kind)
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
+    _assert_no_fails(per_rank)
 
 
 @pytest.mark.timeout(600)
@@ -58,8 +57,7 @@ def test_fused_main_grad_reduced_unrounded(zbpp_workers) -> None:
     """bfloat16 compute, float32 reduce: a fused Linear's float32 main_grad joins FSDP's float32
     reduction unrounded (`fused_bf16_case`)."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(fused_bf16_case, "zb-h1")
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
+    _assert_no_fails(per_rank)
 
 
 @pytest.mark.timeout(600)
@@ -67,8 +65,7 @@ def test_fused_main_grad_reduced_unrounded(zbpp_workers) -> None:
 def test_branch_taken_by_one_replica_only(zbpp_workers, schedule: str) -> None:
     """Parameters with a gradient on one replica only (`unused_on_one_replica_case`)."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(unused_on_one_replica_case, schedule)
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
+    _assert_no_fails(per_rank)
 
 
 @pytest.mark.timeout(600)
@@ -76,8 +73,7 @@ def test_clip_with_an_empty_shard(zbpp_workers) -> None:
     """A one-element Parameter sharded over 2 replicas (empty on replica 1): the inf-norm and the
     2-norm clip as torch in one process does (`clip_one_row_case`)."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(clip_one_row_case)
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
+    _assert_no_fails(per_rank)
 
 
 @pytest.mark.timeout(600)
@@ -85,8 +81,7 @@ def test_clip_with_an_empty_shard(zbpp_workers) -> None:
 def test_reduce_scatter_after_last_w(zbpp_workers, schedule: str) -> None:
     """Each stage's reduce-scatter is launched after its last W and before the step returns."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(timing_case, schedule)
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
+    _assert_no_fails(per_rank)
 
 
 @pytest.mark.timeout(600)
@@ -96,8 +91,7 @@ def test_failed_step_leaves_fsdp_usable(zbpp_workers, microbatch: int, no_sync: 
     not; with a weight tied across the ranks) raises everywhere; the next steps match the reference
     as if the failed one never ran."""
     per_rank = zbpp_workers(4, pg_timeout=60).run(failure_case, "zb-h1", microbatch, no_sync, tie)
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
+    _assert_no_fails(per_rank)
 
 
 @pytest.mark.timeout(600)
@@ -180,3 +174,8 @@ def test_check_ties_compares_sharded_copies(zbpp_workers, schedule: str, holders
     want = f"RuntimeError: tied parameter 'w' differs between its copies by up to 0.001: held by {holders}. "
     assert all(r[1].startswith(want) for r in per_rank), per_rank
     assert len({r[1] for r in per_rank}) == 1, per_rank  # the same error on every rank
+
+
+def _assert_no_fails(per_rank: list[list[str]]) -> None:
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)

@@ -204,15 +204,8 @@ def _zero_missing_grads(root: nn.Module) -> None:
 def _original_uids(root: nn.Module) -> list[tuple[Any, nn.Parameter]]:
     """``(id of the original Parameter, sharded parameter)`` for every parameter that fully_shard
     calls under `root` manage (none on a torch whose FSDP does not record the original)."""
-    out = []
-    states = {id(st): st for st in (_fully_shard().state(sub) for sub in root.modules() if is_fsdp_module(sub))}  # type: ignore[attr-defined]
-    for state in states.values():
-        for group in _param_groups(state):
-            for fp in group.fsdp_params:
-                uid = getattr(fp, "_orig_param_uid", None)
-                if uid is not None:
-                    out.append((uid, fp.sharded_param))
-    return out
+    return [(uid, fp.sharded_param) for fp in _managed(root)
+            if (uid := getattr(fp, "_orig_param_uid", None)) is not None]
 
 
 def sharded_forms(root: nn.Module) -> dict[int, nn.Parameter]:
@@ -221,15 +214,14 @@ def sharded_forms(root: nn.Module) -> dict[int, nn.Parameter]:
     while it is unsharded (between steps too, after a forward outside them)."""
     if _fsdp_module_class() is None:
         return {}
-    out: dict[int, nn.Parameter] = {}
+    return {id(unsharded): fp.sharded_param for fp in _managed(root)
+            if (unsharded := getattr(fp, "_unsharded_param", None)) is not None}
+
+
+def _managed(root: nn.Module) -> list[Any]:
+    """FSDP's parameter records (``FSDPParam``) of every fully_shard call under `root`, each once."""
     states = {id(st): st for st in (_fully_shard().state(sub) for sub in root.modules() if is_fsdp_module(sub))}  # type: ignore[attr-defined]
-    for state in states.values():
-        for group in _param_groups(state):
-            for fp in group.fsdp_params:
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    out[id(unsharded)] = fp.sharded_param
-    return out
+    return [fp for state in states.values() for group in _param_groups(state) for fp in group.fsdp_params]
 
 
 #: the module attribute `note_parameters` sets: ``{parameter fqn in the module: _Original}``
