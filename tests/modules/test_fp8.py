@@ -57,6 +57,27 @@ def test_autocast_nests_and_disables():
     assert fp8mod.active_recipe() is None
 
 
+@pytest.mark.parametrize("rows", [16, 10])  # torch._scaled_mm's shapes, and the dequantised product's
+def test_fp8_layers_run_as_outside_torch_autocast(rows):
+    """Under ``torch.autocast`` (bfloat16) a float32 FP8 layer returns float32, so it is not refused,
+    but autocast ran its GEMMs in bfloat16 (the dequantised float32 product, and CPU's
+    ``_scaled_mm``, which computes through it): outputs off by bfloat16 roundings, and LayerNormMLP's
+    gradients with them (its backward reads fc1's output). Reference: the same layer outside
+    torch.autocast; bit for bit (the same CPU operations on the same values)."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 32)
+    got = []
+    for autocast in (True, False):
+        torch.manual_seed(1)
+        layer = LayerNormMLP(32, 64)  # the same weights each time
+        xx = x.clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=DelayedScaling()), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(xx)
+        (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+        got.append([y, xx.grad, *(p.grad for p in layer.parameters())])
+    assert all(a.dtype == b.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
 # -- delayed scaling ---------------------------------------------------------------------------
 
 

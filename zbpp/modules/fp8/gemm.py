@@ -42,13 +42,20 @@ def fp8_gemm_nt(
     Runs ``torch._scaled_mm`` when `use_scaled_mm` and M, K, N are all multiples of 16, with
     partial sums promoted to float32 or, with `fast_accumulation`, kept in the tensor cores'
     reduced precision (faster on Hopper; CPUs accumulate in float32 either way); otherwise
-    multiplies the dequantised operands in float32.
+    multiplies the dequantised operands in float32; ``torch.autocast`` changes neither.
 
     >>> import torch
     >>> one = Quantized(torch.ones(2, 3).to(torch.float8_e4m3fn), torch.tensor(0.5))
     >>> fp8_gemm_nt(one, one, out_dtype=torch.float32).tolist()
     [[0.75, 0.75], [0.75, 0.75]]
     """
+    device = a.data.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        # the layers do not follow torch.autocast: it would run the float32 product (and CPU's
+        # _scaled_mm, which computes through it) in its own dtype, another GEMM than outside it
+        with torch.autocast(device, enabled=False):
+            return fp8_gemm_nt(a, b, out_dtype=out_dtype, bias=bias, use_scaled_mm=use_scaled_mm,
+                               fast_accumulation=fast_accumulation)
     a_data, b_data = a.data, b.data
     (m, k), (n, k2) = a_data.shape, b_data.shape
     if k != k2:
