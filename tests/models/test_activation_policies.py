@@ -362,6 +362,47 @@ def test_measuring_leaves_gradients_and_buffers_as_found():
     assert blk[3].pending_wgrad_keys() == pending and len(pending) == 1
 
 
+def test_measuring_then_training_is_training_without_measuring():
+    """A user measures, then trains. The measurement's forwards drew dropout masks from the global
+    generator (the step after it drew other masks); under fp8_autocast they cast through the zbpp
+    layers' FP8 slots: a fresh layer was left with slots whose amax histories and scales the
+    measurement's inputs had moved; and a delayed layer measured outside FP8 counted that forward
+    in the step, so that an FP8 step after it listed its bias among the gradients W produces
+    (B computes it in FP8). Reference: the same steps of a copy that was not measured; bit for bit
+    (the same CPU operations on the same values)."""
+    from zbpp.modules import DelayedScaling, fp8_autocast
+    from zbpp.modules import Linear as ZLinear
+    from zbpp.modules._scaling_state import scaling_states
+    from zbpp.modules._shared_input import forget_last_cast
+
+    torch.manual_seed(0)
+    net = nn.Sequential(ZLinear(16, 32, delay_wgrad_compute=True), nn.Dropout(0.5), nn.GELU(), ZLinear(32, 16))
+    x = torch.randn(16, 16)
+
+    def trained(measure: bool) -> tuple[list[torch.Tensor], dict, list[str]]:
+        model = copy.deepcopy(net)
+        forget_last_cast()  # the other model's last input cast: not this one's to share
+        torch.manual_seed(1)
+        if measure:
+            measure_activation_policies(model, 3 * x, policies=["none"])
+        with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+            if measure:
+                measure_activation_policies(model, 3 * x, policies=["none", "full"])  # other amaxes than x's
+            for _ in range(2):
+                model(x).square().sum().backward()
+                model[0].backward_dw()
+        names = {id(p): n for n, p in model.named_parameters()}
+        return ([p.grad for p in model.parameters()], scaling_states(model),
+                [names[id(p)] for p in model[0].get_backward_dw_params()])
+
+    (grads, fp8, in_w), (ref_grads, ref_fp8, ref_in_w) = trained(True), trained(False)
+    assert in_w == ref_in_w == ["0.weight"]
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+    assert fp8.keys() == ref_fp8.keys()
+    for k in fp8:
+        assert all(torch.equal(fp8[k][f], ref_fp8[k][f]) for f in ("amax_history", "scale", "casts")), k
+
+
 def test_bad_policies_are_named():
     net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="'fast'.*choose one of none, full, selective, offload"):

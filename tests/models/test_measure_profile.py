@@ -427,3 +427,38 @@ def test_a_frozen_embedding_is_profiled_and_its_output_is_the_next_layers_activa
     assert lu.activation == lu.wgrad == hidden and lu.b == 0.0 and lu.w > 0
     # the layers after it as without the frozen one: tanh keeps its output, down its input
     assert la.activation == hidden and la.wgrad == 0.0 and ld.activation == ld.wgrad == hidden
+
+
+def test_measuring_then_training_is_training_without_measuring():
+    """measure_profile runs each layer's forward several times: they drew dropout masks from the
+    global generator (the step after it drew other masks), and under fp8_autocast moved the zbpp
+    layers' FP8 amax histories and scales. Reference: the same steps of a copy that was not
+    measured; bit for bit (the same CPU operations on the same values)."""
+    import copy
+
+    from zbpp.modules import DelayedScaling, fp8_autocast
+    from zbpp.modules import Linear as ZLinear
+    from zbpp.modules._scaling_state import scaling_states
+    from zbpp.modules._shared_input import forget_last_cast
+
+    torch.manual_seed(0)
+    net = nn.Sequential(ZLinear(16, 32), nn.Sequential(nn.Dropout(0.5), nn.GELU(), ZLinear(32, 16)))
+    x = torch.randn(16, 16)
+
+    def trained(measure: bool) -> tuple[list[torch.Tensor], dict]:
+        model = copy.deepcopy(net)
+        forget_last_cast()  # the other model's last input cast: not this one's to share
+        torch.manual_seed(1)
+        with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+            if measure:
+                measure_profile(layers=[("up", model[0]), ("down", model[1])], example_input=3 * x,
+                                steps=1, warmup=0, policies=["full"])
+            for _ in range(2):
+                model(x).square().sum().backward()
+        return [p.grad for p in model.parameters()], scaling_states(model)
+
+    (grads, fp8), (ref_grads, ref_fp8) = trained(True), trained(False)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+    assert fp8.keys() == ref_fp8.keys()
+    for k in fp8:
+        assert all(torch.equal(fp8[k][f], ref_fp8[k][f]) for f in ("amax_history", "scale", "casts")), k

@@ -116,8 +116,9 @@ def measure_profile(
       schedule (one microbatch key per step, the same code: `zbpp.runtime.wgrad.StageWgrad`): B
       computes the gradient of the inputs that need one and only what it needs (the runtime's
       generic split; a first layer's B computes nothing), W every weight gradient (the rest of
-      the split backward, then the delayed-wgrad modules' ``backward_dw``). The layer's ``.grad``
-      (and ``main_grad``) are restored after measuring.
+      the split backward, then the delayed-wgrad modules' ``backward_dw``). The layers' ``.grad``
+      (and ``main_grad``), buffers, zbpp FP8 scaling state and the random generators are restored
+      after measuring: training after it is training without it.
     - activation: bytes of the tensors autograd saves in F (`torch.autograd.graph.saved_tensors_hooks`),
       one count per storage; parameters, buffers, the example input's tensors that need no gradient
       (token ids, masks) and the target left out (the caller holds them anyway); a later layer's
@@ -190,16 +191,22 @@ def measure_profile(
     x = example_input
     held = {_key(t)[0] for t in [*_tensors(example_input), *_tensors(target),
                                  *(t for _, m in named if isinstance(m, nn.Module) for t in [*m.parameters(), *m.buffers()])]}
-    for i, (lname, module) in enumerate(named):
-        last = i == len(named) - 1
-        given = x
-        x, layer = _measure(lname, module, x, first=i == 0, loss=(loss_fn, target) if last else None,
-                            steps=steps_, warmup=warmup_, opt=opt, last=last, held=held)
-        if asked and i > 0 and (layers is not None or _names_a_block(lname, module)):
-            timed = {q: _timed_b(lname, module, given, q, loss=(loss_fn, target) if last else None,
-                                 steps=steps_, warmup=warmup_, last=last, held=held) for q in asked if q != "offload"}
-            layer = replace(layer, policies=_policy_costs(lname, module, given, layer, asked, timed))
-        out.append(layer)
+    from .recompute import _left_as_found
+
+    # a measurement is no training step: gradients, buffers, FP8 scaling and random states as found after it
+    measured = model if model is not None else nn.ModuleList(m for _, m in named if isinstance(m, nn.Module))
+    with _left_as_found(measured, (example_input, target)):
+        for i, (lname, module) in enumerate(named):
+            last = i == len(named) - 1
+            given = x
+            x, layer = _measure(lname, module, x, first=i == 0, loss=(loss_fn, target) if last else None,
+                                steps=steps_, warmup=warmup_, opt=opt, last=last, held=held)
+            if asked and i > 0 and (layers is not None or _names_a_block(lname, module)):
+                timed = {q: _timed_b(lname, module, given, q, loss=(loss_fn, target) if last else None,
+                                     steps=steps_, warmup=warmup_, last=last, held=held)
+                         for q in asked if q != "offload"}
+                layer = replace(layer, policies=_policy_costs(lname, module, given, layer, asked, timed))
+            out.append(layer)
     notes = {"measured_on": str(device), "steps": steps_, "warmup": warmup_,
              "optimizer_bytes_per_param": "AdamW's for each parameter's dtype" if opt is None else opt,
              "torch": torch.__version__}

@@ -73,6 +73,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
 from .._compat import current_saved_tensors_hooks, disable_dynamo, torch_dispatch_mode
+from ..modules._scaling_state import restore_scaling_states, scaling_states
+from ..modules._shared_input import last_cast_kept
 from ..modules.base import DelayedWgradModule
 from ..modules.context import current_microbatch, microbatch, rank_next_backward
 from ..modules.fp8 import DelayedScaling, ScalingMeta, active_recipe, fp8_autocast
@@ -714,7 +716,8 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     gradient); `kwargs` (masks, rotary tables) are passed as they are. Bytes are counted with saved-tensor hooks
     (storages held by autograd, each once) and FLOPs with ``torch.utils.flop_counter`` (matrix
     products only: an elementwise re-run counts 0), so a CPU run gives the figures of any device. The
-    layer's own policy, gradients and buffers are as found afterwards. ``none`` measures the layer as it runs, with the
+    layer's own policy, gradients, buffers, zbpp FP8 scaling state and the random generators are as
+    found afterwards. ``none`` measures the layer as it runs, with the
     policies of layers inside it; other policies refuse such a layer (policies may not nest). The planner needs, per layer and policy, these bytes
     (F->B, B->W) for its memory model and ``recompute_flops`` (or the host copy time of
     ``host_bytes`` beyond the gap the schedule leaves) added to B's time.
@@ -748,7 +751,7 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     out: dict[str, ActivationCost] = {}
     base: int | None = None
     try:
-        with _left_as_found(layer):
+        with _left_as_found(layer, (args, kwargs)):
             for policy in ("none", *[p for p in policies if p != "none"]):
                 _set(layer, policy)
                 cost, bw = _measure_once(layer, policy, args, kwargs, SavedBoxes, backward_input)
@@ -764,12 +767,52 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
 
 
 @contextlib.contextmanager
-def _left_as_found(layer: nn.Module) -> Iterator[None]:
-    """The layer's gradients (``.grad``; a fused layer's ``main_grad``), buffers and pending
-    delayed-wgrad jobs as they are now, after the block: the measurement's forwards and backwards
-    are no training step's (the W jobs they file, holding their tensors, are dropped)."""
+def _left_as_found(layer: nn.Module, inputs: Any = ()) -> Iterator[None]:
+    """The layer's gradients (``.grad``; a fused layer's ``main_grad``), buffers, pending
+    delayed-wgrad jobs, zbpp FP8 scaling state and the random generators (those of the devices of
+    its tensors and of `inputs`) as they are now, after the block: the measurement's forwards and
+    backwards are no training step's (the W jobs they file, holding their tensors, are dropped; a
+    dropout's draws and the amaxes cast are not the training's)."""
+    with _random_state_kept([*layer.parameters(), *layer.buffers(), *flatten(inputs)[0]]), \
+            _fp8_state_kept(layer), _grads_buffers_kept(layer):
+        yield
+
+
+@contextlib.contextmanager
+def _random_state_kept(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The CPU generator and those of the accelerators `tensors` are on, restored after the block."""
+    devices = {t.device for t in tensors if t.device.type != "cpu"}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU generator
+        for kind in {d.type for d in devices}:
+            stack.enter_context(torch.random.fork_rng(devices=[d for d in devices if d.type == kind], device_type=kind))
+        yield
+
+
+@contextlib.contextmanager
+def _fp8_state_kept(layer: nn.Module) -> Iterator[None]:
+    """The FP8 slots of `layer`'s zbpp layers (amax histories, scales, which slots exist and which
+    are shared) and the thread's last input cast as now, after the block; kept weight casts dropped."""
+    if not any(isinstance(m, DelayedWgradModule) for m in layer.modules()):  # no FP8 slots (nor state_dict walk)
+        with last_cast_kept():
+            yield
+        return
+    states = {k: {**v, "amax_history": v["amax_history"].clone(), "scale": v["scale"].clone()}
+              for k, v in scaling_states(layer).items()}
+    with last_cast_kept():
+        try:
+            yield
+        finally:
+            restore_scaling_states(layer, states)
+
+
+@contextlib.contextmanager
+def _grads_buffers_kept(layer: nn.Module) -> Iterator[None]:
+    """`_left_as_found`'s gradients, buffers and delayed-wgrad jobs, and which forwards the
+    delayed-wgrad layers' step ran (in FP8 or not: what `get_backward_dw_params` lists)."""
     params = list(layer.parameters())
-    delayed = [(m, set(m.pending_wgrad_keys())) for m in layer.modules() if isinstance(m, DelayedWgradModule)]
+    delayed = [(m, set(m.pending_wgrad_keys()), m._forwards_in_step, m._bias_grad_deferred)
+               for m in layer.modules() if isinstance(m, DelayedWgradModule)]
     grads = [(p, p.grad, getattr(p, "main_grad", None), getattr(p, "grad_added_to_main_grad", None)) for p in params]
     buffers = [(m, n, b, b.clone()) for m in layer.modules() for n, b in m._buffers.items() if b is not None]
     for p, _, main, _ in grads:
@@ -791,10 +834,14 @@ def _left_as_found(layer: nn.Module) -> Iterator[None]:
             for m, n, b, copy in buffers:
                 m._buffers[n] = b
                 b.copy_(copy)
-        for m, keys in delayed:
+        for m, keys, ran, deferred in delayed:
             for key in m.pending_wgrad_keys():
                 if key not in keys:
                     m._wgrad_store.take(key)
+            m._forwards_in_step = ran
+            if m._bias_grad_deferred != deferred:
+                m._bias_grad_deferred = deferred
+                m._sync_param_flags()
 
 
 def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxes: Any,

@@ -22,14 +22,15 @@ after every step, through ``release_step_caches``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
 from .fp8 import DelayedScaling, Quantized, ScalingMeta, quantize
 
-__all__ = ["adopted_slot", "cast_input", "forget_last_cast"]
+__all__ = ["adopted_slot", "cast_input", "forget_last_cast", "last_cast_kept"]
 
 
 class _LastCast(NamedTuple):
@@ -96,3 +97,14 @@ def cast_input(x: torch.Tensor, slot: ScalingMeta, recipe: DelayedScaling, trans
 def forget_last_cast() -> None:
     """Drop this thread's last cast (and the tensors it holds)."""
     _last.cast = None
+
+
+@contextlib.contextmanager
+def last_cast_kept() -> Iterator[None]:
+    """This thread's last cast as it is now, after the block (a measurement's casts are no
+    step's: a Linear after it must not take or adopt what they made)."""
+    last = getattr(_last, "cast", None)
+    try:
+        yield
+    finally:
+        _last.cast = last
