@@ -102,7 +102,10 @@ def apply_activation_policy(module: nn.Module, policies: Mapping[str, str], *, s
     ``{name: policy}`` of the modules set now. Parameters and ``state_dict`` keys do not change; a policy wraps the module's forward (one set
     on the instance, as accelerate's hooks set, included) and ``"none"`` gives it back. A copy
     (``copy.deepcopy``, pickling, `zbpp.models.pipeline_stages` of a model with real weights) runs
-    its own layers under the same policies.
+    its own layers under the same policies; a forward set on the instance that is a closure over
+    the original runs the original, as without a policy. A shallow ``copy.copy`` of a module under a
+    policy (sharing its submodules) runs the original's forward, reading the original's attributes,
+    until given its policies again: ``apply_activation_policy(c, activation_policies(c))``.
 
     >>> from torch import nn
     >>> stack = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
