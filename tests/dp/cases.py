@@ -16,8 +16,10 @@ contribution (that is a factor of 2 somewhere).
 
 from __future__ import annotations
 
+import gc
 import math
 import traceback
+import weakref
 from typing import Any
 
 import torch
@@ -68,7 +70,7 @@ SMALL_BUCKETS = "small-buckets/"
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
     return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + MIXED_FP8 + [SMALL_BUCKETS + c for c in small]
-            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank", "batchnorm-buffers"])
+            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank", "batchnorm-buffers", "dropped-pipeline"])
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -337,6 +339,39 @@ def run_batchnorm_buffers(groups: Any, device: str) -> list[str]:
     return fails
 
 
+def run_dropped_pipeline(groups: Any, device: str) -> list[str]:
+    """A dropped Pipeline is freed with its reducer: the hooks that reducer put on the parameters
+    and on the delayed layers (which outlive it) held it, and its buckets, for as long as the model
+    lived. And they went on: a parameter with a ``main_grad`` had every later ``.grad`` moved into the
+    dropped buffer, so a plain backward afterwards left ``.grad`` None. Reference for that backward:
+    the same stage built afresh (same seed, same values: the step changed no parameter) in one
+    process, the same float64 ops on the same rows: exact."""
+    sched = build("zb-h1", num_ranks=groups.pp, num_microbatches=M)
+    x, y = batch(0, M * MB, device)
+    models, alive = {}, {}
+    for kind in ("plain", "te"):  # "te": delayed layers with register_wgrad_accumulation_and_reduce_hooks
+        models[kind] = {s: make_stage(s, kind, device)[0] for s in sched.stages_on(groups.pp_rank)}
+        for mod in models[kind].values():
+            for p in mod.parameters():
+                p.main_grad = torch.zeros_like(p)  # the reducer then keeps every gradient in its buckets
+        pipe = Pipeline(models[kind], sched, loss_fn, groups=groups, device=device)
+        pipe.step(x, target=y)
+        alive[kind] = weakref.ref(pipe), weakref.ref(pipe.reducer)
+        del pipe
+    gc.collect()  # a Pipeline holds reference cycles
+    fails = [f"{kind}: the dropped Pipeline or its reducer is still alive"
+             for kind, refs in alive.items() if any(ref() is not None for ref in refs)]
+    for s, mod in models["plain"].items():
+        ref = make_stage(s, "plain", device)[0]
+        for m in (mod, ref):
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+        for (n, p), want in zip(mod.named_parameters(), ref.parameters()):
+            if not _close(p.grad, want.grad, rtol=0, atol=0):
+                fails.append(f"stage {s} {n}.grad after the Pipeline was dropped: {p.grad}, one process: {want.grad}")
+    return fails
+
+
 def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
     """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}.
 
@@ -357,6 +392,8 @@ def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
                 out[name] = run_clip_frozen_rank(groups, device)
             elif name == "batchnorm-buffers":
                 out[name] = run_batchnorm_buffers(groups, device)
+            elif name == "dropped-pipeline":
+                out[name] = run_dropped_pipeline(groups, device)
             else:
                 small = name.startswith(SMALL_BUCKETS)
                 sched, kind = name.removeprefix(SMALL_BUCKETS).split("/")

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -79,6 +80,27 @@ _B = "B"  # signal: the stage's last B (or BW) ran
 _W = "W"  # signal: the stage's last W (or BW) ran
 _MiB = 1024 * 1024
 _requires_grad = operator.attrgetter("requires_grad")
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+class _WeakHook:
+    """A hook calling a reducer's method while the reducer lives (a no-op after): the parameters and
+    modules it hooks outlive a dropped Pipeline, and must not keep its reducer and buckets alive."""
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method: Callable[..., None]) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any) -> None:
+        method = self._method()
+        if method is not None:
+            method(*args)
 
 
 @dataclass(eq=False)
@@ -186,6 +208,9 @@ class GradReducer:
         self._classify(stage_modules, main_grad)
         self._buckets = self._make_buckets()
         self._install_hooks()
+        # the hooks hold the reducer weakly: once its Pipeline is dropped it is freed (its buckets
+        # too) and its hooks go, instead of moving the next Pipeline's .grad into its main_grad
+        weakref.finalize(self, _remove_handles, self._hook_handles)
         self._active = True
 
     # -- construction -------------------------------------------------------------------------
@@ -324,24 +349,23 @@ class GradReducer:
             self._entries[key].param.main_grad.copy_(value)
         for key, e in self._entries.items():
             if key not in old:
-                self._hook_handles.append(e.param.register_post_accumulate_grad_hook(self._after_accumulate))
+                self._hook_handles.append(e.param.register_post_accumulate_grad_hook(_WeakHook(self._after_accumulate)))
 
     def _install_hooks(self) -> None:
         for e in self._entries.values():
-            self._hook_handles.append(e.param.register_post_accumulate_grad_hook(self._after_accumulate))
+            self._hook_handles.append(e.param.register_post_accumulate_grad_hook(_WeakHook(self._after_accumulate)))
         for s, mods in self._delayed.items():
             for m in mods:
                 register = getattr(m, "register_wgrad_accumulation_and_reduce_hooks", None)
                 if callable(register):
-                    handle = register(functools.partial(self._after_module_wgrad, s, m))
+                    handle = register(functools.partial(_WeakHook(self._after_module_wgrad), s, m))
                     if callable(getattr(handle, "remove", None)):
                         self._hook_handles.append(handle)
 
     def remove_hooks(self) -> None:
-        """Detach from the parameters and modules (hooks that cannot be removed go inert)."""
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles.clear()
+        """Detach from the parameters and modules (hooks that cannot be removed go inert; all do
+        once the reducer is garbage-collected)."""
+        _remove_handles(self._hook_handles)
         self._active = False
 
     # -- hooks --------------------------------------------------------------------------------
