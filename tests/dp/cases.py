@@ -16,6 +16,7 @@ contribution (that is a factor of 2 somewhere).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import traceback
@@ -70,7 +71,8 @@ SMALL_BUCKETS = "small-buckets/"
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
     return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + MIXED_FP8 + [SMALL_BUCKETS + c for c in small]
-            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank", "batchnorm-buffers", "dropped-pipeline"])
+            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank", "batchnorm-buffers", "dropped-pipeline",
+               "second-pipeline"])
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -372,6 +374,52 @@ def run_dropped_pipeline(groups: Any, device: str) -> list[str]:
     return fails
 
 
+def run_second_pipeline(groups: Any, device: str) -> list[str]:
+    """Two Pipelines over the same modules, both alive (one for training, one for evaluation, built
+    second), every parameter with a ``main_grad``: the second took every ``main_grad`` for its
+    buckets, so the first's steps reduced and zeroed its own buffers while the gradients went into
+    the second's, each replica's own, summed over the steps. Now each ``main_grad`` after a step of
+    the first is the whole batch's gradient in one process (`reference_grads`; RTOL/ATOL above), and
+    after a ``no_sync`` window with a third Pipeline built inside it, the sum of its three batches'."""
+    sched = build("zb-h1", num_ranks=groups.pp, num_microbatches=M)
+    mine = {s: make_stage(s, "plain", device)[0] for s in sched.stages_on(groups.pp_rank)}
+    for mod in mine.values():
+        for p in mod.parameters():
+            p.main_grad = torch.zeros_like(p)  # the reducer keeps every gradient in its buckets
+    pipe = Pipeline(mine, sched, loss_fn, groups=groups, device=device)
+    evaluation = Pipeline(mine, build("1f1b", num_ranks=groups.pp, num_microbatches=2), loss_fn, groups=groups, device=device)
+    fails = []
+    for step in range(2):
+        x, y = batch(step, groups.dp * M * MB, device)
+        half = x.shape[0] // groups.dp
+        evaluation.eval_step(x[:half])
+        pipe.step(x[groups.dp_rank * half:(groups.dp_rank + 1) * half], target=y[groups.dp_rank * half:(groups.dp_rank + 1) * half])
+        ref, _ = reference_grads(sched.num_stages, x, y)
+        for s, mod in mine.items():
+            for n, p in mod.named_parameters():
+                want = ref[s][n] if ref[s][n] is not None else torch.zeros_like(p)  # unused: main_grad stays zeros
+                if not _close(p.main_grad, want):
+                    fails.append(f"step {step}: stage {s} {n}.main_grad differs from the whole-batch gradient")
+    total: list[dict[str, torch.Tensor]] = [{} for _ in range(sched.num_stages)]
+    for step in (2, 3, 4):  # 2 and 3 inside no_sync, a third Pipeline built between them; 4 reduces all
+        x, y = batch(step, groups.dp * M * MB, device)
+        half = x.shape[0] // groups.dp
+        with pipe.no_sync() if step < 4 else contextlib.nullcontext():
+            pipe.step(x[groups.dp_rank * half:(groups.dp_rank + 1) * half], target=y[groups.dp_rank * half:(groups.dp_rank + 1) * half])
+        if step == 2:
+            third = Pipeline(mine, sched, loss_fn, groups=groups, device=device)
+        for s, grads in enumerate(reference_grads(sched.num_stages, x, y)[0]):
+            for n, g in grads.items():
+                total[s][n] = total[s].get(n, 0) + (g if g is not None else 0)
+    for s, mod in mine.items():
+        for n, p in mod.named_parameters():
+            want = total[s][n] if isinstance(total[s][n], torch.Tensor) else torch.zeros_like(p)
+            if not _close(p.main_grad, want):
+                fails.append(f"no_sync: stage {s} {n}.main_grad differs from the sum of the whole batches' gradients")
+    del third
+    return fails
+
+
 def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
     """Entry point on each rank: run every case, return {case: failures (or one 'skip: ...')}.
 
@@ -394,6 +442,8 @@ def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
                 out[name] = run_batchnorm_buffers(groups, device)
             elif name == "dropped-pipeline":
                 out[name] = run_dropped_pipeline(groups, device)
+            elif name == "second-pipeline":
+                out[name] = run_second_pipeline(groups, device)
             else:
                 small = name.startswith(SMALL_BUCKETS)
                 sched, kind = name.removeprefix(SMALL_BUCKETS).split("/")

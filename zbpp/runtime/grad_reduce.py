@@ -43,7 +43,8 @@ including ``grad_added_to_main_grad`` and ``zero_out_wgrad``): that is also what
 FP8 bias gradient during B, which W then does not recreate. ``start_step`` zeroes the ``main_grad`` buffers (and may
 replace them, see above: read ``p.main_grad`` after the step, do not keep it across steps), and
 so does ``zero_main_grad``, which the runtime calls before the first ``no_sync`` step after a
-synchronised one; ``.grad`` is left to the usual ``zero_grad``.
+synchronised one; ``.grad`` is left to the usual ``zero_grad``. Both point a ``main_grad`` that
+another reducer took since (a second Pipeline over the same modules) back at this one's buffers.
 
 Example, on one process (no data parallelism: nothing is communicated, the bookkeeping still runs):
 
@@ -115,6 +116,7 @@ class _Entry:
     seen: set[tuple[int, str]] = field(default_factory=set)  # signals that made it final this step
     observed: frozenset[tuple[int, str]] = frozenset()  # `seen` of the last complete step
     bucket: "_Bucket | None" = None
+    main_view: torch.Tensor | None = None  # its main_grad: the view into its bucket's buffer
     offset: int = 0
     slot: int = 0  # index of its presence flag in a .grad bucket
     pending: set[int] = field(default_factory=set)  # owner stages that have not signalled yet
@@ -325,7 +327,8 @@ class GradReducer:
             if b.uses_main_grad:
                 b.buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
                 for e in b.entries:
-                    e.param.main_grad = b.buffer[e.offset : e.offset + e.param.numel()].view_as(e.param)
+                    e.main_view = b.buffer[e.offset : e.offset + e.param.numel()].view_as(e.param)
+                    e.param.main_grad = e.main_view
         return buckets
 
     def _admit_unfrozen(self, keep_main_grad: bool) -> None:
@@ -367,6 +370,17 @@ class GradReducer:
         once the reducer is garbage-collected)."""
         _remove_handles(self._hook_handles)
         self._active = False
+
+    def _reclaim_main_grad(self, keep: bool) -> None:
+        """Point each ``main_grad`` back into this reducer's buckets where another gave it its own
+        (a Pipeline built later over the same modules, an evaluation one say): this one reduces and
+        zeroes its buckets, so gradients left in the other's would be neither averaged nor zeroed.
+        `keep`: add what they hold to this one's (``no_sync`` steps' gradients on either side)."""
+        for e in self._entries.values():
+            if e.uses_main_grad and getattr(e.param, "main_grad", None) is not e.main_view:
+                if keep and getattr(e.param, "main_grad", None) is not None:
+                    e.main_view.add_(e.param.main_grad)
+                e.param.main_grad = e.main_view
 
     # -- hooks --------------------------------------------------------------------------------
     @staticmethod
@@ -415,6 +429,7 @@ class GradReducer:
         """Reset for a new step: zero ``main_grad`` buffers (unless `keep_main_grad`: they hold
         gradients accumulated without reduction, `Pipeline.no_sync`) and the counters."""
         self._drain()  # a failed step may have left reductions in flight: never apply them
+        self._reclaim_main_grad(keep_main_grad)
         self._admit_unfrozen(keep_main_grad)
         if any(e.observed and e.observed != e.layout for e in self._entries.values()):
             kept = {id(e.param): e.param.main_grad.clone() for e in self._entries.values()
@@ -489,6 +504,7 @@ class GradReducer:
         no `start_step`) would otherwise add to the gradients of the last synchronised step."""
         if self._in_step:
             raise RuntimeError("GradReducer.zero_main_grad() called inside a step; call it between steps")
+        self._reclaim_main_grad(keep=False)
         for b in self._buckets:
             if b.uses_main_grad:
                 b.buffer.zero_()
