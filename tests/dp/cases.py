@@ -71,8 +71,8 @@ SMALL_BUCKETS = "small-buckets/"
 def case_names() -> list[str]:
     small = ["1f1b/plain", "zb-h1/te", "zb-v/zbpp-fused", "zbv-auto/eager-bias", "zb-h2/zbpp-fp8"]
     return ([f"{s}/{k}" for s in SCHEDULES for k in MODEL_KINDS] + MIXED_FP8 + [SMALL_BUCKETS + c for c in small]
-            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank", "batchnorm-buffers", "dropped-pipeline",
-               "second-pipeline"])
+            + ["presence", "presence-host", "clip-inf-nan", "clip-frozen-rank", "batchnorm-buffers", "batchnorm-buffers-added-later",
+               "dropped-pipeline", "second-pipeline"])
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = RTOL, atol: float = ATOL) -> bool:
@@ -304,25 +304,33 @@ def run_clip_frozen_rank(groups: Any, device: str) -> list[str]:
     return fails
 
 
-def _bn_stage(stage: int, device: str) -> torch.nn.Module:
+def _bn_stage(stage: int, device: str, affine: bool = True) -> torch.nn.Module:
     torch.manual_seed(77 + stage)
-    mod = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.BatchNorm1d(H)).double().to(device)
+    mod = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.BatchNorm1d(H, affine=affine)).double().to(device)
     mod.register_buffer("constant", torch.zeros(2, dtype=torch.float64, device=device), persistent=False)
     return mod
 
 
-def run_batchnorm_buffers(groups: Any, device: str) -> list[str]:
+def run_batchnorm_buffers(groups: Any, device: str, late: bool = False) -> list[str]:
     """BatchNorm's running statistics (persistent buffers, moved by every training forward) end each
     step as replica 0's on every replica, as under DDP (broadcast_buffers): reference, replica 0's
     microbatches run in order through one process's model (the same float64 ops on the same data:
     1e-12 leaves room for nothing but rounding). A non-persistent buffer stays each replica's own.
-    Replica 1's statistics were its own data's, and drifted from replica 0's step by step."""
+    Replica 1's statistics were its own data's, and drifted from replica 0's step by step.
+    `late`: the BatchNorm (affine=False: no parameter) is added to the stages after the Pipeline was
+    built, when they had no persistent buffer (then nothing was ever synchronised)."""
     sched = build("zb-h1", num_ranks=groups.pp, num_microbatches=M)
-    mine = {s: _bn_stage(s, device) for s in sched.stages_on(groups.pp_rank)}
+    mine = {s: _bn_stage(s, device, affine=not late) for s in sched.stages_on(groups.pp_rank)}
+    norms = {s: mod[1] for s, mod in mine.items()}
     for mod in mine.values():
         mod.constant.fill_(groups.dp_rank)
+        if late:
+            del mod[1]
     pipe = Pipeline(mine, sched, loss_fn, groups=groups, device=device)
-    ref = [_bn_stage(s, device) for s in range(sched.num_stages)]
+    for s, mod in mine.items():
+        if late:
+            mod.append(norms[s])
+    ref = [_bn_stage(s, device, affine=not late) for s in range(sched.num_stages)]
     fails = []
     for step in range(2):
         x, y = batch(step, groups.dp * M * MB, device)
@@ -438,8 +446,8 @@ def worker(names: list[str], pp: int = PP) -> dict[str, list[str]]:
                 out[name] = run_clip_inf_nan(groups, device)
             elif name == "clip-frozen-rank":
                 out[name] = run_clip_frozen_rank(groups, device)
-            elif name == "batchnorm-buffers":
-                out[name] = run_batchnorm_buffers(groups, device)
+            elif name.startswith("batchnorm-buffers"):
+                out[name] = run_batchnorm_buffers(groups, device, late=name.endswith("added-later"))
             elif name == "dropped-pipeline":
                 out[name] = run_dropped_pipeline(groups, device)
             elif name == "second-pipeline":

@@ -333,7 +333,7 @@ class Pipeline:
         # a half-committed step would lose earlier gradients: an interrupt comes once it is done
         held = _to_the_end(self._reductions.commit)
         step.after = step.after or held
-        self._sync_buffers()
+        self._sync_buffers(step.walks)
         if losses is not None and self.holds_last_stage:
             losses.extend(step.results.microbatch_losses())
         if step.after is not None:
@@ -390,7 +390,7 @@ class Pipeline:
         release_step_caches(step.walks)
         if failure is not None:
             raise failure
-        self._sync_buffers()  # a BatchNorm in training mode moved its running statistics
+        self._sync_buffers(step.walks)  # a BatchNorm in training mode moved its running statistics
         if step.after is not None:
             raise step.after
         if not self.holds_last_stage:
@@ -613,13 +613,14 @@ class Pipeline:
             held = _to_the_end(undo)  # a half-undone step would spoil the next ones
             step.after = step.after or held
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, walks: Walks) -> None:
         """After a step that succeeded everywhere: the replicas take replica 0's buffers
-        (`zbpp.runtime.replica_buffers`). A failure leaves them out of step: the job is broken."""
+        (`zbpp.runtime.replica_buffers`) of the step's modules (`walks`). A failure leaves them out
+        of step: the job is broken."""
         if self._replica_buffers is None:
             return
         try:
-            self._replica_buffers.sync()
+            self._replica_buffers.sync(m for modules, _ in walks.values() for m in modules)
         except Exception as exc:  # noqa: BLE001 - every rank is told through the store, then raises
             self._broken = (f"this Pipeline is unusable: broadcasting the module buffers from replica 0 failed "
                             f"on {self.topology.describe()} ({exc}), so the replicas' buffers differ or a rank "

@@ -8,6 +8,8 @@ buffers (those a ``state_dict`` holds) of this rank's stages from replica 0 to t
 broadcast per dtype and device. Non-persistent buffers (rotary frequencies, masks: derived
 constants by convention) are left alone. Buffer updates do not reliably move a tensor's version
 counter (BatchNorm's kernel writes its running statistics without), so every step sends them all.
+The buffers are looked up at every sync, so a module with buffers added to a stage after the
+Pipeline was built (a ``BatchNorm1d(affine=False)``, which adds no parameter) is kept equal too.
 
 >>> import torch
 >>> ReplicaBuffers.of({0: torch.nn.BatchNorm1d(2)}, None, None) is None  # one replica: nothing to do
@@ -17,7 +19,7 @@ True
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -50,8 +52,8 @@ class ReplicaBuffers:
     @classmethod
     def of(cls, stage_modules: Mapping[int, nn.Module], topology: Any,
            timeout: timedelta | None) -> "ReplicaBuffers | None":
-        """One for `topology`'s replicas, or None without data parallelism or persistent buffers
-        (every replica of a pipeline position holds the same modules, so all decide alike)."""
+        """One for `topology`'s replicas, or None without data parallelism. Stages without
+        persistent buffers get one too: a module with buffers may be added to them later."""
         if topology is None or topology.dp_size == 1:
             return None
         from .channels import cached_group
@@ -60,15 +62,17 @@ class ReplicaBuffers:
         # the world); `default_reducer` built them already where it ran
         host = [cached_group("dp-presence", [line[r] for line in topology.pipelines], "gloo", timeout)
                 for r in range(topology.pp_size)][topology.pp_rank]
-        if not persistent_buffers(m for root in stage_modules.values() for m in root.modules()):
-            return None
         return cls(stage_modules, topology, host)
 
-    def sync(self) -> None:
+    def sync(self, modules: Iterable[nn.Module] | None = None) -> None:
         """Give every replica replica 0's persistent buffers (between steps, on every rank of the
-        job: it is collective over each replica group). Read afresh: a buffer may be replaced."""
-        buffers = list({id(b): b for b in persistent_buffers(
-            m for root in self._modules for m in root.modules())}.values())
+        job: it is collective over each replica group; every replica of a pipeline position holds
+        the same modules, so all send alike, nothing where none has buffers). Read afresh: a buffer
+        may be replaced or added. `modules`: every module of this rank's stages, walked already
+        (default: walk them)."""
+        if modules is None:
+            modules = [m for root in self._modules for m in root.modules()]
+        buffers = list({id(b): b for b in persistent_buffers(modules)}.values())
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for b in buffers:
             groups.setdefault((b.dtype, b.device), []).append(b)
