@@ -433,11 +433,11 @@ def resume_case(path: str, layout: str) -> list[str]:
 class StatefulSGD(torch.optim.Optimizer):
     """SGD whose per-parameter state is nothing like AdamW's: a Python int, a string, None (as SGD's
     ``momentum_buffer`` without momentum), a nested dict and a list of tensors, a 0-dim one among
-    them; and a nested hyperparameter, ``scale``. Each of them changes the step, so a lost or
-    restarted one shows."""
+    them, empty dicts (alone and in a list); and a nested hyperparameter, ``scale``, with an empty
+    dict in it. Each of them changes the step or is checked by it, so a lost or restarted one shows."""
 
     def __init__(self, params: Any, lr: float = 0.05, factor: float = 1.0) -> None:
-        super().__init__(params, {"lr": lr, "scale": {"factor": factor}})  # a nested hyperparameter
+        super().__init__(params, {"lr": lr, "scale": {"factor": factor, "unused": {}}})  # a nested hyperparameter
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -448,9 +448,12 @@ class StatefulSGD(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     st.update(count=0, tag="sgd", unused=None, ema={"v": torch.zeros_like(p)},
-                              sums=[torch.zeros_like(p), torch.zeros((), dtype=p.dtype)])
+                              sums=[torch.zeros_like(p), torch.zeros((), dtype=p.dtype)], seen={}, log=[{}, 0])
                 if st["tag"] != "sgd" or st["unused"] is not None:
                     raise ValueError(f"state came back as {st['tag']!r}, {st['unused']!r}")
+                if st.get("seen") != {} or st.get("log") != [{}, 0] or group["scale"].get("unused") != {}:
+                    raise ValueError(f"empty dicts came back as {st.get('seen')!r}, {st.get('log')!r}, "
+                                     f"{group['scale'].get('unused')!r}")
                 st["count"] += 1
                 st["ema"]["v"].mul_(0.5).add_(p.grad)
                 st["sums"][0].add_(p.grad.square())

@@ -48,8 +48,10 @@ def test_an_optimizer_unlike_adamw_resumes_at_another_layout(tmp_path: Path, zbp
     nested dict and the list were saved (DCP flattens them into dotted names) but not asked for by
     the load, so the step after raised KeyError 'ema' (an optimizer that recreates a missing buffer
     would have restarted it without a word), and the nested hyperparameter stayed the new
-    optimizer's. Now they come back, and the resumed steps meet the uninterrupted one-process run
-    (`optimizer_state_case`: rtol 1e-9, summation order only)."""
+    optimizer's. An empty dict (``seen={}``, one in a list, one in the hyperparameter) got no DCP
+    entry: it was missing after the load (the list came back as a dict). Now they come back, and
+    the resumed steps meet the uninterrupted one-process run (`optimizer_state_case`: rtol 1e-9,
+    summation order only)."""
     from .fsdp_cases import optimizer_state_case
 
     per_rank = zbpp_workers(4, pg_timeout=60).run(optimizer_state_case, str(tmp_path / "c"), saved_at, resumed_at)

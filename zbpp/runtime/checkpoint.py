@@ -20,7 +20,9 @@ Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
      "fp8": {"replica0": {"<layer>.<slot>": {"amax_history": ..., "scale": ..., ...}}}}
                                                                # zbpp layers' FP8 scaling state
 
-The optimizer's state is keyed by parameter name too, under every name a parameter has on the rank
+An empty dict in the optimizer's state or hyperparameters is saved as the string
+``"<zbpp.checkpoint: empty dict>"`` (DCP saves a dict's items, so none of an empty one) and loads as
+``{}``. The optimizer's state is keyed by parameter name too, under every name a parameter has on the rank
 (a tied Parameter shared by two stages: the embedding's and the LM head's), so it follows its
 parameter to whichever rank holds it next, one Parameter or copies. `load_checkpoint` says what
 comes back (the checkpoint's hyperparameters win). One file for ``nn.Module.load_state_dict``::
@@ -232,8 +234,8 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
         for names, p, group in _optimizer_params(optimizer, _param_names(mods)):
             for name in names:  # every name: the rank that holds it at the next layout finds it
                 if optimizer.state.get(p):
-                    opt_state[name] = dict(optimizer.state[p])
-                groups[name] = _hyper(group)
+                    opt_state[name] = _mark_empty_dicts(dict(optimizer.state[p]))
+                groups[name] = _mark_empty_dicts(_hyper(group))
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
     if lr_scheduler is not None:
         state["lr_scheduler"] = {"state": pickle.dumps(lr_scheduler.state_dict())}
@@ -246,6 +248,31 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
     if fp8:
         state["fp8"] = {f"replica{_replica(model)}": fp8}
     return state
+
+
+#: saved in place of an empty dict in the optimizer's state or hyperparameters: DCP saves a dict's
+#: items, none for an empty one, which a load then lacked (or, inside a list, turned the list into a dict)
+_EMPTY_DICT = "<zbpp.checkpoint: empty dict>"
+
+
+def _mark_empty_dicts(value: Any) -> Any:
+    """`value` with every empty dict inside dicts, lists and tuples replaced by `_EMPTY_DICT`."""
+    if isinstance(value, Mapping):
+        return {k: _mark_empty_dicts(v) for k, v in value.items()} if value else _EMPTY_DICT
+    if isinstance(value, list) or type(value) is tuple:
+        return type(value)(_mark_empty_dicts(v) for v in value)
+    return value
+
+
+def _unmark_empty_dicts(value: Any) -> Any:
+    """`_mark_empty_dicts` undone on what a load read."""
+    if isinstance(value, str) and value == _EMPTY_DICT:
+        return {}
+    if isinstance(value, dict):
+        return {k: _unmark_empty_dicts(v) for k, v in value.items()}
+    if isinstance(value, list) or type(value) is tuple:
+        return type(value)(_unmark_empty_dicts(v) for v in value)
+    return value
 
 
 @collective_call()  # an interrupt while this rank agreed comes once every rank is done
@@ -505,14 +532,14 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
         loaded = state["optimizer"]
         for name, p, group in loading.wanted:
             if name in loaded["state"]:
-                optimizer.state[p] = dict(loaded["state"][name])
+                optimizer.state[p] = _unmark_empty_dicts(dict(loaded["state"][name]))
             else:  # saved without state (no gradient yet): a live optimizer's own would go on unseen
                 optimizer.state.pop(p, None)
             for key, value in loaded["param_groups"].get(name, {}).items():
                 if _fits(group.get(key), value):
                     group[key].copy_(value)  # in place: an LR scheduler or a captured step holds this tensor
                 else:
-                    group[key] = value
+                    group[key] = _unmark_empty_dicts(value)
             step = optimizer.state[p].get("step") if p in optimizer.state else None
             if isinstance(step, torch.Tensor) and (group.get("fused") or group.get("capturable")):
                 # their step lives on the parameter's device (DCP read it to the CPU), as load_state_dict puts it
