@@ -462,9 +462,21 @@ class StatefulSGD(torch.optim.Optimizer):
                 p.add_(st["ema"]["v"] / (st["sums"][0].sqrt() + 1), alpha=-lr / (st["count"] + float(st["sums"][1])))
 
 
+class LocalStateSGD(StatefulSGD):
+    """`StatefulSGD` that also keeps, per parameter, a plain tensor from this replica's own shard (the
+    norms of its rows): not sharded like the parameter, so a checkpoint cannot hold every replica's."""
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        super().step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["row_norms"] = (p.to_local() if hasattr(p, "to_local") else p).norm(dim=-1)
+
+
 def optimizer_state_case(path: str, saved_at: str, resumed_at: str, kind: str = "stateful") -> list[str]:
-    """4 ranks, `kind` ``"stateful"`` (`StatefulSGD`) or ``"adafactor"`` (torch's: factored state of
-    shapes other than its parameter's): train `SAVED_AFTER` steps at layout `saved_at`, save, load
+    """4 ranks, `kind` ``"stateful"`` (`StatefulSGD`), ``"local-state"`` (`LocalStateSGD`) or
+    ``"adafactor"`` (torch's: factored state of shapes other than its parameter's): train `SAVED_AFTER` steps at layout `saved_at`, save, load
     at `resumed_at` into a model initialised otherwise with a fresh optimizer, `RESUMED` more steps.
     Layouts: ``"fsdp-zb-v"`` / ``"fsdp-zb-h1"`` (dp=2 x pp=2, stages ``fully_shard``-ed), ``"pp4-1f1b"``
     (dp=1, plain stages). Returns what differs from the one-process run of all the steps (rtol 1e-9,
@@ -476,13 +488,14 @@ def optimizer_state_case(path: str, saved_at: str, resumed_at: str, kind: str = 
         pipe, dp = (plain_pipeline("1f1b", 4, whole), 1) if layout == "pp4-1f1b" else \
             (fsdp_pipeline(layout.split("-", 1)[1], "plain", 2, 2, whole=whole), 2)
         params = list(pipe.parameters())
-        return pipe, StatefulSGD(params, **hyper) if kind == "stateful" else torch.optim.Adafactor(params), dp
+        optimizers = {"stateful": StatefulSGD, "local-state": LocalStateSGD, "adafactor": torch.optim.Adafactor}
+        return pipe, optimizers[kind](params, **hyper), dp
 
     try:
         pipe, opt, dp = build_at(saved_at, whole_model())
         train(pipe, opt, range(SAVED_AFTER), dp)
         save_checkpoint(pipe, path, opt)
-        other = {"lr": 1.0, "factor": 3.0} if kind == "stateful" else {}  # the checkpoint's must win
+        other = {"lr": 1.0, "factor": 3.0} if kind != "adafactor" else {}  # the checkpoint's must win
         pipe, opt, dp = build_at(resumed_at, whole_model(seed=123), **other)
         load_checkpoint(pipe, path, opt)
         train(pipe, opt, range(SAVED_AFTER, SAVED_AFTER + RESUMED), dp)

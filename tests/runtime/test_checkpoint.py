@@ -75,6 +75,21 @@ def test_factored_optimizer_state_into_fully_shard_stages_is_refused(tmp_path: P
     assert all(len(fs) == 1 and re.match(words, fs[0]) for fs in per_rank), per_rank
 
 
+def test_plain_optimizer_state_of_fully_shard_parameters_is_refused_at_save(tmp_path: Path, zbpp_workers) -> None:
+    """`LocalStateSGD` keeps a plain tensor from each replica's own shard of a fully_shard parameter
+    (its rows' norms). Every replica saved its own under one key and DCP kept one replica's, so the
+    other replica resumed with values it never had, without a word. Now the save refuses on every
+    rank, naming the state, the parameter and the shapes, before writing (`optimizer_state_case`)."""
+    from .fsdp_cases import optimizer_state_case
+
+    per_rank = zbpp_workers(4, pg_timeout=60).run(optimizer_state_case, str(tmp_path / "c"), "fsdp-zb-h1",
+                                                  "pp4-1f1b", "local-state")
+    words = (r"ValueError: optimizer state 'row_norms' of 'layers\.\d\.weight' is a plain tensor of shape \(2,\) "
+             r"beside a fully_shard parameter \(a DTensor of shape \(4, 4\)\)")
+    assert all(len(fs) == 1 and re.match(words, fs[0]) for fs in per_rank), per_rank
+    assert not (tmp_path / "c" / ".metadata").exists()  # nothing saved
+
+
 def test_resume_in_one_process(saved: Path) -> None:
     net = whole_model(seed=123)
     opt = make_optimizer(net.parameters())

@@ -232,6 +232,8 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
         opt_state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
         for names, p, group in _optimizer_params(optimizer, _param_names(mods)):
+            if optimizer.state.get(p) and hasattr(p, "placements"):
+                _refuse_plain_tensors(optimizer.state[p], names[0], p)
             for name in names:  # every name: the rank that holds it at the next layout finds it
                 if optimizer.state.get(p):
                     opt_state[name] = _mark_empty_dicts(dict(optimizer.state[p]))
@@ -273,6 +275,23 @@ def _unmark_empty_dicts(value: Any) -> Any:
     if isinstance(value, list) or type(value) is tuple:
         return type(value)(_unmark_empty_dicts(v) for v in value)
     return value
+
+
+def _refuse_plain_tensors(value: Any, name: str, param: nn.Parameter, field: str = "") -> None:
+    """Raise on a plain (not DTensor) tensor of more than 0 dims in the optimizer state `value` of
+    the ``fully_shard`` parameter `param`: each replica holds its own, DCP keeps one of them under
+    the entry's one key, and a load cannot give every replica its own back."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _refuse_plain_tensors(v, name, param, f"{field}.{k}" if field else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _refuse_plain_tensors(v, name, param, f"{field}[{i}]")
+    elif isinstance(value, torch.Tensor) and value.dim() > 0 and not hasattr(value, "placements"):
+        raise ValueError(
+            f"optimizer state {field!r} of {name!r} is a plain tensor of shape {tuple(value.shape)} beside a fully_shard "
+            f"parameter (a DTensor of shape {tuple(param.shape)}): every replica holds its own, the checkpoint could "
+            "keep only one of them for all; keep such state as a DTensor sharded like its parameter (or 0-dim)")
 
 
 @collective_call()  # an interrupt while this rank agreed comes once every rank is done
