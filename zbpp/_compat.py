@@ -38,6 +38,7 @@ __all__ = [
     "end_allocate_to_pool",
     "gpu_head_start",
     "modules_and_parameters",
+    "outermost_module_call",
     "runs_hooks",
     "dcp_file_extents",
 ]
@@ -340,3 +341,15 @@ def dcp_file_extents(metadata: Any) -> dict[str, tuple[int, list[str]]]:
         ends[path] = max(ends.get(path, 0), offset + length)
         names.setdefault(path, {})[getattr(index, "fqn", str(index))] = None
     return {path: (end, list(names[path])) for path, end in ends.items()}
+
+
+def outermost_module_call(frame: Any) -> torch.nn.Module | None:
+    """The module of the outermost ``module(...)`` call on the stack above `frame` (a frame of
+    torch's ``Module._call_impl``), None if none: which model's forward is running (a module's
+    own methods, such as Lightning's ``training_step``, are no call)."""
+    code, root = torch.nn.Module._call_impl.__code__, None
+    while frame is not None:
+        if frame.f_code is code:
+            root = frame.f_locals.get("self")
+        frame = frame.f_back
+    return root

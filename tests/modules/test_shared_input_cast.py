@@ -45,6 +45,14 @@ class Siblings(nn.Module):
         return out + self.v(h) + self.other(y)
 
 
+class _Caller(nn.Module):
+    """Calls the given layers from its forward, as an attention calls its q, k and v (only
+    `Linear`s of one model call share a cast)."""
+
+    def forward(self, *calls: tuple[nn.Module, torch.Tensor]) -> list[torch.Tensor]:
+        return [layer(x) for layer, x in calls]
+
+
 def _run(model: Siblings, xs, ys, shared: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
     with monkeypatch.context() as patch:
         if not shared:
@@ -91,18 +99,17 @@ def test_shared_input_cast_is_bit_identical_to_separate_casts(bump, monkeypatch)
 
 
 def test_a_slot_that_already_cast_adopts_nothing(monkeypatch):
-    a, b = Linear(WIDTH, WIDTH), Linear(WIDTH, WIDTH)
+    a, b, parent = Linear(WIDTH, WIDTH), Linear(WIDTH, WIDTH), _Caller()
     x = torch.randn(ROWS, WIDTH)
     with fp8_autocast(fp8_recipe=RECIPE):
-        b(torch.randn(ROWS, WIDTH))  # b's slot has a history of its own now
-        a(x)
-        b(x)
+        parent((b, torch.randn(ROWS, WIDTH)))  # b's slot has a history of its own now
+        parent((a, x), (b, x))
     assert a.fp8_meta["input"] is not b.fp8_meta["input"]
     with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=8)):
         c, d = Linear(WIDTH, WIDTH), Linear(WIDTH, WIDTH)
-        c(x)
+        parent((c, x))
     with fp8_autocast(fp8_recipe=RECIPE):  # another recipe than the last cast's
-        d(x)
+        parent((d, x))
     assert c.fp8_meta["input"] is not d.fp8_meta["input"]
     forget_last_cast()
 
@@ -113,15 +120,60 @@ def test_a_linear_that_reads_the_same_tensor_again_casts_again(monkeypatch):
     torch.manual_seed(1)
     q, k = Linear(WIDTH, WIDTH), Linear(WIDTH, WIDTH)
     q_ref, k_ref = copy.deepcopy(q), copy.deepcopy(k)
-    x = torch.randn(ROWS, WIDTH)
+    x, parent = torch.randn(ROWS, WIDTH), _Caller()
     with monkeypatch.context() as patch:
         with fp8_autocast(fp8_recipe=RECIPE):
-            outs = [q(x), k(x), q(x)]
+            outs = parent((q, x), (k, x), (q, x))
         forget_last_cast()
         patch.setattr(linear_module, "adopted_slot", lambda *args: None)
         with fp8_autocast(fp8_recipe=RECIPE):
-            refs = [q_ref(x), k_ref(x), q_ref(x)]
+            refs = parent((q_ref, x), (k_ref, x), (q_ref, x))
     assert k.fp8_meta["input"] is q.fp8_meta["input"] and q.fp8_meta["input"].casts == 2
     for a, b in zip(outs, refs):
         assert torch.equal(a, b)
     assert not torch.equal(outs[0], outs[2])  # the second cast used the stepped scale
+
+
+class _Heads(nn.Module):
+    """Two heads on the model's input, as q and k on a norm's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Linear(WIDTH, WIDTH), Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_another_model_reading_the_same_tensor_keeps_its_own_slot():
+    """A student, then its teacher (a copy) on the same batch: the teacher's fresh `a` must not
+    adopt the student's slot, or the student's steps the teacher skips (here on a batch 8 times
+    larger) would move the teacher's scales. Reference: the teacher run alone on its own batches;
+    bit for bit (the same CPU operations on the same values), outputs and FP8 state."""
+    from zbpp.modules._scaling_state import scaling_states
+
+    torch.manual_seed(2)
+    student = _Heads()
+    teacher, alone = copy.deepcopy(student), copy.deepcopy(student)
+    gen = torch.Generator().manual_seed(5)
+    x, x2, x3 = (torch.randn(ROWS, WIDTH, generator=gen).mul_(s) for s in (1.0, 8.0, 1.0))
+    with fp8_autocast(fp8_recipe=RECIPE):
+        student(x)
+        outs = [teacher(x)]
+        student(x2)  # a step the teacher skips
+        outs.append(teacher(x3))
+    forget_last_cast()
+    with fp8_autocast(fp8_recipe=RECIPE):
+        refs = [alone(x), alone(x3)]
+    forget_last_cast()
+    assert teacher.a.fp8_meta["input"] is not student.a.fp8_meta["input"]
+    assert teacher.b.fp8_meta["input"] is teacher.a.fp8_meta["input"]  # its own heads still share
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref)
+    state, ref_state = scaling_states(teacher), scaling_states(alone)
+    assert state.keys() == ref_state.keys()
+    for key, entry in state.items():
+        assert entry.keys() == ref_state[key].keys(), key  # no "same_as" naming another model's slot
+        for field, value in entry.items():
+            ref = ref_state[key][field]
+            assert value == ref if isinstance(value, str) else torch.equal(value, ref), (key, field)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._layer_function import run_layer, run_linear
-from ._shared_input import adopted_slot
+from ._shared_input import adopted_slot, cast_by, caller_of
 from .base import DelayedWgradModule, _outside_graph, _tracing
 
 if TYPE_CHECKING:
@@ -62,10 +62,15 @@ class Linear(DelayedWgradModule):
         if call.recipe is None:
             gemm = self._plain_call(0, weight, bias)
             return run_linear(x, gemm, self._wgrad_store if self._delay else None, call.key)
-        shared = adopted_slot(self.fp8_meta.get("input"), x, call.recipe, weight.device)
-        if shared is not None:  # x was just cast by a slot in this fresh slot's state: share it
+        slot = self.fp8_meta.get("input")
+        if slot is not None and slot.casts:  # only a fresh slot adopts, or is adopted
+            return run_layer(x, self._layer_spec(call, self._gemm_call(0, call, weight, bias)))
+        caller = caller_of(self)
+        shared = adopted_slot(slot, x, call.recipe, weight.device, caller)
+        if shared is not None:  # a sibling just cast x, its slot in this one's state: share it
             self.fp8_meta["input"] = shared
-        return run_layer(x, self._layer_spec(call, self._gemm_call(0, call, weight, bias)))
+        with cast_by(caller):
+            return run_layer(x, self._layer_spec(call, self._gemm_call(0, call, weight, bias)))
 
     def extra_repr(self) -> str:
         return (
