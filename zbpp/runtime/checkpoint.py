@@ -336,9 +336,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
     DCP reads into new tensors, copied into the stages once every rank read all. That costs one
     more copy of this rank's model state (parameters and buffers, its shards under
-    ``fully_shard``) on their device while loading: loading a 256 MiB model on the CPU peaked
-    306 MiB above what the process held before, where reading in place peaked 66 MiB above it
-    (DCP's read buffers). The
+    ``fully_shard``) on their device while loading, beside DCP's own read buffers. The
     optimizer's state is read into new tensors too (its size again, while the state it replaces is
     alive; none for a fresh optimizer).
 
