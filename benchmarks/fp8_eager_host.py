@@ -3,8 +3,9 @@ presets: hidden 4096, 4 layers by default; ``--preset h2048``: hidden 2048, 8 la
 one zb-h1 stage of 8 microbatches, `fast_stage(compile=False)` with and without FP8.
 
 The forms run in one process, alternating in rounds: bf16, FP8, ``fp8 unfused`` (the gated MLPs
-left as three FP8 layers with the model's activation between them: `fuse_gated_mlps` off), and FP8
-with parts of its host work taken out, to name what the host spends: ``fp8 -launch`` (the FP8 casts' Triton launch a no-op),
+left as three FP8 layers with the model's activation between them: `fuse_gated_mlps` off), ``fp8 jit
+launch`` (the Triton kernels launched through ``JITFunction.run``, as before `zbpp.modules._triton_launch`),
+and FP8 with parts of its host work taken out, to name what the host spends: ``fp8 -launch`` (the FP8 casts' Triton launch a no-op),
 ``fp8 -gemm`` (each FP8 GEMM call replaced by allocating its output), ``fp8 -both``. Those stubbed
 steps compute wrong numbers; only their time means something: the host's, since such a step leaves
 the GPU idle for long stretches. Per form: the step's wall time and the host's time to issue it
@@ -45,7 +46,7 @@ from bench_hf import PRESETS  # noqa: E402 - benchmarks/, beside this script
 from host_probe import host_probe_ms  # noqa: E402
 from quick import given  # noqa: E402
 
-FORMS = ("bf16", "fp8", "fp8 unfused", "fp8 -launch", "fp8 -gemm", "fp8 -both")
+FORMS = ("bf16", "fp8", "fp8 jit launch", "fp8 unfused", "fp8 -launch", "fp8 -gemm", "fp8 -both")
 
 
 class _NoLaunch:
@@ -61,7 +62,15 @@ def _stubbed(form: str) -> Iterator[None]:
     import zbpp.modules._fp8_cast_triton as kernels
     import zbpp.modules.fp8.gemm as gemm
 
+    import zbpp.modules._fused_triton as fused
+    from zbpp.modules._triton_launch import _Direct
+
     launch, scaled_mm = kernels._cast_transpose_amax_kernel, gemm.scaled_mm
+    direct = [k for mod in (kernels, fused) for k in vars(mod).values() if isinstance(k, _Direct)]
+    usable = [k._usable for k in direct]
+    if form == "fp8 jit launch":
+        for k in direct:
+            k._usable = False
     if form in ("fp8 -launch", "fp8 -both"):
         kernels._cast_transpose_amax_kernel = _NoLaunch()
     if form in ("fp8 -gemm", "fp8 -both"):
@@ -71,6 +80,8 @@ def _stubbed(form: str) -> Iterator[None]:
         yield
     finally:
         kernels._cast_transpose_amax_kernel, gemm.scaled_mm = launch, scaled_mm
+        for k, was in zip(direct, usable):
+            k._usable = was
 
 
 def _sync(device: torch.device) -> None:
@@ -152,13 +163,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for form in FORMS:
             times[form].append(step(form))
     out: dict[str, Any] = {"forms": {}}
-    print(f"{'form':12s} {'issue ms':>9s} {'wall ms':>9s}  walls (host probe ms)")
+    print(f"{'form':14s} {'issue ms':>9s} {'wall ms':>9s}  walls (host probe ms)")
     for form in FORMS:
         issue = statistics.median(t[0] for t in times[form])
         wall = statistics.median(t[1] for t in times[form])
         out["forms"][form] = {"issue_ms": issue, "wall_ms": wall, "rounds_ms": [t[1] for t in times[form]],
                               "host_probe_ms": [t[2] for t in times[form]]}
-        print(f"{form:12s} {issue:9.1f} {wall:9.1f}  {' '.join(f'{t[1]:.0f} ({t[2]:.0f})' for t in times[form])}",
+        print(f"{form:14s} {issue:9.1f} {wall:9.1f}  {' '.join(f'{t[1]:.0f} ({t[2]:.0f})' for t in times[form])}",
               flush=True)
     fastest = min(range(args.rounds), key=lambda r: times["fp8"][r][2])
     fp8_wall, bf16_wall = times["fp8"][fastest][1], times["bf16"][fastest][1]

@@ -524,3 +524,23 @@ def test_a_failing_fused_kernel_warns_and_the_unfused_paths_take_over(fresh_path
     assert torch.equal(_bytes(q.data), _bytes(r.data)) and torch.equal(s, t)
     assert torch.equal(meta.amax_history, ref.amax_history) and "triton" in fp8cast._failed
     assert cast_path_counts()["compile"] == 1 and cast_path_counts()["update_eager"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("triton_gpu")
+def test_gpu_direct_launches_equal_eager_whatever_the_specialisation():
+    """The cast kernel launched through its compiled kernel (`zbpp.modules._triton_launch`: every
+    launch after the first of a specialisation) on inputs that differ in what Triton specialises on:
+    a view 2 bytes off 16-byte alignment, one row (M = 1 is baked in), odd sizes, a transposed
+    (strided) view; new data at new addresses each round, so each key's kernel serves later
+    launches of other tensors. Each cast equals the eager torch ops bit for bit."""
+    launcher = kernels._cast_transpose_amax_kernel
+    before = launcher.direct_launches
+    scale = torch.tensor(3.0, device="cuda")
+    for round_ in range(3):
+        base = torch.randn(300, 520, device="cuda", dtype=torch.bfloat16) * (round_ + 1)
+        views = {"aligned": base[:256, :512], "unaligned": base[:256, 1:513], "one row": base[:1, :512],
+                 "odd": base[:130, :70], "strided": base[:64, :128].t()}
+        for x in views.values():
+            _assert_same_cast(x, scale, E4M3, transpose=True)
+    assert launcher.direct_launches - before >= 2 * len(views), "the later launches did not go direct"

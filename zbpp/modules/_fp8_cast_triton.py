@@ -44,6 +44,8 @@ import os
 
 import torch
 
+from ._triton_launch import direct
+
 try:
     import triton
     import triton.language as tl
@@ -337,6 +339,7 @@ if triton is not None:
                     BLOCK=BLOCK_H,
                 )
 
+    @direct
     @triton.jit
     def _cast_transpose_amax_kernel(
         x_ptr,
@@ -384,6 +387,7 @@ if triton is not None:
             UPDATE=UPDATE, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
 
+    @direct
     @triton.jit
     def _update_scale_kernel(
         history_ptr,

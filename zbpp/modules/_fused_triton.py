@@ -30,6 +30,7 @@ import os
 import torch
 
 from ._fp8_cast_triton import INTERPRETED, MAX_FUSED_HISTORY, cdiv, next_power_of_2, on_device, tl, triton
+from ._triton_launch import direct
 
 __all__ = [
     "norm_cast_update",
@@ -147,6 +148,7 @@ if triton is not None:
         cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         return rows, cols, rows < M, cols < N, row_tile
 
+    @direct
     @triton.jit
     def _norm_stats_kernel(
         x_ptr,
@@ -188,6 +190,7 @@ if triton is not None:
         var = div_rn(tile_sum(acc, 1), n_float)
         tl.store(rstd_ptr + rows, rcp_rn(tl.sqrt_rn(var + eps)), mask=row_ok)
 
+    @direct
     @triton.jit
     def _norm_cast_kernel(
         x_ptr,
@@ -244,6 +247,7 @@ if triton is not None:
             UPDATE=True, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
 
+    @direct
     @triton.jit
     def _act_cast_kernel(
         h_ptr,  # [M, F] or, GLU, [M, 2F] = [gate, up]; unit column stride
@@ -289,6 +293,7 @@ if triton is not None:
             UPDATE=True, MOST_RECENT=MOST_RECENT, BLOCK_H=BLOCK_H,
         )
 
+    @direct
     @triton.jit
     def _dact_cast_kernel(
         grad_ptr,  # [M, F]: the gradient of the activation's output; unit column stride
