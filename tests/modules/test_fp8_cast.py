@@ -544,3 +544,30 @@ def test_gpu_direct_launches_equal_eager_whatever_the_specialisation():
         for x in views.values():
             _assert_same_cast(x, scale, E4M3, transpose=True)
     assert launcher.direct_launches - before >= 2 * len(views), "the later launches did not go direct"
+
+
+def test_direct_launch_steps_aside_while_a_launch_hook_is_set():
+    """A profiler's launch hook must see every launch, so `_triton_launch` goes direct only while
+    Triton's enter and exit hooks are unset: None on older Tritons, an empty HookChain on newer
+    ones (whose hooks are never None). Checked against Triton's own hook objects."""
+    triton = pytest.importorskip("triton")
+    from zbpp.modules._triton_launch import _hooks_unset
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or getattr(runtime, "interpret", False):
+        pytest.skip("this Triton has no launch hooks to read, or interprets kernels")
+    assert _hooks_unset() is True
+    hook = runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # a HookChain
+        hook.add(print)
+        try:
+            assert _hooks_unset() is False
+        finally:
+            hook.remove(print)
+    else:
+        runtime.launch_enter_hook = print
+        try:
+            assert _hooks_unset() is False
+        finally:
+            runtime.launch_enter_hook = hook
+    assert _hooks_unset() is True

@@ -103,7 +103,13 @@ def _hooks_unset() -> bool | None:
     if knobs is None or getattr(knobs.runtime, "interpret", False):
         return None
     runtime = knobs.runtime
-    return runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
+    return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
+
+
+def _unset(hook: Any) -> bool:
+    # Newer Tritons keep each hook as a HookChain (never None) whose `calls` lists what was added.
+    calls = getattr(hook, "calls", None)
+    return hook is None or (isinstance(calls, list) and not calls)
 
 
 def direct(fn: Any) -> Any:
