@@ -571,3 +571,33 @@ def test_direct_launch_steps_aside_while_a_launch_hook_is_set():
         finally:
             runtime.launch_enter_hook = hook
     assert _hooks_unset() is True
+
+
+def test_direct_launch_key_is_at_least_as_fine_as_tritons_specialisation():
+    """`_triton_launch` reuses a compiled kernel for arguments whose key equals an earlier launch's,
+    so two argument values with one key must get one specialisation from Triton itself (its
+    ``native_specialize_impl``, what ``JITFunction.run`` calls): checked over every pair of ints at
+    the edges Triton cares about (1, multiples of 16, 32/64-bit and unsigned ranges), bools, None,
+    floats and tensors of several dtypes at 16-byte aligned and unaligned addresses."""
+    pytest.importorskip("triton")
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        pytest.skip("this Triton has no native_specialize_impl to compare with")
+    from zbpp.modules._triton_launch import _spec
+
+    base = torch.zeros(64, dtype=torch.float32)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**32, -(2**31), -(2**31) - 16,
+              2**63 - 16, 2**63, 2**64 - 16, True, False, None, 0.0, 1.0, 16.0,
+              base, base[1:], base[4:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
+              base.to(torch.bfloat16)[1:], base.to(torch.int32), base.to(torch.uint8)[3:]]
+
+    def tritons(v):
+        return native_specialize_impl(BaseBackend, v, False, True, True)
+
+    for a in values:
+        for b in values:
+            if _spec((a,)) == _spec((b,)):
+                assert tritons(a) == tritons(b), (a, b)
+    assert len({_spec((v,)) for v in values}) > 10  # not one key for everything

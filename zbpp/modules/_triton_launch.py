@@ -1,9 +1,9 @@
 """Launch zbpp's Triton kernels with less host work than ``kernel[grid](...)``.
 
-Each ``JITFunction.run`` binds every argument, specialises it (in Python for Triton 3.6) and
-formats the whole specialisation into a string to find the compiled kernel: about 20 of the 40-60
-microseconds a cast's launch costs on an H100's host (``.wt`` probe, docs/benchmarks.md "FP8
-eager"), a few hundred times a step at small microbatches. `direct` wraps a ``triton.jit`` kernel
+Each ``JITFunction.run`` binds every argument, specialises it and formats the whole
+specialisation into a string to find the compiled kernel, at every launch: a large part of a
+small cast's host time, a few hundred times a step at small microbatches
+(``benchmarks/triton_launch_host.py`` measures both ways). `direct` wraps a ``triton.jit`` kernel
 so that ``kernel[grid](*args, **constexprs)`` keeps its meaning but, after the first launch of a
 specialisation, calls the compiled kernel's own launcher (``CompiledKernel.run``, what
 ``JITFunction.run`` ends with) straight away.
@@ -28,21 +28,26 @@ from .._compat import cuda_raw_stream
 
 __all__ = ["direct"]
 
-_I32 = (-(2**31), 2**31 - 1)
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
 def _spec(args: tuple) -> tuple | None:
-    # What Triton's specialize_impl reads of each positional argument; None: a kind not handled here.
+    # What Triton's specialize_impl reads of each positional argument, flattened (a tensor gives
+    # its dtype then its alignment; an int a code >= 2, never equal to a bool); None: a kind not
+    # handled here. Exact types first: it runs at every launch, over every argument.
     out: list[Any] = []
+    append = out.append
     for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, bool) or a is None:
-            out.append(a)
-        elif isinstance(a, int):
-            out.append((a == 1, a % 16 == 0, _I32[0] <= a <= _I32[1], a >= 2**63))
-        elif isinstance(a, float):
-            out.append(float)
+        kind = type(a)
+        if kind is int or (kind is not bool and isinstance(a, int)):
+            append(2 + (a == 1) + 2 * (a % 16 == 0) + 4 * (_I32_MIN <= a <= _I32_MAX) + 8 * (a >= 2**63))
+        elif kind is float or isinstance(a, float):
+            append(float)
+        elif kind is bool or a is None:
+            append(a)
+        elif isinstance(a, torch.Tensor):
+            append(a.dtype)
+            append(a.data_ptr() % 16 == 0)
         else:
             return None
     return tuple(out)
@@ -57,7 +62,7 @@ class _Direct:
         # names of the kernel's parameters, in order: the launcher takes every one (constexprs too)
         self._names = [p.name for p in getattr(fn, "params", ())]
         self._kernels: dict[tuple, tuple[Any, list[Any]]] = {}
-        self._usable = bool(self._names) and _hooks_unset() is not None
+        self._usable = bool(self._names) and _hooks_unset() is not None and not _interpreted()
         self.direct_launches = 0  #: launches that went through a compiled kernel directly (for tests)
 
     def __getitem__(self, grid: tuple) -> Callable[..., Any]:
@@ -97,13 +102,26 @@ class _Direct:
 
 def _hooks_unset() -> bool | None:
     """Whether Triton's launch hooks are unset (None: this Triton has no ``knobs`` to say)."""
+    runtime = _runtime()
+    if runtime is None:
+        return None
+    return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime() -> Any:
+    # triton.knobs.runtime (None on a Triton without knobs); looked up once, read at every launch
     import triton
 
     knobs = getattr(triton, "knobs", None)
-    if knobs is None or getattr(knobs.runtime, "interpret", False):
-        return None
-    runtime = knobs.runtime
-    return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
+    return None if knobs is None else knobs.runtime
+
+
+def _interpreted() -> bool:
+    # Triton decides at a kernel's decoration whether to interpret it; read once per kernel here
+    # (the knob reads the environment at every access).
+    runtime = _runtime()
+    return bool(runtime is not None and getattr(runtime, "interpret", False))
 
 
 def _unset(hook: Any) -> bool:
