@@ -245,7 +245,8 @@ def test_selective_reruns_a_gemm_whose_output_changed_in_place():
 
 def test_bytes_kept_per_policy():
     """One decoder layer: full keeps its input alone from F to B, selective less than none, both after
-    B what none keeps, offload nothing on the device and its saved tensors on the host; re-run
+    B what none keeps, offload nothing on the device from F to B (its saved tensors on the host)
+    and after B what none keeps (brought back for W); re-run
     FLOPs as counted by hand (per microbatch of ROWS // M rows: here the whole ROWS)."""
     from zbpp.models.hf import causal_lm_stages
 
@@ -261,7 +262,8 @@ def test_bytes_kept_per_policy():
     assert c["full"].kept_f_to_b == hidden
     assert c["selective"].kept_f_to_b < c["none"].kept_f_to_b
     assert c["full"].kept_b_to_w == c["selective"].kept_b_to_w == c["none"].kept_b_to_w
-    assert c["offload"].kept_f_to_b == c["offload"].kept_b_to_w == 0
+    # offload: nothing on the device from F to B; what W reads comes back in B and stays for W
+    assert c["offload"].kept_f_to_b == 0 and c["offload"].kept_b_to_w == c["none"].kept_b_to_w
     assert c["offload"].host_bytes >= c["none"].kept_f_to_b
     for p in ("full", "selective", "offload"):
         assert c[p].recompute_flops == _recompute_per_layer(p), p
@@ -492,6 +494,41 @@ def test_offload_on_cuda_copies_on_a_side_stream_without_host_sync():
     got = [p.grad for p in net.parameters()] + [x.grad]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # copies: the same values, the same GEMMs
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_holds_from_b_to_w_what_no_policy_holds():
+    """zbpp's split B on one GPU: an offloaded MLP layer's storages come back for B; those only B
+    reads (GELU's input) must go when B is done, as without a policy, leaving for W its GEMMs'
+    inputs. Device memory after B (CUDA's allocator, exact bytes; B's input gradient taken out)
+    is no policy's plus the layer's input, brought back for W (without a policy W reads the
+    caller's tensor), and the weight gradients after W equal no policy's bit for bit (copies)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from zbpp.runtime._autograd_split import SavedBoxes, backward_input
+
+    held_after_b, grads = {}, {}
+    for policy in ("none", "offload"):
+        torch.manual_seed(0)
+        stack = nn.Sequential(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))).cuda()
+        apply_activation_policy(stack, {"0": policy})
+        x = torch.randn(2048, 256, device="cuda", requires_grad=True)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        with SavedBoxes() as saved:
+            y = stack(x)
+        g = torch.ones_like(y)
+        y.data = torch.empty((1,), device="cuda")  # as the runtime does once an output is sent
+        held = backward_input([y], [g], [x], None, saved)
+        del y, g, saved
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # an allocation lets the allocator take back blocks a side stream used
+        held_after_b[policy] = torch.cuda.memory_allocated() - start - x.grad.nbytes
+        held.run()
+        grads[policy] = [p.grad for p in stack.parameters()]
+    assert held_after_b["offload"] == held_after_b["none"] + x.nbytes, held_after_b
+    for a, b in zip(grads["offload"], grads["none"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("hidden, ffn, heads, kv_heads, seq", [(64, 176, 4, 4, 32), (64, 176, 4, 2, 32),

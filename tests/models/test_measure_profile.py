@@ -389,8 +389,9 @@ def test_policy_costs_by_hand():
     """An MLP layer (Linear, GELU, Linear) after a first layer, float64, R rows of width W: none
     keeps its input (R W), GELU's input (3 R W) and output (3 R W), W of them the Linears' inputs
     (4 R W); full only the input, W's bytes unchanged; selective the GEMMs' inputs and outputs up
-    to the last read, here all of none; offload nothing on the device, the 7 R W copied, and W's
-    inputs on the host too. Recompute: B's measured time less its own, >= 0 (speed not asserted)."""
+    to the last read, here all of none; offload nothing on the device from F to B, the 7 R W
+    copied, and from B to W W's inputs (4 R W), which B brings back to the device for W.
+    Recompute: B's measured time less its own, >= 0 (speed not asserted)."""
     R, W = 4, 8
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(W, 3 * W), nn.GELU(), nn.Linear(3 * W, W)).double()
@@ -403,7 +404,7 @@ def test_policy_costs_by_hand():
     full, offload, selective = (layer.cost(q) for q in ("full", "offload", "selective"))
     assert (full.activation, full.wgrad, full.copy) == (R * W * F64, 4 * R * W * F64, 0)
     assert (selective.activation, selective.wgrad, selective.copy) == (7 * R * W * F64, 4 * R * W * F64, 0)
-    assert (offload.activation, offload.wgrad, offload.copy, offload.recompute) == (0, 0, 7 * R * W * F64, 0)
+    assert (offload.activation, offload.wgrad, offload.copy, offload.recompute) == (0, 4 * R * W * F64, 7 * R * W * F64, 0)
     assert full.recompute >= 0 and selective.recompute >= 0
     with pytest.raises(ValueError, match="activation policy 'ful'"):
         measure_profile(layers=[("mlp", mlp)], example_input=torch.randn(R, W, dtype=torch.float64), policies=["ful"])

@@ -78,6 +78,7 @@ from ..modules._shared_input import last_cast_kept
 from ..modules.base import DelayedWgradModule
 from ..modules.context import current_microbatch, microbatch, rank_next_backward
 from ..modules.fp8 import DelayedScaling, ScalingMeta, active_recipe, fp8_autocast
+from ..runtime._autograd_split import unpacked_for_b_only
 from ..runtime.tree import Spec, flatten, rebuild
 
 __all__ = ["POLICIES", "apply_activation_policy", "activation_policies", "ActivationCost",
@@ -527,12 +528,13 @@ class _Offloaded:
     """One saved tensor of an offloaded layer: the host copy of its storage (shared by the layer's
     tensors on that storage, copied once) and where in it the tensor lies."""
 
-    __slots__ = ("host", "device", "dtype", "size", "stride", "offset", "event", "group", "__weakref__")
+    __slots__ = ("host", "device", "dtype", "size", "stride", "offset", "event", "group", "done", "__weakref__")
 
     def __init__(self, host: torch.Tensor, t: torch.Tensor, group: "_OffloadGroup") -> None:
         self.host, self.device, self.group = host, t.device, group
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         self.event: Any = None
+        self.done = False  # read by a node of B that W will not run: never unpacked again
         group.items.append(weakref.ref(self))
 
     def _view(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -601,6 +603,27 @@ class _OffloadGroup:
             if item is not None and item.device.type == "cuda":
                 self.fetched[id(item)] = item.fetch()
 
+    def done_with(self, item: _Offloaded) -> None:
+        """`item` will not be unpacked again: once no other tensor of its storage will be, the
+        device copy goes when its last reader lets go (B frees what only B reads, W keeps the rest)."""
+        item.done = True
+        host = item.host
+        for ref in self.items:
+            other = ref()
+            if other is not None and other.host is host and not other.done:
+                return
+        self.back.pop(id(host), None)
+
+    def bytes_for_w(self) -> int:
+        """Bytes of the storages a tensor of which W may still unpack (brought back to the device
+        in B, or in W itself), each once."""
+        hosts = {}
+        for ref in self.items:
+            item = ref()
+            if item is not None and not item.done:
+                hosts[id(item.host)] = item.host.numel()
+        return sum(hosts.values())
+
     def storage_back(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         """The device copy of `host` (started on the side stream the first time) and its event."""
         known = self.back.get(id(host))
@@ -668,6 +691,8 @@ def _offload_forward(fn: Callable[..., Any], params: set[int], args: tuple, kwar
             out = x.fetch()
         if x.event is not None:
             torch.cuda.current_stream(x.device).wait_event(x.event)
+        if unpacked_for_b_only():
+            g.done_with(x)
         return out
 
     try:
@@ -734,7 +759,7 @@ def measure_activation_policies(layer: nn.Module, *args: Any, policies: Sequence
     >>> [(p, c.kept_f_to_b, c.kept_b_to_w, c.host_bytes, c.recompute_flops) for p, c in costs.items()]
     ... # doctest: +NORMALIZE_WHITESPACE
     [('none', 147456, 81920, 0, 0), ('full', 16384, 81920, 0, 1048576),
-     ('selective', 147456, 81920, 0, 0), ('offload', 0, 0, 147456, 0)]
+     ('selective', 147456, 81920, 0, 0), ('offload', 0, 81920, 147456, 0)]
     """
     from ..runtime._autograd_split import SavedBoxes, backward_input  # the runtime's own B/W split
 
@@ -885,6 +910,8 @@ def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxe
             _observers.remove(record)
         del a, k
         forward_flops = fc.get_total_flops()
+    # offload's group of this forward: what W will unpack comes back to the device in B (or W)
+    group = _OffloadGroup.last() if policy == "offload" and _OffloadGroup.last is not None else None
     ys = flatten(y)[0]
     roots = [t for t in ys if t.requires_grad]
     del y, ys
@@ -897,7 +924,7 @@ def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxe
         with _PeakBytes(seen) as peak:
             held = backward_input(roots, grads, targets, None, saved)
         del roots, grads, saved
-        b_to_w = alive()
+        b_to_w = alive() + (group.bytes_for_w() if group is not None else 0)
         if held is not None:
             held.run()
     return (f_to_b, b_to_w, _offloaded_bytes[0] - host0, forward_flops, max(0, peak.top - f_to_b)), fb.get_total_flops()

@@ -61,7 +61,7 @@ from torch.autograd.function import BackwardCFunction as _PyNode
 from torch.autograd.graph import GradientEdge
 from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 
-__all__ = ["HeldWgrad", "SavedBoxes", "StageSplit", "backward_input"]
+__all__ = ["HeldWgrad", "SavedBoxes", "StageSplit", "backward_input", "unpacked_for_b_only"]
 
 _KEEP, _B_ONLY, _CKPT = 1, 2, 3  # a box's mark: read again in W / read in B only / never freed
 _NODE_AWARE = HAS_CURRENT_AUTOGRAD_NODE  # without it, B and W free nothing early
@@ -146,6 +146,26 @@ def _reads_once(t: type) -> bool:
         # Function's ``ctx.saved_tensors`` may be read any number of times
         once = _ONCE[t] = not issubclass(t, _PyNode) and t.__name__[-1:].isdigit()
     return once
+
+
+#: the boxes' state of the B running now, module-wide: a CUDA backward's nodes run on the
+#: engine's device thread, not the one that called it (the runtime runs one B at a time)
+_running: _BState | None = None
+
+
+def unpacked_for_b_only() -> bool:
+    """Whether the saved tensor unpacked now is read by a node of the running B that W will not
+    run, once (the rule the boxes follow): a saved-tensor hook of its own (an offloaded layer's)
+    may let go of what it brought back for it once the node returns.
+
+    >>> unpacked_for_b_only()  # no B running
+    False
+    """
+    state = _running
+    if state is None or state.frontier is None:
+        return False
+    node = current_autograd_node()
+    return node is not None and id(node) not in state.frontier and _reads_once(type(node))
 
 
 def _unpack(b: _Box) -> torch.Tensor:
@@ -288,6 +308,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     (read and updated); `saved`: the boxes of the stage's forward, whose input-only tensors are
     freed during B. Returns None when W has nothing to do.
     """
+    global _running
     pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(roots, grads) if t.requires_grad]
     if not pairs:
         return None
@@ -331,6 +352,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
             node.register_prehook(state.keep if _NODE_AWARE else _keeper(state.kept, id(node)))
         if saved is not None and _NODE_AWARE:
             state.frontier = {id(n) for n in front}
+            _running = state
         try:
             if sorting.compiled:  # a compiled node runs once, in B: its donated buffers are safe
                 with compiled_backward_retained():
@@ -341,6 +363,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
                                     inputs=targets_t)
         finally:
             state.frontier = None
+            _running = None
         if saved is not None:
             saved.free_input_only()
     kept, state.kept = state.kept, {}
