@@ -242,6 +242,55 @@ def check_tie_unfrozen_unalike(name: str) -> tuple[str, float]:
     return said, took
 
 
+N_TIES = 63  # one more than the 62 ties whose flags fit one int64 word of the start agreement
+
+
+class _ManyTies(nn.Module):
+    """A `Block` whose input is shifted by `N_TIES` tied vectors (``ties[i]`` weighted ``i + 1``)."""
+
+    def __init__(self, s: int, ties: nn.ParameterList) -> None:
+        super().__init__()
+        self.block, self.ties = Block(s), ties
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x + sum((i + 1) * t for i, t in enumerate(self.ties)))
+
+
+def _many_ties() -> nn.ParameterList:
+    g = torch.Generator().manual_seed(7)  # the same values on every rank and in the references
+    return nn.ParameterList(nn.Parameter(0.1 * torch.randn(H, generator=g, dtype=torch.float64)) for _ in range(N_TIES))
+
+
+def check_tie_past_the_first_word_unfrozen_unalike() -> tuple[str, float]:
+    """dp=2 x pp=2, 1f1b: both stages use `N_TIES` tied vectors, all frozen when the Pipeline is
+    built; then the last one (bit 62 of the flags: past the first int64 word) is unfrozen on the
+    last stage's copies only. Every rank must refuse the step at its start, naming it, within
+    seconds (the trained copies' all-reduce would wait for the frozen ones until the group's
+    timeout). Then unfrozen alike: each copy's gradient is the whole model's, averaged over the
+    replicas. The refusal's message and the seconds it took."""
+    import time
+
+    groups = ParallelGroups(pp=2)
+    sched = make_schedule("1f1b", 2, 4)
+    ties = _many_ties()
+    stages = {groups.pp_rank: _ManyTies(groups.pp_rank, ties)}
+    names = [f"t{i:02d}" for i in range(N_TIES)]  # sorted as the Pipeline sorts them: ties[i] is bit i
+    for t in ties:
+        t.requires_grad_(False)
+    pipe = Pipeline(stages, sched, mse, tied_parameters=dict(zip(names, ties)), groups=groups,
+                    timeout=10)  # a hang in the tie's all-reduce ends in 10 s
+    if groups.pp_rank == 1:
+        ties[-1].requires_grad_(True)
+    start = time.monotonic()
+    said = _refused(lambda: pipe.step(*data(0, 9, groups.dp_rank)))
+    took = time.monotonic() - start
+    for t in ties:
+        t.requires_grad_(True)
+    refs = [[_ManyTies(s, shared) for s in range(2)] for shared in (_many_ties() for _ in range(groups.dp))]
+    _step_against_replicas(pipe, refs, stages, 1, 9, groups.dp_rank, "63 ties")
+    return said, took
+
+
 def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float, given: str = "none") -> float:
     """dp replicas of the tied LM of feature_cases (the embedding tied to the head): the norm that
     `clip_grad_norm_` returns and the clipped gradients against one process's model holding the

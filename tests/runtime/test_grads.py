@@ -25,6 +25,7 @@ from zbpp.runtime import clip_grad_norm_
 
 from .grads_cases import (check_changed_after_build, check_clip, check_clip_refused_on_one_rank, check_eval_between,
                           check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync, check_tie_replaced_after_build,
+                          check_tie_past_the_first_word_unfrozen_unalike,
                           check_tie_unfrozen_unalike, check_token_weights, check_unfrozen_later,
                           check_unused_on_one_replica)
 
@@ -65,6 +66,16 @@ def test_tied_copies_unfrozen_unalike_after_build_are_refused(zbpp_workers):
     for msg, took in said:
         assert "tied parameter 'wte' is frozen (requires_grad=False) on global ranks [0, 2] but trains on [1, 3]" in msg, msg
         assert took < 10, took
+
+
+def test_tie_past_the_first_flag_word_unfrozen_unalike_is_refused(zbpp_workers):
+    # 63 ties, the 63rd unfrozen on pipeline rank 1 only: its flag lies past the first int64 word of
+    # the start agreement. Refused on every rank (it hung in the tie's all-reduce until the timeout),
+    # then, unfrozen alike, every copy's gradient is one process's (tolerance: grads_cases.TOL)
+    said = zbpp_workers(4).run(check_tie_past_the_first_word_unfrozen_unalike)
+    for msg, took in said:
+        assert "tied parameter 't62' is frozen (requires_grad=False) on global ranks [0, 2] but trains on [1, 3]" in msg, msg
+        assert took < 5, took
 
 
 @pytest.mark.parametrize("world,pp,kind,fail,graphs", [(2, 2, "plain", False, False), (4, 2, "zbpp", True, False),

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
@@ -83,9 +83,47 @@ class StartReport:
     #: a training step's reductions: 0 none on this rank (or evaluation), 1 synchronised, 2 inside ``no_sync()``
     reducing: int = 0
     evaluating: bool = False  #: an ``eval_step`` (its program has no backward), not a ``step``
-    #: bit i: this rank holds a copy of tied parameter i (of every rank's, sorted) that trains / is frozen
-    ties_training: int = 0
-    ties_frozen: int = 0
+    #: bit i: this rank holds a copy of tied parameter i (of every rank's, sorted) that trains / is frozen;
+    #: wide: as many int64 words as the ties need (`tie_words`)
+    ties_training: int = field(default=0, metadata={"wide": True})
+    ties_frozen: int = field(default=0, metadata={"wide": True})
+
+
+#: bits of a wide report field (a bit set) per int64 word of the gathered tensor: kept non-negative
+WORD_BITS = 62
+
+
+def tie_words(num_ties: int) -> int:
+    """The int64 words a bit set of `num_ties` ties takes in the start agreement (at least one)."""
+    return max(1, -(-num_ties // WORD_BITS))
+
+
+def _encode(report: Any, words: int) -> list[int]:
+    """`report`'s fields as int64 values, each wide one (a bit set) split into `words` words."""
+    out: list[int] = []
+    for f in fields(report):
+        value = int(getattr(report, f.name))
+        if not f.metadata.get("wide"):
+            out.append(value)
+            continue
+        if value < 0 or value >> (WORD_BITS * words):  # its bits would be lost: no rank would see them
+            raise ValueError(f"{type(report).__name__}.{f.name} = {value} does not fit {words} words of {WORD_BITS} bits")
+        out.extend(value >> (WORD_BITS * j) & ((1 << WORD_BITS) - 1) for j in range(words))
+    return out
+
+
+def _decode(kind: type[R], values: list[int], words: int) -> R:
+    """`_encode` undone."""
+    args: list[Any] = []
+    at = 0
+    for f in fields(kind):
+        if f.metadata.get("wide"):
+            args.append(sum(v << (WORD_BITS * j) for j, v in enumerate(values[at:at + words])))
+            at += words
+        else:
+            args.append(bool(values[at]) if f.type in ("bool", bool) else int(values[at]))
+            at += 1
+    return kind(*args)
 
 
 @dataclass(frozen=True)
@@ -115,18 +153,18 @@ class Agreement:
             self._store = default_store()
             self._key = f"zbpp/{process_group_name(group)}/broken"
 
-    def gather(self, mine: R) -> list[R]:
-        """Every rank's report, in the group's rank order; raises `BrokenJob` when a rank is gone."""
+    def gather(self, mine: R, words: int = 1) -> list[R]:
+        """Every rank's report, in the group's rank order; raises `BrokenJob` when a rank is gone.
+        `words`: the int64 words of each wide field (a bit set), the same on every rank."""
         if self.group is None:
             return [mine]
         import torch.distributed as dist
 
         self._holding(self.check)  # a collective some ranks already left would fail, or mismatch gloo's buffers
-        t = torch.tensor([int(v) for v in astuple(mine)], dtype=torch.int64)
+        t = torch.tensor(_encode(mine, words), dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
         self._wait(dist.all_gather(out, t, group=self.group, async_op=True))
-        kinds = [f.type for f in fields(type(mine))]
-        return [type(mine)(*(bool(v) if k in ("bool", bool) else int(v) for v, k in zip(o.tolist(), kinds))) for o in out]
+        return [_decode(type(mine), o.tolist(), words) for o in out]
 
     def any(self, flag: bool) -> bool:
         """Whether some rank's `flag` is set: one all-reduce of an int, cheaper than `gather` (for
@@ -359,7 +397,7 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
     input (that rank: its own error), a target's rows differ from the input's or a tie's copies
     (`tie_names`: the bits of ``ties_training``) are frozen unalike; else the step's rows and
     signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
-    reports = agreement.gather(mine)
+    reports = agreement.gather(mine, words=tie_words(len(tie_names)))  # every rank's tie_names are alike
     if any(r.rejected for r in reports):
         texts = agreement.gather_texts(None if problem is None else describe_error(problem))
         if problem is not None:

@@ -52,10 +52,7 @@ from .fsdp import copies_of
 from .polling import wait_for
 from .topology import Topology
 
-#: ties whose copies the start agreement compares each step (bits of an int64; the build compares all)
-FLAGGED_TIES = 62
-
-__all__ = ["FLAGGED_TIES", "LocalTies", "TiedParameters", "check_reducer_leaves_ties", "drifted_ties_error", "local_ties"]
+__all__ = ["LocalTies", "TiedParameters", "check_reducer_leaves_ties", "drifted_ties_error", "local_ties"]
 
 
 @dataclass(eq=False)
@@ -240,17 +237,19 @@ class TiedParameters:
         return [t.name for t in self._ties if t.name is not None]
 
     def training_flags(self) -> tuple[int, int]:
-        """Bit i for ``all_names[i]`` (the first `FLAGGED_TIES`): the ties of which this rank holds a
-        copy that trains now, and those of which it holds a frozen one. The start agreement refuses a
-        tie whose copies differ (``requires_grad_`` after the build): a frozen copy takes no part in
-        the sum, whose all-reduce the trained ones would wait in until the group's timeout."""
+        """Bit i for ``all_names[i]``, every one (the agreement sends as many int64 words as they
+        need): the ties of which this rank holds a copy that trains now, and those of which it holds
+        a frozen one. The start agreement refuses a tie whose copies differ (``requires_grad_``
+        after the build): a frozen copy takes no part in the sum, whose all-reduce the trained ones
+        would wait in until the group's timeout. Copies of this rank alone (unnamed) are left out."""
         trains = frozen = 0
         for t in self._ties:
-            i = self.all_names.index(t.name) if t.name is not None else FLAGGED_TIES
-            if i < FLAGGED_TIES:
-                for q in t.params:
-                    trains |= q.requires_grad << i
-                    frozen |= (not q.requires_grad) << i
+            if t.name is None:
+                continue
+            i = self.all_names.index(t.name)
+            for q in t.params:
+                trains |= q.requires_grad << i
+                frozen |= (not q.requires_grad) << i
         return trains, frozen
 
     def counted_here(self, p: nn.Parameter) -> bool:
