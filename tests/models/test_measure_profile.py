@@ -440,7 +440,6 @@ def test_measuring_then_training_is_training_without_measuring():
     from zbpp.modules import DelayedScaling, fp8_autocast
     from zbpp.modules import Linear as ZLinear
     from zbpp.modules._scaling_state import scaling_states
-    from zbpp.modules._shared_input import forget_last_cast
 
     torch.manual_seed(0)
     net = nn.Sequential(ZLinear(16, 32), nn.Sequential(nn.Dropout(0.5), nn.GELU(), ZLinear(32, 16)))
@@ -448,7 +447,6 @@ def test_measuring_then_training_is_training_without_measuring():
 
     def trained(measure: bool) -> tuple[list[torch.Tensor], dict]:
         model = copy.deepcopy(net)
-        forget_last_cast()  # the other model's last input cast: not this one's to share
         torch.manual_seed(1)
         with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
             if measure:
