@@ -42,6 +42,7 @@ __all__ = [
     "outermost_module_call",
     "runs_hooks",
     "dcp_file_extents",
+    "dcp_host_shard",
 ]
 
 
@@ -349,6 +350,32 @@ def dcp_file_extents(metadata: Any) -> dict[str, tuple[int, list[str]]]:
         ends[path] = max(ends.get(path, 0), offset + length)
         names.setdefault(path, {})[getattr(index, "fqn", str(index))] = None
     return {path: (end, list(names[path])) for path, end in ends.items()}
+
+
+def dcp_host_shard(value: Any) -> torch.Tensor | None:
+    """A new tensor in host memory (not pinned) that DCP reads the local shard of the DTensor
+    `value` into, or None where this torch cannot (it reads a shard into a DTensor only, on the
+    DTensor's device). DCP's ``CheckpointableTensor`` protocol (recent: torch 2.14 has it): a plain
+    tensor whose attributes say which chunk of the whole it is, taken from the DTensor's own
+    ``__create_chunk_list__`` (what DCP reads into it); the isinstance check at the end refuses a
+    protocol whose attributes are named otherwise."""
+    try:
+        from torch.distributed.checkpoint.protocol import CheckpointableTensor
+    except ImportError:
+        return None
+    try:
+        chunks = value.__create_chunk_list__()
+    except Exception:  # noqa: BLE001 - a Partial placement, a local tensor of another kind: DCP's own reading
+        return None
+    local = value.to_local()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):  # e.g. a padded local tensor
+        return None
+    staged = torch.empty(tuple(local.shape), dtype=local.dtype, device="cpu")
+    staged.global_shape = tuple(value.shape)
+    staged.global_offsets = (tuple(chunks[0].offsets),)
+    staged.local_offsets = ((0,) * staged.dim(),)
+    staged.local_sizes = (tuple(local.shape),)
+    return staged if isinstance(staged, CheckpointableTensor) else None
 
 
 def outermost_module_call(frame: Any) -> torch.nn.Module | None:

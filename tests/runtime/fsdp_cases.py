@@ -1125,3 +1125,35 @@ def _timed_checkpoint_call(when: str, stage: Any, path: str, opt: Any, caught: t
     except caught as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
     return f"{time.monotonic() - start:.1f}s ok"
+
+
+def host_staging_case(path: str) -> list[str]:
+    """2 ranks, dp=2: `whole_model` saved by rank 0 alone, loaded into a ``fully_shard`` copy of it
+    (another seed) whose weights split unevenly (5 rows: shards of 3 and 2). What `load_checkpoint`
+    reads into (`_state_to_load`) must be plain host tensors of this rank's shard, not DTensors on
+    the stage's device; then the loaded whole tensors equal the saved ones (``torch.equal``: copies).
+    Returns what is wrong ([] if nothing)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from zbpp.runtime import checkpoint, load_checkpoint, save_checkpoint
+
+    saved = nn.Linear(H, 5, dtype=torch.float64)
+    with torch.no_grad():
+        saved.weight.copy_(torch.arange(5 * H, dtype=torch.float64).reshape(5, H))
+    alone = dist.new_group([0])  # collective: every rank builds it
+    if dist.get_rank() == 0:
+        save_checkpoint(saved, path, process_group=alone)
+    dist.barrier()
+    net = nn.Linear(H, 5, dtype=torch.float64)
+    fully_shard(net, mesh=mesh("cpu", 2, 1)["dp"])
+    fails = []
+    for name, value in checkpoint._state_to_load(net, path, None, None).model_state.items():
+        local = net.state_dict()[name].to_local()
+        if hasattr(value, "placements") or value.device.type != "cpu" or value.shape != local.shape:
+            fails.append(f"{name} staged as {type(value).__name__} {tuple(value.shape)} on {value.device}, "
+                         f"not a host tensor of the local shard's shape {tuple(local.shape)}")
+    load_checkpoint(net, path)
+    for name, value in saved.state_dict().items():
+        if not torch.equal(net.state_dict()[name].full_tensor(), value):
+            fails.append(f"{name} loaded wrong")
+    return fails

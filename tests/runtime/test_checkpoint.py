@@ -198,6 +198,44 @@ def test_a_failed_load_changes_nothing_on_every_rank(tmp_path: Path, zbpp_worker
                    for m in msgs), msgs
 
 
+def test_the_staging_copy_is_in_host_memory(tmp_path: Path) -> None:
+    """`load_checkpoint` reads the model into new tensors (a read failing part-way changes nothing)
+    and copies them in once every rank read all. They were made like the stage's (``empty_like``):
+    for a model on a GPU, one more copy of its state in GPU memory. Now they are in host memory
+    wherever the model lives. A model on the meta device stands in for one on an accelerator (no
+    GPU here): its staging tensors were on the meta device; now on the CPU, shaped and typed like
+    the stage's. Then a CPU model loads through them: its tensors are the ones it had (in place: an
+    optimizer holds them) and equal the saved ones (``torch.equal``: a copy, no arithmetic)."""
+    from zbpp.runtime import checkpoint, save_checkpoint
+
+    net = whole_model()
+    save_checkpoint(net, tmp_path / "c")
+    on_meta = whole_model(seed=3).to("meta")
+    live = on_meta.state_dict()
+    staged = checkpoint._state_to_load(on_meta, str(tmp_path / "c"), None, None).model_state
+    assert staged.keys() == live.keys()
+    for name, value in staged.items():
+        assert value.device == torch.device("cpu"), (name, value.device)
+        assert (value.shape, value.dtype) == (live[name].shape, live[name].dtype), name
+    fresh = whole_model(seed=3)
+    before = {name: value.data_ptr() for name, value in fresh.state_dict().items()}
+    load_checkpoint(fresh, tmp_path / "c")
+    for name, value in fresh.state_dict().items():
+        assert value.data_ptr() == before[name] and torch.equal(value, net.state_dict()[name]), name
+
+
+def test_a_sharded_stage_is_staged_in_host_memory(tmp_path: Path, zbpp_workers) -> None:
+    """`host_staging_case` on 2 ranks: a ``fully_shard`` stage's new values were read into
+    DTensors like its parameters (on their device: a GPU's memory); now into plain host tensors of
+    the rank's shard (uneven: 3 and 2 rows), copied into the shards after. Reference: the saved
+    tensors, ``torch.equal``."""
+    from .fsdp_cases import host_staging_case
+
+    per_rank = zbpp_workers(2, pg_timeout=60).run(host_staging_case, str(tmp_path / "c"))
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
 def test_a_checkpoint_without_a_format_version_loads(tmp_path: Path) -> None:
     """Checkpoints saved before ``format.version`` was written have none: they are of the first
     layout and load (the reference: the saved model and optimizer, ``torch.equal``)."""

@@ -336,7 +336,10 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
     DCP reads into new tensors, copied into the stages once every rank read all. That costs one
     more copy of this rank's model state (parameters and buffers, its shards under
-    ``fully_shard``) on their device while loading, beside DCP's own read buffers. The
+    ``fully_shard``) in host memory while loading, wherever the model lives (on a GPU: none in
+    GPU memory; not pinned, so the copies onto the GPU go at pageable speed), beside DCP's own
+    read buffers; on a torch without DCP's ``CheckpointableTensor`` protocol the shards' copy is
+    on their device. The
     optimizer's state is read into new tensors too (its size again, while the state it replaces is
     alive; none for a fresh optimizer).
 
@@ -409,7 +412,7 @@ class _Loading(NamedTuple):
     """What this rank asks of the checkpoint (`_state_to_load`), for `_apply_loaded`."""
 
     mods: list[nn.Module]
-    model_state: dict[str, Any]  #: new tensors DCP reads the model's entries into, copied into the stages after
+    model_state: dict[str, Any]  #: new host tensors DCP reads the model's entries into (`_staging`), copied in after
     state: dict[str, Any]  #: the destinations DCP reads into
     wanted: list[tuple[str, nn.Parameter, dict]]  #: (saved name, parameter, its group) of the optimizer's parameters
     restore_rng: bool
@@ -426,7 +429,7 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     _check_format(path, meta)
     _check_model_entries(live, meta, path)
     # not into the stages' own tensors: a read failing part-way would leave the model half loaded
-    model_state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in live.items()}
+    model_state = {k: _staging(v) if isinstance(v, torch.Tensor) else v for k, v in live.items()}
     state: dict[str, Any] = {"model": model_state}
     wanted: list[tuple[str, nn.Parameter, dict]] = []
     if optimizer is not None:
@@ -457,6 +460,33 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     if fp8:
         state["fp8"] = {replica: fp8}
     return _Loading(mods, model_state, state, wanted, restore_rng)
+
+
+def _staging(value: torch.Tensor) -> torch.Tensor:
+    """A new tensor that DCP reads the saved value of model entry `value` into, copied into `value`
+    once every rank read all (`_apply_loaded`): in host memory, not pinned, wherever `value` lives
+    (DCP reads files through host memory anyway; a copy on an accelerator would take its memory,
+    and page-locking the whole state costs about as much as the one copy it would speed up). A
+    ``fully_shard`` DTensor's shard too, where this torch can read into a plain tensor (else a
+    DTensor like it, on its device: `dcp_host_shard`)."""
+    if hasattr(value, "placements"):
+        from .._compat import dcp_host_shard
+
+        staged = dcp_host_shard(value)
+        return staged if staged is not None else torch.empty_like(value)
+    return torch.empty(tuple(value.shape), dtype=value.dtype, device="cpu")
+
+
+def _into_live(live: Any, staged: Any) -> Any:
+    """What ``load_state_dict`` gets for an entry whose stage value is `live` and whose read value
+    is `staged`: `staged`, but for a DTensor read into a plain host tensor (`_staging`), which is
+    copied into the DTensor's shard here (``load_state_dict`` would mix a plain tensor with a
+    DTensor) and `live` itself given (copied onto itself)."""
+    if hasattr(live, "placements") and isinstance(staged, torch.Tensor) and not hasattr(staged, "placements"):
+        with torch.no_grad():
+            live.to_local().copy_(staged)
+        return live
+    return staged
 
 
 def _complete_metadata(path: str) -> Any:
@@ -540,8 +570,8 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
     """Put what DCP read (`loading.state`) into the stages, `optimizer`, `lr_scheduler` and `model`'s
     random stream."""
     state = loading.state
-    for m in loading.mods:
-        m.load_state_dict({k: loading.model_state[k] for k in m.state_dict()})
+    for m in loading.mods:  # a host tensor's copy onto the device is made entry by entry, none kept
+        m.load_state_dict({k: _into_live(v, loading.model_state[k]) for k, v in m.state_dict().items()})
     fp8 = next(iter(state.get("fp8", {}).values()), {})
     for m in loading.mods:  # every zbpp layer gets the saved slots, or none where none were saved
         restore_scaling_states(m, fp8)
