@@ -136,7 +136,17 @@ def test_fp8_layer_host_times_the_triton_path_and_puts_the_stubs_back(tmp_path: 
     bench = _benchmark("fp8_layer_host")
     out = tmp_path / "fp8_layer_host.json"
     reset_cast_path_counts()
-    medians = bench.main(["--steps", "1", "--microbatches", "2", "--blocks", "1", "--out", str(out)])
+    built = []
+    build = bench.build
+    bench.build = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    try:
+        medians = bench.main(["--steps", "1", "--microbatches", "2", "--blocks", "1", "--out", str(out)])
+    finally:
+        bench.build = build
+    # as in a model's forward, k and v take q's input cast (one slot for the three): the F kv column
+    # times that, not casts of their own
+    block = built[0][0]
+    assert block.k.fp8_meta["input"] is block.q.fp8_meta["input"] is block.v.fp8_meta["input"]
     counts = cast_path_counts()
     assert counts["triton"] > 0 and counts["eager"] == counts["update_eager"] == 0
     keys = {f"{p} {n}" for p in bench.PHASES for n in bench.LAYERS}
