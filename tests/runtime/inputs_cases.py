@@ -29,10 +29,11 @@ from torch.utils.checkpoint import checkpoint
 
 from zbpp import ParallelGroups, Pipeline
 from zbpp.runtime import Replicated, microbatch_seed
+from zbpp.runtime.errors import ShapeMismatchError
 from zbpp.runtime.rng import seeded
 from zbpp.schedules import Schedule
 
-from .cases import device_for_rank, make_schedule
+from .cases import _close, device_for_rank, make_schedule
 
 V, H, T = 11, 6, 5
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -298,4 +299,104 @@ def check_bad_losses_on_one_rank(name: str, p: int) -> dict[str, Any]:
         raise AssertionError(f"rank {rank}: a step with losses=() returned")
     out["seconds"] = time.monotonic() - t0
     pipe.step(inputs, target=y, losses=[] if pipe.holds_last_stage else None)
+    return out
+
+
+class Branches(nn.Module):
+    """Stage `s`: a float64 MLP stage that returns ``{"h", "extra", "mask"}``: ``extra`` from its own
+    linear layer, ``mask`` an integer tensor. It reads ``h`` and ``mask`` of the stage before and,
+    with `use_extra`, ``extra`` too; with `use_h` False it reads neither float input (only ``mask``):
+    nothing of the stage before gets a gradient."""
+
+    def __init__(self, s: int, use_extra: bool = False, use_h: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(500 + s)
+        self.first, self.use_extra, self.use_h = s == 0, use_extra, use_h
+        self.main = nn.Linear(4, 4, dtype=torch.float64)
+        self.side = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor, extra: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> Any:
+        if self.first:
+            mask = (h > 0).long()
+        else:
+            h = (h if self.use_h else torch.zeros_like(h)) + (extra if self.use_extra else 0) + mask
+        h = torch.tanh(self.main(h))
+        return {"h": h, "extra": self.side(h), "mask": mask}
+
+
+def branches_loss(out: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return ((out["h"] - y) ** 2).mean()
+
+
+def check_unused_stage_inputs(name: str, p: int, use_h: bool) -> None:
+    """Every stage ignores the stage before's ``extra`` (stage 1 also its ``h`` when not `use_h`):
+    after two AdamW steps with weight decay, the gradients and the parameters equal one process
+    running the stages on the microbatches in turn, where a parameter that feeds only ignored
+    outputs gets None, never zeros (weight decay would move it). Float64 ``TOL``: summation order."""
+    sched = make_schedule(name, p, 4)
+    n = sched.num_stages
+    make = lambda: [Branches(s, use_h=use_h or s != 1) for s in range(n)]  # noqa: E731
+    ref, mods = make(), make()
+    mine = {s: mods[s] for s in sched.stages_on(dist.get_rank())}
+    pipe = Pipeline(mine, sched, branches_loss, seed=False)
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.1, weight_decay=0.5)
+    ref_opt = torch.optim.AdamW([q for m in ref for q in m.parameters()], lr=0.1, weight_decay=0.5)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, dtype=torch.float64, generator=g), torch.randn(8, 4, dtype=torch.float64, generator=g)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        pipe.step(x, target=y)
+        for xs, ys in zip(x.chunk(4), y.chunk(4)):  # one process, gradient accumulation over the microbatches
+            out = xs
+            for m in ref:
+                out = m(**out) if isinstance(out, dict) else m(out)
+            (branches_loss(out, ys) / 4).backward()
+        for s, m in mine.items():
+            for (k, q), want in zip(m.named_parameters(), ref[s].parameters()):
+                _close(f"{name} p={p} use_h={use_h} step {step} stage {s} grad {k}", q.grad, want.grad, TOL)
+        opt.step()
+        ref_opt.step()
+    for s, m in mine.items():
+        for (k, q), want in zip(m.named_parameters(), ref[s].parameters()):
+            torch.testing.assert_close(q, want, msg=lambda e: f"stage {s} {k} after the steps: {e}", **TOL)
+
+
+def check_usage_changes_within_a_signature(name: str, p: int) -> dict[str, Any]:
+    """Stage 1 ignores ``extra`` on the first step of a signature, then uses it (a Python flag, not
+    the input's shapes): stage 0 left ``extra`` out of its backward as learnt, so the second step
+    raises on every rank, naming the stage, instead of losing that gradient. Then the flag goes
+    back and a step of the same signature runs. The reverse (used first, then ignored) warns and
+    sends zeros back: ``side`` gets zero .grad, not None."""
+    from zbpp.runtime import PipelineError
+
+    sched = make_schedule(name, p, 4)
+    mods = {s: Branches(s) for s in sched.stages_on(dist.get_rank())}
+    pipe = Pipeline(mods, sched, branches_loss)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe.step(x, target=y)
+    out: dict[str, Any] = {}
+    for m in mods.values():
+        m.use_extra = True
+    try:
+        pipe.step(x, target=y)
+    except (PipelineError, ShapeMismatchError) as exc:
+        out["raised"] = str(exc)
+    for m in mods.values():
+        m.use_extra = False
+    pipe.step(x, target=y)  # the pipeline goes on
+    x2 = torch.randn(6, 4, dtype=torch.float64)  # a new signature: stage 1 uses extra when learnt...
+    for m in mods.values():
+        m.use_extra = True
+    pipe.step(x2, target=y[:6])
+    for m in mods.values():
+        m.use_extra = False
+        m.zero_grad(set_to_none=True)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # ...and then ignores it
+        warnings.simplefilter("always")
+        pipe.step(x2, target=y[:6])
+    out["warnings"] = [str(w.message) for w in caught]
+    out["side grad"] = None if 0 not in mods else mods[0].side.weight.grad
     return out

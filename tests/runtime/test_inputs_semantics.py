@@ -19,7 +19,7 @@ from zbpp.schedules import build
 from zbpp.testing import gpus_available
 
 from .inputs_cases import (check_bad_losses_on_one_rank, check_dropout, check_rows_mismatch_on_one_replica, check_shared_inputs, check_token_mean,
-                           check_token_mean_data_parallel)
+                           check_token_mean_data_parallel, check_unused_stage_inputs, check_usage_changes_within_a_signature)
 from .replica_seed_cases import BASE_SEED, check_dropout_across_replicas
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v"]
@@ -185,6 +185,22 @@ def test_dropout_on_nccl_follows_the_seeds(zbpp_workers, name, ckpt):
 @pytest.mark.skipif(not gpus_available(2), reason="needs 2 CUDA GPUs with NCCL")
 def test_token_mean_on_nccl(zbpp_workers, name):
     zbpp_workers(2, backend="nccl").run(check_token_mean, name, 2, 3)
+
+
+@pytest.mark.parametrize("name,use_h", [("1f1b", True), ("zb-h1", True), ("zb-v", True), ("zb-h1", False)])
+def test_unused_stage_inputs_get_no_gradient_as_in_one_process(zbpp_workers, name, use_h):
+    """A stage that ignores an input leaves the parameters feeding only it without .grad (None, not
+    zeros), on both sides of a rank boundary and within one rank (zb-v's stages 1 -> 2); with
+    ``use_h=False`` stage 1 ignores all of stage 0's float outputs, whose B then has nothing to do."""
+    zbpp_workers(2).run(check_unused_stage_inputs, name, 2, use_h)
+
+
+def test_a_stage_input_used_after_its_signature_learnt_it_unused_raises_everywhere(zbpp_workers):
+    outs = zbpp_workers(2).run(check_usage_changes_within_a_signature, "zb-h1", 2, timeout=60)
+    for rank, out in enumerate(outs):
+        assert "stage 1 used its input tensors needing a gradient as [True, True] on microbatch 0, but as [True, False]" in out.get("raised", ""), (rank, out)
+    assert any("as [True, False] on microbatch 0, but as [True, True]" in w for w in outs[1]["warnings"]), outs[1]
+    assert outs[0]["side grad"] is not None and not outs[0]["side grad"].any()  # zeros, as warned
 
 
 def test_bad_losses_on_one_rank_raises_everywhere_fast(zbpp_workers):

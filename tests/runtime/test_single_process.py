@@ -3,6 +3,8 @@ the tree utilities, and the errors raised before anything runs."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -319,22 +321,57 @@ class _TakesFirst(torch.nn.Module):
         return self.lin(a)
 
 
-def test_an_unused_stage_input_gets_zeros_back_with_a_warning():
-    # stage 1 ignores stage 0's second output: the pipeline sends zeros back, so `unused` gets zero
-    # .grad where one process leaves None (weight decay would move it): said, not silent
+def test_an_unused_stage_input_gives_no_gradient_as_in_one_process():
+    # stage 1 ignores stage 0's second output: `unused` gets no .grad (None, as in one process, so
+    # weight decay leaves it alone), not zeros, and no warning; the rest matches the reference
     torch.manual_seed(0)
     sched = build("zb-v", num_ranks=1, num_microbatches=2)
     stages = {0: _TwoOut(), 1: _TakesFirst()}
     pipe = Pipeline(stages, sched, lambda out, y: ((out - y) ** 2).mean())
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="stage 1's input tensor 1 .*got no gradient.*zero .grad instead of None"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         pipe.step(x, target=y)
-    assert torch.count_nonzero(stages[0].unused.weight.grad) == 0
     ref = [_TwoOut(), _TakesFirst()]
     for a, b in zip(ref, stages.values()):
         a.load_state_dict(b.state_dict())
     sum(((ref[1](*ref[0](xs)) - ys) ** 2).mean() / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))).backward()
-    assert ref[0].unused.weight.grad is None  # the one-process reference (what the warning tells)
+    assert ref[0].unused.weight.grad is None  # the one-process reference
+    assert stages[0].unused.weight.grad is None and stages[0].unused.bias.grad is None
+    torch.testing.assert_close(stages[0].used.weight.grad, ref[0].used.weight.grad, rtol=1e-12, atol=0)  # float64
+
+
+class _TwoOutFifo(torch.nn.Module):
+    """`_TwoOut` whose unused branch is a FIFO delayed-wgrad Linear (Transformer Engine's protocol)."""
+
+    def __init__(self):
+        super().__init__()
+        from .models import FifoLinear
+
+        self.used, self.unused = torch.nn.Linear(3, 3).double(), FifoLinear(3, 3).double()
+        torch.nn.init.normal_(self.unused.weight)
+        torch.nn.init.zeros_(self.unused.bias)
+
+    def forward(self, x):
+        return self.used(x), self.unused(x)
+
+
+@pytest.mark.parametrize("name", ["zb-v", "interleaved-1f1b"])
+def test_an_unused_output_of_a_stage_with_fifo_wgrad_modules_still_runs_its_backward(name):
+    # a FIFO module's W takes its oldest queued wgrad, so its stage's B must queue one for every
+    # microbatch: the unused output gets zeros back (zero .grad, said by a warning), and the step
+    # runs and matches the one-process reference on the used branch
+    torch.manual_seed(0)
+    stages = {0: _TwoOutFifo(), 1: _TakesFirst()}
+    pipe = Pipeline(stages, make_schedule(name, 1, 2), lambda out, y: ((out - y) ** 2).mean())
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="stage 0 has FIFO .*zero .grad instead of None"):
+        pipe.step(x, target=y)
+    assert stages[0].unused.weight.grad is not None and not stages[0].unused.weight.grad.any()
+    ref = [_TwoOut(), _TakesFirst()]
+    ref[0].used.load_state_dict(stages[0].used.state_dict())
+    ref[1].load_state_dict(stages[1].state_dict())
+    sum(((ref[1](*ref[0](xs)) - ys) ** 2).mean() / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))).backward()
     torch.testing.assert_close(stages[0].used.weight.grad, ref[0].used.weight.grad, rtol=1e-12, atol=0)  # float64
 
 

@@ -23,7 +23,7 @@ from .errors import PipelineError, ShapeMismatchError
 from .failure import StepFailure
 from .tree import Spec, TensorMeta
 
-__all__ = ["CommQueue", "Drained", "POISON", "Posted"]
+__all__ = ["CommQueue", "Drained", "POISON", "Posted", "used_key"]
 
 
 class _Poison:
@@ -37,6 +37,12 @@ class _Poison:
 
 
 POISON = _Poison()
+
+
+def used_key(stage: int, microbatch: int) -> tuple[int, int, str]:
+    """The key in a signature's specs of which outputs of (`stage`, `microbatch`) needing a gradient
+    the next stage used: a tuple of bools, sent in-band with the gradient on a new signature."""
+    return (stage, microbatch, "used")
 
 
 class Drained(Exception):
@@ -120,6 +126,11 @@ class CommQueue:
             w, bufs = self.channels.send_object(spec, msg.channel)
             works += w
             keep += bufs
+        elif self.new_signature and self.specs.get((msg.dst.stage, msg.src.microbatch)) is not POISON:
+            # a gradient: which of the activation's outputs its consumer used (`used_key`)
+            w, bufs = self.channels.send_object(spec, msg.channel)
+            works += w
+            keep += bufs
         if spec is not POISON:
             works += self.channels.isend(tensors, msg.channel)
         if works:
@@ -128,21 +139,25 @@ class CommQueue:
     def _placeholder(self, msg: Message) -> tuple[Any, list[torch.Tensor]]:
         """What a draining rank sends for a message it could not produce: tensors of the right
         shapes (their values are never used), or POISON when the shapes are unknown."""
-        metas = self._metas(msg)
+        metas = self._metas(msg, sending=True)
         if metas is None:
             return POISON, []
-        spec = self.specs.get((msg.src.stage, msg.src.microbatch)) if not msg.is_gradient else None
+        # a gradient's placeholder says every output was used: its zeros then flow back harmlessly
+        spec = self.specs.get((msg.src.stage, msg.src.microbatch)) if not msg.is_gradient else (True,) * len(metas)
         # Zeros, not garbage: a peer that computes on them before it learns of the failure should
         # not fail too (an index out of range, say) and blur which rank failed first.
         return spec, [torch.zeros(m.shape, dtype=m.dtype, device=self.channels.device) for m in metas]
 
-    def _metas(self, msg: Message) -> list[TensorMeta] | None:
-        """The tensors of `msg`, or None while unknown (its spec is still to come in-band)."""
+    def _metas(self, msg: Message, sending: bool = False) -> list[TensorMeta] | None:
+        """The tensors of `msg`, or None while unknown (its spec is still to come in-band; a
+        gradient's receiver waits for its usage too, on a new signature: `used_key`)."""
         j = msg.src.microbatch
         if msg.is_gradient:  # answers the activation of (dst stage, j), which both ends have seen
             spec = self.specs.get((msg.dst.stage, j))
             if spec is None or spec is POISON:  # unknown yet / the activation never existed
                 return None if spec is None else []
+            if self.new_signature and not sending and used_key(msg.dst.stage, j) not in self.specs:
+                return None
             return [TensorMeta(m.shape, m.dtype, False) for m in spec.tensors if m.requires_grad]
         spec = self.specs.get((msg.src.stage, j))
         if spec is None or spec is POISON:
@@ -178,20 +193,30 @@ class CommQueue:
             assert item.message.index == msg.index, "channel order broken (a bug in the program)"
             if msg.channel in self._dead:
                 raise Drained()
-            if not self.new_signature or msg.is_gradient:  # pragma: no cover - its shapes are known: posted already
+            if not self.new_signature:  # pragma: no cover - its shapes are known: posted already
                 raise PipelineError(f"rank {self.program.rank}: the receive of {msg} was never posted (a bug)")
             try:
                 spec, interrupted = self.channels.recv_object(msg.channel)
             except Exception as exc:  # noqa: BLE001
                 self._comm_failed(exc, msg.channel)
                 raise Drained() from exc
-            self.specs[(msg.src.stage, msg.src.microbatch)] = spec
-            if spec is POISON:
+            if msg.is_gradient and spec is POISON:  # a draining consumer that never saw the activation
                 self.failure.upstream = True
                 item.bufs, item.poisoned = [], True
-            else:
-                self._post(item, list(spec.tensors))
+            elif msg.is_gradient:  # which outputs the consumer used; the shapes are the activation's
+                self.specs[used_key(msg.dst.stage, msg.src.microbatch)] = spec
+                metas = self._metas(msg)
+                assert metas is not None
+                self._post(item, metas)
                 self._received.pop(msg.index)
+            else:
+                self.specs[(msg.src.stage, msg.src.microbatch)] = spec
+                if spec is POISON:
+                    self.failure.upstream = True
+                    item.bufs, item.poisoned = [], True
+                else:
+                    self._post(item, list(spec.tensors))
+                    self._received.pop(msg.index)
             if interrupted is not None:  # the spec is known and its tensors posted: `complete` receives them
                 if not item.poisoned:
                     self._received[msg.index] = item

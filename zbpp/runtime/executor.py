@@ -29,7 +29,8 @@ Shapes: on the first step of a new input signature (``new_signature``) each acti
 preceded by its `Spec` (structure, shapes, dtypes, non-tensor values), received when its consumer needs it;
 later steps post receives from the cached specs, and the sender checks its output against them (a
 difference raises `ShapeMismatchError` naming the stage, the microbatch and both specs). Gradient
-messages need no metadata: they have the shapes of the activations they answer.
+messages have the shapes of the activations they answer; on a new signature each is preceded by
+which of them its stage used (`_usage`), and the stage before leaves the unused ones out of its B.
 
 Failures: an exception in a task (or in handing its data on) does not stop the step's
 communication. The rank *drains*: it runs no more compute but still issues every remaining send
@@ -64,7 +65,7 @@ from ..modules.context import microbatch as microbatch_key
 from ..schedules.ir import Action, Kind
 from ..schedules.program import RankProgram
 from ._autograd_split import SavedBoxes
-from .comm_queue import POISON, CommQueue, Drained
+from .comm_queue import POISON, CommQueue, Drained, used_key
 from .errors import PipelineError, ShapeMismatchError, describe_error
 from .failure import StepFailure
 from .task_times import TaskRecorder
@@ -152,18 +153,51 @@ def _call_stage(module: nn.Module, args: Any, stage: int) -> Any:
             "change those in place: clone the input first (h = h.clone())") from exc
 
 
-def _input_grad(x: torch.Tensor, stage: int, index: int) -> torch.Tensor:
+def _input_grad(x: torch.Tensor) -> torch.Tensor:
     """The gradient B sends back for the stage's input leaf `x`: zeros where the stage did not use
-    it (no gradient reached it), with a warning: the stage before then gives the parameters that
-    feed only this input zero gradients, not None, which weight decay and momentum still move."""
-    if x.grad is not None:
-        return x.grad
-    warnings.warn(
-        f"stage {stage}'s input tensor {index} (of those needing a gradient) got no gradient: the stage "
-        "does not use it. Its gradient goes back as zeros, so the parameters of the stage before that "
-        "feed only it get zero .grad instead of None (an optimizer's weight decay and momentum still "
-        "move them); return from the stage before only what the next stage uses", stacklevel=2)
-    return torch.zeros_like(x)
+    it (no gradient reached it; the stage before then leaves that output out of its B: `_usage`)."""
+    return x.grad if x.grad is not None else torch.zeros_like(x)
+
+
+def _usage(comm: CommQueue, stage: int, microbatch: int, used: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
+    """Record (on a new signature) or check which inputs needing a gradient stage `stage` + 1 used
+    on `microbatch` (`used`: None when its B ran as a replayed graph), and return the usage that
+    B(`stage`, `microbatch`) reads. Within a signature the usage must stay as first learnt: an input
+    that was unused then and is used now would lose its gradient, so it raises; one used then and
+    unused now gets zeros back, with a warning (its parameters get zero .grad, not None)."""
+    key = used_key(stage, microbatch)
+    known = comm.specs.get(key)
+    if used is None:
+        return known
+    if comm.new_signature or known is None:
+        comm.specs[key] = used
+        return used
+    if any(u and not k for u, k in zip(used, known)):
+        raise ShapeMismatchError(
+            f"stage {stage + 1} used its input tensors needing a gradient as {list(used)} on microbatch {microbatch}, "
+            f"but as {list(known)} on the first step of this input signature, and stage {stage} keeps the unused ones "
+            "out of its backward: which inputs a stage uses must be determined by the step's input shapes (and the "
+            "modules' train/requires_grad state)")
+    if used != known:
+        warnings.warn(
+            f"stage {stage + 1} used its input tensors needing a gradient as {list(used)} on microbatch {microbatch}, "
+            f"but as {list(known)} on the first step of this input signature: the ones it no longer uses get zeros "
+            "back, so the parameters of the stage before that feed only them get zero .grad instead of None",
+            stacklevel=3)
+    return known
+
+
+def _may_skip(wgrad: StageWgrad, stage: int) -> bool:
+    """Whether stage `stage`'s B may leave out an output the next stage did not use: not with FIFO
+    delayed-wgrad modules (Transformer Engine), whose W takes the oldest wgrad queued, so every B
+    must queue one (the unused output's zeros then give zero .grad, with a warning)."""
+    fifo = wgrad.fifo_modules
+    if fifo:
+        warnings.warn(
+            f"stage {stage} has FIFO delayed-wgrad modules ({', '.join(type(m).__name__ for m in fifo)}), and the "
+            "next stage does not use one of its outputs: its backward still runs from zeros, so the parameters "
+            "that feed only that output get zero .grad instead of None", stacklevel=3)
+    return not fifo
 
 
 @dataclass
@@ -403,23 +437,34 @@ class StepExecutor:
 
     def _backward(self, a: Action, comm: CommQueue, runner: TaskRunner) -> None:
         """B(s, j) or BW(s, j): the output gradients in, the input gradients out (handed on before
-        the previous stage's B needs them); BW also runs W."""
+        the previous stage's B needs them); BW also runs W. Outputs that the next stage did not use
+        stay out of the backward, as in one process (`_usage`)."""
         s, j = a.stage, a.microbatch
         grads: list[torch.Tensor] = []
+        usage: tuple[bool, ...] | None = None
         if s < self.num_stages - 1:
             msg = self.program.recv_of.get(a)
             grads = list(self._handed.pop(self.program.handed_from[a])[1] if msg is None else comm.receive(msg))
+            usage = comm.specs.get(used_key(s, j))
+        used: list[tuple[bool, ...]] = []  # this B's inputs' usage (none when a replayed graph runs it)
 
         def body(ins: list[torch.Tensor]) -> tuple[list[torch.Tensor], None]:
             slot = self._slots.pop((s, j))
             gs: list[torch.Tensor | None] = list(ins) if ins else [None] * len(slot.roots)
             ins.clear()  # the output gradients go as soon as backward is done with them
+            roots = slot.roots
+            if isinstance(usage, tuple) and len(usage) == len(roots) and not all(usage) and _may_skip(self.wgrad[s], s):
+                roots, gs = [r for r, u in zip(roots, usage) if u], [g for g, u in zip(gs, usage) if u]
             split = self.split_wgrad and a.kind is Kind.B
-            self.wgrad[s].backward((s, j), slot.roots, gs, slot.inputs, slot.saved, split=split)
+            if roots:
+                self.wgrad[s].backward((s, j), roots, gs, slot.inputs, slot.saved, split=split)
+            else:  # nothing of this stage was used after it: no gradient reaches it, as in one process
+                self.wgrad[s].filed((s, j))
             slot.saved = None
-            del gs
+            del gs, roots
             slot.roots.clear()
-            in_grads = [_input_grad(x, s, i) for i, x in enumerate(slot.inputs)]
+            used.append(tuple(x.grad is not None for x in slot.inputs))
+            in_grads = [_input_grad(x) for x in slot.inputs]
             for x in slot.inputs:
                 x.grad = None
             slot.inputs.clear()
@@ -432,11 +477,12 @@ class StepExecutor:
         del grads
         self._stop(a, started)
         if s > 0:  # the previous stage waits for the input gradient
+            told = _usage(comm, s - 1, j, used[0] if used else None)
             msg = self.program.send_of.get(a)
             if msg is None:
                 self._handed[a] = (None, list(in_grads))
             else:
-                comm.put(msg, None, [g.contiguous() for g in in_grads])
+                comm.put(msg, told, [g.contiguous() for g in in_grads])
 
     def _wgrad_body(self, a: Action) -> Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], None]]:
         """W(s, j): the rest of the stage's backward and its delayed-wgrad modules' (no tensor in or out)."""
