@@ -25,9 +25,10 @@ def test_tied_embedding_resumes_across_layouts(results, case: str) -> None:
     assert not fails, "\n".join(fails)
 
 
-@pytest.mark.parametrize("case", ["dropout", "dropout-rank-seeds"])
+@pytest.mark.parametrize("case", ["dropout", "dropout-rank-seeds", "dropout-V->looped"])
 def test_dropout_stream_resumes_bit_for_bit(results, case: str) -> None:
     """"dropout-rank-seeds": the replicas' ranks seeded torch apart (seed=None): every replica
-    resumes its own masks from the checkpoint's one seed."""
+    resumes its own masks from the checkpoint's one seed. "dropout-V->looped": resumed under another
+    schedule and placement of the same stages, the same masks (to summation order)."""
     fails = [f"rank {r}: {f}" for r, per in enumerate(results) for f in per[case]]
     assert not fails, "\n".join(fails)

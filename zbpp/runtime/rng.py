@@ -10,6 +10,11 @@ stream is untouched by a step. Activation checkpointing recomputes a forward und
 To reproduce a pipeline's step in one process, run stage s on microbatch j after
 ``torch.manual_seed(microbatch_seed(base, step, s, j, replica))``.
 
+The draws follow the stage and the microbatch, not the layer or the row: another schedule or
+placement of the same stages draws the same masks (a checkpoint resumed there too: `rng_step` and
+the base seed come back), but another stage split, number of microbatches or of replicas draws
+other ones.
+
 >>> a = microbatch_seed(1234, 0, 1, 2)
 >>> a == microbatch_seed(1234, 0, 1, 2), a != microbatch_seed(1234, 0, 2, 1), 0 <= a < 2**63
 (True, True, True)
