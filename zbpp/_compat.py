@@ -352,10 +352,10 @@ def dcp_file_extents(metadata: Any) -> dict[str, tuple[int, list[str]]]:
     return {path: (end, list(names[path])) for path, end in ends.items()}
 
 
-def dcp_host_shard(value: Any) -> torch.Tensor | None:
-    """A new tensor in host memory (not pinned) that DCP reads the local shard of the DTensor
-    `value` into, or None where this torch cannot (it reads a shard into a DTensor only, on the
-    DTensor's device). DCP's ``CheckpointableTensor`` protocol (recent: torch 2.14 has it): a plain
+def dcp_host_shard(value: Any, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """A new tensor in host memory (not pinned, of `dtype`, default the DTensor's: DCP casts) that
+    DCP reads the local shard of the DTensor `value` into, or None where this torch cannot (it
+    reads a shard into a DTensor only, on the DTensor's device). DCP's ``CheckpointableTensor`` protocol (recent: torch 2.14 has it): a plain
     tensor whose attributes say which chunk of the whole it is, taken from the DTensor's own
     ``__create_chunk_list__`` (what DCP reads into it); the isinstance check at the end refuses a
     protocol whose attributes are named otherwise."""
@@ -370,7 +370,7 @@ def dcp_host_shard(value: Any) -> torch.Tensor | None:
     local = value.to_local()
     if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):  # e.g. a padded local tensor
         return None
-    staged = torch.empty(tuple(local.shape), dtype=local.dtype, device="cpu")
+    staged = torch.empty(tuple(local.shape), dtype=dtype or local.dtype, device="cpu")
     staged.global_shape = tuple(value.shape)
     staged.global_offsets = (tuple(chunks[0].offsets),)
     staged.local_offsets = ((0,) * staged.dim(),)

@@ -1128,10 +1128,13 @@ def _timed_checkpoint_call(when: str, stage: Any, path: str, opt: Any, caught: t
 
 
 def host_staging_case(path: str) -> list[str]:
-    """2 ranks, dp=2: `whole_model` saved by rank 0 alone, loaded into a ``fully_shard`` copy of it
-    (another seed) whose weights split unevenly (5 rows: shards of 3 and 2). What `load_checkpoint`
-    reads into (`_state_to_load`) must be plain host tensors of this rank's shard, not DTensors on
-    the stage's device; then the loaded whole tensors equal the saved ones (``torch.equal``: copies).
+    """2 ranks, dp=2: ``nn.Linear(H, 5)`` (float64) and its AdamW state after a step, saved by rank 0
+    alone, loaded into a ``fully_shard`` copy of it (another seed) whose weights split unevenly (5
+    rows: shards of 3 and 2) and whose optimizer holds state for the weight only (zeros: DTensors
+    like it). What `load_checkpoint` reads into (`_state_to_load`) must be plain host tensors of this
+    rank's shard (0-dim for ``step``), not DTensors on the stage's device; then the weight's live
+    state DTensors hold the loaded values in place (the same objects), the bias's state is new
+    DTensors sharded like it, and every whole tensor equals the saved one (``torch.equal``: copies).
     Returns what is wrong ([] if nothing)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -1140,20 +1143,48 @@ def host_staging_case(path: str) -> list[str]:
     saved = nn.Linear(H, 5, dtype=torch.float64)
     with torch.no_grad():
         saved.weight.copy_(torch.arange(5 * H, dtype=torch.float64).reshape(5, H))
+        saved.bias.copy_(torch.arange(5, dtype=torch.float64))
+    saved_opt = torch.optim.AdamW(saved.parameters(), lr=0.1)
+    saved(torch.ones(2, H, dtype=torch.float64)).square().sum().backward()
+    saved_opt.step()
     alone = dist.new_group([0])  # collective: every rank builds it
     if dist.get_rank() == 0:
-        save_checkpoint(saved, path, process_group=alone)
+        save_checkpoint(saved, path, saved_opt, process_group=alone)
     dist.barrier()
     net = nn.Linear(H, 5, dtype=torch.float64)
     fully_shard(net, mesh=mesh("cpu", 2, 1)["dp"])
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    opt.state[net.weight] = {"step": torch.tensor(7.0), "exp_avg": torch.zeros_like(net.weight),
+                             "exp_avg_sq": torch.zeros_like(net.weight)}
+    before = dict(opt.state[net.weight])
     fails = []
-    for name, value in checkpoint._state_to_load(net, path, None, None).model_state.items():
+    loading = checkpoint._state_to_load(net, path, opt, None)
+    for name, value in loading.model_state.items():
         local = net.state_dict()[name].to_local()
         if hasattr(value, "placements") or value.device.type != "cpu" or value.shape != local.shape:
             fails.append(f"{name} staged as {type(value).__name__} {tuple(value.shape)} on {value.device}, "
                          f"not a host tensor of the local shard's shape {tuple(local.shape)}")
-    load_checkpoint(net, path)
+    for name, fields in loading.state["optimizer"]["state"].items():
+        local = net.get_parameter(name).to_local()
+        for field, value in fields.items():
+            shape = local.shape if field != "step" else torch.Size([])
+            if hasattr(value, "placements") or value.device.type != "cpu" or value.shape != shape:
+                fails.append(f"optimizer state {name}.{field} staged as {type(value).__name__} {tuple(value.shape)} "
+                             f"on {value.device}, not a host tensor of shape {tuple(shape)}")
+    load_checkpoint(net, path, opt)
     for name, value in saved.state_dict().items():
         if not torch.equal(net.state_dict()[name].full_tensor(), value):
             fails.append(f"{name} loaded wrong")
+    for name, p in net.named_parameters():
+        want = saved_opt.state[saved.get_parameter(name)]
+        if opt.state[p].keys() != want.keys():
+            fails.append(f"{name}: optimizer state {sorted(opt.state[p])}, saved {sorted(want)}")
+        for field, value in opt.state[p].items():
+            if field != "step" and getattr(value, "placements", None) != p.placements:
+                fails.append(f"{name}.{field} loaded as {type(value).__name__}, not sharded like its parameter")
+            whole = value.full_tensor() if hasattr(value, "placements") else value
+            if not torch.equal(whole, want[field]):
+                fails.append(f"{name}.{field} loaded wrong: {whole} != {want[field]}")
+            if name == "weight" and value is not before[field]:
+                fails.append(f"{name}.{field}: the live tensor was replaced, not loaded into in place")
     return fails

@@ -225,15 +225,92 @@ def test_the_staging_copy_is_in_host_memory(tmp_path: Path) -> None:
 
 
 def test_a_sharded_stage_is_staged_in_host_memory(tmp_path: Path, zbpp_workers) -> None:
-    """`host_staging_case` on 2 ranks: a ``fully_shard`` stage's new values were read into
-    DTensors like its parameters (on their device: a GPU's memory); now into plain host tensors of
-    the rank's shard (uneven: 3 and 2 rows), copied into the shards after. Reference: the saved
-    tensors, ``torch.equal``."""
+    """`host_staging_case` on 2 ranks: a ``fully_shard`` stage's new values and its optimizer's
+    state were read into DTensors like its parameters (on their device: a GPU's memory, the
+    optimizer's beside its live state); now into plain host tensors of the rank's shard (uneven: 3
+    and 2 rows), copied into the shards after (into the live state DTensors in place). Reference:
+    the saved tensors, ``torch.equal``."""
     from .fsdp_cases import host_staging_case
 
     per_rank = zbpp_workers(2, pg_timeout=60).run(host_staging_case, str(tmp_path / "c"))
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
+
+
+def _tensors(state: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a nested optimizer state, by dotted path."""
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in _tensors(value, f"{path}.{key}").items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, value in enumerate(state) for k, v in _tensors(value, f"{path}[{i}]").items()}
+    return {path: state} if isinstance(state, torch.Tensor) else {}
+
+
+def test_the_optimizer_state_is_staged_in_host_memory(tmp_path: Path) -> None:
+    """The optimizer's state was read into new tensors on its parameters' device (a GPU's memory:
+    the whole state twice while a live optimizer's is there, as on a rollback mid-run); now into
+    host memory, as the model's. A model on the meta device stands in for one on an accelerator
+    (no GPU here): its AdamW moments and a state of another shape (``factored``, as Adafactor's)
+    were staged on the meta device; now on the CPU, of the saved shapes and dtypes."""
+    from zbpp.runtime import checkpoint, save_checkpoint
+
+    net = whole_model()
+    opt = make_optimizer(net.parameters())
+    x, y = batch(0)
+    loss_fn(net(x), y).backward()
+    opt.step()
+    opt.state[net.layers["0"].weight]["factored"] = [torch.arange(3, dtype=torch.float64)]
+    save_checkpoint(net, tmp_path / "c", opt)
+    on_meta = whole_model(seed=3).to("meta")
+    staged = checkpoint._state_to_load(on_meta, str(tmp_path / "c"), make_optimizer(on_meta.parameters()),
+                                       None).state["optimizer"]["state"]
+    saved = {name: _tensors(opt.state[p]) for name, p in net.named_parameters()}
+    assert staged.keys() == saved.keys()
+    for name, entries in staged.items():
+        got = _tensors(entries)
+        assert got.keys() == saved[name].keys(), name
+        for field, value in got.items():
+            want = saved[name][field]
+            assert (value.device, value.shape, value.dtype) == (torch.device("cpu"), want.shape, want.dtype), \
+                (name, field)
+
+
+def test_a_live_optimizer_state_is_loaded_in_place(tmp_path: Path) -> None:
+    """Rolling a live AdamW back to a checkpoint: its state tensors were replaced by new ones (on a
+    GPU, made while the old were alive). Now a live tensor of the loaded one's shape, dtype and
+    device takes the value in place (the same tensor object after the load); one that does not
+    match (``exp_avg`` of ``layers.0.weight`` turned float32) is replaced by one of the saved dtype,
+    a live state the checkpoint lacks (``stale``) is dropped, and a live tensor held at two places
+    (``exp_avg`` and ``exp_avg_sq`` of ``layers.1.weight`` one tensor) takes one value only.
+    Reference: the state at the save (float64 copies), ``torch.equal`` (copies, no arithmetic)."""
+    from zbpp.runtime import save_checkpoint
+
+    def train(steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step)
+            loss_fn(net(x), y).backward()
+            opt.step()
+
+    net = whole_model()
+    opt = make_optimizer(net.parameters())
+    train(range(2))
+    save_checkpoint(net, tmp_path / "c", opt)
+    saved = {name: {k: v.clone() for k, v in opt.state[p].items()} for name, p in net.named_parameters()}
+    train(range(10, 12))  # rolled back by the load
+    w0, w1 = net.layers["0"].weight, net.layers["1"].weight
+    opt.state[w0]["exp_avg"] = opt.state[w0]["exp_avg"].float()
+    opt.state[w0]["stale"] = torch.ones(2)
+    opt.state[w1]["exp_avg_sq"] = opt.state[w1]["exp_avg"]
+    before = {name: dict(opt.state[p]) for name, p in net.named_parameters()}
+    load_checkpoint(net, tmp_path / "c", opt)
+    for name, p in net.named_parameters():
+        state = opt.state[p]
+        assert state.keys() == saved[name].keys(), name
+        for field, value in state.items():
+            assert value.dtype == saved[name][field].dtype and torch.equal(value, saved[name][field]), (name, field)
+            replaced = (name, field) in {("layers.0.weight", "exp_avg"), ("layers.1.weight", "exp_avg_sq")}
+            assert (value is before[name][field]) != replaced, (name, field)
 
 
 def test_a_checkpoint_without_a_format_version_loads(tmp_path: Path) -> None:

@@ -334,14 +334,16 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
 
     A read that fails part-way (an I/O error, a damaged file) raises a RuntimeError on every rank,
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
-    DCP reads into new tensors, copied into the stages once every rank read all. That costs one
-    more copy of this rank's model state (parameters and buffers, its shards under
-    ``fully_shard``) in host memory while loading, wherever the model lives (on a GPU: none in
-    GPU memory; not pinned, so the copies onto the GPU go at pageable speed), beside DCP's own
-    read buffers; on a torch without DCP's ``CheckpointableTensor`` protocol the shards' copy is
-    on their device. The
-    optimizer's state is read into new tensors too (its size again, while the state it replaces is
-    alive; none for a fresh optimizer).
+    DCP reads into new tensors, copied into the stages and the optimizer once every rank read all.
+    That costs one more copy of this rank's model state (parameters and buffers, its shards under
+    ``fully_shard``) and optimizer state in host memory while loading, wherever the model lives
+    (on a GPU: none in GPU memory; not pinned, so the copies onto the GPU go at pageable speed),
+    beside DCP's own read buffers; on a torch without DCP's ``CheckpointableTensor`` protocol the
+    shards' copy is on their device. The optimizer's state goes in parameter by parameter: a live
+    state tensor of the loaded one's shape, dtype and device (and sharding) takes its value in
+    place, any other is dropped before its replacement is made on the device, so the device holds
+    each parameter's old or new state, never both (a rollback into a live optimizer needs no second
+    copy of its state there).
 
     In one process, a resumed optimizer keeps the saved ``lr`` and step count:
 
@@ -462,19 +464,20 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     return _Loading(mods, model_state, state, wanted, restore_rng)
 
 
-def _staging(value: torch.Tensor) -> torch.Tensor:
-    """A new tensor that DCP reads the saved value of model entry `value` into, copied into `value`
-    once every rank read all (`_apply_loaded`): in host memory, not pinned, wherever `value` lives
-    (DCP reads files through host memory anyway; a copy on an accelerator would take its memory,
+def _staging(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor (of `dtype`, default `value`'s: DCP casts) that DCP reads the saved value of
+    model entry `value` (or an optimizer state shaped like parameter `value`) into, copied into
+    place once every rank read all (`_apply_loaded`): in host memory, not pinned, wherever `value`
+    lives (DCP reads files through host memory anyway; a copy on an accelerator would take its memory,
     and page-locking the whole state costs about as much as the one copy it would speed up). A
     ``fully_shard`` DTensor's shard too, where this torch can read into a plain tensor (else a
     DTensor like it, on its device: `dcp_host_shard`)."""
     if hasattr(value, "placements"):
         from .._compat import dcp_host_shard
 
-        staged = dcp_host_shard(value)
-        return staged if staged is not None else torch.empty_like(value)
-    return torch.empty(tuple(value.shape), dtype=value.dtype, device="cpu")
+        staged = dcp_host_shard(value, dtype)
+        return staged if staged is not None else torch.empty_like(value, dtype=dtype)
+    return torch.empty(tuple(value.shape), dtype=dtype or value.dtype, device="cpu")
 
 
 def _into_live(live: Any, staged: Any) -> Any:
@@ -577,25 +580,105 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
         restore_scaling_states(m, fp8)
     if optimizer is not None:
         loaded = state["optimizer"]
+        reused: set[int] = set()  # live state tensors copied into: each takes one value
         for name, p, group in loading.wanted:
-            if name in loaded["state"]:
-                optimizer.state[p] = _unmark_empty_dicts(dict(loaded["state"][name]))
-            else:  # saved without state (no gradient yet): a live optimizer's own would go on unseen
-                optimizer.state.pop(p, None)
+            # saved without state (it had no gradient yet): none, not the live optimizer's own, which would go on unseen
+            staged = _unmark_empty_dicts(dict(loaded["state"][name])) if name in loaded["state"] else None
+            live = optimizer.state.pop(p, None)
+            keep = _reusable(staged, live, p, group, reused) if staged is not None else {}
+            del live  # the rest of the live state goes before its replacement takes the device's memory
+            if staged is not None:
+                optimizer.state[p] = _placed(staged, keep, p, group)
             for key, value in loaded["param_groups"].get(name, {}).items():
                 if _fits(group.get(key), value):
                     group[key].copy_(value)  # in place: an LR scheduler or a captured step holds this tensor
                 else:
                     group[key] = _unmark_empty_dicts(value)
-            step = optimizer.state[p].get("step") if p in optimizer.state else None
-            if isinstance(step, torch.Tensor) and (group.get("fused") or group.get("capturable")):
-                # their step lives on the parameter's device (DCP read it to the CPU), as load_state_dict puts it
-                optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]["state"]))
     if loading.restore_rng:
         model.rng_step = int(state["rng"]["step"])
         model._base_seed = int(state["rng"]["seed"])
+
+
+def _state_home(staged: torch.Tensor, path: tuple[Any, ...], param: nn.Parameter,
+                group: Mapping[str, Any]) -> tuple[torch.device, bool, torch.dtype]:
+    """Where the optimizer state tensor `staged` (read into host memory, or a DTensor where this
+    torch could not) at `path` in `param`'s state goes: (device, sharded like `param`, dtype). Like
+    its parameter, on its device; a 0-dim one beside a parameter that is not (``step``) on the CPU,
+    as torch optimizers keep it; the ``step`` of a fused or capturable group on the parameter's
+    device in float32, as ``Optimizer.load_state_dict`` puts it (its kernels read it there)."""
+    if path == ("step",) and (group.get("fused") or group.get("capturable")):
+        return param.device, False, torch.float32
+    if staged.dim() == 0 and param.dim() > 0:
+        return torch.device("cpu"), False, staged.dtype
+    return param.device, hasattr(param, "placements"), staged.dtype
+
+
+def _fits_in_place(live: Any, staged: torch.Tensor, home: tuple[torch.device, bool, torch.dtype],
+                   param: nn.Parameter) -> bool:
+    """The live optimizer state tensor `live` can take `staged`'s value in place: where `staged`
+    goes (`home`, `_state_home`), of its shape and dtype (sharded like `param`, of the same local
+    shape, for a ``fully_shard`` parameter's)."""
+    device, sharded, dtype = home
+    if not isinstance(live, torch.Tensor) or live.dtype != dtype or hasattr(live, "placements") != sharded:
+        return False
+    if sharded:
+        local = staged.to_local() if hasattr(staged, "placements") else staged
+        return (live.shape == param.shape and live.placements == param.placements
+                and live.device_mesh == param.device_mesh and live.to_local().shape == local.shape)
+    return live.shape == staged.shape and live.device == device
+
+
+def _reusable(staged: Any, live: Any, param: nn.Parameter, group: Mapping[str, Any],
+              reused: set[int]) -> dict[tuple[Any, ...], torch.Tensor]:
+    """The tensors of `param`'s live optimizer state `live` that take the value read at the same
+    path of `staged` in place (`_fits_in_place`), by path: kept rather than replaced, none made
+    anew on the device, and one that a captured step or another holder reads stays current. A
+    tensor already in `reused` (held twice) is not: it would take only the last of its values."""
+    out: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def walk(new: Any, old: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(new, Mapping):
+            for key, value in new.items():
+                walk(value, old.get(key) if isinstance(old, Mapping) else None, path + (key,))
+        elif isinstance(new, (list, tuple)):
+            for i, value in enumerate(new):
+                walk(value, old[i] if isinstance(old, (list, tuple)) and i < len(old) else None, path + (i,))
+        elif isinstance(new, torch.Tensor) and id(old) not in reused \
+                and _fits_in_place(old, new, _state_home(new, path, param, group), param):
+            reused.add(id(old))
+            out[path] = old
+
+    walk(staged, live, ())
+    return out
+
+
+def _placed(staged: Any, keep: Mapping[tuple[Any, ...], torch.Tensor], param: nn.Parameter,
+            group: Mapping[str, Any], path: tuple[Any, ...] = ()) -> Any:
+    """`param`'s optimizer state as read (`staged`, nested as saved), each tensor where it goes
+    (`_state_home`): copied into the live tensor `keep` holds at its path, else into a new one
+    (from host memory: one tensor at a time on the device)."""
+    if isinstance(staged, Mapping):
+        return {k: _placed(v, keep, param, group, path + (k,)) for k, v in staged.items()}
+    if isinstance(staged, list) or type(staged) is tuple:
+        return type(staged)(_placed(v, keep, param, group, path + (i,)) for i, v in enumerate(staged))
+    if not isinstance(staged, torch.Tensor):
+        return staged
+    device, sharded, dtype = _state_home(staged, path, param, group)
+    live = keep.get(path)
+    with torch.no_grad():
+        if live is not None:
+            into = live.to_local() if sharded and not hasattr(staged, "placements") else live
+            into.copy_(staged)
+            return live
+        if hasattr(staged, "placements"):  # read on its device, sharded like its parameter
+            return staged.to(dtype=dtype)
+        if sharded:
+            new = torch.empty_like(param.detach(), dtype=dtype)  # a DTensor sharded like the parameter
+            new.to_local().copy_(staged)
+            return new
+        return staged.to(device=device, dtype=dtype)
 
 
 def _fits(current: Any, value: Any) -> bool:
@@ -754,10 +837,10 @@ def _as_saved(node: Any) -> Any:
 
 def _optimizer_destination(meta: Mapping[str, Any], paths: Mapping[str, Any], name: str,
                            param: nn.Parameter, path: str) -> dict[str, Any]:
-    """Tensors to load the optimizer state of `param` into, shaped as the checkpoint `path` says:
-    like the parameter (sharded like it) when the saved tensor has its shape, else a plain tensor
-    (on the CPU when 0-dim, as torch optimizers keep ``step``); nested in dicts and lists as saved.
-    A tensor of another shape, not 0-dim, for a ``fully_shard`` parameter raises.
+    """Tensors to load the optimizer state of `param` into, shaped as the checkpoint `path` says,
+    in host memory (`_staging`: a ``fully_shard`` parameter's shard when the saved tensor has its
+    shape), put where they go once every rank read all (`_placed`); nested in dicts and lists as
+    saved. A tensor of another shape, not 0-dim, for a ``fully_shard`` parameter raises.
 
     A floating state saved in its parameter's dtype takes the parameter's dtype now (resumed in
     another one: what ``Optimizer.load_state_dict`` does; else the step mixes dtypes and fails);
@@ -772,13 +855,13 @@ def _optimizer_destination(meta: Mapping[str, Any], paths: Mapping[str, Any], na
         if dtype is not None and dtype == saved_dtype and field != "step" and param.is_floating_point():
             dtype = param.dtype
         if isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(param.shape):
-            return torch.zeros_like(param.detach(), dtype=dtype)
+            return _staging(param.detach(), dtype)  # its shard under fully_shard
         if isinstance(md, TensorStorageMetadata) and len(md.size) > 0 and hasattr(param, "placements"):
             # a plain tensor would fail the next step (mixed with the DTensor parameter) and a guess of its
             # sharding could be wrong: the checkpoint keeps the whole tensor, not how the optimizer split it
             raise ValueError(f"the checkpoint {path!r} holds optimizer state {field!r} of {name!r} of shape "
                              f"{tuple(md.size)}, not its parameter's {tuple(param.shape)}: such state (factored, as "
                              "Adafactor's) cannot be loaded into a fully_shard parameter; load it into plain stages")
-        return _placeholder(md, None if len(getattr(md, "size", ())) == 0 else param.device, dtype)
+        return _placeholder(md, None, dtype)  # in host memory (put on the parameter's device after)
 
     return _saved_under(meta, paths, ("optimizer", "state", name), destination)
