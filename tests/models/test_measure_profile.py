@@ -461,3 +461,37 @@ def test_measuring_then_training_is_training_without_measuring():
     assert fp8.keys() == ref_fp8.keys()
     for k in fp8:
         assert all(torch.equal(fp8[k][f], ref_fp8[k][f]) for f in ("amax_history", "scale", "casts")), k
+
+
+def test_pending_wgrads_are_left_as_found():
+    """Delayed-wgrad layers with W jobs pending when measure_profile is called (the user's forward
+    and backward, one under a microbatch key, one without): the measurement's discard dropped them
+    all, so the later backward_dw found nothing pending and the weights missed that gradient.
+    Reference: an unmeasured copy given the same forwards, backwards and backward_dw calls; bit for
+    bit (the same CPU operations on the same values)."""
+    import copy
+
+    from zbpp.modules import Linear as ZLinear
+    from zbpp.modules import microbatch
+
+    torch.manual_seed(0)
+    net = nn.Sequential(ZLinear(8, 8, delay_wgrad_compute=True), nn.Tanh(),
+                        ZLinear(8, 4, delay_wgrad_compute=True)).double()
+    x = torch.randn(5, 8, dtype=torch.float64)
+
+    def trained(measure: bool) -> tuple[list[list], list[torch.Tensor]]:
+        model = copy.deepcopy(net)
+        with microbatch(7):
+            model(x).square().sum().backward()
+        model(2 * x).square().sum().backward()  # filed under an automatic key
+        if measure:
+            measure_profile(layers=[("a", model[0]), ("b", model[1:])], example_input=x, steps=1, warmup=0)
+        pending = [m.pending_wgrad_keys() for m in (model[0], model[2])]
+        for m in (model[0], model[2]):
+            for key in m.pending_wgrad_keys():
+                m.backward_dw(key)
+        return pending, [p.grad for p in model.parameters()]
+
+    (pending, grads), (ref_pending, ref_grads) = trained(True), trained(False)
+    assert pending == ref_pending, (pending, ref_pending)
+    assert all(g is not None and torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))

@@ -839,7 +839,9 @@ def _grads_buffers_kept(layer: nn.Module) -> Iterator[None]:
     """`_left_as_found`'s gradients, buffers and delayed-wgrad jobs, and which forwards the
     delayed-wgrad layers' step ran (in FP8 or not: what `get_backward_dw_params` lists)."""
     params = list(layer.parameters())
-    delayed = [(m, set(m.pending_wgrad_keys()), m._forwards_in_step, m._bias_grad_deferred)
+    # the caller's pending jobs set aside, not left in the stores: the measurement's W would run
+    # them (a key it reuses) and its discard drop them all; back exactly, keys in order, at the end
+    delayed = [(m, m._wgrad_store.set_aside(), m._auto_keys, m._forwards_in_step, m._bias_grad_deferred)
                for m in layer.modules() if isinstance(m, DelayedWgradModule)]
     grads = [(p, p.grad, getattr(p, "main_grad", None), getattr(p, "grad_added_to_main_grad", None)) for p in params]
     buffers = [(m, n, b, b.clone()) for m in layer.modules() for n, b in m._buffers.items() if b is not None]
@@ -862,10 +864,9 @@ def _grads_buffers_kept(layer: nn.Module) -> Iterator[None]:
             for m, n, b, copy in buffers:
                 m._buffers[n] = b
                 b.copy_(copy)
-        for m, keys, ran, deferred in delayed:
-            for key in m.pending_wgrad_keys():
-                if key not in keys:
-                    m._wgrad_store.take(key)
+        for m, jobs, auto_keys, ran, deferred in delayed:
+            m._wgrad_store.put_back(jobs)  # the measurement's own jobs (and their tensors) go
+            m._auto_keys = auto_keys
             m._forwards_in_step = ran
             if m._bias_grad_deferred != deferred:
                 m._bias_grad_deferred = deferred

@@ -100,6 +100,18 @@ class WgradStore(Generic[Job]):
         with self._lock:
             self._jobs.clear()
 
+    def set_aside(self) -> OrderedDict[Hashable, list[Job]]:
+        """Take every pending job out, keys in order, leaving the store empty (`put_back` restores
+        them): work in between, a measurement say, neither runs nor drops them."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, OrderedDict()
+            return jobs
+
+    def put_back(self, jobs: OrderedDict[Hashable, list[Job]]) -> None:
+        """Make `jobs` (from `set_aside`) the pending ones again, exactly; what was filed since is dropped."""
+        with self._lock:
+            self._jobs = jobs
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._jobs)
