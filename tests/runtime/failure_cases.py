@@ -18,6 +18,7 @@ lost), no wgrad is pending, and after step 3 the gradients are step 1's plus ste
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Callable
@@ -853,3 +854,36 @@ def _failing_forward(microbatch: int, error: Callable[[], BaseException]) -> tup
             raise error()
 
     return armed, hook
+
+
+def clip_refused_on_one_rank(fail_rank: int, by_groups: bool) -> dict[str, Any]:
+    """`clip_grad_norm_` given this rank's parameter (no Pipeline; `by_groups`: with a
+    ``ParallelGroups`` of one pipeline, else the whole world), refused on `fail_rank` (its parameter
+    has a main_grad beside its .grad): how each rank's call ended, timed; then the same call without
+    the main_grad on every rank, whose norm and clipped gradient ``"next"`` compares with torch's
+    clip of every rank's parameter in one process (the group is left usable)."""
+    from zbpp.runtime import clip_grad_norm_
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = ParallelGroups(world) if by_groups else None
+
+    def grads() -> list[torch.Tensor]:  # rank r holds [3, 4] * (r + 1): norms 5, 10, ...
+        return [torch.tensor([3.0, 4.0], dtype=torch.float64) * (r + 1) for r in range(world)]
+
+    mine = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    mine.grad = grads()[rank]
+    if rank == fail_rank:
+        mine.main_grad = torch.zeros_like(mine)
+    outcome = timed_outcome(rank, lambda: clip_grad_norm_([mine], 1.0, groups), (ValueError, PipelineError))
+    if rank == fail_rank:
+        del mine.main_grad
+    ref = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)) for _ in range(world)]
+    for p, g in zip(ref, grads()):
+        p.grad = g
+    want = float(torch.nn.utils.clip_grad_norm_(ref, 1.0))
+    mine.grad = grads()[rank]
+    got = float(clip_grad_norm_([mine], 1.0, groups))
+    # float64 sums of a few squares, in another order: 1e-12 leaves room for rounding only
+    close = math.isclose(got, want, rel_tol=1e-12) and torch.allclose(mine.grad, ref[rank].grad, rtol=1e-12)
+    outcome["next"] = "success" if close else f"norm {got}, grad {mine.grad}; torch in one process: {want}, {ref[rank].grad}"
+    return outcome

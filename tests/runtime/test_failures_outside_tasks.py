@@ -13,7 +13,7 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import (ctrl_c_in_the_loss_weights_all_reduce, ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
+from .failure_cases import (clip_refused_on_one_rank, ctrl_c_in_the_loss_weights_all_reduce, ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
                             ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
                             loss_weight_interrupted, reducer_wait_interrupted, rollback_interrupted)
 
@@ -207,3 +207,20 @@ def _interrupted_on_rank_one(outcomes: list[dict], *named: str) -> list[dict]:
         if o["rank"] != 1:
             assert all(words in o["message"] for words in named), o
     return [o for o in outcomes if o["rank"] != 1]
+
+
+@pytest.mark.parametrize("by_groups", [False, True])
+def test_clip_of_parameters_refused_on_one_rank_raises_everywhere_fast(two, by_groups):
+    """clip_grad_norm_ given parameters, not a Pipeline, refused on one rank (a main_grad beside its
+    .grad): that rank raised, the other waited in the norm's all-reduce until the group's timeout
+    (120 s). This run's own timeout (20 s) is below it: a hang fails the test. Now the other raises
+    a PipelineError naming the refusing rank and its error, and the next call is torch's clip."""
+    outcomes = two.run(clip_refused_on_one_rank, FAIL_RANK, by_groups, timeout=20)
+    for o in outcomes:
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+        if o["rank"] == FAIL_RANK:
+            assert o["result"] == "ValueError" and "main_grad" in o["message"], o
+        else:
+            assert o["result"] == "PipelineError", o
+            assert f"global rank {FAIL_RANK}: ValueError" in o["message"] and "main_grad" in o["message"], o
+        assert o["next"] == "success", o

@@ -174,9 +174,18 @@ class Agreement:
         import torch.distributed as dist
 
         self._holding(self.check)
-        t = torch.tensor([int(flag)], dtype=torch.int32)
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self._device())
         self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         return bool(t.item())
+
+    def _device(self) -> torch.device:
+        """Where this group's tensors go: the GPU for an NCCL-only group (a caller's, such as
+        ``clip_grad_norm_``'s or a checkpoint's), else the host."""
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.group))
+        on_cuda = "nccl" in backend and "gloo" not in backend
+        return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
 
     def gather_texts(self, text: str | None) -> list[str | None]:
         """Every rank's `text` (only when some rank has one to tell: it pickles)."""
@@ -194,9 +203,7 @@ class Agreement:
         import torch.distributed as dist
 
         self._holding(self.check)
-        backend = str(dist.get_backend(self.group))
-        on_cuda = "nccl" in backend and "gloo" not in backend  # an NCCL-only group (a checkpoint's) moves CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        device = self._device()
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         n = dist.get_world_size(self.group)
         lengths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(n)]

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .agreement import collective_call
+from .agreement import Agreement, agree_nothing_failed, collective_call
 
 __all__ = ["clip_grad_norm_"]
 
@@ -133,11 +133,13 @@ def clip_grad_norm_(
         error_if_nonfinite: raise if the total norm is NaN or infinite.
         foreach: taken for torch's signature and ignored: the result is the same either way.
 
-    Given a `Pipeline`, its ranks first agree, on the host (one gloo all-gather of a flag), that
-    none refused the call: a rank's error (a ``main_grad`` beside the step's ``.grad``, say) raises
-    there, and a `PipelineError` naming that rank and its error on every other, before any
-    collective or clipping. Given anything else, a rank that refuses leaves the others in the
-    all-reduce until the group's timeout.
+    The ranks first agree that none refused the call: a rank's error (a ``main_grad`` beside the
+    step's ``.grad``, say) raises there, and a `PipelineError` naming that rank and its error on
+    every other, before any collective or clipping. Given a `Pipeline`, over its ranks, on the
+    host (one gloo all-reduce of a flag); given anything else, over the group the norm is summed
+    over (the whole world by default; one more all-reduce of a flag, on the GPU for an NCCL group,
+    which the host then reads). There, a `groups` that is not one raises on its rank only, and a
+    ``fully_shard`` gradient's other shard groups are not told: keep them alike on every rank.
 
     A `Pipeline`'s tied parameters (`tied_parameters=`) count once: on the rank of their lowest
     stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages).
@@ -163,6 +165,10 @@ def clip_grad_norm_(
 def _clip(pipeline_or_params: Any, max_norm: float, groups: Any, norm_type: float | str,
           error_if_nonfinite: bool) -> torch.Tensor:
     """`clip_grad_norm_`'s work, inside its `collective_call`."""
+    try:  # first: with the group known, a refusal below reaches its other ranks
+        group, size = _pp_group(pipeline_or_params, groups)
+    except (Exception, KeyboardInterrupt, SystemExit):  # noqa: BLE001 - a Pipeline's ranks still agree on it
+        group, size = None, 1
     try:
         if max_norm < 0 or math.isnan(max_norm):
             raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
@@ -175,13 +181,15 @@ def _clip(pipeline_or_params: Any, max_norm: float, groups: Any, norm_type: floa
         norm_type = p_norm
         params = _parameters(pipeline_or_params)
         _refuse_two_grads(params, pipeline_or_params)
-        group, size = _pp_group(pipeline_or_params, groups)
+        group, size = _pp_group(pipeline_or_params, groups)  # raises here what the first try held
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
     agree = getattr(pipeline_or_params, "_agree_before_collectives", None)
     if callable(agree):  # a Pipeline: a rank that refused here would leave the others waiting in the all-reduces
         agree(problem, "clip_grad_norm_")
+    elif size > 1:  # likewise over the group the norm is summed over
+        _agree_over(group, problem)
     elif problem is not None:
         raise problem
     tied = getattr(pipeline_or_params, "_tied", None)
@@ -243,6 +251,15 @@ def _clip(pipeline_or_params: Any, max_norm: float, groups: Any, norm_type: floa
     if held[0] is not None:  # a Ctrl-C in the all-reduce: the peers completed it, every gradient is clipped
         raise held[0]
     return total.to(acc)
+
+
+def _agree_over(group: Any, problem: BaseException | None) -> None:
+    """Parameters given, not a Pipeline: the ranks of `group` (None: the whole world) tell whether
+    one refused (`problem`) before any waits for it in the all-reduce; the refusing rank raises its
+    error, the others a `PipelineError` naming it (`agree_nothing_failed`: one all-reduce of a flag)."""
+    group = group if group is not None else dist.group.WORLD
+    agree_nothing_failed(Agreement(group), problem, dist.get_process_group_ranks(group),
+                         "clip_grad_norm_ could not run on every rank (nothing was changed)")
 
 
 def _all_reduce(value: torch.Tensor, inf: bool, group: Any, wait: Any = None) -> torch.Tensor:
