@@ -887,3 +887,56 @@ def clip_refused_on_one_rank(fail_rank: int, by_groups: bool) -> dict[str, Any]:
     close = math.isclose(got, want, rel_tol=1e-12) and torch.allclose(mine.grad, ref[rank].grad, rtol=1e-12)
     outcome["next"] = "success" if close else f"norm {got}, grad {mine.grad}; torch in one process: {want}, {ref[rank].grad}"
     return outcome
+
+
+def delay_off_on_one_replica(toggled_stage: int) -> dict[str, Any]:
+    """dp=2 x pp=2 under zb-v, each stage a delayed-wgrad Linear and a tanh (float64; no split: W
+    is the Linear's own). After a good step replica 1 turns ``delay_wgrad_compute`` off on stage
+    `toggled_stage`'s Linear: that stage's gradients were then final at B on replica 1 and at W on
+    replica 0, the reducers launched their buckets in another order and gloo paired unlike ones
+    (the step "succeeded" with wrong gradients). How that step ended on this rank, timed; then the
+    flag set back and one more step, whose gradients ``"next"`` compares with one process running
+    the whole plain model on both replicas' rows."""
+    from zbpp.modules import delay_wgrad
+    from zbpp.schedules import build
+
+    width = 8
+
+    def stage(s: int, delayed: bool = True) -> torch.nn.Module:
+        torch.manual_seed(100 + s)
+        module = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()).double()
+        return delay_wgrad(module) if delayed else module
+
+    def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()
+
+    rank = dist.get_rank()
+    groups = ParallelGroups(pp=2)
+    sched = build("zb-v", num_ranks=2, num_microbatches=4)
+    mine = {s: stage(s) for s in sched.stages_on(groups.pp_rank)}
+    pipe = Pipeline(mine, sched, mse, groups=groups)
+    g = torch.Generator().manual_seed(5)
+    x, y = (torch.randn(16, width, generator=g, dtype=torch.float64) for _ in range(2))
+    rows = slice(8 * groups.dp_rank, 8 * groups.dp_rank + 8)
+    pipe.step(x[rows], target=y[rows])
+    toggled = mine[toggled_stage][0] if groups.dp_rank == 1 and toggled_stage in mine else None
+    if toggled is not None:
+        toggled.delay_wgrad_compute = False
+    for q in pipe.parameters():
+        q.grad = None
+    outcome = timed_outcome(rank, lambda: pipe.step(x[rows], target=y[rows]), (Exception,))
+    if toggled is not None:
+        toggled.delay_wgrad_compute = True
+    for q in pipe.parameters():
+        q.grad = None
+    pipe.step(x[rows], target=y[rows])
+    ref = [stage(s, delayed=False) for s in range(sched.num_stages)]
+    out = x
+    for module in ref:
+        out = module(out)
+    mse(out, y).backward()  # the mean over both replicas' rows: what the replicas' average is
+    # float64, another order of summation (microbatches, the replicas' average): 1e-12 is rounding only
+    bad = [f"stage {s} {n}" for s in mine for (n, a), b in zip(mine[s].named_parameters(), ref[s].parameters())
+           if a.grad is None or not torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-14)]
+    outcome["next"] = f"gradients unlike the reference: {bad}" if bad else "success"
+    return outcome

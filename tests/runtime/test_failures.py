@@ -16,7 +16,7 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import (die_between_steps, die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
+from .failure_cases import (delay_off_on_one_replica, die_between_steps, die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
                             no_sync_on_one_replica, prepare_fails_once, reduction_fails_once)
 
 PG_TIMEOUT = 120.0
@@ -205,3 +205,16 @@ def test_eval_step_on_one_rank_and_step_on_the_others_raises_before_computing():
         assert o["seconds"] < FAST, o
         assert "global ranks [2] call Pipeline.eval_step()" in o["message"], o["message"]
         assert "global ranks [0, 1, 3] Pipeline.step()" in o["message"], o["message"]
+
+
+def test_delay_turned_off_on_one_replica_raises_before_computing(four):
+    """Replica 1 turns delay_wgrad_compute off on stage 1's layer after the Pipeline was built (dp=2
+    x pp=2, zb-v): its reducer launched that stage's bucket at B, replica 0's at W, and gloo paired
+    unlike buckets: the step returned with wrong gradients on both replicas. Now every rank raises
+    before computing, naming the layer, and a step after the flag is set back is the reference."""
+    outcomes = four.run(delay_off_on_one_replica, 1, timeout=60)
+    for o in outcomes:
+        assert o["result"] == "ValueError", o
+        assert o["seconds"] < FAST, o
+        assert "global rank 3: stage 1 '0' (Linear)" in o["message"] and "global rank 1: none" in o["message"], o
+        assert o["next"] == "success", o

@@ -12,8 +12,9 @@ CPU can run ahead of the GPU across steps.
   the input's hash and row count and the target's hash and row count. A rejected input, ranks of
   which some evaluate (``eval_step``) while others train, a target whose rows differ from the
   input's, or data-parallel replicas whose module states differ (a parameter
-  frozen on one replica only: the reducers' buckets would pair other parameters' gradients) raise on
-  every rank before any compute.
+  frozen on one replica only: the reducers' buckets would pair other parameters' gradients) or in
+  which delayed-wgrad layers still delay (``delay_wgrad_compute`` turned off on some replicas only:
+  likewise) raise on every rank before any compute.
   `decide_start` decides: the step's rows and input signature (`StartDecision`). Under
   ``cuda_graphs="auto"`` a rank whose trial of a signature just ended also reports the slowest
   eager and the fastest replayed step it timed, and the decision carries the form every rank takes
@@ -46,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -87,6 +88,8 @@ class StartReport:
     #: wide: as many int64 words as the ties need (`tie_words`)
     ties_training: int = field(default=0, metadata={"wide": True})
     ties_frozen: int = field(default=0, metadata={"wide": True})
+    #: which of its delayed-wgrad modules defer their weight gradients now, hashed (0: an ``eval_step``)
+    delaying_hash: int = 0
 
 
 #: bits of a wide report field (a bit set) per int64 word of the gathered tensor: kept non-negative
@@ -399,11 +402,14 @@ def graphs_win(reports: Sequence[StartReport]) -> bool | None:
 
 
 def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException | None, topology: Any,
-                 schedule: Any, forward_only: bool, tie_names: Sequence[str] = ()) -> StartDecision:
+                 schedule: Any, forward_only: bool, tie_names: Sequence[str] = (),
+                 not_delaying: Callable[[], list[str]] = list) -> StartDecision:
     """Gather every rank's `StartReport` and decide: raise on every rank when one rejected its
-    input (that rank: its own error), a target's rows differ from the input's or a tie's copies
-    (`tie_names`: the bits of ``ties_training``) are frozen unalike; else the step's rows and
-    signature, and the form a trial that ended chose. `BrokenJob` when a rank is gone."""
+    input (that rank: its own error), a target's rows differ from the input's, a tie's copies
+    (`tie_names`: the bits of ``ties_training``) are frozen unalike or replicas differ in which
+    delayed-wgrad modules delay (`not_delaying`: this rank's modules that no longer do, for the
+    error); else the step's rows and signature, and the form a trial that ended chose. `BrokenJob`
+    when a rank is gone."""
     reports = agreement.gather(mine, words=tie_words(len(tie_names)))  # every rank's tie_names are alike
     if any(r.rejected for r in reports):
         texts = agreement.gather_texts(None if problem is None else describe_error(problem))
@@ -459,6 +465,7 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
                 "torch.autocast around the step): freeze parameters and set modes alike on every replica. "
                 "Nothing was computed"
             )
+    _check_replicas_delay_alike(agreement, reports, topology, positions, not_delaying)
     first_rank, last_rank = schedule.rank_of(0), schedule.rank_of(schedule.num_stages - 1)
     for pipeline in topology.pipelines:  # every replica's, so that every rank of the job raises
         n_in = reports[topology.world.index(pipeline[first_rank])].input_rows
@@ -475,6 +482,28 @@ def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException
     signature = (forward_only, mine_[first_rank].input_hash, mine_[last_rank].target_hash, rows,
                  *(r.state_hash for r in mine_))
     return StartDecision(rows, signature, graphs_win(reports))
+
+
+def _check_replicas_delay_alike(agreement: Agreement, reports: Sequence[StartReport], topology: Any,
+                                positions: Iterable[int], not_delaying: Callable[[], list[str]]) -> None:
+    """Raise on every rank when the replicas of a pipeline rank differ in which delayed-wgrad modules
+    defer their weight gradients (``delay_wgrad_compute`` turned off on some replicas only): their
+    reducers would launch the buckets in another order and gloo would pair unlike buckets (averaging
+    other parameters' gradients, silently) or wait. Every rank names its modules that stopped."""
+    lines = {position: [pipeline[position] for pipeline in topology.pipelines] for position in positions}
+    unlike = [(position, line) for position, line in lines.items()
+              if len({reports[topology.world.index(g)].delaying_hash for g in line}) > 1]
+    if not unlike:
+        return
+    texts = agreement.gather_objects(not_delaying())  # every rank is here: the reports are the same everywhere
+    position, line = unlike[0]
+    told = "; ".join(f"global rank {g}: {', '.join(texts[topology.world.index(g)]) or 'none'}" for g in line)
+    raise ValueError(
+        f"the data-parallel replicas of pipeline rank {position} differ in which layers defer their "
+        "weight gradients to W (delay_wgrad_compute turned off after the Pipeline was built, on some replicas "
+        f"only; layers that no longer defer them: {told}): their reductions would pair unlike gradients. Set "
+        "delay_wgrad_compute alike on every replica. Nothing was computed"
+    )
 
 
 def decide_end(agreement: Agreement, record: StepFailure, tasks: Sequence[Action], *, where: str, schedule: str,

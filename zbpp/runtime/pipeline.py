@@ -488,10 +488,11 @@ class Pipeline:
         mine = StartReport(problem is not None, stable_hash(state),
                            b.input_hash, b.input_rows, b.target_rows, *trial, target_hash=b.target_hash,
                            reducing=0 if forward_only or not reduces else 1 if self._sync_gradients else 2,
-                           evaluating=forward_only, **ties)
+                           evaluating=forward_only, **ties,
+                           delaying_hash=0 if forward_only else stable_hash(self._delaying()))
         try:
             agreed = decide_start(self._agreement, mine, problem, self.topology, self.schedule, forward_only,
-                                  self._tied.all_names)
+                                  self._tied.all_names, self._not_delaying)
         except BaseException as exc:  # every rank raises: nothing is computed
             held = self._agreement.take_held()
             error = self._broken_error(exc, "start-of-step agreement") if isinstance(exc, BrokenJob) else exc
@@ -627,6 +628,16 @@ class Pipeline:
                             "is dead or hung. End the processes and restart")
             self._agreement.mark_broken(self._broken)
             raise PipelineError(self._broken) from exc
+
+    def _delaying(self) -> list[tuple[bool, ...]]:
+        """Which delayed-wgrad modules defer their weight gradients now, in the stages whose reductions
+        wait for them (a split stage's wait for its last W anyway, `GradReducer.owe_all_to_wgrad`)."""
+        return [w.delaying() for s, w in self._wgrad.items() if s not in self._split_stages]
+
+    def _not_delaying(self) -> list[str]:
+        """`_delaying`'s modules that no longer defer their weight gradients, named (for errors)."""
+        return [name for s, w in self._wgrad.items() if s not in self._split_stages
+                for name in w.not_delaying(s, self.stage_modules[s])]
 
     def _raise_if_unusable(self) -> None:
         """Raise the `PipelineError` that says why, once a step found the job broken: a collective

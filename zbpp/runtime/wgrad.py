@@ -151,6 +151,17 @@ class StageWgrad:
             )
         self._remember(walked, types)
 
+    def delaying(self) -> tuple[bool, ...]:
+        """Whether each of `modules` defers its weight gradients now (``delay_wgrad_compute`` may be
+        turned off since): what the reducers' bucket order depends on, so the replicas compare it."""
+        return tuple(map(is_delayed, self.modules))
+
+    def not_delaying(self, index: int, stage: nn.Module) -> list[str]:
+        """The names of `modules` that no longer defer their weight gradients (stage `index`)."""
+        names = {id(m): n for n, m in stage.named_modules()}
+        return [f"stage {index} {names.get(id(m)) or 'itself'!r} ({type(m).__name__})"
+                for m, on in zip(self.modules, self.delaying()) if not on]
+
     def _remember(self, walked: list[nn.Module], types: list[type] | None = None) -> None:
         self._walked, self._types = walked, types if types is not None else list(map(type, walked))
         self._switchable = [m for m in walked if callable(getattr(m, "backward_dw", None)) and not is_delayed(m)]
