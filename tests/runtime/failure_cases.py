@@ -940,3 +940,63 @@ def delay_off_on_one_replica(toggled_stage: int) -> dict[str, Any]:
            if a.grad is None or not torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-14)]
     outcome["next"] = f"gradients unlike the reference: {bad}" if bad else "success"
     return outcome
+
+
+def tied_main_grad_failed_step() -> dict[str, Any]:
+    """dp=2 x pp=2 under zb-h1: stages 0 and 1 each a fused delayed-wgrad Linear (no bias) and a tanh,
+    their weights one tied parameter, whose ``main_grad`` the user attached (the reducer leaves tied
+    parameters out, so that main_grad is the user's and accumulates across steps). A good step, a
+    step that fails on global rank 1 at microbatch 3 (after W tasks added to main_grad), a good step.
+    The failed step's partial gradient stayed in main_grad (the aside copied no main_grad once a
+    reducer existed), and each good step's sum over the copies counted the earlier steps' sum once
+    per copy (main_grad was not set aside as .grad is: 1, 3, 7 times the gradient). Returns the largest differences of main_grad from one process running the
+    whole plain model (the weight used twice) on both replicas' rows: after the failed step (want the
+    first step's) and after the last (want two steps')."""
+    from zbpp.modules import Linear, current_microbatch
+    from zbpp.schedules import build
+
+    width = 8
+    armed = [False]
+
+    class Bomb(torch.nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            if armed[0] and current_microbatch() == (1, 3):
+                raise RuntimeError("injected failure")
+            return h
+
+    def stage(fused: bool = True) -> torch.nn.Module:
+        torch.manual_seed(100)  # the same weight on both stages: one tied parameter
+        lin = torch.nn.Linear(width, width, bias=False)
+        if fused:
+            layer = Linear(width, width, bias=False, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+            layer.load_state_dict(lin.state_dict())
+            lin = layer
+        return torch.nn.Sequential(lin, torch.nn.Tanh(), Bomb()).double()
+
+    def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()
+
+    groups = ParallelGroups(pp=2)
+    sched = build("zb-h1", num_ranks=2, num_microbatches=4)
+    mine = {s: stage() for s in sched.stages_on(groups.pp_rank)}
+    weight = next(iter(mine.values()))[0].weight
+    weight.main_grad = torch.zeros_like(weight)
+    pipe = Pipeline(mine, sched, mse, groups=groups, tied_parameters={"w": weight})
+    g = torch.Generator().manual_seed(5)
+    x, y = (torch.randn(16, width, generator=g, dtype=torch.float64) for _ in range(2))
+    n = 16 // groups.dp  # this replica's rows
+    rows = slice(n * groups.dp_rank, n * groups.dp_rank + n)
+    ref = stage(fused=False)
+    mse(ref(ref(x)), y).backward()  # the mean over both replicas' rows, the weight used twice
+    want = ref[0].weight.grad
+    pipe.step(x[rows], target=y[rows])
+    armed[0] = dist.get_rank() == 1
+    try:
+        pipe.step(x[rows], target=y[rows])
+    except PipelineError:
+        pass
+    finally:
+        armed[0] = False
+    after_failure = float((weight.main_grad - want).abs().max())
+    pipe.step(x[rows], target=y[rows])
+    return {"after_failure": after_failure, "next": float((weight.main_grad - 2 * want).abs().max())}

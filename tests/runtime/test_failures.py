@@ -16,7 +16,7 @@ import pytest
 
 from zbpp.testing import DistributedTestError, Workers
 
-from .failure_cases import (delay_off_on_one_replica, die_between_steps, die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
+from .failure_cases import (delay_off_on_one_replica, die_between_steps, tied_main_grad_failed_step, die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
                             no_sync_on_one_replica, prepare_fails_once, reduction_fails_once)
 
 PG_TIMEOUT = 120.0
@@ -218,3 +218,14 @@ def test_delay_turned_off_on_one_replica_raises_before_computing(four):
         assert o["seconds"] < FAST, o
         assert "global rank 3: stage 1 '0' (Linear)" in o["message"] and "global rank 1: none" in o["message"], o
         assert o["next"] == "success", o
+
+
+def test_a_failed_step_leaves_a_tied_main_grad_as_it_was(four):
+    """dp=2 x pp=2, a tied parameter of fused layers with the user's main_grad (the reducer leaves
+    tied parameters out), accumulated over steps: after a failed step its main_grad held part of
+    that step's gradient (the README promises the earlier steps' intact), and every step's sum over
+    the two copies counted the earlier steps twice (after the good steps: 3x the gradient, not 2x).
+    Reference: one process, the whole plain model on both replicas' rows. Tolerance 1e-12: float64,
+    only the order of summation differs."""
+    for o in four.run(tied_main_grad_failed_step, timeout=60):
+        assert o["after_failure"] < 1e-12 and o["next"] < 1e-12, o

@@ -5,9 +5,12 @@ tensor itself: no copy) and the step accumulates into fresh ``.grad`` tensors; a
 tensors get the step's gradients added and go back. A step that must reduce what ``no_sync``
 steps accumulated together with its own accumulates in place instead, and keeps a copy (none of a
 tensor known to hold zeros, such as a fixed buffer that replaced a None ``.grad``: zeros come back). A
-``main_grad`` that no data-parallel reducer zeroes at the step's start is copied. After a failure
-every kept tensor goes back as it was and the step's gradients are dropped; a ``main_grad`` copy
-goes into the parameter's ``main_grad`` of that moment (a reducer may have replaced the buffer).
+``main_grad`` that no data-parallel reducer zeroes at the step's start (a tied parameter's too) is
+copied and, unless the step reduces what ``no_sync`` steps accumulated, zeroed: the step's own
+gradient fills it (a tied parameter's sum over its copies must not count the earlier steps once per
+copy), and the copy is added back at the end. After a failure every kept tensor goes back as it was and the step's
+gradients are dropped; a ``main_grad`` copy goes into the parameter's ``main_grad`` of that moment
+(a reducer may have replaced the buffer).
 
 With ``keep=False`` nothing is kept (no memory, no copies) and a failure sets ``.grad`` to None
 and zeroes ``main_grad``.
@@ -51,18 +54,26 @@ class GradientsAside:
         in_place: leave ``.grad`` in place and keep a copy (the step reduces what ``no_sync``
             steps accumulated together with its own).
         copy_main_grad: copy ``main_grad`` (no reducer zeroes it at the step's start).
+        reducer_owns: ids of parameters whose ``main_grad`` a data-parallel reducer owns (a view into
+            its buckets); the others' (tied parameters', left out of it, or without one) are their own.
+        reducer_zeroes: the reducer zeroes those it owns at this step's start: they are not copied.
+        main_grad_aside: zero the copied ``main_grad`` that the reducer does not own, so that the
+            step's gradient fills it alone, and add the copy back in `take_back` (False: the step
+            reduces what ``no_sync`` steps accumulated there together with its own).
         zeroed: ids of parameters whose ``.grad`` is known to hold zeros (`in_place` keeps no copy
             of those: a failure zeroes them again).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *, keep: bool, in_place: bool, copy_main_grad: bool,
-                 zeroed: AbstractSet[int] = frozenset()) -> None:
+                 zeroed: AbstractSet[int] = frozenset(), reducer_owns: AbstractSet[int] = frozenset(),
+                 reducer_zeroes: bool = False, main_grad_aside: bool = False) -> None:
         self._params = list(params)
         self._keep = keep
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept tensor, its values)
         self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
         self._main_copies: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, its main_grad's values)
+        self._main_aside: list[tuple[nn.Parameter, torch.Tensor]] = []  # of `_main_copies`, zeroed: added back
         if not keep:
             return
         # loops in C where they can: this runs before every step's first kernel
@@ -80,7 +91,12 @@ class GradientsAside:
             mains = [getattr(p, "main_grad", None) for p in self._params]
             if any(map(operator.is_not, mains, itertools.repeat(None))):  # by identity: == on tensors is slow
                 # by parameter: the reducer's start_step may rebuild its buckets, a new main_grad
-                self._main_copies = [(p, m.clone()) for p, m in zip(self._params, mains) if isinstance(m, torch.Tensor)]
+                self._main_copies = [(p, m.clone()) for p, m in zip(self._params, mains) if isinstance(m, torch.Tensor)
+                                     and not (reducer_zeroes and id(p) in reducer_owns)]
+                if main_grad_aside:  # set aside as .grad is: added back by take_back
+                    self._main_aside = [(p, c) for p, c in self._main_copies if id(p) not in reducer_owns]
+                    if self._main_aside:
+                        foreach_zero_([p.main_grad for p, _ in self._main_aside])
 
     def copies(self) -> dict[int, torch.Tensor]:
         """The copies kept of gradients left in place, by the id of the gradient tensor (read them only:
@@ -99,6 +115,10 @@ class GradientsAside:
                 if own is not None:
                     g.add_(own)
             self._aside.pop()
+        while self._main_aside:  # each once, as above, should an interrupt come
+            p, copy = self._main_aside[-1]
+            p.main_grad.add_(copy)
+            self._main_aside.pop()
         self._copies, self._zeros, self._main_copies = [], [], []
 
     def discard_step(self) -> None:
@@ -118,4 +138,4 @@ class GradientsAside:
                 main = getattr(p, "main_grad", None)
                 if isinstance(main, torch.Tensor):
                     main.zero_()
-        self._aside, self._copies, self._zeros, self._main_copies = [], [], [], []
+        self._aside, self._copies, self._zeros, self._main_copies, self._main_aside = [], [], [], [], []

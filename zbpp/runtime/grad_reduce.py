@@ -209,6 +209,7 @@ class GradReducer:
         self._trainable = tuple(map(_requires_grad, self._candidates))
         self._classify(stage_modules, main_grad)
         self._buckets = self._make_buckets()
+        self._main_ids: tuple[Any, frozenset[int]] = (None, frozenset())  # (buckets, `main_grad_param_ids`)
         self._install_hooks()
         # the hooks hold the reducer weakly: once its Pipeline is dropped it is freed (its buckets
         # too) and its hooks go, instead of moving the next Pipeline's .grad into its main_grad
@@ -521,6 +522,14 @@ class GradReducer:
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
+
+    def main_grad_param_ids(self) -> frozenset[int]:
+        """ids of the parameters whose ``main_grad`` is a view into this reducer's buckets (zeroed by
+        `start_step`); others' (tied parameters', left out) are their own, kept across steps."""
+        if self._main_ids[0] is not self._buckets:  # asked every step: computed again only after a rebuild
+            self._main_ids = (self._buckets, frozenset(id(e.param) for b in self._buckets if b.uses_main_grad
+                                                       for e in b.entries))
+        return self._main_ids[1]
 
     def params(self) -> list[nn.Parameter]:
         """The reduced parameters, each once."""

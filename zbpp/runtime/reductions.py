@@ -123,9 +123,15 @@ class Reductions:
     def _keep_aside(self, params: Sequence[nn.Parameter], zeroed: set[int]) -> None:
         reducing = self._mode == "sync"
         accumulate = reducing and self._unreduced  # reduce the no_sync steps' gradients with this one's
+        zeroing = reducing and self.reducer is not None and not self._unreduced  # its start_step zeroes main_grad
+        # ... its own (`GradReducer.main_grad_param_ids`; None: a reducer that does not say): a tied
+        # parameter's keeps the earlier steps', set aside so that its sum over the copies counts them once
+        ids = getattr(self.reducer, "main_grad_param_ids", None)
+        owned = ids() if callable(ids) else frozenset() if self.reducer is None else None
         self._aside = GradientsAside(params, keep=self._keep, in_place=accumulate or self.fixed_grads is not None,
-                                     zeroed=zeroed,
-                                     copy_main_grad=not (reducing and self.reducer is not None and not self._unreduced))
+                                     zeroed=zeroed, copy_main_grad=not zeroing or owned is not None,
+                                     reducer_owns=owned or frozenset(), reducer_zeroes=zeroing,
+                                     main_grad_aside=not accumulate and owned is not None)
 
     def kept_copies(self) -> dict[int, torch.Tensor]:
         """The step's copies of gradients left in place (`GradientsAside.copies`; empty without them)."""
