@@ -86,7 +86,8 @@ def run_reference(stages: list[Stage], x: torch.Tensor, y: torch.Tensor, backwar
     return loss.detach()
 
 
-def build(sched: Schedule, pp_rank: int, kind: str, *, skew_copies: bool = True, groups: Any = None) -> tuple[Pipeline, dict[int, Stage]]:
+def build(sched: Schedule, pp_rank: int, kind: str, *, skew_copies: bool = True, groups: Any = None,
+          keep_grads_on_failure: bool = True) -> tuple[Pipeline, dict[int, Stage]]:
     """This rank's stages and Pipeline. Copies of the tied weight on ranks other than stage 0's start
     as zeros (`skew_copies`): construction must make them equal to stage 0's."""
     n = sched.num_stages
@@ -96,7 +97,8 @@ def build(sched: Schedule, pp_rank: int, kind: str, *, skew_copies: bool = True,
         wte = make_wte(None if (0 in mine or not skew_copies) else 0.0)
     stages = {s: Stage(s, n, kind, wte if s in (0, n - 1) else None) for s in mine}
     tied = {"wte": wte} if wte is not None else None
-    return Pipeline(stages, sched, loss_fn, tied_parameters=tied, groups=groups), stages
+    return Pipeline(stages, sched, loss_fn, tied_parameters=tied, groups=groups,
+                    keep_grads_on_failure=keep_grads_on_failure), stages
 
 
 def _named(stages: dict[int, Stage]) -> dict[str, nn.Parameter]:

@@ -532,6 +532,30 @@ def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False, g
     fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} sync, no_sync, sync")
 
 
+def check_steps_accumulate_without_keeping(name: str, pp: int, kind: str) -> None:
+    """``keep_grads_on_failure=False``, three synchronised steps without zeroing between them: the
+    gradients are the sum of the three steps' (replica-averaged) gradients. The tied weight's were
+    1, 3 and 7 times one step's: nothing set its earlier gradient aside, so each step's sum over its
+    two copies counted the earlier steps' once per copy."""
+    from . import feature_cases as fc
+
+    world = dist.get_world_size()
+    groups = ParallelGroups(pp=pp)
+    dp = world // pp
+    sched = make_schedule(name, pp, 2 * pp)
+    pipe, stages = fc.build(sched, groups.pp_rank, kind, groups=groups, keep_grads_on_failure=False)
+    refs = [fc.reference(sched.num_stages)[0] for _ in range(dp)]
+    rows = 2 * sched.num_microbatches + 1
+    for step in range(3):
+        pipe.step(*fc.batch(step, rows, groups.dp_rank))
+        for d, r in enumerate(refs):
+            fc.run_reference(r, *fc.batch(step, rows, d))
+    avg = fc.avg_params(refs[0])
+    for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
+        q.grad = (q.grad + sum(o.grad for o in others)) / dp
+    fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} three steps, keep_grads_on_failure=False")
+
+
 def check_fsdp_sync_no_sync_sync(schedule: str, *tie: int) -> list[str]:
     """`check_sync_no_sync_sync` with ``fully_shard`` stages (fsdp_cases' model, dp=2 x pp=2) and a
     weight tied to ``layers.0.weight``: the sum of the three steps' gradients."""

@@ -24,8 +24,8 @@ import torch
 from zbpp.runtime import clip_grad_norm_
 
 from .grads_cases import (check_changed_after_build, check_clip, check_clip_refused_on_one_rank, check_eval_between,
-                          check_fsdp_sync_no_sync_sync, check_sync_no_sync_sync, check_tie_replaced_after_build,
-                          check_tie_past_the_first_word_unfrozen_unalike,
+                          check_fsdp_sync_no_sync_sync, check_steps_accumulate_without_keeping, check_sync_no_sync_sync,
+                          check_tie_replaced_after_build, check_tie_past_the_first_word_unfrozen_unalike,
                           check_tie_unfrozen_unalike, check_token_weights, check_unfrozen_later,
                           check_unused_on_one_replica)
 
@@ -84,6 +84,13 @@ def test_tied_sum_of_earlier_steps_counts_once_after_no_sync(zbpp_workers, world
     # 1f1b: the embedding and the head on different ranks (two copies of the tie); graphs: task
     # graphs' fixed .grad buffers (their CPU stand-in)
     zbpp_workers(world).run(check_sync_no_sync_sync, "1f1b", pp, kind, fail, graphs)
+
+
+@pytest.mark.parametrize("world,pp", [(2, 2), (4, 2)])
+def test_tied_sum_of_earlier_steps_counts_once_without_keeping_them(zbpp_workers, world, pp):
+    # keep_grads_on_failure=False: the tied weight's gradient accumulated over synchronised steps
+    # (1f1b: the embedding's copy and the head's on different ranks); tolerance: check_grads'
+    zbpp_workers(world).run(check_steps_accumulate_without_keeping, "1f1b", pp, "plain")
 
 
 @pytest.mark.parametrize("schedule,tie", [("1f1b", (3,)), ("zb-v", (2, 3))])

@@ -12,8 +12,9 @@ copy), and the copy is added back at the end. After a failure every kept tensor 
 gradients are dropped; a ``main_grad`` copy goes into the parameter's ``main_grad`` of that moment
 (a reducer may have replaced the buffer).
 
-With ``keep=False`` nothing is kept (no memory, no copies) and a failure sets ``.grad`` to None
-and zeroes ``main_grad``.
+With ``keep=False`` nothing is kept (no memory, no copies) but the tied parameters' gradients,
+set aside as above (their sum over the copies counts the earlier steps once), and a failure sets
+``.grad`` to None and zeroes ``main_grad``.
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.ones(2)
@@ -62,11 +63,13 @@ class GradientsAside:
             reduces what ``no_sync`` steps accumulated there together with its own).
         zeroed: ids of parameters whose ``.grad`` is known to hold zeros (`in_place` keeps no copy
             of those: a failure zeroes them again).
+        tied: ids of the tied parameters, set aside even without `keep` (their sum over the copies
+            must count the earlier steps' gradient once); a failure still clears them then.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *, keep: bool, in_place: bool, copy_main_grad: bool,
                  zeroed: AbstractSet[int] = frozenset(), reducer_owns: AbstractSet[int] = frozenset(),
-                 reducer_zeroes: bool = False, main_grad_aside: bool = False) -> None:
+                 reducer_zeroes: bool = False, main_grad_aside: bool = False, tied: AbstractSet[int] = frozenset()) -> None:
         self._params = list(params)
         self._keep = keep
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
@@ -74,24 +77,27 @@ class GradientsAside:
         self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
         self._main_copies: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, its main_grad's values)
         self._main_aside: list[tuple[nn.Parameter, torch.Tensor]] = []  # of `_main_copies`, zeroed: added back
-        if not keep:
+        # without `keep`, the tied parameters' only (`tied`): a sum over the copies of what each holds
+        # must hold this step's gradient alone, else it counts the earlier steps' once per copy
+        held_params = self._params if keep else [p for p in self._params if id(p) in tied]
+        if not held_params or (not keep and in_place):  # in place: the no_sync window's sums are laid down
             return
         # loops in C where they can: this runs before every step's first kernel
-        grads = list(map(_grad, self._params))
-        self._aside = list(zip(self._params, grads))
+        grads = list(map(_grad, held_params))
+        self._aside = list(zip(held_params, grads))
         if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
             held = [(i, g) for i, g in zip(map(id, self._params), grads) if g is not None]
             self._zeros = [g for i, g in held if i in zeroed]
             if len(self._zeros) < len(held):
                 self._copies = [(g, g.clone()) for i, g in held if i not in zeroed]
         else:
-            for p in self._params:
+            for p in held_params:
                 p.grad = None
         if copy_main_grad:
-            mains = [getattr(p, "main_grad", None) for p in self._params]
+            mains = [getattr(p, "main_grad", None) for p in held_params]
             if any(map(operator.is_not, mains, itertools.repeat(None))):  # by identity: == on tensors is slow
                 # by parameter: the reducer's start_step may rebuild its buckets, a new main_grad
-                self._main_copies = [(p, m.clone()) for p, m in zip(self._params, mains) if isinstance(m, torch.Tensor)
+                self._main_copies = [(p, m.clone()) for p, m in zip(held_params, mains) if isinstance(m, torch.Tensor)
                                      and not (reducer_zeroes and id(p) in reducer_owns)]
                 if main_grad_aside:  # set aside as .grad is: added back by take_back
                     self._main_aside = [(p, c) for p, c in self._main_copies if id(p) not in reducer_owns]

@@ -131,7 +131,8 @@ class Reductions:
         self._aside = GradientsAside(params, keep=self._keep, in_place=accumulate or self.fixed_grads is not None,
                                      zeroed=zeroed, copy_main_grad=not zeroing or owned is not None,
                                      reducer_owns=owned or frozenset(), reducer_zeroes=zeroing,
-                                     main_grad_aside=not accumulate and owned is not None)
+                                     main_grad_aside=not accumulate and owned is not None,
+                                     tied=self.tied.param_ids() if self.tied is not None else frozenset())
 
     def kept_copies(self) -> dict[int, torch.Tensor]:
         """The step's copies of gradients left in place (`GradientsAside.copies`; empty without them)."""
