@@ -87,9 +87,10 @@ def run_reference(stages: list[Stage], x: torch.Tensor, y: torch.Tensor, backwar
 
 
 def build(sched: Schedule, pp_rank: int, kind: str, *, skew_copies: bool = True, groups: Any = None,
-          keep_grads_on_failure: bool = True) -> tuple[Pipeline, dict[int, Stage]]:
+          keep_grads_on_failure: bool = True, cuda_graphs: Any = False) -> tuple[Pipeline, dict[int, Stage]]:
     """This rank's stages and Pipeline. Copies of the tied weight on ranks other than stage 0's start
-    as zeros (`skew_copies`): construction must make them equal to stage 0's."""
+    as zeros (`skew_copies`): construction must make them equal to stage 0's. `cuda_graphs`: e.g.
+    `StandInGraphs` (task graphs' fixed ``.grad`` buffers on CPUs)."""
     n = sched.num_stages
     mine = sched.stages_on(pp_rank)
     wte = None
@@ -98,7 +99,7 @@ def build(sched: Schedule, pp_rank: int, kind: str, *, skew_copies: bool = True,
     stages = {s: Stage(s, n, kind, wte if s in (0, n - 1) else None) for s in mine}
     tied = {"wte": wte} if wte is not None else None
     return Pipeline(stages, sched, loss_fn, tied_parameters=tied, groups=groups,
-                    keep_grads_on_failure=keep_grads_on_failure), stages
+                    keep_grads_on_failure=keep_grads_on_failure, cuda_graphs=cuda_graphs), stages
 
 
 def _named(stages: dict[int, Stage]) -> dict[str, nn.Parameter]:

@@ -532,28 +532,85 @@ def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False, g
     fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} sync, no_sync, sync")
 
 
-def check_steps_accumulate_without_keeping(name: str, pp: int, kind: str) -> None:
-    """``keep_grads_on_failure=False``, three synchronised steps without zeroing between them: the
-    gradients are the sum of the three steps' (replica-averaged) gradients. The tied weight's were
-    1, 3 and 7 times one step's: nothing set its earlier gradient aside, so each step's sum over its
-    two copies counted the earlier steps' once per copy."""
+def check_steps_accumulate(name: str, pp: int, kind: str, keep: bool = False, graphs: bool = False,
+                           fail: bool = False) -> None:
+    """Three synchronised steps without zeroing between them: the gradients are the sum of the three
+    steps' (replica-averaged) gradients. The tied weight's were 1, 3 and 7 times one step's: with
+    ``keep_grads_on_failure=False`` (`keep`) nothing set its earlier gradient aside, and under task
+    graphs (`graphs`: their fixed ``.grad`` buffers, the CPU stand-in) it stayed in the buffer, with
+    or without `keep`; each step's sum over its two copies counted the earlier steps' once per copy.
+    `fail` (with `keep`): the second step fails once first (its loss raises on the last stage's
+    rank): every gradient is as before it."""
+    from zbpp.runtime.task_graphs import StandInGraphs
+
     from . import feature_cases as fc
 
     world = dist.get_world_size()
     groups = ParallelGroups(pp=pp)
     dp = world // pp
     sched = make_schedule(name, pp, 2 * pp)
-    pipe, stages = fc.build(sched, groups.pp_rank, kind, groups=groups, keep_grads_on_failure=False)
+    pipe, stages = fc.build(sched, groups.pp_rank, kind, groups=groups, keep_grads_on_failure=keep,
+                            cuda_graphs=StandInGraphs if graphs else False)
+    failing = pipe.loss_fn = _FailOnce(pipe.loss_fn)
     refs = [fc.reference(sched.num_stages)[0] for _ in range(dp)]
     rows = 2 * sched.num_microbatches + 1
-    for step in range(3):
+    for step in range(3):  # graphs: eager, captured, replayed
+        if step == 1 and fail:
+            before = {k: p.grad.clone() for k, p in _named(stages).items()}
+            failing.armed = True
+            try:
+                pipe.step(*fc.batch(step, rows, groups.dp_rank))
+            except PipelineError:
+                pass
+            else:
+                raise AssertionError("the injected failure did not fail the step")
+            for k, p in _named(stages).items():
+                check_close(f"{name} rank {dist.get_rank()} {k} after a failed step", p.grad, before[k])
         pipe.step(*fc.batch(step, rows, groups.dp_rank))
         for d, r in enumerate(refs):
             fc.run_reference(r, *fc.batch(step, rows, d))
     avg = fc.avg_params(refs[0])
     for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
         q.grad = (q.grad + sum(o.grad for o in others)) / dp
-    fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} three steps, keep_grads_on_failure=False")
+    fc.check_grads(stages, refs[0],
+                   what=f"{name} pp={pp} dp={dp} {kind} three steps, keep={keep} graphs={graphs} fail={fail}")
+
+
+def tied_linear_steps_under_graphs(fused: bool, keep: bool) -> float:
+    """pp=2 under zb-h1, task graphs (the CPU stand-in): each stage a delayed-wgrad zbpp Linear (no
+    bias) and a tanh, the two weights one tied parameter. Its W writes the fixed ``.grad`` buffer
+    instead of adding to it (the earlier steps' gradient added back after the stage's last W), or
+    with `fused` adds to the ``main_grad`` the user attached. Three steps without zeroing (eager,
+    captured, replayed). Returns the largest difference of the tied gradient from three times one
+    process's (the plain model, the weight used twice, on the same rows)."""
+    from zbpp.runtime.task_graphs import StandInGraphs
+    from zbpp.schedules import build
+
+    def stage(zbpp: bool = True) -> nn.Module:
+        torch.manual_seed(100)  # the same weight on both stages: one tied parameter
+        lin = nn.Linear(H, H, bias=False, dtype=torch.float64)
+        if zbpp:
+            layer = ZLinear(H, H, bias=False, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
+                            params_dtype=torch.float64)
+            layer.load_state_dict(lin.state_dict())
+            lin = layer
+        return nn.Sequential(lin, nn.Tanh())
+
+    groups = ParallelGroups(pp=2)
+    sched = build("zb-h1", num_ranks=2, num_microbatches=4)
+    mine = {s: stage() for s in sched.stages_on(groups.pp_rank)}
+    weight = next(iter(mine.values()))[0].weight
+    if fused:
+        weight.main_grad = torch.zeros_like(weight)
+    pipe = Pipeline(mine, sched, mse, groups=groups, tied_parameters={"w": weight}, cuda_graphs=StandInGraphs,
+                    keep_grads_on_failure=keep)
+    x, y = data(0, 8, 0)
+    ref = stage(zbpp=False)
+    mse(ref(ref(x)), y).backward()
+    for _ in range(3):
+        pipe.step(x, target=y)
+    got = weight.main_grad if fused else weight.grad
+    return float((got - 3 * ref[0].weight.grad).abs().max())
 
 
 def check_fsdp_sync_no_sync_sync(schedule: str, *tie: int) -> list[str]:

@@ -24,10 +24,10 @@ import torch
 from zbpp.runtime import clip_grad_norm_
 
 from .grads_cases import (check_changed_after_build, check_clip, check_clip_refused_on_one_rank, check_eval_between,
-                          check_fsdp_sync_no_sync_sync, check_steps_accumulate_without_keeping, check_sync_no_sync_sync,
+                          check_fsdp_sync_no_sync_sync, check_steps_accumulate, check_sync_no_sync_sync,
                           check_tie_replaced_after_build, check_tie_past_the_first_word_unfrozen_unalike,
                           check_tie_unfrozen_unalike, check_token_weights, check_unfrozen_later,
-                          check_unused_on_one_replica)
+                          check_unused_on_one_replica, tied_linear_steps_under_graphs)
 
 
 @pytest.mark.parametrize("kind", ["plain", "zbpp"])
@@ -86,11 +86,25 @@ def test_tied_sum_of_earlier_steps_counts_once_after_no_sync(zbpp_workers, world
     zbpp_workers(world).run(check_sync_no_sync_sync, "1f1b", pp, kind, fail, graphs)
 
 
-@pytest.mark.parametrize("world,pp", [(2, 2), (4, 2)])
-def test_tied_sum_of_earlier_steps_counts_once_without_keeping_them(zbpp_workers, world, pp):
-    # keep_grads_on_failure=False: the tied weight's gradient accumulated over synchronised steps
-    # (1f1b: the embedding's copy and the head's on different ranks); tolerance: check_grads'
-    zbpp_workers(world).run(check_steps_accumulate_without_keeping, "1f1b", pp, "plain")
+@pytest.mark.parametrize("world,pp,keep,graphs,fail", [(2, 2, False, False, False), (4, 2, False, False, False),
+                                                       (2, 2, True, True, False), (4, 2, False, True, False),
+                                                       (4, 2, True, True, True)])
+def test_tied_sum_of_earlier_steps_counts_once_over_steps(zbpp_workers, world, pp, keep, graphs, fail):
+    # the tied weight's gradient accumulated over synchronised steps (1f1b: the embedding's copy and
+    # the head's on different ranks), with keep_grads_on_failure=False or under task graphs' fixed
+    # .grad buffers (their CPU stand-in); fail: a synchronised step fails once in between, its
+    # gradients dropped; tolerance: check_grads'
+    zbpp_workers(world).run(check_steps_accumulate, "1f1b", pp, "plain", keep, graphs, fail)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "no_keep"])
+def test_tied_linear_weight_over_steps_under_graphs(zbpp_workers, fused, keep):
+    # a tied zbpp Linear weight under task graphs: its W writes the fixed .grad buffer (earlier steps
+    # added back after it) or adds to main_grad. Tolerance 1e-12: float64, only the order of
+    # summation differs from the one-process reference (a per-copy recount is ~the gradient's size)
+    for diff in zbpp_workers(2).run(tied_linear_steps_under_graphs, fused, keep):
+        assert diff < 1e-12, diff
 
 
 @pytest.mark.parametrize("schedule,tie", [("1f1b", (3,)), ("zb-v", (2, 3))])

@@ -8,7 +8,9 @@ tensor known to hold zeros, such as a fixed buffer that replaced a None ``.grad`
 ``main_grad`` that no data-parallel reducer zeroes at the step's start (a tied parameter's too) is
 copied and, unless the step reduces what ``no_sync`` steps accumulated, zeroed: the step's own
 gradient fills it (a tied parameter's sum over its copies must not count the earlier steps once per
-copy), and the copy is added back at the end. After a failure every kept tensor goes back as it was and the step's
+copy), and the copy is added back at the end. A tied parameter's ``.grad`` left in place (a fixed buffer
+of task graphs, whose address a graph bakes in) is copied and zeroed for the same reason, and its copy
+added back at the end. After a failure every kept tensor goes back as it was and the step's
 gradients are dropped; a ``main_grad`` copy goes into the parameter's ``main_grad`` of that moment
 (a reducer may have replaced the buffer).
 
@@ -65,11 +67,15 @@ class GradientsAside:
             of those: a failure zeroes them again).
         tied: ids of the tied parameters, set aside even without `keep` (their sum over the copies
             must count the earlier steps' gradient once); a failure still clears them then.
+        tied_in_place: with `in_place` (task graphs' fixed buffers), copy and zero the tied
+            parameters' ``.grad`` so that the step's gradient fills it alone, and add the copy back
+            in `take_back` (False: the step reduces what ``no_sync`` steps accumulated there).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *, keep: bool, in_place: bool, copy_main_grad: bool,
                  zeroed: AbstractSet[int] = frozenset(), reducer_owns: AbstractSet[int] = frozenset(),
-                 reducer_zeroes: bool = False, main_grad_aside: bool = False, tied: AbstractSet[int] = frozenset()) -> None:
+                 reducer_zeroes: bool = False, main_grad_aside: bool = False, tied: AbstractSet[int] = frozenset(),
+                 tied_in_place: bool = False) -> None:
         self._params = list(params)
         self._keep = keep
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
@@ -77,19 +83,25 @@ class GradientsAside:
         self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
         self._main_copies: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, its main_grad's values)
         self._main_aside: list[tuple[nn.Parameter, torch.Tensor]] = []  # of `_main_copies`, zeroed: added back
+        self._grad_aside: list[tuple[nn.Parameter, torch.Tensor]] = []  # tied .grad left in place, zeroed: added back
         # without `keep`, the tied parameters' only (`tied`): a sum over the copies of what each holds
         # must hold this step's gradient alone, else it counts the earlier steps' once per copy
         held_params = self._params if keep else [p for p in self._params if id(p) in tied]
-        if not held_params or (not keep and in_place):  # in place: the no_sync window's sums are laid down
+        if not held_params or (not keep and in_place and not tied_in_place):  # the no_sync window's sums are laid down
             return
         # loops in C where they can: this runs before every step's first kernel
         grads = list(map(_grad, held_params))
         self._aside = list(zip(held_params, grads))
         if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
-            held = [(i, g) for i, g in zip(map(id, self._params), grads) if g is not None]
-            self._zeros = [g for i, g in held if i in zeroed]
+            held = [(p, g) for p, g in self._aside if g is not None]
+            self._zeros = [g for p, g in held if id(p) in zeroed]
             if len(self._zeros) < len(held):
-                self._copies = [(g, g.clone()) for i, g in held if i not in zeroed]
+                self._copies = [(g, g.clone()) for p, g in held if id(p) not in zeroed]
+            if tied_in_place:  # the copies of earlier gradients (none of zeros) double as what comes back
+                copy_of = {id(g): c for g, c in self._copies}
+                self._grad_aside = [(p, copy_of[id(g)]) for p, g in held if id(p) in tied and id(p) not in zeroed]
+                if self._grad_aside:
+                    foreach_zero_([p.grad for p, _ in self._grad_aside])
         else:
             for p in held_params:
                 p.grad = None
@@ -109,6 +121,11 @@ class GradientsAside:
         a failed step restores from them)."""
         return {id(kept): copy for kept, copy in self._copies}
 
+    def emptied(self) -> set[int]:
+        """ids of the parameters whose ``.grad``, left in place, was zeroed for the step (`tied_in_place`):
+        `take_back` adds their earlier gradients back, after the step's reductions."""
+        return {id(p) for p, _ in self._grad_aside}
+
     def take_back(self) -> None:
         """The step succeeded: add its gradients to the kept ones and put those back. Called again
         after an interrupt, it goes on where it stopped (each parameter's gradient taken once)."""
@@ -125,6 +142,10 @@ class GradientsAside:
             p, copy = self._main_aside[-1]
             p.main_grad.add_(copy)
             self._main_aside.pop()
+        while self._grad_aside:  # dropped before the addition, by no call: an interrupt is raised only after it
+            p, copy = self._grad_aside[-1]
+            del self._grad_aside[-1]
+            p.grad.add_(copy)
         self._copies, self._zeros, self._main_copies = [], [], []
 
     def discard_step(self) -> None:
@@ -145,3 +166,4 @@ class GradientsAside:
                 if isinstance(main, torch.Tensor):
                     main.zero_()
         self._aside, self._copies, self._zeros, self._main_copies, self._main_aside = [], [], [], [], []
+        self._grad_aside = []

@@ -132,7 +132,10 @@ class Reductions:
                                      zeroed=zeroed, copy_main_grad=not zeroing or owned is not None,
                                      reducer_owns=owned or frozenset(), reducer_zeroes=zeroing,
                                      main_grad_aside=not accumulate and owned is not None,
-                                     tied=self.tied.param_ids() if self.tied is not None else frozenset())
+                                     tied=self.tied.param_ids() if self.tied is not None else frozenset(),
+                                     tied_in_place=self.fixed_grads is not None and not accumulate)
+        if self.fixed_grads is not None:  # tied buffers zeroed: earlier gradients come back after the tie's sum
+            self.fixed_grads.emptied(self._aside.emptied())
 
     def kept_copies(self) -> dict[int, torch.Tensor]:
         """The step's copies of gradients left in place (`GradientsAside.copies`; empty without them)."""

@@ -20,9 +20,10 @@ of that signature copies each task's inputs into the graph's static buffers and 
   step's first contribution is a zbpp layer's W (its GEMM weights and biases), that W writes the
   buffer instead of adding to zeros, and replays skip its zeroing: two passes over the weights'
   gradients fewer. Earlier gradients kept without ``zero_grad()`` are added back after that
-  stage's last W (from the copy kept for a rollback, else a copy made for it); so are zeros written
-  in place (``zero_grad(set_to_none=False)``): clear gradients with ``zero_grad()`` (torch's
-  default, ``set_to_none=True``).
+  stage's last W (from the copy kept for a rollback, else a copy made for it), a tied parameter's
+  at the step's end (its buffer zeroed for the step: the sum over its copies counts them once); so
+  are zeros written in place (``zero_grad(set_to_none=False)``): clear gradients with
+  ``zero_grad()`` (torch's default, ``set_to_none=True``).
   ``main_grad`` buffers must keep their address; a new address (the data-parallel reducer
   rebuilding its buckets), a moved parameter or a new ``.grad`` buffer makes the step capture again.
 - **Signatures.** A step's input signature: the structure, shapes, dtypes and non-tensor values of
@@ -341,7 +342,8 @@ class GradBuffers:
     remember which buffers their W write (`TaskGraphs.grad_writes`): those are not zeroed before a
     replay, and where they hold earlier gradients (no ``zero_grad()`` between steps) a copy of those
     is added back after the writing stage's last W, before its gradients are reduced (`add_back`),
-    from the copy `GradientsAside` keeps for a rollback where it keeps one.
+    from the copy `GradientsAside` keeps for a rollback where it keeps one; a tied parameter's
+    buffer is zeroed by the set-aside instead, which adds them back after the tie's sum (`emptied`).
     A step runs `attach`, `prepare` once its runner is known, `add_back` per stage, then `finish`;
     after ``zero_grad()`` it asks `cleared` before choosing its runner and runs `attach_cleared`
     and `prepare` just before its first task that is not an F (no F reads a gradient), so that an
@@ -437,6 +439,13 @@ class GradBuffers:
             return None
         self._fresh, self._earlier = list(zip(ids, bufs)), []
         return set(ids)
+
+    def emptied(self, ids: set[int]) -> None:
+        """After `attach`: the set-aside zeroed the buffers of these parameters (tied ones, whose sum
+        over the copies must see the step's gradient alone) and adds their earlier gradients back
+        itself, after that sum: `add_back` leaves them out."""
+        if ids:
+            self._earlier = [(pid, buf) for pid, buf in self._earlier if pid not in ids]
 
     def prepare(self, runner: TaskRunner, stage_params: Mapping[int, Sequence[torch.nn.Parameter]],
                 kept: Mapping[int, torch.Tensor] | None = None) -> None:
