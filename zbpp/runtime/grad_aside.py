@@ -138,10 +138,10 @@ class GradientsAside:
                 if own is not None:
                     g.add_(own)
             self._aside.pop()
-        while self._main_aside:  # each once, as above, should an interrupt come
+        while self._main_aside:  # dropped before the addition, by no call: an interrupt is raised only after it
             p, copy = self._main_aside[-1]
+            del self._main_aside[-1]
             p.main_grad.add_(copy)
-            self._main_aside.pop()
         while self._grad_aside:  # dropped before the addition, by no call: an interrupt is raised only after it
             p, copy = self._grad_aside[-1]
             del self._grad_aside[-1]
