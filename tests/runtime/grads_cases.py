@@ -11,7 +11,7 @@ contribution, a wrong weight) is orders of magnitude above the bound.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -483,6 +483,33 @@ class _FailOnce:
         return self.loss(out, y)
 
 
+def _check_replica_average(stages: Any, refs: list[Any], what: str) -> None:
+    """The stages' gradients against the average of the replicas' references (one process each)."""
+    from . import feature_cases as fc
+
+    avg = fc.avg_params(refs[0])
+    for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
+        q.grad = (q.grad + sum(o.grad for o in others)) / len(refs)
+    fc.check_grads(stages, refs[0], what=what)
+
+
+def _fail_once(name: str, pipe: Any, failing: Any, stages: Any, batch: tuple,
+               within: Callable[[], Any] = contextlib.nullcontext) -> None:
+    """A step of `batch` (inside `within()`) whose loss raises once (`failing`, a `_FailOnce`):
+    every stage gradient is as before it."""
+    before = {k: p.grad.clone() for k, p in _named(stages).items()}
+    failing.armed = True
+    try:
+        with within():
+            pipe.step(*batch)
+    except PipelineError:
+        pass
+    else:
+        raise AssertionError("the injected failure did not fail the step")
+    for k, p in _named(stages).items():
+        check_close(f"{name} rank {dist.get_rank()} {k} after a failed step", p.grad, before[k])
+
+
 def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False, graphs: bool = False) -> None:
     """Without zeroing between steps: a synchronised step, a step inside ``no_sync()``, a
     synchronised step. The gradients are the sum of the three steps' (replica-averaged) gradients,
@@ -511,25 +538,12 @@ def check_sync_no_sync_sync(name: str, pp: int, kind: str, fail: bool = False, g
     rows = 2 * sched.num_microbatches + 1
     for step in range(3):
         if step == 1 and fail:
-            before = {k: p.grad.clone() for k, p in _named(stages).items()}
-            failing.armed = True
-            try:
-                with pipe.no_sync():
-                    pipe.step(*fc.batch(step, rows, groups.dp_rank))
-            except PipelineError:
-                pass
-            else:
-                raise AssertionError("the injected failure did not fail the step")
-            for k, p in _named(stages).items():
-                check_close(f"{name} rank {dist.get_rank()} {k} after a failed step", p.grad, before[k])
+            _fail_once(name, pipe, failing, stages, fc.batch(step, rows, groups.dp_rank), pipe.no_sync)
         with pipe.no_sync() if step == 1 else contextlib.nullcontext():
             pipe.step(*fc.batch(step, rows, groups.dp_rank))
         for d, r in enumerate(refs):
             fc.run_reference(r, *fc.batch(step, rows, d))
-    avg = fc.avg_params(refs[0])
-    for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
-        q.grad = (q.grad + sum(o.grad for o in others)) / dp
-    fc.check_grads(stages, refs[0], what=f"{name} pp={pp} dp={dp} {kind} sync, no_sync, sync")
+    _check_replica_average(stages, refs, f"{name} pp={pp} dp={dp} {kind} sync, no_sync, sync")
 
 
 def check_steps_accumulate(name: str, pp: int, kind: str, keep: bool = False, graphs: bool = False,
@@ -556,24 +570,12 @@ def check_steps_accumulate(name: str, pp: int, kind: str, keep: bool = False, gr
     rows = 2 * sched.num_microbatches + 1
     for step in range(3):  # graphs: eager, captured, replayed
         if step == 1 and fail:
-            before = {k: p.grad.clone() for k, p in _named(stages).items()}
-            failing.armed = True
-            try:
-                pipe.step(*fc.batch(step, rows, groups.dp_rank))
-            except PipelineError:
-                pass
-            else:
-                raise AssertionError("the injected failure did not fail the step")
-            for k, p in _named(stages).items():
-                check_close(f"{name} rank {dist.get_rank()} {k} after a failed step", p.grad, before[k])
+            _fail_once(name, pipe, failing, stages, fc.batch(step, rows, groups.dp_rank))
         pipe.step(*fc.batch(step, rows, groups.dp_rank))
         for d, r in enumerate(refs):
             fc.run_reference(r, *fc.batch(step, rows, d))
-    avg = fc.avg_params(refs[0])
-    for q, *others in zip(avg, *(fc.avg_params(r) for r in refs[1:])):
-        q.grad = (q.grad + sum(o.grad for o in others)) / dp
-    fc.check_grads(stages, refs[0],
-                   what=f"{name} pp={pp} dp={dp} {kind} three steps, keep={keep} graphs={graphs} fail={fail}")
+    _check_replica_average(stages, refs, f"{name} pp={pp} dp={dp} {kind} three steps, keep={keep} graphs={graphs} "
+                                         f"fail={fail}")
 
 
 def tied_linear_steps_under_graphs(fused: bool, keep: bool) -> float:

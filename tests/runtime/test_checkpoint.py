@@ -31,6 +31,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory, zbpp_workers) -> Path:
     return path
 
 
+def _train(net: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    """One process, the whole model: `steps` of the module's batches."""
+    for step in steps:
+        opt.zero_grad()
+        x, y = batch(step)
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["pp4-1f1b", "dp2-pp2-fsdp-zb-h1"])
 def test_resume_at_another_layout(saved: Path, zbpp_workers, layout: str) -> None:
@@ -285,19 +294,12 @@ def test_a_live_optimizer_state_is_loaded_in_place(tmp_path: Path) -> None:
     Reference: the state at the save (float64 copies), ``torch.equal`` (copies, no arithmetic)."""
     from zbpp.runtime import save_checkpoint
 
-    def train(steps: range) -> None:
-        for step in steps:
-            opt.zero_grad()
-            x, y = batch(step)
-            loss_fn(net(x), y).backward()
-            opt.step()
-
     net = whole_model()
     opt = make_optimizer(net.parameters())
-    train(range(2))
+    _train(net, opt, range(2))
     save_checkpoint(net, tmp_path / "c", opt)
     saved = {name: {k: v.clone() for k, v in opt.state[p].items()} for name, p in net.named_parameters()}
-    train(range(10, 12))  # rolled back by the load
+    _train(net, opt, range(10, 12))  # rolled back by the load
     w0, w1 = net.layers["0"].weight, net.layers["1"].weight
     opt.state[w0]["exp_avg"] = opt.state[w0]["exp_avg"].float()
     opt.state[w0]["stale"] = torch.ones(2)
@@ -540,26 +542,19 @@ def test_a_live_optimizer_keeps_no_state_the_checkpoint_lacks(tmp_path: Path) ->
         for p in net.parameters():
             p.requires_grad_(True)
 
-    def train(net: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-        for step in steps:
-            opt.zero_grad()
-            x, y = batch(step)
-            loss_fn(net(x), y).backward()
-            opt.step()
-
     ref = whole_model()
     ref_opt = make_optimizer(ref.parameters())
     first_step(ref, ref_opt)
-    train(ref, ref_opt, range(1, 3))
+    _train(ref, ref_opt, range(1, 3))
 
     net = whole_model()
     opt = make_optimizer(net.parameters())
     first_step(net, opt)
     save_checkpoint(net, tmp_path / "ckpt", opt)
-    train(net, opt, range(10, 12))  # rolled back by the load
+    _train(net, opt, range(10, 12))  # rolled back by the load
     load_checkpoint(net, tmp_path / "ckpt", opt)
     assert sorted(n for n, p in net.named_parameters() if opt.state.get(p)) == ["layers.3.bias", "layers.3.weight"]
-    train(net, opt, range(1, 3))
+    _train(net, opt, range(1, 3))
     for name, p in ref.named_parameters():
         assert torch.equal(net.get_parameter(name), p), name
 
