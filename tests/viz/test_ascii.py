@@ -127,3 +127,22 @@ def test_overlapped_rows_on_two_ranks_and_idle_by_hand() -> None:
         "rank 1 |....F0  X0X1....|\n"
         "     + |....F1--    ....|"
     )
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("comm", [0.5, 1.5])
+def test_tasks_starting_at_half_characters_keep_their_length(name: str, comm: float) -> None:
+    """Unit costs and m = 12: labels such as F10 are 3 characters, so the scale is 3 per unit and
+    a message of 0.5 or 1.5 puts tasks at x.5 characters. Every task must cover exactly 3 characters
+    per unit of its cost (known from `Costs`, not from the picture), its label whole. round()'s
+    half-to-even gave such tasks alternately 4 and 2 characters, cutting F10 to "F-"."""
+    sched = build(name, num_ranks=2, num_microbatches=12)
+    costs = Costs(f=1, b=1, w=1, comm=comm)
+    text = render_ascii(simulate(sched, costs), width=10_000)
+    length = {"F": 1, "B": 1, "W": 1, "BW": 2}  # cost units per task, from the Costs above
+    for rank, order in enumerate(sched.orders):
+        row = re.search(rf"^rank {rank} \|(.*)\|$", text, re.M).group(1)
+        cells = re.findall(r"[FBWXfbwx]'*\d+-*", row)  # a label and its '-' fill: one task each
+        labels = [re.match(r"[FBWXfbwx]'*\d+", c).group(0) for c in cells]
+        assert [len(c) for c in cells] == [3 * length[a.kind.name] for a in order], (rank, row)
+        assert [x.lstrip("FBWXfbwx'") for x in labels] == [str(a.microbatch) for a in order], (rank, row)

@@ -25,6 +25,7 @@ rank 1 |..F0X0--F1X1--....|
 from __future__ import annotations
 
 import bisect
+import math
 
 from ..schedules.checks import as_int, as_positive
 from ..schedules.ir import Kind
@@ -79,7 +80,10 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         scale = max(longest_label, 2) / shortest
 
     def base(t: float) -> int:  # the character at time t on the time axis, before any insertion
-        return round((t - t0) * scale)
+        # halves round up, always: round()'s half-to-even would give a task starting at x.5 a
+        # character more or less than its length (a 3-wide label such as F10 cut to F-); the
+        # 1e-9 keeps a float just under a half (7.4999999) with the halves
+        return math.floor((t - t0) * scale + 0.5 + 1e-9)
 
     # Tasks that round to no character are drawn at their start instant in columns inserted there
     # (as wide as the widest such group on one rank), so the picture never drops a task it runs.
@@ -112,7 +116,7 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         i = bisect.bisect_right(instants, t) if inclusive else bisect.bisect_left(instants, t)
         return before[instants[i]] if i < len(instants) else acc
 
-    base_cells = round((t1 - t0) * scale)
+    base_cells = base(t1)
     total_cells = base_cells + acc if acc else max(1, base_cells)
     edge_time: list[float] = []  # time at the left edge of each column (and the right end)
     inserted: list[bool] = []  # whether a column was added for point tasks (stands for no time)
