@@ -257,7 +257,13 @@ def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
 
     def deps_ready(a: Action) -> int:
         dep = input_of(a, n)
-        return slot_of[dep] + 1 if dep is not None else 0
+        ready = slot_of[dep] + 1 if dep is not None else 0
+        # and after the previous microbatch's task of the same kind and stage (visited before it,
+        # its slot final): each kind of a stage stays in microbatch order, and an F of the first
+        # stage, which has no input, no longer tries every free slot back to 0 (quadratic in m)
+        if a.microbatch > 0:
+            ready = max(ready, slot_of[Action(a.kind, a.stage, a.microbatch - 1)] + 1)
+        return ready
 
     for a in sorted(slot_of, key=lambda x: (slot_of[x], rank_of[x.stage])):
         r, old = rank_of[a.stage], slot_of[a]
