@@ -76,3 +76,13 @@ def test_bad_arguments_say_what_is_allowed(kwargs: dict, message: str) -> None:
     name = kwargs.pop("name")
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         build(name, **kwargs)
+
+
+def test_an_order_of_strings_is_refused_naming_it() -> None:
+    """Tasks written as strings ('F0.0') instead of Actions used to end in an AttributeError
+    ('str' object has no attribute 'stage') from validate and simulate alike."""
+    sched = Schedule(num_ranks=1, num_stages=1, num_microbatches=1, placement=(0,), orders=(("F0.0", "BW0.0"),))
+    for check in (validate, simulate):
+        with pytest.raises(ScheduleError, match=r"rank 0's order holds 'F0\.0' \(str\), not an Action"):
+            check(sched)
+

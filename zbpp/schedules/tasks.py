@@ -216,7 +216,11 @@ class TaskIds:
             ids: list[int] = []
             append = ids.append
             for a in order:  # this runs once per task: kind_id inlined, one lookup per check
-                s, j = a.stage, a.microbatch
+                try:
+                    s, j = a.stage, a.microbatch
+                except AttributeError:  # e.g. the string 'F0.0': a clear error, not an AttributeError
+                    raise ScheduleError(f"rank {rank}'s order holds {a!r} ({type(a).__name__}), not an Action; "
+                                        "write e.g. Action.parse('F0.0')") from None
                 b = first[s] if 0 <= s < n else -1
                 if b < 0 or not 0 <= j < m:
                     raise ScheduleError(_misplaced(a, rank, schedule))
