@@ -86,3 +86,38 @@ def test_an_order_of_strings_is_refused_naming_it() -> None:
         with pytest.raises(ScheduleError, match=r"rank 0's order holds 'F0\.0' \(str\), not an Action"):
             check(sched)
 
+
+# Hand-worked one-rank, two-stage (V, p=1) schedules of two microbatches; the first rank order is
+# valid. DualPipe's pairs are an F and a backward of other microbatches, adjacent: (F0.1, B1.0).
+_V_ORDER = ["F0.0", "F1.0", "F0.1", "B1.0", "W1.0", "B0.0", "W0.0", "F1.1", "B1.1", "W1.1", "B0.1", "W0.1"]
+
+
+@pytest.mark.parametrize("pair, message", [
+    (("F0.1", "W1.0"), r"overlap pair \(F0\.1, W1\.0\): W1\.0 must come right after F0\.1 in rank 0's order"),
+    (("B1.0", "F0.1"), r"F0\.1 must come right after B1\.0"),  # the wrong way round: F0.1 runs first
+    (("F0.1", "F0.1"), r"overlap pair \(F0\.1, F0\.1\) names one task twice"),
+    (("B1.0", "W1.0"), r"overlap pair \(B1\.0, W1\.0\): W1\.0 consumes the output of B1\.0"),
+    (("F0.0", "F1.0"), r"F1\.0 consumes the output of F0\.0"),
+    (("x", "y"), r"overlap_pairs\[0\] must be two Actions, got \('x', 'y'\)"),
+])
+def test_overlap_pairs_that_cannot_run_at_once_are_refused(pair: tuple[str, str], message: str) -> None:
+    """A pair is two tasks a runtime may run at once (Schedule's docstring: adjacent on one rank):
+    not two tasks apart in the order (torch's CSV would silently write them as two cells), not
+    one task twice, not a task and the one consuming its output. These used to validate."""
+    pairs = ((Action.parse(pair[0]), Action.parse(pair[1])),) if pair[0] != "x" else (pair,)
+    sched = Schedule(num_ranks=1, num_stages=2, num_microbatches=2, placement=(0, 0),
+                     orders=(tuple(Action.parse(t) for t in _V_ORDER),), overlap_pairs=pairs)
+    with pytest.raises(ScheduleError, match=message):
+        validate(sched)
+
+
+def test_a_task_in_two_overlap_pairs_is_refused() -> None:
+    order = tuple(Action.parse(t) for t in _V_ORDER)
+    ok = Schedule(num_ranks=1, num_stages=2, num_microbatches=2, placement=(0, 0), orders=(order,),
+                  overlap_pairs=((Action.parse("F0.1"), Action.parse("B1.0")),))
+    assert validate(ok) is ok  # the reference: a DualPipe-like pair validates
+    chained = Schedule(num_ranks=1, num_stages=2, num_microbatches=2, placement=(0, 0), orders=(order,),
+                       overlap_pairs=((Action.parse("F1.0"), Action.parse("F0.1")),
+                                      (Action.parse("F0.1"), Action.parse("B1.0"))))
+    with pytest.raises(ScheduleError, match=r"task F0\.1 is in two overlap pairs \(overlap_pairs\[1\] is the second\)"):
+        validate(chained)

@@ -66,14 +66,39 @@ def task_graph(schedule: Schedule, *, rank_chains: bool = True) -> nx.DiGraph:
     return g
 
 
-def _check_overlap_pairs(schedule: Schedule, present: bytearray) -> None:
-    """Each overlap pair names two tasks of the schedule on one rank."""
+def _check_overlap_pairs(schedule: Schedule, orders: list[list[int]], present: bytearray) -> None:
+    """Each overlap pair names two tasks of the schedule, the second right after the first on one
+    rank (as documented, and as torch's CSV writes a pair), neither in another pair, the second
+    not consuming the first's output (they could not run at once)."""
+    if not schedule.overlap_pairs:
+        return
     ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
     n, m, placement = schedule.num_stages, schedule.num_microbatches, schedule.placement
-    for a, b in schedule.overlap_pairs:
+    position = [0] * ids.size  # per task id: its index in its rank's order
+    for order in orders:
+        for i, t in enumerate(order):
+            position[t] = i
+    paired = bytearray(ids.size)
+    for i, pair in enumerate(schedule.overlap_pairs):
+        if len(pair) != 2 or not all(isinstance(x, Action) for x in pair):
+            raise ScheduleError(f"overlap_pairs[{i}] must be two Actions, got {pair!r}")
+        a, b = pair
         if not (0 <= a.stage < n and 0 <= b.stage < n and a.microbatch < m and b.microbatch < m
                 and present[ids.of(a)] and present[ids.of(b)] and placement[a.stage] == placement[b.stage]):
             raise ScheduleError(f"overlap pair ({a}, {b}) must name two tasks of one rank")
+        if a == b:
+            raise ScheduleError(f"overlap pair ({a}, {b}) names one task twice")
+        ta, tb = ids.of(a), ids.of(b)
+        rank = placement[a.stage]
+        order = orders[rank]
+        if position[ta] + 1 >= len(order) or order[position[ta] + 1] != tb:
+            raise ScheduleError(f"overlap pair ({a}, {b}): {b} must come right after {a} in rank {rank}'s order")
+        if ids.input(tb, present) == ta:
+            raise ScheduleError(f"overlap pair ({a}, {b}): {b} consumes the output of {a}, so they cannot run at once")
+        for t, x in ((ta, a), (tb, b)):
+            if paired[t]:
+                raise ScheduleError(f"task {x} is in two overlap pairs (overlap_pairs[{i}] is the second)")
+            paired[t] = 1
 
 
 def describe_cycle(schedule: Schedule, cycle: list[Action]) -> str:
@@ -94,7 +119,7 @@ def validate(schedule: Schedule) -> Schedule:
     """
     ids = TaskIds(schedule.num_stages, schedule.num_microbatches)
     orders, present = ids.encode(schedule)
-    _check_overlap_pairs(schedule, present)
+    _check_overlap_pairs(schedule, orders, present)
     zeros = [0.0] * ids.size  # no times: durations, lags and (so) every start are 0
     if replay(orders, ids.inputs(present), zeros, zeros, zeros, [-1.0] * ids.size):
         return schedule
