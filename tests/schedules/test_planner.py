@@ -225,3 +225,19 @@ def test_cli_plan_refuses_a_list_that_names_nothing(tmp_path, capsys, flag, valu
     assert f"{flag} {value!r} names nothing" in captured.err and captured.out == ""
     with pytest.raises(ValueError, match="schedules is empty"):
         search(_embedding_head_profile(), 2, 4, schedules=[])
+
+
+def test_layers_that_take_no_time_explain_without_dividing_by_zero(tmp_path, capsys):
+    """Four layers of zero F, B and W time (and no memory): every schedule's step is 0, worked by
+    hand, so the pick's step is 0 and its runner-up (as fast) is +0.00%. Dividing by the pick's step
+    used to end explain(), and so `zbpp plan`, in a ZeroDivisionError traceback."""
+    prof = Profile([Layer(f"x{i}", 0, 0, 0) for i in range(4)])
+    plan = search(prof, 2, 3, None, schedules=["1f1b", "zb-h1"])
+    assert plan.step == 0.0
+    assert "step 0 (+0.00%)" in plan.explain().splitlines()[2]  # the runner-up line
+    path = tmp_path / "zero.json"
+    prof.save(path)
+    from zbpp.cli import main
+
+    assert main(["plan", "--profile", str(path), "-p", "2", "-m", "3"]) == 0
+    assert "runner-up:" in capsys.readouterr().out

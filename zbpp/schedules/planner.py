@@ -207,8 +207,11 @@ class Plan:
         fitting = [o for o in self.options if o.fits]
         runner = next((o for o in fitting if (o.schedule, o.chunks, o.stages) != (s.name, chunks, self.stages)), None)
         if runner is not None:
+            # a pick of step 0 (layers that take no time): a runner-up as fast is +0%, a slower one has no ratio
+            vs = (f"{100 * (runner.step / self.step - 1):+.2f}%" if self.step > 0 else
+                  "+0.00%" if runner.step == 0 else "slower")
             lines.append(f"  runner-up: {runner.label} with layers per stage {_sizes(runner.stages)}: step "
-                         f"{runner.step:.6g} ({100 * (runner.step / self.step - 1):+.2f}%)")
+                         f"{runner.step:.6g} ({vs})")
         w = self.searched
         if w is not None:
             if w.exact:
