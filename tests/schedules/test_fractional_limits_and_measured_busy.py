@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from zbpp.schedules import Costs, Memory, build, validate
+from zbpp.schedules import Costs, Memory, build, simulate, validate
 from zbpp.schedules.bounds import lower_bound
 from zbpp.schedules.ir import loop_placement, v_placement
 from zbpp.schedules.measured import measured_bubble_rate, measured_result
@@ -57,11 +57,11 @@ def test_busy_time_counts_a_nested_task_once():
 
 def test_measured_bubble_rate_uses_the_busiest_rank():
     # rank 0 computes 3 of its span of 6, rank 1 computes 5 of 6: cost 6, busy 5 (the busiest),
-    # bubble rate (6 - 5) / 6 (the least busy rank would give 3/6)
+    # bubble rate (6 - 5) / 6 (the least busy rank would give 3/6); full backwards (BW): a whole step
     recs = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0},
-            {"rank": 0, "action": "B0.0", "start": 4.0, "end": 6.0},
+            {"rank": 0, "action": "BW0.0", "start": 4.0, "end": 6.0},
             {"rank": 1, "action": "F1.0", "start": 1.0, "end": 3.0},
-            {"rank": 1, "action": "B1.0", "start": 3.0, "end": 6.0}]
+            {"rank": 1, "action": "BW1.0", "start": 3.0, "end": 6.0}]
     assert measured_bubble_rate(recs) == pytest.approx(1 / 6, abs=1e-12)
     assert measured_result(recs).bubble_rate == pytest.approx(1 / 6, abs=1e-12)
 
@@ -94,3 +94,21 @@ def test_measured_record_with_a_non_finite_time_is_refused(field, bad):
     for fn in (measured_bubble_rate, measured_result):
         with pytest.raises(ValueError, match=f"'{field}': {bad}"):
             fn(broken)
+
+
+def test_records_of_part_of_a_step_are_refused_naming_the_missing_task():
+    """Records of ZB-H1 (p=2, m=2) made from its simulation: whole, they give the simulated bubble
+    rate 1/7 (the reference: rank 0 spans 7 and each rank computes 6). Without rank 0's last W (a
+    step cut short) rank 0 spans 6, so the bubble rate came out 0 (by hand: cost 6, rank 1 busy 6).
+    measured_result and measured_summary, which read the schedule off the records, must name the
+    missing task instead (measured_bubble_rate takes part of a step, as documented)."""
+    from zbpp.schedules.measured import measured_summary
+
+    res = simulate(build("zb-h1", num_ranks=2, num_microbatches=2), Costs(1, 1, 1))
+    recs = [{"rank": r, "action": str(a), "start": res.start[a], "end": res.end[a]} for r, a in res.schedule.actions()]
+    assert measured_result(recs).bubble_rate == pytest.approx(res.bubble_rate, abs=1e-12) == pytest.approx(1 / 7)
+    cut = [x for x in recs if x["action"] != "W0.1"]
+    for read in (measured_result, measured_summary):
+        with pytest.raises(ValueError, match=r"not one whole step: task W0\.1 is missing \(rank 0\)"):
+            read(cut)
+    assert measured_bubble_rate(cut) == 0.0  # part of a step: what that part shows

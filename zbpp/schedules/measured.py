@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
-from .ir import Action, Kind, Schedule
+from .dag import validate
+from .ir import Action, Kind, Schedule, ScheduleError
 from .simulate import Memory, SimResult
 
 __all__ = ["measured_result", "measured_summary", "measured_bubble_rate"]
@@ -107,7 +108,8 @@ def measured_result(records: Iterable[Record], schedule: Schedule | None = None,
 
     With `schedule`, the records must be exactly its tasks, each on the rank that holds its stage
     (a `ValueError` names the first task that is missing, extra, repeated or misplaced); without,
-    the schedule is read off the records. `busy_per_rank` is the time a rank computes (tasks that
+    the schedule is read off the records, which must then be a whole step (every task of every
+    microbatch up to the largest recorded; a `ValueError` names the first missing one). `busy_per_rank` is the time a rank computes (tasks that
     overlap count once), so `bubble_rate` is docs/DESIGN.md's definition applied to the measurement.
     Memory follows `memory` (default ``Memory()``) in the measured order of each rank's tasks, its
     transients counted as `simulate` counts them.
@@ -123,6 +125,11 @@ def measured_result(records: Iterable[Record], schedule: Schedule | None = None,
     parsed = _parse_records(records)
     if schedule is None:
         schedule = _schedule_from_records(parsed)
+        try:  # a whole step's records: a step cut short would give a span and bubble rate of part of it
+            validate(schedule)
+        except ScheduleError as exc:
+            raise ValueError(f"the measured records are not one whole step: {exc} (measured_bubble_rate takes "
+                             "part of a step)") from None
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     expected = {a: r for r, a in schedule.actions()}
