@@ -223,3 +223,45 @@ def test_the_schedule_core_imports_neither_numpy_nor_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _simulate_with(key: str, value: object) -> None:
+    simulate(build("zb-h1", num_ranks=2, num_microbatches=2), **{key: value})
+
+
+def _lower_bound_with(key: str, value: object) -> None:
+    from zbpp.schedules.bounds import lower_bound
+
+    lower_bound((0, 1), 2, **{key: value})
+
+
+def _program_with(key: str, value: object) -> None:
+    from zbpp.schedules.program import make_program
+
+    make_program(build("zb-h1", num_ranks=2, num_microbatches=2), **{key: value})
+
+
+@pytest.mark.parametrize("where, call, key, value, shown", [
+    ("simulate", _simulate_with, "costs", Memory(1, 0.5), r"Memory\(.*\) \(Memory\)"),  # Memory in costs' place
+    ("simulate", _simulate_with, "memory", Costs(), r"Costs\(.*\) \(Costs\)"),
+    ("simulate", _simulate_with, "costs", {"f": 1}, r"\{'f': 1\} \(dict\)"),
+    ("lower_bound", _lower_bound_with, "costs", Memory(), r"Memory\(.*\) \(Memory\)"),
+    ("lower_bound", _lower_bound_with, "memory", 3, r"3 \(int\)"),
+    ("make_program", _program_with, "costs", Memory(), r"Memory\(.*\) \(Memory\)"),
+])
+def test_simulate_bound_and_program_refuse_another_type_naming_it(where, call, key, value, shown) -> None:
+    """The automatic schedules named a wrong type; simulate, lower_bound and make_program ended in
+    an AttributeError ('Memory' object has no attribute 'charged') that named neither the call nor
+    the argument. simulate(sched, Memory(...)), Memory in costs' place, is an easy slip."""
+    kind = "Costs" if key == "costs" else "Memory"
+    with pytest.raises(TypeError, match=rf"{where}: {key} must be a zbpp.schedules.{kind} \(or None.*got {shown}"):
+        call(key, value)
+
+
+def test_simulate_and_render_ascii_refuse_what_is_not_their_input() -> None:
+    from zbpp.viz.ascii import render_ascii
+
+    with pytest.raises(TypeError, match=r"simulate: schedule must be a zbpp.schedules.Schedule .*got 'zb-h1' \(str\)"):
+        simulate("zb-h1")
+    with pytest.raises(TypeError, match=r"render_ascii needs a SimResult .*got Schedule"):
+        render_ascii(build("zb-h1", num_ranks=2, num_microbatches=2))

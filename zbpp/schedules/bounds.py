@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .checks import as_int
-from .simulate import Costs, Memory
+from .simulate import Costs, Memory, check_costs_memory
 from .tasks import TaskIds
 
 __all__ = ["LowerBound", "least_peaks", "lower_bound"]
@@ -291,6 +291,7 @@ def lower_bound(
     >>> round(lb.bubble_rate, 4)  # the paper's ZB-2p reaches it (its Table 4: 0.0433)
     0.0433
     """
+    check_costs_memory("lower_bound", costs, memory)
     placement = [as_int(r, f"placement[{s}]", minimum=0) for s, r in enumerate(placement)]
     m = as_int(num_microbatches, "num_microbatches")
     n = len(placement)

@@ -59,7 +59,7 @@ from typing import Mapping
 
 from .dag import validate
 from .ir import Action, Kind, Schedule
-from .simulate import Costs, simulate
+from .simulate import Costs, check_costs_memory, simulate
 from .replay import replay
 from .tasks import TaskIds, input_of
 
@@ -188,6 +188,7 @@ def make_program(
 
     Raises `zbpp.schedules.ScheduleError` for an invalid or deadlocking schedule.
     """
+    check_costs_memory("make_program", costs, None)
     validate(schedule)
     costs = _positive((costs or DEFAULT_COSTS).charged(schedule.placement))
     if forward_only:

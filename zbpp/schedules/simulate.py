@@ -23,7 +23,7 @@ from .ir import Action, Schedule, ScheduleError
 from .replay import replay
 from .tasks import KINDS, TaskIds, kind_id
 
-__all__ = ["Costs", "Memory", "SimResult", "simulate", "fit_message_overhead"]
+__all__ = ["Costs", "Memory", "SimResult", "simulate", "fit_message_overhead", "check_costs_memory"]
 
 PerStage = Union[float, Sequence[float]]
 
@@ -231,6 +231,16 @@ class Memory:
         return Memory(activation=self.activation, wgrad=self.wgrad)
 
 
+def check_costs_memory(where: str, costs: object, memory: object) -> None:
+    """Raise `TypeError` naming `where` and the argument unless `costs` is a `Costs` and `memory` a
+    `Memory` (None, the default, passes): a wrong type (Memory passed as costs, a dict) would
+    otherwise fail deep inside as an AttributeError that names neither."""
+    for key, value, kind in (("costs", costs, Costs), ("memory", memory, Memory)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{where}: {key} must be a zbpp.schedules.{kind.__name__} (or None: the default), "
+                            f"got {value!r:.60} ({type(value).__name__})")
+
+
 @dataclass
 class SimResult:
     """What `simulate` computes. Times are in the units of `Costs`; memory in those of `Memory`."""
@@ -335,6 +345,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
     >>> res.spans, round(res.bubble_rate, 4), [round(m, 2) for m in res.peak_memory]
     ([27.0, 26.0, 25.0, 24.0], 0.1111, [4.0, 3.33, 2.67, 2.0])
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"simulate: schedule must be a zbpp.schedules.Schedule (e.g. build(...)), "
+                        f"got {schedule!r:.60} ({type(schedule).__name__})")
+    check_costs_memory("simulate", costs, memory)
     costs = (costs or Costs()).charged(schedule.placement)
     memory = memory or Memory()
     n, m = schedule.num_stages, schedule.num_microbatches

@@ -60,6 +60,8 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     under 1% of the median task's length (a measured record of microseconds beside milliseconds)
     do not set the scale: they are drawn as zero-length ones are.
     """
+    if not isinstance(result, SimResult):  # a Schedule has no times: it would fail as an AttributeError
+        raise TypeError(f"render_ascii needs a SimResult (simulate(schedule, costs)), got {type(result).__name__}")
     width = as_int(width, "render_ascii width")
     if scale is not None:  # 0 would divide by zero, a negative one index rows backwards
         scale = as_positive(scale, "render_ascii scale")

@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 from ..bounds import least_peaks
 from ..checks import as_int, as_number
 from ..ir import Action, Kind, Schedule, from_orders, loop_placement, v_placement
-from ..simulate import Costs, Memory, simulate
+from ..simulate import Costs, Memory, check_costs_memory, simulate
 from .auto_heuristic import Policy, Problem, list_schedule, place_w
 from .classic import interleaved_1f1b, one_f_one_b
 from .interleaved_zb import zb_interleaved
@@ -202,11 +202,7 @@ def _search(
     memory_limit: float | Sequence[float] | None,
     seeds: Sequence[Callable[[int, int], Schedule]],
 ) -> Schedule:
-    # checked here: a wrong type would otherwise fail deep inside as an AttributeError
-    for key, value, kind in (("costs", costs, Costs), ("memory", memory, Memory)):
-        if value is not None and not isinstance(value, kind):
-            raise TypeError(f"{name}: {key} must be a zbpp.schedules.{kind.__name__} (or None: the default), "
-                            f"got {value!r:.60} ({type(value).__name__})")
+    check_costs_memory(name, costs, memory)
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
     true_memory = memory
