@@ -265,3 +265,19 @@ def test_simulate_and_render_ascii_refuse_what_is_not_their_input() -> None:
         simulate("zb-h1")
     with pytest.raises(TypeError, match=r"render_ascii needs a SimResult .*got Schedule"):
         render_ascii(build("zb-h1", num_ranks=2, num_microbatches=2))
+
+
+def test_zbv_auto_counts_the_seeds_it_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zbv-auto tries ZB-V and DualPipeV as seeds, built for at least 2p-1 and 2p microbatches and
+    then cut down to m. It was counted as 6pm tasks, so with m = 1 the limit let through a search
+    that built some 2p times more (at p = 2000, m = 1 a 48-million-task ZB-V behind a count of
+    12,000). By hand, p = 20, m = 1: its ZB-V seed has 6 * 20 * 39 = 4680 tasks (checked below on
+    the generator itself) and DualPipeV's count is 6 * 20 * 40 = 4800, so at a limit of 4679 the
+    build must be refused before anything is built; it used to go ahead (count 120)."""
+    from zbpp.schedules.generators.vshape import _zbv_rank
+
+    assert sum(len(_zbv_rank(20, 39, r)) for r in range(20)) == 6 * 20 * 39  # the seed as built
+    monkeypatch.setenv("ZBPP_MAX_TASKS", str(6 * 20 * 39 - 1))
+    with pytest.raises(ValueError, match="zbv-auto with num_ranks=20, num_microbatches=1 would create up to 4,800 tasks"):
+        build("zbv-auto", num_ranks=20, num_microbatches=1)
+    assert task_count("zbv-auto", 4, 100) == 6 * 4 * 100  # m >= 2p: the seeds build m microbatches

@@ -57,10 +57,10 @@ from ..simulate import Costs, Memory, check_costs_memory, simulate
 from .auto_heuristic import Policy, Problem, list_schedule, place_w
 from .classic import interleaved_1f1b, one_f_one_b
 from .interleaved_zb import zb_interleaved
-from .dualpipe import dualpipe_v
+from .dualpipe import _tasks as _dualpipe_tasks, dualpipe_v
 from .local_search import TaskShape, improve, perturb_and_improve, score_of
 from .rounds import best_v_rounds, best_zb_rounds
-from .vshape import v_half, v_min, zb_v
+from .vshape import _v_tasks, _zbv_tasks as _zb_v_tasks, v_half, v_min, zb_v
 from .zero_bubble import zb_h1, zb_h2
 
 __all__ = ["zb_auto", "zbv_auto", "zbi_auto", "smallest_feasible_limit", "default_memory_limit"]
@@ -410,6 +410,12 @@ def _zbi_tasks(p: int, m: int, *, chunks: int = 2, **_: object) -> int:
     return 3 * p * as_int(chunks, "zbi-auto: chunks") * m
 
 
+def _zbv_tasks(p: int, m: int, **_: object) -> int:
+    """The most any of its seeds builds: ZB-V and DualPipeV are built for at least 2p-1 and 2p
+    microbatches, then cut down to m (with m = 1 some 2p times the tasks the search returns)."""
+    return max(_zb_v_tasks(p, m), _dualpipe_tasks(p, m), _v_tasks(p, m))
+
+
 #: The schedules of this module, for the registry: name -> (generator, task count or None for
 #: the registry's default; see `zbpp.schedules.registry.register`)
-GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, None), "zbi-auto": (zbi_auto, _zbi_tasks)}
+GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, _zbv_tasks), "zbi-auto": (zbi_auto, _zbi_tasks)}
