@@ -327,3 +327,29 @@ def test_cli_plot_measured_costs_build_an_automatic_name_for_an_unnamed_trace(tm
     assert main(["plot", "1f1b", "-p", "2", "-m", "3", "--measured", str(one), "-o", str(out), "--comm", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("zbpp plot: error: --comm: the times drawn are those of --measured") and "1f1b" in err, err
+
+
+def test_tasks_of_no_time_are_drawn_in_their_colour(tmp_path):
+    """Costs(w=0): ZB-H1's W's take no time. Their boxes had no width, so the figure showed no W at
+    all (the legend listed one). Each W must now cover at least 2.5 points around its instant (the
+    simulated start, the reference), in the W group; F and B keep their exact extents. With every
+    task of no time the axis had no width and matplotlib warned; it must draw without a warning."""
+    import warnings
+
+    sched = build("zb-h1", num_ranks=3, num_microbatches=4)
+    res = simulate(sched, Costs(1, 1, 0))
+    fig = viz.plot(res, path=tmp_path / "w0.svg")
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    pt_per_unit = ax.get_window_extent().width * 72 / fig.dpi / (hi - lo)
+    boxes = {c.get_gid(): [p.vertices for p in c.get_paths()] for c in ax.collections}
+    w_tasks = sorted(res.start[a] for _, a in sched.actions() if a.kind.value == "W")
+    w_boxes = sorted((v[:, 0].min(), v[:, 0].max()) for v in boxes["tasks-W-chunk0"])
+    assert len(w_boxes) == len(w_tasks) == 12
+    for t, (x0, x1) in zip(w_tasks, w_boxes):
+        assert x0 < t < x1 and (x1 - x0) * pt_per_unit >= 2.5, (t, x0, x1)
+    f_widths = {round(v[:, 0].max() - v[:, 0].min(), 9) for v in boxes["tasks-F-chunk0"]}
+    assert f_widths == {1.0}  # F takes 1: drawn exactly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        viz.plot(sched, Costs(0, 0, 0), tmp_path / "zero.svg")

@@ -4,7 +4,8 @@ One row per rank, time on the x axis; F, B, W and BW tasks in distinct colours, 
 stage (V-shape / interleaved chunk) in a darker shade of the same colour (each further one in a
 shade of its own), the microbatch id inside each box that is wide enough, idle time (the bubbles)
 in grey, and a title with the bubble rate and the peak memory. In the SVG each task is one shape
-inside a group ``tasks-{kind}-chunk{c}``.
+inside a group ``tasks-{kind}-chunk{c}``. A task of (next to) no time, such as W under
+``Costs(w=0)``, is drawn a few points wide around its instant.
 
 matplotlib is imported only when drawing (``pip install zbpp[viz]``).
 
@@ -18,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Iterable, Mapping, Union
 
@@ -30,6 +32,7 @@ __all__ = ["plot", "KIND_COLORS"]
 KIND_COLORS = {Kind.F: "#7FB2E5", Kind.B: "#7CCB9C", Kind.W: "#C3A3E6", Kind.BW: "#F3AE6B"}
 _KIND_NAMES = {Kind.F: "F forward", Kind.B: "B input grad", Kind.W: "W weight grad", Kind.BW: "BW full backward"}
 _IDLE = "#E6E6E6"
+_POINT_PT = 3.0  # drawn width, in points, of a task of (next to) no time
 
 Source = Union[SimResult, Schedule, Iterable[Mapping[str, Any]]]
 
@@ -140,10 +143,23 @@ def plot(
                  for s, d in _idle_intervals(res, r, t0, t1)]
     ax.add_collection(PolyCollection(idle, facecolors=_IDLE, edgecolors="none", gid="idle"))
 
+    span = x(t1)
+    ax_w_pt = width_in * 72 * ax.get_position().width
+    pt_per_t = ax_w_pt / (span if span > 0 else 1.0)  # every task of no time: a nominal axis of 1
+    # A task of (next to) no time, such as W under Costs(w=0), would be a box of no width: drawn
+    # _POINT_PT points wide around its instant instead, so that every task shows in its colour.
+    # "Next to no time" is the ASCII view's rule: under 1% of the median task's length.
+    lengths = sorted(e - res.start[a] for a, e in res.end.items() if e > res.start[a])
+    point_len = lengths[len(lengths) // 2] / 100 if lengths else math.inf
+    half = _POINT_PT / pt_per_t / 2
+    pad = 0.0  # room at the ends of the axis for point tasks there
     groups: dict[tuple[Kind, int], list] = {}
     for r, order in enumerate(sched.orders):
         for a in order:
             s, e = x(res.start[a]), x(res.end[a])
+            if res.end[a] - res.start[a] < point_len and e - s < 2 * half:
+                s, e = (s + e) / 2 - half, (s + e) / 2 + half
+                pad = half
             box = [(s, r + 0.08), (e, r + 0.08), (e, r + 0.92), (s, r + 0.92)]
             groups.setdefault((a.kind, chunk_of[a.stage]), []).append(box)
     n_tasks = sched.num_tasks
@@ -154,8 +170,7 @@ def plot(
                            linewidths=lw, gid=f"tasks-{kind.value}-chunk{chunk}")
         )
 
-    span = x(t1)
-    ax.set_xlim(0, span)
+    ax.set_xlim(-pad, span + pad if span > 0 else 1.0)  # never a zero-width axis (a matplotlib warning)
     ax.set_ylim(p, 0)
     ax.set_yticks([r + 0.5 for r in range(p)])
     ax.set_yticklabels([f"rank {r}" for r in range(p)], fontsize=9 if p <= 16 else 6)
@@ -166,8 +181,6 @@ def plot(
 
     if labels:
         # label a box when its microbatch id fits: box width in points vs. text width
-        ax_w_pt = width_in * 72 * ax.get_position().width
-        pt_per_t = ax_w_pt / span if span > 0 else 0.0
         row_pt = height_in * 72 * ax.get_position().height / p
         fs = max(4.0, min(9.0, row_pt * 0.5))
         for r, order in enumerate(sched.orders):
