@@ -121,3 +121,18 @@ def test_a_task_in_two_overlap_pairs_is_refused() -> None:
                                       (Action.parse("F0.1"), Action.parse("B1.0"))))
     with pytest.raises(ScheduleError, match=r"task F0\.1 is in two overlap pairs \(overlap_pairs\[1\] is the second\)"):
         validate(chained)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("rank0: F0.0 BW0.0\nrank1: F1.0 BW1.0", r"task F0\.1 is missing \(rank 0\)"),
+    ("rank0: F0.0 B0.0\nrank1: F1.0 BW1.0", r"task W0\.0 is missing \(rank 0\)"),
+    ("rank0: F0.0 BW0.0\nrank1: F1.0 BW1.0 F0.1", r"task F0\.1 is on rank 1 but stage 0 is placed on rank 0"),
+])
+def test_a_header_of_huge_counts_names_the_missing_task(body: str, message: str) -> None:
+    """A text (or torch CSV) header may claim 10**12 microbatches that its lines do not hold.
+    validate and simulate built a table of 4 * stages * microbatches entries first and ended in
+    a bare MemoryError; they must name, by hand, the first missing or misplaced task instead."""
+    sched = Schedule.from_text(f"ranks=2 stages=2 microbatches={10**12}\nplacement=0,1\n{body}\n")
+    for check in (validate, simulate):
+        with pytest.raises(ScheduleError, match=message):
+            check(sched)

@@ -207,6 +207,11 @@ class TaskIds:
             raise ValueError(f"TaskIds for {n} stages and {m} microbatches cannot encode a schedule of "
                              f"{schedule.num_stages} and {schedule.num_microbatches}")
         placement = schedule.placement
+        tasks = schedule.num_tasks
+        if 2 * nm > tasks and nm > 4 * tasks + 4096:
+            # too few tasks for every (stage, mb), and a table of those would dwarf them (a header
+            # claiming 10**12 microbatches ended in a MemoryError): what is missing, found without it
+            raise ScheduleError(_sparse_problem(schedule))
         present = bytearray(4 * nm)
         orders: list[list[int]] = []
         repeated = False
@@ -219,8 +224,7 @@ class TaskIds:
                 try:
                     s, j = a.stage, a.microbatch
                 except AttributeError:  # e.g. the string 'F0.0': a clear error, not an AttributeError
-                    raise ScheduleError(f"rank {rank}'s order holds {a!r} ({type(a).__name__}), not an Action; "
-                                        "write e.g. Action.parse('F0.0')") from None
+                    raise ScheduleError(_not_an_action(a, rank)) from None
                 b = first[s] if 0 <= s < n else -1
                 if b < 0 or not 0 <= j < m:
                     raise ScheduleError(_misplaced(a, rank, schedule))
@@ -332,11 +336,40 @@ def _misplaced(a: Action, rank: int, schedule: Schedule) -> str:
     return f"task {a} is on rank {rank} but stage {a.stage} is placed on rank {schedule.rank_of(a.stage)}"
 
 
+def _not_an_action(a: object, rank: int) -> str:
+    return f"rank {rank}'s order holds {a!r} ({type(a).__name__}), not an Action; write e.g. Action.parse('F0.0')"
+
+
+def _sparse_problem(schedule: Schedule) -> str:
+    """`TaskIds.encode`'s first complaint about a schedule of fewer tasks than its (stage, mb)
+    pairs need, found from its tasks alone: a misplaced task, else the first incomplete pair."""
+    n, m = schedule.num_stages, schedule.num_microbatches
+    kinds: dict[tuple[int, int], set[int]] = {}
+    for rank, order in enumerate(schedule.orders):
+        for a in order:
+            if not isinstance(a, Action):
+                return _not_an_action(a, rank)
+            if not (0 <= a.stage < n and 0 <= a.microbatch < m) or schedule.placement[a.stage] != rank:
+                return _misplaced(a, rank, schedule)
+            kinds.setdefault((a.stage, a.microbatch), set()).add(kind_id(a.kind))
+    for sj in range(n * m):  # an incomplete pair comes within the first tasks / 2 + 1
+        got = kinds.get(divmod(sj, m), set())
+        if F not in got or (B in got) != (W in got) or (BW in got) == (B in got):
+            return _incomplete_pair(*divmod(sj, m), [k in got for k in range(4)], schedule)
+    raise AssertionError("unreachable: fewer tasks than pairs")  # pragma: no cover
+
+
 def _incomplete(present: bytearray, sj: int, ids: TaskIds, schedule: Schedule) -> str:
     """What is missing or extra among the tasks of (stage, mb) number `sj`."""
     nm = ids.nm
-    f, b, w, bw = (ids.action(k * nm + sj) for k in range(4))
-    has_f, has_b, has_w, has_bw = (present[k * nm + sj] for k in range(4))
+    stage, mb = divmod(sj, ids.num_microbatches)
+    return _incomplete_pair(stage, mb, [present[k * nm + sj] for k in range(4)], schedule)
+
+
+def _incomplete_pair(stage: int, mb: int, has: Sequence[int], schedule: Schedule) -> str:
+    """What is missing or extra among the tasks of (`stage`, `mb`); `has`: whether each kind is there."""
+    f, b, w, bw = (Action(k, stage, mb) for k in KINDS)
+    has_f, has_b, has_w, has_bw = has
     where = f"rank {schedule.rank_of(f.stage)}"
     if not has_f:
         return f"task {f} is missing ({where})"
