@@ -306,3 +306,22 @@ def test_program_makespan_is_the_rendezvous_model(name, p, m):
             assert program_makespan(program, run_costs) == pytest.approx(_rendezvous_makespan(program, run_costs))
             # the runtime can only lose against messages that leave with their producer
             assert program_makespan(program, run_costs) >= simulate(sched, run_costs).makespan * (1 - 1e-9)
+
+
+def test_a_receive_spinning_while_its_rank_idles_is_posted_before_its_data():
+    """ZB-H2, p=3, m=2, a slow link (comm 5) and uneven stages, worked by hand from the simulated
+    timeline: rank 0 runs F0.0 F0.1 by t=1, then idles until B0.0's gradient arrives at 27.5 (B0.0
+    [27.5, 29], W0.0 [29, 30.5]); B1.1's gradient exists at 27.5 and B0.1 starts at 32.5. Posting
+    its receive at t=1 spins while rank 0 computes nothing (0 of the GEMM time SPIN_SLOWDOWN
+    charges); posting it after B0.0 (t=29) makes it 1.5 late. The spin was costed as its wall time
+    (26.5 * 0.27 > 1.5), so the program took the late one: its step was 37.5 against the simulated
+    35.5. Costed as the compute it slows (0), the receive goes before B0.0 and the step is 35.5."""
+    sched = build("zb-h2", num_ranks=3, num_microbatches=2)
+    costs = Costs(f=(0.5, 1.5, 3.0), b=(1.5, 0.5, 2.0), w=(1.5, 1.5, 3.0), comm=5.0)
+    program = make_program(sched, costs=costs)
+    rank0 = program.ranks[0]
+    posted = next(i for i, ops in enumerate(rank0.issue) for op in ops if str(op) == "recv B1.1->B0.1 from 1")
+    assert rank0.tasks[posted] == Action(Kind.B, 0, 0)  # right before B0.0, as rank 0 waits idle before it
+    assert simulate(sched, costs).makespan == 35.5
+    assert program_makespan(program, costs) == pytest.approx(35.5)
+    assert _finishes(program)

@@ -30,7 +30,8 @@ possible, and the two ends of a message are issued at about the same time:
   NCCL starts moving a message only once both ends are posted, so a receive posted at the first
   boundary after the data exists delivers it a whole transfer later. Where that would make the
   message late by more than `LATE_TOLERANCE` of its consumer and by more than the spin would cost
-  (`SPIN_SLOWDOWN` of it), the receive is posted at the last boundary before the data exists;
+  (`SPIN_SLOWDOWN` of the time the rank computes while it spins: idle, it slows nothing), the
+  receive is posted at the last boundary before the data exists;
 - a send after its producing task, at the last task boundary that the simulated timeline (from
   `costs`) places no later than its receive; and never before an earlier send of its channel.
 
@@ -55,7 +56,7 @@ replays every built-in schedule on a model of NCCL's strictest matching.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from .dag import validate
 from .ir import Action, Kind, Schedule
@@ -73,7 +74,8 @@ Channel = tuple[int, int]  # (sending rank, receiving rank)
 DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, comm=0.01)
 
 #: How much slower a GEMM runs beside a spinning NCCL kernel (docs/benchmarks.md, "Constants"):
-#: posting a receive before its data exists costs the rank about this share of the spin time.
+#: posting a receive before its data exists costs the rank about this share of the time it computes
+#: while the receive spins (none while it waits idle).
 SPIN_SLOWDOWN = 0.27
 #: A receive is posted before its data exists only when waiting for the next boundary would make
 #: the message later than this share of its consumer's time: never on a fast link (where a message
@@ -227,7 +229,7 @@ def make_program(
             # ends are posted) by more than the spin would cost the tasks beside it
             while at < k and reached(dst_rank, at) < end[src]:
                 late = max(reached(dst_rank, at + 1), end[src]) + transfer - start[dst]
-                spin = end[src] - reached(dst_rank, at)
+                spin = _computing(order[at:k], start, end, reached(dst_rank, at), end[src])
                 if late > LATE_TOLERANCE * (end[dst] - start[dst]) and late > SPIN_SLOWDOWN * spin:
                     break
                 at += 1
@@ -346,6 +348,13 @@ def program_makespan(program: Program, costs: Costs) -> float:
         # make_program's programs always finish; a hand-edited one may not
         raise ValueError("program_makespan: the program stalls (a task waits for a message that is never sent)")
     return max((end[t] for order in orders for t in order), default=0.0)
+
+
+def _computing(tasks: Sequence[Action], start: Mapping[Action, float], end: Mapping[Action, float], t0: float,
+               t1: float) -> float:
+    """How long `tasks` compute within [t0, t1]: the time a receive spinning then slows (a GEMM
+    beside a spinning kernel); while the rank waits idle the spin slows nothing."""
+    return sum(max(0.0, min(end[a], t1) - max(start[a], t0)) for a in tasks)
 
 
 def _positive(costs: Costs) -> Costs:
