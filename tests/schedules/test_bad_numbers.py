@@ -73,6 +73,15 @@ def test_bad_task_record_is_refused_naming_the_record() -> None:
         Costs.from_task_times(records, 1)
 
 
+@pytest.mark.parametrize("num_stages, shown", [(0, "0"), (2.5, "2.5"), ("1", "'1'"), (True, "True")])
+def test_bad_num_stages_of_task_times_is_refused_naming_it(num_stages: object, shown: str) -> None:
+    """num_stages=0 blamed the first record ("stage 0 outside 0..-1"), 2.5 and '1' ended in a
+    TypeError from range(), and True read as 1 stage; each must be named as the bad argument."""
+    records = [{"action": "F0.0", "start": 0.0, "end": 1.0}, {"action": "BW0.0", "start": 1.0, "end": 3.0}]
+    with pytest.raises(ValueError, match=rf"Costs.from_task_times: num_stages must be an integer >= 1, got {shown}"):
+        Costs.from_task_times(records, num_stages)
+    assert Costs.from_task_times(records, 1) == Costs(f=[1], b=[1], w=[1])  # by hand: BW split half and half
+
 def test_numbers_of_any_numeric_type_are_accepted_and_give_the_same_result() -> None:
     """np.float32/np.int64/Fraction inputs simulate exactly as the equal Python floats do."""
     sched = build("zb-h1", num_ranks=4, num_microbatches=8)

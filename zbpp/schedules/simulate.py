@@ -18,7 +18,7 @@ import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
-from .checks import as_number, as_numbers
+from .checks import as_int, as_number, as_numbers
 from .ir import Action, Schedule, ScheduleError
 from .replay import replay
 from .tasks import KINDS, TaskIds, kind_id
@@ -126,6 +126,7 @@ class Costs:
         >>> Costs.from_task_times(recs, 2)
         Costs(f=(1.0, 1.0), b=(2.0, 1.0), w=(1.0, 0.5), comm=0.0, message_overhead=0.0)
         """
+        num_stages = as_int(num_stages, "Costs.from_task_times: num_stages")  # not 0..-1 in every record's error
         samples = [[[] for _ in KINDS] for _ in range(num_stages)]  # [stage][kind id] -> durations
         for rec in records:
             try:
