@@ -112,3 +112,15 @@ def test_records_of_part_of_a_step_are_refused_naming_the_missing_task():
         with pytest.raises(ValueError, match=r"not one whole step: task W0\.1 is missing \(rank 0\)"):
             read(cut)
     assert measured_bubble_rate(cut) == 0.0  # part of a step: what that part shows
+
+
+def test_measured_result_names_an_argument_of_another_type():
+    """measured_result(records, memory=Costs(...)) ended in "'Costs' object has no attribute
+    'deltas'", and a schedule name in the schedule's place in "'str' object has no attribute
+    'actions'"; both must name the argument."""
+    recs = [{"rank": 0, "action": "F0.0", "start": 0.0, "end": 1.0}, {"rank": 0, "action": "BW0.0", "start": 1.0, "end": 3.0}]
+    assert measured_result(recs, memory=Memory(2)).peak_memory == [2.0]  # the reference: F holds 2
+    with pytest.raises(TypeError, match=r"measured_result: memory must be a zbpp.schedules.Memory .*\(Costs\)"):
+        measured_result(recs, memory=Costs())
+    with pytest.raises(TypeError, match=r"measured_result: schedule must be a zbpp.schedules.Schedule or None, got str"):
+        measured_result(recs, "1f1b")

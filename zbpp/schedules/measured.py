@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .dag import validate
 from .ir import Action, Kind, Schedule, ScheduleError
-from .simulate import Memory, SimResult
+from .simulate import Memory, SimResult, check_costs_memory
 
 __all__ = ["measured_result", "measured_summary", "measured_bubble_rate"]
 
@@ -122,6 +122,9 @@ def measured_result(records: Iterable[Record], schedule: Schedule | None = None,
     >>> res.spans, res.busy_per_rank, round(res.bubble_rate, 4)
     ([7.0, 3.0], [3.0, 3.0], 0.5714)
     """
+    check_costs_memory("measured_result", None, memory)
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise TypeError(f"measured_result: schedule must be a zbpp.schedules.Schedule or None, got {type(schedule).__name__}")
     parsed = _parse_records(records)
     if schedule is None:
         schedule = _schedule_from_records(parsed)
