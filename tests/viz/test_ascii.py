@@ -146,3 +146,19 @@ def test_tasks_starting_at_half_characters_keep_their_length(name: str, comm: fl
         labels = [re.match(r"[FBWXfbwx]'*\d+", c).group(0) for c in cells]
         assert [len(c) for c in cells] == [3 * length[a.kind.name] for a in order], (rank, row)
         assert [x.lstrip("FBWXfbwx'") for x in labels] == [str(a.microbatch) for a in order], (rank, row)
+
+
+def test_tasks_of_very_different_lengths_keep_the_picture_bounded() -> None:
+    """ZB-H1, p=2, m=2, F and B of 1e-5 beside W of 1 (a ratio of 1e5; 1e7 and more hung): the
+    default scale gave the shortest task 2 characters, 2e5 per unit, so each row ran to about
+    4e5 characters (zbpp show printed thousands of blocks). The time axis is now at most 100,000
+    characters, the short tasks drawn at their instants as points (or, a character wide, as their
+    kind letter), each rank's tasks still all shown, in order (the schedule is the reference)."""
+    sched = build("zb-h1", num_ranks=2, num_microbatches=2)
+    res = simulate(sched, Costs(f=1e-5, b=1e-5, w=1))
+    text = render_ascii(res, width=1_000_000)
+    for rank, order in enumerate(sched.orders):
+        row = re.search(rf"^rank {rank} \|(.*)\|$", text, re.M).group(1)
+        assert len(row) <= 100_000 + 2 * len(order), len(row)  # the axis, plus inserted point columns
+        in_time_order = sorted(order, key=lambda a: (res.start[a], res.end[a]))
+        assert re.findall(r"[FBWX]", row) == [a.kind.value for a in in_time_order], row[:40]

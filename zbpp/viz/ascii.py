@@ -35,6 +35,7 @@ from ._lanes import lanes
 __all__ = ["render_ascii", "legend"]
 
 _LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
+_MAX_CELLS = 100_000  # the longest time axis the default scale draws, in characters
 
 
 def _label(kind: Kind, chunk: int, mb: int) -> str:
@@ -58,7 +59,8 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     `scale` is characters per time unit; by default the shortest task gets room for its label
     (at least 2 characters), so labels stay readable at any size and long runs wrap instead. Tasks
     under 1% of the median task's length (a measured record of microseconds beside milliseconds)
-    do not set the scale: they are drawn as zero-length ones are.
+    do not set the scale: they are drawn as zero-length ones are. The default never makes the time
+    axis longer than 100,000 characters; tasks it leaves under a character are drawn so too.
     """
     if not isinstance(result, SimResult):  # a Schedule has no times: it would fail as an AttributeError
         raise TypeError(f"render_ascii needs a SimResult (simulate(schedule, costs)), got {type(result).__name__}")
@@ -80,6 +82,9 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         # measured with the ' marks: a third stage's F'0 needs 3 characters where F0 needs 2
         longest_label = max(len(_label(a.kind, chunk_of[a.stage], a.microbatch)) for a in result.start)
         scale = max(longest_label, 2) / shortest
+        if t1 > t0:  # tasks of very different lengths (F 1e-6 beside W 1) would need millions of
+            # characters a row: at most _MAX_CELLS, the shortest tasks then drawn as points are
+            scale = min(scale, _MAX_CELLS / (t1 - t0))
 
     def base(t: float) -> int:  # the character at time t on the time axis, before any insertion
         # halves round up, always: round()'s half-to-even would give a task starting at x.5 a
