@@ -186,8 +186,9 @@ def _skeleton(prob: Problem, schedule: Schedule) -> list[list[int]]:
 
 
 def _split_bw(schedule: Schedule) -> Schedule:
-    """`schedule` with each full backward (BW) as its B then its W: the same times (W takes its
-    input from B on the same rank) and the same peak (a BW's transient is B's delta then W's)."""
+    """`schedule` with each full backward (BW) as its B then its W: no later times (W takes its
+    input from B on the same rank; the gradient leaves after B) and the same peak (a BW's
+    transient is B's delta then W's)."""
     orders = [[x for a in order for x in ((Action(Kind.B, a.stage, a.microbatch), Action(Kind.W, a.stage, a.microbatch))
                                           if a.kind is Kind.BW else (a,))] for order in schedule.orders]
     return from_orders(schedule.name, schedule.placement, schedule.num_microbatches, orders)
@@ -248,26 +249,33 @@ def _search(
         if score[0] <= busy * (1 + 1e-12):  # no bubble: nothing can do better
             return from_orders(name, placement, m, prob.decode(orders))
     # 2. the first handcrafted schedule that fits, from the most memory down; if none fits, the
-    #    F/B order of the first goes to step 4, which may fit it with earlier W's. Where wgrad >
-    #    activation the planned memory overstates what a B that its W follows at once holds
-    #    (1F1B's BW), so a seed within the limits as `simulate` counts them is kept apart: the
-    #    searches need the planned model, but the result is never slower than that seed
+    #    F/B order of the first goes to step 4, which may fit it with earlier W's. Every seed
+    #    within the limits as `simulate` counts them (each backward split; where wgrad >
+    #    activation the planned memory overstates what a B that its W follows at once holds,
+    #    1F1B's BW) is kept apart, the fastest of them: the searches need the planned model, but
+    #    the result is never slower than a handcrafted schedule that fits (on large instances, and
+    #    V's of m < 2p, one up to the first that fits: the rest would take longer to build than
+    #    the search)
     skeletons = []
-    fallback: tuple[tuple[float, ...], list[list[int]]] | None = None
-    for seed in seeds:
+    built = []  # the seeds not in the pool
+    for i, seed in enumerate(seeds):
         sched = seed(p, m)
         encoded = prob.encode(sched)
         if encoded is not None and _fits(prob, encoded):
             add(encoded)
             skeletons = []
+            if small and (tuple(placement) != v_placement(p) or m >= 2 * p):  # (ZB-V and DualPipeV
+                built += [later(p, m) for later in seeds[i + 1:]]  # are built for >= 2p microbatches)
             break
-        if fallback is None and all(x <= y * (1 + 1e-9) for x, y in zip(simulate(sched, costs, true_memory).peak_memory,
-                                                                         peaks_within)):
-            split = prob.encode(_split_bw(sched))
-            if split is not None:
-                fallback = (score_of(shape, split), split)
+        built.append(sched)
         if not skeletons and not rounds:  # (step 4 runs only without the round heuristic)
             skeletons.append(_skeleton(prob, sched))
+    fallback: tuple[tuple[float, ...], list[list[int]]] | None = None
+    for sched in built:
+        if all(x <= y * (1 + 1e-9) for x, y in zip(simulate(sched, costs, true_memory).peak_memory, peaks_within)):
+            split = prob.encode(_split_bw(sched))
+            if split is not None and (fallback is None or score_of(shape, split) < fallback[0]):
+                fallback = (score_of(shape, split), split)
     # 3. the event-driven list scheduler: where the round heuristic cannot meet the limit (one
     #    policy on large instances), and beside it on tiny V's (where it pays off)
     policies = _V_POLICIES if v_shape else _ZB_POLICIES
