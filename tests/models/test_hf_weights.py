@@ -335,3 +335,35 @@ def test_a_float64_moe_builds_from_a_directory_with_eager_experts(tmp_path: Path
                                                              experts_implementation="eager")
     with torch.no_grad():
         torch.testing.assert_close(got, want(input_ids=ids).logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("damage", ["missing", "cut short", "a key elsewhere"])
+def test_a_damaged_shard_is_refused_on_every_rank(damage: str, tmp_path: Path) -> None:
+    """A sharded checkpoint whose last shard is missing, cut short (a partial copy) or lacks a key
+    its index places there: only the rank whose stages read that shard raised, and the other went
+    on into the Pipeline and waited for it until the process group's timeout (checked on 2 gloo
+    ranks: 40 s, the pg timeout). Every rank now refuses the directory, naming the file."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    src = tmp_path / "src"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config("llama")).save_pretrained(src, max_shard_size="8KB")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    last = index["weight_map"]["model.norm.weight"]  # held by the last stage only
+    if damage == "missing":
+        (src / last).unlink()
+    elif damage == "cut short":
+        data = (src / last).read_bytes()
+        (src / last).write_bytes(data[:len(data) // 2])
+    else:  # the index says the norm is in the first shard
+        first = index["weight_map"]["model.embed_tokens.weight"]
+        assert first != last
+        index["weight_map"]["model.norm.weight"] = first
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+        last = first
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    for rank in range(2):  # rank 0 holds no tensor of the damaged shard: it raises all the same
+        with pytest.raises((FileNotFoundError, ValueError), match=last) as err:
+            causal_lm_stages(src, sched, rank, device="cpu")
+        assert (damage == "a key elsewhere") == ("model.norm.weight" in str(err.value)), err.value

@@ -178,17 +178,40 @@ def _ties_the_checkpoint_breaks(weights: SafetensorsWeights) -> list[str]:
 
 def _tensor_files(root: Path) -> dict[str, str]:
     """Checkpoint key -> the safetensors file (relative to `root`) that holds it. The single file
-    first, as ``from_pretrained`` looks: beside it an index is one left by an earlier sharded save."""
+    first, as ``from_pretrained`` looks: beside it an index is one left by an earlier sharded save.
+    Every file's header is read here, on every rank: a shard missing, cut short or lacking a key of
+    the index fails every rank alike (read later, it failed only the ranks whose stages it feeds,
+    and the others waited for them in the `Pipeline` until the process group's timeout)."""
     if (root / _SINGLE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(root / _SINGLE, framework="pt") as f:
-            return {k: _SINGLE for k in f.keys()}
+        return {k: _SINGLE for k in _keys_of(root, _SINGLE)}
     if (root / _INDEX).is_file():
-        return dict(json.loads((root / _INDEX).read_text())["weight_map"])
+        files = dict(json.loads((root / _INDEX).read_text())["weight_map"])
+        for fname in sorted(set(files.values())):
+            if not (root / fname).is_file():
+                raise FileNotFoundError(f"{os.fspath(root / fname)!r}, which {_INDEX} lists for "
+                                        f"{sum(f == fname for f in files.values())} tensors, does not exist "
+                                        "(an incomplete download or copy?)")
+            held = _keys_of(root, fname)
+            lacking = sorted(k for k, f in files.items() if f == fname and k not in held)
+            if lacking:
+                raise ValueError(f"{os.fspath(root / fname)!r} lacks {len(lacking)} tensors that {_INDEX} places in "
+                                 f"it: {lacking[:8]}")
+        return files
     found = sorted(p.name for p in root.iterdir())
     raise FileNotFoundError(f"{os.fspath(root)!r} holds neither {_SINGLE} nor {_INDEX} (found {found[:10]}): zbpp "
                             "reads safetensors checkpoints as save_pretrained writes them")
+
+
+def _keys_of(root: Path, fname: str) -> set[str]:
+    """The tensor names in a safetensors file's header; a file cut short or not safetensors is named."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(root / fname, framework="pt") as f:
+            return set(f.keys())
+    except Exception as exc:  # safetensors' own error names no file: "incomplete metadata, file not fully covered"
+        raise ValueError(f"{os.fspath(root / fname)!r} is not a readable safetensors file (cut short by an "
+                         f"incomplete download or copy?): {type(exc).__name__}: {exc}") from exc
 
 
 def _meta_model(config: Any, dtype: torch.dtype | None = None) -> nn.Module:
