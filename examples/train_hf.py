@@ -115,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.pretrained is not None:  # the model is the directory's: a shape flag would be ignored
         if given:
             ap.error(f"--from {args.pretrained} takes the model from its config.json: drop {' '.join(given)}")
+        if not (Path(args.pretrained) / "config.json").is_file():  # else HF takes it for a Hub repo id (network, retries)
+            ap.error(f"--from {args.pretrained}: not a local Hugging Face model directory (it has no config.json)")
         return args
     for name, default in SHAPE.items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))

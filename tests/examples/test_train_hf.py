@@ -267,6 +267,21 @@ def test_model_flags_are_checked(capsys, argv: list[str], words: str):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["my_model", "path/to/hf_dir", "empty"])
+def test_from_a_path_that_is_no_model_directory_is_refused_at_once(where: str, tmp_path: Path, capsys,
+                                                                    monkeypatch) -> None:
+    """--from DIR names a local directory: one that does not exist (a typo) or lacks config.json went
+    to transformers' AutoConfig.from_pretrained, which took it for a Hub repo id: without a network
+    every rank retried for about 25 s and ended in a traceback about connecting to huggingface.co
+    (or about the repo id's form). It is refused while parsing, naming the path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        _example().parse_args(["--from", where])
+    assert exc.value.code == 2
+    assert f"--from {where}: not a local Hugging Face model directory (it has no config.json)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_from_pretrained_directory_starts_at_its_loss(tmp_path: Path, zbpp_workers) -> None:
     """--from DIR: the stages start from the directory's weights (read per rank). The first step's
