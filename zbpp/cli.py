@@ -413,6 +413,9 @@ def _cmd_measure(args: argparse.Namespace) -> int:
 
     from .models import measure_causal_lm
 
+    found = args.hf_config if os.path.isfile(args.hf_config) else os.path.join(args.hf_config, "config.json")
+    if not os.path.isfile(found):  # else transformers takes the path for a Hub repo id: network retries, then a traceback
+        raise ValueError(f"--hf-config {args.hf_config}: no such file, nor a folder holding config.json")
     try:
         config = transformers.AutoConfig.from_pretrained(args.hf_config)
     except OSError as exc:

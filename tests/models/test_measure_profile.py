@@ -5,6 +5,8 @@ asserted."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -383,6 +385,23 @@ def test_a_host_link_without_offload_is_refused(tmp_path, capsys):
                  "5", "-o", str(tmp_path / "p.json")]) == 2
     assert "--host-gb-per-s is the host link of offload's copies, and --policies none,full does not measure offload" \
         in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["llama3.json", "configs"])
+def test_a_config_path_that_does_not_exist_is_named_at_once(given: str, tmp_path, monkeypatch, capsys):
+    """``--hf-config`` is a config.json or a folder holding one. A file name with a typo, or a folder
+    without config.json, went to transformers' AutoConfig.from_pretrained, which took it for a Hub
+    repo id: offline, it retried for about 35 s and said it could not connect to huggingface.co.
+    Refused at once (well under the retries' first 4 s wait), naming the flag and the path."""
+    pytest.importorskip("transformers")
+    from zbpp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    start = time.perf_counter()
+    assert main(["measure", "--hf-config", given, "--seq", "4", "-o", "p.json"]) == 2
+    assert time.perf_counter() - start < 4
+    assert f"--hf-config {given}: no such file, nor a folder holding config.json" in capsys.readouterr().err
 
 
 def test_policy_costs_by_hand():
