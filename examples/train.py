@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--clip must be > 0 (leave it out for no clipping), got {args.clip}")
     if args.schedule not in available():  # else every rank fails with a traceback, after torch.distributed starts
         ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
+    out = args.task_times_out  # written after the last step: a path that cannot be, refused now
+    if out is not None and (os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out)))):
+        ap.error(f"--task-times-out {out}: give a file in a folder that exists")
     heads = ModelConfig.heads
     if args.hidden % heads:
         ap.error(f"--hidden {args.hidden} must be a multiple of the {heads} attention heads")

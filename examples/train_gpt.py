@@ -44,6 +44,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import statistics
 import sysconfig
 import time
@@ -288,6 +289,17 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 
 # -- command line ----------------------------------------------------------------------------------
+def check_output_file(ap: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """Refuse an output file that cannot be written, while parsing: it is written after the last step."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        ap.error(f"{flag} {path}: that is a folder; give a file name")
+    if not os.path.isdir(folder):
+        ap.error(f"{flag} {path}: the folder {folder} does not exist")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--schedule", default="zb-h1", help=f"schedule name ({', '.join(available())})")
@@ -334,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if training:  # each would be silently ignored: --replot trains nothing
             ap.error(f"--replot JSON only draws --loss-curve from an earlier run and trains nothing: "
                      f"{', '.join(training)} apply to training; drop them")
+        if not os.path.isfile(args.replot):
+            ap.error(f"--replot {args.replot}: no such file (the --json of an earlier run)")
+        check_output_file(ap, "--loss-curve", args.loss_curve)
         return args
     for name in ("microbatches", "rows_per_microbatch", "seq_len", "hidden", "heads", "layers", "steps",
                  "eval_every", "eval_batches", "pad_vocab"):
@@ -364,6 +379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.backend = backend
     if args.dtype is None:
         args.dtype = "bfloat16" if backend == "nccl" and not args.check else "float32"
+    for flag in ("--trace", "--json", "--loss-curve"):
+        check_output_file(ap, flag, getattr(args, flag[2:].replace("-", "_")))
     args.task_times = args.task_times or args.trace is not None
     return args
 

@@ -163,6 +163,9 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--checkpoint-every N needs N >= 0 and --checkpoint-dir")
     if args.schedule not in available():
         ap.error(f"unknown --schedule {args.schedule!r}; available: {', '.join(available())}")
+    for flag, folder in (("--save-pretrained", args.save_pretrained), ("--checkpoint-dir", args.checkpoint_dir)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():  # found at the end, or first save
+            ap.error(f"{flag} {folder}: that is a file; give a folder (created if it does not exist)")
     done, found = latest_checkpoint(args.checkpoint_dir)
     if done > args.steps:  # else it would train nothing, and --save-pretrained write the longer run's model
         ap.error(f"--checkpoint-dir {args.checkpoint_dir} holds {found.name}, past --steps {args.steps} (the run's "

@@ -43,6 +43,19 @@ def test_an_unknown_schedule_is_refused_before_training(capsys: pytest.CaptureFi
     assert "unknown --schedule 'zb-x'; available: gpipe, 1f1b" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["missing/t.json", "."])
+def test_a_task_times_file_that_cannot_be_written_is_refused_before_training(
+        where: str, tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--task-times-out is written after the last step: a folder that does not exist (or a folder
+    given as the file) failed pipeline rank 0 with a traceback once every step had run."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        load_example("train").parse_args(["--task-times-out", where])
+    assert exc.value.code == 2
+    assert f"--task-times-out {where}: give a file in a folder that exists" in capsys.readouterr().err
+    assert load_example("train").parse_args(["--task-times-out", "t.json"]).task_times_out == "t.json"
+
+
 def test_hidden_must_split_over_the_heads(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         load_example("train").parse_args(["--hidden", "30"])  # 4 heads

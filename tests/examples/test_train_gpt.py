@@ -232,5 +232,23 @@ def test_replot_refuses_training_flags(tmp_path, capsys, extra, named):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"{named} apply to training" in err, err
-    args = _example().parse_args(["--replot", "steps.json", "--loss-curve", str(tmp_path / "l.png")])
-    assert args.replot == "steps.json"  # alone, as before
+    (tmp_path / "steps.json").write_text("{}")
+    args = _example().parse_args(["--replot", str(tmp_path / "steps.json"), "--loss-curve", str(tmp_path / "l.png")])
+    assert args.replot == str(tmp_path / "steps.json")  # alone, as before
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--json", "missing/steps.json"], "--json missing/steps.json: the folder {tmp}/missing does not exist"),
+    (["--trace", "."], "--trace .: that is a folder; give a file name"),
+    (["--loss-curve", "missing/l.png"], "--loss-curve missing/l.png: the folder {tmp}/missing does not exist"),
+    (["--replot", "steps.json", "--loss-curve", "l.png"], "--replot steps.json: no such file"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_training(argv, words, tmp_path, monkeypatch, capsys):
+    """--json, --trace and --loss-curve are written after the last step: a folder that does not exist
+    failed the run with a traceback once every step had run (on the reporting rank, or on rank 0 for
+    --trace); --replot of a file that does not exist ended in a FileNotFoundError traceback."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        _example().parse_args([*argv, "--backend", "gloo"] if "--replot" not in argv else argv)
+    assert exc.value.code == 2
+    assert words.format(tmp=tmp_path) in capsys.readouterr().err

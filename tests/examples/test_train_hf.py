@@ -282,6 +282,17 @@ def test_from_a_path_that_is_no_model_directory_is_refused_at_once(where: str, t
     assert f"--from {where}: not a local Hugging Face model directory (it has no config.json)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--save-pretrained", "--checkpoint-dir"])
+def test_an_output_folder_that_is_a_file_is_refused_before_training(flag: str, tmp_path: Path, capsys) -> None:
+    """--save-pretrained and --checkpoint-dir name folders: an existing file there was found only when
+    the first checkpoint, or the model after the last step, was written. Refused while parsing."""
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(SystemExit) as exc:
+        _example().parse_args([flag, str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert f"{flag} {tmp_path / 'out'}: that is a file; give a folder" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_from_pretrained_directory_starts_at_its_loss(tmp_path: Path, zbpp_workers) -> None:
     """--from DIR: the stages start from the directory's weights (read per rank). The first step's
