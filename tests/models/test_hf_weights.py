@@ -367,3 +367,41 @@ def test_a_damaged_shard_is_refused_on_every_rank(damage: str, tmp_path: Path) -
         with pytest.raises((FileNotFoundError, ValueError), match=last) as err:
             causal_lm_stages(src, sched, rank, device="cpu")
         assert (damage == "a key elsewhere") == ("model.norm.weight" in str(err.value)), err.value
+
+
+@pytest.mark.parametrize("shard", ["2GB", "8KB"])
+def test_a_config_without_dtype_builds_in_the_weights_dtype_as_hf_does(shard: str, tmp_path: Path) -> None:
+    """A bfloat16 checkpoint whose config.json names no dtype (written by another tool): zbpp built
+    it in float32 while ``from_pretrained`` (dtype "auto": the first floating weight's) builds it in
+    bfloat16, so the model trained in float32 and `save_pretrained` wrote float32 files, twice the
+    size. The stages now hold HF's loaded tensors bit for bit, dtype included (the reference), and
+    the round trip writes the checkpoint's own tensors back."""
+    from safetensors.torch import load_file
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages, save_pretrained
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    src, out = tmp_path / "src", tmp_path / "out"
+    transformers.AutoModelForCausalLM.from_config(config("llama"), dtype=torch.bfloat16).save_pretrained(
+        src, max_shard_size=shard)
+    saved = json.loads((src / "config.json").read_text())
+    saved.pop("dtype", None)
+    (src / "config.json").write_text(json.dumps(saved))
+    want = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
+    assert {t.dtype for t in want.values()} == {torch.bfloat16}  # HF's own verdict
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    stages, kwargs = causal_lm_stages(src, sched, 0, device="cpu")
+    got = stages[0].state_dict()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    save_pretrained(Pipeline(stages, sched, **kwargs), out)
+
+    def files(d: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    before, after = files(src), files(out)
+    assert before.keys() == after.keys()
+    for name, t in before.items():
+        assert after[name].dtype == t.dtype and torch.equal(after[name], t), name

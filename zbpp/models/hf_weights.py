@@ -68,8 +68,8 @@ _SINGLE = "model.safetensors"
 def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None) -> tuple[Any, "SafetensorsWeights", torch.dtype]:
     """The config of the HF directory `path`, its weights as a lazy mapping, and the dtype to build
-    the model in: `dtype`, else the checkpoint's (``config.dtype``, as ``from_pretrained`` with
-    ``dtype="auto"``), else float32. A config that ties the LM head to the embedding while the
+    the model in: `dtype`, else the checkpoint's as ``from_pretrained`` with ``dtype="auto"`` finds
+    it (``config.dtype``, else that of the weight files' first floating tensor). A config that ties the LM head to the embedding while the
     checkpoint holds both with different values comes back untied (``tie_word_embeddings=False``,
     with a warning), as ``from_pretrained`` loads it: each keeps its own tensor."""
     import transformers
@@ -80,7 +80,8 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
     config = transformers.AutoConfig.from_pretrained(root)
     if dtype is None:
         saved = getattr(config, "dtype", None)
-        dtype = saved if isinstance(saved, torch.dtype) else getattr(torch, saved) if isinstance(saved, str) else torch.float32
+        dtype = saved if isinstance(saved, torch.dtype) else getattr(torch, saved) if isinstance(saved, str) \
+            else _checkpoint_dtype(root)
     weights = SafetensorsWeights(root, config, device=device, dtype=dtype)
     differ = _ties_the_checkpoint_breaks(weights)
     if differ:
@@ -200,6 +201,30 @@ def _tensor_files(root: Path) -> dict[str, str]:
     found = sorted(p.name for p in root.iterdir())
     raise FileNotFoundError(f"{os.fspath(root)!r} holds neither {_SINGLE} nor {_INDEX} (found {found[:10]}): zbpp "
                             "reads safetensors checkpoints as save_pretrained writes them")
+
+
+def _checkpoint_dtype(root: Path) -> torch.dtype:
+    """The dtype ``from_pretrained(dtype="auto")`` builds in when ``config.json`` names none: the index's
+    ``metadata.dtype``, else the first floating tensor's (no FP8 or FP4) in the first weight file, else float32."""
+    from safetensors import safe_open
+    from transformers.modeling_utils import str_to_torch_dtype
+
+    if (root / _SINGLE).is_file():
+        first = _SINGLE
+    elif (root / _INDEX).is_file():
+        index = json.loads((root / _INDEX).read_text())
+        if isinstance(index.get("metadata", {}).get("dtype"), str):
+            return getattr(torch, index["metadata"]["dtype"])
+        first = sorted(set(index["weight_map"].values()))[0]
+    else:
+        return torch.float32  # no weights: `_tensor_files` says so, naming the directory
+    _tensor_files(root)  # the files checked first: one cut short is named, not failed on here
+    with safe_open(root / first, framework="pt") as f:
+        for key in f.keys():
+            found = str_to_torch_dtype.get(f.get_slice(key).get_dtype())
+            if found is not None and found.is_floating_point and found.itemsize > 1:  # as HF: no FP8 or FP4
+                return found
+    return torch.float32
 
 
 def _keys_of(root: Path, fname: str) -> set[str]:
