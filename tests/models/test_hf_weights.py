@@ -405,3 +405,22 @@ def test_a_config_without_dtype_builds_in_the_weights_dtype_as_hf_does(shard: st
     assert before.keys() == after.keys()
     for name, t in before.items():
         assert after[name].dtype == t.dtype and torch.equal(after[name], t), name
+
+
+def test_a_tensor_of_another_shape_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """A checkpoint whose final norm has another shape than the config's model (config.json of
+    another size than the weights): only the last rank, which holds it, raised (copying it into its
+    stage), and the other went on into the Pipeline and waited for it until the process group's
+    timeout (30 s on 2 gloo ranks). HF's from_pretrained refuses it as mismatched (the reference);
+    every rank now does, naming the tensor and both shapes."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    _llama_checkpoint_edited(tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(17)}))
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # HF's own verdict
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    for rank in range(2):
+        with pytest.raises(ValueError, match=r"another shape .*model\.norm\.weight \(17,\) in the checkpoint, "
+                                             r"\(16,\) in the model"):
+            causal_lm_stages(tmp_path, sched, rank, device="cpu")

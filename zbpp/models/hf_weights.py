@@ -11,7 +11,8 @@ prefix of checkpoints saved without the head, per-expert tensors merged for fuse
 tied LM head missing from the checkpoint takes the embedding's tensor, and one the checkpoint holds
 with values of its own is untied (`pretrained`). A checkpoint tensor that no name takes (and the
 family's HF model does not ignore on purpose) is refused, on every rank alike, as is a checkpoint
-that lacks a tensor of the model (not only on the rank whose stages hold it).
+that lacks a tensor of the model or holds one in another shape (not only on the rank whose
+stages hold it).
 
 Host memory: a rank holds its own stages and one tensor in flight. Measured by
 ``benchmarks/bench_pretrained_load.py`` (a 439 MB float32 Llama, hidden 1024, 6 layers, vocabulary
@@ -96,6 +97,10 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
     if weights.missing:  # checked on every rank: else only the rank holding one raises, the others wait for it
         raise ValueError(f"{os.fspath(path)!r} lacks {len(weights.missing)} tensors of "
                          f"{type(weights._model).__name__} built from its config.json: {weights.missing[:8]}")
+    if weights.mismatched:  # checked on every rank, as `missing`: HF's from_pretrained refuses them too
+        raise ValueError(f"{os.fspath(path)!r} holds {len(weights.mismatched)} tensors of another shape than "
+                         f"{type(weights._model).__name__} built from its config.json: {weights.mismatched[:8]}; "
+                         "does config.json describe these weights?")
     if weights.unexpected:  # from_pretrained drops them with a warning: the model would train without them
         raise ValueError(f"{os.fspath(path)!r} holds {len(weights.unexpected)} tensors that "
                          f"{type(weights._model).__name__} built from its config.json has no place for: "
@@ -114,7 +119,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     mapping keeps nothing). ``len`` and iteration list the names the checkpoint provides.
     ``unexpected``: the checkpoint keys that no name takes, less those the family's HF model
     ignores on purpose (``_keys_to_ignore_on_load_unexpected``, old ``inv_freq`` buffers);
-    ``missing``: the model's names (parameters and persistent buffers) the checkpoint lacks.
+    ``missing``: the model's names (parameters and persistent buffers) the checkpoint lacks;
+    ``mismatched``: those it holds in another shape than the model's (each named with both shapes).
     """
 
     def __init__(self, root: str | os.PathLike, config: Any, *, device: torch.device | str | None = None,
@@ -122,10 +128,15 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         self.root = Path(root)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype = dtype
-        self._files = _tensor_files(self.root)  # checkpoint key -> file
+        self._files, shapes = _tensor_files(self.root)  # checkpoint key -> file, and -> its shape
         self._sources, self._converters, self._model, unmatched = _model_names(config, list(self._files), dtype)
         self.unexpected = _not_ignored(self._model, unmatched)
-        self.missing = [n for n in self._model.state_dict() if n not in self._sources]
+        model_state = self._model.state_dict()
+        self.missing = [n for n in model_state if n not in self._sources]
+        # a converted weight (fused experts) is built from several: its shape shows only once built
+        self.mismatched = [f"{n} {tuple(shapes[src[0][0]])} in the checkpoint, {tuple(model_state[n].shape)} in the model"
+                           for n, src in self._sources.items()
+                           if n not in self._converters and tuple(shapes[src[0][0]]) != tuple(model_state[n].shape)]
         # each name's dtype in the model built in `dtype`: a weight kept in float32 is not rounded on the way
         self._dtypes = {n: t.dtype for n, t in self._model.state_dict().items()} if dtype is not None else {}
 
@@ -177,27 +188,30 @@ def _ties_the_checkpoint_breaks(weights: SafetensorsWeights) -> list[str]:
     return []
 
 
-def _tensor_files(root: Path) -> dict[str, str]:
-    """Checkpoint key -> the safetensors file (relative to `root`) that holds it. The single file
+def _tensor_files(root: Path) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Checkpoint key -> the safetensors file (relative to `root`) that holds it, and -> its shape. The single file
     first, as ``from_pretrained`` looks: beside it an index is one left by an earlier sharded save.
     Every file's header is read here, on every rank: a shard missing, cut short or lacking a key of
     the index fails every rank alike (read later, it failed only the ranks whose stages it feeds,
     and the others waited for them in the `Pipeline` until the process group's timeout)."""
     if (root / _SINGLE).is_file():
-        return {k: _SINGLE for k in _keys_of(root, _SINGLE)}
+        shapes = _keys_of(root, _SINGLE)
+        return {k: _SINGLE for k in shapes}, shapes
     if (root / _INDEX).is_file():
         files = dict(json.loads((root / _INDEX).read_text())["weight_map"])
+        shapes: dict[str, list[int]] = {}
         for fname in sorted(set(files.values())):
             if not (root / fname).is_file():
                 raise FileNotFoundError(f"{os.fspath(root / fname)!r}, which {_INDEX} lists for "
                                         f"{sum(f == fname for f in files.values())} tensors, does not exist "
                                         "(an incomplete download or copy?)")
             held = _keys_of(root, fname)
+            shapes.update(held)
             lacking = sorted(k for k, f in files.items() if f == fname and k not in held)
             if lacking:
                 raise ValueError(f"{os.fspath(root / fname)!r} lacks {len(lacking)} tensors that {_INDEX} places in "
                                  f"it: {lacking[:8]}")
-        return files
+        return files, shapes
     found = sorted(p.name for p in root.iterdir())
     raise FileNotFoundError(f"{os.fspath(root)!r} holds neither {_SINGLE} nor {_INDEX} (found {found[:10]}): zbpp "
                             "reads safetensors checkpoints as save_pretrained writes them")
@@ -227,13 +241,13 @@ def _checkpoint_dtype(root: Path) -> torch.dtype:
     return torch.float32
 
 
-def _keys_of(root: Path, fname: str) -> set[str]:
-    """The tensor names in a safetensors file's header; a file cut short or not safetensors is named."""
+def _keys_of(root: Path, fname: str) -> dict[str, list[int]]:
+    """The tensor names and shapes in a safetensors file's header; a file cut short or not safetensors is named."""
     from safetensors import safe_open
 
     try:
         with safe_open(root / fname, framework="pt") as f:
-            return set(f.keys())
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}
     except Exception as exc:  # safetensors' own error names no file: "incomplete metadata, file not fully covered"
         raise ValueError(f"{os.fspath(root / fname)!r} is not a readable safetensors file (cut short by an "
                          f"incomplete download or copy?): {type(exc).__name__}: {exc}") from exc
