@@ -249,6 +249,10 @@ def model_source(args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
     config = transformers.AutoConfig.from_pretrained(args.pretrained)
     if getattr(config, "vocab_size", 0) < vocab:
         raise SystemExit(f"--from {args.pretrained}: its vocabulary ({config.vocab_size}) is smaller than the data's ({vocab})")
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and args.seq_len > positions:  # else learned positions fail in the first F, by index
+        raise SystemExit(f"--seq-len {args.seq_len} is longer than the {positions} positions of --from {args.pretrained} "
+                         "(its max_position_embeddings)")
     return args.pretrained, config
 
 

@@ -293,6 +293,19 @@ def test_an_output_folder_that_is_a_file_is_refused_before_training(flag: str, t
     assert f"{flag} {tmp_path / 'out'}: that is a file; give a folder" in capsys.readouterr().err
 
 
+def test_a_sequence_longer_than_the_pretrained_model_s_positions_is_refused(tmp_path: Path) -> None:
+    """--from a GPT-2 of 16 learned positions with --seq-len 32: every rank built its stages and the
+    first forward failed on rank 0 with "IndexError: index out of range in self" (every other rank a
+    PipelineError quoting it), which does not say what was out of range. Refused before the model is
+    built, naming both lengths."""
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=16)
+    config.save_pretrained(tmp_path)
+    ex = _example()
+    with pytest.raises(SystemExit, match=f"--seq-len 32 is longer than the 16 positions of --from {tmp_path}"):
+        ex.model_source(ex.parse_args(["--from", str(tmp_path), "--seq-len", "32"]), 64)
+    assert ex.model_source(ex.parse_args(["--from", str(tmp_path), "--seq-len", "16"]), 64)[0] == str(tmp_path)
+
+
 @pytest.mark.slow
 def test_from_pretrained_directory_starts_at_its_loss(tmp_path: Path, zbpp_workers) -> None:
     """--from DIR: the stages start from the directory's weights (read per rank). The first step's
