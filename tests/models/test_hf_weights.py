@@ -424,3 +424,28 @@ def test_a_tensor_of_another_shape_is_refused_on_every_rank(tmp_path: Path) -> N
         with pytest.raises(ValueError, match=r"another shape .*model\.norm\.weight \(17,\) in the checkpoint, "
                                              r"\(16,\) in the model"):
             causal_lm_stages(tmp_path, sched, rank, device="cpu")
+
+
+def test_experts_that_do_not_fuse_are_refused_on_every_rank(tmp_path: Path) -> None:
+    """A Mixtral checkpoint whose last layer holds one expert of another width (a config of another
+    size than the weights): HF's converter fuses the experts into one tensor, and stacking them
+    failed only on the last rank ("stack expects each tensor to be equal size"), while the other
+    went on into the Pipeline and waited for it until the process group's timeout (30 s on 2 gloo
+    ranks). Every rank now refuses it, naming the fused tensor and its checkpoint tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_family_configs()["mixtral"]).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.1.block_sparse_moe.experts.1.w1.weight"  # HF's checkpoint name of expert 1's gate
+    tensors[key] = torch.randn(tensors[key].shape[0] + 1, tensors[key].shape[1])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError):  # HF's own verdict: it cannot load them either
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    for rank in range(2):
+        with pytest.raises(ValueError, match=r"another shape .*model\.layers\.1\.mlp\.experts\.gate_up_proj from "):
+            causal_lm_stages(tmp_path, sched, rank, device="cpu")

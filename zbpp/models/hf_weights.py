@@ -52,7 +52,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -133,28 +133,42 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         self.unexpected = _not_ignored(self._model, unmatched)
         model_state = self._model.state_dict()
         self.missing = [n for n in model_state if n not in self._sources]
-        # a converted weight (fused experts) is built from several: its shape shows only once built
-        self.mismatched = [f"{n} {tuple(shapes[src[0][0]])} in the checkpoint, {tuple(model_state[n].shape)} in the model"
-                           for n, src in self._sources.items()
-                           if n not in self._converters and tuple(shapes[src[0][0]]) != tuple(model_state[n].shape)]
+        self.mismatched = [m for n in self._sources if (m := self._mismatch(n, shapes, model_state[n])) is not None]
         # each name's dtype in the model built in `dtype`: a weight kept in float32 is not rounded on the way
         self._dtypes = {n: t.dtype for n, t in self._model.state_dict().items()} if dtype is not None else {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._sources:
             raise KeyError(name)
-        sources = self._sources[name]
         dtype = self._dtypes.get(name)
+        return self._build(name, lambda key: self._read(key, dtype))
+
+    def _build(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """`name`'s tensor from its checkpoint tensors, each given by ``read(key)``."""
+        sources = self._sources[name]
         pattern = self._converters.get(name)
         if pattern is None:
-            return self._read(sources[0][0], dtype)
+            return read(sources[0][0])
         # a converted weight (e.g. one fused tensor of every expert): HF's own converter builds it
         converter = copy.deepcopy(pattern)
         for key, source_pattern in sources:
-            converter.add_tensor(name, key, source_pattern, self._read(key, dtype))
+            converter.add_tensor(name, key, source_pattern, read(key))
         out = converter.convert(name, model=self._model, config=self._model.config)
         value = out[name]
         return value[0] if isinstance(value, list) else value
+
+    def _mismatch(self, name: str, shapes: Mapping[str, list[int]], want: torch.Tensor) -> str | None:
+        """How the checkpoint's tensor for `name` does not fit the model's `want`, or None: built on the
+        meta device from the headers' shapes (a converted weight by its converter), so every rank
+        finds it without reading any data."""
+        try:
+            got = self._build(name, lambda key: torch.empty(shapes[key], dtype=want.dtype, device="meta")).shape
+        except Exception as exc:  # noqa: BLE001 - e.g. experts of different shapes that do not stack
+            keys = [key for key, _ in self._sources[name]]
+            return f"{name} from {keys[:4]}{'...' if len(keys) > 4 else ''}: {type(exc).__name__}: {exc}"
+        if tuple(got) == tuple(want.shape):
+            return None
+        return f"{name} {tuple(got)} in the checkpoint, {tuple(want.shape)} in the model"
 
     def _read(self, key: str, dtype: torch.dtype | None) -> torch.Tensor:
         from safetensors import safe_open
