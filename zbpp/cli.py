@@ -423,6 +423,14 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16, ...)")
+    try:  # checked before the model is built: else a traceback from torch's first allocation there
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if backend is not None and callable(getattr(backend, "is_available", None)) and not backend.is_available():
+        raise ValueError(f"--device {args.device}: this machine has no {device.type} device (torch.{device.type}."
+                         "is_available() is False)")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     if args.host_gb_per_s is not None and "offload" not in policies:  # checked before the model is built
         raise ValueError(f"--host-gb-per-s is the host link of offload's copies, and --policies {args.policies} "

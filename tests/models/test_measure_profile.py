@@ -404,6 +404,26 @@ def test_a_config_path_that_does_not_exist_is_named_at_once(given: str, tmp_path
     assert f"--hf-config {given}: no such file, nor a folder holding config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device, words", [
+    ("nope", "--device 'nope' is not a torch device"),
+    ("cuda", "--device cuda: this machine has no cuda device"),
+])
+def test_a_device_that_cannot_be_used_is_named(device: str, words: str, tmp_path, capsys):
+    """``--device nope``, or ``--device cuda`` on a machine without a GPU, ended in a RuntimeError
+    traceback from torch's first allocation inside the measurement; the CLI promises one line
+    naming the argument and exit code 2."""
+    transformers = pytest.importorskip("transformers")
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from zbpp.cli import main
+
+    transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    assert main(["measure", "--hf-config", str(tmp_path), "--seq", "4", "--steps", "1", "--warmup", "0",
+                 "--policies", "none", "--device", device, "-o", str(tmp_path / "p.json")]) == 2
+    assert words in capsys.readouterr().err
+
+
 def test_policy_costs_by_hand():
     """An MLP layer (Linear, GELU, Linear) after a first layer, float64, R rows of width W: none
     keeps its input (R W), GELU's input (3 R W) and output (3 R W), W of them the Linears' inputs
