@@ -48,7 +48,15 @@ def init_distributed(backend: str | None = None, *, timeout: float = 600.0) -> s
     backend = backend or default_backend()
     device = None
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local_rank >= gpus:  # else torch.cuda.set_device's "no NVIDIA driver" or "invalid device ordinal"
+            raise RuntimeError(f"init_distributed: backend nccl gives each process its own CUDA GPU, but this "
+                               f"process has LOCAL_RANK {local_rank} and the machine {gpus} GPU(s): launch at most "
+                               f"{gpus} processes per node, or use backend gloo" if gpus else
+                               "init_distributed: backend nccl needs CUDA GPUs, and this machine has none: use "
+                               "backend gloo (CPU)")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     # device_id binds the group to this rank's GPU: without it NCCL guesses the device from the
     # global rank and warns that this can hang (wrong where LOCAL_RANK differs, on several nodes).
