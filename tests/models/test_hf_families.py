@@ -207,6 +207,86 @@ def test_layers_fed_from_outside_them_are_refused_by_name():
         Pipeline(stages, sched, **kwargs).step(ids, target=ids)
 
 
+def _tiny(model_type: str):
+    """`small_config` of `model_type` at the families' sizes (hidden 16, 4 layers, vocabulary 64), dropout
+    off; skipped where this transformers lacks the family."""
+    import transformers
+
+    from zbpp.models.hf import small_config
+
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    cfg = small_config(model_type, vocab_size=64, hidden_size=16, num_heads=2, max_positions=64)
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "jitter")):
+            setattr(cfg, key, 0.0)
+    return cfg
+
+
+def test_layers_whose_kind_picks_their_mask_equal_hf():
+    # Nemotron-H's forward picks each layer's mask by the layer's block_type (Mamba-2, attention,
+    # MLP, MoE layers): it read it off the stand-ins of the layers a stage does not hold, which had
+    # none (AttributeError on every stage). Two stages on one rank (zb-v), 2 microbatches of a
+    # right-padded batch, against HF's model in one process on the whole batch: the logits of the
+    # stages in a row exactly (float64, the same operations: 1e-12); the loss and every gradient to
+    # float32 rounding (HF casts Nemotron-H's logits to float32, so the loss and the logits'
+    # gradient are float32, summed per microbatch here: FLOAT32_RTOL of the largest gradient, and
+    # 1e-6 of the loss; a layer given the wrong mask moves them by ~1e-3).
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .cases import token_mean_loss
+    from .families import padded_batch
+
+    cfg = _tiny("nemotron_h")
+    # Mamba-2 mixers of HF's default width (128 heads of 64, state 128) take a minute on the CPU: 4 heads of 8
+    cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups, cfg.chunk_size = 4, 8, 8, 1, 8
+    cfg.use_mamba_kernels = False
+    assert len(set(cfg.layers_block_type)) == 4  # every kind of layer, on both stages
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64,
+                                                        experts_implementation="eager")
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    stages, kw = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, attn_implementation="eager",
+                                  experts_implementation="eager", state_dict=ref.state_dict(), device="cpu")
+    ids, mask, labels = padded_batch(4)
+    with torch.no_grad():
+        logits = stages[1](**stages[0](input_ids=ids[:2], attention_mask=mask[:2]))
+        torch.testing.assert_close(logits, ref(input_ids=ids[:2], attention_mask=mask[:2]).logits, rtol=1e-12,
+                                   atol=1e-12)
+    loss = Pipeline(stages, sched, **kw).step({"input_ids": ids, "attention_mask": mask}, target=labels)
+    want = token_mean_loss(ref(input_ids=ids, attention_mask=mask).logits, labels)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.double(), rtol=1e-6, atol=0)
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
+    for s, module in stages.items():
+        for n, q in module.named_parameters():
+            assert q.grad is not None, n
+            err = float((q.grad - ref.get_parameter(n).grad).abs().max()) / scale
+            assert err <= FLOAT32_RTOL, (s, n, err)
+
+
+def test_a_layer_loop_that_reads_more_than_the_kind_is_refused_by_name():
+    # Inkling 2 carries block states beside the hidden states, chosen by each layer's
+    # is_block_boundary: a later stage cannot have them. The stand-ins know only the layers' kind;
+    # reading more names the attribute, the layer and the misfit (was: "'_Skip' object has no
+    # attribute 'attention_type'", which names neither model nor layer).
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    cfg = _tiny("inkling2_text")
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    stages, kwargs = causal_lm_stages(cfg, sched, 0, experts_implementation="eager")
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(Exception, match=r"Inkling2ForCausalLM's forward reads \.is_block_boundary of model\.layers\.\d, a "
+                                        r"decoder layer this stage does not hold .*does not fit"):
+        Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+
+
 def test_a_middle_stage_without_a_decoder_layer_is_refused():
     from zbpp.models.hf import causal_lm_stages
     from zbpp.schedules import build

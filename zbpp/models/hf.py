@@ -398,20 +398,48 @@ class _StageSpec:
 class _Skip(nn.Module):
     """The decoder layer at position `index` where this stage does not hold it: it passes its
     input on, in the layers' output form; the one just before the stage's layers returns the
-    received hidden states instead."""
+    received hidden states instead. It carries the layer's `_KIND_ATTRIBUTES`, which the model's
+    forward may read to pick each layer's mask; reading any other attribute raises."""
 
-    def __init__(self, stage: nn.Module, index: int) -> None:
+    def __init__(self, stage: nn.Module, index: int, layer: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_stage", stage)  # not a submodule
-        self.index = index
+        self._index = index
+        for name in _KIND_ATTRIBUTES:
+            value = getattr(layer, name, None)
+            if isinstance(value, str):
+                object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        stage, index = self.__dict__.get("_stage"), self.__dict__.get("_index")
+        spec = stage.__dict__.get("_zbpp_stage_spec") if stage is not None else None
+        if spec is None:  # asked while being built (hasattr probes): a plain AttributeError
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        model = type(stage).__name__.removesuffix("Stage")
+        # a model that reads more of its layers than their kind (Inkling 2's block boundaries, which pick the
+        # states it carries beside the hidden states) does not fit: say so instead of a bare AttributeError
+        raise AttributeError(
+            f"{model}'s forward reads .{name} of {spec.template.blocks}.{index}, a decoder layer this stage does "
+            f"not hold (a stand-in knows only {list(_KIND_ATTRIBUTES)}): the model's layer loop depends on more "
+            "than each layer's kind, which does not fit zbpp.models.hf's template (a stage receives only the hidden "
+            "states); use zbpp.models.pipeline_stages with your own stage forward")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
         spec, call = stage._zbpp_stage_spec, stage._zbpp_call
         hidden = args[0] if args else kwargs["hidden_states"]
-        if self.index == spec.lo - 1 and call.inject is not None:
+        if self._index == spec.lo - 1 and call.inject is not None:
             hidden, call.before_layers = call.inject, False
         return (hidden,) if spec.tuple_out else hidden
+
+
+#: a decoder layer's attributes that say which mask and position embeddings the model's forward gives it
+#: (Nemotron-H's ``block_type``): a stand-in carries them, nothing else of the layer
+_KIND_ATTRIBUTES = ("attention_type", "block_type", "layer_type")
 
 
 class _Absent(nn.Module):
@@ -694,7 +722,8 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
     if tuple_out is None:
         tuple_out = _layers_return_tuple(model, template)
     spec = _StageSpec(template, first, last, cls.forward, lo, hi, tuple_out, routes, absent)
-    spec.skips = [_Skip(pruned, i) for i in range(n)]
+    layers = model.get_submodule(template.blocks)
+    spec.skips = [_Skip(pruned, i, layers[i]) for i in range(n)]
     spec.standins = [_Absent(pruned, f"{p}.{c}" if p else c) for p, c in absent]
     object.__setattr__(pruned, "_zbpp_stage_spec", spec)
     object.__setattr__(pruned, "_zbpp_call", None)
