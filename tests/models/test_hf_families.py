@@ -287,6 +287,22 @@ def test_a_layer_loop_that_reads_more_than_the_kind_is_refused_by_name():
         Pipeline(stages, sched, **kwargs).step(ids, target=ids)
 
 
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "hy_v4"])
+def test_layers_that_pass_state_to_the_next_are_refused_by_name(model_type):
+    # GLM-5 (and Hunyuan-V4) pass each layer's top-k indices to the next layer (prev_topk_indices):
+    # a later stage would get none from a stand-in. Refused when the stages are built, naming the
+    # argument (was: "not enough values to unpack (expected 2, got 1)" at the first step).
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    cfg = _tiny(model_type)
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"does not fit zbpp.models.hf's template: its forward passes model\.layers\.1 "
+                                         r"'prev_topk_indices' from what model\.layers\.0 returned beside the hidden "
+                                         r"states"):
+        causal_lm_stages(cfg, sched, 0, experts_implementation="eager")
+
+
 def test_a_middle_stage_without_a_decoder_layer_is_refused():
     from zbpp.models.hf import causal_lm_stages
     from zbpp.schedules import build

@@ -617,29 +617,46 @@ class _Stop(Exception):
 
 def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
     """Whether the model's decoder layers return a tuple: seen in a forward on the ``meta`` device
-    up to its first layer."""
+    up to its second layer, which must not take anything the first one returned beside the hidden
+    states (GLM-5's and Hunyuan-V4's top-k indices): a stage receives only the hidden states, so a
+    later stage's first layer would get a stand-in's output instead."""
     from .stages import _meta_values, _state_kept
 
-    first = next(iter(model.get_submodule(template.blocks)._modules.values()))
-    seen: list[bool] = []
+    layers = list(model.get_submodule(template.blocks)._modules.values())
+    seen: list[Any] = []
 
-    def stop(module: nn.Module, args: Any, output: Any) -> None:
-        seen.append(isinstance(output, tuple))
+    def first_out(module: nn.Module, args: Any, output: Any) -> None:
+        seen.append(output)
+        if len(layers) == 1:
+            raise _Stop
+
+    def second_in(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        extra = [o for o in (seen[0][1:] if isinstance(seen[0], tuple) else ()) if isinstance(o, torch.Tensor)]
+        taken = [f"argument {i}" for i, a in enumerate(args[1:], 1) if any(a is o for o in extra)]
+        taken += [repr(k) for k, a in kwargs.items() if k != "hidden_states" and any(a is o for o in extra)]
+        if taken:
+            raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward passes "
+                             f"{template.blocks}.1 {', '.join(taken)} from what {template.blocks}.0 returned beside "
+                             "the hidden states (state carried from layer to layer), which a later stage does not "
+                             "receive; use zbpp.models.pipeline_stages with your own stage forward")
         raise _Stop
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
-    handle = first.register_forward_hook(stop)
+    handles = [layers[0].register_forward_hook(first_out)]
+    if len(layers) > 1:
+        handles.append(layers[1].register_forward_pre_hook(second_in, with_kwargs=True))
     try:
         with torch.no_grad(), _meta_values(), _loop_experts(model), _state_kept(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except _Stop:
         pass
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     if not seen:
         raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
                          f"{template.blocks}.0")
-    return seen[0]
+    return isinstance(seen[0], tuple)
 
 
 @contextlib.contextmanager
