@@ -7,6 +7,7 @@ the zero-bubble paper's ZB-H1 bubble (p-1)(F+B-W) on top of m(F+B+W) of work.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -368,3 +369,26 @@ def test_tasks_at_one_instant_are_read_in_dependency_order():
     sched = measured_result(recs).schedule
     assert [str(a) for a in sched.orders[1]] == ["F1.0", "B1.0", "W1.0"]
     validate(sched)
+
+
+@pytest.mark.parametrize("other", [("1f1b", 2, 4), ("zb-h1", 2, 2), ("1f1b", 3, 2)])
+def test_write_trace_refuses_a_schedule_that_is_not_the_simulations(tmp_path, other):
+    """simulated= holds times for its own schedule's tasks only: schedule= of another (more
+    microbatches, other tasks, more ranks) used to end in a KeyError on the first task it lacks.
+    It is refused, naming both, and nothing is written."""
+    res = simulate(build("1f1b", num_ranks=2, num_microbatches=2))
+    name, p, m = other
+    path = tmp_path / "t.json"
+    with pytest.raises(ValueError, match="write_trace: schedule= .* is not the schedule simulated= ran"):
+        write_trace(path, simulated=res, schedule=build(name, num_ranks=p, num_microbatches=m))
+    assert not path.exists()
+
+
+def test_write_trace_takes_the_simulations_schedule_under_another_name(tmp_path):
+    # the same placement, microbatches and orders drawn under another name: the very trace that
+    # leaving schedule= out writes (the reference), but for the name stored with it
+    res = simulate(build("1f1b", num_ranks=2, num_microbatches=2))
+    renamed = dataclasses.replace(res.schedule, name="mine")
+    write_trace(tmp_path / "a.json", simulated=res)
+    write_trace(tmp_path / "b.json", simulated=res, schedule=renamed)
+    assert _load(tmp_path / "a.json") == _load(tmp_path / "b.json")

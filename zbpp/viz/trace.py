@@ -102,6 +102,11 @@ def _chunks(schedule: Schedule) -> dict[int, int]:
     return {s: i for r in range(schedule.num_ranks) for i, s in enumerate(schedule.stages_on(r))}
 
 
+def _shape(schedule: Schedule) -> tuple:
+    """What a trace draws of a schedule: its placement, microbatches and orders (not its name)."""
+    return schedule.placement, schedule.num_microbatches, schedule.orders
+
+
 def write_trace(
     path: str | os.PathLike[str],
     *,
@@ -114,7 +119,8 @@ def write_trace(
     """Write ONE Chrome/Perfetto trace JSON with the `simulated` step, the `measured` run, or both.
 
     `schedule` defaults to the simulation's (or is read off the records); it tells which edges carry
-    messages. Measured times are seconds. `simulated_unit_s` is how many seconds one unit of the
+    messages. Given with `simulated`, it must be the simulation's own (the same placement,
+    microbatches and orders; the name may differ): a `ValueError` says so otherwise. Measured times are seconds. `simulated_unit_s` is how many seconds one unit of the
     simulation's costs stands for: by default 1 when `measured` is given (a simulation with costs from
     ``Costs.from_task_times`` is in seconds) and 1e-3 otherwise (unit costs drawn as milliseconds).
     `comm` is the simulation's message time (its ``Costs.comm``, in its units): each message is drawn
@@ -136,6 +142,13 @@ def write_trace(
     comm = as_number(comm, "write_trace comm")
     if simulated_unit_s is not None:
         simulated_unit_s = as_positive(simulated_unit_s, "write_trace simulated_unit_s")
+    if simulated is not None and schedule is not None and _shape(schedule) != _shape(simulated.schedule):
+        # the simulation has times only for its own tasks: another schedule's would be looked up in vain
+        raise ValueError(
+            f"write_trace: schedule= ({schedule.name or 'unnamed'}, {schedule.num_ranks} ranks, "
+            f"{schedule.num_microbatches} microbatches) is not the schedule simulated= ran "
+            f"({simulated.schedule.name or 'unnamed'}, {simulated.schedule.num_ranks} ranks, "
+            f"{simulated.schedule.num_microbatches} microbatches); pass the simulation's, or leave schedule= out")
     measured_res = None
     if measured is not None:
         measured_res = measured_result(measured, schedule if schedule is not None else (simulated.schedule if simulated else None))
