@@ -129,7 +129,8 @@ def _add_schedule_args(parser: argparse.ArgumentParser, *, with_name: bool = Tru
     mem.add_argument("--wgrad", action=_Given, type=_float_list, default=None,
                      help="memory B keeps until W (default: 1/3 of --activation); only for schedules with a separate W")
     mem.add_argument("--memory-limit", action=_Given, type=_number, default=None,
-                     help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto, zbi-auto)")
+                     help="per-rank memory limit, for the automatic schedules (zb-auto, zbv-auto, zbi-auto); "
+                          "compare marks with * the schedules whose peak exceeds it")
 
 
 def _costs_memory(args: argparse.Namespace) -> tuple[Costs, Memory]:
@@ -209,6 +210,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _over_limit(peaks: list[float], limit: float | None) -> bool:
+    """Whether a rank's simulated peak exceeds `limit` (None: no limit); equal within float
+    rounding of the summed memory fits, as `zbpp.schedules.select` counts it."""
+    return limit is not None and max(peaks, default=0.0) > limit * (1 + 1e-9)
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     costs, memory = _costs_memory(args)
     # Schedules with more stages than ranks (interleaved, V) cut the same model finer: given one
@@ -235,15 +242,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if all(res is None for _, res, _ in rows):
         raise ValueError(f"no schedule accepts these arguments; {rows[0][0]}: {rows[0][2]}")
     print(f"ranks={args.ranks} microbatches={args.microbatches} f={args.f} b={args.b} w={args.w} comm={args.comm}")
+    over: list[str] = []  # schedules whose simulated peak exceeds --memory-limit, marked with *
     print(f"{'schedule':<18} {'stages':>6} {'bubble':>8} {'span':>10} {'peak memory (max)':>18}  peak memory per rank")
     for name, res, err in rows:
         if res is None:
             print(f"{name:<18} {'-':>6} {'-':>8} {'-':>10} {'-':>18}  {err}")
             continue
         peaks = " ".join(f"{v:.3g}" for v in res.peak_memory)
+        mark = "*" if _over_limit(res.peak_memory, args.memory_limit) else " "
+        if mark == "*":
+            over.append(name)
         print(f"{name:<18} {res.schedule.num_stages:>6} {res.bubble_rate:>8.4f} {res.cost:>10.4g} "
-              f"{max(res.peak_memory):>18.4g}  {peaks}")
+              f"{max(res.peak_memory):>17.4g}{mark}  {peaks}")
     print("bubble = (longest rank span - busiest rank's work) / longest rank span")
+    if over:
+        print(f"* peak memory above --memory-limit={args.memory_limit:g} ({', '.join(over)}): only the automatic "
+              "schedules take the limit; the fixed ones are listed as they run")
     for name, res, _ in rows:  # automatic schedules: how far from the best possible at their limit
         if res is not None and "memory_limit" in options_of(name):
             c, mem = costs, memory

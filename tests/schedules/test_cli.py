@@ -94,3 +94,19 @@ def test_wgrad_is_refused_for_a_schedule_without_a_separate_w(cmd: list[str], tm
     # kept from B to W: peak 2 (after B), where the default (1/3) peaks at 1 (after F)
     assert main(["show", "zb-h1", "-p", "1", "-m", "2", "--wgrad", "2"]) == 0
     assert "r0=2" in capsys.readouterr().out
+
+
+def test_compare_marks_the_schedules_over_the_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """The fixed schedules ignore --memory-limit; those over it used to be listed unmarked, as if
+    they fitted. Hand-worked peaks at p=4, m=8, activation 1, wgrad 1/3 (V and interleaved
+    stages hold half as much): GPipe holds all 8 microbatches, ZB-H2 2p-1 = 7, interleaved 1F1B
+    5.5 and DualPipeV 4.5 on rank 0, all above 4; 1F1B, ZB-H1, ZB-V and zb-interleaved peak at
+    exactly p = 4, which fits; V-Half 3 and V-Min 2."""
+    assert main(["compare", "-p", "4", "-m", "8", "--memory-limit", "4"]) == 0
+    out = capsys.readouterr().out
+    marked = {line.split()[0] for line in out.splitlines()
+              if line.split() and line.split()[0] in available() and line.split()[4].endswith("*")}
+    assert marked == {"gpipe", "zb-h2", "interleaved-1f1b", "dualpipe-v"}
+    assert "* peak memory above --memory-limit=4" in out
+    assert main(["compare", "-p", "4", "-m", "8"]) == 0  # without a limit nothing is over it
+    assert "*" not in capsys.readouterr().out
