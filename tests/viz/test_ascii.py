@@ -162,3 +162,45 @@ def test_tasks_of_very_different_lengths_keep_the_picture_bounded() -> None:
         assert len(row) <= 100_000 + 2 * len(order), len(row)  # the axis, plus inserted point columns
         in_time_order = sorted(order, key=lambda a: (res.start[a], res.end[a]))
         assert re.findall(r"[FBWX]", row) == [a.kind.value for a in in_time_order], row[:40]
+
+
+def _rows(text: str) -> dict[str, str]:
+    """Each row's characters, its blocks joined (row name -> characters)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if "|" in line:
+            name, body = line.split("|", 1)
+            out[name] = out.get(name, "") + body.rstrip("|")
+    return out
+
+
+def _edges(text: str) -> list[int]:
+    """The columns at which the blocks after the first begin."""
+    widths = [len(line.split("|", 1)[1]) - 1 for line in text.splitlines() if line.startswith("rank 0 ")]
+    return [sum(widths[:i]) for i in range(1, len(widths))]
+
+
+@pytest.mark.parametrize("name,comm,width", [("zb-h1", 0.3, 50), ("1f1b", 0.3, 47), ("zb-v", 0.7, 61),
+                                             ("zb-h2", 0.5, 44), ("interleaved-1f1b", 0.3, 53)])
+def test_block_edges_cut_no_label_in_two(name: str, comm: float, width: int) -> None:
+    """A message time puts tasks off the grid of the shortest one, and a block's edge used to cut
+    a label in two (zb-h1, p=4, m=12, comm 0.3, width 50: ``...B1-W|`` then ``|1-F5``). Reference:
+    the same picture drawn in one block. Wrapped, every column is the reference's, but for labels
+    omitted whole (drawn as ``-``); a label kept lies within one block."""
+    res = simulate(build(name, num_ranks=4, num_microbatches=12), Costs(1, 1, 1, comm=comm))
+    whole = _rows(render_ascii(res, width=10**6))
+    text = render_ascii(res, width=width)
+    wrapped, edges = _rows(text), _edges(text)
+    assert edges and wrapped.keys() == whole.keys()
+    label = re.compile(r"[FBWXfbwx]'*\d+")
+    for row, ref in whole.items():
+        got = wrapped[row]
+        assert len(got) == len(ref)
+        omitted = [False] * len(ref)  # columns of labels the wrapped picture omitted
+        for m in label.finditer(ref):
+            if got[m.start():m.end()] == ref[m.start():m.end()]:
+                assert not any(m.start() < e < m.end() for e in edges), (row, m.group(), text)
+            else:
+                assert set(got[m.start():m.end()]) == {"-"}, (row, m.group(), text)  # omitted whole
+                omitted[m.start():m.end()] = [True] * (m.end() - m.start())
+        assert all(g == r or o for g, r, o in zip(got, ref, omitted)), (row, text)

@@ -10,6 +10,10 @@ measured record of ~0 s) still runs, so it is drawn too: at its instant, in char
 time axis for it. Those characters stand for no time; other ranks show them blank (or as the ``-``
 of a task running across that instant), and the block's header says how many were added.
 
+Long timelines wrap into blocks. A block ends where no label crosses its edge, if there is
+such a column in its last half; where there is none (ranks offset by a message time), a label
+the edge would cut is omitted (its task drawn as ``-``): a label shows whole or not at all.
+
 Tasks of one rank that run at once (measured records of DualPipe's overlapped pairs) are drawn on
 rows of their own under the rank's, marked ``+`` (as a trace puts them on ``compute 2``): each row
 holds tasks that do not overlap, each task is drawn whole, and ``.`` marks only time in which the
@@ -139,6 +143,7 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     edge_time += [t1] * (total_cells + 1 - len(edge_time))  # the 1 cell of an all-zero, uninserted view
     inserted = (inserted + [False])[:total_cells]  # the last entry was the right end, not a column
     drawn: list[list[str | None]] = []  # per row: each column's character, None where no task of the row
+    labels: list[tuple[int, int, int, str]] = []  # (row, first column, end column, drawn over) of each label
     for i, (rank, tasks) in enumerate(rows_of):
         row: list[str | None] = [None] * total_cells
         for a in tasks:
@@ -151,11 +156,13 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
                 text = text[0]
             cell = (text + "-" * (c1 - c0))[: c1 - c0]
             row[c0:c1] = list(cell)
+            labels.append((i, c0, c0 + min(len(text), c1 - c0), "-"))
         for t, at_t in points.get(i, {}).items():
             c = base(t) + added(t, inclusive=False)
             for a in at_t:
                 text = _label(a.kind, chunk_of[a.stage], a.microbatch)
                 row[c:c + len(text)] = list(text)
+                labels.append((i, c, c + len(text), " "))
                 c += len(text)
         drawn.append(row)
     # idle ("."): a column none of the rank's rows covers, and not one added for point tasks
@@ -176,10 +183,10 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
     grid = max(1, round(shortest_cells(result, scale)))
     if block >= 2 * grid:
         block -= block % grid
+    breaks = _breaks(total_cells, block, labels, rows)
     out = []
     unit = 1 / scale
-    for b0 in range(0, total_cells, block):
-        b1 = min(b0 + block, total_cells)
+    for b0, b1 in zip(breaks, breaks[1:]):
         if b0:
             out.append("")  # a blank line between blocks keeps tall (p = 32) blocks apart
         extra = sum(inserted[b0:b1])
@@ -188,6 +195,32 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
         for name, row in zip(names, rows):
             out.append(f"{name} |{''.join(row[b0:b1])}|")
     return "\n".join(out)
+
+
+def _breaks(total: int, block: int, labels: list[tuple[int, int, int, str]], rows: list[list[str]]) -> list[int]:
+    """Where the blocks of `total` columns begin (and the end), at most `block` wide each.
+
+    Tasks off the grid of the shortest one (a message time shifts them) may have a label across
+    a block's edge: the edge then moves left, by up to half a block, to where the fewest labels
+    (none, if it can) cross it. A label it still cuts (rows offset by a message time can leave no
+    column free) is omitted, drawn as its task's ``-`` (a point task's blank): every label shows
+    whole or not at all."""
+    cut = [0] * (total + 1)  # cut[c]: how many labels hold both column c - 1 and column c
+    for _, c0, c1, _ in labels:
+        for c in range(c0 + 1, c1):
+            cut[c] += 1
+    out = [0]
+    while out[-1] < total:
+        b0 = out[-1]
+        b1 = min(b0 + block, total)
+        # the rightmost of the edges that cut the fewest labels (min keeps the first of equals)
+        edge = b1 if b1 == total else min(range(b1, b0 + max(1, block // 2) - 1, -1), key=lambda c: cut[c])
+        if cut[edge]:
+            for i, c0, c1, fill in labels:
+                if c0 < edge < c1:
+                    rows[i][c0:c1] = [fill] * (c1 - c0)
+        out.append(edge)
+    return out
 
 
 def shortest_cells(result: SimResult, scale: float) -> float:
