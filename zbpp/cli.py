@@ -29,6 +29,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from . import __version__
 from .schedules import Costs, Kind, Memory, available, build, options_of, simulate, validate
 from .schedules.planner import MAX_SPLITS
+from .schedules.registry import stage_count
 
 __all__ = ["main"]
 
@@ -226,7 +227,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         try:
             c, mem = costs, memory
             chunks = {"chunks": args.chunks} if args.chunks is not None and "chunks" in options_of(name) else {}
-            stages = build(name, num_ranks=args.ranks, num_microbatches=1, **chunks).num_stages
+            stages = stage_count(name, args.ranks, **chunks)  # counted: building would run an auto search
             if scalars and stages > args.ranks:
                 k = args.ranks / stages
                 c = replace(costs, f=costs.f * k, b=costs.b * k, w=costs.w * k)

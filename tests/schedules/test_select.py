@@ -7,6 +7,7 @@ limit checked on the simulation, and DESIGN.md's zero-bubble claim for ZB-V.
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -175,3 +176,26 @@ def test_an_infinite_limit_is_refused_and_any_real_number_is_taken():
     assert huge.name == "zbi-auto"  # the automatic schedules are among the candidates
     exact = pick_schedule(3, 5, costs, memory=Memory(1, 0.5), memory_limit=Fraction(9, 2))
     assert exact.name == pick_schedule(3, 5, costs, memory=Memory(1, 0.5), memory_limit=4.5).name
+
+
+def test_stage_counts_are_counted_without_building(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_num_stages` (and `zbpp compare`) built every candidate at m=1 only to count its stages,
+    which for the automatic ones runs their whole search. Reference: the stage count of the
+    schedule each generator builds, for p = 1..4 and chunks 1..3 where it takes them; then the
+    counts must come with every generator replaced by one that fails if called."""
+    from zbpp.schedules import registry, select
+
+    cases = [(name, p, {} if k is None else {"chunks": k}) for name in available() for p in range(1, 5)
+             for k in ((1, 2, 3) if "chunks" in options_of(name) else (None,))]
+    reference = [build(name, num_ranks=p, num_microbatches=1, **opts).num_stages for name, p, opts in cases]
+
+    def forbidden(fn):
+        @functools.wraps(fn)  # keeps the signature, hence its options
+        def never(*args: object, **kwargs: object) -> None:
+            raise AssertionError(f"{fn.__name__} ran to count stages")
+        return never
+
+    monkeypatch.setattr(registry, "_REGISTRY", {name: forbidden(fn) for name, fn in registry._REGISTRY.items()})
+    defaults = [(name, p, n) for (name, p, opts), n in zip(cases, reference) if opts.get("chunks", 2) == 2]
+    assert [select._num_stages(name, p) for name, p, _ in defaults] == [n for _, _, n in defaults]
+    assert [registry.stage_count(name, p, **opts) for name, p, opts in cases] == reference

@@ -26,13 +26,16 @@ from .checks import as_int
 from .generators import BUILTIN
 from .ir import Schedule
 
-__all__ = ["register", "build", "available", "options_of", "max_tasks", "task_count"]
+__all__ = ["register", "build", "available", "options_of", "max_tasks", "task_count", "stage_count"]
 
 Generator = Callable[..., Schedule]
 #: ``tasks(num_ranks, num_microbatches, **options) -> int``: how many tasks a generator creates
 TaskCount = Callable[..., int]
+#: ``stages(num_ranks, **options) -> int``: how many stages its schedules have (m does not matter)
+StageCount = Callable[..., int]
 _REGISTRY: dict[str, Generator] = {}
 _TASK_COUNTS: dict[str, TaskCount] = {}
+_STAGE_COUNTS: dict[str, StageCount] = {}
 
 DEFAULT_MAX_TASKS = 2**24
 MAX_TASKS_ENV = "ZBPP_MAX_TASKS"
@@ -57,12 +60,19 @@ def _at_most_two_stages_per_rank(num_ranks: int, num_microbatches: int, **option
     return 3 * 2 * num_ranks * num_microbatches  # F, B and W of up to two stages per rank
 
 
-def register(name: str, *, tasks: TaskCount | None = None) -> Callable[[Generator], Generator]:
+def _one_stage_per_rank(num_ranks: int, **options: Any) -> int:
+    return num_ranks
+
+
+def register(name: str, *, tasks: TaskCount | None = None, stages: StageCount | None = None
+             ) -> Callable[[Generator], Generator]:
     """Decorator: make `fn` buildable as `name`.
 
     `tasks(num_ranks, num_microbatches, **options)` says how many tasks the generator creates
     (including any it builds and then drops), so that `build` can refuse a schedule too large to
     build before it starts; the default assumes F, B and W of up to two stages per rank.
+    `stages(num_ranks, **options)` says how many stages its schedules have (`stage_count`);
+    the default is one per rank.
     """
 
     def deco(fn: Generator) -> Generator:
@@ -70,6 +80,7 @@ def register(name: str, *, tasks: TaskCount | None = None) -> Callable[[Generato
             raise ValueError(f"schedule {name!r} is registered twice")
         _REGISTRY[name] = fn
         _TASK_COUNTS[name] = tasks or _at_most_two_stages_per_rank
+        _STAGE_COUNTS[name] = stages or _one_stage_per_rank
         return fn
 
     return deco
@@ -119,6 +130,18 @@ def task_count(name: str, num_ranks: int, num_microbatches: int, **options: Any)
     return _TASK_COUNTS[name](as_int(num_ranks, "num_ranks"), as_int(num_microbatches, "num_microbatches"), **options)
 
 
+def stage_count(name: str, num_ranks: int, **options: Any) -> int:
+    """How many stages schedule `name` cuts the model into on `num_ranks` ranks, without building
+    it (an automatic schedule would run its whole search). The microbatch count does not matter.
+
+    >>> stage_count("zb-v", 4), stage_count("zbi-auto", 4, chunks=3), stage_count("zb-auto", 4)
+    (8, 12, 4)
+    """
+    _lookup(name)
+    _check_options(name, options)
+    return _STAGE_COUNTS[name](as_int(num_ranks, "num_ranks"), **options)
+
+
 def _check_options(name: str, options: dict[str, Any]) -> None:
     allowed = options_of(name)
     unknown = sorted(set(options) - set(allowed))
@@ -154,5 +177,5 @@ def build(name: str, *, num_ranks: int, num_microbatches: int, **options: Any) -
 
 
 # The built-in schedules, as their modules declare them (they do not import this one).
-for _name, (_generator, _tasks) in BUILTIN.items():
-    register(_name, tasks=_tasks)(_generator)
+for _name, (_generator, _tasks, *_stages) in BUILTIN.items():
+    register(_name, tasks=_tasks, stages=_stages[0] if _stages else None)(_generator)

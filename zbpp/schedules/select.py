@@ -37,7 +37,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 from .checks import as_positive
 from .ir import Schedule
-from .registry import available, build, options_of
+from .registry import available, build, options_of, stage_count
 from .simulate import Costs, Memory, SimResult, simulate
 
 __all__ = ["Candidate", "Pick", "evaluate_candidates", "pick_schedule", "scale_to_stages"]
@@ -124,8 +124,9 @@ def scale_to_stages(costs: Costs, memory: Memory, num_ranks: int, num_stages: in
 
 
 def _num_stages(name: str, num_ranks: int) -> int:
-    """How many stages schedule `name` cuts the model into on `num_ranks` ranks (m does not matter)."""
-    return build(name, num_ranks=num_ranks, num_microbatches=1).num_stages
+    """How many stages schedule `name` cuts the model into on `num_ranks` ranks (m does not matter),
+    counted without building it: an automatic one would run its whole search."""
+    return stage_count(name, num_ranks)
 
 
 def evaluate_candidates(

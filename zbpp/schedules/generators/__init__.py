@@ -7,7 +7,8 @@ imports this package and registers `BUILTIN` (so imports point one way: registry
 
 from . import auto, classic, dualpipe, interleaved_zb, vshape, zero_bubble
 
-#: Every built-in schedule: name -> (generator, task count or None), in the order `available()` lists them.
+#: Every built-in schedule: name -> (generator, task count or None[, stage count]; one stage per
+#: rank without), in the order `available()` lists them.
 BUILTIN = {
     **classic.GENERATORS,  # gpipe, 1f1b, interleaved-1f1b
     **zero_bubble.GENERATORS,  # zb-h1, zb-h2

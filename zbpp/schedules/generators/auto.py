@@ -60,7 +60,7 @@ from .interleaved_zb import zb_interleaved
 from .dualpipe import _tasks as _dualpipe_tasks, dualpipe_v
 from .local_search import TaskShape, improve, perturb_and_improve, score_of
 from .rounds import best_v_rounds, best_zb_rounds
-from .vshape import _v_tasks, _zbv_tasks as _zb_v_tasks, v_half, v_min, zb_v
+from .vshape import _v_tasks, _zbv_tasks as _zb_v_tasks, v_half, v_min, v_stages, zb_v
 from .zero_bubble import zb_h1, zb_h2
 
 __all__ = ["zb_auto", "zbv_auto", "zbi_auto", "smallest_feasible_limit", "default_memory_limit"]
@@ -418,6 +418,10 @@ def _zbi_tasks(p: int, m: int, *, chunks: int = 2, **_: object) -> int:
     return 3 * p * as_int(chunks, "zbi-auto: chunks") * m
 
 
+def _zbi_stages(p: int, *, chunks: int = 2, **_: object) -> int:
+    return p * as_int(chunks, "zbi-auto: chunks")
+
+
 def _zbv_tasks(p: int, m: int, **_: object) -> int:
     """The most any of its seeds builds: ZB-V and DualPipeV are built for at least 2p-1 and 2p
     microbatches, then cut down to m (with m = 1 some 2p times the tasks the search returns)."""
@@ -425,5 +429,6 @@ def _zbv_tasks(p: int, m: int, **_: object) -> int:
 
 
 #: The schedules of this module, for the registry: name -> (generator, task count or None for
-#: the registry's default; see `zbpp.schedules.registry.register`)
-GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, _zbv_tasks), "zbi-auto": (zbi_auto, _zbi_tasks)}
+#: the registry's default[, stage count]; see `zbpp.schedules.registry.register`)
+GENERATORS = {"zb-auto": (zb_auto, None), "zbv-auto": (zbv_auto, _zbv_tasks, v_stages),
+              "zbi-auto": (zbi_auto, _zbi_tasks, _zbi_stages)}

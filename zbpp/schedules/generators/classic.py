@@ -14,6 +14,10 @@ def _interleaved_tasks(p: int, m: int, *, chunks: int = 2) -> int:
     return 2 * p * as_int(chunks, "interleaved-1f1b: chunks") * m
 
 
+def _interleaved_stages(p: int, *, chunks: int = 2) -> int:
+    return p * as_int(chunks, "interleaved-1f1b: chunks")  # rank r holds r, r+p, ...
+
+
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards (Huang et al., 2019). Peak memory: m activations."""
     p, m = num_ranks, num_microbatches
@@ -105,5 +109,5 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, chunks: int = 2) 
 GENERATORS = {
     "gpipe": (gpipe, _tasks),
     "1f1b": (one_f_one_b, _tasks),
-    "interleaved-1f1b": (interleaved_1f1b, _interleaved_tasks),
+    "interleaved-1f1b": (interleaved_1f1b, _interleaved_tasks, _interleaved_stages),
 }

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..ir import Action, Kind, Schedule, from_orders, v_placement
-from .vshape import keep_microbatches
+from .vshape import keep_microbatches, v_stages
 
 __all__ = ["dualpipe_v"]
 
@@ -133,4 +133,4 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
 
 #: The schedules of this module, for the registry: name -> (generator, task count; see
 #: `zbpp.schedules.registry.register`)
-GENERATORS = {"dualpipe-v": (dualpipe_v, _tasks)}
+GENERATORS = {"dualpipe-v": (dualpipe_v, _tasks, v_stages)}

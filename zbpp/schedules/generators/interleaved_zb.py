@@ -30,6 +30,10 @@ def _tasks(p: int, m: int, *, chunks: int = 2) -> int:
     return 3 * p * as_int(chunks, "zb-interleaved: chunks") * m  # F, B and W of every stage
 
 
+def _stages(p: int, *, chunks: int = 2) -> int:
+    return p * as_int(chunks, "zb-interleaved: chunks")
+
+
 def zb_interleaved(num_ranks: int, num_microbatches: int, *, chunks: int = 2) -> Schedule:
     """Interleaved zero bubble (the module docstring): `chunks` stages per rank, backward split."""
     chunks = as_int(chunks, "zb-interleaved: chunks")
@@ -65,4 +69,4 @@ def zb_interleaved(num_ranks: int, num_microbatches: int, *, chunks: int = 2) ->
 
 #: The schedules of this module, for the registry: name -> (generator, task count; see
 #: `zbpp.schedules.registry.register`)
-GENERATORS = {"zb-interleaved": (zb_interleaved, _tasks)}
+GENERATORS = {"zb-interleaved": (zb_interleaved, _tasks, _stages)}

@@ -49,6 +49,11 @@ def _zbv_tasks(p: int, m: int) -> int:
     return 6 * p * max(m, 2 * p - 1)  # built for at least 2p-1 microbatches, then cut down to m
 
 
+def v_stages(p: int, **_: object) -> int:
+    """Stages of a V placement on `p` ranks: two per rank (for the registry)."""
+    return 2 * p
+
+
 # -- ZB-V ----------------------------------------------------------------------------------------
 
 
@@ -302,4 +307,5 @@ def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
 
 #: The schedules of this module, for the registry: name -> (generator, task count; see
 #: `zbpp.schedules.registry.register`)
-GENERATORS = {"zb-v": (zb_v, _zbv_tasks), "v-half": (v_half, _v_tasks), "v-min": (v_min, _v_tasks)}
+GENERATORS = {"zb-v": (zb_v, _zbv_tasks, v_stages), "v-half": (v_half, _v_tasks, v_stages),
+              "v-min": (v_min, _v_tasks, v_stages)}
