@@ -123,3 +123,30 @@ def test_readme_show_output_is_the_cli_s(capsys) -> None:
     missing = [line for line in expected if line not in printed]
     assert not missing, f"README shows lines `zbpp show` does not print: {missing}"
     assert [printed.index(line) for line in expected] == sorted(printed.index(line) for line in expected)
+
+
+def test_schedule_table_bubbles_hold_where_it_says() -> None:
+    """The table gives the papers' bubble formulas; they hold only for unit costs F = B = W, no
+    message time and enough microbatches (ZB-H2's is -(p-1) at F=B=1, W=2, where no bubble is
+    negative), and the README used to give them with no condition. Reference: the simulated
+    longest span minus busiest rank's work, against each formula under the stated condition."""
+    from zbpp.schedules import Costs, build, simulate
+
+    text = (ROOT / "README.md").read_text()
+    formulas = dict(re.findall(r"^\| `([\w-]+)` \|.*bubble (\(p-1\)\([FBW+\-2]+\))\*", text, re.M))
+    assert formulas.keys() == {"1f1b", "zb-h1", "zb-h2"}
+    note = re.search(r"^\\\* The papers' bubbles.*?(?=\n\n)", text, re.M | re.S)
+    assert note, "the condition under which the table's bubble formulas hold"
+    condition = " ".join(note.group(0).split())
+    for said in ("unit costs F = B = W", "comm 0", "m >= p (ZB-H1)", "m >= 2p-1 (ZB-H2)"):
+        assert said in condition, said
+    least_m = {"1f1b": lambda p: 1, "zb-h1": lambda p: p, "zb-h2": lambda p: 2 * p - 1}
+    for unit in (1.0, 2.5):  # any unit: F = B = W = unit
+        for name, formula in formulas.items():
+            for p in range(2, 6):
+                for m in range(least_m[name](p), 3 * p + 1):
+                    res = simulate(build(name, num_ranks=p, num_microbatches=m), Costs(unit, unit, unit))
+                    expected = eval(formula.replace("F", "u").replace("B", "u").replace("W", "u")
+                                    .replace(")(", ")*(").replace("2u", "2*u"), {"p": p, "u": unit})
+                    # sums of a few dozen multiples of 0.5: exact in floats
+                    assert res.cost - res.busy == expected, (name, p, m, unit)
