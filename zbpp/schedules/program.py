@@ -298,8 +298,12 @@ def program_makespan(program: Program, costs: Costs) -> float:
     task i-1 ends) and the channel's previous message has arrived (a channel is one NCCL stream),
     then takes ``costs.comm``; a task starts when its rank is free and its input is there. With
     receives posted late for the link (a program made for a faster one), this is what the runtime
-    loses that `simulate` does not see (docs/benchmarks.md, "A slow link"). With a program made for
-    these costs it equals `simulate`'s makespan (tests/schedules/test_program.py).
+    loses that `simulate` does not see (docs/benchmarks.md, "A slow link"). It is never below
+    `simulate`'s makespan, as no message leaves earlier than there. A program made for these
+    costs often matches it (the ZB-H1 case below), but not always: a channel moves one message
+    at a time where `simulate` lets messages overlap, so where a rank sends to another more often
+    than every `comm` (GPipe's warm-up on a slow link) they queue; and a receive may be posted up
+    to `LATE_TOLERANCE` of its consumer late.
 
     >>> from zbpp.schedules import build, simulate
     >>> sched = build("zb-h1", num_ranks=2, num_microbatches=4)
@@ -308,6 +312,9 @@ def program_makespan(program: Program, costs: Costs) -> float:
     True
     >>> program_makespan(make_program(sched), slow) > simulate(sched, slow).makespan  # planned for a fast link
     True
+    >>> gpipe, slower = build("gpipe", num_ranks=3, num_microbatches=5), Costs(1, 1, 1, comm=5)
+    >>> program_makespan(make_program(gpipe, costs=slower), slower), simulate(gpipe, slower).makespan  # queued
+    (69.0, 41.0)
     """
     schedule = program.schedule
     costs = costs.charged(schedule.placement)
