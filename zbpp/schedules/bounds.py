@@ -245,16 +245,21 @@ def _limit_value(value: object, what: str) -> float:
 
 
 def least_peaks(placement: Sequence[int], memory: Memory) -> tuple[list[float], list[float]]:
-    """Per rank: the least peak of any schedule (a lower bound), and the peak of one microbatch at a
-    time with each W right after its B (which meets it unless a W has a transient).
+    """Per rank: a lower bound on the peak of every schedule, and the peak of one microbatch at a
+    time with each W right after its B; the least peak any schedule reaches lies between them.
 
     Before a task of stage s of microbatch j, the rank holds at least the activations of its
     stages below s for j (their B's wait for B(s, j)); a W's only its own wgrad, as the B's below
-    it may have run.
+    it may have run. The two are equal, so the bound is the least peak, on a rank of one stage or
+    where none of the rank's W's has a transient. Otherwise the bound can sit below every
+    schedule's peak: a W's transient comes on top of what the rank's other stages of its
+    microbatch still hold (their activation or wgrad), which the bound does not count.
 
     >>> from zbpp.schedules.ir import v_placement
     >>> least_peaks(v_placement(2), Memory(activation=1, wgrad=2))  # a rank's upper stage's B: 1 below + 2
     ([3.0, 3.0], [3.0, 3.0])
+    >>> least_peaks([0, 0], Memory(activation=1, wgrad=1, transient_w=10))  # every schedule peaks at 12
+    ([11.0], [12.0])
     """
     n = len(placement)
     act, wgrad = memory.per_stage(n)

@@ -21,7 +21,8 @@ rank span; then makespan, sum of spans, sum of task ends):
 The memory limit (one number, or one per rank) holds by construction (admission in the
 heuristics, checks on every move) and is checked again on the result. A limit below the smallest
 feasible one (`smallest_feasible_limit`: a rank must hold all its stages' activations of one
-microbatch at once, and what its B's and transients add) raises a `ValueError` that names it. A
+microbatch at once, and what its B's and transients add; a lower bound where a W's transient
+sits on a rank of several stages) raises a `ValueError` that names it. A
 limit at or above it but below what the searches plan on (each stage at ``max(activation,
 wgrad)`` from its F on, the rank's largest transient throughout) gets the best of the
 handcrafted schedules and one microbatch at a time that fit it.
@@ -78,14 +79,16 @@ _ILS_BUDGET = 300
 
 
 def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
-    """The smallest per-rank memory limit that any schedule of `placement` can meet.
+    """No schedule of `placement` meets a per-rank memory limit below this; some schedule meets
+    this one where each rank holds one stage or no W has a transient (`bounds.least_peaks`).
 
     A rank holds the activations of all its stages for a microbatch at once (the F of its last
     stage runs before the B of its first), and while a stage's B or W of that microbatch runs the
     rank still holds the activations of its stages below it: B's delta where wgrad > activation
     and each task's transient (`Memory`) come on top. One microbatch at a time, each W right after
-    its B, needs exactly that (a W's transient aside, on a rank of several stages: there the one
-    at a time order may need more, and the search says so).
+    its B, needs exactly that, but for a W's transient on a rank of several stages: it comes on
+    top of what the rank's other stages still hold, which this does not count, so there the
+    least limit any schedule meets can be larger (and the search says so when none is found).
 
     >>> from zbpp.schedules.ir import v_placement
     >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=0.5))
