@@ -611,6 +611,43 @@ def test_skip_flags_follow_the_delay_setting():
     assert layer.get_backward_dw_params()[0] is layer.weight
 
 
+def _to_empty_from_meta(layer: nn.Module) -> None:
+    layer.to_empty(device="cpu")
+
+
+def _load_assigned(layer: nn.Module) -> None:
+    layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()}, assign=True)
+
+
+def _set_new_weight(layer: nn.Module) -> None:
+    name = next(n for n, p in layer.named_parameters() if p.dim() == 2)  # weight, fc1_weight
+    setattr(layer, name, nn.Parameter(torch.zeros_like(getattr(layer, name))))
+
+
+def _swapping_double(layer: nn.Module) -> None:
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+@pytest.mark.parametrize("change", [_to_empty_from_meta, _load_assigned, _set_new_weight, _swapping_double])
+@pytest.mark.parametrize("name", ["Linear", "SwiGLU-MLP"])
+def test_skip_flags_follow_parameters_replaced_after_construction(name, change):
+    # Reference: the documented invariant, skip_backward_post_hook marks exactly the parameters
+    # get_backward_dw_params() lists (Megatron-style reducers read it to leave those to W). Each
+    # change here puts new Parameter objects in the layer (or swaps their attributes away).
+    with torch.device("meta" if change is _to_empty_from_meta else "cpu"):
+        layer = MAKERS[name](delay_wgrad_compute=True)
+    change(layer)
+    listed = {id(p) for p in layer.get_backward_dw_params()}
+    assert listed  # the weights, whatever the change
+    flagged = {id(p) for p in layer.parameters() if getattr(p, "skip_backward_post_hook", False)}
+    assert flagged == listed
+
+
 def test_hooks_fire_once_per_backward_dw_without_arguments():
     mlp = LayerNormMLP(8, 16, delay_wgrad_compute=True)
     calls = []

@@ -251,6 +251,28 @@ class DelayedWgradModule(nn.Module):
         for p in self._gemm_weights() + self._gemm_biases():
             p.skip_backward_post_hook = id(p) in deferred
 
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        # a GEMM Parameter set later (``layer.weight = ...``, ``load_state_dict(assign=True)``) is
+        # a new object: it gets the flag too
+        super().register_parameter(name, param)
+        if any(name in names[1:] for names in self._gemm_names):
+            self._resync_param_flags()
+
+    def _apply(self, fn: Callable[..., object], recurse: bool = True) -> DelayedWgradModule:
+        # ``to_empty`` from meta and swapping conversions (``.to``, ``.double()`` ...) make new
+        # Parameter objects, or swap their Python attributes away: flag them again
+        module = super()._apply(fn, recurse)
+        self._resync_param_flags()
+        return module
+
+    def _resync_param_flags(self) -> None:
+        # `_sync_param_flags` once built (a constructor, `delay_wgrad`, syncs at its end) and
+        # while the GEMM weights are registered Parameters (weight_norm's hook form removes them)
+        if self.__dict__.get("_param_settings", False) is None and all(
+            w in self._parameters for _, w, _ in self._gemm_names
+        ):
+            self._sync_param_flags()
+
     def __setstate__(self, state: dict) -> None:
         # copy.deepcopy and torch.load rebuild parameters without their Python attributes
         super().__setstate__(state)
