@@ -163,3 +163,30 @@ def test_mlp_with_frozen_norm_and_an_input_without_grad() -> None:
             assert p.grad is None, n
         else:
             assert torch.equal(p.grad, refs[n].grad), n
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("frozen", ["weight", "bias", "gemm"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(
+        layer: str, frozen: str, fp8: bool) -> None:
+    """Frozen after F, before B: autograd's AccumulateGrad skips a parameter that no longer
+    requires grad when B reaches it, so the eager layer (the reference: autograd accumulates its
+    gradients) leaves it without one, and W must not give it one either (an optimizer would
+    move the frozen parameter). The others: exact, as in the test above."""
+    mod, ref, _ = _pair(layer, "none")
+    names = {n for n, _ in mod.named_parameters() if FREEZE[frozen](n)}
+    x = torch.randn(16, D)
+    ys = [_run(m, x.clone().requires_grad_(), 0, fp8) for m in (mod, ref)]
+    for m in (mod, ref):
+        for n, p in m.named_parameters():
+            p.requires_grad_(n not in names)
+    for y in ys:
+        y.square().sum().backward()
+    if mod.pending_wgrad_keys():
+        mod.backward_dw(0)
+    for (n, p), q in zip(mod.named_parameters(), ref.parameters()):
+        if n in names:
+            assert p.grad is None and q.grad is None, n
+        else:
+            assert torch.equal(p.grad, q.grad), n

@@ -290,6 +290,9 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = dy.mm(w.t()) if call.transposed else dy.mm(w)
         if store is not None:
+            # a parameter frozen since F gets nothing, as autograd's AccumulateGrad skips it in B
+            need_w = need_w and call.weight.requires_grad
+            need_b = need_b and call.bias.requires_grad
             if need_w or need_b:
                 part = _WgradPart(call, (dy, x) if need_w else None, dy if need_b else None)
                 versions = ((dy, dy._version), (x, x._version)) if need_w else ((dy, dy._version),)
@@ -501,6 +504,8 @@ class _LayerFunction(torch.autograd.Function):
                                                stats_from_torch=not fp8)
             else:
                 dx = dln
+        if spec.store is not None:
+            parts = _drop_frozen(parts)
         if not parts:
             return dx, d_nw, d_nb, None, db1, None, db2, None
         if spec.store is not None:
@@ -522,6 +527,21 @@ class _LayerFunction(torch.autograd.Function):
             else:
                 dw2, db2 = dw, db2 if db is None else db
         return dx, d_nw, d_nb, dw1, db1, dw2, db2, None
+
+
+def _drop_frozen(parts: list[_WgradPart]) -> list[_WgradPart]:
+    """`parts` without the gradients of parameters frozen since the forward: autograd's
+    AccumulateGrad skips a parameter that no longer requires grad when B reaches it, and W, which
+    stands in for it, does the same."""
+    if all(_trainable(c.weight) and (b is None or _trainable(c.bias)) for c, _, b in parts):
+        return parts  # the usual case: nothing changed since F
+    kept = []
+    for call, operands, bias_grad_of in parts:
+        operands = operands if call.weight.requires_grad else None
+        bias_grad_of = bias_grad_of if _trainable(call.bias) else None
+        if operands is not None or bias_grad_of is not None:
+            kept.append(_WgradPart(call, operands, bias_grad_of))
+    return kept
 
 
 def _eager_wgrad(part: _WgradPart, fp8: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
