@@ -60,7 +60,8 @@ from ._fused import act_quantize, dact_quantize
 from ._layer_function import GemmCall, _Job, _quantize_grad, _WgradPart, refuse_double_backward
 from ._shared_input import cast_input
 from .base import _outside_graph, _tracing
-from .fp8 import DelayedScaling, Quantized, ScalingMeta, active_recipe, fp8_gemm_nt, quantize
+from .fp8 import (DelayedScaling, Quantized, ScalingMeta, active_recipe, fp8_autocast, fp8_gemm_nt,
+                  quantize)
 from .linear import Linear
 from .wgrad_store import WgradStore
 
@@ -120,6 +121,11 @@ def _modules_of(act_fn: Any) -> tuple[nn.Module, ...]:
     return (act_fn,) if isinstance(act_fn, nn.Module) else ()
 
 
+def _is_linear(module: object) -> bool:
+    # an nn.Linear, or the zbpp Linear delay_wgrad makes of one (not its [in, out] Conv1D form)
+    return isinstance(module, nn.Linear) or type(module) is Linear
+
+
 def _fusable(module: nn.Module) -> _Form | None:
     """How to fuse `module`, or None when it is not a gated MLP of the form."""
     act_name = next((n for n in _ACT_NAMES if getattr(module, n, None) is not None), "")
@@ -129,7 +135,7 @@ def _fusable(module: nn.Module) -> _Form | None:
     names = ("gate_up_proj",) if packed else ("gate_proj", "up_proj")
     fc1 = [getattr(module, n, None) for n in names]
     layers = [*fc1, down]
-    if act_fn is None or not callable(act_fn) or not all(isinstance(m, nn.Linear) for m in layers):
+    if act_fn is None or not callable(act_fn) or not all(_is_linear(m) for m in layers):
         return None
     if any(m.bias is not None for m in layers) or len({m.weight.shape for m in fc1}) != 1:
         return None
@@ -184,6 +190,8 @@ def _probing(module: nn.Module) -> Iterator[None]:
                 stack.enter_context(torch.random.fork_rng(devices=[d for d in devices if d.type == kind],
                                                           device_type=kind))
             stack.enter_context(torch.no_grad())
+            # zbpp Linears (fused after delay_wgrad) run outside FP8: their scaling state stays
+            stack.enter_context(fp8_autocast(enabled=False))
             yield
     finally:
         for m, training in modes:
