@@ -398,3 +398,24 @@ def test_linear_like_subclasses_are_converted_only_when_named():
     torch.testing.assert_close(model(x), want, rtol=1e-12, atol=0)
     with pytest.raises(TypeError, match="linear_like holds <class 'torch.nn.modules.conv.Conv1d'>"):
         delay_wgrad(model, linear_like=(nn.Conv1d,))
+
+
+def test_backward_dw_errors_name_the_swapped_layer_by_its_path():
+    # among a model's many Linears, W's errors say which one (as its other errors do) and why
+    # nothing may be pending: here the forward ran, its backward not yet
+    from collections import OrderedDict
+
+    from zbpp.modules.wgrad_store import WgradStoreError
+
+    model = nn.Sequential(OrderedDict(up=nn.Linear(4, 8), act=nn.ReLU(), down=nn.Linear(8, 2)))
+    delay_wgrad(model)
+    with microbatch(0):
+        loss = model(torch.randn(3, 4)).sum()
+    with pytest.raises(WgradStoreError,
+                       match=r"^down\.backward_dw\(\): nothing pending for microbatch key 0: .*its backward \(B\)"):
+        model.down.backward_dw(0)
+    loss.backward()
+    with pytest.raises(WgradStoreError, match=r"^up\.backward_dw\(7\): no wgrad pending .* pending keys: \[0\]"):
+        model.up.backward_dw(7)
+    model.up.backward_dw(0)
+    model.down.backward_dw(0)

@@ -8,6 +8,7 @@ from torch import nn
 
 from .base import DelayedWgradModule
 from .linear import Linear
+from .wgrad_store import WgradStore
 
 __all__ = ["delay_wgrad"]
 
@@ -151,6 +152,7 @@ def _convert(module: nn.Module, transposed: bool, fqn: str = "") -> None:
     module._init_protocol(delay_wgrad_compute=True, fuse_wgrad_accumulation=False)
     if fqn:
         module._gemm_labels = ((f"{fqn}.weight", f"{fqn}.bias"),)
+        module._wgrad_store = WgradStore(owner=fqn)  # backward_dw's errors name the layer too
     module._sync_param_flags()
 
 

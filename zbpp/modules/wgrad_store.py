@@ -68,10 +68,12 @@ class WgradStore(Generic[Job]):
             if not self._jobs:
                 what = "" if key is None else f" for microbatch key {key!r}"
                 raise WgradStoreError(
-                    f"{self._owner}.backward_dw(): nothing pending{what}; every wgrad filed since the "
-                    "last backward_dw() has already been computed. Without keys each forward call "
-                    "files its own (call backward_dw() once per call of the module, after its "
-                    "backward); calls inside one zbpp.modules.microbatch(key) block share one"
+                    f"{self._owner}.backward_dw(): nothing pending{what}: every wgrad filed since the "
+                    "last backward_dw() has already been computed, and a forward files one only when "
+                    "its backward (B) reaches this module (not yet run, or the output unused). "
+                    "Without keys each forward call files its own (call backward_dw() once per call "
+                    "of the module, after its backward); calls inside one "
+                    "zbpp.modules.microbatch(key) block share one"
                 )
             if key is None:
                 key = next(iter(self._jobs))
