@@ -268,10 +268,12 @@ class _GatedMlpFunction(torch.autograd.Function):
         # come from W, never from here); see `_FusedGatedMlp.forward`
         ctx.anchors = len(anchors)
         recipe, first, down = plan.recipe, plan.fc1[0], plan.down
-        need_w1 = any(c.weight.requires_grad for c in plan.fc1)
-        xq = cast_input(x, first.fp8.input, recipe, need_w1, first.weight)
+        # per layer (fc1's, then down): whether its weight gradient is wanted, read here, where the
+        # transposes dW needs are made (autograd too lets only weights trainable at F and at B have one)
+        ctx.wanted = wanted = tuple(c.weight.requires_grad for c in (*plan.fc1, down))
+        xq = cast_input(x, first.fp8.input, recipe, any(wanted[:-1]), first.weight)
         h = fp8_gemm_nt(xq, plan.w1, out_dtype=x.dtype, fast_accumulation=recipe.fprop_fast_accumulation)
-        a = act_quantize(h, plan.act, down.fp8.input, recipe, transpose=down.weight.requires_grad)
+        a = act_quantize(h, plan.act, down.fp8.input, recipe, transpose=wanted[-1])
         w2 = down.fp8.weight_cache.cast(down.weight, down.fp8.weight, recipe, transpose=True,
                                         first_microbatch=down.fp8.first_microbatch)
         y = fp8_gemm_nt(a, w2, out_dtype=x.dtype, fast_accumulation=recipe.fprop_fast_accumulation)
@@ -289,16 +291,18 @@ class _GatedMlpFunction(torch.autograd.Function):
         first, down = plan.fc1[0], plan.down
         if not dy.is_contiguous():
             dy = dy.contiguous()
-        need_w2 = down.weight.requires_grad
+        # wanted at F and still trainable now (one frozen since F gets nothing, as in autograd)
+        need = [w and c.weight.requires_grad for w, c in zip(ctx.wanted, (*plan.fc1, down))]
+        need_w2 = need[-1]
         dy_q, _ = _quantize_grad(dy, down.fp8, need_w2, False)
         da = fp8_gemm_nt(dy_q, Quantized(w2_t, w2_sinv), out_dtype=dy.dtype)
         g1, _ = dact_quantize(da, h, plan.act, first.fp8.grad_output, plan.recipe,
-                              transpose=any(c.weight.requires_grad for c in plan.fc1), column_sum=False)
+                              transpose=any(need[:-1]), column_sum=False)
         dx = fp8_gemm_nt(g1, Quantized(w1_t, w1_sinv), out_dtype=dy.dtype) if ctx.needs_input_grad[0] else None
         x_q = Quantized(x_t, x_sinv)
         rows = h.shape[1] // len(plan.fc1)  # g1^T's rows, layer by layer, as fc1's weights stack
         parts = [_WgradPart(c, (Quantized(g1.data_t[i * rows:(i + 1) * rows], g1.scale_inv), x_q), None)
-                 if c.weight.requires_grad else None for i, c in enumerate(plan.fc1)]
+                 if need[i] else None for i, c in enumerate(plan.fc1)]
         parts.append(_WgradPart(down, (Quantized(dy_q.data_t, dy_q.scale_inv), Quantized(a_t, a_sinv)), None)
                      if need_w2 else None)
         for part, store, key in zip(parts, plan.stores, plan.keys):
