@@ -92,16 +92,30 @@ def fuse_gated_mlps(model: nn.Module) -> list[str]:
         form = _fusable(module)
         if form is None:
             continue
-        cls = type(module)
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"{cls.__name__}FusedFp8", (_FusedGatedMlp, cls), {"__module__": cls.__module__})
-        module.__class__ = _CLASSES[cls]
+        module.__class__ = _fused_class(type(module))
         object.__setattr__(module, "_zbpp_mlp_form", form)
         fused.append(name)
     return fused
 
 
 _CLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type) -> type:
+    """The subclass of the gated MLP class `cls` that `fuse_gated_mlps` gives its modules (one per
+    class, made at run time)."""
+    fused = _CLASSES.get(cls)
+    if fused is None:
+        fused = _CLASSES[cls] = type(f"{cls.__name__}FusedFp8", (_FusedGatedMlp, cls),
+                                     {"__module__": cls.__module__})
+    return fused
+
+
+def _new_fused(cls: type) -> nn.Module:
+    # unpickling a fused MLP: an empty instance of `cls`'s fused subclass (its state follows)
+    return object.__new__(_fused_class(cls))
+
+
 _ACTIVATIONS = (("swiglu", F.silu), ("geglu", lambda v: F.gelu(v, approximate="tanh")))
 
 
@@ -322,6 +336,15 @@ class _FusedGatedMlp(nn.Module):
     """Mixed into a gated MLP's own class by `fuse_gated_mlps`."""
 
     _zbpp_mlp_form: _Form
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle (torch.save of the model) finds classes by name, and the fused class is made at
+        # run time: name the model's own class instead, whose fused subclass loading makes again
+        reduced = super().__reduce_ex__(protocol)
+        cls = type(self).__bases__[-1]
+        if _CLASSES.get(cls) is not type(self) or not isinstance(reduced, tuple):
+            return reduced  # a subclass of the fused class: the user's, found by name
+        return (_new_fused, (cls,), *reduced[2:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if _tracing():  # under torch.compile: out of the graph, so that W stays deferred
