@@ -867,3 +867,15 @@ def test_double_backward_is_refused_where_it_would_be_wrong(name, delay) -> None
         _penalised(layer, x)
     assert layer.pending_wgrad_keys() == []
     assert all(p.grad is None for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_an_integer_or_0d_input_is_named_with_what_the_layer_takes(name):
+    # an integer input was told to rebuild the layer with params_dtype=torch.int64 (which
+    # params_dtype refuses), a 0-d one met an IndexError deep inside
+    layer = MAKERS[name](delay_wgrad_compute=True)
+    with pytest.raises(TypeError, match=r"input dtype torch.int64 is not a floating-point dtype; cast the input "
+                                        r"to the parameters' torch.float32"):
+        layer(torch.ones(2, HIDDEN, dtype=torch.int64))
+    with pytest.raises(ValueError, match=rf"input is a 0-d tensor; the layer takes \[\.\.\., {HIDDEN}\]"):
+        layer(torch.tensor(1.0))

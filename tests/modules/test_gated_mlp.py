@@ -456,3 +456,12 @@ def test_a_fused_mlp_survives_torch_save_and_load(form) -> None:
         ys = [m(x.clone().requires_grad_()) for m in (mlp, loaded)]
     assert type(ys[1].grad_fn).__name__ == "_GatedMlpFunctionBackward"
     assert torch.equal(ys[0], ys[1])
+
+
+def test_a_fused_mlp_names_a_0d_input() -> None:
+    # the fused layer leaves what it cannot take to the model's forward, whose layers name it
+    mlp = GatedMLP(nn.SiLU())
+    assert fuse_gated_mlps(mlp) == [""]
+    delay_wgrad(mlp)
+    with fp8_autocast(fp8_recipe=RECIPE), pytest.raises(ValueError, match="gate_proj.weight: input is a 0-d tensor"):
+        mlp(torch.tensor(1.0))

@@ -313,7 +313,7 @@ def run_linear(
 ) -> torch.Tensor:
     """`run_layer` of a lone GEMM outside FP8 (`call.fp8` is None): ``x W^T + b``."""
     weight = call.weight
-    if x.dtype != weight.dtype or x.shape[-1] != weight.shape[call.transposed ^ 1]:
+    if x.dtype != weight.dtype or not x.dim() or x.shape[-1] != weight.shape[call.transposed ^ 1]:
         _check_input(x, call)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if store is not None and x.requires_grad:
@@ -347,6 +347,12 @@ def _refuse_autocast(y: torch.Tensor, fc1: GemmCall) -> None:
 def _check_input(x: torch.Tensor, fc1: GemmCall) -> None:
     """Raise the error that says how `x` does not fit `fc1`'s weight."""
     weight = fc1.weight
+    features = weight.shape[0 if fc1.transposed else 1]
+    if not x.is_floating_point():  # params_dtype takes floating-point dtypes only
+        raise TypeError(
+            f"{fc1.weight_name}: input dtype {x.dtype} is not a floating-point dtype; cast the "
+            f"input to the parameters' {weight.dtype} (token ids go through an embedding first)"
+        )
     if x.dtype != weight.dtype:
         # autocast casts an earlier op's output, but not zbpp's layers' parameters
         hint = (" (torch.autocast is on, which zbpp's layers do not follow: run them outside it, "
@@ -356,7 +362,11 @@ def _check_input(x: torch.Tensor, fc1: GemmCall) -> None:
             f"{fc1.weight_name}: input dtype {x.dtype} differs from the parameters' "
             f"{weight.dtype}{hint}; cast the input or build the module with params_dtype={x.dtype}"
         )
-    features = weight.shape[0 if fc1.transposed else 1]
+    if not x.dim():
+        raise ValueError(
+            f"{fc1.weight_name}: input is a 0-d tensor; the layer takes [..., {features}], the "
+            "features in the last dimension"
+        )
     if x.shape[-1] != features:
         raise ValueError(
             f"{fc1.weight_name}: input has {x.shape[-1]} features in its last dimension, the "
@@ -580,7 +590,7 @@ def run_layer(
     """The layer `spec` describes on `x` (any leading shape; features in the last dimension)."""
     fc1, fc2 = spec.fc1, spec.fc2
     weight = fc1.weight
-    if x.dtype != weight.dtype or x.shape[-1] != weight.shape[fc1.transposed ^ 1]:
+    if x.dtype != weight.dtype or not x.dim() or x.shape[-1] != weight.shape[fc1.transposed ^ 1]:
         _check_input(x, fc1)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if spec.store is not None and (x.requires_grad or _trainable(norm_weight)

@@ -354,7 +354,8 @@ class _FusedGatedMlp(nn.Module):
         fc1 = [_child(self, n) for n in form.fc1]
         layers = (*fc1, _child(self, "down_proj"))
         if recipe is None or not all(type(m) is Linear and m._delay and m.bias is None for m in layers) \
-                or x.dtype != fc1[0].weight.dtype or _child(self, form.act_name) is not form.act_fn \
+                or x.dtype != fc1[0].weight.dtype or not x.dim() \
+                or _child(self, form.act_name) is not form.act_fn \
                 or runs_hooks(*layers, *form.act_modules):  # the fused layer calls none of them
             return super().forward(x)
         # each a zbpp Linear (checked above): its weight is the registered parameter
