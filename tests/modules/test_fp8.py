@@ -460,3 +460,57 @@ def test_gpu_compiled_cast_equals_eager_cast(dtype):
         got = compiled(x, scale, fmax, f8, True)
         for w, g in zip(want, got):
             assert torch.equal(w.float(), g.float())
+
+
+@pytest.mark.parametrize("first", [None, True], ids=["cast each call", "cast kept"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "gated MLP"])
+def test_an_fp8_forward_under_inference_mode_then_training(name, first):
+    """An evaluation under ``torch.inference_mode`` before training: the layer's first FP8
+    forward made its scaling slots (and, with ``is_first_microbatch=True``, its kept weight cast)
+    inference tensors, and the next training forward failed to update or save them. Reference:
+    the same layer evaluated under ``torch.no_grad`` instead; bit-identical (the same casts in
+    the same order, the slots in the same states)."""
+    import copy
+
+    from torch import nn
+
+    from zbpp.modules import delay_wgrad, fuse_gated_mlps
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+            self.down_proj, self.act_fn = nn.Linear(64, 32, bias=False), nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    torch.manual_seed(0)
+    if name == "gated MLP":
+        layer = Gated()
+        assert fuse_gated_mlps(layer) == [""]
+        delay_wgrad(layer)
+        for m in (layer.gate_proj, layer.up_proj, layer.down_proj):  # is_first_microbatch from (stage, j)
+            m.keep_fp8_weight_casts = first is not None
+        run = lambda m, x, j: m(x)  # noqa: E731
+    else:
+        layer = (Linear(32, 32, delay_wgrad_compute=True) if name == "Linear"
+                 else LayerNormMLP(32, 64, delay_wgrad_compute=True))
+        run = lambda m, x, j: m(x, is_first_microbatch=None if first is None else j == 0)  # noqa: E731
+    ref = copy.deepcopy(layer)
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(16, 32)
+    outs = []
+    for m, evaluation in ((layer, torch.inference_mode), (ref, torch.no_grad)):
+        with evaluation(), fp8_autocast(fp8_recipe=recipe), microbatch((0, 0)):
+            run(m, x, 0)
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=recipe), microbatch((0, 1)):
+            y = run(m, xi, 1)
+        y.square().sum().backward()
+        for w in [m] if name != "gated MLP" else [m.gate_proj, m.up_proj, m.down_proj]:
+            w.backward_dw((0, 1))
+        outs.append((y, xi.grad, [p.grad for p in m.parameters()]))
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = outs
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))

@@ -22,6 +22,8 @@ optimizer step must pass ``True``.
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .fp8 import DelayedScaling, Quantized, ScalingMeta, quantize
 
-__all__ = ["Fp8WeightCache", "check_first_microbatch", "optimizer_steps", "step_first_microbatch"]
+__all__ = ["Fp8WeightCache", "check_first_microbatch", "optimizer_steps", "outside_inference_mode",
+           "step_first_microbatch"]
 
 
 def check_first_microbatch(owner: str, value: object) -> bool | None:
@@ -73,6 +76,18 @@ def optimizer_steps() -> int:
     """How many ``torch.optim`` steps this process has run: a kept weight cast is stale once
     this changes."""
     return _optimizer_steps
+
+
+def outside_inference_mode(kept: bool = True) -> AbstractContextManager[object]:
+    """A block whose tensors are no inference tensors when `kept` (they outlive the call): a cast
+    made in an evaluation under ``torch.inference_mode`` and kept for later microbatches would be
+    one, which a training forward cannot save for its backward. Grad mode stays off in it."""
+    if not kept or not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
 
 @dataclass(frozen=True)
@@ -143,7 +158,8 @@ class Fp8WeightCache:
         kept = self._kept
         if not first_microbatch and kept is not None and kept.belongs_to(weight, slot, transpose):
             return kept.cast
-        cast = quantize(weight, slot, recipe, transpose=transpose)
+        with outside_inference_mode():
+            cast = quantize(weight, slot, recipe, transpose=transpose)
         self._kept = _Kept(weight, weight.data_ptr(), weight._version, _optimizer_steps, slot,
                            cast)
         return cast

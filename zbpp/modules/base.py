@@ -332,8 +332,9 @@ class DelayedWgradModule(nn.Module):
             meta = ScalingMeta(dtype, history_len=recipe.amax_history_len, device=device)
             self.fp8_meta[name] = meta
         elif meta.scale.device != device:  # the module moved (e.g. .cuda()) after an FP8 step
-            meta.scale = meta.scale.to(device)
-            meta.amax_history = meta.amax_history.to(device)
+            with torch.inference_mode(False):  # kept across calls: see ScalingMeta
+                meta.scale = meta.scale.to(device)
+                meta.amax_history = meta.amax_history.to(device)
         return meta
 
     def _gemm_call(

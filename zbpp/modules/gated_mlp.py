@@ -55,7 +55,7 @@ from torch import nn
 
 from .._compat import runs_hooks
 from ._activations import ACTIVATIONS, Activation
-from ._fp8_weight_cache import optimizer_steps
+from ._fp8_weight_cache import optimizer_steps, outside_inference_mode
 from ._fused import act_quantize, dact_quantize
 from ._layer_function import GemmCall, _Job, _quantize_grad, _WgradPart, refuse_double_backward
 from ._shared_input import cast_input
@@ -253,7 +253,7 @@ class _StackedCast:
         if first_microbatch is False and kept is not None and kept[0] is gate and kept[1] is up \
                 and kept[2] is slot and kept[3] == state:
             return kept[4]
-        with torch.no_grad():
+        with outside_inference_mode(first_microbatch is not None), torch.no_grad():
             cast = quantize(torch.cat([gate, up]), slot, recipe, transpose=True)
         self._kept = (gate, up, slot, state, cast) if first_microbatch is not None else None
         return cast

@@ -50,8 +50,11 @@ class ScalingMeta:
     ) -> None:
         self.dtype = dtype
         self.fp8_max = torch.finfo(dtype).max
-        self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
-        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        # the state outlives the call that makes it: never inference tensors, which a first FP8
+        # forward under torch.inference_mode would make and no later training forward could update
+        with torch.inference_mode(False):
+            self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
+            self.scale = torch.ones((), dtype=torch.float32, device=device)
         self._workspace: torch.Tensor | None = None  # the fused Triton cast's, made on first use
         self.casts = 0  # how many casts stepped it (0: fresh)
 
@@ -60,8 +63,9 @@ class ScalingMeta:
         length = recipe.amax_history_len
         if self.amax_history.numel() != length:
             old = self.amax_history[:length]
-            self.amax_history = torch.zeros(length, dtype=torch.float32, device=old.device)
-            self.amax_history[: old.numel()] = old
+            with torch.inference_mode(False):  # as in __init__
+                self.amax_history = torch.zeros(length, dtype=torch.float32, device=old.device)
+                self.amax_history[: old.numel()] = old
 
     def rule_args(self, recipe: DelayedScaling) -> dict:
         """The scale rule as the kernels take it: ``scale = rcp(amax) * factor`` with
@@ -74,7 +78,8 @@ class ScalingMeta:
         kernels leave it so); made on first use, on the slot's device."""
         device = self.amax_history.device
         if self._workspace is None or self._workspace.device != device:
-            self._workspace = torch.zeros(2, dtype=torch.int32, device=device)
+            with torch.inference_mode(False):  # as in __init__
+                self._workspace = torch.zeros(2, dtype=torch.int32, device=device)
         return self._workspace
 
     def update(self, amax: torch.Tensor, recipe: DelayedScaling) -> None:
