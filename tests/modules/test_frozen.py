@@ -190,3 +190,32 @@ def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(
             assert p.grad is None and q.grad is None, n
         else:
             assert torch.equal(p.grad, q.grad), n
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager", "delayed"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_a_weight_frozen_between_forward_and_backward_leaves_main_grad_alone(layer: str, delay: bool) -> None:
+    """With fuse_wgrad_accumulation the weight gradients go into ``main_grad``, past autograd's
+    AccumulateGrad, which would skip a weight frozen since F: its main_grad must stay as it was
+    (zeros), eager or delayed. Reference for the others: the same run with nothing frozen
+    (exact: the same GEMMs on the same tensors)."""
+    runs = []
+    for freeze in (False, True):
+        torch.manual_seed(0)
+        mod = LAYERS[layer](delay_wgrad_compute=delay, fuse_wgrad_accumulation=True)
+        weights = [(n, p) for n, p in mod.named_parameters() if p.dim() == 2]
+        for _, p in weights:
+            p.main_grad = torch.zeros_like(p)
+        x = torch.randn(16, D, requires_grad=True)
+        y = _run(mod, x, 0, False)
+        if freeze:
+            weights[0][1].requires_grad_(False)
+        y.square().sum().backward()
+        if mod.pending_wgrad_keys():
+            mod.backward_dw(0)
+        runs.append({n: p.main_grad for n, p in weights})
+    frozen = next(iter(runs[1]))
+    assert not runs[1][frozen].any(), frozen
+    assert runs[0][frozen].any()  # it would have had one
+    for n in list(runs[1])[1:]:
+        assert torch.equal(runs[1][n], runs[0][n]), n

@@ -559,7 +559,8 @@ def _eager_wgrad(part: _WgradPart, fp8: bool) -> tuple[torch.Tensor | None, torc
     arithmetic); a fused weight's goes into ``main_grad``, autograd gets `_dummy_wgrad`'s."""
     call, operands, bias_grad_of = part
     dw = db = None
-    if operands is not None:
+    # one frozen since F gets nothing (AccumulateGrad would drop it; main_grad is ours to spare)
+    if operands is not None and call.weight.requires_grad:
         dw = _weight_grad(call, operands[0], operands[1], fp8)
         if call.fuse_wgrad_accumulation:
             add_to_main_grad(call.weight_name, call.weight, dw)
