@@ -24,7 +24,7 @@ import shutil
 import sys
 import textwrap
 from dataclasses import replace
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Collection, NoReturn, Sequence
 
 from . import __version__
 from .schedules import Costs, Kind, Memory, available, build, options_of, simulate, validate
@@ -374,29 +374,34 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _names(flag: str, text: str | None) -> list[str] | None:
-    """A comma-separated list of names; None where the flag was not given. One naming nothing
-    ('' or ',') is refused: it read as not given (every name) or ended in a message about layers."""
+def _names(flag: str, text: str | None, known: Collection[str]) -> list[str] | None:
+    """A comma-separated list of names, each one of `known`; None where the flag was not given. One
+    naming nothing ('' or ',') is refused: it read as not given (every name) or ended in a message
+    about layers; an unknown name is refused naming the flag (the planner's error names none)."""
     if text is None:
         return None
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names:
         raise ValueError(f"{flag} {text!r} names nothing: give comma-separated names, or drop {flag} for all")
+    unknown = [x for x in names if x not in known]
+    if unknown:
+        raise ValueError(f"{flag} {text!r}: {', '.join(map(repr, unknown))} not known; the choices are "
+                         f"{', '.join(known)}")
     return names
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """``zbpp plan``: each stage's layers and the schedule, chosen together within a memory budget."""
-    from .schedules.planner import search
-    from .schedules.profile import Profile
+    from .schedules.planner import SCHEDULES, search
+    from .schedules.profile import POLICIES, Profile
 
     try:
         profile = Profile.load(args.profile)
     except OSError as exc:
         raise ValueError(f"--profile {args.profile}: cannot read it ({exc.strerror})") from None
-    schedules = _names("--schedules", args.schedules)
+    schedules = _names("--schedules", args.schedules, SCHEDULES)
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
-    policies = _names("--policies", args.policies)
+    policies = _names("--policies", args.policies, POLICIES)
     host_memory = None if args.host_memory_gb is None else args.host_memory_gb * 1e9
     host_flags = _given(args, "--ranks-per-node", "--host-memory-gb")
     if host_flags:  # they size offload's host link and memory: refused where offload is never chosen

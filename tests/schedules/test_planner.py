@@ -241,3 +241,18 @@ def test_layers_that_take_no_time_explain_without_dividing_by_zero(tmp_path, cap
 
     assert main(["plan", "--profile", str(path), "-p", "2", "-m", "3"]) == 0
     assert "runner-up:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value, known", [("--schedules", "zb-h1,nope", "zb-h1"), ("--policies", "full,nope", "full")])
+def test_cli_plan_names_the_flag_of_an_unknown_name(tmp_path, capsys, flag, value, known):
+    """`--schedules nope` ended in the planner's "schedule 'nope' is not one `search` knows", which
+    names no flag; now the one line names the flag, the unknown name and the choices."""
+    from zbpp.cli import main
+
+    path = tmp_path / "prof.json"
+    _embedding_head_profile().save(path)
+    assert main(["plan", "--profile", str(path), "-p", "2", "-m", "4", flag, value]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"zbpp plan: error: {flag} {value!r}: 'nope' not known"), captured.err
+    assert known in lines[0].split("the choices are ", 1)[1] and captured.out == ""
