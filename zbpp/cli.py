@@ -456,11 +456,15 @@ def _cmd_measure(args: argparse.Namespace) -> int:
         raise ValueError(f"--host-gb-per-s is the host link of offload's copies, and --policies {args.policies} "
                          "does not measure offload: add offload to --policies or drop --host-gb-per-s")
     host = None if args.host_gb_per_s is None else args.host_gb_per_s * 1e9
-    profile = measure_causal_lm(config, seq=args.seq, micro_batch=args.micro_batch, measured_blocks=args.measured_blocks,
-                                dtype=dtype, device=args.device, attn_implementation=args.attn,
-                                link_bytes_per_s=args.link_gb_per_s * 1e9, steps=args.steps, warmup=args.warmup,
-                                optimizer_bytes_per_param=args.optimizer_bytes, policies=policies,
-                                host_bytes_per_s=host)
+    try:
+        profile = measure_causal_lm(config, seq=args.seq, micro_batch=args.micro_batch,
+                                    measured_blocks=args.measured_blocks, dtype=dtype, device=args.device,
+                                    attn_implementation=args.attn, link_bytes_per_s=args.link_gb_per_s * 1e9,
+                                    steps=args.steps, warmup=args.warmup, optimizer_bytes_per_param=args.optimizer_bytes,
+                                    policies=policies, host_bytes_per_s=host)
+    except ImportError as exc:  # a package the model needs is not installed (flash-attn for flash_attention_2)
+        flag = f"--attn {args.attn}: " if args.attn is not None else ""
+        raise ValueError(f"{flag}{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     profile.save(args.output)
     print(f"wrote {args.output}: {len(profile)} layers of {profile.name} measured on {profile.notes['measured_on']}")
     if profile.host_bytes_per_s:

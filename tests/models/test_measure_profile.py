@@ -534,3 +534,23 @@ def test_pending_wgrads_are_left_as_found():
     (pending, grads), (ref_pending, ref_grads) = trained(True), trained(False)
     assert pending == ref_pending, (pending, ref_pending)
     assert all(g is not None and torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_an_attention_whose_package_is_missing_is_one_line_naming_the_flag(tmp_path, capsys):
+    """`zbpp measure --attn flash_attention_2` without flash-attn installed ended in HF's ImportError
+    traceback; now one line naming --attn, exit 2, and no profile written."""
+    import importlib.util
+
+    transformers = pytest.importorskip("transformers")
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here: flash_attention_2 may work")
+    from zbpp.cli import main
+
+    transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    out = tmp_path / "prof.json"
+    assert main(["measure", "--hf-config", str(tmp_path), "--seq", "4", "--steps", "1", "--warmup", "0",
+                 "--attn", "flash_attention_2", "-o", str(out)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zbpp measure: error: --attn flash_attention_2: "), lines
+    assert "FlashAttention2" in lines[0] and not out.exists()
