@@ -449,3 +449,27 @@ def test_experts_that_do_not_fuse_are_refused_on_every_rank(tmp_path: Path) -> N
     for rank in range(2):
         with pytest.raises(ValueError, match=r"another shape .*model\.layers\.1\.mlp\.experts\.gate_up_proj from "):
             causal_lm_stages(tmp_path, sched, rank, device="cpu")
+
+
+@pytest.mark.parametrize("index", [{"metadata": {"total_size": 1}}, {"metadata": {}, "weight_map": ["a"]}, ["x"]])
+@pytest.mark.parametrize("config_dtype", [True, False])
+def test_an_index_without_a_weight_map_is_named(index: Any, config_dtype: bool, tmp_path: Path) -> None:
+    """A model.safetensors.index.json without "weight_map" (or with one of another form, or not an
+    object) failed with a bare KeyError: 'weight_map' (TypeError for the others), naming no file,
+    whether or not config.json names the dtype (without it the index is read first to find it).
+    Now a ValueError names the index file and what it lacks."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("llama"))
+    model.save_pretrained(tmp_path, max_shard_size="8KB")
+    if not config_dtype:
+        saved = json.loads((tmp_path / "config.json").read_text())
+        saved.pop("dtype", None), saved.pop("torch_dtype", None)
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    with pytest.raises(ValueError, match="model.safetensors.index.json") as err:
+        causal_lm_stages(tmp_path, sched, 0, device="cpu")
+    assert str(tmp_path) in str(err.value) and ("weight_map" in str(err.value) or "JSON list" in str(err.value))

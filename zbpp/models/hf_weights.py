@@ -212,7 +212,7 @@ def _tensor_files(root: Path) -> tuple[dict[str, str], dict[str, list[int]]]:
         shapes = _keys_of(root, _SINGLE)
         return {k: _SINGLE for k in shapes}, shapes
     if (root / _INDEX).is_file():
-        files = dict(json.loads((root / _INDEX).read_text())["weight_map"])
+        files = _weight_map(root)
         shapes: dict[str, list[int]] = {}
         for fname in sorted(set(files.values())):
             if not (root / fname).is_file():
@@ -240,10 +240,11 @@ def _checkpoint_dtype(root: Path) -> torch.dtype:
     if (root / _SINGLE).is_file():
         first = _SINGLE
     elif (root / _INDEX).is_file():
-        index = json.loads((root / _INDEX).read_text())
-        if isinstance(index.get("metadata", {}).get("dtype"), str):
-            return getattr(torch, index["metadata"]["dtype"])
-        first = sorted(set(index["weight_map"].values()))[0]
+        index = _index(root)
+        metadata = index.get("metadata")
+        if isinstance(metadata, dict) and isinstance(metadata.get("dtype"), str):
+            return getattr(torch, metadata["dtype"])
+        first = sorted(set(_weight_map(root).values()))[0]
     else:
         return torch.float32  # no weights: `_tensor_files` says so, naming the directory
     _tensor_files(root)  # the files checked first: one cut short is named, not failed on here
@@ -253,6 +254,33 @@ def _checkpoint_dtype(root: Path) -> torch.dtype:
             if found is not None and found.is_floating_point and found.itemsize > 1:  # as HF: no FP8 or FP4
                 return found
     return torch.float32
+
+
+def _index(root: Path) -> dict[str, Any]:
+    """The parsed ``model.safetensors.index.json`` of `root`; one that is not a JSON object is named."""
+    file = root / _INDEX
+    try:
+        index = json.loads(file.read_text())
+    except ValueError as exc:  # json's error names no file
+        raise ValueError(f"{os.fspath(file)!r} is not valid JSON ({exc}): is the checkpoint complete?") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{os.fspath(file)!r} holds a JSON {type(index).__name__}, not the object of a "
+                         "safetensors index ({\"metadata\": ..., \"weight_map\": {tensor: file}})")
+    return index
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    """The index's ``weight_map`` ({tensor: file}); an index without one, or with one of another form, is named
+    (else a bare KeyError 'weight_map' or a TypeError, naming no file)."""
+    index = _index(root)
+    files = index.get("weight_map")
+    if not isinstance(files, dict) or not files or not all(isinstance(k, str) and isinstance(v, str)
+                                                           for k, v in files.items()):
+        what = "has no \"weight_map\"" if "weight_map" not in index else \
+            f"has a \"weight_map\" that is not a non-empty {{tensor name: file name}} object ({str(files)[:80]})"
+        raise ValueError(f"{os.fspath(root / _INDEX)!r} {what}: it does not say which file holds each tensor "
+                         "(a damaged or hand-written index? save_pretrained writes one)")
+    return dict(files)
 
 
 def _keys_of(root: Path, fname: str) -> dict[str, list[int]]:
