@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="HF attention implementation (default: HF's choice for the model, sdpa where it has it)")
     ap.add_argument("--experts", choices=["eager", "grouped_mm"], default=None,
                     help="a mixture of experts' expert layers (default: eager with --dtype float64, which HF's "
-                         "grouped matmul does not take; else HF's choice)")
+                         "grouped matmul does not take; else HF's choice); refused for a model without experts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (the ranks are dp x pipeline ranks)")
     ap.add_argument("--fsdp", action="store_true", help="with --dp: shard each stage over the replicas (FSDP2)")
@@ -243,10 +243,12 @@ def model_source(args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
     cover the data's), else a config; and the model's config."""
     if args.pretrained is None:
         config = make_config(args, vocab)
+        _check_experts(args, config)
         return config, config
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(args.pretrained)
+    _check_experts(args, config)
     if getattr(config, "vocab_size", 0) < vocab:
         raise SystemExit(f"--from {args.pretrained}: its vocabulary ({config.vocab_size}) is smaller than the data's ({vocab})")
     positions = getattr(config, "max_position_embeddings", None)
@@ -254,6 +256,21 @@ def model_source(args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
         raise SystemExit(f"--seq-len {args.seq_len} is longer than the {positions} positions of --from {args.pretrained} "
                          "(its max_position_embeddings)")
     return args.pretrained, config
+
+
+def _check_experts(args: argparse.Namespace, config: Any) -> None:
+    """--experts picks a mixture of experts' expert layers: a model without them would ignore it (HF
+    does), so it is refused, naming the flag and the model."""
+    if args.experts is None:
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    # HF's own test of whether a model's experts implementation can be chosen (its MoE layers use it)
+    if cls is not None and not cls._can_set_experts_implementation():
+        what = f"--from {args.pretrained}" if args.pretrained else f"--model {args.model}"
+        raise SystemExit(f"--experts {args.experts}: {what} ({cls.__name__}) has no mixture-of-experts layers; "
+                         "drop --experts")
 
 
 # -- checkpoints: <dir>/step-<n>, written whole or not at all ---------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -328,3 +329,21 @@ def test_from_pretrained_directory_starts_at_its_loss(tmp_path: Path, zbpp_worke
     with torch.no_grad():
         want = float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
     assert first == pytest.approx(want, rel=HF_LOSS_RTOL, abs=0)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "from"])
+def test_experts_for_a_model_without_experts_is_refused(model: str, tmp_path: Path) -> None:
+    """--experts picks the expert layers of a mixture of experts; for a model without any (a Llama,
+    a GPT-2, a --from directory of a dense model) HF ignored it and the run trained as if it were
+    not given. Refused before the model is built, naming the flag; a Mixtral takes it."""
+    ex = _example()
+    if model == "from":
+        transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, max_position_embeddings=64).save_pretrained(tmp_path)
+        argv, what = ["--from", str(tmp_path)], f"--from {tmp_path} (LlamaForCausalLM)"
+    else:
+        argv, what = ["--model", model], f"--model {model}"
+    with pytest.raises(SystemExit, match=r"--experts eager: " + re.escape(what) + ".* no mixture-of-experts layers"):
+        ex.model_source(ex.parse_args([*argv, "--experts", "eager", "--data", "synthetic"]), 64)
+    config = ex.model_source(ex.parse_args(["--model", "mixtral", "--experts", "eager", "--data", "synthetic"]), 64)[1]
+    assert config.model_type == "mixtral"
