@@ -222,3 +222,30 @@ def test_layer_masks_do_not_change_under_stream_capture(given, monkeypatch):
     if given != "nothing":
         assert torch.equal(seen[0], seen[1])
     torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+
+
+def test_which_stages_may_hold_no_decoder_layer():
+    """As causal_lm_stages' docstring says: the default placement gives every stage a layer (3 layers
+    do not fill 4 stages); listed by hand, the first stage may hold the embeddings alone and the
+    last the final norm and LM head alone (run in a row they are HF's model, float64: 1e-12, as
+    above), and a middle stage without a layer is refused."""
+    cfg = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 3})
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    ids = torch.randint(1, 40, (2, 6))
+    with pytest.raises(ValueError, match="3 blocks cannot fill 4 stages"):
+        causal_lm_stages(cfg, build("1f1b", num_ranks=4, num_microbatches=4), 0)
+    layers = ["model.layers.0", "model.layers.1", "model.layers.2"]
+    sched = build("1f1b", num_ranks=3, num_microbatches=3)
+    fqns = [["model.embed_tokens"], layers, ["model.norm", "lm_head"]]
+    stages: dict = {}
+    for r in range(3):
+        stages.update(causal_lm_stages(cfg, sched, r, dtype=torch.float64, attn_implementation="eager",
+                                       state_dict=ref.state_dict(), module_fqns_per_stage=fqns, device="cpu")[0])
+    x = {"input_ids": ids}
+    for s in range(3):
+        x = stages[s](**x)
+    torch.testing.assert_close(x, ref(input_ids=ids).logits, **TOL)
+    middle = [["model.embed_tokens", *layers], [], ["model.norm", "lm_head"]]
+    with pytest.raises(ValueError, match="a middle stage holds no decoder layer"):
+        causal_lm_stages(cfg, sched, 1, dtype=torch.float64, module_fqns_per_stage=middle, device="cpu")

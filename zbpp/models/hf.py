@@ -196,8 +196,10 @@ def causal_lm_stages(
             floats), ... when building from a config or a directory (HF does not save it in
             ``config.json``).
         module_fqns_per_stage, balance, state_dict, seed: as `pipeline_stages`; the blocks are the
-            model's decoder layers. A stage holds a contiguous run of them; only the first stage
-            may hold none (the embeddings alone) and the last (the final norm and LM head alone).
+            model's decoder layers. A stage holds a contiguous run of them. The default placement
+            gives every stage at least one (so the model needs as many layers as the schedule has
+            stages); with `module_fqns_per_stage` the first stage may hold none (the embeddings
+            alone) and the last none (the final norm and LM head alone), a middle stage must hold one.
         ignore_index: the label value the loss ignores.
         fast, fp8: ``fast=True`` gives every stage its fastest correct form and adds the runtime's
             keywords for it (`zbpp.models.fast.fast_hf_stages`: delayed weight gradients, compiled
