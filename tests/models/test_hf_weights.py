@@ -9,6 +9,7 @@ the tensors of its own stages."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -473,3 +474,28 @@ def test_an_index_without_a_weight_map_is_named(index: Any, config_dtype: bool, 
     with pytest.raises(ValueError, match="model.safetensors.index.json") as err:
         causal_lm_stages(tmp_path, sched, 0, device="cpu")
     assert str(tmp_path) in str(err.value) and ("weight_map" in str(err.value) or "JSON list" in str(err.value))
+
+
+def test_a_read_failing_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_workers) -> None:
+    """Rank 1 cannot read the data of the shard that holds the final norm (an I/O error after the
+    headers read; `failing_read_case`): it raised alone in causal_lm_stages, and rank 0 went on into
+    the Pipeline and waited for it there until the process group's 60 s timeout. Now the ranks agree
+    once their stages are read: rank 1 raises its own error naming the file, rank 0 a PipelineError
+    naming rank 1 and the file, within seconds."""
+    from .weights_cases import failing_read_case
+
+    src = tmp_path / "src"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config("llama")).save_pretrained(src, max_shard_size="8KB")
+    broken = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    outcomes = zbpp_workers(2, pg_timeout=60).run(failing_read_case, str(src), broken)
+    # rank 0 raised within seconds of rank 1's failure, not at the 60 s timeout (each started at the same time;
+    # building the stages alone takes seconds on a loaded CPU, so the times are compared, not bounded)
+    seconds = [float(o.split("s ", 1)[0]) for o in outcomes]
+    assert seconds[0] < seconds[1] + 10, outcomes
+    # the first tensor rank 1 reads from that shard (which one: the shard's order), then the file and the cause
+    words = re.compile(rf"OSError: could not read '[\w.]+' from '{re.escape(str(src / broken))}': OSError: \[Errno 5\] "
+                       "Input/output error")
+    assert words.match(outcomes[1].split(" ", 1)[1]), outcomes
+    assert outcomes[0].split(" ", 1)[1].startswith("PipelineError: causal_lm_stages could not read "), outcomes
+    assert re.search("; global rank 1: " + words.pattern, outcomes[0]), outcomes

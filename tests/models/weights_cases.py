@@ -130,3 +130,58 @@ def failing_save_case(out: str, where: str) -> str:
     finally:
         setattr(owner, name, original)
     return f"{time.monotonic() - start:.1f}s ok"
+
+
+def failing_read_case(src: str, broken: str) -> str:
+    """On every rank: a 1f1b llama pipeline of 2 ranks built from the directory `src` and then its
+    `Pipeline`; on rank 1 alone, reading a tensor's data from the file `broken` fails with an I/O
+    error (its header reads: only the data is damaged, as a bad disk sector or a network file
+    system that drops the read). Returns ``"<seconds>s <type>: <message>"`` of what this rank
+    raised, or ``"<seconds>s ok"``."""
+    import errno
+    import time
+
+    import safetensors
+    import torch.distributed as dist
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    rank = dist.get_rank()
+    sched = build("1f1b", num_ranks=2, num_microbatches=M)
+    original = safetensors.safe_open
+
+    class Damaged:
+        """safe_open of `broken` whose tensor data cannot be read."""
+
+        def __init__(self, path: Any, *args: Any, **kw: Any) -> None:
+            self._f = original(path, *args, **kw)
+            self._broken = str(path).endswith(broken)
+
+        def __enter__(self) -> "Damaged":
+            self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self._f.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._f, name)
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            if self._broken:
+                raise OSError(errno.EIO, "Input/output error")
+            return self._f.get_tensor(key)
+
+    if rank == 1:
+        safetensors.safe_open = Damaged
+    start = time.monotonic()
+    try:
+        stages, kwargs = causal_lm_stages(src, sched, rank, device="cpu")
+        Pipeline(stages, sched, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{time.monotonic() - start:.1f}s {type(exc).__name__}: {exc}"
+    finally:
+        safetensors.safe_open = original
+    return f"{time.monotonic() - start:.1f}s ok"

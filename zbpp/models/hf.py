@@ -183,6 +183,8 @@ def causal_lm_stages(
         model_or_config: a local HF directory (``config.json`` and ``*.safetensors``, sharded or
             not, as ``save_pretrained`` writes it): built from its config, this rank's stages read
             their own tensors only (`zbpp.models.hf_weights`); dtype default: the checkpoint's.
+            Under torch.distributed every rank of the default process group calls it (it ends in
+            an agreement: a read failing on one rank raises on every rank, naming it and the file).
             Or a ``PretrainedConfig`` of a decoder-only causal LM: the model is built on the
             ``meta`` device and only this rank's stages get weights (random, by the model's own
             init, or `state_dict`); or a ``*ForCausalLM`` model (best on ``meta``). It must fit the
@@ -213,7 +215,20 @@ def causal_lm_stages(
     """
     if fast is not True and fast is not False:  # checked before the model is built (a falsy 0 would skip it)
         raise TypeError(f"causal_lm_stages: fast={fast!r}; pass True or False")
+    args = (schedule, pp_rank, device, dtype, attn_implementation, experts_implementation, module_fqns_per_stage,
+            balance, state_dict, seed, ignore_index, fast, fp8)
     if isinstance(model_or_config, (str, os.PathLike)):  # a local HF directory: read this rank's tensors only
+        return _read_on_every_rank(model_or_config, lambda: _stages(model_or_config, *args))
+    return _stages(model_or_config, *args)
+
+
+def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torch.device | str | None,
+            dtype: torch.dtype | None, attn_implementation: str | None, experts_implementation: str | None,
+            module_fqns_per_stage: Sequence[Sequence[str]] | None, balance: Balance,
+            state_dict: Mapping[str, torch.Tensor] | None, seed: int, ignore_index: int, fast: bool, fp8: Any
+            ) -> tuple[dict[int, nn.Module], dict[str, Any]]:
+    """`causal_lm_stages` once the directory, if any, is known to every rank's agreement."""
+    if isinstance(model_or_config, (str, os.PathLike)):
         model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
     model = _model(model_or_config, dtype, attn_implementation, experts_implementation)
     template = check_template(model)
@@ -239,6 +254,32 @@ def causal_lm_stages(
 
         kwargs.update(fast_hf_stages(modules, fast=fast, fp8=fp8, loss_fn=loss))
     return modules, kwargs
+
+
+def _read_on_every_rank(path: Any, build: Callable[[], Any]) -> Any:
+    """`build()`, which reads this rank's tensors of the directory `path`, followed by an agreement of
+    every rank of the default process group (each builds its stages from the directory): a rank whose
+    read failed (an I/O error on its shards only) raises its own error and every other rank a
+    `PipelineError` naming it, at once, rather than waiting for it in the `Pipeline` until the
+    process group's timeout. Without torch.distributed, `build()` alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return build()
+    from ..runtime.agreement import Agreement, agree_on_problems
+    from ..runtime.channels import cached_group, default_timeout
+
+    world = list(range(dist.get_world_size()))
+    # a group of its own: the Pipeline's agreement group may be made with another timeout (cached by ranks)
+    agreement = Agreement(cached_group("read", world, "gloo", default_timeout()))
+    problem: BaseException | None = None
+    built = None
+    try:
+        built = build()
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        problem = exc
+    agree_on_problems(agreement, problem, world, f"causal_lm_stages could not read {os.fspath(path)!r} on every rank")
+    return built
 
 
 def _check_layer_order(fqns: Sequence[Sequence[str]], template: Template) -> None:

@@ -173,8 +173,12 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def _read(self, key: str, dtype: torch.dtype | None) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(self.root / self._files[key], framework="pt", device=str(self.device)) as f:
-            t = f.get_tensor(key)
+        file = self.root / self._files[key]
+        try:
+            with safe_open(file, framework="pt", device=str(self.device)) as f:
+                t = f.get_tensor(key)
+        except Exception as exc:  # an I/O error or damaged data: safetensors' error names no file
+            raise OSError(f"could not read {key!r} from {os.fspath(file)!r}: {type(exc).__name__}: {exc}") from exc
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
         return t
