@@ -249,3 +249,66 @@ def test_which_stages_may_hold_no_decoder_layer():
     middle = [["model.embed_tokens", *layers], [], ["model.norm", "lm_head"]]
     with pytest.raises(ValueError, match="a middle stage holds no decoder layer"):
         causal_lm_stages(cfg, sched, 1, dtype=torch.float64, module_fqns_per_stage=middle, device="cpu")
+
+
+def _llama_feeding_its_layers_beside_the_hidden_states(cfg):
+    """A Llama whose base model passes every decoder layer a projection of the embeddings beside the
+    hidden states (``extra=``, added to the layer's input): a module called before the layers whose
+    output reaches them some other way than through the hidden states."""
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.models.llama import modeling_llama as ml
+
+    class Layer(ml.LlamaDecoderLayer):
+        def forward(self, hidden_states, extra=None, **kwargs):
+            return super().forward(hidden_states + extra, **kwargs)
+
+    class Base(ml.LlamaModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.extra = torch.nn.Linear(config.hidden_size, config.hidden_size)
+            self.layers = torch.nn.ModuleList(Layer(config, i) for i in range(config.num_hidden_layers))
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            extra = self.extra(inputs_embeds)
+            if position_ids is None:
+                position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+            mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                      past_key_values=None, position_ids=position_ids)
+            hidden = inputs_embeds
+            rotary = self.rotary_emb(hidden, position_ids=position_ids)
+            for layer in self.layers:
+                hidden = layer(hidden, extra=extra, attention_mask=mask, position_ids=position_ids,
+                               position_embeddings=rotary)
+            return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    class ForCausalLM(ml.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = Base(config)
+            self.post_init()
+
+    return ForCausalLM(cfg).double()
+
+
+def test_a_module_feeding_the_layers_beside_the_hidden_states_is_refused():
+    """A model that passes its layers a projection of the embeddings beside the hidden states: the
+    second stage held no copy of that projection, its stand-in returned zeros, and the second stage's
+    layers silently computed with zeros there (logits off HF's by 5e-2). Every stage of a split
+    model is refused, naming the model, the layer input and the module; one stage holding the
+    whole model (no stand-in) is HF's model (float64: 1e-12, as above)."""
+    cfg, _ = configs()["llama"]
+    torch.manual_seed(0)
+    ref = _llama_feeding_its_layers_beside_the_hidden_states(cfg)
+    ids = torch.randint(1, 40, (2, 6))
+    one, _ = causal_lm_stages(ref, build("1f1b", num_ranks=1, num_microbatches=1), 0, state_dict=ref.state_dict(),
+                              device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(one[0](input_ids=ids), ref(input_ids=ids).logits, **TOL)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    for r in range(2):
+        with pytest.raises(ValueError, match=r"ForCausalLM does not fit zbpp.models.hf's template: its forward passes "
+                                             r"model.layers.0 'extra' computed from model.extra, which stage\(s\) \[1\]"):
+            causal_lm_stages(ref, sched, r, state_dict=ref.state_dict(), device="cpu")

@@ -16,8 +16,10 @@ and on the last stage the LM head with the ``*ForCausalLM`` forward's logit scal
 (Gemma 2/3, Cohere, Granite). A later stage passes zeros as ``inputs_embeds``; the modules it does
 not hold that the forward calls before the layers (GPT-2's position embedding, Bloom's embedding
 LayerNorm, ...) are stand-ins that return them, and the stand-in of the layer before its first one
-returns the received hidden states instead. Its output is its last layer's output, taken by a hook
-(a non-last stage calls the base model, the last one the ``*ForCausalLM``). Placement is
+returns the received hidden states instead (a model whose layers take such a module's output some
+other way than through the hidden states is refused: they would compute with the zeros). Its
+output is its last layer's output, taken by a hook (a non-last stage calls the base model, the last
+one the ``*ForCausalLM``). Placement is
 `zbpp.models.fqns_per_stage`, decided by a forward on the ``meta`` device (which stage uses what).
 
 Stages pass ``{"hidden_states", "attention_mask", "position_ids"}`` along (and ``"router_logits"``,
@@ -241,6 +243,7 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
         free = _parameter_free(model, template.blocks)
         fqns = [list(names) + [f for f in free if f not in names] for names in fqns]
     _check_layer_order(fqns, template)
+    _check_standins_reach_no_layer(model, template, fqns)
     stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
                                    state_dict=state_dict, seed=seed)
     last = schedule.num_stages - 1
@@ -700,6 +703,92 @@ def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
         raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
                          f"{template.blocks}.0")
     return isinstance(seen[0], tuple)
+
+
+def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> None:
+    """Refuse a model whose forward feeds a decoder layer, other than through its hidden states, from
+    a module called before the layers that a stage holding layers does not hold: there that module
+    is a stand-in returning zeros (`_Absent`), and only the hidden states are replaced by the
+    received ones, so the layer would silently compute with zeros (a projection of the embeddings
+    passed to every layer, say). Seen in a forward on the ``meta`` device up to the second layer:
+    each such module's output gets a zero-valued leaf added, and the other inputs of layers 0 and 1
+    are searched in the autograd graph for it (every rank decides alike)."""
+    prefix = template.blocks + "."
+    with_layers = [set(names) for names in fqns if any(n.startswith(prefix) for n in names)]
+    watched = sorted({f for names in fqns for f in names if f != template.blocks and not f.startswith(prefix)
+                      and any(f not in held for held in with_layers)})
+    if not watched:  # every stage with layers holds every module beside them (one stage, say)
+        return
+    layers = list(model.get_submodule(template.blocks)._modules.values())
+    from .stages import _meta_values, _state_kept
+
+    marks: dict[int, str] = {}  # id of a leaf added to a watched module's output -> that module
+    keep: list[torch.Tensor] = []  # the leaves, alive while their ids are looked up
+    state = {"before": True}  # no layer called yet: a watched module's output is a stand-in's on a later stage
+
+    def mark(fqn: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if not state["before"]:
+                return None
+
+            def marked(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    return t
+                leaf = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=True)
+                marks[id(leaf)] = fqn
+                keep.append(leaf)
+                return t + leaf
+            return tuple(marked(o) for o in output) if isinstance(output, tuple) else marked(output)
+        return hook
+
+    def reached(t: Any) -> str | None:
+        """The watched module whose output `t` is computed from, or None."""
+        todo, seen = [getattr(t, "grad_fn", None)], set()
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            leaf = getattr(fn, "variable", None)
+            if leaf is not None and id(leaf) in marks:
+                return marks[id(leaf)]
+            todo.extend(f for f, _ in fn.next_functions)
+        return None
+
+    def check(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            state["before"] = False
+            # the hidden states (first, or by name) are what the stage replaces with the received ones
+            given = [(f"argument {i}", a) for i, a in enumerate(args[1:], 1)]
+            given += [(repr(k), a) for k, a in kwargs.items() if k != "hidden_states"]
+            for what, a in given:
+                for t in (a if isinstance(a, (tuple, list)) else (a,)):
+                    fqn = reached(t) if isinstance(t, torch.Tensor) else None
+                    if fqn is not None:
+                        stages = [s for s, names in enumerate(fqns) if fqn not in names
+                                  and any(n.startswith(prefix) for n in names)]
+                        raise ValueError(
+                            f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward passes "
+                            f"{template.blocks}.{index} {what} computed from {fqn}, which stage(s) {stages} do not "
+                            "hold (a later stage receives only the hidden states, so its layers would compute with "
+                            f"zeros in place of {fqn}'s output); use zbpp.models.pipeline_stages with your own stage "
+                            "forward")
+            if index == min(1, len(layers) - 1):
+                raise _Stop
+        return hook
+
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
+    modules = dict(model.named_modules())  # a name that is no module is left to pipeline_stages to refuse
+    handles = [modules[f].register_forward_hook(mark(f)) for f in watched if f in modules]
+    handles += [layer.register_forward_pre_hook(check(i), with_kwargs=True) for i, layer in enumerate(layers[:2])]
+    try:
+        with torch.enable_grad(), _meta_values(), _loop_experts(model), _state_kept(model):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
