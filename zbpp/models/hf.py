@@ -666,8 +666,6 @@ def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
     up to its second layer, which must not take anything the first one returned beside the hidden
     states (GLM-5's and Hunyuan-V4's top-k indices): a stage receives only the hidden states, so a
     later stage's first layer would get a stand-in's output instead."""
-    from .stages import _meta_values, _state_kept
-
     layers = list(model.get_submodule(template.blocks)._modules.values())
     seen: list[Any] = []
 
@@ -687,18 +685,10 @@ def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
                              "receive; use zbpp.models.pipeline_stages with your own stage forward")
         raise _Stop
 
-    ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
     handles = [layers[0].register_forward_hook(first_out)]
     if len(layers) > 1:
         handles.append(layers[1].register_forward_pre_hook(second_in, with_kwargs=True))
-    try:
-        with torch.no_grad(), _meta_values(), _loop_experts(model), _state_kept(model):
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except _Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    _probe_forward(model, handles, grad=False)
     if not seen:
         raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
                          f"{template.blocks}.0")
@@ -720,8 +710,6 @@ def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: S
     if not watched:  # every stage with layers holds every module beside them (one stage, say)
         return
     layers = list(model.get_submodule(template.blocks)._modules.values())
-    from .stages import _meta_values, _state_kept
-
     marks: dict[int, str] = {}  # id of a leaf added to a watched module's output -> that module
     keep: list[torch.Tensor] = []  # the leaves, alive while their ids are looked up
     state = {"before": True}  # no layer called yet: a watched module's output is a stand-in's on a later stage
@@ -777,12 +765,20 @@ def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: S
                 raise _Stop
         return hook
 
-    ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
     modules = dict(model.named_modules())  # a name that is no module is left to pipeline_stages to refuse
     handles = [modules[f].register_forward_hook(mark(f)) for f in watched if f in modules]
     handles += [layer.register_forward_pre_hook(check(i), with_kwargs=True) for i, layer in enumerate(layers[:2])]
+    _probe_forward(model, handles, grad=True)
+
+
+def _probe_forward(model: nn.Module, handles: Sequence[Any], *, grad: bool) -> None:
+    """One forward of `model` on two tokens, its values on the meta device, until a hook raises
+    `_Stop` (the checks run in `handles`' hooks, removed after); autograd records it if `grad`."""
+    from .stages import _meta_values, _state_kept
+
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
     try:
-        with torch.enable_grad(), _meta_values(), _loop_experts(model), _state_kept(model):
+        with torch.set_grad_enabled(grad), _meta_values(), _loop_experts(model), _state_kept(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except _Stop:
         pass
