@@ -265,7 +265,7 @@ def test_cli_plan_chooses_policies_and_prints_them(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "policies (per stage)" not in out and "policies (one per stage" not in out
     assert main(args + ["--policies", "none,ful"]) == 2
-    assert "unknown policy 'ful'" in capsys.readouterr().err
+    assert "--policies 'none,ful': 'ful' not known" in capsys.readouterr().err  # the flag and the name
 
 
 @pytest.mark.parametrize("name, p", [("zb-auto", 3), ("zbv-auto", 2), ("zbi-auto", 2)])
