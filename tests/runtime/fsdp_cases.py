@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -736,7 +737,9 @@ def failed_load_case(path: str, how: str) -> str:
     then a load of the checkpoint that fails: ``"future"``: saved as format version 2 (a later
     zbpp's); ``"unreadable"``: an AdamW moment in rank 1's data file overwritten with zeros after
     the save (the file's size stays: the read fails part-way, after rank 1 read its weights and
-    rank 0 all of its own). Returns ``"<type>: <message>"`` of what the load raised on this rank (``"ok"`` if
+    rank 0 all of its own); ``"device-oom"``: rank 1's live AdamW moments are float32 (so the
+    load makes new float64 ones on the device) and its move of the second one onto the device
+    raises ``torch.OutOfMemoryError``. Returns ``"<type>: <message>"`` of what the load raised on this rank (``"ok"`` if
     nothing), then ``"; changed: <what>"`` for each model entry or optimizer state that is not as
     before the load."""
     import copy
@@ -770,19 +773,46 @@ def failed_load_case(path: str, how: str) -> str:
             f.write(bytes(where[index].length))
     dist.barrier()
     step(1)
+    oom = how == "device-oom" and rank == 1
+    if oom:  # moments of another dtype than the saved ones: the load replaces them with new tensors
+        for state in opt.state.values():
+            state.update({k: v.float() for k, v in state.items() if k != "step"})
     model_before = {k: v.clone() for k, v in stage[rank].state_dict().items()}
     opt_before = copy.deepcopy(opt.state_dict())
     try:
-        load_checkpoint(stage, path, opt)
+        with _out_of_memory_on_second_move() if oom else contextlib.nullcontext():
+            load_checkpoint(stage, path, opt)
         got = "ok"
     except BaseException as exc:  # noqa: BLE001 - the test reads the type and the message (DCP's is no Exception)
         got = f"{type(exc).__name__}: {exc}"
     changed = [k for k, v in stage[rank].state_dict().items() if not torch.equal(v, model_before[k])]
     opt_after = opt.state_dict()
     changed += [f"optimizer state[{i}][{k!r}]" for i, s in opt_before["state"].items() for k, v in s.items()
-                if not torch.equal(opt_after["state"][i][k], v)]
+                if k not in opt_after["state"].get(i, {}) or not torch.equal(opt_after["state"][i][k], v)
+                or opt_after["state"][i][k].dtype != v.dtype]
     changed += ["optimizer param_groups"] if opt_after["param_groups"] != opt_before["param_groups"] else []
     return got + (f"; changed: {', '.join(changed)}" if changed else "")
+
+
+@contextlib.contextmanager
+def _out_of_memory_on_second_move() -> Iterator[None]:
+    """``Tensor.to`` raises ``torch.OutOfMemoryError`` on its second call from `load_checkpoint`'s
+    move of optimizer state onto the device (``checkpoint._placed``), as a GPU out of memory would."""
+    to, calls = torch.Tensor.to, []
+
+    def failing_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if sys._getframe(1).f_code.co_name == "_placed":
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("simulated: out of memory moving optimizer state")
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = failing_to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.to = to  # type: ignore[method-assign]
+    assert len(calls) >= 2, "the load made no second move (the test proves nothing)"
 
 
 def scheduler_case(path: str) -> str:

@@ -182,7 +182,7 @@ def test_an_interrupt_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_work
     assert all(float(m.split("s ", 1)[0]) < 10 for m in (on_0, on_1)), (on_0, on_1)
 
 
-@pytest.mark.parametrize("how", ["future", "unreadable"])
+@pytest.mark.parametrize("how", ["future", "unreadable", "device-oom"])
 def test_a_failed_load_changes_nothing_on_every_rank(tmp_path: Path, zbpp_workers, how: str) -> None:
     """`failed_load_case` on 2 ranks: a live stage and AdamW, a load that fails. ``"future"``: a
     checkpoint of format version 2 (a later zbpp's layout) loaded without a word (had its entries
@@ -192,8 +192,12 @@ def test_a_failed_load_changes_nothing_on_every_rank(tmp_path: Path, zbpp_worker
     was loaded and rank 1's weights too (not its optimizer state), and every rank raised a
     ``CheckpointException`` (no ``Exception``) around tracebacks; now the model is read into new
     tensors first, nothing changes, and every rank raises a RuntimeError naming the failed rank and
-    its cause. Reference: the model's and the optimizer's state dicts from just before the load
-    (``torch.equal``)."""
+    its cause. ``"device-oom"``: rank 1's move of its optimizer state onto the device runs out of
+    memory at the second tensor: rank 1's first parameter had its old state dropped and got none
+    (the next step would have restarted its moments), and rank 0 had loaded everything; now every
+    tensor is made on the device before anything changes, and every rank raises, saying that
+    nothing was loaded. Reference: the model's and the optimizer's state dicts from just before the
+    load (``torch.equal``, dtypes too)."""
     from .fsdp_cases import failed_load_case
 
     path = str(tmp_path / "c")
@@ -201,6 +205,11 @@ def test_a_failed_load_changes_nothing_on_every_rank(tmp_path: Path, zbpp_worker
     if how == "future":
         want = f"ValueError: the checkpoint {path!r} is of format version 2, this zbpp reads version 1 only"
         assert all(m.startswith(want) and m.endswith("nothing was loaded") for m in msgs), msgs
+    elif how == "device-oom":
+        oom = "OutOfMemoryError: simulated: out of memory moving optimizer state"
+        assert msgs[1] == oom, msgs
+        assert msgs[0] == f"PipelineError: load_checkpoint could not run on every rank (nothing was loaded); " \
+                          f"global rank 1: {oom}", msgs
     else:
         want = f"RuntimeError: reading the checkpoint {path!r} failed on global rank 1: UnpicklingError: "
         assert all(m.startswith(want) and m.endswith("nothing was loaded (the model and optimizer are as before)")

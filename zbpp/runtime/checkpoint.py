@@ -339,11 +339,12 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     ``fully_shard``) and optimizer state in host memory while loading, wherever the model lives
     (on a GPU: none in GPU memory; not pinned, so the copies onto the GPU go at pageable speed),
     beside DCP's own read buffers; on a torch without DCP's ``CheckpointableTensor`` protocol the
-    shards' copy is on their device. The optimizer's state goes in parameter by parameter: a live
-    state tensor of the loaded one's shape, dtype and device (and sharding) takes its value in
-    place, any other is dropped before its replacement is made on the device, so the device holds
-    each parameter's old or new state, never both (a rollback into a live optimizer needs no second
-    copy of its state there).
+    shards' copy is on their device. The optimizer's new tensors are made on the device before
+    anything changes on any rank, so a move that fails there (out of memory) raises on every rank
+    and loads nothing. A live state tensor of the loaded one's shape, dtype and device (and
+    sharding) takes its value in place after, so a rollback into a live optimizer needs no second
+    copy of its state on the device; a live one that does not match (another dtype, say) is
+    replaced by a new one, both held until every rank made its own.
 
     In one process, a resumed optimizer keeps the saved ``lr`` and step count:
 
@@ -381,8 +382,13 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         problem = exc
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     _read(rest, path, process_group, ranks)
+    try:  # the optimizer's new tensors on the device (out of memory, say) before any rank changes anything
+        placing, problem = (_optimizer_to_place(loading, optimizer) if optimizer is not None else []), None
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        placing, problem = [], exc
+    agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     try:
-        _apply_loaded(loading, model, optimizer, lr_scheduler)
+        _apply_loaded(loading, model, optimizer, lr_scheduler, placing)
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
@@ -569,9 +575,39 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return first, rest
 
 
-def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
-    """Put what DCP read (`loading.state`) into the stages, `optimizer`, `lr_scheduler` and `model`'s
-    random stream."""
+class _Placing(NamedTuple):
+    """One parameter's loaded optimizer state, made on its device (`_optimizer_to_place`), not yet
+    in the optimizer."""
+
+    name: str  #: the name its state and hyperparameters were read under
+    param: nn.Parameter
+    group: dict
+    state: Any  #: its new state (live tensors where they take the value in place), None: saved without
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  #: (live tensor, value read) copied in place once applied
+
+
+def _optimizer_to_place(loading: _Loading, optimizer: torch.optim.Optimizer) -> list[_Placing]:
+    """Every loaded optimizer state tensor of this rank where it goes (`_placed`), changing neither
+    the optimizer nor its tensors: a move onto the device that fails (out of memory) leaves both as
+    they were, on every rank (`load_checkpoint` agrees on it before applying anything)."""
+    loaded = loading.state["optimizer"]["state"]
+    reused: set[int] = set()  # live state tensors copied into: each takes one value
+    out = []
+    for name, p, group in loading.wanted:
+        # saved without state (it had no gradient yet): none, not the live optimizer's own, which would go on unseen
+        staged = _unmark_empty_dicts(dict(loaded[name])) if name in loaded else None
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if staged is not None:
+            keep = _reusable(staged, optimizer.state.get(p), p, group, reused)
+            staged = _placed(staged, keep, p, group, copies)
+        out.append(_Placing(name, p, group, staged, copies))
+    return out
+
+
+def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                  placing: list[_Placing]) -> None:
+    """Put what DCP read (`loading.state`) into the stages, `optimizer` (its state as `placing`
+    made it), `lr_scheduler` and `model`'s random stream."""
     state = loading.state
     for m in loading.mods:  # a host tensor's copy onto the device is made entry by entry, none kept
         m.load_state_dict({k: _into_live(v, loading.model_state[k]) for k, v in m.state_dict().items()})
@@ -579,17 +615,15 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
     for m in loading.mods:  # every zbpp layer gets the saved slots, or none where none were saved
         restore_scaling_states(m, fp8)
     if optimizer is not None:
-        loaded = state["optimizer"]
-        reused: set[int] = set()  # live state tensors copied into: each takes one value
-        for name, p, group in loading.wanted:
-            # saved without state (it had no gradient yet): none, not the live optimizer's own, which would go on unseen
-            staged = _unmark_empty_dicts(dict(loaded["state"][name])) if name in loaded["state"] else None
-            live = optimizer.state.pop(p, None)
-            keep = _reusable(staged, live, p, group, reused) if staged is not None else {}
-            del live  # the rest of the live state goes before its replacement takes the device's memory
-            if staged is not None:
-                optimizer.state[p] = _placed(staged, keep, p, group)
-            for key, value in loaded["param_groups"].get(name, {}).items():
+        groups = state["optimizer"]["param_groups"]
+        for name, p, group, new, copies in placing:
+            with torch.no_grad():
+                for live, value in copies:
+                    live.copy_(value)
+            optimizer.state.pop(p, None)  # the live tensors not taken into `new` go
+            if new is not None:
+                optimizer.state[p] = new
+            for key, value in groups.get(name, {}).items():
                 if _fits(group.get(key), value):
                     group[key].copy_(value)  # in place: an LR scheduler or a captured step holds this tensor
                 else:
@@ -655,22 +689,22 @@ def _reusable(staged: Any, live: Any, param: nn.Parameter, group: Mapping[str, A
 
 
 def _placed(staged: Any, keep: Mapping[tuple[Any, ...], torch.Tensor], param: nn.Parameter,
-            group: Mapping[str, Any], path: tuple[Any, ...] = ()) -> Any:
+            group: Mapping[str, Any], copies: list[tuple[torch.Tensor, torch.Tensor]],
+            path: tuple[Any, ...] = ()) -> Any:
     """`param`'s optimizer state as read (`staged`, nested as saved), each tensor where it goes
-    (`_state_home`): copied into the live tensor `keep` holds at its path, else into a new one
-    (from host memory: one tensor at a time on the device)."""
+    (`_state_home`): the live tensor `keep` holds at its path (its copy from the value read is
+    added to `copies`, made when applied), else a new one (from host memory)."""
     if isinstance(staged, Mapping):
-        return {k: _placed(v, keep, param, group, path + (k,)) for k, v in staged.items()}
+        return {k: _placed(v, keep, param, group, copies, path + (k,)) for k, v in staged.items()}
     if isinstance(staged, list) or type(staged) is tuple:
-        return type(staged)(_placed(v, keep, param, group, path + (i,)) for i, v in enumerate(staged))
+        return type(staged)(_placed(v, keep, param, group, copies, path + (i,)) for i, v in enumerate(staged))
     if not isinstance(staged, torch.Tensor):
         return staged
     device, sharded, dtype = _state_home(staged, path, param, group)
     live = keep.get(path)
     with torch.no_grad():
         if live is not None:
-            into = live.to_local() if sharded and not hasattr(staged, "placements") else live
-            into.copy_(staged)
+            copies.append((live.to_local() if sharded and not hasattr(staged, "placements") else live, staged))
             return live
         if hasattr(staged, "placements"):  # read on its device, sharded like its parameter
             return staged.to(dtype=dtype)
