@@ -293,6 +293,41 @@ def test_the_optimizer_state_is_staged_in_host_memory(tmp_path: Path) -> None:
                 (name, field)
 
 
+@pytest.mark.parametrize("saved_fused", [True, False], ids=["fused-saved", "fused-loaded"])
+def test_the_step_goes_where_the_loaded_group_keeps_it(tmp_path: Path, saved_fused: bool) -> None:
+    """A fused AdamW keeps ``step`` on its parameter's device in float32, a plain one on the CPU.
+    The checkpoint's ``fused`` wins over the new optimizer's, but ``step`` was placed by the new
+    one's: saved fused and loaded into a plain AdamW, the group came back fused with ``step`` on
+    the CPU (on a GPU, the next ``opt.step()`` raises: "state_steps is on cpu"), and the other way
+    round ``step`` went onto the device of a plain group. A model on the meta device stands in for
+    one on an accelerator (no GPU here). Reference: torch's own ``Optimizer.load_state_dict`` of
+    the saved optimizer into a new one alike (the device and dtype of every state tensor)."""
+    import warnings
+
+    from zbpp.runtime import save_checkpoint
+
+    net = whole_model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, fused=saved_fused)
+    x, y = batch(0)
+    loss_fn(net(x), y).backward()
+    opt.step()
+    save_checkpoint(net, tmp_path / "c", opt)
+
+    def placed(state: dict) -> dict[str, tuple[torch.device, torch.dtype]]:
+        return {k: (v.device, v.dtype) for k, v in state.items()}
+
+    on_meta, ref = whole_model(seed=3).to("meta"), whole_model(seed=3).to("meta")
+    got_opt = torch.optim.AdamW(on_meta.parameters(), lr=1.0, fused=not saved_fused)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1.0, fused=not saved_fused)
+    ref_opt.load_state_dict(opt.state_dict())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")  # the weights: no-ops
+        load_checkpoint(on_meta, tmp_path / "c", got_opt)
+    assert got_opt.param_groups[0]["fused"] == saved_fused
+    for (name, p), q in zip(on_meta.named_parameters(), ref.parameters()):
+        assert placed(got_opt.state[p]) == placed(ref_opt.state[q]), name
+
+
 def test_a_live_optimizer_state_is_loaded_in_place(tmp_path: Path) -> None:
     """Rolling a live AdamW back to a checkpoint: its state tensors were replaced by new ones (on a
     GPU, made while the old were alive). Now a live tensor of the loaded one's shape, dtype and

@@ -590,7 +590,7 @@ def _optimizer_to_place(loading: _Loading, optimizer: torch.optim.Optimizer) -> 
     """Every loaded optimizer state tensor of this rank where it goes (`_placed`), changing neither
     the optimizer nor its tensors: a move onto the device that fails (out of memory) leaves both as
     they were, on every rank (`load_checkpoint` agrees on it before applying anything)."""
-    loaded = loading.state["optimizer"]["state"]
+    loaded, hyper = loading.state["optimizer"]["state"], loading.state["optimizer"]["param_groups"]
     reused: set[int] = set()  # live state tensors copied into: each takes one value
     out = []
     for name, p, group in loading.wanted:
@@ -598,8 +598,10 @@ def _optimizer_to_place(loading: _Loading, optimizer: torch.optim.Optimizer) -> 
         staged = _unmark_empty_dicts(dict(loaded[name])) if name in loaded else None
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         if staged is not None:
-            keep = _reusable(staged, optimizer.state.get(p), p, group, reused)
-            staged = _placed(staged, keep, p, group, copies)
+            # the group as loaded (the checkpoint's fused or capturable wins) says where its state goes
+            loaded_group = {**group, **_unmark_empty_dicts(dict(hyper.get(name, {})))}
+            keep = _reusable(staged, optimizer.state.get(p), p, loaded_group, reused)
+            staged = _placed(staged, keep, p, loaded_group, copies)
         out.append(_Placing(name, p, group, staged, copies))
     return out
 
@@ -640,8 +642,9 @@ def _state_home(staged: torch.Tensor, path: tuple[Any, ...], param: nn.Parameter
     """Where the optimizer state tensor `staged` (read into host memory, or a DTensor where this
     torch could not) at `path` in `param`'s state goes: (device, sharded like `param`, dtype). Like
     its parameter, on its device; a 0-dim one beside a parameter that is not (``step``) on the CPU,
-    as torch optimizers keep it; the ``step`` of a fused or capturable group on the parameter's
-    device in float32, as ``Optimizer.load_state_dict`` puts it (its kernels read it there)."""
+    as torch optimizers keep it; the ``step`` of a fused or capturable group (`group` as loaded: the
+    checkpoint's flags) on the parameter's device in float32, as ``Optimizer.load_state_dict`` puts
+    it (its kernels read it there)."""
     if path == ("step",) and (group.get("fused") or group.get("capturable")):
         return param.device, False, torch.float32
     if staged.dim() == 0 and param.dim() > 0:
