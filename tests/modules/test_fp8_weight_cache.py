@@ -183,3 +183,34 @@ def test_an_optimizer_step_makes_the_kept_cast_stale(mode):
     bound = 2.0**-8 * (xq.abs() @ wq.abs().t() + bias.abs())
     err = (y.detach().double() - want).abs()
     assert (err <= bound).all(), f"off by up to {err.max().item():.3g} (bound {bound.max().item():.3g})"
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager", "delayed"])
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_deep_copy_reuses_its_own_copy_of_the_kept_cast(name, delay):
+    """A deep copy taken between the first microbatch (True) and the others (False) computes what
+    the original computes: it reuses its copy of the kept cast, as the original reuses its own.
+    (The first cast is made with the fresh slot's scale 1, so a copy that cast again, with the
+    stepped scale, gives other outputs.) Reference: the original, uninterrupted; bit for bit (the
+    same CPU operations on the same values). Then the copy shares nothing mutable: an in-place
+    update of its weights makes only its own kept casts stale."""
+    layer = make(name, "cpu", delay=delay)
+    batches = microbatches(3, "cpu", name)
+    run(layer, batches[:1], [True])
+    layer.zero_grad(set_to_none=True)  # the gradients compared are those of the calls after the copy
+    twin = copy.deepcopy(layer)
+    outs, dxs = run(layer, batches[1:], [False, False])
+    twin_outs, twin_dxs = run(twin, batches[1:], [False, False])
+    assert_same(twin_outs, outs)
+    assert_same(twin_dxs, dxs)
+    for (pname, p), q in zip(layer.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), pname
+    gemms = len(WEIGHT_SLOTS[name])
+    assert weight_casts(twin, name) == weight_casts(layer, name) == [1] * gemms
+    with torch.no_grad():
+        for w in WEIGHT_SLOTS[name]:
+            getattr(twin, w).mul_(0.75)
+    run(twin, batches[:1], [False])  # its weights changed: it casts again
+    run(layer, batches[:1], [False])  # the original's weights did not: its kept casts hold
+    assert weight_casts(twin, name) == [2] * gemms
+    assert weight_casts(layer, name) == [1] * gemms

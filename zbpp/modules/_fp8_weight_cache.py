@@ -18,6 +18,9 @@ it, so any ``torch.optim`` step also drops every kept cast (a process-wide step 
 ``register_optimizer_step_post_hook``). Writes through ``weight.data`` and updates by other means
 change neither, which is why, as with Transformer Engine, the first microbatch after every
 optimizer step must pass ``True``.
+
+A ``copy.deepcopy`` (or ``torch.save``/``torch.load``) of a layer keeps its own copy of a kept
+cast, tied to its own copy of the weight: the copy then reuses it exactly where the original would.
 """
 
 from __future__ import annotations
@@ -99,12 +102,16 @@ class _Kept:
     slot: ScalingMeta
     cast: Quantized
 
+    def current(self) -> bool:
+        """Whether the kept weight still holds the values that were cast."""
+        weight = self.weight
+        return (self.data_ptr == weight.data_ptr() and self.version == weight._version
+                and self.optimizer_steps == _optimizer_steps)
+
     def belongs_to(self, weight: torch.Tensor, slot: ScalingMeta, transpose: bool) -> bool:
         return (
             self.weight is weight
-            and self.data_ptr == weight.data_ptr()
-            and self.version == weight._version
-            and self.optimizer_steps == _optimizer_steps
+            and self.current()
             and self.slot is slot
             and self.cast.data.device == weight.device
             and (self.cast.data_t is not None or not transpose)
@@ -132,6 +139,23 @@ class Fp8WeightCache:
 
     def __init__(self) -> None:
         self._kept: _Kept | None = None
+
+    # copy.deepcopy and torch.load rebuild the weight at another address with a fresh version
+    # counter: record the copy's, so that the copy reuses its cast exactly where the original
+    # reuses its own (recasting would step the weight slot, and then copy and original differ).
+    def __getstate__(self) -> dict:
+        kept = self._kept
+        if kept is None or not kept.current():
+            return {}  # nothing, or nothing the original would reuse
+        return {"weight": kept.weight, "optimizer_steps": kept.optimizer_steps,
+                "slot": kept.slot, "cast": kept.cast}
+
+    def __setstate__(self, state: dict) -> None:
+        self._kept = None
+        if state:
+            weight = state["weight"]
+            self._kept = _Kept(weight, weight.data_ptr(), weight._version, state["optimizer_steps"],
+                               state["slot"], state["cast"])
 
     def clear(self) -> None:
         """Forget the kept cast (and free its memory)."""
