@@ -740,6 +740,34 @@ def test_deepcopy_keeps_flags_and_drops_pending_work():
     assert twin.fc1_weight.grad is not None
 
 
+def test_shallow_copy_computes_its_own_pending_wgrads():
+    """``copy.copy`` shares the parameters (as torch's shallow copies do) but each module's W runs
+    only the jobs its own forwards filed: FIFO use, one backward_dw() per call of each module.
+    Reference: float64 autograd of ``x @ W^T + b`` per call; the same float64 GEMMs, so to
+    rounding (1e-12: the sums of two and three products differ in order only)."""
+    torch.manual_seed(3)
+    layer = Linear(4, 3, delay_wgrad_compute=True, params_dtype=torch.float64)
+    alias = copy.copy(layer)
+    assert alias.weight is layer.weight
+    x1, x2 = torch.randn(2, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    layer(x1).square().sum().backward()
+    alias(x2).square().sum().backward()
+    assert layer.pending_wgrad_keys() == alias.pending_wgrad_keys() == [AutoKey(0)]
+
+    def ref_grads(*xs):
+        w, b = layer.weight.detach().clone().requires_grad_(), layer.bias.detach().clone().requires_grad_()
+        sum(F.linear(x, w, b).square().sum() for x in xs).backward()
+        return w.grad, b.grad
+
+    layer.backward_dw()  # only the original's call
+    for got, want in zip((layer.weight.grad, layer.bias.grad), ref_grads(x1)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    alias.backward_dw()  # the copy's call: it was not run by the original's W
+    for got, want in zip((layer.weight.grad, layer.bias.grad), ref_grads(x1, x2)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert layer.pending_wgrad_keys() == alias.pending_wgrad_keys() == []
+
+
 # -- main_grad accumulation against plain autograd -------------------------------------------
 
 

@@ -9,6 +9,7 @@ treat zbpp layers and real Transformer Engine layers (FIFO ``backward_dw()`` onl
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 
@@ -99,6 +100,10 @@ class DelayedWgradModule(nn.Module):
     Under ``torch.compile`` each call of a layer is a graph break (`_outside_graph`): the layer
     runs eagerly, so a compiled model still leaves its W to `backward_dw`; the code around it
     compiles (``fullgraph=True`` refuses a graph holding a layer).
+
+    ``copy.copy`` of a layer shares its parameters, FP8 state and hooks (as torch's shallow copies
+    do) but files its weight-gradient jobs apart: each one's `backward_dw` runs its own forwards'.
+    ``copy.deepcopy`` shares nothing and leaves the pending jobs with the original.
 
     Subclasses declare their GEMMs with `_gemm_names` (weight and bias attribute names per GEMM),
     build their parameters with `_add_gemm_params` and `_add_norm_params`, call `_built` at the
@@ -272,6 +277,14 @@ class DelayedWgradModule(nn.Module):
             w in self._parameters for _, w, _ in self._gemm_names
         ):
             self._sync_param_flags()
+
+    def __copy__(self) -> DelayedWgradModule:
+        # copy.copy shares what torch's shallow copies share (parameters, FP8 state, hooks) but
+        # not the pending W jobs: each module's backward_dw runs what its own forwards filed
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._wgrad_store = copy.copy(self._wgrad_store)  # empty, named alike (its __getstate__)
+        return new
 
     def __setstate__(self, state: dict) -> None:
         # copy.deepcopy and torch.load rebuild parameters without their Python attributes
