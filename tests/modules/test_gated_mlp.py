@@ -337,6 +337,47 @@ def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -
     assert not mlp.gate_proj._fp8_weight_casts["gate_up_proj"].kept
 
 
+def test_a_deep_copy_of_a_fused_mlp_reuses_its_own_stacked_cast() -> None:
+    """A deep copy taken after a step's first microbatch computes what the original computes: it
+    reuses its copy of the kept [gate; up] cast (made with the fresh slot's scale 1: a copy that
+    cast again, with the stepped scale, gives other outputs). Reference: the original,
+    uninterrupted; bit for bit (the same CPU operations on the same values). The copy shares
+    nothing mutable: an in-place update of its up weight makes only its own cast stale."""
+    import copy
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(nn.SiLU())
+    fuse_gated_mlps(mlp)
+    delay_wgrad(mlp)
+    for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        layer.keep_fp8_weight_casts = True
+    xs = [torch.randn(ROWS, HIDDEN) for _ in range(3)]
+    with fp8_autocast(fp8_recipe=RECIPE), microbatch((0, 0)):
+        mlp(xs[0])
+    twin = copy.deepcopy(mlp)
+    results = []
+    for model in (mlp, twin):
+        outs = []
+        for j in (1, 2):
+            with fp8_autocast(fp8_recipe=RECIPE), microbatch((0, j)):
+                y = model(xs[j])
+            y.square().sum().backward()
+            for layer in (model.gate_proj, model.up_proj, model.down_proj):
+                layer.backward_dw((0, j))
+            outs.append(y.detach())
+        results.append((outs, [p.grad for p in model.parameters()]))
+    (outs, grads), (twin_outs, twin_grads) = results
+    assert all(torch.equal(a, b) for a, b in zip(outs, twin_outs))
+    assert all(torch.equal(a, b) for a, b in zip(grads, twin_grads))
+    assert twin.gate_proj.fp8_meta["weight"].casts == mlp.gate_proj.fp8_meta["weight"].casts == 1
+    with torch.no_grad():
+        twin.up_proj.weight.mul_(2)
+    for model in (mlp, twin):
+        with fp8_autocast(fp8_recipe=RECIPE), microbatch((0, 1)), torch.no_grad():
+            model(xs[1])
+    assert (mlp.gate_proj.fp8_meta["weight"].casts, twin.gate_proj.fp8_meta["weight"].casts) == (1, 2)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_a_fused_mlp_fed_an_input_without_grad_still_trains_its_weights(form) -> None:
     # The first layer of a stage, or one after frozen layers, reads an x that needs no gradient;

@@ -226,6 +226,11 @@ def _computes_formula(module: nn.Module, fc1: list[nn.Module], down: nn.Module, 
     return isinstance(theirs, torch.Tensor) and torch.equal(theirs, ours) and bool(ours.abs().max() > 0)
 
 
+def _state(gate: torch.Tensor, up: torch.Tensor) -> tuple[int, ...]:
+    # what a kept stacked cast must still find: the storages, versions and optimizer step count
+    return (gate.data_ptr(), up.data_ptr(), gate._version, up._version, optimizer_steps())
+
+
 class _StackedCast:
     """The FP8 cast of ``[gate; up]``, kept across a step's microbatches by `Fp8WeightCache`'s
     rules: None casts and keeps nothing, True casts and keeps, False reuses the kept cast while
@@ -239,6 +244,22 @@ class _StackedCast:
         # identity cannot pass to others
         self._kept: tuple[torch.Tensor, torch.Tensor, ScalingMeta, tuple[int, ...], Quantized] | None = None
 
+    # a deep copy (or torch.load) holds the weights at other addresses with fresh versions: record
+    # the copy's, so that it reuses its cast where the original reuses its own (`Fp8WeightCache`)
+    def __getstate__(self) -> dict:
+        kept = self._kept
+        if kept is None or kept[3] != _state(kept[0], kept[1]):
+            return {}  # nothing, or nothing the original would reuse
+        gate, up, slot, state, cast = kept
+        return {"gate": gate, "up": up, "slot": slot, "optimizer_steps": state[-1], "cast": cast}
+
+    def __setstate__(self, state: dict) -> None:
+        self._kept = None
+        if state:
+            gate, up = state["gate"], state["up"]
+            own = (*_state(gate, up)[:-1], state["optimizer_steps"])
+            self._kept = (gate, up, state["slot"], own, state["cast"])
+
     def clear(self) -> None:
         self._kept = None
 
@@ -248,8 +269,7 @@ class _StackedCast:
 
     def cast(self, gate: torch.Tensor, up: torch.Tensor, slot: ScalingMeta, recipe: DelayedScaling,
              first_microbatch: bool | None) -> Quantized:
-        kept, state = self._kept, (gate.data_ptr(), up.data_ptr(), gate._version, up._version,
-                                   optimizer_steps())
+        kept, state = self._kept, _state(gate, up)
         if first_microbatch is False and kept is not None and kept[0] is gate and kept[1] is up \
                 and kept[2] is slot and kept[3] == state:
             return kept[4]
