@@ -181,6 +181,19 @@ def saved_by_checkpoint(caller: Any) -> bool:
     return code is _CHECKPOINT_SAVE_INPUTS or (caller.f_back is not None and caller.f_back.f_code is _CHECKPOINT_SAVE_INPUTS)
 
 
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def in_nonreentrant_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are non-reentrant ``torch.utils.checkpoint``'s: a
+    forward running now is a checkpointed region's (first run or recomputation). False on a torch
+    that does not say which hooks are on top."""
+    if _top_saved_tensors_hooks is None:
+        return False
+    hooks = _top_saved_tensors_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
 def is_compiled_node(node: Any) -> bool:
     """Whether an autograd node is the backward of a ``torch.compile``d region (AOTAutograd's
     ``CompiledFunctionBackward``: one node for the whole region)."""

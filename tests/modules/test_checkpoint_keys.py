@@ -169,3 +169,41 @@ def test_reentrant_rerun_files_under_its_forward_key_inside_another_block():
         for p, q in zip(model.parameters(), ref.parameters()):
             if id(p) in w_params or key == 1:  # the norms' B-time gradients hold both keys'
                 assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("backward_in_fp8", [False, True], ids=["backward-outside", "backward-inside"])
+def test_fp8_layers_under_torch_checkpoint_are_refused_by_name(reentrant, backward_in_fp8):
+    """torch's checkpoint re-runs an FP8 layer's forward in the backward: outside fp8_autocast
+    (the gradients of a forward without FP8: reentrant silently, non-reentrant with torch's
+    "different number of tensors") or, with the backward inside it, stepping the scaling slots
+    again (casts unlike F's, other gradients, silently). Refused at F, naming the layer.
+    Reference for the way out the error names: zbpp's "full" recompute policy gives the
+    gradients of the same FP8 model without recompute; bit for bit (the same CPU operations on
+    the same FP8 operands)."""
+    from zbpp.models.recompute import apply_activation_policy
+    from zbpp.modules import DelayedScaling, fp8_autocast
+
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    plain = nn.Sequential(LayerNormMLP(32, 64, params_dtype=torch.bfloat16), nn.Tanh(),
+                          Linear(32, 32, params_dtype=torch.bfloat16))
+    checkpointed, recomputed = copy.deepcopy(plain), copy.deepcopy(plain)
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+
+    def step(model, run):
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(fp8_recipe=recipe):
+            y = run(model, xi)
+            if backward_in_fp8:
+                y.float().square().sum().backward()
+        if not backward_in_fp8:
+            y.float().square().sum().backward()
+        return [xi.grad] + [p.grad for p in model.parameters()]
+
+    with pytest.raises(RuntimeError, match=r"^LayerNormMLP: an FP8 forward .* torch\.utils\.checkpoint.*'full'"):
+        step(checkpointed, lambda m, xi: checkpoint(m, xi, use_reentrant=reentrant))
+    want = step(plain, lambda m, xi: m(xi))
+    apply_activation_policy(recomputed, {"0": "full", "2": "full"})
+    got = step(recomputed, lambda m, xi: m(xi))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

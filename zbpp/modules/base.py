@@ -30,7 +30,7 @@ from ._layer_function import Fp8Slots, GemmCall, GradOut, LayerSpec, _Job, accum
 from ._layer_function import add_to_main_grad
 from ._norm import make_norm_params
 from ._shared_input import forget_last_cast
-from .context import current_microbatch, forward_key
+from .context import current_microbatch, forward_key, in_torch_checkpoint
 from .fp8 import DelayedScaling, ScalingMeta, active_recipe
 from .wgrad_store import AutoKey, WgradStore
 
@@ -319,6 +319,8 @@ class DelayedWgradModule(nn.Module):
         if first is not None and first is not True and first is not False:
             check_first_microbatch(type(self).__name__, first)  # raises: names what is accepted
         recipe = active_recipe()
+        if recipe is not None and in_torch_checkpoint():
+            self._refuse_torch_checkpoint()
         if (recipe is None or first is None) and self._fp8_weight_casts:
             for cache in self._fp8_weight_casts.values():  # nothing to reuse later: free them
                 cache.clear()
@@ -337,6 +339,18 @@ class DelayedWgradModule(nn.Module):
             key = AutoKey(self._auto_keys)
             self._auto_keys += 1
         return ForwardCall(key, recipe, first)
+
+    def _refuse_torch_checkpoint(self) -> None:
+        layer = self._gemm_labels[0][0].rsplit(".", 1)[0]  # the class, or a swapped layer's path
+        raise RuntimeError(
+            f"{layer}: an FP8 forward (inside fp8_autocast) runs inside torch.utils.checkpoint, "
+            "whose backward runs it again: outside fp8_autocast (the gradients of a forward "
+            "without FP8) or stepping the FP8 scaling state a second time (casts unlike the "
+            "forward's), so the gradients would not be the forward's. Give the layer zbpp's "
+            "recompute policy instead (zbpp.models.recompute.apply_activation_policy(model, "
+            "{name: 'full'})), which re-runs it with the forward's casts, or checkpoint it "
+            "outside fp8_autocast"
+        )
 
     def _slot(self, name: str, dtype: torch.dtype, recipe: DelayedScaling) -> ScalingMeta:
         device = self._gemm_weights()[0].device

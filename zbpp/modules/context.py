@@ -28,7 +28,7 @@ from typing import Any, Hashable, Iterator, Protocol, TypeVar
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
-from .._compat import current_autograd_node
+from .._compat import current_autograd_node, in_nonreentrant_checkpoint
 
 __all__ = ["microbatch", "current_microbatch", "forward_key", "next_backward", "rank_next_backward",
            "writing_first_grads", "claim_grad_write"]
@@ -174,6 +174,30 @@ def forward_key() -> Hashable | None:
     if key is not None and not torch.is_grad_enabled():
         _tag_checkpoint(key)
     return key
+
+
+def in_torch_checkpoint() -> bool:
+    """Whether a forward starting now runs inside a ``torch.utils.checkpoint`` region (reentrant:
+    its first run, under no_grad; non-reentrant: its hooks are the innermost), whose backward runs
+    the forward again.
+
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> seen = []
+    >>> _ = checkpoint(lambda x: seen.append(in_torch_checkpoint()) or x * 2, torch.ones(1), use_reentrant=False)
+    >>> seen, in_torch_checkpoint()
+    ([True], False)
+    """
+    if in_nonreentrant_checkpoint():
+        return True
+    if torch.is_grad_enabled():  # a reentrant region's first run is under no_grad
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CKPT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _tag_checkpoint(key: Hashable) -> None:
