@@ -57,10 +57,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .checks import as_int
+from .ir import Action, Kind
 from .simulate import Costs, Memory, check_costs_memory
 from .tasks import TaskIds
 
-__all__ = ["LowerBound", "least_peaks", "lower_bound"]
+__all__ = ["LowerBound", "least_peak_orders", "least_peaks", "lower_bound"]
 
 _EPS = 1e-9
 
@@ -244,33 +245,89 @@ def _limit_value(value: object, what: str) -> float:
     raise ValueError(f"{what} must be a number (per rank, in the units of memory; inf: no limit), got {value!r}")
 
 
-def least_peaks(placement: Sequence[int], memory: Memory) -> tuple[list[float], list[float]]:
-    """Per rank: a lower bound on the peak of every schedule, and the peak of one microbatch at a
-    time with each W right after its B; the least peak any schedule reaches lies between them.
+def least_peaks(placement: Sequence[int], memory: Memory) -> list[float]:
+    """Per rank, the least peak memory of any schedule of `placement`: the smallest feasible limit.
 
-    Before a task of stage s of microbatch j, the rank holds at least the activations of its
-    stages below s for j (their B's wait for B(s, j)); a W's only its own wgrad, as the B's below
-    it may have run. The two are equal, so the bound is the least peak, on a rank of one stage or
-    where none of the rank's W's has a transient. Otherwise the bound can sit below every
-    schedule's peak: a W's transient comes on top of what the rank's other stages of its
-    microbatch still hold (their activation or wgrad), which the bound does not count.
+    A schedule's tasks of one microbatch hold, at every point, at least what they would hold run
+    alone (the other microbatches' memory is >= 0), and the best order of one microbatch, repeated
+    one microbatch at a time, reaches it. In that order F's run up the rank's stages and B's down
+    them; only where each W goes is free (`least_peak_orders` gives it). Where no W of the rank has
+    a transient it is the peak of each W right after its B.
 
     >>> from zbpp.schedules.ir import v_placement
     >>> least_peaks(v_placement(2), Memory(activation=1, wgrad=2))  # a rank's upper stage's B: 1 below + 2
-    ([3.0, 3.0], [3.0, 3.0])
-    >>> least_peaks([0, 0], Memory(activation=1, wgrad=1, transient_w=10))  # every schedule peaks at 12
-    ([11.0], [12.0])
+    [3.0, 3.0]
+    >>> least_peaks([0, 0], Memory(activation=1, wgrad=1, transient_w=10))  # the other stage holds 1 at either W
+    [12.0]
+    >>> least_peaks([0, 0], Memory(activation=1, wgrad=[0, 1], transient_w=5))  # W1 after B0: 0 + 1 + 5, not 1 + 1 + 5
+    [6.0]
     """
+    return [peak for peak, _ in _least_peak_orders(placement, memory)]
+
+
+def least_peak_orders(placement: Sequence[int], memory: Memory) -> list[list[Action]]:
+    """Per rank, an order of microbatch 0's tasks that peaks at `least_peaks`.
+
+    >>> least_peak_orders([0, 0], Memory(activation=1, wgrad=[0, 1], transient_w=5))
+    [[Action(F0.0), Action(F1.0), Action(B1.0), Action(B0.0), Action(W1.0), Action(W0.0)]]
+    """
+    return [order for _, order in _least_peak_orders(placement, memory)]
+
+
+def _least_peak_orders(placement: Sequence[int], memory: Memory) -> list[tuple[float, list[Action]]]:
     n = len(placement)
     act, wgrad = memory.per_stage(n)
+    trans = memory.transients(n)
     p = max(placement) + 1
-    held, lower, one = [0.0] * p, [0.0] * p, [0.0] * p
-    for s, (r, (tf, tb, tw, _)) in enumerate(zip(placement, memory.transients(n))):  # stages in ascending order
-        h = held[r]
-        lower[r] = max(lower[r], h + tf, h + act[s] + tb, h + wgrad[s], wgrad[s] + tw)
-        one[r] = max(one[r], h + max(tf, act[s] + tb, wgrad[s] + tw))
-        held[r] = h + act[s]
-    return lower, one
+    return [_least_peak_of_rank([s for s in range(n) if placement[s] == r], act, wgrad, trans) for r in range(p)]
+
+
+def _least_peak_of_rank(stages: list[int], act: list[float], wgrad: list[float],
+                        trans: list[tuple[float, float, float, float]]) -> tuple[float, list[Action]]:
+    """The least peak of one microbatch on a rank of `stages` (ascending), and an order reaching it.
+
+    Within a limit L, running any W that fits is never worse (it only lowers what later tasks run
+    on), so "every W that fits, else the next B" meets L iff some order does. Start L at a lower
+    bound; where that fails, no L below the smallest value it found over L behaves otherwise, so
+    L rises to it: the first L met is the least peak, exactly (one of the values compared).
+    """
+    # a lower bound: the F's peaks (the same in every order), and each B and W on what it must find held
+    held, floor = 0.0, 0.0
+    for s in stages:
+        floor = max(floor, held + trans[s][0], held + act[s] + trans[s][1], held + wgrad[s], wgrad[s] + trans[s][2])
+        held += act[s]
+    limit, top = floor, held
+    while True:
+        held, order, over = top, [Action(Kind.F, s, 0) for s in stages], math.inf
+        pending: list[int] = []
+        below = list(reversed(stages))  # the B's still to run, next first
+        while True:
+            ran = True
+            while ran:  # every W that fits now (each one lowers what the others run on)
+                ran = False
+                for s in list(pending):
+                    peak = held + trans[s][2]
+                    if peak <= limit:
+                        held -= wgrad[s]
+                        pending.remove(s)
+                        order.append(Action(Kind.W, s, 0))
+                        ran = True
+                    else:
+                        over = min(over, peak)
+            if not below:
+                break
+            s = below[0]
+            peak = max(held + trans[s][1], held + wgrad[s] - act[s])
+            if peak > limit:
+                over = min(over, peak)
+                break
+            held += wgrad[s] - act[s]
+            below.pop(0)
+            pending.append(s)
+            order.append(Action(Kind.B, s, 0))
+        if not below and not pending:
+            return limit, order
+        limit = over
 
 
 def lower_bound(
@@ -286,8 +343,8 @@ def lower_bound(
     rank, in the units of `memory`: one number for every rank, one per rank (uneven stages leave
     ranks different room beside their static memory), or None (no limit). A schedule with full
     backward tasks (BW) is a split one whose W runs right after its B, so the bounds hold for it
-    too. Raises `ValueError` below the smallest feasible limit (a rank must hold all its stages'
-    activations of one microbatch at once).
+    too. Raises `ValueError` below the smallest feasible limit (`least_peaks`: a rank must hold all
+    its stages' activations of one microbatch at once).
 
     >>> from zbpp.schedules.ir import loop_placement
     >>> h, a = 2304, 24  # the zero-bubble paper's 1.5B model, p = 8, m = 24, at ZB-2p's memory
@@ -308,7 +365,7 @@ def lower_bound(
         raise ValueError(f"placement={placement} leaves rank(s) {idle} without a stage; ranks are 0..{p - 1}")
     costs = (costs if costs is not None else Costs()).charged(placement)
     memory = memory if memory is not None else Memory()
-    per_rank = least_peaks(placement, memory)[0]
+    per_rank = least_peaks(placement, memory)
     limits = _per_rank(memory_limit, p)
     for r in range(p):
         if limits[r] < per_rank[r] * (1 - _EPS):
@@ -316,7 +373,7 @@ def lower_bound(
             smallest = max(per_rank) if isinstance(memory_limit, (int, float)) else per_rank[r]
             raise ValueError(
                 f"memory_limit{where}={limits[r]:g} is infeasible; the smallest feasible limit is {smallest:g} "
-                f"(a rank holds all its stages' activations of one microbatch at once, with what a B adds where "
+                f"(the least peak of any schedule: a rank holds all its stages' activations of one microbatch at once, with what a B adds where "
                 f"wgrad > activation and each task's transient)"
             )
     g = _Graph(placement, m, costs, memory, limits)

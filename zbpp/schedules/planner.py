@@ -735,7 +735,7 @@ def _full_bound(profile: Profile, stages: tuple[range, ...], placement: Sequence
     inf where a rank's limit is below what any schedule of the split holds (`least_peaks`)."""
     costs, memory, _ = profile.stage_costs(stages)
     limits = None if not math.isfinite(budget) else [budget - x for x in profile.static_per_rank(stages, placement)]
-    if limits is not None and any(x < f * (1 - _REL) for x, f in zip(limits, least_peaks(placement, memory)[0])):
+    if limits is not None and any(x < f * (1 - _REL) for x, f in zip(limits, least_peaks(placement, memory))):
         return math.inf  # no schedule of this split fits: lower_bound would refuse the limit
     return lower_bound(placement, m, costs, memory, limits).makespan
 

@@ -21,8 +21,8 @@ rank span; then makespan, sum of spans, sum of task ends):
 The memory limit (one number, or one per rank) holds by construction (admission in the
 heuristics, checks on every move) and is checked again on the result. A limit below the smallest
 feasible one (`smallest_feasible_limit`: a rank must hold all its stages' activations of one
-microbatch at once, and what its B's and transients add; a lower bound where a W's transient
-sits on a rank of several stages) raises a `ValueError` that names it. A
+microbatch at once, and what its B's and transients add: the least peak of any schedule) raises
+a `ValueError` that names it. A
 limit at or above it but below what the searches plan on (each stage at ``max(activation,
 wgrad)`` from its F on, the rank's largest transient throughout) gets the best of the
 handcrafted schedules and one microbatch at a time that fit it.
@@ -79,16 +79,13 @@ _ILS_BUDGET = 300
 
 
 def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
-    """No schedule of `placement` meets a per-rank memory limit below this; some schedule meets
-    this one where each rank holds one stage or no W has a transient (`bounds.least_peaks`).
+    """The least per-rank memory limit that some schedule of `placement` meets (`bounds.least_peaks`).
 
     A rank holds the activations of all its stages for a microbatch at once (the F of its last
     stage runs before the B of its first), and while a stage's B or W of that microbatch runs the
-    rank still holds the activations of its stages below it: B's delta where wgrad > activation
-    and each task's transient (`Memory`) come on top. One microbatch at a time, each W right after
-    its B, needs exactly that, but for a W's transient on a rank of several stages: it comes on
-    top of what the rank's other stages still hold, which this does not count, so there the
-    least limit any schedule meets can be larger (and the search says so when none is found).
+    rank still holds what its other stages keep of it: B's delta where wgrad > activation and each
+    task's transient (`Memory`) come on top. One microbatch at a time, each W where it peaks least
+    (`bounds.least_peak_orders`), needs exactly that.
 
     >>> from zbpp.schedules.ir import v_placement
     >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=0.5))
@@ -96,7 +93,7 @@ def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     >>> smallest_feasible_limit(v_placement(4), Memory(activation=1, wgrad=2))  # B of the upper stage: 1 + 2
     3.0
     """
-    return max(least_peaks(placement, memory)[0])
+    return max(least_peaks(placement, memory))
 
 
 def _one_at_a_time(placement: Sequence[int], m: int) -> Schedule:
@@ -111,8 +108,8 @@ def _one_at_a_time(placement: Sequence[int], m: int) -> Schedule:
     return from_orders("one-at-a-time", placement, m, orders)
 
 
-_WHY_FLOOR = ("a rank holds all its stages' activations of one microbatch at once, with what a B adds where "
-              "wgrad > activation and each task's transient")
+_WHY_FLOOR = ("the least peak of any schedule: a rank holds all its stages' activations of one microbatch at once, "
+              "with what a B adds where wgrad > activation and each task's transient")
 
 
 def _limits(name: str, memory_limit: float | Sequence[float], floors: Sequence[float]) -> list[float]:
@@ -221,11 +218,11 @@ def _search(
         limits = [default_memory_limit(placement, memory)] * p
         peaks_within, true_memory = limits, true_memory.without_transients()  # the default ignores transients
     else:
-        peaks_within = _limits(name, memory_limit, least_peaks(placement, true_memory)[0])
+        peaks_within = _limits(name, memory_limit, least_peaks(placement, true_memory))
         limits = [x - t for x, t in zip(peaks_within, top)]
     prob = Problem.make(placement, m, costs, memory, limits)
     shape = TaskShape(prob)
-    planned_floors = least_peaks(placement, memory)[1]
+    planned_floors = least_peaks(placement, memory)  # no transients: each W right after its B
     if any(x < f * (1 - 1e-9) for x, f in zip(limits, planned_floors)):
         # feasible, but below what the searches plan on (each stage at max(activation, wgrad) and
         # the rank's largest transient throughout): the seeds and one at a time, as `simulate` counts
@@ -361,7 +358,7 @@ def zb_auto(
     >>> from zbpp.schedules import build, Costs, Memory
     >>> build("zb-auto", num_ranks=4, num_microbatches=8, memory=Memory(1, 0.5), memory_limit=0.5)
     Traceback (most recent call last):
-    ValueError: zb-auto: memory_limit=0.5 is infeasible; the smallest feasible limit is 1 (a rank holds all its stages' activations of one microbatch at once, with what a B adds where wgrad > activation and each task's transient)
+    ValueError: zb-auto: memory_limit=0.5 is infeasible; the smallest feasible limit is 1 (the least peak of any schedule: a rank holds all its stages' activations of one microbatch at once, with what a B adds where wgrad > activation and each task's transient)
     """
     return _search("zb-auto", loop_placement(num_ranks), num_microbatches, costs, memory, memory_limit, _ZB_SEEDS)
 
