@@ -51,7 +51,7 @@ import functools
 import numbers
 from typing import Callable, Sequence
 
-from ..bounds import least_peaks
+from ..bounds import least_peak_orders, least_peaks
 from ..checks import as_int, as_number
 from ..ir import Action, Kind, Schedule, from_orders, loop_placement, v_placement
 from ..simulate import Costs, Memory, check_costs_memory, simulate
@@ -96,15 +96,9 @@ def smallest_feasible_limit(placement: Sequence[int], memory: Memory) -> float:
     return max(least_peaks(placement, memory))
 
 
-def _one_at_a_time(placement: Sequence[int], m: int) -> Schedule:
-    """One microbatch at a time, each W right after its B: the least memory (`zbpp.schedules.bounds.least_peaks`)."""
-    p = max(placement) + 1
-    orders: list[list[Action]] = [[] for _ in range(p)]
-    for j in range(m):
-        for s in range(len(placement)):
-            orders[placement[s]].append(Action(Kind.F, s, j))
-        for s in reversed(range(len(placement))):
-            orders[placement[s]] += [Action(Kind.B, s, j), Action(Kind.W, s, j)]
+def _one_at_a_time(placement: Sequence[int], m: int, memory: Memory) -> Schedule:
+    """One microbatch at a time, each in the order of least peak: the least memory (`bounds.least_peak_orders`)."""
+    orders = [[Action(a.kind, a.stage, j) for j in range(m) for a in order] for order in least_peak_orders(placement, memory)]
     return from_orders("one-at-a-time", placement, m, orders)
 
 
@@ -321,7 +315,7 @@ def _tightest(name: str, prob: Problem, shape: TaskShape, seeds: Sequence[Callab
     `simulate` counts them, stay within `peaks_within`; a `ValueError` if none does."""
     p, m, placement = prob.num_ranks, prob.num_microbatches, prob.placement
     best: tuple[tuple[float, ...], list[list[int]]] | None = None
-    one = _one_at_a_time(placement, m)
+    one = _one_at_a_time(placement, m, memory)
     for sched in [_split_bw(seed(p, m)) for seed in seeds] + [one]:
         orders = prob.encode(sched)
         if orders is None or not all(x <= y * (1 + 1e-9) for x, y in zip(simulate(sched, costs, memory).peak_memory,
@@ -330,7 +324,7 @@ def _tightest(name: str, prob: Problem, shape: TaskShape, seeds: Sequence[Callab
         score = score_of(shape, orders)
         if best is None or score < best[0]:
             best = (score, orders)
-    if best is None:  # only where a W's transient lifts one at a time above `smallest_feasible_limit`
+    if best is None:  # pragma: no cover - one at a time peaks at `smallest_feasible_limit`, which `_limits` checked
         raise ValueError(f"{name}: no schedule found within memory_limit={list(peaks_within)}; one microbatch at a "
                          f"time peaks at {simulate(one, costs, memory).peak_memory}")
     return from_orders(name, placement, m, prob.decode(best[1]))
