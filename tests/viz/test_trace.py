@@ -392,3 +392,20 @@ def test_write_trace_takes_the_simulations_schedule_under_another_name(tmp_path)
     write_trace(tmp_path / "a.json", simulated=res)
     write_trace(tmp_path / "b.json", simulated=res, schedule=renamed)
     assert _load(tmp_path / "a.json") == _load(tmp_path / "b.json")
+
+
+def test_arguments_of_the_wrong_type_are_named(tmp_path):
+    """schedule= given as a name or as text, or simulated= given the Schedule itself, failed as an
+    AttributeError ('str' object has no attribute 'placement') that named no argument."""
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    res = simulate(sched, Costs(1, 1, 1))
+    path = tmp_path / "t.json"
+    for kwargs, key in ((dict(simulated=res, schedule="1f1b"), "schedule"),
+                        (dict(simulated=res, schedule=sched.to_text()), "schedule"),
+                        (dict(simulated=sched), "simulated"),
+                        (dict(simulated=sched, measured=_records(res)), "simulated")):
+        with pytest.raises(TypeError, match=rf"write_trace: {key}= must be a zbpp\.schedules\."):
+            write_trace(path, **kwargs)
+    assert not path.exists()  # nothing half-written
+    write_trace(path, simulated=res, schedule=sched)  # the right types still pass
+    assert path.exists()

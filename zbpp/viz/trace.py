@@ -138,6 +138,12 @@ def write_trace(
     """
     if simulated is None and measured is None:
         raise ValueError("write_trace needs simulated= (a SimResult), measured= (task records) or both")
+    # a wrong type would fail further on as an AttributeError that names neither argument
+    for key, value, kind, hint in (("simulated", simulated, SimResult, "simulate(schedule, costs)"),
+                                   ("schedule", schedule, Schedule, "build(...)")):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"write_trace: {key}= must be a zbpp.schedules.{kind.__name__} ({hint}) or None, "
+                            f"got {value!r:.60} ({type(value).__name__})")
     # a negative comm would draw slices of negative length, a unit of 0 put every task at time 0
     comm = as_number(comm, "write_trace comm")
     if simulated_unit_s is not None:
