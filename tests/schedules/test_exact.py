@@ -158,3 +158,61 @@ def test_limit_no_order_fits_names_it() -> None:
     assert _brute_force_optimum(2, Costs(1, 1, 1), memory, 2) is None
     with pytest.raises(ValueError, match="memory_limit=2"):
         optimal_schedule(loop_placement(2), 2, Costs(1, 1, 1), memory, memory_limit=2)
+
+
+def _brute_force_any_placement(placement, m: int, costs: Costs, memory: Memory, limits) -> float | None:
+    """The least makespan over every combination of rank orders whose simulated peaks are within
+    `limits` (None: none is). A rank's order keeps what the data edges imply between its own tasks
+    (of a microbatch: F's up the stages, B's after every F and down the stages, W after its B);
+    the simulator refuses the combinations that deadlock."""
+    import itertools
+
+    from zbpp.schedules import Action, Kind, ScheduleError
+    from zbpp.schedules.ir import from_orders
+
+    def after(a, b) -> bool:  # must b run before a (same microbatch)?
+        if a.microbatch != b.microbatch:
+            return False
+        if a.kind is Kind.F:
+            return b.kind is Kind.F and b.stage < a.stage
+        if a.kind is Kind.B:
+            return b.kind is Kind.F or (b.kind is Kind.B and b.stage > a.stage)
+        return b == Action(Kind.B, a.stage, a.microbatch)
+
+    def orders_of(rank):
+        tasks = [Action(k, s, j) for s in range(len(placement)) if placement[s] == rank for j in range(m)
+                 for k in (Kind.F, Kind.B, Kind.W)]
+        for perm in itertools.permutations(tasks):
+            if not any(after(perm[i], b) for i in range(len(perm)) for b in perm[i + 1:]):
+                yield perm
+
+    best = None
+    for combo in itertools.product(*(list(orders_of(r)) for r in range(max(placement) + 1))):
+        try:
+            res = simulate(from_orders("x", placement, m, combo), costs, memory)
+        except ScheduleError:
+            continue
+        if all(x <= y * (1 + REL) for x, y in zip(res.peak_memory, limits)) and (best is None or res.makespan < best):
+            best = res.makespan
+    return best
+
+
+def test_a_limit_that_needs_a_w_to_wait_is_solved() -> None:
+    """Interleaved, p = 2, two stages per rank, a W's transient on a rank of two stages: one
+    microbatch at a time with each W right after its B peaks at [6, 3]; a W that waits for the B
+    below it gets rank 0 to 4.5. The solver started from the former, and refused [4.5, 3] (and 4.5)
+    as "no schedule within it", though the brute force finds some. A limit given as a Fraction was
+    taken for a list (TypeError: 'Fraction' object is not iterable)."""
+    from fractions import Fraction
+
+    placement, costs = loop_placement(2, 2), Costs(1, 1, 1)
+    memory = Memory(activation=[2, 0, 0, 1], wgrad=[2, 1, 2, 0.5], transient_f=[1, 0, 1, 3],
+                    transient_b=[0.5, 3, 2, 0], transient_w=[0.5, 0, 2, 0.5])
+    for limit in ([4.5, 3], 4.5, Fraction(9, 2)):
+        limits = limit if isinstance(limit, list) else [float(limit)] * 2
+        best = _brute_force_any_placement(placement, 1, costs, memory, limits)
+        assert best is not None
+        opt = optimal_schedule(placement, 1, costs, memory, memory_limit=limit)
+        res = simulate(validate(opt.schedule), costs, memory)
+        assert all(x <= y * (1 + REL) for x, y in zip(res.peak_memory, limits)), (limit, res.peak_memory)
+        assert opt.proven and opt.makespan == pytest.approx(best, rel=REL), limit

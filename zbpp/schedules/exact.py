@@ -260,24 +260,19 @@ def optimal_schedule(
 
 def _default_start(placement: Sequence[int], m: int, costs: Costs, memory: Memory,
                    limit: float | Sequence[float] | None) -> Schedule:
-    """A feasible upper bound: the automatic schedule of the placement, else one microbatch at a time."""
-    from .generators.auto import zb_auto, zbv_auto
+    """A feasible upper bound: the automatic schedule of the placement, else one microbatch at a time
+    in the order of least peak (within every limit `lower_bound` lets through)."""
+    from .generators.auto import _one_at_a_time, zb_auto, zbv_auto
     from .ir import loop_placement, v_placement
 
     p = max(placement) + 1
-    one = limit if limit is None or isinstance(limit, (int, float)) else min(limit)  # fits every rank's
+    limits = _per_rank(limit, p)  # the automatic schedules take one finite number per rank, or None
+    within = None if not any(map(math.isfinite, limits)) else limits if all(map(math.isfinite, limits)) else False
     try:
-        if tuple(placement) == loop_placement(p):
-            return zb_auto(p, m, costs=costs, memory=memory, memory_limit=one)
-        if tuple(placement) == v_placement(p):
-            return zbv_auto(p, m, costs=costs, memory=memory, memory_limit=one)
-    except ValueError:  # the smallest rank limit is below what another rank needs: one at a time
+        if within is not False and tuple(placement) == loop_placement(p):
+            return zb_auto(p, m, costs=costs, memory=memory, memory_limit=within)
+        if within is not False and tuple(placement) == v_placement(p):
+            return zbv_auto(p, m, costs=costs, memory=memory, memory_limit=within)
+    except ValueError:  # a limit the searches refuse: one at a time meets every one lower_bound accepts
         pass
-    n = len(placement)
-    orders: list[list[Action]] = [[] for _ in range(p)]
-    for j in range(m):  # within any limit a rank can hold one microbatch's activations
-        for s in range(n):
-            orders[placement[s]].append(Action(Kind.F, s, j))
-        for s in range(n - 1, -1, -1):
-            orders[placement[s]] += [Action(Kind.B, s, j), Action(Kind.W, s, j)]
-    return from_orders("one-at-a-time", placement, m, orders)
+    return _one_at_a_time(placement, m, memory)
