@@ -208,3 +208,19 @@ def test_infeasible_limit_names_the_least_peak_where_a_w_transient_shares_a_rank
         with pytest.raises(ValueError, match=r"memory_limit=11.5 is infeasible; the smallest feasible limit is 12 "):
             build(name, num_ranks=1, num_microbatches=2, memory=memory, memory_limit=11.5)
     assert lower_bound([0, 0], 2, memory=memory, memory_limit=12).makespan > 0
+
+
+def test_one_limit_of_any_real_type_is_named_as_one():
+    """One number that is a Real but no int or float (a Fraction; numpy's float32) was named as
+    if one per rank, "memory_limit[0]=1.5 is infeasible; the smallest feasible limit is 2": rank
+    0's own floor, not the largest. V p = 2 with stage 1's activation 3: rank 0 (stages 0 and 3)
+    needs 2, rank 1 (stages 1 and 2) 4, so no single limit under 4 is feasible."""
+    from fractions import Fraction
+
+    memory = Memory(activation=[1, 3, 1, 1])
+    assert [_least_peak_by_brute_force(v_placement(2), memory, r) for r in (0, 1)] == [2, 4]
+    for limit in (1.5, Fraction(3, 2)):
+        with pytest.raises(ValueError, match=r"^memory_limit=1.5 is infeasible; the smallest feasible limit is 4 "):
+            lower_bound(v_placement(2), 4, memory=memory, memory_limit=limit)
+    with pytest.raises(ValueError, match=r"^memory_limit\[0\]=1.5 is infeasible; the smallest feasible limit is 2 "):
+        lower_bound(v_placement(2), 4, memory=memory, memory_limit=[1.5, 4])

@@ -369,8 +369,9 @@ def lower_bound(
     limits = _per_rank(memory_limit, p)
     for r in range(p):
         if limits[r] < per_rank[r] * (1 - _EPS):
-            where = "" if isinstance(memory_limit, (int, float)) else f"[{r}]"
-            smallest = max(per_rank) if isinstance(memory_limit, (int, float)) else per_rank[r]
+            one = isinstance(memory_limit, numbers.Real)  # as `_per_rank` reads it (a Fraction, a numpy float)
+            where = "" if one else f"[{r}]"
+            smallest = max(per_rank) if one else per_rank[r]
             raise ValueError(
                 f"memory_limit{where}={limits[r]:g} is infeasible; the smallest feasible limit is {smallest:g} "
                 f"(the least peak of any schedule: a rank holds all its stages' activations of one microbatch at once, with what a B adds where "
