@@ -74,9 +74,12 @@ def _number(text: str) -> float:
 
 
 def _float_list(text: str) -> float | list[float]:
-    """'1.5' -> 1.5; '1,2,3' -> [1, 2, 3] (one value per stage); each a finite number >= 0."""
-    values = [_finite(p) for p in text.split(",") if p.strip()]
-    if not values or any(v is None for v in values):
+    """'1.5' -> 1.5; '1,2,3' -> [1, 2, 3] (one value per stage); each a finite number >= 0.
+
+    An empty field ('1,,2', '1,2,') is refused: dropped, it shifted every later stage's value
+    onto the stage before it."""
+    values = [_finite(p) for p in text.split(",")]
+    if any(v is None for v in values):
         raise argparse.ArgumentTypeError(
             f"expected a finite number >= 0, or such numbers separated by commas (one per stage), got {text!r}")
     return values[0] if len(values) == 1 else values  # type: ignore[return-value]

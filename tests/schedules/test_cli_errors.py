@@ -38,6 +38,10 @@ SCHEDULE_ARGS = ["-p", "4", "-m", "8"]
         (["show", "zb-h1", *SCHEDULE_ARGS, "--comm", "nan"], "argument --comm: expected a finite number >= 0, got 'nan'"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--comm", "-0.5"], "argument --comm: expected a finite number >= 0, got '-0.5'"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--b", "1,inf,1,1"], "argument --b: expected a finite number >= 0"),
+        # an empty field was dropped: '1,,2' read as [1, 2], each value then on the wrong stage
+        (["show", "zb-h1", "-p", "2", "-m", "4", "--f", "1,,2"], "argument --f: expected a finite number >= 0, or such "
+                                                                  "numbers separated by commas (one per stage), got '1,,2'"),
+        (["show", "zb-h1", "-p", "2", "-m", "4", "--activation", "1,2,"], "argument --activation: expected a finite"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--w", "-1"], "argument --w: expected a finite number >= 0"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--activation", "inf"], "argument --activation: expected a finite number >= 0"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--wgrad", "nan"], "argument --wgrad: expected a finite number >= 0"),
