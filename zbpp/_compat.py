@@ -29,6 +29,7 @@ __all__ = [
     "fsdp2",
     "current_autograd_node",
     "HAS_CURRENT_AUTOGRAD_NODE",
+    "will_engine_execute",
     "saved_by_checkpoint",
     "is_compiled_node",
     "compiled_backward_retained",
@@ -143,6 +144,20 @@ def fsdp2() -> tuple[type, Any] | None:
 current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 #: Whether `current_autograd_node` names the node (False: that torch has none, it answers None).
 HAS_CURRENT_AUTOGRAD_NODE = hasattr(torch._C, "_current_autograd_node")
+
+
+def will_engine_execute(node: Any) -> bool:
+    """``torch._C._will_engine_execute_node``: whether the backward running on this thread runs
+    `node`: every node of its graph for a plain ``.backward()``, only those on a path to its
+    ``inputs=`` otherwise (``torch.autograd.grad`` too). True where this torch cannot tell (no
+    such call, or it refuses one, as under compiled autograd)."""
+    probe = getattr(torch._C, "_will_engine_execute_node", None)
+    if probe is None:
+        return True
+    try:
+        return bool(probe(node))
+    except RuntimeError:
+        return True
 
 
 def _checkpoint_save_inputs() -> Any:

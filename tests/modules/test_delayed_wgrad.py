@@ -897,6 +897,47 @@ def test_double_backward_is_refused_where_it_would_be_wrong(name, delay) -> None
     assert all(p.grad is None for p in layer.parameters())
 
 
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=x)"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_an_input_gradient_alone_leaves_weight_grads_alone(name, how) -> None:
+    """``torch.autograd.grad(loss, x)`` (or ``loss.backward(inputs=[x])``) through a delayed layer
+    filed its weight gradient for W: it stayed pending under the call's key, and a later
+    ``backward_dw`` (``backward_dw()``, the oldest; a pipeline's W of that key) added it into
+    ``.grad``, which torch leaves alone there (None for torch.nn.Linear). Now no job is filed: the
+    input gradient is torch's, and a following step gets the float64 functional reference's
+    gradients of its own batch only.
+
+    Tolerance rtol 1e-9 (atol 1e-12): float64 on both sides, only reordered roundings differ; a
+    leaked job adds an O(1) gradient.
+    """
+    layer = MAKERS[name](delay_wgrad_compute=True, params_dtype=torch.float64)
+    cfg = {a: getattr(layer, a, None) for a in ("normalization", "eps", "activation")}
+    kind = type(layer).__name__
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
+    x = torch.randn(5, HIDDEN, dtype=torch.float64, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    with microbatch(0):
+        loss = layer(x).square().sum()
+    if how == "autograd.grad":
+        (dx,) = torch.autograd.grad(loss, x)
+    else:
+        loss.backward(inputs=[x])
+        dx = x.grad
+    (want_dx,) = torch.autograd.grad(_functional(kind, cfg, params, xr).square().sum(), xr)
+    torch.testing.assert_close(dx, want_dx, rtol=1e-9, atol=1e-12)
+    assert layer.pending_wgrad_keys() == []
+    assert all(p.grad is None for p in layer.parameters())
+    # a real step after it: only its own gradients, as the reference's
+    x2 = torch.randn(5, HIDDEN, dtype=torch.float64, requires_grad=True)
+    with microbatch(1):
+        layer(x2).square().sum().backward()
+    layer.backward_dw(1)
+    assert layer.pending_wgrad_keys() == []
+    _functional(kind, cfg, params, x2.detach()).square().sum().backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_an_integer_or_0d_input_is_named_with_what_the_layer_takes(name):
     # an integer input was told to rebuild the layer with params_dtype=torch.int64 (which

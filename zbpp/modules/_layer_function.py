@@ -25,7 +25,9 @@ from typing import Any, Hashable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._compat import mm_float32
+from torch.autograd.graph import get_gradient_edge
+
+from .._compat import mm_float32, will_engine_execute
 from ._activations import Activation
 from ._fp8_weight_cache import Fp8WeightCache
 from ._fused import act_quantize, dact_quantize, norm_quantize
@@ -224,6 +226,28 @@ class _Job:
                     accumulate_grad(call.bias, bias_grad_of.sum(0))
 
 
+#: A leaf every delayed call takes as one more input, its gradient always None: a B files its
+#: W job only where the running backward runs the probe's accumulation node, i.e. where it
+#: accumulates into every leaf's ``.grad`` (a plain ``.backward()``) or lists the probe in its
+#: ``inputs=`` (the runtime's split B, which finds it as any leaf a custom Function feeds). In
+#: ``torch.autograd.grad`` (or a backward limited to other inputs) torch.nn.Linear's weight
+#: gradient reaches no ``.grad``, so a filed job, added by the next W, must not either.
+with torch.inference_mode(False):  # importable anywhere: a leaf autograd can record
+    _WGRAD_PROBE = torch.zeros((), device="cpu", requires_grad=True)
+_WGRAD_PROBE_NODE = get_gradient_edge(_WGRAD_PROBE).node  # held: every graph shares this node
+
+
+def _probe_for(store: WgradStore | None, *params: torch.Tensor | None) -> torch.Tensor | None:
+    # the probe for a delayed call whose node exists anyway (a trainable input): one frozen
+    # throughout must keep an output that needs no gradient
+    return _WGRAD_PROBE if store is not None and any(map(_trainable, params)) else None
+
+
+def files_wgrad() -> bool:
+    """Inside a delayed call's backward: whether it files its W job (see `_WGRAD_PROBE`)."""
+    return will_engine_execute(_WGRAD_PROBE_NODE)
+
+
 def refuse_double_backward(weight_name: str, delayed: bool) -> None:
     """Raise when a backward runs with ``create_graph=True`` (grad mode is on inside it only then).
 
@@ -258,7 +282,8 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed
 class _LinearFunction(torch.autograd.Function):
     """`_LayerFunction` for one GEMM outside FP8 (`Linear`'s usual call): the same arithmetic,
     with only what this case needs between the GEMMs. `w` and `b` are the parameters where B
-    computes their gradients, None where W does (`run_linear`); the GEMM reads `call`'s."""
+    computes their gradients, None where W does (`run_linear`); the GEMM reads `call`'s. `probe`:
+    `_WGRAD_PROBE` for a delayed call (its B asks whether to file, `files_wgrad`), else None."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -266,6 +291,7 @@ class _LinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         w: torch.Tensor | None,
         b: torch.Tensor | None,
+        probe: torch.Tensor | None,
         call: GemmCall,
         store: WgradStore | None,
         key: Hashable,
@@ -293,15 +319,15 @@ class _LinearFunction(torch.autograd.Function):
             # a parameter frozen since F gets nothing, as autograd's AccumulateGrad skips it in B
             need_w = need_w and call.weight.requires_grad
             need_b = need_b and call.bias.requires_grad
-            if need_w or need_b:
+            if (need_w or need_b) and files_wgrad():
                 part = _WgradPart(call, (dy, x) if need_w else None, dy if need_b else None)
                 versions = ((dy, dy._version), (x, x._version)) if need_w else ((dy, dy._version),)
                 store.put(key, _Job([part], False, versions))
-            return dx, None, None, None, None, None
+            return dx, None, None, None, None, None, None
         if need_w or need_b:
             dw, db = _eager_wgrad(_WgradPart(call, (dy, x) if need_w else None,
                                              dy if need_b else None), False)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _trainable(p: torch.Tensor | None) -> bool:
@@ -319,9 +345,10 @@ def run_linear(
     if store is not None and x.requires_grad:
         # W computes both gradients: no edges to the parameters, whose accumulation nodes would
         # run for nothing in every B (kept where they are the node's only way into the graph)
-        y = _LinearFunction.apply(x2, None, None, call, store, key)
+        y = _LinearFunction.apply(x2, None, None, _WGRAD_PROBE, call, store, key)
     else:
-        y = _LinearFunction.apply(x2, weight, call.bias, call, store, key)
+        probe = _probe_for(store, weight, call.bias)
+        y = _LinearFunction.apply(x2, weight, call.bias, probe, call, store, key)
     if y.dtype != x.dtype:
         _refuse_autocast(y, call)
     return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
@@ -385,6 +412,7 @@ class _LayerFunction(torch.autograd.Function):
         b1: torch.Tensor | None,
         w2: torch.Tensor | None,
         b2: torch.Tensor | None,
+        probe: torch.Tensor | None,
         spec: LayerSpec,
     ) -> torch.Tensor:
         ctx.spec = spec
@@ -515,9 +543,9 @@ class _LayerFunction(torch.autograd.Function):
             else:
                 dx = dln
         if spec.store is not None:
-            parts = _drop_frozen(parts)
+            parts = _drop_frozen(parts) if files_wgrad() else []
         if not parts:
-            return dx, d_nw, d_nb, None, db1, None, db2, None
+            return dx, d_nw, d_nb, None, db1, None, db2, None, None
         if spec.store is not None:
             # outside FP8 the jobs read dy itself (fc2's, fc1's without an activation) and,
             # without a norm, the layer's input; their other operands are this call's own
@@ -527,7 +555,7 @@ class _LayerFunction(torch.autograd.Function):
                 if spec.normalization is None and in1 is not None:
                     versions += ((in1, in1._version),)
             spec.store.put(spec.key, _Job(parts, fp8, versions))
-            return dx, d_nw, d_nb, None, db1, None, db2, None
+            return dx, d_nw, d_nb, None, db1, None, db2, None, None
         # eager: the job's arithmetic, in its order (fc2's part first)
         dw1 = dw2 = None
         for part in parts:
@@ -536,7 +564,7 @@ class _LayerFunction(torch.autograd.Function):
                 dw1, db1 = dw, db1 if db is None else db
             else:
                 dw2, db2 = dw, db2 if db is None else db
-        return dx, d_nw, d_nb, dw1, db1, dw2, db2, None
+        return dx, d_nw, d_nb, dw1, db1, dw2, db2, None, None
 
 
 def _drop_frozen(parts: list[_WgradPart]) -> list[_WgradPart]:
@@ -600,16 +628,15 @@ def run_layer(
         # them, whose accumulation nodes would run for nothing in every B (kept where they are
         # the node's only way into the graph)
         if spec.recipe is None:
-            y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, None, None, None, spec)
+            y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, None, None, None,
+                                     _WGRAD_PROBE, spec)
         else:
             y = _LayerFunction.apply(x2, norm_weight, norm_bias, None, fc1.bias, None,
-                                     fc2 and fc2.bias, spec)
-    elif fc2 is None:
-        y = _LayerFunction.apply(x2, norm_weight, norm_bias, weight, fc1.bias, None, None, spec)
+                                     fc2 and fc2.bias, _WGRAD_PROBE, spec)
     else:
-        y = _LayerFunction.apply(
-            x2, norm_weight, norm_bias, weight, fc1.bias, fc2.weight, fc2.bias, spec
-        )
+        probe = _probe_for(spec.store, weight, fc1.bias, fc2 and fc2.weight, fc2 and fc2.bias)
+        y = _LayerFunction.apply(x2, norm_weight, norm_bias, weight, fc1.bias,
+                                 fc2 and fc2.weight, fc2 and fc2.bias, probe, spec)
     if y.dtype != x.dtype:
         _refuse_autocast(y, fc1)
     return y if x2 is x else y.reshape(*x.shape[:-1], y.shape[-1])

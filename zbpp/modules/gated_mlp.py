@@ -57,7 +57,8 @@ from .._compat import runs_hooks
 from ._activations import ACTIVATIONS, Activation
 from ._fp8_weight_cache import optimizer_steps, outside_inference_mode
 from ._fused import act_quantize, dact_quantize
-from ._layer_function import GemmCall, _Job, _quantize_grad, _WgradPart, refuse_double_backward
+from ._layer_function import _WGRAD_PROBE, GemmCall, _Job, _quantize_grad, _WgradPart, files_wgrad
+from ._layer_function import refuse_double_backward
 from ._shared_input import cast_input
 from .base import _outside_graph, _tracing
 from .fp8 import (DelayedScaling, Quantized, ScalingMeta, active_recipe, fp8_autocast, fp8_gemm_nt,
@@ -298,8 +299,8 @@ class _GatedMlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, plan: _Plan,  # type: ignore[override]
                 *anchors: torch.Tensor) -> torch.Tensor:
-        # anchors: trainable weights made inputs only so that the node exists (their gradients
-        # come from W, never from here); see `_FusedGatedMlp.forward`
+        # anchors: `_WGRAD_PROBE` (`files_wgrad`) and trainable weights made inputs only so that
+        # the node exists (their gradients come from W, never from here); see `_FusedGatedMlp.forward`
         ctx.anchors = len(anchors)
         recipe, first, down = plan.recipe, plan.fc1[0], plan.down
         # per layer (fc1's, then down): whether its weight gradient is wanted, read here, where the
@@ -339,8 +340,9 @@ class _GatedMlpFunction(torch.autograd.Function):
                  if need[i] else None for i, c in enumerate(plan.fc1)]
         parts.append(_WgradPart(down, (Quantized(dy_q.data_t, dy_q.scale_inv), Quantized(a_t, a_sinv)), None)
                      if need_w2 else None)
+        files = files_wgrad()  # not in torch.autograd.grad (see `_layer_function._WGRAD_PROBE`)
         for part, store, key in zip(parts, plan.stores, plan.keys):
-            if part is not None:
+            if part is not None and files:
                 store.put(key, _Job([part], True))
         return (dx, None) + (None,) * ctx.anchors
 
@@ -402,5 +404,7 @@ class _FusedGatedMlp(nn.Module):
         # the node out of the graph, and B, which files the wgrad jobs, would never run: the
         # trainable weights are then its inputs, as `_layer_function.run_layer` keeps them.
         anchors = () if x2.requires_grad else tuple(w for w in weights if w.requires_grad)
+        if x2.requires_grad or anchors:  # a node: `files_wgrad` asks about the probe, its input
+            anchors = (_WGRAD_PROBE, *anchors)
         y = _GatedMlpFunction.apply(x2, plan, *anchors)
         return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
