@@ -536,6 +536,94 @@ def test_pending_wgrads_are_left_as_found():
     assert all(g is not None and torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
 
 
+class _TEStore:
+    """Transformer Engine's ``WeightGradStore`` as its layers use it: a FIFO ``queue.Queue`` in
+    ``context`` of ``[tensors, func]`` pairs, ``pop`` running the oldest."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.context = queue.Queue()
+
+    def delay_wgrad_compute(self) -> bool:
+        return True
+
+    def put(self, tensor_list: list, func) -> None:
+        self.context.put([tensor_list, func])
+
+    def pop(self) -> None:
+        if self.context.qsize() == 0:
+            raise RuntimeError("Pop empty queue.")
+        tensor_list, func = self.context.get()
+        func(*tensor_list)
+
+
+class _TELinear(nn.Module):
+    """A delayed Linear as Transformer Engine builds one: B files its wgrad in ``wgrad_store``,
+    ``backward_dw()`` (no key) computes the oldest."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in, dtype=torch.float64))
+        self.wgrad_store = _TEStore()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _TELinearFn.apply(x, self.weight, self)
+
+    def backward_dw(self) -> None:
+        self.wgrad_store.pop()
+
+
+class _TELinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, module):
+        ctx.save_for_backward(x, w)
+        ctx.module = module
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        weight = ctx.module.weight
+
+        def wgrad(g: torch.Tensor, x: torch.Tensor) -> None:
+            with torch.no_grad():
+                weight.grad = g.t() @ x if weight.grad is None else weight.grad + g.t() @ x
+
+        ctx.module.wgrad_store.put([g, x], wgrad)
+        return g @ w, None, None
+
+
+def test_pending_transformer_engine_wgrads_are_left_as_found():
+    """A Transformer-Engine-style layer (FIFO ``backward_dw()``, jobs in ``wgrad_store.context``)
+    with a W pending when measure_profile is called: the measurement's W popped the user's job
+    (its gradient then dropped with the measurement's .grad) and left its own, which the user's
+    backward_dw computed instead: weight.grad came out the example input's gradient, not the
+    user's batch's. Reference: an unmeasured twin (same weights) given the same calls; bit for bit
+    (the same CPU operations on the same values), and plain autograd of x @ W^T in float64."""
+    torch.manual_seed(0)
+    x, example = torch.randn(5, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    weight = torch.randn(4, 8, dtype=torch.float64)
+
+    def trained(measure: bool) -> torch.Tensor:
+        layer = _TELinear(8, 4)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        layer(x.clone().requires_grad_()).square().sum().backward()  # B: one W pending
+        if measure:
+            measure_profile(layers=[("a", layer)], example_input=example, steps=1, warmup=0)
+        assert layer.wgrad_store.context.qsize() == 1
+        layer.backward_dw()
+        assert layer.wgrad_store.context.qsize() == 0
+        return layer.weight.grad
+
+    got, ref = trained(True), trained(False)
+    assert torch.equal(got, ref)
+    w = weight.clone().requires_grad_()
+    (x @ w.t()).square().sum().backward()
+    torch.testing.assert_close(got, w.grad, rtol=1e-12, atol=1e-12)  # float64, one GEMM's rounding
+
+
 def test_an_attention_whose_package_is_missing_is_one_line_naming_the_flag(tmp_path, capsys):
     """`zbpp measure --attn flash_attention_2` without flash-attn installed ended in HF's ImportError
     traceback; now one line naming --attn, exit 2, and no profile written."""

@@ -117,9 +117,11 @@ def measure_profile(
       computes the gradient of the inputs that need one and only what it needs (the runtime's
       generic split; a first layer's B computes nothing), W every weight gradient (the rest of
       the split backward, then the delayed-wgrad modules' ``backward_dw``). The layers' ``.grad``
-      (and ``main_grad``), buffers, pending delayed-wgrad jobs (set aside while measuring, then
-      back, keys in order), zbpp FP8 scaling state and the random generators are restored after
-      measuring: training after it is training without it.
+      (and ``main_grad``), buffers, pending delayed-wgrad jobs (zbpp's and Transformer Engine's
+      ``wgrad_store`` queue: set aside while measuring, then back, in order), zbpp FP8 scaling
+      state and the random generators are restored after measuring: training after it is
+      training without it. Another module whose ``backward_dw()`` takes no key must have no W
+      pending: the measurement's W would take the oldest.
     - activation: bytes of the tensors autograd saves in F (`torch.autograd.graph.saved_tensors_hooks`),
       one count per storage; parameters, buffers, the example input's tensors that need no gradient
       (token ids, masks) and the target left out (the caller holds them anyway); a later layer's

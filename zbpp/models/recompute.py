@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import queue
 import types
 import weakref
 from dataclasses import dataclass
@@ -843,6 +844,10 @@ def _grads_buffers_kept(layer: nn.Module) -> Iterator[None]:
     # them (a key it reuses) and its discard drop them all; back exactly, keys in order, at the end
     delayed = [(m, m._wgrad_store.set_aside(), m._auto_keys, m._forwards_in_step, m._bias_grad_deferred)
                for m in layer.modules() if isinstance(m, DelayedWgradModule)]
+    # likewise Transformer Engine's FIFO queues: backward_dw() pops the oldest, the caller's
+    fifo = _te_wgrad_stores(layer)
+    for store, pending in fifo:
+        store.context = type(pending)()
     grads = [(p, p.grad, getattr(p, "main_grad", None), getattr(p, "grad_added_to_main_grad", None)) for p in params]
     buffers = [(m, n, b, b.clone()) for m in layer.modules() for n, b in m._buffers.items() if b is not None]
     for p, _, main, _ in grads:
@@ -864,6 +869,8 @@ def _grads_buffers_kept(layer: nn.Module) -> Iterator[None]:
             for m, n, b, copy in buffers:
                 m._buffers[n] = b
                 b.copy_(copy)
+        for store, pending in fifo:
+            store.context = pending  # the measurement's own jobs go with the queue it filed them in
         for m, jobs, auto_keys, ran, deferred in delayed:
             m._wgrad_store.put_back(jobs)  # the measurement's own jobs (and their tensors) go
             m._auto_keys = auto_keys
@@ -871,6 +878,17 @@ def _grads_buffers_kept(layer: nn.Module) -> Iterator[None]:
             if m._bias_grad_deferred != deferred:
                 m._bias_grad_deferred = deferred
                 m._sync_param_flags()
+
+
+def _te_wgrad_stores(layer: nn.Module) -> list[tuple[Any, queue.Queue]]:
+    """(store, its queue) of each Transformer Engine ``WeightGradStore`` in `layer`: its pending
+    wgrad jobs live in ``context``, a `queue.Queue` (None while the module does not delay)."""
+    stores = {}
+    for m in layer.modules():
+        store = getattr(m, "wgrad_store", None)
+        if not isinstance(m, DelayedWgradModule) and isinstance(getattr(store, "context", None), queue.Queue):
+            stores[id(store)] = (store, store.context)  # one store may serve several modules
+    return list(stores.values())
 
 
 def _measure_once(layer: nn.Module, policy: str, args: tuple, kwargs: dict, boxes: Any,
