@@ -574,3 +574,33 @@ def test_lora_fine_tuning_with_w_late(delayed):
                 assert a.grad is None and b.grad is None, f"stage {s} {n}"
             else:
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15, msg=lambda m: f"stage {s} {n}: {m}")
+
+
+def test_a_b_that_fails_half_way_leaves_no_fifo_wgrad_to_the_next_step():
+    """A B that raised half-way (in lin1's backward, after lin2, later in the forward, had filed its
+    wgrad) left the key out of the pending ones: a FIFO module's (Transformer Engine's) job of the
+    failed step stayed queued, and the next step's W of lin2 computed it in place of its own (stage
+    0 lin2.bias off by 0.31), one job leaking further each time. Reference: the plain model on the
+    whole batch in this process; the tolerance is the suite's float32 one (`cases.tolerance`)."""
+    sched = make_schedule("1f1b", 1, 4)
+    mine = {0: make_stage(0, 1, "fifo")}
+    ref = [make_stage(0, 1, "plain")]
+    pipe = Pipeline(mine, sched, loss_fn)
+    seen = []
+
+    def bomb(module, grad_output):  # raises in the second microbatch's B, once
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("kaboom in B")
+
+    handle = mine[0].lin1.register_full_backward_pre_hook(bomb)
+    inputs, target = make_batch(0, 8)
+    with pytest.raises(PipelineError, match="kaboom in B"):
+        pipe.step(inputs, target=target)
+    handle.remove()
+    assert [len(m._fifo) for m in (mine[0].lin1, mine[0].lin2)] == [0, 0]
+    inputs, target = make_batch(1, 8)
+    loss = pipe.step(inputs, target=target)
+    torch.testing.assert_close(loss, reference_step(ref, inputs, target), **tolerance(CPU))
+    for (n, a), (_, b) in zip(mine[0].named_parameters(), ref[0].named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, **tolerance(CPU), msg=lambda m: f"{n}: {m}")

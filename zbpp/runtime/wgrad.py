@@ -114,8 +114,8 @@ def delayed_modules(stage: nn.Module) -> list[nn.Module]:
 class StageWgrad:
     """The W of one stage: an adapter per outermost delayed-wgrad module, and what is pending.
 
-    `compute(key)` is W(s, j) with ``key = (s, j)``; the B of a microbatch calls `filed(key, held)` so
-    that `discard` knows what a failed step left pending. `held` is the rest of the stage's autograd
+    `compute(key)` is W(s, j) with ``key = (s, j)``; the B of a microbatch notes its key as pending
+    (`filed`, before it runs) so that `discard` knows what a failed step left pending. `held` is the rest of the stage's autograd
     backward when B split it off (`zbpp.runtime._autograd_split`): W runs it before the modules'.
     """
 
@@ -192,11 +192,16 @@ class StageWgrad:
         `inputs`. With `split` only what the inputs' gradient needs, holding the rest for
         `compute(key)` (`saved`: the boxes of its forward, whose input-only tensors go now); else the
         whole backward (plain modules' weight gradients now, delayed modules' filed for `compute`)."""
+        # pending before B runs: one that fails half-way may have filed some modules' wgrads (those
+        # after the failure in backward order), which `discard` must take too (a FIFO module would
+        # hand the next step's W this one's)
+        self.filed(key)
         if split:
-            self.filed(key, backward_input(roots, grads, inputs, self.b_hint, saved))
+            held = backward_input(roots, grads, inputs, self.b_hint, saved)
+            if held is not None:
+                self._held[key] = held
         else:
             run_backward(roots, grads)
-            self.filed(key)
 
     def filed(self, key: Hashable, held: HeldWgrad | None = None) -> None:
         if held is not None:
