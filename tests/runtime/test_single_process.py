@@ -604,3 +604,39 @@ def test_a_b_that_fails_half_way_leaves_no_fifo_wgrad_to_the_next_step():
     torch.testing.assert_close(loss, reference_step(ref, inputs, target), **tolerance(CPU))
     for (n, a), (_, b) in zip(mine[0].named_parameters(), ref[0].named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, **tolerance(CPU), msg=lambda m: f"{n}: {m}")
+
+
+class _Twice(torch.nn.Module):
+    """One layer applied twice per forward (weight sharing, as a looped block)."""
+
+    def __init__(self, lin: torch.nn.Module) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_a_fifo_module_called_twice_per_microbatch_gets_both_wgrads_each_step():
+    """A FIFO module (Transformer Engine's) called twice in one forward files two wgrads per
+    microbatch; W ran backward_dw() once per microbatch, so half of them stayed queued for the next
+    step's W (weight.grad off by 0.12 in the first step, 4 jobs leaking per step). Reference: the
+    same model of torch.nn.Linear on the whole batch in this process; tolerance: the suite's float32
+    one (`cases.tolerance`), a leaked or missing wgrad differs by O(0.1)."""
+    from .models import FifoLinear
+
+    torch.manual_seed(0)
+    ref = _Twice(torch.nn.Linear(4, 4))
+    fifo = FifoLinear(4, 4)
+    fifo.load_state_dict(ref.lin.state_dict())
+    mine = _Twice(fifo)
+    pipe = Pipeline({0: mine}, make_schedule("1f1b", 1, 4), lambda o, y: (o - y).square().mean())
+    for _ in range(2):
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        mine.zero_grad()
+        ref.zero_grad()
+        pipe.step(x, target=y)
+        (ref(x) - y).square().mean().backward()
+        for (n, a), (_, b) in zip(mine.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, **tolerance(CPU), msg=lambda m: f"{n}: {m}")
+        assert fifo._fifo == []

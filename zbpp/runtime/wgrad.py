@@ -14,6 +14,7 @@ Two adapters:
   that filed nothing under a key (not called in that microbatch) is left alone.
 - `FifoWgrad`: ``backward_dw()`` computes the *oldest* pending wgrad (Transformer Engine). Accepted
   only under schedules that keep each stage's W in B order (`zbpp.schedules.program.fifo_wgrad_problem`).
+  Such a module files one wgrad per call, so W calls it as often as F did (a forward hook counts).
 
 After a failed step the pending wgrads must go. A keyed module with ``discard_wgrad()`` drops them;
 otherwise the adapter computes them (``backward_dw`` as many times as they are pending, which only
@@ -26,14 +27,18 @@ the public protocol needs) and the runtime discards the step's gradients with th
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Hashable
 
+import torch
 from torch import nn
 
-from .._compat import modules_and_parameters
+from .._compat import disable_dynamo, modules_and_parameters
 from ..modules import is_delayed, supports_keys
+from ..modules.context import forward_key
 from ..modules.wgrad_store import WgradStoreError
 from ._autograd_split import SavedBoxes, StageSplit, backward_input, run_backward
+from .tree import flatten
 
 if TYPE_CHECKING:
     from ._autograd_split import HeldWgrad
@@ -65,17 +70,60 @@ class KeyedWgrad:
         _each(keys, self.module.backward_dw)
 
 
+class _Calls(dict):
+    """Calls of a module per microbatch key (a dict that a weak reference can name)."""
+
+
+@disable_dynamo  # host-side bookkeeping: a compiled stage calls it as it is
+def _count_call(counts: _Calls, output: Any) -> None:
+    # a call under grad mode whose output needs a gradient files one wgrad in its B. forward_key()
+    # first: a reentrant checkpoint's first run (no grad) records the key for its re-run in B, the
+    # call that counts
+    key = forward_key()
+    if key is not None and torch.is_grad_enabled() and any(t.requires_grad for t in flatten(output)[0]):
+        counts[key] = counts.get(key, 0) + 1
+
+
+class _CallCounter:
+    """A forward hook counting into one adapter's `_Calls`, held weakly: the hook outlives no
+    adapter's use. A copy (``copy.deepcopy``, ``torch.save`` of the model) counts nothing."""
+
+    __slots__ = ("_calls",)
+
+    def __init__(self, calls: _Calls | None) -> None:
+        self._calls = weakref.ref(calls) if calls is not None else None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        counts = self._calls() if self._calls is not None else None
+        if counts is not None:
+            _count_call(counts, output)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_CallCounter, (None,))
+
+
 class FifoWgrad:
-    """A module whose ``backward_dw()`` computes its oldest pending wgrad (Transformer Engine)."""
+    """A module whose ``backward_dw()`` computes its oldest pending wgrad (Transformer Engine).
+
+    It files one wgrad per call whose output B reaches, so W(key) runs ``backward_dw()`` once per
+    call of F(key) (none where F did not call it): once per microbatch would leave a reused module's
+    second wgrad queued for a later W, the next step's. The hook holds the counts weakly and goes
+    with them."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self._calls = _Calls()
+        handle = module.register_forward_hook(_CallCounter(self._calls))
+        weakref.finalize(self._calls, handle.remove)
 
     def compute(self, key: Hashable) -> None:
-        self.module.backward_dw()
+        for _ in range(self._calls.pop(key, 0)):
+            self.module.backward_dw()
 
     def discard(self, keys: list[Hashable]) -> None:
-        _each(keys, lambda _: self.module.backward_dw())
+        calls = dict(self._calls)
+        self._calls.clear()  # a key whose F ran but not its B filed nothing: its count goes too
+        _each([k for k in keys for _ in range(calls.get(k, 0))], lambda _: self.module.backward_dw())
 
 
 def _each(keys: list[Hashable], dw: Any) -> None:
