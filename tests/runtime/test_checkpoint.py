@@ -328,6 +328,65 @@ def test_the_step_goes_where_the_loaded_group_keeps_it(tmp_path: Path, saved_fus
         assert placed(got_opt.state[p]) == placed(ref_opt.state[q]), name
 
 
+class _Gained(torch.nn.Module):
+    """A float32 weight and a 0-dim gain (a parameter of no dims: its state is 0-dim too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(3, 2, generator=g))
+        self.gain = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T * self.gain
+
+
+@pytest.mark.parametrize("kind, capturable", [
+    ("Adam", False), ("Adam", True), ("AdamW", False), ("AdamW", True), ("NAdam", False), ("NAdam", True),
+    ("ASGD", False), ("ASGD", True), ("SGD", False)])
+def test_optimizer_state_goes_where_torch_puts_it(tmp_path: Path, kind: str, capturable: bool) -> None:
+    """Every loaded optimizer state tensor on the device and in the dtype that torch's own
+    ``Optimizer.load_state_dict`` of the saved optimizer gives it. A 0-dim state beside a parameter
+    that is not (ASGD's ``eta`` / ``mu``, NAdam's ``mu_product``) went to the CPU (torch: the
+    parameter's device; on a GPU, ASGD's foreach step then mixes devices), and the ``step`` of a
+    0-dim parameter (``gain``) to its device (torch: where saved, the CPU, unless the group is
+    fused or capturable). A model on the meta device stands in for one on an accelerator (no GPU
+    here). Capturable groups cannot step on the CPU: the saved optimizer steps plainly and is then
+    marked capturable (its state is on the CPU, its parameters' device). float32 parameters: in
+    another dtype zbpp keeps a state's own dtype where it differs from its parameter's (as the
+    uninterrupted run has it; see the float64 -> float32 test above), where torch casts it."""
+    import warnings
+
+    from zbpp.runtime import save_checkpoint
+
+    def make(net: torch.nn.Module) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, kind)
+        return cls(net.parameters(), lr=0.05, momentum=0.9) if kind == "SGD" else cls(net.parameters(), lr=0.05)
+
+    net = _Gained()
+    opt = make(net)
+    for step in range(2):
+        opt.zero_grad()
+        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(step))
+        net(x).square().mean().backward()
+        opt.step()
+    if capturable:
+        opt.param_groups[0]["capturable"] = True
+    save_checkpoint(net, tmp_path / "c", opt)
+
+    def placed(state: dict) -> dict[str, tuple[torch.device, torch.dtype]]:
+        return {k: (v.device, v.dtype) for k, v in _tensors(state).items()}
+
+    on_meta, ref = _Gained().to("meta"), _Gained().to("meta")
+    got_opt, ref_opt = make(on_meta), make(ref)
+    ref_opt.load_state_dict(opt.state_dict())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")  # the weights: no-ops
+        load_checkpoint(on_meta, tmp_path / "c", got_opt)
+    for (name, p), q in zip(on_meta.named_parameters(), ref.parameters()):
+        assert placed(got_opt.state[p]) == placed(ref_opt.state[q]), name
+
+
 def test_a_live_optimizer_state_is_loaded_in_place(tmp_path: Path) -> None:
     """Rolling a live AdamW back to a checkpoint: its state tensors were replaced by new ones (on a
     GPU, made while the old were alive). Now a live tensor of the loaded one's shape, dtype and

@@ -640,16 +640,18 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
 def _state_home(staged: torch.Tensor, path: tuple[Any, ...], param: nn.Parameter,
                 group: Mapping[str, Any]) -> tuple[torch.device, bool, torch.dtype]:
     """Where the optimizer state tensor `staged` (read into host memory, or a DTensor where this
-    torch could not) at `path` in `param`'s state goes: (device, sharded like `param`, dtype). Like
-    its parameter, on its device; a 0-dim one beside a parameter that is not (``step``) on the CPU,
-    as torch optimizers keep it; the ``step`` of a fused or capturable group (`group` as loaded: the
-    checkpoint's flags) on the parameter's device in float32, as ``Optimizer.load_state_dict`` puts
-    it (its kernels read it there)."""
-    if path == ("step",) and (group.get("fused") or group.get("capturable")):
-        return param.device, False, torch.float32
-    if staged.dim() == 0 and param.dim() > 0:
+    torch could not) at `path` in `param`'s state goes: (device, sharded like `param`, dtype), as
+    ``Optimizer.load_state_dict`` puts it. ``step`` of a fused or capturable group (`group` as
+    loaded: the checkpoint's flags) on the parameter's device in float32 (its kernels read it
+    there), else on the CPU (torch keeps it where saved, which the checkpoint does not say; torch's
+    optimizers make it there or read it as a number); any other on the parameter's device (0-dim
+    ones too: ASGD's ``eta``, NAdam's ``mu_product``), sharded like a ``fully_shard`` parameter
+    where shaped like it."""
+    if path == ("step",):
+        if group.get("fused") or group.get("capturable"):
+            return param.device, False, torch.float32
         return torch.device("cpu"), False, staged.dtype
-    return param.device, hasattr(param, "placements"), staged.dtype
+    return param.device, hasattr(param, "placements") and staged.dim() == param.dim(), staged.dtype
 
 
 def _fits_in_place(live: Any, staged: torch.Tensor, home: tuple[torch.device, bool, torch.dtype],
