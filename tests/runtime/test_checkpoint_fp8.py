@@ -112,6 +112,53 @@ def test_a_saved_format_that_is_not_fp8_is_refused(tmp_path: Path) -> None:
         restore_scaling_states(_net(0), states)
 
 
+
+@pytest.mark.parametrize("damage, words", [
+    ("format", r"FP8 slot 'mlp\.fc2_weight': saved format 'float32' is not an FP8 dtype"),
+    ("scale", r"FP8 slot 'mlp\.fc2_weight': saved scale holds 2 values, not one"),
+    ("casts", r"FP8 slot 'mlp\.fc2_weight': saved without 'casts'"),
+])
+def test_a_damaged_fp8_entry_is_refused_before_anything_loads(tmp_path: Path, damage: str, words: str) -> None:
+    """A checkpoint whose FP8 entry of ``mlp.fc2_weight`` is foreign (format float32), of another shape
+    (scale of 2 values) or lacks a field (casts): the slots were checked after the model had been
+    loaded, so the load raised (or, for the scale and casts, a RuntimeError / KeyError that named
+    no entry) with the weights the checkpoint's and the optimizer and FP8 slots the old ones. Now
+    it raises before anything is applied, naming the entry, and the model, the optimizer and the
+    FP8 slots are as before (``torch.equal``: nothing may have been written)."""
+    import torch.distributed.checkpoint as dcp
+
+    from zbpp.runtime import checkpoint
+
+    net = _net(0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    _step(net, opt, 0)
+    state = checkpoint._state_to_save(net, opt, None)
+    entry = state["fp8"]["replica0"]["mlp.fc2_weight"]
+    if damage == "format":
+        entry["format"] = "float32"
+    elif damage == "scale":
+        entry["scale"] = torch.ones(2)
+    else:
+        del entry["casts"]
+    with checkpoint._one_process_quiet(alone=True):
+        dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+
+    fresh = _net(1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    _step(fresh, fresh_opt, 5, scale=100.0)  # a live run: its weights, moments and slots differ from the saved
+    model_before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    opt_before = {(p, k): v.clone() for p, s in fresh_opt.state.items() for k, v in s.items()}
+    slots_before = _slots(fresh)
+    with pytest.raises(ValueError, match=rf"the checkpoint .*, under 'fp8\.replica0': {words}; nothing was loaded"):
+        load_checkpoint(fresh, tmp_path / "ckpt", fresh_opt)
+    assert [k for k, v in fresh.state_dict().items() if not torch.equal(v, model_before[k])] == []
+    assert {(p, k): v for p, s in fresh_opt.state.items() for k, v in s.items()}.keys() == opt_before.keys()
+    assert all(torch.equal(fresh_opt.state[p][k], v) for (p, k), v in opt_before.items())
+    assert fresh_opt.param_groups[0]["lr"] == 1.0
+    slots = _slots(fresh)
+    assert slots.keys() == slots_before.keys()
+    assert all(torch.equal(a, b) for k in slots for a, b in zip(slots[k], slots_before[k]))
+
 class _Fp8Stage(nn.Module):
     """A one-stage pipeline's stage: `Net` in FP8."""
 

@@ -14,7 +14,7 @@ each, with ``same_as`` naming the first, so that loading shares it again.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from torch import nn
 from .base import DelayedWgradModule
 from .fp8 import ScalingMeta
 
-__all__ = ["scaling_layers", "scaling_states", "restore_scaling_states"]
+__all__ = ["scaling_layers", "scaling_states", "restore_scaling_states", "planned_scaling_states", "ScalingRestore"]
 
 def scaling_layers(module: nn.Module) -> dict[str, DelayedWgradModule]:
     """`module`'s zbpp layers by the name ``state_dict()`` gives them (wrappers such as torch's
@@ -88,7 +88,8 @@ def scaling_states(module: nn.Module) -> dict[str, dict[str, Any]]:
 def restore_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, Any]]) -> None:
     """Give `module`'s zbpp layers exactly the FP8 slots `states` holds for them (as
     `scaling_states` wrote them): a layer without saved slots starts fresh, as the saved model's
-    did. Kept weight casts are dropped (the next forward casts with the restored scale).
+    did. Kept weight casts are dropped (the next forward casts with the restored scale). A slot
+    that is not as `scaling_states` writes it raises, naming it, with nothing changed.
 
     >>> import torch
     >>> from zbpp.modules import DelayedScaling, Linear, fp8_autocast
@@ -99,6 +100,34 @@ def restore_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, 
     >>> b.fp8_meta["input"].amax_history.tolist(), round(b.fp8_meta["input"].scale.item(), 2)
     ([3.0, 0.0, 0.0, 0.0], 149.33)
     """
+    planned_scaling_states(module, states).apply()
+
+
+class ScalingRestore(NamedTuple):
+    """`module`'s FP8 slots as `states` says (`planned_scaling_states`), not yet given to its layers."""
+
+    layers: dict[str, DelayedWgradModule]
+    slots: list[tuple[DelayedWgradModule, str, ScalingMeta]]  #: (layer, slot name, the slot it gets)
+    writes: list[tuple[ScalingMeta, _Saved]]  #: slots that take a saved value when applied
+
+    def apply(self) -> None:
+        """Write the saved values and give every layer its slots (none fail: checked when planned)."""
+        for meta, saved in self.writes:
+            meta.amax_history.copy_(saved.history)
+            meta.scale.copy_(saved.scale.reshape(()))
+            meta.casts = saved.casts
+        for layer in self.layers.values():
+            layer.fp8_meta = {}
+            for cache in layer._fp8_weight_casts.values():
+                cache.clear()
+        for layer, slot, meta in self.slots:
+            layer.fp8_meta[slot] = meta
+
+
+def planned_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, Any]]) -> ScalingRestore:
+    """`restore_scaling_states` checked and made ready (new slots made on the layers' device),
+    changing neither `module` nor its slots: a damaged or foreign slot raises here, naming it, so a
+    checkpoint's load can refuse before anything of it is applied."""
     layers = scaling_layers(module)
     wanted = []  # (layer, slot, key, entry) of every saved slot of these layers
     for path, layer in layers.items():
@@ -106,33 +135,55 @@ def restore_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, 
         wanted += [(layer, key[len(prefix):], key, states[key]) for key in states
                    if key.startswith(prefix) and "." not in key[len(prefix):]]
     made: dict[str, ScalingMeta] = {}
+    writes: list[tuple[ScalingMeta, _Saved]] = []
     reused: set[int] = set()  # existing slots written once each (one shared before may not be now)
     for layer, slot, key, entry in sorted(wanted, key=lambda w: "same_as" in w[3]):  # shared ones last
         shared = made.get(entry.get("same_as") or "")
         if shared is None:
             old = layer.fp8_meta.get(slot)
-            shared = _slot(key, entry, layer._gemm_weights()[0].device, None if old is None or id(old) in reused else old)
+            saved = _saved(key, entry)
+            shared = _slot(saved, layer._gemm_weights()[0].device, None if old is None or id(old) in reused else old)
+            writes.append((shared, saved))
             reused.add(id(shared))
         made[key] = shared
-    for layer in layers.values():
-        layer.fp8_meta = {}
-        for cache in layer._fp8_weight_casts.values():
-            cache.clear()
-    for layer, slot, key, _ in wanted:
-        layer.fp8_meta[slot] = made[key]
+    return ScalingRestore(layers, [(layer, slot, made[key]) for layer, slot, key, _ in wanted], writes)
 
 
-def _slot(key: str, entry: Mapping[str, Any], device: torch.device, old: ScalingMeta | None) -> ScalingMeta:
-    """The slot `entry` describes: written into `old` where it matches (its tensors keep their
-    addresses, which CUDA graphs captured before the load read), else a new one."""
+class _Saved(NamedTuple):
+    """One saved slot's values, checked (`_saved`)."""
+
+    dtype: torch.dtype
+    history: torch.Tensor
+    scale: torch.Tensor
+    casts: int
+
+
+def _saved(key: str, entry: Mapping[str, Any]) -> _Saved:
+    """The values of saved slot `key`, or a ValueError naming it where `entry` is not as
+    `scaling_states` writes it (another format, a field missing, a tensor of another shape)."""
+    missing = [f for f in ("format", "amax_history", "scale", "casts") if f not in entry]
+    if missing:
+        raise ValueError(f"FP8 slot {key!r}: saved without {', '.join(map(repr, missing))}")
     dtype = getattr(torch, str(entry["format"]), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize != 1:
         raise ValueError(f"FP8 slot {key!r}: saved format {entry['format']!r} is not an FP8 dtype")
-    history = entry["amax_history"]
-    fits = (old is not None and old.dtype == dtype and old.amax_history.shape == history.shape
+    history, scale, casts = entry["amax_history"], entry["scale"], entry["casts"]
+    if not isinstance(history, torch.Tensor) or history.dim() != 1 or history.numel() == 0:
+        raise ValueError(f"FP8 slot {key!r}: saved amax_history is not a 1-dim tensor "
+                         f"(shape {tuple(getattr(history, 'shape', ()))})")
+    for field, value in (("scale", scale), ("casts", casts)):
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"FP8 slot {key!r}: saved {field} holds {value.numel()} values, not one")
+    try:
+        return _Saved(dtype, history, scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale)),
+                      int(casts))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"FP8 slot {key!r}: saved scale {scale!r} or casts {casts!r} is not a number") from exc
+
+
+def _slot(saved: _Saved, device: torch.device, old: ScalingMeta | None) -> ScalingMeta:
+    """The slot that takes `saved`'s values when applied: `old` where it matches (its tensors keep
+    their addresses, which CUDA graphs captured before the load read), else a new one."""
+    fits = (old is not None and old.dtype == saved.dtype and old.amax_history.shape == saved.history.shape
             and old.amax_history.device == device and old.scale.device == device)
-    meta = old if fits else ScalingMeta(dtype, history_len=history.numel(), device=device)
-    meta.amax_history.copy_(history)
-    meta.scale.copy_(entry["scale"])
-    meta.casts = int(entry["casts"])
-    return meta
+    return old if fits else ScalingMeta(saved.dtype, history_len=saved.history.numel(), device=device)

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .._compat import uncompiled
-from ..modules._scaling_state import restore_scaling_states, scaling_states, scaling_layers
+from ..modules._scaling_state import ScalingRestore, planned_scaling_states, scaling_states, scaling_layers
 from .agreement import Agreement, agree_on_problems, collective_call
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -330,7 +330,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     given for a checkpoint saved without one, and a checkpoint of another format version than this
     zbpp writes (one without a version, saved before it was written, loads). A checkpoint without
     ``.metadata`` (a save that did not finish) or with a data file missing or cut short raises,
-    naming the file and an entry of it, before anything is loaded.
+    naming the file and an entry of it, before anything is loaded; so does an FP8 entry that is not
+    as `save_checkpoint` writes it (another format, a field missing), naming it.
 
     A read that fails part-way (an I/O error, a damaged file) raises a RuntimeError on every rank,
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
@@ -382,13 +383,15 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         problem = exc
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     _read(rest, path, process_group, ranks)
-    try:  # the optimizer's new tensors on the device (out of memory, say) before any rank changes anything
-        placing, problem = (_optimizer_to_place(loading, optimizer) if optimizer is not None else []), None
+    try:  # the optimizer's new tensors on the device (out of memory, say) and the FP8 slots checked, before
+        # any rank changes anything
+        placing = _optimizer_to_place(loading, optimizer) if optimizer is not None else []
+        scaling, problem = _scaling_to_restore(loading, path), None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
-        placing, problem = [], exc
+        placing, scaling, problem = [], [], exc
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     try:
-        _apply_loaded(loading, model, optimizer, lr_scheduler, placing)
+        _apply_loaded(loading, model, optimizer, lr_scheduler, placing, scaling)
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
@@ -606,16 +609,25 @@ def _optimizer_to_place(loading: _Loading, optimizer: torch.optim.Optimizer) -> 
     return out
 
 
+def _scaling_to_restore(loading: _Loading, path: str) -> list[ScalingRestore]:
+    """The FP8 slots read for each stage, checked and made (`planned_scaling_states`), not yet
+    given to its layers: a damaged or foreign one raises, naming its entry, before anything loads."""
+    replica, fp8 = next(iter(loading.state.get("fp8", {}).items()), ("replica0", {}))
+    try:  # every zbpp layer gets the saved slots, or none where none were saved
+        return [planned_scaling_states(m, fp8) for m in loading.mods]
+    except ValueError as exc:
+        raise ValueError(f"the checkpoint {path!r}, under 'fp8.{replica}': {exc}; nothing was loaded") from exc
+
+
 def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
-                  placing: list[_Placing]) -> None:
-    """Put what DCP read (`loading.state`) into the stages, `optimizer` (its state as `placing`
-    made it), `lr_scheduler` and `model`'s random stream."""
+                  placing: list[_Placing], scaling: list[ScalingRestore]) -> None:
+    """Put what DCP read (`loading.state`) into the stages, their FP8 slots (as `scaling` made
+    them), `optimizer` (its state as `placing` made it), `lr_scheduler` and `model`'s random stream."""
     state = loading.state
     for m in loading.mods:  # a host tensor's copy onto the device is made entry by entry, none kept
         m.load_state_dict({k: _into_live(v, loading.model_state[k]) for k, v in m.state_dict().items()})
-    fp8 = next(iter(state.get("fp8", {}).values()), {})
-    for m in loading.mods:  # every zbpp layer gets the saved slots, or none where none were saved
-        restore_scaling_states(m, fp8)
+    for restore in scaling:
+        restore.apply()
     if optimizer is not None:
         groups = state["optimizer"]["param_groups"]
         for name, p, group, new, copies in placing:
