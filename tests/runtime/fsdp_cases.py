@@ -815,15 +815,22 @@ def _out_of_memory_on_second_move() -> Iterator[None]:
     assert len(calls) >= 2, "the load made no second move (the test proves nothing)"
 
 
-def scheduler_case(path: str) -> str:
+def scheduler_case(path: str, what: str = "lr_scheduler") -> str:
     """2 ranks, rank r holding stage r of `Net`; rank 0's AdamW has lr 0.1, rank 1's 0.05 (one group
     each), each with the same LambdaLR, 3 steps. Save with lr_scheduler=, load into a fresh optimizer
     and scheduler, step once more: the learning rate must be the uninterrupted run's. Returns what
-    went wrong on this rank ('' if nothing), or ``"<type>: <message>"`` of what a call raised."""
+    went wrong on this rank ('' if nothing), or ``"<type>: <message>"`` of what a call raised.
+    `what` ``"grad_scaler"``: save with a GradScaler of scale 2**16 on rank 0, 2**10 on rank 1 instead."""
     from zbpp.runtime import load_checkpoint, save_checkpoint
 
     rank = dist.get_rank()
     stage = {rank: stage_of(whole_model(), rank, 2)}
+    if what == "grad_scaler":
+        try:
+            save_checkpoint(stage, path, grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** (16 - 6 * rank)))
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+            return f"{type(exc).__name__}: {exc}"
+        return "saved"
 
     def schedule() -> tuple[torch.optim.Optimizer, Any]:
         opt = torch.optim.AdamW(stage[rank].parameters(), lr=0.1 if rank == 0 else 0.05)

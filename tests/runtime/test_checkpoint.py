@@ -464,12 +464,20 @@ def test_an_unreadable_format_version_is_refused(tmp_path: Path) -> None:
     assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []
 
 
-def test_lr_schedulers_that_differ_between_ranks_are_refused(tmp_path: Path, zbpp_workers) -> None:
+@pytest.mark.parametrize("what, want", [
+    ("lr_scheduler", "ValueError: lr_scheduler's state differs between global ranks 0 and 1: 'base_lrs' is [0.1] on 0, "
+                     "[0.05] on 1"),
+    ("grad_scaler", "ValueError: grad_scaler's state differs between global ranks 0 and 1: 'scale' is 65536.0 on 0, "
+                    "1024.0 on 1. A checkpoint keeps one grad_scaler state for every rank and layout: the ranks "
+                    "skipped different steps"),
+])
+def test_kept_states_that_differ_between_ranks_are_refused(tmp_path: Path, zbpp_workers, what: str,
+                                                             want: str) -> None:
     """`scheduler_case`: the ranks' schedulers have different base_lrs. The checkpoint keeps one
     scheduler state (DCP writes one rank's), so one rank resumed with the other's learning rate
-    (0.1 * 0.5**4 instead of 0.05 * 0.5**4); now every rank refuses to save, naming the difference."""
-    msgs = zbpp_workers(2, pg_timeout=60).run(scheduler_case, str(tmp_path / "c"))
-    want = "ValueError: lr_scheduler's state differs between global ranks 0 and 1: 'base_lrs' is [0.1] on 0, [0.05] on 1"
+    (0.1 * 0.5**4 instead of 0.05 * 0.5**4); now every rank refuses to save, naming the difference.
+    So do GradScalers of different scales (ranks that skipped different steps)."""
+    msgs = zbpp_workers(2, pg_timeout=60).run(scheduler_case, str(tmp_path / "c"), what)
     assert all(m.startswith(want) for m in msgs), msgs
 
 
@@ -776,6 +784,54 @@ def test_a_tensor_learning_rate_resumes(tmp_path: Path) -> None:
     got = run(7, 1.0, range(2, 4), load=tmp_path / "ckpt")
     for name, p in ref.named_parameters():
         assert torch.equal(got.get_parameter(name), p), name
+
+
+def test_a_float16_run_resumes_with_its_grad_scaler(tmp_path: Path) -> None:
+    """``torch.amp.GradScaler`` keeps the loss scale and a growth tracker: save_checkpoint did not
+    save them, so a float16 run resumed from ``init_scale`` and skipped (and scaled) other steps
+    than the uninterrupted run. ``grad_scaler=`` saves and loads them. A float32 model under CPU
+    float16 autocast, ``init_scale=2**19``: its gradients overflow at some scales, so the scaler
+    both backs off and grows (saved after step 2 with a tracker of 1). Reference: the uninterrupted
+    run in the same process, same operations, so bit for bit (scales and parameters)."""
+    from zbpp.runtime import save_checkpoint
+
+    def run(seed: int, steps: range, save: Path | None = None, load: Path | None = None):
+        net = whole_model(seed=seed).float()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 19, growth_interval=2)
+        if load is not None:
+            load_checkpoint(net, load, opt, grad_scaler=scaler)
+        scales = []
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(net(x.float()), y.float())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            if save is not None and step == 2:
+                save_checkpoint(net, save, opt, grad_scaler=scaler)
+        return net, scales
+
+    ref, ref_scales = run(0, range(6), save=tmp_path / "ckpt")
+    assert len(set(ref_scales)) > 1  # the scale moved: else the test would not see a lost one
+    got, got_scales = run(7, range(3, 6), load=tmp_path / "ckpt")
+    assert got_scales == ref_scales[3:]
+    for name, p in ref.named_parameters():
+        assert torch.equal(got.get_parameter(name), p), name
+
+    # refused before anything loads: a disabled scaler's empty state, none saved
+    save_checkpoint(whole_model().float(), tmp_path / "off", grad_scaler=torch.amp.GradScaler("cpu", enabled=False))
+    save_checkpoint(whole_model().float(), tmp_path / "none")
+    net = whole_model(seed=7).float()
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    with pytest.raises(ValueError, match="holds the state of a disabled GradScaler"):
+        load_checkpoint(net, tmp_path / "off", grad_scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"holds no GradScaler state \(saved without grad_scaler=\)"):
+        load_checkpoint(net, tmp_path / "none", grad_scaler=torch.amp.GradScaler("cpu"))
+    assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []
 
 
 def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
      "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
                    "param_groups": {name: {"lr": ..., "betas": ..., ...}}},
      "lr_scheduler": {"state": <pickled state_dict>},           # given lr_scheduler=
+     "grad_scaler": {"state": <pickled state_dict>},            # given grad_scaler=
      "rng": {"step": ..., "seed": ...},                         # a Pipeline's random stream
      "fp8": {"replica0": {"<layer>.<slot>": {"amax_history": ..., "scale": ..., ...}}}}
                                                                # zbpp layers' FP8 scaling state
@@ -135,7 +136,7 @@ def _hyper(group: dict) -> dict[str, Any]:
 
 @collective_call()  # an interrupt while this rank agreed comes once every rank is done
 def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                    *, lr_scheduler: Any = None, process_group: Any = None) -> None:
+                    *, lr_scheduler: Any = None, grad_scaler: Any = None, process_group: Any = None) -> None:
     """Save this rank's share of the model (and optimizer) state into the DCP checkpoint `path`.
 
     Args:
@@ -155,6 +156,9 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         lr_scheduler: a ``torch.optim.lr_scheduler`` (anything with ``state_dict()``) over
             `optimizer`; built alike on every rank, so one copy is kept (ranks whose states
             differ, e.g. in ``base_lrs``, raise on every rank, naming the difference).
+        grad_scaler: a ``torch.amp.GradScaler`` (float16 training): its scale and growth tracker,
+            one copy for every rank, as `lr_scheduler`'s (ranks whose scales differ raise: they
+            skipped different steps, so their stages' weights no longer belong to one run).
         process_group: the ranks that save together; default: every rank of the default group.
 
     Example (one process; under torchrun every rank does the same with its stages)::
@@ -179,13 +183,15 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         check_ties()
     agreement, ranks = _agreement(process_group)
     try:
-        state, problem = _state_to_save(model, optimizer, lr_scheduler), None
+        state, problem = _state_to_save(model, optimizer, lr_scheduler, grad_scaler), None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         state, problem = {}, exc
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
-    schedulers = agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing "
-                                   "was saved)", payload=state.get("lr_scheduler", {}).get("state"))
-    _one_scheduler_state(schedulers, ranks)
+    kept = ("lr_scheduler", "grad_scaler")  # one copy kept for every rank: theirs must agree
+    told = agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing "
+                             "was saved)", payload=[state.get(k, {}).get("state") for k in kept])
+    for i, what in enumerate(kept):
+        _one_kept_state(what, [states[i] for states in told], ranks)
     with _one_process_quiet():
         dcp.save(state, storage_writer=_writer(os.fspath(path)), process_group=process_group)
 
@@ -206,9 +212,20 @@ def _writer(path: str) -> Any:
     return _Writer(path)
 
 
-def _one_scheduler_state(states: list[bytes | None], ranks: list[int]) -> None:
-    """Raise, on every rank, where two ranks' pickled LR scheduler states (`states`, None: not given)
-    differ: the checkpoint keeps one copy (DCP writes one rank's), which could not resume both."""
+#: what a rank does when `_one_kept_state` finds its state unlike another rank's
+_KEEP_ALIKE = {
+    "lr_scheduler": "build the scheduler alike on every rank (optimizers with the same param groups and learning "
+                    "rates), or leave lr_scheduler= out and save each rank's state_dict() yourself",
+    "grad_scaler": "the ranks skipped different steps (each found infs in its own gradients only): all-reduce "
+                   "the found-inf flags over the job, or leave grad_scaler= out and save each rank's "
+                   "state_dict() yourself",
+}
+
+
+def _one_kept_state(what: str, states: list[bytes | None], ranks: list[int]) -> None:
+    """Raise, on every rank, where two ranks' pickled states of `what` (``lr_scheduler`` or
+    ``grad_scaler``; `states`, None: not given) differ: the checkpoint keeps one copy (DCP writes
+    one rank's), which could not resume both."""
     given = [(g, pickle.loads(blob)) for g, blob in zip(sorted(ranks), states) if blob is not None]
     first, theirs = given[0] if given else (None, {})
     for g, state in given[1:]:
@@ -217,14 +234,14 @@ def _one_scheduler_state(states: list[bytes | None], ranks: list[int]) -> None:
         if differ:
             key, also = differ[0], f" (also {', '.join(map(repr, differ[1:]))})" if differ[1:] else ""
             raise ValueError(
-                f"lr_scheduler's state differs between global ranks {first} and {g}: {key!r} is {theirs.get(key)!r} "
-                f"on {first}, {state.get(key)!r} on {g}{also}. A checkpoint keeps one scheduler state for every rank and "
-                "layout: build the scheduler alike on every rank (optimizers with the same param groups and "
-                "learning rates), or leave lr_scheduler= out and save each rank's state_dict() yourself"
+                f"{what}'s state differs between global ranks {first} and {g}: {key!r} is {theirs.get(key)!r} "
+                f"on {first}, {state.get(key)!r} on {g}{also}. A checkpoint keeps one {what} state for every rank and "
+                f"layout: {_KEEP_ALIKE[what]}"
             )
 
 
-def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> dict[str, Any]:
+def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                   grad_scaler: Any = None) -> dict[str, Any]:
     """This rank's share of the checkpoint (no collective: `save_checkpoint` agrees on it first)."""
     mods = _stage_modules(model)
     state: dict[str, Any] = {"format": {"version": _FORMAT_VERSION}, "model": _model_state(mods)}
@@ -241,6 +258,8 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
     if lr_scheduler is not None:
         state["lr_scheduler"] = {"state": pickle.dumps(lr_scheduler.state_dict())}
+    if grad_scaler is not None:
+        state["grad_scaler"] = {"state": pickle.dumps(grad_scaler.state_dict())}
     rng = _rng_state(model)
     if rng is not None:
         state["rng"] = rng
@@ -296,9 +315,9 @@ def _refuse_plain_tensors(value: Any, name: str, param: nn.Parameter, field: str
 
 @collective_call()  # an interrupt while this rank agreed comes once every rank is done
 def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                    *, lr_scheduler: Any = None, process_group: Any = None) -> None:
+                    *, lr_scheduler: Any = None, grad_scaler: Any = None, process_group: Any = None) -> None:
     """Load the DCP checkpoint `path` (written by `save_checkpoint` at any layout) into this rank's
-    stages, and into `optimizer` and `lr_scheduler` given them.
+    stages, and into `optimizer`, `lr_scheduler` and `grad_scaler` given them.
 
     What comes back (the run continues as if never stopped):
 
@@ -317,6 +336,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
       otherwise) raises;
     - `lr_scheduler`'s state (``last_epoch``, ``base_lrs``, ...) when given and saved: the next
       ``lr_scheduler.step()`` sets the learning rate the uninterrupted run would have;
+    - `grad_scaler`'s state (its scale and growth tracker) when given and saved, so a float16 run
+      skips the steps and scales the losses the uninterrupted run would;
     - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
       uninterrupted run draws (the new Pipeline's ``seed`` argument is overridden);
     - the FP8 delayed-scaling state (amax histories, scales) of every ``zbpp.modules`` layer, so
@@ -326,9 +347,10 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
 
     Arguments as `save_checkpoint`. A name that this rank's stages hold and the checkpoint lacks,
     or holds in another shape, raises a ValueError naming it before anything is loaded (the
-    checkpoint may hold more: other ranks' stages). So does an `optimizer` or `lr_scheduler`
-    given for a checkpoint saved without one, and a checkpoint of another format version than this
-    zbpp writes (one without a version, saved before it was written, loads). A checkpoint without
+    checkpoint may hold more: other ranks' stages). So does an `optimizer`, `lr_scheduler` or
+    enabled `grad_scaler` given for a checkpoint saved without one (or with a disabled scaler),
+    and a checkpoint of another format version than this zbpp writes (one without a version, saved
+    before it was written, loads). A checkpoint without
     ``.metadata`` (a save that did not finish) or with a data file missing or cut short raises,
     naming the file and an entry of it, before anything is loaded; so does an FP8 entry that is not
     as `save_checkpoint` writes it (another format, a field missing), naming it.
@@ -367,7 +389,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     path = os.fspath(path)
     agreement, ranks = _agreement(process_group)
     try:
-        loading, problem = _state_to_load(model, path, optimizer, lr_scheduler), None
+        loading, problem = _state_to_load(model, path, optimizer, lr_scheduler, grad_scaler), None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         loading, problem = None, exc
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
@@ -378,6 +400,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     try:
         if optimizer is not None:
             _one_value_per_group(optimizer, loading.wanted, loading.state["optimizer"]["param_groups"])
+        if grad_scaler is not None:
+            _check_scaler_state(grad_scaler, loading.state["grad_scaler"]["state"], path)
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
@@ -391,7 +415,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         placing, scaling, problem = [], [], exc
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     try:
-        _apply_loaded(loading, model, optimizer, lr_scheduler, placing, scaling)
+        _apply_loaded(loading, model, optimizer, lr_scheduler, grad_scaler, placing, scaling)
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
@@ -429,7 +453,8 @@ class _Loading(NamedTuple):
     restore_rng: bool
 
 
-def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> _Loading:
+def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                   grad_scaler: Any = None) -> _Loading:
     """The destinations of this rank's share of checkpoint `path` (no collective: `load_checkpoint`
     agrees on them first)."""
     mods = _stage_modules(model)
@@ -464,6 +489,10 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
         if "lr_scheduler.state" not in meta:
             raise ValueError(f"the checkpoint {path!r} holds no LR scheduler state (saved without lr_scheduler=)")
         state["lr_scheduler"] = {"state": None}
+    if grad_scaler is not None:
+        if "grad_scaler.state" not in meta:
+            raise ValueError(f"the checkpoint {path!r} holds no GradScaler state (saved without grad_scaler=)")
+        state["grad_scaler"] = {"state": None}
     restore_rng = hasattr(model, "rng_step") and "rng.step" in meta
     if restore_rng:
         state["rng"] = {"step": None, "seed": None}
@@ -567,10 +596,10 @@ def _check_model_entries(model_state: Mapping[str, Any], meta: Mapping[str, Any]
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """`state` as two reads: first the small entries (the optimizer's hyperparameters, the LR
-    scheduler's and the random stream's state), checked before the second overwrites anything in
-    place (the model's and the optimizer's tensors, the FP8 state). Both share `state`'s dicts, so
+    scheduler's, the GradScaler's and the random stream's state), checked before the second
+    overwrites anything in place (the model's and the optimizer's tensors, the FP8 state). Both share `state`'s dicts, so
     DCP's reads fill it."""
-    first = {k: state[k] for k in ("lr_scheduler", "rng") if k in state}
+    first = {k: state[k] for k in ("lr_scheduler", "grad_scaler", "rng") if k in state}
     rest = {k: v for k, v in state.items() if k not in first and k != "optimizer"}
     if "optimizer" in state:
         first["optimizer"] = {"param_groups": state["optimizer"]["param_groups"]}
@@ -620,9 +649,10 @@ def _scaling_to_restore(loading: _Loading, path: str) -> list[ScalingRestore]:
 
 
 def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
-                  placing: list[_Placing], scaling: list[ScalingRestore]) -> None:
+                  grad_scaler: Any, placing: list[_Placing], scaling: list[ScalingRestore]) -> None:
     """Put what DCP read (`loading.state`) into the stages, their FP8 slots (as `scaling` made
-    them), `optimizer` (its state as `placing` made it), `lr_scheduler` and `model`'s random stream."""
+    them), `optimizer` (its state as `placing` made it), `lr_scheduler`, `grad_scaler` and
+    `model`'s random stream."""
     state = loading.state
     for m in loading.mods:  # a host tensor's copy onto the device is made entry by entry, none kept
         m.load_state_dict({k: _into_live(v, loading.model_state[k]) for k, v in m.state_dict().items()})
@@ -644,6 +674,8 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
                     group[key] = _unmark_empty_dicts(value)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]["state"]))
+    if grad_scaler is not None:
+        grad_scaler.load_state_dict(pickle.loads(state["grad_scaler"]["state"]))
     if loading.restore_rng:
         model.rng_step = int(state["rng"]["step"])
         model._base_seed = int(state["rng"]["seed"])
@@ -730,6 +762,14 @@ def _placed(staged: Any, keep: Mapping[tuple[Any, ...], torch.Tensor], param: nn
             new.to_local().copy_(staged)
             return new
         return staged.to(device=device, dtype=dtype)
+
+
+def _check_scaler_state(grad_scaler: Any, saved: bytes, path: str) -> None:
+    """Raise, before anything loads, where an enabled `grad_scaler` would get the empty state of a
+    disabled one (its ``load_state_dict`` raises only after the model was loaded)."""
+    if grad_scaler.is_enabled() and not pickle.loads(saved):
+        raise ValueError(f"the checkpoint {path!r} holds the state of a disabled GradScaler (none to resume): "
+                         "give load_checkpoint a disabled one, or none")
 
 
 def _fits(current: Any, value: Any) -> bool:
