@@ -44,6 +44,7 @@ __all__ = [
     "runs_hooks",
     "dcp_file_extents",
     "dcp_host_shard",
+    "grad_scaler_found_inf",
 ]
 
 
@@ -416,3 +417,25 @@ def outermost_module_call(frame: Any) -> torch.nn.Module | None:
             root = frame.f_locals.get("self")
         frame = frame.f_back
     return root
+
+
+def grad_scaler_found_inf(scaler: Any, optimizer: Any, device: torch.device) -> dict[torch.device, torch.Tensor]:
+    """``scaler.unscale_(optimizer)`` unless already done since the last ``update()``; returns the
+    optimizer's found-inf flags by device (``scaler._per_optimizer_states``), which ``step`` and
+    ``update`` read, so a caller may overwrite them in place. A scaler whose ``scale()`` never ran
+    here (a pipeline rank without the loss) first gets its scale on `device` (torch inits it lazily in
+    ``scale()``, and ``unscale_`` asserts it). GradScaler has no public way to read or set the flags."""
+    from torch.amp.grad_scaler import OptState
+
+    needed = ("_per_optimizer_states", "_scale", "_lazy_init_scale_growth_tracker")
+    missing = [name for name in needed if not hasattr(scaler, name)]
+    if missing:
+        raise RuntimeError(f"zbpp.runtime.unscale_ reads torch.amp.GradScaler's {', '.join(missing)}, which this "
+                           f"{type(scaler).__name__} (torch {torch.__version__}) lacks: found-inf flags cannot be "
+                           "agreed over the pipeline; update zbpp._compat.grad_scaler_found_inf for it")
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(device)
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is not OptState.UNSCALED:
+        scaler.unscale_(optimizer)  # raises torch's error after step()
+    return state["found_inf_per_device"]

@@ -278,3 +278,116 @@ def avg_params(stages: list[Stage]) -> list[nn.Parameter]:
                 seen.add(id(q))
                 out.append(q)
     return out
+
+
+class ScaledStage(nn.Module):
+    """A float32 stage (Linear, tanh but on the last) for float16-style loss scaling: stage 0 takes
+    inputs of ~1e4 through weights shrunk 1e4-fold, so its weight gradients are ~5000x the other
+    stages' and overflow float32 at loss scales where theirs do not."""
+
+    def __init__(self, s: int, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(200 + s)
+        self.lin, self.last = nn.Linear(H, H), s == n - 1
+        if s == 0:
+            with torch.no_grad():
+                self.lin.weight.mul_(1e-4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y if self.last else torch.tanh(y)
+
+
+def _scaled_lr(s: int) -> float:
+    """Adam moves each element by ~lr: stage 0's weights are ~1e-5, the others' ~0.3."""
+    return 1e-7 if s == 0 else 1e-3
+
+
+def _scaled_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, H, generator=g) * 1e4, torch.randn(8, H, generator=g)
+
+
+def _new_scaler() -> Any:
+    # scale 2**122: stage 0's largest weight gradient (900 to 1800 over these steps) overflows float32
+    # (3.4e38) by >= 14x, the other stages' (<= 0.4) stay 1e2 below; backed off 64x (2**116) nothing
+    # overflows (2.4x below). Growing back after every step taken: steps alternate overflow / none.
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 122, growth_factor=64.0, backoff_factor=1 / 64,
+                                growth_interval=1)
+
+
+def check_grad_scaler(name: str, agree: bool, steps: int = 4) -> dict[str, Any]:
+    """float16-style training under `torch.amp.GradScaler` (float32 model, loss scaled in loss_fn)
+    against one process running the whole model on the whole batch with one scaler, which skips
+    the steps where any gradient overflows. `agree`: `zbpp.runtime.unscale_` after each step; else
+    each rank's ``scaler.unscale_`` alone (plain torch). Returns each step's scale after
+    ``update()`` on this rank and in the reference; with `agree`, parameters are compared too.
+
+    Tolerance: float32, the pipeline sums per-microbatch gradients where the reference does one GEMM
+    (~1e-6 relative); Adam moves an element by ~lr per step taken, so rtol 1e-5 with atol lr/1000
+    tells a skipped step from a taken one by 1000x."""
+    rank = dist.get_rank()
+    sched = make_schedule(name, dist.get_world_size(), 4)
+    n = sched.num_stages
+    scaler, ref_scaler = _new_scaler(), _new_scaler()
+    stages = {s: ScaledStage(s, n) for s in sched.stages_on(rank)}
+    pipe = Pipeline(stages, sched, lambda out, y: scaler.scale(F.mse_loss(out, y)))
+    opt = torch.optim.Adam([{"params": m.parameters(), "lr": _scaled_lr(s)} for s, m in stages.items()])
+    ref = [ScaledStage(s, n) for s in range(n)]
+    ref_opt = torch.optim.Adam([{"params": m.parameters(), "lr": _scaled_lr(s)} for s, m in enumerate(ref)])
+    if not agree:  # torch's unscale_ asserts a scale, which only scale() sets: the loss's rank alone had one
+        scaler.scale(torch.ones(()))
+    scales, ref_scales = [], []
+    for step in range(steps):
+        x, y = _scaled_batch(step)
+        opt.zero_grad()
+        pipe.step(x, target=y)
+        if agree:
+            from zbpp.runtime import unscale_
+
+            unscale_(pipe, scaler, opt)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        ref_opt.zero_grad()
+        h = x
+        for m in ref:
+            h = m(h)
+        ref_scaler.scale(F.mse_loss(h, y)).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_scales.append(ref_scaler.get_scale())
+        for s, m in stages.items() if agree else ():
+            for (key, p), q in zip(m.named_parameters(), ref[s].parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=_scaled_lr(s) / 1000,
+                                           msg=lambda e: f"{name} step {step} stage {s} {key}: {e}")
+    return {"scales": scales, "reference": ref_scales}
+
+
+def grad_scaler_refusals() -> list[str]:
+    """`unscale_` where the ranks cannot agree, on 2 ranks: scalers of other scales, one enabled and
+    one disabled, and a rank whose optimizer already stepped (torch's error there). Returns this
+    rank's errors; the Pipeline steps on after each (no rank was left in a collective)."""
+    from zbpp.runtime import unscale_
+
+    rank = dist.get_rank()
+    sched = make_schedule("1f1b", 2, 2)
+    stages = {rank: ScaledStage(rank, 2)}
+    pipe = Pipeline(stages, sched, lambda out, y: F.mse_loss(out, y))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    got = []
+    for scaler, stepped in [(torch.amp.GradScaler("cpu", init_scale=2.0 ** (16 - 6 * rank)), False),
+                            (torch.amp.GradScaler("cpu", enabled=rank == 0), False),
+                            (torch.amp.GradScaler("cpu"), rank == 0)]:
+        opt.zero_grad()
+        pipe.step(*_scaled_batch(0))
+        if stepped:
+            scaler.scale(torch.ones(()))
+            scaler.step(opt)
+        try:
+            unscale_(pipe, scaler, opt)
+            got.append("no error")
+        except Exception as exc:  # noqa: BLE001 - the test compares them
+            got.append(f"{type(exc).__name__}: {exc}")
+    pipe.step(*_scaled_batch(1))
+    return got

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from .feature_cases import (check_accumulation, check_data_parallel, check_eval_and_losses,
-                            check_no_cyclic_garbage, check_tied_training)
+from .feature_cases import (check_accumulation, check_data_parallel, check_eval_and_losses, check_grad_scaler,
+                            check_no_cyclic_garbage, check_tied_training, grad_scaler_refusals)
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v", "dualpipe-v"]
 
@@ -57,3 +57,34 @@ def test_data_parallel_with_tied_weights(zbpp_workers, name, kind, mesh):
 def test_no_sync_then_one_reduction(zbpp_workers, name):
     counts = zbpp_workers(4).run(check_data_parallel, name, 2, "zbpp", no_sync=True)
     assert all(v == 1 for c in counts for v in c.values())
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_grad_scaler_skips_the_same_steps_on_every_rank(zbpp_workers, name):
+    """float16 training with torch.amp.GradScaler: each rank's optimizer sees only its stages'
+    gradients, so ``scaler.step`` found infs in them alone and the ranks skipped different steps (a
+    silent divergence). `zbpp.runtime.unscale_` agrees on the found-inf flags: every rank skips the
+    steps that one process running the whole model skips (parameters compared in the case), with its
+    scale. Steps 0 and 2 overflow on the rank of stage 0 only."""
+    plain = zbpp_workers(2).run(check_grad_scaler, name, False)
+    ref = plain[0]["reference"]
+    assert ref == [2.0 ** 116, 2.0 ** 122, 2.0 ** 116, 2.0 ** 122]  # skip, take, skip, take: the case's premise
+    # plain torch: the rank without stage 0's overflow takes step 0 and grows its scale
+    assert plain[0]["scales"][0] != plain[1]["scales"][0], plain
+    agreed = zbpp_workers(2).run(check_grad_scaler, name, True)
+    assert [r["scales"] for r in agreed] == [ref, ref]
+
+
+def test_grad_scaler_refusals_raise_on_every_rank(zbpp_workers):
+    """Scalers that would not move alike raise a ValueError on every rank, naming what differs; a
+    rank's own error (unscale_ after its scaler.step) raises there and a PipelineError naming it on
+    the other rank, at once rather than after the other waited in the all-reduce."""
+    got = zbpp_workers(2).run(grad_scaler_refusals)
+    for errors in got:
+        assert errors[0] == ("ValueError: unscale_: the ranks' GradScalers differ in 'scale' (from 1024.0 to 65536.0): "
+                             "their scales would not move alike; build them alike, and load each with grad_scaler= "
+                             "from one checkpoint")
+        assert errors[1].startswith("ValueError: unscale_: the GradScaler is enabled on some ranks"), errors
+    assert got[0][2] == "RuntimeError: unscale_() is being called after step().", got
+    assert got[1][2].startswith("PipelineError: unscale_ could not run on every rank (nothing was changed); global rank 0: "
+                                "RuntimeError: unscale_() is being called after step()"), got

@@ -640,3 +640,55 @@ def test_a_fifo_module_called_twice_per_microbatch_gets_both_wgrads_each_step():
         for (n, a), (_, b) in zip(mine.named_parameters(), ref.named_parameters()):
             torch.testing.assert_close(a.grad, b.grad, **tolerance(CPU), msg=lambda m: f"{n}: {m}")
         assert fifo._fifo == []
+
+
+def test_unscale_in_one_process_and_its_refusals():
+    """`zbpp.runtime.unscale_` on a one-process Pipeline: the loss scaled in loss_fn, the step and
+    the scale as torch's ``scaler.step`` on the same model over the whole batch; an
+    optimizer without gradients (a rank whose stages got none) still steps and updates, where
+    torch's scaler asserts "No inf checks were recorded"; not a Pipeline, or a scaler without the
+    private fields it reads (another torch), is refused, naming it."""
+    from types import SimpleNamespace
+
+    from zbpp.runtime import unscale_
+
+    def run(agree: bool) -> tuple[torch.nn.Module, float]:
+        torch.manual_seed(0)
+        model, scaler = torch.nn.Linear(4, 2), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        pipe = Pipeline({0: model}, make_schedule("1f1b", 1, 2), lambda out, y: scaler.scale(torch.nn.functional.mse_loss(out, y)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(4, 4), torch.randn(4, 2)
+        if agree:
+            pipe.step(x, target=y)
+            assert unscale_(pipe, scaler, opt) is False  # nothing overflowed
+        else:
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        return model, scaler.get_scale()
+
+    (got, got_scale), (want, want_scale) = run(True), run(False)
+    assert got_scale == want_scale
+    for a, b in zip(got.parameters(), want.parameters()):  # float32, 2 microbatches' gradients summed: ~1e-7
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    model = torch.nn.Linear(4, 2)
+    pipe = Pipeline({0: model}, make_schedule("1f1b", 1, 2), torch.nn.functional.mse_loss)
+    unused = torch.nn.Parameter(torch.ones(3))
+    opt, scaler = torch.optim.SGD([unused], lr=0.1), torch.amp.GradScaler("cpu")
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):  # torch alone
+        scaler.scale(torch.ones(()))
+        scaler.unscale_(opt)
+        scaler.step(opt)
+    scaler.update(2.0)  # a new scale: update() without flags asserts too
+    opt, scaler = torch.optim.SGD([unused], lr=0.1), torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    assert unscale_(pipe, scaler, opt) is False
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 8.0 and torch.equal(unused, torch.ones(3))
+    with pytest.raises(TypeError, match="unscale_ takes a zbpp Pipeline .* got Linear"):
+        unscale_(model, scaler, opt)
+    fake = SimpleNamespace(is_enabled=lambda: True)
+    with pytest.raises(RuntimeError, match="reads torch.amp.GradScaler's _per_optimizer_states, _scale, "
+                                           "_lazy_init_scale_growth_tracker, which this SimpleNamespace"):
+        unscale_(pipe, fake, opt)

@@ -12,6 +12,7 @@
   (`errors.py`).
 - `ParallelGroups`: pipeline x data-parallel process groups (`groups.py`).
 - `clip_grad_norm_`: gradient clipping by the norm over the whole pipeline (`clip.py`).
+- `unscale_`: a float16 run's ``GradScaler.unscale_`` with found-inf flags agreed over the job (`amp.py`).
 - `save_checkpoint` / `load_checkpoint`: DCP checkpoints keyed by the whole model's parameter
   names, loadable at any other layout (`checkpoint.py`); FSDP2 stages: `fsdp.py`.
 - `init_distributed`: initialise torch.distributed from torchrun's environment with a timeout.
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+from .amp import unscale_
 from .checkpoint import load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_
 from .errors import GraphCaptureError, PipelineError, ShapeMismatchError
@@ -39,6 +41,7 @@ __all__ = [
     "Replicated",
     "ShapeMismatchError",
     "clip_grad_norm_",
+    "unscale_",
     "save_checkpoint",
     "load_checkpoint",
     "init_distributed",

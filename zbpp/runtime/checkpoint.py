@@ -158,7 +158,8 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
             differ, e.g. in ``base_lrs``, raise on every rank, naming the difference).
         grad_scaler: a ``torch.amp.GradScaler`` (float16 training): its scale and growth tracker,
             one copy for every rank, as `lr_scheduler`'s (ranks whose scales differ raise: they
-            skipped different steps, so their stages' weights no longer belong to one run).
+            skipped different steps, so their stages' weights no longer belong to one run; call
+            `zbpp.runtime.unscale_` before each ``scaler.step`` so that every rank skips alike).
         process_group: the ranks that save together; default: every rank of the default group.
 
     Example (one process; under torchrun every rank does the same with its stages)::
@@ -216,9 +217,9 @@ def _writer(path: str) -> Any:
 _KEEP_ALIKE = {
     "lr_scheduler": "build the scheduler alike on every rank (optimizers with the same param groups and learning "
                     "rates), or leave lr_scheduler= out and save each rank's state_dict() yourself",
-    "grad_scaler": "the ranks skipped different steps (each found infs in its own gradients only): all-reduce "
-                   "the found-inf flags over the job, or leave grad_scaler= out and save each rank's "
-                   "state_dict() yourself",
+    "grad_scaler": "the ranks skipped different steps (each found infs in its own gradients only): call "
+                   "zbpp.runtime.unscale_(pipe, scaler, optimizer) before scaler.step(optimizer), or leave "
+                   "grad_scaler= out and save each rank's state_dict() yourself",
 }
 
 
