@@ -27,8 +27,8 @@ Data parallelism (``--dp``: replicas of the pipeline, each on its share of the b
 
 Pretrained weights and fault tolerance::
 
-    # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors)
-    # and write the result as one that from_pretrained loads:
+    # fine-tune a local HF directory (config.json + safetensors; each rank reads its own tensors, in
+    # their dtype unless --dtype) and write the result as one that from_pretrained loads:
     torchrun --nproc-per-node=2 examples/train_hf.py --from path/to/hf_dir --steps 100 --save-pretrained out_dir
 
     # checkpoint every 50 steps; restarted after a rank dies, the job resumes from the newest:
@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-bytes", type=int, default=None,
                     help=f"--data stdlib: bytes of text to read (default: {STDLIB_BYTES:,})")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths, right-padded (attention_mask, -100)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPUs, else float32")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="default: with --from, its weights' dtype (config.json's, else the safetensors'); "
+                         "else bfloat16 on GPUs, float32 on CPUs")
     ap.add_argument("--fast", action="store_true",
                     help="the stages' fast form: compiled layers, task graphs on GPUs where measured faster "
                          "(zbpp.models.fast)")
@@ -258,6 +260,18 @@ def model_source(args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
     return args.pretrained, config
 
 
+def train_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """--dtype; without it, a --from directory's own (as ``causal_lm_stages(dir)`` reads it: fine-tuning
+    a bfloat16 checkpoint in float32 would double its memory), else bfloat16 on GPUs, float32 on CPUs."""
+    if args.dtype is not None:
+        return DTYPES[args.dtype]
+    if args.pretrained is not None:
+        from zbpp.models.hf_weights import checkpoint_dtype
+
+        return checkpoint_dtype(args.pretrained)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _check_experts(args: argparse.Namespace, config: Any) -> None:
     """--experts picks a mixture of experts' expert layers: a model without them would ignore it (HF
     does), so it is refused, naming the flag and the model."""
@@ -338,7 +352,10 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{pp} ranks: every stage needs a layer")
 
     # the pipeline: this rank's stages (only they get weights), HF's loss, the tied parameters
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    dtype = train_dtype(args, device)
+    if args.experts == "grouped_mm" and dtype == torch.float64:  # a --from float64 checkpoint; parse_args saw --dtype
+        raise SystemExit(f"--experts grouped_mm takes 16- and 32-bit floats, not --from {args.pretrained}'s float64: "
+                         "use --experts eager, or --dtype float32")
     experts = args.experts or ("eager" if dtype == torch.float64 else None)  # grouped_mm: no float64 kernel
     stages, kwargs = causal_lm_stages(source, sched, rank, device=device, dtype=dtype, attn_implementation=args.attn,
                                       experts_implementation=experts, seed=args.seed, fast=args.fast, fp8=args.fp8)

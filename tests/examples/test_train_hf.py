@@ -347,3 +347,49 @@ def test_experts_for_a_model_without_experts_is_refused(model: str, tmp_path: Pa
         ex.model_source(ex.parse_args([*argv, "--experts", "eager", "--data", "synthetic"]), 64)
     config = ex.model_source(ex.parse_args(["--model", "mixtral", "--experts", "eager", "--data", "synthetic"]), 64)[1]
     assert config.model_type == "mixtral"
+
+
+def _saved_llama(where: Path, dtype: torch.dtype) -> Any:
+    """A tiny Llama saved to `where` in `dtype` (config.json then names it); the model, in float64."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, max_position_embeddings=64)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa")
+    model.to(dtype).save_pretrained(where)
+    return model.double()
+
+
+@pytest.mark.parametrize("saved", [torch.float64, torch.bfloat16])
+def test_from_trains_in_the_checkpoint_dtype_unless_dtype_is_given(saved: torch.dtype, tmp_path: Path) -> None:
+    """--from DIR without --dtype fine-tuned in float32 on CPUs (bfloat16 on GPUs) whatever the
+    checkpoint's dtype, where causal_lm_stages(DIR) and from_pretrained(dtype="auto") take the
+    weights' own. Now the weights' dtype (config.json's, else the safetensors'), --dtype if given."""
+    ex = _example()
+    _saved_llama(tmp_path, saved)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # only compared, nothing allocated on it
+    assert ex.train_dtype(ex.parse_args(["--from", str(tmp_path)]), cpu) == saved
+    assert ex.train_dtype(ex.parse_args(["--from", str(tmp_path)]), gpu) == saved
+    assert ex.train_dtype(ex.parse_args(["--from", str(tmp_path), "--dtype", "float32"]), cpu) == torch.float32
+    (tmp_path / "config.json").write_text(re.sub(r'"dtype": "\w+",?', "", (tmp_path / "config.json").read_text()))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).dtype is None  # the safetensors' dtype decides
+    assert ex.train_dtype(ex.parse_args(["--from", str(tmp_path)]), cpu) == saved
+    assert ex.train_dtype(ex.parse_args(["--model", "llama"]), cpu) == torch.float32  # no --from: as before
+    assert ex.train_dtype(ex.parse_args(["--model", "llama"]), gpu) == torch.bfloat16
+
+
+def test_from_a_float64_checkpoint_without_dtype_starts_at_its_float64_loss(tmp_path: Path, zbpp_workers) -> None:
+    """The run itself (2 gloo ranks, 1f1b, one step): --from a float64 checkpoint without --dtype. Its
+    first loss is the saved model's token-mean loss in float64 to 1e-12 (the same operations in float64,
+    summed per microbatch); trained in float32, as before, it was off by ~1e-8 of it."""
+    from ..models.cases import token_mean_loss
+
+    model = _saved_llama(tmp_path / "hf", torch.float64)
+    argv = ["--from", str(tmp_path / "hf"), "--schedule", "1f1b", "--seq-len", "16", "--rows-per-microbatch", "2",
+            "--microbatches", "2", "--steps", "1", "--data", "synthetic", "--backend", "gloo", "--timeout", "60"]
+    results = zbpp_workers(2).run(train_on_rank, argv)
+    first = next(r for r in results if r["history"])["history"][0]["loss"]
+    ex = _example()
+    ids, mask, labels = ex.Batches(ex.parse_args(argv))(0)
+    with torch.no_grad():
+        want = float(token_mean_loss(model(input_ids=ids, attention_mask=mask).logits, labels))
+    assert first == pytest.approx(want, rel=1e-12, abs=0)

@@ -59,7 +59,7 @@ from torch import nn
 
 from ..runtime.agreement import collective_call
 
-__all__ = ["SafetensorsWeights", "pretrained", "save_pretrained"]
+__all__ = ["SafetensorsWeights", "checkpoint_dtype", "pretrained", "save_pretrained"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -80,9 +80,7 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
         raise FileNotFoundError(f"{os.fspath(path)!r} is not a Hugging Face model directory: it has no config.json")
     config = transformers.AutoConfig.from_pretrained(root)
     if dtype is None:
-        saved = getattr(config, "dtype", None)
-        dtype = saved if isinstance(saved, torch.dtype) else getattr(torch, saved) if isinstance(saved, str) \
-            else _checkpoint_dtype(root)
+        dtype = _saved_dtype(root, config)
     weights = SafetensorsWeights(root, config, device=device, dtype=dtype)
     differ = _ties_the_checkpoint_breaks(weights)
     if differ:
@@ -107,6 +105,24 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
                          f"{weights.unexpected[:8]}; the config does not describe these weights (fix config.json, or "
                          "remove the tensors from the checkpoint)")
     return config, weights, dtype
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> torch.dtype:
+    """The dtype of the HF directory `path`'s weights, as ``from_pretrained(dtype="auto")`` finds it
+    and `pretrained` (so ``causal_lm_stages(path, ...)`` without ``dtype``) builds in: ``config.dtype``,
+    else that of the weight files' first floating tensor."""
+    import transformers
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{os.fspath(path)!r} is not a Hugging Face model directory: it has no config.json")
+    return _saved_dtype(root, transformers.AutoConfig.from_pretrained(root))
+
+
+def _saved_dtype(root: Path, config: Any) -> torch.dtype:
+    saved = getattr(config, "dtype", None)
+    return saved if isinstance(saved, torch.dtype) else getattr(torch, saved) if isinstance(saved, str) \
+        else _checkpoint_dtype(root)
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
