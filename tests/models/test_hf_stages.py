@@ -312,3 +312,32 @@ def test_a_module_feeding_the_layers_beside_the_hidden_states_is_refused():
         with pytest.raises(ValueError, match=r"ForCausalLM does not fit zbpp.models.hf's template: its forward passes "
                                              r"model.layers.0 'extra' computed from model.extra, which stage\(s\) \[1\]"):
             causal_lm_stages(ref, sched, r, state_dict=ref.state_dict(), device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("one_row", [False, True])
+def test_packed_rows_attend_within_each_sequence(kind, one_row):
+    # position_ids restarting within a row and no attention_mask: packed sequences. The stages keep
+    # each one to itself: their logits are those of every sequence run alone through HF's model
+    # (brute force; float64, the same operations on fewer keys: 1e-12), rotary, sliding-window and
+    # learned positions alike, the positions per row or one row for all. HF's own call with its default
+    # cache (use_cache=True) does not look for packing and attends across them: that differs (README).
+    from zbpp import Pipeline
+
+    cfg, _ = configs()[kind]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    stages, kwargs = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, attn_implementation="eager",
+                                      state_dict=ref.state_dict(), device="cpu")
+    ids = torch.randint(1, 40, (4, 9), generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5]] * 4) if one_row else \
+        torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1]] * 2)
+    got = Pipeline(stages, sched, **kwargs).eval_step({"input_ids": ids, "position_ids": pos[:1] if one_row else pos})
+    with torch.no_grad():
+        alone = torch.cat([torch.cat([ref(input_ids=ids[r:r + 1, a:b]).logits
+                                      for a, b in zip(starts, [*starts[1:], 9])], dim=1)
+                           for r, starts in enumerate([i for i in range(9) if pos[r, i] == 0] for r in range(4))])
+        across = ref(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(got, alone, **TOL)
+    assert not torch.allclose(across, alone, rtol=1e-6, atol=1e-6)  # HF's default call mixes the sequences

@@ -33,7 +33,9 @@ mask, which waits for the GPU once per microbatch and decides differently while 
 captured (HF then always builds the mask), so a task graph would replay other kernels than the eager
 step ran. In a stage, a given ``attention_mask`` or ``position_ids`` is always applied as a built
 mask, and with neither the attention is causal by SDPA's ``is_causal`` (flash kernels): pass no
-``attention_mask`` for batches without padding.
+``attention_mask`` for batches without padding. Packed rows (``position_ids`` restarting within a
+row, no ``attention_mask``) get HF's packed-sequence mask, as HF's forward with ``use_cache=False``
+builds it (with its default cache HF skips the packing and attends across the sequences).
 
 Mixture-of-experts (Mixtral, Qwen2-MoE, OLMoE, ...): when the config asks for the router auxiliary
 loss (``output_router_logits=True``), every stage appends its layers' router logits to a
