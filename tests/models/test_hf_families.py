@@ -418,3 +418,43 @@ def test_a_last_stage_of_dense_layers_adds_the_router_loss_of_the_others():
     assert want.aux_loss > 1e-3 * want.loss  # the auxiliary term is there to be checked
     expected = token_mean_loss(want.logits, labels) + cfg.router_aux_loss_coef * want.aux_loss
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_layers_returning_a_longer_tuple_equal_hf():
+    # RWKV's loop unpacks three values from each block, (hidden, state, attentions); the stand-ins of
+    # the blocks a stage does not hold returned (hidden,): "not enough values to unpack (expected 3,
+    # got 1)" at the first step. They now return as long a tuple, the rest None as the blocks return
+    # them in training (state and attentions unasked for). Four one-block stages on one rank, a
+    # training step of 2 microbatches against HF's model on the whole batch in one process: the
+    # logits exactly (float64, the same operations: 1e-12), the loss and every gradient to float32
+    # rounding (RWKV's WKV recurrence runs in float32 on the CPU, summed per microbatch here:
+    # FLOAT32_RTOL of the largest gradient, 1e-6 of the loss).
+    import transformers
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .cases import token_mean_loss
+    from .families import padded_batch
+
+    cfg = _tiny("rwkv")
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    sched = build("interleaved-1f1b", num_ranks=1, num_microbatches=2, chunks=4)
+    stages, kw = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, state_dict=ref.state_dict(), device="cpu")
+    ids, _, labels = padded_batch(4)
+    with torch.no_grad():
+        x = {"input_ids": ids}
+        for s in range(4):
+            x = stages[s](**x)
+        torch.testing.assert_close(x, ref(input_ids=ids).logits, rtol=1e-12, atol=1e-12)
+    loss = Pipeline(stages, sched, **kw).step(ids, target=labels)
+    want = token_mean_loss(ref(input_ids=ids).logits, labels)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.double(), rtol=1e-6, atol=0)
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
+    for s, module in stages.items():
+        for n, q in module.named_parameters():
+            err = float((q.grad - ref.get_parameter(n).grad).abs().max()) / scale
+            assert err <= FLOAT32_RTOL, (s, n, err)

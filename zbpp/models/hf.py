@@ -436,7 +436,7 @@ class _StageSpec:
     hf_forward: Callable[..., Any]
     lo: int  # the stage computes the layers lo..hi-1 (none when lo == hi)
     hi: int
-    tuple_out: bool  # the model's decoder layers return a tuple (hidden, ...), not the tensor
+    tuple_out: int  # the length of the tuple (hidden, ...) the model's decoder layers return; 0: the tensor
     routes: bool  # some held layer records router logits that the router auxiliary loss takes
     absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name) not held
     skips: list[nn.Module] = field(default_factory=list)  # a stand-in per layer position
@@ -482,7 +482,9 @@ class _Skip(nn.Module):
         hidden = args[0] if args else kwargs["hidden_states"]
         if self._index == spec.lo - 1 and call.inject is not None:
             hidden, call.before_layers = call.inject, False
-        return (hidden,) if spec.tuple_out else hidden
+        # as long as a layer's tuple, for a loop that unpacks it (RWKV's hidden, state, attentions): the
+        # rest None, as a layer returns them in training (a tensor passed on to the next layer is refused)
+        return (hidden, *[None] * (spec.tuple_out - 1)) if spec.tuple_out else hidden
 
 
 #: a decoder layer's attributes that say which mask and position embeddings the model's forward gives it
@@ -663,9 +665,9 @@ class _Stop(Exception):
     pass
 
 
-def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
-    """Whether the model's decoder layers return a tuple: seen in a forward on the ``meta`` device
-    up to its second layer, which must not take anything the first one returned beside the hidden
+def _layers_return_tuple(model: nn.Module, template: Template) -> int:
+    """The length of the tuple the model's decoder layers return, 0 for a tensor: seen in a forward on
+    the ``meta`` device up to its second layer, which must not take anything the first one returned beside the hidden
     states (GLM-5's and Hunyuan-V4's top-k indices): a stage receives only the hidden states, so a
     later stage's first layer would get a stand-in's output instead."""
     layers = list(model.get_submodule(template.blocks)._modules.values())
@@ -694,7 +696,7 @@ def _layers_return_tuple(model: nn.Module, template: Template) -> bool:
     if not seen:
         raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
                          f"{template.blocks}.0")
-    return isinstance(seen[0], tuple)
+    return len(seen[0]) if isinstance(seen[0], tuple) else 0
 
 
 def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> None:
@@ -831,7 +833,7 @@ def _records_router_logits(model: nn.Module, layer: nn.Module) -> bool:
 
 
 def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first: bool, last: bool,
-              tuple_out: bool | None = None) -> nn.Module:
+              tuple_out: int | None = None) -> nn.Module:
     """`pruned` (the model with what the stage does not hold set to None) as a stage: its class
     becomes a subclass of the model's own with `_CausalLMStage`'s forward."""
     cls = type(pruned)
