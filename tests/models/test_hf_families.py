@@ -295,8 +295,9 @@ def test_layers_that_pass_state_to_the_next_are_refused_by_name(model_type):
 
     cfg = _tiny(model_type)
     sched = build("zb-v", num_ranks=1, num_microbatches=2)
-    with pytest.raises(ValueError, match=r"does not fit zbpp.models.hf's template: its forward passes model\.layers\.1 "
-                                         r"'prev_topk_indices' from what model\.layers\.0 returned beside the hidden "
+    # named where it crosses from stage 0 to stage 1 (where that is depends on the family's balance)
+    with pytest.raises(ValueError, match=r"does not fit zbpp.models.hf's template: its forward passes model\.layers\.\d "
+                                         r"'prev_topk_indices' from what model\.layers\.\d returned beside the hidden "
                                          r"states"):
         causal_lm_stages(cfg, sched, 0, experts_implementation="eager")
 

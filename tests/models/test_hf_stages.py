@@ -251,17 +251,20 @@ def test_which_stages_may_hold_no_decoder_layer():
         causal_lm_stages(cfg, sched, 1, dtype=torch.float64, module_fqns_per_stage=middle, device="cpu")
 
 
-def _llama_feeding_its_layers_beside_the_hidden_states(cfg):
-    """A Llama whose base model passes every decoder layer a projection of the embeddings beside the
-    hidden states (``extra=``, added to the layer's input): a module called before the layers whose
-    output reaches them some other way than through the hidden states."""
+def _llama_feeding_its_layers_beside_the_hidden_states(cfg, every: int = 1, carry_from: int | None = None):
+    """A Llama whose base model passes every `every`-th decoder layer (layers every-1, 2*every-1, ...)
+    a projection of the embeddings beside the hidden states (``extra=``, added to the layer's input):
+    a module called before the layers whose output reaches them some other way than through the
+    hidden states. With `carry_from`, instead, that layer also returns its input and the next one
+    takes it as ``extra=`` (state carried from layer to layer)."""
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
     from transformers.models.llama import modeling_llama as ml
 
     class Layer(ml.LlamaDecoderLayer):
         def forward(self, hidden_states, extra=None, **kwargs):
-            return super().forward(hidden_states + extra, **kwargs)
+            out = super().forward(hidden_states if extra is None else hidden_states + extra, **kwargs)
+            return (out, hidden_states * 1) if self.self_attn.layer_idx == carry_from else out
 
     class Base(ml.LlamaModel):
         def __init__(self, config):
@@ -272,16 +275,19 @@ def _llama_feeding_its_layers_beside_the_hidden_states(cfg):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-            extra = self.extra(inputs_embeds)
+            projected = self.extra(inputs_embeds)
             if position_ids is None:
                 position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
             mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                       past_key_values=None, position_ids=position_ids)
             hidden = inputs_embeds
             rotary = self.rotary_emb(hidden, position_ids=position_ids)
-            for layer in self.layers:
+            carried = None
+            for i, layer in enumerate(self.layers):
+                extra = carried if carry_from is not None else projected if (i + 1) % every == 0 else None
                 hidden = layer(hidden, extra=extra, attention_mask=mask, position_ids=position_ids,
                                position_embeddings=rotary)
+                hidden, carried = hidden if isinstance(hidden, tuple) else (hidden, None)
             return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
 
     class ForCausalLM(ml.LlamaForCausalLM):
@@ -311,6 +317,30 @@ def test_a_module_feeding_the_layers_beside_the_hidden_states_is_refused():
     for r in range(2):
         with pytest.raises(ValueError, match=r"ForCausalLM does not fit zbpp.models.hf's template: its forward passes "
                                              r"model.layers.0 'extra' computed from model.extra, which stage\(s\) \[1\]"):
+            causal_lm_stages(ref, sched, r, state_dict=ref.state_dict(), device="cpu")
+
+
+@pytest.mark.parametrize("carry_from", [None, 1])
+def test_a_later_layer_fed_beside_the_hidden_states_is_refused(carry_from):
+    """As above, but only a later layer is fed (layer 3 of 4: a shared block every 4th layer, as
+    Zamba's; or layer 1 hands layer 2 a tensor beside the hidden states): the checks looked at
+    layers 0 and 1 only, so the stages were built and the second stage's layer silently computed
+    with zeros, or with nothing carried (logits off HF's by 2e-2 and 7e-2). Refused when the stages
+    are built, naming the layer; one stage holding the whole model is HF's model (float64: 1e-12)."""
+    cfg, _ = configs()["llama"]
+    torch.manual_seed(0)
+    ref = _llama_feeding_its_layers_beside_the_hidden_states(cfg, every=4, carry_from=carry_from)
+    ids = torch.randint(1, 40, (2, 6))
+    one, _ = causal_lm_stages(ref, build("1f1b", num_ranks=1, num_microbatches=1), 0, state_dict=ref.state_dict(),
+                              device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(one[0](input_ids=ids), ref(input_ids=ids).logits, **TOL)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)  # stage 1 holds layers 2 and 3
+    words = (r"passes model.layers.3 'extra' computed from model.extra, which stage\(s\) \[1\]" if carry_from is None
+             else r"passes model.layers.2 'extra' (from what model.layers.1 returned|computed from model.embed_tokens)")
+    for r in range(2):
+        with pytest.raises(ValueError, match=r"ForCausalLM does not fit zbpp.models.hf's template: its forward "
+                                             + words):
             causal_lm_stages(ref, sched, r, state_dict=ref.state_dict(), device="cpu")
 
 

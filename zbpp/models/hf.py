@@ -249,7 +249,7 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
     stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
                                    state_dict=state_dict, seed=seed)
     last = schedule.num_stages - 1
-    tuple_out = _layers_return_tuple(model, template)
+    tuple_out = _layers_return_tuple(model, template, fqns)
     modules = {s: _as_stage(m, model, template, first=s == 0, last=s == last, tuple_out=tuple_out)
                for s, m in stages.items()}
     loss = CausalLMLoss(ignore_index, template.router_aux)
@@ -665,33 +665,47 @@ class _Stop(Exception):
     pass
 
 
-def _layers_return_tuple(model: nn.Module, template: Template) -> int:
+def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]] | None = None) -> int:
     """The length of the tuple the model's decoder layers return, 0 for a tensor: seen in a forward on
-    the ``meta`` device up to its second layer, which must not take anything the first one returned beside the hidden
-    states (GLM-5's and Hunyuan-V4's top-k indices): a stage receives only the hidden states, so a
-    later stage's first layer would get a stand-in's output instead."""
+    the ``meta`` device, in which no layer may take anything an earlier one returned beside the hidden
+    states (GLM-5's and Hunyuan-V4's top-k indices) where a stage of `fqns` (any, if None) holds one
+    and not the other: a stage receives only the hidden states, so a later stage's layers would get a
+    stand-in's output instead. Every layer is looked at: a model's later layers may differ from its
+    first ones (a kind of layer every k-th)."""
     layers = list(model.get_submodule(template.blocks)._modules.values())
-    seen: list[Any] = []
+    prefix = template.blocks + "."
+    stage_of = {int(f[len(prefix):].split(".")[0]): s for s, names in enumerate(fqns or ()) for f in names
+                if f.startswith(prefix)}
+    seen: list[Any] = []  # layer i's output, kept alive: `extra` is keyed by its tensors' ids
+    extra: dict[int, int] = {}  # id of a tensor a layer returned beside the hidden states -> that layer
 
-    def first_out(module: nn.Module, args: Any, output: Any) -> None:
-        seen.append(output)
-        if len(layers) == 1:
-            raise _Stop
+    def out(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            seen.append(output)
+            for o in output[1:] if isinstance(output, tuple) else ():
+                if isinstance(o, torch.Tensor):
+                    extra.setdefault(id(o), index)
+            if index == len(layers) - 1:
+                raise _Stop
+        return hook
 
-    def second_in(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        extra = [o for o in (seen[0][1:] if isinstance(seen[0], tuple) else ()) if isinstance(o, torch.Tensor)]
-        taken = [f"argument {i}" for i, a in enumerate(args[1:], 1) if any(a is o for o in extra)]
-        taken += [repr(k) for k, a in kwargs.items() if k != "hidden_states" and any(a is o for o in extra)]
-        if taken:
-            raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward passes "
-                             f"{template.blocks}.1 {', '.join(taken)} from what {template.blocks}.0 returned beside "
-                             "the hidden states (state carried from layer to layer), which a later stage does not "
-                             "receive; use zbpp.models.pipeline_stages with your own stage forward")
-        raise _Stop
+    def taken_in(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            given = [(f"argument {i}", a) for i, a in enumerate(args[1:], 1)]
+            given += [(repr(k), a) for k, a in kwargs.items() if k != "hidden_states"]
+            taken = [(what, extra[id(a)]) for what, a in given if id(a) in extra
+                     and (fqns is None or stage_of.get(extra[id(a)]) != stage_of.get(index))]
+            if taken:
+                what, source = taken[0]
+                raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward passes "
+                                 f"{template.blocks}.{index} {what} from what {template.blocks}.{source} returned "
+                                 "beside the hidden states (state carried from layer to layer), which a later stage "
+                                 "does not receive; use zbpp.models.pipeline_stages with your own stage forward")
+        return hook
 
-    handles = [layers[0].register_forward_hook(first_out)]
-    if len(layers) > 1:
-        handles.append(layers[1].register_forward_pre_hook(second_in, with_kwargs=True))
+    handles = [layer.register_forward_hook(out(i)) for i, layer in enumerate(layers)]
+    handles += [layer.register_forward_pre_hook(taken_in(i), with_kwargs=True) for i, layer in enumerate(layers)
+                if i > 0]
     _probe_forward(model, handles, grad=False)
     if not seen:
         raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
@@ -704,9 +718,9 @@ def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: S
     a module called before the layers that a stage holding layers does not hold: there that module
     is a stand-in returning zeros (`_Absent`), and only the hidden states are replaced by the
     received ones, so the layer would silently compute with zeros (a projection of the embeddings
-    passed to every layer, say). Seen in a forward on the ``meta`` device up to the second layer:
-    each such module's output gets a zero-valued leaf added, and the other inputs of layers 0 and 1
-    are searched in the autograd graph for it (every rank decides alike)."""
+    passed to every layer, say). Seen in a forward on the ``meta`` device: each such module's output
+    gets a zero-valued leaf added, and the other inputs of every layer are searched in the autograd
+    graph for it (every rank decides alike)."""
     prefix = template.blocks + "."
     with_layers = [set(names) for names in fqns if any(n.startswith(prefix) for n in names)]
     watched = sorted({f for names in fqns for f in names if f != template.blocks and not f.startswith(prefix)
@@ -765,13 +779,13 @@ def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: S
                             "hold (a later stage receives only the hidden states, so its layers would compute with "
                             f"zeros in place of {fqn}'s output); use zbpp.models.pipeline_stages with your own stage "
                             "forward")
-            if index == min(1, len(layers) - 1):
+            if index == len(layers) - 1:  # every layer looked at: a later one may take what the first ones do not
                 raise _Stop
         return hook
 
     modules = dict(model.named_modules())  # a name that is no module is left to pipeline_stages to refuse
     handles = [modules[f].register_forward_hook(mark(f)) for f in watched if f in modules]
-    handles += [layer.register_forward_pre_hook(check(i), with_kwargs=True) for i, layer in enumerate(layers[:2])]
+    handles += [layer.register_forward_pre_hook(check(i), with_kwargs=True) for i, layer in enumerate(layers)]
     _probe_forward(model, handles, grad=True)
 
 
