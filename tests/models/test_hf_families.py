@@ -459,3 +459,19 @@ def test_layers_returning_a_longer_tuple_equal_hf():
         for n, q in module.named_parameters():
             err = float((q.grad - ref.get_parameter(n).grad).abs().max()) / scale
             assert err <= FLOAT32_RTOL, (s, n, err)
+
+
+def test_a_residual_stream_wider_than_the_embeddings_is_refused_by_name():
+    # DeepSeek-V4's hyper-connections widen each token's hidden state to hc_mult streams before the
+    # layers, [batch, seq, 4, hidden]: the stages were built, and the second stage's forward failed
+    # at its first step in HF's code with "expand(torch.DoubleTensor{[2, 8, 1, 4, 16]}, size=[-1, -1,
+    # 4, -1]): the number of sizes provided (4) must be greater or equal ...", naming neither the
+    # model nor the cause. Refused when the stages are built, naming the model and the shape.
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    cfg = _tiny("deepseek_v4")
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM does not fit zbpp.models.hf's template: its decoder "
+                                         r"layers take hidden states of shape \(1, 2, 4, 16\) for \(1, 2\) tokens"):
+        causal_lm_stages(cfg, sched, 0, experts_implementation="eager")

@@ -665,19 +665,25 @@ class _Stop(Exception):
     pass
 
 
+_PROBE_TOKENS = (1, 2)  # [batch, seq] of the meta-device probe forward
+
+
 def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]] | None = None) -> int:
     """The length of the tuple the model's decoder layers return, 0 for a tensor: seen in a forward on
     the ``meta`` device, in which no layer may take anything an earlier one returned beside the hidden
     states (GLM-5's and Hunyuan-V4's top-k indices) where a stage of `fqns` (any, if None) holds one
     and not the other: a stage receives only the hidden states, so a later stage's layers would get a
-    stand-in's output instead. Every layer is looked at: a model's later layers may differ from its
-    first ones (a kind of layer every k-th)."""
+    stand-in's output instead. With several stages the hidden states must be one vector per token, as
+    the embeddings are (a later stage passes zeros of the received ones' shape as ``inputs_embeds``).
+    Every layer is looked at: a model's later layers may differ from its first ones (a kind of layer
+    every k-th)."""
     layers = list(model.get_submodule(template.blocks)._modules.values())
     prefix = template.blocks + "."
     stage_of = {int(f[len(prefix):].split(".")[0]): s for s, names in enumerate(fqns or ()) for f in names
                 if f.startswith(prefix)}
     seen: list[Any] = []  # layer i's output, kept alive: `extra` is keyed by its tensors' ids
     extra: dict[int, int] = {}  # id of a tensor a layer returned beside the hidden states -> that layer
+    wide: list[tuple[int, ...]] = []  # shapes of hidden states that are not one vector per token
 
     def out(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -693,6 +699,9 @@ def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Se
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             given = [(f"argument {i}", a) for i, a in enumerate(args[1:], 1)]
             given += [(repr(k), a) for k, a in kwargs.items() if k != "hidden_states"]
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and hidden.shape[:-1] != _PROBE_TOKENS:
+                wide.append(tuple(hidden.shape))
             taken = [(what, extra[id(a)]) for what, a in given if id(a) in extra
                      and (fqns is None or stage_of.get(extra[id(a)]) != stage_of.get(index))]
             if taken:
@@ -704,12 +713,17 @@ def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Se
         return hook
 
     handles = [layer.register_forward_hook(out(i)) for i, layer in enumerate(layers)]
-    handles += [layer.register_forward_pre_hook(taken_in(i), with_kwargs=True) for i, layer in enumerate(layers)
-                if i > 0]
+    handles += [layer.register_forward_pre_hook(taken_in(i), with_kwargs=True) for i, layer in enumerate(layers)]
     _probe_forward(model, handles, grad=False)
     if not seen:
         raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
                          f"{template.blocks}.0")
+    if wide and (fqns is None or len(fqns) > 1):  # a later stage passes zeros of the received shape as inputs_embeds
+        raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its decoder layers take "
+                         f"hidden states of shape {wide[0]} for {_PROBE_TOKENS} tokens, not one vector per token as "
+                         "its embeddings give (a residual stream of several streams, DeepSeek-V4's hyper-connections), "
+                         "which a later stage cannot pass its forward as inputs_embeds; use "
+                         "zbpp.models.pipeline_stages with your own stage forward")
     return len(seen[0]) if isinstance(seen[0], tuple) else 0
 
 
@@ -790,11 +804,11 @@ def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: S
 
 
 def _probe_forward(model: nn.Module, handles: Sequence[Any], *, grad: bool) -> None:
-    """One forward of `model` on two tokens, its values on the meta device, until a hook raises
-    `_Stop` (the checks run in `handles`' hooks, removed after); autograd records it if `grad`."""
+    """One forward of `model` on two tokens (`_PROBE_TOKENS`), its values on the meta device, until a hook
+    raises `_Stop` (the checks run in `handles`' hooks, removed after); autograd records it if `grad`."""
     from .stages import _meta_values, _state_kept
 
-    ids = torch.zeros(1, 2, dtype=torch.long, device=next(iter(model.parameters())).device)
+    ids = torch.zeros(_PROBE_TOKENS, dtype=torch.long, device=next(iter(model.parameters())).device)
     try:
         with torch.set_grad_enabled(grad), _meta_values(), _loop_experts(model), _state_kept(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
