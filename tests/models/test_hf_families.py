@@ -475,3 +475,22 @@ def test_a_residual_stream_wider_than_the_embeddings_is_refused_by_name():
     with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM does not fit zbpp.models.hf's template: its decoder "
                                          r"layers take hidden states of shape \(1, 2, 4, 16\) for \(1, 2\) tokens"):
         causal_lm_stages(cfg, sched, 0, experts_implementation="eager")
+
+
+def test_a_forward_the_meta_device_cannot_run_is_refused_by_name():
+    # JetMoE's experts count tokens per expert on the host: its forward fails on the meta device. With
+    # module_fqns_per_stage given (as the placement's own refusal suggests), the checks' meta forward
+    # raised HF's bare "RuntimeError: split_with_sizes expects split_sizes to sum exactly to 4 ...",
+    # naming neither the model nor what to do. Now a ValueError naming the model, the failure and the
+    # way out (the README section).
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    cfg = _tiny("jetmoe")
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    fqns = [["model.embed_tokens", "model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3",
+                                                                          "model.norm", "lm_head"]]
+    with pytest.raises(ValueError, match=r"JetMoeForCausalLM \(model_type 'jetmoe'\): zbpp.models.hf checks .* on the "
+                                         r"meta device .*, which failed: RuntimeError: split_with_sizes.*"
+                                         r"README, 'Bring your model'"):
+        causal_lm_stages(cfg, sched, 0, module_fqns_per_stage=fqns)

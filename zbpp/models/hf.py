@@ -665,6 +665,10 @@ class _Stop(Exception):
     pass
 
 
+class _Unfit(ValueError):
+    """A check's refusal raised in a hook of `_probe_forward` (passed on as it is)."""
+
+
 _PROBE_TOKENS = (1, 2)  # [batch, seq] of the meta-device probe forward
 
 
@@ -706,10 +710,10 @@ def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Se
                      and (fqns is None or stage_of.get(extra[id(a)]) != stage_of.get(index))]
             if taken:
                 what, source = taken[0]
-                raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward passes "
-                                 f"{template.blocks}.{index} {what} from what {template.blocks}.{source} returned "
-                                 "beside the hidden states (state carried from layer to layer), which a later stage "
-                                 "does not receive; use zbpp.models.pipeline_stages with your own stage forward")
+                raise _Unfit(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward passes "
+                             f"{template.blocks}.{index} {what} from what {template.blocks}.{source} returned beside "
+                             "the hidden states (state carried from layer to layer), which a later stage does not "
+                             "receive; use zbpp.models.pipeline_stages with your own stage forward")
         return hook
 
     handles = [layer.register_forward_hook(out(i)) for i, layer in enumerate(layers)]
@@ -787,7 +791,7 @@ def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: S
                     if fqn is not None:
                         stages = [s for s, names in enumerate(fqns) if fqn not in names
                                   and any(n.startswith(prefix) for n in names)]
-                        raise ValueError(
+                        raise _Unfit(
                             f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward passes "
                             f"{template.blocks}.{index} {what} computed from {fqn}, which stage(s) {stages} do not "
                             "hold (a later stage receives only the hidden states, so its layers would compute with "
@@ -812,8 +816,17 @@ def _probe_forward(model: nn.Module, handles: Sequence[Any], *, grad: bool) -> N
     try:
         with torch.set_grad_enabled(grad), _meta_values(), _loop_experts(model), _state_kept(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except _Stop:
-        pass
+    except (_Stop, _Unfit) as exc:
+        if isinstance(exc, _Unfit):
+            raise
+    except Exception as exc:  # HF's own code failing on the meta device, deep in the model: say which and why
+        kind = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(
+            f"{type(model).__name__} (model_type {kind!r}): zbpp.models.hf checks how the model's forward feeds its "
+            f"decoder layers with one forward of {_PROBE_TOKENS[1]} tokens on the meta device (no values), which "
+            f"failed: {type(exc).__name__}: {exc}. A forward whose shapes depend on values (routing that counts "
+            "tokens per expert on the host, as JetMoE's) does not fit zbpp.models.hf's template; build its stages "
+            "with zbpp.models.pipeline_stages and a stage forward of your own (README, 'Bring your model')") from exc
     finally:
         for h in handles:
             h.remove()
