@@ -494,3 +494,46 @@ def test_a_forward_the_meta_device_cannot_run_is_refused_by_name():
                                          r"meta device .*, which failed: RuntimeError: split_with_sizes.*"
                                          r"README, 'Bring your model'"):
         causal_lm_stages(cfg, sched, 0, module_fqns_per_stage=fqns)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3_moe", {"decoder_sparse_step": 3, "mlp_only_layers": []}),  # experts on layers 2 and 5 only
+    ("gemma3_text", {"sliding_window_pattern": 4}),  # a full-attention layer every 4th
+    ("llama4_text", {"interleave_moe_layer_step": 3, "no_rope_layer_interval": 4}),  # MoE every 3rd, NoPE every 4th
+    ("deepseek_v3", {"first_k_dense_replace": 3}),  # dense layers 0-2, MoE after
+])
+def test_later_layers_that_differ_equal_hf(family, overrides):
+    # Models whose later layers differ from layers 0 and 1 (the ones the meta-device checks looked at
+    # before): 8 layers, one per stage, all on one rank; the stages in a row give HF's logits for the
+    # whole model on the whole (right-padded) batch (float64, the same operations: 1e-12).
+    import transformers
+
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    from .families import family_config, padded_batch
+
+    from .families import LAYERS
+
+    # the 4-layer config's per-layer lists (layer_types, ...) left out: the 8-layer config derives its own
+    kw = {k: v for k, v in family_config(family).to_dict().items()
+          if k != "model_type" and not (isinstance(v, list) and len(v) == LAYERS)}
+    cfg = transformers.AutoConfig.for_model(family, **{**kw, "num_hidden_layers": 8, **overrides})
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64, attn_implementation="eager",
+                                                        experts_implementation="eager")
+    # the overrides took: the layers past 1 are not all like layers 0 and 1 (their modules or attention kind)
+    types = getattr(cfg, "layer_types", None) or [None] * 8
+    kinds = [(tuple(type(m).__name__ for m in layer.modules()), types[i],
+              getattr(getattr(layer, "self_attn", None), "use_rope", None)) for i, layer in enumerate(ref.model.layers)]
+    assert set(kinds[2:]) - set(kinds[:2]), kinds
+    sched = build("interleaved-1f1b", num_ranks=1, num_microbatches=2, chunks=8)
+    stages, _ = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, device="cpu", attn_implementation="eager",
+                                 experts_implementation="eager", state_dict=ref.state_dict())
+    ids, mask, _ = padded_batch(2)
+    with torch.no_grad():
+        x = {"input_ids": ids, "attention_mask": mask}
+        for s in range(8):
+            x = stages[s](**x)
+        got = x["logits"] if isinstance(x, dict) else x
+        torch.testing.assert_close(got, ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-12, atol=1e-12)
