@@ -312,15 +312,21 @@ def test_a_module_hooked_when_fusing_is_left_alone_and_its_hook_sees_nothing() -
     assert calls == []  # no probe ran through it
 
 
-def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -> None:
-    # is_first_microbatch read from gate (True on microbatch 0, then False): one cast of [gate; up] a
-    # step, reused while both weights stay the same tensors at the same version
+def _fused_delayed_keeping_casts() -> GatedMLP:
+    # a fused, delayed-wgrad MLP whose layers keep their FP8 weight casts across a step (seed 0)
     torch.manual_seed(0)
     mlp = GatedMLP(nn.SiLU())
     fuse_gated_mlps(mlp)
     delay_wgrad(mlp)
     for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         layer.keep_fp8_weight_casts = True
+    return mlp
+
+
+def test_a_fused_mlp_keeps_its_stacked_cast_for_the_steps_later_microbatches() -> None:
+    # is_first_microbatch read from gate (True on microbatch 0, then False): one cast of [gate; up] a
+    # step, reused while both weights stay the same tensors at the same version
+    mlp = _fused_delayed_keeping_casts()
     slot_casts = []
     with fp8_autocast(fp8_recipe=RECIPE):
         for j in range(3):
@@ -345,12 +351,7 @@ def test_a_deep_copy_of_a_fused_mlp_reuses_its_own_stacked_cast() -> None:
     nothing mutable: an in-place update of its up weight makes only its own cast stale."""
     import copy
 
-    torch.manual_seed(0)
-    mlp = GatedMLP(nn.SiLU())
-    fuse_gated_mlps(mlp)
-    delay_wgrad(mlp)
-    for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        layer.keep_fp8_weight_casts = True
+    mlp = _fused_delayed_keeping_casts()
     xs = [torch.randn(ROWS, HIDDEN) for _ in range(3)]
     with fp8_autocast(fp8_recipe=RECIPE), microbatch((0, 0)):
         mlp(xs[0])
