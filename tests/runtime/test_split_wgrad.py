@@ -4,6 +4,8 @@ ranks, against one process running HF's model on the whole batch (tolerances and
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -322,3 +324,85 @@ def test_parameter_b_computes_can_be_frozen_and_thawed_between_steps():
                 assert (p.grad is None) == (q.grad is None), f"step {step} stage {s} {name}: {p.grad} vs {q.grad}"
                 if q.grad is not None:
                     torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"step {step} stage {s} {name}: {m}")
+
+
+class _Tower(torch.nn.Module):
+    """One stage of an encoder-decoder-like model written with raw parameters: the first embeds the
+    tokens and hands on its learned position table (a Parameter, as it is) beside the hidden
+    states; the others add the table, run a SwiGLU block and hand the table on as they received it;
+    the last projects onto the vocabulary."""
+
+    def __init__(self, first: bool, last: bool, width: int = 6, vocab: int = 11, tokens: int = 5) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7 + 2 * first + last)
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5)
+
+        self.first, self.last = first, last
+        if first:
+            self.tok, self.pos = param(vocab, width), param(tokens, width)
+        self.w1, self.w3, self.w2 = param(2 * width, width), param(2 * width, width), param(width, 2 * width)
+        if last:
+            self.head = param(vocab, width)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> Any:
+        if self.first:
+            x, pos = self.tok[x], self.pos
+        h = x + pos
+        x = x + torch.nn.functional.linear(torch.nn.functional.silu(h @ self.w1.t()) * (h @ self.w3.t()), self.w2)
+        return x @ self.head.t() if self.last else (x, pos)
+
+
+def test_an_input_or_parameter_handed_on_as_it_is_keeps_the_split():
+    """A stage output that is a leaf (a received input handed on unchanged, or a Parameter) has no
+    graph to split, but the rest of the stage's backward still does: every weight gradient of every
+    stage accumulates in a W task, and loss and gradients equal one process running the whole model
+    on the whole batch (float64; `split_cases.TOL`: the microbatches' gradients add up in another
+    order)."""
+    import copy
+
+    from zbpp import Pipeline
+    from zbpp.runtime import executor
+    from zbpp.schedules import build
+
+    from .split_cases import TOL
+
+    sched = build("zb-interleaved", num_ranks=1, num_microbatches=2, chunks=3)
+    stages = [_Tower(s == 0, s == 2) for s in range(3)]
+    ref = copy.deepcopy(stages)
+    running: list[str] = []  # the kind of the task running now
+    kinds: dict[str, set[str]] = {}  # parameter -> kinds of the tasks its gradient accumulated in
+    for s, st in enumerate(stages):
+        for n, p in st.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _, n=f"{s}.{n}": kinds.setdefault(n, set()).add(running[-1]))
+    orig = executor.StepExecutor._run_task
+
+    def run_task(ex, a, *args):
+        running.append(a.kind.value)
+        try:
+            return orig(ex, a, *args)
+        finally:
+            running.pop()
+
+    g = torch.Generator().manual_seed(1)
+    ids, target = torch.randint(0, 11, (4, 5), generator=g), torch.randint(0, 11, (4, 5), generator=g)
+
+    def loss_fn(y, t):
+        return torch.nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]), t.reshape(-1))
+
+    pipe = Pipeline(dict(enumerate(stages)), sched, loss_fn)
+    executor.StepExecutor._run_task = run_task
+    try:
+        loss = pipe.step(ids, target=target)
+    finally:
+        executor.StepExecutor._run_task = orig
+    x, pos = ref[0](ids)
+    x, pos = ref[1](x, pos)
+    want = loss_fn(ref[2](x, pos), target)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    for s, (mine, theirs) in enumerate(zip(stages, ref)):
+        for (n, p), q in zip(mine.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"stage {s} {n}: {m}")
+    assert kinds and all(k == {"W"} for k in kinds.values()), kinds

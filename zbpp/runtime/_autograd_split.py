@@ -11,6 +11,9 @@
 - the *weight side*: everything below those edges, and the outputs' nodes that reach no input
   (the whole graph on the first stage).
 
+An output that is a leaf (an input handed on as it is, a Parameter) has no graph: its gradient is
+the output's own, an input's accumulated in B, a parameter's in W.
+
 The sorting depends only on the graph's structure (node types, edges, which leaves are B's
 targets), which repeats for every microbatch of a stage: a `StageSplit` keeps it, and a later
 microbatch whose walk finds the same structure reuses it.
@@ -312,18 +315,24 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(roots, grads) if t.requires_grad]
     if not pairs:
         return None
-    if any(t.grad_fn is None for t, _ in pairs):  # an input handed on as it is: no graph to split
-        run_backward([t for t, _ in pairs], [g for _, g in pairs])
-        return None
     if hint is not None and hint.extra:
         # a parameter frozen since an earlier step learnt it has no gradient to compute (and the engine
         # refuses it as a target); its graph has no leaf for it, so a later thaw learns it again
         for k in [k for k, v in hint.extra.items() if not v.requires_grad]:
             del hint.extra[k]
     extra: dict[int, torch.Tensor] = dict(hint.extra) if hint is not None else {}
-    if not inputs and not extra:  # the first stage: B has nothing to compute, W the whole backward
-        return HeldWgrad([], [t for t, _ in pairs], [g for _, g in pairs])
     b_ids = {id(x) for x in inputs} | extra.keys()
+    # A leaf handed on as it is (an encoder's output passed through a decoder stage) has no graph: its
+    # gradient is the root's own, an input's now, a parameter's in W; the rest of the graph still splits
+    leaves = [(t, g) for t, g in pairs if t.grad_fn is None]
+    w_leaves = [pr for pr in leaves if id(pr[0]) not in b_ids]
+    if len(w_leaves) < len(leaves):
+        run_backward([t for t, _ in leaves if id(t) in b_ids], [g for t, g in leaves if id(t) in b_ids])
+    if leaves:
+        pairs = [pr for pr in pairs if pr[0].grad_fn is not None]
+    if not pairs or (not inputs and not extra):  # nothing else, or the first stage: W the whole backward
+        pairs += w_leaves
+        return HeldWgrad([], [t for t, _ in pairs], [g for _, g in pairs]) if pairs else None
     graph = _Walk([t.grad_fn for t, _ in pairs])
     targets = tuple(i for i in graph.accs if id(graph.nodes[i].variable) in b_ids)
     sorting = hint._find(targets, graph.sig) if hint is not None else None
@@ -335,6 +344,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
             if final != targets:  # what the next microbatch finds, its hint holding this one's extras
                 hint._add(final, graph.sig, sorting)
     if sorting.reentrant:  # its checkpoint refuses an engine call limited by `inputs`
+        pairs += w_leaves
         run_backward([t for t, _ in pairs], [g for _, g in pairs])
         return None
     nodes = graph.nodes
@@ -370,6 +380,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     frontier = [(node, kept[id(node)], [(k, GradientEdge(nodes[c], nr)) for k, c, nr in side])
                 for node, (_, side) in zip(front, sorting.frontier) if id(node) in kept]
     w_roots = [pr for pr, on_b, to_w in zip(pairs, sorting.root_on_b, sorting.root_to_w) if not on_b and to_w]
+    w_roots += w_leaves
     if not frontier and not w_roots:
         return None
     return HeldWgrad(frontier, [t for t, _ in w_roots], [g for _, g in w_roots],
