@@ -152,6 +152,37 @@ def test_an_unfilled_non_persistent_buffer_asks_for_init_not_a_state_dict():
     assert torch.equal(stages[0].freqs, torch.full((2,), 2.0))
 
 
+class Masked(nn.Module):
+    # an own model's integer and bool buffers (a causal mask, position ids): no NaN marks them unfilled
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
+        self.register_buffer("causal", torch.ones(3, 3, dtype=torch.bool).triu(1), persistent=False)
+        self.register_buffer("positions", torch.arange(3) * 5)
+
+
+def test_unfilled_integer_and_bool_buffers_are_reported_not_left_as_garbage():
+    # their meta values are lost; left as torch.empty made them, a stage would mask and index with
+    # whatever the memory held
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"\['positions \(stage 0\)'\] hold no values after initialisation"):
+        pipeline_stages(Masked, sched, 0, blocks="layers", init=lambda m: m.causal.fill_(True)
+                        if isinstance(m, Masked) else m.reset_parameters())
+    with pytest.raises(ValueError, match=r"\['causal \(stage 0\)'\] .*non-persistent buffers"):
+        pipeline_stages(Masked, sched, 0, blocks="layers", state_dict=Masked().state_dict())
+    want = Masked()
+
+    def fill(m: nn.Module) -> None:
+        if isinstance(m, Masked):
+            m.causal.copy_(want.causal)
+            m.positions.data = want.positions.clone()  # replaced, not written in place: filled too
+        else:
+            m.reset_parameters()
+
+    stages, _ = pipeline_stages(Masked, sched, 0, blocks="layers", init=fill)
+    assert torch.equal(stages[0].causal, want.causal) and torch.equal(stages[0].positions, want.positions)
+
+
 def test_bad_input_is_named():
     with torch.device("meta"):
         meta = Tiny(layers=3)

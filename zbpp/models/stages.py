@@ -592,12 +592,14 @@ def _prune(module: nn.Module, prefix: str, held: set[str], memo: dict[int, Any])
     return shell
 
 
-def _materialise(stages: Any, device: torch.device) -> dict[int, str]:
+def _materialise(stages: Any, device: torch.device) -> dict[int, tuple[int, int]]:
     """Every meta tensor of the stages becomes an uninitialised tensor on `device` (NaN where it has
     a floating dtype, so that what no initialisation touches is found), a real one is moved there;
-    a tensor shared by several modules stays shared. Returns ``{id: kind}`` of the new tensors."""
+    a tensor shared by several modules stays shared. Returns ``{id: (version, data_ptr)}`` of the new
+    tensors: an integer or bool one (a mask, position ids) has no NaN, so one with both unchanged
+    was never written (in place, or by ``.data =``)."""
     done: dict[int, torch.Tensor] = {}
-    fresh: dict[int, str] = {}
+    fresh: dict[int, tuple[int, int]] = {}
     for root in stages:
         for m in root.modules():
             for table in (m._parameters, m._buffers):
@@ -608,7 +610,7 @@ def _materialise(stages: Any, device: torch.device) -> dict[int, str]:
                         new = _place(t, device)
                         done[id(t)] = new
                         if t.is_meta:
-                            fresh[id(new)] = "new"
+                            fresh[id(new)] = (new._version, new.data_ptr())
                     table[k] = done[id(t)]
     return fresh
 
@@ -654,7 +656,7 @@ def _initialise(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list
 
 def _initialise_path_buffers(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list[str]],
                              init: Callable[[nn.Module], None] | None, seed: int, device: torch.device,
-                             fresh: dict[int, str]) -> None:
+                             fresh: dict[int, tuple[int, int]]) -> None:
     """The buffers that a module on the way to the held ones holds itself, made from the meta device:
     initialised by `init`, else Hugging Face's ``_init_weights`` or ``reset_parameters`` of that
     module alone (before the held modules, which keep their own initialisation)."""
@@ -730,14 +732,20 @@ def _load(model: nn.Module, modules: dict[int, nn.Module], state_dict: Mapping[s
         raise ValueError(f"state_dict lacks {sorted(set(missing))[:8]} that this rank's stages hold")
 
 
-def _check_initialised(modules: dict[int, nn.Module], fresh: dict[int, str]) -> None:
+def _check_initialised(modules: dict[int, nn.Module], fresh: dict[int, tuple[int, int]]) -> None:
     bad, unsaved = [], []
     for s, m in modules.items():
         # a non-persistent buffer (torchtitan's freqs_cis) is in no state_dict: only init= can fill it
         transient = {f"{prefix}.{b}" if prefix else b for prefix, sub in m.named_modules()
                      for b in sub._non_persistent_buffers_set}
         for name, t in [*m.named_parameters(), *m.named_buffers()]:
-            if id(t) in fresh and (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any()):
+            if id(t) not in fresh:
+                continue
+            if t.is_floating_point() or t.is_complex():
+                empty = bool(torch.isnan(t).any())
+            else:  # no NaN to find: written at all (init, load_state_dict), else uninitialised memory
+                empty = t.numel() > 0 and (t._version, t.data_ptr()) == fresh[id(t)]
+            if empty:
                 (unsaved if name in transient else bad).append(f"{name} (stage {s})")
     if unsaved:
         raise ValueError(f"{unsaved[:8]} hold no values after initialisation: non-persistent buffers, which no "
