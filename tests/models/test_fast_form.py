@@ -26,6 +26,7 @@ from zbpp import Pipeline
 from zbpp.models.fast import fast_hf_stages, fast_stage
 from zbpp.models.hf import causal_lm_stages
 from zbpp.modules import DelayedScaling
+from zbpp.modules import Linear as ZbLinear  # nn.Linear's name too
 from zbpp.schedules import build
 
 from tests.runtime.split_cases import TaskFlops
@@ -103,6 +104,41 @@ def test_fast_stage_rejects_foreign_blocks_and_bad_fp8() -> None:
         fast_stage(stage, fp8="e4m3")
     with pytest.raises(ValueError, match="needs fast=True"):
         fast_hf_stages({0: stage}, fast=False, fp8=True)
+
+
+class _Titan(nn.Module):
+    """torchtitan's layout: the blocks in a ModuleDict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.LayerNorm(4, dtype=torch.float64),
+                                                           nn.Linear(4, 4, dtype=torch.float64)) for i in range(2)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = x + layer(x)
+        return x
+
+
+def test_fast_stage_takes_a_module_dict_of_blocks_and_names_a_lone_block() -> None:
+    """``blocks=stage.layers`` of a torchtitan-style stage compiles each layer (iterating a ModuleDict
+    gives its keys, which were refused as "str"); its loss and gradients equal the eager stage's
+    (float64, aot_eager runs the same ops: 1e-12). One block alone is refused, naming its type."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _Titan()
+    stage = copy.deepcopy(eager)
+    fast_stage(stage, blocks=stage.layers, backend="aot_eager")
+    for layer in stage.layers.values():  # each layer compiled (nn.Module.compile's wrapper), its Linear swapped
+        assert layer._compiled_call_impl is not None and isinstance(layer[1], ZbLinear), layer
+    sched = build("zb-h1", num_ranks=1, num_microbatches=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    losses = [Pipeline({0: m}, sched, lambda y, _: y.square().mean()).step(x) for m in (eager, stage)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for (n, a), b in zip(stage.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15, msg=n)
+    with pytest.raises(TypeError, match="blocks is one _Titan"):
+        fast_stage(_Titan(), blocks=_Titan())
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -98,7 +98,8 @@ def fast_stage(
     Args:
         stage: a pipeline stage (any ``nn.Module``).
         blocks: modules inside `stage` to compile one by one (the repeated decoder layers, so one
-            compilation serves them all); None compiles the stage's forward as a whole.
+            compilation serves them all), or the ModuleList, ModuleDict or Sequential holding them;
+            None compiles the stage's forward as a whole.
         fp8: False (bf16 or whatever the parameters are), True (FP8 with the default
             `DelayedScaling`) or a `DelayedScaling` recipe.
         compile: False keeps everything eager (the delayed weight gradients and FP8 still apply).
@@ -110,6 +111,11 @@ def fast_stage(
         raise TypeError(f"fast_stage: stage is a {type(stage).__name__}, not a torch.nn.Module")
     if fp8 is not True and fp8 is not False and not isinstance(fp8, DelayedScaling):
         raise TypeError(f"fast_stage: fp8={fp8!r}; pass True, False or a zbpp.modules.DelayedScaling")
+    if isinstance(blocks, nn.ModuleDict):  # torchtitan holds its layers in one: its values are the blocks
+        blocks = list(blocks.values())
+    elif isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(f"fast_stage: blocks is one {type(blocks).__name__}; pass a list of the stage's blocks "
+                        "(or the ModuleList, ModuleDict or Sequential that holds them)")
     owned = {id(m) for m in stage.modules()}
     for block in blocks or ():
         if not isinstance(block, nn.Module) or id(block) not in owned:
