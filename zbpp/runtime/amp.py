@@ -51,6 +51,21 @@ def unscale_(pipeline: Any, scaler: Any, optimizer: torch.optim.Optimizer) -> bo
 
     Returns:
         Whether some rank found an inf or NaN: ``scaler.step(optimizer)`` skips this step.
+
+    In one process (every rank of a job runs the same lines):
+
+    >>> import torch
+    >>> from zbpp import Pipeline
+    >>> from zbpp.schedules import build
+    >>> model = torch.nn.Linear(3, 1)
+    >>> scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    >>> pipe = Pipeline({0: model}, build("zb-h1", num_ranks=1, num_microbatches=2),
+    ...                 loss_fn=lambda out, y: scaler.scale(torch.nn.functional.mse_loss(out, y)))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaled = pipe.step(torch.ones(4, 3), target=torch.zeros(4, 1))
+    >>> unscale_(pipe, scaler, opt)  # no inf anywhere: the step is taken
+    False
+    >>> scaler.step(opt); scaler.update()
     """
     unusable = getattr(pipeline, "_raise_if_unusable", None)
     if not callable(unusable):

@@ -117,13 +117,22 @@ class FifoWgrad:
         weakref.finalize(self._calls, handle.remove)
 
     def compute(self, key: Hashable) -> None:
-        for _ in range(self._calls.pop(key, 0)):
-            self.module.backward_dw()
+        while self._calls.get(key, 0):
+            self._one(key)
 
     def discard(self, keys: list[Hashable]) -> None:
-        calls = dict(self._calls)
+        _each([k for k in keys for _ in range(self._calls.get(k, 0))], self._one)
         self._calls.clear()  # a key whose F ran but not its B filed nothing: its count goes too
-        _each([k for k in keys for _ in range(calls.get(k, 0))], lambda _: self.module.backward_dw())
+
+    def _one(self, key: Hashable) -> None:
+        # the count drops only once a call returned: one that raised (before taking its wgrad, or an
+        # interrupt in a rollback) leaves it and the rest counted for `discard`, run again
+        self.module.backward_dw()
+        left = self._calls[key] - 1
+        if left:
+            self._calls[key] = left
+        else:
+            del self._calls[key]
 
 
 def _each(keys: list[Hashable], dw: Any) -> None:
