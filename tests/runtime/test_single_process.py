@@ -646,7 +646,8 @@ def test_unscale_in_one_process_and_its_refusals():
     """`zbpp.runtime.unscale_` on a one-process Pipeline: the loss scaled in loss_fn, the step and
     the scale as torch's ``scaler.step`` on the same model over the whole batch; an
     optimizer without gradients (a rank whose stages got none) still steps and updates, where
-    torch's scaler asserts "No inf checks were recorded"; not a Pipeline, or a scaler without the
+    torch's scaler asserts "No inf checks were recorded"; not a Pipeline, a parameter keeping its
+    gradient in main_grad (which GradScaler neither unscales nor checks), or a scaler without the
     private fields it reads (another torch), is refused, naming it."""
     from types import SimpleNamespace
 
@@ -688,6 +689,10 @@ def test_unscale_in_one_process_and_its_refusals():
     assert scaler.get_scale() == 8.0 and torch.equal(unused, torch.ones(3))
     with pytest.raises(TypeError, match="unscale_ takes a zbpp Pipeline .* got Linear"):
         unscale_(model, scaler, opt)
+    model.weight.main_grad = torch.zeros_like(model.weight)  # GradScaler reads .grad only: refused, named
+    with pytest.raises(ValueError, match=r"unscale_: stage 0 weight keeps its gradient in main_grad"):
+        unscale_(pipe, torch.amp.GradScaler("cpu"), torch.optim.SGD(model.parameters(), lr=0.1))
+    del model.weight.main_grad
     fake = SimpleNamespace(is_enabled=lambda: True)
     with pytest.raises(RuntimeError, match="reads torch.amp.GradScaler's _per_optimizer_states, _scale, "
                                            "_lazy_init_scale_growth_tracker, which this SimpleNamespace"):

@@ -81,6 +81,7 @@ def _unscale(pipeline: Any, scaler: Any, optimizer: torch.optim.Optimizer) -> bo
     mine = [0.0] * (2 + len(_ALIKE))  # enabled, found, then _ALIKE
     try:
         if scaler.is_enabled():
+            _refuse_main_grads(pipeline, optimizer)
             flags = grad_scaler_found_inf(scaler, optimizer, pipeline.device)
             state = scaler.state_dict()
             mine = [1.0, float(sum(float(f.item()) for f in flags.values()) > 0)] + [float(state[k]) for k in _ALIKE]
@@ -113,3 +114,19 @@ def _unscale(pipeline: Any, scaler: Any, optimizer: torch.optim.Optimizer) -> bo
     if held is not None:  # a Ctrl-C in the all-reduce: the peers completed it, every flag is set
         raise held
     return found
+
+
+def _refuse_main_grads(pipeline: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Raise, naming one, where a parameter of `optimizer` keeps its gradient in ``main_grad``:
+    GradScaler unscales and checks ``.grad`` only, so that gradient would reach the step scaled and
+    unchecked."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]
+            if getattr(p, "main_grad", None) is not None}
+    if not held:
+        return
+    names = [f"stage {s} {n}" for s, m in pipeline.stage_modules.items() for n, p in m.named_parameters()
+             if id(p) in held] or ["a parameter outside the stages"]
+    raise ValueError(f"unscale_: {names[0]}{f' (and {len(held) - 1} more)' if len(held) > 1 else ''} keeps its "
+                     "gradient in main_grad, which torch.amp.GradScaler neither unscales nor checks for infs "
+                     "(it reads .grad only): train those layers without main_grad (fuse_wgrad_accumulation off) "
+                     "or in bfloat16, which needs no loss scaling")
