@@ -816,9 +816,10 @@ def _probe_forward(model: nn.Module, handles: Sequence[Any], *, grad: bool) -> N
     try:
         with torch.set_grad_enabled(grad), _meta_values(), _loop_experts(model), _state_kept(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except (_Stop, _Unfit) as exc:
-        if isinstance(exc, _Unfit):
-            raise
+    except _Stop:
+        pass
+    except _Unfit:  # a check's own refusal, already worded
+        raise
     except Exception as exc:  # HF's own code failing on the meta device, deep in the model: say which and why
         kind = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(
