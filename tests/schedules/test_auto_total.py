@@ -125,3 +125,28 @@ def test_a_limit_per_rank_below_a_ranks_need_names_the_rank() -> None:
         build("zb-auto", num_ranks=2, num_microbatches=2, memory=Memory(1, 0), memory_limit=[2, 0.5])
     with pytest.raises(ValueError, match="3 values for 2 ranks"):
         build("zb-auto", num_ranks=2, num_microbatches=2, memory=Memory(1, 0), memory_limit=[2, 2, 2])
+
+
+@pytest.mark.parametrize("name, placement_of", [("zb-auto", loop_placement), ("zbv-auto", v_placement),
+                                                ("zbi-auto", lambda p: loop_placement(p, 2))])
+def test_an_infinite_limit_on_a_rank_is_no_limit_there(name, placement_of) -> None:
+    """`lower_bound` reads inf in a per-rank limit as no limit on that rank; the automatic schedules
+    refused it ("must be a finite number >= 0, got inf"). Reference: the same search with each inf
+    replaced by a finite limit that no schedule reaches (every microbatch of every stage of the
+    rank held at once, doubled), which must give the very same orders."""
+    p, m = 4, 8
+    placement = placement_of(p)
+    costs, memory = Costs(f=[(1, 2, 1.5)[s % 3] for s in range(len(placement))], b=1, w=1), Memory(1, 0.5)
+    never = [2.0 * m * placement.count(r) for r in range(p)]  # one activation per microbatch and stage
+    limits = [float("inf"), 3.0, 3.0, float("inf")]
+    finite = [n if x == float("inf") else x for x, n in zip(limits, never)]
+    got = build(name, num_ranks=p, num_microbatches=m, costs=costs, memory=memory, memory_limit=limits)
+    ref = build(name, num_ranks=p, num_microbatches=m, costs=costs, memory=memory, memory_limit=finite)
+    assert got.orders == ref.orders
+    res = simulate(got, costs, memory)
+    assert all(x <= y * (1 + REL) for x, y in zip(res.peak_memory, limits))
+    assert lower_bound(placement, m, costs, memory, limits).makespan <= res.makespan * (1 + REL)
+    # one inf for every rank: no limit anywhere, as a limit that no rank reaches
+    everywhere = build(name, num_ranks=p, num_microbatches=m, costs=costs, memory=memory, memory_limit=float("inf"))
+    assert everywhere.orders == build(name, num_ranks=p, num_microbatches=m, costs=costs, memory=memory,
+                                      memory_limit=max(never)).orders

@@ -150,7 +150,7 @@ def test_numpy_integers_in_actions_become_ints() -> None:
 
 # -- memory_limit of the automatic schedules -------------------------------------------------------
 @pytest.mark.parametrize("name", ["zb-auto", "zbv-auto"])
-@pytest.mark.parametrize("limit, shown", [(NAN, "nan"), (INF, "inf"), (-1.0, "-1.0"), (True, "True"), ("8", "'8'")])
+@pytest.mark.parametrize("limit, shown", [(NAN, "nan"), (-INF, "-inf"), (-1.0, "-1.0"), (True, "True"), ("8", "'8'")])
 def test_bad_memory_limit_is_refused_naming_it(name: str, limit: object, shown: str) -> None:
     with pytest.raises(ValueError, match=rf"{name}: memory_limit .*must be a finite number >= 0, got {shown}"):
         build(name, num_ranks=2, num_microbatches=4, memory_limit=limit)

@@ -266,12 +266,11 @@ def _default_start(placement: Sequence[int], m: int, costs: Costs, memory: Memor
     from .ir import loop_placement, v_placement
 
     p = max(placement) + 1
-    limits = _per_rank(limit, p)  # the automatic schedules take one finite number per rank, or None
-    within = None if not any(map(math.isfinite, limits)) else limits if all(map(math.isfinite, limits)) else False
+    within = None if limit is None else _per_rank(limit, p)  # inf: no limit on that rank, as here
     try:
-        if within is not False and tuple(placement) == loop_placement(p):
+        if tuple(placement) == loop_placement(p):
             return zb_auto(p, m, costs=costs, memory=memory, memory_limit=within)
-        if within is not False and tuple(placement) == v_placement(p):
+        if tuple(placement) == v_placement(p):
             return zbv_auto(p, m, costs=costs, memory=memory, memory_limit=within)
     except ValueError:  # a limit the searches refuse: one at a time meets every one lower_bound accepts
         pass

@@ -150,7 +150,7 @@ def evaluate_candidates(
     if not isinstance(memory, Memory):
         raise TypeError(f"memory must be a zbpp.schedules.Memory (per rank-stage) or None, got {type(memory).__name__}")
     if memory_limit is not None:
-        # finite: the automatic candidates refuse inf, so they dropped out of the pick unsaid
+        # finite: None is no limit here; inf would lift the automatic candidates' default limit too
         try:
             memory_limit = as_positive(memory_limit, "memory_limit")
         except ValueError:

@@ -18,7 +18,7 @@ rank span; then makespan, sum of spans, sum of task ends):
    instances (the exact solver's sizes) an iterated local search that kicks it out of local
    optima.
 
-The memory limit (one number, or one per rank) holds by construction (admission in the
+The memory limit (one number, or one per rank; inf: none on that rank) holds by construction (admission in the
 heuristics, checks on every move) and is checked again on the result. A limit below the smallest
 feasible one (`smallest_feasible_limit`: a rank must hold all its stages' activations of one
 microbatch at once, and what its B's and transients add: the least peak of any schedule) raises
@@ -48,6 +48,7 @@ ends the search at once. p = 32, m = 256 on a V builds in well under a second.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Callable, Sequence
 
@@ -106,19 +107,26 @@ _WHY_FLOOR = ("the least peak of any schedule: a rank holds all its stages' acti
               "with what a B adds where wgrad > activation and each task's transient")
 
 
+def _limit(value: object, what: str) -> float:
+    """One rank's limit: a finite number >= 0, or inf for no limit (as `bounds.lower_bound` reads it)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value == math.inf:
+        return math.inf
+    return as_number(value, what)
+
+
 def _limits(name: str, memory_limit: float | Sequence[float], floors: Sequence[float]) -> list[float]:
-    """Each rank's limit: `memory_limit` (one number, or one per rank) checked against `floors`."""
+    """Each rank's limit: `memory_limit` (one number, or one per rank; inf: none) checked against `floors`."""
     p = len(floors)
-    what = f"{name}: memory_limit (per rank, in Memory's units)"
+    what = f"{name}: memory_limit (per rank, in Memory's units; inf: no limit)"
     if isinstance(memory_limit, numbers.Real):
-        limit = as_number(memory_limit, what)
+        limit = _limit(memory_limit, what)
         if limit < max(floors) * (1 - 1e-9):
             raise ValueError(
                 f"{name}: memory_limit={limit:g} is infeasible; the smallest feasible limit is {max(floors):g} "
                 f"({_WHY_FLOOR})"
             )
         return [limit] * p
-    limits = [as_number(x, f"{what}[{r}]") for r, x in enumerate(memory_limit)]
+    limits = [_limit(x, f"{what}[{r}]") for r, x in enumerate(memory_limit)]
     if len(limits) != p:
         raise ValueError(f"{name}: memory_limit has {len(limits)} values for {p} ranks; give one number or one per rank")
     for r, (limit, floor) in enumerate(zip(limits, floors)):
@@ -345,8 +353,9 @@ def zb_auto(
     """An automatic zero-bubble schedule, one stage per rank, for `costs` within `memory_limit`.
 
     `memory_limit` is per rank, in the units of `memory`: one number, or one per rank (ranks
-    whose other memory differs), a peak that counts each task's transient (`Memory`); default
-    `default_memory_limit`: p times a stage's activation, 1F1B's memory, where wgrad <= activation.
+    whose other memory differs), a peak that counts each task's transient (`Memory`); inf: no limit
+    on that rank; default (None) `default_memory_limit`: p times a stage's activation, 1F1B's
+    memory, where wgrad <= activation.
     Raises `ValueError` if a rank's limit is below the smallest feasible one.
 
     >>> from zbpp.schedules import build, Costs, Memory
