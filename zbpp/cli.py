@@ -149,6 +149,21 @@ def _costs_memory(args: argparse.Namespace) -> tuple[Costs, Memory]:
     return costs, Memory(activation=act, wgrad=wgrad)
 
 
+_STAGE_FLAGS = ("--f", "--b", "--w", "--activation", "--wgrad")
+
+
+def _check_stage_lists(name: str, args: argparse.Namespace, opts: dict[str, Any]) -> None:
+    """A comma-separated flag has one value per stage of `name`: refuse another count naming the
+    flag and the count wanted (`Costs`/`Memory` would name their own fields, not the flag)."""
+    stages = stage_count(name, args.ranks, **opts)
+    for flag in _STAGE_FLAGS:
+        values = getattr(args, flag[2:])
+        if isinstance(values, list) and len(values) != stages:
+            held = "" if stages == args.ranks else f", {stages // args.ranks} per rank"
+            raise ValueError(f"{flag} has {len(values)} values, but {name} on {args.ranks} ranks has {stages} "
+                             f"stages{held}: give one number, or {stages} separated by commas (one per stage)")
+
+
 def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: Memory, *, strict: bool = True):
     """Build `name` from the command line. With `strict`, an option it does not take is an error;
     without (for `compare`), such options apply only to the schedules that take them."""
@@ -158,6 +173,7 @@ def _build_from_args(name: str, args: argparse.Namespace, costs: Costs, memory: 
         if "chunks" not in takes:
             raise ValueError(f"schedule {name!r} does not take --chunks")
         opts["chunks"] = args.chunks
+    _check_stage_lists(name, args, opts)
     if "costs" in takes:
         opts["costs"] = costs
     if "memory" in takes:

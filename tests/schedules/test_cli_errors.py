@@ -33,7 +33,16 @@ SCHEDULE_ARGS = ["-p", "4", "-m", "8"]
         (["compare", *SCHEDULE_ARGS, "--f", "nan"], "argument --f: expected a finite number >= 0"),
         (["compare", *SCHEDULE_ARGS, "--comm", "inf"], "argument --comm: expected a finite number >= 0, got 'inf'"),
         (["compare", *SCHEDULE_ARGS, "--memory-limit", "nan"], "argument --memory-limit: expected a finite number >= 0, got 'nan'"),
-        (["compare", *SCHEDULE_ARGS, "--f", "1,2,3"], "no schedule accepts these arguments; gpipe: Costs.f has 3 per-stage values"),
+        (["compare", *SCHEDULE_ARGS, "--f", "1,2,3"], "no schedule accepts these arguments; gpipe: --f has 3 values, but "
+                                                        "gpipe on 4 ranks has 4 stages: give one number, or 4 separated"),
+        # one value per rank on a schedule of 2 stages per rank: named as Costs.f, not the flag typed
+        (["show", "zb-v", *SCHEDULE_ARGS, "--f", "1,2,3,4"], "--f has 4 values, but zb-v on 4 ranks has 8 stages, 2 per "
+                                                             "rank: give one number, or 8 separated by commas"),
+        (["show", "zbi-auto", "-p", "2", "-m", "4", "--chunks", "3", "--w", "1,2"], "--w has 2 values, but zbi-auto on 2 "
+                                                                                   "ranks has 6 stages, 3 per rank"),
+        (["show", "interleaved-1f1b", "-p", "2", "-m", "4", "--activation", "1,2"], "--activation has 2 values, but "
+                                                                                   "interleaved-1f1b on 2 ranks has 4"),
+        (["trace", "v-half", "-p", "2", "-m", "4", "--wgrad", "1,2", "-o", "x.json"], "--wgrad has 2 values, but v-half on"),
         (["compare", "-p", "4"], "the following arguments are required: -m/--microbatches"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--comm", "nan"], "argument --comm: expected a finite number >= 0, got 'nan'"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--comm", "-0.5"], "argument --comm: expected a finite number >= 0, got '-0.5'"),
