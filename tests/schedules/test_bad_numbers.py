@@ -290,3 +290,25 @@ def test_zbv_auto_counts_the_seeds_it_builds(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="zbv-auto with num_ranks=20, num_microbatches=1 would create up to 4,800 tasks"):
         build("zbv-auto", num_ranks=20, num_microbatches=1)
     assert task_count("zbv-auto", 4, 100) == 6 * 4 * 100  # m >= 2p: the seeds build m microbatches
+
+
+# -- from_torch_csv's placement and num_microbatches -----------------------------------------------
+@pytest.mark.parametrize("key, value, message", [
+    # int() truncated 0.9 to rank 0: the file loaded with stage 0 on rank 0, said nowhere
+    ("placement", [0.9, 1], r"from_torch_csv: placement\[0\] must be an integer >= 0, got 0.9"),
+    ("placement", [0, "1"], r"from_torch_csv: placement\[1\] must be an integer >= 0, got '1'"),
+    ("placement", [0, True], r"from_torch_csv: placement\[1\] must be an integer >= 0, got True"),
+    # a TypeError from comparing a str with an int, naming neither the argument nor its value
+    ("num_microbatches", "3", r"from_torch_csv: num_microbatches must be an integer >= 1, got '3'"),
+    ("num_microbatches", 2.5, r"from_torch_csv: num_microbatches must be an integer >= 1, got 2.5"),
+])
+def test_from_torch_csv_refuses_a_placement_or_count_that_is_no_integer(tmp_path, key, value, message) -> None:
+    from zbpp.schedules import from_torch_csv, to_torch_csv
+
+    path = tmp_path / "zbh1.csv"
+    to_torch_csv(build("zb-h1", num_ranks=2, num_microbatches=2), path)
+    with pytest.raises(ValueError, match=message):
+        from_torch_csv(path, **{key: value})
+    # the same integers, as numpy's, are taken: the schedule written, read back
+    back = from_torch_csv(path, placement=[np.int64(0), np.int32(1)], num_microbatches=np.int64(2))
+    assert back.orders == build("zb-h1", num_ranks=2, num_microbatches=2).orders and back.placement == (0, 1)

@@ -34,6 +34,7 @@ import os
 import re
 from typing import Sequence, Union
 
+from .checks import as_int
 from .ir import Action, Kind, Schedule, ScheduleError, loop_placement
 
 __all__ = ["to_torch_csv", "from_torch_csv"]
@@ -131,7 +132,8 @@ def _resolve_placement(placement: Placement, inferred: dict[int, int], num_ranks
         return tuple(out)
     if isinstance(placement, str):
         raise ValueError(f"placement must be 'loop', 'v', a list of ranks (one per stage) or None, got {placement!r}")
-    placed = tuple(int(r) for r in placement)
+    # as_int, not int(): int() truncated 0.9 to rank 0 and read "1" or True as rank 1, unsaid
+    placed = tuple(as_int(r, f"from_torch_csv: placement[{s}]", minimum=0) for s, r in enumerate(placement))
     if len(placed) != num_stages:
         raise ValueError(f"placement has {len(placed)} entries but the CSV has {num_stages} stages")
     return placed
@@ -193,6 +195,7 @@ def from_torch_csv(
     num_stages = 1 + max(a.stage for o in orders for a in o)
     m = 1 + max(a.microbatch for o in orders for a in o)
     if num_microbatches is not None:
+        num_microbatches = as_int(num_microbatches, "from_torch_csv: num_microbatches")
         if num_microbatches < m:
             raise ScheduleError(f"{os.fspath(path)}: has microbatch {m - 1} but num_microbatches={num_microbatches}")
         m = num_microbatches
