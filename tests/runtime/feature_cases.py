@@ -14,7 +14,8 @@ microbatch) is many orders of magnitude above the bound.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -321,7 +322,8 @@ def check_grad_scaler(name: str, agree: bool, steps: int = 4) -> dict[str, Any]:
     against one process running the whole model on the whole batch with one scaler, which skips
     the steps where any gradient overflows. `agree`: `zbpp.runtime.unscale_` after each step; else
     each rank's ``scaler.unscale_`` alone (plain torch). Returns each step's scale after
-    ``update()`` on this rank and in the reference; with `agree`, parameters are compared too.
+    ``update()`` on this rank and in the reference; with `agree`, parameters are compared too, and
+    the collectives each `unscale_` posted are counted.
 
     Tolerance: float32, the pipeline sums per-microbatch gradients where the reference does one GEMM
     (~1e-6 relative); Adam moves an element by ~lr per step taken, so rtol 1e-5 with atol lr/1000
@@ -337,7 +339,7 @@ def check_grad_scaler(name: str, agree: bool, steps: int = 4) -> dict[str, Any]:
     ref_opt = torch.optim.Adam([{"params": m.parameters(), "lr": _scaled_lr(s)} for s, m in enumerate(ref)])
     if not agree:  # torch's unscale_ asserts a scale, which only scale() sets: the loss's rank alone had one
         scaler.scale(torch.ones(()))
-    scales, ref_scales = [], []
+    scales, ref_scales, collectives = [], [], []
     for step in range(steps):
         x, y = _scaled_batch(step)
         opt.zero_grad()
@@ -345,7 +347,9 @@ def check_grad_scaler(name: str, agree: bool, steps: int = 4) -> dict[str, Any]:
         if agree:
             from zbpp.runtime import unscale_
 
-            unscale_(pipe, scaler, opt)
+            with _counting_collectives() as count:
+                unscale_(pipe, scaler, opt)
+            collectives.append(count[0])
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -361,7 +365,29 @@ def check_grad_scaler(name: str, agree: bool, steps: int = 4) -> dict[str, Any]:
             for (key, p), q in zip(m.named_parameters(), ref[s].parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=_scaled_lr(s) / 1000,
                                            msg=lambda e: f"{name} step {step} stage {s} {key}: {e}")
-    return {"scales": scales, "reference": ref_scales}
+    return {"scales": scales, "reference": ref_scales, "collectives": collectives}
+
+
+@contextlib.contextmanager
+def _counting_collectives() -> Iterator[list[int]]:
+    """Count the torch.distributed collectives posted inside the block (``count[0]``)."""
+    count = [0]
+    names = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce_scatter")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def counted(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for n, fn in saved.items():
+        setattr(dist, n, counted(fn))
+    try:
+        yield count
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
 
 
 def grad_scaler_refusals() -> list[str]:

@@ -73,6 +73,8 @@ def test_grad_scaler_skips_the_same_steps_on_every_rank(zbpp_workers, name):
     assert plain[0]["scales"][0] != plain[1]["scales"][0], plain
     agreed = zbpp_workers(2).run(check_grad_scaler, name, True)
     assert [r["scales"] for r in agreed] == [ref, ref]
+    # one all-reduce per call carries the failure flag with the found-inf flags (it took two: an agreement first)
+    assert [r["collectives"] for r in agreed] == [[1] * 4] * 2, agreed
 
 
 def test_grad_scaler_refusals_raise_on_every_rank(zbpp_workers):

@@ -331,10 +331,12 @@ def agree_on_problems(agreement: Agreement, problem: BaseException | None, world
 
 
 def agree_nothing_failed(agreement: Agreement, problem: BaseException | None, world: Sequence[int],
-                         failed: str) -> None:
+                         failed: str, some_failed: bool | None = None) -> None:
     """`agree_on_problems` without a payload, for a call made every step (``clip_grad_norm_``): one
-    all-reduce of a flag where no rank failed (`Agreement.any`); the messages travel only when one did."""
-    if agreement.any(problem is not None):
+    all-reduce of a flag where no rank failed (`Agreement.any`); the messages travel only when one did.
+    `some_failed`: the flag's maximum over the ranks, where the caller's own all-reduce carried it
+    (``unscale_``): then no exchange at all unless some rank failed."""
+    if agreement.any(problem is not None) if some_failed is None else some_failed:
         agree_on_problems(agreement, problem, world, failed)  # takes the held interrupt too
     _raise_or_defer(agreement.take_held())
 

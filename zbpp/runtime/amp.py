@@ -38,8 +38,8 @@ def unscale_(pipeline: Any, scaler: Any, optimizer: torch.optim.Optimizer) -> bo
     never ran (no loss there) gets its scale from ``init_scale``; a rank without gradients gets a
     flag, so ``step`` and ``update`` run there too.
 
-    The ranks first agree that none failed (a rank's error raises there, a `PipelineError` naming
-    it on every other), then all-reduce one small host tensor; scalers that differ (enabled on some
+    The ranks all-reduce one small host tensor, which also tells whether a rank failed (a rank's error
+    raises there, a `PipelineError` naming it on every other); scalers that differ (enabled on some
     ranks only, or another scale, growth tracker or factor: built or loaded unlike) raise a
     ValueError on every rank, naming what differs. Call it once per optimizer.
 
@@ -88,15 +88,22 @@ def _unscale(pipeline: Any, scaler: Any, optimizer: torch.optim.Optimizer) -> bo
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
-    pipeline._agree_before_collectives(problem, "unscale_")
-    # the maximum and (negated) the minimum of each number in one all-reduce, on the job's host group
-    both = torch.tensor(mine + [-v for v in mine], dtype=torch.float64)
+    # one all-reduce on the job's host group: whether some rank failed (its local part raised), then the
+    # maximum and (negated) the minimum of each number; the errors' messages travel only when one did
+    both = torch.tensor([float(problem is not None)] + mine + [-v for v in mine], dtype=torch.float64)
     group = pipeline._agreement.group
     held = None
     if group is not None:  # None: a one-process Pipeline
         work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
         held = pipeline._wait_collective(work, torch.device("cpu"), "all-reduce of unscale_")
-    high, low = both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
+    if both[0] > 0:
+        try:
+            pipeline._agree_before_collectives(problem, "unscale_", some_failed=True)
+        except BaseException as exc:  # a Ctrl-C held in the all-reduce: raised from the failure, as collective_call does
+            if held is None or isinstance(held, Exception):
+                raise
+            raise held from exc
+    high, low = both[1: 1 + len(mine)].tolist(), [-v for v in both[1 + len(mine):].tolist()]
     if high[0] != low[0]:
         raise ValueError("unscale_: the GradScaler is enabled on some ranks of the pipeline and disabled on others: "
                          "those would step where the others skip; build it alike on every rank")

@@ -656,13 +656,15 @@ class Pipeline:
             raise self._broken_error(exc, which) from exc
         return self._agreement.take_held()
 
-    def _agree_before_collectives(self, problem: BaseException | None, which: str) -> None:
+    def _agree_before_collectives(self, problem: BaseException | None, which: str,
+                                  some_failed: bool | None = None) -> None:
         """Before the first collective of `which`, a call between steps: every rank tells whether its
         local part failed (`problem`; `agree_on_problems`), so that none waits in a collective for a rank
-        that raised. Call it inside a `collective_call`; a rank dead meanwhile makes this unusable."""
+        that raised. Call it inside a `collective_call`; a rank dead meanwhile makes this unusable.
+        `some_failed`: whether any rank failed, where the caller's own all-reduce told (`agree_nothing_failed`)."""
         try:
             agree_nothing_failed(self._agreement, problem, self.topology.world,
-                                 f"{which} could not run on every rank (nothing was changed)")
+                                 f"{which} could not run on every rank (nothing was changed)", some_failed)
         except BrokenJob as exc:
             raise self._broken_error(exc, f"agreement of {which}") from exc
 
