@@ -9,6 +9,7 @@ steps and 3 more steps equal its 5 steps (the optimizer state came back). Cases 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -832,6 +833,82 @@ def test_a_float16_run_resumes_with_its_grad_scaler(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"holds no GradScaler state \(saved without grad_scaler=\)"):
         load_checkpoint(net, tmp_path / "none", grad_scaler=torch.amp.GradScaler("cpu"))
     assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []
+
+
+def _unpickle_damaged(why: str) -> "_Damaged":
+    if _Damaged.broken:
+        raise pickle.UnpicklingError(why)
+    return _Damaged()
+
+
+class _Damaged:
+    """Pickles; its unpickling raises once `broken` (after the save, which unpickles to compare the
+    ranks' states): a damaged entry."""
+
+    broken = False
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _unpickle_damaged, ("damaged on disk",)
+
+
+class _Saves:
+    """Anything with ``state_dict()``, as save_checkpoint takes for lr_scheduler= and grad_scaler=."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+
+@pytest.mark.parametrize("what, saved_as, words", [
+    ("lr_scheduler", "damaged", "does not unpickle (UnpicklingError: damaged on disk)"),
+    ("lr_scheduler", "StepLR", "does not load into the given lr_scheduler (LambdaLR; KeyError: 'lr_lambdas')"),
+    ("grad_scaler", "partial", "does not load into the given grad_scaler (GradScaler; KeyError: 'growth_factor')")],
+    ids=["damaged-scheduler", "scheduler-of-another-kind", "scaler-state-lacking-a-key"])
+def test_a_bad_scheduler_or_scaler_entry_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str,
+                                                         saved_as: str, words: str) -> None:
+    """The LR scheduler's and the GradScaler's states were unpickled and loaded last, after the model
+    and the optimizer: an entry that does not unpickle, a StepLR's loaded into a LambdaLR, or a
+    scaler state lacking a key left the model and optimizer loaded and the scheduler (or half the
+    scaler: its scale) not. Now both are unpickled and tried on copies before anything loads: the
+    error names the entry, and the model, the optimizer, the scheduler and the scaler equal their
+    state before the load (``torch.equal``, ``==``: nothing was to change)."""
+    from zbpp.runtime import save_checkpoint
+
+    net = whole_model()
+    opt = make_optimizer(net.parameters())
+    _train(net, opt, range(1))
+    saved = {"damaged": _Saves({"last_epoch": _Damaged()}), "partial": _Saves({"scale": 2.0 ** 10}),
+             "StepLR": torch.optim.lr_scheduler.StepLR(opt, step_size=2)}[saved_as]
+    save_checkpoint(net, tmp_path / "c", opt, **{what: saved})
+    monkeypatch.setattr(_Damaged, "broken", True)
+
+    net = whole_model(seed=7)
+    opt = make_optimizer(net.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    scaler.scale(torch.ones(()))  # a live scale tensor, which a half load fills
+    _train(net, opt, range(7, 8))
+    sched.step()
+
+    def snapshot() -> dict[str, Any]:
+        return {"model": {k: v.clone() for k, v in net.state_dict().items()},
+                "optimizer": {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in net.named_parameters()},
+                "lr": [g["lr"] for g in opt.param_groups], "lr_scheduler": sched.state_dict(),
+                "grad_scaler": scaler.state_dict()}
+
+    before = snapshot()
+    with pytest.raises(ValueError, match=re.escape(f"the checkpoint {str(tmp_path / 'c')!r}: its {what!r} entry {words}")):
+        load_checkpoint(net, tmp_path / "c", opt, **{what: {"lr_scheduler": sched, "grad_scaler": scaler}[what]})
+    after = snapshot()
+    for name, value in before["model"].items():
+        assert torch.equal(after["model"][name], value), name
+    for name, state in before["optimizer"].items():
+        assert after["optimizer"][name].keys() == state.keys(), name
+        for field, value in state.items():
+            assert torch.equal(after["optimizer"][name][field], value), (name, field)
+    assert [after[k] == before[k] for k in ("lr", "lr_scheduler", "grad_scaler")] == [True] * 3, (before, after)
 
 
 def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: Path) -> None:

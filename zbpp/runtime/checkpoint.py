@@ -41,6 +41,7 @@ another rank's parameters, say) raises on every rank at once: that rank's own er
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import pickle
 import warnings
@@ -354,7 +355,9 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     before it was written, loads). A checkpoint without
     ``.metadata`` (a save that did not finish) or with a data file missing or cut short raises,
     naming the file and an entry of it, before anything is loaded; so does an FP8 entry that is not
-    as `save_checkpoint` writes it (another format, a field missing), naming it.
+    as `save_checkpoint` writes it (another format, a field missing), naming it, and an
+    ``lr_scheduler`` or ``grad_scaler`` entry that does not unpickle or does not load into the
+    given one (tried on a copy of it first: another kind of scheduler, a key missing).
 
     A read that fails part-way (an I/O error, a damaged file) raises a RuntimeError on every rank,
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
@@ -401,11 +404,9 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     try:
         if optimizer is not None:
             _one_value_per_group(optimizer, loading.wanted, loading.state["optimizer"]["param_groups"])
-        if grad_scaler is not None:
-            _check_scaler_state(grad_scaler, loading.state["grad_scaler"]["state"], path)
-        problem = None
+        kept, problem = _kept_states_to_load(loading, lr_scheduler, grad_scaler, path), None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
-        problem = exc
+        kept, problem = {}, exc
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     _read(rest, path, process_group, ranks)
     try:  # the optimizer's new tensors on the device (out of memory, say) and the FP8 slots checked, before
@@ -416,7 +417,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         placing, scaling, problem = [], [], exc
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
     try:
-        _apply_loaded(loading, model, optimizer, lr_scheduler, grad_scaler, placing, scaling)
+        _apply_loaded(loading, model, optimizer, lr_scheduler, grad_scaler, placing, scaling, kept)
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
@@ -650,10 +651,11 @@ def _scaling_to_restore(loading: _Loading, path: str) -> list[ScalingRestore]:
 
 
 def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
-                  grad_scaler: Any, placing: list[_Placing], scaling: list[ScalingRestore]) -> None:
+                  grad_scaler: Any, placing: list[_Placing], scaling: list[ScalingRestore],
+                  kept: Mapping[str, Any]) -> None:
     """Put what DCP read (`loading.state`) into the stages, their FP8 slots (as `scaling` made
-    them), `optimizer` (its state as `placing` made it), `lr_scheduler`, `grad_scaler` and
-    `model`'s random stream."""
+    them), `optimizer` (its state as `placing` made it), `lr_scheduler` and `grad_scaler` (their
+    states as `_kept_states_to_load` unpickled them) and `model`'s random stream."""
     state = loading.state
     for m in loading.mods:  # a host tensor's copy onto the device is made entry by entry, none kept
         m.load_state_dict({k: _into_live(v, loading.model_state[k]) for k, v in m.state_dict().items()})
@@ -674,9 +676,9 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
                 else:
                     group[key] = _unmark_empty_dicts(value)
     if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]["state"]))
+        lr_scheduler.load_state_dict(kept["lr_scheduler"])
     if grad_scaler is not None:
-        grad_scaler.load_state_dict(pickle.loads(state["grad_scaler"]["state"]))
+        grad_scaler.load_state_dict(kept["grad_scaler"])
     if loading.restore_rng:
         model.rng_step = int(state["rng"]["step"])
         model._base_seed = int(state["rng"]["seed"])
@@ -765,12 +767,45 @@ def _placed(staged: Any, keep: Mapping[tuple[Any, ...], torch.Tensor], param: nn
         return staged.to(device=device, dtype=dtype)
 
 
-def _check_scaler_state(grad_scaler: Any, saved: bytes, path: str) -> None:
-    """Raise, before anything loads, where an enabled `grad_scaler` would get the empty state of a
-    disabled one (its ``load_state_dict`` raises only after the model was loaded)."""
-    if grad_scaler.is_enabled() and not pickle.loads(saved):
-        raise ValueError(f"the checkpoint {path!r} holds the state of a disabled GradScaler (none to resume): "
-                         "give load_checkpoint a disabled one, or none")
+def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any, path: str) -> dict[str, Any]:
+    """The saved states of `lr_scheduler` and `grad_scaler` (those given), unpickled and tried on
+    copies of them: a damaged entry (it does not unpickle) or one of another kind (a StepLR's for a
+    LambdaLR) raises, naming the entry, before anything loads (their ``load_state_dict`` raised
+    only after the model and the optimizer were loaded, and may change part of them first)."""
+    out: dict[str, Any] = {}
+    for what, target in (("lr_scheduler", lr_scheduler), ("grad_scaler", grad_scaler)):
+        if target is None:
+            continue
+        try:
+            state = pickle.loads(loading.state[what]["state"])
+        except Exception as exc:  # noqa: BLE001 - whatever a damaged pickle raises
+            raise ValueError(f"the checkpoint {path!r}: its {what!r} entry does not unpickle ({type(exc).__name__}: "
+                             f"{exc}): damaged; nothing was loaded") from exc
+        if what == "grad_scaler" and grad_scaler.is_enabled() and not state:
+            raise ValueError(f"the checkpoint {path!r} holds the state of a disabled GradScaler (none to resume): "
+                             "give load_checkpoint a disabled one, or none")
+        trial = _trial_copy(target)
+        try:
+            if trial is not None:
+                trial.load_state_dict(copy.deepcopy(state))  # some pop from it (LambdaLR's lr_lambdas)
+        except Exception as exc:  # noqa: BLE001 - whatever its load_state_dict raises
+            raise ValueError(f"the checkpoint {path!r}: its {what!r} entry does not load into the given {what} "
+                             f"({type(target).__name__}; {type(exc).__name__}: {exc}): saved from another kind? "
+                             "nothing was loaded") from exc
+        out[what] = state
+    return out
+
+
+def _trial_copy(target: Any) -> Any:
+    """A copy of `target` (an LR scheduler or a GradScaler) that a trial ``load_state_dict`` may
+    change: deep, but sharing the optimizer a scheduler holds (and its parameters); None where it
+    cannot be copied (its own load then raises only when applied)."""
+    optimizer = getattr(target, "optimizer", None)
+    memo = {} if optimizer is None else {id(optimizer): optimizer}
+    try:
+        return copy.deepcopy(target, memo)
+    except Exception:  # noqa: BLE001 - a scheduler holding something that cannot be copied
+        return None
 
 
 def _fits(current: Any, value: Any) -> bool:
