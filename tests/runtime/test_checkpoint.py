@@ -342,20 +342,32 @@ class _Gained(torch.nn.Module):
         return x @ self.weight.T * self.gain
 
 
-@pytest.mark.parametrize("kind, capturable", [
-    ("Adam", False), ("Adam", True), ("AdamW", False), ("AdamW", True), ("NAdam", False), ("NAdam", True),
-    ("ASGD", False), ("ASGD", True), ("SGD", False)])
-def test_optimizer_state_goes_where_torch_puts_it(tmp_path: Path, kind: str, capturable: bool) -> None:
+#: every torch.optim optimizer with per-parameter state, and the flags that move its ``step`` (where it has them)
+_OPTIMIZERS = [("Adam", None), ("Adam", "capturable"), ("Adam", "fused"), ("AdamW", None), ("AdamW", "capturable"),
+               ("AdamW", "fused"), ("NAdam", None), ("NAdam", "capturable"), ("RAdam", None), ("RAdam", "capturable"),
+               ("ASGD", None), ("ASGD", "capturable"), ("Rprop", None), ("Rprop", "capturable"), ("Adagrad", None),
+               ("Adagrad", "fused"), ("Adadelta", None), ("Adadelta", "capturable"), ("Adamax", None),
+               ("Adamax", "capturable"), ("RMSprop", None), ("RMSprop", "capturable"), ("SGD", None), ("SGD", "fused")]
+
+
+@pytest.mark.parametrize("kind, flag", _OPTIMIZERS, ids=[f"{k}-{f or 'plain'}" for k, f in _OPTIMIZERS])
+def test_optimizer_state_goes_where_torch_puts_it(tmp_path: Path, kind: str, flag: str | None) -> None:
     """Every loaded optimizer state tensor on the device and in the dtype that torch's own
-    ``Optimizer.load_state_dict`` of the saved optimizer gives it. A 0-dim state beside a parameter
-    that is not (ASGD's ``eta`` / ``mu``, NAdam's ``mu_product``) went to the CPU (torch: the
-    parameter's device; on a GPU, ASGD's foreach step then mixes devices), and the ``step`` of a
-    0-dim parameter (``gain``) to its device (torch: where saved, the CPU, unless the group is
-    fused or capturable). A model on the meta device stands in for one on an accelerator (no GPU
-    here). Capturable groups cannot step on the CPU: the saved optimizer steps plainly and is then
-    marked capturable (its state is on the CPU, its parameters' device). float32 parameters: in
-    another dtype zbpp keeps a state's own dtype where it differs from its parameter's (as the
-    uninterrupted run has it; see the float64 -> float32 test above), where torch casts it."""
+    ``Optimizer.load_state_dict`` gives the saved optimizer's state on that device. A 0-dim state
+    beside a parameter that is not (ASGD's ``eta`` / ``mu``, NAdam's ``mu_product``) went to the CPU
+    (torch: the parameter's device; on a GPU, ASGD's foreach step then mixes devices), and the
+    ``step`` of a 0-dim parameter (``gain``) to its device (torch: where saved, the CPU, unless the
+    group is fused or capturable). ASGD keeps ``step`` on its parameter's device whatever its flags
+    (Rprop and the others on the CPU unless capturable or fused): saved from a GPU, torch's load
+    keeps it there, zbpp put it on the CPU. A model on the meta device stands in for one on an
+    accelerator (no GPU here), and the reference is torch's load of the saved state with each
+    ``step`` a number, so that, as from a checkpoint, nothing says where it was: each optimizer then
+    makes it where it keeps it on that device (its ``__setstate__``), as a run saved there had it
+    (torch's load of the tensors themselves keeps ``step`` where saved). Capturable and fused
+    groups cannot step on the CPU (all of them): the saved optimizer steps plainly and is then
+    marked so. float32 parameters: in another dtype zbpp keeps a state's own dtype where it differs
+    from its parameter's (as the uninterrupted run has it; see the float64 -> float32 test above),
+    where torch casts it."""
     import warnings
 
     from zbpp.runtime import save_checkpoint
@@ -371,16 +383,20 @@ def test_optimizer_state_goes_where_torch_puts_it(tmp_path: Path, kind: str, cap
         x = torch.randn(4, 2, generator=torch.Generator().manual_seed(step))
         net(x).square().mean().backward()
         opt.step()
-    if capturable:
-        opt.param_groups[0]["capturable"] = True
+    if flag is not None:
+        opt.param_groups[0][flag] = True
     save_checkpoint(net, tmp_path / "c", opt)
 
     def placed(state: dict) -> dict[str, tuple[torch.device, torch.dtype]]:
         return {k: (v.device, v.dtype) for k, v in _tensors(state).items()}
 
+    saved = opt.state_dict()
+    for state in saved["state"].values():
+        if "step" in state:
+            state["step"] = float(state["step"])  # where it lived is not said
     on_meta, ref = _Gained().to("meta"), _Gained().to("meta")
     got_opt, ref_opt = make(on_meta), make(ref)
-    ref_opt.load_state_dict(opt.state_dict())
+    ref_opt.load_state_dict(saved)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")  # the weights: no-ops
         load_checkpoint(on_meta, tmp_path / "c", got_opt)

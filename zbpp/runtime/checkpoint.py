@@ -632,10 +632,10 @@ def _optimizer_to_place(loading: _Loading, optimizer: torch.optim.Optimizer) -> 
         staged = _unmark_empty_dicts(dict(loaded[name])) if name in loaded else None
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         if staged is not None:
-            # the group as loaded (the checkpoint's fused or capturable wins) says where its state goes
-            loaded_group = {**group, **_unmark_empty_dicts(dict(hyper.get(name, {})))}
-            keep = _reusable(staged, optimizer.state.get(p), p, loaded_group, reused)
-            staged = _placed(staged, keep, p, loaded_group, copies)
+            # the group as loaded (the checkpoint's fused or capturable wins) says where its step goes
+            step = _step_home(optimizer, {**group, **_unmark_empty_dicts(dict(hyper.get(name, {})))}, p)
+            keep = _reusable(staged, optimizer.state.get(p), p, step, reused)
+            staged = _placed(staged, keep, p, step, copies)
         out.append(_Placing(name, p, group, staged, copies))
     return out
 
@@ -684,20 +684,34 @@ def _apply_loaded(loading: _Loading, model: Any, optimizer: torch.optim.Optimize
         model._base_seed = int(state["rng"]["seed"])
 
 
+#: optimizers that make ``step`` on the parameter's device whatever their flags (the others: on the CPU
+#: unless fused or capturable); torch's load keeps it where saved, which a checkpoint does not say
+_STEP_ON_THE_DEVICE = (torch.optim.ASGD,)
+
+
+def _step_home(optimizer: torch.optim.Optimizer, group: Mapping[str, Any],
+               param: nn.Parameter) -> tuple[torch.device, torch.dtype | None]:
+    """Where `param`'s ``step`` goes, and its dtype (None: as saved), as `optimizer` keeps it on
+    the parameter's device (so ``Optimizer.load_state_dict`` of a state saved there): a fused or
+    capturable group's (`group` as loaded: the checkpoint's flags) on the parameter's device in
+    float32 (its kernels read it there), an ASGD's there too (it makes it there), any other on the
+    CPU (torch's optimizers make it there or read it as a number)."""
+    if group.get("fused") or group.get("capturable"):
+        return param.device, torch.float32
+    if isinstance(optimizer, _STEP_ON_THE_DEVICE):
+        return param.device, None
+    return torch.device("cpu"), None
+
+
 def _state_home(staged: torch.Tensor, path: tuple[Any, ...], param: nn.Parameter,
-                group: Mapping[str, Any]) -> tuple[torch.device, bool, torch.dtype]:
+                step: tuple[torch.device, torch.dtype | None]) -> tuple[torch.device, bool, torch.dtype]:
     """Where the optimizer state tensor `staged` (read into host memory, or a DTensor where this
     torch could not) at `path` in `param`'s state goes: (device, sharded like `param`, dtype), as
-    ``Optimizer.load_state_dict`` puts it. ``step`` of a fused or capturable group (`group` as
-    loaded: the checkpoint's flags) on the parameter's device in float32 (its kernels read it
-    there), else on the CPU (torch keeps it where saved, which the checkpoint does not say; torch's
-    optimizers make it there or read it as a number); any other on the parameter's device (0-dim
-    ones too: ASGD's ``eta``, NAdam's ``mu_product``), sharded like a ``fully_shard`` parameter
-    where shaped like it."""
+    ``Optimizer.load_state_dict`` puts it. ``step`` where `step` says (`_step_home`); any other on
+    the parameter's device (0-dim ones too: ASGD's ``eta``, NAdam's ``mu_product``), sharded like a
+    ``fully_shard`` parameter where shaped like it."""
     if path == ("step",):
-        if group.get("fused") or group.get("capturable"):
-            return param.device, False, torch.float32
-        return torch.device("cpu"), False, staged.dtype
+        return step[0], False, step[1] or staged.dtype
     return param.device, hasattr(param, "placements") and staged.dim() == param.dim(), staged.dtype
 
 
@@ -716,7 +730,7 @@ def _fits_in_place(live: Any, staged: torch.Tensor, home: tuple[torch.device, bo
     return live.shape == staged.shape and live.device == device
 
 
-def _reusable(staged: Any, live: Any, param: nn.Parameter, group: Mapping[str, Any],
+def _reusable(staged: Any, live: Any, param: nn.Parameter, step: tuple[torch.device, torch.dtype | None],
               reused: set[int]) -> dict[tuple[Any, ...], torch.Tensor]:
     """The tensors of `param`'s live optimizer state `live` that take the value read at the same
     path of `staged` in place (`_fits_in_place`), by path: kept rather than replaced, none made
@@ -732,7 +746,7 @@ def _reusable(staged: Any, live: Any, param: nn.Parameter, group: Mapping[str, A
             for i, value in enumerate(new):
                 walk(value, old[i] if isinstance(old, (list, tuple)) and i < len(old) else None, path + (i,))
         elif isinstance(new, torch.Tensor) and id(old) not in reused \
-                and _fits_in_place(old, new, _state_home(new, path, param, group), param):
+                and _fits_in_place(old, new, _state_home(new, path, param, step), param):
             reused.add(id(old))
             out[path] = old
 
@@ -741,18 +755,18 @@ def _reusable(staged: Any, live: Any, param: nn.Parameter, group: Mapping[str, A
 
 
 def _placed(staged: Any, keep: Mapping[tuple[Any, ...], torch.Tensor], param: nn.Parameter,
-            group: Mapping[str, Any], copies: list[tuple[torch.Tensor, torch.Tensor]],
+            step: tuple[torch.device, torch.dtype | None], copies: list[tuple[torch.Tensor, torch.Tensor]],
             path: tuple[Any, ...] = ()) -> Any:
     """`param`'s optimizer state as read (`staged`, nested as saved), each tensor where it goes
     (`_state_home`): the live tensor `keep` holds at its path (its copy from the value read is
     added to `copies`, made when applied), else a new one (from host memory)."""
     if isinstance(staged, Mapping):
-        return {k: _placed(v, keep, param, group, copies, path + (k,)) for k, v in staged.items()}
+        return {k: _placed(v, keep, param, step, copies, path + (k,)) for k, v in staged.items()}
     if isinstance(staged, list) or type(staged) is tuple:
-        return type(staged)(_placed(v, keep, param, group, copies, path + (i,)) for i, v in enumerate(staged))
+        return type(staged)(_placed(v, keep, param, step, copies, path + (i,)) for i, v in enumerate(staged))
     if not isinstance(staged, torch.Tensor):
         return staged
-    device, sharded, dtype = _state_home(staged, path, param, group)
+    device, sharded, dtype = _state_home(staged, path, param, step)
     live = keep.get(path)
     with torch.no_grad():
         if live is not None:
