@@ -13,6 +13,7 @@ differ; each must get its own back (reference: the rank's own slots before savin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,44 @@ def test_a_damaged_fp8_entry_is_refused_before_anything_loads(tmp_path: Path, da
     slots = _slots(fresh)
     assert slots.keys() == slots_before.keys()
     assert all(torch.equal(a, b) for k in slots for a, b in zip(slots[k], slots_before[k]))
+
+@pytest.mark.parametrize("damage", ["first holder missing", "same_as renamed"])
+def test_a_shared_slot_naming_a_missing_one_is_refused(tmp_path: Path, damage: str) -> None:
+    """q and k share their input slot; the checkpoint keeps it under ``q.input`` and ``k.input``
+    with ``same_as: 'q.input'``. Where the slot it names is not there (its entry lost, or
+    ``same_as`` naming another key), ``k.input`` loaded as a slot of its own and q's input slot
+    stayed fresh (or took its own entry), unlike the saved run (reference: its slots, shared). Now
+    the load raises, naming both entries, and the slots are as before (nothing loaded)."""
+    import torch.distributed.checkpoint as dcp
+
+    from zbpp.runtime import checkpoint
+
+    net = _net(0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    _step(net, opt, 0)
+    assert net.q.fp8_meta["input"] is net.k.fp8_meta["input"]  # the saved run shares them
+    state = checkpoint._state_to_save(net, opt, None)
+    slots = state["fp8"]["replica0"]
+    assert slots["k.input"]["same_as"] == "q.input"  # the setup
+    if damage == "first holder missing":
+        del slots["q.input"]
+        target = "q.input"
+    else:
+        slots["k.input"]["same_as"] = target = "q.inputs"
+    with checkpoint._one_process_quiet(alone=True):
+        dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+
+    fresh = _net(1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _step(fresh, fresh_opt, 5, scale=100.0)
+    before = _slots(fresh)
+    words = f"FP8 slot 'k.input': saved as sharing the slot {target!r}, which is not saved for these layers"
+    with pytest.raises(ValueError, match=rf"under 'fp8\.replica0': {re.escape(words)}"):
+        load_checkpoint(fresh, tmp_path / "ckpt", fresh_opt)
+    after = _slots(fresh)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(a, b) for k in after for a, b in zip(after[k], before[k]))
+
 
 class _Fp8Stage(nn.Module):
     """A one-stage pipeline's stage: `Net` in FP8."""

@@ -127,7 +127,8 @@ class ScalingRestore(NamedTuple):
 def planned_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, Any]]) -> ScalingRestore:
     """`restore_scaling_states` checked and made ready (new slots made on the layers' device),
     changing neither `module` nor its slots: a damaged or foreign slot raises here, naming it, so a
-    checkpoint's load can refuse before anything of it is applied."""
+    checkpoint's load can refuse before anything of it is applied (a ``same_as`` naming a slot not
+    saved for these layers too)."""
     layers = scaling_layers(module)
     wanted = []  # (layer, slot, key, entry) of every saved slot of these layers
     for path, layer in layers.items():
@@ -138,7 +139,11 @@ def planned_scaling_states(module: nn.Module, states: Mapping[str, Mapping[str, 
     writes: list[tuple[ScalingMeta, _Saved]] = []
     reused: set[int] = set()  # existing slots written once each (one shared before may not be now)
     for layer, slot, key, entry in sorted(wanted, key=lambda w: "same_as" in w[3]):  # shared ones last
-        shared = made.get(entry.get("same_as") or "")
+        target = entry.get("same_as")
+        if target is not None and target not in made:  # else a slot of its own: the saved run shared it
+            raise ValueError(f"FP8 slot {key!r}: saved as sharing the slot {target!r}, which is not saved for "
+                             "these layers (a slot of their own would not be the saved run's shared one)")
+        shared = made.get(target) if target is not None else None
         if shared is None:
             old = layer.fp8_meta.get(slot)
             saved = _saved(key, entry)
