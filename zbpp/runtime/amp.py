@@ -27,8 +27,10 @@ _ALIKE = ("scale", "_growth_tracker", "growth_factor", "backoff_factor", "growth
 def unscale_(pipeline: Any, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     """``scaler.unscale_(optimizer)`` for a pipeline: every rank of the job skips the same steps.
 
-    Call it on every rank after `Pipeline.step`, with the loss scaled in `loss_fn`
-    (``loss_fn=lambda out, y: scaler.scale(F.cross_entropy(out, y))``), and before
+    Call it on every rank after `Pipeline.step`, with the loss scaled in `loss_fn` where a backward
+    follows (``return scaler.scale(loss) if torch.is_grad_enabled() else loss``: `Pipeline.eval_step`
+    runs without grad, so it returns the loss itself, not one scaled by whatever the scale is now;
+    `Pipeline.step` returns the scaled loss), and before
     ``clip_grad_norm_`` and ``scaler.step(optimizer)``; then ``scaler.update()`` as usual. It
     unscales this rank's gradients (unless ``scaler.unscale_(optimizer)`` already did since the last
     ``update()``) and sets the optimizer's found-inf flags to their maximum over every rank of the
@@ -59,13 +61,22 @@ def unscale_(pipeline: Any, scaler: Any, optimizer: torch.optim.Optimizer) -> bo
     >>> from zbpp.schedules import build
     >>> model = torch.nn.Linear(3, 1)
     >>> scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    >>> pipe = Pipeline({0: model}, build("zb-h1", num_ranks=1, num_microbatches=2),
-    ...                 loss_fn=lambda out, y: scaler.scale(torch.nn.functional.mse_loss(out, y)))
+    >>> def loss_fn(out, y):  # scaled where a backward follows: in step, not in eval_step
+    ...     loss = torch.nn.functional.mse_loss(out, y)
+    ...     return scaler.scale(loss) if torch.is_grad_enabled() else loss
+    >>> pipe = Pipeline({0: model}, build("zb-h1", num_ranks=1, num_microbatches=2), loss_fn=loss_fn)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> scaled = pipe.step(torch.ones(4, 3), target=torch.zeros(4, 1))
+    >>> x, y = torch.arange(12.0).reshape(4, 3) / 10, torch.zeros(4, 1)
+    >>> scaled = pipe.step(x, target=y)  # the loss times the scale
     >>> unscale_(pipe, scaler, opt)  # no inf anywhere: the step is taken
     False
     >>> scaler.step(opt); scaler.update()
+
+    `eval_step`'s loss is the loss itself, as one process running the model gives it (float32: the
+    mean of two microbatch means against one mean, equal to rounding, well within allclose's 1e-5):
+
+    >>> torch.allclose(pipe.eval_step(x, target=y), torch.nn.functional.mse_loss(model(x), y))
+    True
     """
     unusable = getattr(pipeline, "_raise_if_unusable", None)
     if not callable(unusable):

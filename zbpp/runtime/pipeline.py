@@ -369,7 +369,9 @@ class Pipeline:
         all microbatches merged along dim 0 (the batch's output, tensors concatenated; a 0-dim
         tensor, which has no rows, stacked into one value per microbatch; a shared one-row tensor,
         as ``step`` shares an input's, once; other values from the first microbatch:
-        `zbpp.runtime.step_input.merge`); with `target`, the batch's loss (weighted as in `step`).
+        `zbpp.runtime.step_input.merge`); with `target`, the batch's loss (weighted as in `step`; as
+        `loss_fn` gives it under ``torch.no_grad``: a float16 run's scales it only where grad is on,
+        `zbpp.runtime.unscale_`).
         None elsewhere. No gradient is touched; activations are freed as they go. Modules keep their
         train/eval mode: call ``module.eval()`` yourself for dropout or batch norm.
 
