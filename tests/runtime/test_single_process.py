@@ -642,6 +642,87 @@ def test_a_fifo_module_called_twice_per_microbatch_gets_both_wgrads_each_step():
         assert fifo._fifo == []
 
 
+class _AuxHead(torch.nn.Module):
+    """A trunk and an auxiliary head computed on every microbatch; the output adds the head only
+    where the microbatch's `use` flags say so (data-dependent), else the head's output goes unread."""
+
+    def __init__(self, trunk: torch.nn.Module, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.trunk, self.head = trunk, head
+
+    def forward(self, x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+        h, aux = self.trunk(x), self.head(x)
+        return h + aux if bool(use.all()) else h
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "1f1b"])
+@pytest.mark.parametrize("pattern", [(False, True, True), (True, False, True), (False, False, False)])
+def test_a_fifo_module_whose_output_some_microbatches_leave_unread(name, pattern):
+    """A FIFO module (Transformer Engine's) called on every microbatch but read by the loss only on
+    some files no wgrad in the others' B. The forward hook counted every call, so their W popped a
+    wgrad nobody filed ("pop from empty list" in W0.0), or another microbatch's. Reference: the same
+    model of torch.nn.Linear on the whole batch in this process, float64: the same products summed in
+    another order (1e-12); a head never read gets no .grad, as in one process."""
+    from .models import FifoLinear
+
+    torch.manual_seed(0)
+    ref = _AuxHead(torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double())
+    mine = _AuxHead(FifoLinear(3, 3).double(), FifoLinear(3, 3).double())
+    mine.load_state_dict(ref.state_dict())
+    m = len(pattern)
+    pipe = Pipeline({0: mine}, make_schedule(name, 1, m), lambda o, y: (o - y).square().mean())
+    use = torch.tensor([u for u in pattern for _ in range(2)])
+    for _ in range(2):  # nothing of the first step lingers into the second (gradients accumulate)
+        x, y = torch.randn(2 * m, 3, dtype=torch.float64), torch.randn(2 * m, 3, dtype=torch.float64)
+        pipe.step((x, use), target=y)
+        parts = zip(x.chunk(m), use.chunk(m), y.chunk(m))
+        sum((ref(xs, us) - ys).square().mean() / m for xs, us, ys in parts).backward()
+        assert mine.trunk._fifo == [] and mine.head._fifo == []
+    for (n, a), (_, b) in zip(mine.named_parameters(), ref.named_parameters()):
+        if b.grad is None:
+            assert a.grad is None, n
+        else:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda msg: f"{n}: {msg}")
+
+
+class _PreAndLayer(torch.nn.Module):
+    """A plain Linear (so the layer's input needs a gradient), then ``layer``: tanh of a Linear."""
+
+    def __init__(self, lin: torch.nn.Module) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(3, 3).double()
+        self.layer = torch.nn.Sequential(lin, torch.nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.pre(x))
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_fifo_module_under_an_activation_policy_that_reruns_it(policy):
+    """A FIFO module (Transformer Engine's) inside a layer given the "full" or "selective" policy
+    (`zbpp.models.recompute`): the re-run in B counted a second call of the forward, for one wgrad
+    filed, so W popped from an empty queue ("pop from empty list" in W0.0). Reference: the same
+    model of torch.nn.Linear without a policy on the whole batch in this process, float64: the same
+    products summed in another order (1e-12)."""
+    from zbpp.models.recompute import apply_activation_policy
+
+    from .models import FifoLinear
+
+    torch.manual_seed(0)
+    ref = _PreAndLayer(torch.nn.Linear(3, 3).double())
+    mine = _PreAndLayer(FifoLinear(3, 3).double())
+    mine.load_state_dict(ref.state_dict())
+    apply_activation_policy(mine, {"layer": policy})
+    pipe = Pipeline({0: mine}, make_schedule("zb-h1", 1, 2), lambda o, y: (o - y).square().mean())
+    for _ in range(2):  # nothing of the first step lingers into the second (gradients accumulate)
+        x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+        pipe.step(x, target=y)
+        sum((ref(xs) - ys).square().mean() / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))).backward()
+        assert mine.layer[0]._fifo == []
+    for (n, a), (_, b) in zip(mine.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda msg: f"{n}: {msg}")
+
+
 def test_unscale_in_one_process_and_its_refusals():
     """`zbpp.runtime.unscale_` on a one-process Pipeline: the loss scaled in loss_fn, the step and
     the scale as torch's ``scaler.step`` on the same model over the whole batch; an

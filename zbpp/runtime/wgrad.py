@@ -14,7 +14,8 @@ Two adapters:
   that filed nothing under a key (not called in that microbatch) is left alone.
 - `FifoWgrad`: ``backward_dw()`` computes the *oldest* pending wgrad (Transformer Engine). Accepted
   only under schedules that keep each stage's W in B order (`zbpp.schedules.program.fifo_wgrad_problem`).
-  Such a module files one wgrad per call, so W calls it as often as F did (a forward hook counts).
+  Such a module files one wgrad per call that its B reaches, so W calls it as often (a hook on
+  each call's outputs counts).
 
 After a failed step the pending wgrads must go. A keyed module with ``discard_wgrad()`` drops them;
 otherwise the adapter computes them (``backward_dw`` as many times as they are pending, which only
@@ -74,14 +75,37 @@ class _Calls(dict):
     """Calls of a module per microbatch key (a dict that a weak reference can name)."""
 
 
+class _Reached:
+    """A hook on the outputs of one call of a FIFO module: the first of them that B (or W's rest of
+    the backward) reaches counts the call once under its forward's key, as its backward then files
+    one wgrad. Counted at F, a call whose output the loss never reads (an auxiliary head, a branch
+    some microbatches skip) would make W pop a wgrad that nobody filed."""
+
+    __slots__ = ("_calls", "_key", "_done")
+
+    def __init__(self, calls: weakref.ref[_Calls], key: Hashable) -> None:
+        self._calls, self._key, self._done = calls, key, False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        counts = self._calls()
+        if not self._done and counts is not None:
+            self._done = True
+            counts[self._key] = counts.get(self._key, 0) + 1
+
+
 @disable_dynamo  # host-side bookkeeping: a compiled stage calls it as it is
-def _count_call(counts: _Calls, output: Any) -> None:
-    # a call under grad mode whose output needs a gradient files one wgrad in its B. forward_key()
+def _count_call(calls: weakref.ref[_Calls], output: Any) -> None:
+    # a call under grad mode files one wgrad when its B reaches an output (`_Reached`). forward_key()
     # first: a reentrant checkpoint's first run (no grad) records the key for its re-run in B, the
-    # call that counts
+    # call that counts. Only outputs with a graph: a hook on a leaf (a Parameter returned) would stay
     key = forward_key()
-    if key is not None and torch.is_grad_enabled() and any(t.requires_grad for t in flatten(output)[0]):
-        counts[key] = counts.get(key, 0) + 1
+    if key is None or not torch.is_grad_enabled():
+        return
+    outs = [t for t in flatten(output)[0] if t.grad_fn is not None]
+    if outs:
+        reached = _Reached(calls, key)
+        for t in outs:
+            t.register_hook(reached)
 
 
 class _CallCounter:
@@ -94,9 +118,8 @@ class _CallCounter:
         self._calls = weakref.ref(calls) if calls is not None else None
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        counts = self._calls() if self._calls is not None else None
-        if counts is not None:
-            _count_call(counts, output)
+        if self._calls is not None and self._calls() is not None:
+            _count_call(self._calls, output)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_CallCounter, (None,))
@@ -106,9 +129,9 @@ class FifoWgrad:
     """A module whose ``backward_dw()`` computes its oldest pending wgrad (Transformer Engine).
 
     It files one wgrad per call whose output B reaches, so W(key) runs ``backward_dw()`` once per
-    call of F(key) (none where F did not call it): once per microbatch would leave a reused module's
-    second wgrad queued for a later W, the next step's. The hook holds the counts weakly and goes
-    with them."""
+    such call of F(key) (none where F did not call it or the loss did not read the output): once per
+    microbatch would leave a reused module's second wgrad queued for a later W, the next step's. The
+    hook holds the counts weakly and goes with them."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
