@@ -187,19 +187,6 @@ def _usage(comm: CommQueue, stage: int, microbatch: int, used: tuple[bool, ...] 
     return known
 
 
-def _may_skip(wgrad: StageWgrad, stage: int) -> bool:
-    """Whether stage `stage`'s B may leave out an output the next stage did not use: not with FIFO
-    delayed-wgrad modules (Transformer Engine), whose W takes the oldest wgrad queued, so every B
-    must queue one (the unused output's zeros then give zero .grad, with a warning)."""
-    fifo = wgrad.fifo_modules
-    if fifo:
-        warnings.warn(
-            f"stage {stage} has FIFO delayed-wgrad modules ({', '.join(type(m).__name__ for m in fifo)}), and the "
-            "next stage does not use one of its outputs: its backward still runs from zeros, so the parameters "
-            "that feed only that output get zero .grad instead of None", stacklevel=3)
-    return not fifo
-
-
 @dataclass
 class StepExecutor:
     """Runs one step of one rank (see the module docstring). Built fresh for every step.
@@ -453,7 +440,7 @@ class StepExecutor:
             gs: list[torch.Tensor | None] = list(ins) if ins else [None] * len(slot.roots)
             ins.clear()  # the output gradients go as soon as backward is done with them
             roots = slot.roots
-            if isinstance(usage, tuple) and len(usage) == len(roots) and not all(usage) and _may_skip(self.wgrad[s], s):
+            if isinstance(usage, tuple) and len(usage) == len(roots) and not all(usage):
                 roots, gs = [r for r, u in zip(roots, usage) if u], [g for g, u in zip(gs, usage) if u]
             split = self.split_wgrad and a.kind is Kind.B
             if roots:
