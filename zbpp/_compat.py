@@ -34,6 +34,7 @@ __all__ = [
     "is_compiled_node",
     "compiled_backward_retained",
     "disable_dynamo",
+    "never_compiled",
     "uncompiled",
     "current_saved_tensors_hooks",
     "torch_dispatch_mode",
@@ -254,6 +255,23 @@ def disable_dynamo(fn: Any) -> Any:
     public one where this torch has none)."""
     lazy = getattr(torch, "_disable_dynamo", None)
     return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+def never_compiled(fn: Any) -> Any:
+    """`fn`, its code marked so that torch.compile (dynamo) never compiles a frame of it or of what
+    it calls: entered from eager code while a compiled function runs (a graph break's eager part),
+    it runs as in eager, with no frame traced, no guards checked and no recompilation. A traced
+    caller that inlines `fn` still traces it. Costs nothing outside torch.compile (the function is
+    not wrapped). ``torch._C._dynamo.eval_frame.set_code_exec_strategy`` with SKIP for the frame and
+    its callees (``torch._dynamo.skip_code`` sets it for the frame alone, and imports dynamo);
+    ``torch.compiler.disable`` would wrap every call. Where this torch has none, nothing changes."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # pragma: no cover - a torch without per-code strategies (before 2.6)
+        return fn
+    skip = _FrameAction.SKIP
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(skip, skip))
+    return fn
 
 
 def uncompiled(module: Any) -> Any:

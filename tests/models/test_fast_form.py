@@ -142,6 +142,48 @@ def test_fast_stage_takes_a_module_dict_of_blocks_and_names_a_lone_block() -> No
         fast_stage(_Titan(), blocks=_Titan())
 
 
+class _Block(nn.Module):
+    """A residual MLP block: its two GEMMs (different widths) cut it into three regions."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width, dtype=torch.float64)
+        self.fc1 = nn.Linear(width, 2 * width, dtype=torch.float64)
+        self.fc2 = nn.Linear(2 * width, width, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def test_fast_stage_compiles_each_region_between_gemms_once() -> None:
+    """Dynamo compiles a fast stage's blocks once for every block, microbatch and step: one frame
+    and one graph per region between GEMMs (norm | gelu | residual add: 3), one graph break per
+    zbpp layer of the block's code (2), no recompilation. A zbpp layer's own forward was compiled
+    as a frame too, after its caller's graph break, only to break again (and recompile for the
+    second layer's input width): 5 frames, 4 breaks. zb-v on one rank: stage 1 (the fast one) takes
+    an input gradient, so its forwards run under the split backward's saved-tensor hooks. Its loss
+    and gradients equal the eager stage's (float64, aot_eager runs the same ops: 1e-12)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    width, m = 8, 4
+    eager = {0: nn.Linear(width, width, dtype=torch.float64), 1: nn.Sequential(_Block(width), _Block(width))}
+    fast = copy.deepcopy(eager)
+    fast_stage(fast[1], blocks=fast[1], backend="aot_eager")
+    sched = build("zb-v", num_ranks=1, num_microbatches=m)
+    pipes = [Pipeline(stages, sched, lambda y, _: y.square().mean()) for stages in (eager, fast)]
+    for _ in range(2):
+        x = torch.randn(2 * m, width, dtype=torch.float64)
+        losses = [p.step(x) for p in pipes]
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for s in (0, 1):
+        for (n, a), b in zip(fast[s].named_parameters(), eager[s].parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15, msg=f"{s}.{n}")
+    counters = torch._dynamo.utils.counters
+    assert (counters["frames"]["total"], counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) \
+        == (3, 3, 2), (dict(counters["frames"]), dict(counters["stats"]), dict(counters["graph_break"]))
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_fast_hf_stages_compile_the_decoder_layers_each_stage_holds(kind: str) -> None:
     """The stages are the model's own class with what they do not hold set to None; the fast form

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._compat import disable_dynamo as _disable_dynamo
+from .._compat import never_compiled as _never_compiled
 from .._compat import set_grad_enabled as _set_grad_enabled
 
 from ._activations import Activation
@@ -51,6 +52,10 @@ def _outside_graph(forward: Callable[..., torch.Tensor], module: nn.Module, *arg
     would have its backward compiled into the region's one backward node, and the microbatch key
     it reads at forward time would be guarded as a constant (one recompilation per microbatch);
     outside, its B files the weight-gradient job under the right key and W runs it.
+
+    The graph breaks at the caller's call of the layer, which then runs eagerly: the layer's
+    forward is `_never_compiled`, else dynamo would compile it as a frame of its own (a guard check
+    per call, and a recompilation per input shape or layer class) only to break again here.
     """
     return forward(module, *args)
 

@@ -60,7 +60,7 @@ from ._fused import act_quantize, dact_quantize
 from ._layer_function import _WGRAD_PROBE, GemmCall, _Job, _quantize_grad, _WgradPart, files_wgrad
 from ._layer_function import refuse_double_backward
 from ._shared_input import cast_input
-from .base import _outside_graph, _tracing
+from .base import _never_compiled, _outside_graph, _tracing
 from .fp8 import (DelayedScaling, Quantized, ScalingMeta, active_recipe, fp8_autocast, fp8_gemm_nt,
                   quantize)
 from .linear import Linear
@@ -368,6 +368,7 @@ class _FusedGatedMlp(nn.Module):
             return reduced  # a subclass of the fused class: the user's, found by name
         return (_new_fused, (cls,), *reduced[2:])
 
+    @_never_compiled  # see _outside_graph
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if _tracing():  # under torch.compile: out of the graph, so that W stays deferred
             return _outside_graph(_FusedGatedMlp.forward, self, x)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._layer_function import run_layer
-from .base import DelayedWgradModule, _outside_graph, _tracing
+from .base import DelayedWgradModule, _never_compiled, _outside_graph, _tracing
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -55,6 +55,7 @@ class LayerNormLinear(DelayedWgradModule):
         self._add_gemm_params("weight", "bias", (out_features, in_features), bias=bias)
         self._built()
 
+    @_never_compiled  # see _outside_graph
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``norm(x) W^T + b``; `is_first_microbatch` as in `Linear.forward`."""
         if _tracing():  # under torch.compile: out of the graph, so that W stays deferred

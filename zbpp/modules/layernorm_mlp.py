@@ -9,7 +9,7 @@ import torch
 from ._activations import ACTIVATIONS
 from ._init import InitMethod
 from ._layer_function import run_layer
-from .base import DelayedWgradModule, _outside_graph, _tracing
+from .base import DelayedWgradModule, _never_compiled, _outside_graph, _tracing
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -76,6 +76,7 @@ class LayerNormMLP(DelayedWgradModule):
                               init=output_layer_init_method)
         self._built()
 
+    @_never_compiled  # see _outside_graph
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``fc2(act(fc1(norm(x))))``; `is_first_microbatch` as in `Linear.forward` (both
         weights)."""

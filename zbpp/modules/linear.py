@@ -8,7 +8,7 @@ import torch
 
 from ._layer_function import run_layer, run_linear
 from ._shared_input import adopted_slot, cast_by, caller_of
-from .base import DelayedWgradModule, _outside_graph, _tracing
+from .base import DelayedWgradModule, _never_compiled, _outside_graph, _tracing
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -51,6 +51,7 @@ class Linear(DelayedWgradModule):
         self._add_gemm_params("weight", "bias", (out_features, in_features), bias=bias)
         self._built()
 
+    @_never_compiled  # see _outside_graph
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``x W^T + b``. `is_first_microbatch` (FP8 only, as in Transformer Engine): True casts
         the weight and keeps the cast, False reuses the kept cast while the weight is unchanged
