@@ -199,6 +199,47 @@ def test_fast_hf_stages_compile_the_decoder_layers_each_stage_holds(kind: str) -
         assert compiled == {f"{blocks}.{n}" for n in held[s]}, (s, compiled)
 
 
+def test_fast_hf_stages_trace_no_frame_of_zbpp() -> None:
+    """The stage hooks that take a stage's result from its last decoder layer run eagerly: the
+    compiled layer calls them after its graph, and dynamo traced a frame of each (guards checked on
+    every call). Over 2 steps x 4 microbatches of a one-rank zb-v (stage 0 hands its last layer's
+    output on), dynamo traces the decoder layers' code and none of zbpp's (``backend="eager"``: the
+    frames traced do not depend on the backend). The hooks' code is unchanged; the test of the
+    gradients against the eager form is the first of this file."""
+    import logging
+    import os
+
+    import zbpp
+
+    torch._dynamo.reset()
+    traced: list[str] = []
+
+    class _Frames(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "start tracing" in record.getMessage():
+                traced.append(record.getMessage())
+
+    ids, mask, labels = batch(8, padded=True)
+    sched = make_schedule("zb-v", 1, 4)
+    stages, kwargs = causal_lm_stages(config("llama", 2), sched, 0, dtype=torch.float64, device="cpu",
+                                      attn_implementation="eager")
+    fast_hf_stages(stages, backend="eager")
+    pipe = Pipeline(stages, sched, **kwargs)
+    handler = _Frames()
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(dynamo=logging.INFO)
+    logger.addHandler(handler)
+    try:
+        for _ in range(2):
+            pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    assert any("modeling_llama" in t for t in traced), traced  # the decoder layers were compiled
+    own = os.path.dirname(zbpp.__file__)
+    assert not [t for t in traced if own in t], traced
+
+
 @pytest.mark.parametrize("fast", [1, 0, "yes", None])
 def test_fast_that_is_not_a_bool_is_named(fast) -> None:
     """``fast=1`` or ``"yes"`` was refused as ``"fp8=False needs fast=True"``, naming the flag that was

@@ -80,6 +80,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat import never_compiled
 from ..schedules.ir import Schedule
 from .hf_weights import save_pretrained
 from .stages import Balance, fqns_per_stage, pipeline_stages
@@ -584,7 +585,8 @@ class _CausalLMStage:
     def _zbpp_standins(self, call: _Call) -> Iterator[None]:
         """During the call: the layer list at its full length (stand-ins where not held), the
         modules not held as stand-ins, and hooks that put the received hidden states in and take
-        the stage's result out."""
+        the stage's result out. The hooks are host-side bookkeeping, `never_compiled`: a compiled
+        decoder layer (the fast form) calls them eagerly, and dynamo would trace a frame of each."""
         spec = self._zbpp_stage_spec
         object.__setattr__(self, "_zbpp_call", call)
         container: nn.Module = self.get_submodule(spec.template.blocks)  # type: ignore[attr-defined]
@@ -602,14 +604,14 @@ class _CausalLMStage:
                     call.produced = args[0] if args else kwargs["hidden_states"]
                 return args, kwargs
 
-            hooks.append(full["0"].register_forward_pre_hook(enter, with_kwargs=True))
+            hooks.append(full["0"].register_forward_pre_hook(never_compiled(enter), with_kwargs=True))
         elif spec.lo == 0:
             call.before_layers = False
         if spec.hi >= 1 and not spec.last:
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
                 call.produced = _hidden(output)
 
-            hooks.append(full[str(spec.hi - 1)].register_forward_hook(leave))
+            hooks.append(full[str(spec.hi - 1)].register_forward_hook(never_compiled(leave)))
         parents = [(self.get_submodule(p) if p else self, n) for p, n in spec.absent]  # type: ignore[attr-defined]
         container._modules = full  # type: ignore[assignment]
         for (parent, n), standin in zip(parents, spec.standins):
