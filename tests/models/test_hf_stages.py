@@ -371,3 +371,33 @@ def test_packed_rows_attend_within_each_sequence(kind, one_row):
         across = ref(input_ids=ids, position_ids=pos).logits
     torch.testing.assert_close(got, alone, **TOL)
     assert not torch.allclose(across, alone, rtol=1e-6, atol=1e-6)  # HF's default call mixes the sequences
+
+
+@pytest.mark.parametrize("model_type", ["xlstm", "llama"])
+def test_stages_without_weights_get_hf_models_init(model_type):
+    # the stages' own random init (no state_dict) draws each parameter as HF's whole model built from
+    # the same config does: xLSTM's _init_weights reads its sub-model (self.embeddings, module names
+    # relative to the backbone), which HF applies per sub-model. Parameters HF sets to constants (gates'
+    # zero weights, -10 and linspace(3, 6) biases, norms' ones) are equal exactly; random ones by their
+    # spread: the std of >= 256 draws is within ~5% of the true one (3 sigma), and the wrong inits differ
+    # by 2x or more (0.02 against xLSTM's sqrt(2 / (5 hidden)) = 0.11), so 25%
+    from zbpp.models.hf import small_config
+
+    config = small_config(model_type, vocab_size=64, hidden_size=32, num_layers=2)
+    refs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        refs.append(transformers.AutoModelForCausalLM.from_config(config))
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    got = {}
+    for rank in range(2):
+        stages, _ = causal_lm_stages(config, sched, rank, device="cpu")
+        got.update({n: q.detach() for n, q in stages[rank].named_parameters()})
+    assert got.keys() == dict(refs[0].named_parameters()).keys()
+    for name, q in got.items():
+        want, other = refs[0].get_parameter(name).detach(), refs[1].get_parameter(name).detach()
+        if torch.equal(want, other):  # not random: the same values
+            torch.testing.assert_close(q, want, rtol=0, atol=0, msg=lambda m: f"{model_type} {name}: {m}")
+        else:
+            assert q.numel() >= 256, name
+            assert abs(float(q.std()) / float(want.std()) - 1) < 0.25, (name, float(q.std()), float(want.std()))

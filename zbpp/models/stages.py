@@ -12,7 +12,8 @@ factory that builds one): each stage module is the model itself with the modules
 removed (set to None; in a ``ModuleList``/``ModuleDict``/``Sequential`` left out, so the others
 keep their names), so its ``state_dict`` keys are the model's own. Only the held modules are
 materialised, on the rank's device, by the model's own initialisation (Hugging Face
-``_init_weights``, else each module's ``reset_parameters``) under a seed per module name, or from a
+``_init_weights`` of the sub-model holding each module, as HF applies it, else each module's
+``reset_parameters``) under a seed per module name, or from a
 given ``state_dict``. A Parameter that modules of two stages share (a tied embedding and LM head)
 is one logical parameter: it is returned in ``tied_parameters`` for
 ``Pipeline(..., tied_parameters=...)`` on every rank that holds a copy, and stays one Parameter
@@ -501,11 +502,12 @@ def pipeline_stages(
             buffers a module on the way to the listed ones holds itself are kept by every stage under it.
         device: where the stages live; default the current CUDA device under NCCL, else the CPU.
         init: ``init(module)`` initialises the parameters and buffers of one held module (and its
-            submodules); default: Hugging Face's ``model._init_weights`` on every submodule, else each
-            submodule's ``reset_parameters()``. Each held module is initialised under its own seed,
-            drawn from `seed` and its FQN: values do not depend on the split or the rank. A weight
-            that a later module of the rank shares keeps its first module's values (a tied LM head
-            keeps the embedding's; the copies on other ranks are made equal by `Pipeline`).
+            submodules); default: Hugging Face's ``_init_weights`` on every submodule, that of the
+            (sub-)model holding it as HF applies it, else each submodule's ``reset_parameters()``.
+            Each held module is initialised under its own seed, drawn from `seed` and its FQN: values
+            do not depend on the split or the rank. A weight that a later module of the rank shares
+            keeps its first module's values (a tied LM head keeps the embedding's; the copies on other
+            ranks are made equal by `Pipeline`).
         state_dict: the whole model's (or a superset of this rank's) state, loaded after `init`.
 
     The stage modules are the model with what the stage does not hold removed, so the model's
@@ -535,8 +537,8 @@ def pipeline_stages(
     memo: dict[int, Any] = {}
     modules = {s: _prune(model, "", set(fqns[s]), memo) for s in mine}
     fresh = _materialise(modules.values(), dev)
-    _initialise_path_buffers(model, modules, fqns, init, seed, dev, fresh)
-    _initialise(model, modules, fqns, mine, init, seed, dev)
+    _initialise_path_buffers(modules, fqns, init, seed, dev, fresh)
+    _initialise(modules, fqns, mine, init, seed, dev)
     if state_dict is not None:
         _load(model, modules, state_dict)
     _check_initialised(modules, fresh)
@@ -633,9 +635,8 @@ def _place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return p
 
 
-def _initialise(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list[str]], mine: list[int],
+def _initialise(modules: dict[int, nn.Module], fqns: list[list[str]], mine: list[int],
                 init: Callable[[nn.Module], None] | None, seed: int, device: torch.device) -> None:
-    fn = init if init is not None else _default_init(model)
     done: set[int] = set()
     ready: set[int] = set()  # tensors initialised already: a tied weight keeps its first module's init
     for s in sorted(mine):
@@ -647,39 +648,69 @@ def _initialise(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list
             tensors = [t for t in [*m.parameters(), *m.buffers()]]
             kept = [(t, t.detach().clone()) for t in tensors if id(t) in ready]
             with _seeded(seed, f, device):
-                fn(m)
+                if init is not None:
+                    init(m)
+                else:
+                    _default_init(modules[s], f)(m)
             with torch.no_grad():
                 for t, value in kept:
                     t.copy_(value)
             ready.update(id(t) for t in tensors)
 
 
-def _initialise_path_buffers(model: nn.Module, modules: dict[int, nn.Module], fqns: list[list[str]],
+def _initialise_path_buffers(modules: dict[int, nn.Module], fqns: list[list[str]],
                              init: Callable[[nn.Module], None] | None, seed: int, device: torch.device,
                              fresh: dict[int, tuple[int, int]]) -> None:
     """The buffers that a module on the way to the held ones holds itself, made from the meta device:
     initialised by `init`, else Hugging Face's ``_init_weights`` or ``reset_parameters`` of that
     module alone (before the held modules, which keep their own initialisation)."""
-    hf = getattr(model, "_init_weights", None)
     for s, root in modules.items():
         for name, m in root.named_modules():
             if name in fqns[s] or any(name.startswith(f + ".") for f in fqns[s]):
                 continue
             if not any(id(b) in fresh for b in m._buffers.values() if b is not None):
                 continue
+            hf = _hf_owner_init(root, name)
             with _seeded(seed, name, device):
                 if init is not None:
                     init(m)
-                elif callable(hf):
+                elif hf is not None:
                     hf(m)
                 elif callable(getattr(m, "reset_parameters", None)):
                     m.reset_parameters()
 
 
-def _default_init(model: nn.Module) -> Callable[[nn.Module], None]:
-    hf = getattr(model, "_init_weights", None)
-    if callable(hf):  # Hugging Face: the model's own per-module init, children first as HF applies it
-        return lambda m: m.apply(hf)
+def _hf_owner_init(root: nn.Module, fqn: str) -> Callable[[nn.Module], None] | None:
+    """The ``_init_weights`` of the innermost Hugging Face model in `root` on the way to `fqn` (itself
+    included), bound to `root`'s copy, or None: HF initialises each module by the sub-model that
+    holds it, and some read that sub-model (xLSTM's ``self.embeddings``, its module names)."""
+    owner, mod = None, root
+    parts = fqn.split(".") if fqn else []
+    for i in range(len(parts) + 1):
+        if callable(getattr(type(mod), "_init_weights", None)):
+            owner = mod
+        if i < len(parts):
+            mod = mod._modules.get(parts[i])
+            if mod is None:
+                break
+    return None if owner is None else owner._init_weights
+
+
+def _hf_apply(module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+    """`fn` on `module` and its submodules, children first, switching to a sub-model's own
+    ``_init_weights`` below it (HF's ``smart_apply``)."""
+    for child in module.children():
+        own = child._init_weights if callable(getattr(type(child), "_init_weights", None)) else fn
+        _hf_apply(child, own)
+    fn(module)
+
+
+def _default_init(root: nn.Module, fqn: str) -> Callable[[nn.Module], None]:
+    """How the module `fqn` of the stage `root` is initialised without `init=`: Hugging Face's
+    ``_init_weights`` as HF's own model applies it, else each submodule's ``reset_parameters``."""
+    hf = _hf_owner_init(root, fqn)
+    if hf is not None:  # the held module's own sub-model's init, children first as HF applies it
+        return lambda m: _hf_apply(m, hf)
 
     def reset(m: nn.Module) -> None:
         for sub in _post_order(m):
