@@ -373,7 +373,7 @@ def test_packed_rows_attend_within_each_sequence(kind, one_row):
     assert not torch.allclose(across, alone, rtol=1e-6, atol=1e-6)  # HF's default call mixes the sequences
 
 
-@pytest.mark.parametrize("model_type", ["xlstm", "llama"])
+@pytest.mark.parametrize("model_type", ["llama", "xlstm"])
 def test_stages_without_weights_get_hf_models_init(model_type):
     # the stages' own random init (no state_dict) draws each parameter as HF's whole model built from
     # the same config does: xLSTM's _init_weights reads its sub-model (self.embeddings, module names
@@ -401,3 +401,46 @@ def test_stages_without_weights_get_hf_models_init(model_type):
         else:
             assert q.numel() >= 256, name
             assert abs(float(q.std()) / float(want.std()) - 1) < 0.25, (name, float(q.std()), float(want.std()))
+
+
+def test_openai_gpt_trains_as_hf_and_without_weights_is_refused_by_name():
+    # OpenAI GPT's LM head is tied to the token embedding, whose dtype its forward reads before the layers
+    # (param.is_floating_point(), a metadata read, not a use); its decoder layers return a list, which
+    # its layer loop indexes. On a V's two stages in one process the step equals HF's model on the whole
+    # batch: float64, the same operations on 2 microbatches instead of one batch, so the loss to 1e-12
+    # and every gradient to 1e-10 of the largest (the summation order only)
+    from zbpp import Pipeline
+    from zbpp.models.hf import small_config
+
+    config = small_config("openai-gpt", vocab_size=64, hidden_size=32, num_layers=2, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    stages, kwargs = causal_lm_stages(config, sched, 0, dtype=torch.float64, state_dict=ref.state_dict())
+    ids = torch.randint(1, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    loss = Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+    want = token_mean_loss(ref(input_ids=ids).logits, ids)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    grads = {n: q.grad for s in stages.values() for n, q in s.named_parameters()}
+    assert grads.keys() == dict(ref.named_parameters(remove_duplicate=False)).keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref.get_parameter(n).grad, rtol=0, atol=1e-10 * scale, msg=n)
+    # from the config alone: its Conv1D layers get their values in their constructor only (not on meta)
+    with pytest.raises(ValueError, match=r"OpenAIGPTLMHeadModel \(model_type 'openai-gpt'\).*\['Conv1D'\].*state_dict="):
+        causal_lm_stages(config, sched, 0)
+
+
+def test_a_module_no_stage_can_hold_is_refused_naming_the_model():
+    # a Llama whose forward also applies its final norm to the embeddings: used before and after the
+    # layers, no one stage can hold it; the refusal names the model and what to pass
+    config = transformers.LlamaConfig(**COMMON)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    model.model.layers[0].register_forward_pre_hook(lambda m, args: (model.model.norm(args[0]), *args[1:]))
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(model_type 'llama'\): cannot place \{'model.norm': "
+                                         r"\['after', 'before'\]\}.*module_fqns_per_stage="):
+        causal_lm_stages(model, sched, 0)

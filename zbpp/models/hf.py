@@ -74,7 +74,7 @@ import os
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,7 @@ from torch import nn
 from .._compat import never_compiled
 from ..schedules.ir import Schedule
 from .hf_weights import save_pretrained
-from .stages import Balance, fqns_per_stage, pipeline_stages
+from .stages import Balance, _Uninitialised, fqns_per_stage, pipeline_stages
 
 __all__ = ["causal_lm_stages", "save_pretrained", "CausalLMLoss", "RouterAuxLoss", "SUPPORTED", "check_template",
            "small_config"]
@@ -240,15 +240,27 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
     fqns = module_fqns_per_stage
     if fqns is None:
         with _loop_experts(model):
-            fqns = fqns_per_stage(model, schedule.num_stages, blocks=template.blocks, balance=balance)
+            try:
+                fqns = fqns_per_stage(model, schedule.num_stages, blocks=template.blocks, balance=balance)
+            except ValueError as exc:  # placement by use: say which model, and this function's way out
+                raise ValueError(f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): "
+                                 f"{exc}. Pass causal_lm_stages(..., module_fqns_per_stage=) with those modules "
+                                 "placed, or build the stages with zbpp.models.pipeline_stages") from exc
     else:  # modules without parameters (rotary embeddings, dropout) go to every stage, as fqns_per_stage does:
         # every stage runs HF's whole forward, so one listed on some stages only is still called on the others
         free = _parameter_free(model, template.blocks)
         fqns = [list(names) + [f for f in free if f not in names] for names in fqns]
     _check_layer_order(fqns, template)
     _check_standins_reach_no_layer(model, template, fqns)
-    stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
-                                   state_dict=state_dict, seed=seed)
+    try:
+        stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
+                                       state_dict=state_dict, seed=seed)
+    except _Uninitialised as exc:  # worded for this function's arguments: it takes no init=
+        raise ValueError(f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): "
+                         f"HF's _init_weights leaves modules {exc.classes} without values (HF's own model gets them "
+                         "from their constructors, which zbpp skips: it builds the model on the meta device); pass "
+                         "state_dict= (the weights of HF's model, e.g. AutoModelForCausalLM.from_config(config)"
+                         ".state_dict()) or a directory saved by save_pretrained") from exc
     last = schedule.num_stages - 1
     tuple_out = _layers_return_tuple(model, template, fqns)
     modules = {s: _as_stage(m, model, template, first=s == 0, last=s == last, tuple_out=tuple_out)
@@ -437,7 +449,7 @@ class _StageSpec:
     hf_forward: Callable[..., Any]
     lo: int  # the stage computes the layers lo..hi-1 (none when lo == hi)
     hi: int
-    tuple_out: int  # the length of the tuple (hidden, ...) the model's decoder layers return; 0: the tensor
+    tuple_out: _LayerOutput  # what the model's decoder layers return: the tensor, or (hidden, ...) of a length
     routes: bool  # some held layer records router logits that the router auxiliary loss takes
     absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name) not held
     skips: list[nn.Module] = field(default_factory=list)  # a stand-in per layer position
@@ -485,7 +497,8 @@ class _Skip(nn.Module):
             hidden, call.before_layers = call.inject, False
         # as long as a layer's tuple, for a loop that unpacks it (RWKV's hidden, state, attentions): the
         # rest None, as a layer returns them in training (a tensor passed on to the next layer is refused)
-        return (hidden, *[None] * (spec.tuple_out - 1)) if spec.tuple_out else hidden
+        n, kind = spec.tuple_out
+        return kind([hidden, *[None] * (n - 1)]) if n else hidden
 
 
 #: a decoder layer's attributes that say which mask and position embeddings the model's forward gives it
@@ -533,7 +546,7 @@ class _Absent(nn.Module):
 
 
 def _hidden(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
+    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 class _CausalLMStage:
@@ -674,8 +687,17 @@ class _Unfit(ValueError):
 _PROBE_TOKENS = (1, 2)  # [batch, seq] of the meta-device probe forward
 
 
-def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]] | None = None) -> int:
-    """The length of the tuple the model's decoder layers return, 0 for a tensor: seen in a forward on
+class _LayerOutput(NamedTuple):
+    """What the model's decoder layers return: the hidden states (`length` 0), or a tuple or a list
+    (OpenAI GPT's) of `length` starting with them, which the model's layer loop indexes."""
+
+    length: int
+    kind: type = tuple
+
+
+def _layers_return_tuple(model: nn.Module, template: Template,
+                         fqns: Sequence[Sequence[str]] | None = None) -> _LayerOutput:
+    """What the model's decoder layers return (a tensor, or a tuple or list of some length): seen in a forward on
     the ``meta`` device, in which no layer may take anything an earlier one returned beside the hidden
     states (GLM-5's and Hunyuan-V4's top-k indices) where a stage of `fqns` (any, if None) holds one
     and not the other: a stage receives only the hidden states, so a later stage's layers would get a
@@ -694,7 +716,7 @@ def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Se
     def out(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             seen.append(output)
-            for o in output[1:] if isinstance(output, tuple) else ():
+            for o in output[1:] if isinstance(output, (tuple, list)) else ():
                 if isinstance(o, torch.Tensor):
                     extra.setdefault(id(o), index)
             if index == len(layers) - 1:
@@ -730,7 +752,9 @@ def _layers_return_tuple(model: nn.Module, template: Template, fqns: Sequence[Se
                          "its embeddings give (a residual stream of several streams, DeepSeek-V4's hyper-connections), "
                          "which a later stage cannot pass its forward as inputs_embeds; use "
                          "zbpp.models.pipeline_stages with your own stage forward")
-    return len(seen[0]) if isinstance(seen[0], tuple) else 0
+    if not isinstance(seen[0], (tuple, list)):
+        return _LayerOutput(0)
+    return _LayerOutput(len(seen[0]), list if isinstance(seen[0], list) else tuple)
 
 
 def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> None:
@@ -877,7 +901,7 @@ def _records_router_logits(model: nn.Module, layer: nn.Module) -> bool:
 
 
 def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first: bool, last: bool,
-              tuple_out: int | None = None) -> nn.Module:
+              tuple_out: _LayerOutput | None = None) -> nn.Module:
     """`pruned` (the model with what the stage does not hold set to None) as a stage: its class
     becomes a subclass of the model's own with `_CausalLMStage`'s forward."""
     cls = type(pruned)

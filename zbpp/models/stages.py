@@ -160,7 +160,7 @@ _DATA_DEPENDENT: dict[Any, Callable[[torch.Tensor], Any]] = {
 #: what reads a tensor's metadata, not its values: no use of the module that holds it (Llama 4
 #: embeds ``input_ids.to(self.embed_tokens.weight.device)``, a tied LM head's weight)
 _METADATA = frozenset({"device", "dtype", "shape", "ndim", "layout", "requires_grad", "is_meta", "is_cuda", "size",
-                       "dim"})
+                       "dim", "is_floating_point", "is_complex", "element_size", "numel", "get_device"})
 
 
 def _reads_metadata(func: Any) -> bool:
@@ -763,8 +763,18 @@ def _load(model: nn.Module, modules: dict[int, nn.Module], state_dict: Mapping[s
         raise ValueError(f"state_dict lacks {sorted(set(missing))[:8]} that this rank's stages hold")
 
 
+class _Uninitialised(ValueError):
+    """Tensors that the model's init left without values (`classes`: the modules holding them), which
+    the caller may word for its own arguments (`zbpp.models.hf` takes no init=)."""
+
+    def __init__(self, message: str, classes: list[str]) -> None:
+        super().__init__(message)
+        self.classes = classes
+
+
 def _check_initialised(modules: dict[int, nn.Module], fresh: dict[int, tuple[int, int]]) -> None:
     bad, unsaved = [], []
+    holders: set[str] = set()  # the classes of the modules holding `bad` ones
     for s, m in modules.items():
         # a non-persistent buffer (torchtitan's freqs_cis) is in no state_dict: only init= can fill it
         transient = {f"{prefix}.{b}" if prefix else b for prefix, sub in m.named_modules()
@@ -778,13 +788,17 @@ def _check_initialised(modules: dict[int, nn.Module], fresh: dict[int, tuple[int
                 empty = t.numel() > 0 and (t._version, t.data_ptr()) == fresh[id(t)]
             if empty:
                 (unsaved if name in transient else bad).append(f"{name} (stage {s})")
+                if name not in transient:
+                    holders.add(type(m.get_submodule(name.rpartition(".")[0])).__name__)
     if unsaved:
         raise ValueError(f"{unsaved[:8]} hold no values after initialisation: non-persistent buffers, which no "
                          "state_dict holds and the model's init does not fill; pass init= (a function that "
                          "initialises one module, e.g. calling the model's own init_weights where it computes them)")
     if bad:
-        raise ValueError(f"{bad[:8]} hold no values after initialisation: the model's init does not cover them; pass "
-                         "init= (a function that initialises one module) or state_dict=")
+        # a module that sets its values in its constructor only (HF's Conv1D) has none from the meta device
+        raise _Uninitialised(f"{bad[:8]} hold no values after initialisation: the model's init does not cover them "
+                             f"(modules {sorted(holders)}; one built on the meta device keeps no value its constructor "
+                             "set); pass init= (a function that initialises one module) or state_dict=", sorted(holders))
 
 
 def _tied(model: nn.Module, fqns: list[list[str]], modules: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
