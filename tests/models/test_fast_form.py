@@ -354,3 +354,34 @@ def test_fast_form_under_fsdp_equals_one_process(zbpp_workers, kind: str, name: 
     from .cases import check_fast_form_under_fsdp
 
     assert all(n > 0 for n in zbpp_workers(4).run(check_fast_form_under_fsdp, kind, name))
+
+
+def test_fast_stage_warning_says_when_compiled_weights_get_their_gradients() -> None:
+    # a weight fast_stage leaves inside a compiled block (here a plain matmul's) gets its gradient from the
+    # region's one backward node: in B where the stage's input takes a gradient, in W on the first stage
+    # (its input takes none: B has nothing to compute and W runs the whole backward). The warning says both.
+    from zbpp.runtime._autograd_split import backward_input
+
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x @ self.weight)
+
+    stage = nn.Sequential(Mix())
+    with pytest.warns(UserWarning, match=r"not zbpp layers \(Mix x1\): inside a compiled region their weight "
+                                         r"gradients come with B, not W, where the stage's input takes a gradient "
+                                         r"\(on the first stage, whose input takes none, W runs the whole backward"):
+        fast_stage(stage, blocks=list(stage), backend="aot_eager")  # one backward node, as inductor's
+    torch._dynamo.reset()
+    for first in (False, True):
+        stage.zero_grad(set_to_none=True)
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=not first)
+        out = stage(x)
+        held = backward_input([out], [torch.ones_like(out)], [] if first else [x])  # B
+        assert (stage[0].weight.grad is None) == first, first
+        if held is not None:
+            held.run()  # W
+        assert stage[0].weight.grad is not None

@@ -7,13 +7,15 @@ objects and parameter names (checkpoints and optimizers are unaffected):
   `linear_like` becomes a zbpp delayed-wgrad `Linear` (`zbpp.modules.delay_wgrad`): its weight
   gradient waits for W, computed by zbpp's own GEMM code outside any compiled graph. Other
   weights (a mixture of experts' grouped GEMMs, a router's) stay in the compiled regions, their
-  gradients in B and their GEMMs out of FP8: `fast_stage` warns, naming them;
+  gradients in B (in W on the first stage, see below) and their GEMMs out of FP8: `fast_stage`
+  warns, naming them;
 - the code between the GEMMs (norms, rotary embeddings, attention, activations, residual adds) is
   compiled by ``torch.compile``, block by block (`blocks`: the repeated blocks, one compilation
   shared by all of them) or, without `blocks`, the stage's forward as a whole. Each zbpp layer is a
   graph break (``zbpp.modules.base._outside_graph``), so a compiled region never swallows a
   weight GEMM and W stays non-empty; the regions' own weights (norm scales) get their gradients
-  in B, in the region's one backward node;
+  in B, in the region's one backward node, which computes the input's gradient too (on the first
+  stage, whose input takes no gradient, B has nothing to compute and W runs the whole backward);
 - W adds each weight gradient into ``.grad`` inside its GEMM (``accumulate_wgrad_in_gemm``:
   one pass over the gradient less per microbatch; rounded once, so not bit-identical to eager);
 - ``fp8=True`` (or a `DelayedScaling` recipe) runs the stage's forward inside `fp8_autocast`, the
@@ -143,8 +145,9 @@ def fast_stage(
 
 def _warn_weights_left(stage: nn.Module, compiled: list[nn.Module], fp8: bool) -> None:
     """Warn, naming them, of the modules whose weights (2-D or more, embeddings aside) are not zbpp
-    layers': inside `compiled` regions their gradients come with B; in FP8 their GEMMs stay in high
-    precision."""
+    layers': inside `compiled` regions their gradients come with B (a region's one backward node
+    computes its input's gradient too), except on the first stage, where W runs the whole backward;
+    in FP8 their GEMMs stay in high precision."""
     inside = {id(m) for region in compiled for m in region.modules()}
     left = Counter(type(m).__name__ for m in stage.modules()
                    if not isinstance(m, (DelayedWgradModule, nn.Embedding, nn.EmbeddingBag))
@@ -153,7 +156,9 @@ def _warn_weights_left(stage: nn.Module, compiled: list[nn.Module], fp8: bool) -
     if not left:
         return
     names = ", ".join(f"{name} x{n}" for name, n in sorted(left.items()))
-    costs = (["inside a compiled region their weight gradients come with B, not W"] if inside else []) + \
+    costs = (["inside a compiled region their weight gradients come with B, not W, where the stage's input takes a "
+              "gradient (on the first stage, whose input takes none, W runs the whole backward, them included)"]
+             if inside else []) + \
         (["their GEMMs do not run in FP8"] if fp8 else [])
     warnings.warn(f"fast_stage: {sum(left.values())} modules hold weights that are not zbpp layers ({names}): "
                   f"{'; '.join(costs)}. The step is right either way; zbpp.modules.delay_wgrad converts nn.Linear, "
