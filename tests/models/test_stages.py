@@ -327,3 +327,50 @@ def test_activation_policies_set_on_the_model_hold_in_its_stages(pattern):
             torch.testing.assert_close(q.grad, ref.get_parameter(n).grad, **TOL)
     assert all(q.grad is None for q in model.parameters())
     assert activation_policies(stages[1]) == ({"": "full"} if pattern == "" else {"layers.2": "full", "layers.3": "full"})
+
+
+class _TiedOutput(nn.Module):
+    """Its output head is the embedding's weight, read after the blocks (no head module of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 6)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h) @ self.embed.weight.T
+
+
+class _SharedPositions(Tiny):
+    """A learned position table that every block and the output use (beside the embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__(tie=False)
+        self.pos = nn.Embedding(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[-1], device=x.device)
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x + self.pos(positions)))
+        return self.head(self.norm(x + self.pos(positions)))
+
+
+@pytest.mark.parametrize("make,unclear", [(_TiedOutput, r"\{'embed': \['after', 'before'\]\}"),
+                                          (_SharedPositions, r"\{'pos': \['after', 'before', 'blocks'\]\}")])
+def test_a_module_used_beyond_the_first_stage_is_refused_at_build_without_example(make, unclear):
+    # without example= (not a Hugging Face model) registration order put the module on the first stage
+    # only, and the last stage's first forward failed on it (None); a forward on two token ids finds
+    # the use and refuses when the stages are built, naming the module and example=
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=f"cannot place {unclear} .*guessed without example=.*pass example="):
+        pipeline_stages(make, sched, 1, blocks="layers")
+    # a model whose modules the ids' forward places as registration order does: built as before
+    with torch.device("meta"):
+        plain = Tiny()
+    assert fqns_per_stage(plain, 2, blocks="layers") == [["embed", "layers.0", "layers.1"],
+                                                         ["layers.2", "layers.3", "norm", "head"]]

@@ -87,8 +87,11 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
     never, is ambiguous and raises (name its stage in ``module_fqns_per_stage``). A module
     without parameters goes to every stage. `example` is the forward's input (a tensor, a tuple of
     arguments or a dict of keyword arguments); for a Hugging Face model it defaults to a batch of
-    two tokens. Without it (a model that is not Hugging Face's), modules are placed by
-    registration order instead: before `blocks` on the first stage, after it on the last.
+    two tokens. Without it, a model of one's own with an ``nn.Embedding`` beside the blocks is run
+    on two token ids (``zeros(1, 2)``): a module it uses on both sides of the blocks or while they
+    run raises (a tied output head reading the embedding's weight); the modules it does not use, and
+    every module where that forward fails or the model embeds no tokens, are placed by registration
+    order: before `blocks` on the first stage, after it on the last (pass `example` to place by use).
     Buffers held directly by a module on the path to `blocks` (GPTBigCode's ``transformer.bias``)
     are kept by every stage (`pipeline_stages`).
 
@@ -102,10 +105,12 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
     blocks_mod = _container(model, blocks)
     block_fqns = [f"{blocks}.{name}" for name, m in blocks_mod._modules.items() if m is not None]
     before, after, everywhere = _outside(model, blocks)
+    guessed = example is None and getattr(model, "config", None) is None
     if example is None:
-        example = _default_example(model)
+        example = _default_example(model) if not guessed else _guessed_ids(model, before + after)
     if example is not None:
-        before, after = _placed_by_use(model, blocks_mod, before + after, example)
+        before, after = _placed_by_use(model, blocks_mod, before + after, example,
+                                       fallback=(before, after) if guessed else None)
     costs, first, last = _costs(model, balance, block_fqns, before, after)
     sizes = balanced_partition(costs, num_stages, first=first, last=last)
     out: list[list[str]] = []
@@ -119,6 +124,16 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
         out.append([f for f in _model_order(model) if f in held])
         at += n
     return out
+
+
+def _guessed_ids(model: nn.Module, watched: list[str]) -> torch.Tensor | None:
+    """Two token ids, as the input of a model of one's own that embeds tokens (an ``nn.Embedding`` beside
+    its blocks), else None: a forward on them finds a module used on both sides of the blocks (a tied
+    output head reading the embedding's weight), which registration order would put on one stage."""
+    if not any(isinstance(m, nn.Embedding) for f in watched for m in model.get_submodule(f).modules()):
+        return None
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    return torch.zeros(1, 2, dtype=torch.long, device=device)
 
 
 def _default_example(model: nn.Module) -> Any:
@@ -210,9 +225,12 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
 _TABLES = ("_parameters", "_buffers", "_modules")
 
 
-def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], example: Any) -> tuple[list[str], list[str]]:
+def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], example: Any, *,
+                   fallback: tuple[list[str], list[str]] | None = None) -> tuple[list[str], list[str]]:
     """Run `model` once on `example` and split the `watched` modules into those used only before
-    the blocks and those used only after them; anything else raises."""
+    the blocks and those used only after them; anything else raises. With a `fallback` (before, after)
+    by registration order, the example was guessed (`_guessed_ids`): a forward that fails, or a module
+    it never uses, keeps that order; a module used on both sides or while the blocks run still raises."""
     use = _Use(["before"], [], {f: set() for f in watched})
     owners: dict[int, list[str]] = {}
     for f in watched:
@@ -266,19 +284,28 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
             else:
                 model(example)
     except Exception as exc:
+        if fallback is not None:  # not a model of token ids after all: registration order, as before
+            return fallback
         raise ValueError(f"placing the modules beside the blocks needs one forward of {type(model).__name__} on the "
                          f"example input, which failed ({type(exc).__name__}: {exc}); pass module_fqns_per_stage, or "
                          "an example= the forward takes") from exc
     finally:
         for h in handles:
             h.remove()
+    if fallback is not None:  # a module the forward on the guessed ids does not use: where registration puts it
+        for f in watched:
+            use.seen[f] = use.seen[f] or {"before" if f in fallback[0] else "after"}
     before = [f for f in watched if use.seen[f] == {"before"}]
     after = [f for f in watched if use.seen[f] == {"after"}]
     unclear = {f: sorted(p) for f, p in use.seen.items() if f not in before and f not in after}
     if unclear:
-        raise ValueError(f"cannot place {unclear} (module: the phases of the forward that use it; [] = never): a module "
-                         "with parameters beside the blocks must be used only before the first block (first stage) "
-                         "or only after the last one (last stage); name their stages in module_fqns_per_stage")
+        seen_in = ("; seen in a forward on two token ids, zeros of shape [1, 2], guessed without example=: pass "
+                   "example= if the model takes another input") if fallback is not None else ""
+        raise ValueError(f"cannot place {unclear} (module: the phases of the forward that use it; [] = never{seen_in}): "
+                         "a module with parameters beside the blocks must be used only before the first block (first "
+                         "stage) or only after the last one (last stage); name their stages in module_fqns_per_stage "
+                         "(a weight that both ends use, a tied output head, is one Parameter registered in a module of "
+                         "each)")
     order = _model_order(model)
     return sorted(before, key=order.index), sorted(after, key=order.index)
 
