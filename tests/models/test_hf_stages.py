@@ -444,3 +444,15 @@ def test_a_module_no_stage_can_hold_is_refused_naming_the_model():
     with pytest.raises(ValueError, match=r"LlamaForCausalLM \(model_type 'llama'\): cannot place \{'model.norm': "
                                          r"\['after', 'before'\]\}.*module_fqns_per_stage="):
         causal_lm_stages(model, sched, 0)
+
+
+def test_building_stages_runs_two_meta_forwards_of_the_model():
+    # CI time: placement is one forward of the whole model on the meta device, and the checks of how the
+    # forward feeds the decoder layers (stand-ins, carried state, the layers' output form) share one more
+    config = transformers.LlamaConfig(**COMMON)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    causal_lm_stages(model, build("1f1b", num_ranks=2, num_microbatches=2), 0)
+    assert len(calls) == 2

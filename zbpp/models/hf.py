@@ -251,7 +251,7 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
         free = _parameter_free(model, template.blocks)
         fqns = [list(names) + [f for f in free if f not in names] for names in fqns]
     _check_layer_order(fqns, template)
-    _check_standins_reach_no_layer(model, template, fqns)
+    tuple_out = _check_layers(model, template, fqns)
     try:
         stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
                                        state_dict=state_dict, seed=seed)
@@ -262,7 +262,6 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
                          "state_dict= (the weights of HF's model, e.g. AutoModelForCausalLM.from_config(config)"
                          ".state_dict()) or a directory saved by save_pretrained") from exc
     last = schedule.num_stages - 1
-    tuple_out = _layers_return_tuple(model, template, fqns)
     modules = {s: _as_stage(m, model, template, first=s == 0, last=s == last, tuple_out=tuple_out)
                for s, m in stages.items()}
     loss = CausalLMLoss(ignore_index, template.router_aux)
@@ -695,10 +694,28 @@ class _LayerOutput(NamedTuple):
     kind: type = tuple
 
 
+def _check_layers(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> _LayerOutput:
+    """The checks of `_standin_hooks` and `_output_hooks` in one forward on the ``meta`` device (each
+    costs a forward of the whole model on the host otherwise); what the decoder layers return."""
+    handles = _standin_hooks(model, template, fqns)
+    more, finish = _output_hooks(model, template, fqns)
+    _probe_forward(model, handles + more, grad=bool(handles))  # autograd records it for the stand-ins' marks
+    return finish()
+
+
 def _layers_return_tuple(model: nn.Module, template: Template,
                          fqns: Sequence[Sequence[str]] | None = None) -> _LayerOutput:
-    """What the model's decoder layers return (a tensor, or a tuple or list of some length): seen in a forward on
-    the ``meta`` device, in which no layer may take anything an earlier one returned beside the hidden
+    """What the model's decoder layers return, by `_output_hooks`' checks in their own forward."""
+    handles, finish = _output_hooks(model, template, fqns)
+    _probe_forward(model, handles, grad=False)
+    return finish()
+
+
+def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]] | None
+                  ) -> tuple[list[Any], Callable[[], _LayerOutput]]:
+    """Hooks for a forward on the ``meta`` device (the last layer's output stops it), and what to call
+    after it: what the model's decoder layers return (a tensor, or a tuple or list of some length). In
+    that forward no layer may take anything an earlier one returned beside the hidden
     states (GLM-5's and Hunyuan-V4's top-k indices) where a stage of `fqns` (any, if None) holds one
     and not the other: a stage receives only the hidden states, so a later stage's layers would get a
     stand-in's output instead. With several stages the hidden states must be one vector per token, as
@@ -740,37 +757,39 @@ def _layers_return_tuple(model: nn.Module, template: Template,
                              "receive; use zbpp.models.pipeline_stages with your own stage forward")
         return hook
 
+    def finish() -> _LayerOutput:
+        if not seen:
+            raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never "
+                             f"called {template.blocks}.0")
+        if wide and (fqns is None or len(fqns) > 1):  # a later stage passes zeros of the received shape as inputs_embeds
+            raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its decoder layers take "
+                             f"hidden states of shape {wide[0]} for {_PROBE_TOKENS} tokens, not one vector per token as "
+                             "its embeddings give (a residual stream of several streams, DeepSeek-V4's "
+                             "hyper-connections), which a later stage cannot pass its forward as inputs_embeds; use "
+                             "zbpp.models.pipeline_stages with your own stage forward")
+        if not isinstance(seen[0], (tuple, list)):
+            return _LayerOutput(0)
+        return _LayerOutput(len(seen[0]), list if isinstance(seen[0], list) else tuple)
+
     handles = [layer.register_forward_hook(out(i)) for i, layer in enumerate(layers)]
     handles += [layer.register_forward_pre_hook(taken_in(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    _probe_forward(model, handles, grad=False)
-    if not seen:
-        raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never called "
-                         f"{template.blocks}.0")
-    if wide and (fqns is None or len(fqns) > 1):  # a later stage passes zeros of the received shape as inputs_embeds
-        raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its decoder layers take "
-                         f"hidden states of shape {wide[0]} for {_PROBE_TOKENS} tokens, not one vector per token as "
-                         "its embeddings give (a residual stream of several streams, DeepSeek-V4's hyper-connections), "
-                         "which a later stage cannot pass its forward as inputs_embeds; use "
-                         "zbpp.models.pipeline_stages with your own stage forward")
-    if not isinstance(seen[0], (tuple, list)):
-        return _LayerOutput(0)
-    return _LayerOutput(len(seen[0]), list if isinstance(seen[0], list) else tuple)
+    return handles, finish
 
 
-def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> None:
-    """Refuse a model whose forward feeds a decoder layer, other than through its hidden states, from
-    a module called before the layers that a stage holding layers does not hold: there that module
-    is a stand-in returning zeros (`_Absent`), and only the hidden states are replaced by the
+def _standin_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> list[Any]:
+    """Hooks for a forward on the ``meta`` device that autograd records (none where there is nothing
+    to check), refusing a model whose forward feeds a decoder layer, other than through its hidden
+    states, from a module called before the layers that a stage holding layers does not hold: there
+    that module is a stand-in returning zeros (`_Absent`), and only the hidden states are replaced by the
     received ones, so the layer would silently compute with zeros (a projection of the embeddings
-    passed to every layer, say). Seen in a forward on the ``meta`` device: each such module's output
-    gets a zero-valued leaf added, and the other inputs of every layer are searched in the autograd
-    graph for it (every rank decides alike)."""
+    passed to every layer, say): each such module's output gets a zero-valued leaf added, and the
+    other inputs of every layer are searched in the autograd graph for it (every rank decides alike)."""
     prefix = template.blocks + "."
     with_layers = [set(names) for names in fqns if any(n.startswith(prefix) for n in names)]
     watched = sorted({f for names in fqns for f in names if f != template.blocks and not f.startswith(prefix)
                       and any(f not in held for held in with_layers)})
     if not watched:  # every stage with layers holds every module beside them (one stage, say)
-        return
+        return []
     layers = list(model.get_submodule(template.blocks)._modules.values())
     marks: dict[int, str] = {}  # id of a leaf added to a watched module's output -> that module
     keep: list[torch.Tensor] = []  # the leaves, alive while their ids are looked up
@@ -823,14 +842,12 @@ def _check_standins_reach_no_layer(model: nn.Module, template: Template, fqns: S
                             "hold (a later stage receives only the hidden states, so its layers would compute with "
                             f"zeros in place of {fqn}'s output); use zbpp.models.pipeline_stages with your own stage "
                             "forward")
-            if index == len(layers) - 1:  # every layer looked at: a later one may take what the first ones do not
-                raise _Stop
         return hook
 
     modules = dict(model.named_modules())  # a name that is no module is left to pipeline_stages to refuse
     handles = [modules[f].register_forward_hook(mark(f)) for f in watched if f in modules]
     handles += [layer.register_forward_pre_hook(check(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    _probe_forward(model, handles, grad=True)
+    return handles
 
 
 def _probe_forward(model: nn.Module, handles: Sequence[Any], *, grad: bool) -> None:
