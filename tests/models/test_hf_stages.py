@@ -456,3 +456,17 @@ def test_building_stages_runs_two_meta_forwards_of_the_model():
     model.register_forward_pre_hook(lambda m, args: calls.append(1))
     causal_lm_stages(model, build("1f1b", num_ranks=2, num_microbatches=2), 0)
     assert len(calls) == 2
+
+
+def test_block_sparse_big_bird_is_refused_by_name():
+    # BigBird's forward replaces its layers' attention modules by the sequence length (block-sparse,
+    # which attends both ways, or full): refused naming the family and the setting that fits
+    from zbpp.models.hf import small_config
+
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    config = small_config("big_bird", hidden_size=32, num_layers=2)
+    with pytest.raises(ValueError, match=r"BigBirdForCausalLM \(model_type 'big_bird'\) does not fit .*"
+                                         r"attention_type='block_sparse'.*attention_type='original_full'"):
+        causal_lm_stages(config, sched, 0)
+    config.attention_type = "original_full"
+    causal_lm_stages(config, sched, 0)  # built: full attention fits the template

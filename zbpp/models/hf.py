@@ -398,6 +398,13 @@ def check_template(model: nn.Module) -> Template:
     if "inputs_embeds" not in params or "inputs_embeds" not in inspect.signature(type(base).forward).parameters:
         raise ValueError(f"{name} does not fit zbpp.models.hf's template: its forward takes no inputs_embeds, which "
                          "a later stage passes in place of the tokens")
+    if getattr(config, "attention_type", None) == "block_sparse":  # BigBird's: its forward swaps attention modules
+        raise ValueError(f"{name} does not fit zbpp.models.hf's template: its block-sparse attention "
+                         "(config.attention_type='block_sparse') attends both ways, and its forward replaces the "
+                         "layers' attention modules by the sequence length (full attention below "
+                         "(5 + 2 num_random_blocks) block_size tokens), which stages built once cannot follow; "
+                         "build it with config.attention_type='original_full' (and is_decoder=True for causal "
+                         "attention)")
     n = getattr(config, "num_hidden_layers", None)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"{name} does not fit zbpp.models.hf's template: config.num_hidden_layers is {n!r}")
