@@ -470,3 +470,18 @@ def test_block_sparse_big_bird_is_refused_by_name():
         causal_lm_stages(config, sched, 0)
     config.attention_type = "original_full"
     causal_lm_stages(config, sched, 0)  # built: full attention fits the template
+
+
+def test_small_config_and_builds_transformers_refuses_name_the_model_type():
+    # transformers 5.25's own validators and constructors refuse some families' small sizes deep in
+    # their code (a StrictDataclass error, a KeyError, an attribute a sub-config lacks): the error
+    # names the model type; a per-layer size that the config will not read globally is left alone
+    from zbpp.models.hf import small_config
+
+    with pytest.raises(ValueError, match=r"small_config\('mamba2'\): transformers refuses the config"):
+        small_config("mamba2", hidden_size=32, num_layers=2)
+    config = small_config("gemma4_text", hidden_size=32, num_layers=2)
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("gemma4_text", 32, 2)
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"could not build the \*ForCausalLM of model_type 'dbrx'.*AttributeError"):
+        causal_lm_stages(small_config("dbrx", hidden_size=32, num_layers=2), sched, 0)

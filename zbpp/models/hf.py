@@ -341,11 +341,15 @@ def _model(model_or_config: Any, dtype: torch.dtype | None, attn_implementation:
         try:
             with torch.device("meta"):
                 return transformers.AutoModelForCausalLM.from_config(model_or_config, **kw)
-        except ValueError as exc:
-            if "Unrecognized configuration class" not in str(exc):
-                raise
-            raise ValueError(f"model_type {kind!r} has no *ForCausalLM in transformers: zbpp.models.hf builds "
-                             "decoder-only causal LMs") from None
+        except Exception as exc:
+            if isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
+                raise ValueError(f"model_type {kind!r} has no *ForCausalLM in transformers: zbpp.models.hf builds "
+                                 "decoder-only causal LMs") from None
+            # raised deep inside the family's own code (a KeyError, an attribute its sub-config lacks): say which
+            raise ValueError(f"transformers could not build the *ForCausalLM of model_type {kind!r} from this config "
+                             f"({type(exc).__name__}: {exc}); a config that HF's own from_config builds is needed "
+                             "(small_config sets shared sizes only: pass the family's own settings as overrides)"
+                             ) from exc
     if isinstance(model_or_config, nn.Module) and hasattr(model_or_config, "config"):
         if dtype is not None or attn_implementation is not None or experts_implementation is not None:
             raise ValueError("dtype, attn_implementation and experts_implementation apply when building from a config "
@@ -1003,10 +1007,24 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
         "attention_types": ([[["global", "local"], num_layers // 2]] if num_layers % 2 == 0
                             else [[["global"], num_layers]]),
     }
-    default = transformers.AutoConfig.for_model(model_type)
-    settable = {k for k in wanted if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)}
-    kw = {k: v for k, v in wanted.items() if k in settable}
-    config = transformers.AutoConfig.for_model(model_type, **kw)
+    try:
+        default = transformers.AutoConfig.for_model(model_type)
+        settable = {k for k in wanted if _settable(default, k)}
+        kw = {k: v for k, v in wanted.items() if k in settable}
+        config = transformers.AutoConfig.for_model(model_type, **kw)
+    except Exception as exc:  # transformers' own validators, deep in the family's config class: name the type
+        raise ValueError(f"small_config({model_type!r}): transformers refuses the config ({type(exc).__name__}: "
+                         f"{exc}); the family needs settings of its own beside the shared sizes: build its config "
+                         "class directly (transformers.AutoConfig.for_model) and pass it to causal_lm_stages") from exc
     for k, v in overrides.items():
         setattr(config, k, v)
     return config
+
+
+def _settable(config: Any, key: str) -> bool:
+    """Whether `small_config` sets `key` on the family's config: an attribute of its defaults, not a
+    property; one the config refuses to read globally (a per-layer size of Gemma 4's) is left alone."""
+    try:
+        return hasattr(config, key) and not isinstance(getattr(type(config), key, None), property)
+    except Exception:  # noqa: BLE001 - transformers' per-layer guard raises its own error type
+        return False
