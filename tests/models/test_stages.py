@@ -374,3 +374,8 @@ def test_a_module_used_beyond_the_first_stage_is_refused_at_build_without_exampl
         plain = Tiny()
     assert fqns_per_stage(plain, 2, blocks="layers") == [["embed", "layers.0", "layers.1"],
                                                          ["layers.2", "layers.3", "norm", "head"]]
+    # a model with values is not run unasked (it would compute, draw and move running statistics):
+    # registration order, and the random stream untouched
+    real, state = make(), torch.random.get_rng_state()
+    assert fqns_per_stage(real, 2, blocks="layers")[0][0] == "embed"
+    assert torch.equal(torch.random.get_rng_state(), state)

@@ -87,8 +87,8 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
     never, is ambiguous and raises (name its stage in ``module_fqns_per_stage``). A module
     without parameters goes to every stage. `example` is the forward's input (a tensor, a tuple of
     arguments or a dict of keyword arguments); for a Hugging Face model it defaults to a batch of
-    two tokens. Without it, a model of one's own with an ``nn.Embedding`` beside the blocks is run
-    on two token ids (``zeros(1, 2)``): a module it uses on both sides of the blocks or while they
+    two tokens. Without it, a model of one's own on the ``meta`` device with an ``nn.Embedding``
+    beside the blocks is run on two token ids (``zeros(1, 2)``): a module it uses on both sides of the blocks or while they
     run raises (a tied output head reading the embedding's weight); the modules it does not use, and
     every module where that forward fails or the model embeds no tokens, are placed by registration
     order: before `blocks` on the first stage, after it on the last (pass `example` to place by use).
@@ -129,11 +129,15 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
 def _guessed_ids(model: nn.Module, watched: list[str]) -> torch.Tensor | None:
     """Two token ids, as the input of a model of one's own that embeds tokens (an ``nn.Embedding`` beside
     its blocks), else None: a forward on them finds a module used on both sides of the blocks (a tied
-    output head reading the embedding's weight), which registration order would put on one stage."""
+    output head reading the embedding's weight), which registration order would put on one stage. Only
+    on the ``meta`` device: a model with values would compute, draw random numbers and move running
+    statistics in a forward the user did not ask for."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not tensors or not all(t.is_meta for t in tensors):
+        return None
     if not any(isinstance(m, nn.Embedding) for f in watched for m in model.get_submodule(f).modules()):
         return None
-    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    return torch.zeros(1, 2, dtype=torch.long, device=device)
+    return torch.zeros(1, 2, dtype=torch.long, device="meta")
 
 
 def _default_example(model: nn.Module) -> Any:
