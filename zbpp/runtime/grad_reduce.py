@@ -13,7 +13,9 @@ gradients are final:
 - ``stage_wgrad_done(s)`` after its last W (or BW): the reducer asks again and fires the reduce
   hooks of exactly those parameters. Delayed modules (the runtime's `is_delayed`) without
   ``get_backward_dw_params`` (Transformer Engine today, which offers
-  ``register_wgrad_accumulation_and_reduce_hooks``) owe all their own parameters.
+  ``register_wgrad_accumulation_and_reduce_hooks``) owe every parameter under them but those of
+  delayed modules nested in them (`owed_params`: a wrapper's ``backward_dw`` may fill a plain
+  child's gradients).
 
 The answer is read every step, so a module whose list changes (zbpp modules drop their biases in
 a step whose forwards all run in FP8) is handled; it must not change between a stage's last B and its last W. A
@@ -73,7 +75,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .polling import wait_for
-from .wgrad import is_delayed
+from .wgrad import is_delayed, owed_params
 
 __all__ = ["GradReducer"]
 
@@ -281,10 +283,10 @@ class GradReducer:
         """The entries of what `module`'s W produces; not `strict`: those it lists that are not
         the stage's entries are left out instead of refused."""
         getter = getattr(module, "get_backward_dw_params", None)
-        if not callable(getter):  # Transformer Engine style: all its own trainable parameters
+        if not callable(getter):  # Transformer Engine style: those under it (`owed_params`)
             if not is_delayed(module):
                 return []
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            own = [p for p in owed_params(module) if p.requires_grad and id(p) not in self._exclude]
             return [self._entries[id(p)] for p in own if strict or id(p) in self._entries]
         out = []
         for t in getter():

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ._autograd_split import HeldWgrad
 
 __all__ = ["StageWgrad", "KeyedWgrad", "FifoWgrad", "SavedBoxes", "delayed_modules", "is_delayed", "supports_keys",
-           "check_fifo_wgrad", "has_own_wgrad"]
+           "check_fifo_wgrad", "has_own_wgrad", "owed_params"]
 
 
 class KeyedWgrad:
@@ -170,6 +170,32 @@ def _each(keys: list[Hashable], dw: Any) -> None:
             pass
 
 
+def owed_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose weight gradients `module`'s ``backward_dw`` computes.
+
+    ``get_backward_dw_params()`` when it has one. Without it (Transformer Engine style), every
+    parameter under it but those of nested delayed modules (which answer for themselves): a
+    wrapper's ``backward_dw`` may fill a plain child's gradients, so the reducers must wait for it.
+
+    >>> owed_params(torch.nn.Sequential(torch.nn.Linear(2, 2)))[0].shape  # (no backward_dw: a plain walk)
+    torch.Size([2, 2])
+    """
+    getter = getattr(module, "get_backward_dw_params", None)
+    if callable(getter):
+        return list(getter())
+    out: list[nn.Parameter] = []
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.extend(m.parameters(recurse=False))
+        todo.extend(c for c in reversed(list(m.children())) if not is_delayed(c))
+    return out
+
+
 def delayed_modules(stage: nn.Module) -> list[nn.Module]:
     """The outermost delayed-wgrad modules of `stage` (itself included), in ``modules()`` order.
 
@@ -257,14 +283,9 @@ class StageWgrad:
         return [a.module for a in self.adapters if isinstance(a, FifoWgrad)]
 
     def wgrad_param_ids(self) -> set[int]:
-        """ids of the parameters this stage's W computes (`get_backward_dw_params`; all of a
-        module's own parameters when it has no such method)."""
-        out: set[int] = set()
-        for a in self.adapters:
-            getter = getattr(a.module, "get_backward_dw_params", None)
-            params = getter() if callable(getter) else a.module.parameters(recurse=False)
-            out.update(id(p) for p in params)
-        return out
+        """ids of the parameters this stage's W computes: `owed_params` of each delayed module,
+        nested ones too (an outer module's ``backward_dw`` runs theirs)."""
+        return {id(p) for a in self.adapters for m in a.module.modules() if is_delayed(m) for p in owed_params(m)}
 
     def backward(self, key: Hashable, roots: list[Any], grads: list[Any], inputs: list[Any],
                  saved: SavedBoxes | None = None, *, split: bool) -> None:
