@@ -88,6 +88,11 @@ def test_a_hung_run_is_stopped_with_stacks(zbpp_workers):
     assert time.monotonic() - t0 < 30
     assert all("no result within the timeout of 2 s" in f for f in info.value.failures.values())
     assert "sleep_forever_in_here" in info.value.failures[0]
+    # the closing summary names why and where it waited (it used to show the dump's outermost
+    # frame, the fork server's '<string>' line)
+    summary = str(info.value).split("failed first")[-1]
+    assert "no result within the timeout of 2 s" in summary and "in sleep_forever_in_here" in summary
+    assert "<string>" not in summary
 
 
 def test_a_dead_rank_is_reported_with_its_exit_code(zbpp_workers):

@@ -84,8 +84,22 @@ def short_error(report: str, *, max_message_lines: int = 4, width: int = 300) ->
       File "b.py", line 9, in g
         raise ValueError("boom")
     ValueError: boom
+
+    A stuck rank's report (its stack dump lists the innermost frame first) gives why it was
+    stopped and where it waited:
+
+    >>> dump = ('no result within the timeout of 2 s (f); its Python stacks:\n'
+    ...         'Current thread 0x1 (most recent call first):\n  File "a.py", line 3 in f\n  File "<string>", line 1 in <module>\n')
+    >>> print(short_error(dump))
+    no result within the timeout of 2 s (f); its Python stacks:
+      File "a.py", line 3 in f
     """
     lines = [line[:width] + (" ..." if len(line) > width else "") for line in report.rstrip().splitlines()]
+    current = next((i for i, line in enumerate(lines) if "(most recent call first)" in line), None)
+    if current is not None:  # a stuck rank's stack dump: why it was stopped, then its innermost frame
+        current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), current)
+        frame = next((line for line in lines[current + 1:] if line.startswith('  File "')), None)
+        return "\n".join([lines[0]] + ([frame] if frame is not None and current > 0 else []))
     frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
     if not frames:  # a death or a hang: its first lines say what happened
         head = lines[:max_message_lines]
