@@ -112,6 +112,22 @@ def test_an_argument_a_rank_cannot_unpickle_is_reported_with_its_traceback(zbpp_
     assert "cannot rebuild this argument" in info.value.first_error
 
 
+def test_a_lambda_or_local_function_is_refused_by_name(zbpp_workers):
+    """The ranks import functions by name: a lambda or a local function used to fail deep in
+    pickling (AttributeError: Can't pickle local object) or, decorated, on every rank as
+    "'function' object has no attribute '<locals>'"."""
+    workers = zbpp_workers(2, grace=1.0)
+
+    def body() -> int:
+        return 1
+
+    for fn in (lambda: 1, body):
+        with pytest.raises(TypeError, match=r"Workers.run: .*(<lambda>|body) is a lambda .*module level"):
+            workers.run(fn)
+    with pytest.raises(TypeError, match=r"@distributed: .*<locals>.body .*module level"):
+        distributed(world_size=2)(body)
+
+
 def test_fixture_pools_with_env_are_told_apart_by_it(zbpp_workers):
     """`env` (a dict) is one of Workers' options: the fixture keys its pools by it (a dict in the key
     used to raise TypeError: unhashable type), and pools with different env values are different."""

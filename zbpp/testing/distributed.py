@@ -217,6 +217,14 @@ def _worker_main(rank: int, world: int, backend: str, port: int, conn: Any, dump
     os._exit(0)
 
 
+def _check_by_name(fn: Any, where: str) -> None:
+    """Refuse a lambda or a function defined inside another: the ranks import functions by name."""
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(f"{where}: {fn.__module__}.{qualname} is a lambda or a function defined inside "
+                        "another; the ranks import it by name: define it at module level")
+
+
 class Workers:
     """A pool of `world_size` rank processes with an initialised process group.
 
@@ -313,6 +321,7 @@ class Workers:
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order. `timeout`
         (default the pool's) bounds the whole call, a restart of the pool included."""
+        _check_by_name(fn, "Workers.run")
         limit = timeout if timeout is not None else self.timeout
         deadline = time.monotonic() + limit
         self.start(timeout=limit)  # a pool stopped by a failure restarts here, within this run's time
@@ -458,6 +467,7 @@ def distributed(world_size: int = 2, *, backend: str = "gloo", timeout: float = 
     (they must pickle). For NCCL, combine with a skip when `gpus_available` is False."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., None]:
+        _check_by_name(fn, "@distributed")
         ref = _FunctionRef(fn.__module__, fn.__qualname__)
 
         @functools.wraps(fn)
