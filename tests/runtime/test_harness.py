@@ -136,6 +136,12 @@ def test_fixture_pools_with_env_are_told_apart_by_it(zbpp_workers):
     assert zbpp_workers(2, env={"ZBPP_TEST_VALUE": "a"}).run(env_var, "ZBPP_TEST_VALUE") == ["a", "a"]
 
 
+def test_a_non_string_env_value_is_refused_by_name(zbpp_workers):
+    """Every rank used to die setting it, reported only as 'exited with code 1 without reporting'."""
+    with pytest.raises(TypeError, match=r"env must map str to str; got 'ZBPP_TEST_VALUE': 1"):
+        zbpp_workers(2, env={"ZBPP_TEST_VALUE": 1})
+
+
 def test_a_rank_that_died_between_runs_is_reported_and_the_pool_restarts(zbpp_workers):
     """Rank 1 dies after its run returned (a thread it left behind exits): the next run reports rank
     1's exit code as a DistributedTestError, instead of a bare BrokenPipeError from sending it the job

@@ -256,6 +256,10 @@ class Workers:
         self.grace = grace
         self.threads = threads
         self.env = dict(env or {})
+        # checked here: a rank setting a non-string value dies before it can report why
+        bad = {k: v for k, v in self.env.items() if not (isinstance(k, str) and isinstance(v, str))}
+        if bad:
+            raise TypeError(f"env must map str to str; got {', '.join(f'{k!r}: {v!r}' for k, v in bad.items())}")
         if eager_init and backend != "nccl":
             raise ValueError("eager_init applies to NCCL only")
         self.eager_init = eager_init
