@@ -9,7 +9,8 @@ Three ways in, from the most to the least reuse:
            results = workers.run(check_case, "zb-h1", 8)   # check_case(...) on every rank
            results = workers.run(check_case, "1f1b", 4)    # same processes, no new spawn
 
-   In pytest, the plugin's ``zbpp_workers`` fixture hands out such pools (one per test module)::
+   In pytest, the plugin's ``zbpp_workers`` fixture hands out such pools (one per world size,
+   backend and options, kept for the session)::
 
        def test_cases(zbpp_workers):
            zbpp_workers(4).run(check_case, "zb-h1", 8)
