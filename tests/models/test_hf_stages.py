@@ -469,6 +469,7 @@ def test_block_sparse_big_bird_is_refused_by_name():
                                          r"attention_type='block_sparse'.*attention_type='original_full'"):
         causal_lm_stages(config, sched, 0)
     config.attention_type = "original_full"
+    config.is_decoder = True  # causal (bidirectional otherwise, refused: test_bert_style_models_...)
     causal_lm_stages(config, sched, 0)  # built: full attention fits the template
 
 
@@ -485,3 +486,34 @@ def test_small_config_and_builds_transformers_refuses_name_the_model_type():
     sched = build("1f1b", num_ranks=2, num_microbatches=2)
     with pytest.raises(ValueError, match=r"could not build the \*ForCausalLM of model_type 'dbrx'.*AttributeError"):
         causal_lm_stages(small_config("dbrx", hidden_size=32, num_layers=2), sched, 0)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "electra"])
+def test_bert_style_models_are_causal_only_as_decoders(model_type):
+    # BERT-style *ForCausalLM classes attend both ways unless config.is_decoder=True (HF only warns):
+    # they were built as they are, so a causal-LM step saw the tokens it predicts. Now refused by
+    # name; with is_decoder=True a step on a V's two stages in one process equals HF's model on the
+    # whole batch (float64, the same operations on 2 microbatches: the loss to 1e-12 of itself), and
+    # that reference differs from the bidirectional one (by ~5e-5 at this init: future tokens leak in)
+    from zbpp import Pipeline
+    from zbpp.models.hf import small_config
+
+    config = small_config(model_type, vocab_size=64, hidden_size=16, num_heads=2, num_layers=2, max_positions=64,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ValueError, match=rf"\(model_type '{model_type}'\) attends both ways unless "
+                                         r"config.is_decoder=True.*set config.is_decoder=True"):
+        causal_lm_stages(config, sched, 0)
+    ids = torch.randint(1, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    both_ways = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    config.is_decoder = True
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    stages, kwargs = causal_lm_stages(config, sched, 0, dtype=torch.float64, state_dict=ref.state_dict())
+    loss = Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+    want = token_mean_loss(ref(input_ids=ids).logits, ids)
+    with torch.no_grad():
+        leaky = token_mean_loss(both_ways(input_ids=ids).logits, ids)
+    assert abs(float(leaky) - float(want.detach())) > 1e-6, float(leaky)
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)
