@@ -517,3 +517,23 @@ def test_bert_style_models_are_causal_only_as_decoders(model_type):
         leaky = token_mean_loss(both_ways(input_ids=ids).logits, ids)
     assert abs(float(leaky) - float(want.detach())) > 1e-6, float(leaky)
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)
+
+
+def test_a_model_type_zbpp_does_not_test_is_built_with_a_warning_naming_it():
+    # a type outside SUPPORTED that fits the template was built without a word: now one warning names
+    # it; a supported type (Llama) builds without one
+    import warnings
+
+    from zbpp.models.hf import SUPPORTED, small_config
+
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    config = small_config("roberta", vocab_size=64, hidden_size=16, num_heads=2, num_layers=2, is_decoder=True)
+    assert "roberta" not in SUPPORTED
+    with pytest.warns(UserWarning, match=r"model_type 'roberta' \(RobertaForCausalLM\) is not among the families "
+                                         r"zbpp tests against HF") as caught:
+        causal_lm_stages(config, sched, 0)
+    assert len([w for w in caught if "not among the families" in str(w.message)]) == 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        causal_lm_stages(transformers.LlamaConfig(**COMMON), sched, 0)
+    assert not [w for w in seen if "not among the families" in str(w.message)]

@@ -5,7 +5,8 @@ runs ``config.num_hidden_layers`` decoder layers from one ``ModuleList`` (``mode
 ``transformer.h``, ``model.decoder.layers``, ...), applies a final norm, and whose LM head
 (``get_output_embeddings()``) turns the result into logits. `SUPPORTED` lists the ``model_type``\\s
 the tests run (every one exact against HF's model on 2 ranks under zb-h1 and zb-v); another model
-that fits the template works the same way, one that does not is refused naming what did not fit.
+that fits the template is built the same way, with a warning naming its type (untested against HF),
+one that does not is refused naming what did not fit.
 
 How a stage computes its part: it runs **the model's own forward** (HF's code, not a copy), with
 the decoder layer list swapped, during the call, for one of the model's full length in which the
@@ -72,6 +73,7 @@ import contextlib
 import inspect
 import os
 import sys
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
@@ -89,7 +91,7 @@ __all__ = ["causal_lm_stages", "save_pretrained", "CausalLMLoss", "RouterAuxLoss
            "small_config"]
 
 #: the ``config.model_type``\ s the tests run on 2 ranks under zb-h1 and zb-v against HF's model
-#: (tests/models/test_hf_families.py); any other model that fits the template works too
+#: (tests/models/test_hf_families.py); any other model that fits the template is built too, with a warning
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo",
              "olmo2", "gpt_neox", "opt", "falcon", "bloom", "starcoder2", "gpt_bigcode", "cohere", "granite", "glm",
              "smollm3", "helium", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3",
@@ -237,6 +239,7 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
         model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
     model = _model(model_or_config, dtype, attn_implementation, experts_implementation)
     template = check_template(model)
+    _warn_unless_supported(model)
     fqns = module_fqns_per_stage
     if fqns is None:
         with _loop_experts(model):
@@ -271,6 +274,16 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
 
         kwargs.update(fast_hf_stages(modules, fast=fast, fp8=fp8, loss_fn=loss))
     return modules, kwargs
+
+
+def _warn_unless_supported(model: nn.Module) -> None:
+    """One warning naming a model type outside `SUPPORTED`: it fits the template, but no test has run
+    it against HF (a family can fit and still compute differently, as BERT's bidirectional layers did)."""
+    kind = getattr(model.config, "model_type", None)
+    if kind not in SUPPORTED:
+        warnings.warn(f"zbpp.models.hf: model_type {kind!r} ({type(model).__name__}) is not among the families zbpp "
+                      "tests against HF (zbpp.models.hf.SUPPORTED): it fits the template, but compare a step with "
+                      "HF's own model before relying on it", stacklevel=4)
 
 
 def _read_on_every_rank(path: Any, build: Callable[[], Any]) -> Any:
