@@ -537,3 +537,18 @@ def test_a_model_type_zbpp_does_not_test_is_built_with_a_warning_naming_it():
         warnings.simplefilter("always")
         causal_lm_stages(transformers.LlamaConfig(**COMMON), sched, 0)
     assert not [w for w in seen if "not among the families" in str(w.message)]
+
+
+def test_falcon_h1_buffers_no_state_dict_holds_are_refused_naming_the_model():
+    # Falcon-H1's mixers compute mup_vector, a non-persistent buffer, in their constructors: built on the
+    # meta device it has no values, and no state_dict fills it. The refusal named neither the model nor
+    # a way out that causal_lm_stages takes ("pass init=", which it has no argument for)
+    from zbpp.models.hf import small_config
+
+    config = small_config("falcon_h1", vocab_size=64, hidden_size=16, num_heads=2, num_layers=1)
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    with pytest.warns(UserWarning, match="not among the families"), \
+            pytest.raises(ValueError, match=r"FalconH1ForCausalLM \(model_type 'falcon_h1'\): non-persistent "
+                                            r"buffers \['model\.layers\.0\.mamba\.mup_vector \(stage 0\)'.*"
+                                            r"zbpp\.models\.pipeline_stages and init="):
+        causal_lm_stages(config, sched, 0)

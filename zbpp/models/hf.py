@@ -259,6 +259,12 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
         stages, tied = pipeline_stages(model, schedule, pp_rank, module_fqns_per_stage=fqns, device=device,
                                        state_dict=state_dict, seed=seed)
     except _Uninitialised as exc:  # worded for this function's arguments: it takes no init=
+        if exc.transient:  # Falcon-H1's mup_vector: computed in a constructor, saved nowhere
+            raise ValueError(f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): "
+                             f"non-persistent buffers {exc.names} of modules {exc.classes} hold no values: HF's "
+                             "model computes them in its constructors, which zbpp skips (it builds the model on the "
+                             "meta device), and no state_dict or checkpoint holds them; build its stages with "
+                             "zbpp.models.pipeline_stages and init= (README, 'Bring your model')") from exc
         raise ValueError(f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): "
                          f"HF's _init_weights leaves modules {exc.classes} without values (HF's own model gets them "
                          "from their constructors, which zbpp skips: it builds the model on the meta device); pass "

@@ -798,14 +798,17 @@ class _Uninitialised(ValueError):
     """Tensors that the model's init left without values (`classes`: the modules holding them), which
     the caller may word for its own arguments (`zbpp.models.hf` takes no init=)."""
 
-    def __init__(self, message: str, classes: list[str]) -> None:
+    def __init__(self, message: str, classes: list[str], names: list[str], transient: bool = False) -> None:
         super().__init__(message)
         self.classes = classes
+        self.names = names  # the tensors, "fqn (stage s)", at most 8
+        self.transient = transient  # non-persistent buffers: no state_dict fills them, only init= does
 
 
 def _check_initialised(modules: dict[int, nn.Module], fresh: dict[int, tuple[int, int]]) -> None:
     bad, unsaved = [], []
     holders: set[str] = set()  # the classes of the modules holding `bad` ones
+    kept: set[str] = set()  # ... and `unsaved` ones
     for s, m in modules.items():
         # a non-persistent buffer (torchtitan's freqs_cis) is in no state_dict: only init= can fill it
         transient = {f"{prefix}.{b}" if prefix else b for prefix, sub in m.named_modules()
@@ -819,17 +822,18 @@ def _check_initialised(modules: dict[int, nn.Module], fresh: dict[int, tuple[int
                 empty = t.numel() > 0 and (t._version, t.data_ptr()) == fresh[id(t)]
             if empty:
                 (unsaved if name in transient else bad).append(f"{name} (stage {s})")
-                if name not in transient:
-                    holders.add(type(m.get_submodule(name.rpartition(".")[0])).__name__)
+                (kept if name in transient else holders).add(type(m.get_submodule(name.rpartition(".")[0])).__name__)
     if unsaved:
-        raise ValueError(f"{unsaved[:8]} hold no values after initialisation: non-persistent buffers, which no "
-                         "state_dict holds and the model's init does not fill; pass init= (a function that "
-                         "initialises one module, e.g. calling the model's own init_weights where it computes them)")
+        raise _Uninitialised(f"{unsaved[:8]} hold no values after initialisation: non-persistent buffers, which no "
+                             "state_dict holds and the model's init does not fill; pass init= (a function that "
+                             "initialises one module, e.g. calling the model's own init_weights where it computes "
+                             "them)", sorted(kept), unsaved[:8], transient=True)
     if bad:
         # a module that sets its values in its constructor only (HF's Conv1D) has none from the meta device
         raise _Uninitialised(f"{bad[:8]} hold no values after initialisation: the model's init does not cover them "
                              f"(modules {sorted(holders)}; one built on the meta device keeps no value its constructor "
-                             "set); pass init= (a function that initialises one module) or state_dict=", sorted(holders))
+                             "set); pass init= (a function that initialises one module) or state_dict=", sorted(holders),
+                             bad[:8])
 
 
 def _tied(model: nn.Module, fqns: list[list[str]], modules: dict[int, nn.Module]) -> dict[str, nn.Parameter]:
