@@ -493,10 +493,34 @@ def test_a_forward_the_meta_device_cannot_run_is_refused_by_name():
     sched = build("zb-v", num_ranks=1, num_microbatches=2)
     fqns = [["model.embed_tokens", "model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3",
                                                                           "model.norm", "lm_head"]]
-    with pytest.raises(ValueError, match=r"JetMoeForCausalLM \(model_type 'jetmoe'\): zbpp.models.hf checks .* on the "
-                                         r"meta device .*, which failed: RuntimeError: split_with_sizes.*"
+    with pytest.raises(ValueError, match=r"JetMoeForCausalLM \(model_type 'jetmoe'\): zbpp.models.hf needs a forward "
+                                         r".* on the meta device .*to check how .*, which failed: RuntimeError: "
+                                         r"split_with_sizes.*"
                                          r"README, 'Bring your model'"):
         causal_lm_stages(cfg, sched, 0, module_fqns_per_stage=fqns)
+
+
+@pytest.mark.parametrize("model_type, cause", [
+    ("jetmoe", "RuntimeError: split_with_sizes"),  # tokens per expert counted on the host
+    ("xmod", "ValueError: Input language unknown"),  # a language id it reads, then torch.nonzero
+    ("ergo", "NotImplementedError: aten::_unique2"),  # an operator without a meta kernel, in a paragraph and a URL
+])
+def test_a_placement_forward_the_meta_device_cannot_run_says_what_to_do(model_type, cause):
+    # The default placement's meta forward failing gave HF's error whole (Ergo's runs to ~600 characters)
+    # and two ways out of which neither works: "an example= the forward takes" (causal_lm_stages has no
+    # example=) and "pass module_fqns_per_stage" (the checks' meta forward then fails the same way). Now
+    # one short refusal naming the model, HF's first line, and the way that works.
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    cfg = _tiny(model_type)
+    cfg.is_decoder = True  # XMOD is BERT-style: causal only so (refused before placement otherwise)
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    with pytest.raises(ValueError, match=rf"\(model_type '{model_type}'\): zbpp.models.hf needs a forward .* on the "
+                                         rf"meta device .*to place the modules .*, which failed: {cause}.*with or "
+                                         r"without module_fqns_per_stage=.*zbpp.models.pipeline_stages") as caught:
+        causal_lm_stages(cfg, sched, 0, experts_implementation="eager")
+    assert "example=" not in str(caught.value) and len(str(caught.value)) < 800, str(caught.value)
 
 
 @pytest.mark.parametrize("family, overrides", [

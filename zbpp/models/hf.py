@@ -85,7 +85,7 @@ from torch import nn
 from .._compat import never_compiled
 from ..schedules.ir import Schedule
 from .hf_weights import save_pretrained
-from .stages import Balance, _Uninitialised, fqns_per_stage, pipeline_stages
+from .stages import Balance, _ForwardFailed, _Uninitialised, fqns_per_stage, pipeline_stages
 
 __all__ = ["causal_lm_stages", "save_pretrained", "CausalLMLoss", "RouterAuxLoss", "SUPPORTED", "check_template",
            "small_config"]
@@ -245,6 +245,9 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
         with _loop_experts(model):
             try:
                 fqns = fqns_per_stage(model, schedule.num_stages, blocks=template.blocks, balance=balance)
+            except _ForwardFailed as exc:  # module_fqns_per_stage= would not help: the checks run such a forward too
+                raise _meta_forward_failed(model, "to place the modules beside the decoder layers", exc.__cause__
+                                           ) from exc.__cause__
             except ValueError as exc:  # placement by use: say which model, and this function's way out
                 raise ValueError(f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): "
                                  f"{exc}. Pass causal_lm_stages(..., module_fqns_per_stage=) with those modules "
@@ -908,16 +911,24 @@ def _probe_forward(model: nn.Module, handles: Sequence[Any], *, grad: bool) -> N
     except _Unfit:  # a check's own refusal, already worded
         raise
     except Exception as exc:  # HF's own code failing on the meta device, deep in the model: say which and why
-        kind = getattr(getattr(model, "config", None), "model_type", None)
-        raise ValueError(
-            f"{type(model).__name__} (model_type {kind!r}): zbpp.models.hf checks how the model's forward feeds its "
-            f"decoder layers with one forward of {_PROBE_TOKENS[1]} tokens on the meta device (no values), which "
-            f"failed: {type(exc).__name__}: {exc}. A forward whose shapes depend on values (routing that counts "
-            "tokens per expert on the host, as JetMoE's) does not fit zbpp.models.hf's template; build its stages "
-            "with zbpp.models.pipeline_stages and a stage forward of your own (README, 'Bring your model')") from exc
+        raise _meta_forward_failed(model, "to check how the model's forward feeds its decoder layers", exc) from exc
     finally:
         for h in handles:
             h.remove()
+
+
+def _meta_forward_failed(model: nn.Module, what: str, exc: BaseException | None) -> ValueError:
+    """The refusal of a model whose forward fails on the meta device, which placing the stages and checking
+    them both need: HF's error shortened to its first line (some run to a paragraph and a URL)."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    cause = cause if len(cause) <= 160 else cause[:160] + " [...]"
+    return ValueError(
+        f"{type(model).__name__} (model_type {kind!r}): zbpp.models.hf needs a forward of a few tokens on the meta "
+        f"device (no values) {what}, which failed: {type(exc).__name__}: {cause}. A forward whose "
+        "shapes depend on values (routing that counts tokens per expert on the host, as JetMoE's) does not fit "
+        "zbpp.models.hf's template, with or without module_fqns_per_stage=; build its stages with "
+        "zbpp.models.pipeline_stages and a stage forward of your own (README, 'Bring your model')")
 
 
 @contextlib.contextmanager

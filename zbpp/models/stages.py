@@ -290,9 +290,9 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
     except Exception as exc:
         if fallback is not None:  # not a model of token ids after all: registration order, as before
             return fallback
-        raise ValueError(f"placing the modules beside the blocks needs one forward of {type(model).__name__} on the "
-                         f"example input, which failed ({type(exc).__name__}: {exc}); pass module_fqns_per_stage, or "
-                         "an example= the forward takes") from exc
+        raise _ForwardFailed(f"placing the modules beside the blocks needs one forward of {type(model).__name__} on "
+                             f"the example input, which failed ({type(exc).__name__}: {exc}); pass "
+                             "module_fqns_per_stage, or an example= the forward takes") from exc
     finally:
         for h in handles:
             h.remove()
@@ -792,6 +792,11 @@ def _load(model: nn.Module, modules: dict[int, nn.Module], state_dict: Mapping[s
                 t.copy_(value)
     if missing:
         raise ValueError(f"state_dict lacks {sorted(set(missing))[:8]} that this rank's stages hold")
+
+
+class _ForwardFailed(ValueError):
+    """The placement's forward of the model raised (its cause): a caller that has no ``example=`` to
+    offer words it for its own arguments (`zbpp.models.hf`)."""
 
 
 class _Uninitialised(ValueError):
