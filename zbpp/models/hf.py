@@ -1025,7 +1025,9 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
     """A small config of any ``model_type`` for trials (random weights, nothing downloaded): the
     sizes given, heads of ``hidden_size // num_heads``, an MLP 4x wide, mixture-of-experts with 4
     experts (2 per token) of width `hidden_size`, token ids 0 for pad/bos/eos; the family's other
-    settings at HF's defaults. `overrides` are set last (a config attribute each).
+    settings at HF's defaults; a multimodal config's text, vision and audio sub-configs get these sizes
+    (the causal LM is its text model). `overrides` are set last (a config attribute each, on the text
+    sub-config where only it has the attribute).
 
     >>> cfg = small_config("gemma2", hidden_size=32, num_layers=2)
     >>> cfg.model_type, cfg.head_dim, cfg.num_hidden_layers
@@ -1053,16 +1055,32 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
     }
     try:
         default = transformers.AutoConfig.for_model(model_type)
-        settable = {k for k in wanted if _settable(default, k)}
-        kw = {k: v for k, v in wanted.items() if k in settable}
+        kw = {k: v for k, v in wanted.items() if _settable(default, k)}
+        # a multimodal config's sizes are its sub-configs' (the causal LM is built from its text config):
+        # given as dicts of the shrunk sizes, the rest the sub-config class's defaults
+        for name in _SUB_CONFIGS:
+            sub = getattr(default, name, None)
+            if name in (getattr(type(default), "sub_configs", None) or {}) and sub is not None:
+                sizes = wanted if name == "text_config" else {
+                    **{k: wanted[k] for k in _SUB_SIZES}, **{k: hidden_size for k in _SUB_OUTPUTS}}
+                kw[name] = {k: v for k, v in sizes.items() if _settable(sub, k)}
         config = transformers.AutoConfig.for_model(model_type, **kw)
     except Exception as exc:  # transformers' own validators, deep in the family's config class: name the type
         raise ValueError(f"small_config({model_type!r}): transformers refuses the config ({type(exc).__name__}: "
                          f"{exc}); the family needs settings of its own beside the shared sizes: build its config "
                          "class directly (transformers.AutoConfig.for_model) and pass it to causal_lm_stages") from exc
-    for k, v in overrides.items():
-        setattr(config, k, v)
+    text = config.get_text_config() if "text_config" in (getattr(type(config), "sub_configs", None) or {}) else config
+    for k, v in overrides.items():  # on the text config where only it has the attribute (dropout, is_decoder)
+        setattr(text if text is not config and _settable(text, k) and not _settable(config, k) else config, k, v)
     return config
+
+
+#: the sub-configs of a multimodal config that `small_config` shrinks; a vision or audio one's widths (its
+#: layer count stays: some key per-layer settings by layer index) and its adapter's, to the text model
+_SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
+_SUB_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "moe_intermediate_size")
+_SUB_OUTPUTS = ("out_hidden_size", "adapter_out_dim", "text_hidden_size", "adapter_in_dim", "adapter_input_size")
 
 
 def _settable(config: Any, key: str) -> bool:
