@@ -385,3 +385,101 @@ def test_fast_stage_warning_says_when_compiled_weights_get_their_gradients() -> 
         if held is not None:
             held.run()  # W
         assert stage[0].weight.grad is not None
+
+
+
+def _moe_fast_step(layers: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], nn.Module]:
+    """One 2-microbatch step of a tiny Mixtral of `layers` MoE layers, router auxiliary loss on, all
+    in one fast stage (``backend="eager"``: the frames traced do not depend on the backend; the
+    experts as batched GEMMs, as on a GPU: without the eager loop's graph breaks, half the frames
+    to trace), its loss, the stage's gradients and HF's model of the same weights."""
+    import transformers
+
+    from tests.models.families import family_config, padded_batch
+
+    cfg = family_config("mixtral")
+    cfg.num_hidden_layers = layers
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64,
+                                                        experts_implementation="batched_mm")
+    sched = make_schedule("1f1b", 1, M)
+    stages, kwargs = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, attn_implementation="eager",
+                                      experts_implementation="batched_mm", state_dict=ref.state_dict(), device="cpu")
+    with pytest.warns(UserWarning, match="not zbpp layers"):  # the experts and routers, as above
+        fast_hf_stages(stages, backend="eager")  # the loss eager: only the layers' frames are counted
+    ids, mask, labels = padded_batch(ROWS)
+    loss = Pipeline(stages, sched, **kwargs).step({"input_ids": ids, "attention_mask": mask}, target=labels)
+    return loss, _grads(stages), ref
+
+
+def test_fast_form_of_6_moe_layers_compiles_nothing_3_did_not_and_equals_hf() -> None:
+    """HF records a router's logits by a forward hook that appends them to one list per forward.
+    Traced inside each compiled decoder layer, dynamo guarded on that list's length, so every MoE
+    layer recompiled its layer's code (a 6-layer stage traced 3 frames more than a 3-layer one of
+    the same code) and past torch's recompile limit (8) the stage's remaining layers ran eagerly,
+    with only a log line. The fast form runs the hook after the compiled layer: after a step of a
+    3-layer stage, a step of a 6-layer one traces no frame. Its loss (router auxiliary term
+    included) and every gradient equal HF's model in one process, per microbatch as the pipeline
+    weighs them (`families._reference_loss`): float64, loss to 1e-12 and gradients within
+    `GRAD_RTOL` of the largest (the summation order differs)."""
+    from tests.models.families import _reference_loss, padded_batch
+
+    torch._dynamo.reset()
+    _moe_fast_step(3)
+    torch._dynamo.utils.counters.clear()
+    loss, got, ref = _moe_fast_step(6)
+    counters = torch._dynamo.utils.counters
+    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    ids, mask, labels = padded_batch(ROWS)
+    want_loss, _ = _reference_loss(ref, ids, mask, labels, M, aux=True)
+    want_loss.backward()
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-12, atol=0)
+    want = {f"0.{n}": p.grad for n, p in ref.named_parameters()}
+    assert want.keys() == got.keys()
+    bound = GRAD_RTOL * max(g.abs().max() for g in want.values())
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=0, atol=bound, msg=name)
+
+
+def test_deferred_output_recorders_run_in_order_and_at_once_when_eager() -> None:
+    """The deferral of HF's output-recording hooks on its own, with a stand-in recorder (a hook of
+    transformers' recording module, appending to one list per forward as HF's does) on a router
+    inside each of 4 compiled blocks: the list gets the routers' outputs in the order they ran,
+    equal to an eager run's (the same ops: exact); the blocks' code is traced once (1 frame; it
+    recompiled per block before); a router run eagerly outside its block's call (an activation
+    policy's re-run calls the forward, not the block) records at once and leaves nothing held; and
+    a recorder that replaces its output, which could no longer take effect, raises by name."""
+    collected: list[torch.Tensor] = []
+
+    def recorder(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        collected.append(output)
+
+    recorder.__module__ = "transformers.utils.output_capturing"
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Tanh()
+            self.router.register_forward_hook(recorder)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(self.router(x)) + x
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    stage = nn.Sequential(*[Block() for _ in range(4)])
+    x = torch.randn(3, dtype=torch.float64)
+    stage(x)
+    want = list(collected)
+    collected.clear()
+    fast_stage(stage, blocks=stage, backend="eager")
+    stage(x)
+    assert len(collected) == 4 and all(torch.equal(a, b) for a, b in zip(collected, want))
+    assert torch._dynamo.utils.counters["frames"]["total"] == 1, dict(torch._dynamo.utils.counters["frames"])
+    collected.clear()
+    stage[0].forward(x)  # eager, no block hook after it
+    assert len(collected) == 1 and torch.equal(collected[0], want[0]) and stage[0]._zbpp_recorded == []
+    stage[1].router._zbpp_deferred_hooks = [lambda m, a, o: o]
+    with pytest.raises(RuntimeError, match="output-recording hook .* of a Tanh replaced its output"):
+        stage(x)

@@ -11,7 +11,9 @@ objects and parameter names (checkpoints and optimizers are unaffected):
   warns, naming them;
 - the code between the GEMMs (norms, rotary embeddings, attention, activations, residual adds) is
   compiled by ``torch.compile``, block by block (`blocks`: the repeated blocks, one compilation
-  shared by all of them) or, without `blocks`, the stage's forward as a whole. Each zbpp layer is a
+  shared by all of them; Hugging Face's output-recording hooks inside a block, a router's logits
+  among them, run after it, eagerly, else each block recompiles) or, without `blocks`, the stage's
+  forward as a whole. Each zbpp layer is a
   graph break (``zbpp.modules.base._outside_graph``), so a compiled region never swallows a
   weight GEMM and W stays non-empty; the regions' own weights (norm scales) get their gradients
   in B, in the region's one backward node, which computes the input's gradient too (on the first
@@ -58,6 +60,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .._compat import never_compiled
 from ..modules import DelayedScaling, delay_wgrad, fp8_autocast, fuse_gated_mlps
 from ..modules.base import DelayedWgradModule
 
@@ -137,10 +140,73 @@ def fast_stage(
             stage.compile(backend=backend)
         else:
             for block in blocks:
+                _defer_output_recorders(block)
                 block.compile(backend=backend)
     if fp8 is not False:
         Fp8Forward(DelayedScaling() if fp8 is True else fp8).attach(stage)
     return stage
+
+
+#: where Hugging Face's output-recording forward hooks come from (``output_router_logits`` and the like)
+_RECORDER_MODULE = "transformers.utils.output_capturing"
+
+
+def _defer_output_recorders(block: nn.Module) -> None:
+    """Run Hugging Face's output-recording hooks of the modules inside `block` (a MoE router's, which
+    ``output_router_logits`` turns on) after the compiled block returns, eagerly, in the order the
+    modules ran. Traced inside the block, the hook appends to one list per forward, which grows by
+    one each layer, and dynamo guards on its length: one recompilation per layer, and past the
+    recompile limit (8) the remaining layers run eagerly. In the graph each such module now only
+    appends its output to the block's own list, empty at every call (`_record_output`), and
+    `_replay_recorded` hands it to the hooks. A module already deferred (by an enclosing block, or
+    an earlier `fast_stage`) is left as it is."""
+    recorded: list[tuple[nn.Module, Any, Any]] = []
+    deferred = False
+    for module in block.modules():
+        if module is block or "_zbpp_deferred_hooks" in module.__dict__:  # the block's own run eagerly
+            continue
+        hooks = module._forward_hooks
+        ids = [k for k, h in hooks.items() if getattr(h, "__module__", None) == _RECORDER_MODULE
+               and k not in module._forward_hooks_with_kwargs]
+        if not ids:
+            continue
+        module._zbpp_deferred_hooks = [hooks[k] for k in ids]
+        module._zbpp_recorded = recorded
+        hooks[ids[0]] = _record_output  # in the first one's place: it sees the output they saw
+        for k in ids[1:]:
+            del hooks[k]
+        deferred = True
+    if deferred:
+        block._zbpp_recorded = recorded
+        block.register_forward_pre_hook(_forget_recorded)
+        block.register_forward_hook(_replay_recorded)
+
+
+def _record_output(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling() or module._zbpp_recorded:  # traced, or after a traced one: keep the order
+        module._zbpp_recorded.append((module, args, output))
+    else:  # eager (an activation policy's re-run, which no block hook follows): at once, holding nothing
+        _run_deferred(module, args, output)
+
+
+@never_compiled  # runs where the compiled block hands back to eager code: no frame of its own
+def _forget_recorded(block: nn.Module, args: Any) -> None:
+    block._zbpp_recorded.clear()  # what a call that raised left
+
+
+@never_compiled
+def _replay_recorded(block: nn.Module, args: Any, output: Any) -> None:
+    recorded = list(block._zbpp_recorded)
+    block._zbpp_recorded.clear()
+    for module, module_args, module_output in recorded:
+        _run_deferred(module, module_args, module_output)
+
+
+def _run_deferred(module: nn.Module, args: Any, output: Any) -> None:
+    for hook in module._zbpp_deferred_hooks:
+        if hook(module, args, output) is not None:  # a recorder returns None; an output it replaced would be lost
+            raise RuntimeError(f"fast_stage: the output-recording hook {hook.__qualname__} of a "
+                               f"{type(module).__name__} replaced its output; it runs after the compiled block")
 
 
 def _warn_weights_left(stage: nn.Module, compiled: list[nn.Module], fp8: bool) -> None:
