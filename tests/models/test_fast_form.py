@@ -483,3 +483,50 @@ def test_deferred_output_recorders_run_in_order_and_at_once_when_eager() -> None
     stage[1].router._zbpp_deferred_hooks = [lambda m, a, o: o]
     with pytest.raises(RuntimeError, match="output-recording hook .* of a Tanh replaced its output"):
         stage(x)
+
+
+def _raw_moe_fast_step(layers: int) -> tuple[nn.Module, nn.Module, list[torch.Tensor]]:
+    """HF's own tiny Mixtral of `layers` MoE layers, never run, and a copy given `fast_stage` with its
+    decoder layers as blocks (``backend="eager"``, batched-GEMM experts as in `_moe_fast_step`), each
+    after a forward and backward with the router auxiliary loss on the same padded batch."""
+    import transformers
+
+    from tests.models.families import family_config, padded_batch
+
+    cfg = family_config("mixtral")
+    cfg.num_hidden_layers = layers
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64,
+                                                        experts_implementation="batched_mm")
+    model = copy.deepcopy(ref)
+    assert not getattr(model.model, "_output_capturing_hooks_installed", False)  # HF installs them at its first forward
+    with pytest.warns(UserWarning, match="not zbpp layers"):
+        fast_stage(model, blocks=model.model.layers, backend="eager")
+    ids, mask, labels = padded_batch(ROWS)
+    losses = []
+    for m in (model, ref):
+        out = m(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True, use_cache=False)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    for layer in model.modules():
+        if hasattr(layer, "backward_dw"):  # the zbpp layers' weight gradients: W, outside a pipeline by hand
+            layer.backward_dw()
+    return model, ref, losses
+
+
+def test_fast_stage_of_an_hf_model_not_yet_run_compiles_nothing_more_for_more_moe_layers() -> None:
+    """HF installs its output-recording hooks at a model's first forward, after `fast_stage`: they
+    were not deferred and traced inside each layer (3 more frames for 6 layers than for 3, as in
+    the test above). `fast_stage` defers them at a block's first call too. Loss (auxiliary term
+    included) and gradients of the fast model equal HF's model (float64: gradients within
+    `GRAD_RTOL` of the largest, loss to 1e-12; the fast model's GEMMs sum in another order)."""
+    torch._dynamo.reset()
+    _raw_moe_fast_step(3)
+    torch._dynamo.utils.counters.clear()
+    model, ref, (loss, want_loss) = _raw_moe_fast_step(6)
+    counters = torch._dynamo.utils.counters
+    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)  # the same float64 ops in the forward
+    bound = GRAD_RTOL * max(p.grad.abs().max() for p in ref.parameters())
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=bound, msg=name)

@@ -141,6 +141,7 @@ def fast_stage(
         else:
             for block in blocks:
                 _defer_output_recorders(block)
+                block.register_forward_pre_hook(_defer_at_first_call)  # HF installs its hooks at its first forward
                 block.compile(backend=backend)
     if fp8 is not False:
         Fp8Forward(DelayedScaling() if fp8 is True else fp8).attach(stage)
@@ -159,8 +160,9 @@ def _defer_output_recorders(block: nn.Module) -> None:
     recompile limit (8) the remaining layers run eagerly. In the graph each such module now only
     appends its output to the block's own list, empty at every call (`_record_output`), and
     `_replay_recorded` hands it to the hooks. A module already deferred (by an enclosing block, or
-    an earlier `fast_stage`) is left as it is."""
-    recorded: list[tuple[nn.Module, Any, Any]] = []
+    an earlier call) is left as it is; HF installs its hooks at the model's first forward, so
+    `_defer_at_first_call` runs this again then."""
+    recorded: list[tuple[nn.Module, Any, Any]] = block.__dict__.get("_zbpp_recorded", [])  # one list per block
     deferred = False
     for module in block.modules():
         if module is block or "_zbpp_deferred_hooks" in module.__dict__:  # the block's own run eagerly
@@ -176,10 +178,17 @@ def _defer_output_recorders(block: nn.Module) -> None:
         for k in ids[1:]:
             del hooks[k]
         deferred = True
-    if deferred:
+    if deferred and "_zbpp_recorded" not in block.__dict__:  # the block's hooks, once
         block._zbpp_recorded = recorded
         block.register_forward_pre_hook(_forget_recorded)
         block.register_forward_hook(_replay_recorded)
+
+
+@never_compiled
+def _defer_at_first_call(block: nn.Module, args: Any) -> None:
+    if "_zbpp_recorders_deferred" not in block.__dict__:  # before its first trace: HF's hooks are in by now
+        _defer_output_recorders(block)
+        block._zbpp_recorders_deferred = True
 
 
 def _record_output(module: nn.Module, args: Any, output: Any) -> None:
