@@ -179,6 +179,10 @@ def owed_params(module: nn.Module) -> list[nn.Parameter]:
 
     >>> owed_params(torch.nn.Sequential(torch.nn.Linear(2, 2)))[0].shape  # (no backward_dw: a plain walk)
     torch.Size([2, 2])
+    >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    >>> b.weight = a.weight  # one Parameter in two children: owed once (a reducer fires it once)
+    >>> len(owed_params(torch.nn.Sequential(a, b)))
+    3
     """
     getter = getattr(module, "get_backward_dw_params", None)
     if callable(getter):
@@ -191,7 +195,8 @@ def owed_params(module: nn.Module) -> list[nn.Parameter]:
         if id(m) in seen:
             continue
         seen.add(id(m))
-        out.extend(m.parameters(recurse=False))
+        out.extend(p for p in m.parameters(recurse=False) if id(p) not in seen)  # a shared one once
+        seen.update(id(p) for p in m.parameters(recurse=False))
         todo.extend(c for c in reversed(list(m.children())) if not is_delayed(c))
     return out
 
