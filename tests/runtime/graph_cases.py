@@ -173,11 +173,12 @@ class TaskClock:
     """A fake clock for `HostTimer`: every forward of a stage moves it by `per_forward`, every
     replay of a task by `per_replay` more (negative: replays are faster than eager tasks).
     A rank's eager step then takes F * per_forward, a replayed one F * per_forward + T * per_replay
-    (F forwards, T tasks)."""
+    (F forwards, T tasks). `issue_share`: the host's clock runs at that fraction of this one, so an
+    eager step's issue takes that share of its time (None: no host clock, as on CPUs)."""
 
-    def __init__(self, per_forward: float, per_replay: float) -> None:
+    def __init__(self, per_forward: float, per_replay: float, issue_share: float | None = None) -> None:
         self.now = 0.0
-        self.per_forward, self.per_replay = per_forward, per_replay
+        self.per_forward, self.per_replay, self.issue_share = per_forward, per_replay, issue_share
 
     def __call__(self) -> float:
         return self.now
@@ -191,7 +192,8 @@ class TaskClock:
                 clock.now += clock.per_replay
                 super()._replay(rec)
 
-        return AutoGraphs(Ticking, HostTimer(self))
+        share = self.issue_share
+        return AutoGraphs(Ticking, HostTimer(self), host_clock=None if share is None else lambda: clock.now * share)
 
     def install(self, pipe: Pipeline, forms: list[str]) -> None:
         """Tick on every stage forward; append each training step's form to `forms` ("eager",
@@ -219,12 +221,13 @@ def auto_forms(graphs: bool | None) -> list[str]:
     return [form for pair in zip(one, one) for form in pair]
 
 
-def compare_auto(schedule: str, runs: list[tuple[float, float, bool] | None], *, rank: int = 0, world: int = 1,
+def compare_auto(schedule: str, runs: list[tuple[float, float, bool] | tuple[float, float, bool, float] | None], *,
+                 rank: int = 0, world: int = 1,
                  groups: Any = None, device: str = "cpu") -> list[str]:
     """For each run, `AUTO_STEPS` steps of ``cuda_graphs="auto"`` against eager steps, bit for bit;
     the forms it ran, those it chose (`Pipeline.graph_forms`) and the graphs (and, on CUDA, the
     memory pool) it kept. A run is
-    (per_forward, per_replay, graphs expected): timed by a `TaskClock`; or None: timed by CUDA
+    (per_forward, per_replay, graphs expected[, issue_share]): timed by a `TaskClock`; or None: timed by CUDA
     events, any choice. CPU: float64 stand-ins; CUDA: bf16 CUDA graphs. What differs, as lines."""
     dev = torch.device(device)
     kw: dict[str, Any] = dict(rank=rank, world=world, device=dev, groups=groups, steps=AUTO_STEPS,
@@ -233,7 +236,7 @@ def compare_auto(schedule: str, runs: list[tuple[float, float, bool] | None], *,
     eager = train(schedule, graphs=False, **kw)
     fails = []
     for run in runs:
-        clock, forms, pipes = TaskClock(*run[:2]) if run else TaskClock(0.0, 0.0), [], []
+        clock, forms, pipes = TaskClock(run[0], run[1], *run[3:]) if run else TaskClock(0.0, 0.0), [], []
 
         def watch(pipe: Pipeline) -> None:
             clock.install(pipe, forms)

@@ -14,6 +14,7 @@ from torch import nn
 
 from zbpp import Pipeline
 from zbpp.runtime import GraphCaptureError, PipelineError, task_graphs
+from zbpp.runtime.agreement import StartReport, graphs_win
 from zbpp.runtime.task_graphs import StandInGraphs
 from zbpp.schedules import build
 
@@ -287,14 +288,33 @@ def test_graphs_on_two_nccl_ranks(zbpp_workers, schedule: str, dp: int, main_gra
 # 4 * per_forward and a replayed one 4 * per_forward + 12 * per_replay on the fake clock.
 
 
-@pytest.mark.parametrize("per_replay, graphs", [(0.5, False), (-0.25, True), (-1 / 300, False)],
-                         ids=["eager-faster", "graphs-faster", "graphs-1%-faster"])
-def test_auto_keeps_the_faster_form_and_equals_eager(per_replay: float, graphs: bool) -> None:
+@pytest.mark.parametrize("per_replay, graphs, issue_share", [
+    (0.5, False, None), (-0.25, True, None), (-1 / 300, False, None), (1 / 300, True, 0.6)],
+    ids=["eager-faster", "graphs-faster", "graphs-1%-faster", "host-paced-graphs-1%-slower"])
+def test_auto_keeps_the_faster_form_and_equals_eager(per_replay: float, graphs: bool, issue_share: float | None) -> None:
     """One rank: eager 4 against replays 10 (eager kept, graphs dropped), 1 (graphs kept) or 3.96
-    (1% faster, inside the 2% margin `GRAPHS_MARGIN`: eager kept); two signatures alternate through
-    their trials; every step's loss and gradients equal eager steps'."""
-    fails = graph_cases.compare_auto("zb-h1", [(1.0, per_replay, graphs)])
+    (1% faster, inside the 2% margin `GRAPHS_MARGIN`: eager kept). With a host clock: replays 4.04
+    (1% slower) are kept where the host's issue took 0.6 of eager's step (a host half as fast
+    would set eager's pace, `HOST_SPEED_SPREAD`; the rule's other sides: `test_graphs_win_...`).
+    Two signatures alternate through their trials; every step's loss and gradients equal eager
+    steps'."""
+    fails = graph_cases.compare_auto("zb-h1", [(1.0, per_replay, graphs, issue_share)])
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("eager, graphs, issue, kept", [
+    (100, 97, 0, True), (100, 99, 0, False), (100, 101, 60, True), (100, 101, 49, False), (100, 103, 60, False),
+    (100, 101, 50, True)])
+def test_graphs_win_by_the_margin_or_where_the_host_sets_eager_pace(eager: int, graphs: int, issue: int,
+                                                                   kept: bool) -> None:
+    """`graphs_win` by hand: replays 3% faster win, 1% faster do not (`GRAPHS_MARGIN`); where the
+    host's issue of an eager step is at least half of it (a host half as fast would set its pace,
+    `HOST_SPEED_SPREAD`), replays up to 2% slower win and 3% slower do not; at 0.49 of it, 1% slower
+    do not. The slowest rank of each form counts: a second rank's faster figures change nothing."""
+    slow = StartReport(False, 0, 0, -1, -1, trial=True, eager_us=eager, graphs_us=graphs, eager_issue_us=issue)
+    fast = StartReport(False, 0, 0, -1, -1, trial=True, eager_us=eager // 2, graphs_us=graphs // 2)
+    assert graphs_win([slow, fast]) is kept
+    assert graphs_win([fast, slow]) is kept
 
 
 @pytest.mark.timeout(300)

@@ -79,6 +79,7 @@ class StartReport:
     trial: bool = False  #: a signature's trial of task graphs ended on it (``cuda_graphs="auto"``)
     eager_us: int = 0  #: that trial's slowest eager step, microseconds (0: none timed)
     graphs_us: int = 0  #: that trial's fastest replayed step, microseconds (0: none timed)
+    eager_issue_us: int = 0  #: the host's longest issue of that trial's eager steps, microseconds (0: not timed)
     #: the target's structure, shapes and non-tensor values (rank holding the last stage, when given; else 0)
     target_hash: int = 0
     #: a training step's reductions: 0 none on this rank (or evaluation), 1 synchronised, 2 inside ``no_sync()``
@@ -382,11 +383,19 @@ class StartDecision:
 #: two timed steps resolve, and graphs hold memory (static inputs, their pool) for it
 GRAPHS_MARGIN = 0.02
 
+#: how much slower than during its trial a host may run later: the GPU machines' hosts ran a fixed
+#: piece of host work at speeds up to 2x apart within one process (docs/benchmarks.md); an eager step
+#: whose issue would then outlast it is paced by the host, and its trial saw only that moment's speed
+HOST_SPEED_SPREAD = 2.0
+
 
 def graphs_win(reports: Sequence[StartReport]) -> bool | None:
     """The form a trial chose, from the reports of the ranks whose trial ended (None: none did):
     the slowest rank of each form sets its pace, and graphs win if eager was not timed or their
-    slowest rank was at least `GRAPHS_MARGIN` faster than eager's slowest.
+    slowest rank was at least `GRAPHS_MARGIN` faster than eager's slowest; or, where a host
+    `HOST_SPEED_SPREAD` times slower would have set eager's pace (its longest issue time that many
+    times over is at least eager's step), if they were at most `GRAPHS_MARGIN` slower: replays do
+    not follow the host's speed, which the trial saw only at one moment.
 
     >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=90, graphs_us=100),
     ...             StartReport(False, 0, 0, -1, -1, trial=True, eager_us=130, graphs_us=95)])
@@ -395,12 +404,15 @@ def graphs_win(reports: Sequence[StartReport]) -> bool | None:
     False
     >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=100, graphs_us=99)])
     False
+    >>> graphs_win([StartReport(False, 0, 0, -1, -1, trial=True, eager_us=100, graphs_us=101, eager_issue_us=60)])
+    True
     """
     ended = [r for r in reports if r.trial]
     if not ended:
         return None
     eager, graphs = max(r.eager_us for r in ended), max(r.graphs_us for r in ended)
-    return eager <= 0 or graphs <= eager * (1 - GRAPHS_MARGIN)
+    host_paced = HOST_SPEED_SPREAD * max(r.eager_issue_us for r in ended) >= eager
+    return eager <= 0 or graphs <= eager * (1 + GRAPHS_MARGIN if host_paced else 1 - GRAPHS_MARGIN)
 
 
 def decide_start(agreement: Agreement, mine: StartReport, problem: BaseException | None, topology: Any,

@@ -482,7 +482,7 @@ class Pipeline:
             # reported to every rank by the agreement; an interrupt too (in loss_weight, say): the peers wait in it
             batch, problem = None, exc
         b = batch if batch is not None else LocalBatch()  # nothing of the input on this rank
-        trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0)
+        trial = self._graph_cache.trial_report() if self._graph_cache is not None else (False, 0, 0, 0)
         state = (module_state(walks), autocast_state(self.device), forward_only)
         reduces = self._reductions.reducer is not None or bool(self._tied.names)
         trains, frozen = self._tied.training_flags() if not forward_only else (0, 0)

@@ -41,10 +41,12 @@ of that signature copies each task's inputs into the graph's static buffers and 
   signature: step 1 eager, step 2 captures, then `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed
   steps alternate, their tasks timed on the compute stream (CUDA events; a failed step, or a replay
   that had to capture again, gives no time). At the next step's start agreement every rank whose
-  trial ended reports its slowest eager step (eager's pace follows the host's, which varies) and
-  its fastest replayed step (reading the events is the one host synchronisation of a signature's
-  trial); the slowest rank of each form sets its pace, and eager
-  is kept only if it was timed and that pace beat the replays' (`agreement.graphs_win`). Every
+  trial ended reports its slowest eager step (eager's pace follows the host's, which varies), the
+  host's time issuing it, and its fastest replayed step (reading the events is the one host
+  synchronisation of a signature's trial); the slowest rank of each form sets its pace. Graphs are
+  kept if eager was not timed or the replays' pace beat eager's by `agreement.GRAPHS_MARGIN`; or,
+  where the host's issue time is at least half the eager step's (a host at half the trial's speed
+  would set eager's pace), if eager did not beat them by that margin (`agreement.graphs_win`). Every
   rank takes that decision, for that signature from then on (measured again if the pipeline
   forgets the signature); if eager wins, its graphs are dropped (their memory goes back to the
   graphs' pool, for later captures; the pool itself, once it holds no graph, to the allocator).
@@ -294,6 +296,9 @@ class AutoGraphs:
 
     kind: type[TaskGraphs] = TaskGraphs
     timer: StepTimer | None = None  #: None: `EventTimer` for CUDA graphs, else `HostTimer`
+    #: times the host's issue of a trial's eager steps; None: `time.perf_counter` where the default
+    #: timer times the device (CUDA graphs), else none (the host is the device: nothing apart to time)
+    host_clock: Callable[[], float] | None = None
 
 
 def graph_cache(option: Any, modules: dict[int, torch.nn.Module], device: torch.device) -> GraphCache | None:
@@ -314,7 +319,7 @@ def graph_cache(option: Any, modules: dict[int, torch.nn.Module], device: torch.
     if isinstance(option, str) and option == "auto":
         option = AutoGraphs()
     if isinstance(option, AutoGraphs):
-        return GraphCache(option.kind, modules, device, choose=True, timer=option.timer)
+        return GraphCache(option.kind, modules, device, choose=True, timer=option.timer, host_clock=option.host_clock)
     if isinstance(option, type) and issubclass(option, TaskGraphs):
         return GraphCache(option, modules, device)
     raise ValueError(f'cuda_graphs={option!r}: pass False, True or "auto"')
@@ -581,6 +586,7 @@ class _Trial:
 
     steps: int = 0  #: its training steps that succeeded (the first one eager, the second captured)
     marks: dict[str, list[tuple[Any, Any]]] = field(default_factory=lambda: {"eager": [], "graphs": []})
+    issue_s: list[float] = field(default_factory=list)  #: the host's time issuing each timed eager step
     graphs: bool | None = None  #: the choice, once every rank agreed on it
 
     def form(self) -> str:
@@ -603,6 +609,8 @@ class _TrialStep:
     form: str
     start: Any = None  # its tasks' start mark, when it is a timed trial step
     end: Any = None
+    host_start: float | None = None  # the host's clock there (eager trial steps, with a host clock)
+    host_end: float | None = None
 
 
 class GraphCache:
@@ -615,10 +623,13 @@ class GraphCache:
         choose: per signature, eager steps or replays, whichever its trial measured faster
             (``cuda_graphs="auto"``); False: always replays.
         timer: what times the trial's steps; default `EventTimer` for CUDA graphs, else `HostTimer`.
+        host_clock: what times the host's issue of the trial's eager steps; default
+            `time.perf_counter` with the default timer of CUDA graphs, else none.
     """
 
     def __init__(self, kind: type[TaskGraphs], modules: dict[int, torch.nn.Module], device: torch.device, *,
-                 choose: bool = False, timer: StepTimer | None = None) -> None:
+                 choose: bool = False, timer: StepTimer | None = None,
+                 host_clock: Callable[[], float] | None = None) -> None:
         why = refusal(modules, device, kind)
         if why is not None:
             raise ValueError(why)
@@ -634,6 +645,7 @@ class GraphCache:
         self._device = device
         self.choose = choose
         self.timer: StepTimer = timer if timer is not None else (EventTimer() if cuda else HostTimer())
+        self.host_clock = host_clock if host_clock is not None or timer is not None or not cuda else time.perf_counter
         self._trials: OrderedDict[Hashable, _Trial] = OrderedDict()
         self._now: _TrialStep | None = None  # the training step under way (choose only)
         self._reported: Hashable | None = None  # the signature whose trial ended, until the ranks decide
@@ -656,6 +668,7 @@ class GraphCache:
             if self._now.form == "eager":
                 if trial.timing:
                     self._now.start = self.timer.mark()
+                    self._now.host_start = self.host_clock() if self.host_clock is not None else None
                 return EAGER
         graphs = self._graphs(signature, params, grads, buffers)
         if self._now is not None and trial is not None and trial.timing and not graphs.capturing:
@@ -692,6 +705,8 @@ class GraphCache:
         """The step's tasks are all issued: the end of a timed trial step."""
         if self._now is not None and self._now.start is not None:
             self._now.end = self.timer.mark()
+            if self._now.host_start is not None:
+                self._now.host_end = self.host_clock()  # type: ignore[misc]
 
     def captured(self, runner: TaskRunner) -> None:
         """Every rank succeeded: graphs captured in this step replay from now on; a trial step
@@ -704,6 +719,8 @@ class GraphCache:
             return
         if now.end is not None:
             trial.marks[now.form].append((now.start, now.end))
+        if now.host_start is not None and now.host_end is not None:
+            trial.issue_s.append(now.host_end - now.host_start)
         trial.steps += 1
         if trial.graphs is None and trial.steps == 2 + 2 * TRIAL_STEPS:  # every rank of the pipeline: same step
             self._reported = now.signature
@@ -714,13 +731,14 @@ class GraphCache:
         if isinstance(runner, TaskGraphs) and runner.capturing:
             self.graphs.pop(signature, None)
 
-    def trial_report(self) -> tuple[bool, int, int]:
-        """For the next start agreement: whether a signature's trial ended on this rank, and its
-        slowest eager and fastest replayed step (microseconds, at least 1; 0: none was timed). Reading the
-        marks waits for the last one: the one host synchronisation of a signature's trial."""
+    def trial_report(self) -> tuple[bool, int, int, int]:
+        """For the next start agreement: whether a signature's trial ended on this rank, its
+        slowest eager and fastest replayed step and the host's longest issue of an eager step
+        (microseconds, at least 1; 0: none was timed). Reading the marks waits for the last one: the
+        one host synchronisation of a signature's trial."""
         trial = self._trials.get(self._reported) if self._reported is not None else None
         if trial is None:
-            return False, 0, 0
+            return False, 0, 0, 0
         # a device error raised here, before the agreement, would leave the other ranks waiting; it
         # shows again at this rank's next CUDA call, inside the step, where every rank hears of it
         # eager's pace is its slowest step: its later steps run at the host's speed of the moment,
@@ -730,8 +748,9 @@ class GraphCache:
                      for form, pick in (("eager", max), ("graphs", min))]
         except Exception:  # noqa: BLE001
             paces = [0.0, 0.0]
-        eager_us, graphs_us = (max(1, round(t * 1e6)) if t > 0 else 0 for t in paces)
-        return True, eager_us, graphs_us
+        eager_us, graphs_us, issue_us = (max(1, round(t * 1e6)) if t > 0 else 0
+                                         for t in (*paces, max(trial.issue_s, default=0.0)))
+        return True, eager_us, graphs_us, issue_us
 
     def settle(self, graphs: bool | None) -> None:
         """The ranks' decision on the trial reported at this start agreement (None: no rank
