@@ -46,6 +46,7 @@ __all__ = [
     "dcp_file_extents",
     "dcp_host_shard",
     "grad_scaler_found_inf",
+    "scheduler_parts",
 ]
 
 
@@ -457,3 +458,11 @@ def grad_scaler_found_inf(scaler: Any, optimizer: Any, device: torch.device) -> 
     if state["stage"] is not OptState.UNSCALED:
         scaler.unscale_(optimizer)  # raises torch's error after step()
     return state["found_inf_per_device"]
+
+
+def scheduler_parts(scheduler: Any) -> list[Any]:
+    """The schedulers that a ``SequentialLR`` or ``ChainedScheduler`` runs, in order (torch keeps
+    them in ``_schedulers``, and its ``load_state_dict`` loads the saved states into them by
+    position, unchecked); none for any other scheduler."""
+    parts = getattr(scheduler, "_schedulers", None)
+    return list(parts) if isinstance(parts, (list, tuple)) else []

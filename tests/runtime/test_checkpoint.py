@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -877,32 +878,101 @@ class _Saves:
         return self.state
 
 
-@pytest.mark.parametrize("what, saved_as, words", [
-    ("lr_scheduler", "damaged", "does not unpickle (UnpicklingError: damaged on disk)"),
-    ("lr_scheduler", "StepLR", "does not load into the given lr_scheduler (LambdaLR; KeyError: 'lr_lambdas')"),
-    ("grad_scaler", "partial", "does not load into the given grad_scaler (GradScaler; KeyError: 'growth_factor')")],
-    ids=["damaged-scheduler", "scheduler-of-another-kind", "scaler-state-lacking-a-key"])
+class _Trainer:
+    """Holds a lock, so a scheduler built over its bound method cannot be deep-copied (a trial
+    copy of it used to be skipped)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def lr_at(self, epoch: int) -> float:
+        return 0.5 ** epoch
+
+
+class _Warmup:
+    """A callable lr_lambda: LambdaLR saves its ``__dict__`` and loads it back by position."""
+
+    def __init__(self) -> None:
+        self.steps = 3
+
+    def __call__(self, epoch: int) -> float:
+        return min(1.0, (epoch + 1) / self.steps)
+
+
+def _save_without_kinds(net: torch.nn.Module, path: Path, opt: torch.optim.Optimizer, **kept: Any) -> None:
+    """A checkpoint as saved before the schedulers' and scalers' classes were recorded."""
+    import torch.distributed.checkpoint as dcp
+
+    from zbpp.runtime import checkpoint
+
+    state = checkpoint._state_to_save(net, opt, kept.get("lr_scheduler"), kept.get("grad_scaler"))
+    for what in ("lr_scheduler", "grad_scaler"):
+        state.get(what, {}).pop("kind", None)
+    with checkpoint._one_process_quiet(alone=True):
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+
+
+_KINDS = "torch.optim.lr_scheduler."
+_STEP_KEYS = "lacks 'T_max', 'eta_min' and has 'step_size', 'gamma' besides"
+
+
+@pytest.mark.parametrize("what, saved_as, given, words", [
+    ("lr_scheduler", "damaged", "LambdaLR", "does not unpickle (UnpicklingError: damaged on disk)"),
+    ("lr_scheduler", "StepLR", "LambdaLR",
+     f"was saved from a {_KINDS}StepLR, the given lr_scheduler is a {_KINDS}LambdaLR"),
+    ("lr_scheduler", "StepLR", "CosineAnnealingLR",
+     f"was saved from a {_KINDS}StepLR, the given lr_scheduler is a {_KINDS}CosineAnnealingLR"),
+    ("lr_scheduler", "old StepLR", "CosineAnnealingLR",
+     f"{_STEP_KEYS}, unlike the given lr_scheduler's state_dict() ({_KINDS}CosineAnnealingLR)"),
+    ("lr_scheduler", "StepLR", "uncopyable LambdaLR",
+     f"was saved from a {_KINDS}StepLR, the given lr_scheduler is a {_KINDS}LambdaLR"),
+    ("lr_scheduler", "LambdaLR of 2 groups", "uncopyable LambdaLR",
+     "does not load into the given lr_scheduler (LambdaLR; IndexError: list index out of range)"),
+    ("grad_scaler", "partial", "GradScaler",
+     f"was saved from a {__name__}._Saves, the given grad_scaler is a torch.amp.grad_scaler.GradScaler"),
+    ("grad_scaler", "old partial", "GradScaler",
+     "lacks 'growth_factor', 'backoff_factor', 'growth_interval', '_growth_tracker', unlike the given "
+     "grad_scaler's state_dict() (torch.amp.grad_scaler.GradScaler)")],
+    ids=["damaged-scheduler", "scheduler-of-another-kind", "StepLR-for-CosineAnnealingLR",
+         "StepLR-for-CosineAnnealingLR-saved-without-its-class", "another-kind-for-an-uncopyable-scheduler",
+         "bad-state-for-an-uncopyable-scheduler", "scaler-state-of-another-class", "scaler-state-lacking-keys"])
 def test_a_bad_scheduler_or_scaler_entry_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str,
-                                                         saved_as: str, words: str) -> None:
+                                                         saved_as: str, given: str, words: str) -> None:
     """The LR scheduler's and the GradScaler's states were unpickled and loaded last, after the model
     and the optimizer: an entry that does not unpickle, a StepLR's loaded into a LambdaLR, or a
     scaler state lacking a key left the model and optimizer loaded and the scheduler (or half the
-    scaler: its scale) not. Now both are unpickled and tried on copies before anything loads: the
-    error names the entry, and the model, the optimizer, the scheduler and the scaler equal their
-    state before the load (``torch.equal``, ``==``: nothing was to change)."""
+    scaler: its scale) not. Now both are unpickled, checked and tried on copies before anything
+    loads: the error names the entry, and the model, the optimizer, the scheduler and the scaler
+    equal their state before the load (``torch.equal``, ``==``: nothing was to change).
+
+    A StepLR's state for a CosineAnnealingLR loaded without a word (torch's load updates
+    ``__dict__``): refused now, by the class recorded at save, or for a checkpoint saved without
+    it by the keys the CosineAnnealingLR's own ``state_dict()`` has. A scheduler that cannot be
+    deep-copied (over a bound method of an object holding a lock) skipped the trial, so a state
+    that its load refuses (LambdaLR's callable lr_lambdas of 2 groups, for 1) raised only after the
+    model and the optimizer were loaded; its trial now runs on a copy that shares the method."""
     from zbpp.runtime import save_checkpoint
 
     net = whole_model()
     opt = make_optimizer(net.parameters())
     _train(net, opt, range(1))
+    two_groups = torch.optim.SGD([{"params": [net.layers["0"].weight]}, {"params": [net.layers["0"].bias]}], lr=0.1)
     saved = {"damaged": _Saves({"last_epoch": _Damaged()}), "partial": _Saves({"scale": 2.0 ** 10}),
-             "StepLR": torch.optim.lr_scheduler.StepLR(opt, step_size=2)}[saved_as]
-    save_checkpoint(net, tmp_path / "c", opt, **{what: saved})
+             "StepLR": torch.optim.lr_scheduler.StepLR(opt, step_size=2),
+             "LambdaLR of 2 groups": torch.optim.lr_scheduler.LambdaLR(two_groups, [_Warmup(), _Warmup()])}
+    saved["old StepLR"], saved["old partial"] = saved["StepLR"], saved["partial"]
+    if saved_as.startswith("old "):
+        _save_without_kinds(net, tmp_path / "c", opt, **{what: saved[saved_as]})
+    else:
+        save_checkpoint(net, tmp_path / "c", opt, **{what: saved[saved_as]})
     monkeypatch.setattr(_Damaged, "broken", True)
 
     net = whole_model(seed=7)
     opt = make_optimizer(net.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+    sched = {"LambdaLR": lambda: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch),
+             "uncopyable LambdaLR": lambda: torch.optim.lr_scheduler.LambdaLR(opt, _Trainer().lr_at),
+             "CosineAnnealingLR": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+             "GradScaler": lambda: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)}[given]()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
     scaler.scale(torch.ones(()))  # a live scale tensor, which a half load fills
     _train(net, opt, range(7, 8))
@@ -925,6 +995,62 @@ def test_a_bad_scheduler_or_scaler_entry_changes_nothing(tmp_path: Path, monkeyp
         for field, value in state.items():
             assert torch.equal(after["optimizer"][name][field], value), (name, field)
     assert [after[k] == before[k] for k in ("lr", "lr_scheduler", "grad_scaler")] == [True] * 3, (before, after)
+
+
+def _scheduler(kind: str, opt: torch.optim.Optimizer, swapped: bool = False) -> Any:
+    """A scheduler of `kind` over `opt`; `swapped`: its parts in the other order (or another kind)."""
+    s = torch.optim.lr_scheduler
+    if kind in ("SequentialLR", "ChainedScheduler"):
+        parts = [s.LinearLR(opt, start_factor=0.5, total_iters=2), s.ExponentialLR(opt, gamma=0.9)]
+        parts = parts[::-1] if swapped else parts
+        return s.SequentialLR(opt, parts, milestones=[2]) if kind == "SequentialLR" else s.ChainedScheduler(parts, opt)
+    if kind == "uncopyable LambdaLR":
+        return s.LambdaLR(opt, [_Warmup()] if swapped else _Trainer().lr_at)
+    return s.CosineAnnealingLR(opt, T_max=4) if swapped else s.OneCycleLR(opt, max_lr=0.1, total_steps=8)
+
+
+@pytest.mark.parametrize("kind", ["SequentialLR", "ChainedScheduler", "uncopyable LambdaLR", "OneCycleLR"])
+def test_schedulers_resume_and_another_composition_is_refused(tmp_path: Path, kind: str) -> None:
+    """SequentialLR, ChainedScheduler, LambdaLR (over a bound method of an object holding a lock:
+    no deep copy) and OneCycleLR resume as the uninterrupted run (saved after 3 of 6 steps: the
+    learning rates of the last 3 and the final ``state_dict()`` equal its own, ``==``: same
+    operations in one process). A SequentialLR's or ChainedScheduler's state loaded into one of
+    its parts in the other order without a word (torch loads them by position): refused now,
+    naming both compositions, as another kind is (a OneCycleLR's state for a CosineAnnealingLR; a
+    LambdaLR's over a function for one over a callable object, which its load fills from
+    ``__dict__``, is checked by its trial and loads)."""
+    from zbpp.runtime import save_checkpoint
+
+    def run(steps: range, save: Path | None = None, load: Path | None = None, swapped: bool = False):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1 if load is None else 1.0)
+        sched = _scheduler(kind, opt, swapped)
+        if load is not None:
+            load_checkpoint(net, load, opt, lr_scheduler=sched)
+        lrs = []
+        for step in steps:
+            opt.step()
+            sched.step()
+            lrs.append((opt.param_groups[0]["lr"], sched.get_last_lr()))
+            if save is not None and step == 2:
+                save_checkpoint(net, save, opt, lr_scheduler=sched)
+        return lrs, sched.state_dict()
+
+    ref_lrs, ref_state = run(range(6), save=tmp_path / "c")
+    lrs, state = run(range(3, 6), load=tmp_path / "c")
+    assert lrs == ref_lrs[3:]
+    assert state == ref_state
+    if kind == "uncopyable LambdaLR":
+        run(range(0), load=tmp_path / "c", swapped=True)  # same kind, same keys: loads
+        return
+    want = {"SequentialLR": f"{_KINDS}SequentialLR({_KINDS}LinearLR, {_KINDS}ExponentialLR), the given lr_scheduler "
+                            f"is a {_KINDS}SequentialLR({_KINDS}ExponentialLR, {_KINDS}LinearLR)",
+            "ChainedScheduler": f"{_KINDS}ChainedScheduler({_KINDS}LinearLR, {_KINDS}ExponentialLR), the given "
+                                f"lr_scheduler is a {_KINDS}ChainedScheduler({_KINDS}ExponentialLR, {_KINDS}LinearLR)",
+            "OneCycleLR": f"{_KINDS}OneCycleLR, the given lr_scheduler is a {_KINDS}CosineAnnealingLR"}[kind]
+    with pytest.raises(ValueError, match=re.escape(f"its 'lr_scheduler' entry was saved from a {want}")):
+        run(range(0), load=tmp_path / "c", swapped=True)
 
 
 def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: Path) -> None:

@@ -15,8 +15,9 @@ Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
      "model": {name: tensor},                                  # every stage's state_dict()
      "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
                    "param_groups": {name: {"lr": ..., "betas": ..., ...}}},
-     "lr_scheduler": {"state": <pickled state_dict>},           # given lr_scheduler=
-     "grad_scaler": {"state": <pickled state_dict>},            # given grad_scaler=
+     "lr_scheduler": {"state": <pickled state_dict>,            # given lr_scheduler=
+                      "kind": "torch.optim.lr_scheduler.StepLR"},  # its class (`_kind`)
+     "grad_scaler": {"state": <pickled state_dict>, "kind": ...},  # given grad_scaler=
      "rng": {"step": ..., "seed": ...},                         # a Pipeline's random stream
      "fp8": {"replica0": {"<layer>.<slot>": {"amax_history": ..., "scale": ..., ...}}}}
                                                                # zbpp layers' FP8 scaling state
@@ -50,7 +51,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from .._compat import uncompiled
+from .._compat import scheduler_parts, uncompiled
 from ..modules._scaling_state import ScalingRestore, planned_scaling_states, scaling_states, scaling_layers
 from .agreement import Agreement, agree_on_problems, collective_call
 
@@ -259,9 +260,9 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
                 groups[name] = _mark_empty_dicts(_hyper(group))
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
     if lr_scheduler is not None:
-        state["lr_scheduler"] = {"state": pickle.dumps(lr_scheduler.state_dict())}
+        state["lr_scheduler"] = {"state": pickle.dumps(lr_scheduler.state_dict()), "kind": _kind(lr_scheduler)}
     if grad_scaler is not None:
-        state["grad_scaler"] = {"state": pickle.dumps(grad_scaler.state_dict())}
+        state["grad_scaler"] = {"state": pickle.dumps(grad_scaler.state_dict()), "kind": _kind(grad_scaler)}
     rng = _rng_state(model)
     if rng is not None:
         state["rng"] = rng
@@ -356,8 +357,11 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     ``.metadata`` (a save that did not finish) or with a data file missing or cut short raises,
     naming the file and an entry of it, before anything is loaded; so does an FP8 entry that is not
     as `save_checkpoint` writes it (another format, a field missing), naming it, and an
-    ``lr_scheduler`` or ``grad_scaler`` entry that does not unpickle or does not load into the
-    given one (tried on a copy of it first: another kind of scheduler, a key missing).
+    ``lr_scheduler`` or ``grad_scaler`` entry that does not unpickle, was saved from another kind
+    (its class, recorded at save: a StepLR's state for a CosineAnnealingLR, which torch's own load
+    would take unchecked; for a checkpoint saved before classes were recorded, keys that the given
+    one's ``state_dict()`` lacks or has besides), or does not load into the given one (tried on a
+    copy of it first, one that shares what cannot be copied, as a bound method's object).
 
     A read that fails part-way (an I/O error, a damaged file) raises a RuntimeError on every rank,
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
@@ -490,11 +494,11 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     if lr_scheduler is not None:
         if "lr_scheduler.state" not in meta:
             raise ValueError(f"the checkpoint {path!r} holds no LR scheduler state (saved without lr_scheduler=)")
-        state["lr_scheduler"] = {"state": None}
+        state["lr_scheduler"] = _kept_destination(meta, "lr_scheduler")
     if grad_scaler is not None:
         if "grad_scaler.state" not in meta:
             raise ValueError(f"the checkpoint {path!r} holds no GradScaler state (saved without grad_scaler=)")
-        state["grad_scaler"] = {"state": None}
+        state["grad_scaler"] = _kept_destination(meta, "grad_scaler")
     restore_rng = hasattr(model, "rng_step") and "rng.step" in meta
     if restore_rng:
         state["rng"] = {"step": None, "seed": None}
@@ -781,11 +785,40 @@ def _placed(staged: Any, keep: Mapping[tuple[Any, ...], torch.Tensor], param: nn
         return staged.to(device=device, dtype=dtype)
 
 
+def _kept_destination(meta: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """What DCP reads the ``lr_scheduler`` or ``grad_scaler`` entry into: its pickled state, and
+    its class where saved (checkpoints saved before classes were recorded have none)."""
+    return {"state": None, **({"kind": None} if f"{what}.kind" in meta else {})}
+
+
+def _kind(target: Any) -> str:
+    """The class of `target` (an LR scheduler or a GradScaler), by module and qualified name, with
+    those of a ``SequentialLR``'s or ``ChainedScheduler``'s schedulers in order: torch's own loads
+    take another kind's state unchecked (``__dict__.update``). torch's same-named subclasses
+    (``torch.cuda.amp.GradScaler`` of ``torch.amp.GradScaler``) count as their base: one state."""
+    cls = type(target)
+    while (cls.__module__.startswith("torch.") and cls.__bases__ and cls.__bases__[0].__qualname__ == cls.__qualname__
+           and cls.__bases__[0].__module__.startswith("torch.")):
+        cls = cls.__bases__[0]
+    parts = scheduler_parts(target)
+    inner = f"({', '.join(_kind(part) for part in parts)})" if parts else ""
+    return f"{cls.__module__}.{cls.__qualname__}{inner}"
+
+
+def _key_differences(saved: Any, own: Any) -> tuple[list[str], list[str]]:
+    """The keys of the state `own` (a target's own ``state_dict()``) that `saved` lacks, and those
+    it has besides; none where either is not a dict."""
+    if not (isinstance(saved, Mapping) and isinstance(own, Mapping)):
+        return [], []
+    return [repr(k) for k in own if k not in saved], [repr(k) for k in saved if k not in own]
+
+
 def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any, path: str) -> dict[str, Any]:
-    """The saved states of `lr_scheduler` and `grad_scaler` (those given), unpickled and tried on
-    copies of them: a damaged entry (it does not unpickle) or one of another kind (a StepLR's for a
-    LambdaLR) raises, naming the entry, before anything loads (their ``load_state_dict`` raised
-    only after the model and the optimizer were loaded, and may change part of them first)."""
+    """The saved states of `lr_scheduler` and `grad_scaler` (those given), unpickled, checked to be
+    of their kind and tried on copies of them: a damaged entry (it does not unpickle) or one of
+    another kind (a StepLR's for a CosineAnnealingLR, which torch's own load takes unchecked)
+    raises, naming the entry, before anything loads (their ``load_state_dict`` raised only after
+    the model and the optimizer were loaded, and may change part of them first)."""
     out: dict[str, Any] = {}
     for what, target in (("lr_scheduler", lr_scheduler), ("grad_scaler", grad_scaler)):
         if target is None:
@@ -798,7 +831,24 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
         if what == "grad_scaler" and grad_scaler.is_enabled() and not state:
             raise ValueError(f"the checkpoint {path!r} holds the state of a disabled GradScaler (none to resume): "
                              "give load_checkpoint a disabled one, or none")
-        trial = _trial_copy(target)
+        saved_kind, kind = loading.state[what].get("kind"), _kind(target)
+        if saved_kind is not None and saved_kind != kind:
+            raise ValueError(f"the checkpoint {path!r}: its {what!r} entry was saved from a {saved_kind}, the given "
+                             f"{what} is a {kind}: build the {what} as the saved run did; nothing was loaded")
+        shared: list[Any] = []
+        trial = _trial_copy(target, shared)
+        # saved before classes were recorded, or no copy to try it on: its keys say whether it is of this kind
+        # (a disabled GradScaler has none and loads nothing, as torch's own load)
+        if (saved_kind is None or trial is None) and not (what == "grad_scaler" and not grad_scaler.is_enabled()):
+            lacks, besides = _key_differences(state, target.state_dict())
+            if lacks or besides:
+                raise ValueError(
+                    f"the checkpoint {path!r}: its {what!r} entry "
+                    + " and ".join(([f"lacks {', '.join(lacks)}"] if lacks else [])
+                                   + ([f"has {', '.join(besides)} besides"] if besides else []))
+                    + f", unlike the given {what}'s state_dict() ({kind}): saved from another kind? nothing was loaded")
+        # what the trial copy shares gets its attributes back after (LambdaLR's load sets its lr_lambdas')
+        attributes = [(d, dict(d)) for d in (getattr(x, "__dict__", None) for x in shared) if type(d) is dict]
         try:
             if trial is not None:
                 trial.load_state_dict(copy.deepcopy(state))  # some pop from it (LambdaLR's lr_lambdas)
@@ -806,20 +856,54 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
             raise ValueError(f"the checkpoint {path!r}: its {what!r} entry does not load into the given {what} "
                              f"({type(target).__name__}; {type(exc).__name__}: {exc}): saved from another kind? "
                              "nothing was loaded") from exc
+        finally:
+            for d, was in attributes:
+                d.clear()
+                d.update(was)
         out[what] = state
     return out
 
 
-def _trial_copy(target: Any) -> Any:
+def _trial_copy(target: Any, shared: list[Any]) -> Any:
     """A copy of `target` (an LR scheduler or a GradScaler) that a trial ``load_state_dict`` may
-    change: deep, but sharing the optimizer a scheduler holds (and its parameters); None where it
-    cannot be copied (its own load then raises only when applied)."""
+    change: deep, but sharing the optimizer a scheduler holds (and its parameters) and what cannot
+    be copied (`_copy_around`: added to `shared`); None where not even that can be made."""
     optimizer = getattr(target, "optimizer", None)
-    memo = {} if optimizer is None else {id(optimizer): optimizer}
+    keep = {} if optimizer is None else {id(optimizer): optimizer}
     try:
-        return copy.deepcopy(target, memo)
-    except Exception:  # noqa: BLE001 - a scheduler holding something that cannot be copied
+        return _copy_around(target, keep, shared)
+    except _Uncopyable:
         return None
+
+
+class _Uncopyable(Exception):
+    """A scheduler or scaler inside a trial copy cannot be copied even shallowly (`_copy_around`)."""
+
+
+def _copy_around(value: Any, keep: Mapping[int, Any], shared: list[Any]) -> Any:
+    """`value` deep-copied (sharing `keep`'s objects) where it can be; else a scheduler or a scaler
+    (anything with ``load_state_dict``) attribute by attribute and a list, tuple or dict item by
+    item, sharing whatever else fails (a bound method whose object holds a lock, a generator),
+    which it adds to `shared`. Raises `_Uncopyable` where such a scheduler cannot be copied
+    even shallowly (sharing it, a trial load would change it)."""
+    try:
+        return copy.deepcopy(value, dict(keep))  # a fresh memo each: a failed copy leaves half-made objects in one
+    except Exception:  # noqa: BLE001 - something inside cannot be copied
+        pass
+    if type(value) in (list, tuple):
+        return type(value)(_copy_around(v, keep, shared) for v in value)
+    if type(value) is dict:
+        return {k: _copy_around(v, keep, shared) for k, v in value.items()}
+    if not (callable(getattr(value, "load_state_dict", None)) and hasattr(value, "__dict__")):
+        shared.append(value)
+        return value
+    try:
+        new = copy.copy(value)
+    except Exception as exc:  # noqa: BLE001 - its own copy fails
+        raise _Uncopyable(type(value).__name__) from exc
+    for key, item in vars(value).items():
+        vars(new)[key] = _copy_around(item, keep, shared)
+    return new
 
 
 def _fits(current: Any, value: Any) -> bool:
