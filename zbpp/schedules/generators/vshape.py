@@ -215,50 +215,119 @@ def _advance(mem: int, waiting: int, task: Action | None) -> tuple[int, int]:
     return mem + 1, waiting
 
 
+#: Subtracted from `_Rank.before[t]` when slot t holds an F or B, so a search for a queue length
+#: (a value >= 0) finds free slots only; range additions keep the mark.
+_TAKEN = 1 << 40
+
+
+class _Rank:
+    """One rank's F/B slots and its memory walk (what `_with_w` gives), for `squeeze_slots`.
+
+    `tasks[t]` is the F or B in slot t (None: free, a W runs there if one waits); `mem[t]` the
+    memory after slot t; `before[t]` the W's waiting before slot t (minus `_TAKEN` if taken).
+    """
+
+    __slots__ = ("tasks", "mem", "before", "cap", "under_cap")
+
+    def __init__(self, fb: _FB, cap: int) -> None:
+        self.tasks: list[Action | None] = [fb.get(t) for t in range(max(fb, default=-1) + 1)]
+        self.mem: list[int] = []
+        self.before: list[int] = []
+        mem = waiting = 0
+        for a in self.tasks:
+            self.before.append(waiting - (_TAKEN if a is not None else 0))
+            mem, waiting = _advance(mem, waiting, a)
+            self.mem.append(mem)
+        self.cap = cap
+        # every memory <= cap: then a stretch that lowers (or keeps) the memory needs no check. Moves
+        # keep it true: they check every slot whose memory they change.
+        self.under_cap = max(self.mem, default=0) <= cap
+
+    def free_slot(self, lo: int, hi: int) -> int:
+        """The first free slot in [lo, hi), or hi."""
+        try:
+            return self.tasks.index(None, lo, hi)
+        except ValueError:
+            return hi
+
+    def _disagree(self, extra: int, lo: int, hi: int) -> int | None:
+        """First free slot in [lo, hi) where a walk with `extra` more W's waiting than this one runs
+        a W and this one does not (extra > 0: none waits here) or the other way round (extra < 0:
+        1..-extra wait here); None if none."""
+        if extra == 0:
+            return None
+        found = None
+        for waiting in (0,) if extra > 0 else range(1, 1 - extra):
+            try:
+                found = hi = self.before.index(waiting, lo, hi)
+            except ValueError:
+                pass
+        return found
+
+    def try_move(self, a: Action, old: int, new: int) -> bool:
+        """Move `a` from slot `old` to the free slot `new` < old if the memory stays <= cap from
+        `new` until the walk meets the old one again (or to the end), as a slot-by-slot re-walk would.
+
+        The new walk differs from the current one by `ahead`, the W's it has run more, and by `a`
+        counted early in [new, old). That difference changes only in free slots where exactly one
+        of the walks has a W to run, so the walk is a few stretches, each the current one plus a
+        constant: found, checked and shifted with list searches, max and slices rather than a
+        Python step per slot (a task moves O(p) slots: that would be p x tasks steps).
+        """
+        tasks, mem, before, cap = self.tasks, self.mem, self.before, self.cap
+        f = 1 if a.kind is Kind.F else 0  # the extra F (or B) the new walk holds in [new, old)
+        b = 1 - f
+        ahead = -1 if before[new] > 0 else 0  # the current walk runs a W in slot `new`, now taken
+        stretches: list[tuple[int, int, int, int]] = []  # (start, end, memory change, waiting change)
+        start = new
+        while True:  # slots new+1 .. old-1: free in both walks
+            ev = self._disagree(b - ahead, start + 1, old)
+            if ev is None:
+                break
+            stretches.append((start, ev, f - ahead, b - ahead))
+            ahead += 1 if b - ahead > 0 else -1
+            start = ev
+        stretches.append((start, old, f - ahead, b - ahead))
+        # slot old: the current walk runs `a`, the new one has it free and runs a W if one waits
+        if before[old] + _TAKEN + b - ahead > 0:
+            ahead += 1
+        start = old
+        while ahead:  # from old on the walks differ by `ahead` W's until they meet
+            ev = self._disagree(-ahead, start + 1, len(tasks))
+            if ev is None:
+                break
+            stretches.append((start, ev, -ahead, -ahead))
+            ahead += 1 if ahead < 0 else -1
+            start = ev
+        if ahead:
+            stretches.append((start, len(tasks), -ahead, -ahead))
+        elif mem[start] > cap:  # the walks meet at `start`, which is checked too
+            return False
+        if any((dm > 0 or not self.under_cap) and e > s and max(mem[s:e]) + dm > cap for s, e, dm, _ in stretches):
+            return False
+        for s, e, dm, dw in stretches:
+            if dm:
+                mem[s:e] = [x + dm for x in mem[s:e]]
+            if dw:
+                before[s + 1 : e + 1] = [x + dw for x in before[s + 1 : e + 1]]
+        tasks[old], tasks[new] = None, a
+        before[old] += _TAKEN
+        before[new] -= _TAKEN
+        return True
+
+
 def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
     """Move every F and B to the earliest free slot its inputs allow, keeping peak memory <= cap.
 
     Tasks are visited in slot order (so their inputs are placed already); the memory of a rank is
     what `_with_w` gives, W's filling the free slots. Moving a task only changes the memory from
     its new slot on, until the rank's state (memory, W's waiting) meets the old one again, so each
-    try re-walks only that stretch.
+    try checks only that stretch (`_Rank.try_move`).
     """
     n = 2 * p
     rank_of = list(range(p)) + list(reversed(range(p)))
     slot_of = {a: t for fb in slots for t, a in fb.items()}
-    occupied = [dict(fb) for fb in slots]
-    # per rank: (memory, W's waiting) after each slot; unchanged past the last F/B
-    states: list[list[tuple[int, int]]] = []
-    for fb in occupied:
-        mem = waiting = 0
-        st = []
-        for t in range(max(fb, default=-1) + 1):
-            mem, waiting = _advance(mem, waiting, fb.get(t))
-            st.append((mem, waiting))
-        states.append(st)
-
-    def try_move(r: int, a: Action, old: int, new: int) -> bool:
-        fb, st = occupied[r], states[r]
-        del fb[old]
-        fb[new] = a
-        mem, waiting = st[new - 1] if new > 0 else (0, 0)
-        walked: list[tuple[int, int]] = []
-        t = new
-        while t < len(st):
-            mem, waiting = _advance(mem, waiting, fb.get(t))
-            if mem > cap:
-                break
-            if t >= old and (mem, waiting) == st[t]:
-                st[new:t] = walked  # the rest of the rank is unchanged
-                return True
-            walked.append((mem, waiting))
-            t += 1
-        else:
-            st[new:] = walked
-            return True
-        del fb[new]
-        fb[old] = a
-        return False
+    ranks = [_Rank(fb, cap) for fb in slots]
 
     def deps_ready(a: Action) -> int:
         dep = input_of(a, n)
@@ -271,12 +340,14 @@ def squeeze_slots(p: int, slots: list[_FB], cap: int) -> list[_FB]:
         return ready
 
     for a in sorted(slot_of, key=lambda x: (slot_of[x], rank_of[x.stage])):
-        r, old = rank_of[a.stage], slot_of[a]
-        for new in range(deps_ready(a), old):
-            if new not in occupied[r] and try_move(r, a, old, new):
+        rank, old = ranks[rank_of[a.stage]], slot_of[a]
+        new = rank.free_slot(deps_ready(a), old)
+        while new < old:
+            if rank.try_move(a, old, new):
                 slot_of[a] = new
                 break
-    return occupied
+            new = rank.free_slot(new + 1, old)
+    return [{t: a for t, a in enumerate(rank.tasks) if a is not None} for rank in ranks]
 
 
 def _controllable(name: str, p: int, m: int, block: Callable[[int, int], tuple[int, ...]], kind: str) -> Schedule:
