@@ -29,9 +29,14 @@ paper's bubble rate, the paper authors' own heuristic (bubble rate and build tim
 that file, which says how) and `zbpp.schedules.bounds.lower_bound`. The authors' times were
 recorded on a shared 2-core CPU: compare ratios, not seconds, across machines.
 
+A third table (``--only large``) times build and validate of every fixed schedule (no torch
+counterpart needed: v-half and v-min too) at p = 64 and 128, m = 32, where work that grows as
+p x tasks shows.
+
     python benchmarks/bench_scheduler.py                 # p in 4..32, m in 32..256, then auto
     python benchmarks/bench_scheduler.py --quick --out bench.json
     python benchmarks/bench_scheduler.py --only auto --out auto.json
+    python benchmarks/bench_scheduler.py --only large
 """
 
 from __future__ import annotations
@@ -158,13 +163,34 @@ def bench_auto(repeat: int, quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+LARGE = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-interleaved", "zb-v", "v-half", "v-min", "dualpipe-v"]
+
+
+def bench_large(repeat: int, quick: bool) -> list[dict[str, Any]]:
+    """Build and validate times of the fixed schedules at many ranks (see the docstring)."""
+    sizes = [(16, 32)] if quick else [(64, 32), (128, 32)]
+    print(f"\nfixed schedules at many ranks: times in s, best of {repeat}")
+    head = f"{'schedule':<16} {'p':>3} {'m':>4} {'tasks':>6} | {'build':>7} {'valid.':>7}"
+    print(head)
+    print("-" * len(head))
+    out = []
+    for name in (n for n in LARGE if n in set(available())):
+        for p, m in sizes:
+            t_build, sched = best_of(repeat, lambda: build(name, num_ranks=p, num_microbatches=m))
+            t_val, _ = best_of(repeat, lambda: validate(sched))
+            out.append({"schedule": name, "p": p, "m": m, "tasks": sched.num_tasks, "build": t_build, "validate": t_val})
+            print(f"{name:<16} {p:>3} {m:>4} {sched.num_tasks:>6} | {t_build:>7.3f} {t_val:>7.3f}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     ap.add_argument("--repeat", type=int, default=None, help="best of N runs (default 3)")
     ap.add_argument("--out", default=None, help="write the rows as JSON to this file")
-    ap.add_argument("--only", choices=("all", "torch", "auto"), default="all",
-                    help="torch: the torch comparison only; auto: the automatic schedules' table only")
+    ap.add_argument("--only", choices=("all", "torch", "auto", "large"), default="all",
+                    help="torch: the torch comparison only; auto: the automatic schedules' table only; "
+                    "large: the fixed schedules at many ranks only")
     args = ap.parse_args(argv)
     repeat = args.repeat or 3
     gc.collect()
@@ -174,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     names = set(available())
 
     rows: list[dict[str, Any]] = []
-    pairs = PAIRS if args.only != "auto" else []
+    pairs = PAIRS if args.only in ("all", "torch") else []
     head = (f"{'zbpp':<16} {'torch':<22} {'p':>3} {'m':>4} {'tasks':>6} | {'build':>7} {'sim':>7} {'total':>7} "
             f"{'valid.':>7} | {'gen':>7} {'lower':>7} {'sim':>7} {'total':>7} {'valid.':>7} | {'speedup':>7}")
-    print(f"times in ms, best of {repeat} | speedup = torch total (gen + lower + sim) / zbpp total (build + sim); "
-          "valid. (not in the totals) = zbpp validate / torch _validate_schedule")
-    print(head)
-    print("-" * len(head))
+    if pairs:
+        print(f"times in ms, best of {repeat} | speedup = torch total (gen + lower + sim) / zbpp total (build + sim); "
+              "valid. (not in the totals) = zbpp validate / torch _validate_schedule")
+        print(head)
+        print("-" * len(head))
     for zname, opts, tname in pairs:
         if zname not in names:
             print(f"{zname:<16} (not registered in zbpp yet: skipped)")
@@ -200,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{t['total'] * 1e3:>7.2f} {t['validate'] * 1e3:>7.2f} | {row['speedup']:>6.1f}x", flush=True)
 
     auto = None
-    if "zbv-auto" in names and args.only != "auto":
+    if "zbv-auto" in names and args.only in ("all", "torch"):
         p, m = (8, 32) if args.quick else (32, 256)
         t_auto, sched = best_of(repeat, lambda: build("zbv-auto", num_ranks=p, num_microbatches=m, costs=COSTS, memory=MEMORY))
         inst = torch_schedule("ZBVZeroBubble", p, m)
@@ -213,13 +240,14 @@ def main(argv: list[str] | None = None) -> int:
               f"-> zbv-auto is {t_ctor / t_auto:.2f}x its speed")
         print(f"  torch order generation alone (_calculate_single_rank_operations): {t_gen * 1e3:.1f} ms "
               f"-> zbv-auto is {t_gen / t_auto:.2f}x its speed")
-    elif args.only != "auto":
+    elif args.only in ("all", "torch"):
         print("\nzbv-auto: not registered in zbpp yet (skipped)")
 
     if rows:
         worst = min(rows, key=lambda r: r["speedup"])
         print(f"\nslowest ratio: {worst['speedup']:.1f}x ({worst['zbpp']} p={worst['p']} m={worst['m']}); target >= 3x")
-    auto_rows = bench_auto(repeat, args.quick) if args.only != "torch" else []
+    auto_rows = bench_auto(repeat, args.quick) if args.only in ("all", "auto") else []
+    large_rows = bench_large(repeat, args.quick) if args.only in ("all", "large") else []
     if args.out:
         doc = {
             "benchmark": "bench_scheduler",
@@ -232,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "zbv_auto": auto,
             "auto_vs_papers": auto_rows,
+            "large": large_rows,
         }
         Path(args.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.out}")
