@@ -189,3 +189,51 @@ def test_a_run_timeout_bounds_the_pool_restart(monkeypatch):
     assert time.monotonic() - t0 < 30
     assert "starting the process group" in str(info.value)
     assert all("no result within the timeout of 3 s" in f for f in info.value.failures.values())
+
+
+def test_the_pytest_plugin_loads_once_whichever_way_it_is_asked_for(tmp_path):
+    """pytest registers an entry point's module under the entry point's name and a module named to
+    `-p` or in `pytest_plugins` under its own: one module under two names stops pytest before any
+    test ("Plugin already registered under a different name"). Installed as pyproject.toml
+    declares it (a dist-info on PYTHONPATH, ahead of the venv's own install), the plugin must load
+    with `-p zbpp.testing.plugin` and a conftest naming it, and by its entry point name with
+    autoloading off; each run sees the fixture and the plugin's option."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import zbpp
+
+    source = Path(zbpp.__file__).resolve().parents[1]
+    section = next(s for s in (source / "pyproject.toml").read_text().split("\n[")
+                   if s.startswith("project.entry-points.pytest11]"))
+    value = re.search(r'^zbpp = "([^"]+)"', section, re.M).group(1)
+    dist_info = tmp_path / "site" / "zbpp_under_test-0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: zbpp-under-test\nVersion: 0\n")
+    (dist_info / "entry_points.txt").write_text(f"[pytest11]\nzbpp = {value}\n")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text('pytest_plugins = ["zbpp.testing.plugin"]\n')
+    (tests / "test_it.py").write_text(
+        "def test_fixture_and_option(zbpp_workers, pytestconfig):\n"
+        "    assert callable(zbpp_workers) and pytestconfig.getoption('--zbpp-timeout') == 300.0\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), str(source), env.get("PYTHONPATH", "")])
+    runs = {
+        "-p zbpp.testing.plugin, autoloaded": (["-p", "zbpp.testing.plugin"], {}),
+        "-p zbpp, autoloading off": (["-p", "zbpp"], {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+    }
+    # the venv's other autoloaded plugins are blocked: importing hypothesis alone takes seconds
+    quiet = ["-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio", "-p", "no:timeout"]
+    procs = {
+        name: subprocess.Popen([sys.executable, "-m", "pytest", *quiet, *args, str(tests)],
+                               cwd=tmp_path, env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+        for name, (args, extra) in runs.items()
+    }
+    for name, proc in procs.items():
+        out = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 0 and "1 passed" in out, f"{name}:\n{out[:1500]}"

@@ -1,4 +1,7 @@
-"""pytest plugin (registered as ``zbpp`` in the ``pytest11`` entry points): distributed test pools.
+"""pytest plugin: distributed test pools. An installed zbpp loads it by itself (its ``pytest11``
+entry point ``zbpp``); ``-p zbpp.testing.plugin`` or ``pytest_plugins = ["zbpp.testing.plugin"]``
+load it where zbpp is not installed (a checkout on ``PYTHONPATH``) or with autoloading off, and
+are harmless beside the entry point. ``-p no:zbpp.testing.plugin`` turns it off.
 
 Fixture ``zbpp_workers`` (session scope): ``zbpp_workers(world_size, backend="gloo", **options)``
 returns a started `zbpp.testing.Workers` pool, one per (world size, backend, options) for the whole
