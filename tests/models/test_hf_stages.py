@@ -349,16 +349,18 @@ def test_a_later_layer_fed_beside_the_hidden_states_is_refused(carry_from):
 def test_packed_rows_attend_within_each_sequence(kind, one_row):
     # position_ids restarting within a row and no attention_mask: packed sequences. The stages keep
     # each one to itself: their logits are those of every sequence run alone through HF's model
-    # (brute force; float64, the same operations on fewer keys: 1e-12), rotary, sliding-window and
+    # (brute force; float64, the same operations on fewer keys: 1e-12; SDPA, whose float64 softmax is
+    # float64: HF's eager attention takes it in float32, summed in an order that depends on where
+    # the masked keys sit, ~1e-8 apart on torch 2.14's CPU kernels), rotary, sliding-window and
     # learned positions alike, the positions per row or one row for all. HF's own call with its default
     # cache (use_cache=True) does not look for packing and attends across them: that differs (README).
     from zbpp import Pipeline
 
     cfg, _ = configs()[kind]
     torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float64)
     sched = build("zb-v", num_ranks=1, num_microbatches=2)
-    stages, kwargs = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, attn_implementation="eager",
+    stages, kwargs = causal_lm_stages(cfg, sched, 0, dtype=torch.float64, attn_implementation="sdpa",
                                       state_dict=ref.state_dict(), device="cpu")
     ids = torch.randint(1, 40, (4, 9), generator=torch.Generator().manual_seed(1))
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5]] * 4) if one_row else \
