@@ -485,10 +485,11 @@ def test_deferred_output_recorders_run_in_order_and_at_once_when_eager() -> None
         stage(x)
 
 
-def _raw_moe_fast_step(layers: int) -> tuple[nn.Module, nn.Module, list[torch.Tensor]]:
+def _raw_moe_fast_step(layers: int, late: bool = False) -> tuple[nn.Module, nn.Module, list[torch.Tensor]]:
     """HF's own tiny Mixtral of `layers` MoE layers, never run, and a copy given `fast_stage` with its
     decoder layers as blocks (``backend="eager"``, batched-GEMM experts as in `_moe_fast_step`), each
-    after a forward and backward with the router auxiliary loss on the same padded batch."""
+    after a forward and backward with the router auxiliary loss on the same padded batch; `late`: the
+    copy's first forward records nothing (HF installs its hooks at the second, after the first trace)."""
     import transformers
 
     from tests.models.families import family_config, padded_batch
@@ -503,6 +504,9 @@ def _raw_moe_fast_step(layers: int) -> tuple[nn.Module, nn.Module, list[torch.Te
     with pytest.warns(UserWarning, match="not zbpp layers"):
         fast_stage(model, blocks=model.model.layers, backend="eager")
     ids, mask, labels = padded_batch(ROWS)
+    if late:
+        model(input_ids=ids, attention_mask=mask, output_router_logits=False, use_cache=False)
+        assert not getattr(model.model, "_output_capturing_hooks_installed", False)
     losses = []
     for m in (model, ref):
         out = m(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True, use_cache=False)
@@ -530,3 +534,64 @@ def test_fast_stage_of_an_hf_model_not_yet_run_compiles_nothing_more_for_more_mo
     bound = GRAD_RTOL * max(p.grad.abs().max() for p in ref.parameters())
     for (name, got), want in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=bound, msg=name)
+
+
+def _moved_recorders(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Make HF's output-recording hooks look defined in module `where` (as after transformers moves
+    them): each hook its installer registers gets that ``__module__``."""
+    from transformers.utils import output_capturing
+
+    install = output_capturing.install_output_capuring_hook
+
+    def moved(module: nn.Module, *args: object, **kwargs: object) -> None:
+        install(module, *args, **kwargs)
+        next(reversed(module._forward_hooks.values())).__module__ = where
+
+    monkeypatch.setattr(output_capturing, "install_output_capuring_hook", moved)
+
+
+def test_fast_stage_defers_hf_recorders_installed_late_and_moved_within_transformers(monkeypatch) -> None:
+    """HF's recorders found by what the model declares (``_can_record_outputs``: the routers, the
+    attentions), not by the name of transformers' module (here moved to another one of the package):
+    before, they were traced inside each layer (more frames for more layers). And a model whose first
+    forward records nothing gets its hooks after the layers' first trace: dynamo does not guard on
+    hooks added later, so the router logits were never recorded (HF's auxiliary loss then fails on
+    an empty tuple). After 1 layer, 3 trace no frame; loss and gradients equal HF's model, as in
+    `test_fast_stage_of_an_hf_model_not_yet_run_compiles_nothing_more_for_more_moe_layers`."""
+    _moved_recorders(monkeypatch, "transformers.utils.recording")
+    torch._dynamo.reset()
+    _raw_moe_fast_step(1, late=True)
+    torch._dynamo.utils.counters.clear()
+    model, ref, (loss, want_loss) = _raw_moe_fast_step(3, late=True)
+    counters = torch._dynamo.utils.counters
+    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    bound = GRAD_RTOL * max(p.grad.abs().max() for p in ref.parameters())
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=bound, msg=name)
+
+
+def test_fast_stage_names_a_declared_recorded_module_whose_hook_it_does_not_recognise(monkeypatch) -> None:
+    """Recorders moved out of the transformers package are not recognised: traced in each layer, or
+    not run at all. `fast_stage` says so, naming the model, the output, the module and the hook,
+    instead of recompiling (or dropping router logits) in silence."""
+    import transformers
+
+    from tests.models.families import family_config, padded_batch
+
+    _moved_recorders(monkeypatch, "hf_recording")
+    cfg = family_config("mixtral")
+    cfg.num_hidden_layers = 1
+    torch._dynamo.reset()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64,
+                                                          experts_implementation="batched_mm")
+    with pytest.warns(UserWarning, match="not zbpp layers"):
+        fast_stage(model, blocks=model.model.layers, backend="eager")
+    ids, mask, _ = padded_batch(ROWS)
+    hook = r"its forward hooks: hf_recording\.install_output_capuring_hook\.<locals>\.output_capturing_hook\)"
+    with pytest.warns(UserWarning, match=rf"MixtralModel records attentions from model\.layers\.0\.self_attn "
+                                         rf"\(MixtralAttention; {hook}; router_logits from model\.layers\.0\.mlp\.gate "
+                                         rf"\(MixtralTopKRouter; {hook}, but none of these hooks is a Hugging Face"):
+        with torch.compiler.set_stance("force_eager"):  # the warning comes before the trace: none needed
+            model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+

@@ -111,6 +111,11 @@ def fast_stage(
         backend: ``torch.compile``'s backend ("inductor"; "aot_eager" or "eager" to debug).
         linear_like: ``nn.Linear`` subclasses whose forward computes ``x W^T + b``, converted too
             (`zbpp.modules.delay_wgrad`; `fast_hf_stages` passes Hugging Face's).
+
+    Hugging Face's output-recording hooks (``output_router_logits``,
+    ``output_attentions``) on modules inside `blocks` run after each compiled block, whether HF installed
+    them before `fast_stage` or at a later forward; a warning names any such module whose hooks zbpp
+    does not recognise (they would recompile each block).
     """
     if not isinstance(stage, nn.Module):
         raise TypeError(f"fast_stage: stage is a {type(stage).__name__}, not a torch.nn.Module")
@@ -139,17 +144,66 @@ def fast_stage(
         if blocks is None:
             stage.compile(backend=backend)
         else:
+            _mark_declared_recorders(stage)
             for block in blocks:
                 _defer_output_recorders(block)
-                block.register_forward_pre_hook(_defer_at_first_call)  # HF installs its hooks at its first forward
+                block.register_forward_pre_hook(_defer_at_call)  # HF installs its hooks at a later forward
                 block.compile(backend=backend)
     if fp8 is not False:
         Fp8Forward(DelayedScaling() if fp8 is True else fp8).attach(stage)
     return stage
 
 
-#: where Hugging Face's output-recording forward hooks come from (``output_router_logits`` and the like)
+#: where Hugging Face's output-recording forward hooks come from (``output_router_logits`` and the like);
+#: on a module its model declares recorded (`_mark_declared_recorders`), any of transformers' hooks counts
 _RECORDER_MODULE = "transformers.utils.output_capturing"
+
+
+def _mark_declared_recorders(stage: nn.Module) -> None:
+    """Mark the modules inside `stage` whose outputs a Hugging Face model records: each model's
+    ``_can_record_outputs`` names them (a class, a class name matched against the module's path, or an
+    ``OutputRecorder`` of either, maybe limited to a ``layer_name``), and HF hooks exactly those at the
+    model's first forward that records anything, then sets ``_output_capturing_hooks_installed``.
+    Each gets ``_zbpp_recorded_by = (model, keys, path in stage)``; a model inside another
+    dispatches its own declarations, as HF's ``recursively_install_hooks`` does."""
+
+    def walk(module: nn.Module, name: str, path: str, owner: Any, tasks: list[tuple[str, Any]]) -> None:
+        if hasattr(type(module), "_can_record_outputs"):  # a PreTrainedModel: its own declarations from here
+            name = name if tasks else ""  # HF names modules from the model that installs (one declaring some)
+            owner, tasks = module, _record_tasks(getattr(module, "_can_record_outputs", None))
+        for child_name, child in module.named_children():
+            walk(child, f"{name}.{child_name}", f"{path}.{child_name}" if path else child_name, owner, tasks)
+        keys = [key for key, target, class_name, layer_name in tasks
+                if (isinstance(target, type) and isinstance(module, target)
+                    or isinstance(class_name, str) and name.endswith(class_name))
+                and (layer_name is None or f".{layer_name.strip('.')}." in name + ".")]
+        if keys:
+            module._zbpp_recorded_by = (owner, tuple(keys), path or type(module).__name__)
+
+    walk(stage, "", "", None, [])
+
+
+def _record_tasks(declared: Any) -> list[tuple[str, Any, Any, Any]]:
+    """``_can_record_outputs`` as (key, target class, class name, layer name) rows."""
+    rows = []
+    for key, specs in (declared or {}).items():
+        for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
+            if isinstance(spec, str):
+                rows.append((key, None, spec, None))
+            elif isinstance(spec, type):
+                rows.append((key, spec, None, None))
+            else:  # an OutputRecorder
+                rows.append((key, getattr(spec, "target_class", None), getattr(spec, "class_name", None),
+                             getattr(spec, "layer_name", None)))
+    return rows
+
+
+def _is_recorder(hook: Any, declared: bool) -> bool:
+    """Whether `hook` is one of HF's output recorders: a hook of transformers' recording module, or,
+    on a module HF declares recorded, any hook of the transformers package (a moved module still counts)."""
+    where = getattr(hook, "__module__", None)
+    where = where if isinstance(where, str) else ""
+    return where == _RECORDER_MODULE or declared and (where == "transformers" or where.startswith("transformers."))
 
 
 def _defer_output_recorders(block: nn.Module) -> None:
@@ -159,38 +213,80 @@ def _defer_output_recorders(block: nn.Module) -> None:
     one each layer, and dynamo guards on its length: one recompilation per layer, and past the
     recompile limit (8) the remaining layers run eagerly. In the graph each such module now only
     appends its output to the block's own list, empty at every call (`_record_output`), and
-    `_replay_recorded` hands it to the hooks. A module already deferred (by an enclosing block, or
-    an earlier call) is left as it is; HF installs its hooks at the model's first forward, so
-    `_defer_at_first_call` runs this again then."""
+    `_replay_recorded` hands it to the hooks. A module HF declares recorded gets `_record_output`
+    before HF hooks it: dynamo does not guard on hooks added later, so a hook HF installs after the
+    block's first trace would otherwise never run. Hooks found on an already deferred module join
+    its deferred ones; `_defer_at_call` runs this again when HF installs its hooks."""
     recorded: list[tuple[nn.Module, Any, Any]] = block.__dict__.get("_zbpp_recorded", [])  # one list per block
     deferred = False
     for module in block.modules():
-        if module is block or "_zbpp_deferred_hooks" in module.__dict__:  # the block's own run eagerly
+        if module is block:  # the block's own run eagerly
             continue
+        declared = "_zbpp_recorded_by" in module.__dict__
         hooks = module._forward_hooks
-        ids = [k for k, h in hooks.items() if getattr(h, "__module__", None) == _RECORDER_MODULE
-               and k not in module._forward_hooks_with_kwargs]
-        if not ids:
+        ids = [k for k, h in hooks.items() if h is not _record_output and k not in module._forward_hooks_with_kwargs
+               and _is_recorder(h, declared)]
+        if "_zbpp_deferred_hooks" in module.__dict__:  # by an enclosing block, or an earlier call
+            module._zbpp_deferred_hooks.extend(hooks.pop(k) for k in ids)
+            continue
+        if not ids and not declared:
             continue
         module._zbpp_deferred_hooks = [hooks[k] for k in ids]
         module._zbpp_recorded = recorded
-        hooks[ids[0]] = _record_output  # in the first one's place: it sees the output they saw
-        for k in ids[1:]:
-            del hooks[k]
+        if ids:
+            hooks[ids[0]] = _record_output  # in the first one's place: it sees the output they saw
+            for k in ids[1:]:
+                del hooks[k]
+        else:
+            module.register_forward_hook(_record_output)
         deferred = True
     if deferred and "_zbpp_recorded" not in block.__dict__:  # the block's hooks, once
         block._zbpp_recorded = recorded
         block.register_forward_pre_hook(_forget_recorded)
         block.register_forward_hook(_replay_recorded)
+    _warn_unrecognised_recorders(block)
+
+
+def _warn_unrecognised_recorders(block: nn.Module) -> None:
+    """Warn, naming them, of modules inside `block` that HF has hooked to record (its model's hooks
+    are installed) but that hold no recognised recorder, only other forward hooks: those are traced
+    inside the compiled block (a recompilation per layer), or, added after its first trace, not run.
+    Once per model and module class: the other blocks hold the same."""
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for module in block.modules():
+        by = module.__dict__.get("_zbpp_recorded_by")
+        if module is block or by is None or module.__dict__.get("_zbpp_deferred_hooks"):
+            continue
+        owner, keys, path = by
+        others = [h for h in module._forward_hooks.values() if h is not _record_output]
+        told = owner.__dict__.setdefault("_zbpp_unrecognised", set())
+        if not others or type(module) in told or not getattr(owner, "_output_capturing_hooks_installed", False):
+            continue
+        told.add(type(module))
+        hooks = ", ".join(f"{getattr(h, '__module__', None)}.{getattr(h, '__qualname__', type(h).__name__)}"
+                          for h in others)
+        found.setdefault(id(owner), (owner, []))[1].append(
+            f"{'/'.join(keys)} from {path} ({type(module).__name__}; its forward hooks: {hooks})")
+    for owner, what in found.values():
+        warnings.warn(f"fast_stage: {type(owner).__name__} records {'; '.join(what)}, but none of these hooks is a "
+                      f"Hugging Face output recorder zbpp recognises (a hook of {_RECORDER_MODULE}, or of the "
+                      "transformers package on a module the model declares recorded): they run inside the compiled "
+                      "block, which then recompiles at each layer, or, added after its first trace, do not run "
+                      "at all", stacklevel=2)
 
 
 @never_compiled
-def _defer_at_first_call(block: nn.Module, args: Any) -> None:
-    if "_zbpp_recorders_deferred" not in block.__dict__:  # before its first trace: HF's hooks are in by now
+def _defer_at_call(block: nn.Module, args: Any) -> None:
+    """Defer the recorders found at the block's first call (HF installs its hooks at the model's first
+    forward that records) and again once each model that records from inside it has installed them."""
+    waiting = block.__dict__.get("_zbpp_waiting")
+    if waiting is None or any(getattr(m, "_output_capturing_hooks_installed", False) for m in waiting):
         _defer_output_recorders(block)
-        block._zbpp_recorders_deferred = True
+        owners = {id(by[0]): by[0] for m in block.modules() if (by := m.__dict__.get("_zbpp_recorded_by"))}
+        block._zbpp_waiting = [m for m in owners.values() if not getattr(m, "_output_capturing_hooks_installed", False)]
 
 
+@never_compiled  # inlined in a traced block it is traced; called where a graph break left off, it runs eagerly
 def _record_output(module: nn.Module, args: Any, output: Any) -> None:
     if torch.compiler.is_compiling() or module._zbpp_recorded:  # traced, or after a traced one: keep the order
         module._zbpp_recorded.append((module, args, output))
