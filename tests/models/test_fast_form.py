@@ -595,3 +595,41 @@ def test_fast_stage_names_a_declared_recorded_module_whose_hook_it_does_not_reco
         with torch.compiler.set_stance("force_eager"):  # the warning comes before the trace: none needed
             model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
 
+
+def _raw_llama_fast_loss(layers: int, **call: object) -> tuple[nn.Module, object, object]:
+    """HF's own tiny float64 Llama of `layers` layers (``config.use_cache`` on, HF's default) and a
+    copy given `fast_stage` with its decoder layers as blocks (``backend="eager"``), each called on
+    the same padded batch with labels and `call`, the fast copy's loss backpropagated."""
+    import transformers
+
+    from tests.models.families import family_config, padded_batch
+
+    cfg = family_config("llama")
+    cfg.num_hidden_layers = layers
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    model = copy.deepcopy(ref)
+    fast_stage(model, blocks=model.model.layers, backend="eager")
+    ids, mask, labels = padded_batch(ROWS)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, **call)
+    out.loss.backward()
+    return model, out, ref(input_ids=ids, attention_mask=mask, labels=labels, **call)
+
+
+def test_fast_stage_of_an_hf_model_runs_without_a_kv_cache_unless_asked() -> None:
+    """HF's call with its default cache hands each decoder layer the cache and its index: every
+    compiled layer recompiled (more frames for more layers). The fast form runs without a cache
+    (training needs none): after 1 layer, 3 trace no frame; its loss equals HF's model, which
+    builds a cache (float64, the same ops in the forward: 1e-12), and a call asking for a cache
+    gets one (run eagerly: its layers would recompile)."""
+    torch._dynamo.reset()
+    _raw_llama_fast_loss(1)
+    torch._dynamo.utils.counters.clear()
+    model, out, want = _raw_llama_fast_loss(3)
+    counters = torch._dynamo.utils.counters
+    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    assert out.past_key_values is None and want.past_key_values is not None
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-12, atol=0)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        assert model(input_ids=want.logits.new_zeros(1, 3, dtype=torch.long), use_cache=True).past_key_values is not None

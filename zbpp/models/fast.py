@@ -112,7 +112,9 @@ def fast_stage(
         linear_like: ``nn.Linear`` subclasses whose forward computes ``x W^T + b``, converted too
             (`zbpp.modules.delay_wgrad`; `fast_hf_stages` passes Hugging Face's).
 
-    Hugging Face's output-recording hooks (``output_router_logits``,
+    A Hugging Face model inside `stage` whose ``config.use_cache`` is on (HF's default) runs without a
+    KV cache unless a call passes ``use_cache=True``: a training step needs none, and each layer's
+    cache entry would recompile its compiled block. HF's output-recording hooks (``output_router_logits``,
     ``output_attentions``) on modules inside `blocks` run after each compiled block, whether HF installed
     them before `fast_stage` or at a later forward; a warning names any such module whose hooks zbpp
     does not recognise (they would recompile each block).
@@ -131,6 +133,7 @@ def fast_stage(
         if not isinstance(block, nn.Module) or id(block) not in owned:
             raise ValueError(f"fast_stage: every one of blocks must be a module inside the stage; "
                              f"{type(block).__name__} is not")
+    _cache_off_unless_asked(stage)
     if fp8 is not False:
         fuse_gated_mlps(stage)
     delay_wgrad(stage, transposed=True, linear_like=linear_like)
@@ -152,6 +155,35 @@ def fast_stage(
     if fp8 is not False:
         Fp8Forward(DelayedScaling() if fp8 is True else fp8).attach(stage)
     return stage
+
+
+def _cache_off_unless_asked(stage: nn.Module) -> None:
+    """Run each outermost Hugging Face model inside `stage` (a ``config.use_cache`` and a forward taking
+    ``use_cache``) with ``use_cache=False`` unless a call passes one: a training step needs no KV cache, and each
+    decoder layer's own cache entry (its layer index) would make its compiled block recompile."""
+    hooked: list[str] = []
+    for path, module in stage.named_modules():
+        if any(path.startswith(f"{p}.") or not p for p in hooked):  # the outer model passes use_cache on
+            continue
+        if not hasattr(getattr(module, "config", None), "use_cache"):
+            continue
+        forward = inspect.signature(module.forward).parameters
+        if "use_cache" not in forward:
+            continue
+        names = [n for n, p in forward.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        at = names.index("use_cache") if "use_cache" in names else None
+        module.register_forward_pre_hook(_cache_off_hook(at), with_kwargs=True)
+        hooked.append(path)
+
+
+def _cache_off_hook(at: int | None) -> Any:
+    def cache_off(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if at is not None and len(args) > at:  # passed by position
+            return None if args[at] is not None else ((*args[:at], False, *args[at + 1:]), kwargs)
+        if kwargs.get("use_cache") is not None:  # the caller's choice (None: HF's config default)
+            return None
+        return args, {**kwargs, "use_cache": False}
+    return cache_off
 
 
 #: where Hugging Face's output-recording forward hooks come from (``output_router_logits`` and the like);
