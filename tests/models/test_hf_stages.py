@@ -577,3 +577,37 @@ def test_small_config_of_a_multimodal_type_shrinks_its_text_model(model_type, te
         assert count(config) < 1e5
     else:
         assert count(config) == count(small_config(text_type, hidden_size=32, num_layers=2))
+
+
+def test_layers_a_text_only_forward_skips_are_named_in_the_refusal():
+    # Mllama's text model skips its cross-attention layers (3, 8, ...) without images. With 4 layers the
+    # default placement said the final norm and LM head were "used while the blocks run" (they are not:
+    # the last layer never runs); with 8 it built stage 0 ending at layer 3, and the step failed with
+    # "stage 0 returned {'hidden_states': None, ...}". Now both name the skipped layer and the way out,
+    # and that way out (layer 3 on the last stage) gives HF's loss (its logits are float32 by HF's own
+    # .float(): 2 microbatches against one batch round differently, ~1e-7; the bound 1e-6)
+    from zbpp import Pipeline
+    from zbpp.models.hf import small_config
+
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    for layers, match in [(4, r"cannot tell which modules come after"),
+                          (8, r"stage\(s\) 0 would end with model.layers.3")]:
+        config = small_config("mllama", vocab_size=64, hidden_size=16, num_heads=2, num_layers=layers)
+        with pytest.warns(UserWarning, match="not among the families"), \
+                pytest.raises(ValueError, match=r"MllamaForCausalLM .*never calls the decoder layers "
+                                                rf"\['model.layers.3'\].*cross-attention.*{match}.*"
+                                                r"module_fqns_per_stage=\) with every stage but the last ending at"):
+            causal_lm_stages(config, sched, 0)
+    config = small_config("mllama", vocab_size=64, hidden_size=16, num_heads=2, num_layers=4)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    fqns = [["model.embed_tokens", "model.layers.0", "model.layers.1"],
+            ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+    with pytest.warns(UserWarning, match="not among the families"):
+        stages, kwargs = causal_lm_stages(config, sched, 0, dtype=torch.float64, state_dict=ref.state_dict(),
+                                          module_fqns_per_stage=fqns)
+    ids = torch.randint(1, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    loss = Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+    with torch.no_grad():
+        want = token_mean_loss(ref(input_ids=ids).logits, ids)
+    torch.testing.assert_close(loss.detach().double(), want.double(), rtol=1e-6, atol=0)

@@ -249,6 +249,9 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
                 raise _meta_forward_failed(model, "to place the modules beside the decoder layers", exc.__cause__
                                            ) from exc.__cause__
             except ValueError as exc:  # placement by use: say which model, and this function's way out
+                skipped = _layers_never_run(model, template)
+                if skipped:  # the modules after the last layer then look used while the layers run
+                    raise _skipped_layers_error(model, template, skipped, None) from exc
                 raise ValueError(f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): "
                                  f"{exc}. Pass causal_lm_stages(..., module_fqns_per_stage=) with those modules "
                                  "placed, or build the stages with zbpp.models.pipeline_stages") from exc
@@ -774,12 +777,14 @@ def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[
     stage_of = {int(f[len(prefix):].split(".")[0]): s for s, names in enumerate(fqns or ()) for f in names
                 if f.startswith(prefix)}
     seen: list[Any] = []  # layer i's output, kept alive: `extra` is keyed by its tensors' ids
+    ran: set[int] = set()  # the layers the forward called (Mllama's skips its cross-attention layers)
     extra: dict[int, int] = {}  # id of a tensor a layer returned beside the hidden states -> that layer
     wide: list[tuple[int, ...]] = []  # shapes of hidden states that are not one vector per token
 
     def out(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             seen.append(output)
+            ran.add(index)
             for o in output[1:] if isinstance(output, (tuple, list)) else ():
                 if isinstance(o, torch.Tensor):
                     extra.setdefault(id(o), index)
@@ -808,6 +813,12 @@ def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[
         if not seen:
             raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never "
                              f"called {template.blocks}.0")
+        # a stage's output is its last layer's, taken by a hook: a layer the forward skips gives none
+        ends = {k: max(i for i, s in stage_of.items() if s == k) for k in range(len(fqns or ()) - 1)
+                if k in stage_of.values()}
+        if any(i not in ran for i in ends.values()):
+            raise _skipped_layers_error(model, template, [i for i in range(len(layers)) if i not in ran],
+                                        {k: i for k, i in ends.items() if i not in ran})
         if wide and (fqns is None or len(fqns) > 1):  # a later stage passes zeros of the received shape as inputs_embeds
             raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its decoder layers take "
                              f"hidden states of shape {wide[0]} for {_PROBE_TOKENS} tokens, not one vector per token as "
@@ -821,6 +832,33 @@ def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[
     handles = [layer.register_forward_hook(out(i)) for i, layer in enumerate(layers)]
     handles += [layer.register_forward_pre_hook(taken_in(i), with_kwargs=True) for i, layer in enumerate(layers)]
     return handles, finish
+
+
+def _layers_never_run(model: nn.Module, template: Template) -> list[int]:
+    """The indices of the decoder layers that the model's forward on tokens alone never calls, by one
+    forward on the ``meta`` device (Mllama's cross-attention layers run only with image inputs)."""
+    ran: set[int] = set()
+    layers = list(model.get_submodule(template.blocks)._modules.values())
+    handles = [layer.register_forward_pre_hook(lambda m, args, i=i: ran.add(i)) for i, layer in enumerate(layers)]
+    _probe_forward(model, handles, grad=False)
+    return [i for i in range(len(layers)) if i not in ran]
+
+
+def _skipped_layers_error(model: nn.Module, template: Template, skipped: Sequence[int],
+                          ends: Mapping[int, int] | None) -> ValueError:
+    """The refusal of a placement where a stage would end with a decoder layer that the model's forward
+    skips on tokens alone (`ends`: stage -> that layer; None: placement by use could not run)."""
+    names = [f"{template.blocks}.{i}" for i in skipped]
+    where = ("; stage(s) " + ", ".join(f"{k} would end with {template.blocks}.{i}" for k, i in ends.items()) +
+             ", whose output is the stage's (a skipped layer gives none)" if ends is not None else
+             ", so placement by use cannot tell which modules come after the decoder layers (the forward runs "
+             "them after a layer before the last)")
+    return ValueError(
+        f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): its forward on token "
+        f"ids alone never calls the decoder layers {names} (it skips them: layers that need inputs other than "
+        f"tokens, as Mllama's cross-attention layers need images, which a stage does not take){where}. Pass "
+        "causal_lm_stages(..., module_fqns_per_stage=) with every stage but the last ending at a layer the forward "
+        "runs, and the final norm and LM head on the last stage")
 
 
 def _standin_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> list[Any]:
