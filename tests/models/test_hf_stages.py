@@ -5,6 +5,8 @@ eager and sdpa attention; `CausalLMLoss` is HF's loss (which HF computes in floa
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -521,9 +523,11 @@ def test_bert_style_models_are_causal_only_as_decoders(model_type):
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)
 
 
-def test_a_model_type_zbpp_does_not_test_is_built_with_a_warning_naming_it():
+def test_a_model_type_zbpp_does_not_test_is_built_with_a_warning_naming_it(tmp_path):
     # a type outside SUPPORTED that fits the template was built without a word: now one warning names
-    # it; a supported type (Llama) builds without one
+    # it, pointing at the user's call (this file) whether built from a config or from a directory (whose
+    # read goes through more of zbpp's frames: it pointed inside zbpp); a supported type (Llama) builds
+    # without one
     import warnings
 
     from zbpp.models.hf import SUPPORTED, small_config
@@ -531,10 +535,19 @@ def test_a_model_type_zbpp_does_not_test_is_built_with_a_warning_naming_it():
     sched = build("1f1b", num_ranks=1, num_microbatches=1)
     config = small_config("roberta", vocab_size=64, hidden_size=16, num_heads=2, num_layers=2, is_decoder=True)
     assert "roberta" not in SUPPORTED
-    with pytest.warns(UserWarning, match=r"model_type 'roberta' \(RobertaForCausalLM\) is not among the families "
-                                         r"zbpp tests against HF") as caught:
-        causal_lm_stages(config, sched, 0)
-    assert len([w for w in caught if "not among the families" in str(w.message)]) == 1
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for source in (config, tmp_path, str(tmp_path)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = sys._getframe().f_lineno + 1
+            causal_lm_stages(source, sched, 0)
+        ours = [w for w in caught if "not among the families" in str(w.message)]
+        assert len(ours) == 1, (source, [str(w.message) for w in caught])
+        assert ours[0].category is UserWarning
+        assert str(ours[0].message).startswith("zbpp.models.hf: model_type 'roberta' (RobertaForCausalLM) is not "
+                                               "among the families zbpp tests against HF"), str(ours[0].message)
+        assert (ours[0].filename, ours[0].lineno) == (__file__, line), \
+            (source, ours[0].filename, ours[0].lineno)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         causal_lm_stages(transformers.LlamaConfig(**COMMON), sched, 0)

@@ -295,7 +295,18 @@ def _warn_unless_supported(model: nn.Module) -> None:
     if kind not in SUPPORTED:
         warnings.warn(f"zbpp.models.hf: model_type {kind!r} ({type(model).__name__}) is not among the families zbpp "
                       "tests against HF (zbpp.models.hf.SUPPORTED): it fits the template, but compare a step with "
-                      "HF's own model before relying on it", stacklevel=4)
+                      "HF's own model before relying on it", stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning from the caller of this function that points at the first
+    frame outside the zbpp package (the user's call), however many zbpp frames lie between (a directory
+    is built through the agreement of `_read_on_every_rank`, a config directly)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1  # level 1: the function that warns (one frame up from here)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _read_on_every_rank(path: Any, build: Callable[[], Any]) -> Any:
