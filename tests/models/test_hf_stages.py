@@ -492,15 +492,31 @@ def test_small_config_and_builds_transformers_refuses_name_the_model_type():
         causal_lm_stages(small_config("dbrx", hidden_size=32, num_layers=2), sched, 0)
 
 
+def _without_transformers_source(getsource):
+    """`inspect.getsource` as on an install of transformers without its source files (compiled files
+    only): OSError for its models' code (HF's own readers of it fall back), the rest as it is."""
+    def no_source(obj, *args, **kwargs):
+        name = getattr(obj, "__module__", None) or getattr(obj, "__name__", "")
+        if str(name).startswith("transformers.models."):
+            raise OSError("could not get source code")
+        return getsource(obj, *args, **kwargs)
+    return no_source
+
+
 @pytest.mark.parametrize("model_type", ["bert", "roberta", "electra"])
-def test_bert_style_models_are_causal_only_as_decoders(model_type):
+def test_bert_style_models_are_causal_only_as_decoders(model_type, monkeypatch):
     # BERT-style *ForCausalLM classes attend both ways unless config.is_decoder=True (HF only warns):
     # they were built as they are, so a causal-LM step saw the tokens it predicts. Now refused by
     # name; with is_decoder=True a step on a V's two stages in one process equals HF's model on the
     # whole batch (float64, the same operations on 2 microbatches: the loss to 1e-12 of itself), and
-    # that reference differs from the bidirectional one (by ~5e-5 at this init: future tokens leak in)
+    # that reference differs from the bidirectional one (by ~5e-5 at this init: future tokens leak in).
+    # Refused without the classes' source (an install of .pyc files only: it was read to detect them)
+    import inspect
+
     from zbpp import Pipeline
     from zbpp.models.hf import small_config
+
+    monkeypatch.setattr(inspect, "getsource", _without_transformers_source(inspect.getsource))
 
     config = small_config(model_type, vocab_size=64, hidden_size=16, num_heads=2, num_layers=2, max_positions=64,
                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -521,6 +537,29 @@ def test_bert_style_models_are_causal_only_as_decoders(model_type):
         leaky = token_mean_loss(both_ways(input_ids=ids).logits, ids)
     assert abs(float(leaky) - float(want.detach())) > 1e-6, float(leaky)
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=0)
+
+
+def test_every_bert_style_family_is_refused_without_reading_source(monkeypatch):
+    # the 16 causal-LM types of transformers 5.25 whose layers attend both ways unless
+    # config.is_decoder=True (listed by hand from their modeling code); refused with no source at all
+    # to read, and built with is_decoder=True (on the meta device: nothing computed)
+    import inspect
+
+    from zbpp.models.hf import check_template, small_config
+
+    monkeypatch.setattr(inspect, "getsource", _without_transformers_source(inspect.getsource))
+    for model_type in ["bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+                       "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer",
+                       "xlm-roberta", "xlm-roberta-xl", "xmod"]:
+        config = small_config(model_type, vocab_size=64, hidden_size=16, num_heads=2, num_layers=2,
+                              attention_type="original_full")
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        with pytest.raises(ValueError, match=r"attends both ways unless config.is_decoder=True"):
+            check_template(model)
+        config.is_decoder = True
+        with torch.device("meta"):
+            check_template(transformers.AutoModelForCausalLM.from_config(config))
 
 
 def test_a_model_type_zbpp_does_not_test_is_built_with_a_warning_naming_it(tmp_path):

@@ -445,11 +445,6 @@ def check_template(model: nn.Module) -> Template:
                          "(5 + 2 num_random_blocks) block_size tokens), which stages built once cannot follow; "
                          "build it with config.attention_type='original_full' (and is_decoder=True for causal "
                          "attention)")
-    if getattr(config, "is_decoder", None) is False and _reads_is_decoder(type(model)):
-        # BERT-style: HF builds the *ForCausalLM with bidirectional attention and only warns
-        raise ValueError(f"{name} attends both ways unless config.is_decoder=True (its layers are causal only then; "
-                         "HF only warns): a causal-LM step would see the tokens it predicts; set "
-                         "config.is_decoder=True")
     n = getattr(config, "num_hidden_layers", None)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"{name} does not fit zbpp.models.hf's template: config.num_hidden_layers is {n!r}")
@@ -458,16 +453,20 @@ def check_template(model: nn.Module) -> Template:
     if len(outer) != 1:
         raise ValueError(f"{name} does not fit zbpp.models.hf's template: its base model must hold its "
                          f"{n} decoder layers in one ModuleList, found {outer or 'none'}")
+    if getattr(config, "is_decoder", None) is False and _layers_read_is_decoder(base.get_submodule(outer[0])):
+        # BERT-style: HF builds the *ForCausalLM with bidirectional attention and only warns
+        raise ValueError(f"{name} attends both ways unless config.is_decoder=True (its layers are causal only then; "
+                         "HF only warns): a causal-LM step would see the tokens it predicts; set "
+                         "config.is_decoder=True")
     return Template(prefix, f"{prefix}.{outer[0]}", n, _router_aux(model, name, params))
 
 
-def _reads_is_decoder(cls: type) -> bool:
-    """Whether the causal LM class's constructor reads ``config.is_decoder`` (the BERT family's, which
-    warns when it is False; GPT-NeoX's config has the flag but its layers are always causal)."""
-    try:
-        return "is_decoder" in inspect.getsource(cls.__init__)
-    except (OSError, TypeError):  # no source (a compiled or dynamically made class): nothing to go by
-        return False
+def _layers_read_is_decoder(layers: nn.Module) -> bool:
+    """Whether the decoder layers pick their attention by ``config.is_decoder``: the BERT family's layers
+    (and their self-attention) keep it as an attribute ``is_decoder``, causal only when True. Read from
+    the built modules, not the source (absent from installs of compiled files only); a family that has
+    the flag on its config but whose layers are always causal (GPT-NeoX's) keeps no such attribute."""
+    return any(isinstance(vars(m).get("is_decoder"), bool) for m in layers.modules())
 
 
 def _router_aux(model: nn.Module, name: str, params: Mapping[str, Any]) -> RouterAuxLoss | None:
