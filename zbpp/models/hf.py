@@ -1104,6 +1104,7 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
     try:
         default = transformers.AutoConfig.for_model(model_type)
         kw = {k: v for k, v in wanted.items() if _settable(default, k)}
+        kw.update(_family_sizes(default, hidden_size, head, num_heads))
         # a multimodal config's sizes are its sub-configs' (the causal LM is built from its text config):
         # given as dicts of the shrunk sizes, the rest the sub-config class's defaults
         for name in _SUB_CONFIGS:
@@ -1112,6 +1113,8 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
                 sizes = wanted if name == "text_config" else {
                     **{k: wanted[k] for k in _SUB_SIZES}, **{k: hidden_size for k in _SUB_OUTPUTS}}
                 kw[name] = {k: v for k, v in sizes.items() if _settable(sub, k)}
+                if name == "text_config":
+                    kw[name].update(_family_sizes(sub, hidden_size, head, num_heads))
         config = transformers.AutoConfig.for_model(model_type, **kw)
     except Exception as exc:  # transformers' own validators, deep in the family's config class: name the type
         raise ValueError(f"small_config({model_type!r}): transformers refuses the config ({type(exc).__name__}: "
@@ -1129,6 +1132,19 @@ _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
 _SUB_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "moe_intermediate_size")
 _SUB_OUTPUTS = ("out_hidden_size", "adapter_out_dim", "text_hidden_size", "adapter_in_dim", "adapter_input_size")
+
+
+def _family_sizes(config: Any, hidden_size: int, head: int, num_heads: int) -> dict[str, Any]:
+    """Sizes of a family that `wanted` cannot set: per-layer sizes its default config will not read
+    globally and constructor-only keywords (dots.3-note's sliding-window layers, ``swa_*``); left at
+    HF's values, each attention layer keeps the full-size model's heads and ranks."""
+    if getattr(config, "model_type", None) != "dots3_note_text":
+        return {}
+    mla = {"num_attention_heads": num_heads, "num_key_value_heads": num_heads, "q_lora_rank": hidden_size // 2,
+           "kv_lora_rank": hidden_size // 2, "qk_nope_head_dim": head, "qk_rope_head_dim": head, "v_head_dim": head}
+    # a sliding-window layer's head is its nope and rope parts (the config checks it)
+    return {**mla, **{f"swa_{k}": v for k, v in mla.items()}, "swa_head_dim": 2 * head, "index_n_heads": num_heads,
+            "index_head_dim": head, "shared_experts_intermediate_size": hidden_size}
 
 
 def _settable(config: Any, key: str) -> bool:
