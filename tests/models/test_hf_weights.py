@@ -92,32 +92,54 @@ def test_checkpoint_names_map_to_the_model_both_ways(kind: str, tmp_path: Path) 
         assert torch.equal(back.state_dict()[name], t), name
 
 
-def test_weights_kept_in_float32_load_unrounded(tmp_path: Path) -> None:
+def _float32_kept_model(kind: str) -> tuple[Any, torch.dtype]:
+    """A tiny float32 model whose family keeps some weights in float32 under a 16-bit dtype, and that
+    dtype; its weights random (not ones or zeros, which no rounding changes)."""
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    if kind == "glm4_moe":  # router kept in float32 for float16 and bfloat16 (_keep_in_fp32_modules_strict)
+        config, dtype = transformers.Glm4MoeConfig(**small, n_routed_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=8, first_k_dense_replace=1, n_group=1,
+                                                   topk_group=1, n_shared_experts=1), torch.bfloat16
+    else:  # GPT-OSS: its norms kept in float32 for float16 only (_keep_in_fp32_modules)
+        config, dtype = transformers.GptOssConfig(**small, num_local_experts=4, num_experts_per_tok=2,
+                                                  layer_types=["full_attention"] * 2), torch.float16
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # float32: the weights before any rounding
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.randn_like(t) * 1e-3)
+    return model, dtype
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "gpt_oss"])
+def test_weights_kept_in_float32_load_unrounded(kind: str, tmp_path: Path) -> None:
     """GLM-4-MoE keeps its router (``gate.weight``, ``e_score_correction_bias``) in float32 in a
-    bfloat16 model (``_keep_in_fp32_modules_strict``): a bfloat16 checkpoint holds them in float32,
-    and the stages must load them as ``from_pretrained`` does, not rounded through bfloat16. Exact:
-    both only read and cast the same tensors."""
-    from zbpp.models.hf import causal_lm_stages
+    bfloat16 model (``_keep_in_fp32_modules_strict``), GPT-OSS its norms in a float16 one
+    (``_keep_in_fp32_modules``): loaded from a float32 checkpoint in that 16-bit dtype,
+    ``from_pretrained`` (the reference) keeps them in float32, unrounded. The stages held GPT-OSS's
+    norms in float16, rounded; they must hold HF's tensors, dtype included, and write them back so.
+    Exact: both only read and cast the same tensors."""
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages, save_pretrained
     from zbpp.schedules import build
 
-    config = transformers.Glm4MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, n_routed_experts=4,
-                                        num_experts_per_tok=2, moe_intermediate_size=8, first_k_dense_replace=1,
-                                        n_group=1, topk_group=1, n_shared_experts=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
-    with torch.no_grad():
-        bias.normal_()  # zeros at init: bfloat16 would round nothing
-    assert bias.dtype == torch.float32
-    model.save_pretrained(tmp_path)
+    model, dtype = _float32_kept_model(kind)
+    model.save_pretrained(tmp_path / "src")
 
-    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
-    stages, _ = causal_lm_stages(tmp_path, build("1f1b", num_ranks=1, num_microbatches=1), 0, device="cpu")
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=dtype).state_dict()
+    assert {t.dtype for t in want.values()} == {dtype, torch.float32}  # the case: some kept in float32
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    stages, kwargs = causal_lm_stages(tmp_path / "src", sched, 0, device="cpu", dtype=dtype)
     got = stages[0].state_dict()
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    save_pretrained(Pipeline(stages, sched, **kwargs), tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, t in want.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
 def test_a_tied_head_present_with_its_own_values_is_untied_as_hf_does(tmp_path: Path) -> None:

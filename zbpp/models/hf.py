@@ -235,9 +235,14 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
             state_dict: Mapping[str, torch.Tensor] | None, seed: int, ignore_index: int, fast: bool, fp8: Any
             ) -> tuple[dict[int, nn.Module], dict[str, Any]]:
     """`causal_lm_stages` once the directory, if any, is known to every rank's agreement."""
-    if isinstance(model_or_config, (str, os.PathLike)):
+    directory = isinstance(model_or_config, (str, os.PathLike))
+    if directory:
         model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
     model = _model(model_or_config, dtype, attn_implementation, experts_implementation)
+    if directory:  # as from_pretrained builds it: weights its family keeps in float32 stay unrounded
+        from .hf_weights import _keep_in_float32
+
+        _keep_in_float32(model, dtype)
     template = check_template(model)
     _warn_unless_supported(model)
     fqns = module_fqns_per_stage

@@ -129,7 +129,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     """The weights of a HF directory by the model's parameter names, each read from its safetensors
     file when asked for (``safe_open``, one tensor), onto `device`; a floating tensor in the dtype the
     model built in `dtype` gives it (`dtype`, or float32 where the family keeps a weight in float32,
-    as a router in ``_keep_in_fp32_modules_strict``); without `dtype`, in the checkpoint's.
+    as a router in ``_keep_in_fp32_modules_strict``,
+    or GPT-OSS's norms in float16, ``_keep_in_fp32_modules``); without `dtype`, in the checkpoint's.
 
     Keys are the names of the model built from `config`; a name asked for twice is read twice (the
     mapping keeps nothing). ``len`` and iteration list the names the checkpoint provides.
@@ -319,7 +320,35 @@ def _meta_model(config: Any, dtype: torch.dtype | None = None) -> nn.Module:
     import transformers
 
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+        model = transformers.AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+    if dtype is not None:
+        _keep_in_float32(model, dtype)
+    return model
+
+
+def _keep_in_float32(model: nn.Module, dtype: torch.dtype) -> None:
+    """Turn to float32 the tensors of `model` (its state_dict's) that ``from_pretrained`` in `dtype` loads
+    in float32: its class's ``_keep_in_fp32_modules`` in float16 (GPT-OSS's norms) and
+    ``_keep_in_fp32_modules_strict`` in float16 and bfloat16. ``from_config`` builds them in `dtype`,
+    so a model built from a directory would hold them rounded where HF's holds the checkpoint's."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = getattr(model, "_get_dtype_plan", None)
+    plan = plan(dtype) if callable(plan) else {}
+    if not plan:
+        return
+    pattern, group_to_glob, _ = build_glob_alternation(list(plan))
+    for name, t in model.state_dict(keep_vars=True).items():
+        found = pattern.search(name)  # as HF's loader matches them: anywhere in the name
+        keep = plan[group_to_glob[found.lastgroup]] if found is not None else None
+        if keep is None or not t.is_floating_point() or t.dtype == keep:
+            continue
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if isinstance(t, nn.Parameter):
+            t.data = t.data.to(keep)  # the Parameter itself: ties and references to it stay
+        else:
+            module._buffers[attr] = t.to(keep)
 
 
 def _model_names(config: Any, keys: list[str], dtype: torch.dtype | None = None
