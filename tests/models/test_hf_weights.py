@@ -521,3 +521,21 @@ def test_a_read_failing_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_wo
     assert words.match(outcomes[1].split(" ", 1)[1]), outcomes
     assert outcomes[0].split(" ", 1)[1].startswith("PipelineError: causal_lm_stages could not read "), outcomes
     assert re.search("; global rank 1: " + words.pattern, outcomes[0]), outcomes
+
+
+def test_max_shard_size_reads_as_hf_reads_it() -> None:
+    """``max_shard_size`` in bytes as HF's own ``save_pretrained`` reads it (the reference,
+    ``convert_file_size_to_int``): "8Kb" is kilobits there, 1000 bytes, where zbpp read 8000; and
+    "0MB" (or a fraction of a byte) became a limit of 0 bytes, taken without a word. Bad sizes are
+    refused, naming the value."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from zbpp.models.hf_weights import _bytes
+
+    for size in [1000, "2GB", "500MB", "8KB", "8Kb", "4Mb", "1Gb", "5GiB", "3MiB", "2KiB", "20kb"]:
+        assert _bytes(size) == convert_file_size_to_int(size), size
+    assert _bytes("1.5GB") == 1_500_000_000 and _bytes(" 500 MB ") == 500_000_000 and _bytes("100B") == 100
+    for bad in ["0MB", "0.0001KB", "1b", 0, -1, True, 2.5, "", "x", "1e3MB", "-5MB", "GB"]:
+        with pytest.raises(ValueError, match=re.escape(f"max_shard_size must be a positive number of bytes or a size "
+                                                       f"like '500MB', got {bad!r}")):
+            _bytes(bad)

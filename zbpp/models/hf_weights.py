@@ -430,7 +430,8 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
             compared first (`Pipeline.check_ties`): copies that differ raise on every rank and
             nothing is written. The weight files
             of an earlier save there that this one does not rewrite are deleted.
-        max_shard_size: the largest safetensors file, in bytes or as ``"500MB"``: each pipeline
+        max_shard_size: the largest safetensors file, in bytes or as ``"500MB"`` (read as HF's
+            ``save_pretrained`` reads it: ``"500Mb"`` is megabits): each pipeline
             rank writes its stages in files of at most this size (a tensor larger goes alone).
     """
     from .._compat import uncompiled
@@ -560,12 +561,19 @@ def _shards(state: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
 
 
 def _bytes(size: int | str) -> int:
+    """`size` in bytes, read as HF's ``save_pretrained`` reads its ``max_shard_size`` ("500Mb", a lower-case
+    b, is megabits; "8b" a byte); decimals and a bare "B" too. Under one byte ("0MB") is refused, as 0 is."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     if isinstance(size, str):
-        units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-        text = size.strip().upper()
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        text = size.strip()
         for unit, factor in units.items():
-            if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
-                return int(float(text[:-len(unit)]) * factor)
+            number = text[:-len(unit)].strip()
+            if text.upper().endswith(unit) and number.replace(".", "", 1).isdigit():
+                bits = "I" not in unit and text.endswith("b")
+                n = int(float(number) * factor) // (8 if bits else 1)
+                if n >= 1:
+                    return n
+                break
     raise ValueError(f"max_shard_size must be a positive number of bytes or a size like '500MB', got {size!r}")
