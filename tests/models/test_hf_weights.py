@@ -539,3 +539,27 @@ def test_max_shard_size_reads_as_hf_reads_it() -> None:
         with pytest.raises(ValueError, match=re.escape(f"max_shard_size must be a positive number of bytes or a size "
                                                        f"like '500MB', got {bad!r}")):
             _bytes(bad)
+
+
+def test_dtype_is_taken_as_from_pretrained_takes_it(tmp_path: Path) -> None:
+    """``dtype="auto"`` (``from_pretrained``'s default, which the README compares the default to) failed
+    with "module 'torch' has no attribute 'auto'" for a directory, and for a config blamed the config;
+    a dtype's name and "auto" build what ``from_pretrained`` builds (the reference: its parameters'
+    dtypes), and a dtype that is none is refused, naming it, whatever the source."""
+    from zbpp.models.hf import causal_lm_stages
+    from zbpp.schedules import build
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config("llama"), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    sched = build("1f1b", num_ranks=1, num_microbatches=1)
+    for dtype in ["auto", "float64"]:
+        want = {p.dtype for p in transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).parameters()}
+        stages, _ = causal_lm_stages(tmp_path, sched, 0, device="cpu", dtype=dtype)
+        assert {p.dtype for p in stages[0].parameters()} == want, dtype
+    stages, _ = causal_lm_stages(config("llama"), sched, 0, device="cpu", dtype="auto")  # as from_config's default
+    assert {p.dtype for p in stages[0].parameters()} == {torch.float32}
+    for bad in ["float99", 3, torch.int64, "int64"]:
+        for source in [tmp_path, config("llama")]:
+            with pytest.raises(ValueError, match=re.escape(f"dtype must be a floating torch.dtype, its name "
+                                                           f"(\"bfloat16\"), or None or \"auto\"") + f".*got {re.escape(repr(bad))}"):
+                causal_lm_stages(source, sched, 0, device="cpu", dtype=bad)

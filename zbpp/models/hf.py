@@ -173,7 +173,7 @@ def causal_lm_stages(
     pp_rank: int,
     *,
     device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
     module_fqns_per_stage: Sequence[Sequence[str]] | None = None,
@@ -198,7 +198,8 @@ def causal_lm_stages(
             template of the module docstring (`check_template` says what does not).
         schedule, pp_rank: the schedule and this rank's pipeline rank.
         device: where the stages live (default as `pipeline_stages`).
-        dtype: parameter dtype when building from a config (default: the config's, else float32).
+        dtype: parameter dtype when building from a config (default, or ``"auto"``: the config's,
+            else float32), as a ``torch.dtype`` or its name.
         attn_implementation: "eager", "sdpa", ... when building from a config or a directory.
         experts_implementation: a mixture of experts' expert layers, "eager" (a loop over the
             experts: any dtype, float64 included), "grouped_mm" (HF's default: 16- and 32-bit
@@ -235,13 +236,14 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
             state_dict: Mapping[str, torch.Tensor] | None, seed: int, ignore_index: int, fast: bool, fp8: Any
             ) -> tuple[dict[int, nn.Module], dict[str, Any]]:
     """`causal_lm_stages` once the directory, if any, is known to every rank's agreement."""
+    from .hf_weights import _dtype_arg, _keep_in_float32
+
+    dtype = _dtype_arg(dtype)  # a bad one named here, not deep in HF's from_config
     directory = isinstance(model_or_config, (str, os.PathLike))
     if directory:
         model_or_config, state_dict, dtype = _pretrained(model_or_config, state_dict, device, dtype)
     model = _model(model_or_config, dtype, attn_implementation, experts_implementation)
     if directory:  # as from_pretrained builds it: weights its family keeps in float32 stay unrounded
-        from .hf_weights import _keep_in_float32
-
         _keep_in_float32(model, dtype)
     template = check_template(model)
     _warn_unless_supported(model)

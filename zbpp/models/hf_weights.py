@@ -67,14 +67,16 @@ _SINGLE = "model.safetensors"
 
 # -- in ------------------------------------------------------------------------------------------
 def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> tuple[Any, "SafetensorsWeights", torch.dtype]:
+               dtype: torch.dtype | str | None = None) -> tuple[Any, "SafetensorsWeights", torch.dtype]:
     """The config of the HF directory `path`, its weights as a lazy mapping, and the dtype to build
-    the model in: `dtype`, else the checkpoint's as ``from_pretrained`` with ``dtype="auto"`` finds
-    it (``config.dtype``, else that of the weight files' first floating tensor). A config that ties the LM head to the embedding while the
-    checkpoint holds both with different values comes back untied (``tie_word_embeddings=False``,
-    with a warning), as ``from_pretrained`` loads it: each keeps its own tensor."""
+    the model in: `dtype` (a floating ``torch.dtype`` or its name, as ``"bfloat16"``), else (None or
+    ``"auto"``) the checkpoint's as ``from_pretrained`` with ``dtype="auto"`` finds it
+    (``config.dtype``, else that of the weight files' first floating tensor). A config that ties the
+    LM head to the embedding while the checkpoint holds both with different values comes back untied
+    (``tie_word_embeddings=False``, with a warning), as ``from_pretrained`` loads it: each keeps its own tensor."""
     import transformers
 
+    dtype = _dtype_arg(dtype)
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{os.fspath(path)!r} is not a Hugging Face model directory: it has no config.json")
@@ -117,6 +119,19 @@ def checkpoint_dtype(path: str | os.PathLike) -> torch.dtype:
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{os.fspath(path)!r} is not a Hugging Face model directory: it has no config.json")
     return _saved_dtype(root, transformers.AutoConfig.from_pretrained(root))
+
+
+def _dtype_arg(dtype: Any) -> torch.dtype | None:
+    """`dtype` as `pretrained` takes it, as ``from_pretrained`` does: None or "auto" (the checkpoint's), a
+    floating ``torch.dtype`` or its name. Anything else is named here (HF's own error said "module 'torch' has
+    no attribute 'auto'", or blamed the config)."""
+    if dtype is None or dtype == "auto":
+        return None
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if isinstance(found, torch.dtype) and found.is_floating_point:
+        return found
+    raise ValueError(f"dtype must be a floating torch.dtype, its name (\"bfloat16\"), or None or \"auto\" (the "
+                     f"default: a checkpoint's or config's), got {dtype!r}")
 
 
 def _saved_dtype(root: Path, config: Any) -> torch.dtype:
