@@ -99,3 +99,46 @@ def test_a_wrappers_w_owes_its_plain_childs_parameters(zbpp_workers) -> None:
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=RTOL, atol=0)
         assert names == ["inner.bias", "inner.weight", "keyed.bias", "keyed.weight"]
+
+
+def no_sync_window_grads() -> list[tuple[str, bool, torch.Tensor, torch.Tensor]]:
+    """On each of 2 replicas (pp=1): one step inside ``no_sync()``, then a synchronised one, through a
+    `Pipeline`, with the wrapper's child's parameters in ``.grad`` and then in a ``main_grad`` attached
+    beforehand (Megatron's convention). Returns (name, has .grad beside a main_grad, got, reference)."""
+    from zbpp import Pipeline
+    from zbpp.runtime import ParallelGroups
+    from zbpp.schedules import build
+
+    groups = ParallelGroups(pp=1)
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 2, generator=gen, dtype=torch.float64))
+               for _ in range(2)]
+    rows = slice(4 * groups.dp_rank, 4 * groups.dp_rank + 4)
+    out = []
+    for attach in (False, True):
+        wrapper, plain = _models()
+        if attach:
+            for p in wrapper.inner.parameters():
+                p.main_grad = torch.zeros_like(p)
+        pipe = Pipeline({0: wrapper}, build("zb-h1", num_ranks=1, num_microbatches=2),
+                        loss_fn=torch.nn.functional.mse_loss, groups=groups)
+        with pipe.no_sync():
+            pipe.step(batches[0][0][rows], target=batches[0][1][rows])
+        pipe.step(batches[1][0][rows], target=batches[1][1][rows])
+        for x, y in batches:  # the whole batch of every replica, in one process
+            torch.nn.functional.mse_loss(plain(x), y).backward()
+        for (name, p), q in zip(wrapper.named_parameters(), plain.parameters()):
+            main = getattr(p, "main_grad", None)
+            got = main if main is not None else p.grad
+            out.append((f"{name} attach={attach}", main is not None and p.grad is not None, got, q.grad))
+    return out
+
+
+def test_a_no_sync_window_with_a_wrapper_that_replaces_grad(zbpp_workers) -> None:
+    # the wrapper's backward_dw accumulates with ``p.grad = p.grad + g`` (a new tensor): the step after
+    # the window used to add the window's gradient once more into .grad, and to put a stale .grad back
+    # beside a main_grad that already held it
+    for rank in zbpp_workers(2).run(no_sync_window_grads):
+        for name, both, got, want in rank:
+            assert not both, f"{name}: a .grad left beside its main_grad"
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=0, msg=name)

@@ -78,6 +78,7 @@ class GradientsAside:
                  tied_in_place: bool = False) -> None:
         self._params = list(params)
         self._keep = keep
+        self._in_place = in_place
         self._aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept tensor, its values)
         self._zeros: list[torch.Tensor] = []  # kept tensors whose values were zeros
@@ -131,7 +132,14 @@ class GradientsAside:
         after an interrupt, it goes on where it stopped (each parameter's gradient taken once)."""
         while self._aside:
             p, g = self._aside[-1]
-            if g is not None and g is not p.grad:  # else nothing set aside, or accumulated in place
+            if self._in_place:
+                # the step started from the kept values: a .grad it replaced (``p.grad = p.grad + g`` in a
+                # backward_dw) or moved into main_grad (the reducer) already holds them; adding them again
+                # would count the no_sync steps twice, putting them back would leave a stale .grad
+                if g is not None and p.grad is not None and p.grad is not g:
+                    g.copy_(p.grad)  # the same values in the tensor the caller knew
+                    p.grad = g
+            elif g is not None and g is not p.grad:  # else nothing set aside
                 # the kept tensor goes back first: a Ctrl-C in the addition is raised once it
                 # returned (CPython looks for signals after a call), and the call run again skips it
                 own, p.grad = p.grad, g
