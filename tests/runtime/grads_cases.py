@@ -296,7 +296,9 @@ def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float,
     `clip_grad_norm_` returns and the clipped gradients against one process's model holding the
     replicas' averaged gradients (the tied weight once), clipped by torch. `given`: the groups
     passed to `clip_grad_norm_`: ``"none"`` (the pipeline's), ``"groups"`` (the `ParallelGroups`
-    the pipeline got), ``"mesh"`` (the pipeline got a DeviceMesh, and so does the clip)."""
+    the pipeline got), ``"mesh"`` (the pipeline got a DeviceMesh, and so does the clip), ``"params"``
+    (no groups, the pipeline's parameters alone, as a generator: its groups are found from them; then
+    the same with one parameter of no Pipeline beside them is refused, on every rank)."""
     import math
 
     from zbpp.runtime import clip_grad_norm_
@@ -319,7 +321,18 @@ def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float,
         q.grad = (q.grad + sum(o.grad for o in others)) / dp
     norm_type = math.inf if norm_type < 0 else norm_type
     want = torch.nn.utils.clip_grad_norm_(avg, max_norm, norm_type=norm_type)
-    got = clip_grad_norm_(pipe, max_norm, None if given == "none" else groups, norm_type=norm_type)
+    if given == "params":
+        stray = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+        stray.grad = torch.ones(1, dtype=torch.float64)
+        try:
+            clip_grad_norm_([*pipe.parameters(), stray], max_norm, norm_type=norm_type)
+        except ValueError as exc:
+            assert "belong to one Pipeline and the others not" in str(exc), exc
+        else:
+            raise AssertionError("a parameter of no Pipeline beside a Pipeline's was not refused")
+        got = clip_grad_norm_(pipe.parameters(), max_norm, norm_type=norm_type)
+    else:
+        got = clip_grad_norm_(pipe, max_norm, None if given == "none" else groups, norm_type=norm_type)
     what = f"{name} pp={pp} dp={dp} {kind} norm_type={norm_type} rank {dist.get_rank()}"
     check_close(f"{what}: norm", got, want)
     fc.check_grads(stages, refs[0], what=what)

@@ -118,6 +118,12 @@ def test_clip_with_the_device_mesh_the_pipeline_got(zbpp_workers, name, kind, no
     zbpp_workers(4).run(check_clip, name, 2, kind, norm_type, 0.1, "mesh")
 
 
+def test_clip_of_a_pipelines_parameters_given_alone(zbpp_workers):
+    # pp=2 x dp=2, the tied LM: parameters given without groups used to be summed over the whole
+    # world, each counted once per replica; they now take their Pipeline's groups (and its tie once)
+    zbpp_workers(4).run(check_clip, "1f1b", 2, "plain", 2.0, 0.1, "params")
+
+
 def test_clip_refused_on_one_rank_raises_on_every_rank(zbpp_workers):
     """A main_grad beside .grad on rank 1 only (`check_clip_refused_on_one_rank`): rank 1 raises its
     ValueError, every other rank a PipelineError naming global rank 1 and the parameter, within

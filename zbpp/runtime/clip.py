@@ -127,8 +127,9 @@ def clip_grad_norm_(
             ``{stage: module}``, or an iterable of parameters: this rank's share of the model.
         max_norm: the largest allowed norm.
         groups: a `ParallelGroups` or a ``DeviceMesh`` with a ``"pp"`` dimension (what the
-            `Pipeline` got); defaults to the pipeline's own (``Pipeline.topology``), else the whole
-            world is one pipeline (no data parallelism).
+            `Pipeline` got); defaults to the pipeline's own (``Pipeline.topology``), also for
+            parameters (or modules) given alone that all belong to a live `Pipeline` (some but not
+            all: a ValueError); else the whole world is one pipeline (no data parallelism).
         norm_type: p of the p-norm, ``math.inf`` (or ``"inf"``, as torch takes it) for the max norm.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
         foreach: taken for torch's signature and ignored: the result is the same either way.
@@ -142,8 +143,9 @@ def clip_grad_norm_(
     ``fully_shard`` gradient's other shard groups are not told: keep them alike on every rank.
 
     A `Pipeline`'s tied parameters (`tied_parameters=`) count once: on the rank of their lowest
-    stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages).
-    Parameters passed otherwise count on every rank that passes them.
+    stage (the copy of its lowest stage where ``fully_shard`` split one Parameter of two stages),
+    also where its parameters are given alone. Parameters of no Pipeline count on every rank that
+    passes them.
 
     In one process (no process group) the norm is this process's, as torch's:
 
@@ -154,19 +156,63 @@ def clip_grad_norm_(
     >>> [round(g, 4) for g in a.grad.tolist() + b.grad.tolist()]
     [0.6, 0.0, 0.8]
     """
-    unusable = getattr(pipeline_or_params, "_raise_if_unusable", None)
+    host, params, found = _host_and_params(pipeline_or_params, groups)
+    unusable = getattr(host, "_raise_if_unusable", None)
     if callable(unusable):  # a Pipeline that found its job broken: the all-reduce would wait for a dead rank
         unusable()
     # an interrupt while the ranks agree comes once the call is done: the peers would wait for this rank
     with collective_call():
-        return _clip(pipeline_or_params, max_norm, groups, norm_type, error_if_nonfinite)
+        return _clip(pipeline_or_params, host, params, found, max_norm, groups, norm_type, error_if_nonfinite)
 
 
-def _clip(pipeline_or_params: Any, max_norm: float, groups: Any, norm_type: float | str,
-          error_if_nonfinite: bool) -> torch.Tensor:
-    """`clip_grad_norm_`'s work, inside its `collective_call`."""
+def _host_and_params(source: Any, groups: Any) -> tuple[Any, list[torch.Tensor] | None, BaseException | None]:
+    """The Pipeline to clip by (`source` itself, or the live one holding the parameters given without
+    `groups`, else `source`), the parameters, and an error to raise on every rank of the host."""
+    try:
+        params = _parameters(source)  # once: `source` may be a generator
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        return source, None, exc
+    if groups is not None or callable(getattr(source, "_agree_before_collectives", None)):
+        return source, params, None
+    owner, problem = _owning_pipeline(params)
+    return (owner if owner is not None else source), params, problem
+
+
+def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tuple[Any, BaseException | None]:
+    """The live `Pipeline` of this process that holds every one of `params` (the newest of several
+    alike), or None where none holds any. Its replicas' gradients are copies, so its pipeline group,
+    not the world, is what the norm is summed over. An error (with a Pipeline to tell it through)
+    where only some of them are a Pipeline's, or where Pipelines of other ranks or ties hold them."""
+    from .pipeline import live_pipelines
+
+    want = {id(p) for p in params}
+    holders = [(pipe, want & {id(q) for q in pipe.parameters()}) for pipe in live_pipelines(collected)] if want else []
+    holders = [(pipe, held) for pipe, held in holders if held]
+    if not holders:
+        return None, None
+    full = [pipe for pipe, held in holders if held == want]
+    if not full:
+        most = max(holders, key=lambda h: len(h[1]))
+        return most[0], ValueError(
+            f"clip_grad_norm_: {len(most[1])} of the {len(want)} parameters given belong to one Pipeline and the "
+            "others not, so neither its pipeline group nor the whole world is the group to sum the norm "
+            "over; pass the Pipeline, or groups= (what the Pipeline got)")
+    layouts = {(pipe.topology.pipeline, frozenset(pipe._tied.param_ids())) for pipe in full}
+    if len(layouts) > 1 and not collected:  # a dropped one may linger in a reference cycle: look again
+        return _owning_pipeline(params, collected=True)
+    if len(layouts) > 1:
+        return full[-1], ValueError(
+            "clip_grad_norm_: the parameters given belong to several Pipelines with different pipeline ranks "
+            "or tied parameters; pass the Pipeline to clip by")
+    return full[-1], None
+
+
+def _clip(source: Any, host: Any, params: list[torch.Tensor] | None, found: BaseException | None, max_norm: float,
+          groups: Any, norm_type: float | str, error_if_nonfinite: bool) -> torch.Tensor:
+    """`clip_grad_norm_`'s work, inside its `collective_call`: the gradients of `params` (from
+    `source`), over the ranks of `host` (a Pipeline, or `source`); `found`: an error to raise."""
     try:  # first: with the group known, a refusal below reaches its other ranks
-        group, size = _pp_group(pipeline_or_params, groups)
+        group, size = _pp_group(host, groups)
     except (Exception, KeyboardInterrupt, SystemExit):  # noqa: BLE001 - a Pipeline's ranks still agree on it
         group, size = None, 1
     try:
@@ -179,20 +225,22 @@ def _clip(pipeline_or_params: Any, max_norm: float, groups: Any, norm_type: floa
         if not p_norm > 0:
             raise ValueError(f"norm_type must be > 0 (or math.inf, 'inf'), got {norm_type!r}")
         norm_type = p_norm
-        params = _parameters(pipeline_or_params)
-        _refuse_two_grads(params, pipeline_or_params)
-        group, size = _pp_group(pipeline_or_params, groups)  # raises here what the first try held
+        if found is not None:
+            raise found
+        assert params is not None
+        _refuse_two_grads(params, source if _named(source) else host)
+        group, size = _pp_group(host, groups)  # raises here what the first try held
         problem = None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         problem = exc
-    agree = getattr(pipeline_or_params, "_agree_before_collectives", None)
+    agree = getattr(host, "_agree_before_collectives", None)
     if callable(agree):  # a Pipeline: a rank that refused here would leave the others waiting in the all-reduces
         agree(problem, "clip_grad_norm_")
     elif size > 1:  # likewise over the group the norm is summed over
         _agree_over(group, problem)
     elif problem is not None:
         raise problem
-    tied = getattr(pipeline_or_params, "_tied", None)
+    tied = getattr(host, "_tied", None)
     counted = [p for p in params if tied is None or tied.counted_here(p)]
     grads = [g for g in map(_grad, params) if g is not None]
     norm_of = [g for g in map(_grad, counted) if g is not None]
@@ -210,9 +258,9 @@ def _clip(pipeline_or_params: Any, max_norm: float, groups: Any, norm_type: floa
     local = torch.zeros((), dtype=wide, device=device)
     held: list[BaseException | None] = [None]
     wait = None
-    if callable(getattr(pipeline_or_params, "_wait_collective", None)):  # a Pipeline
+    if callable(getattr(host, "_wait_collective", None)):  # a Pipeline
         def wait(work: Any) -> None:  # a rank dead since the last step: every rank raises at once
-            held[0] = held[0] or pipeline_or_params._wait_collective(work, device, "all-reduce of clip_grad_norm_")
+            held[0] = held[0] or host._wait_collective(work, device, "all-reduce of clip_grad_norm_")
     shards: dict[tuple, list[torch.Tensor]] = {}  # fully_shard gradients, by the groups they are sharded over
     for g in norm_of:
         key = _shard_groups(g)

@@ -17,6 +17,9 @@ happens: draining in `zbpp.runtime.executor`, the agreements and a dead rank in
 from __future__ import annotations
 
 import contextlib
+import gc
+import itertools
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,6 +53,8 @@ from .wgrad import StageWgrad, check_fifo_wgrad, has_own_wgrad
 
 __all__ = ["Pipeline"]
 
+_LIVE: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()  # every Pipeline built here, while referenced
+_BUILT = itertools.count()
 _MAX_SIGNATURES = 16  # cached input signatures (each holds one Spec per cross-rank activation)
 
 
@@ -77,6 +82,14 @@ class _Step:
     #: everywhere (`Agreement.take_held`: raised once the step is committed), or while it rolled a
     #: failed step back (`Pipeline._roll_back`: raised in place of the step's error)
     after: BaseException | None = None
+
+
+def live_pipelines(collect: bool = False) -> list["Pipeline"]:
+    """The Pipelines of this process that are still referenced, oldest first; `collect`: after a
+    garbage collection (a dropped Pipeline in a reference cycle lingers until one)."""
+    if collect:
+        gc.collect()
+    return sorted(_LIVE, key=lambda p: p._built_order)
 
 
 class Pipeline:
@@ -252,6 +265,8 @@ class Pipeline:
             problem = exc
         agree_on_problems(self._agreement, problem, self.topology.world, "Pipeline could not be built on every rank")
         self._sync_gradients = True  # False inside no_sync()
+        self._built_order = next(_BUILT)
+        _LIVE.add(self)  # `clip_grad_norm_` finds the pipeline of parameters given alone
 
     # -- public -------------------------------------------------------------------------------
     @property
