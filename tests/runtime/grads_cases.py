@@ -330,6 +330,11 @@ def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float,
             assert "belong to one Pipeline and the others not" in str(exc), exc
         else:
             raise AssertionError("a parameter of no Pipeline beside a Pipeline's was not refused")
+        # pipeline rank 1 passes nothing (a stage without parameters): still the pipeline's group, as the
+        # groups given say; max_norm so large that nothing is scaled
+        part = [] if pp_rank == 1 else list(pipe.parameters())
+        check_close("a share given alone, one rank's empty", clip_grad_norm_(iter(part), 1e30, norm_type=norm_type),
+                    clip_grad_norm_(part, 1e30, groups, norm_type=norm_type))
         got = clip_grad_norm_(pipe.parameters(), max_norm, norm_type=norm_type)
     else:
         got = clip_grad_norm_(pipe, max_norm, None if given == "none" else groups, norm_type=norm_type)

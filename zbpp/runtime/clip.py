@@ -129,7 +129,8 @@ def clip_grad_norm_(
         groups: a `ParallelGroups` or a ``DeviceMesh`` with a ``"pp"`` dimension (what the
             `Pipeline` got); defaults to the pipeline's own (``Pipeline.topology``), also for
             parameters (or modules) given alone that all belong to a live `Pipeline` (some but not
-            all: a ValueError); else the whole world is one pipeline (no data parallelism).
+            all: a ValueError; none given on this rank: the newest live one); else the whole world
+            is one pipeline (no data parallelism).
         norm_type: p of the p-norm, ``math.inf`` (or ``"inf"``, as torch takes it) for the max norm.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
         foreach: taken for torch's signature and ignored: the result is the same either way.
@@ -180,13 +181,21 @@ def _host_and_params(source: Any, groups: Any) -> tuple[Any, list[torch.Tensor] 
 
 def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tuple[Any, BaseException | None]:
     """The live `Pipeline` of this process that holds every one of `params` (the newest of several
-    alike), or None where none holds any. Its replicas' gradients are copies, so its pipeline group,
+    alike; for no parameters, the newest live one), or None where none holds any. Its replicas' gradients are copies, so its pipeline group,
     not the world, is what the norm is summed over. An error (with a Pipeline to tell it through)
     where only some of them are a Pipeline's, or where Pipelines of other ranks or ties hold them."""
     from .pipeline import live_pipelines
 
     want = {id(p) for p in params}
-    holders = [(pipe, want & {id(q) for q in pipe.parameters()}) for pipe in live_pipelines(collected)] if want else []
+    pipes = live_pipelines(collected)
+    if not want:  # this rank's share is empty (a stage without parameters): its peers' Pipeline, if any
+        pipes = live_pipelines(collect=True) if len(pipes) > 1 else pipes
+        if len({(pipe.topology.pipeline, pipe.topology.world) for pipe in pipes}) > 1:
+            return pipes[-1], ValueError(
+                "clip_grad_norm_: no parameters given on this rank, and Pipelines of different ranks live in "
+                "this process, so the group to sum the norm over is unknown; pass the Pipeline, or groups=")
+        return (pipes[-1] if pipes else None), None
+    holders = [(pipe, want & {id(q) for q in pipe.parameters()}) for pipe in pipes]
     holders = [(pipe, held) for pipe, held in holders if held]
     if not holders:
         return None, None
