@@ -785,3 +785,36 @@ def test_unscale_in_one_process_and_its_refusals():
     with pytest.raises(RuntimeError, match="reads torch.amp.GradScaler's _per_optimizer_states, _scale, "
                                            "_lazy_init_scale_growth_tracker, which this SimpleNamespace"):
         unscale_(pipe, fake, opt)
+
+
+class _CloneFails(torch.Tensor):
+    """A ``main_grad`` whose copy fails while `armed` (the memory for it ran out)."""
+
+    armed = False
+
+    def clone(self, *args, **kwargs):
+        if _CloneFails.armed:
+            raise torch.OutOfMemoryError("injected: no memory for the copy")
+        return super().clone(*args, **kwargs)
+
+
+def test_earlier_gradients_survive_a_copy_that_fails_before_the_first_task():
+    # keep_grads_on_failure: the step copies a user's main_grad aside before any task; when that
+    # copy fails, the earlier steps' .grad must come back, as one process keeps them (plain autograd
+    # on the first batch alone; the file's float32 tolerance: microbatch sums in another order)
+    lin, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+    lin.weight.main_grad = torch.zeros(2, 3).as_subclass(_CloneFails)
+    pipe = Pipeline({0: lin}, build("1f1b", num_ranks=1, num_microbatches=2), loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), torch.zeros(4, 2)
+    pipe.step(x, target=y)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    _CloneFails.armed = True
+    try:
+        with pytest.raises(PipelineError, match="no memory for the copy"):
+            pipe.step(x, target=y)
+    finally:
+        _CloneFails.armed = False
+    for (n, a), b in zip(lin.named_parameters(), ref.parameters()):
+        assert a.grad is not None, f"{n}: the earlier steps' gradient was lost"
+        torch.testing.assert_close(a.grad, b.grad, **tolerance(CPU), msg=n)

@@ -90,14 +90,22 @@ class GradientsAside:
         held_params = self._params if keep else [p for p in self._params if id(p) in tied]
         if not held_params or (not keep and in_place and not tied_in_place):  # the no_sync window's sums are laid down
             return
-        # loops in C where they can: this runs before every step's first kernel
+        # loops in C where they can: this runs before every step's first kernel. Every copy first,
+        # then what changes a gradient: a copy that fails (out of memory) leaves them all as they were
         grads = list(map(_grad, held_params))
-        self._aside = list(zip(held_params, grads))
+        aside = list(zip(held_params, grads))
+        held = [(p, g) for p, g in aside if g is not None] if in_place else []
+        zeros = [g for p, g in held if id(p) in zeroed]
+        copies = [(g, g.clone()) for p, g in held if id(p) not in zeroed] if len(zeros) < len(held) else []
+        main_copies: list[tuple[nn.Parameter, torch.Tensor]] = []
+        if copy_main_grad:
+            mains = [getattr(p, "main_grad", None) for p in held_params]
+            if any(map(operator.is_not, mains, itertools.repeat(None))):  # by identity: == on tensors is slow
+                # by parameter: the reducer's start_step may rebuild its buckets, a new main_grad
+                main_copies = [(p, m.clone()) for p, m in zip(held_params, mains) if isinstance(m, torch.Tensor)
+                               and not (reducer_zeroes and id(p) in reducer_owns)]
+        self._aside, self._zeros, self._copies, self._main_copies = aside, zeros, copies, main_copies
         if in_place:  # p.grad stays; on failure it becomes this tensor again, with these values
-            held = [(p, g) for p, g in self._aside if g is not None]
-            self._zeros = [g for p, g in held if id(p) in zeroed]
-            if len(self._zeros) < len(held):
-                self._copies = [(g, g.clone()) for p, g in held if id(p) not in zeroed]
             if tied_in_place:  # the copies of earlier gradients (none of zeros) double as what comes back
                 copy_of = {id(g): c for g, c in self._copies}
                 self._grad_aside = [(p, copy_of[id(g)]) for p, g in held if id(p) in tied and id(p) not in zeroed]
@@ -106,16 +114,10 @@ class GradientsAside:
         else:
             for p in held_params:
                 p.grad = None
-        if copy_main_grad:
-            mains = [getattr(p, "main_grad", None) for p in held_params]
-            if any(map(operator.is_not, mains, itertools.repeat(None))):  # by identity: == on tensors is slow
-                # by parameter: the reducer's start_step may rebuild its buckets, a new main_grad
-                self._main_copies = [(p, m.clone()) for p, m in zip(held_params, mains) if isinstance(m, torch.Tensor)
-                                     and not (reducer_zeroes and id(p) in reducer_owns)]
-                if main_grad_aside:  # set aside as .grad is: added back by take_back
-                    self._main_aside = [(p, c) for p, c in self._main_copies if id(p) not in reducer_owns]
-                    if self._main_aside:
-                        foreach_zero_([p.main_grad for p, _ in self._main_aside])
+        if main_grad_aside:  # set aside as .grad is: added back by take_back
+            self._main_aside = [(p, c) for p, c in self._main_copies if id(p) not in reducer_owns]
+            if self._main_aside:
+                foreach_zero_([p.main_grad for p, _ in self._main_aside])
 
     def copies(self) -> dict[int, torch.Tensor]:
         """The copies kept of gradients left in place, by the id of the gradient tensor (read them only:
