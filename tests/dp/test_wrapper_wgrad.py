@@ -111,8 +111,7 @@ def no_sync_window_grads() -> list[tuple[str, bool, torch.Tensor, torch.Tensor]]
 
     groups = ParallelGroups(pp=1)
     gen = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 2, generator=gen, dtype=torch.float64))
-               for _ in range(2)]
+    batches = [tuple(torch.randn(8, n, generator=gen, dtype=torch.float64) for n in (4, 2)) for _ in range(2)]
     rows = slice(4 * groups.dp_rank, 4 * groups.dp_rank + 4)
     out = []
     for attach in (False, True):

@@ -181,9 +181,11 @@ def _host_and_params(source: Any, groups: Any) -> tuple[Any, list[torch.Tensor] 
 
 def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tuple[Any, BaseException | None]:
     """The live `Pipeline` of this process that holds every one of `params` (the newest of several
-    alike; for no parameters, the newest live one), or None where none holds any. Its replicas' gradients are copies, so its pipeline group,
-    not the world, is what the norm is summed over. An error (with a Pipeline to tell it through)
-    where only some of them are a Pipeline's, or where Pipelines of other ranks or ties hold them."""
+    alike; for no parameters, the newest live one), or None where none holds any. Its replicas'
+    gradients are copies, so its pipeline group, not the world, is what the norm is summed over.
+    An error (with a Pipeline to tell it through) where only some of them are a Pipeline's, or where
+    Pipelines of other ranks or ties hold them."""
+
     from .pipeline import live_pipelines
 
     want = {id(p) for p in params}
