@@ -16,6 +16,7 @@ gradient by 1/m.
 from __future__ import annotations
 
 import copy
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -424,12 +425,7 @@ def test_fast_form_of_6_moe_layers_compiles_nothing_3_did_not_and_equals_hf() ->
     `GRAD_RTOL` of the largest (the summation order differs)."""
     from tests.models.families import _reference_loss, padded_batch
 
-    torch._dynamo.reset()
-    _moe_fast_step(3)
-    torch._dynamo.utils.counters.clear()
-    loss, got, ref = _moe_fast_step(6)
-    counters = torch._dynamo.utils.counters
-    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    loss, got, ref = _traces_nothing_more(lambda: _moe_fast_step(3), lambda: _moe_fast_step(6))
     ids, mask, labels = padded_batch(ROWS)
     want_loss, _ = _reference_loss(ref, ids, mask, labels, M, aux=True)
     want_loss.backward()
@@ -524,17 +520,25 @@ def test_fast_stage_of_an_hf_model_not_yet_run_compiles_nothing_more_for_more_mo
     the test above). `fast_stage` defers them at a block's first call too. Loss (auxiliary term
     included) and gradients of the fast model equal HF's model (float64: gradients within
     `GRAD_RTOL` of the largest, loss to 1e-12; the fast model's GEMMs sum in another order)."""
-    torch._dynamo.reset()
-    _raw_moe_fast_step(3)
-    torch._dynamo.utils.counters.clear()
-    model, ref, (loss, want_loss) = _raw_moe_fast_step(6)
-    counters = torch._dynamo.utils.counters
-    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    model, ref, (loss, want_loss) = _traces_nothing_more(lambda: _raw_moe_fast_step(3),
+                                                         lambda: _raw_moe_fast_step(6))
     torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)  # the same float64 ops in the forward
     bound = GRAD_RTOL * max(p.grad.abs().max() for p in ref.parameters())
     for (name, got), want in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=bound, msg=name)
 
+
+
+def _traces_nothing_more(smaller: Callable[[], Any], larger: Callable[[], Any]) -> Any:
+    """Run `smaller` from a fresh dynamo, then `larger` (the same with more layers), and return what
+    `larger` returns: it must trace no frame (its layers reuse the code the first compiled)."""
+    torch._dynamo.reset()
+    smaller()
+    torch._dynamo.utils.counters.clear()
+    out = larger()
+    counters = torch._dynamo.utils.counters
+    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    return out
 
 def _moved_recorders(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """Make HF's output-recording hooks look defined in module `where` (as after transformers moves
@@ -559,12 +563,8 @@ def test_fast_stage_defers_hf_recorders_installed_late_and_moved_within_transfor
     an empty tuple). After 1 layer, 3 trace no frame; loss and gradients equal HF's model, as in
     `test_fast_stage_of_an_hf_model_not_yet_run_compiles_nothing_more_for_more_moe_layers`."""
     _moved_recorders(monkeypatch, "transformers.utils.recording")
-    torch._dynamo.reset()
-    _raw_moe_fast_step(1, late=True)
-    torch._dynamo.utils.counters.clear()
-    model, ref, (loss, want_loss) = _raw_moe_fast_step(3, late=True)
-    counters = torch._dynamo.utils.counters
-    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    model, ref, (loss, want_loss) = _traces_nothing_more(lambda: _raw_moe_fast_step(1, late=True),
+                                                         lambda: _raw_moe_fast_step(3, late=True))
     torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
     bound = GRAD_RTOL * max(p.grad.abs().max() for p in ref.parameters())
     for (name, got), want in zip(model.named_parameters(), ref.parameters()):
@@ -623,12 +623,7 @@ def test_fast_stage_of_an_hf_model_runs_without_a_kv_cache_unless_asked() -> Non
     (training needs none): after 1 layer, 3 trace no frame; its loss equals HF's model, which
     builds a cache (float64, the same ops in the forward: 1e-12), and a call asking for a cache
     gets one (run eagerly: its layers would recompile)."""
-    torch._dynamo.reset()
-    _raw_llama_fast_loss(1)
-    torch._dynamo.utils.counters.clear()
-    model, out, want = _raw_llama_fast_loss(3)
-    counters = torch._dynamo.utils.counters
-    assert counters["frames"]["total"] == 0, dict(counters["frames"])
+    model, out, want = _traces_nothing_more(lambda: _raw_llama_fast_loss(1), lambda: _raw_llama_fast_loss(3))
     assert out.past_key_values is None and want.past_key_values is not None
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-12, atol=0)
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
