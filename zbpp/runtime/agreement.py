@@ -385,7 +385,9 @@ GRAPHS_MARGIN = 0.02
 
 #: how much slower than during its trial a host may run later: the GPU machines' hosts ran a fixed
 #: piece of host work at speeds up to 2x apart within one process (docs/benchmarks.md); an eager step
-#: whose issue would then outlast it is paced by the host, and its trial saw only that moment's speed
+#: whose issue would then outlast it is paced by the host, and its trial saw only that moment's speed.
+#: The issue time counts the host's waits on the device (the previous step's tail, a synchronising
+#: allocation) too: on a GPU-paced stage it may reach half of the step, costing at most the margin
 HOST_SPEED_SPREAD = 2.0
 
 
