@@ -186,12 +186,12 @@ def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tup
     An error (with a Pipeline to tell it through) where only some of them are a Pipeline's, or where
     Pipelines of other ranks or ties hold them."""
 
-    from .pipeline import live_pipelines
+    from .pipeline import _live_pipelines
 
     want = {id(p) for p in params}
-    pipes = live_pipelines(collected)
+    pipes = _live_pipelines(collected)
     if not want:  # this rank's share is empty (a stage without parameters): its peers' Pipeline, if any
-        pipes = live_pipelines(collect=True) if len(pipes) > 1 else pipes
+        pipes = _live_pipelines(collect=True) if len(pipes) > 1 else pipes
         if len({(pipe.topology.pipeline, pipe.topology.world) for pipe in pipes}) > 1:
             return pipes[-1], ValueError(
                 "clip_grad_norm_: no parameters given on this rank, and Pipelines of different ranks live in "

@@ -84,7 +84,7 @@ class _Step:
     after: BaseException | None = None
 
 
-def live_pipelines(collect: bool = False) -> list["Pipeline"]:
+def _live_pipelines(collect: bool = False) -> list["Pipeline"]:
     """The Pipelines of this process that are still referenced, oldest first; `collect`: after a
     garbage collection (a dropped Pipeline in a reference cycle lingers until one)."""
     if collect:

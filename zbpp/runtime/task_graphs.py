@@ -645,7 +645,9 @@ class GraphCache:
         self._device = device
         self.choose = choose
         self.timer: StepTimer = timer if timer is not None else (EventTimer() if cuda else HostTimer())
-        self.host_clock = host_clock if host_clock is not None or timer is not None or not cuda else time.perf_counter
+        if host_clock is None and timer is None and cuda:  # the default timer times the device: the host apart
+            host_clock = time.perf_counter
+        self.host_clock = host_clock
         self._trials: OrderedDict[Hashable, _Trial] = OrderedDict()
         self._now: _TrialStep | None = None  # the training step under way (choose only)
         self._reported: Hashable | None = None  # the signature whose trial ended, until the ranks decide
