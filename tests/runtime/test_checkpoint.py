@@ -908,6 +908,7 @@ def _save_without_kinds(net: torch.nn.Module, path: Path, opt: torch.optim.Optim
     state = checkpoint._state_to_save(net, opt, kept.get("lr_scheduler"), kept.get("grad_scaler"))
     for what in ("lr_scheduler", "grad_scaler"):
         state.get(what, {}).pop("kind", None)
+        state.get(what, {}).pop("lineage", None)
     with checkpoint._one_process_quiet(alone=True):
         dcp.save(state, checkpoint_id=path, no_dist=True)
 
@@ -1051,6 +1052,133 @@ def test_schedulers_resume_and_another_composition_is_refused(tmp_path: Path, ki
             "OneCycleLR": f"{_KINDS}OneCycleLR, the given lr_scheduler is a {_KINDS}CosineAnnealingLR"}[kind]
     with pytest.raises(ValueError, match=re.escape(f"its 'lr_scheduler' entry was saved from a {want}")):
         run(range(0), load=tmp_path / "c", swapped=True)
+
+
+def _lrs_after_resume(path: Path, make: Any, resume: Any = None, old: bool = False) -> tuple[list[Any], list[Any]]:
+    """The learning rates of the last 3 of 6 steps of SGD under the scheduler ``make(opt)``, saved
+    after 3 into `path` (as saved before classes were recorded, if `old`), and those of 3 steps
+    resumed from `path` into ``resume(opt)`` (default `make`; ``load_checkpoint`` raises there if
+    it refuses)."""
+    from zbpp.runtime import save_checkpoint
+
+    def run(steps: range, save: bool) -> list[Any]:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1 if save else 1.0)
+        sched = make(opt) if save else (resume or make)(opt)
+        if not save:
+            load_checkpoint(net, path, opt, lr_scheduler=sched)
+        lrs = []
+        for step in steps:
+            opt.step()
+            sched.step()
+            lrs.append((opt.param_groups[0]["lr"], sched.get_last_lr()))
+            if save and step == 2:
+                (_save_without_kinds if old else save_checkpoint)(net, path, opt, lr_scheduler=sched)
+        return lrs
+
+    return run(range(6), True)[3:], run(range(3, 6), False)
+
+
+def _parts(kind: str, opt: torch.optim.Optimizer, parts: list[Any]) -> Any:
+    s = torch.optim.lr_scheduler
+    milestones = list(range(2, 1 + len(parts)))  # one fewer than parts
+    return s.SequentialLR(opt, parts, milestones=milestones) if kind == "SequentialLR" else s.ChainedScheduler(parts, opt)
+
+
+@pytest.mark.parametrize("kind", ["SequentialLR", "ChainedScheduler"])
+def test_a_composition_saved_before_kinds_were_recorded_is_checked_part_by_part(tmp_path: Path, kind: str) -> None:
+    """A checkpoint saved before the schedulers' classes were recorded is checked by the keys of
+    the saved state: only its top-level ones were, and a SequentialLR's or ChainedScheduler's are
+    alike whatever its parts (``_schedulers``, a list that torch loads into the parts by position,
+    unchecked). Its state loaded into one with its parts in the other order (a LinearLR's state into
+    an ExponentialLR, which took it into its ``__dict__``), or with a third part (left fresh),
+    without a word. Now each part's keys and their number are checked too, naming the part; the
+    same composition still resumes as the uninterrupted run (the learning rates, ``==``: the same
+    operations in one process)."""
+    s = torch.optim.lr_scheduler
+
+    def linear_exp(opt: torch.optim.Optimizer, order: int = 1, more: bool = False) -> Any:
+        parts = [s.LinearLR(opt, start_factor=0.5, total_iters=2), s.ExponentialLR(opt, gamma=0.9)][::order]
+        return _parts(kind, opt, parts + ([s.ExponentialLR(opt, gamma=0.5)] if more else []))
+
+    want, got = _lrs_after_resume(tmp_path / "c", linear_exp, old=True)
+    assert got == want
+    given = f"unlike the given lr_scheduler's state_dict() ({_KINDS}{kind}({_KINDS}"
+    with pytest.raises(ValueError, match=re.escape(
+            "its 'lr_scheduler' entry at _schedulers[0] lacks 'gamma' and has 'start_factor', 'end_factor', "
+            f"'total_iters' besides, {given}ExponentialLR, {_KINDS}LinearLR)): saved from another kind?")):
+        _lrs_after_resume(tmp_path / "c", linear_exp, lambda opt: linear_exp(opt, order=-1), old=True)
+    with pytest.raises(ValueError, match=re.escape(
+            f"its 'lr_scheduler' entry holds 2 schedulers in _schedulers, not 3, {given}LinearLR, ")):
+        _lrs_after_resume(tmp_path / "c", linear_exp, lambda opt: linear_exp(opt, more=True), old=True)
+
+
+class _LoggedStepLR(torch.optim.lr_scheduler.StepLR):
+    """A StepLR that adds a method, no state: its state_dict() is a StepLR's."""
+
+    def lr_now(self) -> float:
+        return self.get_last_lr()[0]
+
+
+class _WarmStepLR(torch.optim.lr_scheduler.StepLR):
+    """A StepLR with one more attribute, so one more entry in its state_dict()."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.warmup = 2
+        super().__init__(*args, **kwargs)
+
+
+class _LoggedScaler(torch.amp.GradScaler):
+    """A GradScaler that adds a method, no state."""
+
+    def scale_now(self) -> float:
+        return self.get_scale()
+
+
+def test_a_subclass_state_loads_into_its_base_where_none_is_left_out(tmp_path: Path) -> None:
+    """The class of a scheduler (or scaler) recorded at save had to be the given one's: a subclass
+    that adds nothing to the state (a method) did not load into its base class, nor the base
+    class's state into it. Now a class derived from the other, either way (recorded at save with
+    its bases: `_lineage`), loads where their state_dict() keys are the same (a SequentialLR's
+    parts', too), and resumes as the uninterrupted run (learning rates ``==``; the scaler's
+    state_dict() ``==`` the saved one); a subclass with one more attribute in its state is still
+    refused either way (its value would be lost, or not restored), naming it, and nothing loads."""
+    from zbpp.runtime import save_checkpoint
+
+    s = torch.optim.lr_scheduler
+    for saved, given in [(_LoggedStepLR, s.StepLR), (s.StepLR, _LoggedStepLR)]:
+        want, got = _lrs_after_resume(tmp_path / "c", lambda opt: saved(opt, step_size=2, gamma=0.5),
+                                      lambda opt: given(opt, step_size=2, gamma=0.5))
+        assert got == want, (saved, given)
+    for saved, given in [(_LoggedStepLR, s.StepLR), (s.StepLR, _LoggedStepLR)]:  # as a SequentialLR's part
+        def sequential(opt: torch.optim.Optimizer, step_lr: type) -> Any:
+            return _parts("SequentialLR", opt, [step_lr(opt, step_size=2, gamma=0.5), s.ExponentialLR(opt, gamma=0.9)])
+
+        want, got = _lrs_after_resume(tmp_path / "c", lambda opt: sequential(opt, saved),
+                                      lambda opt: sequential(opt, given))
+        assert got == want, (saved, given)
+
+    net = torch.nn.Linear(2, 1)
+    scaler = _LoggedScaler("cpu", init_scale=2.0 ** 4, growth_interval=3)
+    scaler.scale(torch.ones(()))
+    scaler.update(2.0 ** 3)
+    save_checkpoint(net, tmp_path / "scaler", grad_scaler=scaler)
+    base = torch.amp.GradScaler("cpu")
+    load_checkpoint(net, tmp_path / "scaler", grad_scaler=base)
+    assert base.state_dict() == scaler.state_dict()
+
+    for saved, given, words in [(_WarmStepLR, s.StepLR, "has 'warmup' besides"),
+                                (s.StepLR, _WarmStepLR, "lacks 'warmup'")]:
+        _lrs_after_resume(tmp_path / "c", lambda opt: saved(opt, step_size=2))
+        opt = torch.optim.SGD(net.parameters(), lr=1.0)
+        sched = given(opt, step_size=2)
+        before = sched.state_dict()
+        with pytest.raises(ValueError, match=re.escape(
+                f"its 'lr_scheduler' entry, saved from a {saved.__module__}.{saved.__qualname__}, {words}, unlike the "
+                f"given lr_scheduler's state_dict() ({given.__module__}.{given.__qualname__}, of a class related to it)")):
+            load_checkpoint(net, tmp_path / "c", opt, lr_scheduler=sched)
+        assert sched.state_dict() == before and opt.param_groups[0]["lr"] == 1.0
 
 
 def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: Path) -> None:

@@ -16,8 +16,9 @@ Contents (a nested dict, as ``dcp_to_torch_save`` writes it back)::
      "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
                    "param_groups": {name: {"lr": ..., "betas": ..., ...}}},
      "lr_scheduler": {"state": <pickled state_dict>,            # given lr_scheduler=
-                      "kind": "torch.optim.lr_scheduler.StepLR"},  # its class (`_kind`)
-     "grad_scaler": {"state": <pickled state_dict>, "kind": ...},  # given grad_scaler=
+                      "kind": "torch.optim.lr_scheduler.StepLR",   # its class (`_kind`)
+                      "lineage": <pickled classes and bases>},     # of it and its parts (`_lineage`)
+     "grad_scaler": {"state": <pickled state_dict>, "kind": ..., "lineage": ...},  # given grad_scaler=
      "rng": {"step": ..., "seed": ...},                         # a Pipeline's random stream
      "fp8": {"replica0": {"<layer>.<slot>": {"amax_history": ..., "scale": ..., ...}}}}
                                                                # zbpp layers' FP8 scaling state
@@ -260,9 +261,9 @@ def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_sched
                 groups[name] = _mark_empty_dicts(_hyper(group))
         state["optimizer"] = {"state": opt_state, "param_groups": groups}
     if lr_scheduler is not None:
-        state["lr_scheduler"] = {"state": pickle.dumps(lr_scheduler.state_dict()), "kind": _kind(lr_scheduler)}
+        state["lr_scheduler"] = _kept_entry(lr_scheduler)
     if grad_scaler is not None:
-        state["grad_scaler"] = {"state": pickle.dumps(grad_scaler.state_dict()), "kind": _kind(grad_scaler)}
+        state["grad_scaler"] = _kept_entry(grad_scaler)
     rng = _rng_state(model)
     if rng is not None:
         state["rng"] = rng
@@ -358,10 +359,13 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     naming the file and an entry of it, before anything is loaded; so does an FP8 entry that is not
     as `save_checkpoint` writes it (another format, a field missing), naming it, and an
     ``lr_scheduler`` or ``grad_scaler`` entry that does not unpickle, was saved from another kind
-    (its class, recorded at save: a StepLR's state for a CosineAnnealingLR, which torch's own load
-    would take unchecked; for a checkpoint saved before classes were recorded, keys that the given
-    one's ``state_dict()`` lacks or has besides), or does not load into the given one (tried on a
-    copy of it first, one that shares what cannot be copied, as a bound method's object).
+    (its class, recorded at save with the classes it derives from: a StepLR's state for a
+    CosineAnnealingLR, which torch's own load would take unchecked; a subclass's state and its base
+    class's load into each other only where their ``state_dict()`` keys are the same; for a
+    checkpoint saved before classes were recorded, keys that the given one's ``state_dict()``
+    lacks or has besides, or a SequentialLR's or ChainedScheduler's parts' do, or their number),
+    or does not load into the given one (tried on a copy of it first, one that shares what cannot
+    be copied, as a bound method's object).
 
     A read that fails part-way (an I/O error, a damaged file) raises a RuntimeError on every rank,
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
@@ -785,10 +789,17 @@ def _placed(staged: Any, keep: Mapping[tuple[Any, ...], torch.Tensor], param: nn
         return staged.to(device=device, dtype=dtype)
 
 
+def _kept_entry(target: Any) -> dict[str, Any]:
+    """The ``lr_scheduler`` or ``grad_scaler`` entry of `target`: its pickled state, its class
+    (`_kind`) and the classes it derives from (`_lineage`)."""
+    return {"state": pickle.dumps(target.state_dict()), "kind": _kind(target),
+            "lineage": pickle.dumps(_lineage(target))}
+
+
 def _kept_destination(meta: Mapping[str, Any], what: str) -> dict[str, Any]:
     """What DCP reads the ``lr_scheduler`` or ``grad_scaler`` entry into: its pickled state, and
-    its class where saved (checkpoints saved before classes were recorded have none)."""
-    return {"state": None, **({"kind": None} if f"{what}.kind" in meta else {})}
+    its class and lineage where saved (checkpoints saved before they were recorded have none)."""
+    return {"state": None, **{k: None for k in ("kind", "lineage") if f"{what}.{k}" in meta}}
 
 
 def _kind(target: Any) -> str:
@@ -805,18 +816,56 @@ def _kind(target: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}{inner}"
 
 
-def _key_differences(saved: Any, own: Any) -> tuple[list[str], list[str]]:
-    """The keys of the state `own` (a target's own ``state_dict()``) that `saved` lacks, and those
-    it has besides; none where either is not a dict."""
+def _lineage(target: Any) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """The classes of `target` (an LR scheduler or a GradScaler) and those it derives from, by
+    module and qualified name, its own first; with a ``SequentialLR``'s or ``ChainedScheduler``'s
+    schedulers' lineages in order. A load takes a state of a class related to the given one's
+    (`_related`) where nothing of either state is left out."""
+    names = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(target).__mro__ if c is not object)
+    return names, tuple(_lineage(part) for part in scheduler_parts(target))
+
+
+def _related(lineage: Any, target: Any) -> bool:
+    """`target` is of a class that the saved `lineage` (`_lineage`) derives from, or one that
+    derives from it, and so is each of its parts, position by position."""
+    try:
+        names, parts = lineage
+        own = _lineage(target)[0]
+        return ((names[0] in own or own[0] in names) and len(parts) == len(scheduler_parts(target))
+                and all(_related(p, t) for p, t in zip(parts, scheduler_parts(target))))
+    except (TypeError, ValueError, IndexError):  # not as `_lineage` writes it
+        return False
+
+
+def _state_mismatch(saved: Any, target: Any, path: str = "") -> str | None:
+    """How the saved state `saved` differs from `target`'s own ``state_dict()`` in its keys, those
+    of a ``SequentialLR``'s or ``ChainedScheduler``'s parts' states (``_schedulers``, which
+    torch loads by position, unchecked) and their number; None where it does not. A phrase
+    after "its entry"; `path`: where `saved` is in the entry (``_schedulers[1]``)."""
+    own, at = target.state_dict(), f"at {path} " if path else ""
     if not (isinstance(saved, Mapping) and isinstance(own, Mapping)):
-        return [], []
-    return [repr(k) for k in own if k not in saved], [repr(k) for k in saved if k not in own]
+        return None
+    lacks, besides = [repr(k) for k in own if k not in saved], [repr(k) for k in saved if k not in own]
+    if lacks or besides:
+        return f"{at}" + " and ".join(([f"lacks {', '.join(lacks)}"] if lacks else [])
+                                      + ([f"has {', '.join(besides)} besides"] if besides else []))
+    parts, saved_parts = scheduler_parts(target), saved.get("_schedulers")
+    if not parts or not isinstance(saved_parts, (list, tuple)):
+        return None
+    if len(saved_parts) != len(parts):
+        return f"{at}holds {len(saved_parts)} schedulers in _schedulers, not {len(parts)}"
+    for i, (state, part) in enumerate(zip(saved_parts, parts)):
+        found = _state_mismatch(state, part, f"{path + '.' if path else ''}_schedulers[{i}]")
+        if found:
+            return found
+    return None
 
 
 def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any, path: str) -> dict[str, Any]:
     """The saved states of `lr_scheduler` and `grad_scaler` (those given), unpickled, checked to be
     of their kind and tried on copies of them: a damaged entry (it does not unpickle) or one of
-    another kind (a StepLR's for a CosineAnnealingLR, which torch's own load takes unchecked)
+    another kind (a StepLR's for a CosineAnnealingLR, which torch's own load takes unchecked; a
+    subclass's for its base class, or the other way, where either state has a key the other lacks)
     raises, naming the entry, before anything loads (their ``load_state_dict`` raised only after
     the model and the optimizer were loaded, and may change part of them first)."""
     out: dict[str, Any] = {}
@@ -832,21 +881,24 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
             raise ValueError(f"the checkpoint {path!r} holds the state of a disabled GradScaler (none to resume): "
                              "give load_checkpoint a disabled one, or none")
         saved_kind, kind = loading.state[what].get("kind"), _kind(target)
-        if saved_kind is not None and saved_kind != kind:
+        related = saved_kind is not None and saved_kind != kind and _related(_lineage_of(loading, what), target)
+        if saved_kind is not None and saved_kind != kind and not related:
             raise ValueError(f"the checkpoint {path!r}: its {what!r} entry was saved from a {saved_kind}, the given "
                              f"{what} is a {kind}: build the {what} as the saved run did; nothing was loaded")
+        # a subclass's state in its base class or the other way round: only where neither leaves any of it out
+        if related and (found := _state_mismatch(state, target)):
+            raise ValueError(f"the checkpoint {path!r}: its {what!r} entry, saved from a {saved_kind}, {found}, unlike "
+                             f"the given {what}'s state_dict() ({kind}, of a class related to it): a state would not "
+                             f"come back whole; build the {what} as the saved run did; nothing was loaded")
         shared: list[Any] = []
         trial = _trial_copy(target, shared)
         # saved before classes were recorded, or no copy to try it on: its keys say whether it is of this kind
         # (a disabled GradScaler has none and loads nothing, as torch's own load)
         if (saved_kind is None or trial is None) and not (what == "grad_scaler" and not grad_scaler.is_enabled()):
-            lacks, besides = _key_differences(state, target.state_dict())
-            if lacks or besides:
-                raise ValueError(
-                    f"the checkpoint {path!r}: its {what!r} entry "
-                    + " and ".join(([f"lacks {', '.join(lacks)}"] if lacks else [])
-                                   + ([f"has {', '.join(besides)} besides"] if besides else []))
-                    + f", unlike the given {what}'s state_dict() ({kind}): saved from another kind? nothing was loaded")
+            found = _state_mismatch(state, target)
+            if found:
+                raise ValueError(f"the checkpoint {path!r}: its {what!r} entry {found}, unlike the given {what}'s "
+                                 f"state_dict() ({kind}): saved from another kind? nothing was loaded")
         # what the trial copy shares gets its attributes back after (LambdaLR's load sets its lr_lambdas')
         attributes = [(d, dict(d)) for d in (getattr(x, "__dict__", None) for x in shared) if type(d) is dict]
         try:
@@ -862,6 +914,16 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
                 d.update(was)
         out[what] = state
     return out
+
+
+def _lineage_of(loading: _Loading, what: str) -> Any:
+    """The saved lineage (`_lineage`) of the ``lr_scheduler`` or ``grad_scaler`` entry; None where
+    saved before lineages were recorded, or damaged (then only its own class loads it)."""
+    blob = loading.state[what].get("lineage")
+    try:
+        return None if blob is None else pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - whatever a damaged pickle raises
+        return None
 
 
 def _trial_copy(target: Any, shared: list[Any]) -> Any:
