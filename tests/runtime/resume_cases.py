@@ -225,6 +225,34 @@ def dropout_case(path: str, per_rank_seeds: bool = False, resumed_at: str = "V")
             for n, p in named_params(again).items() if not torch.equal(p, want[n])]
 
 
+def untied_case(path: str) -> list[str]:
+    """A checkpoint of GPT-2 without the tie (``tie_word_embeddings=False``: its LM head's weight is
+    not the embedding's) loaded into the tied pipeline: the tie's copies took the values of their
+    own names, so flat (a copy on rank 0, one on rank 3) and V-fsdp (FSDP's split copies of rank 0)
+    held both, apart, and trained apart, while V (one Parameter under both names) kept the LM
+    head's: the layouts trained differently without a word. Every rank must raise, saying the
+    checkpoint's values differ (V's one Parameter: `test_checkpoint`, in one process)."""
+    import transformers
+
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    cfg = config()
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(3)
+    save_checkpoint(transformers.GPT2LMHeadModel(cfg).double(), path)  # every rank the whole model: DCP writes it once
+    fails = []
+    for layout in ("flat", "V-fsdp"):
+        pipe = pipeline(layout, initial_state(0))
+        try:
+            load_checkpoint(pipe, path)
+        except Exception as exc:  # noqa: BLE001 - what it says is checked
+            if "saved from a model without this tie?" not in str(exc):
+                fails.append(f"untied->{layout}: {type(exc).__name__}: {exc}")
+        else:
+            fails.append(f"untied->{layout}: loaded without a word")
+    return fails
+
+
 def all_cases(root: str) -> dict[str, list[str]]:
     out = {}
     for case, run in [("V->flat", lambda: resume_case(f"{root}/v", "V", "flat")),
@@ -233,7 +261,8 @@ def all_cases(root: str) -> dict[str, list[str]]:
                       ("flat->V-fsdp", lambda: resume_case(f"{root}/flat2", "flat", "V-fsdp")),
                       ("dropout", lambda: dropout_case(f"{root}/dropout")),
                       ("dropout-rank-seeds", lambda: dropout_case(f"{root}/dropout-rank-seeds", per_rank_seeds=True)),
-                      ("dropout-V->looped", lambda: dropout_case(f"{root}/dropout-looped", resumed_at="looped"))]:
+                      ("dropout-V->looped", lambda: dropout_case(f"{root}/dropout-looped", resumed_at="looped")),
+                      ("untied", lambda: untied_case(f"{root}/untied"))]:
         try:
             out[case] = run()
         except Exception as exc:  # noqa: BLE001 - reported per case; the pool goes on

@@ -1082,8 +1082,9 @@ def _lrs_after_resume(path: Path, make: Any, resume: Any = None, old: bool = Fal
 
 def _parts(kind: str, opt: torch.optim.Optimizer, parts: list[Any]) -> Any:
     s = torch.optim.lr_scheduler
-    milestones = list(range(2, 1 + len(parts)))  # one fewer than parts
-    return s.SequentialLR(opt, parts, milestones=milestones) if kind == "SequentialLR" else s.ChainedScheduler(parts, opt)
+    if kind == "ChainedScheduler":
+        return s.ChainedScheduler(parts, opt)
+    return s.SequentialLR(opt, parts, milestones=list(range(2, 1 + len(parts))))  # one fewer than parts
 
 
 @pytest.mark.parametrize("kind", ["SequentialLR", "ChainedScheduler"])
@@ -1174,11 +1175,44 @@ def test_a_subclass_state_loads_into_its_base_where_none_is_left_out(tmp_path: P
         opt = torch.optim.SGD(net.parameters(), lr=1.0)
         sched = given(opt, step_size=2)
         before = sched.state_dict()
+        saved_kind, given_kind = (f"{c.__module__}.{c.__qualname__}" for c in (saved, given))
         with pytest.raises(ValueError, match=re.escape(
-                f"its 'lr_scheduler' entry, saved from a {saved.__module__}.{saved.__qualname__}, {words}, unlike the "
-                f"given lr_scheduler's state_dict() ({given.__module__}.{given.__qualname__}, of a class related to it)")):
+                f"its 'lr_scheduler' entry, saved from a {saved_kind}, {words}, unlike the given lr_scheduler's "
+                f"state_dict() ({given_kind}, of a class related to it)")):
             load_checkpoint(net, tmp_path / "c", opt, lr_scheduler=sched)
         assert sched.state_dict() == before and opt.param_groups[0]["lr"] == 1.0
+
+
+def test_an_untied_checkpoint_into_one_tied_parameter_is_refused(tmp_path: Path) -> None:
+    """Two stages of one rank sharing a tied Parameter (a V placement's first and last stage) load
+    it under both its names: from a checkpoint whose values there differ (saved from a model
+    without the tie) the last name's won without a word, so the embedding's saved weight was lost
+    (and a layout holding the tie as copies on two ranks took both: the layouts trained apart).
+    Now the load refuses, naming both entries, and nothing changes (``torch.equal``); a checkpoint
+    of the tied stages loads (their values, ``torch.equal``). Copies on several ranks: `resume_cases`."""
+    from zbpp.runtime import save_checkpoint
+
+    def tied_stages(seed: int) -> dict[int, torch.nn.Module]:
+        torch.manual_seed(seed)
+        first, last = torch.nn.Module(), torch.nn.Module()
+        first.emb, last.head = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)
+        last.head.weight = first.emb.weight
+        return {0: first, 1: last}
+
+    untied = torch.nn.Module()
+    untied.emb, untied.head = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)
+    save_checkpoint(untied, tmp_path / "untied")
+    stages = tied_stages(1)
+    before = stages[0].emb.weight.detach().clone()
+    with pytest.raises(ValueError, match=re.escape(
+            f"the checkpoint {str(tmp_path / 'untied')!r} holds different values under 'emb.weight' and 'head.weight', "
+            "which are one tied parameter in this rank's stages: saved from a model without this tie?")):
+        load_checkpoint(stages, tmp_path / "untied")
+    assert torch.equal(stages[0].emb.weight, before)
+
+    save_checkpoint(tied_stages(2), tmp_path / "tied")
+    load_checkpoint(stages, tmp_path / "tied")
+    assert torch.equal(stages[1].head.weight, tied_stages(2)[0].emb.weight)
 
 
 def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: Path) -> None:

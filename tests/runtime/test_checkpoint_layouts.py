@@ -32,3 +32,9 @@ def test_dropout_stream_resumes_bit_for_bit(results, case: str) -> None:
     schedule and placement of the same stages, the same masks (to summation order)."""
     fails = [f"rank {r}: {f}" for r, per in enumerate(results) for f in per[case]]
     assert not fails, "\n".join(fails)
+
+
+def test_an_untied_checkpoint_into_tied_copies_is_refused(results) -> None:
+    """`resume_cases.untied_case`: at the flat and V-fsdp layouts, every rank raises."""
+    fails = [f"rank {r}: {f}" for r, per in enumerate(results) for f in per["untied"]]
+    assert not fails, "\n".join(fails)

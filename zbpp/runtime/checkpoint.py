@@ -365,7 +365,10 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     checkpoint saved before classes were recorded, keys that the given one's ``state_dict()``
     lacks or has besides, or a SequentialLR's or ChainedScheduler's parts' do, or their number),
     or does not load into the given one (tried on a copy of it first, one that shares what cannot
-    be copied, as a bound method's object).
+    be copied, as a bound method's object). A checkpoint whose values under the names of one tied
+    parameter differ (saved from a model without the tie) raises too: before anything loads where
+    this rank's stages share it as one Parameter, and on every rank after loading (a `Pipeline`'s
+    ``check_ties``, where `process_group` is every rank of the job) where its copies are apart.
 
     A read that fails part-way (an I/O error, a damaged file) raises a RuntimeError on every rank,
     naming the rank and the cause, and leaves the model, the optimizer and the rest as they were:
@@ -419,6 +422,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     _read(rest, path, process_group, ranks)
     try:  # the optimizer's new tensors on the device (out of memory, say) and the FP8 slots checked, before
         # any rank changes anything
+        _one_value_per_tensor(loading, path)
         placing = _optimizer_to_place(loading, optimizer) if optimizer is not None else []
         scaling, problem = _scaling_to_restore(loading, path), None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
@@ -432,6 +436,19 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     # else the other ranks would go on training from the checkpoint without the failed one
     agree_on_problems(agreement, problem, ranks,
                       "load_checkpoint could not finish on every rank (this rank's state is loaded, the failed rank's partly)")
+    check_ties = getattr(model, "_check_ties", None)
+    # a Pipeline's copies of a tie on several ranks (or FSDP's split copies) read their names' values: a checkpoint
+    # holding different ones (of a model without the tie) would leave them apart; as in save_checkpoint, a
+    # collective of every rank of the job
+    if callable(check_ties) and (process_group is None or _group_size(process_group) == _group_size(None)):
+        check_ties(loaded_from=path)
+
+
+def _group_size(group: Any) -> int:
+    """The number of ranks of `group` (None: the default group's; 1 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def _read(state: dict[str, Any], path: str, process_group: Any, ranks: list[int]) -> None:
@@ -461,6 +478,7 @@ class _Loading(NamedTuple):
     state: dict[str, Any]  #: the destinations DCP reads into
     wanted: list[tuple[str, nn.Parameter, dict]]  #: (saved name, parameter, its group) of the optimizer's parameters
     restore_rng: bool
+    shared: list[list[str]]  #: the names of each tensor that this rank's stages hold under several (a tie)
 
 
 def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
@@ -509,7 +527,46 @@ def _state_to_load(model: Any, path: str, optimizer: torch.optim.Optimizer | Non
     replica, fp8 = _fp8_destinations(meta, mods, _replica(model))
     if fp8:
         state["fp8"] = {replica: fp8}
-    return _Loading(mods, model_state, state, wanted, restore_rng)
+    return _Loading(mods, model_state, state, wanted, restore_rng, _shared_names(live))
+
+
+def _shared_names(live: Mapping[str, Any]) -> list[list[str]]:
+    """The names of each tensor of `live` (this rank's model state) held under several: a tied
+    Parameter that two stages of a V placement share, say."""
+    by_tensor: dict[tuple[Any, ...], list[str]] = {}
+    for name, value in live.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if hasattr(value, "to_local") else value
+        try:
+            ptr = local.data_ptr()
+        except RuntimeError:  # a tensor without storage
+            continue
+        if ptr:  # not an empty or meta tensor (every one at address 0, and nothing to load)
+            key = (ptr, local.device, local.dtype, tuple(local.shape), tuple(local.stride()))
+            by_tensor.setdefault(key, []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def _one_value_per_tensor(loading: _Loading, path: str) -> None:
+    """Raise where the checkpoint `path` holds different values under two names of one tensor of
+    this rank (`_Loading.shared`): the tensor takes one, and whichever loaded last would win unseen
+    (saved from a model without this tie)."""
+    for names in loading.shared:
+        values = [loading.model_state[n] for n in names]
+        local = [v.to_local() if hasattr(v, "to_local") else v for v in values]
+        for name, value in zip(names[1:], local[1:]):
+            if not _same_bits(local[0], value):
+                raise ValueError(
+                    f"the checkpoint {path!r} holds different values under {names[0]!r} and {name!r}, which are one "
+                    "tied parameter in this rank's stages: saved from a model without this tie? nothing was loaded")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` hold the same bits (NaNs too), as `Pipeline.check_ties` compares tied copies."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _staging(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

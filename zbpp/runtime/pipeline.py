@@ -437,11 +437,11 @@ class Pipeline:
         that excludes names containing "embed" decays the LM head's copy and not the embedding's, so
         the copies drift apart while each rank's model looks fine. Call it after the first optimizer
         step when grouping parameters by name; `save_checkpoint` and `zbpp.models.hf.save_pretrained`
-        call it before writing anything. The comparison is exact (bit patterns; a ``RuntimeError``
-        names the tie, the ranks and stages holding its copies and the largest difference) and costs
-        two all-reduces of each copy over the ranks holding it; a V placement's Parameter that one
-        rank's two stages share has nothing to compare, ``fully_shard`` copies are compared shard by
-        shard.
+        call it before writing anything, `load_checkpoint` after loading. The comparison is exact
+        (bit patterns; a ``RuntimeError`` names the tie, the ranks and stages holding its copies and
+        the largest difference) and costs two all-reduces of each copy over the ranks holding it; a
+        V placement's Parameter that one rank's two stages share has nothing to compare,
+        ``fully_shard`` copies are compared shard by shard.
 
         >>> import torch
         >>> from zbpp.schedules import build
@@ -449,13 +449,18 @@ class Pipeline:
         ...                 loss_fn=torch.nn.functional.mse_loss)
         >>> pipe.check_ties()  # no tie here: nothing to compare
         """
+        self._check_ties()
+
+    def _check_ties(self, loaded_from: str | None = None) -> None:
+        """`check_ties`; `loaded_from`: the checkpoint that `load_checkpoint` just loaded (its error
+        then says that the checkpoint's values differ)."""
         self._raise_if_unusable()
         try:
-            self._compare_ties()
+            self._compare_ties(loaded_from)
         except BrokenJob as exc:  # a rank died since the last step: unusable, as a step would find it
             raise self._broken_error(exc, "agreement of check_ties") from exc
 
-    def _compare_ties(self) -> None:
+    def _compare_ties(self, loaded_from: str | None = None) -> None:
         try:
             snapshot, problem = self._tied.snapshot(), None
         except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
@@ -471,7 +476,7 @@ class Pipeline:
             mine, problem = None, exc
         reports = agree_on_problems(self._agreement, problem, self.topology.world,
                                     "check_ties could not compare on every rank", payload=mine)
-        error = drifted_ties_error(reports)
+        error = drifted_ties_error(reports, loaded_from)
         if error is not None:
             raise error
 

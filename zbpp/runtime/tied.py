@@ -397,9 +397,10 @@ class TiedParameters:
 TieReport = tuple[int, dict[str, float], dict[str, dict[int, list[str]]]]
 
 
-def drifted_ties_error(reports: Sequence[TieReport]) -> RuntimeError | None:
+def drifted_ties_error(reports: Sequence[TieReport], loaded_from: str | None = None) -> RuntimeError | None:
     """The error every rank raises when some tie's copies differ (None: all equal), built from every
-    rank's report, so it reads the same on every rank."""
+    rank's report, so it reads the same on every rank. `loaded_from`: the checkpoint just loaded,
+    whose values under the copies' names differ (not copies that drifted in training)."""
     drifted = sorted({name for _, diffs, _ in reports for name, d in diffs.items() if d != 0.0})
     if not drifted:
         return None
@@ -411,6 +412,11 @@ def drifted_ties_error(reports: Sequence[TieReport]) -> RuntimeError | None:
         holders = ", ".join(f"global rank {g} stage {s} ({' / '.join(map(repr, names))})"
                             for g, _, where in sorted(reports) for s, names in sorted(where.get(name, {}).items()))
         lines.append(f"tied parameter {name!r} differs between its copies {amount}: held by {holders}")
+    if loaded_from is not None:
+        return RuntimeError(
+            "; ".join(lines) + f". The checkpoint {loaded_from!r} holds these values under the copies' names: saved "
+            "from a model without this tie? The model and optimizer are loaded with the copies apart, which would "
+            "train apart: load a checkpoint of the tied model")
     return RuntimeError(
         "; ".join(lines) + ". The copies of a tied parameter get the same gradient, so they stay equal only if every "
         "copy's optimizer treats it alike; most likely the copies are in parameter groups with different settings, e.g. "
