@@ -172,6 +172,24 @@ def test_memory_limit_of_any_real_type_holds() -> None:
         assert max(simulate(sched, Costs(), memory).peak_memory) <= float(limit) + 1e-9
 
 
+def test_sums_that_overflow_a_float_are_refused_not_returned_as_inf_or_nan() -> None:
+    """1e308 is a finite cost, but IEEE doubles end at about 1.8e308: four of them in a row are
+    inf. Such sums gave a makespan of inf and a bubble rate of nan, a peak of inf, and the
+    automatic schedules stalled (RuntimeError) or reported a deadlock."""
+    assert 4 * 1e308 == INF  # rank 3's first forward ends after four of them
+    sched = build("1f1b", num_ranks=4, num_microbatches=4)
+    with pytest.raises(ValueError, match="simulate: the step's times overflow a float"):
+        simulate(sched, Costs(f=1e308))
+    with pytest.raises(ValueError, match="simulate: rank 0's memory overflows a float"):
+        simulate(sched, Costs(), Memory(activation=1e308))  # 1F1B's rank 0 holds 4 at once
+    for name, key in (("zb-auto", "f"), ("zbv-auto", "comm"), ("zbi-auto", "f")):
+        with pytest.raises(ValueError, match=f"{name}: the costs are too large"):
+            build(name, num_ranks=4, num_microbatches=4, costs=Costs(**{key: 1e308}))
+    # below the limit nothing is refused: with f far above b + w, 1F1B's makespan is (m + p - 1) f
+    # (b, w of 1 vanish in the rounding of 7e307, hence the tolerance of a few ulps)
+    assert simulate(sched, Costs(f=1e307)).makespan == pytest.approx(7e307, rel=1e-12)
+
+
 # -- the size limit --------------------------------------------------------------------------------
 def test_a_huge_schedule_is_refused_at_once_with_its_size_and_the_limit() -> None:
     t0 = time.perf_counter()

@@ -242,6 +242,18 @@ def check_costs_memory(where: str, costs: object, memory: object) -> None:
                             f"got {value!r:.60} ({type(value).__name__})")
 
 
+def _check_finite(where: str, last_end: float, peaks: Sequence[float]) -> None:
+    """Refuse a result whose sums overflowed a float: costs or memory near 1.8e308 add up to inf
+    (and inf - inf to nan), which would otherwise pass for a makespan, bubble rate or peak."""
+    if not math.isfinite(last_end):
+        raise ValueError(f"{where}: the step's times overflow a float (the last task ends at {last_end}); the costs "
+                         "are too large: give them in a larger unit")
+    bad = [r for r, x in enumerate(peaks) if not math.isfinite(x)]
+    if bad:
+        raise ValueError(f"{where}: rank {bad[0]}'s memory overflows a float (peak {peaks[bad[0]]}); the memory "
+                         "per stage is too large: give it in a larger unit")
+
+
 @dataclass
 class SimResult:
     """What `simulate` computes. Times are in the units of `Costs`; memory in those of `Memory`."""
@@ -337,7 +349,8 @@ class _TaskTable(Mapping[Action, float]):
 def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | None = None) -> SimResult:
     """Simulate `schedule` under `costs` (default unit F=B=W=1) and `memory` (default activation 1).
 
-    Raises `ScheduleError` (naming the cycle) if the schedule deadlocks, or naming a missing task.
+    Raises `ScheduleError` (naming the cycle) if the schedule deadlocks, or naming a missing task;
+    `ValueError` if costs or memory are so large that their sums overflow a float.
     Runs in O(tasks) integer work, without hashing a task; 50k tasks take a few tens of ms.
 
     >>> from zbpp.schedules import build
@@ -399,6 +412,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, memory: Memory | No
         first_start = min(first_start, s0)
         last_end = max(last_end, e1)
     makespan = last_end - first_start if first_start != float("inf") else 0.0
+    _check_finite("simulate", last_end, peak)
     return SimResult(
         schedule=schedule,
         start=_TaskTable(schedule, orders, start, present),

@@ -207,6 +207,13 @@ def _search(
 ) -> Schedule:
     check_costs_memory(name, costs, memory)
     costs = (costs if costs is not None else Costs()).charged(placement)
+    # every time of any schedule is at most all task times plus all message times: finite sums
+    # keep the searches' arithmetic finite (inf - inf is nan, and nothing ever fits or ends)
+    f, b, w = costs.per_stage(len(placement))
+    total = m * (sum(f) + sum(b) + sum(w)) + 2 * m * len(placement) * costs.comm
+    if not math.isfinite(total):
+        raise ValueError(f"{name}: the costs are too large: the step's task and message times sum to {total}, "
+                         "beyond a float; give them in a larger unit")
     memory = memory if memory is not None else Memory()
     true_memory = memory
     p = max(placement) + 1
