@@ -73,6 +73,21 @@ def _number(text: str) -> float:
     return value
 
 
+def _gigabytes(unit: str, *, positive: bool = False) -> Callable[[str], float]:
+    """An argparse type: GB (or GB/s), a finite number (> 0 if `positive`) of at most 1e299, so that
+    its bytes (x 1e9) are finite too: else the planner or the profile met inf (or a bandwidth of
+    0) and named its own argument, not the flag."""
+    accepted = f"a number {'>' if positive else '>='} 0 and at most 1e299 ({unit})"
+
+    def gigabytes(text: str) -> float:
+        value = _finite(text)
+        if value is None or value > 1e299 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+
+    return gigabytes
+
+
 def _float_list(text: str) -> float | list[float]:
     """'1.5' -> 1.5; '1,2,3' -> [1, 2, 3] (one value per stage); each a finite number >= 0.
 
@@ -85,8 +100,13 @@ def _float_list(text: str) -> float | list[float]:
     return values[0] if len(values) == 1 else values  # type: ignore[return-value]
 
 
-def _check_output(path: str) -> None:
-    """Refuse an output path that cannot be written, before any work is done."""
+def _check_output(path: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Refuse an output path that cannot be written (or, given `suffixes`, a name ending in none of
+    them), before any work is done: a search or a measurement would otherwise run to be lost."""
+    if not path:  # as the current folder, '' passed the checks below and failed only on writing
+        raise ValueError("-o '': give a file name")
+    if suffixes and os.path.splitext(path)[1].lower() not in suffixes:
+        raise ValueError(f"-o {path}: use a {' or '.join(suffixes)} file name")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"-o {path}: that is a folder; give a file name")
@@ -336,7 +356,7 @@ def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory
 def _cmd_plot(args: argparse.Namespace) -> int:
     """``zbpp plot``: a figure of the simulated schedule, or with ``--measured`` of the run recorded
     in a trace written by `zbpp.viz.trace.write_trace` (NAME, -p and -m must match it)."""
-    _check_output(args.output)
+    _check_output(args.output, (".svg", ".png"))
     from .viz.figure import _require_matplotlib, plot
     from .viz.trace import measured_result, read_trace
 
@@ -543,7 +563,7 @@ def make_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", required=True, help="a per-layer profile (JSON, as zbpp.schedules.profile.Profile.save writes)")
     plan.add_argument("-p", "--ranks", type=_integer(1), required=True, help="pipeline ranks")
     plan.add_argument("-m", "--microbatches", type=_integer(1), required=True, help="microbatches per step")
-    plan.add_argument("--budget-gb", type=_number, default=None,
+    plan.add_argument("--budget-gb", type=_gigabytes("GB"), default=None,
                       help="memory per rank in GB (1e9 bytes): static (parameters, gradients, optimizer) and activations")
     plan.add_argument("--schedules", default=None, help="comma-separated schedule families to try (default: all)")
     plan.add_argument("--top", type=_integer(1), default=12, help="candidates to list (default 12)")
@@ -557,7 +577,7 @@ def make_parser() -> argparse.ArgumentParser:
                       help="ranks of a node sharing its host link and host memory, all offloading at once: each gets "
                            "the profile's host bandwidth / this (default 1: a link of its own); only where offload "
                            "may be chosen (--budget-gb given, offload among the policies)")
-    plan.add_argument("--host-memory-gb", action=_Given, type=_number, default=None,
+    plan.add_argument("--host-memory-gb", action=_Given, type=_gigabytes("GB"), default=None,
                       help="pinned host memory per node for offloaded activations, GB (default: not limited); only "
                            "where offload may be chosen")
     plan.set_defaults(func=_cmd_plan)
@@ -578,12 +598,12 @@ def make_parser() -> argparse.ArgumentParser:
                          help="optimizer state per parameter in bytes (default: AdamW's for --dtype: 8 for float32 "
                               "and 16 for float64, its two moments; 12 for bfloat16/float16, an fp32 master weight "
                               "and two fp32 moments)")
-    measure.add_argument("--link-gb-per-s", type=_number, default=50.0,
+    measure.add_argument("--link-gb-per-s", type=_gigabytes("GB/s", positive=True), default=50.0,
                          help="bandwidth between ranks in GB/s, for the message time (default 50)")
     measure.add_argument("--policies", default="none,full,selective,offload",
                          help="activation policies to measure per block (B time, bytes kept F->B and B->W, bytes "
                               "copied; default all: none,full,selective,offload; 'none' for none)")
-    measure.add_argument("--host-gb-per-s", type=_number, default=None,
+    measure.add_argument("--host-gb-per-s", type=_gigabytes("GB/s", positive=True), default=None,
                          help="host link bandwidth per direction for offload (default: measured once, pinned copies); "
                               "only with offload among --policies")
     measure.add_argument("-o", "--output", required=True, help="the profile, FILE.json")

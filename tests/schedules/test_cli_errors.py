@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import zbpp
+from zbpp import cli
 from zbpp.cli import main
 
 
@@ -57,6 +58,22 @@ SCHEDULE_ARGS = ["-p", "4", "-m", "8"]
         (["show", "zb-auto", *SCHEDULE_ARGS, "--memory-limit", "inf"], "argument --memory-limit: expected a finite number >= 0, got 'inf'"),
         (["show", "zb-h1", *SCHEDULE_ARGS, "--width", "0"], "argument --width: expected an integer >= 1, got '0'"),
         (["show", "zb-v", "-p", "1000000000", "-m", "8"], "would create up to 11,999,999,994,000,000,000 tasks, more than the limit"),
+        # finite costs whose sums overflow a float: a nan in the timeline, a stalled search
+        (["show", "1f1b", *SCHEDULE_ARGS, "--f", "1e308"], "simulate: the step's times overflow a float"),
+        (["show", "zbv-auto", *SCHEDULE_ARGS, "--comm", "1e308"], "zbv-auto: the costs are too large"),
+        # '' passed as the current folder and failed only when written, naming no flag
+        (["trace", "zb-h1", *SCHEDULE_ARGS, "-o", ""], "-o '': give a file name"),
+        (["measure", "--hf-config", "missing", "--seq", "8", "-o", ""], "-o '': give a file name"),
+        (["plot", "zb-h1", *SCHEDULE_ARGS, "-o", "x.pdf"], "-o x.pdf: use a .svg or .png file name"),
+        # GB times 1e9 overflowed to inf (or a bandwidth of 0 divided), named as the planner's argument
+        (["plan", "--profile", "missing.json", "-p", "2", "-m", "4", "--budget-gb", "1e300"],
+         "argument --budget-gb: expected a number >= 0 and at most 1e299 (GB), got '1e300'"),
+        (["plan", "--profile", "missing.json", "-p", "2", "-m", "4", "--host-memory-gb", "1e300"],
+         "argument --host-memory-gb: expected a number >= 0 and at most 1e299 (GB), got '1e300'"),
+        (["measure", "--hf-config", "missing", "--seq", "8", "--host-gb-per-s", "1e300", "-o", "p.json"],
+         "argument --host-gb-per-s: expected a number > 0 and at most 1e299 (GB/s), got '1e300'"),
+        (["measure", "--hf-config", "missing", "--seq", "8", "--link-gb-per-s", "0", "-o", "p.json"],
+         "argument --link-gb-per-s: expected a number > 0 and at most 1e299 (GB/s), got '0'"),
         (["demo", "--ranks", "0"], "argument --ranks: expected an integer >= 1, got '0'"),
         (["demo", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
         (["demo", "--microbatches", "2.5"], "argument --microbatches: expected an integer >= 1, got '2.5'"),
@@ -80,6 +97,15 @@ def test_output_in_a_missing_folder_is_one_line_and_nothing_is_written(
     line = _one_error_line(capsys.readouterr().err, command)
     assert f"-o {target}: the folder {target.parent} does not exist" in line
     assert not target.parent.exists()
+
+
+def test_an_output_name_it_cannot_write_is_refused_before_any_work(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A plot to .pdf or a trace to '' ran the whole (automatic) search before the name failed."""
+    monkeypatch.setattr(cli, "build", lambda *a, **k: pytest.fail("built before -o was checked"))
+    for command, output in (("plot", "step.pdf"), ("trace", "")):
+        assert main([command, "zb-auto", *SCHEDULE_ARGS, "-o", output]) == 2
+        _one_error_line(capsys.readouterr().err, command)
 
 
 def test_output_that_is_a_folder_is_refused(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
