@@ -312,11 +312,26 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory) -> str:
-    """NAME checked against the schedule of the ``--measured`` trace: it must be the name the trace
-    recorded or, where it recorded none, build the same task order at -p/-m (and the options given).
-    The times drawn are the trace's: cost flags given are refused unless they build that order (an
-    automatic NAME, checked against a trace that records no name)."""
+def _ran_as(built, res) -> bool:
+    """Whether the measured `res` ran `built`'s task order: each rank the same tasks, in the order of
+    their (start, end). Tasks of one instant (zero-length ones, at the clock's resolution) may come
+    in either order: the records cannot tell which ran first."""
+    for order, ran in zip(built.orders, res.schedule.orders):
+        if sorted(order) != sorted(ran):
+            return False
+        times = [(res.start[a], res.end[a]) for a in order]
+        if any(x > y for x, y in zip(times, times[1:])):
+            return False
+    return True
+
+
+def _measured_name(args: argparse.Namespace, res, costs: Costs, memory: Memory):
+    """NAME checked against the schedule of the ``--measured`` trace (`res`): it must be the name
+    the trace recorded or, where it recorded none, build the same task order at -p/-m (and the
+    options given). The times drawn are the trace's: cost flags given are refused unless they build
+    that order (an automatic NAME, checked against a trace that records no name). Returns the name
+    and the schedule to draw: NAME's where it was built, whose order holds where records tie."""
+    sched = res.schedule
     recorded = "" if sched.name in ("", "measured") else sched.name  # "measured": read off the records
     # the recorded name is checked first: it may be no registered schedule's (e.g. from_torch_csv's)
     if args.name not in available() and args.name != recorded:
@@ -332,7 +347,7 @@ def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory
         if args.chunks is not None and args.chunks * sched.num_ranks != sched.num_stages:
             raise ValueError(f"--chunks {args.chunks} contradicts --measured {args.measured}, whose {recorded} has "
                              f"{sched.num_stages} stages on {sched.num_ranks} ranks")
-        return recorded
+        return recorded, sched
     unused = _given(args, *_COST_FLAGS)
     if unused and "costs" not in options_of(args.name):
         raise ValueError(f"{', '.join(unused)}: the times drawn are those of --measured {args.measured}, and "
@@ -344,13 +359,16 @@ def _measured_name(args: argparse.Namespace, sched, costs: Costs, memory: Memory
     except ValueError as exc:
         raise ValueError(f"NAME {args.name!r}: cannot build it to check against --measured {args.measured} "
                          f"(which records no schedule name): {exc}") from None
-    if (built.placement, built.orders) != (sched.placement, sched.orders):
+    if built.placement != sched.placement or not _ran_as(built, res):
         rank = next((r for r in range(sched.num_ranks) if built.orders[r] != sched.orders[r]), 0)
+        # shown from the first task that differs: the first few may well agree
+        i = next((i for i, (a, b) in enumerate(zip(sched.orders[rank], built.orders[rank])) if a != b), 0)
+        at = f" from its task {i} on" if i else ""
         raise ValueError(
             f"NAME {args.name!r} is not the schedule in --measured {args.measured} (which records no schedule "
-            f"name): the task order differs, e.g. rank {rank} ran {' '.join(map(str, sched.orders[rank][:6]))} ... "
-            f"where {args.name} runs {' '.join(map(str, built.orders[rank][:6]))} ...")
-    return args.name
+            f"name): the task order differs, e.g. rank {rank} ran{at} {' '.join(map(str, sched.orders[rank][i:i + 6]))}"
+            f" ... where {args.name} runs {' '.join(map(str, built.orders[rank][i:i + 6]))} ...")
+    return args.name, built
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -384,7 +402,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                 f"--measured {args.measured} holds p={sched.num_ranks}, m={sched.num_microbatches} "
                 f"but the command line says -p {args.ranks} -m {args.microbatches}"
             )
-        name = _measured_name(args, sched, costs, memory)
+        name, ran = _measured_name(args, res, costs, memory)
+        if ran is not sched:  # NAME's order, where records of one instant left it open
+            res = measured_result(records, ran, memory)
+            sched = res.schedule
         _check_wgrad(args, sched)
         plot(res, path=args.output, title=f"measured {name}: p={sched.num_ranks}, "
              f"m={sched.num_microbatches}, stages={sched.num_stages}", time_unit="s")

@@ -329,6 +329,29 @@ def test_cli_plot_measured_costs_build_an_automatic_name_for_an_unnamed_trace(tm
     assert err.startswith("zbpp plot: error: --comm: the times drawn are those of --measured") and "1f1b" in err, err
 
 
+def test_cli_plot_measured_unnamed_trace_whose_tasks_tie_is_its_schedule(tmp_path, capsys):
+    """Records cannot order tasks of one instant. ZB-V with W's of no time (p=2, m=3) ends W1.1, W2.2
+    and W1.2 at t = 13 on rank 1 (zb-v's order); read off the records, W2.2 sorts first. NAME zb-v
+    was refused as not the schedule of its own run. And a NAME refused was shown by its first 6
+    tasks, which for dualpipe-v here (rank 0's first 7 agree) were the same on both sides."""
+    sched = build("zb-v", num_ranks=2, num_microbatches=3)
+    res = simulate(sched, Costs(1, 1, 0))
+    assert [res.end[a] - res.start[a] for a in sched.orders[1][-3:]] == [0.0] * 3  # three W's of no time
+    assert len({res.start[a] for a in sched.orders[1][-3:]}) == 1  # at one instant
+    trace, out = tmp_path / "run.json", tmp_path / "m.svg"
+    write_trace(trace, measured=[{"rank": r, "action": str(a), "start": res.start[a] / 1e3, "end": res.end[a] / 1e3}
+                                 for r, a in sched.actions()])
+    assert main(["plot", "zb-v", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 0
+    assert any(t.startswith("measured zb-v: p=2, m=3") for t in _texts(out))
+    capsys.readouterr()
+    assert main(["plot", "dualpipe-v", "-p", "2", "-m", "3", "--measured", str(trace), "-o", str(out)]) == 2
+    zbv, dpv = sched.orders[0], build("dualpipe-v", num_ranks=2, num_microbatches=3).orders[0]
+    assert zbv[:7] == dpv[:7] and zbv[7] != dpv[7]
+    shown = (f"rank 0 ran from its task 7 on {' '.join(map(str, zbv[7:13]))} ... where dualpipe-v runs "
+             f"{' '.join(map(str, dpv[7:13]))} ...")
+    assert shown in capsys.readouterr().err
+
+
 def test_tasks_of_no_time_are_drawn_in_their_colour(tmp_path):
     """Costs(w=0): ZB-H1's W's take no time. Their boxes had no width, so the figure showed no W at
     all (the legend listed one). Each W must now cover at least 2.5 points around its instant (the
