@@ -237,7 +237,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     res = simulate(sched, costs, memory)
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print(render_ascii(res, width=width))
-    print(legend())
+    for line in legend().splitlines():  # 85 columns: wrapped as the timeline is
+        print(textwrap.fill(line, width=max(40, width), subsequent_indent="  "))
     print()
     print(f"schedule     {sched.name}  (ranks={sched.num_ranks}, stages={sched.num_stages}, microbatches={sched.num_microbatches})")
     print(f"bubble rate  {res.bubble_rate:.4f}")

@@ -55,6 +55,12 @@ def test_show_long_schedule_wraps_to_width(capsys: pytest.CaptureFixture[str]) -
     assert main(["show", "1f1b", "-p", "32", "-m", "64", "--width", "100"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100
+    # an 80-column terminal: the legend (85 columns) and a block header noting the characters
+    # added for W's of no time (92) ran past it
+    assert main(["show", "zb-h1", "-p", "4", "-m", "8", "--w", "0", "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "chars added for tasks shorter than 1 char" in out and "X full backward" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
 
 
 def test_compare_applies_options_only_where_they_apply(capsys: pytest.CaptureFixture[str]) -> None:

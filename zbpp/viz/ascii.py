@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import textwrap
 
 from ..schedules.checks import as_int, as_positive
 from ..schedules.ir import Kind
@@ -191,7 +192,9 @@ def render_ascii(result: SimResult, *, width: int = 120, scale: float | None = N
             out.append("")  # a blank line between blocks keeps tall (p = 32) blocks apart
         extra = sum(inserted[b0:b1])
         note = f"; {extra} chars added for tasks shorter than 1 char, e.g. of zero length" if extra else ""
-        out.append(f"time {edge_time[b0]:.6g}..{edge_time[b1]:.6g} (1 char = {unit:.4g}{note})")
+        # wrapped as the rows are: the note made it longer than an 80-column terminal
+        out += textwrap.wrap(f"time {edge_time[b0]:.6g}..{edge_time[b1]:.6g} (1 char = {unit:.4g}{note})",
+                             width=name_w + 3 + block, subsequent_indent="  ")
         for name, row in zip(names, rows):
             out.append(f"{name} |{''.join(row[b0:b1])}|")
     return "\n".join(out)
