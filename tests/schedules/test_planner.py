@@ -136,6 +136,30 @@ def test_bad_input_is_named():
         Layer("x", 1, 1, 1, activation=1, wgrad=2)
 
 
+def test_sizes_past_the_task_limit_are_refused_as_build_refuses_them(monkeypatch):
+    """`build` refuses a schedule of more than ZBPP_MAX_TASKS tasks. The search bounded every
+    candidate first, each bound as large as its schedule (at m = 1e9 it stalled there), and with
+    none buildable said that none fitted memory_budget=inf; lower_bound ran at any size."""
+    from zbpp.schedules import build
+    from zbpp.schedules.bounds import lower_bound
+    from zbpp.schedules.ir import loop_placement
+
+    monkeypatch.setenv("ZBPP_MAX_TASKS", "100")
+    prof = _embedding_head_profile()
+    with pytest.raises(ValueError, match="would create up to 800 tasks"):  # the fewest: GPipe's F, BW
+        build("gpipe", num_ranks=2, num_microbatches=200)
+    with pytest.raises(ValueError, match=r"num_ranks=2, num_microbatches=200: every schedule would create more "
+                                         r"tasks than the limit of 100 \(the fewest: gpipe, 800\)"):
+        search(prof, 2, 200)
+    with pytest.raises(ValueError, match="lower_bound: 2 stages and num_microbatches=200 make 1,200 tasks"):
+        lower_bound(loop_placement(2), 200)
+    # where some build, the others are listed as refused and the pick is among those that build
+    monkeypatch.setenv("ZBPP_MAX_TASKS", "1000")
+    plan = search(prof, 2, 200, schedules=["gpipe", "zb-h1", "zb-v"])
+    assert plan.schedule.name == "gpipe"
+    assert {o.schedule for o in plan.options if "more than the limit of 1,000" in o.note} == {"zb-h1", "zb-v"}
+
+
 @pytest.mark.parametrize("policies", [["full"], ["none", "offload"]])
 def test_a_policy_no_layer_offers_is_refused(policies):
     """A profile measured without policies offers "none" only. Asked for "full", the search costed

@@ -68,7 +68,7 @@ from .checks import as_int, as_number
 from .ir import Schedule
 from .policies import PolicySim, memory_terms, policy_costs, rank_peak, simulate_policies
 from .profile import POLICIES, Profile
-from .registry import build
+from .registry import build, max_tasks, task_count
 from .simulate import Memory, SimResult, simulate
 
 __all__ = ["Option", "Plan", "Searched", "search", "evaluate", "all_splits", "split_evenly", "split_balanced",
@@ -842,6 +842,20 @@ def search(
         configs += [(name, k) for k in ks if k * p <= L]
     if not configs:
         raise ValueError(f"{L} layers are too few for {p} ranks with the schedules {', '.join(names)}")
+    # a schedule of more tasks than `build` allows cannot run, and its bounds alone would take as
+    # much memory (at m = 1e9, the search stalled in them): listed as refused, never bounded
+    limit = max_tasks()
+    sizes = {(name, k): task_count(name, p, m, **({"chunks": k} if name in _INTERLEAVED else {})) for name, k in configs}
+    refused = [Option(name, k, "-", (), math.inf, (), False,
+                      f"no: {name} with num_ranks={p}, num_microbatches={m} would create up to {n:,} tasks, more than "
+                      f"the limit of {limit:,}") for (name, k), n in sizes.items() if n > limit]
+    if len(refused) == len(configs):
+        (name, k), n = min(sizes.items(), key=lambda kv: kv[1])
+        label = f"{name} x{k}" if name in _INTERLEAVED else name
+        raise ValueError(f"num_ranks={p}, num_microbatches={m}: every schedule would create more tasks than the limit "
+                         f"of {limit:,} (the fewest: {label}, {n:,}); give fewer microbatches or set the environment "
+                         f"variable ZBPP_MAX_TASKS to allow more")
+    configs = [c for c in configs if sizes[c] <= limit]
 
     def heuristic_splits(k: int, v: bool) -> dict[str, tuple[range, ...]]:
         n = k * p
@@ -877,7 +891,7 @@ def search(
         exact[(name, k)] = math.comb(L - 1, k * p - 1) <= max_splits
         pending += [(name, k, label, info) for label, info in split_info[(k, v)]]
 
-    options: list[Option] = []
+    options: list[Option] = list(refused)
     built: dict[tuple[str, int], Schedule] = {}
     seen: set[tuple[str, int, tuple[range, ...]]] = set()
 
