@@ -78,6 +78,23 @@ def test_bad_input_is_named():
         balanced_partition([1, 1], 0)
 
 
+def test_numpy_numbers_and_huge_costs_split_as_python_numbers():
+    """A numpy array of parameter counts (np.int64, or float32) and a numpy num_stages were refused
+    as not 'a finite number >= 0' / 'a positive int'; costs past ~1e154 overflowed the sum of
+    squared loads (OverflowError). The reference: the same costs as Python ints, and, for huge
+    ones, unit costs times a power of 2 (exact in floats: every load scales alike)."""
+    import numpy as np
+
+    costs = [4, 1, 1, 2, 1, 3, 1]
+    want = balanced_partition(costs, 3, first=2)
+    assert max(partition_loads(costs, want, first=2)) == brute_force(costs, 3, 2, 0)
+    for given in (np.array(costs), np.array(costs, dtype=np.float32)):
+        assert balanced_partition(given, np.int64(3), first=np.int64(2)) == want
+    big = 2.0 ** 600  # its square overflows a float
+    assert balanced_partition([c * big for c in costs], 3, first=2 * big) == want
+    assert balanced_partition([1e308] * 4, 2) == [2, 2]  # the loads' sums overflow too
+
+
 class Uneven(nn.Module):
     """Blocks of different widths: their parameter counts differ."""
 

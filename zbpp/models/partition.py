@@ -15,6 +15,7 @@ programming over the prefix sums, O(stages x blocks^2)).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 __all__ = ["balanced_partition", "partition_loads"]
@@ -48,13 +49,21 @@ def balanced_partition(costs: Sequence[float], num_stages: int, *, first: float 
         first, last: the extra load of the first and the last stage.
     """
     n = len(costs)
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+    # any integer and real type (numpy's: a parameter count array), as the schedule core takes them
+    if not isinstance(num_stages, numbers.Integral) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    num_stages = int(num_stages)
     if n < num_stages:
         raise ValueError(f"{n} blocks cannot fill {num_stages} stages: every stage holds at least one block")
     for name, c in [*((f"costs[{i}]", c) for i, c in enumerate(costs)), ("first", first), ("last", last)]:
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {c!r}")
+    # the sums of squared loads below overflow a float past ~1e154: scaled by a power of 2 (exact)
+    # so that every load is at most 1, the split unchanged
+    top_cost = max(float(c) for c in (*costs, first, last))
+    if top_cost > 2.0 ** 500:
+        k = 2.0 ** -(math.frexp(top_cost)[1] + (n + 2).bit_length())
+        costs, first, last = [float(c) * k for c in costs], float(first) * k, float(last) * k
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
