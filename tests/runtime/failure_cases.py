@@ -1000,3 +1000,26 @@ def tied_main_grad_failed_step() -> dict[str, Any]:
     after_failure = float((weight.main_grad - want).abs().max())
     pipe.step(x[rows], target=y[rows])
     return {"after_failure": after_failure, "next": float((weight.main_grad - 2 * want).abs().max())}
+
+
+def buffer_sync_fails_once(name: str, p: int, m: int, fail_rank: int) -> dict[str, Any]:
+    """dp=2: the last stage holds a persistent buffer (the others none); after a good step, the copy
+    of replica 0's buffers into `fail_rank`'s raises once, after the broadcast completed. Returns how
+    that step and the next ended on this rank (the job is broken then: run it in its own processes)."""
+    import zbpp.runtime.replica_buffers as replica_buffers
+
+    rank = dist.get_rank()
+    pipe, groups, x, y = replica_pipeline(name, p, m)
+    last = pipe.schedule.num_stages - 1
+    if last in pipe.stage_modules:
+        pipe.stage_modules[last].register_buffer("seen", torch.full((2,), float(groups.dp_rank)))
+    pipe.step(x, target=y)
+    real = replica_buffers.foreach_copy_
+    if rank == fail_rank:
+        def failing(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("injected buffer copy failure")
+        replica_buffers.foreach_copy_ = failing
+    try:
+        return {"rank": rank, **failing_then_next(pipe, x, y)}
+    finally:
+        replica_buffers.foreach_copy_ = real

@@ -13,7 +13,7 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import (clip_refused_on_one_rank, ctrl_c_in_the_loss_weights_all_reduce, ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
+from .failure_cases import (buffer_sync_fails_once, clip_refused_on_one_rank, ctrl_c_in_the_loss_weights_all_reduce, ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
                             ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
                             loss_weight_interrupted, reducer_wait_interrupted, rollback_interrupted)
 
@@ -106,6 +106,22 @@ def test_an_interrupt_in_loss_weight_raises_before_any_compute(two, which):
         else:
             assert o["result"] == "PipelineError", o
             assert "global rank 1" in o["message"] and f"{which}: injected loss_weight interrupt" in o["message"], o
+
+
+@pytest.mark.slow
+def test_a_buffer_sync_failing_on_one_replica_raises_everywhere_in_that_step():
+    """dp=2: copying replica 0's module buffers fails on replica 1. The sync ran after the end
+    agreement, so replica 0 (which only sent) returned success for that step and raised only at its
+    next call. Now both raise in that step, fast, naming the failure, and the next call says the
+    pipeline is unusable (ranks of other pipeline positions, without buffers, raise alike: the
+    failure travels in the end agreement). Own ranks: the job stays marked broken."""
+    with Workers(2, pg_timeout=PG_TIMEOUT, timeout=60) as workers:
+        outcomes = workers.run(buffer_sync_fails_once, "1f1b", 1, 4, FAIL_RANK)
+    for o in outcomes:
+        assert o["seconds"] < FAST, f"rank {o['rank']} took {o['seconds']:.1f} s to raise: {o}"
+        assert o["result"] == "PipelineError", o
+        assert "module buffers" in o["message"] and "injected buffer copy failure" in o["message"], o
+        assert "unusable" in o["next"] and o["next_seconds"] < 1.0, o
 
 
 @pytest.mark.slow

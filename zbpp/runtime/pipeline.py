@@ -38,6 +38,7 @@ from .agreement import (Agreement, BrokenJob, StartReport, agree_nothing_failed,
 from .channels import Channels, agreement_group, default_timeout
 from .comm_queue import CommQueue
 from .executor import PipelineError, StepExecutor, StepInputs, StepResults
+from .errors import describe_error
 from .failure import StepFailure
 from .loss_weights import row_factors, weight_factors
 from .task_times import TaskRecorder, gather_records
@@ -337,6 +338,7 @@ class Pipeline:
                     step.failure.fail(exc, None)
             problem = _first_error(lambda: self._run_tasks(step),  # with the program's communication
                                    lambda: step.failure.draining or self._reductions.finish())
+        self._sync_buffers(step)  # before the end agreement, which then tells every rank how it went
         failure = self._agree_end(step, problem)  # agree on the outcome
         release_step_caches(step.walks)  # replays never read them; the next step casts afresh
         if failure is not None:
@@ -348,7 +350,6 @@ class Pipeline:
         # a half-committed step would lose earlier gradients: an interrupt comes once it is done
         held = _to_the_end(self._reductions.commit)
         step.after = step.after or held
-        self._sync_buffers(step.walks)
         if losses is not None and self.holds_last_stage:
             losses.extend(step.results.microbatch_losses())
         if step.after is not None:
@@ -403,11 +404,11 @@ class Pipeline:
             if began is not None:
                 step.failure.fail(began, None)
             problem = _first_error(lambda: self._run_tasks(step), self._reductions.finish_eval)
+        self._sync_buffers(step)  # a BatchNorm in training mode moved its running statistics
         failure = self._agree_end(step, problem)
         release_step_caches(step.walks)
         if failure is not None:
             raise failure
-        self._sync_buffers(step.walks)  # a BatchNorm in training mode moved its running statistics
         if step.after is not None:
             raise step.after
         if not self.holds_last_stage:
@@ -636,20 +637,24 @@ class Pipeline:
             held = _to_the_end(undo)  # a half-undone step would spoil the next ones
             step.after = step.after or held
 
-    def _sync_buffers(self, walks: Walks) -> None:
-        """After a step that succeeded everywhere: the replicas take replica 0's buffers
-        (`zbpp.runtime.replica_buffers`) of the step's modules (`walks`). A failure leaves them out
-        of step: the job is broken."""
-        if self._replica_buffers is None:
+    def _sync_buffers(self, step: _Step) -> None:
+        """The replicas take replica 0's buffers (`zbpp.runtime.replica_buffers`) of the step's
+        modules, at the end of every step (failed ones too: every rank is here, and replicas stay
+        equal), before the end agreement: a failure on one replica then raises on every rank in this
+        step, not only at their next call. It leaves the buffers out of step: the job is broken,
+        marked in the store at once. A rank whose communication broke skips it: the end agreement
+        marks the job broken at once, which ends its replicas' waits."""
+        if self._replica_buffers is None or step.failure.comm_error is not None:
             return
         try:
-            self._replica_buffers.sync(m for modules, _ in walks.values() for m in modules)
-        except Exception as exc:  # noqa: BLE001 - every rank is told through the store, then raises
+            self._replica_buffers.sync(m for modules, _ in step.walks.values() for m in modules)
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - told in the end agreement
             self._broken = (f"this Pipeline is unusable: broadcasting the module buffers from replica 0 failed "
-                            f"on {self.topology.describe()} ({exc}), so the replicas' buffers differ or a rank "
-                            "is dead or hung. End the processes and restart")
-            self._agreement.mark_broken(self._broken)
-            raise PipelineError(self._broken) from exc
+                            f"on {self.topology.describe()} ({describe_error(exc)}), so the replicas' buffers "
+                            "differ or a rank is dead or hung. End the processes and restart")
+            if not isinstance(exc, BrokenJob):  # a peer's mark (why it broke) stays
+                self._agreement.mark_broken(self._broken)
+            step.failure.fail(exc, None)
 
     def _delaying(self) -> list[tuple[bool, ...]]:
         """Which delayed-wgrad modules defer their weight gradients now, in the stages whose reductions

@@ -3,9 +3,9 @@
 A forward may change a module's buffers (BatchNorm's running statistics and batch counter). Each
 replica changes its own from its own data, so the replicas would drift apart: evaluations would
 depend on the replica, and a checkpoint (one copy) would resume every replica from replica 0's.
-After every step that succeeded on every rank, `ReplicaBuffers.sync` broadcasts the persistent
-buffers (those a ``state_dict`` holds) of this rank's stages from replica 0 to the others, one
-broadcast per dtype and device. Non-persistent buffers (rotary frequencies, masks: derived
+At the end of every step, before its end agreement (a failure then raises on every rank in that
+step), `ReplicaBuffers.sync` broadcasts the persistent buffers (those a ``state_dict`` holds) of
+this rank's stages from replica 0 to the others, one broadcast per dtype and device. Non-persistent buffers (rotary frequencies, masks: derived
 constants by convention) are left alone. Buffer updates do not reliably move a tensor's version
 counter (BatchNorm's kernel writes its running statistics without), so every step sends them all.
 The buffers are looked up at every sync, so a module with buffers added to a stage after the
@@ -65,8 +65,8 @@ class ReplicaBuffers:
         return cls(stage_modules, topology, host)
 
     def sync(self, modules: Iterable[nn.Module] | None = None) -> None:
-        """Give every replica replica 0's persistent buffers (between steps, on every rank of the
-        job: it is collective over each replica group; every replica of a pipeline position holds
+        """Give every replica replica 0's persistent buffers (at the end of a step, on every rank of
+        the job: it is collective over each replica group; every replica of a pipeline position holds
         the same modules, so all send alike, nothing where none has buffers). Read afresh: a buffer
         may be replaced or added. `modules`: every module of this rank's stages, walked already
         (default: walk them)."""
