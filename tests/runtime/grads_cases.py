@@ -335,6 +335,17 @@ def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float,
         part = [] if pp_rank == 1 else list(pipe.parameters())
         check_close("a share given alone, one rank's empty", clip_grad_norm_(iter(part), 1e30, norm_type=norm_type),
                     clip_grad_norm_(part, 1e30, groups, norm_type=norm_type))
+        # a second live Pipeline on groups of its own (the same ranks): the empty share took the newest,
+        # its peers `pipe`, and the ranks waited in all-reduces of different groups until the timeout
+        other, _ = fc.build(sched, pp_rank, kind, groups=ParallelGroups(pp=pp))
+        try:
+            clip_grad_norm_(part, 1e30, norm_type=norm_type)
+        except (ValueError, PipelineError) as exc:
+            assert type(exc) is (ValueError if pp_rank == 1 else PipelineError), exc
+            assert "live Pipelines of this process sum over different process groups" in str(exc), exc
+        else:
+            raise AssertionError("an empty share beside Pipelines on different groups was not refused")
+        del other
         got = clip_grad_norm_(pipe.parameters(), max_norm, norm_type=norm_type)
     else:
         got = clip_grad_norm_(pipe, max_norm, None if given == "none" else groups, norm_type=norm_type)

@@ -129,8 +129,9 @@ def clip_grad_norm_(
         groups: a `ParallelGroups` or a ``DeviceMesh`` with a ``"pp"`` dimension (what the
             `Pipeline` got); defaults to the pipeline's own (``Pipeline.topology``), also for
             parameters (or modules) given alone that all belong to a live `Pipeline` (some but not
-            all: a ValueError; none given on this rank: the newest live one); else the whole world
-            is one pipeline (no data parallelism).
+            all: a ValueError; none given on this rank: the live ones' group, a ValueError where
+            they were built on different groups); else the whole world is one pipeline (no data
+            parallelism).
         norm_type: p of the p-norm, ``math.inf`` (or ``"inf"``, as torch takes it) for the max norm.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
         foreach: taken for torch's signature and ignored: the result is the same either way.
@@ -181,7 +182,8 @@ def _host_and_params(source: Any, groups: Any) -> tuple[Any, list[torch.Tensor] 
 
 def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tuple[Any, BaseException | None]:
     """The live `Pipeline` of this process that holds every one of `params` (the newest of several
-    alike; for no parameters, the newest live one), or None where none holds any. Its replicas'
+    alike; for no parameters, the newest live one, all of them on one pipeline group), or None where
+    none holds any. Its replicas'
     gradients are copies, so its pipeline group, not the world, is what the norm is summed over.
     An error (with a Pipeline to tell it through) where only some of them are a Pipeline's, or where
     Pipelines of other ranks or ties hold them."""
@@ -196,6 +198,12 @@ def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tup
             return pipes[-1], ValueError(
                 "clip_grad_norm_: no parameters given on this rank, and Pipelines of different ranks live in "
                 "this process, so the group to sum the norm over is unknown; pass the Pipeline, or groups=")
+        if len({id(pipe.topology.pp_group) for pipe in pipes}) > 1:  # its peers' all-reduce may be on either
+            return pipes[-1], ValueError(
+                "clip_grad_norm_: no parameters given on this rank, and the live Pipelines of this process sum "
+                "over different process groups of the same ranks (each built with its own ParallelGroups or "
+                "DeviceMesh), so which one its peers clip by is unknown; pass the Pipeline, or groups= (what "
+                "the Pipeline got)")
         return (pipes[-1] if pipes else None), None
     holders = [(pipe, want & {id(q) for q in pipe.parameters()}) for pipe in pipes]
     holders = [(pipe, held) for pipe, held in holders if held]
