@@ -693,6 +693,40 @@ def one_rank_wrong_case(path: str, when: str) -> str:
     return _timed_checkpoint_call(when, stage, path, opt, Exception)
 
 
+def colliding_names_case(path: str) -> list[str]:
+    """2 ranks, rank r holding stage r as an ``nn.Sequential`` of its own (every stage's Linear named
+    ``0.weight``), each with a constant buffer ``scale`` alike on both. DCP kept one ``0.weight`` for
+    both, so the load gave each stage the same weights (stage 1's): the save must raise on both
+    ranks, naming the name, and write nothing. Stages named as in the whole model save and load
+    their own values (exact: a copy). Returns what went wrong on this rank."""
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    stage = nn.Sequential(nn.Linear(3, 3))
+    stage.register_buffer("scale", torch.full((2,), 0.5))
+    fails = []
+    try:
+        save_checkpoint({rank: stage}, path)
+        fails.append("stages holding different tensors under one name were saved")
+    except ValueError as exc:
+        if "different tensors named '0." not in str(exc) or "nothing was saved" not in str(exc):
+            fails.append(f"message: {exc}")
+    dist.barrier()
+    if os.path.exists(os.path.join(path, ".metadata")):
+        fails.append("the refused save wrote a checkpoint")
+    named = nn.Sequential(*[nn.Identity()] * rank, stage[0])  # "0.weight" on stage 0, "1.weight" on stage 1
+    named.register_buffer("scale", torch.full((2,), 0.5))
+    save_checkpoint({rank: named}, path)
+    fresh = nn.Sequential(*[nn.Identity()] * rank, nn.Linear(3, 3))
+    fresh.register_buffer("scale", torch.zeros(2))
+    load_checkpoint({rank: fresh}, path)
+    for (n, a), b in zip(named.state_dict().items(), fresh.state_dict().values()):
+        if not torch.equal(a, b):
+            fails.append(f"{n} loaded {b.tolist()}, saved {a.tolist()}")
+    return fails
+
+
 def failed_overwrite_case(path: str) -> str:
     """2 ranks, rank r holding stage r of `Net`: save the initial values into `path`, then save
     other values into the same `path` while rank 1's write fails (a full disk: DCP raises on both

@@ -20,7 +20,7 @@ import torch
 
 from zbpp.runtime import load_checkpoint
 
-from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, compare, loss_fn, make_optimizer, one_rank_wrong_case,
+from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, colliding_names_case, compare, loss_fn, make_optimizer, one_rank_wrong_case,
                          reference_run, resume_case, save_case, scheduler_case, stage_of, whole_model)
 
 
@@ -756,6 +756,12 @@ def test_an_incomplete_checkpoint_is_refused_before_anything_loads(saved: Path, 
         load_checkpoint(net, damaged, opt)
     assert [n for n, t in net.state_dict().items() if not torch.equal(t, before[n])] == []
     assert not opt.state
+
+
+def test_stages_holding_different_tensors_under_one_name_are_refused(tmp_path: Path, zbpp_workers) -> None:
+    """Each rank's stage an ``nn.Sequential`` of its own: both hold a different ``0.weight`` (and an
+    alike constant buffer); DCP kept one of them and the load gave both stages the same weights."""
+    assert zbpp_workers(2, pg_timeout=60).run(colliding_names_case, str(tmp_path / "c")) == [[], []]
 
 
 def test_a_failed_save_over_a_checkpoint_leaves_none(tmp_path: Path, zbpp_workers) -> None:

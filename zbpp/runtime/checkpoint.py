@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import os
 import pickle
 import warnings
@@ -144,7 +145,8 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
 
     Args:
         model: a `zbpp.Pipeline`, a mapping ``{stage: module}``, or an ``nn.Module``: the stages of
-            this rank, whose ``state_dict()`` keys are the whole model's names. A Pipeline's random
+            this rank, whose ``state_dict()`` keys are the whole model's names (ranks of different
+            stages holding different tensors under one name raise a ValueError). A Pipeline's random
             stream (``rng_step`` and its base seed) is saved too, and the FP8 scaling state of its
             ``zbpp.modules`` layers (a Pipeline's: under its data-parallel replica). A Pipeline's
             tied copies are compared first (`Pipeline.check_ties`, where `process_group` is every
@@ -192,10 +194,13 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
         state, problem = {}, exc
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
     kept = ("lr_scheduler", "grad_scaler")  # one copy kept for every rank: theirs must agree
+    stages = _stage_key(model)
     told = agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing "
-                             "was saved)", payload=[state.get(k, {}).get("state") for k in kept])
+                             "was saved)", payload=([state.get(k, {}).get("state") for k in kept], stages,
+                                                    _name_hashes(state.get("model", {}), stages)))
     for i, what in enumerate(kept):
-        _one_kept_state(what, [states[i] for states in told], ranks)
+        _one_kept_state(what, [states[i] for states, _, _ in told], ranks)
+    _one_tensor_per_name(agreement, ranks, state.get("model", {}), [(key, hashes) for _, key, hashes in told])
     with _one_process_quiet():
         dcp.save(state, storage_writer=_writer(os.fspath(path)), process_group=process_group)
 
@@ -224,6 +229,65 @@ _KEEP_ALIKE = {
                    "zbpp.runtime.unscale_(pipe, scaler, optimizer) before scaler.step(optimizer), or leave "
                    "grad_scaler= out and save each rank's state_dict() yourself",
 }
+
+
+def _stage_key(model: Any) -> tuple | None:
+    """The stages this rank saves (a Pipeline's or a mapping's keys); None for one module (its place
+    in a pipeline is unknown)."""
+    stages = getattr(model, "stage_modules", None)
+    stages = stages if isinstance(stages, Mapping) else model if isinstance(model, Mapping) else None
+    return None if stages is None else tuple(sorted(stages, key=str))
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _name_hashes(model_state: Mapping[str, Any], stages: tuple | None) -> list[int]:
+    """What this rank tells of its model's names (8 bytes each): none where its stages are unknown."""
+    return [] if stages is None else sorted(_name_hash(n) for n in model_state)
+
+
+def _fingerprint(value: Any) -> tuple | None:
+    """A plain tensor's dtype, shape and bytes, hashed (None: not compared, e.g. a ``fully_shard``
+    shard, which differs between ranks by design)."""
+    if not isinstance(value, torch.Tensor) or hasattr(value, "placements"):
+        return None
+    flat = value.detach().reshape(-1).contiguous().cpu()
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return str(value.dtype), tuple(value.shape), hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _one_tensor_per_name(agreement: Agreement, ranks: list[int], model_state: Mapping[str, Any],
+                         told: list[tuple[tuple | None, list[int]]]) -> None:
+    """Raise, on every rank, where ranks holding different stages hold different tensors under one
+    name: DCP keeps one entry per name (one of them), so a load would give both stages the same one.
+    Stages whose modules are named from 0 each (``nn.Sequential`` stages) do that. Names that ranks of
+    different stages share are compared only (a second exchange only then): a tie's copies, a
+    constant buffer every stage holds, are one tensor."""
+    holders: dict[int, set[tuple]] = {}
+    for key, hashes in told:
+        for h in hashes:
+            holders.setdefault(h, set()).add(key)
+    shared = {h for h, keys in holders.items() if len(keys) > 1}
+    if not shared:
+        return
+    mine = {n: _fingerprint(v) for n, v in model_state.items() if _name_hash(n) in shared}
+    theirs = agree_on_problems(agreement, None, ranks, "save_checkpoint could not compare the stages' names", mine)
+    for name in sorted({n for fps in theirs for n in fps}):
+        seen: dict[tuple, tuple[int, tuple]] = {}
+        for g, (key, _), fps in zip(sorted(ranks), told, theirs):
+            fp = fps.get(name)
+            if fp is None:
+                continue
+            other = next(((h, k) for k, (h, f) in seen.items() if k != key and f != fp), None)
+            if other is not None:
+                raise ValueError(
+                    f"global ranks {other[0]} (stages {list(other[1])}) and {g} (stages {list(key)}) hold different "
+                    f"tensors named {name!r}: a checkpoint keys entries by the whole model's names and keeps one "
+                    "entry per name, so a load would give both stages the same one. Name each stage's modules "
+                    "as in the whole model (zbpp.models.hf.causal_lm_stages does); nothing was saved")
+            seen.setdefault(key, (g, fp))
 
 
 def _one_kept_state(what: str, states: list[bytes | None], ranks: list[int]) -> None:
