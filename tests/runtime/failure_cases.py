@@ -60,11 +60,17 @@ class Unprintable(RuntimeError):
 
 
 class BeforeForward(torch.nn.Module):
-    """Wraps a stage: `hook(current_microbatch())` runs before each forward (it may exit or raise)."""
+    """Wraps a stage: `hook(current_microbatch())` runs before each forward (it may exit or raise).
+    `name`: the stage's name in its parent (the checkpoint's keys: each stage's own where it is saved)."""
 
-    def __init__(self, inner: torch.nn.Module, hook: Callable[[Any], None]) -> None:
+    def __init__(self, inner: torch.nn.Module, hook: Callable[[Any], None], name: str = "inner") -> None:
         super().__init__()
-        self.inner, self.hook = inner, hook
+        self.add_module(name, inner)
+        self.name, self.hook = name, hook
+
+    @property
+    def inner(self) -> torch.nn.Module:
+        return self._modules[self.name]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.hook(current_microbatch())
@@ -263,7 +269,8 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
         if dying["on"] and rank == 1 and key == (sched.stages_on(1)[0], 1):
             os._exit(3)
 
-    mine = {s: BeforeForward(make_stage(s, S, "zbpp", device_for_rank()), die) for s in sched.stages_on(rank)}
+    # the test models' stages are named alike: a checkpoint needs each under its own name
+    mine = {s: BeforeForward(make_stage(s, S, "zbpp", device_for_rank()), die, f"stage{s}") for s in sched.stages_on(rank)}
     pipe = Pipeline(mine, sched, loss_fn, record_task_times=True)
     inputs, target = make_batch(0, 2 * m, device_for_rank())
     pipe.step(inputs, target=target)
