@@ -270,7 +270,8 @@ def die_mid_step(name: str, p: int, m: int, report_dir: str) -> None:
             os._exit(3)
 
     # the test models' stages are named alike: a checkpoint needs each under its own name
-    mine = {s: BeforeForward(make_stage(s, S, "zbpp", device_for_rank()), die, f"stage{s}") for s in sched.stages_on(rank)}
+    mine = {s: BeforeForward(make_stage(s, S, "zbpp", device_for_rank()), die, f"stage{s}")
+            for s in sched.stages_on(rank)}
     pipe = Pipeline(mine, sched, loss_fn, record_task_times=True)
     inputs, target = make_batch(0, 2 * m, device_for_rank())
     pipe.step(inputs, target=target)

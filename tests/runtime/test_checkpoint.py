@@ -20,8 +20,9 @@ import torch
 
 from zbpp.runtime import load_checkpoint
 
-from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, colliding_names_case, compare, loss_fn, make_optimizer, one_rank_wrong_case,
-                         reference_run, resume_case, save_case, scheduler_case, stage_of, whole_model)
+from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, colliding_names_case, compare, loss_fn, make_optimizer,
+                         one_rank_wrong_case, reference_run, resume_case, save_case, scheduler_case, stage_of,
+                         whole_model)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 
 from zbpp.testing import Workers
 
-from .failure_cases import (buffer_sync_fails_once, clip_refused_on_one_rank, ctrl_c_in_the_loss_weights_all_reduce, ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
+from .failure_cases import (buffer_sync_fails_once, clip_refused_on_one_rank, ctrl_c_in_the_loss_weights_all_reduce,
+                            ctrl_c_while_a_new_shape_arrives, ctrl_c_while_gathering_task_times,
                             ctrl_c_while_told_the_failure, fifo_layers_fail_once, interrupted_outside_task,
                             loss_weight_interrupted, reducer_wait_interrupted, rollback_interrupted)
 

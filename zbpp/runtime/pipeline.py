@@ -168,8 +168,8 @@ class Pipeline:
     (``keep_grads_on_failure``) and its index in the random stream (``rng_step``), so that retrying
     its batch repeats the uninterrupted run's step. What its tasks changed in the modules is not
     undone (copying it aside would cost every step): buffers such as BatchNorm's running statistics
-    keep the updates of the forwards it ran (with replicas: replica 0's, as after any step), and the FP8 delayed-scaling state of zbpp layers (amax
-    histories, scales) the amaxes of its casts. Where those must be exact, resume from a checkpoint
+    keep the updates of the forwards it ran (with replicas: replica 0's, as after any step), and
+    the FP8 delayed-scaling state of zbpp layers (amax histories, scales) the amaxes of its casts. Where those must be exact, resume from a checkpoint
     (`zbpp.runtime.checkpoint` restores both) or save and restore the buffers around the step.
 
     Example (one process; with torchrun every rank does the same with its own stages)::

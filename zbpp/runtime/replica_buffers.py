@@ -5,8 +5,8 @@ replica changes its own from its own data, so the replicas would drift apart: ev
 depend on the replica, and a checkpoint (one copy) would resume every replica from replica 0's.
 At the end of every step, before its end agreement (a failure then raises on every rank in that
 step), `ReplicaBuffers.sync` broadcasts the persistent buffers (those a ``state_dict`` holds) of
-this rank's stages from replica 0 to the others, one broadcast per dtype and device. Non-persistent buffers (rotary frequencies, masks: derived
-constants by convention) are left alone. Buffer updates do not reliably move a tensor's version
+this rank's stages from replica 0 to the others, one broadcast per dtype and device.
+Non-persistent buffers (rotary frequencies, masks: derived constants by convention) are left alone. Buffer updates do not reliably move a tensor's version
 counter (BatchNorm's kernel writes its running statistics without), so every step sends them all.
 The buffers are looked up at every sync, so a module with buffers added to a stage after the
 Pipeline was built (a ``BatchNorm1d(affine=False)``, which adds no parameter) is kept equal too.
