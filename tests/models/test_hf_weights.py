@@ -523,19 +523,39 @@ def test_a_read_failing_on_one_rank_raises_on_every_rank(tmp_path: Path, zbpp_wo
     assert re.search("; global rank 1: " + words.pattern, outcomes[0]), outcomes
 
 
-def test_max_shard_size_reads_as_hf_reads_it() -> None:
-    """``max_shard_size`` in bytes as HF's own ``save_pretrained`` reads it (the reference,
-    ``convert_file_size_to_int``): "8Kb" is kilobits there, 1000 bytes, where zbpp read 8000; and
-    "0MB" (or a fraction of a byte) became a limit of 0 bytes, taken without a word. Bad sizes are
-    refused, naming the value."""
-    from transformers.utils.hub import convert_file_size_to_int
-
+def test_max_shard_size_and_the_files_are_hf_saves(tmp_path: Path) -> None:
+    """On one rank `save_pretrained` writes the files HF's own ``save_pretrained`` writes of the same
+    model (the reference: which tensors each file holds, by name). zbpp read "8Kb" as kilobits (1000
+    bytes, as transformers' ``convert_file_size_to_int``) where HF's save reads 8000 bytes
+    (huggingface_hub's ``parse_size_to_int``, any case), and put the tensors after one larger than the
+    limit in a new file where HF goes on filling the one before (2KB: 13 files against HF's 12). Bad
+    sizes are refused, naming the value."""
+    from zbpp import Pipeline
+    from zbpp.models.hf import save_pretrained
     from zbpp.models.hf_weights import _bytes
+    from zbpp.schedules import build
 
-    for size in [1000, "2GB", "500MB", "8KB", "8Kb", "4Mb", "1Gb", "5GiB", "3MiB", "2KiB", "20kb"]:
-        assert _bytes(size) == convert_file_size_to_int(size), size
-    assert _bytes("1.5GB") == 1_500_000_000 and _bytes(" 500 MB ") == 500_000_000 and _bytes("100B") == 100
-    for bad in ["0MB", "0.0001KB", "1b", 0, -1, True, 2.5, "", "x", "1e3MB", "-5MB", "GB"]:
+    def files(directory: Path) -> Any:
+        index = directory / "model.safetensors.index.json"
+        if not index.exists():
+            return sorted(p.name for p in directory.glob("*.safetensors"))
+        by_file: dict[str, list[str]] = {}
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            by_file.setdefault(file, []).append(name)
+        return sorted((file, sorted(names)) for file, names in by_file.items())
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("llama"))
+    pipe = Pipeline({0: model}, build("1f1b", num_ranks=1, num_microbatches=1), loss_fn=lambda out, y: out)
+    for size in ["8Kb", "2KB", 3000]:
+        model.save_pretrained(tmp_path / f"hf{size}", max_shard_size=size)
+        save_pretrained(pipe, tmp_path / f"zbpp{size}", max_shard_size=size)
+        assert files(tmp_path / f"zbpp{size}") == files(tmp_path / f"hf{size}"), size
+    assert len(files(tmp_path / "hf2KB")) > 2  # tensors over the limit among them
+    assert _bytes("1.5GB") == 1_500_000_000 and _bytes(" 500 mb ") == 500_000_000 and _bytes("100B") == 100
+    assert (_bytes("5GiB"), _bytes("3MiB"), _bytes("2kib"), _bytes("1TB"), _bytes("1e3MB")) == (
+        5 * 2**30, 3 * 2**20, 2048, 10**12, 10**9)
+    for bad in ["0MB", "0.0001KB", 0, -1, True, 2.5, "", "x", "-5MB", "GB", "nanMB", "infGB", "5PB"]:
         with pytest.raises(ValueError, match=re.escape(f"max_shard_size must be a positive number of bytes or a size "
                                                        f"like '500MB', got {bad!r}")):
             _bytes(bad)

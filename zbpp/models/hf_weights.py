@@ -446,8 +446,9 @@ def save_pretrained(pipe: Any, path: str | os.PathLike, *, max_shard_size: int |
             nothing is written. The weight files
             of an earlier save there that this one does not rewrite are deleted.
         max_shard_size: the largest safetensors file, in bytes or as ``"500MB"`` (read as HF's
-            ``save_pretrained`` reads it: ``"500Mb"`` is megabits): each pipeline
-            rank writes its stages in files of at most this size (a tensor larger goes alone).
+            ``save_pretrained`` reads it: units in any case, ``"500Mb"`` is 500 MB): each pipeline
+            rank splits its stages into files of at most this size as HF splits a model (a tensor
+            larger gets a file of its own); on one rank the files are HF's.
     """
     from .._compat import uncompiled
     from ..runtime.agreement import Agreement, agree_on_problems
@@ -563,31 +564,44 @@ def _rank_state(mods: list[nn.Module], config: Any) -> dict[str, torch.Tensor]:
 
 
 def _shards(state: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """The tensors' names split into files as HF's ``save_pretrained`` splits them (huggingface_hub's
+    ``split_torch_state_dict_into_shards``): a tensor over `limit` gets a file of its own and the
+    file being filled goes on after it, so one rank writes the files HF would."""
     out: list[list[str]] = []
+    current: list[str] = []
     size = 0
     for name, t in state.items():
         n = t.numel() * t.element_size()
-        if not out or (size + n > limit and out[-1]):
-            out.append([])
-            size = 0
-        out[-1].append(name)
+        if n > limit:
+            out.append([name])
+            continue
+        if size + n > limit:
+            out.append(current)
+            current, size = [], 0
+        current.append(name)
         size += n
+    if current:
+        out.append(current)
     return out
 
 
 def _bytes(size: int | str) -> int:
-    """`size` in bytes, read as HF's ``save_pretrained`` reads its ``max_shard_size`` ("500Mb", a lower-case
-    b, is megabits; "8b" a byte); decimals and a bare "B" too. Under one byte ("0MB") is refused, as 0 is."""
+    """`size` in bytes, read as HF's ``save_pretrained`` reads its ``max_shard_size`` (huggingface_hub's
+    ``parse_size_to_int``: "TB", "GB", "MB", "KB" in any case, decimal; "500Mb" is 500 MB, not the megabits
+    of transformers' ``convert_file_size_to_int``, which save_pretrained does not use); also "GiB", "MiB", "KiB" and a bare "B".
+    Under one byte ("0MB") is refused, as 0 is."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     if isinstance(size, str):
-        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
+                 "B": 1}
         text = size.strip()
         for unit, factor in units.items():
-            number = text[:-len(unit)].strip()
-            if text.upper().endswith(unit) and number.replace(".", "", 1).isdigit():
-                bits = "I" not in unit and text.endswith("b")
-                n = int(float(number) * factor) // (8 if bits else 1)
+            if text.upper().endswith(unit):
+                try:
+                    n = int(float(text[:-len(unit)].strip()) * factor)
+                except (ValueError, OverflowError):  # no number, or nan / inf
+                    break
                 if n >= 1:
                     return n
                 break
