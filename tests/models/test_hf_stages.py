@@ -633,6 +633,23 @@ def test_small_config_of_a_multimodal_type_shrinks_its_text_model(model_type, te
         assert count(config) < bound, count(config)
 
 
+def test_small_config_shrinks_linear_attention_layers():
+    # Qwen3-Next's and Qwen3.5's linear-attention layers kept HF's full-size heads (16 key heads and 32
+    # value heads of 128): 1.7e6 parameters at hidden 32, 20x a Llama of the same sizes, in every test
+    # that builds them. Counted on the meta device: now under twice the Llama's
+    from zbpp.models.hf import small_config
+
+    def count(config):
+        with torch.device("meta"):
+            return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+
+    llama = count(small_config("llama", vocab_size=96, hidden_size=32))
+    for model_type in ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]:
+        config = small_config(model_type, vocab_size=96, hidden_size=32)
+        assert "linear_attention" in config.layer_types
+        assert count(config) < 2 * llama, (model_type, count(config), llama)
+
+
 def test_layers_a_text_only_forward_skips_are_named_in_the_refusal():
     # Mllama's text model skips its cross-attention layers (3, 8, ...) without images. With 4 layers the
     # default placement said the final norm and LM head were "used while the blocks run" (they are not:

@@ -1103,6 +1103,10 @@ def small_config(model_type: str, *, vocab_size: int = 256, hidden_size: int = 6
         # DeepSeek's low-rank attention
         "q_lora_rank": hidden_size // 2, "kv_lora_rank": hidden_size // 2, "qk_rope_head_dim": head,
         "qk_nope_head_dim": head, "v_head_dim": head,
+        # linear-attention layers (Qwen3-Next, Qwen3.5): HF's defaults are the full model's heads (1.7e6
+        # parameters at hidden 32)
+        "linear_num_key_heads": num_heads, "linear_num_value_heads": num_heads, "linear_key_head_dim": head,
+        "linear_value_head_dim": head,
         # GPT-J's and CodeGen's rotary share of a head; GPT-Neo's attention kind per layer
         "rotary_dim": head,
         "attention_types": ([[["global", "local"], num_layers // 2]] if num_layers % 2 == 0
