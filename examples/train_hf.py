@@ -143,8 +143,12 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("microbatches", "rows_per_microbatch", "seq_len", "steps", "dp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.clip < 0:  # `clip if clip > 0 else inf` would quietly turn clipping off
+    if not args.clip >= 0:  # `clip if clip > 0 else inf` would quietly turn clipping off (nan too)
         ap.error(f"--clip must be >= 0 (0 turns clipping off), got {args.clip}")
+    if not args.lr >= 0 or math.isinf(args.lr):  # else AdamW refuses it on every rank, after the model is built
+        ap.error(f"--lr must be a finite number >= 0, got {args.lr}")
+    if not 0 < args.timeout < math.inf:  # else the rendezvous fails at once (0, negative) or overflows (inf)
+        ap.error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     if args.warmup < 0:  # lr_at would start the cosine decay part-way through
         ap.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.seq_len < 4:

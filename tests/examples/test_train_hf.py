@@ -166,6 +166,11 @@ def test_replicas_with_ragged_rows_log_the_token_mean_of_the_whole_batch(zbpp_wo
                                          (["--dp", "0"], "--dp must be >= 1"),
                                          # else clipping is quietly off (0 is the documented "off")
                                          (["--clip", "-1"], "--clip must be >= 0"),
+                                         (["--clip", "nan"], "--clip must be >= 0"),
+                                         # else the rendezvous fails at once with a C++ trace on every rank
+                                         (["--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
+                                         # else AdamW refuses it only after every rank built its stages
+                                         (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
                                          # else the cosine decay starts part-way (lr_at)
                                          (["--warmup", "-5"], "--warmup must be >= 0"),
                                          # synthetic rows read no text: the bound would be silently ignored
