@@ -20,7 +20,8 @@ LayerNorm, ...) are stand-ins that return them, and the stand-in of the layer be
 returns the received hidden states instead (a model whose layers take such a module's output some
 other way than through the hidden states is refused: they would compute with the zeros). Its
 output is its last layer's output, taken by a hook (a non-last stage calls the base model, the last
-one the ``*ForCausalLM``). Placement is
+one the ``*ForCausalLM``). Layers that the forward skips on tokens alone (Mllama's cross-attention
+layers) are passed by: "before" and "last" count the layers it calls. Placement is
 `zbpp.models.fqns_per_stage`, decided by a forward on the ``meta`` device (which stage uses what).
 
 Stages pass ``{"hidden_states", "attention_mask", "position_ids"}`` along (and ``"router_logits"``,
@@ -256,9 +257,6 @@ def _stages(model_or_config: Any, schedule: Schedule, pp_rank: int, device: torc
                 raise _meta_forward_failed(model, "to place the modules beside the decoder layers", exc.__cause__
                                            ) from exc.__cause__
             except ValueError as exc:  # placement by use: say which model, and this function's way out
-                skipped = _layers_never_run(model, template)
-                if skipped:  # the modules after the last layer then look used while the layers run
-                    raise _skipped_layers_error(model, template, skipped, None) from exc
                 raise ValueError(f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): "
                                  f"{exc}. Pass causal_lm_stages(..., module_fqns_per_stage=) with those modules "
                                  "placed, or build the stages with zbpp.models.pipeline_stages") from exc
@@ -516,6 +514,12 @@ class _StageSpec:
     lo: int  # the stage computes the layers lo..hi-1 (none when lo == hi)
     hi: int
     tuple_out: _LayerOutput  # what the model's decoder layers return: the tensor, or (hidden, ...) of a length
+    # the last layer before lo that the forward calls (its stand-in returns the received hidden states; None:
+    # the first one called at lo or after takes them), and the last of the stage's own that it calls (its
+    # output is the stage's; None: the stage passes on what it received). They differ from lo - 1 and hi - 1
+    # where the forward skips layers (Mllama's cross-attention layers, on tokens alone)
+    feed: int | None
+    take: int | None
     routes: bool  # some held layer records router logits that the router auxiliary loss takes
     absent: list[tuple[str, str]] = field(default_factory=list)  # (parent FQN, child name) not held
     skips: list[nn.Module] = field(default_factory=list)  # a stand-in per layer position
@@ -559,11 +563,11 @@ class _Skip(nn.Module):
         stage = self._stage
         spec, call = stage._zbpp_stage_spec, stage._zbpp_call
         hidden = args[0] if args else kwargs["hidden_states"]
-        if self._index == spec.lo - 1 and call.inject is not None:
+        if self._index == spec.feed and call.inject is not None:
             hidden, call.before_layers = call.inject, False
         # as long as a layer's tuple, for a loop that unpacks it (RWKV's hidden, state, attentions): the
         # rest None, as a layer returns them in training (a tensor passed on to the next layer is refused)
-        n, kind = spec.tuple_out
+        n, kind = spec.tuple_out.length, spec.tuple_out.kind
         return kind([hidden, *[None] * (n - 1)]) if n else hidden
 
 
@@ -672,25 +676,28 @@ class _CausalLMStage:
         held = container._modules
         full = OrderedDict((str(i), held.get(str(i), spec.skips[i])) for i in range(spec.template.num_layers))
         hooks = []
-        if spec.lo == 0 and (call.inject is not None or spec.hi == 0):
+        if spec.feed is None and (call.inject is not None or spec.take is None):
             def enter(module: nn.Module, args: tuple, kwargs: dict) -> Any:
                 call.before_layers = False
                 if call.inject is not None and args:
                     args = (call.inject, *args[1:])
                 elif call.inject is not None:
                     kwargs = {**kwargs, "hidden_states": call.inject}
-                if spec.hi == 0:
+                if spec.take is None:
                     call.produced = args[0] if args else kwargs["hidden_states"]
                 return args, kwargs
 
-            hooks.append(full["0"].register_forward_pre_hook(never_compiled(enter), with_kwargs=True))
-        elif spec.lo == 0:
+            first = min(i for i in range(spec.template.num_layers) if i not in spec.tuple_out.skipped)
+            hooks.append(full[str(first)].register_forward_pre_hook(never_compiled(enter), with_kwargs=True))
+        elif spec.feed is None:
             call.before_layers = False
-        if spec.hi >= 1 and not spec.last:
+        elif spec.take is None:  # the stage's layers are all skipped: it passes on what it received
+            call.produced = call.inject
+        if spec.take is not None and not spec.last:
             def leave(module: nn.Module, args: tuple, output: Any) -> None:
                 call.produced = _hidden(output)
 
-            hooks.append(full[str(spec.hi - 1)].register_forward_hook(never_compiled(leave)))
+            hooks.append(full[str(spec.take)].register_forward_hook(never_compiled(leave)))
         parents = [(self.get_submodule(p) if p else self, n) for p, n in spec.absent]  # type: ignore[attr-defined]
         container._modules = full  # type: ignore[assignment]
         for (parent, n), standin in zip(parents, spec.standins):
@@ -755,10 +762,12 @@ _PROBE_TOKENS = (1, 2)  # [batch, seq] of the meta-device probe forward
 
 class _LayerOutput(NamedTuple):
     """What the model's decoder layers return: the hidden states (`length` 0), or a tuple or a list
-    (OpenAI GPT's) of `length` starting with them, which the model's layer loop indexes."""
+    (OpenAI GPT's) of `length` starting with them, which the model's layer loop indexes; and the
+    layers that its forward on tokens alone never calls (`skipped`)."""
 
     length: int
     kind: type = tuple
+    skipped: tuple[int, ...] = ()
 
 
 def _check_layers(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> _LayerOutput:
@@ -830,12 +839,7 @@ def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[
         if not seen:
             raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward never "
                              f"called {template.blocks}.0")
-        # a stage's output is its last layer's, taken by a hook: a layer the forward skips gives none
-        ends = {k: max(i for i, s in stage_of.items() if s == k) for k in range(len(fqns or ()) - 1)
-                if k in stage_of.values()}
-        if any(i not in ran for i in ends.values()):
-            raise _skipped_layers_error(model, template, [i for i in range(len(layers)) if i not in ran],
-                                        {k: i for k, i in ends.items() if i not in ran})
+        skipped = tuple(i for i in range(len(layers)) if i not in ran)
         if wide and (fqns is None or len(fqns) > 1):  # a later stage passes zeros of the received shape as inputs_embeds
             raise ValueError(f"{type(model).__name__} does not fit zbpp.models.hf's template: its decoder layers take "
                              f"hidden states of shape {wide[0]} for {_PROBE_TOKENS} tokens, not one vector per token as "
@@ -843,39 +847,12 @@ def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[
                              "hyper-connections), which a later stage cannot pass its forward as inputs_embeds; use "
                              "zbpp.models.pipeline_stages with your own stage forward")
         if not isinstance(seen[0], (tuple, list)):
-            return _LayerOutput(0)
-        return _LayerOutput(len(seen[0]), list if isinstance(seen[0], list) else tuple)
+            return _LayerOutput(0, skipped=skipped)
+        return _LayerOutput(len(seen[0]), list if isinstance(seen[0], list) else tuple, skipped)
 
     handles = [layer.register_forward_hook(out(i)) for i, layer in enumerate(layers)]
     handles += [layer.register_forward_pre_hook(taken_in(i), with_kwargs=True) for i, layer in enumerate(layers)]
     return handles, finish
-
-
-def _layers_never_run(model: nn.Module, template: Template) -> list[int]:
-    """The indices of the decoder layers that the model's forward on tokens alone never calls, by one
-    forward on the ``meta`` device (Mllama's cross-attention layers run only with image inputs)."""
-    ran: set[int] = set()
-    layers = list(model.get_submodule(template.blocks)._modules.values())
-    handles = [layer.register_forward_pre_hook(lambda m, args, i=i: ran.add(i)) for i, layer in enumerate(layers)]
-    _probe_forward(model, handles, grad=False)
-    return [i for i in range(len(layers)) if i not in ran]
-
-
-def _skipped_layers_error(model: nn.Module, template: Template, skipped: Sequence[int],
-                          ends: Mapping[int, int] | None) -> ValueError:
-    """The refusal of a placement where a stage would end with a decoder layer that the model's forward
-    skips on tokens alone (`ends`: stage -> that layer; None: placement by use could not run)."""
-    names = [f"{template.blocks}.{i}" for i in skipped]
-    where = ("; stage(s) " + ", ".join(f"{k} would end with {template.blocks}.{i}" for k, i in ends.items()) +
-             ", whose output is the stage's (a skipped layer gives none)" if ends is not None else
-             ", so placement by use cannot tell which modules come after the decoder layers (the forward runs "
-             "them after a layer before the last)")
-    return ValueError(
-        f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}): its forward on token "
-        f"ids alone never calls the decoder layers {names} (it skips them: layers that need inputs other than "
-        f"tokens, as Mllama's cross-attention layers need images, which a stage does not take){where}. Pass "
-        "causal_lm_stages(..., module_fqns_per_stage=) with every stage but the last ending at a layer the forward "
-        "runs, and the final norm and LM head on the last stage")
 
 
 def _standin_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]]) -> list[Any]:
@@ -1065,7 +1042,10 @@ def _as_stage(pruned: nn.Module, model: nn.Module, template: Template, *, first:
     pruned.__class__ = _STAGE_CLASSES[cls]
     if tuple_out is None:
         tuple_out = _layers_return_tuple(model, template)
-    spec = _StageSpec(template, first, last, cls.forward, lo, hi, tuple_out, routes, absent)
+    called = [i for i in range(n) if i not in tuple_out.skipped]
+    feed = max((i for i in called if i < lo), default=None)
+    take = max((i for i in called if lo <= i < hi), default=None)
+    spec = _StageSpec(template, first, last, cls.forward, lo, hi, tuple_out, feed, take, routes, absent)
     layers = model.get_submodule(template.blocks)
     spec.skips = [_Skip(pruned, i, layers[i]) for i in range(n)]
     spec.standins = [_Absent(pruned, f"{p}.{c}" if p else c) for p, c in absent]

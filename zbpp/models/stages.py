@@ -83,11 +83,11 @@ def fqns_per_stage(model: nn.Module, num_stages: int, *, blocks: str = "model.la
     path from the model to `blocks` are placed by use, seen in one forward of the model with
     `example` (on the ``meta`` device when the model is there: nothing is computed): a module
     with parameters used only before the first block goes to the first stage, one used only after
-    the last block to the last stage; one used both before and after, or while the blocks run, or
-    never, is ambiguous and raises (name its stage in ``module_fqns_per_stage``). A module
-    without parameters goes to every stage. `example` is the forward's input (a tensor, a tuple of
-    arguments or a dict of keyword arguments); for a Hugging Face model it defaults to a batch of
-    two tokens. Without it, a model of one's own on the ``meta`` device with an ``nn.Embedding``
+    the last block that the forward calls to the last stage; one used both before and after, or
+    while the blocks run, or never, is ambiguous and raises (name its stage in
+    ``module_fqns_per_stage``). A module without parameters goes to every stage. `example` is the
+    forward's input (a tensor, a tuple of arguments or a dict of keyword arguments); for a Hugging
+    Face model it defaults to a batch of two tokens. Without it, a model of one's own on the ``meta`` device with an ``nn.Embedding``
     beside the blocks is run on two token ids (``zeros(1, 2)``): a module it uses on both sides of the blocks or while they
     run raises (a tied output head reading the embedding's weight); the modules it does not use, and
     every module where that forward fails or the model embeds no tokens, are placed by registration
@@ -158,7 +158,9 @@ def _default_example(model: nn.Module) -> Any:
 
 
 class _Use(NamedTuple):
-    phase: list[str]  # "before", "blocks" (from the first block's start to the last one's end), "after"
+    phase: list[str]  # "before", "blocks" (from the first block's start to the last one's end), "after"; "between"
+    # after a block's end: "blocks" if another block starts later, else "after" (a model's forward may skip
+    # its last blocks, as Mllama's does its cross-attention layers without images)
     active: list[str]  # the watched modules running now, innermost last
     seen: dict[str, set[str]]  # module FQN -> the phases it was used in
 
@@ -236,24 +238,38 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
     by registration order, the example was guessed (`_guessed_ids`): a forward that fails, or a module
     it never uses, keeps that order; a module used on both sides or while the blocks run still raises."""
     use = _Use(["before"], [], {f: set() for f in watched})
+    pending: set[str] = set()  # the modules used since a block's end, in "between"
+
+    def used(f: str) -> None:
+        if use.phase[0] == "between":
+            pending.add(f)
+        else:
+            use.seen[f].add(use.phase[0])
+
     owners: dict[int, list[str]] = {}
     for f in watched:
         for t in [*model.get_submodule(f).parameters(), *model.get_submodule(f).buffers()]:
             owners.setdefault(id(t), []).append(f)
     handles = []
     children = [m for m in blocks_mod._modules.values() if m is not None]
+    depth = [0]  # blocks running now (one block may call another)
 
     def block_start(module: nn.Module, args: Any) -> None:
+        for f in pending:
+            use.seen[f].add("blocks")
+        pending.clear()
         use.phase[0] = "blocks"
+        depth[0] += 1
 
     def block_end(module: nn.Module, args: Any, out: Any) -> None:
-        if module is children[-1]:
-            use.phase[0] = "after"
+        depth[0] -= 1
+        if depth[0] == 0:
+            use.phase[0] = "between"
 
     def enter(f: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             use.active.append(f)
-            use.seen[f].add(use.phase[0])
+            used(f)
         return hook
 
     def leave(f: str) -> Callable[..., None]:
@@ -271,7 +287,7 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
                     fs = owners.get(id(t)) if isinstance(t, torch.Tensor) else None
                     if fs and not any(f in use.active for f in fs):
                         for f in fs:
-                            use.seen[f].add(use.phase[0])
+                            used(f)
             return super().__torch_function__(func, types, args, kwargs)
 
     for m in children:
@@ -296,6 +312,8 @@ def _placed_by_use(model: nn.Module, blocks_mod: nn.Module, watched: list[str], 
     finally:
         for h in handles:
             h.remove()
+    for f in pending:  # used after the last block the forward called
+        use.seen[f].add("after")
     if fallback is not None:  # a module the forward on the guessed ids does not use: where registration puts it
         for f in watched:
             use.seen[f] = use.seen[f] or {"before" if f in fallback[0] else "after"}
