@@ -587,9 +587,9 @@ def _shards(state: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
 
 def _bytes(size: int | str) -> int:
     """`size` in bytes, read as HF's ``save_pretrained`` reads its ``max_shard_size`` (huggingface_hub's
-    ``parse_size_to_int``: "TB", "GB", "MB", "KB" in any case, decimal; "500Mb" is 500 MB, not the megabits
-    of transformers' ``convert_file_size_to_int``, which save_pretrained does not use); also "GiB", "MiB", "KiB" and a bare "B".
-    Under one byte ("0MB") is refused, as 0 is."""
+    ``parse_size_to_int``: "TB", "GB", "MB", "KB" in any case, decimal; "500Mb" is 500 MB, not the
+    megabits of transformers' ``convert_file_size_to_int``, which save_pretrained does not use); also
+    "GiB", "MiB", "KiB" and a bare "B". Under one byte ("0MB") is refused, as 0 is."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     if isinstance(size, str):
