@@ -654,44 +654,67 @@ def test_stages_may_start_and_end_at_layers_a_text_only_forward_skips():
     # Mllama's text model skips its cross-attention layers (3 of 0..7) without images. A stage ending
     # at one was refused (its output was taken from that layer, which gives none), and the default
     # placement with 4 layers (the last one skipped) said the final norm and LM head ran "while the
-    # blocks run". Now the default placements (one layer a stage, a stage holding only layer 3 and the
-    # head; 4 layers a stage, 3 ending the first), a middle stage holding only layer 3 and a stage
-    # holding none after it, in a row in one process, give HF's whole model's logits in float64 (the
-    # same operations: 1e-12), and its gradients (the same loss, summed alike: 1e-10 of the largest)
+    # blocks run". Now the default placements (one layer a stage, the last holding only layer 3 and
+    # the head; 4 layers a stage, 3 ending the first), and a middle stage holding only layer 3 with a
+    # stage holding none after it, give HF's whole model in float64: the stages' logits in a row (the
+    # same operations: 1e-12), and a step on one rank its loss (1e-12) and gradients (the same loss,
+    # summed over 2 microbatches: 1e-10 of the largest)
+    from zbpp import Pipeline
     from zbpp.models.hf import small_config
 
     def fqns(*stages):
         return [[f"model.layers.{i}" if isinstance(i, int) else i for i in s] for s in stages]
 
-    placements = [(4, 2, None, [[0], [1], [2], [3]]),
-                  (8, 1, None, [[0, 1, 2, 3], [4, 5, 6, 7]]),
-                  (4, 2, fqns(["model.embed_tokens", 0, 1], [2], [3], ["model.norm", "lm_head"]), [[0, 1], [2], [3], []])]
-    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(1))
-    for layers, ranks, placement, expected in placements:
+    v, four = build("zb-v", num_ranks=1, num_microbatches=2), build("zb-interleaved", num_ranks=1, num_microbatches=2,
+                                                                     chunks=4)
+    placements = [(4, four, None, [[0], [1], [2], [3]]),
+                  (8, v, None, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+                  (4, four, fqns(["model.embed_tokens", 0, 1], [2], [3], ["model.norm", "lm_head"]),
+                   [[0, 1], [2], [3], []])]
+    ids = torch.randint(1, 64, (4, 7), generator=torch.Generator().manual_seed(1))
+    for layers, sched, placement, expected in placements:
         config = small_config("mllama", vocab_size=64, hidden_size=16, num_heads=2, num_layers=layers)
         assert 3 in config.get_text_config().cross_attention_layers
         torch.manual_seed(0)
         ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-        sched = build("zb-v", num_ranks=ranks, num_microbatches=2)
-        stages = {}
-        for r in range(ranks):
-            with pytest.warns(UserWarning, match="not among the families"):
-                mine, kwargs = causal_lm_stages(config, sched, r, dtype=torch.float64, state_dict=ref.state_dict(),
-                                                module_fqns_per_stage=placement, balance="blocks")
-            stages.update(mine)
-        held = [[int(n) for n in stages[s].model.layers._modules] for s in range(len(stages))]
-        assert held == expected
-        x = {"input_ids": ids}
-        for s in range(len(stages)):
-            x = stages[s](**x)
+        with pytest.warns(UserWarning, match="not among the families"):
+            stages, kwargs = causal_lm_stages(config, sched, 0, dtype=torch.float64, state_dict=ref.state_dict(),
+                                              module_fqns_per_stage=placement, balance="blocks")
+        assert [[int(n) for n in stages[s].model.layers._modules] for s in range(len(stages))] == expected
         want = ref(input_ids=ids).logits
+        with torch.no_grad():
+            x = {"input_ids": ids}
+            for s in range(len(stages)):
+                x = stages[s](**x)
         torch.testing.assert_close(x, want, **TOL)
-        kwargs["loss_fn"](x, ids).backward()
-        token_mean_loss(want, ids).backward()
+        loss = Pipeline(stages, sched, **kwargs).step(ids, target=ids)
+        reference = token_mean_loss(want, ids)
+        torch.testing.assert_close(loss.detach(), reference.detach(), **TOL)
+        reference.backward()
         scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
         for stage in stages.values():
             for n, q in stage.named_parameters():
                 if ref.get_parameter(n).grad is None:  # a cross-attention layer's: HF's is unused too
-                    assert q.grad is None, n
+                    assert q.grad is None or not q.grad.any(), n
                     continue
                 torch.testing.assert_close(q.grad, ref.get_parameter(n).grad, rtol=0, atol=1e-10 * scale, msg=n)
+
+
+def test_a_model_that_runs_its_layers_in_a_loop_is_refused():
+    # Dory runs its recurrent layers n_recurrent_loops times (the input section's output added back
+    # before each loop). It was built, with the "not among the families" warning, and its stages'
+    # logits were off HF's whole model (8e-3 in float64 at small_config's sizes: each stage ran its
+    # layers once); now refused, naming the layer called again: 1 here (layers 0, 1, 2, 1, 2, 3), 0
+    # with HF's default section sizes
+    from zbpp.models.hf import small_config
+
+    if "dory" not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no dory")
+    sched = build("zb-v", num_ranks=1, num_microbatches=2)
+    loops = dict(n_input_layers=1, n_recurrent_layers=2, n_output_layers=1, n_recurrent_loops=2)
+    for overrides, layer in [(loops, 1), ({}, 0)]:
+        config = small_config("dory", vocab_size=64, hidden_size=16, num_heads=2, num_layers=4, **overrides)
+        with pytest.warns(UserWarning, match="not among the families"), \
+                pytest.raises(ValueError, match=rf"DoryForCausalLM does not fit .*calls model\.layers\.{layer} more "
+                                                r"than once .*zbpp\.models\.pipeline_stages"):
+            causal_lm_stages(config, sched, 0)

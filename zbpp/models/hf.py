@@ -749,10 +749,6 @@ def _append(carried: torch.Tensor | None, produced: Sequence[torch.Tensor] | Non
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class _Stop(Exception):
-    pass
-
-
 class _Unfit(ValueError):
     """A check's refusal raised in a hook of `_probe_forward` (passed on as it is)."""
 
@@ -789,7 +785,7 @@ def _layers_return_tuple(model: nn.Module, template: Template,
 
 def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[str]] | None
                   ) -> tuple[list[Any], Callable[[], _LayerOutput]]:
-    """Hooks for a forward on the ``meta`` device (the last layer's output stops it), and what to call
+    """Hooks for a forward on the ``meta`` device (refusing a layer it calls twice), and what to call
     after it: what the model's decoder layers return (a tensor, or a tuple or list of some length). In
     that forward no layer may take anything an earlier one returned beside the hidden
     states (GLM-5's and Hunyuan-V4's top-k indices) where a stage of `fqns` (any, if None) holds one
@@ -809,13 +805,16 @@ def _output_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence[
 
     def out(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if index in ran:  # the forward runs on after the last layer to see this
+                raise _Unfit(f"{type(model).__name__} does not fit zbpp.models.hf's template: its forward calls "
+                             f"{template.blocks}.{index} more than once (layers run in a loop, as Dory's recurrent "
+                             "layers), where a stage runs each of its layers once, in order; use "
+                             "zbpp.models.pipeline_stages with your own stage forward")
             seen.append(output)
             ran.add(index)
             for o in output[1:] if isinstance(output, (tuple, list)) else ():
                 if isinstance(o, torch.Tensor):
                     extra.setdefault(id(o), index)
-            if index == len(layers) - 1:
-                raise _Stop
         return hook
 
     def taken_in(index: int) -> Callable[..., None]:
@@ -930,16 +929,14 @@ def _standin_hooks(model: nn.Module, template: Template, fqns: Sequence[Sequence
 
 
 def _probe_forward(model: nn.Module, handles: Sequence[Any], *, grad: bool) -> None:
-    """One forward of `model` on two tokens (`_PROBE_TOKENS`), its values on the meta device, until a hook
-    raises `_Stop` (the checks run in `handles`' hooks, removed after); autograd records it if `grad`."""
+    """One forward of `model` on two tokens (`_PROBE_TOKENS`), its values on the meta device (the checks
+    run in `handles`' hooks, removed after); autograd records it if `grad`."""
     from .stages import _meta_values, _state_kept
 
     ids = torch.zeros(_PROBE_TOKENS, dtype=torch.long, device=next(iter(model.parameters())).device)
     try:
         with torch.set_grad_enabled(grad), _meta_values(), _loop_experts(model), _state_kept(model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except _Stop:
-        pass
     except _Unfit:  # a check's own refusal, already worded
         raise
     except Exception as exc:  # HF's own code failing on the meta device, deep in the model: say which and why
