@@ -333,6 +333,11 @@ def check_clip(name: str, pp: int, kind: str, norm_type: float, max_norm: float,
         # pipeline rank 1 passes nothing (a stage without parameters): still the pipeline's group, as the
         # groups given say; max_norm so large that nothing is scaled
         part = [] if pp_rank == 1 else list(pipe.parameters())
+        # a dropped Pipeline on groups of its own, alive only through a reference cycle until a collection:
+        # the empty share collects before it looks, and the list of what it found must not keep it alive
+        dropped, _ = fc.build(sched, pp_rank, kind, groups=ParallelGroups(pp=pp))
+        dropped.cycle = dropped
+        del dropped
         check_close("a share given alone, one rank's empty", clip_grad_norm_(iter(part), 1e30, norm_type=norm_type),
                     clip_grad_norm_(part, 1e30, groups, norm_type=norm_type))
         # a second live Pipeline on groups of its own (the same ranks): the empty share took the newest,

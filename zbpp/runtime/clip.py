@@ -193,7 +193,9 @@ def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tup
     want = {id(p) for p in params}
     pipes = _live_pipelines(collected)
     if not want:  # this rank's share is empty (a stage without parameters): its peers' Pipeline, if any
-        pipes = _live_pipelines(collect=True) if len(pipes) > 1 else pipes
+        if len(pipes) > 1:  # a dropped one may linger in a reference cycle; the list would keep it through the collection
+            del pipes
+            pipes = _live_pipelines(collect=True)
         if len({(pipe.topology.pipeline, pipe.topology.world) for pipe in pipes}) > 1:
             return pipes[-1], ValueError(
                 "clip_grad_norm_: no parameters given on this rank, and Pipelines of different ranks live in "
@@ -217,7 +219,8 @@ def _owning_pipeline(params: list[torch.Tensor], collected: bool = False) -> tup
             "others not, so neither its pipeline group nor the whole world is the group to sum the norm "
             "over; pass the Pipeline, or groups= (what the Pipeline got)")
     layouts = {(pipe.topology.pipeline, frozenset(pipe._tied.param_ids())) for pipe in full}
-    if len(layouts) > 1 and not collected:  # a dropped one may linger in a reference cycle: look again
+    if len(layouts) > 1 and not collected:  # a dropped one may linger in a reference cycle: look again,
+        del pipes, holders, full  # holding none of them through the collection
         return _owning_pipeline(params, collected=True)
     if len(layouts) > 1:
         return full[-1], ValueError(
