@@ -38,6 +38,13 @@ HF_LOSS_RTOL = 1e-6  # HF's loss is float32; see the module docstring
 VOCAB, SEQ = 48, 8
 
 
+def modeling_utils_imported() -> bool:
+    """Whether this rank has transformers' model code imported before anything here asked for it."""
+    import sys
+
+    return "transformers.modeling_utils" in sys.modules
+
+
 def has_loss_weight() -> bool:
     return "loss_weight" in inspect.signature(Pipeline).parameters
 

@@ -718,3 +718,14 @@ def test_a_model_that_runs_its_layers_in_a_loop_is_refused():
                 pytest.raises(ValueError, match=rf"DoryForCausalLM does not fit .*calls model\.layers\.{layer} more "
                                                 r"than once .*zbpp\.models\.pipeline_stages"):
             causal_lm_stages(config, sched, 0)
+
+
+def test_ranks_start_with_transformers_imported():
+    # zbpp.testing's fork server imports transformers where the parent (this module) had: otherwise
+    # every rank of every pool imports transformers' model code anew, seconds each on a busy CPU
+    from zbpp.testing import Workers
+
+    from .cases import modeling_utils_imported
+
+    with Workers(1) as workers:  # a pool of its own: a shared one may have imported it in an earlier test
+        assert workers.run(modeling_utils_imported) == [True]

@@ -150,12 +150,16 @@ class _FunctionRef:
 
 def _process_context() -> Any:
     """Where ranks come from: a fork server that imported torch once (a rank starts in tens of
-    milliseconds instead of importing torch for a second or two), or plain spawn where the
+    milliseconds instead of importing torch for a second or two; transformers too where the
+    parent imported it), or plain spawn where the
     platform has no fork server. Neither inherits the parent's threads or CUDA state."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # effective until the server starts
+    # effective until the server starts; transformers only where the parent imported it (a test
+    # module of HF models), as every rank would otherwise import it anew, seconds each
+    extra = ["transformers", "transformers.modeling_utils"] if "transformers" in sys.modules else []
+    ctx.set_forkserver_preload(["torch", "torch.distributed", *extra])
     return ctx
 
 
