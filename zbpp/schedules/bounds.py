@@ -56,7 +56,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
-from .checks import as_int
+from .checks import MAX_TASKS_ENV, as_int, max_tasks
 from .ir import Action, Kind
 from .simulate import Costs, Memory, check_costs_memory
 from .tasks import TaskIds
@@ -345,7 +345,7 @@ def lower_bound(
     backward tasks (BW) is a split one whose W runs right after its B, so the bounds hold for it
     too. Raises `ValueError` below the smallest feasible limit (`least_peaks`: a rank must hold all
     its stages' activations of one microbatch at once), and past `build`'s limit on tasks
-    (`zbpp.schedules.registry.max_tasks`; an F, B and W per stage and microbatch).
+    (`zbpp.schedules.checks.max_tasks`; an F, B and W per stage and microbatch).
 
     >>> from zbpp.schedules.ir import loop_placement
     >>> h, a = 2304, 24  # the zero-bubble paper's 1.5B model, p = 8, m = 24, at ZB-2p's memory
@@ -360,8 +360,6 @@ def lower_bound(
     n = len(placement)
     if n < 1:
         raise ValueError(f"need at least one stage, got placement={placement}")
-    from .registry import MAX_TASKS_ENV, max_tasks  # (the registry imports the generators, which import this)
-
     # a few numbers per F, B and W task: past what `build` allows, memory runs out before an answer
     if 3 * n * m > max_tasks():
         raise ValueError(f"lower_bound: {n} stages and num_microbatches={m} make {3 * n * m:,} tasks, more than the "

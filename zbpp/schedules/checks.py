@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any
 
-__all__ = ["as_int", "as_number", "as_positive", "as_numbers"]
+__all__ = ["as_int", "as_number", "as_positive", "as_numbers", "max_tasks"]
 
 
 def as_int(value: Any, what: str, *, minimum: int = 1) -> int:
@@ -109,3 +110,22 @@ def _show(value: Any) -> str:
             pass
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+DEFAULT_MAX_TASKS = 2**24
+MAX_TASKS_ENV = "ZBPP_MAX_TASKS"
+
+
+def max_tasks() -> int:
+    """The most tasks `zbpp.schedules.build` lets a generator create: ``$ZBPP_MAX_TASKS`` if set, else 2**24.
+
+    >>> max_tasks() >= 3 * 256 * 4096  # ZB-H1 with 256 ranks and 4096 microbatches builds
+    True
+    """
+    text = os.environ.get(MAX_TASKS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_TASKS
+    try:
+        return as_int(int(text), MAX_TASKS_ENV)
+    except ValueError:
+        raise ValueError(f"environment variable {MAX_TASKS_ENV} must be an integer >= 1, got {text!r}") from None

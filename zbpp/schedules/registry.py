@@ -19,10 +19,9 @@ True
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Callable
 
-from .checks import as_int
+from .checks import DEFAULT_MAX_TASKS, MAX_TASKS_ENV, as_int, max_tasks  # noqa: F401 - also the registry's names
 from .generators import BUILTIN
 from .ir import Schedule
 
@@ -36,25 +35,6 @@ StageCount = Callable[..., int]
 _REGISTRY: dict[str, Generator] = {}
 _TASK_COUNTS: dict[str, TaskCount] = {}
 _STAGE_COUNTS: dict[str, StageCount] = {}
-
-DEFAULT_MAX_TASKS = 2**24
-MAX_TASKS_ENV = "ZBPP_MAX_TASKS"
-
-
-def max_tasks() -> int:
-    """The most tasks `build` lets a generator create: ``$ZBPP_MAX_TASKS`` if set, else 2**24.
-
-    >>> max_tasks() >= 3 * 256 * 4096  # ZB-H1 with 256 ranks and 4096 microbatches builds
-    True
-    """
-    text = os.environ.get(MAX_TASKS_ENV, "").strip()
-    if not text:
-        return DEFAULT_MAX_TASKS
-    try:
-        return as_int(int(text), MAX_TASKS_ENV)
-    except ValueError:
-        raise ValueError(f"environment variable {MAX_TASKS_ENV} must be an integer >= 1, got {text!r}") from None
-
 
 def _at_most_two_stages_per_rank(num_ranks: int, num_microbatches: int, **options: Any) -> int:
     return 3 * 2 * num_ranks * num_microbatches  # F, B and W of up to two stages per rank
