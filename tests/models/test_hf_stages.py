@@ -624,6 +624,8 @@ def test_small_config_of_a_multimodal_type_shrinks_its_text_model(model_type, te
         with torch.device("meta"):
             return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
 
+    if model_type not in transformers.CONFIG_MAPPING:  # dots3_note came after transformers 5.17
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     config = small_config(model_type, hidden_size=32, num_layers=2, rms_norm_eps=1e-3)
     text = config.get_text_config()
     assert (text.hidden_size, text.num_hidden_layers, text.rms_norm_eps) == (32, 2, 1e-3)
