@@ -185,7 +185,7 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     check_ties = getattr(model, "check_ties", None)
     # a Pipeline: copies of a tie that drifted apart raise on every rank, before any write; a collective of
     # every rank of the job, so not where only some of them save (it would wait for the others)
-    if callable(check_ties) and (process_group is None or dist.get_world_size(process_group) == dist.get_world_size()):
+    if callable(check_ties) and _every_rank(process_group):
         check_ties()
     agreement, ranks = _agreement(process_group)
     try:
@@ -504,15 +504,18 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     # a Pipeline's copies of a tie on several ranks (or FSDP's split copies) read their names' values: a checkpoint
     # holding different ones (of a model without the tie) would leave them apart; as in save_checkpoint, a
     # collective of every rank of the job
-    if callable(check_ties) and (process_group is None or _group_size(process_group) == _group_size(None)):
+    if callable(check_ties) and _every_rank(process_group):
         check_ties(loaded_from=path)
 
 
-def _group_size(group: Any) -> int:
-    """The number of ranks of `group` (None: the default group's; 1 without torch.distributed)."""
+def _every_rank(process_group: Any) -> bool:
+    """Whether `process_group` (None: the default one) holds every rank of the job: a Pipeline's tie
+    comparison is a collective of all of them."""
     import torch.distributed as dist
 
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if process_group is None or not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_world_size(process_group) == dist.get_world_size()
 
 
 def _read(state: dict[str, Any], path: str, process_group: Any, ranks: list[int]) -> None:
