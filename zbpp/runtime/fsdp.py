@@ -67,6 +67,7 @@ module alone; the torch pipelining runtime uses the same machinery.
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Mapping
@@ -79,7 +80,15 @@ from .._compat import fsdp2
 __all__ = ["FsdpReducer", "copies_of", "holds_fsdp", "is_fsdp_module", "note_parameters", "sharded_forms"]
 
 
+# where torch keeps FSDP2 (torch < 2.6: the second); see `zbpp._compat.fsdp2`
+_FSDP2_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+
+
 def _fsdp_module_class() -> type | None:
+    if not any(name in sys.modules for name in _FSDP2_MODULES):
+        # nothing can have been wrapped by fully_shard before it was imported; importing it here
+        # would cost every Pipeline seconds of start-up (it pulls in DTensor)
+        return None
     found = fsdp2()
     return None if found is None else found[0]
 

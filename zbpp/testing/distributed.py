@@ -148,18 +148,27 @@ class _FunctionRef:
         return getattr(obj, "__zbpp_body__", obj)
 
 
+# heavy imports a rank of a test session makes (FSDP2 and DTensor, DCP, torch's pipelining,
+# inductor, transformers' models, zbpp's runtime), preloaded into the fork server where the parent
+# has imported the first of each (transformers imports its modelling code lazily)
+_PRELOAD_IF_IMPORTED = (("torch.distributed.tensor",), ("torch.distributed.fsdp",), ("torch.distributed.checkpoint",),
+                        ("torch.distributed.pipelining",), ("torch._inductor",),
+                        ("transformers", "transformers.modeling_utils"), ("zbpp.runtime",), ("zbpp.models",))
+
+
 def _process_context() -> Any:
     """Where ranks come from: a fork server that imported torch once (a rank starts in tens of
-    milliseconds instead of importing torch for a second or two; transformers too where the
-    parent imported it), or plain spawn where the
+    milliseconds instead of importing torch for a second or two; `_PRELOAD_IF_IMPORTED` too where
+    the parent imported them), or plain spawn where the
     platform has no fork server. Neither inherits the parent's threads or CUDA state."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # effective until the server starts; transformers only where the parent imported it (a test
-    # module of HF models), as every rank would otherwise import it anew, seconds each
-    extra = ["transformers", "transformers.modeling_utils"] if "transformers" in sys.modules else []
-    ctx.set_forkserver_preload(["torch", "torch.distributed", *extra])
+    # effective until the server starts. torch._dynamo always: every torch optimizer imports it
+    # when built. The rest only where the parent imported them (a test session imports its
+    # modules' imports at collection), as every rank would otherwise import them anew, seconds each
+    extra = [name for names in _PRELOAD_IF_IMPORTED if names[0] in sys.modules for name in names]
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", *extra])
     return ctx
 
 
