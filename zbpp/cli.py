@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any, Callable, Collection, NoReturn, Sequence
 
 from . import __version__
+from .demo import MAX_MICROBATCHES as MAX_DEMO_MICROBATCHES, MAX_RANKS as MAX_DEMO_RANKS
 from .schedules import Costs, Kind, Memory, available, build, options_of, simulate, validate
 from .schedules.planner import MAX_SPLITS
 from .schedules.registry import stage_count
@@ -633,8 +634,10 @@ def make_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small model with a zero-bubble schedule on CPU ranks")
     demo.add_argument("--schedule", default="zb-v", help="schedule name (default zb-v)")
-    demo.add_argument("--ranks", type=_integer(1), default=4, help="pipeline ranks to spawn (default 4)")
-    demo.add_argument("--microbatches", type=_integer(1), default=8, help="microbatches per step (default 8)")
+    demo.add_argument("--ranks", type=_integer(1, MAX_DEMO_RANKS), default=4,
+                      help=f"pipeline ranks to spawn, one CPU process each (default 4, at most {MAX_DEMO_RANKS})")
+    demo.add_argument("--microbatches", type=_integer(1, MAX_DEMO_MICROBATCHES), default=8,
+                      help=f"microbatches per step (default 8, at most {MAX_DEMO_MICROBATCHES})")
     demo.add_argument("--steps", type=_integer(1), default=5, help="training steps (default 5)")
     demo.add_argument("--seed", type=_integer(0, 2**32 - 1), default=0, help="random seed (default 0)")
     demo.set_defaults(func=_cmd_demo)

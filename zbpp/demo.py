@@ -140,6 +140,10 @@ def lm_loss(logits: Any, target: Any) -> Any:
 
 # -- the demo ---------------------------------------------------------------------------------------
 ROWS_PER_MICROBATCH = 4
+# each rank is a process of its own holding the whole batch twice (pipeline and one-process check):
+# a mistyped --ranks or --microbatches would fork that many processes or exhaust the memory
+MAX_RANKS = 64
+MAX_MICROBATCHES = 4096
 LR = 3e-3
 TOLERANCE = 1e-4  # fp32 Adam after a few steps: summation-order noise is ~1e-6
 
@@ -212,6 +216,10 @@ def run_demo(args: argparse.Namespace) -> int:
     p, m, steps = args.ranks, args.microbatches, args.steps
     if p < 1 or m < 1 or steps < 1:
         raise ValueError(f"--ranks, --microbatches and --steps must be >= 1 (got {p}, {m}, {steps})")
+    for flag, value, bound in (("--ranks", p, MAX_RANKS), ("--microbatches", m, MAX_MICROBATCHES)):
+        if value > bound:
+            raise ValueError(f"{flag} must be <= {bound}, got {value}: the demo spawns one CPU process per rank, "
+                             "each holding the whole batch")
     sched = build(name, num_ranks=p, num_microbatches=m)
     ideal = simulate(sched).bubble_rate
     layers = "zbpp delayed-wgrad layers"

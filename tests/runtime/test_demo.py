@@ -79,3 +79,29 @@ def test_a_nan_parameter_on_a_rank_fails_the_check(zbpp_workers) -> None:
     assert math.isnan(results[1]["diff"]) and not math.isnan(results[0]["diff"]), [r["diff"] for r in results]
     ok, line = _check(results)
     assert not ok and line.endswith(": MISMATCH"), line
+
+
+@pytest.mark.parametrize("flag, value", [("--ranks", 10_000), ("--microbatches", 1_000_000)])
+def test_demo_refuses_ranks_or_microbatches_beyond_its_bound_before_spawning(monkeypatch, capsys, flag, value):
+    """``--ranks 10000`` forked 10000 CPU processes (and ``--microbatches 10**6`` gave every rank a batch
+    of 4 million sequences, twice): both are refused, naming the flag and its bound, before any process
+    is spawned, through the command line and through `run_demo` alike. The spawn is a stub here."""
+    import argparse
+
+    import zbpp.testing
+
+    def no_spawn(fn: Any, world_size: int, **kwargs: Any) -> Any:
+        raise AssertionError(f"the demo spawned {world_size} ranks")
+
+    monkeypatch.setattr(zbpp.testing, "run_distributed", no_spawn)
+    code = main(["demo", "--schedule", "1f1b", flag, str(value)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"argument {flag}: expected an integer in 1.." in err and f"got '{value}'" in err, err
+    from zbpp.demo import MAX_MICROBATCHES, MAX_RANKS, run_demo
+
+    bound = MAX_RANKS if flag == "--ranks" else MAX_MICROBATCHES
+    assert f"1..{bound}," in err, err
+    args = argparse.Namespace(schedule="1f1b", ranks=4, microbatches=8, steps=1, seed=0)
+    setattr(args, flag[2:], value)
+    with pytest.raises(ValueError, match=f"{flag} must be <= {bound}"):
+        run_demo(args)
