@@ -1031,3 +1031,27 @@ def buffer_sync_fails_once(name: str, p: int, m: int, fail_rank: int) -> dict[st
         return {"rank": rank, **failing_then_next(pipe, x, y)}
     finally:
         replica_buffers.foreach_copy_ = real
+
+
+def user_hook_fails_once(name: str, p: int, m: int, fail_rank: int, which: str) -> dict[str, Any]:
+    """After a good step, a hook of the user's on `fail_rank`'s stage raises at its first call of the
+    next step: ``"grad"``, a tensor hook on the LayerNorm's weight (its gradient comes in W, from the
+    split backward); ``"backward"``, a full backward hook on that LayerNorm (it runs in B). How that
+    step ended on this rank, timed; then the next step must match the one-process reference."""
+    rank = dist.get_rank()
+    pipe, mine, ref, x, y = after_a_good_step(name, p, m)
+    armed = {"on": rank == fail_rank}
+
+    def bomb(*args: Any) -> None:
+        if armed["on"]:
+            raise RuntimeError(f"injected {which} hook failure")
+
+    norm = next(iter(mine.values())).norm
+    handle = norm.weight.register_hook(bomb) if which == "grad" else norm.register_full_backward_hook(bomb)
+    try:
+        outcome = timed_outcome(rank, lambda: pipe.step(x, target=y), (PipelineError,),
+                                disarm=lambda: armed.update(on=False))
+        next_step_matches_reference(pipe, mine, ref, x, y)
+    finally:
+        handle.remove()
+    return outcome

@@ -17,7 +17,7 @@ import pytest
 from zbpp.testing import DistributedTestError, Workers
 
 from .failure_cases import (delay_off_on_one_replica, die_between_steps, tied_main_grad_failed_step, die_mid_step, eval_and_train_at_once, fail_once, fifo_layers_fail_once, interrupted_once,
-                            no_sync_on_one_replica, prepare_fails_once, reduction_fails_once)
+                            no_sync_on_one_replica, prepare_fails_once, reduction_fails_once, user_hook_fails_once)
 
 PG_TIMEOUT = 120.0
 FAST = 10.0  # seconds every rank may take to raise
@@ -229,3 +229,14 @@ def test_a_failed_step_leaves_a_tied_main_grad_as_it_was(four):
     only the order of summation differs."""
     for o in four.run(tied_main_grad_failed_step, timeout=60):
         assert o["after_failure"] < 1e-12 and o["next"] < 1e-12, o
+
+
+@pytest.mark.parametrize("which,task", [("grad", "W1.0"), ("backward", "B1.0")])
+def test_a_users_hook_raising_in_b_or_w_raises_on_every_rank_fast(four, which, task):
+    """A tensor hook on a weight (its gradient comes in W) or a module's full backward hook (it runs
+    in B) raises on pipeline rank 1 in the first microbatch's task: every rank raises within seconds,
+    naming the rank, the task and the hook's error, and the next step is the one-process
+    reference's (failure_cases.user_hook_fails_once)."""
+    for o in four.run(user_hook_fails_once, "zb-h1", 4, 8, 1, which, timeout=60):
+        _check([o], which, 1)
+        assert f"task {task}" in o["message"] and f"injected {which} hook failure" in o["message"], o["message"]
