@@ -227,8 +227,10 @@ def run_demo(args: argparse.Namespace) -> int:
           f"of {ROWS_PER_MICROBATCH} sequences, {steps} Adam steps; a small causal transformer of {layers}")
     t0 = time.perf_counter()
     try:
-        results = run_distributed(_rank_main, p, args=(name, m, steps, args.seed), backend="gloo", timeout=300,
-                                  pg_timeout=120)
+        # no limit on the whole run (its length grows with --steps, --ranks, --microbatches): a rank
+        # that waits for its peers over the process group's timeout raises, which ends the run
+        results = run_distributed(_rank_main, p, args=(name, m, steps, args.seed), backend="gloo",
+                                  timeout=math.inf, pg_timeout=120)
     except DistributedTestError as err:
         report_failure(err, p)
         return 1

@@ -105,3 +105,26 @@ def test_demo_refuses_ranks_or_microbatches_beyond_its_bound_before_spawning(mon
     setattr(args, flag[2:], value)
     with pytest.raises(ValueError, match=f"{flag} must be <= {bound}"):
         run_demo(args)
+
+
+def test_demo_sets_no_limit_on_the_whole_run(monkeypatch):
+    """The demo's ranks ran under a fixed 300 s limit on the whole run: a long ``--steps 1000`` on
+    a machine of few cores was stopped as hung, though nothing was. Its length grows with the
+    flags, so the run has no limit; a hang still ends it, through the process group's finite
+    timeout. The spawn is a stub that records its arguments."""
+    import zbpp.testing
+
+    seen: dict[str, Any] = {}
+
+    class Spawned(Exception):
+        pass
+
+    def record(fn: Any, world_size: int, **kwargs: Any) -> Any:
+        seen.update(kwargs, world_size=world_size)
+        raise Spawned
+
+    monkeypatch.setattr(zbpp.testing, "run_distributed", record)
+    with pytest.raises(Spawned):
+        main(["demo", "--schedule", "1f1b", "--ranks", "2", "--steps", "1000"])
+    assert seen["world_size"] == 2 and seen["timeout"] == math.inf, seen
+    assert math.isfinite(seen["pg_timeout"]), seen

@@ -95,6 +95,19 @@ def test_a_hung_run_is_stopped_with_stacks(zbpp_workers):
     assert "<string>" not in summary
 
 
+def test_a_run_without_a_time_limit_or_with_a_long_one(zbpp_workers):
+    """``timeout=math.inf`` (or over about 24 days) went to one wait for the ranks' replies, which the
+    OS refuses: OverflowError ("timeout is too large") before any result. An infinite pool timeout
+    needs a finite process group timeout, said by name (it overflowed the store's timedelta)."""
+    import math
+
+    workers = zbpp_workers(2)
+    for limit in (math.inf, 1e7):
+        assert workers.run(rank_and_world, timeout=limit) == [(0, 2, "0"), (1, 2, "1")]
+    with pytest.raises(ValueError, match="pg_timeout must be a finite number of seconds"):
+        Workers(2, timeout=math.inf)
+
+
 def test_a_dead_rank_is_reported_with_its_exit_code(zbpp_workers):
     with pytest.raises(DistributedTestError, match="exited with code 3"):
         zbpp_workers(2, grace=1.0).run(die_on_rank_one)

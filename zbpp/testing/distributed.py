@@ -43,6 +43,7 @@ from __future__ import annotations
 import faulthandler
 import functools
 import importlib
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -54,6 +55,8 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
+
+_WAIT_SLICE = 3600.0  # seconds of one wait for the ranks' replies
 
 __all__ = ["Workers", "DistributedTestError", "run_distributed", "distributed", "gpus_available", "short_error"]
 
@@ -245,8 +248,9 @@ class Workers:
     Args:
         world_size: ranks to spawn.
         backend: "gloo" (CPU) or "nccl" (needs `world_size` GPUs; see `gpus_available`).
-        timeout: default seconds a `run` may take before it is stopped.
-        pg_timeout: the process group's timeout (seconds); default `timeout`.
+        timeout: default seconds a `run` may take before it is stopped (``math.inf``: no limit).
+        pg_timeout: the process group's timeout (seconds); default `timeout` (required with an
+            infinite one).
         grace: seconds the other ranks get after one rank failed, before they are stopped.
         threads: torch threads per rank (default 1: ranks share the machine's cores).
         env: extra environment variables for the ranks.
@@ -267,6 +271,9 @@ class Workers:
         self.backend = backend
         self.timeout = timeout
         self.pg_timeout = pg_timeout if pg_timeout is not None else timeout
+        if not math.isfinite(self.pg_timeout):  # else the store's timedelta overflows in start()
+            raise ValueError(f"pg_timeout must be a finite number of seconds, got {self.pg_timeout!r} "
+                             "(give one with timeout=math.inf)")
         self.grace = grace
         self.threads = threads
         self.env = dict(env or {})
@@ -379,7 +386,8 @@ class Workers:
                 if r not in replies:
                     waiting[self._conns[r]] = r
                     waiting[self._procs[r].sentinel] = r
-            for obj in mpc.wait(list(waiting), timeout=limit - now):
+            # in slices: the OS refuses one wait longer than about 24 days (math.inf: no deadline)
+            for obj in mpc.wait(list(waiting), timeout=min(limit - now, _WAIT_SLICE)):
                 r = waiting[obj]
                 if r in replies:
                     continue
