@@ -1261,6 +1261,98 @@ def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: 
     assert half_opt.param_groups[0]["param_names"] == [n for n, _ in half.named_parameters()]
 
 
+def _hf_groups(net: torch.nn.Module, grouping: str, reverse: bool = False) -> list[dict[str, Any]]:
+    """Param groups as HF training scripts build them, over the blocks `net` holds: "decay": weights
+    decayed at lr 0.1, biases not at lr 0.02; "layerwise": one group per block, lr 0.1 * 0.5 per
+    block down from the last (layer-wise decay). `reverse`: the groups in the other order."""
+    named = list(net.named_parameters())
+    if grouping == "decay":
+        groups = [{"params": [p for n, p in named if n.endswith(end)], "lr": lr, "weight_decay": wd}
+                  for end, lr, wd in (("weight", 0.1, 0.1), ("bias", 0.02, 0.0))]
+    else:
+        groups = [{"params": list(net.layers[i].parameters()), "lr": 0.1 * 0.5 ** (3 - int(i)), "weight_decay": 0.01}
+                  for i in sorted(net.layers, key=int)]
+    return groups[::-1] if reverse else groups
+
+
+@pytest.mark.parametrize("grouping", ["decay", "layerwise"])
+def test_each_group_keeps_its_scheduled_lr_at_another_layout(tmp_path: Path, grouping: str) -> None:
+    """AdamW over HF-style groups (`_hf_groups`) with a LambdaLR (HF's warmup and decay schedules
+    are LambdaLRs: lr = base_lrs[i] * f(step)), saved from the whole model in one process after 2
+    steps and resumed as the two stages of pp=2 (each with its own optimizer and scheduler, as its
+    rank builds them): "decay" with the groups in the other order, "layerwise" with two of the
+    four groups per stage. The scheduler's ``base_lrs`` are kept by group position, so the biases
+    went on with the weights' lr and the other way (silently), and a stage with two groups failed
+    its next ``scheduler.step()`` (four base_lrs). Now base_lrs and _last_lr come from the loaded
+    groups: 2 more steps give every group the lr of the uninterrupted whole-model run and every
+    parameter its value (rtol 1e-9: the same float64 operations; a swapped lr is 5x off)."""
+    from zbpp.runtime import save_checkpoint
+
+    def schedule(groups: list[dict[str, Any]]) -> tuple[torch.optim.Optimizer, Any]:
+        opt = torch.optim.AdamW(groups)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8 ** step)
+
+    def train(forward: Any, opts: list[tuple[torch.optim.Optimizer, Any]], steps: range) -> None:
+        for step in steps:
+            for opt, _ in opts:
+                opt.zero_grad()
+            x, y = batch(step)
+            loss_fn(forward(x), y).backward()
+            for opt, sched in opts:
+                opt.step()
+                sched.step()
+
+    ref = whole_model()
+    ref_opt, ref_sched = schedule(_hf_groups(ref, grouping))
+    train(ref, [(ref_opt, ref_sched)], range(2))
+    save_checkpoint(ref, tmp_path / "ckpt", ref_opt, lr_scheduler=ref_sched)
+    train(ref, [(ref_opt, ref_sched)], range(2, 4))
+
+    stages = {s: stage_of(whole_model(seed=4), s, 2) for s in (0, 1)}
+    opts = [schedule(_hf_groups(stages[s], grouping, reverse=grouping == "decay")) for s in (0, 1)]
+    for s, (opt, sched) in zip((0, 1), opts):
+        load_checkpoint({s: stages[s]}, tmp_path / "ckpt", opt, lr_scheduler=sched)
+    train(lambda x: stages[1](stages[0](x)), opts, range(2, 4))
+    lr_of = {id(p): g["lr"] for g in ref_opt.param_groups for p in g["params"]}
+    names = {id(p): n for n, p in ref.named_parameters()}
+    for s, (opt, sched) in zip((0, 1), opts):
+        for group, last in zip(opt.param_groups, sched.get_last_lr()):
+            for p in group["params"]:
+                name = next(n for n, q in stages[s].named_parameters() if q is p)
+                want = lr_of[id(ref.get_parameter(name))]
+                assert group["lr"] == pytest.approx(want, rel=1e-12) and last == group["lr"], (name, group["lr"], want)
+    got = {n: p for m in stages.values() for n, p in m.named_parameters()}
+    fails = compare("resumed param", got, dict(ref.named_parameters()))
+    assert not fails and len(got) == len(names), "\n".join(fails)
+
+
+def test_per_group_lambdas_of_other_groups_are_refused(tmp_path: Path) -> None:
+    """A LambdaLR whose groups have their own callable lr_lambdas (saved by position: their
+    ``__dict__``), loaded into an optimizer of the same groups in the other order: the lambdas'
+    states went to the other group without a word. They cannot be matched to the new groups, so
+    the load raises, naming them, and nothing is loaded."""
+    from zbpp.runtime import save_checkpoint
+
+    def schedule(net: torch.nn.Module, reverse: bool) -> tuple[torch.optim.Optimizer, Any]:
+        opt = torch.optim.AdamW(_hf_groups(net, "decay", reverse))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, [_Warmup(), _Warmup()])
+
+    net = whole_model()
+    opt, sched = schedule(net, False)
+    sched.lr_lambdas[1].steps = 7  # the biases warm up longer
+    save_checkpoint(net, tmp_path / "ckpt", opt, lr_scheduler=sched)
+    fresh = whole_model(seed=3)
+    before = {n: t.clone() for n, t in fresh.state_dict().items()}
+    opt, sched = schedule(fresh, True)
+    with pytest.raises(ValueError, match=r"its 'lr_scheduler' entry holds lr_lambdas \[\{'steps': 3\}, \{'steps': 7\}\], "
+                                         r"one per param group by position, of groups other than this optimizer's "
+                                         r"\(its base_lrs \[0\.1, 0\.02\], the groups' initial_lr as loaded "
+                                         r"\[0\.02, 0\.1\]\)"):
+        load_checkpoint(fresh, tmp_path / "ckpt", opt, lr_scheduler=sched)
+    assert [n for n, t in fresh.state_dict().items() if not torch.equal(t, before[n])] == []
+    assert [f.steps for f in sched.lr_lambdas] == [3, 3] and sched.base_lrs == [0.02, 0.1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["fused", "capturable"])

@@ -403,7 +403,12 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
       it after loading. A group whose parameters were saved with different values (grouped
       otherwise) raises;
     - `lr_scheduler`'s state (``last_epoch``, ``base_lrs``, ...) when given and saved: the next
-      ``lr_scheduler.step()`` sets the learning rate the uninterrupted run would have;
+      ``lr_scheduler.step()`` sets the learning rate the uninterrupted run would have. torch keeps
+      per-group values by the group's position; where `optimizer` groups the parameters otherwise
+      than the saved one did (another layout's stage holds some of the groups, or they come in
+      another order), ``base_lrs`` and ``_last_lr`` are made from the loaded groups' ``initial_lr``
+      and ``lr``, and another per-group list (callable ``lr_lambdas``' states, CyclicLR's
+      ``max_lrs``) whose values differ between groups raises;
     - `grad_scaler`'s state (its scale and growth tracker) when given and saved, so a float16 run
       skips the steps and scales the losses the uninterrupted run would;
     - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
@@ -479,7 +484,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     try:
         if optimizer is not None:
             _one_value_per_group(optimizer, loading.wanted, loading.state["optimizer"]["param_groups"])
-        kept, problem = _kept_states_to_load(loading, lr_scheduler, grad_scaler, path), None
+        kept, problem = _kept_states_to_load(loading, lr_scheduler, grad_scaler, path, optimizer), None
     except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - raised on every rank by the agreement
         kept, problem = {}, exc
     agree_on_problems(agreement, problem, ranks, "load_checkpoint could not run on every rank (nothing was loaded)")
@@ -985,7 +990,8 @@ def _state_mismatch(saved: Any, target: Any, path: str = "") -> str | None:
     return None
 
 
-def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any, path: str) -> dict[str, Any]:
+def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any, path: str,
+                         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """The saved states of `lr_scheduler` and `grad_scaler` (those given), unpickled, checked to be
     of their kind and tried on copies of them: a damaged entry (it does not unpickle) or one of
     another kind (a StepLR's for a CosineAnnealingLR, which torch's own load takes unchecked; a
@@ -1014,6 +1020,8 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
             raise ValueError(f"the checkpoint {path!r}: its {what!r} entry, saved from a {saved_kind}, {found}, unlike "
                              f"the given {what}'s state_dict() ({kind}, of a class related to it): a state would not "
                              f"come back whole; build the {what} as the saved run did; nothing was loaded")
+        if what == "lr_scheduler" and optimizer is not None:
+            state = _regrouped(state, target, optimizer, _loaded_groups(optimizer, loading), path)
         shared: list[Any] = []
         trial = _trial_copy(target, shared)
         # saved before classes were recorded, or no copy to try it on: its keys say whether it is of this kind
@@ -1037,6 +1045,93 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
                 d.clear()
                 d.update(was)
         out[what] = state
+    return out
+
+
+def _loaded_groups(optimizer: torch.optim.Optimizer, loading: _Loading) -> list[dict[str, Any]]:
+    """Each of `optimizer`'s param groups as the load leaves it: its own values, under the
+    checkpoint's hyperparameters of its parameters (one set per group: `_one_value_per_group`).
+    ``initial_lr`` None where its parameters were saved without one (the saved optimizer had no LR
+    scheduler: the saved one's groups are not these)."""
+    saved = loading.state["optimizer"]["param_groups"]
+    found: dict[int, Mapping[str, Any]] = {}
+    for name, _, group in loading.wanted:
+        found.setdefault(id(group), {})
+        if saved.get(name):
+            found[id(group)] = saved[name]
+    out = []
+    for g in optimizer.param_groups:
+        loaded = _unmark_empty_dicts(dict(found.get(id(g), {})))
+        unknown = id(g) in found and "initial_lr" not in loaded
+        out.append({**g, **loaded, **({"initial_lr": None} if unknown else {})})
+    return out
+
+
+#: lists of torch's LR schedulers' states that hold one value per param group, by the group's position in the
+#: optimizer (besides ``base_lrs`` and ``_last_lr``, which `_regrouped` makes from the loaded groups)
+_PER_GROUP = ("lr_lambdas", "max_lrs", "base_momentums", "max_momentums", "min_lrs")
+
+
+def _regrouped(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
+               path: str) -> Any:
+    """The saved LR scheduler `state` for `target`, a scheduler over `optimizer`, whose param groups
+    the load leaves as `groups` (`_loaded_groups`).
+
+    torch keeps a scheduler's per-group values by the group's position (``base_lrs[i]`` is group i's),
+    but at another layout a rank's groups are others: a stage holding some layers' groups of a
+    layer-wise decay, or groups built in another order. Where the saved ``base_lrs`` are not
+    `groups`' ``initial_lr`` position by position (torch's schedulers make them from it) but hold
+    each of them (the same groups, placed otherwise; else they were set otherwise, and stay), the
+    ``base_lrs`` and ``_last_lr`` (of it and its parts) are made from `groups`, as a scheduler built
+    over the loaded optimizer would; the other per-group lists (`_PER_GROUP`) must hold one value
+    for every group (then its position does not matter), else this raises: they cannot be matched
+    to these groups."""
+    saved = _saved_base_lrs(state, target)
+    initial = [g.get("initial_lr") for g in groups]
+    if saved is None or any(v is None for v in initial) or (
+            len(saved) == len(initial) and all(_same_value(a, b) for a, b in zip(saved, initial))):
+        return state
+    if not all(any(_same_value(a, b) for a in saved) for b in initial):
+        return state  # base_lrs set otherwise than from these groups (by hand, or over another optimizer): as saved
+    return _rebased(state, target, optimizer, groups, (saved, initial), path)
+
+
+def _saved_base_lrs(state: Any, target: Any) -> list[Any] | None:
+    """The saved ``base_lrs`` of scheduler `target` (the first part's, for a ``SequentialLR`` or
+    ``ChainedScheduler``); None where there are none."""
+    if not isinstance(state, Mapping):
+        return None
+    if isinstance(state.get("base_lrs"), (list, tuple)):
+        return list(state["base_lrs"])
+    parts, saved_parts = scheduler_parts(target), state.get("_schedulers")
+    if parts and isinstance(saved_parts, (list, tuple)) and saved_parts:
+        return _saved_base_lrs(saved_parts[0], parts[0])
+    return None
+
+
+def _rebased(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
+             told: tuple[list[Any], list[Any]], path: str, at: str = "") -> Any:
+    """`_regrouped`'s state where the saved groups are not `groups` (`told`: the saved ``base_lrs``
+    and `groups`' ``initial_lr``, for the error); `at`: where `state` is in the entry."""
+    if not isinstance(state, Mapping) or getattr(target, "optimizer", None) is not optimizer:
+        return state  # a scheduler over another optimizer: these groups are not its
+    parts, out = scheduler_parts(target), dict(state)
+    for key, value in state.items():
+        if key == "base_lrs":
+            out[key] = [g["initial_lr"] for g in groups]
+        elif key == "_last_lr":
+            out[key] = [g["lr"] for g in groups]
+        elif key == "_schedulers" and parts and isinstance(value, (list, tuple)) and len(value) == len(parts):
+            out[key] = type(value)(_rebased(s, t, optimizer, groups, told, path, f"{at}_schedulers[{i}].")
+                                   for i, (s, t) in enumerate(zip(value, parts)))
+        elif key in _PER_GROUP and isinstance(value, (list, tuple)) and value:
+            if not all(_same_value(value[0], v) for v in value[1:]):
+                raise ValueError(
+                    f"the checkpoint {path!r}: its 'lr_scheduler' entry holds {at}{key} {value!r}, one per param group "
+                    f"by position, of groups other than this optimizer's (its base_lrs {told[0]!r}, the groups' "
+                    f"initial_lr as loaded {told[1]!r}): they cannot be matched to these groups; group the parameters "
+                    "as the saved run did; nothing was loaded")
+            out[key] = type(value)([value[0]] * len(groups))
     return out
 
 
