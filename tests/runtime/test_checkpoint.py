@@ -1261,18 +1261,21 @@ def test_an_optimizer_over_named_parameters_resumes_at_another_layout(tmp_path: 
     assert half_opt.param_groups[0]["param_names"] == [n for n, _ in half.named_parameters()]
 
 
-def _hf_groups(net: torch.nn.Module, grouping: str, reverse: bool = False) -> list[dict[str, Any]]:
+def _hf_groups(net: torch.nn.Module, grouping: str, resumed: bool = False) -> list[dict[str, Any]]:
     """Param groups as HF training scripts build them, over the blocks `net` holds: "decay": weights
     decayed at lr 0.1, biases not at lr 0.02; "layerwise": one group per block, lr 0.1 * 0.5 per
-    block down from the last (layer-wise decay). `reverse`: the groups in the other order."""
+    block down from the last (layer-wise decay). `resumed`: as a resumed stage may build them, lr
+    1.0 (the checkpoint's win) and in the other order; "layerwise" where `net` holds block 3, one
+    group per block of the whole model (empty for the blocks it does not hold)."""
     named = list(net.named_parameters())
     if grouping == "decay":
         groups = [{"params": [p for n, p in named if n.endswith(end)], "lr": lr, "weight_decay": wd}
                   for end, lr, wd in (("weight", 0.1, 0.1), ("bias", 0.02, 0.0))]
     else:
-        groups = [{"params": list(net.layers[i].parameters()), "lr": 0.1 * 0.5 ** (3 - int(i)), "weight_decay": 0.01}
-                  for i in sorted(net.layers, key=int)]
-    return groups[::-1] if reverse else groups
+        every = resumed and "3" in net.layers
+        groups = [{"params": [p for n, p in named if n.startswith(f"layers.{i}.")], "lr": 0.1 * 0.5 ** (3 - i),
+                   "weight_decay": 0.01} for i in range(4) if every or str(i) in net.layers]
+    return [dict(g, lr=1.0) for g in groups[::-1]] if resumed else groups
 
 
 @pytest.mark.parametrize("grouping", ["decay", "layerwise"])
@@ -1280,10 +1283,11 @@ def test_each_group_keeps_its_scheduled_lr_at_another_layout(tmp_path: Path, gro
     """AdamW over HF-style groups (`_hf_groups`) with a LambdaLR (HF's warmup and decay schedules
     are LambdaLRs: lr = base_lrs[i] * f(step)), saved from the whole model in one process after 2
     steps and resumed as the two stages of pp=2 (each with its own optimizer and scheduler, as its
-    rank builds them): "decay" with the groups in the other order, "layerwise" with two of the
-    four groups per stage. The scheduler's ``base_lrs`` are kept by group position, so the biases
-    went on with the weights' lr and the other way (silently), and a stage with two groups failed
-    its next ``scheduler.step()`` (four base_lrs). Now base_lrs and _last_lr come from the loaded
+    rank may build them, `_hf_groups`' `resumed`): the groups in the other order; "layerwise" on
+    stage 0 with two groups, on stage 1 with four (two empty). The scheduler's ``base_lrs`` are
+    kept by group position, so the biases went on with the weights' lr and the other way, and a
+    block with another block's (silently), and stage 0's next ``scheduler.step()`` failed (four
+    base_lrs for two groups). Now base_lrs and _last_lr come from the loaded
     groups: 2 more steps give every group the lr of the uninterrupted whole-model run and every
     parameter its value (rtol 1e-9: the same float64 operations; a swapped lr is 5x off)."""
     from zbpp.runtime import save_checkpoint
@@ -1309,7 +1313,7 @@ def test_each_group_keeps_its_scheduled_lr_at_another_layout(tmp_path: Path, gro
     train(ref, [(ref_opt, ref_sched)], range(2, 4))
 
     stages = {s: stage_of(whole_model(seed=4), s, 2) for s in (0, 1)}
-    opts = [schedule(_hf_groups(stages[s], grouping, reverse=grouping == "decay")) for s in (0, 1)]
+    opts = [schedule(_hf_groups(stages[s], grouping, resumed=True)) for s in (0, 1)]
     for s, (opt, sched) in zip((0, 1), opts):
         load_checkpoint({s: stages[s]}, tmp_path / "ckpt", opt, lr_scheduler=sched)
     train(lambda x: stages[1](stages[0](x)), opts, range(2, 4))
@@ -1334,7 +1338,7 @@ def test_per_group_lambdas_of_other_groups_are_refused(tmp_path: Path) -> None:
     from zbpp.runtime import save_checkpoint
 
     def schedule(net: torch.nn.Module, reverse: bool) -> tuple[torch.optim.Optimizer, Any]:
-        opt = torch.optim.AdamW(_hf_groups(net, "decay", reverse))
+        opt = torch.optim.AdamW(_hf_groups(net, "decay")[::-1] if reverse else _hf_groups(net, "decay"))
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, [_Warmup(), _Warmup()])
 
     net = whole_model()

@@ -1081,17 +1081,19 @@ def _regrouped(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups
     but at another layout a rank's groups are others: a stage holding some layers' groups of a
     layer-wise decay, or groups built in another order. Where the saved ``base_lrs`` are not
     `groups`' ``initial_lr`` position by position (torch's schedulers make them from it) but hold
-    each of them (the same groups, placed otherwise; else they were set otherwise, and stay), the
+    each of them (the same groups, placed otherwise; else they were set otherwise, and stay; an
+    empty group counts in neither), the
     ``base_lrs`` and ``_last_lr`` (of it and its parts) are made from `groups`, as a scheduler built
     over the loaded optimizer would; the other per-group lists (`_PER_GROUP`) must hold one value
     for every group (then its position does not matter), else this raises: they cannot be matched
     to these groups."""
     saved = _saved_base_lrs(state, target)
     initial = [g.get("initial_lr") for g in groups]
-    if saved is None or any(v is None for v in initial) or (
-            len(saved) == len(initial) and all(_same_value(a, b) for a, b in zip(saved, initial))):
+    held = [bool(g.get("params")) for g in groups]  # an empty group's values matter to no parameter
+    if saved is None or any(v is None for v in initial) or (len(saved) == len(initial) and all(
+            _same_value(a, b) for a, b, h in zip(saved, initial, held) if h)):
         return state
-    if not all(any(_same_value(a, b) for a in saved) for b in initial):
+    if not all(any(_same_value(a, b) for a in saved) for b, h in zip(initial, held) if h):
         return state  # base_lrs set otherwise than from these groups (by hand, or over another optimizer): as saved
     return _rebased(state, target, optimizer, groups, (saved, initial), path)
 
