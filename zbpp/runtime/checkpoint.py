@@ -412,7 +412,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     - `grad_scaler`'s state (its scale and growth tracker) when given and saved, so a float16 run
       skips the steps and scales the losses the uninterrupted run would;
     - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
-      uninterrupted run draws (the new Pipeline's ``seed`` argument is overridden);
+      uninterrupted run draws (the new Pipeline's ``seed`` argument is overridden). Not under
+      ``seed=False``: its draws come from torch's global generators, which are not saved;
     - the FP8 delayed-scaling state (amax histories, scales) of every ``zbpp.modules`` layer, so
       the next FP8 step casts with the scales the uninterrupted run would use. Each data-parallel
       replica of a Pipeline saves its own (their inputs differ); a replica the checkpoint lacks

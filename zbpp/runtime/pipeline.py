@@ -141,7 +141,9 @@ class Pipeline:
             ``microbatch_seed(seed, step, stage, microbatch, dp_rank)`` (`zbpp.runtime.rng`): a
             step's result does not depend on the schedule. None (the default) or True: global
             rank 0's ``torch.initial_seed()``; an int: that seed (global rank 0's, where ranks pass
-            different ones); False: the global generators as they run. One base seed for the whole
+            different ones); False: the global generators as they run (each rank's own, drawn in its
+            task order, which no checkpoint holds: a resumed run's dropout then continues the
+            uninterrupted one in distribution, not bit for bit). One base seed for the whole
             job: replicas differ only through ``dp_rank``. ``rng_step`` counts the steps (training
             and evaluation) in the derivation; a step that raised `PipelineError` does not count
             (every rank alike): retrying its batch draws what the uninterrupted run's step drew.
