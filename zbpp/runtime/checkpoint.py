@@ -433,7 +433,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     CosineAnnealingLR, which torch's own load would take unchecked; a subclass's state and its base
     class's load into each other only where their ``state_dict()`` keys are the same; for a
     checkpoint saved before classes were recorded, keys that the given one's ``state_dict()``
-    lacks or has besides, or a SequentialLR's or ChainedScheduler's parts' do, or their number),
+    lacks or has besides, or a SequentialLR's or ChainedScheduler's parts' do, or their number:
+    kinds of the same keys, a LambdaLR's and a MultiplicativeLR's, load into each other unseen),
     or does not load into the given one (tried on a copy of it first, one that shares what cannot
     be copied, as a bound method's object). A checkpoint whose values under the names of one tied
     parameter differ (saved from a model without the tie) raises too: before anything loads where
