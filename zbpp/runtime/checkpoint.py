@@ -1084,11 +1084,10 @@ def _regrouped(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups
     layer-wise decay, or groups built in another order. Where the saved ``base_lrs`` are not
     `groups`' ``initial_lr`` position by position (torch's schedulers make them from it) but hold
     each of them (the same groups, placed otherwise; else they were set otherwise, and stay; an
-    empty group counts in neither), the
-    ``base_lrs`` and ``_last_lr`` (of it and its parts) are made from `groups`, as a scheduler built
-    over the loaded optimizer would; the other per-group lists (`_PER_GROUP`) must hold one value
-    for every group (then its position does not matter), else this raises: they cannot be matched
-    to these groups."""
+    empty group counts in neither), the ``base_lrs`` and ``_last_lr`` (of it and its parts) are
+    made from `groups`, as a scheduler built over the loaded optimizer would; the other per-group
+    lists (`_PER_GROUP`) must hold one value for every group (then its position does not matter),
+    else this raises: they cannot be matched to these groups."""
     saved = _saved_base_lrs(state, target)
     initial = [g.get("initial_lr") for g in groups]
     held = [bool(g.get("params")) for g in groups]  # an empty group's values matter to no parameter
