@@ -778,6 +778,44 @@ def test_a_failed_save_over_a_checkpoint_leaves_none(tmp_path: Path, zbpp_worker
                for m in msgs), msgs
 
 
+def test_seeded_dropout_resumes_bit_for_bit_in_one_process(tmp_path: Path) -> None:
+    """A seeded `Pipeline` (here built with another seed at resume: the checkpoint's wins) with
+    dropout: 2 steps, save, a new Pipeline loads and takes 2 more; its losses and parameters are
+    the uninterrupted run's bit for bit (the same masks and operations). Under ``seed=False`` the
+    draws come from torch's global generators, which no checkpoint holds (documented there)."""
+    from zbpp import Pipeline
+    from zbpp.runtime import save_checkpoint
+    from zbpp.schedules import build
+
+    from .fsdp_cases import M
+
+    def pipeline(seed: int) -> tuple[Pipeline, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        stage = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=torch.float64), torch.nn.Dropout(0.5),
+                                    torch.nn.Linear(4, 4, dtype=torch.float64))
+        pipe = Pipeline({0: stage}, build("1f1b", num_ranks=1, num_microbatches=M), loss_fn=loss_fn, seed=seed)
+        return pipe, torch.optim.SGD(pipe.parameters(), lr=0.1)
+
+    def train(pipe: Pipeline, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step)
+            losses.append(float(pipe.step(x, target=y)))
+            opt.step()
+        return losses
+
+    ref, ref_opt = pipeline(1234)
+    train(ref, ref_opt, range(2))
+    save_checkpoint(ref, tmp_path / "ckpt", ref_opt)
+    want = train(ref, ref_opt, range(2, 4))
+    pipe, opt = pipeline(999)
+    load_checkpoint(pipe, tmp_path / "ckpt", opt)
+    assert train(pipe, opt, range(2, 4)) == want
+    for name, p in ref.stage_modules[0].named_parameters():
+        assert torch.equal(pipe.stage_modules[0].get_parameter(name), p), name
+
+
 def test_a_tensor_learning_rate_resumes(tmp_path: Path) -> None:
     """``Adam(lr=torch.tensor(...))`` (torch takes a tensor lr, for capturable and fused steps): the
     checkpoint keeps it as a tensor entry, which the load asked for as a Python value, and DCP
