@@ -179,3 +179,28 @@ def test_check_ties_compares_sharded_copies(zbpp_workers, schedule: str, holders
 def _assert_no_fails(per_rank: list[list[str]]) -> None:
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not fails, "\n".join(fails)
+
+
+def test_a_pipeline_without_fsdp_leaves_fsdp_unimported() -> None:
+    """Whether a stage is ``fully_shard``'ed is asked without importing FSDP2 (and DTensor with it,
+    seconds of every rank's start-up) while nothing has: no module can be wrapped before."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch\n"
+        "from zbpp import Pipeline\nfrom zbpp.runtime.fsdp import holds_fsdp\nfrom zbpp.schedules import build\n"
+        "stage = torch.nn.Linear(4, 4)\n"
+        "pipe = Pipeline({0: stage}, build('1f1b', num_ranks=1, num_microbatches=2), "
+        "loss_fn=lambda y, t: (y - t).pow(2).mean())\n"
+        "pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))\n"
+        "print(holds_fsdp({0: stage}), 'torch.distributed.fsdp' in sys.modules)\n"
+        "from torch.distributed.fsdp import fully_shard\n"  # imported: asked for real from then on
+        "print(holds_fsdp({0: stage}))\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False", "False"], out.stdout
