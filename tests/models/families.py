@@ -208,17 +208,30 @@ ROWS_PER_MICROBATCH, SEQ = 2, 8
 def one_rank_stages(name: str, schedule: Any, seed: int = 7) -> tuple[Any, Any]:
     """`causal_lm_stages` of a family's tiny config for rank 0 of `schedule`, float64 on the CPU,
     with the weights of HF's own model built from the config under `seed` (transformers 5.17
-    initialises ERNIE-4.5-MoE's router only through ``from_config``)."""
+    initialises ERNIE-4.5-MoE's router only through ``from_config``). A fresh copy per call of
+    what the first call for these arguments built (building takes tenths of a second a family,
+    and several test modules build every family's)."""
+    import copy
+
     import torch
     import transformers
 
     from zbpp.models.hf import causal_lm_stages
 
+    key = (name, schedule.name, schedule.num_ranks, schedule.num_microbatches, seed)
     torch.manual_seed(seed)
-    cfg = family_config(name)
-    weights = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).state_dict()
-    return causal_lm_stages(cfg, schedule, 0, dtype=torch.float64, device="cpu", attn_implementation="eager",
-                            state_dict=weights)
+    if key not in _ONE_RANK_BUILT:
+        cfg = family_config(name)
+        weights = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).state_dict()
+        built = causal_lm_stages(cfg, schedule, 0, dtype=torch.float64, device="cpu", attn_implementation="eager",
+                                 state_dict=weights)
+        _ONE_RANK_BUILT[key] = built, torch.get_rng_state()
+    built, rng = _ONE_RANK_BUILT[key]
+    torch.set_rng_state(rng)  # the global generator as building left it, as on the first call
+    return copy.deepcopy(built)  # stages and kwargs together: ties between them stay
+
+
+_ONE_RANK_BUILT: dict[tuple, Any] = {}
 
 
 def padded_batch(rows: int, seed: int = 5) -> tuple[Any, Any, Any]:
