@@ -151,12 +151,13 @@ class _FunctionRef:
         return getattr(obj, "__zbpp_body__", obj)
 
 
-# heavy imports a rank of a test session makes (FSDP2 and DTensor, DCP, torch's pipelining,
-# inductor, transformers' models, zbpp's runtime), preloaded into the fork server where the parent
-# has imported the first of each (transformers imports its modelling code lazily)
-_PRELOAD_IF_IMPORTED = (("torch.distributed.tensor",), ("torch.distributed.fsdp",), ("torch.distributed.checkpoint",),
-                        ("torch.distributed.pipelining",), ("torch._inductor",),
-                        ("transformers", "transformers.modeling_utils"), ("zbpp.runtime",), ("zbpp.models",))
+# heavy imports a rank of a test session makes (FSDP2 and DTensor, torch's pipelining, inductor,
+# transformers' models, zbpp's runtime and the DCP its checkpoints use), preloaded into the fork
+# server where the parent has imported the first of each (transformers imports its modelling code
+# lazily, zbpp DCP)
+_PRELOAD_IF_IMPORTED = (("torch.distributed.tensor",), ("torch.distributed.fsdp",), ("torch.distributed.pipelining",),
+                        ("torch._inductor",), ("transformers", "transformers.modeling_utils"),
+                        ("zbpp.runtime", "torch.distributed.checkpoint"), ("zbpp.models",))
 
 
 def _process_context() -> Any:
