@@ -246,17 +246,20 @@ def make_config(args: argparse.Namespace, vocab: int) -> Any:
 
 def model_source(args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
     """What `causal_lm_stages` builds from: the pretrained directory of --from (its vocabulary must
-    cover the data's), else a config; and the model's config."""
+    cover the data's), else a config; and the causal LM's config (a multimodal directory's text config,
+    which holds its sizes: Qwen3.5's, Llama 4's)."""
     if args.pretrained is None:
         config = make_config(args, vocab)
         _check_experts(args, config)
         return config, config
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(args.pretrained)
-    _check_experts(args, config)
+    full = transformers.AutoConfig.from_pretrained(args.pretrained)
+    _check_experts(args, full)
+    config = full.get_text_config()  # itself for a text-only model
     if getattr(config, "vocab_size", 0) < vocab:
-        raise SystemExit(f"--from {args.pretrained}: its vocabulary ({config.vocab_size}) is smaller than the data's ({vocab})")
+        raise SystemExit(f"--from {args.pretrained}: its vocabulary ({getattr(config, 'vocab_size', None)}) is smaller "
+                         f"than the data's ({vocab})")
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and args.seq_len > positions:  # else learned positions fail in the first F, by index
         raise SystemExit(f"--seq-len {args.seq_len} is longer than the {positions} positions of --from {args.pretrained} "

@@ -312,6 +312,23 @@ def test_a_sequence_longer_than_the_pretrained_model_s_positions_is_refused(tmp_
     assert ex.model_source(ex.parse_args(["--from", str(tmp_path), "--seq-len", "16"]), 64)[0] == str(tmp_path)
 
 
+def test_from_a_multimodal_directory_reads_its_text_config(tmp_path: Path) -> None:
+    """--from a Qwen3.5 or Llama 4 directory as HF saves the whole multimodal model: its config.json
+    keeps the vocabulary, positions and layers in text_config, and the run failed before building
+    anything with "AttributeError: 'Qwen3_5Config' object has no attribute 'vocab_size'" (causal_lm_stages
+    builds the causal LM from such a directory). Its text config's sizes are now checked and used."""
+    from zbpp.models.hf import small_config
+
+    small_config("llama4", vocab_size=64, hidden_size=32, num_layers=3, max_positions=16).save_pretrained(tmp_path)
+    ex = _example()
+    with pytest.raises(SystemExit, match=f"--seq-len 32 is longer than the 16 positions of --from {tmp_path}"):
+        ex.model_source(ex.parse_args(["--from", str(tmp_path), "--seq-len", "32"]), 64)
+    with pytest.raises(SystemExit, match=r"its vocabulary \(64\) is smaller than the data's \(128\)"):
+        ex.model_source(ex.parse_args(["--from", str(tmp_path), "--seq-len", "16"]), 128)
+    source, config = ex.model_source(ex.parse_args(["--from", str(tmp_path), "--seq-len", "16"]), 64)
+    assert (source, config.num_hidden_layers, config.hidden_size) == (str(tmp_path), 3, 32)
+
+
 @pytest.mark.slow
 def test_from_pretrained_directory_starts_at_its_loss(tmp_path: Path, zbpp_workers) -> None:
     """--from DIR: the stages start from the directory's weights (read per rank). The first step's
