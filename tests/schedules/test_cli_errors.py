@@ -74,9 +74,9 @@ SCHEDULE_ARGS = ["-p", "4", "-m", "8"]
          "argument --host-gb-per-s: expected a number > 0 and at most 1e299 (GB/s), got '1e300'"),
         (["measure", "--hf-config", "missing", "--seq", "8", "--link-gb-per-s", "0", "-o", "p.json"],
          "argument --link-gb-per-s: expected a number > 0 and at most 1e299 (GB/s), got '0'"),
-        (["demo", "--ranks", "0"], "argument --ranks: expected an integer >= 1, got '0'"),
+        (["demo", "--ranks", "0"], "argument --ranks: expected an integer in 1..64, got '0'"),
         (["demo", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
-        (["demo", "--microbatches", "2.5"], "argument --microbatches: expected an integer >= 1, got '2.5'"),
+        (["demo", "--microbatches", "2.5"], "argument --microbatches: expected an integer in 1..4096, got '2.5'"),
         (["demo", "--seed", "-1"], "argument --seed: expected an integer in 0..4294967295, got '-1'"),
     ],
 )
