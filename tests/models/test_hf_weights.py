@@ -257,6 +257,43 @@ def test_a_checkpoint_tensor_the_model_has_no_place_for_is_refused(tmp_path: Pat
     causal_lm_stages(tmp_path / "ok", sched, 0, device="cpu")
 
 
+def test_a_multimodal_directory_builds_its_text_model(tmp_path: Path) -> None:
+    """A multimodal checkpoint (Llama 4's: a vision tower and a projector beside the text model) was
+    refused for the tensors the causal LM has no place for. It builds the text model now, as
+    ``AutoModelForCausalLM.from_pretrained`` does, with a warning naming what stays unread: one
+    step's loss equals HF's text model loaded from the directory (float64, the same weights and ops:
+    rtol 1e-12), and what `save_pretrained` writes loads in HF to the same loss. A stray tensor among
+    the text model's own names is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from zbpp import Pipeline
+    from zbpp.models.hf import causal_lm_stages, save_pretrained, small_config
+    from zbpp.schedules import build
+
+    from .cases import token_mean_loss
+
+    torch.manual_seed(0)
+    transformers.Llama4ForConditionalGeneration(small_config("llama4", vocab_size=96, hidden_size=32, num_heads=4)
+                                                ).to(torch.float64).save_pretrained(tmp_path / "mm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mm", dtype=torch.float64)
+    ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    want = token_mean_loss(hf(input_ids=ids).logits, ids)
+    sched = build("1f1b", num_ranks=1, num_microbatches=2)
+    with pytest.warns(UserWarning, match=r"multimodal Llama4Config.*\['multi_modal_projector', 'vision_model'\]"):
+        stages, kwargs = causal_lm_stages(tmp_path / "mm", sched, 0)
+    pipe = Pipeline(stages, sched, **kwargs)
+    torch.testing.assert_close(pipe.step(ids, target=ids), want, rtol=1e-12, atol=0)
+    save_pretrained(pipe, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    torch.testing.assert_close(token_mean_loss(back(input_ids=ids).logits, ids), want, rtol=1e-12, atol=0)
+
+    tensors = load_file(tmp_path / "mm" / "model.safetensors")
+    tensors["language_model.model.layers.9.feed_forward.up_proj.weight"] = torch.randn(4, 4)
+    save_file(tensors, tmp_path / "mm" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no place for.*layers.9"):
+        causal_lm_stages(tmp_path / "mm", sched, 0)
+
+
 def test_a_tensor_missing_from_the_checkpoint_is_refused_on_every_rank(tmp_path: Path) -> None:
     """The final norm missing from the checkpoint: only the last rank, which holds it, raised; the
     others went on into the Pipeline and waited for it until the process group's timeout. Every

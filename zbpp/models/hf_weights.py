@@ -12,7 +12,8 @@ tied LM head missing from the checkpoint takes the embedding's tensor, and one t
 with values of its own is untied (`pretrained`). A checkpoint tensor that no name takes (and the
 family's HF model does not ignore on purpose) is refused, on every rank alike, as is a checkpoint
 that lacks a tensor of the model or holds one in another shape (not only on the rank whose
-stages hold it).
+stages hold it); a multimodal checkpoint's other models (a vision tower) are left unread, with a
+warning, as ``AutoModelForCausalLM.from_pretrained`` builds its text model.
 
 Host memory: a rank holds its own stages and one tensor in flight. Measured by
 ``benchmarks/bench_pretrained_load.py`` (a 439 MB float32 Llama, hidden 1024, 6 layers, vocabulary
@@ -101,12 +102,30 @@ def pretrained(path: str | os.PathLike, *, device: torch.device | str | None = N
         raise ValueError(f"{os.fspath(path)!r} holds {len(weights.mismatched)} tensors of another shape than "
                          f"{type(weights._model).__name__} built from its config.json: {weights.mismatched[:8]}; "
                          "does config.json describe these weights?")
-    if weights.unexpected:  # from_pretrained drops them with a warning: the model would train without them
+    others = _other_models(config, weights)
+    if others:  # as AutoModelForCausalLM.from_pretrained builds the text model of a multimodal checkpoint
+        warnings.warn(f"{os.fspath(path)!r} holds a multimodal {type(config).__name__}: the causal LM is its text "
+                      f"model ({type(weights._model).__name__}); its {len(weights.unexpected)} tensors under "
+                      f"{others} belong to its other models and are not read (save_pretrained writes the text "
+                      "model alone)", stacklevel=2)
+    elif weights.unexpected:  # from_pretrained drops them with a warning: the model would train without them
         raise ValueError(f"{os.fspath(path)!r} holds {len(weights.unexpected)} tensors that "
                          f"{type(weights._model).__name__} built from its config.json has no place for: "
                          f"{weights.unexpected[:8]}; the config does not describe these weights (fix config.json, or "
                          "remove the tensors from the checkpoint)")
     return config, weights, dtype
+
+
+def _other_models(config: Any, weights: "SafetensorsWeights") -> list[str]:
+    """The top-level names of a multimodal checkpoint's models other than its text model (Llama 4's
+    ``vision_model``, ``multi_modal_projector``): those of `weights`' unexpected tensors, where
+    `config` has a text config apart and no tensor the causal LM reads lies under them; else none
+    (a stray tensor among the text model's own is refused)."""
+    if not weights.unexpected or config.get_text_config() is config:
+        return []
+    read = {key.split(".")[0] for sources in weights._sources.values() for key, _ in sources}
+    others = sorted({key.split(".")[0] for key in weights.unexpected})
+    return [] if read.intersection(others) else others
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> torch.dtype:
