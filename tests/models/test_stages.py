@@ -379,3 +379,28 @@ def test_a_module_used_beyond_the_first_stage_is_refused_at_build_without_exampl
     real, state = make(), torch.random.get_rng_state()
     assert fqns_per_stage(real, 2, blocks="layers")[0][0] == "embed"
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_meta_device_is_refused_before_anything_is_built():
+    # stages on the meta device hold no values: the init check failed deep inside, on a meta
+    # tensor's .item(); now both builders name the argument, before building or reading anything
+    transformers = pytest.importorskip("transformers")
+    from zbpp.models.hf import causal_lm_stages
+
+    sched = build("1f1b", num_ranks=2, num_microbatches=2)
+    built = []
+
+    def model() -> nn.Module:
+        built.append(1)
+        return Tiny()
+
+    for device in ("meta", torch.device("meta")):
+        with pytest.raises(ValueError, match=r"^pipeline_stages: device='meta' gives stages without values"):
+            pipeline_stages(model, sched, 0, device=device)
+    assert not built
+    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                      vocab_size=16)
+    with pytest.raises(ValueError, match=r"^causal_lm_stages: device='meta' gives stages without values"):
+        causal_lm_stages(config, sched, 0, device="meta")
+    with pytest.raises(ValueError, match=r"^causal_lm_stages: device='meta'"):  # refused before the directory is read
+        causal_lm_stages("/nonexistent/zbpp-dir", sched, 0, device="meta")

@@ -86,7 +86,7 @@ from torch import nn
 from .._compat import never_compiled
 from ..schedules.ir import Schedule
 from .hf_weights import save_pretrained
-from .stages import Balance, _ForwardFailed, _Uninitialised, fqns_per_stage, pipeline_stages
+from .stages import Balance, _device, _ForwardFailed, _Uninitialised, fqns_per_stage, pipeline_stages
 
 __all__ = ["causal_lm_stages", "save_pretrained", "CausalLMLoss", "RouterAuxLoss", "SUPPORTED", "check_template",
            "small_config"]
@@ -224,6 +224,8 @@ def causal_lm_stages(
     """
     if fast is not True and fast is not False:  # checked before the model is built (a falsy 0 would skip it)
         raise TypeError(f"causal_lm_stages: fast={fast!r}; pass True or False")
+    if device is not None:
+        _device(device, "causal_lm_stages")  # a meta device refused before any weights are read
     args = (schedule, pp_rank, device, dtype, attn_implementation, experts_implementation, module_fqns_per_stage,
             balance, state_dict, seed, ignore_index, fast, fp8)
     if isinstance(model_or_config, (str, os.PathLike)):  # a local HF directory: read this rank's tensors only

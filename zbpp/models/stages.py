@@ -570,6 +570,7 @@ def pipeline_stages(
     (Hugging Face ``_tied_weights_keys`` with ``tie_word_embeddings``) which are separate
     Parameters gets a warning: the pipeline cannot see that tie.
     """
+    dev = _device(device)  # first: a bad device is refused before the model is built or run
     model = _resolve(model)
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a zbpp.schedules.Schedule, got {type(schedule).__name__}")
@@ -581,7 +582,6 @@ def pipeline_stages(
         fqns = fqns_per_stage(model, S, blocks=blocks, balance=balance, example=example)
     fqns = _check_fqns(model, fqns, S)  # fqns_per_stage's own answer passes the same check
     _warn_hidden_ties(model)
-    dev = _device(device)
     mine = schedule.stages_on(pp_rank)
     memo: dict[int, Any] = {}
     modules = {s: _prune(model, "", set(fqns[s]), memo) for s in mine}
@@ -607,9 +607,15 @@ def _resolve(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
     return built
 
 
-def _device(device: torch.device | str | None) -> torch.device:
+def _device(device: torch.device | str | None, caller: str = "pipeline_stages") -> torch.device:
     if device is not None:
-        return torch.device(device)
+        device = torch.device(device)
+        if device.type == "meta":  # else the init check failed on it deep inside, on a meta tensor's .item()
+            raise ValueError(f"{caller}: device='meta' gives stages without values. The whole model already stays "
+                             "on the meta device and only this rank's stages get values, on `device`: give the "
+                             "device they train on (default: the current CUDA device under NCCL, else the CPU); "
+                             "to shard them with FSDP2, call fully_shard on the built stages")
+        return device
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
