@@ -850,8 +850,8 @@ def _out_of_memory_on_second_move() -> Iterator[None]:
 
 
 def scheduler_case(path: str, what: str = "lr_scheduler") -> str:
-    """2 ranks, rank r holding stage r of `Net`; rank 0's AdamW has lr 0.1, rank 1's 0.05 (one group
-    each), each with the same LambdaLR, 3 steps. Save with lr_scheduler=, load into a fresh optimizer
+    """2 ranks, rank r holding stage r of `Net`; an AdamW of lr 0.1 (one group) with a LambdaLR, 3 steps on
+    rank 0 and 4 on rank 1. Save with lr_scheduler=, load into a fresh optimizer
     and scheduler, step once more: the learning rate must be the uninterrupted run's. Returns what
     went wrong on this rank ('' if nothing), or ``"<type>: <message>"`` of what a call raised.
     `what` ``"grad_scaler"``: save with a GradScaler of scale 2**16 on rank 0, 2**10 on rank 1 instead."""
@@ -867,11 +867,11 @@ def scheduler_case(path: str, what: str = "lr_scheduler") -> str:
         return "saved"
 
     def schedule() -> tuple[torch.optim.Optimizer, Any]:
-        opt = torch.optim.AdamW(stage[rank].parameters(), lr=0.1 if rank == 0 else 0.05)
+        opt = torch.optim.AdamW(stage[rank].parameters(), lr=0.1)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
 
     opt, sched = schedule()
-    for _ in range(3):
+    for _ in range(3 + rank):
         opt.step()
         sched.step()
     try:
@@ -884,6 +884,41 @@ def scheduler_case(path: str, what: str = "lr_scheduler") -> str:
     sched2.step()
     return "" if sched2.get_last_lr() == sched.get_last_lr() else \
         f"resumed lr {sched2.get_last_lr()}, uninterrupted {sched.get_last_lr()}"
+
+
+def layerwise_lr(block: int) -> float:
+    """The learning rate of block `block` of `Net` under layer-wise decay: 0.1, halved per block down from the last."""
+    return 0.1 * 0.5 ** (3 - block)
+
+
+def layerwise_schedule(net: Net) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW with one group per block `net` holds, at its `layerwise_lr`, and a LambdaLR (lr x 0.8**step)."""
+    opt = torch.optim.AdamW([{"params": list(net.layers[i].parameters()), "lr": layerwise_lr(int(i))}
+                             for i in sorted(net.layers, key=int)])
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8 ** step)
+
+
+def layerwise_scheduler_case(path: str) -> dict[int, float]:
+    """2 ranks, rank r holding stage r of `Net` with `layerwise_schedule` (the ranks' schedulers hold
+    different base_lrs: their own groups'); 2 steps, saved; a fresh optimizer and scheduler at the same
+    layout loaded and stepped twice more. Returns {block: lr} of this rank's groups after."""
+    from zbpp.runtime import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    stage = {rank: stage_of(whole_model(), rank, 2)}
+    opt, sched = layerwise_schedule(stage[rank])
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    save_checkpoint(stage, path, opt, lr_scheduler=sched)
+    fresh = stage_of(whole_model(seed=3), rank, 2)
+    opt, sched = layerwise_schedule(fresh)
+    load_checkpoint({rank: fresh}, path, opt, lr_scheduler=sched)
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    blocks = sorted(stage[rank].layers, key=int)
+    return {int(b): lr for b, lr in zip(blocks, sched.get_last_lr())}
 
 
 def mixed_precision_case(schedule: str, kind: str) -> list[str]:

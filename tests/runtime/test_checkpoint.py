@@ -20,9 +20,9 @@ import torch
 
 from zbpp.runtime import load_checkpoint
 
-from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, colliding_names_case, compare, loss_fn, make_optimizer,
-                         one_rank_wrong_case, reference_run, resume_case, save_case, scheduler_case, stage_of,
-                         whole_model)
+from .fsdp_cases import (RESUMED, SAVED_AFTER, Net, batch, colliding_names_case, compare, layerwise_lr,
+                         layerwise_schedule, layerwise_scheduler_case, loss_fn, make_optimizer, one_rank_wrong_case,
+                         reference_run, resume_case, save_case, scheduler_case, stage_of, whole_model)
 
 
 @pytest.fixture(scope="module")
@@ -484,20 +484,44 @@ def test_an_unreadable_format_version_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("what, want", [
-    ("lr_scheduler", "ValueError: lr_scheduler's state differs between global ranks 0 and 1: 'base_lrs' is [0.1] on 0, "
-                     "[0.05] on 1"),
+    ("lr_scheduler", "ValueError: lr_scheduler's state differs between global ranks 0 and 1: 'last_epoch' is 3 on 0, "
+                     "4 on 1"),
     ("grad_scaler", "ValueError: grad_scaler's state differs between global ranks 0 and 1: 'scale' is 65536.0 on 0, "
                     "1024.0 on 1. A checkpoint keeps one grad_scaler state for every rank and layout: the ranks "
                     "skipped different steps"),
 ])
 def test_kept_states_that_differ_between_ranks_are_refused(tmp_path: Path, zbpp_workers, what: str,
                                                              want: str) -> None:
-    """`scheduler_case`: the ranks' schedulers have different base_lrs. The checkpoint keeps one
-    scheduler state (DCP writes one rank's), so one rank resumed with the other's learning rate
-    (0.1 * 0.5**4 instead of 0.05 * 0.5**4); now every rank refuses to save, naming the difference.
-    So do GradScalers of different scales (ranks that skipped different steps)."""
+    """`scheduler_case`: the ranks' schedulers stepped different times. The checkpoint keeps one
+    scheduler state (DCP writes one rank's), so one rank would resume with the other's step; every
+    rank refuses to save, naming the difference. So do GradScalers of different scales (ranks that
+    skipped different steps)."""
     msgs = zbpp_workers(2, pg_timeout=60).run(scheduler_case, str(tmp_path / "c"), what)
     assert all(m.startswith(want) for m in msgs), msgs
+
+
+def test_layerwise_lrs_saved_at_pp2_resume_at_pp2_and_in_one_process(tmp_path: Path, zbpp_workers) -> None:
+    """`layerwise_scheduler_case`: one AdamW group per block at its layer-wise lr, a LambdaLR, 2 steps,
+    saved at pp=2, where each rank's scheduler holds its own groups' base_lrs (the save was refused:
+    the states differ). Resumed at pp=2 and in one process (the whole model, four groups), 2 steps
+    more: every block's lr is the formula's, base x 0.8**4 (rel 1e-12: the same float operations)."""
+    path = str(tmp_path / "c")
+    got = {b: lr for lrs in zbpp_workers(2, pg_timeout=60).run(layerwise_scheduler_case, path) for b, lr in lrs.items()}
+    assert sorted(got) == [0, 1, 2, 3]
+    for b, lr in got.items():
+        assert lr == pytest.approx(layerwise_lr(b) * 0.8 ** 4, rel=1e-12), (b, lr)
+    whole = whole_model(seed=5)
+    opt, sched = layerwise_schedule(whole)
+    load_checkpoint(whole, path, opt, lr_scheduler=sched)
+    assert sched.last_epoch == 2 and sched.base_lrs == [layerwise_lr(b) for b in range(4)]
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    for b, (group, lr) in enumerate(zip(opt.param_groups, sched.get_last_lr())):
+        assert lr == group["lr"] == pytest.approx(layerwise_lr(b) * 0.8 ** 4, rel=1e-12), (b, lr)
+    with pytest.raises(ValueError, match=r"its 'lr_scheduler' entry was saved by ranks holding different param "
+                                         r"groups .*give load_checkpoint the optimizer too; nothing was loaded"):
+        load_checkpoint(whole, path, lr_scheduler=layerwise_schedule(whole_model())[1])
 
 
 def test_compiled_stage_keeps_the_model_names(tmp_path: Path) -> None:
@@ -1393,6 +1417,40 @@ def test_per_group_lambdas_of_other_groups_are_refused(tmp_path: Path) -> None:
         load_checkpoint(fresh, tmp_path / "ckpt", opt, lr_scheduler=sched)
     assert [n for n, t in fresh.state_dict().items() if not torch.equal(t, before[n])] == []
     assert [f.steps for f in sched.lr_lambdas] == [3, 3] and sched.base_lrs == [0.02, 0.1]
+
+
+@pytest.mark.parametrize("min_lrs", [[1e-3, 1e-5], [1e-4, 1e-4]])
+def test_plateau_min_lrs_follow_their_groups_or_are_refused(tmp_path: Path, min_lrs: list[float]) -> None:
+    """ReduceLROnPlateau keeps no base_lrs, and its per-group ``min_lrs`` by position: loaded into the
+    same groups in the other order (`_hf_groups` "decay"), the weights took the biases' floor and the
+    other way, without a word. Its ``_last_lr`` against the loaded groups' lr shows the order: floors
+    that differ between groups are refused, naming them, nothing loaded; equal ones load, each group
+    keeping its own lr (torch's own load of the same state into the groups in the saved order is
+    the reference)."""
+    from zbpp.runtime import save_checkpoint
+
+    def schedule(net: torch.nn.Module, reverse: bool) -> tuple[torch.optim.Optimizer, Any]:
+        groups, floors = _hf_groups(net, "decay"), list(min_lrs)
+        opt = torch.optim.SGD(groups[::-1] if reverse else groups)
+        return opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=floors[::-1] if reverse else floors)
+
+    net = whole_model()
+    opt, sched = schedule(net, False)
+    sched.step(1.0)
+    save_checkpoint(net, tmp_path / "ckpt", opt, lr_scheduler=sched)
+    fresh = whole_model(seed=3)
+    before = {n: t.clone() for n, t in fresh.state_dict().items()}
+    opt, sched = schedule(fresh, True)
+    if min_lrs[0] != min_lrs[1]:
+        with pytest.raises(ValueError, match=r"its 'lr_scheduler' entry holds min_lrs \[0\.001, 1e-05\], one per param "
+                                             r"group by position, of groups other than this optimizer's \(its _last_lr "
+                                             r"\[0\.1, 0\.02\], the groups' lr as loaded \[0\.02, 0\.1\]\)"):
+            load_checkpoint(fresh, tmp_path / "ckpt", opt, lr_scheduler=sched)
+        assert [n for n, t in fresh.state_dict().items() if not torch.equal(t, before[n])] == []
+        assert sched.min_lrs == min_lrs[::-1]
+        return
+    load_checkpoint(fresh, tmp_path / "ckpt", opt, lr_scheduler=sched)
+    assert sched.min_lrs == min_lrs and sched.get_last_lr() == [g["lr"] for g in opt.param_groups] == [0.02, 0.1]
 
 
 @pytest.mark.gpu

@@ -160,7 +160,10 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
             Parameter that one rank's stages share: under the embedding's and the LM head's name).
         lr_scheduler: a ``torch.optim.lr_scheduler`` (anything with ``state_dict()``) over
             `optimizer`; built alike on every rank, so one copy is kept (ranks whose states
-            differ, e.g. in ``base_lrs``, raise on every rank, naming the difference).
+            differ, e.g. in ``last_epoch``, raise on every rank, naming the difference). Its
+            per-group lists may differ where they are each rank's own groups' (``base_lrs`` their
+            ``initial_lr``, ``_last_lr`` their ``lr``: layer-wise learning rates at pp > 1): a load
+            then makes them from the groups it loads, and needs `optimizer`.
         grad_scaler: a ``torch.amp.GradScaler`` (float16 training): its scale and growth tracker,
             one copy for every rank, as `lr_scheduler`'s (ranks whose scales differ raise: they
             skipped different steps, so their stages' weights no longer belong to one run; call
@@ -195,12 +198,21 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
     # a rank that raised alone would leave the others in DCP's collective until the group's timeout
     kept = ("lr_scheduler", "grad_scaler")  # one copy kept for every rank: theirs must agree
     stages = _stage_key(model)
+    try:
+        own_groups = problem is None and _lists_of_own_groups(lr_scheduler, optimizer)
+    except Exception:  # noqa: BLE001 - a scheduler state it cannot read: judged as any other by _one_kept_state
+        own_groups = False
     told = agree_on_problems(agreement, problem, ranks, "save_checkpoint could not run on every rank (nothing "
                              "was saved)", payload=([state.get(k, {}).get("state") for k in kept], stages,
-                                                    _name_hashes(state.get("model", {}), stages)))
+                                                    _name_hashes(state.get("model", {}), stages), own_groups))
     for i, what in enumerate(kept):
-        _one_kept_state(what, [states[i] for states, _, _ in told], ranks)
-    _one_tensor_per_name(agreement, ranks, state.get("model", {}), [(key, hashes) for _, key, hashes in told])
+        blobs = [states[i] for states, _, _, _ in told]
+        if _one_kept_state(what, blobs, ranks, all(own for _, _, _, own in told)):
+            # the ranks' per-group lists are their own groups' (layer-wise lrs at pp > 1): one copy, the
+            # same bytes on every rank, rebuilt from the loaded groups at any layout (`_kept_states_to_load`)
+            state[what]["state"] = next(b for b in blobs if b is not None)
+            state[what]["by_rank"] = True
+    _one_tensor_per_name(agreement, ranks, state.get("model", {}), [(key, hashes) for _, key, hashes, _ in told])
     with _one_process_quiet():
         dcp.save(state, storage_writer=_writer(os.fspath(path)), process_group=process_group)
 
@@ -290,12 +302,17 @@ def _one_tensor_per_name(agreement: Agreement, ranks: list[int], model_state: Ma
             seen.setdefault(key, (g, fp))
 
 
-def _one_kept_state(what: str, states: list[bytes | None], ranks: list[int]) -> None:
+def _one_kept_state(what: str, states: list[bytes | None], ranks: list[int], own_groups: bool = False) -> bool:
     """Raise, on every rank, where two ranks' pickled states of `what` (``lr_scheduler`` or
     ``grad_scaler``; `states`, None: not given) differ: the checkpoint keeps one copy (DCP writes
-    one rank's), which could not resume both."""
+    one rank's), which could not resume both. Except where `own_groups` (every rank's LR scheduler
+    lists per param group are its optimizer's groups' own values: `_lists_of_own_groups`) and the
+    states differ in those lists only: then True (a load makes them from its loaded groups)."""
     given = [(g, pickle.loads(blob)) for g, blob in zip(sorted(ranks), states) if blob is not None]
     first, theirs = given[0] if given else (None, {})
+    if (what == "lr_scheduler" and own_groups and len(given) > 1
+            and all(_same_value(_group_lists_out(theirs), _group_lists_out(state)) for _, state in given[1:])):
+        return not all(_same_value(theirs, state) for _, state in given[1:])
     for g, state in given[1:]:
         keys = sorted(set(theirs) | set(state), key=lambda k: (str(k).startswith("_"), str(k)))  # public ones first
         differ = [k for k in keys if not _same_value(theirs.get(k), state.get(k))]
@@ -306,6 +323,53 @@ def _one_kept_state(what: str, states: list[bytes | None], ranks: list[int]) -> 
                 f"on {first}, {state.get(key)!r} on {g}{also}. A checkpoint keeps one {what} state for every rank and "
                 f"layout: {_KEEP_ALIKE[what]}"
             )
+    return False
+
+
+def _lists_of_own_groups(lr_scheduler: Any, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether `lr_scheduler` (over `optimizer`, whose groups' hyperparameters the checkpoint keeps
+    per parameter) holds per param group only what a load can make from its loaded groups: its
+    ``base_lrs`` their ``initial_lr`` and its ``_last_lr`` their ``lr``, position by position, and
+    any other per-group list (`_PER_GROUP`) one value throughout; the same in its parts."""
+    if lr_scheduler is None or optimizer is None:
+        return False
+    groups = optimizer.param_groups
+
+    def own(target: Any, state: Any) -> bool:
+        if not isinstance(state, Mapping) or getattr(target, "optimizer", None) is not optimizer:
+            return False
+        for key, value in state.items():
+            if key in ("base_lrs", "_last_lr"):
+                field = "initial_lr" if key == "base_lrs" else "lr"
+                if not (isinstance(value, (list, tuple)) and len(value) == len(groups)
+                        and all(_same_value(v, g.get(field)) for v, g in zip(value, groups))):
+                    return False
+            elif key in _PER_GROUP and isinstance(value, (list, tuple)):
+                if not (len(value) == len(groups) and all(_same_value(value[0], v) for v in value[1:])):
+                    return False
+        parts, saved_parts = scheduler_parts(target), state.get("_schedulers")
+        return not parts or (isinstance(saved_parts, (list, tuple)) and len(saved_parts) == len(parts)
+                             and all(own(t, sp) for t, sp in zip(parts, saved_parts)))
+
+    return own(lr_scheduler, lr_scheduler.state_dict())
+
+
+def _group_lists_out(state: Any) -> Any:
+    """A scheduler `state` with its per-group lists (`_lists_of_own_groups`) reduced to what every
+    rank must agree on: ``base_lrs`` and ``_last_lr`` to nothing, another per-group list to its one value."""
+    if not isinstance(state, Mapping):
+        return state
+    out: dict[Any, Any] = {}
+    for key, value in state.items():
+        if key in ("base_lrs", "_last_lr"):
+            out[key] = "<per group>"
+        elif key in _PER_GROUP and isinstance(value, (list, tuple)) and value:
+            out[key] = ("<per group>", value[0])
+        elif key == "_schedulers" and isinstance(value, (list, tuple)):
+            out[key] = [_group_lists_out(v) for v in value]
+        else:
+            out[key] = value
+    return out
 
 
 def _state_to_save(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
@@ -407,8 +471,9 @@ def load_checkpoint(model: Any, path: str | os.PathLike, optimizer: torch.optim.
       per-group values by the group's position; where `optimizer` groups the parameters otherwise
       than the saved one did (another layout's stage holds some of the groups, or they come in
       another order), ``base_lrs`` and ``_last_lr`` are made from the loaded groups' ``initial_lr``
-      and ``lr``, and another per-group list (callable ``lr_lambdas``' states, CyclicLR's
-      ``max_lrs``) whose values differ between groups raises;
+      and ``lr`` (a ReduceLROnPlateau, which has no ``base_lrs``, is matched by its ``_last_lr``),
+      and another per-group list (callable ``lr_lambdas``' states, CyclicLR's ``max_lrs``,
+      ReduceLROnPlateau's ``min_lrs``) whose values differ between groups raises;
     - `grad_scaler`'s state (its scale and growth tracker) when given and saved, so a float16 run
       skips the steps and scales the losses the uninterrupted run would;
     - a `Pipeline`'s random stream: its base seed and ``rng_step``, so dropout draws what the
@@ -930,7 +995,7 @@ def _kept_entry(target: Any) -> dict[str, Any]:
 def _kept_destination(meta: Mapping[str, Any], what: str) -> dict[str, Any]:
     """What DCP reads the ``lr_scheduler`` or ``grad_scaler`` entry into: its pickled state, and
     its class and lineage where saved (checkpoints saved before they were recorded have none)."""
-    return {"state": None, **{k: None for k in ("kind", "lineage") if f"{what}.{k}" in meta}}
+    return {"state": None, **{k: None for k in ("kind", "lineage", "by_rank") if f"{what}.{k}" in meta}}
 
 
 def _kind(target: Any) -> str:
@@ -1022,7 +1087,17 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
             raise ValueError(f"the checkpoint {path!r}: its {what!r} entry, saved from a {saved_kind}, {found}, unlike "
                              f"the given {what}'s state_dict() ({kind}, of a class related to it): a state would not "
                              f"come back whole; build the {what} as the saved run did; nothing was loaded")
-        if what == "lr_scheduler" and optimizer is not None:
+        by_rank = what == "lr_scheduler" and loading.state[what].get("by_rank") is True
+        if by_rank and optimizer is None:
+            raise ValueError(f"the checkpoint {path!r}: its 'lr_scheduler' entry was saved by ranks holding different "
+                             "param groups (one copy kept: each rank's per-group values come from its groups in the "
+                             "saved optimizer state); give load_checkpoint the optimizer too; nothing was loaded")
+        if by_rank:  # saved by ranks of different groups: every per-group list from the groups this load leaves
+            groups = _loaded_groups(optimizer, loading)
+            loaded = [g.get("initial_lr") for g in groups]
+            state = _rebased(state, target, optimizer, groups,
+                             ("values saved by ranks of other groups", f"initial_lr as loaded {loaded!r}"), path)
+        elif what == "lr_scheduler" and optimizer is not None:
             state = _regrouped(state, target, optimizer, _loaded_groups(optimizer, loading), path)
         shared: list[Any] = []
         trial = _trial_copy(target, shared)
@@ -1088,15 +1163,18 @@ def _regrouped(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups
     made from `groups`, as a scheduler built over the loaded optimizer would; the other per-group
     lists (`_PER_GROUP`) must hold one value for every group (then its position does not matter),
     else this raises: they cannot be matched to these groups."""
-    saved = _saved_base_lrs(state, target)
-    initial = [g.get("initial_lr") for g in groups]
+    saved, key, field = _saved_base_lrs(state, target), "base_lrs", "initial_lr"
+    if saved is None and isinstance(state, Mapping) and isinstance(state.get("_last_lr"), (list, tuple)):
+        # no base_lrs (ReduceLROnPlateau): its last lrs, which it set on the groups, against the loaded groups' lrs
+        saved, key, field = list(state["_last_lr"]), "_last_lr", "lr"
+    initial = [g.get(field) for g in groups]
     held = [bool(g.get("params")) for g in groups]  # an empty group's values matter to no parameter
     if saved is None or any(v is None for v in initial) or (len(saved) == len(initial) and all(
             _same_value(a, b) for a, b, h in zip(saved, initial, held) if h)):
         return state
     if not all(any(_same_value(a, b) for a in saved) for b, h in zip(initial, held) if h):
         return state  # base_lrs set otherwise than from these groups (by hand, or over another optimizer): as saved
-    return _rebased(state, target, optimizer, groups, (saved, initial), path)
+    return _rebased(state, target, optimizer, groups, (f"{key} {saved!r}", f"{field} as loaded {initial!r}"), path)
 
 
 def _saved_base_lrs(state: Any, target: Any) -> list[Any] | None:
@@ -1113,9 +1191,9 @@ def _saved_base_lrs(state: Any, target: Any) -> list[Any] | None:
 
 
 def _rebased(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
-             told: tuple[list[Any], list[Any]], path: str, at: str = "") -> Any:
-    """`_regrouped`'s state where the saved groups are not `groups` (`told`: the saved ``base_lrs``
-    and `groups`' ``initial_lr``, for the error); `at`: where `state` is in the entry."""
+             told: tuple[str, str], path: str, at: str = "") -> Any:
+    """`_regrouped`'s state where the saved groups are not `groups` (`told`: the saved per-group
+    values and `groups`' own, in words, for the error); `at`: where `state` is in the entry."""
     if not isinstance(state, Mapping) or getattr(target, "optimizer", None) is not optimizer:
         return state  # a scheduler over another optimizer: these groups are not its
     parts, out = scheduler_parts(target), dict(state)
@@ -1131,8 +1209,8 @@ def _rebased(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups: 
             if not all(_same_value(value[0], v) for v in value[1:]):
                 raise ValueError(
                     f"the checkpoint {path!r}: its 'lr_scheduler' entry holds {at}{key} {value!r}, one per param group "
-                    f"by position, of groups other than this optimizer's (its base_lrs {told[0]!r}, the groups' "
-                    f"initial_lr as loaded {told[1]!r}): they cannot be matched to these groups; group the parameters "
+                    f"by position, of groups other than this optimizer's (its {told[0]}, the groups' "
+                    f"{told[1]}): they cannot be matched to these groups; group the parameters "
                     "as the saved run did; nothing was loaded")
             out[key] = type(value)([value[0]] * len(groups))
     return out
