@@ -522,6 +522,8 @@ def test_layerwise_lrs_saved_at_pp2_resume_at_pp2_and_in_one_process(tmp_path: P
     with pytest.raises(ValueError, match=r"its 'lr_scheduler' entry was saved by ranks holding different param "
                                          r"groups .*give load_checkpoint the optimizer too; nothing was loaded"):
         load_checkpoint(whole, path, lr_scheduler=layerwise_schedule(whole_model())[1])
+    with pytest.raises(ValueError, match=r"the given lr_scheduler is not over the given optimizer"):
+        load_checkpoint(whole, path, layerwise_schedule(whole)[0], lr_scheduler=layerwise_schedule(whole)[1])
 
 
 def test_compiled_stage_keeps_the_model_names(tmp_path: Path) -> None:

@@ -339,10 +339,9 @@ def _lists_of_own_groups(lr_scheduler: Any, optimizer: torch.optim.Optimizer | N
         if not isinstance(state, Mapping) or getattr(target, "optimizer", None) is not optimizer:
             return False
         for key, value in state.items():
-            if key in ("base_lrs", "_last_lr"):
-                field = "initial_lr" if key == "base_lrs" else "lr"
+            if key in _FROM_GROUPS:
                 if not (isinstance(value, (list, tuple)) and len(value) == len(groups)
-                        and all(_same_value(v, g.get(field)) for v, g in zip(value, groups))):
+                        and all(_same_value(v, g.get(_FROM_GROUPS[key])) for v, g in zip(value, groups))):
                     return False
             elif key in _PER_GROUP and isinstance(value, (list, tuple)):
                 if not (len(value) == len(groups) and all(_same_value(value[0], v) for v in value[1:])):
@@ -361,7 +360,7 @@ def _group_lists_out(state: Any) -> Any:
         return state
     out: dict[Any, Any] = {}
     for key, value in state.items():
-        if key in ("base_lrs", "_last_lr"):
+        if key in _FROM_GROUPS:
             out[key] = "<per group>"
         elif key in _PER_GROUP and isinstance(value, (list, tuple)) and value:
             out[key] = ("<per group>", value[0])
@@ -1092,6 +1091,10 @@ def _kept_states_to_load(loading: _Loading, lr_scheduler: Any, grad_scaler: Any,
             raise ValueError(f"the checkpoint {path!r}: its 'lr_scheduler' entry was saved by ranks holding different "
                              "param groups (one copy kept: each rank's per-group values come from its groups in the "
                              "saved optimizer state); give load_checkpoint the optimizer too; nothing was loaded")
+        if by_rank and getattr(target, "optimizer", None) is not optimizer:  # else its lists would stay one rank's
+            raise ValueError(f"the checkpoint {path!r}: its 'lr_scheduler' entry was saved by ranks holding different "
+                             "param groups, and the given lr_scheduler is not over the given optimizer, whose groups "
+                             "would complete it; nothing was loaded")
         if by_rank:  # saved by ranks of different groups: every per-group list from the groups this load leaves
             groups = _loaded_groups(optimizer, loading)
             loaded = [g.get("initial_lr") for g in groups]
@@ -1145,8 +1148,10 @@ def _loaded_groups(optimizer: torch.optim.Optimizer, loading: _Loading) -> list[
 
 
 #: lists of torch's LR schedulers' states that hold one value per param group, by the group's position in the
-#: optimizer (besides ``base_lrs`` and ``_last_lr``, which `_regrouped` makes from the loaded groups)
+#: optimizer (besides `_FROM_GROUPS`, which `_regrouped` makes from the loaded groups)
 _PER_GROUP = ("lr_lambdas", "max_lrs", "base_momentums", "max_momentums", "min_lrs")
+#: the per-group lists of a scheduler's state that are its groups' own values: list -> the group's key
+_FROM_GROUPS = {"base_lrs": "initial_lr", "_last_lr": "lr"}
 
 
 def _regrouped(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
@@ -1198,10 +1203,8 @@ def _rebased(state: Any, target: Any, optimizer: torch.optim.Optimizer, groups: 
         return state  # a scheduler over another optimizer: these groups are not its
     parts, out = scheduler_parts(target), dict(state)
     for key, value in state.items():
-        if key == "base_lrs":
-            out[key] = [g["initial_lr"] for g in groups]
-        elif key == "_last_lr":
-            out[key] = [g["lr"] for g in groups]
+        if key in _FROM_GROUPS:
+            out[key] = [g[_FROM_GROUPS[key]] for g in groups]
         elif key == "_schedulers" and parts and isinstance(value, (list, tuple)) and len(value) == len(parts):
             out[key] = type(value)(_rebased(s, t, optimizer, groups, told, path, f"{at}_schedulers[{i}].")
                                    for i, (s, t) in enumerate(zip(value, parts)))
